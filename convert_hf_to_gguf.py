@@ -1,0 +1,14 @@
+#!/usr/bin/env python3
+"""Convert a Hugging Face MoE checkpoint to GGUF: `python convert_hf_to_gguf.py MODEL --outtype q8_0`.
+
+Thin wrapper; the implementation is the `pyruntime.converter` package."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run from a checkout without install
+
+from pyruntime.converter.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

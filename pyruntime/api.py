@@ -1,0 +1,234 @@
+"""The Python API: `pyruntime.Model`.
+
+    model = pyruntime.Model("model.gguf", n_ctx=2048)
+    ids = model.tokenize("Hello")
+    for piece in model.generate("Once upon a time", max_tokens=32, temp=0):
+        print(piece, end="")
+    reply = model.create_chat_completion([{"role": "user", "content": "Hi"}])
+    print(reply["choices"][0]["message"]["content"])
+
+One Model holds one KV cache (a `Session`): consecutive generate / chat calls reuse the longest
+common token prefix with the previous call, so a chat turn only evaluates the new messages.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pyruntime.chat_template import render_chat
+from pyruntime.errors import UsageError
+from pyruntime.generation import Session, TextStream
+from pyruntime.gguf_file import GGUFFile, open_gguf
+from pyruntime.models.transformer import MoETransformer
+from pyruntime.sampling import Sampler, SamplingParams
+from pyruntime.tokenizer import Tokenizer
+
+_DEFAULTS = SamplingParams()
+
+
+class Model:
+    """A GGUF model ready to tokenize, score and generate.
+
+    n_ctx: context size in tokens of the generation cache (0 = the model's trained context).
+    threads: CPU threads for torch (None = torch's default).
+    seed: seeds the random stream of sampling calls that pass no seed of their own
+    (None = a random seed), so a run of calls is reproducible as a whole.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        n_ctx: int = 2048,
+        threads: int | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.file: GGUFFile = open_gguf(path)
+        self.path = self.file.path
+        self.net = MoETransformer.from_gguf(self.file, threads=threads)
+        self.tokenizer = Tokenizer.from_gguf(self.file)
+        if n_ctx < 0:
+            raise UsageError(f"n_ctx must be >= 0 (0 = the model's context), got {n_ctx}")
+        self.n_ctx = n_ctx or self.net.config.context_length
+        if seed is not None and seed < 0:
+            raise UsageError(f"seed must be >= 0, got {seed}")
+        self._rng = torch.Generator()
+        self._rng.manual_seed(seed if seed is not None else secrets.randbits(63))
+        self._session: Session | None = None  # created on first use
+        self._name = str(self.file.get("general.name", self.path.stem))
+
+    @property
+    def config(self) -> Any:
+        return self.net.config
+
+    @property
+    def session(self) -> Session:
+        if self._session is None:
+            self._session = Session(self.net, self.n_ctx)
+        return self._session
+
+    def reset(self) -> None:
+        """Forget the cached context (the next call evaluates its whole prompt)."""
+        if self._session is not None:
+            self._session.reset()
+
+    # -- tokens -------------------------------------------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special=add_special)
+
+    def detokenize(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special=skip_special)
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Logits float32 [n_tokens, n_vocab] of `token_ids`, evaluated with a fresh cache."""
+        ids = [int(i) for i in token_ids]
+        if not ids:
+            raise UsageError("logits() needs at least one token id")
+        cache = self.net.new_cache(len(ids))
+        return self.net.forward(ids, cache).float().numpy()
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def _sampler(self, params: SamplingParams) -> Sampler:
+        return Sampler(params, None if params.seed is not None else self._rng)
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int | None = 256,
+        temp: float = _DEFAULTS.temp,
+        top_k: int = _DEFAULTS.top_k,
+        top_p: float = _DEFAULTS.top_p,
+        min_p: float = _DEFAULTS.min_p,
+        repeat_penalty: float = _DEFAULTS.repeat_penalty,
+        repeat_last_n: int = _DEFAULTS.repeat_last_n,
+        seed: int | None = None,
+        stop: str | Sequence[str] = (),
+        ignore_eos: bool = False,
+    ) -> TextStream:
+        """Stream the continuation of `prompt` (text, tokenized with BOS if the model wants one,
+        or token ids) as text pieces. The returned TextStream carries `finish_reason`, `stats`.
+        """
+        params = SamplingParams(
+            temp=temp,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repeat_penalty=repeat_penalty,
+            repeat_last_n=repeat_last_n,
+            seed=seed,
+        )
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+        stops = [stop] if isinstance(stop, str) else list(stop or ())
+        return TextStream(
+            self.session,
+            self.tokenizer,
+            ids,
+            self._sampler(params),
+            max_tokens=max_tokens,
+            stop=stops,
+            ignore_eos=ignore_eos,
+        )
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt text of `messages`, rendered with the GGUF's chat template."""
+        tok = self.tokenizer
+        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else None
+        eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else None
+        return render_chat(
+            tok.chat_template,
+            messages,
+            bos_token=bos or "",
+            eos_token=eos or "",
+            add_generation_prompt=add_generation_prompt,
+            source=str(self.path),
+        )
+
+    def create_chat_completion(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        stream: bool = False,
+        max_tokens: int | None = None,
+        temperature: float = _DEFAULTS.temp,
+        top_k: int = _DEFAULTS.top_k,
+        top_p: float = _DEFAULTS.top_p,
+        min_p: float = _DEFAULTS.min_p,
+        repeat_penalty: float = _DEFAULTS.repeat_penalty,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+    ) -> dict[str, Any] | Iterator[dict[str, Any]]:
+        """OpenAI-shaped chat completion: a `chat.completion` dict, or with stream=True an
+        iterator of `chat.completion.chunk` dicts (role first, then content deltas, then the
+        finish_reason). max_tokens None = until a stop or a full context.
+        """
+        text = self.apply_chat_template(messages)
+        # The template writes BOS itself when the model uses one (encode skips a duplicate).
+        ids = self.tokenize(text, add_special=True)
+        generation = self.generate(
+            ids,
+            max_tokens=max_tokens,
+            temp=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repeat_penalty=repeat_penalty,
+            seed=seed,
+            stop=stop or (),
+        )
+        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if stream:
+            return self._chunks(generation, completion_id, created)
+        content = "".join(generation)
+        return {
+            "id": completion_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": self._name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": content},
+                    "finish_reason": generation.finish_reason,
+                }
+            ],
+            "usage": _usage(generation),
+        }
+
+    def _chunks(
+        self, generation: TextStream, completion_id: str, created: int
+    ) -> Iterator[dict[str, Any]]:
+        def chunk(delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+            return {
+                "id": completion_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self._name,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+            }
+
+        yield chunk({"role": "assistant"}, None)
+        try:
+            for piece in generation:
+                yield chunk({"content": piece}, None)
+        finally:
+            generation.close()  # an abandoned stream stops generating at once
+        final = chunk({}, generation.finish_reason)
+        final["usage"] = _usage(generation)
+        yield final
+
+
+def _usage(generation: TextStream) -> dict[str, int]:
+    prompt = generation.stats.prompt_tokens
+    completion = len(generation.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

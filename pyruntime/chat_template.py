@@ -1,0 +1,95 @@
+"""Render the chat template stored in the GGUF (`tokenizer.chat_template`) with jinja2.
+
+The environment mirrors transformers' `apply_chat_template`: a sandbox (templates come from model
+files, which are untrusted), `trim_blocks`/`lstrip_blocks`, `raise_exception`, a `tojson` that
+keeps non-ASCII, `strftime_now`, and the variables `messages`, `bos_token`, `eos_token`,
+`add_generation_prompt`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from pyruntime.errors import ModelFileError, UsageError
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+class ChatTemplateError(UsageError):
+    """The template refused the messages (its `raise_exception`) or failed to render."""
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(f"chat template error: {message}")
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=8)
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(template)
+
+
+def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Check the OpenAI-style message list; returns plain dicts. UsageError names the bad entry."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise UsageError("messages must be a non-empty list of {'role': ..., 'content': ...}")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or "role" not in message:
+            raise UsageError(f"messages[{i}] must be a dict with 'role' and 'content'")
+        if message["role"] not in _ROLES:
+            raise UsageError(
+                f"messages[{i}]: unknown role {message['role']!r}; use one of {', '.join(_ROLES)}"
+            )
+        if not isinstance(message.get("content", ""), str):
+            raise UsageError(f"messages[{i}]: 'content' must be a string")
+        out.append(dict(message))
+    return out
+
+
+def render_chat(
+    template: str | None,
+    messages: Sequence[Mapping[str, Any]],
+    bos_token: str = "",
+    eos_token: str = "",
+    add_generation_prompt: bool = True,
+    source: str = "model",
+) -> str:
+    """The prompt text for `messages`; `source` names the model file in error messages."""
+    if not template:
+        raise ModelFileError(
+            f"{source}: the GGUF has no chat template (tokenizer.chat_template); use "
+            "`generate` with a plain prompt, or convert a checkpoint that ships a chat template"
+        )
+    messages = validate_messages(messages)
+    try:
+        return _compile(template).render(
+            messages=messages,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            add_generation_prompt=add_generation_prompt,
+        )
+    except ChatTemplateError:
+        raise
+    except jinja2.TemplateError as exc:
+        raise ChatTemplateError(f"{source}: chat template failed to render: {exc}") from None

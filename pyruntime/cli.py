@@ -1,0 +1,359 @@
+"""The `pyruntime` command: chat, generate, perplexity, info.
+
+Output discipline: stdout carries only the product (answers, generated text, `ppl = X`, info),
+stderr the diagnostics (timings, progress, banners), so every command can be piped.
+Errors a user can cause (PyruntimeError) print `error: <message>` and exit 1 without a traceback;
+Ctrl-C exits 130, except during a chat answer, where it stops only that answer.
+Heavy imports (torch) happen inside the commands so `--help` and `--version` stay instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pyruntime import __version__
+from pyruntime.errors import PyruntimeError, UsageError
+
+# llama.cpp's defaults (kept in sync with pyruntime.sampling.SamplingParams by a test).
+_TEMP, _TOP_K, _TOP_P, _MIN_P, _REPEAT_PENALTY, _REPEAT_LAST_N = 0.8, 40, 0.95, 0.05, 1.0, 64
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument parsing
+
+
+def _common_parent() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument(
+        "-t", "--threads", type=int, default=None, help="CPU threads (default: torch's choice)"
+    )
+    return p
+
+
+def _sampling_parent() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("sampling (llama.cpp names and defaults)")
+    g.add_argument("-n", "--max-tokens", type=int, default=256, help="tokens to generate (256)")
+    g.add_argument("--temp", type=float, default=_TEMP, help=f"temperature, 0 = greedy ({_TEMP})")
+    g.add_argument("--top-k", type=int, default=_TOP_K, help=f"top-k, 0 = off ({_TOP_K})")
+    g.add_argument("--top-p", type=float, default=_TOP_P, help=f"top-p, 1 = off ({_TOP_P})")
+    g.add_argument("--min-p", type=float, default=_MIN_P, help=f"min-p, 0 = off ({_MIN_P})")
+    g.add_argument(
+        "--repeat-penalty",
+        type=float,
+        default=_REPEAT_PENALTY,
+        help=f"repetition penalty, 1 = off ({_REPEAT_PENALTY})",
+    )
+    g.add_argument(
+        "--repeat-last-n",
+        type=int,
+        default=_REPEAT_LAST_N,
+        help=f"tokens the penalty looks back, 0 = off, -1 = all ({_REPEAT_LAST_N})",
+    )
+    g.add_argument("--seed", type=int, default=None, help="RNG seed (default: random)")
+    g.add_argument(
+        "--stop", nargs="+", default=[], metavar="S", help="stop strings (never printed)"
+    )
+    g.add_argument(
+        "-c", "--ctx-size", type=int, default=2048, help="context size in tokens (2048)"
+    )
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common, sampling = _common_parent(), _sampling_parent()
+    parser = argparse.ArgumentParser(
+        prog="pyruntime",
+        description="Run Mixture-of-Experts language models from GGUF files.",
+    )
+    parser.add_argument("--version", action="version", version=f"pyruntime {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser(
+        "chat",
+        parents=[common, sampling],
+        help="interactive chat (the built-in demo model without MODEL)",
+        description="Chat with a model. Commands: /reset clears the history, /exit quits "
+        "(or Ctrl-D). Ctrl-C stops the current answer. When stdin is not a terminal, each "
+        "input line is one user message and only the answers are printed.",
+    )
+    p.add_argument("model", nargs="?", help="GGUF file (default: the built-in demo model)")
+    p.add_argument("--system", default=None, help="system prompt")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser(
+        "generate",
+        parents=[common, sampling],
+        help="continue a prompt; the text alone goes to stdout",
+        description="Continue a prompt. The generated text alone goes to stdout (streamed), "
+        "timings to stderr.",
+    )
+    p.add_argument("model", help="GGUF file")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("-p", "--prompt", help="prompt text")
+    src.add_argument("-f", "--file", type=Path, help="read the prompt from this file")
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="do not stop on the model's end tokens"
+    )
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser(
+        "perplexity",
+        parents=[common],
+        help="perplexity of a text file",
+        description="Tokenize the whole file (BOS only if the model adds one), cut it into "
+        "consecutive non-overlapping windows of --ctx tokens, evaluate each window with a fresh "
+        "cache and score every token after the first of each window. The tail after the last "
+        "full window is scored as a shorter window when it has at least 2 tokens, and dropped "
+        "otherwise. Prints `ppl = X` as the last line of stdout.",
+    )
+    p.add_argument("model", help="GGUF file")
+    p.add_argument("-f", "--file", type=Path, required=True, help="text file (UTF-8)")
+    p.add_argument("--ctx", type=int, default=512, help="window size in tokens (512)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"ppl", "nll", "tokens_scored", "windows", "ctx"} as JSON instead',
+    )
+    p.set_defaults(func=cmd_perplexity)
+
+    p = sub.add_parser("info", parents=[common], help="describe a GGUF model file")
+    p.add_argument("model", help="GGUF file")
+    p.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except PyruntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly, and keep Python's exit-time flush quiet.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands
+
+
+def _load_model(path: str | Path, args: argparse.Namespace, n_ctx: int = 2048) -> Any:
+    from pyruntime.api import Model
+
+    return Model(path, n_ctx=n_ctx, threads=args.threads, seed=getattr(args, "seed", None))
+
+
+def _sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "max_tokens": args.max_tokens,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "min_p": args.min_p,
+        "repeat_penalty": args.repeat_penalty,
+        "stop": args.stop,
+    }
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = args.prompt if args.prompt is not None else _read_text(args.file)
+    model = _load_model(args.model, args, n_ctx=args.ctx_size)
+    kwargs = _sampling_kwargs(args)
+    stream = model.generate(
+        prompt,
+        temp=args.temp,
+        repeat_last_n=args.repeat_last_n,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        **kwargs,
+    )
+    for piece in stream:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    if sys.stdout.isatty():
+        sys.stdout.write("\n")
+    sys.stdout.flush()
+    print(f"finish: {stream.finish_reason} | {stream.stats.summary()}", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    if args.model is None:
+        from pyruntime.demo import demo_model_path
+
+        path = demo_model_path()
+    else:
+        path = args.model
+    model = _load_model(path, args, n_ctx=args.ctx_size)
+    interactive = sys.stdin.isatty()
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict[str, str]] = list(system)
+    if interactive:
+        with contextlib.suppress(ImportError):
+            import readline  # noqa: F401  (line editing and history for input())
+        print(
+            f"pyruntime chat with {Path(path).name}: /reset clears the history, /exit quits, "
+            "Ctrl-C stops an answer.",
+            file=sys.stderr,
+        )
+    kwargs = _sampling_kwargs(args)
+    while True:
+        line = _read_user_line(interactive)
+        if line is None:
+            return 0
+        line = line.strip()
+        if not line:
+            continue
+        if line == "/exit":
+            return 0
+        if line == "/reset":
+            history = list(system)
+            model.reset()
+            if interactive:
+                print("(history cleared)", file=sys.stderr)
+            continue
+        history.append({"role": "user", "content": line})
+        answer = _stream_answer(model, history, args, kwargs)
+        history.append({"role": "assistant", "content": answer})
+
+
+def _read_user_line(interactive: bool) -> str | None:
+    """The next user line, or None at end of input."""
+    if not interactive:
+        line = sys.stdin.readline()
+        return line if line else None
+    try:
+        return input("> ")
+    except EOFError:
+        print(file=sys.stderr)
+        return None
+
+
+def _stream_answer(
+    model: Any, history: list[dict[str, str]], args: argparse.Namespace, kwargs: dict[str, Any]
+) -> str:
+    """Print the answer as it streams; Ctrl-C ends it early. Returns the text printed."""
+    pieces: list[str] = []
+    stream = model.create_chat_completion(
+        history, stream=True, temperature=args.temp, seed=None, **kwargs
+    )
+    try:
+        for chunk in stream:
+            piece = chunk["choices"][0]["delta"].get("content", "")
+            if piece:
+                pieces.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        stream.close()
+        print("\n(answer interrupted)", file=sys.stderr, end="")
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return "".join(pieces)
+
+
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    from pyruntime.perplexity import perplexity
+
+    text = _read_text(args.file)
+    if args.ctx < 2:
+        raise UsageError(f"--ctx must be >= 2 tokens, got {args.ctx}")
+    model = _load_model(args.model, args, n_ctx=args.ctx)
+    ids = model.tokenize(text, add_special=True)
+    print(f"perplexity: {len(ids)} tokens, windows of {args.ctx}", file=sys.stderr)
+
+    def progress(i: int, n: int, ppl: float) -> None:
+        print(f"[{i + 1}/{n}] running ppl = {ppl:.4f}", file=sys.stderr, flush=True)
+
+    result = perplexity(model, ids, args.ctx, progress=progress)
+    if args.json:
+        print(json.dumps(result.as_dict()))
+    else:
+        print(f"tokens scored = {result.tokens_scored}, windows = {result.windows}")
+        print(f"ppl = {result.ppl:.4f}")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from pyruntime.gguf_file import open_gguf
+
+    f = open_gguf(args.model)
+    quant: dict[str, int] = {}
+    for t in f.tensors.values():
+        quant[t.qtype.name] = quant.get(t.qtype.name, 0) + 1
+    n_params = sum(t.n_elements for t in f.tensors.values())
+    tokens = f.get("tokenizer.ggml.tokens", [])
+    rows = [
+        ("file", str(f.path)),
+        ("file size", f"{f.file_size:,} bytes ({_human_bytes(f.file_size)})"),
+        ("architecture", f.arch),
+        ("hf architecture", f.get("pyruntime.hf_architecture", "?")),
+        ("name", f.get("general.name", "?")),
+        ("parameters", f"{n_params:,} ({_human_count(n_params)})"),
+        ("tensors", str(len(f.tensors))),
+        ("quant types", ", ".join(f"{k}: {v}" for k, v in sorted(quant.items()))),
+        ("layers", str(f.arch_get("block_count", "?"))),
+        ("experts", f"{f.arch_get('expert_count', '?')} (used per token: "
+         f"{f.arch_get('expert_used_count', '?')})"),
+        ("expert ffn", str(f.arch_get("expert_feed_forward_length", "?"))),
+        ("context length", str(f.arch_get("context_length", "?"))),
+        ("embedding size", str(f.arch_get("embedding_length", "?"))),
+        ("heads (kv)", f"{f.arch_get('attention.head_count', '?')} "
+         f"({f.arch_get('attention.head_count_kv', '?')})"),
+        ("vocab", str(f.arch_get("vocab_size", len(tokens)))),
+        ("chat template", "yes" if f.get("tokenizer.chat_template", None) else "no"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}} : {value}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise UsageError(f"{path}: is a directory, expected a text file") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read ({exc.strerror})") from None
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _human_count(n: float) -> str:
+    for unit in ("", "K", "M", "B"):
+        if n < 1000 or unit == "B":
+            return f"{n:.2f}{unit}" if unit else str(int(n))
+        n /= 1000
+    return f"{n:.2f}T"

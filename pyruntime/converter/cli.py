@@ -1,0 +1,37 @@
+"""Command line: `python convert_hf_to_gguf.py MODEL [--outfile F] [--outtype TYPE]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pyruntime.converter.tensors import OUTTYPES
+from pyruntime.errors import PyruntimeError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="convert_hf_to_gguf.py",
+        description="Convert a Hugging Face MoE checkpoint to a pyruntime GGUF file.",
+    )
+    p.add_argument("model", help="local HF model folder, or a Hub repo id (org/name)")
+    p.add_argument("--outfile", type=Path, help="output path (default: <model-name>-<outtype>.gguf)")
+    p.add_argument("--outtype", choices=list(OUTTYPES), default="f16", help="weight type (default f16)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        from pyruntime.converter import convert
+
+        convert(args.model, args.outfile, args.outtype, progress=not args.quiet)
+    except PyruntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted; no output written", file=sys.stderr)
+        return 130
+    return 0

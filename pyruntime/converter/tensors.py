@@ -1,0 +1,81 @@
+"""Output tensors: what to write, in which GGUF type, and how its bytes are produced.
+
+An `OutTensor` is a recipe: its GGUF name, row-major element shape, a dtype class (`kind`), and
+a generator of float32 chunks whose C-order concatenation is the tensor. Every chunk holds whole
+rows, so each chunk can be quantized on its own (quantization blocks run along a row). Experts
+are produced one expert per chunk: memory stays bounded by one expert, not one layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from math import prod
+from typing import IO, Literal
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
+from gguf.quants import quantize
+
+Q = GGMLQuantizationType
+
+# --outtype -> (weight type W, general.file_type)
+OUTTYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
+    "f32": (Q.F32, LlamaFileType.ALL_F32),
+    "f16": (Q.F16, LlamaFileType.MOSTLY_F16),
+    "bf16": (Q.BF16, LlamaFileType.MOSTLY_BF16),
+    "q8_0": (Q.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+    "q4_0": (Q.Q4_0, LlamaFileType.MOSTLY_Q4_0),
+}
+
+# weight: type W; embd: W, but Q8_0 when W is Q4_0 (token_embd/output, as llama.cpp);
+# f32: norms, biases, routers, shared-expert gate.
+Kind = Literal["weight", "embd", "f32"]
+
+
+@dataclass
+class OutTensor:
+    name: str
+    shape: tuple[int, ...]  # row-major, outermost first; shape[-1] is the row length
+    kind: Kind
+    chunks: Callable[[], Iterator[np.ndarray]]  # float32 pieces of whole rows, in C order
+
+
+def choose_qtype(kind: Kind, row_len: int, outtype: str) -> GGMLQuantizationType:
+    """The GGUF type of a tensor under `outtype` (rules of docs/gguf-layout.md, 'Tensors')."""
+    if kind == "f32":
+        return Q.F32
+    weight_type = OUTTYPES[outtype][0]
+    if kind == "embd" and weight_type == Q.Q4_0:
+        weight_type = Q.Q8_0
+    block = GGML_QUANT_SIZES[weight_type][0]
+    if row_len % block:
+        return Q.F16  # blocks must tile a row exactly; fall back as the layout doc says
+    return weight_type
+
+
+def tensor_nbytes(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    return prod(shape[:-1]) * (shape[-1] // block) * block_bytes
+
+
+class StreamedTensor:
+    """Duck-types the two things `GGUFWriter.write_tensor_data` uses (`nbytes`, `tofile`) so a
+    tensor's data is written chunk by chunk without materializing it."""
+
+    def __init__(self, out: OutTensor, qtype: GGMLQuantizationType) -> None:
+        self.out = out
+        self.qtype = qtype
+        self.nbytes = tensor_nbytes(out.shape, qtype)
+
+    def tofile(self, fout: IO[bytes]) -> None:
+        written = 0
+        row_len = self.out.shape[-1]
+        for chunk in self.out.chunks():
+            if chunk.shape[-1] != row_len:
+                raise AssertionError(f"{self.out.name}: chunk rows {chunk.shape} != {row_len}")
+            data = quantize(np.ascontiguousarray(chunk, dtype=np.float32), self.qtype)
+            data.tofile(fout)
+            written += data.nbytes
+        if written != self.nbytes:  # a recipe bug, not a user error
+            raise AssertionError(f"{self.out.name}: wrote {written} bytes, expected {self.nbytes}")

@@ -1,0 +1,267 @@
+"""Python binding of the C core (runtime/, libpyrt) through cffi in ABI mode.
+
+Layers, as in llama-cpp-python: `_lib()` holds the raw cffi functions; `CpuCore` owns a thread pool
+(freed deterministically by close(), `with`, or garbage collection) and raises `CoreError` with the
+C library's last_error message when a call fails; `moe_ffn` is the API the MoE layer calls.
+
+The library is found, in order, at $PYRUNTIME_CORE_LIB, next to this file (where `pip install`
+and `pip install -e .` put it), or in ./build (a plain `cmake -S . -B build` build).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+from cffi import FFI
+
+from pyruntime.errors import PyruntimeError
+
+# Mirrors the PYRT_CDEF_BEGIN..END section of runtime/include/pyrt.h (a test checks they agree).
+CDEF = """
+enum {
+    PYRT_OK = 0,
+    PYRT_E_INVALID = 1,
+    PYRT_E_NOMEM = 2,
+    PYRT_E_UNSUPPORTED = 3,
+    PYRT_E_SYSTEM = 4
+};
+enum {
+    PYRT_FMT_F32 = 0,
+    PYRT_FMT_F16 = 1,
+    PYRT_FMT_Q4_0 = 2,
+    PYRT_FMT_Q8_0 = 8,
+    PYRT_FMT_BF16 = 30
+};
+enum {
+    PYRT_ACT_SILU = 0,
+    PYRT_ACT_GELU_TANH = 1,
+    PYRT_ACT_GELU_ERF = 2
+};
+enum {
+    PYRT_SIMD_SCALAR = 0,
+    PYRT_SIMD_AVX2 = 1,
+    PYRT_SIMD_AVX512 = 2
+};
+typedef struct pyrt_pool pyrt_pool;
+const char *pyrt_last_error(void);
+int pyrt_physical_cores(void);
+int pyrt_simd_best(void);
+int pyrt_simd_active(void);
+int pyrt_simd_force(int level);
+int pyrt_pool_create(int n_threads, pyrt_pool **out);
+void pyrt_pool_free(pyrt_pool *pool);
+int pyrt_pool_threads(const pyrt_pool *pool);
+size_t pyrt_row_bytes(int fmt, int64_t n);
+int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, int n_expert,
+                 int n_ff, int n_embd, const float *x, int n_tokens, const int32_t *topk_ids,
+                 const float *topk_w, int k, int activation, float threshold, float *y,
+                 int64_t *n_active);
+"""
+
+# ggml type numbers of the weight formats the core reads (gguf.GGMLQuantizationType values).
+FMT_F32, FMT_F16, FMT_Q4_0, FMT_Q8_0, FMT_BF16 = 0, 1, 2, 8, 30
+FORMATS = {FMT_F32: "F32", FMT_F16: "F16", FMT_Q4_0: "Q4_0", FMT_Q8_0: "Q8_0", FMT_BF16: "BF16"}
+
+# Activation names as in docs/gguf-layout.md (`pyruntime.expert_activation`) -> C enum.
+ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 1, "gelu_pytorch_tanh": 1, "gelu_exact": 2}
+
+SIMD_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2}
+
+_LIB_NAMES = {"linux": "libpyrt.so", "darwin": "libpyrt.dylib", "win32": "pyrt.dll"}
+
+
+class CoreError(PyruntimeError):
+    """The C core refused a call (bad arguments, no memory) or could not be loaded."""
+
+
+_ffi = FFI()
+_ffi.cdef(CDEF)
+_lib_handle = None
+_lib_lock = threading.Lock()
+
+
+def _candidate_paths() -> list[Path]:
+    name = _LIB_NAMES.get(sys.platform, "libpyrt.so")
+    here = Path(__file__).resolve().parent
+    env = os.environ.get("PYRUNTIME_CORE_LIB")
+    if env:
+        return [Path(env)]
+    return [here / name, here.parent / "build" / name]
+
+
+def _lib():
+    """The loaded library (loaded once per process)."""
+    global _lib_handle
+    with _lib_lock:
+        if _lib_handle is None:
+            paths = _candidate_paths()
+            found = next((p for p in paths if p.is_file()), None)
+            if found is None:
+                tried = ", ".join(str(p) for p in paths)
+                raise CoreError(
+                    f"C core library not found (tried {tried}): build it with `pip install -e .` "
+                    "in the repository, or point PYRUNTIME_CORE_LIB at a libpyrt build"
+                )
+            try:
+                _lib_handle = _ffi.dlopen(str(found))
+            except OSError as exc:
+                raise CoreError(
+                    f"cannot load the C core {found}: {exc}; rebuild it with `pip install -e .`"
+                ) from exc
+        return _lib_handle
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        message = _ffi.string(_lib().pyrt_last_error()).decode("utf-8", "replace")
+        raise CoreError(message or f"{what} failed with status {status}")
+
+
+def physical_cores() -> int:
+    """Physical cores this process may run on (SMT siblings counted once)."""
+    return int(_lib().pyrt_physical_cores())
+
+
+def simd_level() -> str:
+    """The SIMD level the kernels use now: 'scalar', 'avx2' or 'avx512'."""
+    level = int(_lib().pyrt_simd_active())
+    return next(name for name, value in SIMD_LEVELS.items() if value == level)
+
+
+def simd_best() -> str:
+    """The best SIMD level this CPU supports."""
+    level = int(_lib().pyrt_simd_best())
+    return next(name for name, value in SIMD_LEVELS.items() if value == level)
+
+
+def force_simd(level: str) -> None:
+    """Use a lower SIMD level process-wide (tests, benchmarks). Not safe while kernels run."""
+    if level not in SIMD_LEVELS:
+        raise CoreError(f"unknown SIMD level {level!r}: use one of {', '.join(SIMD_LEVELS)}")
+    _check(_lib().pyrt_simd_force(SIMD_LEVELS[level]), "pyrt_simd_force")
+
+
+def row_bytes(fmt: int, n: int) -> int:
+    """Bytes of one row of n elements in format fmt (0 when fmt is unknown or n does not fit)."""
+    return int(_lib().pyrt_row_bytes(fmt, n))
+
+
+class CpuCore:
+    """Owner of the C core's thread pool; computes routed experts on the CPU.
+
+    One per process is enough (calls on it are serialized). Free it with close() or `with`;
+    garbage collection frees it too.
+    """
+
+    def __init__(self, threads: int | None = None) -> None:
+        lib = _lib()
+        self._pool = None
+        n = physical_cores() if threads is None else threads
+        if not isinstance(n, int) or isinstance(n, bool):
+            raise CoreError(f"threads must be an integer, got {threads!r}")
+        out = _ffi.new("pyrt_pool **")
+        _check(lib.pyrt_pool_create(n, out), "pyrt_pool_create")
+        self._pool = out[0]
+        self.threads = n
+
+    def close(self) -> None:
+        """Stop the worker threads and free the pool (idempotent)."""
+        if self._pool is not None:
+            _lib().pyrt_pool_free(self._pool)
+            self._pool = None
+
+    def __enter__(self) -> CpuCore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_pool", None) is not None and _lib_handle is not None:
+            self.close()
+
+    def moe_ffn(
+        self,
+        gud: np.ndarray,
+        fmt: int,
+        n_expert: int,
+        n_ff: int,
+        n_embd: int,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_w: torch.Tensor,
+        activation: str = "silu",
+        threshold: float | None = None,
+    ) -> tuple[torch.Tensor, int]:
+        """Routed experts of one MoE layer: y[t] = sum_k topk_w[t, k] * expert_{topk_ids[t, k]}(x[t]).
+
+        gud: the layer's `ffn_gud_exps` tensor data, raw bytes or a typed view of the GGUF mmap
+        (read in place, never copied), layout [n_expert, n_ff, 3, n_embd] of docs/gguf-layout.md.
+        fmt: ggml type number (0 F32, 1 F16, 30 BF16, 8 Q8_0, 2 Q4_0).
+        x: [T, n_embd] float32; topk_ids: [T, K] int32/int64; topk_w: [T, K] float32.
+        threshold: None or 0 = dense; > 0 = a neuron whose |act(gate . x)| < threshold is skipped.
+        Returns (y [T, n_embd] float32, n_active): n_active counts the neurons computed, summed over
+        the T*K (token, expert) pairs (T*K*n_ff when dense).
+        """
+        if self._pool is None:
+            raise CoreError("CpuCore is closed: create a new one")
+        if activation not in ACTIVATIONS:
+            raise CoreError(
+                f"unknown expert activation {activation!r}: use one of {', '.join(ACTIVATIONS)}"
+            )
+        if not isinstance(gud, np.ndarray) or not gud.flags.c_contiguous:
+            raise CoreError("expert weights must be a C-contiguous numpy array (the mmap view)")
+        x = _as_cpu(x, torch.float32, "x", 2)
+        topk_w = _as_cpu(topk_w, torch.float32, "topk_w", 2)
+        topk_ids = _as_cpu(topk_ids, torch.int32, "topk_ids", 2)
+        n_tokens, k = topk_ids.shape
+        if x.shape != (n_tokens, n_embd) or topk_w.shape != (n_tokens, k):
+            raise CoreError(
+                f"shape mismatch: x {tuple(x.shape)} should be ({n_tokens}, {n_embd}) and topk_w "
+                f"{tuple(topk_w.shape)} should equal topk_ids {tuple(topk_ids.shape)}"
+            )
+        y = torch.empty((n_tokens, n_embd), dtype=torch.float32)
+        n_active = _ffi.new("int64_t *")
+        weights = _ffi.from_buffer(gud)
+        _check(
+            _lib().pyrt_moe_ffn(
+                self._pool,
+                weights,
+                gud.nbytes,
+                fmt,
+                n_expert,
+                n_ff,
+                n_embd,
+                _ffi.cast("const float *", x.data_ptr()),
+                n_tokens,
+                _ffi.cast("const int32_t *", topk_ids.data_ptr()),
+                _ffi.cast("const float *", topk_w.data_ptr()),
+                k,
+                ACTIVATIONS[activation],
+                0.0 if threshold is None else float(threshold),
+                _ffi.cast("float *", y.data_ptr()),
+                n_active,
+            ),
+            "pyrt_moe_ffn",
+        )
+        return y, int(n_active[0])
+
+
+def _as_cpu(t: torch.Tensor, dtype: torch.dtype, name: str, ndim: int) -> torch.Tensor:
+    """t as a contiguous CPU tensor of dtype (a copy only when it is not one already)."""
+    if not isinstance(t, torch.Tensor):
+        raise CoreError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise CoreError(f"{name} is on {t.device}; the CPU core needs it on the CPU")
+    if t.dim() != ndim:
+        raise CoreError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if t.dtype != dtype:
+        if t.dtype.is_floating_point != dtype.is_floating_point:
+            raise CoreError(f"{name} has dtype {t.dtype}, expected {dtype}")
+        t = t.to(dtype)
+    return t.contiguous()

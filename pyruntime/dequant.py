@@ -1,0 +1,67 @@
+"""Dequantize GGUF tensor bytes into float32 torch tensors (CPU, vectorized).
+
+Formats (docs/gguf-layout.md): F32, F16, BF16, and 32-element blocks along each row:
+- Q8_0: f16 d, int8 q[32]            -> x = d * q                    (34 bytes / block)
+- Q4_0: f16 d, uint8 qs[16]          -> x[k] = d * ((qs[k] & 15) - 8),
+                                         x[k+16] = d * ((qs[k] >> 4) - 8) (18 bytes / block)
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+SUPPORTED = (
+    GGMLQuantizationType.F32,
+    GGMLQuantizationType.F16,
+    GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_0,
+)
+
+
+def row_bytes(qtype: GGMLQuantizationType, n: int) -> int:
+    """Bytes of one row of `n` elements."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    return n // block * size
+
+
+def _as_torch_bytes(raw: np.ndarray) -> torch.Tensor:
+    """Zero-copy uint8 torch view of a (read-only) memmap slice."""
+    flat = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    with warnings.catch_warnings():
+        # The mmap is read-only; we never write through this view.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(flat)
+
+
+def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
+    """Return a new float32 tensor of `shape` (row-major) from the stored bytes `raw`."""
+    b = _as_torch_bytes(raw)
+    n = int(np.prod(shape))
+    if qtype == GGMLQuantizationType.F32:
+        out = b.view(torch.float32).clone()
+    elif qtype == GGMLQuantizationType.F16:
+        out = b.view(torch.float16).float()
+    elif qtype == GGMLQuantizationType.BF16:
+        out = b.view(torch.bfloat16).float()
+    elif qtype == GGMLQuantizationType.Q8_0:
+        blocks = b.view(-1, 34)
+        d = blocks[:, :2].contiguous().view(torch.float16).float()  # [nb, 1]
+        q = blocks[:, 2:].contiguous().view(torch.int8).float()  # [nb, 32]
+        out = (d * q).reshape(-1)
+    elif qtype == GGMLQuantizationType.Q4_0:
+        blocks = b.view(-1, 18)
+        d = blocks[:, :2].contiguous().view(torch.float16).float()  # [nb, 1]
+        qs = blocks[:, 2:].to(torch.int16)  # [nb, 16]
+        lo = (qs & 0x0F) - 8
+        hi = (qs >> 4) - 8
+        out = (d * torch.cat([lo, hi], dim=1).float()).reshape(-1)
+    else:
+        raise NotImplementedError(f"dequantization of {qtype.name} is not supported")
+    if out.numel() != n:
+        raise ValueError(f"{qtype.name}: {out.numel()} elements stored, shape {shape} needs {n}")
+    return out.reshape(shape)

@@ -1,0 +1,22 @@
+"""User-facing errors.
+
+Every error a user can cause (bad file, bad flag, unknown architecture, budget too small) is raised
+as a `PyruntimeError` subclass whose message is one line saying what was wrong, where, and what to do.
+The CLI prints that line and exits non-zero without a traceback; anything else is a bug.
+"""
+
+
+class PyruntimeError(Exception):
+    """Base class of errors caused by user input rather than by a bug."""
+
+
+class ModelFileError(PyruntimeError):
+    """A model file is missing, truncated, not GGUF, or lacks a tensor/key we need."""
+
+
+class ConversionError(PyruntimeError):
+    """A Hugging Face checkpoint cannot be converted (unknown architecture, bad config, tensors)."""
+
+
+class UsageError(PyruntimeError):
+    """A flag or argument value is invalid."""

@@ -1,0 +1,241 @@
+"""Text generation: prefill, decode loop, stop conditions, streaming, timings.
+
+`Session` owns one KV cache and remembers which token ids it holds, so the next prompt (e.g. the
+next chat turn, whose rendered history starts with the previous one) only evaluates the tokens
+after the common prefix. `TextStream` is one generation: iterate it for text pieces; afterwards
+`finish_reason`, `token_ids` and `stats` describe what happened.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from pyruntime.errors import UsageError
+from pyruntime.sampling import Sampler
+from pyruntime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class _KVCache(Protocol):
+    n_tokens: int
+    max_tokens: int
+
+    def truncate(self, n: int) -> None: ...
+
+
+class _Network(Protocol):
+    def new_cache(self, max_tokens: int) -> _KVCache: ...
+
+    def forward(
+        self, tokens: Sequence[int], cache: _KVCache, last_only: bool = False
+    ) -> torch.Tensor: ...
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Session:
+    """A KV cache of `max_tokens` positions plus the ids it holds (`ids[i]` at position i)."""
+
+    def __init__(self, net: _Network, max_tokens: int) -> None:
+        self.net = net
+        self.cache = net.new_cache(max_tokens)
+        self.ids: list[int] = []
+
+    @property
+    def max_tokens(self) -> int:
+        return self.cache.max_tokens
+
+    @property
+    def full(self) -> bool:
+        return len(self.ids) >= self.cache.max_tokens
+
+    def reset(self) -> None:
+        self.cache.truncate(0)
+        self.ids = []
+
+    def prefill(self, prompt_ids: Sequence[int]) -> tuple[torch.Tensor, int]:
+        """Evaluate the prompt, reusing the cached common prefix.
+
+        Returns (logits [n_vocab] float32 for the next token, number of tokens evaluated).
+        At least the last prompt token is always evaluated, to get its logits.
+        """
+        if not prompt_ids:
+            raise UsageError("the prompt is empty: give at least one token of text")
+        if len(prompt_ids) > self.cache.max_tokens:
+            raise UsageError(
+                f"the prompt has {len(prompt_ids)} tokens but the context holds "
+                f"{self.cache.max_tokens}; use a larger context (n_ctx / --ctx-size) or a "
+                "shorter prompt"
+            )
+        n_keep = min(common_prefix_length(self.ids, prompt_ids), len(prompt_ids) - 1)
+        # Also repairs a cache left ahead of self.ids by an interrupted forward pass.
+        self.cache.truncate(n_keep)
+        self.ids = self.ids[:n_keep]
+        logits = self.net.forward(list(prompt_ids[n_keep:]), self.cache, last_only=True)
+        self.ids = list(prompt_ids)
+        return logits[-1], len(prompt_ids) - n_keep
+
+    def feed(self, token_id: int) -> torch.Tensor:
+        """Append one token; logits [n_vocab] for the one after it."""
+        logits = self.net.forward([token_id], self.cache, last_only=True)
+        self.ids.append(token_id)
+        return logits[-1]
+
+
+class StopStrings:
+    """Cuts streamed text at the first stop string, holding back text that may start one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self._pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string was hit). After a hit, stop."""
+        self._pending += text
+        if not self.stops:
+            out, self._pending = self._pending, ""
+            return out, False
+        hits = [i for i in (self._pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out = self._pending[: min(hits)]
+            self._pending = ""
+            return out, True
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self._pending)), hold, -1):
+                if self._pending.endswith(s[:k]):
+                    hold = k
+                    break
+        cut = len(self._pending) - hold
+        out, self._pending = self._pending[:cut], self._pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self._pending = self._pending, ""
+        return out
+
+
+@dataclass
+class GenerationStats:
+    """Counts and wall-clock seconds of one generation (consumer time between pieces excluded)."""
+
+    prompt_tokens: int = 0  # tokens in the prompt
+    prompt_evaluated: int = 0  # of those, run through the model (the rest came from the cache)
+    prompt_seconds: float = 0.0
+    generated_tokens: int = 0  # sampled tokens, including a final stop token
+    generation_seconds: float = 0.0  # sampling + decode forward passes
+
+    @property
+    def prompt_tokens_per_second(self) -> float:
+        return self.prompt_evaluated / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
+
+    @property
+    def generation_tokens_per_second(self) -> float:
+        if self.generation_seconds <= 0:
+            return 0.0
+        return self.generated_tokens / self.generation_seconds
+
+    def summary(self) -> str:
+        return (
+            f"prompt: {self.prompt_tokens} tokens ({self.prompt_evaluated} evaluated) in "
+            f"{self.prompt_seconds:.3f} s, {self.prompt_tokens_per_second:.1f} tokens/s | "
+            f"generation: {self.generated_tokens} tokens in {self.generation_seconds:.3f} s, "
+            f"{self.generation_tokens_per_second:.1f} tokens/s"
+        )
+
+
+class TextStream:
+    """One generation; iterate for text pieces (once). Runs lazily, as it is iterated.
+
+    max_tokens None generates until a stop condition or a full context. finish_reason becomes
+    "stop" (stop token or stop string) or "length" (max_tokens or the context is full).
+    """
+
+    def __init__(
+        self,
+        session: Session,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int],
+        sampler: Sampler,
+        max_tokens: int | None = 256,
+        stop: Sequence[str] = (),
+        ignore_eos: bool = False,
+    ) -> None:
+        if max_tokens is not None and max_tokens < 0:
+            raise UsageError(f"max_tokens must be >= 0, got {max_tokens}")
+        if isinstance(stop, str):
+            stop = [stop]
+        self.session = session
+        self.tokenizer = tokenizer
+        self.prompt_ids = list(prompt_ids)
+        self.sampler = sampler
+        self.max_tokens = max_tokens
+        self.stop = list(stop)
+        self.ignore_eos = ignore_eos
+        self.token_ids: list[int] = []  # generated ids (a final stop token excluded)
+        self.text = ""  # everything emitted so far
+        self.finish_reason: str | None = None
+        self.stats = GenerationStats(prompt_tokens=len(self.prompt_ids))
+        self._iterator = self._run()
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._iterator)
+
+    def close(self) -> None:
+        self._iterator.close()
+
+    def _emit(self, piece: str) -> str:
+        self.text += piece
+        return piece
+
+    def _run(self) -> Iterator[str]:
+        start = time.perf_counter()
+        logits, self.stats.prompt_evaluated = self.session.prefill(self.prompt_ids)
+        self.stats.prompt_seconds = time.perf_counter() - start
+        history = list(self.prompt_ids)  # for the repeat penalty
+        detok = IncrementalDetokenizer(self.tokenizer)
+        stops = StopStrings(self.stop)
+        stop_ids = set() if self.ignore_eos else self.tokenizer.stop_ids
+        finish = "length"
+        while self.max_tokens is None or self.stats.generated_tokens < self.max_tokens:
+            t0 = time.perf_counter()
+            token = self.sampler.sample(logits, history)
+            self.stats.generated_tokens += 1
+            if token in stop_ids:
+                self.stats.generation_seconds += time.perf_counter() - t0
+                finish = "stop"
+                break
+            history.append(token)
+            self.token_ids.append(token)
+            out, hit = stops.push(detok.push(token))
+            self.stats.generation_seconds += time.perf_counter() - t0
+            if out:
+                yield self._emit(out)
+            if hit:
+                self.finish_reason = "stop"
+                return
+            done = self.max_tokens is not None and self.stats.generated_tokens >= self.max_tokens
+            if done or self.session.full:
+                break  # the last token is not fed: nothing would read its logits
+            t0 = time.perf_counter()
+            logits = self.session.feed(token)
+            self.stats.generation_seconds += time.perf_counter() - t0
+        out, hit = stops.push(detok.flush())
+        out += "" if hit else stops.flush()
+        self.finish_reason = "stop" if hit else finish
+        if out:
+            yield self._emit(out)

@@ -1,0 +1,140 @@
+"""Token sampling, in llama.cpp's order and with its defaults.
+
+Chain (each step sees the survivors of the previous one):
+repeat penalty -> top-k -> top-p -> min-p -> temperature -> draw (seeded torch.Generator).
+temp == 0 is greedy: the argmax of the (penalized) logits, no randomness.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pyruntime.errors import UsageError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings; invalid values raise UsageError at construction.
+
+    temp: softmax temperature, 0 = greedy.  top_k: keep the k most likely, 0 = off.
+    top_p: keep the smallest set whose probability reaches top_p, 1 = off.
+    min_p: drop tokens less likely than min_p * p(most likely), 0 = off.
+    repeat_penalty: divide positive (multiply negative) logits of tokens seen in the last
+    repeat_last_n tokens (0 = off, -1 = the whole context); 1 = off.
+    seed: None draws a random seed.
+    """
+
+    temp: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = [
+            (math.isfinite(self.temp) and self.temp >= 0, "temp must be >= 0 (0 = greedy)"),
+            (self.top_k >= 0, "top_k must be >= 0 (0 = off)"),
+            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1] (1 = off)"),
+            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1] (0 = off)"),
+            (
+                math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0,
+                "repeat_penalty must be > 0 (1 = off)",
+            ),
+            (self.repeat_last_n >= -1, "repeat_last_n must be >= -1 (-1 = whole context)"),
+            (self.seed is None or self.seed >= 0, "seed must be >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise UsageError(f"invalid sampling parameter: {message}; got {self}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp == 0
+
+
+def apply_repeat_penalty(
+    logits: torch.Tensor, history: Sequence[int], penalty: float, last_n: int
+) -> torch.Tensor:
+    """llama.cpp's repetition penalty on logits [n_vocab] for the distinct ids in the window."""
+    if penalty == 1.0 or last_n == 0 or not history:
+        return logits
+    window = history if last_n < 0 else history[-last_n:]
+    ids = torch.tensor(sorted(set(window)), dtype=torch.long)
+    ids = ids[ids < logits.shape[0]]
+    seen = logits[ids]
+    logits = logits.clone()
+    logits[ids] = torch.where(seen <= 0, seen * penalty, seen / penalty)
+    return logits
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Set all but the k largest logits to -inf (ties at the boundary: lowest ids kept)."""
+    if k <= 0 or k >= logits.shape[0]:
+        return logits
+    keep = torch.topk(logits, k, sorted=False).indices
+    out = torch.full_like(logits, -math.inf)
+    out[keep] = logits[keep]
+    return out
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the most likely tokens until their cumulative probability first reaches p."""
+    if p >= 1.0:
+        return logits
+    probs = torch.softmax(logits.double(), dim=-1)
+    order = torch.argsort(probs, descending=True, stable=True)
+    cumulative = torch.cumsum(probs[order], dim=-1)
+    # Number kept = index of the first cumulative >= p, plus one (llama.cpp keeps that token).
+    n_keep = int(torch.searchsorted(cumulative, torch.tensor([p], dtype=torch.float64))) + 1
+    n_keep = min(max(n_keep, 1), logits.shape[0])
+    out = torch.full_like(logits, -math.inf)
+    kept = order[:n_keep]
+    out[kept] = logits[kept]
+    return out
+
+
+def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop tokens with p < min_p * p_max, i.e. logit < max_logit + log(min_p)."""
+    if min_p <= 0.0:
+        return logits
+    threshold = logits.max() + math.log(min_p)
+    return torch.where(logits >= threshold, logits, torch.full_like(logits, -math.inf))
+
+
+class Sampler:
+    """Picks the next token from logits [n_vocab] with one SamplingParams and one RNG stream."""
+
+    def __init__(self, params: SamplingParams, generator: torch.Generator | None = None) -> None:
+        self.params = params
+        if generator is None:
+            generator = torch.Generator()
+            seed = params.seed if params.seed is not None else secrets.randbits(63)
+            generator.manual_seed(seed)
+        self.generator = generator
+
+    def filtered_logits(self, logits: torch.Tensor, history: Sequence[int] = ()) -> torch.Tensor:
+        """Logits after penalty, top-k, top-p, min-p and temperature; removed tokens are -inf."""
+        p = self.params
+        x = logits.detach().reshape(-1).float()
+        x = apply_repeat_penalty(x, history, p.repeat_penalty, p.repeat_last_n)
+        if p.greedy:
+            return x
+        x = top_k_filter(x, p.top_k)
+        x = top_p_filter(x, p.top_p)
+        x = min_p_filter(x, p.min_p)
+        return x / p.temp
+
+    def sample(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
+        """One token id; `history` is the context so far (prompt + generated), for the penalty."""
+        x = self.filtered_logits(logits, history)
+        if self.params.greedy:
+            return int(torch.argmax(x))
+        probs = torch.softmax(x.double(), dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))

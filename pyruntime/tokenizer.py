@@ -1,0 +1,130 @@
+"""Tokenizer read from the GGUF file, with exact Hugging Face behaviour.
+
+The converter stores the checkpoint's original `tokenizer.json` verbatim under
+`tokenizer.huggingface.json`; we hand it to the `tokenizers` library, so splitting, merges,
+added/special tokens and decoding are those of `transformers.AutoTokenizer`. The GGUF keys decide
+what lies outside tokenizer.json: whether to prepend BOS, and which ids end generation.
+
+`IncrementalDetokenizer` turns a stream of token ids into text pieces for streaming output without
+ever emitting half of a multi-byte UTF-8 character (byte-level BPE splits characters across tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import tokenizers
+
+from pyruntime.errors import ModelFileError
+from pyruntime.gguf_file import GGUFFile
+
+# What `tokenizers` produces for an incomplete UTF-8 sequence at the end of a decode.
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    """Text <-> token ids for one model."""
+
+    def __init__(
+        self,
+        hf_tokenizer: tokenizers.Tokenizer,
+        bos_id: int | None,
+        eos_id: int | None,
+        stop_ids: Sequence[int],
+        add_bos: bool,
+        chat_template: str | None,
+    ) -> None:
+        self._hf = hf_tokenizer
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.stop_ids: frozenset[int] = frozenset(int(i) for i in stop_ids)
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_gguf(cls, f: GGUFFile) -> Tokenizer:
+        """Build the tokenizer from the metadata of a file written by convert_hf_to_gguf.py."""
+        tokenizer_json = f.get("tokenizer.huggingface.json", None)
+        if not tokenizer_json:
+            raise ModelFileError(
+                f"{f.path}: metadata key 'tokenizer.huggingface.json' is missing; convert the "
+                "model again with convert_hf_to_gguf.py"
+            )
+        try:
+            hf = tokenizers.Tokenizer.from_str(tokenizer_json)
+        except Exception as exc:  # tokenizers raises its own Exception subclass
+            raise ModelFileError(
+                f"{f.path}: 'tokenizer.huggingface.json' is not a valid tokenizer.json ({exc})"
+            ) from None
+        bos_id = f.get("tokenizer.ggml.bos_token_id", None)
+        eos_id = f.get("tokenizer.ggml.eos_token_id", None)
+        stop_ids = list(f.get("pyruntime.stop_token_ids", None) or [])
+        if not stop_ids:
+            # Older or foreign files: fall back to the end-of-text / end-of-turn ids.
+            eot_id = f.get("tokenizer.ggml.eot_token_id", None)
+            stop_ids = [i for i in (eos_id, eot_id) if i is not None]
+        add_bos = bool(f.get("tokenizer.ggml.add_bos_token", False)) and bos_id is not None
+        return cls(
+            hf,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            stop_ids=stop_ids,
+            add_bos=add_bos,
+            chat_template=f.get("tokenizer.chat_template", None),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self._hf.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        """Token ids of `text`; special tokens written in the text (`<|im_start|>`) are parsed.
+
+        `add_special` prepends BOS when the model asks for it (`tokenizer.ggml.add_bos_token`),
+        unless the text already starts with the BOS token.
+        """
+        ids = self._hf.encode(text, add_special_tokens=False).ids
+        if add_special and self.add_bos and not (ids and ids[0] == self.bos_id):
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        return self._hf.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token_text(self, token_id: int) -> str | None:
+        """The vocabulary entry of `token_id` (byte-level form), or None if out of range."""
+        return self._hf.id_to_token(token_id)
+
+
+class IncrementalDetokenizer:
+    """Decode a growing list of ids into text pieces whose concatenation is `decode(all ids)`.
+
+    Each `push` decodes only a short window (the ids since the last emitted piece, with the few ids
+    before them as context, so tokenizers that strip a leading space decode consistently). A piece
+    ending in U+FFFD is an incomplete UTF-8 character: held back until the next ids complete it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True) -> None:
+        self._tok = tokenizer
+        self._skip_special = skip_special
+        self.ids: list[int] = []
+        self._prefix = 0  # start of the decode window (context already emitted)
+        self._read = 0  # ids before this index have been emitted as text
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the text that is now complete ('' if none yet)."""
+        self.ids.append(int(token_id))
+        prefix_text = self._tok.decode(self.ids[self._prefix : self._read], self._skip_special)
+        new_text = self._tok.decode(self.ids[self._prefix :], self._skip_special)
+        if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT_CHAR):
+            self._prefix = self._read
+            self._read = len(self.ids)
+            return new_text[len(prefix_text) :]
+        return ""
+
+    def flush(self) -> str:
+        """Text still held back (e.g. a truly invalid byte sequence at the end), then reset."""
+        prefix_text = self._tok.decode(self.ids[self._prefix : self._read], self._skip_special)
+        new_text = self._tok.decode(self.ids[self._prefix :], self._skip_special)
+        self._prefix = self._read = len(self.ids)
+        return new_text[len(prefix_text) :]

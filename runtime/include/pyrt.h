@@ -1,0 +1,105 @@
+/* pyrt: the pyruntime C core -- CPU expert kernels for Mixture-of-Experts layers.
+ *
+ * Called from Python through cffi in ABI mode (pyruntime/cpu_core.py), so this header is plain C:
+ * every function returns an int status (PYRT_OK or a PYRT_E_* code) and, on failure, leaves a
+ * one-line message in pyrt_last_error() (thread-local). Nothing here calls exit() or prints.
+ * Resources come in build/free pairs: pyrt_pool_create / pyrt_pool_free.
+ *
+ * Weights are read in place (a pointer into the GGUF mmap), in the neuron-contiguous layout of
+ * docs/gguf-layout.md: tensor blk.N.ffn_gud_exps.weight, shape [n_expert, n_ff, 3, n_embd], where
+ * neuron j of expert e owns rows 3j (gate), 3j+1 (up), 3j+2 (down column, transposed).
+ *
+ * The declarations between PYRT_CDEF_BEGIN and PYRT_CDEF_END are mirrored verbatim in
+ * pyruntime/cpu_core.py (cffi cdef); tests/test_cpu_core.py checks that they agree.
+ */
+#ifndef PYRT_H
+#define PYRT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* PYRT_CDEF_BEGIN */
+/* Status codes. */
+enum {
+    PYRT_OK = 0,
+    PYRT_E_INVALID = 1,     /* an argument is invalid: message says which */
+    PYRT_E_NOMEM = 2,       /* allocation failed */
+    PYRT_E_UNSUPPORTED = 3, /* valid request this build or CPU cannot do */
+    PYRT_E_SYSTEM = 4       /* the OS refused (thread creation, ...) */
+};
+
+/* Weight formats: ggml's type numbers (GGMLQuantizationType in the gguf package). */
+enum {
+    PYRT_FMT_F32 = 0,
+    PYRT_FMT_F16 = 1,
+    PYRT_FMT_Q4_0 = 2,
+    PYRT_FMT_Q8_0 = 8,
+    PYRT_FMT_BF16 = 30
+};
+
+/* Expert activations: act(gate . x). */
+enum {
+    PYRT_ACT_SILU = 0,      /* x * sigmoid(x) */
+    PYRT_ACT_GELU_TANH = 1, /* 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
+    PYRT_ACT_GELU_ERF = 2   /* 0.5 x (1 + erf(x / sqrt(2))) */
+};
+
+/* SIMD levels, chosen at run time from cpuid; a lower level can be forced (tests, benchmarks). */
+enum {
+    PYRT_SIMD_SCALAR = 0,
+    PYRT_SIMD_AVX2 = 1,   /* AVX2 + FMA + F16C */
+    PYRT_SIMD_AVX512 = 2  /* AVX-512 F + BW (+ the AVX2 set) */
+};
+
+typedef struct pyrt_pool pyrt_pool;
+
+/* The message of the last failed call on this thread ("" if none). Valid until the next call. */
+const char *pyrt_last_error(void);
+
+/* Physical cores usable by this process (affinity mask, SMT siblings counted once); >= 1. */
+int pyrt_physical_cores(void);
+
+/* Best SIMD level this CPU supports, and the level in use (process-wide). */
+int pyrt_simd_best(void);
+int pyrt_simd_active(void);
+/* Use `level` (<= pyrt_simd_best()) from now on. Not thread-safe against running kernels. */
+int pyrt_simd_force(int level);
+
+/* Thread pool of n_threads workers in all (the calling thread is one of them, so n_threads - 1
+ * threads are started). Create once and reuse: kernels split their work across it. Calls on one
+ * pool are serialized (a mutex), so one pool may be shared by several Python threads. */
+int pyrt_pool_create(int n_threads, pyrt_pool **out);
+void pyrt_pool_free(pyrt_pool *pool);
+int pyrt_pool_threads(const pyrt_pool *pool);
+
+/* Bytes of one row of n elements in format fmt (0 if fmt is unknown or n does not fit it). */
+size_t pyrt_row_bytes(int fmt, int64_t n);
+
+/* One MoE layer's routed experts, for n_tokens tokens:
+ *   y[t, :] = sum_k topk_w[t, k] * expert_{topk_ids[t, k]}(x[t, :])
+ *   expert_e(x) = sum_j act(g_j . x) * (u_j . x) * d_j     (j over the n_ff neurons of e)
+ *
+ * gud       weights, gud_bytes >= n_expert * n_ff * 3 * pyrt_row_bytes(fmt, n_embd)
+ * x         [n_tokens, n_embd] f32;  y [n_tokens, n_embd] f32 (written, not accumulated into)
+ * topk_ids  [n_tokens, k] int32 in [0, n_expert);  topk_w [n_tokens, k] f32
+ * threshold >= 0: a neuron whose |act(g_j . x)| < threshold is skipped for that token (its up and
+ *           down rows are not read). 0 is the dense FFN (nothing is skipped).
+ * n_active  out (may be NULL): neurons computed, summed over the n_tokens * k (token, expert)
+ *           pairs; n_tokens * k * n_ff when dense.
+ * For Q8_0/Q4_0 weights, x is quantized to Q8_0 blocks (one f32 scale per 32 values) once per
+ * token and the dot products are integer, as llama.cpp does; accumulation is f32 throughout. */
+int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, int n_expert,
+                 int n_ff, int n_embd, const float *x, int n_tokens, const int32_t *topk_ids,
+                 const float *topk_w, int k, int activation, float threshold, float *y,
+                 int64_t *n_active);
+/* PYRT_CDEF_END */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PYRT_H */

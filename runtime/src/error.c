@@ -1,0 +1,23 @@
+/* Thread-local last-error message: every failing pyrt_* call writes one line here. */
+#include <stdarg.h>
+#include <stdio.h>
+
+#include "pyrt_internal.h"
+
+static _Thread_local char last_error[512];
+
+const char *pyrt_last_error(void) {
+    return last_error;
+}
+
+void pyrt_clear_error(void) {
+    last_error[0] = '\0';
+}
+
+int pyrt_fail(int status, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_error, sizeof last_error, fmt, ap);
+    va_end(ap);
+    return status;
+}

@@ -1,0 +1,196 @@
+/* Thread pool: n_threads - 1 workers plus the calling thread, created once, woken per task.
+ *
+ * A decode step calls the expert kernel once per layer (tens of calls per token, each a few
+ * hundred microseconds of work), so waking must be cheap: workers spin briefly on an atomic
+ * generation counter before sleeping on a condition variable, and the caller spins briefly on the
+ * pending counter before sleeping. The spin is short so that idle workers do not steal the cores
+ * torch needs between our calls. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pyrt_internal.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define PYRT_CPU_RELAX() _mm_pause()
+#else
+#define PYRT_CPU_RELAX() ((void)0)
+#endif
+
+enum { SPIN_ITERS = 4096 }; /* ~50-200 us of pause instructions */
+
+typedef struct {
+    pyrt_pool *pool;
+    int ith;
+} worker_arg;
+
+struct pyrt_pool {
+    int n_threads;
+    int n_started;       /* workers actually started (n_threads - 1 on success) */
+    pthread_t *threads;  /* [n_threads - 1] */
+    worker_arg *args;    /* [n_threads - 1] */
+    pthread_mutex_t call_lock; /* held by the kernel call using the pool */
+    pthread_mutex_t lock;      /* guards sleeping on wake/done */
+    pthread_cond_t wake;
+    pthread_cond_t done;
+    atomic_uint_fast64_t generation; /* bumped once per task */
+    atomic_int pending;              /* workers still running the current task */
+    atomic_int shutdown;
+    pyrt_task_fn fn; /* current task, written before generation is bumped */
+    void *ctx;
+    void *workspace; /* scratch owned by the pool */
+    size_t workspace_bytes;
+};
+
+static void *worker_main(void *p) {
+    worker_arg *arg = p;
+    pyrt_pool *pool = arg->pool;
+    uint_fast64_t seen = 0;
+    for (;;) {
+        uint_fast64_t gen = atomic_load_explicit(&pool->generation, memory_order_acquire);
+        for (int i = 0; gen == seen && i < SPIN_ITERS; i++) {
+            PYRT_CPU_RELAX();
+            gen = atomic_load_explicit(&pool->generation, memory_order_acquire);
+        }
+        if (gen == seen) {
+            pthread_mutex_lock(&pool->lock);
+            while ((gen = atomic_load(&pool->generation)) == seen && !atomic_load(&pool->shutdown))
+                pthread_cond_wait(&pool->wake, &pool->lock);
+            pthread_mutex_unlock(&pool->lock);
+        }
+        if (atomic_load(&pool->shutdown))
+            return NULL;
+        seen = gen;
+        pool->fn(pool->ctx, arg->ith, pool->n_threads);
+        if (atomic_fetch_sub_explicit(&pool->pending, 1, memory_order_acq_rel) == 1) {
+            pthread_mutex_lock(&pool->lock);
+            pthread_cond_signal(&pool->done);
+            pthread_mutex_unlock(&pool->lock);
+        }
+    }
+}
+
+static void stop_workers(pyrt_pool *pool) {
+    pthread_mutex_lock(&pool->lock);
+    atomic_store(&pool->shutdown, 1);
+    pthread_cond_broadcast(&pool->wake);
+    pthread_mutex_unlock(&pool->lock);
+    for (int i = 0; i < pool->n_started; i++)
+        pthread_join(pool->threads[i], NULL);
+    pool->n_started = 0;
+}
+
+int pyrt_pool_create(int n_threads, pyrt_pool **out) {
+    pyrt_clear_error();
+    if (out == NULL)
+        return pyrt_fail(PYRT_E_INVALID, "pyrt_pool_create: out is NULL");
+    *out = NULL;
+    if (n_threads < 1 || n_threads > 1024)
+        return pyrt_fail(PYRT_E_INVALID,
+                         "pyrt_pool_create: n_threads must be in [1, 1024], got %d", n_threads);
+    pyrt_pool *pool = calloc(1, sizeof *pool);
+    if (pool == NULL)
+        return pyrt_fail(PYRT_E_NOMEM, "pyrt_pool_create: out of memory");
+    pool->n_threads = n_threads;
+    pool->threads = calloc((size_t)n_threads, sizeof *pool->threads);
+    pool->args = calloc((size_t)n_threads, sizeof *pool->args);
+    if (pool->threads == NULL || pool->args == NULL) {
+        free(pool->threads);
+        free(pool->args);
+        free(pool);
+        return pyrt_fail(PYRT_E_NOMEM, "pyrt_pool_create: out of memory");
+    }
+    pthread_mutex_init(&pool->call_lock, NULL);
+    pthread_mutex_init(&pool->lock, NULL);
+    pthread_cond_init(&pool->wake, NULL);
+    pthread_cond_init(&pool->done, NULL);
+    atomic_init(&pool->generation, 0);
+    atomic_init(&pool->pending, 0);
+    atomic_init(&pool->shutdown, 0);
+    for (int i = 0; i < n_threads - 1; i++) {
+        pool->args[i] = (worker_arg){.pool = pool, .ith = i + 1};
+        int rc = pthread_create(&pool->threads[i], NULL, worker_main, &pool->args[i]);
+        if (rc != 0) {
+            stop_workers(pool);
+            pyrt_pool_free(pool);
+            return pyrt_fail(PYRT_E_SYSTEM, "pyrt_pool_create: cannot start thread %d of %d: %s",
+                             i + 1, n_threads, strerror(rc));
+        }
+        pool->n_started++;
+    }
+    *out = pool;
+    return PYRT_OK;
+}
+
+void pyrt_pool_free(pyrt_pool *pool) {
+    if (pool == NULL)
+        return;
+    stop_workers(pool);
+    pthread_cond_destroy(&pool->done);
+    pthread_cond_destroy(&pool->wake);
+    pthread_mutex_destroy(&pool->lock);
+    pthread_mutex_destroy(&pool->call_lock);
+    free(pool->workspace);
+    free(pool->threads);
+    free(pool->args);
+    free(pool);
+}
+
+int pyrt_pool_threads(const pyrt_pool *pool) {
+    return pool == NULL ? 0 : pool->n_threads;
+}
+
+void pyrt_pool_acquire(pyrt_pool *pool) {
+    pthread_mutex_lock(&pool->call_lock);
+}
+
+void pyrt_pool_release(pyrt_pool *pool) {
+    pthread_mutex_unlock(&pool->call_lock);
+}
+
+void *pyrt_pool_workspace(pyrt_pool *pool, size_t bytes) {
+    if (bytes <= pool->workspace_bytes)
+        return pool->workspace;
+    free(pool->workspace);
+    pool->workspace = NULL;
+    pool->workspace_bytes = 0;
+    size_t rounded = (bytes + 63) / 64 * 64;
+    void *p = aligned_alloc(64, rounded);
+    if (p == NULL)
+        return NULL;
+    pool->workspace = p;
+    pool->workspace_bytes = rounded;
+    return p;
+}
+
+void pyrt_pool_run(pyrt_pool *pool, pyrt_task_fn fn, void *ctx) {
+    const int nth = pool->n_threads;
+    if (nth == 1) {
+        fn(ctx, 0, 1);
+        return;
+    }
+    pool->fn = fn;
+    pool->ctx = ctx;
+    atomic_store_explicit(&pool->pending, nth - 1, memory_order_relaxed);
+    pthread_mutex_lock(&pool->lock);
+    atomic_fetch_add_explicit(&pool->generation, 1, memory_order_release);
+    pthread_cond_broadcast(&pool->wake);
+    pthread_mutex_unlock(&pool->lock);
+
+    fn(ctx, 0, nth);
+
+    for (int i = 0; atomic_load_explicit(&pool->pending, memory_order_acquire) > 0; i++) {
+        if (i >= SPIN_ITERS) {
+            pthread_mutex_lock(&pool->lock);
+            while (atomic_load(&pool->pending) > 0)
+                pthread_cond_wait(&pool->done, &pool->lock);
+            pthread_mutex_unlock(&pool->lock);
+            break;
+        }
+        PYRT_CPU_RELAX();
+    }
+}

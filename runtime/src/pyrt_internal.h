@@ -1,0 +1,110 @@
+/* Internal declarations shared by the C core's translation units (not part of the public API). */
+#ifndef PYRT_INTERNAL_H
+#define PYRT_INTERNAL_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "pyrt.h"
+
+#define PYRT_QK 32 /* elements per Q8_0 / Q4_0 block */
+#define PYRT_Q8_0_BYTES 34 /* f16 d; int8 q[32] */
+#define PYRT_Q4_0_BYTES 18 /* f16 d; uint8 qs[16] (low nibbles: elements 0..15, high: 16..31) */
+
+/* ---- errors (error.c) ---------------------------------------------------------------------- */
+
+/* Formats the thread's last_error message; returns `status` so callers can `return pyrt_fail(..)`. */
+int pyrt_fail(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void pyrt_clear_error(void);
+
+/* ---- activation quantization --------------------------------------------------------------- */
+
+/* One quantized activation block: x[i] ~= d * q[i], q in [-127, 127]. The scale is kept in f32
+ * (llama.cpp rounds it to f16; f32 is as fast here and a little more accurate). */
+typedef struct {
+    float d;
+    int8_t q[PYRT_QK];
+} pyrt_xq8;
+
+/* x [n] f32 -> n/32 blocks; n must be a multiple of 32. Round-half-to-even (as torch.round). */
+void pyrt_quantize_x_q8(const float *x, pyrt_xq8 *out, int n);
+
+/* ---- row kernels (rows_*.c) ---------------------------------------------------------------- */
+
+/* One weight row of n elements, in one format, against one token.
+ * dot:  returns row . x, where x is f32 [n] for float formats and pyrt_xq8 [n/32] for Q8_0/Q4_0.
+ * axpy: y[0:n] += a * row (the row dequantized on the fly); y is f32 [n]. */
+typedef float (*pyrt_dot_fn)(const void *row, const void *x, int n);
+typedef void (*pyrt_axpy_fn)(float a, const void *row, float *y, int n);
+
+typedef struct {
+    pyrt_dot_fn dot;
+    pyrt_axpy_fn axpy;
+} pyrt_row_ops;
+
+/* Row kernels of one SIMD level for fmt; NULL when the level has none for fmt (unknown format). */
+const pyrt_row_ops *pyrt_row_ops_scalar(int fmt);
+const pyrt_row_ops *pyrt_row_ops_avx2(int fmt);
+const pyrt_row_ops *pyrt_row_ops_avx512(int fmt);
+/* The active level's kernels (cpu.c). */
+const pyrt_row_ops *pyrt_row_ops_active(int fmt);
+
+/* ---- scalar conversions -------------------------------------------------------------------- */
+
+static inline float pyrt_fp32_from_bits(uint32_t w) {
+    float f;
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+
+static inline uint32_t pyrt_fp32_to_bits(float f) {
+    uint32_t w;
+    memcpy(&w, &f, sizeof w);
+    return w;
+}
+
+/* IEEE half -> float, exact, branch-light (the method of Maratyszcza's FP16 library). */
+static inline float pyrt_fp16_to_fp32(uint16_t h) {
+    const uint32_t w = (uint32_t)h << 16;
+    const uint32_t sign = w & UINT32_C(0x80000000);
+    const uint32_t two_w = w + w;
+    const uint32_t exp_offset = UINT32_C(0xE0) << 23;
+    const float exp_scale = 0x1.0p-112f;
+    const float normalized = pyrt_fp32_from_bits((two_w >> 4) + exp_offset) * exp_scale;
+    const uint32_t magic_mask = UINT32_C(126) << 23;
+    const float magic_bias = 0.5f;
+    const float denormalized = pyrt_fp32_from_bits((two_w >> 17) | magic_mask) - magic_bias;
+    const uint32_t denormalized_cutoff = UINT32_C(1) << 27;
+    const uint32_t result =
+        sign | (two_w < denormalized_cutoff ? pyrt_fp32_to_bits(denormalized)
+                                             : pyrt_fp32_to_bits(normalized));
+    return pyrt_fp32_from_bits(result);
+}
+
+static inline float pyrt_bf16_to_fp32(uint16_t h) {
+    return pyrt_fp32_from_bits((uint32_t)h << 16);
+}
+
+/* Little-endian u16 at any alignment (block scales sit at odd offsets inside a row). */
+static inline uint16_t pyrt_load_u16(const void *p) {
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+
+
+/* ---- thread pool (pool.c) ------------------------------------------------------------------ */
+
+/* A task runs once on every thread of the pool: ith in [0, nth), ith 0 being the caller. */
+typedef void (*pyrt_task_fn)(void *ctx, int ith, int nth);
+
+/* Run fn on all threads and return when all are done. The caller holds the pool (pool_acquire). */
+void pyrt_pool_run(pyrt_pool *pool, pyrt_task_fn fn, void *ctx);
+/* Serialize users of one pool: a kernel call holds the pool from its start to its end. */
+void pyrt_pool_acquire(pyrt_pool *pool);
+void pyrt_pool_release(pyrt_pool *pool);
+/* Scratch memory owned by the pool (64-byte aligned, grown on demand, kept between calls); NULL
+ * when out of memory. Valid while the caller holds the pool and until the next workspace call. */
+void *pyrt_pool_workspace(pyrt_pool *pool, size_t bytes);
+#endif /* PYRT_INTERNAL_H */

@@ -1,0 +1,194 @@
+/* AVX2 + FMA + F16C row kernels. Every function carries the target attribute, so this file is
+ * compiled with the baseline flags and only called after cpuid said yes (cpu.c). */
+#include "pyrt_internal.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+AVX2 static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 8 weights of each float format, widened to f32. */
+AVX2 static inline __m256 load8_f32(const void *p, int i) {
+    return _mm256_loadu_ps((const float *)p + i);
+}
+AVX2 static inline __m256 load8_f16(const void *p, int i) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+}
+AVX2 static inline __m256 load8_bf16(const void *p, int i) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+#define FLOAT_ROW_KERNELS(name, load8, scalar_load)                                               \
+    AVX2 static float dot_##name(const void *row, const void *x, int n) {                         \
+        const float *xf = x;                                                                      \
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                                \
+        __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();                                \
+        int i = 0;                                                                                \
+        for (; i + 32 <= n; i += 32) {                                                            \
+            a0 = _mm256_fmadd_ps(load8(row, i), _mm256_loadu_ps(xf + i), a0);                     \
+            a1 = _mm256_fmadd_ps(load8(row, i + 8), _mm256_loadu_ps(xf + i + 8), a1);             \
+            a2 = _mm256_fmadd_ps(load8(row, i + 16), _mm256_loadu_ps(xf + i + 16), a2);           \
+            a3 = _mm256_fmadd_ps(load8(row, i + 24), _mm256_loadu_ps(xf + i + 24), a3);           \
+        }                                                                                         \
+        for (; i + 8 <= n; i += 8)                                                                \
+            a0 = _mm256_fmadd_ps(load8(row, i), _mm256_loadu_ps(xf + i), a0);                     \
+        float sum = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));           \
+        for (; i < n; i++)                                                                        \
+            sum += scalar_load(row, i) * xf[i];                                                   \
+        return sum;                                                                               \
+    }                                                                                             \
+    AVX2 static void axpy_##name(float a, const void *row, float *y, int n) {                     \
+        const __m256 va = _mm256_set1_ps(a);                                                      \
+        int i = 0;                                                                                \
+        for (; i + 8 <= n; i += 8)                                                                \
+            _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, load8(row, i), _mm256_loadu_ps(y + i)));  \
+        for (; i < n; i++)                                                                        \
+            y[i] += a * scalar_load(row, i);                                                      \
+    }
+
+#define SCALAR_F32(p, i) (((const float *)(p))[i])
+#define SCALAR_F16(p, i) pyrt_fp16_to_fp32(((const uint16_t *)(p))[i])
+#define SCALAR_BF16(p, i) pyrt_bf16_to_fp32(((const uint16_t *)(p))[i])
+
+FLOAT_ROW_KERNELS(f32, load8_f32, SCALAR_F32)
+FLOAT_ROW_KERNELS(f16, load8_f16, SCALAR_F16)
+FLOAT_ROW_KERNELS(bf16, load8_bf16, SCALAR_BF16)
+
+/* ---- quantized formats --------------------------------------------------------------------- */
+
+/* The 32 int8 weights of a Q4_0 block: low nibbles are elements 0..15, high nibbles 16..31. */
+AVX2 static inline __m256i unpack_q4_0(const uint8_t *qs) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(raw, m4);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+    return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
+}
+
+/* 8 int32 lanes summing to sum_i w[i] * x[i] over 32 int8 pairs.
+ * maddubs needs an unsigned operand: |w| (|-128| = 128 reads as unsigned 128) times x with w's
+ * sign (x is in [-127, 127], so negating it cannot overflow). Pairs sum to <= 2*128*127 < 2^15. */
+AVX2 static inline __m256i dot32_i8(__m256i w, __m256i x) {
+    const __m256i aw = _mm256_sign_epi8(w, w);
+    const __m256i sx = _mm256_sign_epi8(x, w);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1));
+}
+
+AVX2 static float dot_q8_0(const void *row, const void *x, int n) {
+    const uint8_t *w = row;
+    const pyrt_xq8 *xq = x;
+    const int nb = n / PYRT_QK;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t *w0 = w + (size_t)b * PYRT_Q8_0_BYTES, *w1 = w0 + PYRT_Q8_0_BYTES;
+        __m256i p0 = dot32_i8(_mm256_loadu_si256((const __m256i *)(w0 + 2)),
+                              _mm256_loadu_si256((const __m256i *)xq[b].q));
+        __m256i p1 = dot32_i8(_mm256_loadu_si256((const __m256i *)(w1 + 2)),
+                              _mm256_loadu_si256((const __m256i *)xq[b + 1].q));
+        float s0 = _cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d;
+        float s1 = _cvtsh_ss(pyrt_load_u16(w1)) * xq[b + 1].d;
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s0), _mm256_cvtepi32_ps(p0), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(s1), _mm256_cvtepi32_ps(p1), acc1);
+    }
+    for (; b < nb; b++) {
+        const uint8_t *w0 = w + (size_t)b * PYRT_Q8_0_BYTES;
+        __m256i p0 = dot32_i8(_mm256_loadu_si256((const __m256i *)(w0 + 2)),
+                              _mm256_loadu_si256((const __m256i *)xq[b].q));
+        float s0 = _cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d;
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s0), _mm256_cvtepi32_ps(p0), acc0);
+    }
+    return hsum8(_mm256_add_ps(acc0, acc1));
+}
+
+AVX2 static float dot_q4_0(const void *row, const void *x, int n) {
+    const uint8_t *w = row;
+    const pyrt_xq8 *xq = x;
+    const int nb = n / PYRT_QK;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t *w0 = w + (size_t)b * PYRT_Q4_0_BYTES, *w1 = w0 + PYRT_Q4_0_BYTES;
+        __m256i p0 = dot32_i8(unpack_q4_0(w0 + 2), _mm256_loadu_si256((const __m256i *)xq[b].q));
+        __m256i p1 =
+            dot32_i8(unpack_q4_0(w1 + 2), _mm256_loadu_si256((const __m256i *)xq[b + 1].q));
+        float s0 = _cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d;
+        float s1 = _cvtsh_ss(pyrt_load_u16(w1)) * xq[b + 1].d;
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s0), _mm256_cvtepi32_ps(p0), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(s1), _mm256_cvtepi32_ps(p1), acc1);
+    }
+    for (; b < nb; b++) {
+        const uint8_t *w0 = w + (size_t)b * PYRT_Q4_0_BYTES;
+        __m256i p0 = dot32_i8(unpack_q4_0(w0 + 2), _mm256_loadu_si256((const __m256i *)xq[b].q));
+        float s0 = _cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d;
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s0), _mm256_cvtepi32_ps(p0), acc0);
+    }
+    return hsum8(_mm256_add_ps(acc0, acc1));
+}
+
+/* y[0:32] += s * q[0:32] for 32 int8 weights q. */
+AVX2 static inline void axpy32_i8(float s, __m256i q, float *y) {
+    const __m256 vs = _mm256_set1_ps(s);
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    const __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    const __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    const __m256 f2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    const __m256 f3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+    _mm256_storeu_ps(y, _mm256_fmadd_ps(vs, f0, _mm256_loadu_ps(y)));
+    _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(vs, f1, _mm256_loadu_ps(y + 8)));
+    _mm256_storeu_ps(y + 16, _mm256_fmadd_ps(vs, f2, _mm256_loadu_ps(y + 16)));
+    _mm256_storeu_ps(y + 24, _mm256_fmadd_ps(vs, f3, _mm256_loadu_ps(y + 24)));
+}
+
+AVX2 static void axpy_q8_0(float a, const void *row, float *y, int n) {
+    const uint8_t *w = row;
+    for (int b = 0; b < n / PYRT_QK; b++, w += PYRT_Q8_0_BYTES, y += PYRT_QK)
+        axpy32_i8(a * _cvtsh_ss(pyrt_load_u16(w)),
+                  _mm256_loadu_si256((const __m256i *)(w + 2)), y);
+}
+
+AVX2 static void axpy_q4_0(float a, const void *row, float *y, int n) {
+    const uint8_t *w = row;
+    for (int b = 0; b < n / PYRT_QK; b++, w += PYRT_Q4_0_BYTES, y += PYRT_QK)
+        axpy32_i8(a * _cvtsh_ss(pyrt_load_u16(w)), unpack_q4_0(w + 2), y);
+}
+
+static const pyrt_row_ops ops_f32 = {dot_f32, axpy_f32};
+static const pyrt_row_ops ops_f16 = {dot_f16, axpy_f16};
+static const pyrt_row_ops ops_bf16 = {dot_bf16, axpy_bf16};
+static const pyrt_row_ops ops_q8_0 = {dot_q8_0, axpy_q8_0};
+static const pyrt_row_ops ops_q4_0 = {dot_q4_0, axpy_q4_0};
+
+const pyrt_row_ops *pyrt_row_ops_avx2(int fmt) {
+    switch (fmt) {
+    case PYRT_FMT_F32:
+        return &ops_f32;
+    case PYRT_FMT_F16:
+        return &ops_f16;
+    case PYRT_FMT_BF16:
+        return &ops_bf16;
+    case PYRT_FMT_Q8_0:
+        return &ops_q8_0;
+    case PYRT_FMT_Q4_0:
+        return &ops_q4_0;
+    default:
+        return NULL;
+    }
+}
+
+#else /* not x86-64: no AVX2 kernels; cpu.c never selects this level */
+
+const pyrt_row_ops *pyrt_row_ops_avx2(int fmt) {
+    (void)fmt;
+    return NULL;
+}
+
+#endif

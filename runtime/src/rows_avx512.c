@@ -1,0 +1,180 @@
+/* AVX-512 (F + BW) row kernels: 16 f32 lanes, two quantized blocks per 512-bit vector, masked
+ * tails. Per-function target attributes, called only after cpuid said yes (cpu.c). */
+#include "pyrt_internal.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
+
+/* 16 weights of each float format widened to f32; the masked forms read only `m`'s lanes. */
+AVX512 static inline __m512 load16_f32(const void *p, int i, __mmask16 m) {
+    return _mm512_maskz_loadu_ps(m, (const float *)p + i);
+}
+AVX512 static inline __m256i load16_u16(const void *p, int i, __mmask16 m) {
+    /* A 32-lane masked u16 load whose lanes 16..31 are masked off: the low 256 bits. */
+    return _mm512_castsi512_si256(_mm512_maskz_loadu_epi16((__mmask32)m, (const uint16_t *)p + i));
+}
+AVX512 static inline __m512 load16_f16(const void *p, int i, __mmask16 m) {
+    return _mm512_cvtph_ps(load16_u16(p, i, m));
+}
+AVX512 static inline __m512 load16_bf16(const void *p, int i, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load16_u16(p, i, m)), 16));
+}
+
+#define FLOAT_ROW_KERNELS(name, load16)                                                           \
+    AVX512 static float dot_##name(const void *row, const void *x, int n) {                       \
+        const float *xf = x;                                                                      \
+        const __mmask16 all = 0xFFFF;                                                             \
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();                                \
+        int i = 0;                                                                                \
+        for (; i + 32 <= n; i += 32) {                                                            \
+            a0 = _mm512_fmadd_ps(load16(row, i, all), _mm512_loadu_ps(xf + i), a0);              \
+            a1 = _mm512_fmadd_ps(load16(row, i + 16, all), _mm512_loadu_ps(xf + i + 16), a1);    \
+        }                                                                                         \
+        for (; i < n; i += 16) {                                                                  \
+            const __mmask16 m = n - i >= 16 ? all : (__mmask16)((1u << (n - i)) - 1);            \
+            a0 = _mm512_fmadd_ps(load16(row, i, m), _mm512_maskz_loadu_ps(m, xf + i), a0);       \
+        }                                                                                         \
+        return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));                                       \
+    }                                                                                             \
+    AVX512 static void axpy_##name(float a, const void *row, float *y, int n) {                   \
+        const __m512 va = _mm512_set1_ps(a);                                                      \
+        for (int i = 0; i < n; i += 16) {                                                         \
+            const __mmask16 m = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);         \
+            const __m512 yi = _mm512_maskz_loadu_ps(m, y + i);                                    \
+            _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(va, load16(row, i, m), yi));          \
+        }                                                                                         \
+    }
+
+FLOAT_ROW_KERNELS(f32, load16_f32)
+FLOAT_ROW_KERNELS(f16, load16_f16)
+FLOAT_ROW_KERNELS(bf16, load16_bf16)
+
+/* ---- quantized formats --------------------------------------------------------------------- */
+
+/* The 32 int8 weights of a Q4_0 block (low nibbles: elements 0..15, high: 16..31). */
+AVX512 static inline __m256i unpack_q4_0(const uint8_t *qs) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(raw, m4);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+    return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
+}
+
+AVX512 static inline __m512i join256(__m256i lo, __m256i hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+/* 16 int32 lanes: lanes 0..7 sum block 0's 32 products, lanes 8..15 block 1's. Same unsigned x
+ * signed trick as the AVX2 kernel: |w| (128 for -128, read unsigned) times x carrying w's sign. */
+AVX512 static inline __m512i dot64_i8(__m512i w, __m512i x) {
+    const __mmask64 neg = _mm512_movepi8_mask(w);
+    const __m512i aw = _mm512_abs_epi8(w);
+    const __m512i sx = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(aw, sx), _mm512_set1_epi16(1));
+}
+
+/* Scale vector: s0 in lanes 0..7, s1 in lanes 8..15. */
+AVX512 static inline __m512 scales2(float s0, float s1) {
+    return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s0), _mm512_set1_ps(s1));
+}
+
+AVX512 static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One trailing block with 256-bit registers (odd block counts). */
+AVX512 static inline float dot_one_block(__m256i w, const pyrt_xq8 *xq, float dw) {
+    const __m256i x = _mm256_loadu_si256((const __m256i *)xq->q);
+    const __m256i p = _mm256_madd_epi16(
+        _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)),
+        _mm256_set1_epi16(1));
+    return hsum8(_mm256_mul_ps(_mm256_set1_ps(dw * xq->d), _mm256_cvtepi32_ps(p)));
+}
+
+#define QUANT_DOT(name, block_bytes, load_block)                                                  \
+    AVX512 static float dot_##name(const void *row, const void *x, int n) {                       \
+        const uint8_t *w = row;                                                                   \
+        const pyrt_xq8 *xq = x;                                                                   \
+        const int nb = n / PYRT_QK;                                                               \
+        __m512 acc = _mm512_setzero_ps();                                                         \
+        int b = 0;                                                                                \
+        for (; b + 2 <= nb; b += 2) {                                                             \
+            const uint8_t *w0 = w + (size_t)b * (block_bytes), *w1 = w0 + (block_bytes);         \
+            const __m512i wq = join256(load_block(w0), load_block(w1));                           \
+            const __m512i xv = join256(_mm256_loadu_si256((const __m256i *)xq[b].q),              \
+                                       _mm256_loadu_si256((const __m256i *)xq[b + 1].q));         \
+            const __m512 s = scales2(_cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d,                      \
+                                     _cvtsh_ss(pyrt_load_u16(w1)) * xq[b + 1].d);                 \
+            acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot64_i8(wq, xv)), acc);                  \
+        }                                                                                         \
+        float sum = _mm512_reduce_add_ps(acc);                                                    \
+        if (b < nb) {                                                                             \
+            const uint8_t *w0 = w + (size_t)b * (block_bytes);                                    \
+            sum += dot_one_block(load_block(w0), &xq[b], _cvtsh_ss(pyrt_load_u16(w0)));           \
+        }                                                                                         \
+        return sum;                                                                               \
+    }
+
+#define LOAD_Q8_0(wb) _mm256_loadu_si256((const __m256i *)((wb) + 2))
+#define LOAD_Q4_0(wb) unpack_q4_0((wb) + 2)
+
+QUANT_DOT(q8_0, PYRT_Q8_0_BYTES, LOAD_Q8_0)
+QUANT_DOT(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
+
+/* y[0:32] += s * q[0:32] for 32 int8 weights q. */
+AVX512 static inline void axpy32_i8(float s, __m256i q, float *y) {
+    const __m512 vs = _mm512_set1_ps(s);
+    const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+    const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+    _mm512_storeu_ps(y, _mm512_fmadd_ps(vs, f0, _mm512_loadu_ps(y)));
+    _mm512_storeu_ps(y + 16, _mm512_fmadd_ps(vs, f1, _mm512_loadu_ps(y + 16)));
+}
+
+AVX512 static void axpy_q8_0(float a, const void *row, float *y, int n) {
+    const uint8_t *w = row;
+    for (int b = 0; b < n / PYRT_QK; b++, w += PYRT_Q8_0_BYTES, y += PYRT_QK)
+        axpy32_i8(a * _cvtsh_ss(pyrt_load_u16(w)), LOAD_Q8_0(w), y);
+}
+
+AVX512 static void axpy_q4_0(float a, const void *row, float *y, int n) {
+    const uint8_t *w = row;
+    for (int b = 0; b < n / PYRT_QK; b++, w += PYRT_Q4_0_BYTES, y += PYRT_QK)
+        axpy32_i8(a * _cvtsh_ss(pyrt_load_u16(w)), LOAD_Q4_0(w), y);
+}
+
+static const pyrt_row_ops ops_f32 = {dot_f32, axpy_f32};
+static const pyrt_row_ops ops_f16 = {dot_f16, axpy_f16};
+static const pyrt_row_ops ops_bf16 = {dot_bf16, axpy_bf16};
+static const pyrt_row_ops ops_q8_0 = {dot_q8_0, axpy_q8_0};
+static const pyrt_row_ops ops_q4_0 = {dot_q4_0, axpy_q4_0};
+
+const pyrt_row_ops *pyrt_row_ops_avx512(int fmt) {
+    switch (fmt) {
+    case PYRT_FMT_F32:
+        return &ops_f32;
+    case PYRT_FMT_F16:
+        return &ops_f16;
+    case PYRT_FMT_BF16:
+        return &ops_bf16;
+    case PYRT_FMT_Q8_0:
+        return &ops_q8_0;
+    case PYRT_FMT_Q4_0:
+        return &ops_q4_0;
+    default:
+        return NULL;
+    }
+}
+
+#else /* not x86-64 */
+
+const pyrt_row_ops *pyrt_row_ops_avx512(int fmt) {
+    (void)fmt;
+    return NULL;
+}
+
+#endif

@@ -1,0 +1,172 @@
+/* Portable row kernels (any CPU), and the activation quantizer every SIMD level shares.
+ * These are also the reference the SIMD kernels are tested against in tests/c/. */
+#include <math.h>
+
+#include "pyrt_internal.h"
+
+/* ---- activation quantization --------------------------------------------------------------- */
+
+void pyrt_quantize_x_q8(const float *x, pyrt_xq8 *out, int n) {
+    for (int b = 0; b < n / PYRT_QK; b++) {
+        const float *xb = x + (size_t)b * PYRT_QK;
+        float amax = 0.0f;
+        for (int i = 0; i < PYRT_QK; i++)
+            amax = fmaxf(amax, fabsf(xb[i]));
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        out[b].d = d;
+        /* nearbyintf rounds half to even under the default rounding mode (as torch.round). */
+        for (int i = 0; i < PYRT_QK; i++)
+            out[b].q[i] = (int8_t)nearbyintf(xb[i] * id);
+    }
+}
+
+/* ---- float formats ------------------------------------------------------------------------- */
+
+/* Eight partial sums: shorter dependency chains and smaller rounding error than one. */
+#define DOT8(load)                                                                                \
+    float acc[8] = {0};                                                                           \
+    int i = 0;                                                                                    \
+    for (; i + 8 <= n; i += 8)                                                                    \
+        for (int l = 0; l < 8; l++)                                                               \
+            acc[l] += load(i + l) * xf[i + l];                                                    \
+    float sum = 0.0f;                                                                             \
+    for (; i < n; i++)                                                                            \
+        sum += load(i) * xf[i];                                                                   \
+    return sum + ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+
+static float dot_f32(const void *row, const void *x, int n) {
+    const float *w = row, *xf = x;
+#define LOAD(i) w[i]
+    DOT8(LOAD)
+#undef LOAD
+}
+
+static float dot_f16(const void *row, const void *x, int n) {
+    const uint16_t *w = row;
+    const float *xf = x;
+#define LOAD(i) pyrt_fp16_to_fp32(w[i])
+    DOT8(LOAD)
+#undef LOAD
+}
+
+static float dot_bf16(const void *row, const void *x, int n) {
+    const uint16_t *w = row;
+    const float *xf = x;
+#define LOAD(i) pyrt_bf16_to_fp32(w[i])
+    DOT8(LOAD)
+#undef LOAD
+}
+
+static void axpy_f32(float a, const void *row, float *y, int n) {
+    const float *w = row;
+    for (int i = 0; i < n; i++)
+        y[i] += a * w[i];
+}
+
+static void axpy_f16(float a, const void *row, float *y, int n) {
+    const uint16_t *w = row;
+    for (int i = 0; i < n; i++)
+        y[i] += a * pyrt_fp16_to_fp32(w[i]);
+}
+
+static void axpy_bf16(float a, const void *row, float *y, int n) {
+    const uint16_t *w = row;
+    for (int i = 0; i < n; i++)
+        y[i] += a * pyrt_bf16_to_fp32(w[i]);
+}
+
+/* ---- quantized formats: integer dot per block, f32 across blocks --------------------------- */
+
+static float dot_q8_0(const void *row, const void *x, int n) {
+    const uint8_t *w = row;
+    const pyrt_xq8 *xq = x;
+    float sum = 0.0f;
+    for (int b = 0; b < n / PYRT_QK; b++, w += PYRT_Q8_0_BYTES) {
+        const int8_t *q = (const int8_t *)(w + 2);
+        int32_t isum = 0;
+        for (int i = 0; i < PYRT_QK; i++)
+            isum += (int32_t)q[i] * xq[b].q[i];
+        sum += pyrt_fp16_to_fp32(pyrt_load_u16(w)) * xq[b].d * (float)isum;
+    }
+    return sum;
+}
+
+static float dot_q4_0(const void *row, const void *x, int n) {
+    const uint8_t *w = row;
+    const pyrt_xq8 *xq = x;
+    float sum = 0.0f;
+    for (int b = 0; b < n / PYRT_QK; b++, w += PYRT_Q4_0_BYTES) {
+        const uint8_t *qs = w + 2;
+        int32_t isum = 0;
+        for (int i = 0; i < PYRT_QK / 2; i++) {
+            isum += ((int32_t)(qs[i] & 0xF) - 8) * xq[b].q[i];
+            isum += ((int32_t)(qs[i] >> 4) - 8) * xq[b].q[i + PYRT_QK / 2];
+        }
+        sum += pyrt_fp16_to_fp32(pyrt_load_u16(w)) * xq[b].d * (float)isum;
+    }
+    return sum;
+}
+
+static void axpy_q8_0(float a, const void *row, float *y, int n) {
+    const uint8_t *w = row;
+    for (int b = 0; b < n / PYRT_QK; b++, w += PYRT_Q8_0_BYTES, y += PYRT_QK) {
+        const int8_t *q = (const int8_t *)(w + 2);
+        const float s = a * pyrt_fp16_to_fp32(pyrt_load_u16(w));
+        for (int i = 0; i < PYRT_QK; i++)
+            y[i] += s * (float)q[i];
+    }
+}
+
+static void axpy_q4_0(float a, const void *row, float *y, int n) {
+    const uint8_t *w = row;
+    for (int b = 0; b < n / PYRT_QK; b++, w += PYRT_Q4_0_BYTES, y += PYRT_QK) {
+        const uint8_t *qs = w + 2;
+        const float s = a * pyrt_fp16_to_fp32(pyrt_load_u16(w));
+        for (int i = 0; i < PYRT_QK / 2; i++) {
+            y[i] += s * (float)((int)(qs[i] & 0xF) - 8);
+            y[i + PYRT_QK / 2] += s * (float)((int)(qs[i] >> 4) - 8);
+        }
+    }
+}
+
+static const pyrt_row_ops ops_f32 = {dot_f32, axpy_f32};
+static const pyrt_row_ops ops_f16 = {dot_f16, axpy_f16};
+static const pyrt_row_ops ops_bf16 = {dot_bf16, axpy_bf16};
+static const pyrt_row_ops ops_q8_0 = {dot_q8_0, axpy_q8_0};
+static const pyrt_row_ops ops_q4_0 = {dot_q4_0, axpy_q4_0};
+
+const pyrt_row_ops *pyrt_row_ops_scalar(int fmt) {
+    switch (fmt) {
+    case PYRT_FMT_F32:
+        return &ops_f32;
+    case PYRT_FMT_F16:
+        return &ops_f16;
+    case PYRT_FMT_BF16:
+        return &ops_bf16;
+    case PYRT_FMT_Q8_0:
+        return &ops_q8_0;
+    case PYRT_FMT_Q4_0:
+        return &ops_q4_0;
+    default:
+        return NULL;
+    }
+}
+
+size_t pyrt_row_bytes(int fmt, int64_t n) {
+    if (n <= 0)
+        return 0;
+    switch (fmt) {
+    case PYRT_FMT_F32:
+        return (size_t)n * 4;
+    case PYRT_FMT_F16:
+    case PYRT_FMT_BF16:
+        return (size_t)n * 2;
+    case PYRT_FMT_Q8_0:
+        return n % PYRT_QK ? 0 : (size_t)(n / PYRT_QK) * PYRT_Q8_0_BYTES;
+    case PYRT_FMT_Q4_0:
+        return n % PYRT_QK ? 0 : (size_t)(n / PYRT_QK) * PYRT_Q4_0_BYTES;
+    default:
+        return 0;
+    }
+}

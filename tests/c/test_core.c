@@ -1,0 +1,365 @@
+/* C unit tests of the core, built with -fsanitize=address,undefined by tests/test_cpu_core.py.
+ *
+ * 1. Every SIMD level's row kernels (dot, axpy) against a float64 computation on the same
+ *    dequantized numbers, for every format, at lengths that hit every tail path; Q8_0 rows holding
+ *    -128 (the edge of the unsigned x signed multiply trick).
+ * 2. pyrt_moe_ffn against a naive float64 MoE, dense and sparse, several thread counts.
+ * 3. Errors: status codes, messages, thread-local last_error; pools built and freed repeatedly
+ *    (LeakSanitizer checks nothing is lost).
+ * Exit status 0 and "all C core tests passed" on success. */
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pyrt.h"
+#include "pyrt_internal.h"
+
+static int failures = 0;
+
+#define CHECK(cond, ...)                                                                          \
+    do {                                                                                          \
+        if (!(cond)) {                                                                            \
+            failures++;                                                                           \
+            printf("FAIL %s:%d: ", __FILE__, __LINE__);                                           \
+            printf(__VA_ARGS__);                                                                  \
+            printf("\n");                                                                         \
+        }                                                                                         \
+    } while (0)
+
+/* ---- deterministic random numbers ---------------------------------------------------------- */
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+
+static uint32_t rng_u32(void) {
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (uint32_t)(rng_state >> 16);
+}
+
+static float rng_normalish(void) { /* sum of 4 uniforms, centred: mean 0, sd ~0.58 */
+    float s = 0.0f;
+    for (int i = 0; i < 4; i++)
+        s += (float)rng_u32() / 4294967296.0f;
+    return s - 2.0f;
+}
+
+/* float -> half, round to nearest (test data only; values are small and normal). */
+static uint16_t fp16_from_fp32(float f) {
+    uint32_t x = pyrt_fp32_to_bits(f);
+    uint32_t sign = (x >> 16) & 0x8000;
+    int32_t exp = (int32_t)((x >> 23) & 0xFF) - 127 + 15;
+    uint32_t mant = x & 0x7FFFFF;
+    if (exp <= 0)
+        return (uint16_t)sign; /* flush tiny values: fine for test data */
+    uint32_t h = sign | ((uint32_t)exp << 10) | (mant >> 13);
+    if ((mant & 0x1FFF) > 0x1000 || ((mant & 0x1FFF) == 0x1000 && (h & 1)))
+        h++;
+    return (uint16_t)h;
+}
+
+/* ---- random rows in each format, and their exact values ------------------------------------ */
+
+/* Fill `row` (format fmt, n elements) with random data; values[i] gets its exact value. */
+static void make_row(int fmt, int n, uint8_t *row, double *values, int with_min_int8) {
+    switch (fmt) {
+    case PYRT_FMT_F32:
+        for (int i = 0; i < n; i++) {
+            float v = rng_normalish();
+            memcpy(row + 4 * i, &v, 4);
+            values[i] = v;
+        }
+        break;
+    case PYRT_FMT_F16:
+    case PYRT_FMT_BF16:
+        for (int i = 0; i < n; i++) {
+            float v = rng_normalish();
+            uint16_t h = fmt == PYRT_FMT_F16 ? fp16_from_fp32(v)
+                                             : (uint16_t)(pyrt_fp32_to_bits(v) >> 16);
+            memcpy(row + 2 * i, &h, 2);
+            values[i] = fmt == PYRT_FMT_F16 ? pyrt_fp16_to_fp32(h) : pyrt_bf16_to_fp32(h);
+        }
+        break;
+    case PYRT_FMT_Q8_0:
+        for (int b = 0; b < n / 32; b++) {
+            uint8_t *blk = row + b * PYRT_Q8_0_BYTES;
+            uint16_t d = fp16_from_fp32(0.01f + 0.02f * (float)(rng_u32() % 100) / 100.0f);
+            memcpy(blk, &d, 2);
+            for (int i = 0; i < 32; i++) {
+                int8_t q = (int8_t)(rng_u32() & 0xFF); /* full range, -128 included */
+                if (with_min_int8 && i % 5 == 0)
+                    q = -128;
+                blk[2 + i] = (uint8_t)q;
+                values[b * 32 + i] = (double)pyrt_fp16_to_fp32(d) * q;
+            }
+        }
+        break;
+    case PYRT_FMT_Q4_0:
+        for (int b = 0; b < n / 32; b++) {
+            uint8_t *blk = row + b * PYRT_Q4_0_BYTES;
+            uint16_t d = fp16_from_fp32(0.05f + 0.1f * (float)(rng_u32() % 100) / 100.0f);
+            memcpy(blk, &d, 2);
+            for (int i = 0; i < 16; i++) {
+                uint8_t qs = (uint8_t)(rng_u32() & 0xFF);
+                blk[2 + i] = qs;
+                values[b * 32 + i] = (double)pyrt_fp16_to_fp32(d) * ((qs & 0xF) - 8);
+                values[b * 32 + i + 16] = (double)pyrt_fp16_to_fp32(d) * ((qs >> 4) - 8);
+            }
+        }
+        break;
+    }
+}
+
+static const int FORMATS[] = {PYRT_FMT_F32, PYRT_FMT_F16, PYRT_FMT_BF16, PYRT_FMT_Q8_0,
+                              PYRT_FMT_Q4_0};
+
+static int is_quant(int fmt) {
+    return fmt == PYRT_FMT_Q8_0 || fmt == PYRT_FMT_Q4_0;
+}
+
+/* ---- 1. row kernels ------------------------------------------------------------------------ */
+
+static void test_row_kernels(void) {
+    const int lengths_float[] = {1, 7, 8, 15, 16, 17, 31, 32, 33, 83, 256, 1027};
+    const int lengths_quant[] = {32, 64, 96, 2048};
+    const double u = ldexp(1.0, -24);
+    for (int level = PYRT_SIMD_SCALAR; level <= pyrt_simd_best(); level++) {
+        for (size_t f = 0; f < sizeof FORMATS / sizeof *FORMATS; f++) {
+            const int fmt = FORMATS[f];
+            const pyrt_row_ops *ops = level == PYRT_SIMD_AVX512 ? pyrt_row_ops_avx512(fmt)
+                                      : level == PYRT_SIMD_AVX2 ? pyrt_row_ops_avx2(fmt)
+                                                                : pyrt_row_ops_scalar(fmt);
+            CHECK(ops != NULL, "level %d has no kernels for format %d", level, fmt);
+            if (ops == NULL)
+                continue;
+            const int *lengths = is_quant(fmt) ? lengths_quant : lengths_float;
+            const int n_lengths = is_quant(fmt) ? 4 : 12;
+            for (int li = 0; li < n_lengths; li++) {
+                const int n = lengths[li];
+                uint8_t *row = malloc(pyrt_row_bytes(fmt, n));
+                double *wv = malloc(sizeof(double) * n);
+                float *x = malloc(sizeof(float) * n);
+                double *xv = malloc(sizeof(double) * n);
+                pyrt_xq8 *xq = malloc(sizeof(pyrt_xq8) * (n / 32 + 1));
+                float *y = malloc(sizeof(float) * n);
+                double *yref = malloc(sizeof(double) * n);
+                make_row(fmt, n, row, wv, li % 2);
+                for (int i = 0; i < n; i++)
+                    x[i] = rng_normalish();
+                if (is_quant(fmt)) {
+                    pyrt_quantize_x_q8(x, xq, n);
+                    for (int i = 0; i < n; i++)
+                        xv[i] = (double)xq[i / 32].d * xq[i / 32].q[i % 32];
+                } else {
+                    for (int i = 0; i < n; i++)
+                        xv[i] = x[i];
+                }
+                double ref = 0.0, absum = 0.0;
+                for (int i = 0; i < n; i++) {
+                    ref += wv[i] * xv[i];
+                    absum += fabs(wv[i] * xv[i]);
+                }
+                const float got = ops->dot(row, is_quant(fmt) ? (const void *)xq : x, n);
+                CHECK(fabs(got - ref) <= (n + 4) * u * absum + 1e-30,
+                      "dot level %d fmt %d n %d: %.9g vs %.9g", level, fmt, n, got, ref);
+
+                const float a = 0.75f;
+                for (int i = 0; i < n; i++) {
+                    y[i] = x[i];
+                    yref[i] = x[i] + (double)a * wv[i];
+                }
+                ops->axpy(a, row, y, n);
+                for (int i = 0; i < n; i++) {
+                    const double tol = 3 * u * (fabs(x[i]) + fabs(a * wv[i])) + 1e-30;
+                    if (fabs(y[i] - yref[i]) > tol) {
+                        CHECK(0, "axpy level %d fmt %d n %d at %d: %.9g vs %.9g", level, fmt, n,
+                              i, y[i], yref[i]);
+                        break;
+                    }
+                }
+                free(row), free(wv), free(x), free(xv), free(xq), free(y), free(yref);
+            }
+        }
+    }
+}
+
+static void test_quantize_x(void) {
+    float x[64];
+    pyrt_xq8 q[2];
+    for (int i = 0; i < 32; i++)
+        x[i] = 0.0f; /* an all-zero block: d = 0, q = 0, no division by zero */
+    for (int i = 32; i < 64; i++)
+        x[i] = (float)(i - 48);
+    pyrt_quantize_x_q8(x, q, 64);
+    CHECK(q[0].d == 0.0f && q[0].q[5] == 0, "zero block");
+    CHECK(q[1].q[0] == -127 && fabsf(q[1].d - 16.0f / 127.0f) < 1e-7f, "amax maps to -127");
+    int maxq = 0;
+    for (int i = 0; i < 32; i++)
+        maxq = abs(q[1].q[i]) > maxq ? abs(q[1].q[i]) : maxq;
+    CHECK(maxq == 127, "max |q| is 127, got %d", maxq);
+}
+
+/* ---- 2. the MoE kernel --------------------------------------------------------------------- */
+
+static double act_silu(double g) {
+    return g / (1.0 + exp(-g));
+}
+
+static void test_moe_ffn(void) {
+    enum { E = 5, FF = 13, T = 4, K = 2 };
+    for (size_t f = 0; f < sizeof FORMATS / sizeof *FORMATS; f++) {
+        const int fmt = FORMATS[f];
+        const int D = is_quant(fmt) ? 64 : 45;
+        const size_t rb = pyrt_row_bytes(fmt, D);
+        uint8_t *gud = malloc((size_t)E * FF * 3 * rb);
+        double *wv = malloc(sizeof(double) * E * FF * 3 * D);
+        for (int r = 0; r < E * FF * 3; r++)
+            make_row(fmt, D, gud + r * rb, wv + (size_t)r * D, 0);
+        float x[T * 64], tw[T * K], y[T * 64];
+        int32_t ids[T * K];
+        for (int i = 0; i < T * D; i++)
+            x[i] = rng_normalish();
+        for (int t = 0; t < T; t++) {
+            ids[t * K] = (int32_t)(rng_u32() % E);
+            ids[t * K + 1] = (ids[t * K] + 1 + (int32_t)(rng_u32() % (E - 1))) % E;
+            tw[t * K] = 0.7f, tw[t * K + 1] = 0.3f;
+        }
+        /* the x the kernel computes with */
+        double xv[T * 64];
+        for (int t = 0; t < T; t++) {
+            if (is_quant(fmt)) {
+                pyrt_xq8 xq[2];
+                pyrt_quantize_x_q8(x + t * D, xq, D);
+                for (int i = 0; i < D; i++)
+                    xv[t * D + i] = (double)xq[i / 32].d * xq[i / 32].q[i % 32];
+            } else {
+                for (int i = 0; i < D; i++)
+                    xv[t * D + i] = x[t * D + i];
+            }
+        }
+        const double thresholds[] = {0.0, 0.05};
+        for (int ti = 0; ti < 2; ti++) {
+            const double thr = thresholds[ti];
+            double yref[T * 64] = {0}, yabs[T * 64] = {0};
+            int64_t active_ref = 0, near = 0;
+            for (int t = 0; t < T; t++)
+                for (int k = 0; k < K; k++) {
+                    const double *we = wv + (size_t)ids[t * K + k] * FF * 3 * D;
+                    for (int j = 0; j < FF; j++) {
+                        double g = 0, u = 0;
+                        for (int i = 0; i < D; i++) {
+                            g += we[(3 * j) * D + i] * xv[t * D + i];
+                            u += we[(3 * j + 1) * D + i] * xv[t * D + i];
+                        }
+                        const double a = act_silu(g);
+                        if (thr > 0 && fabs(fabs(a) - thr) < 1e-4)
+                            near++;
+                        if (fabs(a) < thr)
+                            continue;
+                        active_ref++;
+                        for (int i = 0; i < D; i++) {
+                            const double c = tw[t * K + k] * a * u * we[(3 * j + 2) * D + i];
+                            yref[t * D + i] += c;
+                            yabs[t * D + i] += fabs(c) + fabs(tw[t * K + k] * u);
+                        }
+                    }
+                }
+            for (int nth = 1; nth <= 3; nth++) {
+                pyrt_pool *pool = NULL;
+                CHECK(pyrt_pool_create(nth, &pool) == PYRT_OK, "pool %d", nth);
+                int64_t active = -1;
+                int rc = pyrt_moe_ffn(pool, gud, (size_t)E * FF * 3 * rb, fmt, E, FF, D, x, T, ids,
+                                      tw, K, PYRT_ACT_SILU, (float)thr, y, &active);
+                CHECK(rc == PYRT_OK, "moe_ffn fmt %d: %s", fmt, pyrt_last_error());
+                if (near == 0)
+                    CHECK(active == active_ref, "fmt %d thr %g: active %lld vs %lld", fmt, thr,
+                          (long long)active, (long long)active_ref);
+                if (thr == 0.0)
+                    CHECK(active == (int64_t)T * K * FF, "dense active count");
+                for (int i = 0; i < T * D && near == 0; i++)
+                    if (fabs(y[i] - yref[i]) > 1e-4 * yabs[i] + 1e-6) {
+                        CHECK(0, "moe fmt %d thr %g nth %d y[%d] = %.7g vs %.7g", fmt, thr, nth,
+                              i, y[i], yref[i]);
+                        break;
+                    }
+                pyrt_pool_free(pool);
+            }
+        }
+        free(gud);
+        free(wv);
+    }
+}
+
+/* ---- 3. errors ----------------------------------------------------------------------------- */
+
+static void *other_thread_error(void *arg) {
+    (void)arg;
+    /* last_error is per thread: this thread has not failed, so its message is empty. */
+    return (void *)(uintptr_t)(pyrt_last_error()[0] == '\0');
+}
+
+static void test_errors(void) {
+    pyrt_pool *pool = NULL;
+    CHECK(pyrt_pool_create(0, &pool) == PYRT_E_INVALID && pool == NULL, "zero threads");
+    CHECK(strstr(pyrt_last_error(), "n_threads") != NULL, "message: %s", pyrt_last_error());
+    CHECK(pyrt_pool_create(2, NULL) == PYRT_E_INVALID, "NULL out");
+
+    pthread_t th;
+    void *ok = NULL;
+    pthread_create(&th, NULL, other_thread_error, NULL);
+    pthread_join(th, &ok);
+    CHECK(ok != NULL, "last_error is thread-local");
+
+    CHECK(pyrt_pool_create(2, &pool) == PYRT_OK, "pool");
+    CHECK(pyrt_last_error()[0] == '\0', "success clears the message");
+    float x[64] = {0}, y[64], tw[1] = {1.0f};
+    int32_t ids[1] = {0};
+    uint8_t gud[3 * 64 * 4] = {0};
+    CHECK(pyrt_moe_ffn(pool, gud, sizeof gud, 5, 1, 1, 64, x, 1, ids, tw, 1, 0, 0.0f, y, NULL) ==
+              PYRT_E_INVALID, "unknown format");
+    CHECK(strstr(pyrt_last_error(), "unknown weight format 5") != NULL, "%s", pyrt_last_error());
+    CHECK(pyrt_moe_ffn(pool, gud, sizeof gud - 1, 0, 1, 1, 64, x, 1, ids, tw, 1, 0, 0.0f, y,
+                       NULL) == PYRT_E_INVALID, "short weights");
+    CHECK(pyrt_moe_ffn(pool, gud, sizeof gud, 8, 1, 1, 48, x, 1, ids, tw, 1, 0, 0.0f, y, NULL) ==
+              PYRT_E_INVALID, "Q8_0 with n_embd 48");
+    ids[0] = 1;
+    CHECK(pyrt_moe_ffn(pool, gud, sizeof gud, 0, 1, 1, 64, x, 1, ids, tw, 1, 0, 0.0f, y, NULL) ==
+              PYRT_E_INVALID, "expert id out of range");
+    ids[0] = 0;
+    CHECK(pyrt_moe_ffn(pool, gud, sizeof gud, 0, 1, 1, 64, NULL, 1, ids, tw, 1, 0, 0.0f, y,
+                       NULL) == PYRT_E_INVALID, "NULL x");
+    CHECK(pyrt_moe_ffn(NULL, gud, sizeof gud, 0, 1, 1, 64, x, 1, ids, tw, 1, 0, 0.0f, y, NULL) ==
+              PYRT_E_INVALID, "NULL pool");
+    CHECK(pyrt_moe_ffn(pool, gud, sizeof gud, 0, 1, 1, 64, x, 1, ids, tw, 1, 7, 0.0f, y, NULL) ==
+              PYRT_E_INVALID, "bad activation");
+    CHECK(pyrt_moe_ffn(pool, gud, sizeof gud, 0, 1, 1, 64, x, 1, ids, tw, 1, 0, -1.0f, y, NULL) ==
+              PYRT_E_INVALID, "negative threshold");
+    CHECK(pyrt_moe_ffn(pool, gud, sizeof gud, 0, 1, 1, 64, x, 1, ids, tw, 1, 0, 0.0f, y, NULL) ==
+              PYRT_OK, "valid call: %s", pyrt_last_error());
+    CHECK(pyrt_simd_force(pyrt_simd_best() + 1) != PYRT_OK || pyrt_simd_best() == PYRT_SIMD_AVX512,
+          "cannot force a level the CPU lacks");
+    CHECK(pyrt_simd_force(-1) == PYRT_E_INVALID, "unknown level");
+    pyrt_pool_free(pool);
+    pyrt_pool_free(NULL);
+
+    for (int i = 0; i < 20; i++) { /* build/free churn: LeakSanitizer reports anything lost */
+        CHECK(pyrt_pool_create(1 + i % 4, &pool) == PYRT_OK, "pool churn");
+        pyrt_pool_free(pool);
+    }
+    CHECK(pyrt_physical_cores() >= 1, "physical cores");
+}
+
+int main(void) {
+    test_quantize_x();
+    test_row_kernels();
+    test_moe_ffn();
+    test_errors();
+    if (failures) {
+        printf("%d C core test(s) failed\n", failures);
+        return 1;
+    }
+    printf("all C core tests passed\n");
+    return 0;
+}

@@ -1,0 +1,210 @@
+"""pyruntime.Model on the demo model (f32 GGUF) vs transformers float32 on the same checkpoint."""
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pyruntime.api import Model
+from pyruntime.chat_template import ChatTemplateError, render_chat
+from pyruntime.demo import DEMO_SOURCE, demo_model_path
+from pyruntime.errors import ModelFileError, UsageError
+from pyruntime.perplexity import perplexity, split_windows
+
+PROMPT = "The hacker wrote a program that"
+N_GREEDY = 20
+MESSAGES = [
+    {"role": "system", "content": "You are a fortune cookie."},
+    {"role": "user", "content": "Tell me a fortune."},
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory) -> Path:
+    return demo_model_path(tmp_path_factory.getbasetemp() / "pyruntime-cache", quiet=True)
+
+
+@pytest.fixture(scope="module")
+def model(gguf_path) -> Model:
+    return Model(gguf_path, n_ctx=512, seed=0)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(DEMO_SOURCE, dtype=torch.float32)
+    return m.eval()
+
+
+def hf_greedy(hf_model, ids: list[int], n: int) -> list[int]:
+    """Plain greedy decoding, recomputing the whole sequence each step (no stop tokens)."""
+    ids = list(ids)
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf_model(torch.tensor([ids])).logits[0, -1]
+            out.append(int(torch.argmax(logits)))
+            ids.append(out[-1])
+    return out
+
+
+def test_tokenize_detokenize_roundtrip(model):
+    ids = model.tokenize(PROMPT)
+    assert all(isinstance(i, int) for i in ids)
+    assert model.detokenize(ids) == PROMPT
+
+
+def test_logits_match_transformers(model, hf_model):
+    ids = model.tokenize(PROMPT + " prints the answer to every question.")
+    ours = model.logits(ids)
+    assert ours.dtype == np.float32 and ours.shape == (len(ids), model.config.n_vocab)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].float()
+    diff = torch.log_softmax(torch.from_numpy(ours), -1) - torch.log_softmax(ref, -1)
+    assert diff.abs().max().item() <= 1e-3  # issue #2's f32 parity bound
+    # a fresh cache each call: the same ids give the same logits
+    np.testing.assert_array_equal(model.logits(ids), ours)
+
+
+def test_greedy_generation_equals_transformers(model, hf_model):
+    ids = model.tokenize(PROMPT)
+    stream = model.generate(PROMPT, max_tokens=N_GREEDY, temp=0, ignore_eos=True)
+    text = "".join(stream)
+    expected = hf_greedy(hf_model, ids, N_GREEDY)
+    assert stream.token_ids == expected
+    assert text == model.detokenize(expected)
+    assert stream.finish_reason == "length"
+
+
+def test_seeded_sampling_reproduces(model):
+    a = "".join(model.generate(PROMPT, max_tokens=24, seed=42, temp=1.2))
+    b = "".join(model.generate(PROMPT, max_tokens=24, seed=42, temp=1.2))
+    c = "".join(model.generate(PROMPT, max_tokens=24, seed=43, temp=1.2))
+    assert a == b
+    assert a != c
+
+
+def test_model_seed_makes_a_run_of_calls_reproducible(gguf_path):
+    def run() -> list[str]:
+        m = Model(gguf_path, n_ctx=128, seed=7)
+        return ["".join(m.generate(PROMPT, max_tokens=12, temp=1.0)) for _ in range(2)]
+
+    first = run()
+    assert first == run()
+    assert first[0] != first[1]  # the stream moves on between calls
+
+
+def test_chat_completion_shape(model):
+    reply = model.create_chat_completion(MESSAGES, max_tokens=32, seed=1)
+    assert reply["object"] == "chat.completion"
+    assert reply["id"].startswith("chatcmpl-")
+    assert isinstance(reply["created"], int) and reply["model"] == "tiny-olmoe"
+    choice = reply["choices"][0]
+    assert choice["index"] == 0 and choice["message"]["role"] == "assistant"
+    assert choice["finish_reason"] in ("stop", "length")
+    assert choice["message"]["content"].strip()
+    usage = reply["usage"]
+    prompt_ids = model.tokenize(model.apply_chat_template(MESSAGES))
+    assert usage["prompt_tokens"] == len(prompt_ids)
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert "<|im_end|>" not in choice["message"]["content"]
+
+
+def test_chat_stream_chunks_equal_the_whole_reply(model):
+    whole = model.create_chat_completion(MESSAGES, max_tokens=32, seed=3)
+    chunks = list(model.create_chat_completion(MESSAGES, stream=True, max_tokens=32, seed=3))
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == whole["choices"][0]["message"]["content"]
+    assert len({c["id"] for c in chunks}) == 1
+
+
+def test_chat_stop_string_and_length(model):
+    reply = model.create_chat_completion(MESSAGES, max_tokens=3, temperature=0)
+    assert reply["choices"][0]["finish_reason"] == "length"
+    assert reply["usage"]["completion_tokens"] == 3
+    full = model.create_chat_completion(MESSAGES, max_tokens=40, temperature=0)
+    content = full["choices"][0]["message"]["content"]
+    cut = content[3:6]
+    assert cut.strip(), content
+    stopped = model.create_chat_completion(MESSAGES, max_tokens=40, temperature=0, stop=[cut])
+    assert stopped["choices"][0]["message"]["content"] == content[: content.index(cut)]
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+
+
+def test_second_chat_turn_reuses_the_cache_and_matches_a_fresh_model(model, gguf_path):
+    model.reset()
+    first = model.create_chat_completion(MESSAGES, max_tokens=16, temperature=0)
+    history = [*MESSAGES, first["choices"][0]["message"], {"role": "user", "content": "Again."}]
+    prompt_ids = model.tokenize(model.apply_chat_template(history))
+    stream = model.generate(prompt_ids, max_tokens=16, temp=0)
+    reused = "".join(stream)
+    assert stream.stats.prompt_evaluated < len(prompt_ids) - len(model.tokenize(MESSAGES[1]["content"]))
+    fresh = Model(gguf_path, n_ctx=512)
+    assert "".join(fresh.generate(prompt_ids, max_tokens=16, temp=0)) == reused
+
+
+def test_chat_template_errors(model):
+    with pytest.raises(ChatTemplateError, match="no system messages"):
+        render_chat(
+            "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system messages') }}"
+            "{% endif %}",
+            MESSAGES,
+        )
+    with pytest.raises(ModelFileError, match="no chat template"):
+        render_chat(None, MESSAGES, source="x.gguf")
+    with pytest.raises(UsageError, match="unknown role"):
+        model.create_chat_completion([{"role": "robot", "content": "hi"}])
+    with pytest.raises(UsageError, match="non-empty list"):
+        model.create_chat_completion([])
+
+
+def test_template_sees_bos_eos_and_generation_prompt():
+    template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}" + (
+        "{% if add_generation_prompt %}|{{ eos_token }}{% endif %}"
+    )
+    assert render_chat(template, MESSAGES[1:], "<s>", "</s>") == "<s>Tell me a fortune.|</s>"
+    assert render_chat(template, MESSAGES[1:], "<s>", "</s>", add_generation_prompt=False) == (
+        "<s>Tell me a fortune."
+    )
+
+
+def test_overlong_prompt_is_a_usage_error(gguf_path):
+    small = Model(gguf_path, n_ctx=8)
+    with pytest.raises(UsageError, match="context holds 8"):
+        list(small.generate("word " * 20, max_tokens=4))
+
+
+def test_split_windows_drops_only_a_one_token_tail():
+    assert split_windows(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert split_windows(9, 4) == [(0, 4), (4, 8)]
+    with pytest.raises(UsageError):
+        split_windows(10, 1)
+
+
+def test_perplexity_matches_transformers(model, hf_model, shared):
+    text = (shared / "data" / "eval-jargon.txt").read_text(encoding="utf-8")[:6000]
+    ids = model.tokenize(text)
+    ctx = 256
+    result = perplexity(model, ids, ctx)
+    # reference: the same windows through transformers float32
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(ids), ctx):
+            window = ids[start : start + ctx]
+            if len(window) < 2:
+                continue
+            logits = hf_model(torch.tensor([window])).logits[0].double()
+            logprobs = torch.log_softmax(logits[:-1], -1)
+            total -= float(logprobs.gather(1, torch.tensor(window[1:])[:, None]).sum())
+            count += len(window) - 1
+    assert result.tokens_scored == count == len(ids) - math.ceil(len(ids) / ctx)
+    assert result.windows == math.ceil(len(ids) / ctx)
+    assert result.ppl == pytest.approx(math.exp(total / count), rel=1e-3)
+    assert 1.0 < result.ppl < model.config.n_vocab

@@ -1,0 +1,440 @@
+"""HF -> GGUF converter: layout contract (docs/gguf-layout.md), errors, CLI, Hub cache.
+
+The reference for every tensor is the transformers model itself (loaded with from_pretrained,
+i.e. through transformers' own checkpoint conversion), mapped to GGUF names here independently
+of the converter's code. f32/f16 must match exactly; bf16/q8_0/q4_0 must be byte-identical to
+`gguf.quants.quantize` of the reference rows (and within the format's rounding bound).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize, quantize
+from hf_fixtures import ARCHS, make_tiny_hf_model
+from safetensors.torch import load_file, save_file
+
+from pyruntime.converter import convert, supported_architectures
+from pyruntime.errors import ConversionError
+
+Q = GGMLQuantizationType
+REPO = Path(__file__).resolve().parents[1]
+GGUF_ARCH = {
+    "olmoe": "olmoe",
+    "qwen2moe": "qwen2moe",
+    "qwen3moe": "qwen3moe",
+    "mixtral": "llama",
+    "granitemoe": "granitemoe",
+}
+W_TYPE = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
+FILE_TYPE = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2}
+
+
+@pytest.fixture(scope="module")
+def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("hf")
+
+
+@cache
+def _model(root: Path, arch: str, fused: bool) -> tuple[Path, dict[str, np.ndarray]]:
+    """(checkpoint dir, reference GGUF tensors) for one arch and expert storage, built once."""
+    path = make_tiny_hf_model(arch, root / f"{arch}-{'fused' if fused else 'split'}", fused)
+    return path, _reference_tensors(arch, path)
+
+
+def _reference_tensors(arch: str, path: Path) -> dict[str, np.ndarray]:
+    """GGUF name -> float32 array from transformers' in-memory weights (docs/gguf-layout.md)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    cfg = model.config
+    out = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out["output.weight"] = sd["lm_head.weight"]
+    moe = "block_sparse_moe" if arch == "granitemoe" else "mlp"
+    for i in range(cfg.num_hidden_layers):
+        p, b = f"model.layers.{i}", f"blk.{i}"
+        out[f"{b}.attn_norm.weight"] = sd[f"{p}.input_layernorm.weight"]
+        out[f"{b}.ffn_norm.weight"] = sd[f"{p}.post_attention_layernorm.weight"]
+        for proj, name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
+            out[f"{b}.{name}.weight"] = sd[f"{p}.self_attn.{proj}_proj.weight"]
+            if f"{p}.self_attn.{proj}_proj.bias" in sd:
+                out[f"{b}.{name}.bias"] = sd[f"{p}.self_attn.{proj}_proj.bias"]
+        for norm in ("q_norm", "k_norm"):
+            if f"{p}.self_attn.{norm}.weight" in sd:
+                out[f"{b}.attn_{norm}.weight"] = sd[f"{p}.self_attn.{norm}.weight"]
+        gu = sd.get(f"{p}.{moe}.experts.gate_up_proj")  # [E, 2*ff, n], gate rows then up rows
+        if gu is None:  # dense layer
+            for proj in ("gate", "up", "down"):
+                out[f"{b}.ffn_{proj}.weight"] = sd[f"{p}.mlp.{proj}_proj.weight"]
+            continue
+        down = sd[f"{p}.{moe}.experts.down_proj"]  # [E, n, ff]
+        ff = down.shape[2]
+        gud = np.empty((gu.shape[0], ff, 3, gu.shape[2]), np.float32)
+        for e in range(gu.shape[0]):
+            for j in range(ff):
+                gud[e, j] = gu[e, j], gu[e, ff + j], down[e, :, j]
+        out[f"{b}.ffn_gud_exps.weight"] = gud
+        router = sd.get(f"{p}.{moe}.gate.weight", sd.get(f"{p}.{moe}.router.weight"))
+        out[f"{b}.ffn_gate_inp.weight"] = router
+        if f"{p}.mlp.shared_expert_gate.weight" in sd:
+            out[f"{b}.ffn_gate_inp_shexp.weight"] = sd[f"{p}.mlp.shared_expert_gate.weight"][0]
+            for proj in ("gate", "up", "down"):
+                out[f"{b}.ffn_{proj}_shexp.weight"] = sd[f"{p}.mlp.shared_expert.{proj}_proj.weight"]
+    return out
+
+
+def _expected_type(name: str, ref: np.ndarray, outtype: str) -> GGMLQuantizationType:
+    if ref.ndim == 1 or "ffn_gate_inp" in name:
+        return Q.F32  # norms, biases, routers, shared-expert gate
+    w = W_TYPE[outtype]
+    if w == Q.Q4_0 and name in ("token_embd.weight", "output.weight"):
+        w = Q.Q8_0
+    if w in (Q.Q8_0, Q.Q4_0) and ref.shape[-1] % 32:
+        w = Q.F16
+    return w
+
+
+def _field(reader: GGUFReader, key: str):
+    field = reader.fields.get(key)
+    assert field is not None, f"missing key {key}"
+    return field.contents()
+
+
+def _check_tensors(gguf_path: Path, ref: dict[str, np.ndarray], outtype: str) -> None:
+    reader = GGUFReader(gguf_path)
+    tensors = {t.name: t for t in reader.tensors}
+    assert set(tensors) == set(ref)
+    for name, t in tensors.items():
+        want = ref[name]
+        assert [int(d) for d in reversed(t.shape)] == list(want.shape), name
+        qtype = _expected_type(name, want, outtype)
+        assert t.tensor_type == qtype, (name, t.tensor_type)
+        if qtype == Q.F32:
+            assert np.array_equal(np.asarray(t.data).reshape(want.shape), want), name
+        elif qtype == Q.F16:
+            assert np.array_equal(np.asarray(t.data).reshape(want.shape), want.astype(np.float16)), name
+        else:
+            # byte-identical to quantizing the reference rows, and within the format's bound
+            data = np.asarray(t.data)
+            assert np.array_equal(data, quantize(want, qtype)), name
+            got = dequantize(data, qtype)
+            assert np.array_equal(got, dequantize(quantize(want, qtype), qtype)), name
+            row_max = np.abs(want).max(axis=-1, keepdims=True)
+            # Q8_0: |err| <= d/2 (d = blockmax/127); Q4_0: |err| <= d (d = blockmax/8); bf16: 2^-8 rel
+            bound = {Q.Q8_0: row_max / 127, Q.Q4_0: row_max / 7, Q.BF16: row_max / 128}[qtype]
+            assert np.all(np.abs(got - want) <= bound + 1e-7), name
+
+
+@pytest.mark.parametrize("outtype", ["f32", "f16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tensors_match_hf(models_root: Path, tmp_path: Path, arch: str, fused: bool, outtype: str):
+    model_dir, ref = _model(models_root, arch, fused)
+    out = convert(model_dir, tmp_path / "m.gguf", outtype, progress=False)
+    assert out == tmp_path / "m.gguf"
+    _check_tensors(out, ref, outtype)
+    assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"]  # no temp file left
+
+
+def test_bf16(models_root: Path, tmp_path: Path):
+    model_dir, ref = _model(models_root, "qwen2moe", False)
+    _check_tensors(convert(model_dir, tmp_path / "m.gguf", "bf16", progress=False), ref, "bf16")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_metadata(models_root: Path, tmp_path: Path, arch: str):
+    model_dir, _ = _model(models_root, arch, False)
+    r = GGUFReader(convert(model_dir, tmp_path / "m.gguf", "q8_0", progress=False))
+    cfg = json.loads((model_dir / "config.json").read_text())
+    a = GGUF_ARCH[arch]
+    n_expert = cfg.get("num_experts") or cfg.get("num_local_experts")
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    expect = {
+        "general.architecture": a,
+        "general.name": model_dir.name,
+        "general.file_type": 7,
+        "general.quantization_version": 2,
+        "pyruntime.layout_version": 1,
+        "pyruntime.hf_architecture": cfg["architectures"][0],
+        "pyruntime.expert_activation": "silu",
+        f"{a}.vocab_size": 4096,
+        f"{a}.context_length": 256,
+        f"{a}.embedding_length": 64,
+        f"{a}.block_count": 2,
+        f"{a}.expert_feed_forward_length": cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+        f"{a}.expert_count": n_expert,
+        f"{a}.expert_used_count": 2,
+        f"{a}.expert_weights_norm": arch in ("mixtral", "granitemoe"),
+        f"{a}.attention.head_count": 4,
+        f"{a}.attention.head_count_kv": 2,
+        f"{a}.attention.key_length": head_dim,
+        f"{a}.attention.value_length": head_dim,
+        f"{a}.rope.dimension_count": head_dim,
+        f"{a}.rope.freq_base": cfg["rope_parameters"]["rope_theta"],
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.eos_token_id": 0,
+        "tokenizer.ggml.eot_token_id": 2,  # <|im_end|>
+        "tokenizer.ggml.padding_token_id": 0,
+        "tokenizer.ggml.add_bos_token": False,
+        "pyruntime.stop_token_ids": [0, 2],
+    }
+    if arch in ("qwen2moe", "qwen3moe"):
+        expect[f"{a}.feed_forward_length"] = 96  # the dense layer's n_ff
+    if arch == "qwen2moe":
+        expect[f"{a}.expert_shared_feed_forward_length"] = 64
+    if arch == "granitemoe":
+        expect |= {
+            f"{a}.embedding_scale": 12.0,
+            f"{a}.residual_scale": pytest.approx(0.22),
+            f"{a}.attention.scale": 0.0078125,
+            f"{a}.logit_scale": 6.0,
+        }
+    for key, value in expect.items():
+        assert _field(r, key) == value, key
+    assert _field(r, f"{a}.attention.layer_norm_rms_epsilon") == pytest.approx(1e-6)
+    assert (f"{a}.feed_forward_length" in r.fields) == (arch in ("qwen2moe", "qwen3moe"))
+    assert "tokenizer.ggml.bos_token_id" not in r.fields
+    # tokenizer: verbatim json, vocab/merges/types from it, chat template from tokenizer_config
+    tok_json = (model_dir / "tokenizer.json").read_text()
+    assert _field(r, "tokenizer.huggingface.json") == tok_json
+    tok = json.loads(tok_json)
+    tokens = _field(r, "tokenizer.ggml.tokens")
+    assert len(tokens) == 4096 and tokens[2] == "<|im_end|>"
+    assert all(tokens[i] == t for t, i in tok["model"]["vocab"].items() if i > 2)
+    assert _field(r, "tokenizer.ggml.token_type")[:4] == [3, 3, 3, 1]
+    merges = tok["model"]["merges"]
+    assert _field(r, "tokenizer.ggml.merges") == [m if isinstance(m, str) else " ".join(m) for m in merges]
+    tc = json.loads((model_dir / "tokenizer_config.json").read_text())
+    assert _field(r, "tokenizer.chat_template") == tc["chat_template"]
+
+
+def test_row_length_fallback_to_f16(tmp_path: Path):
+    """hidden 48 is not a multiple of 32: every weight falls back to F16 under Q8_0 (and Q4_0)."""
+    model_dir = make_tiny_hf_model("olmoe", tmp_path / "h48", hidden_size=48, intermediate_size=40)
+    ref = _reference_tensors("olmoe", model_dir)
+    for outtype in ("q8_0", "q4_0"):
+        _check_tensors(convert(model_dir, tmp_path / f"{outtype}.gguf", outtype, progress=False), ref, outtype)
+
+
+def test_sharded_checkpoint_and_top_level_rope_theta(models_root: Path, tmp_path: Path):
+    from transformers import AutoModelForCausalLM
+
+    src, ref = _model(models_root, "mixtral", False)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    shard_dir = tmp_path / "sharded"
+    model.save_pretrained(shard_dir, max_shard_size="200KB")
+    assert (shard_dir / "model.safetensors.index.json").is_file()
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(src / name, shard_dir / name)
+    cfg = json.loads((shard_dir / "config.json").read_text())
+    cfg.pop("rope_parameters")
+    cfg["rope_theta"] = 12345.0  # the older config style
+    (shard_dir / "config.json").write_text(json.dumps(cfg))
+    out = convert(shard_dir, tmp_path / "m.gguf", "f32", progress=False)
+    _check_tensors(out, ref, "f32")
+    assert _field(GGUFReader(out), "llama.rope.freq_base") == 12345.0
+
+
+def test_chat_template_jinja_file_wins(models_root: Path, tmp_path: Path):
+    src, _ = _model(models_root, "olmoe", False)
+    model_dir = shutil.copytree(src, tmp_path / "m")
+    (model_dir / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    r = GGUFReader(convert(model_dir, tmp_path / "m.gguf", "f16", progress=False))
+    assert _field(r, "tokenizer.chat_template") == "{{ messages[0]['content'] }}"
+
+
+# ---- errors: one-line ConversionError, and never an output file ----
+
+
+def _broken_copy(models_root: Path, tmp_path: Path, arch: str = "olmoe") -> Path:
+    src, _ = _model(models_root, arch, False)
+    return shutil.copytree(src, tmp_path / "model")
+
+
+def _edit_config(model_dir: Path, **changes) -> None:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+
+
+def _edit_weights(model_dir: Path, drop: str | None = None, add: str | None = None) -> None:
+    path = model_dir / "model.safetensors"
+    state = load_file(path)
+    if drop:
+        del state[drop]
+    if add:
+        state[add] = torch.zeros(4, 4)
+    save_file(state, path, metadata={"format": "pt"})
+
+
+def _assert_fails(model_dir: Path, tmp_path: Path, *fragments: str) -> str:
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    with pytest.raises(ConversionError) as info:
+        convert(model_dir, out_dir / "m.gguf", "q8_0", progress=False)
+    message = str(info.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message, message
+    assert list(out_dir.iterdir()) == []  # no output, no temp file
+    return message
+
+
+def test_unknown_architecture(models_root, tmp_path):
+    d = _broken_copy(models_root, tmp_path)
+    _edit_config(d, architectures=["FooForCausalLM"])
+    msg = _assert_fails(d, tmp_path, "FooForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM")
+    assert all(a in msg for a in supported_architectures())
+
+
+def test_missing_tensor(models_root, tmp_path):
+    d = _broken_copy(models_root, tmp_path)
+    _edit_weights(d, drop="model.layers.1.mlp.experts.3.up_proj.weight")
+    _assert_fails(d, tmp_path, "missing tensors", "model.layers.1.mlp.experts.3.up_proj.weight")
+
+
+def test_extra_tensor(models_root, tmp_path):
+    d = _broken_copy(models_root, tmp_path)
+    _edit_weights(d, add="model.layers.0.mlp.mystery.weight")
+    _assert_fails(d, tmp_path, "unprocessed tensors", "model.layers.0.mlp.mystery.weight")
+
+
+def test_shape_mismatch(models_root, tmp_path):
+    d = _broken_copy(models_root, tmp_path)
+    _edit_config(d, num_key_value_heads=4)
+    _assert_fails(d, tmp_path, "k_proj.weight", "shape")
+
+
+def test_truncated_config(models_root, tmp_path):
+    d = _broken_copy(models_root, tmp_path)
+    text = (d / "config.json").read_text()
+    (d / "config.json").write_text(text[: len(text) // 2])
+    _assert_fails(d, tmp_path, "config.json", "not valid JSON")
+
+
+@pytest.mark.parametrize(
+    "changes, fragment",
+    [
+        ({"hidden_size": None}, "'hidden_size' is missing"),
+        ({"num_experts_per_tok": "two"}, "'num_experts_per_tok' must be an integer"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "yarn"),
+        ({"rope_parameters": None}, "rope_theta"),
+        ({"hidden_act": "relu"}, "hidden_act"),
+    ],
+)
+def test_bad_config_field(models_root, tmp_path, changes, fragment):
+    d = _broken_copy(models_root, tmp_path)
+    _edit_config(d, **changes)
+    _assert_fails(d, tmp_path, fragment)
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json"])
+def test_missing_file(models_root, tmp_path, name):
+    d = _broken_copy(models_root, tmp_path)
+    (d / name).unlink()
+    _assert_fails(d, tmp_path, name, "missing")
+
+
+def test_missing_path(tmp_path):
+    _assert_fails(tmp_path / "does" / "not" / "exist", tmp_path, "no such folder")
+
+
+def test_interrupt_leaves_no_partial_file(models_root, tmp_path, monkeypatch):
+    from pyruntime.converter import tensors
+
+    model_dir, _ = _model(models_root, "olmoe", False)
+    calls = []
+
+    def interrupted(self, fout):
+        calls.append(self.out.name)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        original(self, fout)
+
+    original = tensors.StreamedTensor.tofile
+    monkeypatch.setattr(tensors.StreamedTensor, "tofile", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        convert(model_dir, tmp_path / "m.gguf", "f16", progress=False)
+    assert len(calls) == 5 and list(tmp_path.iterdir()) == []
+
+
+# ---- CLI and Hub ----
+
+
+def _cli(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run(
+        [sys.executable, str(REPO / "convert_hf_to_gguf.py"), *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_cli_error_is_one_line(models_root, tmp_path):
+    d = _broken_copy(models_root, tmp_path)
+    _edit_config(d, architectures=["FooForCausalLM"])
+    proc = _cli([str(d), "--outfile", str(tmp_path / "x.gguf")], cwd=tmp_path)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "FooForCausalLM" in lines[0]
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_cli_ctrl_c_exits_130(monkeypatch, capsys):
+    import pyruntime.converter as converter
+    from pyruntime.converter import cli
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(converter, "convert", interrupt)
+    assert cli.main(["some/model"]) == 130
+
+
+def _fake_hub_cache(cache: Path, repo_id: str, model_dir: Path) -> None:
+    """The on-disk layout huggingface_hub's cache uses: models--org--name/{refs,snapshots}."""
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(model_dir, repo / "snapshots" / sha)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(sha)
+
+
+def test_cli_hub_repo_id_from_offline_cache(models_root, tmp_path):
+    model_dir, ref = _model(models_root, "qwen3moe", True)
+    cache = tmp_path / "hf-cache"
+    _fake_hub_cache(cache, "tiny-org/tiny-qwen3", model_dir)
+    env = {"HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = _cli(["tiny-org/tiny-qwen3", "--outtype", "f32"], cwd=work, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "wrote" in proc.stderr and "tensors" in proc.stderr  # the summary line
+    out = work / "tiny-qwen3-f32.gguf"  # default name: <model-name>-<outtype>.gguf in cwd
+    assert [p.name for p in work.iterdir()] == [out.name]
+    _check_tensors(out, ref, "f32")
+    assert _field(GGUFReader(out), "general.name") == "tiny-org/tiny-qwen3"
+    # a repo that is not cached fails cleanly offline
+    proc = _cli(["tiny-org/absent", "--outtype", "f32"], cwd=work, env=env)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: tiny-org/absent")

@@ -1,0 +1,395 @@
+"""The C core's MoE expert kernel (pyruntime.cpu_core, runtime/) against a plain PyTorch reference.
+
+Every weight format x activation x token count x thread count x SIMD level available on this CPU,
+dense and sparse, at odd shapes; invalid arguments; and the C unit tests under ASan + UBSan.
+
+Tolerances (derived, not fitted). The reference is computed in float64 from exactly the numbers
+the kernel reads: weights dequantized with gguf.quants.dequantize (exact in f32), and for Q8_0/Q4_0
+the activation quantized to Q8_0 blocks the way the kernel does it (d = amax/127 in f32,
+q = round-half-even(x * (1/d))), dequantized in float64. What is left is f32 rounding inside the
+kernel, bounded by the standard dot-product bound |fl(a.b) - a.b| <= n u sum|a_i b_i| (u = 2^-24):
+  gate/up:  |dg| <= eps_d * gabs,  gabs = sum_i |g_i x_i|,  eps_d = (n_embd + 2) u
+  act:      |da| <= L |dg|,  L = max |act'| (SiLU 1.0998, GELU 1.129: L = 1.13 covers both)
+  h=w a u:  |dh| <= w (L eps_d gabs |u| + |a| eps_d uabs) + 3 u |h|
+  y:        |dy| <= sum_r |dh_r| |d_r| + eps_r sum_r |h_r d_r|,  eps_r = (K n_ff + threads + 2) u
+That bound is rigorous to first order and far below any real bug (a dropped tail element or a
+swapped nibble is an O(1) relative error). For the quantized formats a second check compares
+with the unquantized activation, allowing for activation quantization: each x_i moves by at most
+d_b / 2 (half a quantization step of its block), so |dg| <= sum_i |g_i| d_b(i) / 2 =: eg, and
+|d(a u)| <= L eg (|u| + eu) + |a| eu, summed through the down rows like the rounding term.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+U = 2.0**-24  # f32 unit roundoff
+LIPSCHITZ = 1.13  # max |act'| over silu, gelu (tanh), gelu (erf)
+
+Q = gguf.GGMLQuantizationType
+FORMATS = {"F32": Q.F32, "F16": Q.F16, "BF16": Q.BF16, "Q8_0": Q.Q8_0, "Q4_0": Q.Q4_0}
+QUANTIZED = {"Q8_0", "Q4_0"}
+ACTS = {
+    "silu": F.silu,
+    "gelu": lambda g: F.gelu(g, approximate="tanh"),
+    "gelu_exact": F.gelu,
+}
+
+
+# ---- library --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def cc() -> str:
+    """The core as a module; builds libpyrt with CMake into a temp dir if no build is found."""
+    from pyruntime import cpu_core
+
+    try:
+        cpu_core._lib()
+    except cpu_core.CoreError:
+        cmake = shutil.which("cmake")
+        if cmake is None:
+            pytest.skip("libpyrt is not built (pip install -e .) and cmake is not available")
+        build = Path(os.environ.get("TMPDIR", "/tmp")) / f"pyrt-test-build-{os.getpid()}"
+        subprocess.run([cmake, "-S", str(REPO), "-B", str(build)], check=True, capture_output=True)
+        subprocess.run([cmake, "--build", str(build)], check=True, capture_output=True)
+        os.environ["PYRUNTIME_CORE_LIB"] = str(build / "libpyrt.so")
+        cpu_core._lib()
+    return cpu_core
+
+
+def simd_levels() -> list[str]:
+    from pyruntime import cpu_core
+
+    try:
+        best = cpu_core.SIMD_LEVELS[cpu_core.simd_best()]
+    except cpu_core.CoreError:
+        best = 0  # not built yet: the cc fixture builds it; scalar is always there
+    return [name for name, value in cpu_core.SIMD_LEVELS.items() if value <= best]
+
+
+@pytest.fixture(params=["scalar", "avx2", "avx512"])
+def simd(request, cc):
+    """Run the test at one SIMD level (skipped when this CPU lacks it), then restore the best."""
+    level = request.param
+    if cc.SIMD_LEVELS[level] > cc.SIMD_LEVELS[cc.simd_best()]:
+        pytest.skip(f"this CPU has no {level}")
+    cc.force_simd(level)
+    yield level
+    cc.force_simd(cc.simd_best())
+
+
+# ---- inputs and reference -------------------------------------------------------------------
+
+
+def make_weights(fmt: str, n_expert: int, n_ff: int, n_embd: int, gen: torch.Generator):
+    """Random experts in layout [n_expert, n_ff, 3, n_embd]: (raw bytes as stored, f64 values)."""
+    w = torch.randn(n_expert, n_ff, 3, n_embd, generator=gen) * n_embd**-0.5
+    rows = w.reshape(-1, n_embd).numpy().astype(np.float32)
+    raw = gguf.quants.quantize(rows, FORMATS[fmt])
+    values = gguf.quants.dequantize(raw, FORMATS[fmt]).astype(np.float64)
+    return np.ascontiguousarray(raw), torch.from_numpy(values).reshape(w.shape)
+
+
+def quantize_x_q8(x: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes with for Q8_0/Q4_0: x in Q8_0 blocks (f32 scale), as float64."""
+    t, n = x.shape
+    xb = x.reshape(t, n // 32, 32)
+    d = xb.abs().amax(dim=-1, keepdim=True) / 127.0  # f32 division, as in C
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv)  # f32 product, round half to even (C: nearbyintf)
+    return (d.double() * q.double()).reshape(t, n)
+
+
+def block_half_step(x: torch.Tensor) -> torch.Tensor:
+    """Largest change quantization makes to each x_i: half a step of its block, d_b / 2."""
+    t, n = x.shape
+    d = x.reshape(t, n // 32, 32).abs().amax(dim=-1, keepdim=True).double() / 127.0
+    return (d / 2).expand(t, n // 32, 32).reshape(t, n)
+
+
+def reference(w, x, ids, topk_w, act, threshold=None, x_err=None, threads=1):
+    """(y, n_active, per-(t,k,j) |act|, bound on |y_kernel - y|) in float64.
+
+    w [E, F, 3, D] f64; x [T, D] f64; ids [T, K]; topk_w [T, K]. x_err: per-element bound on how
+    far the kernel's x may be from this x (activation quantization), else only f32 rounding.
+    """
+    ws = w[ids.long()]  # [T, K, F, 3, D]
+    g = torch.einsum("tkfd,td->tkf", ws[..., 0, :], x)
+    u = torch.einsum("tkfd,td->tkf", ws[..., 1, :], x)
+    a = ACTS[act](g)
+    keep = torch.ones_like(a, dtype=torch.bool) if threshold is None else a.abs() >= threshold
+    h = topk_w.double()[..., None] * a * u * keep
+    y = torch.einsum("tkf,tkfd->td", h, ws[..., 2, :])
+
+    n_embd, k, n_ff = x.shape[1], ids.shape[1], w.shape[1]
+    xa = x.abs()
+    gabs = torch.einsum("tkfd,td->tkf", ws[..., 0, :].abs(), xa)
+    uabs = torch.einsum("tkfd,td->tkf", ws[..., 1, :].abs(), xa)
+    eps_d = (n_embd + 2) * U
+    eps_r = (k * n_ff + threads + 2) * U
+    tw = topk_w.double().abs()[..., None]
+    dh = tw * (LIPSCHITZ * eps_d * gabs * u.abs() + a.abs() * eps_d * uabs) + 3 * U * h.abs()
+    if x_err is not None:
+        eg = torch.einsum("tkfd,td->tkf", ws[..., 0, :].abs(), x_err)
+        eu = torch.einsum("tkfd,td->tkf", ws[..., 1, :].abs(), x_err)
+        dh = dh + tw * (LIPSCHITZ * eg * (u.abs() + eu) + a.abs() * eu)
+    dabs = ws[..., 2, :].abs()
+    bound = torch.einsum("tkf,tkfd->td", dh * keep, dabs) + eps_r * torch.einsum(
+        "tkf,tkfd->td", h.abs(), dabs
+    )
+    return y, int(keep.sum()), a.abs(), bound
+
+
+def make_case(fmt, n_tokens, seed, n_expert=5, n_ff=37, n_embd=None, k=3):
+    gen = torch.Generator().manual_seed(seed)
+    if n_embd is None:
+        n_embd = 96 if fmt in QUANTIZED else 83  # 3 blocks (odd count); 83 = 2*32 + 16 + 3
+    raw, w = make_weights(fmt, n_expert, n_ff, n_embd, gen)
+    x = torch.randn(n_tokens, n_embd, generator=gen)
+    ids = torch.stack([torch.randperm(n_expert, generator=gen)[:k] for _ in range(n_tokens)])
+    topk_w = torch.rand(n_tokens, k, generator=gen)
+    return raw, w, x, ids.to(torch.int32), topk_w, (n_expert, n_ff, n_embd)
+
+
+def kernel_x(fmt, x):
+    return quantize_x_q8(x) if fmt in QUANTIZED else x.double()
+
+
+def assert_within(y, ref, bound, what):
+    err = (y.double() - ref).abs()
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"{what}: error {err.max().item():.3g} exceeds bound (ratio {worst:.3g})"
+
+
+# ---- kernel vs reference --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("act", list(ACTS))
+def test_dense_matches_reference(cc, simd, fmt, act):
+    for n_tokens, threads in [(1, 1), (3, 2), (8, 3)]:
+        raw, w, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case(fmt, n_tokens, seed=n_tokens)
+        with cc.CpuCore(threads) as core:
+            y, n_active = core.moe_ffn(
+                raw, FORMATS[fmt], n_expert, n_ff, n_embd, x, ids, topk_w, activation=act
+            )
+        assert y.shape == (n_tokens, n_embd) and y.dtype == torch.float32
+        assert n_active == n_tokens * ids.shape[1] * n_ff
+        ref, _, _, bound = reference(w, kernel_x(fmt, x), ids, topk_w, act, threads=threads)
+        assert_within(y, ref, bound, f"{fmt} {act} T={n_tokens} threads={threads}")
+        if fmt in QUANTIZED:  # against the unquantized activation, allowing for quantization
+            ref, _, _, bound = reference(
+                w, x.double(), ids, topk_w, act, x_err=block_half_step(x), threads=threads
+            )
+            assert_within(y, ref, bound, f"{fmt} {act} vs float x")
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_sparse_drops_exactly_the_neurons_under_threshold(cc, simd, fmt):
+    for n_tokens, threads in [(1, 2), (3, 3), (8, 2)]:
+        raw, w, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case(fmt, n_tokens, seed=7)
+        xk = kernel_x(fmt, x)
+        _, _, abs_act, _ = reference(w, xk, ids, topk_w, "silu")
+        # A threshold in the widest gap between sorted |act| values around the 60% quantile, so
+        # no |act| is near it: the kernel's f32 |act| (relative error ~1e-6) falls on the same
+        # side as the reference's.
+        vals = abs_act.flatten().sort().values
+        lo, hi = int(0.5 * len(vals)), int(0.7 * len(vals))
+        gaps = vals[lo + 1 : hi + 1] - vals[lo:hi]
+        i = lo + int(gaps.argmax())
+        threshold = float((vals[i] + vals[i + 1]) / 2)
+        assert (vals[i + 1] - vals[i]) > 1e-4 * threshold, "inputs give no clean threshold"
+        with cc.CpuCore(threads) as core:
+            y, n_active = core.moe_ffn(
+                raw, FORMATS[fmt], n_expert, n_ff, n_embd, x, ids, topk_w, threshold=threshold
+            )
+        ref, ref_active, _, bound = reference(w, xk, ids, topk_w, "silu", threshold, None, threads)
+        assert n_active == ref_active == int((abs_act >= threshold).sum())
+        assert 0 < n_active < n_tokens * ids.shape[1] * n_ff
+        assert_within(y, ref, bound, f"sparse {fmt} T={n_tokens}")
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_sparse_that_drops_nothing_equals_dense_bitwise(cc, fmt):
+    raw, w, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case(fmt, 8, seed=11)
+    _, _, abs_act, _ = reference(w, kernel_x(fmt, x), ids, topk_w, "silu")
+    threshold = float(abs_act.min()) / 2  # > 0: the sparse branch runs, but keeps every neuron
+    with cc.CpuCore(2) as core:
+        dense, n_dense = core.moe_ffn(raw, FORMATS[fmt], n_expert, n_ff, n_embd, x, ids, topk_w)
+        sparse, n_sparse = core.moe_ffn(
+            raw, FORMATS[fmt], n_expert, n_ff, n_embd, x, ids, topk_w, threshold=threshold
+        )
+        zero, _ = core.moe_ffn(
+            raw, FORMATS[fmt], n_expert, n_ff, n_embd, x, ids, topk_w, threshold=0.0
+        )
+    assert n_sparse == n_dense == 8 * 3 * n_ff
+    assert torch.equal(sparse, dense) and torch.equal(zero, dense)
+
+
+def test_many_tokens_span_token_blocks_and_int64_ids(cc):
+    """More tokens than one token block (64), repeated experts across tokens, int64 ids."""
+    raw, w, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case(
+        "Q8_0", 70, seed=3, n_expert=4, n_ff=9, n_embd=64, k=2
+    )
+    with cc.CpuCore(2) as core:
+        y, n_active = core.moe_ffn(raw, Q.Q8_0, n_expert, n_ff, n_embd, x, ids.long(), topk_w)
+    ref, _, _, bound = reference(w, quantize_x_q8(x), ids, topk_w, "silu", threads=2)
+    assert n_active == 70 * 2 * 9
+    assert_within(y, ref, bound, "70 tokens")
+
+
+def test_reads_a_gguf_reader_tensor_in_place(cc, tmp_path):
+    """The weights come straight from gguf.GGUFReader's mmap view (no copy)."""
+    raw, w, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case("Q4_0", 3, seed=5)
+    writer = gguf.GGUFWriter(tmp_path / "t.gguf", "olmoe")
+    writer.add_tensor(
+        "blk.0.ffn_gud_exps.weight",
+        raw.reshape(n_expert, n_ff, 3, -1),
+        raw_shape=(n_expert, n_ff, 3, n_embd),
+        raw_dtype=Q.Q4_0,
+    )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tensor = gguf.GGUFReader(tmp_path / "t.gguf").tensors[0]
+    assert not tensor.data.flags.owndata  # a view of the mmap
+    with cc.CpuCore(2) as core:
+        y, _ = core.moe_ffn(tensor.data, int(tensor.tensor_type), n_expert, n_ff, n_embd, x, ids,
+                            topk_w)
+    ref, _, _, bound = reference(w, quantize_x_q8(x), ids, topk_w, "silu", threads=2)
+    assert_within(y, ref, bound, "from GGUFReader")
+
+
+def test_zero_tokens(cc):
+    raw, _, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case("F32", 1, seed=1)
+    with cc.CpuCore(1) as core:
+        y, n = core.moe_ffn(raw, Q.F32, n_expert, n_ff, n_embd, x[:0], ids[:0], topk_w[:0])
+    assert y.shape == (0, n_embd) and n == 0
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+
+def test_invalid_arguments_raise_with_the_c_message(cc):
+    raw, _, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case("Q8_0", 2, seed=2)
+    with cc.CpuCore(2) as core:
+
+        def call(**kw):
+            args = dict(gud=raw, fmt=Q.Q8_0, n_expert=n_expert, n_ff=n_ff, n_embd=n_embd, x=x,
+                        topk_ids=ids, topk_w=topk_w)
+            args.update(kw)
+            return core.moe_ffn(**args)
+
+        cases = [
+            (dict(fmt=3), "unknown weight format 3"),
+            (dict(n_expert=n_expert + 1), "weights hold"),
+            (dict(n_ff=0), "sizes must be positive"),
+            (dict(fmt=Q.F32), "weights hold"),
+            (dict(topk_ids=ids.clone().fill_(n_expert)), "outside [0, n_expert=5)"),
+            (dict(topk_ids=ids.clone().fill_(-1)), "outside"),
+            (dict(threshold=-0.5), "threshold must be finite and >= 0"),
+            (dict(threshold=float("nan")), "threshold must be finite"),
+            (dict(activation="relu"), "unknown expert activation"),
+            (dict(x=x[:, :32], n_embd=32), "weights hold"),
+            (dict(x=x[:1]), "shape mismatch"),
+            (dict(x=x.int()), "dtype"),
+            (dict(gud=raw[:, ::2]), "C-contiguous"),
+        ]
+        for kw, message in cases:
+            with pytest.raises(cc.CoreError) as info:
+                call(**kw)
+            assert message in str(info.value), (kw, str(info.value))
+        # n_embd not a multiple of the Q8_0 block
+        with pytest.raises(cc.CoreError, match="not a multiple of 32"):
+            call(x=torch.randn(2, 40), n_embd=40)
+    with pytest.raises(cc.CoreError, match="closed"):
+        core.moe_ffn(raw, Q.Q8_0, n_expert, n_ff, n_embd, x, ids, topk_w)
+    assert issubclass(cc.CoreError, __import__("pyruntime.errors").errors.PyruntimeError)
+
+
+def test_zero_threads_and_null_pointers(cc):
+    with pytest.raises(cc.CoreError, match=r"n_threads must be in \[1, 1024\], got 0"):
+        cc.CpuCore(0)
+    lib, ffi = cc._lib(), cc._ffi
+    out = ffi.new("pyrt_pool **")
+    assert lib.pyrt_pool_create(1, out) == lib.PYRT_OK
+    pool = out[0]
+    try:
+        y = ffi.new("float[32]")
+        xs = ffi.new("float[32]")
+        ids = ffi.new("int32_t[1]")
+        tw = ffi.new("float[1]")
+        rc = lib.pyrt_moe_ffn(ffi.NULL, xs, 4096, 0, 1, 1, 32, xs, 1, ids, tw, 1, 0, 0.0, y,
+                              ffi.NULL)
+        assert rc == lib.PYRT_E_INVALID and b"pool is NULL" in ffi.string(lib.pyrt_last_error())
+        rc = lib.pyrt_moe_ffn(pool, ffi.NULL, 4096, 0, 1, 1, 32, xs, 1, ids, tw, 1, 0, 0.0, y,
+                              ffi.NULL)
+        assert rc == lib.PYRT_E_INVALID and b"gud" in ffi.string(lib.pyrt_last_error())
+        rc = lib.pyrt_moe_ffn(pool, xs, 4096, 0, 1, 1, 32, ffi.NULL, 1, ids, tw, 1, 0, 0.0, y,
+                              ffi.NULL)
+        assert rc == lib.PYRT_E_INVALID and b"x is NULL" in ffi.string(lib.pyrt_last_error())
+        assert lib.pyrt_pool_create(1, ffi.NULL) == lib.PYRT_E_INVALID
+    finally:
+        lib.pyrt_pool_free(pool)
+
+
+def test_helpers(cc):
+    assert 1 <= cc.physical_cores() <= (os.cpu_count() or 1)
+    assert cc.simd_level() in cc.SIMD_LEVELS
+    assert cc.row_bytes(Q.Q8_0, 2048) == 2048 // 32 * 34
+    assert cc.row_bytes(Q.Q4_0, 2048) == 2048 // 32 * 18
+    assert cc.row_bytes(Q.Q8_0, 40) == 0 and cc.row_bytes(7, 64) == 0
+    with pytest.raises(cc.CoreError, match="unknown SIMD level"):
+        cc.force_simd("neon")
+    core = cc.CpuCore()
+    assert core.threads == cc.physical_cores()
+    core.close()
+    core.close()  # idempotent
+
+
+def test_cdef_matches_header(cc):
+    """cpu_core.CDEF is the header's PYRT_CDEF section without comments."""
+    header = (REPO / "runtime" / "include" / "pyrt.h").read_text()
+    section = header.split("/* PYRT_CDEF_BEGIN */")[1].split("/* PYRT_CDEF_END */")[0]
+
+    def norm(s: str) -> str:
+        s = re.sub(r"/\*.*?\*/", "", s, flags=re.S)
+        return re.sub(r"\s+", " ", s).replace("( ", "(").replace(" )", ")").strip()
+
+    assert norm(section) == norm(cc.CDEF)
+
+
+# ---- C unit tests under sanitizers ----------------------------------------------------------
+
+
+def test_c_unit_tests_under_asan_ubsan(tmp_path):
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        pytest.skip("no C compiler")
+    sources = sorted((REPO / "runtime" / "src").glob("*.c")) + [REPO / "tests" / "c" / "test_core.c"]
+    exe = tmp_path / "test_core"
+    cmd = [compiler, "-std=c11", "-O1", "-g", "-fno-omit-frame-pointer",
+           "-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-Wall", "-Wextra",
+           "-Werror", f"-I{REPO / 'runtime' / 'include'}", f"-I{REPO / 'runtime' / 'src'}",
+           *map(str, sources), "-o", str(exe), "-pthread", "-lm"]  # fmt: skip
+    build = subprocess.run(cmd, capture_output=True, text=True)
+    if build.returncode != 0 and "sanitize" in build.stderr and "unrecognized" in build.stderr:
+        pytest.skip(f"{compiler} has no ASan/UBSan")
+    assert build.returncode == 0, build.stderr
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "ASAN_OPTIONS": "detect_leaks=1"})  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "all C core tests passed" in run.stdout
