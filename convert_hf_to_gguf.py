@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""Convert a Hugging Face MoE checkpoint to GGUF: `python convert_hf_to_gguf.py MODEL --outtype q8_0`.
+"""Convert a Hugging Face MoE checkpoint to GGUF.
+
+    python convert_hf_to_gguf.py MODEL [--outfile F] [--outtype f32|f16|bf16|q8_0|q4_0]
 
 Thin wrapper; the implementation is the `pyruntime.converter` package."""
 

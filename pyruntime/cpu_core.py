@@ -198,7 +198,7 @@ class CpuCore:
         activation: str = "silu",
         threshold: float | None = None,
     ) -> tuple[torch.Tensor, int]:
-        """Routed experts of one MoE layer: y[t] = sum_k topk_w[t, k] * expert_{topk_ids[t, k]}(x[t]).
+        """Routed experts of one layer: y[t] = sum_k topk_w[t, k] * expert_{topk_ids[t, k]}(x[t]).
 
         gud: the layer's `ffn_gud_exps` tensor data, raw bytes or a typed view of the GGUF mmap
         (read in place, never copied), layout [n_expert, n_ff, 3, n_embd] of docs/gguf-layout.md.
@@ -226,6 +226,8 @@ class CpuCore:
                 f"{tuple(topk_w.shape)} should equal topk_ids {tuple(topk_ids.shape)}"
             )
         y = torch.empty((n_tokens, n_embd), dtype=torch.float32)
+        if n_tokens == 0:
+            return y, 0
         n_active = _ffi.new("int64_t *")
         weights = _ffi.from_buffer(gud)
         _check(

@@ -59,7 +59,10 @@ def _reference_tensors(arch: str, path: Path) -> dict[str, np.ndarray]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     cfg = model.config
-    out = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"]}
+    out = {
+        "token_embd.weight": sd["model.embed_tokens.weight"],
+        "output_norm.weight": sd["model.norm.weight"],
+    }
     if not cfg.tie_word_embeddings:
         out["output.weight"] = sd["lm_head.weight"]
     moe = "block_sparse_moe" if arch == "granitemoe" else "mlp"
@@ -91,7 +94,9 @@ def _reference_tensors(arch: str, path: Path) -> dict[str, np.ndarray]:
         if f"{p}.mlp.shared_expert_gate.weight" in sd:
             out[f"{b}.ffn_gate_inp_shexp.weight"] = sd[f"{p}.mlp.shared_expert_gate.weight"][0]
             for proj in ("gate", "up", "down"):
-                out[f"{b}.ffn_{proj}_shexp.weight"] = sd[f"{p}.mlp.shared_expert.{proj}_proj.weight"]
+                out[f"{b}.ffn_{proj}_shexp.weight"] = sd[
+                    f"{p}.mlp.shared_expert.{proj}_proj.weight"
+                ]
     return out
 
 
@@ -124,7 +129,9 @@ def _check_tensors(gguf_path: Path, ref: dict[str, np.ndarray], outtype: str) ->
         if qtype == Q.F32:
             assert np.array_equal(np.asarray(t.data).reshape(want.shape), want), name
         elif qtype == Q.F16:
-            assert np.array_equal(np.asarray(t.data).reshape(want.shape), want.astype(np.float16)), name
+            assert np.array_equal(
+                np.asarray(t.data).reshape(want.shape), want.astype(np.float16)
+            ), name
         else:
             # byte-identical to quantizing the reference rows, and within the format's bound
             data = np.asarray(t.data)
@@ -132,7 +139,8 @@ def _check_tensors(gguf_path: Path, ref: dict[str, np.ndarray], outtype: str) ->
             got = dequantize(data, qtype)
             assert np.array_equal(got, dequantize(quantize(want, qtype), qtype)), name
             row_max = np.abs(want).max(axis=-1, keepdims=True)
-            # Q8_0: |err| <= d/2 (d = blockmax/127); Q4_0: |err| <= d (d = blockmax/8); bf16: 2^-8 rel
+            # Q8_0: |err| <= d/2 (d = blockmax/127); Q4_0: |err| <= d (d = blockmax/8);
+            # bf16: relative 2^-8
             bound = {Q.Q8_0: row_max / 127, Q.Q4_0: row_max / 7, Q.BF16: row_max / 128}[qtype]
             assert np.all(np.abs(got - want) <= bound + 1e-7), name
 
@@ -173,7 +181,8 @@ def test_metadata(models_root: Path, tmp_path: Path, arch: str):
         f"{a}.context_length": 256,
         f"{a}.embedding_length": 64,
         f"{a}.block_count": 2,
-        f"{a}.expert_feed_forward_length": cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+        f"{a}.expert_feed_forward_length": cfg.get("moe_intermediate_size")
+        or cfg["intermediate_size"],
         f"{a}.expert_count": n_expert,
         f"{a}.expert_used_count": 2,
         f"{a}.expert_weights_norm": arch in ("mixtral", "granitemoe"),
@@ -215,7 +224,9 @@ def test_metadata(models_root: Path, tmp_path: Path, arch: str):
     assert all(tokens[i] == t for t, i in tok["model"]["vocab"].items() if i > 2)
     assert _field(r, "tokenizer.ggml.token_type")[:4] == [3, 3, 3, 1]
     merges = tok["model"]["merges"]
-    assert _field(r, "tokenizer.ggml.merges") == [m if isinstance(m, str) else " ".join(m) for m in merges]
+    assert _field(r, "tokenizer.ggml.merges") == [
+        m if isinstance(m, str) else " ".join(m) for m in merges
+    ]
     tc = json.loads((model_dir / "tokenizer_config.json").read_text())
     assert _field(r, "tokenizer.chat_template") == tc["chat_template"]
 
@@ -225,7 +236,9 @@ def test_row_length_fallback_to_f16(tmp_path: Path):
     model_dir = make_tiny_hf_model("olmoe", tmp_path / "h48", hidden_size=48, intermediate_size=40)
     ref = _reference_tensors("olmoe", model_dir)
     for outtype in ("q8_0", "q4_0"):
-        _check_tensors(convert(model_dir, tmp_path / f"{outtype}.gguf", outtype, progress=False), ref, outtype)
+        _check_tensors(
+            convert(model_dir, tmp_path / f"{outtype}.gguf", outtype, progress=False), ref, outtype
+        )
 
 
 def test_sharded_checkpoint_and_top_level_rope_theta(models_root: Path, tmp_path: Path):
@@ -377,7 +390,9 @@ def test_interrupt_leaves_no_partial_file(models_root, tmp_path, monkeypatch):
 # ---- CLI and Hub ----
 
 
-def _cli(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def _cli(
+    args: list[str], cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run(
         [sys.executable, str(REPO / "convert_hf_to_gguf.py"), *args],
@@ -438,3 +453,13 @@ def test_cli_hub_repo_id_from_offline_cache(models_root, tmp_path):
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: tiny-org/absent")
+
+
+def test_bf16_source_weights(models_root: Path, tmp_path: Path):
+    """bf16 checkpoints (like the shared tiny models) widen exactly to f32."""
+    src, ref = _model(models_root, "olmoe", True)
+    model_dir = shutil.copytree(src, tmp_path / "bf16")
+    state = load_file(model_dir / "model.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in state.items()}, model_dir / "model.safetensors")
+    as_bf16 = {k: torch.from_numpy(v).to(torch.bfloat16).float().numpy() for k, v in ref.items()}
+    _check_tensors(convert(model_dir, tmp_path / "m.gguf", "f32", progress=False), as_bf16, "f32")

@@ -256,8 +256,7 @@ def test_reads_a_gguf_reader_tensor_in_place(cc, tmp_path):
     writer = gguf.GGUFWriter(tmp_path / "t.gguf", "olmoe")
     writer.add_tensor(
         "blk.0.ffn_gud_exps.weight",
-        raw.reshape(n_expert, n_ff, 3, -1),
-        raw_shape=(n_expert, n_ff, 3, n_embd),
+        raw.reshape(n_expert, n_ff, 3, -1),  # bytes; the header gets [.., n_embd] from raw_dtype
         raw_dtype=Q.Q4_0,
     )
     writer.write_header_to_file()
@@ -267,8 +266,9 @@ def test_reads_a_gguf_reader_tensor_in_place(cc, tmp_path):
     tensor = gguf.GGUFReader(tmp_path / "t.gguf").tensors[0]
     assert not tensor.data.flags.owndata  # a view of the mmap
     with cc.CpuCore(2) as core:
-        y, _ = core.moe_ffn(tensor.data, int(tensor.tensor_type), n_expert, n_ff, n_embd, x, ids,
-                            topk_w)
+        y, _ = core.moe_ffn(
+            tensor.data, int(tensor.tensor_type), n_expert, n_ff, n_embd, x, ids, topk_w
+        )
     ref, _, _, bound = reference(w, quantize_x_q8(x), ids, topk_w, "silu", threads=2)
     assert_within(y, ref, bound, "from GGUFReader")
 
@@ -288,8 +288,16 @@ def test_invalid_arguments_raise_with_the_c_message(cc):
     with cc.CpuCore(2) as core:
 
         def call(**kw):
-            args = dict(gud=raw, fmt=Q.Q8_0, n_expert=n_expert, n_ff=n_ff, n_embd=n_embd, x=x,
-                        topk_ids=ids, topk_w=topk_w)
+            args = dict(
+                gud=raw,
+                fmt=Q.Q8_0,
+                n_expert=n_expert,
+                n_ff=n_ff,
+                n_embd=n_embd,
+                x=x,
+                topk_ids=ids,
+                topk_w=topk_w,
+            )
             args.update(kw)
             return core.moe_ffn(**args)
 
@@ -332,14 +340,17 @@ def test_zero_threads_and_null_pointers(cc):
         xs = ffi.new("float[32]")
         ids = ffi.new("int32_t[1]")
         tw = ffi.new("float[1]")
-        rc = lib.pyrt_moe_ffn(ffi.NULL, xs, 4096, 0, 1, 1, 32, xs, 1, ids, tw, 1, 0, 0.0, y,
-                              ffi.NULL)
+        rc = lib.pyrt_moe_ffn(
+            ffi.NULL, xs, 4096, 0, 1, 1, 32, xs, 1, ids, tw, 1, 0, 0.0, y, ffi.NULL
+        )
         assert rc == lib.PYRT_E_INVALID and b"pool is NULL" in ffi.string(lib.pyrt_last_error())
-        rc = lib.pyrt_moe_ffn(pool, ffi.NULL, 4096, 0, 1, 1, 32, xs, 1, ids, tw, 1, 0, 0.0, y,
-                              ffi.NULL)
+        rc = lib.pyrt_moe_ffn(
+            pool, ffi.NULL, 4096, 0, 1, 1, 32, xs, 1, ids, tw, 1, 0, 0.0, y, ffi.NULL
+        )
         assert rc == lib.PYRT_E_INVALID and b"gud" in ffi.string(lib.pyrt_last_error())
-        rc = lib.pyrt_moe_ffn(pool, xs, 4096, 0, 1, 1, 32, ffi.NULL, 1, ids, tw, 1, 0, 0.0, y,
-                              ffi.NULL)
+        rc = lib.pyrt_moe_ffn(
+            pool, xs, 4096, 0, 1, 1, 32, ffi.NULL, 1, ids, tw, 1, 0, 0.0, y, ffi.NULL
+        )
         assert rc == lib.PYRT_E_INVALID and b"x is NULL" in ffi.string(lib.pyrt_last_error())
         assert lib.pyrt_pool_create(1, ffi.NULL) == lib.PYRT_E_INVALID
     finally:
@@ -379,7 +390,10 @@ def test_c_unit_tests_under_asan_ubsan(tmp_path):
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         pytest.skip("no C compiler")
-    sources = sorted((REPO / "runtime" / "src").glob("*.c")) + [REPO / "tests" / "c" / "test_core.c"]
+    sources = [
+        *sorted((REPO / "runtime" / "src").glob("*.c")),
+        REPO / "tests" / "c" / "test_core.c",
+    ]
     exe = tmp_path / "test_core"
     cmd = [compiler, "-std=c11", "-O1", "-g", "-fno-omit-frame-pointer",
            "-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-Wall", "-Wextra",

@@ -33,8 +33,11 @@ def hf_logprobs(hf_dir: Path, ids: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-def load_runtime(gguf_path: Path) -> MoETransformer:
-    return MoETransformer.from_gguf(open_gguf(gguf_path))
+BACKENDS = ["c", "torch"]  # routed experts on the C core, and on the torch reference
+
+
+def load_runtime(gguf_path: Path, backend: str) -> MoETransformer:
+    return MoETransformer.from_gguf(open_gguf(gguf_path), expert_backend=backend)
 
 
 def runtime_logprobs(model: MoETransformer, ids: torch.Tensor, split: int | None = None):
@@ -73,34 +76,36 @@ def tiny_random(request, tmp_path_factory) -> tuple[str, Path]:
     return arch, hf_dir
 
 
-def _check_pair(hf_dir: Path, ids: torch.Tensor, tmp: Path) -> None:
+def _check_pair(hf_dir: Path, ids: torch.Tensor, tmp: Path, backend: str) -> None:
     ref = hf_logprobs(hf_dir, ids)
-    f32 = load_runtime(convert(hf_dir, tmp / "m-f32.gguf", "f32", progress=False))
+    f32 = load_runtime(convert(hf_dir, tmp / "m-f32.gguf", "f32", progress=False), backend)
     lp = runtime_logprobs(f32, ids)
     assert (lp - ref).abs().max().item() <= LOGPROB_TOL
     lp_dec = runtime_logprobs(f32, ids, split=N_TOKENS // 2)
     assert (lp_dec - ref).abs().max().item() <= LOGPROB_TOL
 
-    q8 = load_runtime(convert(hf_dir, tmp / "m-q8_0.gguf", "q8_0", progress=False))
+    q8 = load_runtime(convert(hf_dir, tmp / "m-q8_0.gguf", "q8_0", progress=False), backend)
     lq = runtime_logprobs(q8, ids)
     agree = (lq.argmax(-1) == lp.argmax(-1)).float().mean().item()
     assert agree >= 0.98, f"q8_0 argmax agreement {agree:.3f}"
     assert abs(ppl(lq, ids) / ppl(lp, ids) - 1) <= 0.01
 
 
-def test_tiny_random_parity(tiny_random, tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tiny_random_parity(tiny_random, backend, tmp_path):
     arch, hf_dir = tiny_random
     from transformers import AutoConfig
 
     n_vocab = AutoConfig.from_pretrained(hf_dir).vocab_size
-    _check_pair(hf_dir, prompt_ids(n_vocab), tmp_path)
+    _check_pair(hf_dir, prompt_ids(n_vocab), tmp_path, backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", ["tiny-olmoe", "tiny-qwen2moe"])
-def test_trained_checkpoint_parity(name, shared, tmp_path):
+def test_trained_checkpoint_parity(name, backend, shared, tmp_path):
     from tokenizers import Tokenizer
 
     hf_dir = shared / "models" / name
     text = (shared / "data" / "eval-jargon.txt").read_text()[:4000]
     ids = torch.tensor(Tokenizer.from_file(str(hf_dir / "tokenizer.json")).encode(text).ids)
-    _check_pair(hf_dir, ids[:N_TOKENS], tmp_path)
+    _check_pair(hf_dir, ids[:N_TOKENS], tmp_path, backend)

@@ -61,7 +61,9 @@ class Qwen2MoeModel(_QwenMoeModel):
         out += self.dense_ffn(i, "mlp.shared_expert", "_shexp", n_ff_shexp)
         gate = self.src.claim(f"model.layers.{i}.mlp.shared_expert_gate.weight", (1, self.n_embd))
         # HF Linear(n_embd -> 1) weight [1, n_embd], written as a vector [n_embd]
-        out.append(self._from_source(f"blk.{i}.ffn_gate_inp_shexp.weight", gate, (self.n_embd,), "f32"))
+        out.append(
+            self._from_source(f"blk.{i}.ffn_gate_inp_shexp.weight", gate, (self.n_embd,), "f32")
+        )
         return out
 
 
@@ -77,8 +79,8 @@ class Qwen3MoeModel(_QwenMoeModel):
 
 @register("MixtralForCausalLM")
 class MixtralModel(MoeModel):
-    """Mixtral: llama arch string; experts w1 (gate), w3 (up), w2 (down) under block_sparse_moe on
-    disk (transformers 5 saves them so), or `mlp.experts.*` as transformers 5 holds them in memory."""
+    """Mixtral: llama arch string; experts w1 (gate), w3 (up), w2 (down) under block_sparse_moe
+    on disk (transformers 5 saves them so), or `mlp.experts.*` as transformers 5 holds them."""
 
     gguf_arch = "llama"
     n_expert_keys = ("num_local_experts",)
@@ -92,7 +94,9 @@ class MixtralModel(MoeModel):
         super().__init__(*args, **kwargs)
         window = self.hp.config.get("sliding_window")
         if window is not None and window < self.hp.int("max_position_embeddings"):
-            raise self.hp._bad("sliding_window", "is set; sliding-window attention is not supported")
+            raise self.hp._bad(
+                "sliding_window", "is set; sliding-window attention is not supported"
+            )
 
     def expert_weights_norm(self) -> bool:
         return True  # softmax over the top-k logits == renormalized top-k of the full softmax

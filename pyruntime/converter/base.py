@@ -74,7 +74,11 @@ class MoeModel:
     router_names: ClassVar[tuple[str, ...]] = ("gate.weight",)
     # Per-expert storage (gate, up, down), `{e}` is the expert index.
     per_expert_names: ClassVar[tuple[tuple[str, str, str], ...]] = (
-        ("experts.{e}.gate_proj.weight", "experts.{e}.up_proj.weight", "experts.{e}.down_proj.weight"),
+        (
+            "experts.{e}.gate_proj.weight",
+            "experts.{e}.up_proj.weight",
+            "experts.{e}.down_proj.weight",
+        ),
     )
     # Fused storage (gate_up [E, 2*n_ff, n_embd] = gate rows then up rows; down [E, n_embd, n_ff]),
     # as transformers 5 holds experts in memory (OlmoeExperts & co: `.chunk(2, dim=-1)`).
@@ -90,7 +94,9 @@ class MoeModel:
         self.n_head = hp.int("num_attention_heads")
         self.n_head_kv = hp.int("num_key_value_heads", default=self.n_head)
         self.head_dim = hp.head_dim()
-        self.n_expert = hp.int(next((k for k in self.n_expert_keys if hp.has(k)), self.n_expert_keys[0]))
+        self.n_expert = hp.int(
+            next((k for k in self.n_expert_keys if hp.has(k)), self.n_expert_keys[0])
+        )
         self.n_expert_used = hp.int("num_experts_per_tok")
         self.n_ff_exp = hp.int(self.n_ff_exp_key)
         self.rope_theta = hp.rope_theta()
@@ -161,7 +167,11 @@ class MoeModel:
 
     def attention_tensors(self, i: int) -> list[OutTensor]:
         hf, blk = f"model.layers.{i}", f"blk.{i}"
-        n, q_rows, kv_rows = self.n_embd, self.n_head * self.head_dim, self.n_head_kv * self.head_dim
+        n, q_rows, kv_rows = (
+            self.n_embd,
+            self.n_head * self.head_dim,
+            self.n_head_kv * self.head_dim,
+        )
         out = [
             self.copy(f"{blk}.attn_norm.weight", f"{hf}.input_layernorm.weight", (n,), "f32"),
             self.copy(f"{blk}.attn_q.weight", f"{hf}.self_attn.q_proj.weight", (q_rows, n)),
@@ -171,16 +181,33 @@ class MoeModel:
         if self.has_qkv_bias():
             for proj, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
                 out.append(
-                    self.copy(f"{blk}.attn_{proj}.bias", f"{hf}.self_attn.{proj}_proj.bias", (rows,), "f32")
+                    self.copy(
+                        f"{blk}.attn_{proj}.bias",
+                        f"{hf}.self_attn.{proj}_proj.bias",
+                        (rows,),
+                        "f32",
+                    )
                 )
         out.append(
             self.copy(f"{blk}.attn_output.weight", f"{hf}.self_attn.o_proj.weight", (n, q_rows))
         )
         norms = self.qk_norm_shapes()
         if norms is not None:
-            out.append(self.copy(f"{blk}.attn_q_norm.weight", f"{hf}.self_attn.q_norm.weight", norms[0], "f32"))
-            out.append(self.copy(f"{blk}.attn_k_norm.weight", f"{hf}.self_attn.k_norm.weight", norms[1], "f32"))
-        out.append(self.copy(f"{blk}.ffn_norm.weight", f"{hf}.post_attention_layernorm.weight", (n,), "f32"))
+            out.append(
+                self.copy(
+                    f"{blk}.attn_q_norm.weight", f"{hf}.self_attn.q_norm.weight", norms[0], "f32"
+                )
+            )
+            out.append(
+                self.copy(
+                    f"{blk}.attn_k_norm.weight", f"{hf}.self_attn.k_norm.weight", norms[1], "f32"
+                )
+            )
+        out.append(
+            self.copy(
+                f"{blk}.ffn_norm.weight", f"{hf}.post_attention_layernorm.weight", (n,), "f32"
+            )
+        )
         return out
 
     def ffn_tensors(self, i: int) -> list[OutTensor]:
@@ -189,7 +216,8 @@ class MoeModel:
         return [self.router(i), self.routed_experts(i)]
 
     def dense_ffn(self, i: int, hf_module: str, suffix: str, n_ff: int) -> list[OutTensor]:
-        """SwiGLU FFN `model.layers.{i}.{hf_module}.{gate,up,down}_proj` -> ffn_{gate,up,down}{suffix}."""
+        """SwiGLU FFN `model.layers.{i}.{hf_module}.{gate,up,down}_proj` ->
+        `blk.{i}.ffn_{gate,up,down}{suffix}.weight`."""
         hf, blk, n = f"model.layers.{i}.{hf_module}", f"blk.{i}", self.n_embd
         return [
             self.copy(f"{blk}.ffn_gate{suffix}.weight", f"{hf}.gate_proj.weight", (n_ff, n)),
@@ -204,7 +232,9 @@ class MoeModel:
         name = self.src.claim_first(
             self._moe_candidates(i, self.router_names), (self.n_expert, self.n_embd)
         )
-        return self._from_source(f"blk.{i}.ffn_gate_inp.weight", name, (self.n_expert, self.n_embd), "f32")
+        return self._from_source(
+            f"blk.{i}.ffn_gate_inp.weight", name, (self.n_expert, self.n_embd), "f32"
+        )
 
     def routed_experts(self, i: int) -> OutTensor:
         """blk.{i}.ffn_gud_exps.weight [E, n_ff, 3, n_embd]: per neuron j, rows gate[j], up[j],
@@ -217,9 +247,13 @@ class MoeModel:
                 if f"{base}.{gate_up}" in self.src:
                     gu = self.src.claim(f"{base}.{gate_up}", (E, 2 * ff, n))
                     dn = self.src.claim(f"{base}.{down}", (E, n, ff))
-                    return OutTensor(out_name, shape, "weight", lambda: self._fused_chunks(gu, dn))
+                    return OutTensor(
+                        out_name, shape, "weight", lambda gu=gu, dn=dn: self._fused_chunks(gu, dn)
+                    )
         # Per-expert storage; if absent, the default names are claimed and reported missing.
-        triples = [(f"model.layers.{i}.{p}.", t) for p in self.moe_prefixes for t in self.per_expert_names]
+        triples = [
+            (f"model.layers.{i}.{p}.", t) for p in self.moe_prefixes for t in self.per_expert_names
+        ]
         base, triple = next(
             ((b, t) for b, t in triples if b + t[0].format(e=0) in self.src), triples[0]
         )

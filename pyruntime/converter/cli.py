@@ -16,8 +16,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Convert a Hugging Face MoE checkpoint to a pyruntime GGUF file.",
     )
     p.add_argument("model", help="local HF model folder, or a Hub repo id (org/name)")
-    p.add_argument("--outfile", type=Path, help="output path (default: <model-name>-<outtype>.gguf)")
-    p.add_argument("--outtype", choices=list(OUTTYPES), default="f16", help="weight type (default f16)")
+    p.add_argument(
+        "--outfile", type=Path, help="output path (default: <model-name>-<outtype>.gguf)"
+    )
+    p.add_argument(
+        "--outtype", choices=list(OUTTYPES), default="f16", help="weight type (default f16)"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     return p
 

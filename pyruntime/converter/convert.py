@@ -45,7 +45,9 @@ def convert(
     model_dir, name = resolve_model(model)
     outfile = Path(outfile) if outfile is not None else default_outfile(name, outtype)
     if not outfile.parent.is_dir():
-        raise ConversionError(f"{outfile}: output folder {outfile.parent} does not exist; create it")
+        raise ConversionError(
+            f"{outfile}: output folder {outfile.parent} does not exist; create it"
+        )
 
     # Plan: parse config + tokenizer, map every tensor (no weight data read yet).
     hp = HParams.load(model_dir)
@@ -64,14 +66,16 @@ def convert(
     try:
         _write_metadata(writer, arch, vocab, name, outtype, hf_arch)
         qtypes = [choose_qtype(t.kind, t.shape[-1], outtype) for t in plan]
-        streamed = [StreamedTensor(t, q) for t, q in zip(plan, qtypes)]
+        streamed = [StreamedTensor(t, q) for t, q in zip(plan, qtypes, strict=True)]
         for s in streamed:
             # `tensor_dtype` is ignored when raw_dtype is given and the dtype is not uint8
             writer.add_tensor_info(s.out.name, s.out.shape, np.dtype(np.float32), s.nbytes, s.qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        bar = tqdm(streamed, desc="converting", unit="tensor", file=sys.stderr, disable=not progress)
+        bar = tqdm(
+            streamed, desc="converting", unit="tensor", file=sys.stderr, disable=not progress
+        )
         for s in bar:
             bar.set_postfix_str(s.out.name, refresh=False)
             writer.write_tensor_data(s)  # type: ignore[arg-type]  # duck-typed streamed tensor

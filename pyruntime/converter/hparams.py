@@ -125,5 +125,7 @@ class HParams:
     def activation(self) -> str:
         act = self.config.get("hidden_act", "silu")
         if act not in _ACTIVATIONS:
-            raise self._bad("hidden_act", f"'{act}' is not supported (use one of {sorted(_ACTIVATIONS)})")
+            raise self._bad(
+                "hidden_act", f"'{act}' is not supported (use one of {sorted(_ACTIVATIONS)})"
+            )
         return _ACTIVATIONS[act]

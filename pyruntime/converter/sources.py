@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from safetensors import safe_open
 
 from pyruntime.errors import ConversionError
@@ -37,7 +36,8 @@ class SourceTensors:
     def __init__(self, model_dir: Path) -> None:
         self.model_dir = model_dir
         self._file_of: dict[str, Path] = {}
-        self._handles: dict[Path, Any] = {}
+        self._handles: dict[Path, Any] = {}  # numpy-framework handles (headers, f32/f16 data)
+        self._torch_handles: dict[Path, Any] = {}  # only for bf16 data, which numpy cannot hold
         self.claimed: set[str] = set()
         self.missing: list[str] = []
         index = model_dir / "model.safetensors.index.json"
@@ -60,20 +60,23 @@ class SourceTensors:
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ConversionError(f"{index}: unreadable shard index ({exc!r}); re-download it") from None
+            raise ConversionError(
+                f"{index}: unreadable shard index ({exc!r}); re-download it"
+            ) from None
         files = sorted({self.model_dir / f for f in weight_map.values()})
         absent = [f.name for f in files if not f.is_file()]
         if absent:
             raise ConversionError(f"{index}: shard(s) missing on disk: {_name_list(absent)}")
         return files
 
-    def _open(self, path: Path) -> Any:
-        if path not in self._handles:
+    def _open(self, path: Path, framework: str = "np") -> Any:
+        handles = self._handles if framework == "np" else self._torch_handles
+        if path not in handles:
             try:
-                self._handles[path] = safe_open(str(path), framework="pt")
+                handles[path] = safe_open(str(path), framework=framework)
             except Exception as exc:  # safetensors raises its own error types
                 raise ConversionError(f"{path}: not a readable safetensors file ({exc})") from None
-        return self._handles[path]
+        return handles[path]
 
     # ---- plan-time bookkeeping (no data read) ----
 
@@ -133,10 +136,19 @@ class SourceTensors:
 
     def load(self, name: str) -> np.ndarray:
         """The whole tensor as float32 numpy (bf16/f16 widen exactly)."""
-        tensor = self._open(self._file_of[name]).get_tensor(name)
-        return tensor.to(torch.float32).numpy()
+        return self._read(name, lambda s: s[:])
 
     def load_index(self, name: str, index: int) -> np.ndarray:
-        """`tensor[index]` (one expert of a fused 3-D tensor) as float32, reading only that slice."""
-        tensor = self._open(self._file_of[name]).get_slice(name)[index]
-        return tensor.to(torch.float32).numpy()
+        """`tensor[index]` (one expert of a fused 3-D tensor) as float32; reads only that slice."""
+        return self._read(name, lambda s: s[index])
+
+    def _read(self, name: str, take: Any) -> np.ndarray:
+        path = self._file_of[name]
+        dtype = self._open(path).get_slice(name).get_dtype()
+        if dtype not in ("F32", "F16", "BF16", "F64"):
+            raise ConversionError(f"{path}: tensor {name} has dtype {dtype}; expected a float type")
+        if dtype != "BF16":
+            return np.asarray(take(self._open(path).get_slice(name)), dtype=np.float32)
+        import torch  # imported lazily: only bf16 checkpoints need it
+
+        return take(self._open(path, "pt").get_slice(name)).to(torch.float32).numpy()

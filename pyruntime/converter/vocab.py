@@ -59,13 +59,15 @@ def _chat_template(model_dir: Path, tok_config: dict[str, Any]) -> str | None:
 
 
 def load_vocab(model_dir: Path, config: dict[str, Any], vocab_size: int) -> Vocab:
-    """Read tokenizer.json (+ tokenizer_config.json, generation_config.json, chat_template.jinja)."""
+    """Read tokenizer.json (+ tokenizer_config.json, generation_config.json, chat_template.jinja
+    when present)."""
     tok_path = model_dir / "tokenizer.json"
     tok = read_json(tok_path, "tokenizer.json")
     model = tok.get("model") or {}
     if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
         raise ConversionError(
-            f"{tok_path}: tokenizer model is {model.get('type')!r}; only byte-level BPE is supported"
+            f"{tok_path}: tokenizer model is {model.get('type')!r}; "
+            "only byte-level BPE is supported"
         )
     by_id: dict[int, tuple[str, int]] = {i: (t, TOKEN_NORMAL) for t, i in model["vocab"].items()}
     for added in tok.get("added_tokens") or []:

@@ -82,3 +82,54 @@ def sparsity(n_active: int, n_pairs: int, n_ff: int) -> float:
     total = n_pairs * n_ff
     return 0.0 if total == 0 else 1.0 - n_active / total
 
+
+
+class CpuCoreBackend:
+    """Routed experts on the C core (pyruntime.cpu_core): the weights are read in place from the
+    mmap, multi-threaded, dense or neuron-sparse. Same call signature as `moe_ffn_torch`."""
+
+    def __init__(self, threads: int | None = None) -> None:
+        from pyruntime.cpu_core import CpuCore
+
+        self.core = CpuCore(threads)
+
+    def __call__(
+        self,
+        store: ExpertStore,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_w: torch.Tensor,
+        act: str,
+        threshold: float | None = None,
+    ) -> tuple[torch.Tensor, int]:
+        return self.core.moe_ffn(
+            store.raw,
+            int(store.qtype),
+            store.n_expert,
+            store.n_ff,
+            store.n_embd,
+            x.contiguous(),
+            topk_ids,
+            topk_w,
+            act,
+            threshold,
+        )
+
+
+def make_expert_backend(kind: str = "auto", threads: int | None = None):
+    """'c' (the C core), 'torch' (reference), or 'auto' (C core when it is built, else torch)."""
+    if kind == "torch":
+        return moe_ffn_torch
+    if kind not in ("c", "auto"):
+        raise ValueError(f"unknown expert backend '{kind}' (use auto, c or torch)")
+    from pyruntime.cpu_core import CoreError
+
+    try:
+        return CpuCoreBackend(threads)
+    except CoreError as exc:
+        if kind == "c" or "not found" not in str(exc):
+            raise
+        import sys
+
+        print(f"warning: {exc}; computing experts with torch instead", file=sys.stderr)
+        return moe_ffn_torch

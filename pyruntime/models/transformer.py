@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from pyruntime.dequant import dequantize
 from pyruntime.errors import UsageError
-from pyruntime.experts.compute import activation_fn, moe_ffn_torch, route
+from pyruntime.experts.compute import activation_fn, make_expert_backend, moe_ffn_torch, route
 from pyruntime.experts.store import ExpertStore
 from pyruntime.gguf_file import GGUFFile
 from pyruntime.models.config import ModelConfig
@@ -196,12 +196,17 @@ class MoETransformer:
         self.stats = ExpertStats()
 
     @classmethod
-    def from_gguf(cls, f: GGUFFile, threads: int | None = None) -> MoETransformer:
+    def from_gguf(
+        cls, f: GGUFFile, threads: int | None = None, expert_backend: str = "auto"
+    ) -> MoETransformer:
+        """expert_backend: 'auto' (C core when built), 'c' or 'torch' (the reference)."""
         if threads is not None:
             if threads < 1:
                 raise UsageError(f"--threads must be >= 1, got {threads}")
             torch.set_num_threads(threads)
-        return cls(ModelConfig.from_gguf(f), f)
+        model = cls(ModelConfig.from_gguf(f), f)
+        model.expert_backend = make_expert_backend(expert_backend, threads)
+        return model
 
     def new_cache(self, max_tokens: int) -> KVCache:
         return KVCache(self.config, max_tokens)

@@ -83,7 +83,7 @@ size_t pyrt_row_bytes(int fmt, int64_t n);
  *   y[t, :] = sum_k topk_w[t, k] * expert_{topk_ids[t, k]}(x[t, :])
  *   expert_e(x) = sum_j act(g_j . x) * (u_j . x) * d_j     (j over the n_ff neurons of e)
  *
- * gud       weights, gud_bytes >= n_expert * n_ff * 3 * pyrt_row_bytes(fmt, n_embd)
+ * gud       weights, gud_bytes == n_expert * n_ff * 3 * pyrt_row_bytes(fmt, n_embd)
  * x         [n_tokens, n_embd] f32;  y [n_tokens, n_embd] f32 (written, not accumulated into)
  * topk_ids  [n_tokens, k] int32 in [0, n_expert);  topk_w [n_tokens, k] f32
  * threshold >= 0: a neuron whose |act(g_j . x)| < threshold is skipped for that token (its up and

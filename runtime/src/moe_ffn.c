@@ -200,7 +200,7 @@ static int check_args(const pyrt_pool *pool, const void *gud, size_t gud_bytes, 
                          "%s: n_embd=%d is not a multiple of 32, which format %d (quantized in "
                          "blocks of 32) needs", fn, n_embd, fmt);
     const double need = (double)n_expert * n_ff * 3.0 * (double)rb;
-    if (need > (double)gud_bytes)
+    if (need != (double)gud_bytes)
         return pyrt_fail(PYRT_E_INVALID,
                          "%s: weights hold %zu bytes but n_expert=%d x n_ff=%d x 3 rows x %zu "
                          "bytes/row need %.0f: wrong shape or format for this tensor",

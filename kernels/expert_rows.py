@@ -1,0 +1,143 @@
+"""Triton device helpers shared by the MoE kernels: in-kernel dequantization of expert rows.
+
+A "row" is one gate, up or down^T row of `ffn_gud_exps` (docs/gguf-layout.md), n_embd = H
+elements along the hidden dimension. `row_off` locates each row of a tile of BLOCK_N rows:
+an element offset for float formats (FMT 0: f32/f16/bf16, the pointer is typed) or a byte offset
+for block formats (FMT 1: Q8_0, 34-byte blocks; FMT 2: Q4_0, 18-byte blocks; uint8 pointer).
+Rows are never dequantized to memory: each helper loads raw bytes and works in fp32 registers.
+
+Two access shapes:
+- GEMV (decode, sparse): rows_dot / rows_axpy use 3-D tiles [BLOCK_N, BLOCK_H // 32, 32] so the
+  block scale is loaded once per block and applied after the 32-element inner sum;
+- GEMM (prefill): rows_tile returns a 2-D fp32 tile [BLOCK_N, BLOCK_K] for tl.dot (its scale
+  reloads hit L1 and are amortized over the BLOCK_M tokens of the tile).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def act_fn(g, ACT: tl.constexpr):
+    """ACT 0: silu(g) = g * sigmoid(g); ACT 1: gelu, tanh approximation (gelu_pytorch_tanh).
+
+    Written from tl.exp (no libdevice; the interpreter lacks it). Overflow of exp saturates to
+    the right limits: silu(-inf side) -> -0, tanh(+-inf side) -> +-1.
+    """
+    if ACT == 0:
+        out = g / (1.0 + tl.exp(-g))
+    else:
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2/pi) * (...)
+        th = 1.0 - 2.0 / (1.0 + tl.exp(2.0 * z))  # tanh(z)
+        out = 0.5 * g * (1.0 + th)
+    return out
+
+
+@triton.jit
+def rows_dot(w_ptr, row_off, n_mask, x_ptr, h0, H, FMT: tl.constexpr, BLOCK_H: tl.constexpr):
+    """[BLOCK_N] fp32: sum over h in [h0, h0 + BLOCK_H) of W[row, h] * x[h], masked rows -> 0.
+
+    x_ptr points at one token's hidden vector (H elements, f32 or bf16). For block formats h0
+    and BLOCK_H are multiples of 32 and H is a multiple of 32.
+    """
+    if FMT == 0:
+        h = h0 + tl.arange(0, BLOCK_H)
+        hm = h < H
+        xv = tl.load(x_ptr + h, mask=hm, other=0.0).to(tl.float32)
+        m = n_mask[:, None] & hm[None, :]
+        wv = tl.load(w_ptr + row_off[:, None] + h[None, :], mask=m, other=0.0).to(tl.float32)
+        out = tl.sum(wv * xv[None, :], axis=1)
+    elif FMT == 1:
+        NB: tl.constexpr = BLOCK_H // 32
+        b = h0 // 32 + tl.arange(0, NB)  # block index along the row
+        bm = b < H // 32
+        i = tl.arange(0, 32)
+        xv = tl.load(x_ptr + b[:, None] * 32 + i[None, :], mask=bm[:, None], other=0.0)
+        blk = w_ptr + row_off[:, None] + b[None, :] * 34  # [BLOCK_N, NB] -> f16 d, int8 q[32]
+        m = n_mask[:, None] & bm[None, :]
+        d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+        qp = (blk[:, :, None] + 2 + i[None, None, :]).to(tl.pointer_type(tl.int8))
+        q = tl.load(qp, mask=m[:, :, None], other=0).to(tl.float32)
+        out = tl.sum(tl.sum(q * xv.to(tl.float32)[None, :, :], axis=2) * d, axis=1)
+    else:
+        NB: tl.constexpr = BLOCK_H // 32
+        b = h0 // 32 + tl.arange(0, NB)
+        bm = b < H // 32
+        k = tl.arange(0, 16)
+        xo = b[:, None] * 32 + k[None, :]
+        x_lo = tl.load(x_ptr + xo, mask=bm[:, None], other=0.0).to(tl.float32)  # elements 0..15
+        x_hi = tl.load(x_ptr + xo + 16, mask=bm[:, None], other=0.0).to(tl.float32)  # 16..31
+        blk = w_ptr + row_off[:, None] + b[None, :] * 18  # -> f16 d, uint8 qs[16]
+        m = n_mask[:, None] & bm[None, :]
+        d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+        qs = tl.load(blk[:, :, None] + 2 + k[None, None, :], mask=m[:, :, None], other=0)
+        lo = (qs & 15).to(tl.float32) - 8.0
+        hi = (qs >> 4).to(tl.float32) - 8.0
+        s = tl.sum(lo * x_lo[None, :, :] + hi * x_hi[None, :, :], axis=2)
+        out = tl.sum(s * d, axis=1)
+    return out
+
+
+@triton.jit
+def rows_axpy(w_ptr, row_off, n_mask, coef, y_ptr, h0, H, FMT: tl.constexpr, BLOCK_H: tl.constexpr):
+    """y[h] += sum over rows of coef[row] * W[row, h] for h in [h0, h0 + BLOCK_H), atomically.
+
+    y_ptr points at one token's fp32 output row. coef [BLOCK_N] fp32 must be 0 on masked rows.
+    Relaxed atomics: many programs (neuron tiles, experts) add into the same token row.
+    """
+    if FMT == 0:
+        h = h0 + tl.arange(0, BLOCK_H)
+        hm = h < H
+        m = n_mask[:, None] & hm[None, :]
+        wv = tl.load(w_ptr + row_off[:, None] + h[None, :], mask=m, other=0.0).to(tl.float32)
+        c = tl.sum(wv * coef[:, None], axis=0)
+        tl.atomic_add(y_ptr + h, c, mask=hm, sem="relaxed")
+    elif FMT == 1:
+        NB: tl.constexpr = BLOCK_H // 32
+        b = h0 // 32 + tl.arange(0, NB)
+        bm = b < H // 32
+        i = tl.arange(0, 32)
+        blk = w_ptr + row_off[:, None] + b[None, :] * 34
+        m = n_mask[:, None] & bm[None, :]
+        d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+        qp = (blk[:, :, None] + 2 + i[None, None, :]).to(tl.pointer_type(tl.int8))
+        q = tl.load(qp, mask=m[:, :, None], other=0).to(tl.float32)
+        c = tl.sum(q * (d * coef[:, None])[:, :, None], axis=0)  # [NB, 32]
+        tl.atomic_add(y_ptr + b[:, None] * 32 + i[None, :], c, mask=bm[:, None], sem="relaxed")
+    else:
+        NB: tl.constexpr = BLOCK_H // 32
+        b = h0 // 32 + tl.arange(0, NB)
+        bm = b < H // 32
+        k = tl.arange(0, 16)
+        blk = w_ptr + row_off[:, None] + b[None, :] * 18
+        m = n_mask[:, None] & bm[None, :]
+        d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+        qs = tl.load(blk[:, :, None] + 2 + k[None, None, :], mask=m[:, :, None], other=0)
+        sc = (d * coef[:, None])[:, :, None]
+        c_lo = tl.sum(((qs & 15).to(tl.float32) - 8.0) * sc, axis=0)  # [NB, 16]
+        c_hi = tl.sum(((qs >> 4).to(tl.float32) - 8.0) * sc, axis=0)
+        yo = y_ptr + b[:, None] * 32 + k[None, :]
+        tl.atomic_add(yo, c_lo, mask=bm[:, None], sem="relaxed")
+        tl.atomic_add(yo + 16, c_hi, mask=bm[:, None], sem="relaxed")
+
+
+@triton.jit
+def rows_tile(w_ptr, row_off, n_mask, h0, H, FMT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] fp32 tile W[row, h0:h0 + BLOCK_K] (0 outside), for tl.dot."""
+    h = h0 + tl.arange(0, BLOCK_K)
+    m = n_mask[:, None] & (h < H)[None, :]
+    if FMT == 0:
+        out = tl.load(w_ptr + row_off[:, None] + h[None, :], mask=m, other=0.0).to(tl.float32)
+    elif FMT == 1:
+        blk = w_ptr + row_off[:, None] + (h // 32 * 34)[None, :]
+        d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+        qp = (blk + 2 + (h % 32)[None, :]).to(tl.pointer_type(tl.int8))
+        out = tl.load(qp, mask=m, other=0).to(tl.float32) * d
+    else:
+        blk = w_ptr + row_off[:, None] + (h // 32 * 18)[None, :]
+        d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+        i = h % 32
+        qs = tl.load(blk + 2 + (i % 16)[None, :], mask=m, other=0)
+        q = (qs >> ((i // 16) * 4)[None, :].to(tl.uint8)) & 15
+        out = (q.to(tl.float32) - 8.0) * d
+    return out

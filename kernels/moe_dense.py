@@ -1,0 +1,352 @@
+"""Dense fused MoE over the GGUF expert tensor `ffn_gud_exps` [n_expert, n_ff, 3, n_embd].
+
+    y[t] = sum_k topk_w[t, k] * sum_j act(g_j . x_t) * (u_j . x_t) * d_j     (e = topk_ids[t, k])
+
+Two paths, both dequantizing inside the kernel (no dequantized copy of the weights):
+- decode (small T): `_moe_gemv_kernel`, one program per (token-expert pair, tile of BLOCK_N
+  neurons): gate and up dots over n_embd, then the down axpy into y[t] with relaxed fp32 atomics.
+  Every weight byte of the routed experts is read once per pair (memory bound).
+- prefill (larger T): pairs are grouped by expert (`moe_align`, like vLLM's
+  moe_align_block_size, in torch, no host sync) and two grouped GEMMs run on tl.dot tiles:
+  `_moe_gemm_gate_up_kernel` (act(gate) * up -> inter [P, n_ff] fp32), then
+  `_moe_gemm_down_kernel` (inter @ down, times the routing weight, atomically added into y).
+
+P = T * K token-expert pairs; pair p is token p // K, slot p % K. The output y is fp32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.expert_formats import (
+    ACTIVATIONS,
+    FMT_CODES,
+    act_ref,
+    check_expert_tensor,
+    dequantize_rows,
+    row_bytes,
+)
+from kernels.expert_rows import act_fn, rows_axpy, rows_dot, rows_tile
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (CPU interpreter: big blocks, fp32 dots)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ----------------------------------------------------------------------------------------------
+# decode: GEMV per (pair, neuron tile)
+
+
+@triton.jit
+def _moe_gemv_kernel(
+    x_ptr,  # [T, H] f32/bf16, row stride stride_x
+    w_ptr,  # expert tensor (typed for float formats, uint8 for block formats)
+    ids_ptr,  # [P] int: expert of each pair
+    tw_ptr,  # [P] f32: routing weight of each pair
+    out_ptr,  # GATE_ONLY: gate [P, F] f32; else y [T, H] f32 (accumulated)
+    H,
+    F,
+    RB,  # row stride of the expert tensor: elements (float formats) or bytes (block formats)
+    K,
+    stride_x,
+    FMT: tl.constexpr,
+    ACT: tl.constexpr,
+    GATE_ONLY: tl.constexpr,  # only the gate dots (the sparse path's first step)
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    p = tl.program_id(0)
+    t = p // K
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < F
+    gate_off = (e * F + n) * 3 * RB  # [BLOCK_N] int64; up row at +RB, down row at +2*RB
+    x_row = x_ptr + t.to(tl.int64) * stride_x
+
+    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        acc_g += rows_dot(w_ptr, gate_off, nm, x_row, h0, H, FMT, BLOCK_H)
+        if not GATE_ONLY:
+            acc_u += rows_dot(w_ptr, gate_off + RB, nm, x_row, h0, H, FMT, BLOCK_H)
+
+    if GATE_ONLY:
+        tl.store(out_ptr + p.to(tl.int64) * F + n, acc_g, mask=nm)
+    else:
+        coef = act_fn(acc_g, ACT) * acc_u * tl.load(tw_ptr + p).to(tl.float32)
+        coef = tl.where(nm, coef, 0.0)
+        y_row = out_ptr + t.to(tl.int64) * H
+        for h0 in range(0, H, BLOCK_H):
+            rows_axpy(w_ptr, gate_off + 2 * RB, nm, coef, y_row, h0, H, FMT, BLOCK_H)
+
+
+def gemv_blocks(fmt: str, n_pairs: int, n_ff: int, n_embd: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_H) for the GEMV kernels: enough programs to fill an H100 (132 SMs)."""
+    if interpreting():
+        return 64, 256
+    block_h = 256 if fmt != "f32" else 128
+    block_n = 32
+    while block_n > 4 and n_pairs * triton.cdiv(n_ff, block_n) < 4 * 132:
+        block_n //= 2
+    return block_n, block_h
+
+
+def _prep(x, w, fmt, topk_ids, topk_w, activation):
+    """Validate the common arguments; return (H, E, F, RB, T, K)."""
+    if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"x must be [T, n_embd] float32 or bfloat16, got {x.dtype} {list(x.shape)}"
+        )
+    if x.stride(1) != 1:
+        raise ValueError("x rows must be contiguous")
+    T, H = x.shape
+    E, F = check_expert_tensor(w, fmt, H)
+    if topk_ids.shape != topk_w.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != T:
+        raise ValueError(
+            f"topk_ids {list(topk_ids.shape)} and topk_w {list(topk_w.shape)} "
+            f"must both be [T={T}, K]"
+        )
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"unknown activation {activation!r}; expected one of {sorted(ACTIVATIONS)}"
+        )
+    for name, tensor in (("x", x), ("topk_ids", topk_ids), ("topk_w", topk_w)):
+        if tensor.device != w.device:
+            raise ValueError(f"{name} is on {tensor.device}, the expert tensor on {w.device}")
+    rb = H if FMT_CODES[fmt] == 0 else row_bytes(fmt, H)
+    return H, E, F, rb, T, topk_ids.shape[1]
+
+
+def moe_dense_decode(x, w, fmt, topk_ids, topk_w, activation="silu", block_n=None, block_h=None):
+    """Decode path (any T; best for small T): y [T, n_embd] fp32."""
+    H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
+    bn, bh = gemv_blocks(fmt, T * K, F, H)
+    bn, bh = block_n or bn, block_h or bh
+    y = torch.zeros(T, H, device=x.device, dtype=torch.float32)
+    ids = topk_ids.reshape(-1).contiguous()
+    tw = topk_w.reshape(-1).float().contiguous()
+    grid = (T * K, triton.cdiv(F, bn))
+    _moe_gemv_kernel[grid](
+        x, w, ids, tw, y, H, F, rb, K, x.stride(0),
+        FMT=FMT_CODES[fmt], ACT=ACTIVATIONS[activation], GATE_ONLY=False,
+        BLOCK_N=bn, BLOCK_H=bh, num_warps=4,
+    )  # fmt: skip
+    return y
+
+
+# ----------------------------------------------------------------------------------------------
+# prefill: pairs grouped by expert, grouped GEMMs on tl.dot tiles
+
+
+def moe_align(topk_ids: torch.Tensor, n_expert: int, block_m: int):
+    """Group the P = T*K pairs by expert into BLOCK_M-row blocks (vLLM moe_align_block_size).
+
+    Returns (sorted_pairs [max_padded] int32, with P marking padding; block_expert [n_blocks]
+    int32; total [1] int32 = padded rows actually used). Sizes depend only on (P, n_expert,
+    block_m), never on the routing, so there is no host sync and the launch is graph-safe:
+    blocks at or past `total` exit at once.
+    """
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    P = flat.numel()
+    counts = torch.zeros(n_expert, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    end = torch.cumsum(padded, 0)  # [E] end row of each expert's segment
+    start = end - padded
+    order = torch.argsort(flat, stable=True)  # pairs sorted by expert
+    first = torch.cumsum(counts, 0) - counts  # [E] rank of each expert's first pair in `order`
+    e_sorted = flat[order]
+    dest = start[e_sorted] + torch.arange(P, device=dev) - first[e_sorted]
+    max_padded = P + min(n_expert, P) * (block_m - 1)
+    n_blocks = triton.cdiv(max_padded, block_m)
+    sorted_pairs = torch.full((n_blocks * block_m,), P, dtype=torch.int32, device=dev)
+    sorted_pairs[dest] = order.to(torch.int32)
+    rows = torch.arange(n_blocks, device=dev) * block_m
+    block_expert = torch.searchsorted(end, rows, right=True).clamp_(max=n_expert - 1)
+    return sorted_pairs, block_expert.to(torch.int32), end[-1:].to(torch.int32)
+
+
+@triton.jit
+def _dot(a, b_t, acc, DOT_BF16: tl.constexpr):
+    """acc + a @ b_t^T: bf16 tensor cores when DOT_BF16, else exact fp32 (ieee)."""
+    if DOT_BF16:
+        acc = tl.dot(a.to(tl.bfloat16), tl.trans(b_t.to(tl.bfloat16)), acc)
+    else:
+        acc = tl.dot(a, tl.trans(b_t), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _moe_gemm_gate_up_kernel(
+    x_ptr,  # [T, H] f32/bf16
+    w_ptr,  # expert tensor
+    sorted_ptr,  # [n_blocks * BLOCK_M] int32 pair ids grouped by expert, P = padding
+    blk_expert_ptr,  # [n_blocks] int32
+    total_ptr,  # [1] int32 padded rows in use
+    out_ptr,  # [P, F] f32: act(gate) * up, or gate (GATE_ONLY)
+    H,
+    F,
+    RB,
+    K,
+    P,
+    stride_x,
+    FMT: tl.constexpr,
+    ACT: tl.constexpr,
+    GATE_ONLY: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    e = tl.load(blk_expert_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    pm = pairs < P
+    tok = (pairs // K).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < F
+    gate_off = (e * F + n) * 3 * RB
+
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_K):
+        h = h0 + tl.arange(0, BLOCK_K)
+        am = pm[:, None] & (h < H)[None, :]
+        a = tl.load(x_ptr + tok[:, None] * stride_x + h[None, :], mask=am, other=0.0)
+        a = a.to(tl.float32)
+        acc_g = _dot(a, rows_tile(w_ptr, gate_off, nm, h0, H, FMT, BLOCK_K), acc_g, DOT_BF16)
+        if not GATE_ONLY:
+            wu = rows_tile(w_ptr, gate_off + RB, nm, h0, H, FMT, BLOCK_K)
+            acc_u = _dot(a, wu, acc_u, DOT_BF16)
+    if GATE_ONLY:
+        out = acc_g
+    else:
+        out = act_fn(acc_g, ACT) * acc_u
+    o = out_ptr + pairs.to(tl.int64)[:, None] * F + n[None, :]
+    tl.store(o, out, mask=pm[:, None] & nm[None, :])
+
+
+@triton.jit
+def _moe_gemm_down_kernel(
+    inter_ptr,  # [P, F] f32: act(gate) * up
+    w_ptr,
+    sorted_ptr,
+    blk_expert_ptr,
+    total_ptr,
+    tw_ptr,  # [P] f32 routing weights
+    y_ptr,  # [T, H] f32, accumulated
+    H,
+    F,
+    RB,
+    K,
+    P,
+    FMT: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # neurons per step (the reduction axis here)
+    BLOCK_H: tl.constexpr,  # output columns per program
+):
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    e = tl.load(blk_expert_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    pm = pairs < P
+    pairs64 = pairs.to(tl.int64)
+    h0 = tl.program_id(1) * BLOCK_H
+    h = h0 + tl.arange(0, BLOCK_H)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+    for n0 in range(0, F, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nm = n < F
+        a = tl.load(inter_ptr + pairs64[:, None] * F + n[None, :], mask=pm[:, None] & nm[None, :])
+        wd = rows_tile(w_ptr, ((e * F + n) * 3 + 2) * RB, nm, h0, H, FMT, BLOCK_H)  # [BN, BH]
+        acc = _dot(a, tl.trans(wd), acc, DOT_BF16)
+    acc = acc * tl.load(tw_ptr + pairs, mask=pm, other=0.0)[:, None]
+    y = y_ptr + (pairs64 // K)[:, None] * H + h[None, :]
+    tl.atomic_add(y, acc, mask=pm[:, None] & (h < H)[None, :], sem="relaxed")
+
+
+def gemm_blocks(n_pairs: int, n_expert: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) of the grouped GEMMs, by the mean rows per expert."""
+    if interpreting():
+        return 16, 64, 128
+    rows = n_pairs / n_expert
+    block_m = 16 if rows <= 16 else 32 if rows <= 48 else 64
+    return block_m, 64, 64
+
+
+def moe_dense_prefill(x, w, fmt, topk_ids, topk_w, activation="silu", blocks=None):
+    """Prefill path (grouped GEMMs): y [T, n_embd] fp32."""
+    H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
+    P = T * K
+    bm, bn, bk = blocks or gemm_blocks(P, E)
+    sorted_pairs, block_expert, total = moe_align(topk_ids, E, bm)
+    n_blocks = block_expert.numel()
+    dot_bf16 = x.dtype == torch.bfloat16 and not interpreting()
+    inter = torch.empty(P, F, device=x.device, dtype=torch.float32)
+    _moe_gemm_gate_up_kernel[(n_blocks, triton.cdiv(F, bn))](
+        x, w, sorted_pairs, block_expert, total, inter, H, F, rb, K, P, x.stride(0),
+        FMT=FMT_CODES[fmt], ACT=ACTIVATIONS[activation], GATE_ONLY=False, DOT_BF16=dot_bf16,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
+    )  # fmt: skip
+    y = torch.zeros(T, H, device=x.device, dtype=torch.float32)
+    tw = topk_w.reshape(-1).float().contiguous()
+    _moe_gemm_down_kernel[(n_blocks, triton.cdiv(H, bk))](
+        inter, w, sorted_pairs, block_expert, total, tw, y, H, F, rb, K, P,
+        FMT=FMT_CODES[fmt], DOT_BF16=dot_bf16, BLOCK_M=bm, BLOCK_N=bn, BLOCK_H=bk, num_warps=4,
+    )  # fmt: skip
+    return y
+
+
+# Decode below this many tokens (tuned on the H100 with bench/moe_layer.py).
+DECODE_MAX_TOKENS = 8
+
+
+def moe_dense(x, w, fmt, topk_ids, topk_w, activation="silu", path="auto"):
+    """Dense routed-expert FFN: y [T, n_embd] fp32 = sum_k topk_w * expert_{topk_ids}(x).
+
+    x [T, n_embd] f32/bf16; w the expert tensor in `fmt` (kernels.expert_formats);
+    topk_ids [T, K] int; topk_w [T, K] float; activation "silu" or "gelu" (tanh approximation);
+    path "decode", "prefill" or "auto" (decode for T <= DECODE_MAX_TOKENS).
+    """
+    if path == "auto":
+        path = "decode" if x.shape[0] <= DECODE_MAX_TOKENS else "prefill"
+    if path == "decode":
+        return moe_dense_decode(x, w, fmt, topk_ids, topk_w, activation)
+    if path == "prefill":
+        return moe_dense_prefill(x, w, fmt, topk_ids, topk_w, activation)
+    raise ValueError(f"path must be 'auto', 'decode' or 'prefill', got {path!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# torch reference
+
+
+def dequantize_experts(w: torch.Tensor, fmt: str, n_embd: int) -> torch.Tensor:
+    """fp32 [n_expert, n_ff, 3, n_embd] copy of the expert tensor (reference only)."""
+    return dequantize_rows(w, fmt, n_embd)
+
+
+def moe_dense_ref(x, w, fmt, topk_ids, topk_w, activation="silu"):
+    """Plain torch: dequantize the experts, y = sum_k w_k * down(act(gate x) * up x), fp32."""
+    T, H = x.shape
+    wf = dequantize_experts(w, fmt, H)
+    xf = x.float()
+    y = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    for t in range(T):
+        for k in range(topk_ids.shape[1]):
+            rows = wf[int(topk_ids[t, k])]  # [F, 3, H]
+            g = rows[:, 0] @ xf[t]
+            u = rows[:, 1] @ xf[t]
+            y[t] += float(topk_w[t, k]) * ((act_ref(g, activation) * u) @ rows[:, 2])
+    return y
