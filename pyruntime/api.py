@@ -231,4 +231,8 @@ class Model:
 def _usage(generation: TextStream) -> dict[str, int]:
     prompt = generation.stats.prompt_tokens
     completion = len(generation.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }

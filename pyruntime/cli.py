@@ -61,9 +61,7 @@ def _sampling_parent() -> argparse.ArgumentParser:
     g.add_argument(
         "--stop", nargs="+", default=[], metavar="S", help="stop strings (never printed)"
     )
-    g.add_argument(
-        "-c", "--ctx-size", type=int, default=2048, help="context size in tokens (2048)"
-    )
+    g.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size in tokens (2048)")
     return p
 
 
@@ -310,13 +308,19 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("tensors", str(len(f.tensors))),
         ("quant types", ", ".join(f"{k}: {v}" for k, v in sorted(quant.items()))),
         ("layers", str(f.arch_get("block_count", "?"))),
-        ("experts", f"{f.arch_get('expert_count', '?')} (used per token: "
-         f"{f.arch_get('expert_used_count', '?')})"),
+        (
+            "experts",
+            f"{f.arch_get('expert_count', '?')} (used per token: "
+            f"{f.arch_get('expert_used_count', '?')})",
+        ),
         ("expert ffn", str(f.arch_get("expert_feed_forward_length", "?"))),
         ("context length", str(f.arch_get("context_length", "?"))),
         ("embedding size", str(f.arch_get("embedding_length", "?"))),
-        ("heads (kv)", f"{f.arch_get('attention.head_count', '?')} "
-         f"({f.arch_get('attention.head_count_kv', '?')})"),
+        (
+            "heads (kv)",
+            f"{f.arch_get('attention.head_count', '?')} "
+            f"({f.arch_get('attention.head_count_kv', '?')})",
+        ),
         ("vocab", str(f.arch_get("vocab_size", len(tokens)))),
         ("chat template", "yes" if f.get("tokenizer.chat_template", None) else "no"),
     ]

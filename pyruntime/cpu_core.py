@@ -61,6 +61,7 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
                  int n_ff, int n_embd, const float *x, int n_tokens, const int32_t *topk_ids,
                  const float *topk_w, int k, int activation, float threshold, float *y,
                  int64_t *n_active);
+int pyrt_mem_read(pyrt_pool *pool, const void *buf, size_t bytes, uint64_t *checksum);
 """
 
 # ggml type numbers of the weight formats the core reads (gguf.GGMLQuantizationType values).
@@ -252,6 +253,16 @@ class CpuCore:
             "pyrt_moe_ffn",
         )
         return y, int(n_active[0])
+
+
+    def mem_read(self, buf: np.ndarray) -> int:
+        """Read buf once on the pool's threads (DRAM read test); returns the checksum."""
+        if self._pool is None:
+            raise CoreError("CpuCore is closed: create a new one")
+        checksum = _ffi.new("uint64_t *")
+        data = _ffi.from_buffer(buf)
+        _check(_lib().pyrt_mem_read(self._pool, data, buf.nbytes, checksum), "pyrt_mem_read")
+        return int(checksum[0])
 
 
 def _as_cpu(t: torch.Tensor, dtype: torch.dtype, name: str, ndim: int) -> torch.Tensor:

@@ -38,7 +38,9 @@ def _as_torch_bytes(raw: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(flat)
 
 
-def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
+def dequantize(
+    raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]
+) -> torch.Tensor:
     """Return a new float32 tensor of `shape` (row-major) from the stored bytes `raw`."""
     b = _as_torch_bytes(raw)
     n = int(np.prod(shape))

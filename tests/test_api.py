@@ -145,7 +145,9 @@ def test_second_chat_turn_reuses_the_cache_and_matches_a_fresh_model(model, gguf
     prompt_ids = model.tokenize(model.apply_chat_template(history))
     stream = model.generate(prompt_ids, max_tokens=16, temp=0)
     reused = "".join(stream)
-    assert stream.stats.prompt_evaluated < len(prompt_ids) - len(model.tokenize(MESSAGES[1]["content"]))
+    assert stream.stats.prompt_evaluated < len(prompt_ids) - len(
+        model.tokenize(MESSAGES[1]["content"])
+    )
     fresh = Model(gguf_path, n_ctx=512)
     assert "".join(fresh.generate(prompt_ids, max_tokens=16, temp=0)) == reused
 

@@ -224,9 +224,9 @@ def test_ctrl_c_stops_the_answer_not_the_chat(monkeypatch, cache_dir, gguf_path,
     assert "interrupted" in captured.err
     assert calls == [1, 3]  # the interrupted answer is kept in the history
     # Ctrl-C while waiting for input leaves with 130, quietly
-    monkeypatch.setattr(cli, "_read_user_line", lambda interactive: (_ for _ in ()).throw(
-        KeyboardInterrupt
-    ))
+    monkeypatch.setattr(
+        cli, "_read_user_line", lambda interactive: (_ for _ in ()).throw(KeyboardInterrupt)
+    )
     assert _chat(monkeypatch, cache_dir, "") == 130
     assert "Traceback" not in capsys.readouterr().err
 

@@ -62,7 +62,7 @@ def _chain(tok: Tokenizer, text: str, then: int = EOS) -> tuple[list[int], dict[
     """Ids of `text` (distinct tokens) and a script that produces them after the prompt."""
     ids = tok.encode(text)
     assert len(set(ids)) == len(ids), "test text must use distinct tokens"
-    script = {a: b for a, b in zip(ids, ids[1:])}
+    script = {a: b for a, b in zip(ids, ids[1:], strict=False)}
     script[ids[-1]] = then
     return ids, script
 
@@ -70,7 +70,12 @@ def _chain(tok: Tokenizer, text: str, then: int = EOS) -> tuple[list[int], dict[
 def _run(tok, net, prompt, max_tokens=50, stop=(), ignore_eos=False, session=None):
     session = session or Session(net, 64)
     stream = TextStream(
-        session, tok, prompt, Sampler(GREEDY), max_tokens=max_tokens, stop=stop,
+        session,
+        tok,
+        prompt,
+        Sampler(GREEDY),
+        max_tokens=max_tokens,
+        stop=stop,
         ignore_eos=ignore_eos,
     )
     pieces = list(stream)

@@ -50,7 +50,9 @@ def long_text(shared) -> str:
 def test_encode_decode_match_transformers(tok, hf_tok, text):
     ids = tok.encode(text)
     assert ids == hf_tok(text)["input_ids"]
-    assert tok.encode(text, add_special=False) == hf_tok(text, add_special_tokens=False)["input_ids"]
+    assert (
+        tok.encode(text, add_special=False) == hf_tok(text, add_special_tokens=False)["input_ids"]
+    )
     for skip in (True, False):
         assert tok.decode(ids, skip_special=skip) == hf_tok.decode(ids, skip_special_tokens=skip)
 

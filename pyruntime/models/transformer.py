@@ -26,7 +26,6 @@ from pyruntime.experts.store import ExpertStore
 from pyruntime.gguf_file import GGUFFile
 from pyruntime.models.config import ModelConfig
 
-
 # ---------------------------------------------------------------------------------------------
 # Weights
 
@@ -277,8 +276,8 @@ class MoETransformer:
         # Causal mask over absolute positions: query at start+a sees keys 0..start+a.
         q_pos = torch.arange(start, end)[:, None]
         mask = torch.arange(end)[None, :] <= q_pos  # [n, end] bool
-        scale = cfg.attention_scale if cfg.attention_scale is not None else 1 / math.sqrt(
-            cfg.head_dim
+        scale = (
+            cfg.attention_scale if cfg.attention_scale is not None else 1 / math.sqrt(cfg.head_dim)
         )
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
         return out.transpose(0, 1).reshape(n, cfg.n_head * cfg.head_dim) @ blk.wo.T

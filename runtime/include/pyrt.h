@@ -96,6 +96,10 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
                  int n_ff, int n_embd, const float *x, int n_tokens, const int32_t *topk_ids,
                  const float *topk_w, int k, int activation, float threshold, float *y,
                  int64_t *n_active);
+
+/* Read `bytes` of buf once, split across the pool's threads (a stream-like DRAM read test for
+ * benchmarks); checksum (may be NULL) gets the sum of the 64-bit words read. */
+int pyrt_mem_read(pyrt_pool *pool, const void *buf, size_t bytes, uint64_t *checksum);
 /* PYRT_CDEF_END */
 
 #ifdef __cplusplus

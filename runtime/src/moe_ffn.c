@@ -19,10 +19,12 @@
 enum { TOKEN_BLOCK = 64 };
 
 typedef struct {
-    /* weights: expert e, neuron j, row r (0 gate, 1 up, 2 down) at gud + ((e*n_ff + j)*3 + r)*row_bytes */
+    /* weights: row r (0 gate, 1 up, 2 down) of neuron j of expert e starts at
+     * gud + ((e * n_ff + j) * 3 + r) * row_bytes */
     const uint8_t *gud;
     size_t row_bytes;
     const pyrt_row_ops *ops;
+    const pyrt_row_ops *ops_f32; /* f32 axpy for down rows dequantized once and shared by tokens */
     int n_expert, n_ff, n_embd, activation;
     float threshold;
     /* tokens */
@@ -46,6 +48,8 @@ typedef struct {
     float *acc;             /* [nth, acc_stride] per-thread partial y of the block */
     size_t acc_stride;      /* floats, >= TOKEN_BLOCK * n_embd, multiple of 16 */
     int64_t *active;        /* [nth * 8] per-thread active-neuron counters (own cache line) */
+    float *down_f32;        /* [nth, down_stride] a dequantized down row, or NULL (f32 weights) */
+    size_t down_stride;     /* floats, >= n_embd, multiple of 16 */
 } moe_ctx;
 
 static inline float activate(int kind, float g) {
@@ -74,43 +78,114 @@ static inline int64_t ceil_div(int64_t a, int64_t b) {
     return a <= 0 ? 0 : (a + b - 1) / b;
 }
 
-static void task_experts(void *p, int ith, int nth) {
-    moe_ctx *c = p;
-    float *acc = c->acc + (size_t)ith * c->acc_stride;
-    memset(acc, 0, (size_t)c->tb * c->n_embd * sizeof *acc);
-    const int64_t total = c->cost_start[c->n_used];
-    const int64_t lo = total * ith / nth, hi = total * (ith + 1) / nth;
+/* Prefetch one row into the caches (a row is row_bytes, i.e. tens of cache lines). */
+static inline void prefetch_row(const uint8_t *row, size_t bytes) {
+    for (size_t off = 0; off < bytes; off += 64)
+        __builtin_prefetch(row + off, 0, 3);
+}
+
+enum {
+    NEURON_CHUNK = 16, /* neurons whose gates are computed before their up/down rows are read */
+    ROUTE_CHUNK = 64   /* routes of one expert handled together (gate activations kept) */
+};
+
+/* Neurons [j0, j1) of one expert, for routes [r0, r1) (all routes of that expert in the block).
+ * Phase 1 computes the gates of a chunk of neurons; phase 2 reads the up/down rows of the
+ * neurons that are active for some route. In sparse mode the gate rows are strided (every third
+ * row) and the up/down rows are a data-dependent gather, which the hardware prefetcher does not
+ * follow, so both are prefetched in software a little ahead of use. */
+static int64_t expert_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j0, int64_t j1,
+                              int r0, int r1, float *acc, float *down_f32) {
     const size_t rb = c->row_bytes;
     const int n_embd = c->n_embd;
     const float thr = c->threshold;
+    const int sparse = thr > 0.0f;
     const pyrt_dot_fn dot = c->ops->dot;
     const pyrt_axpy_fn axpy = c->ops->axpy;
+    const pyrt_axpy_fn axpy_f32 = c->ops_f32->axpy;
+    float act[NEURON_CHUNK][ROUTE_CHUNK];   /* act(g . x) per (neuron, route) */
+    uint8_t on[NEURON_CHUNK][ROUTE_CHUNK];  /* 0: skipped (under the threshold) */
     int64_t active = 0;
+    for (int rc = r0; rc < r1; rc += ROUTE_CHUNK) {
+        const int nr = r1 - rc < ROUTE_CHUNK ? r1 - rc : ROUTE_CHUNK;
+        for (int64_t jc = j0; jc < j1; jc += NEURON_CHUNK) {
+            const int nj = j1 - jc < NEURON_CHUNK ? (int)(j1 - jc) : NEURON_CHUNK;
+            int list[NEURON_CHUNK], n_list = 0, n_routes_of[NEURON_CHUNK];
+            /* phase 1: gates */
+            for (int i = 0; i < nj; i++) {
+                const uint8_t *gate = expert + (size_t)(jc + i) * 3 * rb;
+                if (sparse && jc + i + NEURON_CHUNK < j1)
+                    prefetch_row(gate + (size_t)NEURON_CHUNK * 3 * rb, rb);
+                int n_on = 0;
+                for (int r = 0; r < nr; r++) {
+                    const int t = c->route_tok[rc + r];
+                    const void *xt = c->xv + (size_t)(c->t0 + t) * c->xv_stride;
+                    const float a = activate(c->activation, dot(gate, xt, n_embd));
+                    /* sparse: a neuron under the threshold skips its up and down rows */
+                    act[i][r] = a;
+                    on[i][r] = !(fabsf(a) < thr); /* NaN stays on, so it propagates */
+                    n_on += on[i][r];
+                }
+                n_routes_of[n_list] = n_on;
+                if (n_on > 0)
+                    list[n_list++] = i;
+                active += n_on;
+            }
+            /* phase 2: up and down rows of the active neurons */
+            if (sparse)
+                for (int l = 0; l < n_list && l < 2; l++)
+                    prefetch_row(expert + ((size_t)(jc + list[l]) * 3 + 1) * rb, 2 * rb);
+            for (int l = 0; l < n_list; l++) {
+                const int i = list[l];
+                const uint8_t *up = expert + ((size_t)(jc + i) * 3 + 1) * rb;
+                const uint8_t *down = up + rb;
+                if (sparse && l + 2 < n_list)
+                    prefetch_row(expert + ((size_t)(jc + list[l + 2]) * 3 + 1) * rb, 2 * rb);
+                /* Several tokens on this neuron: dequantize the down row once, then f32 axpys. */
+                const int shared = n_routes_of[l] > 1 && down_f32 != NULL;
+                if (shared) {
+                    memset(down_f32, 0, (size_t)n_embd * sizeof *down_f32);
+                    axpy(1.0f, down, down_f32, n_embd);
+                }
+                for (int r = 0; r < nr; r++) {
+                    if (!on[i][r])
+                        continue;
+                    const float a = act[i][r];
+                    const int t = c->route_tok[rc + r];
+                    const void *xt = c->xv + (size_t)(c->t0 + t) * c->xv_stride;
+                    const float h = c->route_w[rc + r] * a * dot(up, xt, n_embd);
+                    if (shared)
+                        axpy_f32(h, down_f32, acc + (size_t)t * n_embd, n_embd);
+                    else
+                        axpy(h, down, acc + (size_t)t * n_embd, n_embd);
+                }
+            }
+        }
+    }
+    return active;
+}
 
+static void task_experts(void *p, int ith, int nth) {
+    moe_ctx *c = p;
+    float *acc = c->acc + (size_t)ith * c->acc_stride;
+    float *down_f32 = c->down_f32 ? c->down_f32 + (size_t)ith * c->down_stride : NULL;
+    memset(acc, 0, (size_t)c->tb * c->n_embd * sizeof *acc);
+    const int64_t total = c->cost_start[c->n_used];
+    const int64_t lo = total * ith / nth, hi = total * (ith + 1) / nth;
+    int64_t active = 0;
     for (int u = 0; u < c->n_used; u++) {
         const int64_t base = c->cost_start[u], end = c->cost_start[u + 1];
         if (end <= lo || base >= hi)
             continue;
         /* Neuron j of this expert belongs to the thread whose range holds base + j * cost. */
         const int64_t cost = (end - base) / c->n_ff;
-        int64_t j0 = ceil_div(lo - base, cost), j1 = ceil_div(hi - base, cost);
+        const int64_t j0 = ceil_div(lo - base, cost);
+        int64_t j1 = ceil_div(hi - base, cost);
         if (j1 > c->n_ff)
             j1 = c->n_ff;
-        const int r0 = c->route_start[u], r1 = c->route_start[u + 1];
-        const uint8_t *expert = c->gud + (size_t)c->used[u] * c->n_ff * 3 * rb;
-        for (int64_t j = j0; j < j1; j++) {
-            const uint8_t *gate = expert + (size_t)j * 3 * rb;
-            for (int r = r0; r < r1; r++) {
-                const int t = c->route_tok[r];
-                const void *xt = c->xv + (size_t)(c->t0 + t) * c->xv_stride;
-                const float a = activate(c->activation, dot(gate, xt, n_embd));
-                if (fabsf(a) < thr)
-                    continue; /* sparse: this token skips the neuron's up and down rows */
-                active++;
-                const float h = c->route_w[r] * a * dot(gate + rb, xt, n_embd);
-                axpy(h, gate + 2 * rb, acc + (size_t)t * n_embd, n_embd);
-            }
-        }
+        const uint8_t *expert = c->gud + (size_t)c->used[u] * c->n_ff * 3 * c->row_bytes;
+        active += expert_neurons(c, expert, j0, j1, c->route_start[u], c->route_start[u + 1], acc,
+                                 down_f32);
     }
     c->active[(size_t)ith * 8] += active;
 }
@@ -205,7 +280,9 @@ static int check_args(const pyrt_pool *pool, const void *gud, size_t gud_bytes, 
                          "%s: weights hold %zu bytes but n_expert=%d x n_ff=%d x 3 rows x %zu "
                          "bytes/row need %.0f: wrong shape or format for this tensor",
                          fn, gud_bytes, n_expert, n_ff, rb, need);
-    const size_t elem = fmt == PYRT_FMT_F32 ? 4 : (fmt == PYRT_FMT_F16 || fmt == PYRT_FMT_BF16) ? 2 : 1;
+    const size_t elem = fmt == PYRT_FMT_F32                             ? 4
+                        : (fmt == PYRT_FMT_F16 || fmt == PYRT_FMT_BF16) ? 2
+                                                                        : 1;
     if ((uintptr_t)gud % elem != 0)
         return pyrt_fail(PYRT_E_INVALID, "%s: weights pointer is not %zu-byte aligned", fn, elem);
     if ((uintptr_t)x % 4 || (uintptr_t)y % 4 || (uintptr_t)topk_w % 4 || (uintptr_t)topk_ids % 4)
@@ -259,7 +336,10 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
     size_t off_rtok = off_rstart + align64((size_t)(used_max + 1) * sizeof(int));
     size_t off_rw = off_rtok + align64((size_t)(routes + used_max) * sizeof(int));
     size_t off_cost = off_rw + align64((size_t)routes * sizeof(float));
-    size_t total = off_cost + align64((size_t)(used_max + 1) * sizeof(int64_t));
+    const size_t down_stride =
+        fmt == PYRT_FMT_F32 ? 0 : align64((size_t)n_embd * sizeof(float)) / sizeof(float);
+    size_t off_down = off_cost + align64((size_t)(used_max + 1) * sizeof(int64_t));
+    size_t total = off_down + (size_t)nth * down_stride * sizeof(float);
 
     pyrt_pool_acquire(pool);
     uint8_t *ws = pyrt_pool_workspace(pool, total);
@@ -272,6 +352,7 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
         .gud = gud,
         .row_bytes = pyrt_row_bytes(fmt, n_embd),
         .ops = pyrt_row_ops_active(fmt),
+        .ops_f32 = pyrt_row_ops_active(PYRT_FMT_F32),
         .n_expert = n_expert,
         .n_ff = n_ff,
         .n_embd = n_embd,
@@ -293,6 +374,8 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
         .acc = (float *)(ws + off_acc),
         .acc_stride = acc_stride,
         .active = (int64_t *)(ws + off_active),
+        .down_f32 = down_stride ? (float *)(ws + off_down) : NULL,
+        .down_stride = down_stride,
     };
     memset(c.active, 0, (size_t)nth * 8 * sizeof(int64_t));
     if (quantized) {

@@ -134,31 +134,36 @@ AVX2 static float dot_q4_0(const void *row, const void *x, int n) {
     return hsum8(_mm256_add_ps(acc0, acc1));
 }
 
-/* y[0:32] += s * q[0:32] for 32 int8 weights q. */
-AVX2 static inline void axpy32_i8(float s, __m256i q, float *y) {
-    const __m256 vs = _mm256_set1_ps(s);
-    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-    const __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-    const __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-    const __m256 f2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-    const __m256 f3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
-    _mm256_storeu_ps(y, _mm256_fmadd_ps(vs, f0, _mm256_loadu_ps(y)));
-    _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(vs, f1, _mm256_loadu_ps(y + 8)));
-    _mm256_storeu_ps(y + 16, _mm256_fmadd_ps(vs, f2, _mm256_loadu_ps(y + 16)));
-    _mm256_storeu_ps(y + 24, _mm256_fmadd_ps(vs, f3, _mm256_loadu_ps(y + 24)));
-}
-
+/* Axpy kernels widen the quants straight from memory (vpmovsxbd / vpmovzxbd with a memory
+ * operand), which costs fewer shuffle uops than unpacking a 256-bit register. */
 AVX2 static void axpy_q8_0(float a, const void *row, float *y, int n) {
     const uint8_t *w = row;
-    for (int b = 0; b < n / PYRT_QK; b++, w += PYRT_Q8_0_BYTES, y += PYRT_QK)
-        axpy32_i8(a * _cvtsh_ss(pyrt_load_u16(w)),
-                  _mm256_loadu_si256((const __m256i *)(w + 2)), y);
+    for (int b = 0; b < n / PYRT_QK; b++, w += PYRT_Q8_0_BYTES, y += PYRT_QK) {
+        const __m256 vs = _mm256_set1_ps(a * _cvtsh_ss(pyrt_load_u16(w)));
+        for (int part = 0; part < 4; part++) {
+            const __m128i q8 = _mm_loadl_epi64((const __m128i *)(w + 2 + 8 * part));
+            const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
+            _mm256_storeu_ps(y + 8 * part, _mm256_fmadd_ps(vs, f, _mm256_loadu_ps(y + 8 * part)));
+        }
+    }
 }
 
 AVX2 static void axpy_q4_0(float a, const void *row, float *y, int n) {
     const uint8_t *w = row;
-    for (int b = 0; b < n / PYRT_QK; b++, w += PYRT_Q4_0_BYTES, y += PYRT_QK)
-        axpy32_i8(a * _cvtsh_ss(pyrt_load_u16(w)), unpack_q4_0(w + 2), y);
+    const __m256i m4 = _mm256_set1_epi32(0xF), eight = _mm256_set1_epi32(8);
+    for (int b = 0; b < n / PYRT_QK; b++, w += PYRT_Q4_0_BYTES, y += PYRT_QK) {
+        const __m256 vs = _mm256_set1_ps(a * _cvtsh_ss(pyrt_load_u16(w)));
+        for (int part = 0; part < 2; part++) {
+            /* bytes qs[8p .. 8p+7]: low nibbles are elements 8p.., high nibbles 16+8p.. */
+            const __m128i raw = _mm_loadl_epi64((const __m128i *)(w + 2 + 8 * part));
+            const __m256i q = _mm256_cvtepu8_epi32(raw);
+            const __m256 lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(q, m4), eight));
+            const __m256 hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(q, 4), eight));
+            float *ylo = y + 8 * part, *yhi = y + 16 + 8 * part;
+            _mm256_storeu_ps(ylo, _mm256_fmadd_ps(vs, lo, _mm256_loadu_ps(ylo)));
+            _mm256_storeu_ps(yhi, _mm256_fmadd_ps(vs, hi, _mm256_loadu_ps(yhi)));
+        }
+    }
 }
 
 static const pyrt_row_ops ops_f32 = {dot_f32, axpy_f32};

@@ -126,25 +126,32 @@ AVX512 static inline float dot_one_block(__m256i w, const pyrt_xq8 *xq, float dw
 QUANT_DOT(q8_0, PYRT_Q8_0_BYTES, LOAD_Q8_0)
 QUANT_DOT(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
 
-/* y[0:32] += s * q[0:32] for 32 int8 weights q. */
-AVX512 static inline void axpy32_i8(float s, __m256i q, float *y) {
-    const __m512 vs = _mm512_set1_ps(s);
-    const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
-    const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
-    _mm512_storeu_ps(y, _mm512_fmadd_ps(vs, f0, _mm512_loadu_ps(y)));
-    _mm512_storeu_ps(y + 16, _mm512_fmadd_ps(vs, f1, _mm512_loadu_ps(y + 16)));
-}
-
+/* Axpy kernels widen the quants straight from memory (vpmovsxbd / vpmovzxbd, memory operand). */
 AVX512 static void axpy_q8_0(float a, const void *row, float *y, int n) {
     const uint8_t *w = row;
-    for (int b = 0; b < n / PYRT_QK; b++, w += PYRT_Q8_0_BYTES, y += PYRT_QK)
-        axpy32_i8(a * _cvtsh_ss(pyrt_load_u16(w)), LOAD_Q8_0(w), y);
+    for (int b = 0; b < n / PYRT_QK; b++, w += PYRT_Q8_0_BYTES, y += PYRT_QK) {
+        const __m512 vs = _mm512_set1_ps(a * _cvtsh_ss(pyrt_load_u16(w)));
+        for (int part = 0; part < 2; part++) {
+            const __m128i q8 = _mm_loadu_si128((const __m128i *)(w + 2 + 16 * part));
+            const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8));
+            _mm512_storeu_ps(y + 16 * part,
+                             _mm512_fmadd_ps(vs, f, _mm512_loadu_ps(y + 16 * part)));
+        }
+    }
 }
 
 AVX512 static void axpy_q4_0(float a, const void *row, float *y, int n) {
     const uint8_t *w = row;
-    for (int b = 0; b < n / PYRT_QK; b++, w += PYRT_Q4_0_BYTES, y += PYRT_QK)
-        axpy32_i8(a * _cvtsh_ss(pyrt_load_u16(w)), LOAD_Q4_0(w), y);
+    const __m512i m4 = _mm512_set1_epi32(0xF), eight = _mm512_set1_epi32(8);
+    for (int b = 0; b < n / PYRT_QK; b++, w += PYRT_Q4_0_BYTES, y += PYRT_QK) {
+        const __m512 vs = _mm512_set1_ps(a * _cvtsh_ss(pyrt_load_u16(w)));
+        /* the 16 bytes qs: low nibbles are elements 0..15, high nibbles 16..31 */
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 2)));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(q, m4), eight));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(q, 4), eight));
+        _mm512_storeu_ps(y, _mm512_fmadd_ps(vs, lo, _mm512_loadu_ps(y)));
+        _mm512_storeu_ps(y + 16, _mm512_fmadd_ps(vs, hi, _mm512_loadu_ps(y + 16)));
+    }
 }
 
 static const pyrt_row_ops ops_f32 = {dot_f32, axpy_f32};

@@ -1,0 +1,148 @@
+"""CPU expert kernel (pyruntime.cpu_core) vs this machine's DRAM read bandwidth.
+
+For each real MoE shape: one layer of random routed experts in the neuron-contiguous layout
+(docs/gguf-layout.md), batch 1 and 8, dense and at target sparsities (thresholds chosen as quantiles
+of |act(gate . x)| so the target fraction of neurons is skipped), timed with fresh random routing
+every call so the experts come from DRAM, not cache. Bytes per call are the rows the kernel must
+read: the gate rows of every routed expert, plus the up and down rows of the active neurons
+(counted once per expert for dense; for sparse at batch > 1 a row shared by two tokens of one
+expert is counted twice, so sparse batch-8 bytes/s is an upper bound). The DRAM read test
+(pyrt_mem_read) runs on the same thread pool.
+
+    PYTHONPATH=. python bench/cpu_experts.py            # both shapes, Q8_0, all cores
+    PYTHONPATH=. python bench/cpu_experts.py --shapes olmoe-1b-7b --formats Q8_0 Q4_0 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import gguf
+import numpy as np
+import torch
+
+from pyruntime import cpu_core
+
+# (n_embd, n_ff per expert, n_expert, top-k), from the models' config.json
+SHAPES = {
+    "olmoe-1b-7b": (2048, 1024, 64, 8),
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "granite-1b-a400m": (1024, 512, 32, 8),
+    "qwen1.5-moe-a2.7b": (2048, 1408, 60, 4),
+}
+FMTS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 8, "BF16": 30}
+
+
+def random_layer(fmt: str, n_expert: int, n_ff: int, n_embd: int, seed: int = 0) -> np.ndarray:
+    """Random bytes of one ffn_gud_exps tensor: valid blocks, uniform quants, a fixed scale."""
+    rng = np.random.default_rng(seed)
+    n_rows = n_expert * n_ff * 3
+    if fmt in ("Q8_0", "Q4_0"):
+        block = 34 if fmt == "Q8_0" else 18
+        raw = rng.integers(0, 256, size=(n_rows, n_embd // 32, block), dtype=np.uint8)
+        scale = 0.002 if fmt == "Q8_0" else 0.03  # weights of std ~0.15 either way
+        raw[:, :, 0:2] = np.frombuffer(np.float16(scale).tobytes(), np.uint8)
+        return raw.reshape(-1)
+    vals = rng.standard_normal((n_rows, n_embd), dtype=np.float32) * 0.15
+    return np.ascontiguousarray(gguf.quants.quantize(vals, gguf.GGMLQuantizationType(FMTS[fmt])))
+
+
+def act_quantiles(gud, fmt, n_ff, n_embd, targets, seed=1):
+    """|act(gate . x)| at the target quantiles, sampled over 4 experts and 16 random tokens."""
+    qtype = gguf.GGMLQuantizationType(FMTS[fmt])
+    rb = cpu_core.row_bytes(FMTS[fmt], n_embd)
+    raw = gud.reshape(-1)[: 4 * n_ff * 3 * rb].view(np.uint8).reshape(4 * n_ff * 3, rb)
+    if fmt in ("F32", "F16", "BF16"):
+        raw = raw.view({"F32": np.float32, "F16": np.float16, "BF16": np.uint8}[fmt])
+    w = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(4, n_ff, 3, n_embd).copy())
+    x = torch.randn(16, n_embd, generator=torch.Generator().manual_seed(seed))
+    a = torch.nn.functional.silu(torch.einsum("efd,td->tef", w[:, :, 0], x)).abs().flatten()
+    return {s: float(torch.quantile(a, s)) if s > 0 else 0.0 for s in targets}
+
+
+def dram_read(core: cpu_core.CpuCore, gib: float, iters: int) -> tuple[float, float]:
+    """(median, best) GB/s of reading a buffer of `gib` GiB once per iteration."""
+    buf = np.random.default_rng(2).integers(0, 256, size=int(gib * 2**30), dtype=np.uint8)
+    core.mem_read(buf)  # fault the pages in
+    rates = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        core.mem_read(buf)
+        rates.append(buf.nbytes / (time.perf_counter() - t) / 1e9)
+    return statistics.median(rates), max(rates)
+
+
+def bench_layer(core, gud, fmt, shape, batch, threshold, iters, seed=3):
+    n_embd, n_ff, n_expert, k = shape
+    rb = cpu_core.row_bytes(FMTS[fmt], n_embd)
+    gen = torch.Generator().manual_seed(seed)
+    times, bytes_read, actives, pairs = [], [], [], 0
+    for it in range(iters + 3):
+        ids = torch.stack([torch.randperm(n_expert, generator=gen)[:k] for _ in range(batch)])
+        w = torch.rand(batch, k, generator=gen)
+        x = torch.randn(batch, n_embd, generator=gen)
+        t = time.perf_counter()
+        _, n_active = core.moe_ffn(gud, FMTS[fmt], n_expert, n_ff, n_embd, x, ids.int(), w,
+                                   threshold=threshold)  # fmt: skip
+        dt = time.perf_counter() - t
+        if it < 3:
+            continue  # warm-up
+        n_unique = len(set(ids.flatten().tolist()))
+        dense = threshold == 0.0
+        up_down = n_unique * n_ff if dense else n_active
+        times.append(dt)
+        bytes_read.append((n_unique * n_ff + 2 * up_down) * rb)
+        actives.append(n_active)
+        pairs = batch * k
+    med = statistics.median(times)
+    return {
+        "ms": med * 1e3,
+        "gbs": statistics.median(b / t for b, t in zip(bytes_read, times)) / 1e9,
+        "sparsity": 1 - statistics.mean(actives) / (pairs * n_ff),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", nargs="+", default=["olmoe-1b-7b", "qwen3-30b-a3b"])
+    p.add_argument("--formats", nargs="+", default=["Q8_0"], choices=list(FMTS))
+    p.add_argument("--threads", type=int, default=None, help="default: physical cores")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--sparsity", nargs="+", type=float, default=[0.0, 0.5, 0.7, 0.9])
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--read-gib", type=float, default=1.0)
+    args = p.parse_args()
+
+    core = cpu_core.CpuCore(args.threads)
+    bw, bw_best = dram_read(core, args.read_gib, max(args.iters, 5))
+    print(f"machine: {platform.processor() or platform.machine()}, {core.threads} threads, "
+          f"SIMD {cpu_core.simd_level()}")  # fmt: skip
+    print(f"DRAM read (pyrt_mem_read, {args.read_gib} GiB): median {bw:.2f} GB/s, "
+          f"best {bw_best:.2f} GB/s\n")  # fmt: skip
+    print("| shape | fmt | batch | target sparsity | achieved | ms/call | GB/s | % of DRAM read "
+          "| speedup vs dense |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in args.shapes:
+        shape = SHAPES[name]
+        n_embd, n_ff, n_expert, _ = shape
+        for fmt in args.formats:
+            gud = random_layer(fmt, n_expert, n_ff, n_embd)
+            thresholds = act_quantiles(gud, fmt, n_ff, n_embd, args.sparsity)
+            for batch in args.batches:
+                dense_ms = None
+                for s in args.sparsity:
+                    r = bench_layer(core, gud, fmt, shape, batch, thresholds[s], args.iters)
+                    dense_ms = r["ms"] if s == 0 else dense_ms
+                    speedup = f"{dense_ms / r['ms']:.2f}x" if dense_ms else "-"
+                    print(f"| {name} | {fmt} | {batch} | {s:.1f} | {r['sparsity']:.3f} "
+                          f"| {r['ms']:.2f} | {r['gbs']:.2f} | {100 * r['gbs'] / bw:.0f}% "
+                          f"| {speedup} |", flush=True)  # fmt: skip
+            del gud
+    core.close()
+
+
+if __name__ == "__main__":
+    main()

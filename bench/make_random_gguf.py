@@ -1,0 +1,243 @@
+"""Stream a random-weight GGUF of a real model's shape to disk, for speed tests at real sizes.
+
+The file follows docs/gguf-layout.md exactly because it is planned by the converter itself
+(pyruntime.converter): a config.json of the named model drives the architecture class, which
+gives every metadata key, tensor name, shape and type; only the weight bytes are random. They are
+written tensor by tensor in chunks (valid Q8_0/Q4_0 blocks: uniform quants, one fixed scale per
+format; std ~0.02 like an initialized model), so memory stays at one chunk whatever the model size.
+The tokenizer is the tiny-olmoe one from the shared folder (padded to the model's vocab size as
+the layout says), so prompts tokenize and the runtime can decode.
+
+    PYTHONPATH=. python bench/make_random_gguf.py granite-1b-a400m --outtype q8_0 -o /tmp/g.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+
+from pyruntime.converter import architectures  # noqa: F401  (registers the architectures)
+from pyruntime.converter.base import model_class_for
+from pyruntime.converter.convert import _write_metadata
+from pyruntime.converter.hparams import HParams
+from pyruntime.converter.tensors import OUTTYPES, choose_qtype, tensor_nbytes
+from pyruntime.converter.vocab import load_vocab
+
+Q = GGMLQuantizationType
+
+# config.json of each model (the fields the converter reads), from the models' Hub configs.
+CONFIGS: dict[str, dict] = {
+    "granite-1b-a400m": {  # ibm-granite/granite-3.0-1b-a400m-base
+        "architectures": ["GraniteMoeForCausalLM"],
+        "vocab_size": 49155,
+        "hidden_size": 1024,
+        "intermediate_size": 512,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "num_local_experts": 32,
+        "num_experts_per_tok": 8,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "embedding_multiplier": 12.0,
+        "residual_multiplier": 0.22,
+        "attention_multiplier": 0.015625,
+        "logits_scaling": 6.0,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+    },
+    "olmoe-1b-7b": {  # allenai/OLMoE-1B-7B-0924
+        "architectures": ["OlmoeForCausalLM"],
+        "vocab_size": 50304,
+        "hidden_size": 2048,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "norm_topk_prob": False,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+    },
+    "qwen1.5-moe-a2.7b": {  # Qwen/Qwen1.5-MoE-A2.7B
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "norm_topk_prob": False,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+    },
+    "qwen3-30b-a3b": {  # Qwen/Qwen3-30B-A3B
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "norm_topk_prob": True,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+    },
+}
+
+WEIGHT_STD = 0.02
+CHUNK_BYTES = 64 << 20
+
+
+class PlanOnlySource:
+    """Stands in for converter.sources.SourceTensors: claims every tensor the plan asks for
+    (per-expert storage), holds no data. Only the plan is used; the bytes are random."""
+
+    def __contains__(self, name: str) -> bool:
+        return not name.endswith(("gate_up_proj", "input_linear.weight"))  # not fused
+
+    def claim(self, name: str, shape: tuple[int, ...] | None = None) -> str:
+        return name
+
+    def claim_first(self, candidates, shape=None) -> str:
+        return next(iter(candidates))
+
+    def claim_if_present(self, name: str) -> bool:
+        return False
+
+
+class RandomTensor:
+    """Duck-types what GGUFWriter.write_tensor_data uses (nbytes, tofile): random valid bytes of
+    one tensor, written in chunks of whole rows."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], qtype: Q, seed: int) -> None:
+        self.name, self.shape, self.qtype = name, shape, qtype
+        self.nbytes = tensor_nbytes(shape, qtype)
+        self.seed = seed
+
+    def tofile(self, fout) -> None:
+        rng = np.random.default_rng(self.seed)
+        n = self.shape[-1]
+        block, block_bytes = GGML_QUANT_SIZES[self.qtype]
+        row_bytes = n // block * block_bytes
+        rows = self.nbytes // row_bytes
+        step = max(1, CHUNK_BYTES // row_bytes)
+        for r0 in range(0, rows, step):
+            self._chunk(rng, min(step, rows - r0), n).tofile(fout)
+
+    def _chunk(self, rng: np.random.Generator, rows: int, n: int) -> np.ndarray:
+        q = self.qtype
+        if q == Q.F32:
+            if self.name.endswith("norm.weight"):
+                return np.ones((rows, n), np.float32)
+            return rng.standard_normal((rows, n), dtype=np.float32) * WEIGHT_STD
+        if q in (Q.F16, Q.BF16):
+            v = rng.standard_normal((rows, n), dtype=np.float32) * WEIGHT_STD
+            if q == Q.F16:
+                return v.astype(np.float16)
+            return (v.view(np.uint32) >> 16).astype(np.uint16)  # truncation: fine for noise
+        if q in (Q.Q8_0, Q.Q4_0):
+            block_bytes = 34 if q == Q.Q8_0 else 18
+            raw = rng.integers(0, 256, size=(rows, n // 32, block_bytes), dtype=np.uint8)
+            if q == Q.Q8_0:
+                raw[:, :, 2:] = np.clip(raw[:, :, 2:].view(np.int8), -127, 127).view(np.uint8)
+            # std of uniform int8 in [-127, 127] is ~73.3; of (nibble - 8) ~4.61
+            d = WEIGHT_STD / (73.3 if q == Q.Q8_0 else 4.61)
+            raw[:, :, 0:2] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
+            return raw
+        raise ValueError(f"{self.name}: no random generator for {q.name}")
+
+
+def tokenizer_dir() -> Path:
+    env = os.environ.get("PYRUNTIME_SHARED")
+    shared = Path(env) if env else Path(__file__).resolve().parents[2] / "shared"
+    return shared / "models" / "tiny-olmoe"
+
+
+def make_random_gguf(shape: str, outfile: Path, outtype: str = "q8_0", tok_dir: Path | None = None,
+                     progress: bool = True) -> Path:  # fmt: skip
+    """Write the random GGUF of `shape` (a key of CONFIGS) to outfile; returns outfile."""
+    tok_dir = tok_dir or tokenizer_dir()
+    config = CONFIGS[shape]
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg_path = Path(tmp) / "config.json"
+        cfg_path.write_text(json.dumps(config))
+        hp = HParams(config, cfg_path)
+        hf_arch, model_cls = model_class_for(hp)
+        arch = model_cls(hp, PlanOnlySource(), hf_arch)
+        plan = arch.tensor_plan()
+    vocab = load_vocab(tok_dir, config, arch.n_vocab)
+    tensors = [
+        RandomTensor(t.name, t.shape, choose_qtype(t.kind, t.shape[-1], outtype), seed=i)
+        for i, t in enumerate(plan)
+    ]
+    tmp_out = outfile.with_name(f".{outfile.name}.tmp")
+    writer = GGUFWriter(tmp_out, arch.gguf_arch)
+    start, total = time.perf_counter(), sum(t.nbytes for t in tensors)
+    try:
+        _write_metadata(writer, arch, vocab, f"random-{shape}", outtype, hf_arch)
+        for t in tensors:
+            writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, t.qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        done, shown = 0, -1
+        for t in tensors:
+            writer.write_tensor_data(t)  # type: ignore[arg-type]  # duck-typed
+            done += t.nbytes
+            if progress and int(20 * done / total) > shown:
+                shown = int(20 * done / total)
+                print(f"\r{done / 1e9:.2f} / {total / 1e9:.2f} GB", end="", file=sys.stderr)
+        writer.close()
+        os.replace(tmp_out, outfile)
+    except BaseException:
+        writer.close()
+        tmp_out.unlink(missing_ok=True)
+        raise
+    if progress:
+        print(f"\nwrote {outfile}: {len(tensors)} tensors, {total / 1e9:.2f} GB, "
+              f"{time.perf_counter() - start:.0f} s", file=sys.stderr)  # fmt: skip
+    return outfile
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("shape", choices=sorted(CONFIGS))
+    p.add_argument("--outtype", default="q8_0", choices=list(OUTTYPES))
+    p.add_argument("-o", "--outfile", type=Path, default=None)
+    p.add_argument("--tokenizer-dir", type=Path, default=None,
+                   help="HF folder with tokenizer.json (default: shared/models/tiny-olmoe)")  # fmt: skip
+    args = p.parse_args()
+    out = args.outfile or Path(f"random-{args.shape}-{args.outtype}.gguf")
+    make_random_gguf(args.shape, out, args.outtype, args.tokenizer_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""MoE layer latency, dense vs activation-sparse, on the routed experts of one layer.
+
+Shapes are real models' MoE layers; weights and inputs are random (the kernels' speed does not
+depend on the values, only on the sparsity, which is set by a threshold = quantile of |act(gate)|
+over this very batch so the target is met). Each case is captured in a CUDA graph (the decode
+step's real setting) and replayed with the L2 cache flushed before every timed replay, with a
+fresh routing each time, so weights come from HBM. Times are medians of CUDA-event intervals.
+
+Reported bandwidth is on the bytes each path must read (weights only; x and y are < 0.1%):
+dense = the routed experts' full blocks (gate+up+down rows of every distinct routed expert),
+sparse = those experts' gate rows + the up/down rows of each distinct active (expert, neuron).
+Peak = a measured HBM read bandwidth (torch sum over a 2 GiB tensor).
+
+  python bench/moe_layer.py                      # full table (H100: a few minutes)
+  python bench/moe_layer.py --quick              # one shape, batch 1 and 16, sparsity 0.85
+  python bench/moe_layer.py --json out.json      # also write every row as JSON
+  TRITON_INTERPRET=1 python bench/moe_layer.py --smoke   # tiny shape on CPU (interpreter)
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's kernels/
+
+import triton  # noqa: E402
+
+from kernels.expert_formats import act_ref, quantize_rows, row_bytes  # noqa: E402
+from kernels.moe_dense import moe_dense, moe_dense_ref  # noqa: E402
+from kernels.moe_sparse import moe_gate, moe_sparse  # noqa: E402
+
+# name: (hidden n_embd, n_expert, top-k, expert n_ff)
+SHAPES = {
+    "qwen3-30b-a3b": (2048, 128, 8, 768),
+    "olmoe-1b-7b": (2048, 64, 8, 1024),
+    "qwen3.5-35b-a3b-like": (2048, 256, 8, 512),
+}
+SMOKE_SHAPE = {"smoke": (64, 6, 2, 40)}
+
+
+def make_experts(n_expert: int, n_ff: int, n_embd: int, fmt: str, device) -> torch.Tensor:
+    """Random expert tensor in `fmt`, built one expert at a time (bounded temporary memory)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    last = n_embd if fmt in ("bf16", "f16", "f32") else row_bytes(fmt, n_embd)
+    dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}.get(
+        fmt, torch.uint8
+    )
+    w = torch.empty(n_expert, n_ff, 3, last, dtype=dtype, device=device)
+    for e in range(n_expert):
+        rows = torch.randn(n_ff, 3, n_embd, generator=gen, device=device) * n_embd**-0.5
+        w[e] = quantize_rows(rows, fmt)
+    return w
+
+
+def routing(n_tok: int, n_expert: int, k: int, seed: int, device):
+    """Uniformly random distinct top-k experts per token and softmax-like weights."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.rand(n_tok, n_expert, generator=gen).argsort(dim=1)[:, :k].to(torch.int32)
+    w = torch.rand(n_tok, k, generator=gen)
+    return ids.to(device), (w / w.sum(dim=1, keepdim=True)).to(device)
+
+
+def hbm_read_bandwidth(device) -> float | None:
+    """Measured HBM read bandwidth in GB/s: median of torch.sum over a 2 GiB bf16 tensor."""
+    if device.type != "cuda":
+        return None
+    a = torch.ones(2**30, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        a.sum()
+    times = []
+    for _ in range(20):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        a.sum()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) * 1e-3)
+    del a
+    return a_bytes_gb(2**31) / statistics.median(times)
+
+
+def a_bytes_gb(n: int) -> float:
+    return n / 1e9
+
+
+class Timer:
+    """Times fn() (which reads the static routing buffers) with fresh routings, L2 flushed.
+
+    On CUDA the call is captured once in a CUDA graph (falls back to eager if capture fails);
+    on CPU (interpreter smoke run) it is timed with perf_counter.
+    """
+
+    def __init__(self, device, routings, ids_buf, w_buf):
+        self.device, self.routings, self.ids_buf, self.w_buf = device, routings, ids_buf, w_buf
+        if device.type == "cuda":
+            self.flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device)
+
+    def set_routing(self, i):
+        ids, w = self.routings[i % len(self.routings)]
+        self.ids_buf.copy_(ids)
+        self.w_buf.copy_(w)
+
+    def __call__(self, fn, reps: int) -> tuple[float, bool]:
+        if self.device.type != "cuda":
+            times = []
+            for i in range(reps):
+                self.set_routing(i)
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times), False
+        graph = None
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):  # compile + warm up outside the capture
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            run = graph.replay
+        except Exception as exc:  # noqa: BLE001 - report, time eagerly instead
+            print(f"  (CUDA graph capture failed: {type(exc).__name__}: {exc}; timing eagerly)")
+            graph, run = None, fn
+        for i in range(3):
+            self.set_routing(i)
+            run()
+        times = []
+        for i in range(reps):
+            self.set_routing(i)
+            self.flush.zero_()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            run()
+            e.record()
+            torch.cuda.synchronize()
+            times.append(s.elapsed_time(e) * 1e-3)
+        return statistics.median(times), graph is not None
+
+
+def gbps(value: float, peak: float | None) -> str:
+    """'1234 (41%)': GB/s and its share of the measured peak (no peak on CPU)."""
+    return f"{value:.0f} ({100 * value / peak:.0f}%)" if peak else f"{value:.3g}"
+
+
+def bytes_read(w, fmt, n_embd, ids, gate, threshold, activation):
+    """(dense bytes, sparse bytes, achieved sparsity) for one routing, from the gate values."""
+    n_expert, n_ff = w.shape[0], w.shape[1]
+    rb = row_bytes(fmt, n_embd)
+    flat = ids.reshape(-1).long()
+    used = torch.zeros(n_expert, dtype=torch.bool, device=w.device)
+    used[flat] = True
+    n_used = int(used.sum())
+    keep = act_ref(gate, activation).abs() >= threshold  # [P, F]
+    active = torch.zeros(n_expert, n_ff, dtype=torch.bool, device=w.device)
+    active.index_put_((flat,), keep, accumulate=True)
+    dense = n_used * n_ff * 3 * rb
+    sparse = n_used * n_ff * rb + int(active.sum()) * 2 * rb
+    return dense, sparse, 1.0 - float(keep.float().mean())
+
+
+def check_correct(x, w, fmt, ids, tw, activation):
+    """Dense vs the torch reference and sparse(threshold 0) vs dense, on the routed experts."""
+    uniq, remap = torch.unique(ids.long(), return_inverse=True)
+    sub = w[uniq].contiguous()
+    ref = moe_dense_ref(x, sub, fmt, remap, tw, activation)
+    y = moe_dense(x, w, fmt, ids, tw, activation)
+    ys, _ = moe_sparse(x, w, fmt, ids, tw, 0.0, activation)
+    scale = ref.abs().max().item()
+    err_d = (y - ref).abs().max().item() / scale
+    err_s = (ys - y).abs().max().item() / scale
+    tol = 2e-2 if x.dtype == torch.bfloat16 else 1e-4
+    if err_d > tol or err_s > tol:
+        raise SystemExit(f"WRONG RESULT {fmt}: dense err {err_d:.2e}, sparse(0) err {err_s:.2e}")
+    return max(err_d, err_s)
+
+
+def bench_batch(model, shape, fmt, w, T, args, device, peak) -> list[dict]:
+    """Dense once and sparse at every target sparsity, for one (shape, format, batch)."""
+    n_embd, n_expert, k, n_ff = shape
+    reps = 3 if args.smoke else args.reps
+    xdtype = torch.float32 if args.smoke else torch.bfloat16  # interpreter: f32 is fastest
+    gen = torch.Generator(device="cpu").manual_seed(T)
+    x = torch.randn(T, n_embd, generator=gen).to(device=device, dtype=xdtype)
+    routes = [routing(T, n_expert, k, 100 * T + i, device) for i in range(args.routings)]
+    ids_buf, w_buf = routes[0][0].clone(), routes[0][1].clone()  # static: graphs read these
+    timer = Timer(device, routes, ids_buf, w_buf)
+    if T == args.batches[0]:
+        check_correct(x, w, fmt, ids_buf, w_buf, "silu")
+    t_dense, graphed = timer(functools.partial(moe_dense, x, w, fmt, ids_buf, w_buf), reps)
+    timer.set_routing(0)
+    gate = moe_gate(x, w, fmt, ids_buf)
+    mags = act_ref(gate, "silu").abs().flatten().sort().values
+    rows = []
+    for s in args.sparsities:
+        thr = mags[int(s * (mags.numel() - 1))].reshape(1).clone()
+        fn = functools.partial(moe_sparse, x, w, fmt, ids_buf, w_buf, thr)
+        t_sparse, _ = timer(fn, reps)
+        timer.set_routing(0)  # bytes and achieved sparsity of routing 0 (all are alike)
+        b_dense, b_sparse, achieved = bytes_read(w, fmt, n_embd, ids_buf, gate, float(thr), "silu")
+        row = dict(
+            model=model, fmt=fmt, batch=T, n_embd=n_embd, n_expert=n_expert, top_k=k,
+            n_ff=n_ff, target_sparsity=s, achieved_sparsity=achieved,
+            dense_s=t_dense, sparse_s=t_sparse, speedup=t_dense / t_sparse,
+            dense_bytes=b_dense, sparse_bytes=b_sparse,
+            dense_gbps=b_dense / t_dense / 1e9, sparse_gbps=b_sparse / t_sparse / 1e9,
+            peak_gbps=peak, cuda_graph=graphed,
+        )  # fmt: skip
+        rows.append(row)
+        print(
+            f"| {model} | {fmt} | {T} | {s:.2f} | {achieved:.3f} "
+            f"| {t_dense * 1e6:.1f} | {t_sparse * 1e6:.1f} | {row['speedup']:.2f}x "
+            f"| {gbps(row['dense_gbps'], peak)} | {gbps(row['sparse_gbps'], peak)} |",
+            flush=True,
+        )
+    return rows
+
+
+def run(args) -> list[dict]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("no GPU: run with TRITON_INTERPRET=1 and --smoke to test on CPU")
+    shapes = SMOKE_SHAPE if args.smoke else {k: SHAPES[k] for k in args.models}
+    peak = hbm_read_bandwidth(device)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
+    print(f"# MoE layer bench on {name}: torch {torch.__version__}, triton {triton.__version__}")
+    print(f"# measured HBM read bandwidth: {peak or 0:.0f} GB/s; times in microseconds\n")
+    print(
+        "| model | fmt | batch | target | achieved | dense us | sparse us | speedup "
+        "| dense GB/s (%peak) | sparse GB/s (%peak) |"
+    )
+    print("|" + "---|" * 10)
+    rows = []
+    for model, shape in shapes.items():
+        n_embd, n_expert, _, n_ff = shape
+        for fmt in args.formats:
+            w = make_experts(n_expert, n_ff, n_embd, fmt, device)
+            for T in args.batches:
+                rows += bench_batch(model, shape, fmt, w, T, args, device, peak)
+            del w
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if args.json:
+        meta = dict(device=name, torch=torch.__version__, triton=triton.__version__,
+                    peak_gbps=peak, command=" ".join(sys.argv))  # fmt: skip
+        Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    return rows
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="qwen3-30b-a3b, batch 1/16, s=0.85")
+    ap.add_argument("--smoke", action="store_true", help="tiny shape (CPU interpreter)")
+    ap.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--formats", nargs="+", default=["bf16", "q8_0"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16, 64, 256])
+    ap.add_argument("--sparsities", nargs="+", type=float, default=[0.5, 0.7, 0.85, 0.9])
+    ap.add_argument("--reps", type=int, default=50, help="timed replays per case")
+    ap.add_argument("--routings", type=int, default=8, help="distinct routings cycled")
+    ap.add_argument("--json", help="write the rows and metadata to this JSON file")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.models, args.batches, args.sparsities = ["qwen3-30b-a3b"], [1, 16], [0.85]
+        args.reps = min(args.reps, 30)
+    if args.smoke:
+        args.batches, args.sparsities, args.routings = [1, 3], [0.5], 2
+    return run(args)
+
+
+if __name__ == "__main__":
+    main()

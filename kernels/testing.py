@@ -1,0 +1,46 @@
+"""Random MoE layer inputs at odd shapes and result checks, shared by the kernel tests."""
+
+import os
+
+import torch
+
+from kernels.expert_formats import quantize_rows
+
+N_EXPERT, N_FF, TOP_K = 6, 45, 3  # odd n_ff: partial neuron tiles
+
+
+def n_embd_for(fmt: str) -> int:
+    """A multiple of 32 but not a power of two for block formats; not even a multiple of 32
+    for float formats (partial H tiles)."""
+    return 96 if fmt in ("q8_0", "q4_0") else 100
+
+
+def make_case(fmt: str, n_tok: int, x_dtype=torch.float32, seed: int = 0):
+    """(x [T, H], w expert tensor, topk_ids [T, K] int32, topk_w [T, K] f32), fresh and random."""
+    g = torch.Generator().manual_seed(seed)
+    H = n_embd_for(fmt)
+    wf = torch.randn(N_EXPERT, N_FF, 3, H, generator=g) * H**-0.5
+    w = quantize_rows(wf, fmt)
+    x = torch.randn(n_tok, H, generator=g).to(x_dtype)
+    ids = torch.stack([torch.randperm(N_EXPERT, generator=g)[:TOP_K] for _ in range(n_tok)])
+    tw = torch.rand(n_tok, TOP_K, generator=g) + 0.1
+    return x, w, ids.to(torch.int32), tw
+
+
+def rtol_for(x_dtype) -> float:
+    """Relative tolerance (to max |ref|) of a kernel result vs the fp32 torch reference.
+
+    Every path accumulates in fp32 and the reference dequantizes exactly, so fp32 math leaves
+    only summation-order rounding (~1e-6). On a GPU the prefill dots of bf16 x run on bf16
+    tensor cores (weights and the act*up intermediate rounded to bf16: ~2^-9 each) -> 1e-2.
+    """
+    if x_dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return 1e-2
+    return 1e-5
+
+
+def assert_close_rel(y: torch.Tensor, ref: torch.Tensor, rtol: float) -> None:
+    scale = ref.abs().max().item()
+    assert scale > 0
+    err = (y - ref).abs().max().item()
+    assert err <= rtol * scale, f"max abs err {err:.3e} > {rtol:.0e} * max|ref| {scale:.3e}"

@@ -1,0 +1,23 @@
+"""bench/moe_layer.py --smoke runs end to end on CPU (interpreter) and writes its JSON."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "moe_layer.py"
+
+
+def test_moe_layer_bench_smoke(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("moe_layer_bench", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    rows = bench.main(["--smoke", "--formats", "q8_0", "--json", str(out)])
+    assert len(rows) == 2  # batches 1 and 3 at sparsity 0.5
+    data = json.loads(out.read_text())
+    assert data["rows"] == rows
+    for row in rows:
+        assert abs(row["achieved_sparsity"] - 0.5) < 0.05
+        assert row["sparse_bytes"] < row["dense_bytes"]
+        assert row["dense_s"] > 0 and row["sparse_s"] > 0
+    assert "| smoke | q8_0 | 1 |" in capsys.readouterr().out

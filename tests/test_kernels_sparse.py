@@ -1,0 +1,122 @@
+"""Activation sparsity: mask/compaction kernel, gate dots, sparse up-down and moe_sparse."""
+
+import pytest
+import torch
+
+from kernels.expert_formats import act_ref
+from kernels.moe_dense import moe_dense
+from kernels.moe_sparse import (
+    moe_gate,
+    moe_gate_ref,
+    moe_sparse,
+    moe_sparse_ref,
+    moe_sparse_up_down,
+)
+from kernels.sparse_mask import sparse_mask, sparse_mask_ref
+from kernels.testing import assert_close_rel, make_case, rtol_for
+
+FORMATS = ["f16", "bf16", "q8_0", "q4_0"]
+
+
+def gate_away_from(threshold: float, shape, activation: str, margin: float = 1e-3, seed=0):
+    """Random gate values none of whose |act| lies within `margin` of the threshold."""
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 2
+    for _ in range(100):
+        near = (act_ref(g.double(), activation).abs() - threshold).abs() < margin
+        if not near.any():
+            return g
+        g[near] = torch.randn(int(near.sum())) * 2
+    raise AssertionError("could not draw gate values away from the threshold")
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize(("n_pairs", "n_ff", "block"), [(1, 45, None), (7, 300, 64), (51, 45, 16)])
+def test_sparse_mask_keeps_exactly_the_right_neurons(n_pairs, n_ff, block, activation):
+    thr = 0.3
+    gate = gate_away_from(thr, (n_pairs, n_ff), activation, seed=n_ff)
+    idx, act, count = sparse_mask(gate, thr, activation, block=block)
+    ref_idx, ref_act, ref_count = sparse_mask_ref(gate, thr, activation)
+    assert torch.equal(count, ref_count)
+    assert 0 < int(count.sum()) < gate.numel()  # the case does mask something, not everything
+    for p in range(n_pairs):
+        c = int(count[p])
+        assert torch.equal(idx[p, :c], ref_idx[p, :c])  # same neurons, increasing order
+        torch.testing.assert_close(act[p, :c], ref_act[p, :c], rtol=1e-6, atol=1e-6)
+
+
+def test_sparse_mask_threshold_zero_keeps_all_and_huge_keeps_none():
+    gate = torch.randn(5, 45)
+    idx, _, count = sparse_mask(gate, 0.0)
+    assert (count == 45).all() and torch.equal(
+        idx, torch.arange(45, dtype=torch.int32).expand(5, 45)
+    )
+    _, _, count = sparse_mask(gate, torch.tensor([1e30]))  # a device-tensor threshold
+    assert (count == 0).all()
+
+
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_moe_gate_matches_reference(fmt, path):
+    x, w, ids, tw = make_case(fmt, 3, seed=11)
+    gate = moe_gate(x, w, fmt, ids, path=path)
+    assert_close_rel(gate, moe_gate_ref(x, w, fmt, ids), 1e-5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_sparse_up_down_matches_reference(fmt):
+    """Up-down alone, on the reference mask: only the active neurons contribute."""
+    x, w, ids, tw = make_case(fmt, 3, seed=12)
+    gate = moe_gate_ref(x, w, fmt, ids)
+    thr = gap_threshold(gate, "silu", 0.6)
+    idx, act, count = sparse_mask_ref(gate, thr, "silu")
+    y = moe_sparse_up_down(x, w, fmt, ids, tw, idx, act, count, block_n=16)
+    ref, active = moe_sparse_ref(x, w, fmt, ids, tw, thr)
+    assert torch.equal(count.view_as(active), active)
+    assert_close_rel(y, ref, 1e-5)
+
+
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+@pytest.mark.parametrize("n_tok", [1, 3, 17])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_moe_sparse_threshold_zero_equals_dense(fmt, n_tok, path):
+    x_dtype = torch.bfloat16 if n_tok == 3 else torch.float32
+    x, w, ids, tw = make_case(fmt, n_tok, x_dtype, seed=20 + n_tok)
+    y, active = moe_sparse(x, w, fmt, ids, tw, 0.0, path=path)
+    assert (active == w.shape[1]).all()
+    assert_close_rel(y, moe_dense(x, w, fmt, ids, tw, path=path), rtol_for(x_dtype))
+
+
+def gap_threshold(gate: torch.Tensor, activation: str, quantile: float) -> float:
+    """A threshold near `quantile` of |act(gate)| in the widest gap between neighbouring values
+    there, so kernel rounding (~1e-6 relative) cannot move any neuron across it."""
+    mags = act_ref(gate.double(), activation).abs().flatten().sort().values
+    n = mags.numel()
+    lo, hi = int(n * (quantile - 0.1)), int(n * (quantile + 0.1))
+    gaps = mags[lo + 1 : hi] - mags[lo : hi - 1]
+    i = int(gaps.argmax())
+    assert gaps[i] > 1e-4 * mags[-1], "no usable gap; change the seed"
+    return float((mags[lo + i] + mags[lo + i + 1]) / 2)
+
+
+# every format with silu; gelu on one float and one block format
+FMT_ACT = [(f, "silu") for f in FORMATS] + [("bf16", "gelu"), ("q4_0", "gelu")]
+
+
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+@pytest.mark.parametrize("n_tok", [1, 17])
+@pytest.mark.parametrize(("fmt", "activation"), FMT_ACT)
+def test_moe_sparse_matches_reference(fmt, activation, n_tok, path):
+    x, w, ids, tw = make_case(fmt, n_tok, seed=30 + n_tok)
+    thr = gap_threshold(moe_gate_ref(x, w, fmt, ids), activation, 0.7)
+    y, active = moe_sparse(x, w, fmt, ids, tw, thr, activation, path=path)
+    ref, ref_active = moe_sparse_ref(x, w, fmt, ids, tw, thr, activation)
+    assert torch.equal(active, ref_active)
+    assert 0.5 < 1 - active.sum() / active.numel() / w.shape[1] < 0.9  # it did skip ~70%
+    assert_close_rel(y, ref, 1e-5)
+
+
+def test_moe_sparse_all_tiles_empty():
+    """Every tile exits early: y is exactly 0 and the counts are 0."""
+    x, w, ids, tw = make_case("q8_0", 3, seed=40)
+    y, active = moe_sparse(x, w, "q8_0", ids, tw, 1e30)
+    assert (active == 0).all() and (y == 0).all()
