@@ -79,6 +79,73 @@ def rows_dot(w_ptr, row_off, n_mask, x_ptr, h0, H, FMT: tl.constexpr, BLOCK_H: t
 
 
 @triton.jit
+def dot_acc_zeros(BLOCK_N: tl.constexpr, FMT: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Elementwise accumulator of rows_dot_acc: [BLOCK_N, BLOCK_H] (float formats),
+    [BLOCK_N, BLOCK_H // 32, 32] (Q8_0) or [BLOCK_N, BLOCK_H // 32, 16] (Q4_0)."""
+    if FMT == 0:
+        acc = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
+    elif FMT == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_H // 32, 32], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_H // 32, 16], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def dot_acc_sum(acc, FMT: tl.constexpr):
+    """[BLOCK_N] row sums of a rows_dot_acc accumulator."""
+    if FMT == 0:
+        out = tl.sum(acc, axis=1)
+    else:
+        out = tl.sum(tl.sum(acc, axis=2), axis=1)
+    return out
+
+
+@triton.jit
+def rows_dot_acc(
+    acc, w_ptr, row_off, n_mask, x_ptr, h0, H, FMT: tl.constexpr, BLOCK_H: tl.constexpr
+):
+    """acc + W[row, chunk] * x[chunk] elementwise (scales applied): rows_dot without the
+    per-chunk cross-thread reduction, so a loop over chunks is only loads and FMAs; reduce
+    once at the end with dot_acc_sum."""
+    if FMT == 0:
+        h = h0 + tl.arange(0, BLOCK_H)
+        hm = h < H
+        xv = tl.load(x_ptr + h, mask=hm, other=0.0).to(tl.float32)
+        m = n_mask[:, None] & hm[None, :]
+        wv = tl.load(w_ptr + row_off[:, None] + h[None, :], mask=m, other=0.0).to(tl.float32)
+        acc += wv * xv[None, :]
+    elif FMT == 1:
+        NB: tl.constexpr = BLOCK_H // 32
+        b = h0 // 32 + tl.arange(0, NB)
+        bm = b < H // 32
+        i = tl.arange(0, 32)
+        xv = tl.load(x_ptr + b[:, None] * 32 + i[None, :], mask=bm[:, None], other=0.0)
+        blk = w_ptr + row_off[:, None] + b[None, :] * 34
+        m = n_mask[:, None] & bm[None, :]
+        d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+        qp = (blk[:, :, None] + 2 + i[None, None, :]).to(tl.pointer_type(tl.int8))
+        q = tl.load(qp, mask=m[:, :, None], other=0).to(tl.float32)
+        acc += q * d[:, :, None] * xv.to(tl.float32)[None, :, :]
+    else:
+        NB: tl.constexpr = BLOCK_H // 32
+        b = h0 // 32 + tl.arange(0, NB)
+        bm = b < H // 32
+        k = tl.arange(0, 16)
+        xo = b[:, None] * 32 + k[None, :]
+        x_lo = tl.load(x_ptr + xo, mask=bm[:, None], other=0.0).to(tl.float32)
+        x_hi = tl.load(x_ptr + xo + 16, mask=bm[:, None], other=0.0).to(tl.float32)
+        blk = w_ptr + row_off[:, None] + b[None, :] * 18
+        m = n_mask[:, None] & bm[None, :]
+        d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+        qs = tl.load(blk[:, :, None] + 2 + k[None, None, :], mask=m[:, :, None], other=0)
+        lo = (qs & 15).to(tl.float32) - 8.0
+        hi = (qs >> 4).to(tl.float32) - 8.0
+        acc += (lo * x_lo[None, :, :] + hi * x_hi[None, :, :]) * d[:, :, None]
+    return acc
+
+
+@triton.jit
 def rows_axpy(w_ptr, row_off, n_mask, coef, y_ptr, h0, H, FMT: tl.constexpr, BLOCK_H: tl.constexpr):
     """y[h] += sum over rows of coef[row] * W[row, h] for h in [h0, h0 + BLOCK_H), atomically.
 

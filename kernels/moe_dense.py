@@ -30,7 +30,15 @@ from kernels.expert_formats import (
     dequantize_rows,
     row_bytes,
 )
-from kernels.expert_rows import act_fn, rows_axpy, rows_dot, rows_tile
+from kernels.expert_rows import (
+    act_fn,
+    dot_acc_sum,
+    dot_acc_zeros,
+    rows_axpy,
+    rows_dot,
+    rows_dot_acc,
+    rows_tile,
+)
 
 
 def interpreting() -> bool:
@@ -59,6 +67,7 @@ def _moe_gemv_kernel(
     GATE_ONLY: tl.constexpr,  # only the gate dots (the sparse path's first step)
     BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    ACC2D: tl.constexpr = False,
 ):
     p = tl.program_id(0)
     t = p // K
@@ -68,12 +77,22 @@ def _moe_gemv_kernel(
     gate_off = (e * F + n) * 3 * RB  # [BLOCK_N] int64; up row at +RB, down row at +2*RB
     x_row = x_ptr + t.to(tl.int64) * stride_x
 
-    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        acc_g += rows_dot(w_ptr, gate_off, nm, x_row, h0, H, FMT, BLOCK_H)
-        if not GATE_ONLY:
-            acc_u += rows_dot(w_ptr, gate_off + RB, nm, x_row, h0, H, FMT, BLOCK_H)
+    if ACC2D:
+        acc_g2 = dot_acc_zeros(BLOCK_N, FMT, BLOCK_H)
+        acc_u2 = dot_acc_zeros(BLOCK_N, FMT, BLOCK_H)
+        for h0 in range(0, H, BLOCK_H):
+            acc_g2 = rows_dot_acc(acc_g2, w_ptr, gate_off, nm, x_row, h0, H, FMT, BLOCK_H)
+            if not GATE_ONLY:
+                acc_u2 = rows_dot_acc(acc_u2, w_ptr, gate_off + RB, nm, x_row, h0, H, FMT, BLOCK_H)
+        acc_g = dot_acc_sum(acc_g2, FMT)
+        acc_u = dot_acc_sum(acc_u2, FMT)
+    else:
+        acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            acc_g += rows_dot(w_ptr, gate_off, nm, x_row, h0, H, FMT, BLOCK_H)
+            if not GATE_ONLY:
+                acc_u += rows_dot(w_ptr, gate_off + RB, nm, x_row, h0, H, FMT, BLOCK_H)
 
     if GATE_ONLY:
         tl.store(out_ptr + p.to(tl.int64) * F + n, acc_g, mask=nm)

@@ -1,8 +1,8 @@
 """User-facing errors.
 
-Every error a user can cause (bad file, bad flag, unknown architecture, budget too small) is raised
-as a `PyruntimeError` subclass whose message is one line saying what was wrong, where, and what to do.
-The CLI prints that line and exits non-zero without a traceback; anything else is a bug.
+Every error a user can cause (bad file, bad flag, unknown architecture, budget too small) is
+raised as a `PyruntimeError` subclass whose message is one line saying what was wrong, where, and
+what to do. The CLI prints that line and exits non-zero without a traceback; anything else is a bug.
 """
 
 

@@ -28,7 +28,7 @@ def activation_fn(name: str):
 def expert_ffn_torch(
     w: torch.Tensor, x: torch.Tensor, act: str, threshold: float | None = None
 ) -> tuple[torch.Tensor, int]:
-    """One expert: w [n_ff, 3, n_embd] (gate, up, down^T rows), x [T, n_embd] -> ([T, n_embd], active).
+    """One expert: w [n_ff, 3, n_embd] (gate, up, down^T rows), x [T, n_embd] -> (y, active).
 
     With `threshold`, neurons whose |act(gate . x)| < threshold contribute nothing (their up/down
     rows are skipped by the fast kernels); `active` counts the (token, neuron) pairs kept.

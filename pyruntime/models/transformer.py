@@ -192,6 +192,8 @@ class MoETransformer:
         # Routed-expert backend: (store, x, ids, w, act, threshold) -> (y, n_active).
         self.expert_backend = moe_ffn_torch
         self.expert_threshold: list[float] | None = None  # per layer, for neuron sparsity
+        # Calibration hook: (layer, store, x [T, n_embd], ids [T, K], activation) -> None.
+        self.gate_observer = None
         self.stats = ExpertStats()
 
     @classmethod
@@ -287,6 +289,8 @@ class MoETransformer:
         if blk.experts is None:
             return dense_ffn(blk.dense_ffn, x, cfg.activation)
         ids, w = route(x @ blk.router.T, cfg.n_expert_used, cfg.expert_weights_norm)
+        if self.gate_observer is not None:
+            self.gate_observer(i, blk.experts, x, ids, cfg.activation)
         threshold = None if self.expert_threshold is None else self.expert_threshold[i]
         y, n_active = self.expert_backend(blk.experts, x, ids, w, cfg.activation, threshold)
         self.stats.add(n_pairs=ids.numel(), n_active=n_active, n_ff=cfg.n_ff_exp)
