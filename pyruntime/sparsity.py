@@ -103,7 +103,7 @@ class SparsityTable:
     model_size: int  # bytes of the GGUF it was calibrated on (a cheap identity check)
 
     def for_sparsity(self, s: float) -> list[float] | None:
-        """Per-layer thresholds for target sparsity s (None = dense); interpolated between targets."""
+        """Per-layer thresholds for sparsity s (None = dense), interpolated between targets."""
         check_sparsity(s)
         if s == 0:
             return None
@@ -161,8 +161,9 @@ class SparsityTable:
             raise ModelFileError(f"{path}: bad sparsity calibration file ({exc})") from None
         if table.model_size != model_path.stat().st_size:
             raise ModelFileError(
-                f"{path} was calibrated on another file ({table.model_size} bytes, this one has "
-                f"{model_path.stat().st_size}): run `pyruntime calibrate {model_path} -f TEXT` again"
+                f"{path} was calibrated on another file ({table.model_size} bytes, this one "
+                f"has {model_path.stat().st_size}): run `pyruntime calibrate {model_path} -f TEXT` "
+                "again"
             )
         return table
 
