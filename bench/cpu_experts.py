@@ -75,34 +75,58 @@ def dram_read(core: cpu_core.CpuCore, gib: float, iters: int) -> tuple[float, fl
     return statistics.median(rates), max(rates)
 
 
-def bench_layer(core, gud, fmt, shape, batch, threshold, iters, seed=3):
+def bench_layer(core, layers, fmt, shape, batch, threshold, iters, seed=3):
+    """Back-to-back calls, each on the next layer copy with fresh random routing (inputs made
+    beforehand, so the pool's threads stay awake: this is kernel throughput, see wake_up_us)."""
     n_embd, n_ff, n_expert, k = shape
     rb = cpu_core.row_bytes(FMTS[fmt], n_embd)
     gen = torch.Generator().manual_seed(seed)
-    times, bytes_read, actives, pairs = [], [], [], 0
-    for it in range(iters + 3):
+    calls = []
+    for _ in range(iters + 3):
         ids = torch.stack([torch.randperm(n_expert, generator=gen)[:k] for _ in range(batch)])
-        w = torch.rand(batch, k, generator=gen)
-        x = torch.randn(batch, n_embd, generator=gen)
+        calls.append(
+            (
+                ids.int(),
+                torch.rand(batch, k, generator=gen),
+                torch.randn(batch, n_embd, generator=gen),
+            )
+        )
+    times, bytes_read, actives = [], [], []
+    for it, (ids, w, x) in enumerate(calls):
+        gud = layers[it % len(layers)]
         t = time.perf_counter()
-        _, n_active = core.moe_ffn(gud, FMTS[fmt], n_expert, n_ff, n_embd, x, ids.int(), w,
-                                   threshold=threshold)  # fmt: skip
+        _, n_active = core.moe_ffn(
+            gud, FMTS[fmt], n_expert, n_ff, n_embd, x, ids, w, threshold=threshold
+        )
         dt = time.perf_counter() - t
         if it < 3:
             continue  # warm-up
         n_unique = len(set(ids.flatten().tolist()))
-        dense = threshold == 0.0
-        up_down = n_unique * n_ff if dense else n_active
+        up_down = n_unique * n_ff if threshold == 0.0 else n_active
         times.append(dt)
         bytes_read.append((n_unique * n_ff + 2 * up_down) * rb)
         actives.append(n_active)
-        pairs = batch * k
-    med = statistics.median(times)
     return {
-        "ms": med * 1e3,
-        "gbs": statistics.median(b / t for b, t in zip(bytes_read, times)) / 1e9,
-        "sparsity": 1 - statistics.mean(actives) / (pairs * n_ff),
+        "ms": statistics.median(times) * 1e3,
+        "gbs": statistics.median(b / t for b, t in zip(bytes_read, times, strict=True)) / 1e9,
+        "sparsity": 1 - statistics.mean(actives) / (batch * k * n_ff),
     }
+
+
+def wake_up_us(core: cpu_core.CpuCore, iters: int = 20) -> tuple[float, float]:
+    """(median us of a tiny call right after another, median us after 5 ms idle): the cost of
+    waking the pool's sleeping threads, which a decode step pays once per layer when the rest
+    of the layer takes longer than the workers spin."""
+    gud = random_layer("F32", 1, 1, 64)
+    x, ids, w = torch.randn(1, 64), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1)
+    hot, cold = [], []
+    for _ in range(iters):
+        for sink, pause in ((hot, 0.0), (cold, 0.005)):
+            time.sleep(pause)
+            t = time.perf_counter()
+            core.moe_ffn(gud, 0, 1, 1, 64, x, ids, w)
+            sink.append((time.perf_counter() - t) * 1e6)
+    return statistics.median(hot), statistics.median(cold)
 
 
 def main() -> None:
@@ -114,33 +138,55 @@ def main() -> None:
     p.add_argument("--sparsity", nargs="+", type=float, default=[0.0, 0.5, 0.7, 0.9])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--read-gib", type=float, default=1.0)
+    p.add_argument(
+        "--footprint-gib",
+        type=float,
+        default=2.0,
+        help="copies of the layer cycled through, at least this much memory in all, "
+        "so that the experts come from DRAM even with a large L3",
+    )
     args = p.parse_args()
 
     core = cpu_core.CpuCore(args.threads)
     bw, bw_best = dram_read(core, args.read_gib, max(args.iters, 5))
-    print(f"machine: {platform.processor() or platform.machine()}, {core.threads} threads, "
-          f"SIMD {cpu_core.simd_level()}")  # fmt: skip
-    print(f"DRAM read (pyrt_mem_read, {args.read_gib} GiB): median {bw:.2f} GB/s, "
-          f"best {bw_best:.2f} GB/s\n")  # fmt: skip
-    print("| shape | fmt | batch | target sparsity | achieved | ms/call | GB/s | % of DRAM read "
-          "| speedup vs dense |")  # fmt: skip
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {core.threads} threads, "
+        f"SIMD {cpu_core.simd_level()}"
+    )
+    print(
+        f"DRAM read (pyrt_mem_read, {args.read_gib} GiB): median {bw:.2f} GB/s, "
+        f"best {bw_best:.2f} GB/s"
+    )
+    hot, cold = wake_up_us(core)
+    print(f"call overhead (tiny call): {hot:.0f} us back to back, {cold:.0f} us after 5 ms idle\n")
+    print(
+        "| shape | fmt | batch | target sparsity | achieved | ms/call | GB/s | % of DRAM read "
+        "| speedup vs dense |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for name in args.shapes:
         shape = SHAPES[name]
         n_embd, n_ff, n_expert, _ = shape
         for fmt in args.formats:
-            gud = random_layer(fmt, n_expert, n_ff, n_embd)
-            thresholds = act_quantiles(gud, fmt, n_ff, n_embd, args.sparsity)
+            first = random_layer(fmt, n_expert, n_ff, n_embd)
+            n_copies = max(1, int(np.ceil(args.footprint_gib * 2**30 / first.nbytes)))
+            layers = [first] + [
+                random_layer(fmt, n_expert, n_ff, n_embd, seed=s + 1) for s in range(n_copies - 1)
+            ]
+            thresholds = act_quantiles(first, fmt, n_ff, n_embd, args.sparsity)
             for batch in args.batches:
                 dense_ms = None
                 for s in args.sparsity:
-                    r = bench_layer(core, gud, fmt, shape, batch, thresholds[s], args.iters)
+                    r = bench_layer(core, layers, fmt, shape, batch, thresholds[s], args.iters)
                     dense_ms = r["ms"] if s == 0 else dense_ms
                     speedup = f"{dense_ms / r['ms']:.2f}x" if dense_ms else "-"
-                    print(f"| {name} | {fmt} | {batch} | {s:.1f} | {r['sparsity']:.3f} "
-                          f"| {r['ms']:.2f} | {r['gbs']:.2f} | {100 * r['gbs'] / bw:.0f}% "
-                          f"| {speedup} |", flush=True)  # fmt: skip
-            del gud
+                    print(
+                        f"| {name} | {fmt} | {batch} | {s:.1f} | {r['sparsity']:.3f} "
+                        f"| {r['ms']:.2f} | {r['gbs']:.2f} | {100 * r['gbs'] / bw:.0f}% "
+                        f"| {speedup} |",
+                        flush=True,
+                    )
+            del first, layers
     core.close()
 
 

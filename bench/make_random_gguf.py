@@ -181,8 +181,13 @@ def tokenizer_dir() -> Path:
     return shared / "models" / "tiny-olmoe"
 
 
-def make_random_gguf(shape: str, outfile: Path, outtype: str = "q8_0", tok_dir: Path | None = None,
-                     progress: bool = True) -> Path:  # fmt: skip
+def make_random_gguf(
+    shape: str,
+    outfile: Path,
+    outtype: str = "q8_0",
+    tok_dir: Path | None = None,
+    progress: bool = True,
+) -> Path:
     """Write the random GGUF of `shape` (a key of CONFIGS) to outfile; returns outfile."""
     tok_dir = tok_dir or tokenizer_dir()
     config = CONFIGS[shape]
@@ -222,8 +227,11 @@ def make_random_gguf(shape: str, outfile: Path, outtype: str = "q8_0", tok_dir: 
         tmp_out.unlink(missing_ok=True)
         raise
     if progress:
-        print(f"\nwrote {outfile}: {len(tensors)} tensors, {total / 1e9:.2f} GB, "
-              f"{time.perf_counter() - start:.0f} s", file=sys.stderr)  # fmt: skip
+        print(
+            f"\nwrote {outfile}: {len(tensors)} tensors, {total / 1e9:.2f} GB, "
+            f"{time.perf_counter() - start:.0f} s",
+            file=sys.stderr,
+        )
     return outfile
 
 
@@ -232,8 +240,12 @@ def main() -> None:
     p.add_argument("shape", choices=sorted(CONFIGS))
     p.add_argument("--outtype", default="q8_0", choices=list(OUTTYPES))
     p.add_argument("-o", "--outfile", type=Path, default=None)
-    p.add_argument("--tokenizer-dir", type=Path, default=None,
-                   help="HF folder with tokenizer.json (default: shared/models/tiny-olmoe)")  # fmt: skip
+    p.add_argument(
+        "--tokenizer-dir",
+        type=Path,
+        default=None,
+        help="HF folder with tokenizer.json (default: shared/models/tiny-olmoe)",
+    )
     args = p.parse_args()
     out = args.outfile or Path(f"random-{args.shape}-{args.outtype}.gguf")
     make_random_gguf(args.shape, out, args.outtype, args.tokenizer_dir)

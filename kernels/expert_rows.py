@@ -190,21 +190,35 @@ def rows_axpy(w_ptr, row_off, n_mask, coef, y_ptr, h0, H, FMT: tl.constexpr, BLO
 
 @triton.jit
 def rows_tile(w_ptr, row_off, n_mask, h0, H, FMT: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BLOCK_N, BLOCK_K] fp32 tile W[row, h0:h0 + BLOCK_K] (0 outside), for tl.dot."""
-    h = h0 + tl.arange(0, BLOCK_K)
-    m = n_mask[:, None] & (h < H)[None, :]
+    """[BLOCK_N, BLOCK_K] fp32 tile W[row, h0:h0 + BLOCK_K] (0 outside), for tl.dot.
+
+    Block formats load [BLOCK_N, BLOCK_K // 32, 32] (one scale per block, contiguous quants)
+    and reshape; h0 must be a multiple of 32 there.
+    """
     if FMT == 0:
+        h = h0 + tl.arange(0, BLOCK_K)
+        m = n_mask[:, None] & (h < H)[None, :]
         out = tl.load(w_ptr + row_off[:, None] + h[None, :], mask=m, other=0.0).to(tl.float32)
     elif FMT == 1:
-        blk = w_ptr + row_off[:, None] + (h // 32 * 34)[None, :]
+        NB: tl.constexpr = BLOCK_K // 32
+        b = h0 // 32 + tl.arange(0, NB)
+        i = tl.arange(0, 32)
+        blk = w_ptr + row_off[:, None] + b[None, :] * 34
+        m = n_mask[:, None] & (b < H // 32)[None, :]
         d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
-        qp = (blk + 2 + (h % 32)[None, :]).to(tl.pointer_type(tl.int8))
-        out = tl.load(qp, mask=m, other=0).to(tl.float32) * d
+        qp = (blk[:, :, None] + 2 + i[None, None, :]).to(tl.pointer_type(tl.int8))
+        q = tl.load(qp, mask=m[:, :, None], other=0).to(tl.float32)
+        out = tl.reshape(q * d[:, :, None], [row_off.shape[0], BLOCK_K])
     else:
-        blk = w_ptr + row_off[:, None] + (h // 32 * 18)[None, :]
+        NB: tl.constexpr = BLOCK_K // 32
+        b = h0 // 32 + tl.arange(0, NB)
+        k = tl.arange(0, 16)
+        blk = w_ptr + row_off[:, None] + b[None, :] * 18
+        m = n_mask[:, None] & (b < H // 32)[None, :]
         d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
-        i = h % 32
-        qs = tl.load(blk + 2 + (i % 16)[None, :], mask=m, other=0)
-        q = (qs >> ((i // 16) * 4)[None, :].to(tl.uint8)) & 15
-        out = (q.to(tl.float32) - 8.0) * d
+        qs = tl.load(blk[:, :, None] + 2 + k[None, None, :], mask=m[:, :, None], other=0)
+        lo = ((qs & 15).to(tl.float32) - 8.0) * d[:, :, None]  # elements 0..15 of each block
+        hi = ((qs >> 4).to(tl.float32) - 8.0) * d[:, :, None]  # elements 16..31
+        both = tl.permute(tl.join(lo, hi), (0, 1, 3, 2))  # [BLOCK_N, NB, 2, 16]
+        out = tl.reshape(both, [row_off.shape[0], BLOCK_K])
     return out

@@ -228,7 +228,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 print("(history cleared)", file=sys.stderr)
             continue
         history.append({"role": "user", "content": line})
-        answer = _stream_answer(model, history, args, kwargs)
+        try:
+            answer = _stream_answer(model, history, args, kwargs)
+        except UsageError as exc:
+            if not interactive:
+                raise
+            # e.g. the history outgrew the context: keep the session, let the user /reset.
+            history.pop()
+            print(f"error: {exc} (type /reset to start over)", file=sys.stderr)
+            continue
         history.append({"role": "assistant", "content": answer})
 
 

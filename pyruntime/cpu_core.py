@@ -254,7 +254,6 @@ class CpuCore:
         )
         return y, int(n_active[0])
 
-
     def mem_read(self, buf: np.ndarray) -> int:
         """Read buf once on the pool's threads (DRAM read test); returns the checksum."""
         if self._pool is None:

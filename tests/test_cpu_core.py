@@ -395,15 +395,35 @@ def test_c_unit_tests_under_asan_ubsan(tmp_path):
         REPO / "tests" / "c" / "test_core.c",
     ]
     exe = tmp_path / "test_core"
-    cmd = [compiler, "-std=c11", "-O1", "-g", "-fno-omit-frame-pointer",
-           "-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-Wall", "-Wextra",
-           "-Werror", f"-I{REPO / 'runtime' / 'include'}", f"-I{REPO / 'runtime' / 'src'}",
-           *map(str, sources), "-o", str(exe), "-pthread", "-lm"]  # fmt: skip
+    cmd = [
+        compiler,
+        "-std=c11",
+        "-O1",
+        "-g",
+        "-fno-omit-frame-pointer",
+        "-fsanitize=address,undefined",
+        "-fno-sanitize-recover=all",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        f"-I{REPO / 'runtime' / 'include'}",
+        f"-I{REPO / 'runtime' / 'src'}",
+        *map(str, sources),
+        "-o",
+        str(exe),
+        "-pthread",
+        "-lm",
+    ]
     build = subprocess.run(cmd, capture_output=True, text=True)
     if build.returncode != 0 and "sanitize" in build.stderr and "unrecognized" in build.stderr:
         pytest.skip(f"{compiler} has no ASan/UBSan")
     assert build.returncode == 0, build.stderr
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "ASAN_OPTIONS": "detect_leaks=1"})  # fmt: skip
+    run = subprocess.run(
+        [str(exe)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "ASAN_OPTIONS": "detect_leaks=1"},
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "all C core tests passed" in run.stdout

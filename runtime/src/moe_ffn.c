@@ -114,8 +114,9 @@ static int64_t expert_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j
             /* phase 1: gates */
             for (int i = 0; i < nj; i++) {
                 const uint8_t *gate = expert + (size_t)(jc + i) * 3 * rb;
-                if (sparse && jc + i + NEURON_CHUNK < j1)
-                    prefetch_row(gate + (size_t)NEURON_CHUNK * 3 * rb, rb);
+                /* the next chunk's rows: its gate rows (sparse), all three rows (dense) */
+                if (jc + i + NEURON_CHUNK < j1)
+                    prefetch_row(gate + (size_t)NEURON_CHUNK * 3 * rb, sparse ? rb : 3 * rb);
                 int n_on = 0;
                 for (int r = 0; r < nr; r++) {
                     const int t = c->route_tok[rc + r];
