@@ -1,84 +1,67 @@
 # temporary tuning script (removed before hand-off)
 import functools, sys, importlib.util, torch, triton
-from kernels.moe_dense import _moe_gemv_kernel, _prep
-from kernels.expert_formats import FMT_CODES
-
-spec = importlib.util.spec_from_file_location("b", "bench/moe_layer.py")
-b = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(b)
+from kernels.moe_dense import _moe_gemv_kernel, _prep, moe_align, _moe_gemm_gate_up_kernel, _moe_gemm_down_kernel
+from kernels.moe_sparse import moe_gate_mask, moe_sparse_up_down, moe_gate
+from kernels.sparse_mask import sparse_mask
+from kernels.expert_formats import FMT_CODES, act_ref
+spec = importlib.util.spec_from_file_location("b", "bench/moe_layer.py"); b = importlib.util.module_from_spec(spec); spec.loader.exec_module(b)
 dev = torch.device("cuda")
 H, E, K, F = 2048, 128, 8, 768
+what = sys.argv[1]
+def top(label, res, n=5):
+    res.sort(key=lambda r: r[0])
+    print(label, " | ".join(f"{r[0]*1e6:.1f}us {r[1]}" for r in res[:n]), "| worst", f"{res[-1][0]*1e6:.1f}", flush=True)
 for fmt in ["bf16", "q8_0"]:
     w = b.make_experts(E, F, H, fmt, dev)
-    for T in [1, 4]:
+    for T in ([1, 4, 16] if what == "sparse" else [16, 64, 256]):
         x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
         routes = [b.routing(T, E, K, i, dev) for i in range(8)]
         ids, tw = routes[0][0].clone(), routes[0][1].clone()
         timer = b.Timer(dev, routes, ids, tw)
         _, _, _, rb, _, _ = _prep(x, w, fmt, ids, tw, "silu")
-        y = torch.zeros(T, H, device=dev)
-        g = torch.empty(T * K, F, device=dev)
-        nbytes = T * K * F * 3 * (rb * (2 if fmt == "bf16" else 1))
-        for gate_only in [True, False]:
+        P = T * K
+        if what == "sparse":
+            g = moe_gate(x, w, fmt, ids)
+            mags = act_ref(g, "silu").abs().flatten().sort().values
+            thr = mags[int(0.85 * (mags.numel() - 1))].reshape(1).clone()
             res = []
-            for bn, bh, nw, a2 in [
-                (c[0], c[1], c[2], a)
-                for c in [
-                    (4, 512, 4),
-                    (4, 256, 2),
-                    (8, 512, 2),
-                    (8, 256, 4),
-                    (16, 512, 2),
-                    (16, 256, 4),
-                    (16, 512, 4),
-                    (8, 1024, 4),
-                    (4, 1024, 4),
-                    (32, 256, 4),
-                ]
-                for a in (False, True)
-            ]:
-                if True:
-                    if True:
-
-                        def fn(bn=bn, bh=bh, nw=nw, a2=a2):
-                            _moe_gemv_kernel[(T * K, triton.cdiv(F, bn))](
-                                x,
-                                w,
-                                ids,
-                                tw,
-                                g if gate_only else y,
-                                H,
-                                F,
-                                rb,
-                                K,
-                                x.stride(0),
-                                FMT=FMT_CODES[fmt],
-                                ACT=0,
-                                GATE_ONLY=gate_only,
-                                BLOCK_N=bn,
-                                BLOCK_H=bh,
-                                num_warps=nw,
-                                ACC2D=a2,
-                            )
-
-                        try:
-                            t, _ = timer(fn, 20)
-                        except Exception as ex:
-                            print("fail", bn, bh, nw, ex)
-                            continue
-                        by = nbytes / (3 if gate_only else 1)
-                        res.append((t * 1e6, bn, bh, nw, by / t / 1e9, a2))
-            res.sort()
-            print(
-                fmt,
-                "T",
-                T,
-                "gate_only" if gate_only else "fused",
-                [
-                    f"{r[0]:.1f}us bn{r[1]} bh{r[2]} w{r[3]} {r[4]:.0f}GB/s a{int(r[5])}"
-                    for r in res[:6]
-                ],
-                "worst",
-                f"{res[-1][0]:.1f}",
-                flush=True,
-            )
+            for bn, bh, nw in [(8, 512, 2), (16, 512, 4), (16, 512, 2), (32, 512, 4), (16, 1024, 4), (8, 1024, 4)]:
+                fn = functools.partial(moe_gate_mask, x, w, fmt, ids, thr, blocks=(bn, bh, nw))
+                res.append((timer(fn, 20)[0], f"gm bn{bn} bh{bh} w{nw}"))
+            top(f"{fmt} T{T} gate_mask", res)
+            res = []
+            for seg in [16, 32]:
+                idx, act, cnt, y = moe_gate_mask(x, w, fmt, ids, thr, blocks=(seg, 512, 4))
+                for ud in [8, 16, 32]:
+                    if ud > seg: continue
+                    fn = functools.partial(moe_sparse_up_down, x, w, fmt, ids, tw, idx, act, cnt, segment=seg, y=y, block_n=ud)
+                    res.append((timer(fn, 20)[0], f"seg{seg} ud{ud}"))
+            g = moe_gate(x, w, fmt, ids); idx, act, cnt = sparse_mask(g, thr)
+            for ud in [8, 16, 32, 64]:
+                fn = functools.partial(moe_sparse_up_down, x, w, fmt, ids, tw, idx, act, cnt, y=y, block_n=ud)
+                res.append((timer(fn, 20)[0], f"compact ud{ud}"))
+            top(f"{fmt} T{T} up_down", res, 8)
+            fn = functools.partial(sparse_mask, g, thr); print("  sparse_mask", f"{timer(fn, 20)[0]*1e6:.1f}us")
+            fn = functools.partial(moe_gate, x, w, fmt, ids); print("  moe_gate", f"{timer(fn, 20)[0]*1e6:.1f}us")
+        else:
+            res = []
+            for bn, bh, nw in [(16, 512, 2), (8, 512, 2), (32, 256, 4)]:
+                y = torch.zeros(T, H, device=dev)
+                fn = functools.partial(_moe_gemv_kernel[(P, triton.cdiv(F, bn))], x, w, ids, tw, y, H, F, rb, K, x.stride(0), FMT=FMT_CODES[fmt], ACT=0, GATE_ONLY=False, BLOCK_N=bn, BLOCK_H=bh, num_warps=nw)
+                res.append((timer(fn, 20)[0], f"gemv bn{bn} bh{bh} w{nw}"))
+            for bm in [16, 32, 64]:
+                sp, be, tot = moe_align(ids, E, bm)
+                inter = torch.empty(P, F, device=dev)
+                y = torch.zeros(T, H, device=dev)
+                r1, r2 = [], []
+                for bn, bk, nw, ns in [(64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 2), (64, 128, 8, 4), (32, 128, 4, 3)]:
+                    f1 = functools.partial(_moe_gemm_gate_up_kernel[(be.numel(), triton.cdiv(F, bn))], x, w, sp, be, tot, inter, H, F, rb, K, P, x.stride(0), FMT=FMT_CODES[fmt], ACT=0, GATE_ONLY=False, DOT_BF16=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+                    f2 = functools.partial(_moe_gemm_down_kernel[(be.numel(), triton.cdiv(H, bk))], inter, w, sp, be, tot, tw.reshape(-1), y, H, F, rb, K, P, FMT=FMT_CODES[fmt], DOT_BF16=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_H=bk, num_warps=nw, num_stages=ns)
+                    try:
+                        r1.append((timer(f1, 10)[0], f"bm{bm} bn{bn} bk{bk} w{nw} s{ns}"))
+                        r2.append((timer(f2, 10)[0], f"bm{bm} bn{bn} bk{bk} w{nw} s{ns}"))
+                    except Exception as ex:
+                        print("fail", bm, bn, bk, type(ex).__name__, str(ex)[:200])
+                top(f"{fmt} T{T} gemm gate_up", r1, 3)
+                top(f"{fmt} T{T} gemm down", r2, 3)
+            top(f"{fmt} T{T} gemv fused", res, 3)

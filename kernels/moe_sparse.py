@@ -175,7 +175,7 @@ def sparse_blocks(fmt: str, n_pairs: int, n_ff: int) -> tuple[int, int, int]:
 def gate_mask_blocks(fmt: str, n_pairs: int, n_ff: int) -> tuple[int, int, int]:
     """(BLOCK_N = segment, BLOCK_H, num_warps) of the fused gate-mask kernel."""
     if interpreting():
-        return 16, 256, 4
+        return 32, 256, 4
     return 16, 512 if fmt != "f32" else 256, 4
 
 

@@ -29,6 +29,7 @@ from pyruntime.generation import Session, TextStream
 from pyruntime.gguf_file import GGUFFile, open_gguf
 from pyruntime.models.transformer import MoETransformer
 from pyruntime.sampling import Sampler, SamplingParams
+from pyruntime.sparsity import SparsityTable, check_sparsity
 from pyruntime.tokenizer import Tokenizer
 
 _DEFAULTS = SamplingParams()
@@ -38,7 +39,10 @@ class Model:
     """A GGUF model ready to tokenize, score and generate.
 
     n_ctx: context size in tokens of the generation cache (0 = the model's trained context).
-    threads: CPU threads for torch (None = torch's default).
+    threads: CPU threads for torch and the C core (None = physical cores for the C core).
+    sparsity: target fraction of routed-expert neurons to skip, in [0, 1); needs the model's
+    calibration table (`pyruntime calibrate`); 0 = dense. `achieved_sparsity` reports the result.
+    expert_backend: 'auto' (the C core when built), 'c', or 'torch' (the reference).
     seed: seeds the random stream of sampling calls that pass no seed of their own
     (None = a random seed), so a run of calls is reproducible as a whole.
     """
@@ -49,10 +53,18 @@ class Model:
         n_ctx: int = 2048,
         threads: int | None = None,
         seed: int | None = None,
+        sparsity: float = 0.0,
+        expert_backend: str = "auto",
     ) -> None:
+        check_sparsity(sparsity)
         self.file: GGUFFile = open_gguf(path)
         self.path = self.file.path
-        self.net = MoETransformer.from_gguf(self.file, threads=threads)
+        table = SparsityTable.load(self.path) if sparsity > 0 else None
+        self.net = MoETransformer.from_gguf(
+            self.file, threads=threads, expert_backend=expert_backend
+        )
+        self.sparsity = sparsity
+        self.net.expert_threshold = None if table is None else table.for_sparsity(sparsity)
         self.tokenizer = Tokenizer.from_gguf(self.file)
         if n_ctx < 0:
             raise UsageError(f"n_ctx must be >= 0 (0 = the model's context), got {n_ctx}")
@@ -63,6 +75,11 @@ class Model:
         self._rng.manual_seed(seed if seed is not None else secrets.randbits(63))
         self._session: Session | None = None  # created on first use
         self._name = str(self.file.get("general.name", self.path.stem))
+
+    @property
+    def achieved_sparsity(self) -> float:
+        """Fraction of routed-expert neurons skipped so far (0.0 when dense)."""
+        return self.net.stats.sparsity
 
     @property
     def config(self) -> Any:

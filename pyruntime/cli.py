@@ -1,4 +1,4 @@
-"""The `pyruntime` command: chat, generate, perplexity, info.
+"""The `pyruntime` command: chat, generate, perplexity, calibrate, info.
 
 Output discipline: stdout carries only the product (answers, generated text, `ppl = X`, info),
 stderr the diagnostics (timings, progress, banners), so every command can be piped.
@@ -37,6 +37,19 @@ def _common_parent() -> argparse.ArgumentParser:
     return p
 
 
+def _runtime_parent() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument(
+        "--sparsity",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="skip this fraction of routed-expert neurons, in [0, 1) (needs `pyruntime "
+        "calibrate` first; 0 = dense). The achieved sparsity is reported on stderr.",
+    )
+    return p
+
+
 def _sampling_parent() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("sampling (llama.cpp names and defaults)")
@@ -66,7 +79,7 @@ def _sampling_parent() -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common, sampling = _common_parent(), _sampling_parent()
+    common, sampling, runtime = _common_parent(), _sampling_parent(), _runtime_parent()
     parser = argparse.ArgumentParser(
         prog="pyruntime",
         description="Run Mixture-of-Experts language models from GGUF files.",
@@ -76,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "chat",
-        parents=[common, sampling],
+        parents=[common, runtime, sampling],
         help="interactive chat (the built-in demo model without MODEL)",
         description="Chat with a model. Commands: /reset clears the history, /exit quits "
         "(or Ctrl-D). Ctrl-C stops the current answer. When stdin is not a terminal, each "
@@ -88,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "generate",
-        parents=[common, sampling],
+        parents=[common, runtime, sampling],
         help="continue a prompt; the text alone goes to stdout",
         description="Continue a prompt. The generated text alone goes to stdout (streamed), "
         "timings to stderr.",
@@ -104,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "perplexity",
-        parents=[common],
+        parents=[common, runtime],
         help="perplexity of a text file",
         description="Tokenize the whole file (BOS only if the model adds one), cut it into "
         "consecutive non-overlapping windows of --ctx tokens, evaluate each window with a fresh "
@@ -121,6 +134,22 @@ def build_parser() -> argparse.ArgumentParser:
         help='print {"ppl", "nll", "tokens_scored", "windows", "ctx"} as JSON instead',
     )
     p.set_defaults(func=cmd_perplexity)
+
+    p = sub.add_parser(
+        "calibrate",
+        parents=[common],
+        help="measure activation sparsity thresholds for --sparsity",
+        description="Run the model over a text, record |act(gate)| of every routed expert "
+        "neuron per layer, and store the thresholds that skip 5%%, 10%%, ... 95%% of them in "
+        "MODEL.sparsity.json beside the model (the model file is not changed).",
+    )
+    p.add_argument("model", help="GGUF file")
+    p.add_argument("-f", "--file", type=Path, required=True, help="calibration text (UTF-8)")
+    p.add_argument("--ctx", type=int, default=512, help="window size in tokens (512)")
+    p.add_argument(
+        "--max-tokens", type=int, default=32768, help="use at most this many tokens (32768)"
+    )
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("info", parents=[common], help="describe a GGUF model file")
     p.add_argument("model", help="GGUF file")
@@ -156,7 +185,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _load_model(path: str | Path, args: argparse.Namespace, n_ctx: int = 2048) -> Any:
     from pyruntime.api import Model
 
-    return Model(path, n_ctx=n_ctx, threads=args.threads, seed=getattr(args, "seed", None))
+    return Model(
+        path,
+        n_ctx=n_ctx,
+        threads=args.threads,
+        seed=getattr(args, "seed", None),
+        sparsity=getattr(args, "sparsity", 0.0),
+    )
+
+
+def _sparsity_report(model: Any) -> str:
+    """'' when dense; else the target and the measured fraction of skipped expert neurons."""
+    if not model.sparsity:
+        return ""
+    return (
+        f" | expert sparsity: target {model.sparsity:.2f}, achieved {model.achieved_sparsity:.3f}"
+    )
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -188,7 +232,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if sys.stdout.isatty():
         sys.stdout.write("\n")
     sys.stdout.flush()
-    print(f"finish: {stream.finish_reason} | {stream.stats.summary()}", file=sys.stderr)
+    print(
+        f"finish: {stream.finish_reason} | {stream.stats.summary()}{_sparsity_report(model)}",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -215,6 +262,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     while True:
         line = _read_user_line(interactive)
         if line is None:
+            if model.sparsity:
+                print(_sparsity_report(model).lstrip(" |"), file=sys.stderr)
             return 0
         line = line.strip()
         if not line:
@@ -289,11 +338,43 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         print(f"[{i + 1}/{n}] running ppl = {ppl:.4f}", file=sys.stderr, flush=True)
 
     result = perplexity(model, ids, args.ctx, progress=progress)
+    if model.sparsity:
+        print(_sparsity_report(model).lstrip(" |"), file=sys.stderr)
     if args.json:
-        print(json.dumps(result.as_dict()))
+        out = result.as_dict()
+        out["sparsity_target"] = model.sparsity
+        out["sparsity_achieved"] = model.achieved_sparsity
+        print(json.dumps(out))
     else:
         print(f"tokens scored = {result.tokens_scored}, windows = {result.windows}")
         print(f"ppl = {result.ppl:.4f}")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from pyruntime.sparsity import calibrate, sidecar_path
+
+    text = _read_text(args.file)
+    if args.ctx < 2 or args.max_tokens < 1:
+        raise UsageError("--ctx must be >= 2 and --max-tokens >= 1")
+    model = _load_model(args.model, args, n_ctx=args.ctx)
+    ids = model.tokenize(text, add_special=False)[: args.max_tokens]
+    print(f"calibrate: {len(ids)} tokens of {args.file}, windows of {args.ctx}", file=sys.stderr)
+
+    def progress(i: int, n: int) -> None:
+        print(f"[{i}/{n}]", file=sys.stderr, flush=True)
+
+    table = calibrate(
+        model.net, ids, args.ctx, str(args.file), model.file.file_size, progress=progress
+    )
+    path = sidecar_path(model.path)
+    table.save(path)
+    shown = [0.5, 0.7, 0.9]
+    print("layer  " + "  ".join(f"t@{s:.2f}" for s in shown))
+    for layer, row in enumerate(table.thresholds):
+        vals = [row[table.targets.index(s)] for s in shown]
+        print(f"{layer:>5}  " + "  ".join(f"{v:8.5f}" for v in vals))
+    print(f"wrote {path}", file=sys.stderr)
     return 0
 
 
