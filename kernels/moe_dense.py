@@ -51,12 +51,41 @@ def interpreting() -> bool:
 
 
 @triton.jit
+def _row_dots(w_ptr, row_off, n_mask, x_row, H, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_H: tl.constexpr, ACC2D: tl.constexpr):  # fmt: skip
+    """[BLOCK_N] full-length dots of rows with x (rows off the mask cost no memory traffic)."""
+    if ACC2D:
+        acc2 = dot_acc_zeros(BLOCK_N, FMT, BLOCK_H)
+        for h0 in range(0, H, BLOCK_H):
+            acc2 = rows_dot_acc(acc2, w_ptr, row_off, n_mask, x_row, h0, H, FMT, BLOCK_H)
+        acc = dot_acc_sum(acc2, FMT)
+    else:
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            acc += rows_dot(w_ptr, row_off, n_mask, x_row, h0, H, FMT, BLOCK_H)
+    return acc
+
+
+@triton.jit
+def _rows_axpy_all(w_ptr, row_off, n_mask, coef, y_row, H, rot, FMT: tl.constexpr,
+                   BLOCK_H: tl.constexpr):  # fmt: skip
+    """y_row += coef @ rows over all of H; chunks visited from chunk `rot` on, so programs
+    that run together hit different y addresses with their atomics."""
+    n_chunks = tl.cdiv(H, BLOCK_H)
+    for i in range(0, n_chunks):
+        h0 = ((i + rot) % n_chunks) * BLOCK_H
+        rows_axpy(w_ptr, row_off, n_mask, coef, y_row, h0, H, FMT, BLOCK_H)
+
+
+@triton.jit
 def _moe_gemv_kernel(
     x_ptr,  # [T, H] f32/bf16, row stride stride_x
     w_ptr,  # expert tensor (typed for float formats, uint8 for block formats)
     ids_ptr,  # [P] int: expert of each pair
     tw_ptr,  # [P] f32: routing weight of each pair
-    out_ptr,  # GATE_ONLY: gate [P, F] f32; else y [T, H] f32 (accumulated)
+    out_ptr,  # MODE 1: gate [P, F] f32; else y [T, H] f32 (accumulated)
+    thr_ptr,  # MODE 2: [1] f32 threshold on |act(gate)|
+    cnt_ptr,  # MODE 2: [P, n_tiles] int32 out: active neurons per tile
     H,
     F,
     RB,  # row stride of the expert tensor: elements (float formats) or bytes (block formats)
@@ -64,55 +93,72 @@ def _moe_gemv_kernel(
     stride_x,
     FMT: tl.constexpr,
     ACT: tl.constexpr,
-    GATE_ONLY: tl.constexpr,  # only the gate dots (the sparse path's first step)
+    MODE: tl.constexpr,  # 0 dense FFN, 1 gate dots only, 2 sparse FFN (masked up/down rows)
     BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    ACC2D: tl.constexpr = False,
+    ACC2D: tl.constexpr,  # elementwise accumulation over H chunks (see rows_dot_acc)
 ):
     p = tl.program_id(0)
+    tile = tl.program_id(1)
     t = p // K
     e = tl.load(ids_ptr + p).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < F
     gate_off = (e * F + n) * 3 * RB  # [BLOCK_N] int64; up row at +RB, down row at +2*RB
     x_row = x_ptr + t.to(tl.int64) * stride_x
+    y_row = out_ptr + t.to(tl.int64) * H
+    rot = p + tile
 
-    if ACC2D:
-        acc_g2 = dot_acc_zeros(BLOCK_N, FMT, BLOCK_H)
-        acc_u2 = dot_acc_zeros(BLOCK_N, FMT, BLOCK_H)
-        for h0 in range(0, H, BLOCK_H):
-            acc_g2 = rows_dot_acc(acc_g2, w_ptr, gate_off, nm, x_row, h0, H, FMT, BLOCK_H)
-            if not GATE_ONLY:
+    if MODE == 0:
+        if ACC2D:
+            acc_g2 = dot_acc_zeros(BLOCK_N, FMT, BLOCK_H)
+            acc_u2 = dot_acc_zeros(BLOCK_N, FMT, BLOCK_H)
+            for h0 in range(0, H, BLOCK_H):  # gate and up rows are adjacent: one pass
+                acc_g2 = rows_dot_acc(acc_g2, w_ptr, gate_off, nm, x_row, h0, H, FMT, BLOCK_H)
                 acc_u2 = rows_dot_acc(acc_u2, w_ptr, gate_off + RB, nm, x_row, h0, H, FMT, BLOCK_H)
-        acc_g = dot_acc_sum(acc_g2, FMT)
-        acc_u = dot_acc_sum(acc_u2, FMT)
-    else:
-        acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            acc_g += rows_dot(w_ptr, gate_off, nm, x_row, h0, H, FMT, BLOCK_H)
-            if not GATE_ONLY:
+            acc_g = dot_acc_sum(acc_g2, FMT)
+            acc_u = dot_acc_sum(acc_u2, FMT)
+        else:
+            acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for h0 in range(0, H, BLOCK_H):
+                acc_g += rows_dot(w_ptr, gate_off, nm, x_row, h0, H, FMT, BLOCK_H)
                 acc_u += rows_dot(w_ptr, gate_off + RB, nm, x_row, h0, H, FMT, BLOCK_H)
-
-    if GATE_ONLY:
-        tl.store(out_ptr + p.to(tl.int64) * F + n, acc_g, mask=nm)
-    else:
         coef = act_fn(acc_g, ACT) * acc_u * tl.load(tw_ptr + p).to(tl.float32)
         coef = tl.where(nm, coef, 0.0)
-        y_row = out_ptr + t.to(tl.int64) * H
-        for h0 in range(0, H, BLOCK_H):
-            rows_axpy(w_ptr, gate_off + 2 * RB, nm, coef, y_row, h0, H, FMT, BLOCK_H)
+        _rows_axpy_all(w_ptr, gate_off + 2 * RB, nm, coef, y_row, H, rot, FMT, BLOCK_H)
+    elif MODE == 1:
+        acc_g = _row_dots(w_ptr, gate_off, nm, x_row, H, FMT, BLOCK_N, BLOCK_H, ACC2D)
+        tl.store(out_ptr + p.to(tl.int64) * F + n, acc_g, mask=nm)
+    else:
+        a = act_fn(_row_dots(w_ptr, gate_off, nm, x_row, H, FMT, BLOCK_N, BLOCK_H, ACC2D), ACT)
+        keep = (tl.abs(a) >= tl.load(thr_ptr)) & nm
+        n_keep = tl.sum(keep.to(tl.int32), axis=0)
+        tl.store(cnt_ptr + p * tl.num_programs(1) + tile, n_keep)
+        if n_keep > 0:  # masked-off rows are never read: only active up/down rows cost bytes
+            u = _row_dots(w_ptr, gate_off + RB, keep, x_row, H, FMT, BLOCK_N, BLOCK_H, ACC2D)
+            coef = tl.where(keep, a * u * tl.load(tw_ptr + p).to(tl.float32), 0.0)
+            _rows_axpy_all(w_ptr, gate_off + 2 * RB, keep, coef, y_row, H, rot, FMT, BLOCK_H)
 
 
-def gemv_blocks(fmt: str, n_pairs: int, n_ff: int, n_embd: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_H) for the GEMV kernels: enough programs to fill an H100 (132 SMs)."""
+# (BLOCK_N, BLOCK_H, num_warps, ACC2D) of _moe_gemv_kernel per (MODE, float/block format),
+# measured on an H100 at batch 1-4 of the qwen3-30b-a3b shape (bench/moe_layer.py).
+GEMV_CONFIGS = {
+    (0, "float"): (16, 512, 2, False),
+    (0, "block"): (8, 512, 2, False),
+    (1, "float"): (4, 1024, 4, True),
+    (1, "block"): (8, 512, 2, True),
+    (2, "float"): (16, 512, 2, False),
+    (2, "block"): (8, 512, 2, False),
+}
+
+
+def gemv_blocks(fmt: str, mode: int) -> tuple[int, int, int, bool]:
+    """(BLOCK_N, BLOCK_H, num_warps, ACC2D) for _moe_gemv_kernel in `mode`."""
     if interpreting():
-        return 64, 256
-    block_h = 256 if fmt != "f32" else 128
-    block_n = 32
-    while block_n > 4 and n_pairs * triton.cdiv(n_ff, block_n) < 4 * 132:
-        block_n //= 2
-    return block_n, block_h
+        return 64, 256, 4, False
+    bn, bh, nw, acc2d = GEMV_CONFIGS[(mode, "block" if fmt in ("q8_0", "q4_0") else "float")]
+    return bn, (min(bh, 256) if fmt == "f32" else bh), nw, acc2d
 
 
 def _prep(x, w, fmt, topk_ids, topk_w, activation):
@@ -144,16 +190,16 @@ def _prep(x, w, fmt, topk_ids, topk_w, activation):
 def moe_dense_decode(x, w, fmt, topk_ids, topk_w, activation="silu", block_n=None, block_h=None):
     """Decode path (any T; best for small T): y [T, n_embd] fp32."""
     H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
-    bn, bh = gemv_blocks(fmt, T * K, F, H)
+    bn, bh, nw, _ = gemv_blocks(fmt, 0)
     bn, bh = block_n or bn, block_h or bh
     y = torch.zeros(T, H, device=x.device, dtype=torch.float32)
     ids = topk_ids.reshape(-1).contiguous()
     tw = topk_w.reshape(-1).float().contiguous()
     grid = (T * K, triton.cdiv(F, bn))
     _moe_gemv_kernel[grid](
-        x, w, ids, tw, y, H, F, rb, K, x.stride(0),
-        FMT=FMT_CODES[fmt], ACT=ACTIVATIONS[activation], GATE_ONLY=False,
-        BLOCK_N=bn, BLOCK_H=bh, num_warps=4,
+        x, w, ids, tw, y, tw, ids, H, F, rb, K, x.stride(0),
+        FMT=FMT_CODES[fmt], ACT=ACTIVATIONS[activation], MODE=0,
+        BLOCK_N=bn, BLOCK_H=bh, ACC2D=False, num_warps=nw,
     )  # fmt: skip
     return y
 

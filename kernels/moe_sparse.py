@@ -45,11 +45,11 @@ def moe_gate(x, w, fmt, topk_ids, path="auto"):
     if path == "auto":
         path = "decode" if T <= DECODE_MAX_TOKENS else "prefill"
     if path == "decode":
-        bn, bh = gemv_blocks(fmt, P, F, H)
+        bn, bh, nw, acc2d = gemv_blocks(fmt, 1)
         ids = topk_ids.reshape(-1).contiguous()
         _moe_gemv_kernel[(P, triton.cdiv(F, bn))](
-            x, w, ids, ids, gate, H, F, rb, K, x.stride(0),
-            FMT=FMT_CODES[fmt], ACT=0, GATE_ONLY=True, BLOCK_N=bn, BLOCK_H=bh, num_warps=4,
+            x, w, ids, gate, gate, gate, ids, H, F, rb, K, x.stride(0),
+            FMT=FMT_CODES[fmt], ACT=0, MODE=1, BLOCK_N=bn, BLOCK_H=bh, ACC2D=acc2d, num_warps=nw,
         )  # fmt: skip
     elif path == "prefill":
         bm, bn, bk = gemm_blocks(P, E)
@@ -230,6 +230,26 @@ def moe_gate_mask(x, w, fmt, topk_ids, threshold, activation="silu", y=None, blo
     return idx, act, count, y
 
 
+def moe_sparse_fused(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", blocks=None):
+    """One-kernel sparse FFN for decode: each (pair, neuron tile) program computes its gate
+    dots, masks, then reads only the active neurons' up and down rows (masked loads) and adds
+    into y. Returns (y [T, n_embd] f32, active count [P, n_tiles] int32)."""
+    H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
+    P = T * K
+    bn, bh, nw, acc2d = blocks or gemv_blocks(fmt, 2)
+    n_tiles = triton.cdiv(F, bn)
+    y = torch.zeros(T, H, device=x.device, dtype=torch.float32)
+    count = torch.empty(P, n_tiles, dtype=torch.int32, device=x.device)
+    ids = topk_ids.reshape(-1).contiguous()
+    tw = topk_w.reshape(-1).float().contiguous()
+    _moe_gemv_kernel[(P, n_tiles)](
+        x, w, ids, tw, y, as_threshold(threshold, x.device), count, H, F, rb, K, x.stride(0),
+        FMT=FMT_CODES[fmt], ACT=ACTIVATIONS[activation], MODE=2, BLOCK_N=bn, BLOCK_H=bh,
+        ACC2D=acc2d, num_warps=nw,
+    )  # fmt: skip
+    return y, count
+
+
 def moe_sparse(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", path="auto"):
     """Sparse routed-expert FFN. Returns (y [T, n_embd] f32, active [T, K] int32 neuron counts).
 
@@ -241,6 +261,9 @@ def moe_sparse(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", path="
     if path == "auto":
         path = "fused" if T <= DECODE_MAX_TOKENS else "prefill"
     if path == "fused":
+        y, count = moe_sparse_fused(x, w, fmt, topk_ids, topk_w, threshold, activation)
+        return y, count.sum(dim=1, dtype=torch.int32).view(T, K)
+    if path == "gate_mask":
         bn, bh, nw = gate_mask_blocks(fmt, T * K, F)
         idx, act, count, y = moe_gate_mask(
             x, w, fmt, topk_ids, threshold, activation, blocks=(bn, bh, nw)

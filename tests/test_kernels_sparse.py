@@ -76,7 +76,7 @@ def test_sparse_up_down_matches_reference(fmt):
     assert_close_rel(y, ref, 1e-5)
 
 
-@pytest.mark.parametrize("path", ["fused", "decode", "prefill"])
+@pytest.mark.parametrize("path", ["fused", "gate_mask", "decode", "prefill"])
 @pytest.mark.parametrize("n_tok", [1, 3, 17])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_moe_sparse_threshold_zero_equals_dense(fmt, n_tok, path):
@@ -84,7 +84,7 @@ def test_moe_sparse_threshold_zero_equals_dense(fmt, n_tok, path):
     x, w, ids, tw = make_case(fmt, n_tok, x_dtype, seed=20 + n_tok)
     y, active = moe_sparse(x, w, fmt, ids, tw, 0.0, path=path)
     assert (active == w.shape[1]).all()
-    dense_path = "decode" if path == "fused" else path
+    dense_path = "decode" if path in ("fused", "gate_mask") else path
     assert_close_rel(y, moe_dense(x, w, fmt, ids, tw, path=dense_path), rtol_for(x_dtype))
 
 
@@ -104,7 +104,7 @@ def gap_threshold(gate: torch.Tensor, activation: str, quantile: float) -> float
 FMT_ACT = [(f, "silu") for f in FORMATS] + [("bf16", "gelu"), ("q4_0", "gelu")]
 
 
-@pytest.mark.parametrize("path", ["fused", "decode", "prefill"])
+@pytest.mark.parametrize("path", ["fused", "gate_mask", "decode", "prefill"])
 @pytest.mark.parametrize("n_tok", [1, 17])
 @pytest.mark.parametrize(("fmt", "activation"), FMT_ACT)
 def test_moe_sparse_matches_reference(fmt, activation, n_tok, path):

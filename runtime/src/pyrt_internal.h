@@ -36,10 +36,21 @@ void pyrt_quantize_x_q8(const float *x, pyrt_xq8 *out, int n);
  * axpy: y[0:n] += a * row (the row dequantized on the fly); y is f32 [n]. */
 typedef float (*pyrt_dot_fn)(const void *row, const void *x, int n);
 typedef void (*pyrt_axpy_fn)(float a, const void *row, float *y, int n);
+/* dot2: out[r] = rows r . x for two rows in one pass over x (a neuron's gate and up rows);
+ *       bit for bit what two dot calls return.
+ * axpyn: y[0:n] += a[r] * rows[r] for r = 0 .. nr-1 (1 <= nr <= PYRT_AXPY_ROWS) in one pass over
+ *       y, y held in registers across the rows; bit for bit what nr axpy calls in order give. */
+typedef void (*pyrt_dot2_fn)(const void *row0, const void *row1, const void *x, int n,
+                             float out[2]);
+typedef void (*pyrt_axpyn_fn)(int nr, const float *a, const void *const *rows, float *y, int n);
+
+#define PYRT_AXPY_ROWS 8
 
 typedef struct {
     pyrt_dot_fn dot;
     pyrt_axpy_fn axpy;
+    pyrt_dot2_fn dot2;   /* NULL: the caller makes two dot calls */
+    pyrt_axpyn_fn axpyn; /* NULL: the caller makes nr axpy calls */
 } pyrt_row_ops;
 
 /* Row kernels of one SIMD level for fmt; NULL when the level has none for fmt (unknown format). */

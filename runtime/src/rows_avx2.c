@@ -134,6 +134,96 @@ AVX2 static float dot_q4_0(const void *row, const void *x, int n) {
     return hsum8(_mm256_add_ps(acc0, acc1));
 }
 
+/* Two rows against one x in one pass: per row exactly the operations of dot_q8_0 / dot_q4_0 (same
+ * accumulators, same order), so the results equal two dot calls bit for bit. */
+#define LOAD_Q8_0(wb) _mm256_loadu_si256((const __m256i *)((wb) + 2))
+#define LOAD_Q4_0(wb) unpack_q4_0((wb) + 2)
+#define QUANT_DOT2(name, block_bytes, load_block)                                                 \
+    AVX2 static void dot2_##name(const void *row0, const void *row1, const void *x, int n,        \
+                                 float out[2]) {                                                  \
+        const uint8_t *wr[2] = {row0, row1};                                                      \
+        const pyrt_xq8 *xq = x;                                                                   \
+        const int nb = n / PYRT_QK;                                                               \
+        __m256 acc0[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                              \
+        __m256 acc1[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                              \
+        int b = 0;                                                                                \
+        for (; b + 2 <= nb; b += 2) {                                                             \
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)xq[b].q);                      \
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)xq[b + 1].q);                  \
+            for (int r = 0; r < 2; r++) {                                                         \
+                const uint8_t *w0 = wr[r] + (size_t)b * (block_bytes), *w1 = w0 + (block_bytes); \
+                __m256i p0 = dot32_i8(load_block(w0), x0);                                        \
+                __m256i p1 = dot32_i8(load_block(w1), x1);                                        \
+                float s0 = _cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d;                                \
+                float s1 = _cvtsh_ss(pyrt_load_u16(w1)) * xq[b + 1].d;                            \
+                acc0[r] = _mm256_fmadd_ps(_mm256_set1_ps(s0), _mm256_cvtepi32_ps(p0), acc0[r]);   \
+                acc1[r] = _mm256_fmadd_ps(_mm256_set1_ps(s1), _mm256_cvtepi32_ps(p1), acc1[r]);   \
+            }                                                                                     \
+        }                                                                                         \
+        for (; b < nb; b++) {                                                                     \
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)xq[b].q);                      \
+            for (int r = 0; r < 2; r++) {                                                         \
+                const uint8_t *w0 = wr[r] + (size_t)b * (block_bytes);                            \
+                __m256i p0 = dot32_i8(load_block(w0), x0);                                        \
+                float s0 = _cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d;                                \
+                acc0[r] = _mm256_fmadd_ps(_mm256_set1_ps(s0), _mm256_cvtepi32_ps(p0), acc0[r]);   \
+            }                                                                                     \
+        }                                                                                         \
+        out[0] = hsum8(_mm256_add_ps(acc0[0], acc1[0]));                                          \
+        out[1] = hsum8(_mm256_add_ps(acc0[1], acc1[1]));                                          \
+    }
+
+QUANT_DOT2(q8_0, PYRT_Q8_0_BYTES, LOAD_Q8_0)
+QUANT_DOT2(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
+
+/* Several down rows into one y: a block of y (32 floats, 4 registers) is loaded once, takes every
+ * row's contribution in row order, and is stored once: per row and block 4 widen + convert + fma
+ * and no y traffic, where one axpy per row pays 4 loads and 4 stores of y each time. */
+AVX2 static void axpyn_q8_0(int nr, const float *a, const void *const *rows, float *y, int n) {
+    for (int b = 0; b < n / PYRT_QK; b++, y += PYRT_QK) {
+        __m256 y0 = _mm256_loadu_ps(y), y1 = _mm256_loadu_ps(y + 8);
+        __m256 y2 = _mm256_loadu_ps(y + 16), y3 = _mm256_loadu_ps(y + 24);
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *w = (const uint8_t *)rows[r] + (size_t)b * PYRT_Q8_0_BYTES;
+            const __m256 vs = _mm256_set1_ps(a[r] * _cvtsh_ss(pyrt_load_u16(w)));
+#define Q8_PART(part)                                                                             \
+    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + 2 + 8 * (part)))))
+            y0 = _mm256_fmadd_ps(vs, Q8_PART(0), y0);
+            y1 = _mm256_fmadd_ps(vs, Q8_PART(1), y1);
+            y2 = _mm256_fmadd_ps(vs, Q8_PART(2), y2);
+            y3 = _mm256_fmadd_ps(vs, Q8_PART(3), y3);
+#undef Q8_PART
+        }
+        _mm256_storeu_ps(y, y0);
+        _mm256_storeu_ps(y + 8, y1);
+        _mm256_storeu_ps(y + 16, y2);
+        _mm256_storeu_ps(y + 24, y3);
+    }
+}
+
+AVX2 static void axpyn_q4_0(int nr, const float *a, const void *const *rows, float *y, int n) {
+    const __m256i m4 = _mm256_set1_epi32(0xF), eight = _mm256_set1_epi32(8);
+    for (int b = 0; b < n / PYRT_QK; b++, y += PYRT_QK) {
+        /* y0, y1: elements 0..15 (low nibbles), y2, y3: 16..31 (high nibbles) */
+        __m256 y0 = _mm256_loadu_ps(y), y1 = _mm256_loadu_ps(y + 8);
+        __m256 y2 = _mm256_loadu_ps(y + 16), y3 = _mm256_loadu_ps(y + 24);
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *w = (const uint8_t *)rows[r] + (size_t)b * PYRT_Q4_0_BYTES;
+            const __m256 vs = _mm256_set1_ps(a[r] * _cvtsh_ss(pyrt_load_u16(w)));
+            const __m256i q0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 2)));
+            const __m256i q1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 10)));
+            y0 = _mm256_fmadd_ps(vs, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(q0, m4), eight)), y0);
+            y1 = _mm256_fmadd_ps(vs, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(q1, m4), eight)), y1);
+            y2 = _mm256_fmadd_ps(vs, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(q0, 4), eight)), y2);
+            y3 = _mm256_fmadd_ps(vs, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(q1, 4), eight)), y3);
+        }
+        _mm256_storeu_ps(y, y0);
+        _mm256_storeu_ps(y + 8, y1);
+        _mm256_storeu_ps(y + 16, y2);
+        _mm256_storeu_ps(y + 24, y3);
+    }
+}
+
 /* Axpy kernels widen the quants straight from memory (vpmovsxbd / vpmovzxbd with a memory
  * operand), which costs fewer shuffle uops than unpacking a 256-bit register. */
 AVX2 static void axpy_q8_0(float a, const void *row, float *y, int n) {
@@ -166,11 +256,11 @@ AVX2 static void axpy_q4_0(float a, const void *row, float *y, int n) {
     }
 }
 
-static const pyrt_row_ops ops_f32 = {dot_f32, axpy_f32};
-static const pyrt_row_ops ops_f16 = {dot_f16, axpy_f16};
-static const pyrt_row_ops ops_bf16 = {dot_bf16, axpy_bf16};
-static const pyrt_row_ops ops_q8_0 = {dot_q8_0, axpy_q8_0};
-static const pyrt_row_ops ops_q4_0 = {dot_q4_0, axpy_q4_0};
+static const pyrt_row_ops ops_f32 = {dot_f32, axpy_f32, NULL, NULL};
+static const pyrt_row_ops ops_f16 = {dot_f16, axpy_f16, NULL, NULL};
+static const pyrt_row_ops ops_bf16 = {dot_bf16, axpy_bf16, NULL, NULL};
+static const pyrt_row_ops ops_q8_0 = {dot_q8_0, axpy_q8_0, dot2_q8_0, axpyn_q8_0};
+static const pyrt_row_ops ops_q4_0 = {dot_q4_0, axpy_q4_0, dot2_q4_0, axpyn_q4_0};
 
 const pyrt_row_ops *pyrt_row_ops_avx2(int fmt) {
     switch (fmt) {
