@@ -7,7 +7,13 @@ GPU (tests run the kernels under TRITON_INTERPRET=1).
 
 from kernels.expert_formats import dequantize_rows, quantize_rows, row_bytes
 from kernels.moe_dense import moe_dense, moe_dense_ref
-from kernels.moe_sparse import moe_gate, moe_sparse, moe_sparse_ref, moe_sparse_up_down
+from kernels.moe_sparse import (
+    moe_gate,
+    moe_sparse,
+    moe_sparse_fused,
+    moe_sparse_ref,
+    moe_sparse_up_down,
+)
 from kernels.sparse_mask import sparse_mask, sparse_mask_ref
 
 __all__ = [
@@ -16,6 +22,7 @@ __all__ = [
     "moe_dense_ref",
     "moe_gate",
     "moe_sparse",
+    "moe_sparse_fused",
     "moe_sparse_ref",
     "moe_sparse_up_down",
     "quantize_rows",

@@ -96,7 +96,7 @@ def _moe_gemv_kernel(
     MODE: tl.constexpr,  # 0 dense FFN, 1 gate dots only, 2 sparse FFN (masked up/down rows)
     BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    ACC2D: tl.constexpr,  # elementwise accumulation over H chunks (see rows_dot_acc)
+    ACC2D: tl.constexpr,  # MODE 1/2: elementwise accumulation over H chunks (rows_dot_acc)
 ):
     p = tl.program_id(0)
     tile = tl.program_id(1)
@@ -110,20 +110,11 @@ def _moe_gemv_kernel(
     rot = p + tile
 
     if MODE == 0:
-        if ACC2D:
-            acc_g2 = dot_acc_zeros(BLOCK_N, FMT, BLOCK_H)
-            acc_u2 = dot_acc_zeros(BLOCK_N, FMT, BLOCK_H)
-            for h0 in range(0, H, BLOCK_H):  # gate and up rows are adjacent: one pass
-                acc_g2 = rows_dot_acc(acc_g2, w_ptr, gate_off, nm, x_row, h0, H, FMT, BLOCK_H)
-                acc_u2 = rows_dot_acc(acc_u2, w_ptr, gate_off + RB, nm, x_row, h0, H, FMT, BLOCK_H)
-            acc_g = dot_acc_sum(acc_g2, FMT)
-            acc_u = dot_acc_sum(acc_u2, FMT)
-        else:
-            acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
-            acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for h0 in range(0, H, BLOCK_H):
-                acc_g += rows_dot(w_ptr, gate_off, nm, x_row, h0, H, FMT, BLOCK_H)
-                acc_u += rows_dot(w_ptr, gate_off + RB, nm, x_row, h0, H, FMT, BLOCK_H)
+        acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):  # gate and up rows are adjacent: one pass over both
+            acc_g += rows_dot(w_ptr, gate_off, nm, x_row, h0, H, FMT, BLOCK_H)
+            acc_u += rows_dot(w_ptr, gate_off + RB, nm, x_row, h0, H, FMT, BLOCK_H)
         coef = act_fn(acc_g, ACT) * acc_u * tl.load(tw_ptr + p).to(tl.float32)
         coef = tl.where(nm, coef, 0.0)
         _rows_axpy_all(w_ptr, gate_off + 2 * RB, nm, coef, y_row, H, rot, FMT, BLOCK_H)
@@ -148,16 +139,22 @@ GEMV_CONFIGS = {
     (0, "block"): (8, 512, 2, False),
     (1, "float"): (4, 1024, 4, True),
     (1, "block"): (8, 512, 2, True),
-    (2, "float"): (16, 512, 2, False),
+    (2, "float"): (8, 1024, 4, False),
     (2, "block"): (8, 512, 2, False),
+    # MODE 2 with a single token (P <= 8 pairs): fewer programs, so more neurons per program
+    (2, "float", "one"): (16, 1024, 4, False),
+    (2, "block", "one"): (8, 512, 2, True),
 }
 
 
-def gemv_blocks(fmt: str, mode: int) -> tuple[int, int, int, bool]:
+def gemv_blocks(fmt: str, mode: int, n_pairs: int = 0) -> tuple[int, int, int, bool]:
     """(BLOCK_N, BLOCK_H, num_warps, ACC2D) for _moe_gemv_kernel in `mode`."""
     if interpreting():
         return 64, 256, 4, False
-    bn, bh, nw, acc2d = GEMV_CONFIGS[(mode, "block" if fmt in ("q8_0", "q4_0") else "float")]
+    key = (mode, "block" if fmt in ("q8_0", "q4_0") else "float")
+    if mode == 2 and n_pairs <= 8:
+        key = (*key, "one")
+    bn, bh, nw, acc2d = GEMV_CONFIGS[key]
     return bn, (min(bh, 256) if fmt == "f32" else bh), nw, acc2d
 
 
@@ -341,20 +338,21 @@ def _moe_gemm_down_kernel(
     tl.atomic_add(y, acc, mask=pm[:, None] & (h < H)[None, :], sem="relaxed")
 
 
-def gemm_blocks(n_pairs: int, n_expert: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) of the grouped GEMMs, by the mean rows per expert."""
+def gemm_blocks(n_pairs: int, n_expert: int) -> tuple[int, tuple, tuple]:
+    """BLOCK_M and the (BLOCK_N, BLOCK_K, num_warps, num_stages) of the gate-up and the down
+    GEMMs (down: BLOCK_N neurons per step, BLOCK_K output columns), H100-measured at
+    T = 16..256 of the qwen3-30b-a3b shape: memory bound in bf16 (~2.9 TB/s at T = 256)."""
     if interpreting():
-        return 16, 64, 128
-    rows = n_pairs / n_expert
-    block_m = 16 if rows <= 16 else 32 if rows <= 48 else 64
-    return block_m, 64, 64
+        return 16, (64, 128, 4, 1), (64, 128, 4, 1)
+    block_m = 16 if n_pairs / n_expert <= 8 else 32
+    return block_m, (64, 128, 4, 3), (32, 128, 4, 3)
 
 
 def moe_dense_prefill(x, w, fmt, topk_ids, topk_w, activation="silu", blocks=None):
     """Prefill path (grouped GEMMs): y [T, n_embd] fp32."""
     H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
     P = T * K
-    bm, bn, bk = blocks or gemm_blocks(P, E)
+    bm, (bn, bk, nw, ns), (bn2, bk2, nw2, ns2) = blocks or gemm_blocks(P, E)
     sorted_pairs, block_expert, total = moe_align(topk_ids, E, bm)
     n_blocks = block_expert.numel()
     dot_bf16 = x.dtype == torch.bfloat16 and not interpreting()
@@ -362,13 +360,14 @@ def moe_dense_prefill(x, w, fmt, topk_ids, topk_w, activation="silu", blocks=Non
     _moe_gemm_gate_up_kernel[(n_blocks, triton.cdiv(F, bn))](
         x, w, sorted_pairs, block_expert, total, inter, H, F, rb, K, P, x.stride(0),
         FMT=FMT_CODES[fmt], ACT=ACTIVATIONS[activation], GATE_ONLY=False, DOT_BF16=dot_bf16,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns,
     )  # fmt: skip
     y = torch.zeros(T, H, device=x.device, dtype=torch.float32)
     tw = topk_w.reshape(-1).float().contiguous()
-    _moe_gemm_down_kernel[(n_blocks, triton.cdiv(H, bk))](
+    _moe_gemm_down_kernel[(n_blocks, triton.cdiv(H, bk2))](
         inter, w, sorted_pairs, block_expert, total, tw, y, H, F, rb, K, P,
-        FMT=FMT_CODES[fmt], DOT_BF16=dot_bf16, BLOCK_M=bm, BLOCK_N=bn, BLOCK_H=bk, num_warps=4,
+        FMT=FMT_CODES[fmt], DOT_BF16=dot_bf16, BLOCK_M=bm, BLOCK_N=bn2, BLOCK_H=bk2,
+        num_warps=nw2, num_stages=ns2,
     )  # fmt: skip
     return y
 

@@ -6,12 +6,15 @@ Graph-safe steps (fixed shapes, no host sync; `moe_sparse` runs them):
 1. `moe_gate`: gate dots of every neuron of each pair's expert -> gate [P, n_ff] f32
    (the decode GEMV kernel in gate-only mode; grouped GEMM for larger T). Reads 1/3 of the bytes.
 2. `kernels.sparse_mask.sparse_mask`: act, |act| >= thr, compacted indices + count per pair.
-   (Decode fuses 1 and 2 into `_moe_gate_mask_kernel`, compacting per BLOCK_N-neuron segment,
-   which saves a launch and the gate round trip through memory.)
 3. `_moe_sparse_up_down_kernel`: one program per (pair, tile of BLOCK_N active slots); a tile
    starting at or past its count exits at once. It gathers the active neurons' up rows (dot
    with x) and down rows (axpy into y[t], relaxed fp32 atomics). A neuron's up and down rows
    are adjacent in `ffn_gud_exps`, so each active neuron costs two contiguous rows.
+
+For decode, `moe_sparse_fused` does all of it in one kernel (the dense GEMV kernel in MODE 2):
+each (pair, neuron tile) program computes its gate dots, masks, and loads only the active
+neurons' up/down rows (masked loads cost no memory traffic). At batch 1 on an H100 that beats
+the three-launch pipeline, whose fixed per-kernel latency is comparable to its runtime.
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ import triton
 import triton.language as tl
 
 from kernels.expert_formats import ACTIVATIONS, FMT_CODES, act_ref
-from kernels.expert_rows import act_fn, dot_acc_sum, dot_acc_zeros, rows_axpy, rows_dot_acc
+from kernels.expert_rows import dot_acc_sum, dot_acc_zeros, rows_dot_acc
 from kernels.moe_dense import (
     DECODE_MAX_TOKENS,
     _moe_gemm_gate_up_kernel,
     _moe_gemv_kernel,
     _prep,
+    _rows_axpy_all,
     dequantize_experts,
     gemm_blocks,
     gemv_blocks,
@@ -34,6 +38,9 @@ from kernels.moe_dense import (
     moe_align,
 )
 from kernels.sparse_mask import as_threshold, sparse_mask
+
+# Float-format sparse decode uses the one-kernel path up to this many tokens (H100-measured).
+SPARSE_FUSED_MAX_TOKENS = 16
 
 
 def moe_gate(x, w, fmt, topk_ids, path="auto"):
@@ -52,66 +59,17 @@ def moe_gate(x, w, fmt, topk_ids, path="auto"):
             FMT=FMT_CODES[fmt], ACT=0, MODE=1, BLOCK_N=bn, BLOCK_H=bh, ACC2D=acc2d, num_warps=nw,
         )  # fmt: skip
     elif path == "prefill":
-        bm, bn, bk = gemm_blocks(P, E)
+        bm, (bn, bk, nw, ns), _ = gemm_blocks(P, E)
         sorted_pairs, block_expert, total = moe_align(topk_ids, E, bm)
         dot_bf16 = x.dtype == torch.bfloat16 and not interpreting()
         _moe_gemm_gate_up_kernel[(block_expert.numel(), triton.cdiv(F, bn))](
             x, w, sorted_pairs, block_expert, total, gate, H, F, rb, K, P, x.stride(0),
             FMT=FMT_CODES[fmt], ACT=0, GATE_ONLY=True, DOT_BF16=dot_bf16,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns,
         )  # fmt: skip
     else:
         raise ValueError(f"path must be 'auto', 'decode' or 'prefill', got {path!r}")
     return gate
-
-
-@triton.jit
-def _moe_gate_mask_kernel(
-    x_ptr,  # [T, H] f32/bf16
-    w_ptr,  # expert tensor
-    ids_ptr,  # [P] expert of each pair
-    thr_ptr,  # [1] f32 threshold on |act(gate)|
-    idx_ptr,  # [P, F] int32 out: kept neurons, compacted within each BLOCK_N segment
-    act_ptr,  # [P, F] f32 out: their act(gate)
-    cnt_ptr,  # [P, n_seg] int32 out: kept neurons per segment
-    y_ptr,  # [T, H] f32 out: zeroed here for the up-down kernel that follows
-    H,
-    F,
-    RB,
-    K,
-    stride_x,
-    FMT: tl.constexpr,
-    ACT: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # = the segment size
-    BLOCK_H: tl.constexpr,
-):
-    """Gate dots + act + |act| >= thr + compaction in one pass (the fast sparse path).
-
-    Program (p, s) owns neurons [s * BLOCK_N, (s + 1) * BLOCK_N) of pair p and compacts its
-    kept neurons into the same slots of idx/act: segments need no atomics and no zeroed
-    counters, and the layout stays fixed-size ([P, F] slots, [P, n_seg] counts).
-    """
-    p = tl.program_id(0)
-    seg = tl.program_id(1)
-    t = p // K
-    e = tl.load(ids_ptr + p).to(tl.int64)
-    n = seg * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = n < F
-    x_row = x_ptr + t.to(tl.int64) * stride_x
-    acc = dot_acc_zeros(BLOCK_N, FMT, BLOCK_H)
-    for h0 in range(0, H, BLOCK_H):
-        acc = rows_dot_acc(acc, w_ptr, (e * F + n) * 3 * RB, nm, x_row, h0, H, FMT, BLOCK_H)
-    a = act_fn(dot_acc_sum(acc, FMT), ACT)
-    keep = (tl.abs(a) >= tl.load(thr_ptr)) & nm
-    k32 = keep.to(tl.int32)
-    slot = p.to(tl.int64) * F + seg * BLOCK_N + tl.cumsum(k32, axis=0) - 1
-    tl.store(idx_ptr + slot, n, mask=keep)
-    tl.store(act_ptr + slot, a, mask=keep)
-    tl.store(cnt_ptr + p * tl.num_programs(1) + seg, tl.sum(k32, axis=0))
-    if (seg == 0) & (p % K == 0):  # one program per token zeroes its output row
-        for h0 in range(0, H, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)
-            tl.store(y_ptr + t.to(tl.int64) * H + h, tl.zeros([BLOCK_H], tl.float32), mask=h < H)
 
 
 @triton.jit
@@ -120,30 +78,27 @@ def _moe_sparse_up_down_kernel(
     w_ptr,  # expert tensor
     ids_ptr,  # [P] expert of each pair
     tw_ptr,  # [P] f32 routing weights
-    idx_ptr,  # [P, F] int32 active neuron indices, compacted per segment of SEG slots
+    idx_ptr,  # [P, F] int32 active neuron indices (first cnt[p] valid)
     act_ptr,  # [P, F] f32 act(gate) of those neurons
-    cnt_ptr,  # [P, n_seg] int32 active count per segment (n_seg = 1 when SEG = F)
+    cnt_ptr,  # [P] int32 active count
     y_ptr,  # [T, H] f32, accumulated
     H,
     F,
     RB,
     K,
     stride_x,
-    SEG,  # slots per segment
-    TILES,  # tiles per segment = cdiv(SEG, BLOCK_N)
     FMT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     p = tl.program_id(0)
-    seg = tl.program_id(1) // TILES
-    start = (tl.program_id(1) % TILES) * BLOCK_N
-    cnt = tl.load(cnt_ptr + p * tl.cdiv(F, SEG) + seg)
+    start = tl.program_id(1) * BLOCK_N
+    cnt = tl.load(cnt_ptr + p)
     if start >= cnt:  # empty tile: the grid is sized for a fully dense pair
         return
     s = start + tl.arange(0, BLOCK_N)
     sm = s < cnt
-    slot = p.to(tl.int64) * F + seg * SEG + s
+    slot = p.to(tl.int64) * F + s
     j = tl.load(idx_ptr + slot, mask=sm, other=0).to(tl.int64)
     a = tl.load(act_ptr + slot, mask=sm, other=0.0)
     e = tl.load(ids_ptr + p).to(tl.int64)
@@ -156,78 +111,36 @@ def _moe_sparse_up_down_kernel(
         acc_u = rows_dot_acc(acc_u, w_ptr, up_off, sm, x_row, h0, H, FMT, BLOCK_H)
     u = dot_acc_sum(acc_u, FMT)
     coef = tl.where(sm, a * u * tl.load(tw_ptr + p).to(tl.float32), 0.0)
-    for h0 in range(0, H, BLOCK_H):
-        rows_axpy(w_ptr, up_off + RB, sm, coef, y_ptr + t * H, h0, H, FMT, BLOCK_H)
+    _rows_axpy_all(w_ptr, up_off + RB, sm, coef, y_ptr + t * H, H, p + start, FMT, BLOCK_H)
 
 
-def sparse_blocks(fmt: str, n_pairs: int, n_ff: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_H, num_warps) of the sparse up-down kernel on compacted pairs: 64-slot
-    tiles when there are enough pairs to fill the GPU, smaller at decode so that the few
-    non-empty tiles spread over the SMs."""
+def sparse_blocks(fmt: str, n_pairs: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_H, num_warps) of the sparse up-down kernel (H100-measured): 8-slot
+    tiles for a single token, so its few non-empty tiles spread over the SMs; 32 above."""
     if interpreting():
         return 64, 256, 4
-    block_n = 64
-    while block_n > 8 and n_pairs * triton.cdiv(n_ff, block_n) < 8 * 132:
-        block_n //= 2
-    return block_n, 512 if fmt != "f32" else 256, 4
+    return (8 if n_pairs <= 8 else 32), (512 if fmt != "f32" else 256), 4
 
 
-def gate_mask_blocks(fmt: str, n_pairs: int, n_ff: int) -> tuple[int, int, int]:
-    """(BLOCK_N = segment, BLOCK_H, num_warps) of the fused gate-mask kernel."""
-    if interpreting():
-        return 32, 256, 4
-    return 16, 512 if fmt != "f32" else 256, 4
-
-
-def moe_sparse_up_down(
-    x, w, fmt, topk_ids, topk_w, idx, act, count, segment=None, y=None, block_n=None
-):
-    """Fused sparse up-down over the active neurons; adds into y (new zeros if None).
-
-    idx/act [P, n_ff] hold the active neurons compacted per segment of `segment` slots
-    (default n_ff: one per pair, as sparse_mask writes); count [P, cdiv(n_ff, segment)] or [P].
-    """
+def moe_sparse_up_down(x, w, fmt, topk_ids, topk_w, idx, act, count, y=None, block_n=None):
+    """Fused sparse up-down over the compacted active neurons (sparse_mask's layout); adds
+    into y (new zeros if None). Grid (P, cdiv(n_ff, BLOCK_N)): fixed, graph-safe."""
     H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, "silu")
     P = T * K
-    seg = segment or F
-    n_seg = triton.cdiv(F, seg)
-    if idx.shape != (P, F) or act.shape != (P, F) or count.numel() != P * n_seg:
-        raise ValueError(f"idx/act must be [P={P}, n_ff={F}] and count [P, n_seg], got "
+    if idx.shape != (P, F) or act.shape != (P, F) or count.shape != (P,):
+        raise ValueError(f"idx/act must be [P={P}, n_ff={F}] and count [P], got "
                          f"{list(idx.shape)}, {list(act.shape)}, {list(count.shape)}")  # fmt: skip
-    bn, bh, nw = sparse_blocks(fmt, P, F)
-    bn = min(block_n or bn, triton.next_power_of_2(seg))
+    bn, bh, nw = sparse_blocks(fmt, P)
+    bn = block_n or bn
     if y is None:
         y = torch.zeros(T, H, device=x.device, dtype=torch.float32)
     ids = topk_ids.reshape(-1).contiguous()
     tw = topk_w.reshape(-1).float().contiguous()
-    tiles = triton.cdiv(seg, bn)
-    _moe_sparse_up_down_kernel[(P, n_seg * tiles)](
-        x, w, ids, tw, idx, act, count, y, H, F, rb, K, x.stride(0), seg, tiles,
+    _moe_sparse_up_down_kernel[(P, triton.cdiv(F, bn))](
+        x, w, ids, tw, idx, act, count, y, H, F, rb, K, x.stride(0),
         FMT=FMT_CODES[fmt], BLOCK_N=bn, BLOCK_H=bh, num_warps=nw,
     )  # fmt: skip
     return y
-
-
-def moe_gate_mask(x, w, fmt, topk_ids, threshold, activation="silu", y=None, blocks=None):
-    """Fused gate + mask: (idx [P, n_ff], act [P, n_ff], count [P, n_seg]) compacted per
-    segment of BLOCK_N neurons; zeroes y [T, n_embd] (allocated if None) on the way."""
-    dummy_w = torch.zeros(topk_ids.shape, device=x.device)
-    H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, dummy_w, activation)
-    P = T * K
-    bn, bh, nw = blocks or gate_mask_blocks(fmt, P, F)
-    n_seg = triton.cdiv(F, bn)
-    idx = torch.empty(P, F, dtype=torch.int32, device=x.device)
-    act = torch.empty(P, F, dtype=torch.float32, device=x.device)
-    count = torch.empty(P, n_seg, dtype=torch.int32, device=x.device)
-    if y is None:
-        y = torch.empty(T, H, dtype=torch.float32, device=x.device)
-    ids = topk_ids.reshape(-1).contiguous()
-    _moe_gate_mask_kernel[(P, n_seg)](
-        x, w, ids, as_threshold(threshold, x.device), idx, act, count, y, H, F, rb, K,
-        x.stride(0), FMT=FMT_CODES[fmt], ACT=ACTIVATIONS[activation], BLOCK_N=bn, BLOCK_H=bh,
-        num_warps=nw,
-    )  # fmt: skip
-    return idx, act, count, y
 
 
 def moe_sparse_fused(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", blocks=None):
@@ -236,7 +149,7 @@ def moe_sparse_fused(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", 
     into y. Returns (y [T, n_embd] f32, active count [P, n_tiles] int32)."""
     H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
     P = T * K
-    bn, bh, nw, acc2d = blocks or gemv_blocks(fmt, 2)
+    bn, bh, nw, acc2d = blocks or gemv_blocks(fmt, 2, P)
     n_tiles = triton.cdiv(F, bn)
     y = torch.zeros(T, H, device=x.device, dtype=torch.float32)
     count = torch.empty(P, n_tiles, dtype=torch.int32, device=x.device)
@@ -254,21 +167,20 @@ def moe_sparse(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", path="
     """Sparse routed-expert FFN. Returns (y [T, n_embd] f32, active [T, K] int32 neuron counts).
 
     threshold: float or [1] device tensor on |act(gate)|; 0 keeps every neuron (= moe_dense).
-    path "fused" (default for T <= DECODE_MAX_TOKENS): fused gate-mask kernel + up-down, two
-    launches. "decode"/"prefill": moe_gate (GEMV / grouped GEMM) + sparse_mask + up-down.
+    path: "fused" (one kernel, moe_sparse_fused), "decode" (GEMV gate dots + sparse_mask +
+    sparse up-down), "prefill" (grouped-GEMM gate dots + sparse_mask + sparse up-down), or
+    "auto": the fastest on an H100 (bench/moe_layer.py): fused for one token and, for float
+    formats, up to SPARSE_FUSED_MAX_TOKENS; else decode up to DECODE_MAX_TOKENS; else prefill.
     """
     H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
     if path == "auto":
-        path = "fused" if T <= DECODE_MAX_TOKENS else "prefill"
+        float_fmt = fmt not in ("q8_0", "q4_0")
+        if T == 1 or (float_fmt and T <= SPARSE_FUSED_MAX_TOKENS):
+            path = "fused"
+        else:
+            path = "decode" if T <= DECODE_MAX_TOKENS else "prefill"
     if path == "fused":
         y, count = moe_sparse_fused(x, w, fmt, topk_ids, topk_w, threshold, activation)
-        return y, count.sum(dim=1, dtype=torch.int32).view(T, K)
-    if path == "gate_mask":
-        bn, bh, nw = gate_mask_blocks(fmt, T * K, F)
-        idx, act, count, y = moe_gate_mask(
-            x, w, fmt, topk_ids, threshold, activation, blocks=(bn, bh, nw)
-        )
-        moe_sparse_up_down(x, w, fmt, topk_ids, topk_w, idx, act, count, segment=bn, y=y)
         return y, count.sum(dim=1, dtype=torch.int32).view(T, K)
     gate = moe_gate(x, w, fmt, topk_ids, path=path)
     idx, act, count = sparse_mask(gate, as_threshold(threshold, x.device), activation)

@@ -131,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--json",
         action="store_true",
-        help='print {"ppl", "nll", "tokens_scored", "windows", "ctx"} as JSON instead',
+        help='print {"ppl", "nll", "tokens_scored", "windows", "ctx", "sparsity_target", '
+        '"sparsity_achieved"} as JSON instead',
     )
     p.set_defaults(func=cmd_perplexity)
 

@@ -107,13 +107,17 @@ class SparsityTable:
         check_sparsity(s)
         if s == 0:
             return None
+        if s > self.targets[-1]:
+            raise UsageError(
+                f"--sparsity {s} is above the highest calibrated target {self.targets[-1]}"
+            )
         pts = [0.0, *self.targets]
         out = []
         for row in self.thresholds:
             vals = [0.0, *row]
             k = max(i for i, p in enumerate(pts) if p <= s)
             if k == len(pts) - 1:
-                out.append(vals[k])  # beyond the last target: its threshold (s <= 0.95 only)
+                out.append(vals[k])  # s == the last target
                 continue
             frac = (s - pts[k]) / (pts[k + 1] - pts[k])
             out.append(vals[k] + frac * (vals[k + 1] - vals[k]))

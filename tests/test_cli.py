@@ -143,7 +143,16 @@ def test_perplexity_json(gguf_path, text_file, capsys):
     argv = ["perplexity", str(gguf_path), "-f", str(text_file), "--ctx", "64", "--json"]
     assert cli.main(argv) == 0
     result = json.loads(capsys.readouterr().out)
-    assert set(result) == {"ppl", "nll", "tokens_scored", "windows", "ctx"}
+    assert set(result) == {
+        "ppl",
+        "nll",
+        "tokens_scored",
+        "windows",
+        "ctx",
+        "sparsity_target",
+        "sparsity_achieved",
+    }
+    assert result["sparsity_target"] == 0 and result["sparsity_achieved"] == 0
     assert result["ctx"] == 64 and result["windows"] == 4
     assert result["tokens_scored"] == result["windows"] * 63 - (256 - TEXT_TOKENS)
     assert result["ppl"] == pytest.approx(math.exp(result["nll"]), rel=1e-12)

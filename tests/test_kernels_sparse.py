@@ -7,9 +7,9 @@ from kernels.expert_formats import act_ref
 from kernels.moe_dense import moe_dense
 from kernels.moe_sparse import (
     moe_gate,
-    moe_gate_mask,
     moe_gate_ref,
     moe_sparse,
+    moe_sparse_fused,
     moe_sparse_ref,
     moe_sparse_up_down,
 )
@@ -76,7 +76,7 @@ def test_sparse_up_down_matches_reference(fmt):
     assert_close_rel(y, ref, 1e-5)
 
 
-@pytest.mark.parametrize("path", ["fused", "gate_mask", "decode", "prefill"])
+@pytest.mark.parametrize("path", ["fused", "decode", "prefill"])
 @pytest.mark.parametrize("n_tok", [1, 3, 17])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_moe_sparse_threshold_zero_equals_dense(fmt, n_tok, path):
@@ -84,7 +84,7 @@ def test_moe_sparse_threshold_zero_equals_dense(fmt, n_tok, path):
     x, w, ids, tw = make_case(fmt, n_tok, x_dtype, seed=20 + n_tok)
     y, active = moe_sparse(x, w, fmt, ids, tw, 0.0, path=path)
     assert (active == w.shape[1]).all()
-    dense_path = "decode" if path in ("fused", "gate_mask") else path
+    dense_path = "decode" if path == "fused" else path
     assert_close_rel(y, moe_dense(x, w, fmt, ids, tw, path=dense_path), rtol_for(x_dtype))
 
 
@@ -104,7 +104,7 @@ def gap_threshold(gate: torch.Tensor, activation: str, quantile: float) -> float
 FMT_ACT = [(f, "silu") for f in FORMATS] + [("bf16", "gelu"), ("q4_0", "gelu")]
 
 
-@pytest.mark.parametrize("path", ["fused", "gate_mask", "decode", "prefill"])
+@pytest.mark.parametrize("path", ["fused", "decode", "prefill"])
 @pytest.mark.parametrize("n_tok", [1, 17])
 @pytest.mark.parametrize(("fmt", "activation"), FMT_ACT)
 def test_moe_sparse_matches_reference(fmt, activation, n_tok, path):
@@ -125,24 +125,17 @@ def test_moe_sparse_all_tiles_empty(path):
     assert (active == 0).all() and (y == 0).all()
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "q4_0"])
-def test_fused_gate_mask_keeps_exactly_the_right_neurons(fmt):
-    """Segment layout: segment s of pair p lists, in order, the kept neurons of
-    [s * seg, (s + 1) * seg), the same ones sparse_mask_ref keeps."""
+@pytest.mark.parametrize("acc2d", [False, True])
+@pytest.mark.parametrize("fmt", ["bf16", "q8_0", "q4_0"])
+def test_moe_sparse_fused_small_tiles(fmt, acc2d):
+    """GPU-sized tiles (8 neurons, 64-element chunks): per-tile counts match the reference
+    mask, all-inactive tiles skip their up/down rows, and y matches the reference."""
     x, w, ids, tw = make_case(fmt, 3, seed=41)
     gate = moe_gate_ref(x, w, fmt, ids)
-    thr = gap_threshold(gate, "silu", 0.5)
-    y = torch.full(x.shape, 7.0)
-    idx, act, count, y = moe_gate_mask(x, w, fmt, ids, thr, y=y, blocks=(16, 64, 4))
-    assert (y == 0).all()  # zeroed for the up-down kernel
-    keep = act_ref(gate, "silu").abs() >= thr
-    seg = 16  # n_ff = 45: segments of 16, 16, 13
-    assert count.shape == (gate.shape[0], 3)
-    for p in range(gate.shape[0]):
-        for s in range(3):
-            want = torch.nonzero(keep[p, s * seg : (s + 1) * seg]).flatten() + s * seg
-            c = int(count[p, s])
-            assert c == want.numel()
-            assert torch.equal(idx[p, s * seg : s * seg + c].long(), want)
-            ref_act = act_ref(gate[p, want], "silu")
-            torch.testing.assert_close(act[p, s * seg : s * seg + c], ref_act, rtol=1e-5, atol=1e-6)
+    thr = gap_threshold(gate, "silu", 0.8)
+    y, count = moe_sparse_fused(x, w, fmt, ids, tw, thr, blocks=(8, 64, 4, acc2d))
+    keep = act_ref(gate, "silu").abs() >= thr  # [P, 45]
+    padded = torch.nn.functional.pad(keep, (0, 3)).view(keep.shape[0], 6, 8)  # 6 tiles of 8
+    assert torch.equal(count, padded.sum(dim=2).to(torch.int32))
+    assert (count == 0).any()  # some tiles are empty and exit after the gate
+    assert_close_rel(y, moe_sparse_ref(x, w, fmt, ids, tw, thr)[0], 1e-5)

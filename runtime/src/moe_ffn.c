@@ -3,20 +3,36 @@
  * Work split. Tokens are processed in blocks of up to TOKEN_BLOCK. Inside a block the (token,
  * expert) routes are grouped by expert, so an expert's rows are read from DRAM once per block and
  * reused from L1 for every token routed to it. The neurons of all used experts form one list
- * (expert-major, so each thread walks contiguous memory), cut into nth ranges of equal estimated
- * cost: batch 1 with top-8 puts every thread to work even when nth > 8. Each thread accumulates
- * into its own y buffer; a second pass sums those buffers in a fixed order. Partitioning is
- * static, so the result does not depend on thread timing (sparse with threshold 0 equals dense
- * bit for bit, and a rerun gives the same bits).
+ * (expert-major, so a work item walks contiguous memory), cut into n_items = nth * (up to 4)
+ * work items of equal estimated cost: batch 1 with top-8 puts every thread to work even when
+ * nth > 8. Threads take items from a shared counter, so a preempted or slower core delays the
+ * call by one item, not by a fixed 1/nth share (the cause of the old ~1.5 ms floor at 16
+ * threads). Each item accumulates into its own partial y; a second pass sums them in item order,
+ * so the result does not depend on thread timing (sparse with threshold 0 equals dense bit for
+ * bit, and a rerun gives the same bits).
  *
  * Per neuron j of expert e and route (t, w):  a = act(g_j . x_t); skip if |a| < threshold;
- * h = w * a * (u_j . x_t); y_t += h * d_j (an axpy: the down row is the transposed column). */
+ * h = w * a * (u_j . x_t); y_t += h * d_j (an axpy: the down row is the transposed column).
+ * Dense computes g_j . x and u_j . x in one pass over x (dot2); the down rows of up to
+ * PYRT_AXPY_ROWS active neurons go into y_t in one pass over y (axpyn, y held in registers). */
+#define _POSIX_C_SOURCE 199309L /* clock_gettime */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
 
 #include "pyrt_internal.h"
 
-enum { TOKEN_BLOCK = 64 };
+enum {
+    TOKEN_BLOCK = 64,
+    DEFAULT_PREFETCH_AHEAD = 2, /* neurons (best of 2, 4, 8 on the 16-core device) */
+    DEFAULT_PREFETCH_L2 = 0,
+    ITEMS_PER_THREAD = 4,
+    ITEMS_ACC_BYTES = 16 << 20, /* cap on the work items' partial ys together */
+    SERIAL_QUANTIZE_MAX = 1 << 15 /* activations (tokens * n_embd) quantized without the pool */
+};
 
 typedef struct {
     /* weights: row r (0 gate, 1 up, 2 down) of neuron j of expert e starts at
@@ -24,7 +40,6 @@ typedef struct {
     const uint8_t *gud;
     size_t row_bytes;
     const pyrt_row_ops *ops;
-    const pyrt_row_ops *ops_f32; /* f32 axpy for down rows dequantized once and shared by tokens */
     int n_expert, n_ff, n_embd, activation;
     float threshold;
     /* tokens */
@@ -45,11 +60,15 @@ typedef struct {
     float *route_w;         /* [tb*k] routing weight */
     int64_t *cost_start;    /* [n_used + 1] prefix sums of n_ff * cost per neuron */
     int *counts;            /* [n_expert] scratch */
-    float *acc;             /* [nth, acc_stride] per-thread partial y of the block */
+    float *acc;             /* [n_items, acc_stride] per-work-item partial y of the block */
+    int n_items;            /* work items the block's neurons are cut into */
+    int dynamic;            /* threads take items from next_item (else fixed runs of items) */
+    atomic_int *next_item;  /* next item to take (own cache line) */
     size_t acc_stride;      /* floats, >= TOKEN_BLOCK * n_embd, multiple of 16 */
     int64_t *active;        /* [nth * 8] per-thread active-neuron counters (own cache line) */
-    float *down_f32;        /* [nth, down_stride] a dequantized down row, or NULL (f32 weights) */
-    size_t down_stride;     /* floats, >= n_embd, multiple of 16 */
+    int prefetch_ahead;     /* neurons ahead whose rows are software-prefetched (0: none) */
+    int prefetch_l2;        /* prefetch into L2 only (else into L1) */
+    int64_t *prof;          /* [nth * 8] per-thread task start/end ns (PYRT_PROFILE), or NULL */
 } moe_ctx;
 
 static inline float activate(int kind, float g) {
@@ -61,6 +80,83 @@ static inline float activate(int kind, float g) {
     default: /* SiLU: for g -> -inf, expf overflows to inf and g / inf = -0, as wanted */
         return g / (1.0f + expf(-g));
     }
+}
+
+/* ---- debug knobs (environment, read once) --------------------------------------------------
+ * PYRT_PROFILE=n          every n calls, print to stderr where the time of a call went: the
+ *                         experts task (the slowest thread's busy time, the mean, the latest
+ *                         thread start after the hand-off) and the rest (quantize, plan, reduce).
+ * PYRT_PREFETCH_AHEAD=n   software-prefetch the rows of the neuron n ahead (default 2; 0: off).
+ * PYRT_PREFETCH_L2=1      that look-ahead goes into L2 only (prefetcht1).
+ * PYRT_ITEMS=n            work items per thread (default 4; fewer when their partial ys grow big).
+ * PYRT_SCHED=static       each thread runs a fixed run of work items (default: a shared counter).
+ * The result is the same bits under every setting. */
+typedef struct {
+    int profile;
+    int prefetch_ahead;
+    int prefetch_l2;
+    int items_per_thread;
+    int dynamic;
+} knobs;
+
+/* Read on every call (a few getenv, well under a microsecond) so a benchmark can vary them. */
+static knobs read_knobs(void) {
+    const char *p = getenv("PYRT_PROFILE"), *a = getenv("PYRT_PREFETCH_AHEAD");
+    const char *sched = getenv("PYRT_SCHED"), *l2 = getenv("PYRT_PREFETCH_L2");
+    const char *items = getenv("PYRT_ITEMS");
+    knobs k = {.profile = p != NULL && atoi(p) > 0 ? atoi(p) : 0,
+               .prefetch_ahead = a != NULL ? atoi(a) : DEFAULT_PREFETCH_AHEAD,
+               .prefetch_l2 = l2 != NULL ? atoi(l2) > 0 : DEFAULT_PREFETCH_L2,
+               .items_per_thread = items != NULL ? atoi(items) : ITEMS_PER_THREAD,
+               .dynamic = !(sched != NULL && strcmp(sched, "static") == 0)};
+    if (k.items_per_thread < 1)
+        k.items_per_thread = 1;
+    if (k.prefetch_ahead < 0)
+        k.prefetch_ahead = 0;
+    return k;
+}
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Sums over the calls since the last report (profiling only; calls are serialized per pool, and
+ * the profile is a debugging aid, so one set of sums for the process is enough). */
+static struct {
+    int64_t calls, call_ns, experts_ns, reduce_ns, busy_max_ns, busy_mean_ns, start_max_ns;
+} prof_sum;
+
+static void profile_block(const moe_ctx *c, int nth, int64_t t_run, int64_t t_run_end) {
+    int64_t busy_max = 0, busy_sum = 0, start_max = 0;
+    for (int t = 0; t < nth; t++) {
+        const int64_t start = c->prof[(size_t)t * 8], end = c->prof[(size_t)t * 8 + 1];
+        busy_max = end - start > busy_max ? end - start : busy_max;
+        busy_sum += end - start;
+        start_max = start - t_run > start_max ? start - t_run : start_max;
+    }
+    (void)t_run_end;
+    prof_sum.busy_max_ns += busy_max;
+    prof_sum.busy_mean_ns += busy_sum / nth;
+    prof_sum.start_max_ns += start_max;
+}
+
+static void profile_call(int64_t call_ns, int64_t experts_ns, int64_t reduce_ns, int n_report) {
+    prof_sum.calls++;
+    prof_sum.call_ns += call_ns;
+    prof_sum.experts_ns += experts_ns;
+    prof_sum.reduce_ns += reduce_ns;
+    if (prof_sum.calls < n_report)
+        return;
+    const double n = (double)prof_sum.calls * 1e3; /* -> us per call */
+    fprintf(stderr,
+            "pyrt_moe_ffn profile (%lld calls, us/call): call %.1f | experts task %.1f: slowest "
+            "thread busy %.1f, mean busy %.1f, last thread start %.1f | reduce %.1f\n",
+            (long long)prof_sum.calls, prof_sum.call_ns / n, prof_sum.experts_ns / n,
+            prof_sum.busy_max_ns / n, prof_sum.busy_mean_ns / n, prof_sum.start_max_ns / n,
+            prof_sum.reduce_ns / n);
+    memset(&prof_sum, 0, sizeof prof_sum);
 }
 
 /* ---- tasks --------------------------------------------------------------------------------- */
@@ -84,111 +180,186 @@ static inline void prefetch_row(const uint8_t *row, size_t bytes) {
         __builtin_prefetch(row + off, 0, 3);
 }
 
+/* The same into L2 only (prefetcht1), for the streams read a few neurons later. */
+static inline void prefetch_row_l2(const uint8_t *row, size_t bytes) {
+    for (size_t off = 0; off < bytes; off += 64)
+        __builtin_prefetch(row + off, 0, 2);
+}
+
 enum {
-    NEURON_CHUNK = 16, /* neurons whose gates are computed before their up/down rows are read */
+    NEURON_CHUNK = 32, /* neurons whose gates are computed before their up/down rows are read */
     ROUTE_CHUNK = 64   /* routes of one expert handled together (gate activations kept) */
 };
 
+/* Accumulates down rows for one y: up to PYRT_AXPY_ROWS rows go out in one axpyn pass over y. */
+typedef struct {
+    const void *rows[PYRT_AXPY_ROWS];
+    float a[PYRT_AXPY_ROWS];
+    int n;
+} down_batch;
+
+static inline void down_flush(const moe_ctx *c, down_batch *db, float *y) {
+    if (db->n == 0)
+        return;
+    if (c->ops->axpyn != NULL)
+        c->ops->axpyn(db->n, db->a, db->rows, y, c->n_embd);
+    else
+        for (int r = 0; r < db->n; r++)
+            c->ops->axpy(db->a[r], db->rows[r], y, c->n_embd);
+    db->n = 0;
+}
+
+static inline void down_add(const moe_ctx *c, down_batch *db, float a, const void *row, float *y) {
+    db->rows[db->n] = row;
+    db->a[db->n] = a;
+    if (++db->n == PYRT_AXPY_ROWS)
+        down_flush(c, db, y);
+}
+
 /* Neurons [j0, j1) of one expert, for routes [r0, r1) (all routes of that expert in the block).
- * Phase 1 computes the gates of a chunk of neurons; phase 2 reads the up/down rows of the
- * neurons that are active for some route. In sparse mode the gate rows are strided (every third
- * row) and the up/down rows are a data-dependent gather, which the hardware prefetcher does not
- * follow, so both are prefetched in software a little ahead of use. */
+ * Phase 1 computes the gates of a chunk of neurons (dense: gate and up together, one pass over
+ * x); phase 2 (sparse only) the up dots of the neurons active for some route; phase 3, per route,
+ * adds the active neurons' down rows into that token's y several rows per pass (axpyn), in neuron
+ * order, so dense and sparse-keeping-everything add the same numbers in the same order. In sparse
+ * mode the gate rows are strided (every third row) and the up/down rows are a data-dependent
+ * gather, which the hardware prefetcher does not follow, so both are prefetched in software a
+ * little ahead of use. */
 static int64_t expert_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j0, int64_t j1,
-                              int r0, int r1, float *acc, float *down_f32) {
+                              int r0, int r1, float *acc) {
     const size_t rb = c->row_bytes;
     const int n_embd = c->n_embd;
     const float thr = c->threshold;
     const int sparse = thr > 0.0f;
+    const int ahead = c->prefetch_ahead;
     const pyrt_dot_fn dot = c->ops->dot;
-    const pyrt_axpy_fn axpy = c->ops->axpy;
-    const pyrt_axpy_fn axpy_f32 = c->ops_f32->axpy;
-    float act[NEURON_CHUNK][ROUTE_CHUNK];   /* act(g . x) per (neuron, route) */
-    uint8_t on[NEURON_CHUNK][ROUTE_CHUNK];  /* 0: skipped (under the threshold) */
+    const pyrt_dot2_fn dot2 = c->ops->dot2;
+    float h[NEURON_CHUNK][ROUTE_CHUNK];    /* sparse: act(g . x), then w * act * (u . x) */
+    uint8_t on[NEURON_CHUNK][ROUTE_CHUNK]; /* 0: skipped (under the threshold) */
     int64_t active = 0;
+    /* A new stream: its first `ahead` neurons are not covered by the look-ahead below. */
+    for (int64_t j = j0; j < j0 + ahead && j < j1; j++)
+        prefetch_row(expert + (size_t)j * 3 * rb, sparse ? rb : 3 * rb);
     for (int rc = r0; rc < r1; rc += ROUTE_CHUNK) {
         const int nr = r1 - rc < ROUTE_CHUNK ? r1 - rc : ROUTE_CHUNK;
         for (int64_t jc = j0; jc < j1; jc += NEURON_CHUNK) {
             const int nj = j1 - jc < NEURON_CHUNK ? (int)(j1 - jc) : NEURON_CHUNK;
-            int list[NEURON_CHUNK], n_list = 0, n_routes_of[NEURON_CHUNK];
-            /* phase 1: gates */
+            int list[NEURON_CHUNK], n_list = 0;
+            /* phase 1: gates (dense: gates and ups) */
             for (int i = 0; i < nj; i++) {
                 const uint8_t *gate = expert + (size_t)(jc + i) * 3 * rb;
-                /* the next chunk's rows: its gate rows (sparse), all three rows (dense) */
-                if (jc + i + NEURON_CHUNK < j1)
-                    prefetch_row(gate + (size_t)NEURON_CHUNK * 3 * rb, sparse ? rb : 3 * rb);
+                /* rows `ahead` neurons on: the gate row (sparse), all three rows (dense) */
+                if (ahead > 0 && jc + i + ahead < j1) {
+                    if (c->prefetch_l2)
+                        prefetch_row_l2(gate + (size_t)ahead * 3 * rb, sparse ? rb : 3 * rb);
+                    else
+                        prefetch_row(gate + (size_t)ahead * 3 * rb, sparse ? rb : 3 * rb);
+                }
                 int n_on = 0;
                 for (int r = 0; r < nr; r++) {
                     const int t = c->route_tok[rc + r];
                     const void *xt = c->xv + (size_t)(c->t0 + t) * c->xv_stride;
+                    if (!sparse) {
+                        float gu[2];
+                        if (dot2 != NULL)
+                            dot2(gate, gate + rb, xt, n_embd, gu);
+                        else
+                            gu[0] = dot(gate, xt, n_embd), gu[1] = dot(gate + rb, xt, n_embd);
+                        const float a = activate(c->activation, gu[0]);
+                        h[i][r] = c->route_w[rc + r] * a * gu[1];
+                        on[i][r] = 1;
+                        n_on++;
+                        continue;
+                    }
                     const float a = activate(c->activation, dot(gate, xt, n_embd));
                     /* sparse: a neuron under the threshold skips its up and down rows */
-                    act[i][r] = a;
+                    h[i][r] = a;
                     on[i][r] = !(fabsf(a) < thr); /* NaN stays on, so it propagates */
                     n_on += on[i][r];
                 }
-                n_routes_of[n_list] = n_on;
                 if (n_on > 0)
                     list[n_list++] = i;
                 active += n_on;
             }
-            /* phase 2: up and down rows of the active neurons */
-            if (sparse)
+            /* phase 2 (sparse): up rows of the active neurons */
+            if (sparse) {
                 for (int l = 0; l < n_list && l < 2; l++)
                     prefetch_row(expert + ((size_t)(jc + list[l]) * 3 + 1) * rb, 2 * rb);
-            for (int l = 0; l < n_list; l++) {
-                const int i = list[l];
-                const uint8_t *up = expert + ((size_t)(jc + i) * 3 + 1) * rb;
-                const uint8_t *down = up + rb;
-                if (sparse && l + 2 < n_list)
-                    prefetch_row(expert + ((size_t)(jc + list[l + 2]) * 3 + 1) * rb, 2 * rb);
-                /* Several tokens on this neuron: dequantize the down row once, then f32 axpys. */
-                const int shared = n_routes_of[l] > 1 && down_f32 != NULL;
-                if (shared) {
-                    memset(down_f32, 0, (size_t)n_embd * sizeof *down_f32);
-                    axpy(1.0f, down, down_f32, n_embd);
+                for (int l = 0; l < n_list; l++) {
+                    const int i = list[l];
+                    const uint8_t *up = expert + ((size_t)(jc + i) * 3 + 1) * rb;
+                    if (l + 2 < n_list)
+                        prefetch_row(expert + ((size_t)(jc + list[l + 2]) * 3 + 1) * rb, 2 * rb);
+                    for (int r = 0; r < nr; r++) {
+                        if (!on[i][r])
+                            continue;
+                        const float a = h[i][r];
+                        const int t = c->route_tok[rc + r];
+                        const void *xt = c->xv + (size_t)(c->t0 + t) * c->xv_stride;
+                        h[i][r] = c->route_w[rc + r] * a * dot(up, xt, n_embd);
+                    }
                 }
-                for (int r = 0; r < nr; r++) {
-                    if (!on[i][r])
-                        continue;
-                    const float a = act[i][r];
-                    const int t = c->route_tok[rc + r];
-                    const void *xt = c->xv + (size_t)(c->t0 + t) * c->xv_stride;
-                    const float h = c->route_w[rc + r] * a * dot(up, xt, n_embd);
-                    if (shared)
-                        axpy_f32(h, down_f32, acc + (size_t)t * n_embd, n_embd);
-                    else
-                        axpy(h, down, acc + (size_t)t * n_embd, n_embd);
+            }
+            /* phase 3: down rows, per route, several rows per pass over that token's y */
+            for (int r = 0; r < nr; r++) {
+                float *y = acc + (size_t)c->route_tok[rc + r] * n_embd;
+                down_batch db = {.n = 0};
+                for (int l = 0; l < n_list; l++) {
+                    const int i = list[l];
+                    if (on[i][r])
+                        down_add(c, &db, h[i][r], expert + ((size_t)(jc + i) * 3 + 2) * rb, y);
                 }
+                down_flush(c, &db, y);
             }
         }
     }
     return active;
 }
 
-static void task_experts(void *p, int ith, int nth) {
-    moe_ctx *c = p;
-    float *acc = c->acc + (size_t)ith * c->acc_stride;
-    float *down_f32 = c->down_f32 ? c->down_f32 + (size_t)ith * c->down_stride : NULL;
+/* One work item: the neurons whose estimated cost falls in [total * item / n_items, total *
+ * (item + 1) / n_items), accumulated into the item's own partial y. */
+static int64_t run_item(const moe_ctx *c, int item) {
+    float *acc = c->acc + (size_t)item * c->acc_stride;
     memset(acc, 0, (size_t)c->tb * c->n_embd * sizeof *acc);
     const int64_t total = c->cost_start[c->n_used];
-    const int64_t lo = total * ith / nth, hi = total * (ith + 1) / nth;
+    const int64_t lo = total * item / c->n_items, hi = total * (item + 1) / c->n_items;
     int64_t active = 0;
     for (int u = 0; u < c->n_used; u++) {
         const int64_t base = c->cost_start[u], end = c->cost_start[u + 1];
         if (end <= lo || base >= hi)
             continue;
-        /* Neuron j of this expert belongs to the thread whose range holds base + j * cost. */
+        /* Neuron j of this expert belongs to the item whose range holds base + j * cost. */
         const int64_t cost = (end - base) / c->n_ff;
         const int64_t j0 = ceil_div(lo - base, cost);
         int64_t j1 = ceil_div(hi - base, cost);
         if (j1 > c->n_ff)
             j1 = c->n_ff;
         const uint8_t *expert = c->gud + (size_t)c->used[u] * c->n_ff * 3 * c->row_bytes;
-        active += expert_neurons(c, expert, j0, j1, c->route_start[u], c->route_start[u + 1], acc,
-                                 down_f32);
+        active += expert_neurons(c, expert, j0, j1, c->route_start[u], c->route_start[u + 1], acc);
+    }
+    return active;
+}
+
+/* Threads take work items from a shared counter (or, with PYRT_SCHED=static, a fixed run of
+ * items each): a thread that the OS preempts or that runs on a busier core then delays the call
+ * by one item, not by its whole share. Each item owns its partial y and the reduction sums them
+ * in item order, so the result does not depend on which thread ran which item. */
+static void task_experts(void *p, int ith, int nth) {
+    moe_ctx *c = p;
+    if (c->prof != NULL)
+        c->prof[(size_t)ith * 8] = now_ns();
+    int64_t active = 0;
+    if (c->dynamic) {
+        for (int item; (item = atomic_fetch_add_explicit(c->next_item, 1, memory_order_relaxed)) <
+                       c->n_items;)
+            active += run_item(c, item);
+    } else {
+        const int lo = c->n_items * ith / nth, hi = c->n_items * (ith + 1) / nth;
+        for (int item = lo; item < hi; item++)
+            active += run_item(c, item);
     }
     c->active[(size_t)ith * 8] += active;
+    if (c->prof != NULL)
+        c->prof[(size_t)ith * 8 + 1] = now_ns();
 }
 
 static void task_reduce(void *p, int ith, int nth) {
@@ -196,11 +367,12 @@ static void task_reduce(void *p, int ith, int nth) {
     const size_t n = (size_t)c->tb * c->n_embd;
     const size_t lo = n * ith / nth, hi = n * (ith + 1) / nth;
     float *y = c->y + (size_t)c->t0 * c->n_embd;
-    for (size_t i = lo; i < hi; i++) {
-        float s = 0.0f;
-        for (int t = 0; t < nth; t++)
-            s += c->acc[(size_t)t * c->acc_stride + i];
-        y[i] = s;
+    for (size_t i = lo; i < hi; i++)
+        y[i] = 0.0f;
+    for (int item = 0; item < c->n_items; item++) {
+        const float *acc = c->acc + (size_t)item * c->acc_stride;
+        for (size_t i = lo; i < hi; i++)
+            y[i] += acc[i];
     }
 }
 
@@ -318,18 +490,24 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
     if (n_tokens == 0)
         return PYRT_OK;
 
+    const knobs kn = read_knobs();
     const int quantized = fmt == PYRT_FMT_Q8_0 || fmt == PYRT_FMT_Q4_0;
     const int nth = pyrt_pool_threads(pool);
     const int tb_max = n_tokens < TOKEN_BLOCK ? n_tokens : TOKEN_BLOCK;
     const int routes = tb_max * k;
     const int used_max = routes < n_expert ? routes : n_expert;
     const size_t acc_stride = align64((size_t)tb_max * n_embd * sizeof(float)) / sizeof(float);
+    /* Up to ITEMS_PER_THREAD work items per thread (finer balancing), fewer when the partial ys
+     * would pass ITEMS_ACC_BYTES (long prefill blocks). */
+    size_t ipt = ITEMS_ACC_BYTES / ((size_t)nth * acc_stride * sizeof(float));
+    ipt = ipt < 1 ? 1 : ipt > (size_t)kn.items_per_thread ? (size_t)kn.items_per_thread : ipt;
+    const int n_items = nth * (int)ipt;
     const size_t xq_bytes =
         quantized ? (size_t)n_tokens * (n_embd / PYRT_QK) * sizeof(pyrt_xq8) : 0;
 
     /* Workspace layout (each piece 64-byte aligned). */
     size_t off_acc = 0;
-    size_t off_active = off_acc + (size_t)nth * acc_stride * sizeof(float);
+    size_t off_active = off_acc + (size_t)n_items * acc_stride * sizeof(float);
     size_t off_xq = off_active + align64((size_t)nth * 8 * sizeof(int64_t));
     size_t off_counts = off_xq + align64(xq_bytes);
     size_t off_used = off_counts + align64((size_t)n_expert * sizeof(int));
@@ -337,10 +515,9 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
     size_t off_rtok = off_rstart + align64((size_t)(used_max + 1) * sizeof(int));
     size_t off_rw = off_rtok + align64((size_t)(routes + used_max) * sizeof(int));
     size_t off_cost = off_rw + align64((size_t)routes * sizeof(float));
-    const size_t down_stride =
-        fmt == PYRT_FMT_F32 ? 0 : align64((size_t)n_embd * sizeof(float)) / sizeof(float);
-    size_t off_down = off_cost + align64((size_t)(used_max + 1) * sizeof(int64_t));
-    size_t total = off_down + (size_t)nth * down_stride * sizeof(float);
+    size_t off_prof = off_cost + align64((size_t)(used_max + 1) * sizeof(int64_t));
+    size_t off_next = off_prof + (size_t)nth * 8 * sizeof(int64_t);
+    size_t total = off_next + 64;
 
     pyrt_pool_acquire(pool);
     uint8_t *ws = pyrt_pool_workspace(pool, total);
@@ -353,7 +530,6 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
         .gud = gud,
         .row_bytes = pyrt_row_bytes(fmt, n_embd),
         .ops = pyrt_row_ops_active(fmt),
-        .ops_f32 = pyrt_row_ops_active(PYRT_FMT_F32),
         .n_expert = n_expert,
         .n_ff = n_ff,
         .n_embd = n_embd,
@@ -374,13 +550,23 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
         .counts = (int *)(ws + off_counts),
         .acc = (float *)(ws + off_acc),
         .acc_stride = acc_stride,
+        .n_items = n_items,
+        .dynamic = kn.dynamic,
+        .next_item = (atomic_int *)(ws + off_next),
         .active = (int64_t *)(ws + off_active),
-        .down_f32 = down_stride ? (float *)(ws + off_down) : NULL,
-        .down_stride = down_stride,
+        .prefetch_ahead = kn.prefetch_ahead,
+        .prefetch_l2 = kn.prefetch_l2,
+        .prof = kn.profile ? (int64_t *)(ws + off_prof) : NULL,
     };
+    const int64_t t_call = now_ns();
+    int64_t t_experts = 0, t_reduce = 0;
     memset(c.active, 0, (size_t)nth * 8 * sizeof(int64_t));
     if (quantized) {
-        pyrt_pool_run(pool, task_quantize, &c);
+        /* A few tokens take microseconds: cheaper on this thread than a hand-off to the pool. */
+        if ((int64_t)n_tokens * n_embd <= SERIAL_QUANTIZE_MAX)
+            task_quantize(&c, 0, 1);
+        else
+            pyrt_pool_run(pool, task_quantize, &c);
         c.xv = (const uint8_t *)c.xq;
         c.xv_stride = (size_t)(n_embd / PYRT_QK) * sizeof(pyrt_xq8);
     } else {
@@ -390,9 +576,18 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
     for (c.t0 = 0; c.t0 < n_tokens; c.t0 += TOKEN_BLOCK) {
         c.tb = n_tokens - c.t0 < TOKEN_BLOCK ? n_tokens - c.t0 : TOKEN_BLOCK;
         plan_block(&c);
+        atomic_store_explicit(c.next_item, 0, memory_order_relaxed); /* the pool run publishes it */
+        const int64_t t_run = now_ns();
         pyrt_pool_run(pool, task_experts, &c);
+        const int64_t t_run_end = now_ns();
         pyrt_pool_run(pool, task_reduce, &c);
+        t_reduce += now_ns() - t_run_end;
+        t_experts += t_run_end - t_run;
+        if (c.prof != NULL)
+            profile_block(&c, nth, t_run, t_run_end);
     }
+    if (c.prof != NULL)
+        profile_call(now_ns() - t_call, t_experts, t_reduce, kn.profile);
     int64_t sum = 0;
     for (int t = 0; t < nth; t++)
         sum += c.active[(size_t)t * 8];

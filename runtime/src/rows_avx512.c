@@ -126,6 +126,76 @@ AVX512 static inline float dot_one_block(__m256i w, const pyrt_xq8 *xq, float dw
 QUANT_DOT(q8_0, PYRT_Q8_0_BYTES, LOAD_Q8_0)
 QUANT_DOT(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
 
+/* Two rows against one x in one pass: per row exactly the operations of QUANT_DOT (bit for bit
+ * two dot calls), the x blocks loaded once for both. */
+#define QUANT_DOT2(name, block_bytes, load_block)                                                 \
+    AVX512 static void dot2_##name(const void *row0, const void *row1, const void *x, int n,      \
+                                   float out[2]) {                                                \
+        const uint8_t *wr[2] = {row0, row1};                                                      \
+        const pyrt_xq8 *xq = x;                                                                   \
+        const int nb = n / PYRT_QK;                                                               \
+        __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};                               \
+        int b = 0;                                                                                \
+        for (; b + 2 <= nb; b += 2) {                                                             \
+            const __m512i xv = join256(_mm256_loadu_si256((const __m256i *)xq[b].q),              \
+                                       _mm256_loadu_si256((const __m256i *)xq[b + 1].q));         \
+            for (int r = 0; r < 2; r++) {                                                         \
+                const uint8_t *w0 = wr[r] + (size_t)b * (block_bytes), *w1 = w0 + (block_bytes); \
+                const __m512i wq = join256(load_block(w0), load_block(w1));                       \
+                const __m512 s = scales2(_cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d,                  \
+                                         _cvtsh_ss(pyrt_load_u16(w1)) * xq[b + 1].d);             \
+                acc[r] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot64_i8(wq, xv)), acc[r]);        \
+            }                                                                                     \
+        }                                                                                         \
+        for (int r = 0; r < 2; r++) {                                                             \
+            float sum = _mm512_reduce_add_ps(acc[r]);                                             \
+            if (b < nb) {                                                                         \
+                const uint8_t *w0 = wr[r] + (size_t)b * (block_bytes);                            \
+                sum += dot_one_block(load_block(w0), &xq[b], _cvtsh_ss(pyrt_load_u16(w0)));       \
+            }                                                                                     \
+            out[r] = sum;                                                                         \
+        }                                                                                         \
+    }
+
+QUANT_DOT2(q8_0, PYRT_Q8_0_BYTES, LOAD_Q8_0)
+QUANT_DOT2(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
+
+/* Several down rows into one y: a block of y (two registers) is loaded once, takes every row's
+ * contribution in row order (bit for bit nr axpy calls), and is stored once. */
+AVX512 static void axpyn_q8_0(int nr, const float *a, const void *const *rows, float *y, int n) {
+    for (int b = 0; b < n / PYRT_QK; b++, y += PYRT_QK) {
+        __m512 y0 = _mm512_loadu_ps(y), y1 = _mm512_loadu_ps(y + 16);
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *w = (const uint8_t *)rows[r] + (size_t)b * PYRT_Q8_0_BYTES;
+            const __m512 vs = _mm512_set1_ps(a[r] * _cvtsh_ss(pyrt_load_u16(w)));
+            const __m128i q0 = _mm_loadu_si128((const __m128i *)(w + 2));
+            const __m128i q1 = _mm_loadu_si128((const __m128i *)(w + 18));
+            y0 = _mm512_fmadd_ps(vs, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), y0);
+            y1 = _mm512_fmadd_ps(vs, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), y1);
+        }
+        _mm512_storeu_ps(y, y0);
+        _mm512_storeu_ps(y + 16, y1);
+    }
+}
+
+AVX512 static void axpyn_q4_0(int nr, const float *a, const void *const *rows, float *y, int n) {
+    const __m512i m4 = _mm512_set1_epi32(0xF), eight = _mm512_set1_epi32(8);
+    for (int b = 0; b < n / PYRT_QK; b++, y += PYRT_QK) {
+        __m512 y0 = _mm512_loadu_ps(y), y1 = _mm512_loadu_ps(y + 16);
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *w = (const uint8_t *)rows[r] + (size_t)b * PYRT_Q4_0_BYTES;
+            const __m512 vs = _mm512_set1_ps(a[r] * _cvtsh_ss(pyrt_load_u16(w)));
+            const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 2)));
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(q, m4), eight));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(q, 4), eight));
+            y0 = _mm512_fmadd_ps(vs, lo, y0);
+            y1 = _mm512_fmadd_ps(vs, hi, y1);
+        }
+        _mm512_storeu_ps(y, y0);
+        _mm512_storeu_ps(y + 16, y1);
+    }
+}
+
 /* Axpy kernels widen the quants straight from memory (vpmovsxbd / vpmovzxbd, memory operand). */
 AVX512 static void axpy_q8_0(float a, const void *row, float *y, int n) {
     const uint8_t *w = row;
@@ -154,11 +224,11 @@ AVX512 static void axpy_q4_0(float a, const void *row, float *y, int n) {
     }
 }
 
-static const pyrt_row_ops ops_f32 = {dot_f32, axpy_f32};
-static const pyrt_row_ops ops_f16 = {dot_f16, axpy_f16};
-static const pyrt_row_ops ops_bf16 = {dot_bf16, axpy_bf16};
-static const pyrt_row_ops ops_q8_0 = {dot_q8_0, axpy_q8_0};
-static const pyrt_row_ops ops_q4_0 = {dot_q4_0, axpy_q4_0};
+static const pyrt_row_ops ops_f32 = {dot_f32, axpy_f32, NULL, NULL};
+static const pyrt_row_ops ops_f16 = {dot_f16, axpy_f16, NULL, NULL};
+static const pyrt_row_ops ops_bf16 = {dot_bf16, axpy_bf16, NULL, NULL};
+static const pyrt_row_ops ops_q8_0 = {dot_q8_0, axpy_q8_0, dot2_q8_0, axpyn_q8_0};
+static const pyrt_row_ops ops_q4_0 = {dot_q4_0, axpy_q4_0, dot2_q4_0, axpyn_q4_0};
 
 const pyrt_row_ops *pyrt_row_ops_avx512(int fmt) {
     switch (fmt) {
