@@ -1,9 +1,9 @@
 """pyruntime: run big Mixture-of-Experts language models on small machines, from GGUF files.
 
-    import pyruntime
-    model = pyruntime.Model("model.gguf")
-    for piece in model.generate("Once upon a time", max_tokens=32):
-        print(piece, end="")
+import pyruntime
+model = pyruntime.Model("model.gguf")
+for piece in model.generate("Once upon a time", max_tokens=32):
+    print(piece, end="")
 """
 
 from __future__ import annotations

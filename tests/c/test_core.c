@@ -185,6 +185,66 @@ static void test_row_kernels(void) {
     }
 }
 
+/* The fused kernels (dot2: gate and up in one pass; axpyn: several down rows per pass over y)
+ * must give exactly the bits of the plain kernels, or sparse-keeping-everything would not equal
+ * dense bit for bit. */
+static void test_fused_kernels_match_plain(void) {
+    const int lengths[] = {32, 96, 2048};
+    for (int level = PYRT_SIMD_SCALAR; level <= pyrt_simd_best(); level++) {
+        for (size_t f = 0; f < sizeof FORMATS / sizeof *FORMATS; f++) {
+            const int fmt = FORMATS[f];
+            const pyrt_row_ops *ops = level == PYRT_SIMD_AVX512 ? pyrt_row_ops_avx512(fmt)
+                                      : level == PYRT_SIMD_AVX2 ? pyrt_row_ops_avx2(fmt)
+                                                                : pyrt_row_ops_scalar(fmt);
+            if (ops == NULL || (ops->dot2 == NULL && ops->axpyn == NULL))
+                continue;
+            for (int li = 0; li < 3; li++) {
+                const int n = lengths[li];
+                const size_t rb = pyrt_row_bytes(fmt, n);
+                uint8_t *rows = malloc(rb * PYRT_AXPY_ROWS);
+                double *wv = malloc(sizeof(double) * n);
+                float *x = malloc(sizeof(float) * n), *y1 = malloc(sizeof(float) * n);
+                float *y2 = malloc(sizeof(float) * n);
+                pyrt_xq8 *xq = malloc(sizeof(pyrt_xq8) * (n / 32 + 1));
+                for (int r = 0; r < PYRT_AXPY_ROWS; r++)
+                    make_row(fmt, n, rows + r * rb, wv, r % 2);
+                for (int i = 0; i < n; i++)
+                    x[i] = rng_normalish();
+                const void *xk = x;
+                if (is_quant(fmt)) {
+                    pyrt_quantize_x_q8(x, xq, n);
+                    xk = xq;
+                }
+                if (ops->dot2 != NULL) {
+                    float out[2];
+                    ops->dot2(rows, rows + rb, xk, n, out);
+                    const float d0 = ops->dot(rows, xk, n), d1 = ops->dot(rows + rb, xk, n);
+                    CHECK(memcmp(&out[0], &d0, 4) == 0 && memcmp(&out[1], &d1, 4) == 0,
+                          "dot2 level %d fmt %d n %d: %.9g %.9g vs dot %.9g %.9g", level, fmt, n,
+                          out[0], out[1], d0, d1);
+                }
+                if (ops->axpyn != NULL) {
+                    for (int nr = 1; nr <= PYRT_AXPY_ROWS; nr++) {
+                        float a[PYRT_AXPY_ROWS];
+                        const void *rp[PYRT_AXPY_ROWS];
+                        for (int r = 0; r < nr; r++)
+                            a[r] = rng_normalish(), rp[r] = rows + r * rb;
+                        for (int i = 0; i < n; i++)
+                            y1[i] = y2[i] = x[i];
+                        ops->axpyn(nr, a, rp, y1, n);
+                        for (int r = 0; r < nr; r++)
+                            ops->axpy(a[r], rp[r], y2, n);
+                        CHECK(memcmp(y1, y2, sizeof(float) * n) == 0,
+                              "axpyn level %d fmt %d n %d nr %d differs from %d axpy calls", level,
+                              fmt, n, nr, nr);
+                    }
+                }
+                free(rows), free(wv), free(x), free(y1), free(y2), free(xq);
+            }
+        }
+    }
+}
+
 static void test_quantize_x(void) {
     float x[64];
     pyrt_xq8 q[2];
@@ -354,6 +414,7 @@ static void test_errors(void) {
 int main(void) {
     test_quantize_x();
     test_row_kernels();
+    test_fused_kernels_match_plain();
     test_moe_ffn();
     test_errors();
     if (failures) {
