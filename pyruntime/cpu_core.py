@@ -62,6 +62,54 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
                  const float *topk_w, int k, int activation, float threshold, float *y,
                  int64_t *n_active);
 int pyrt_mem_read(pyrt_pool *pool, const void *buf, size_t bytes, uint64_t *checksum);
+typedef struct {
+    const void *data;
+    size_t bytes;
+    int fmt;
+    int n_out;
+    int n_in;
+} pyrt_matrix;
+int pyrt_linear(pyrt_pool *pool, const pyrt_matrix *w, const float *x, int n_tokens,
+                const float *bias, float *y);
+typedef struct {
+    const float *attn_norm;
+    pyrt_matrix wq, wk, wv;
+    pyrt_matrix wo;
+    const float *bq, *bk, *bv;
+    const float *q_norm, *k_norm;
+    int q_norm_len, k_norm_len;
+    const float *ffn_norm;
+    pyrt_matrix router;
+    const void *gud;
+    size_t gud_bytes;
+    int gud_fmt;
+    pyrt_matrix sh_gate, sh_up;
+    pyrt_matrix sh_down;
+    const float *sh_gate_inp;
+    pyrt_matrix ffn_gate, ffn_up;
+    pyrt_matrix ffn_down;
+} pyrt_block_weights;
+typedef struct {
+    int n_vocab, n_embd, n_layer, n_head, n_head_kv, head_dim, rope_dim;
+    int n_expert, n_expert_used, n_ff_exp;
+    int expert_weights_norm;
+    int activation;
+    float rms_eps;
+    float embedding_scale, residual_scale, attention_scale, logit_scale;
+    float clamp_kqv;
+    const float *rope_inv_freq;
+    pyrt_matrix token_embd;
+    pyrt_matrix output;
+    const float *output_norm;
+    const pyrt_block_weights *blocks;
+} pyrt_model_weights;
+typedef struct pyrt_decoder pyrt_decoder;
+int pyrt_decoder_create(const pyrt_model_weights *w, pyrt_decoder **out);
+void pyrt_decoder_free(pyrt_decoder *dec);
+int pyrt_decoder_step(pyrt_decoder *dec, pyrt_pool *pool, int token, int pos,
+                      float *const *k_cache, float *const *v_cache, int cache_cap,
+                      const float *thresholds, float *logits, int64_t *n_active);
+int pyrt_decoder_times(pyrt_decoder *dec, int64_t *ns, int reset);
 """
 
 # ggml type numbers of the weight formats the core reads (gguf.GGMLQuantizationType values).
@@ -253,6 +301,46 @@ class CpuCore:
             "pyrt_moe_ffn",
         )
         return y, int(n_active[0])
+
+    def linear(
+        self,
+        w: np.ndarray,
+        fmt: int,
+        n_out: int,
+        n_in: int,
+        x: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """y = x w^T (+ bias): w [n_out, n_in] in format fmt, read in place (the mmap view).
+
+        x: [T, n_in] float32 -> y [T, n_out] float32. For Q8_0/Q4_0, x is quantized to Q8_0
+        blocks per token (as llama.cpp and moe_ffn do); float formats use x as is.
+        """
+        if self._pool is None:
+            raise CoreError("CpuCore is closed: create a new one")
+        if not isinstance(w, np.ndarray) or not w.flags.c_contiguous:
+            raise CoreError("weights must be a C-contiguous numpy array (the mmap view)")
+        x = _as_cpu(x, torch.float32, "x", 2)
+        if x.shape[1] != n_in:
+            raise CoreError(f"shape mismatch: x {tuple(x.shape)} should be (T, {n_in})")
+        if bias is not None:
+            bias = _as_cpu(bias, torch.float32, "bias", 1)
+            if bias.shape != (n_out,):
+                raise CoreError(f"bias has shape {tuple(bias.shape)}, expected ({n_out},)")
+        y = torch.empty((x.shape[0], n_out), dtype=torch.float32)
+        m = _ffi.new("pyrt_matrix *", (_ffi.from_buffer(w), w.nbytes, fmt, n_out, n_in))
+        _check(
+            _lib().pyrt_linear(
+                self._pool,
+                m,
+                _ffi.cast("const float *", x.data_ptr()),
+                x.shape[0],
+                _ffi.NULL if bias is None else _ffi.cast("const float *", bias.data_ptr()),
+                _ffi.cast("float *", y.data_ptr()),
+            ),
+            "pyrt_linear",
+        )
+        return y
 
     def mem_read(self, buf: np.ndarray) -> int:
         """Read buf once on the pool's threads (DRAM read test); returns the checksum."""

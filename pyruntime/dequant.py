@@ -9,6 +9,7 @@ Formats (docs/gguf-layout.md): F32, F16, BF16, and 32-element blocks along each 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -67,3 +68,33 @@ def dequantize(
     if out.numel() != n:
         raise ValueError(f"{qtype.name}: {out.numel()} elements stored, shape {shape} needs {n}")
     return out.reshape(shape)
+
+
+@dataclass(frozen=True)
+class QuantMatrix:
+    """A weight matrix [n_out, n_in] left where the GGUF mmap puts it, in its stored format.
+
+    Dense weights stay like this (no float32 copy in memory): the C core reads them in place
+    (pyruntime.cpu_core.CpuCore.linear and the decode step); the torch path dequantizes them
+    only where and when it computes with them (`dequantize`, `rows`).
+    """
+
+    name: str
+    qtype: GGMLQuantizationType
+    shape: tuple[int, int]  # [n_out, n_in], row-major
+    raw: np.ndarray  # the mmap view (typed for F32/F16, bytes per row otherwise)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.nbytes)
+
+    def dequantize(self) -> torch.Tensor:
+        """A new float32 tensor [n_out, n_in]."""
+        return dequantize(self.raw, self.qtype, self.shape)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (int tensor [n]) dequantized: float32 [n, n_in] (an embedding lookup)."""
+        n_out, n_in = self.shape
+        by_row = np.asarray(self.raw).reshape(-1).view(np.uint8).reshape(n_out, -1)
+        picked = by_row[ids.reshape(-1).numpy()]  # [n, row_bytes], a copy of those rows only
+        return dequantize(picked, self.qtype, (picked.shape[0], n_in))

@@ -6,8 +6,11 @@ Per block: RMSNorm -> attention (GQA, optional q/k norm, RoPE "rotate_half", KV 
 Family differences are data, not code: optional tensors (biases, q/k norms, shared expert) and
 scalars from the GGUF metadata (scales, renormalization, activation).
 
-Dense weights (attention, norms, routers, shared experts, embeddings) are dequantized to float32
-once at load. Routed experts stay in the mmap (ExpertStore) and are read per token.
+Weight matrices (attention, routers, shared experts, embeddings, output) stay in the mmap in their
+stored format (QuantMatrix): with the C core they are read in place (CpuCore.linear for prefill,
+the whole-block decode step of cpu_decode.py for one token); the torch reference dequantizes them
+where it uses them. Norms and biases (small, always F32) are copied to tensors. Routed experts stay
+in the mmap (ExpertStore) and are read per token.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pyruntime.dequant import dequantize
-from pyruntime.errors import UsageError
+from pyruntime.dequant import QuantMatrix, dequantize
+from pyruntime.errors import ModelFileError, UsageError
 from pyruntime.experts.compute import activation_fn, make_expert_backend, moe_ffn_torch, route
 from pyruntime.experts.store import ExpertStore
 from pyruntime.gguf_file import GGUFFile
@@ -34,25 +37,25 @@ from pyruntime.models.config import ModelConfig
 class FFNWeights:
     """A dense gated FFN: gate/up [n_ff, n_embd], down [n_embd, n_ff]."""
 
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
+    gate: QuantMatrix
+    up: QuantMatrix
+    down: QuantMatrix
 
 
 @dataclass
 class BlockWeights:
     attn_norm: torch.Tensor  # [n_embd]
-    wq: torch.Tensor  # [n_head*head_dim, n_embd]
-    wk: torch.Tensor  # [n_head_kv*head_dim, n_embd]
-    wv: torch.Tensor  # [n_head_kv*head_dim, n_embd]
-    wo: torch.Tensor  # [n_embd, n_head*head_dim]
+    wq: QuantMatrix  # [n_head*head_dim, n_embd]
+    wk: QuantMatrix  # [n_head_kv*head_dim, n_embd]
+    wv: QuantMatrix  # [n_head_kv*head_dim, n_embd]
+    wo: QuantMatrix  # [n_embd, n_head*head_dim]
     bq: torch.Tensor | None
     bk: torch.Tensor | None
     bv: torch.Tensor | None
     q_norm: torch.Tensor | None  # olmoe [n_head*head_dim]; qwen3moe [head_dim]
     k_norm: torch.Tensor | None
     ffn_norm: torch.Tensor  # [n_embd]
-    router: torch.Tensor | None  # [n_expert, n_embd]; None for a dense FFN layer
+    router: QuantMatrix | None  # [n_expert, n_embd] (F32); None for a dense FFN layer
     experts: ExpertStore | None
     shared: FFNWeights | None  # shared expert (qwen2moe)
     shared_gate: torch.Tensor | None  # [n_embd]: shared output *= sigmoid(x . shared_gate)
@@ -60,8 +63,17 @@ class BlockWeights:
 
 
 def _load(f: GGUFFile, name: str) -> torch.Tensor:
+    """A small F32 tensor (norm, bias, gate vector), copied out of the mmap."""
     t = f.tensor(name)
     return dequantize(t.data, t.qtype, t.shape)
+
+
+def _matrix(f: GGUFFile, name: str) -> QuantMatrix:
+    """A weight matrix, left in the mmap in its stored format."""
+    t = f.tensor(name)
+    if len(t.shape) != 2:
+        raise ModelFileError(f"{f.path}: tensor '{name}' has shape {list(t.shape)}, expected 2-D")
+    return QuantMatrix(name, t.qtype, (int(t.shape[0]), int(t.shape[1])), t.data)
 
 
 def _load_opt(f: GGUFFile, name: str) -> torch.Tensor | None:
@@ -72,9 +84,9 @@ def _load_ffn(f: GGUFFile, prefix: str, suffix: str) -> FFNWeights | None:
     if not f.has_tensor(f"{prefix}.ffn_gate{suffix}.weight"):
         return None
     return FFNWeights(
-        gate=_load(f, f"{prefix}.ffn_gate{suffix}.weight"),
-        up=_load(f, f"{prefix}.ffn_up{suffix}.weight"),
-        down=_load(f, f"{prefix}.ffn_down{suffix}.weight"),
+        gate=_matrix(f, f"{prefix}.ffn_gate{suffix}.weight"),
+        up=_matrix(f, f"{prefix}.ffn_up{suffix}.weight"),
+        down=_matrix(f, f"{prefix}.ffn_down{suffix}.weight"),
     )
 
 
@@ -84,17 +96,17 @@ def _load_block(f: GGUFFile, cfg: ModelConfig, i: int) -> BlockWeights:
     shared_gate = _load_opt(f, f"{p}.ffn_gate_inp_shexp.weight")
     return BlockWeights(
         attn_norm=_load(f, f"{p}.attn_norm.weight"),
-        wq=_load(f, f"{p}.attn_q.weight"),
-        wk=_load(f, f"{p}.attn_k.weight"),
-        wv=_load(f, f"{p}.attn_v.weight"),
-        wo=_load(f, f"{p}.attn_output.weight"),
+        wq=_matrix(f, f"{p}.attn_q.weight"),
+        wk=_matrix(f, f"{p}.attn_k.weight"),
+        wv=_matrix(f, f"{p}.attn_v.weight"),
+        wo=_matrix(f, f"{p}.attn_output.weight"),
         bq=_load_opt(f, f"{p}.attn_q.bias"),
         bk=_load_opt(f, f"{p}.attn_k.bias"),
         bv=_load_opt(f, f"{p}.attn_v.bias"),
         q_norm=_load_opt(f, f"{p}.attn_q_norm.weight"),
         k_norm=_load_opt(f, f"{p}.attn_k_norm.weight"),
         ffn_norm=_load(f, f"{p}.ffn_norm.weight"),
-        router=_load(f, f"{p}.ffn_gate_inp.weight") if has_experts else None,
+        router=_matrix(f, f"{p}.ffn_gate_inp.weight") if has_experts else None,
         experts=ExpertStore.from_tensor(
             f.tensor(f"{p}.ffn_gud_exps.weight"), cfg.n_expert, cfg.n_ff_exp, cfg.n_embd
         )
@@ -126,6 +138,7 @@ class KVCache:
         self._shape = (cfg.n_head_kv, 0, cfg.head_dim)
         self.k = [torch.empty(self._shape) for _ in range(cfg.n_layer)]
         self.v = [torch.empty(self._shape) for _ in range(cfg.n_layer)]
+        self.c_pointers = None
 
     def truncate(self, n: int) -> None:
         """Forget positions >= n (keeps a common prefix for reuse)."""
@@ -141,6 +154,7 @@ class KVCache:
         have = self.k[0].shape[1]
         if need <= have:
             return
+        self.c_pointers = None  # the C decode step's view of the storage (cpu_decode.py)
         grow = min(self.max_tokens, max(need, have + self._CHUNK)) - have
         for layer in range(len(self.k)):
             pad = torch.zeros(self._shape[0], grow, self._shape[2])
@@ -175,8 +189,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([rotated, xp], dim=-1) if xp.shape[-1] else rotated
 
 
-def dense_ffn(w: FFNWeights, x: torch.Tensor, act: str) -> torch.Tensor:
-    return (activation_fn(act)(x @ w.gate.T) * (x @ w.up.T)) @ w.down.T
+def torch_linear(x: torch.Tensor, w: QuantMatrix, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, n_in] @ w^T (+ bias) in float32 torch, w dequantized for this call only."""
+    return F.linear(x, w.dequantize(), bias)
+
+
+def dense_ffn(w: FFNWeights, x: torch.Tensor, act: str, linear=torch_linear) -> torch.Tensor:
+    return linear(activation_fn(act)(linear(x, w.gate)) * linear(x, w.up), w.down)
 
 
 class MoETransformer:
@@ -184,10 +203,10 @@ class MoETransformer:
 
     def __init__(self, cfg: ModelConfig, f: GGUFFile) -> None:
         self.config = cfg
-        self.token_embd = _load(f, "token_embd.weight")  # [n_vocab, n_embd]
+        self.token_embd = _matrix(f, "token_embd.weight")  # [n_vocab, n_embd]
         self.output_norm = _load(f, "output_norm.weight")
-        out = _load_opt(f, "output.weight")
-        self.output = self.token_embd if out is None else out  # [n_vocab, n_embd]
+        tied = not f.has_tensor("output.weight")
+        self.output = self.token_embd if tied else _matrix(f, "output.weight")  # [n_vocab, n_embd]
         self.blocks = [_load_block(f, cfg, i) for i in range(cfg.n_layer)]
         # Routed-expert backend: (store, x, ids, w, act, threshold) -> (y, n_active).
         self.expert_backend = moe_ffn_torch
@@ -195,6 +214,26 @@ class MoETransformer:
         # Calibration hook: (layer, store, x [T, n_embd], ids [T, K], activation) -> None.
         self.gate_observer = None
         self.stats = ExpertStats()
+        # The C core (pyruntime.cpu_core.CpuCore) when routed experts run on it: then the dense
+        # matrices run on it too, and a one-token forward is one C call per token (cpu_decode).
+        self.core = None
+        self._decoder = None
+
+    def use_core(self, core) -> None:
+        """Compute dense matrices and one-token decode steps on `core` (a CpuCore)."""
+        from pyruntime.models.cpu_decode import CpuDecoder
+
+        self.core = core
+        self._decoder = CpuDecoder(self, core)
+        # One thread pool for everything: torch only runs the few ops left on the prefill path
+        # (attention, norms), and its threads would otherwise compete with the pool's.
+        torch.set_num_threads(1)
+
+    def linear(self, x: torch.Tensor, w: QuantMatrix, bias: torch.Tensor | None = None):
+        """x [T, n_in] -> [T, n_out]: on the C core in w's own format, else torch (dequantized)."""
+        if self.core is None:
+            return torch_linear(x, w, bias)
+        return self.core.linear(w.raw, int(w.qtype), w.shape[0], w.shape[1], x, bias)
 
     @classmethod
     def from_gguf(
@@ -207,6 +246,9 @@ class MoETransformer:
             torch.set_num_threads(threads)
         model = cls(ModelConfig.from_gguf(f), f)
         model.expert_backend = make_expert_backend(expert_backend, threads)
+        core = getattr(model.expert_backend, "core", None)
+        if core is not None:
+            model.use_core(core)
         return model
 
     def new_cache(self, max_tokens: int) -> KVCache:
@@ -224,9 +266,11 @@ class MoETransformer:
         if int(ids.min()) < 0 or int(ids.max()) >= cfg.n_vocab:
             raise UsageError(f"token id out of range [0, {cfg.n_vocab})")
         cache.reserve(n)
+        if n == 1 and self._decoder is not None and self.gate_observer is None:
+            return self._decoder.step(int(ids[0]), cache)  # [1, n_vocab]
         start = cache.n_tokens
         cos, sin = rope_tables(torch.arange(start, start + n), cfg.rope_dim, cfg.rope_theta)
-        x = self.token_embd[ids] * cfg.embedding_scale  # [n, n_embd]
+        x = self.token_embd.rows(ids) * cfg.embedding_scale  # [n, n_embd]
         for i, blk in enumerate(self.blocks):
             h = self._attention(i, blk, rms_norm(x, blk.attn_norm, cfg.rms_eps), cache, cos, sin)
             x = x + h * cfg.residual_scale
@@ -235,7 +279,7 @@ class MoETransformer:
         cache.n_tokens = start + n
         if last_only:
             x = x[-1:]
-        logits = rms_norm(x, self.output_norm, cfg.rms_eps) @ self.output.T
+        logits = self.linear(rms_norm(x, self.output_norm, cfg.rms_eps), self.output)
         return logits / cfg.logit_scale
 
     def _attention(
@@ -249,9 +293,9 @@ class MoETransformer:
     ) -> torch.Tensor:
         cfg = self.config
         n = x.shape[0]
-        q = F.linear(x, blk.wq, blk.bq)
-        k = F.linear(x, blk.wk, blk.bk)
-        v = F.linear(x, blk.wv, blk.bv)
+        q = self.linear(x, blk.wq, blk.bq)
+        k = self.linear(x, blk.wk, blk.bk)
+        v = self.linear(x, blk.wv, blk.bv)
         if cfg.clamp_kqv is not None:
             q, k, v = (t.clamp(-cfg.clamp_kqv, cfg.clamp_kqv) for t in (q, k, v))
         per_head_norm = blk.q_norm is not None and blk.q_norm.numel() == cfg.head_dim
@@ -282,20 +326,20 @@ class MoETransformer:
             cfg.attention_scale if cfg.attention_scale is not None else 1 / math.sqrt(cfg.head_dim)
         )
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-        return out.transpose(0, 1).reshape(n, cfg.n_head * cfg.head_dim) @ blk.wo.T
+        return self.linear(out.transpose(0, 1).reshape(n, cfg.n_head * cfg.head_dim), blk.wo)
 
     def _ffn(self, i: int, blk: BlockWeights, x: torch.Tensor) -> torch.Tensor:
         cfg = self.config
         if blk.experts is None:
-            return dense_ffn(blk.dense_ffn, x, cfg.activation)
-        ids, w = route(x @ blk.router.T, cfg.n_expert_used, cfg.expert_weights_norm)
+            return dense_ffn(blk.dense_ffn, x, cfg.activation, self.linear)
+        ids, w = route(self.linear(x, blk.router), cfg.n_expert_used, cfg.expert_weights_norm)
         if self.gate_observer is not None:
             self.gate_observer(i, blk.experts, x, ids, cfg.activation)
         threshold = None if self.expert_threshold is None else self.expert_threshold[i]
         y, n_active = self.expert_backend(blk.experts, x, ids, w, cfg.activation, threshold)
         self.stats.add(n_pairs=ids.numel(), n_active=n_active, n_ff=cfg.n_ff_exp)
         if blk.shared is not None:
-            s = dense_ffn(blk.shared, x, cfg.activation)
+            s = dense_ffn(blk.shared, x, cfg.activation, self.linear)
             if blk.shared_gate is not None:
                 s = s * torch.sigmoid(x @ blk.shared_gate)[:, None]
             y = y + s

@@ -100,6 +100,84 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
 /* Read `bytes` of buf once, split across the pool's threads (a stream-like DRAM read test for
  * benchmarks); checksum (may be NULL) gets the sum of the 64-bit words read. */
 int pyrt_mem_read(pyrt_pool *pool, const void *buf, size_t bytes, uint64_t *checksum);
+/* ---- dense weights and the whole-model decode step (linear.c, decode.c) ---- */
+
+/* A weight matrix [n_out, n_in] read in place (a pointer into the GGUF mmap): row o holds n_in
+ * elements in format fmt (pyrt_row_bytes(fmt, n_in) bytes), rows contiguous, so
+ * bytes == n_out * pyrt_row_bytes(fmt, n_in). data == NULL means "absent" where that is allowed. */
+typedef struct {
+    const void *data;
+    size_t bytes;
+    int fmt;
+    int n_out;
+    int n_in;
+} pyrt_matrix;
+
+/* y[t, o] = w[o, :] . x[t, :] (+ bias[o]) for t < n_tokens, o < n_out.
+ * x [n_tokens, n_in] f32; bias [n_out] f32 or NULL; y [n_tokens, n_out] f32 (written).
+ * For Q8_0/Q4_0 weights x is quantized to Q8_0 blocks once per token (as pyrt_moe_ffn does);
+ * rows are split across the pool's threads. */
+int pyrt_linear(pyrt_pool *pool, const pyrt_matrix *w, const float *x, int n_tokens,
+                const float *bias, float *y);
+
+/* One transformer block's weights (docs/gguf-layout.md names in brackets). Optional pointers are
+ * NULL / matrices with data == NULL when the model has no such tensor. All f32 vectors are
+ * contiguous float32. */
+typedef struct {
+    const float *attn_norm;         /* [n_embd] attn_norm */
+    pyrt_matrix wq, wk, wv;         /* [n_head*head_dim | n_head_kv*head_dim, n_embd] attn_q/k/v */
+    pyrt_matrix wo;                 /* [n_embd, n_head*head_dim] attn_output */
+    const float *bq, *bk, *bv;      /* q/k/v biases (qwen2moe) or NULL */
+    const float *q_norm, *k_norm;   /* NULL; [n_head*head_dim] / [n_head_kv*head_dim] (olmoe,
+                                       over all heads); or [head_dim] (qwen3moe, per head) */
+    int q_norm_len, k_norm_len;     /* elements of q_norm / k_norm (0 when NULL) */
+    const float *ffn_norm;          /* [n_embd] ffn_norm */
+    pyrt_matrix router;             /* [n_expert, n_embd] ffn_gate_inp; data NULL: dense layer */
+    const void *gud;                /* [n_expert, n_ff_exp, 3, n_embd] ffn_gud_exps */
+    size_t gud_bytes;
+    int gud_fmt;
+    pyrt_matrix sh_gate, sh_up;     /* [n_ff_shexp, n_embd] shared expert, or data NULL */
+    pyrt_matrix sh_down;            /* [n_embd, n_ff_shexp] */
+    const float *sh_gate_inp;       /* [n_embd]: shared output *= sigmoid(x . it), or NULL */
+    pyrt_matrix ffn_gate, ffn_up;   /* dense FFN layer (router.data == NULL): [n_ff, n_embd] */
+    pyrt_matrix ffn_down;           /* [n_embd, n_ff] */
+} pyrt_block_weights;
+
+/* The whole model. Borrowed: every pointer must stay valid for the decoder's life. */
+typedef struct {
+    int n_vocab, n_embd, n_layer, n_head, n_head_kv, head_dim, rope_dim;
+    int n_expert, n_expert_used, n_ff_exp;
+    int expert_weights_norm;        /* renormalize the top-k routing weights to sum to 1 */
+    int activation;                 /* PYRT_ACT_* of every FFN (routed, shared, dense) */
+    float rms_eps;
+    float embedding_scale, residual_scale, attention_scale, logit_scale;
+    float clamp_kqv;                /* > 0: q, k, v clamped to [-clamp_kqv, clamp_kqv]; 0: none */
+    const float *rope_inv_freq;     /* [rope_dim / 2]: theta^(-2i/rope_dim), HF rotate_half */
+    pyrt_matrix token_embd;         /* [n_vocab, n_embd] */
+    pyrt_matrix output;             /* [n_vocab, n_embd] (token_embd when tied) */
+    const float *output_norm;       /* [n_embd] */
+    const pyrt_block_weights *blocks; /* [n_layer] */
+} pyrt_model_weights;
+
+typedef struct pyrt_decoder pyrt_decoder;
+
+/* Checks every shape and format once and allocates the step's scratch; the weights are borrowed. */
+int pyrt_decoder_create(const pyrt_model_weights *w, pyrt_decoder **out);
+void pyrt_decoder_free(pyrt_decoder *dec);
+
+/* One decode step of one token at position pos, all layers, on the pool:
+ *   logits [n_vocab] f32 (written) of the token after `token`.
+ * k_cache[i], v_cache[i]: layer i's KV cache, [n_head_kv, cache_cap, head_dim] f32; positions
+ *   < pos hold earlier tokens (written by prefill or earlier steps), this step writes pos.
+ * thresholds: [n_layer] routed-expert sparsity thresholds (0 = dense), or NULL (all dense).
+ * n_active (may be NULL): routed neurons computed, summed over layers and top-k experts. */
+int pyrt_decoder_step(pyrt_decoder *dec, pyrt_pool *pool, int token, int pos,
+                      float *const *k_cache, float *const *v_cache, int cache_cap,
+                      const float *thresholds, float *logits, int64_t *n_active);
+/* Time spent by the decoder's steps since the last reset, in ns: [0] embedding + attention
+ * (norm, q/k/v, RoPE, attention, output projection), [1] FFN (norm, router, routed experts, shared
+ * expert or dense FFN), [2] output (final norm, output matrix); [3] steps. reset != 0 zeroes it. */
+int pyrt_decoder_times(pyrt_decoder *dec, int64_t *ns, int reset);
 /* PYRT_CDEF_END */
 
 #ifdef __cplusplus

@@ -1,0 +1,552 @@
+/* pyrt_decoder_step: one decode step (one token, every layer, the logits) in one C call, on the
+ * same thread pool as the expert kernels, with the dense weights read in place in their own
+ * format. The math is the torch path's (pyruntime/models/transformer.py), op for op:
+ *
+ *   x = token_embd[token] * embedding_scale
+ *   per block:  h = rms_norm(x) * attn_norm
+ *               q, k, v = h Wq^T + bq, ... ; clamp to +-clamp_kqv ; q/k norm (all heads or per
+ *               head) ; RoPE (rotate_half, first rope_dim dims of each head) ; k, v -> cache[pos]
+ *               a = softmax(q k^T * scale) v over positions 0..pos (GQA: head h reads kv head
+ *               h / (n_head / n_head_kv)) ; x += (a Wo^T) * residual_scale
+ *               h = rms_norm(x) * ffn_norm
+ *               MoE: p = softmax(h R^T), top-k (+ renormalize), routed experts (pyrt_moe_ffn),
+ *                    + shared expert * sigmoid(h . g_shexp) ; dense: down(act(gate h) * up h)
+ *               x += y * residual_scale
+ *   logits = (rms_norm(x) * output_norm) Wout^T / logit_scale
+ *
+ * Threads. Serial pieces (norms, RoPE, top-k, activations: O(n_embd) each, a few microseconds)
+ * run on the calling thread between pool tasks; every matrix product, the attention heads and
+ * the routed experts are pool tasks. Matrices that read the same input share one task (q, k, v;
+ * router, shared gate, shared up), so a block costs 6-7 hand-offs. */
+#define _POSIX_C_SOURCE 199309L /* clock_gettime */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "decode_internal.h"
+
+struct pyrt_decoder {
+    pyrt_model_weights w;        /* copy; w.blocks points at `blocks` */
+    pyrt_block_weights *blocks;  /* [n_layer] copy */
+    int max_in;                  /* longest input of any matrix (elements) */
+    int max_ff;                  /* widest shared expert / dense FFN */
+    float *x;                    /* [n_embd] residual stream */
+    float *xn;                   /* [max_in] normed input, then FFN hidden h */
+    pyrt_xq8 *xq;                /* [max_in / 32] Q8 blocks of the current matvec input */
+    float *q, *k, *v;            /* [n_head*hd], [n_kv*hd], [n_kv*hd] */
+    float *att;                  /* [n_head*hd] attention output */
+    float *y, *ys;               /* [n_embd] block output; shared expert / dense FFN output */
+    float *gate, *up;            /* [max_ff] */
+    float *router;               /* [n_expert] router logits, then probabilities */
+    int32_t *ids;                /* [n_expert_used] */
+    float *topw;                 /* [n_expert_used] */
+    float *scores;               /* [n_head, scores_cap] attention probabilities */
+    size_t scores_cap;           /* positions per head in scores */
+    int64_t times[4];            /* see pyrt_decoder_times */
+};
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* ---- checks -------------------------------------------------------------------------------- */
+
+static int check_shape(const pyrt_matrix *m, int n_out, int n_in, const char *what, int layer) {
+    char name[64];
+    if (layer >= 0)
+        snprintf(name, sizeof name, "blk.%d.%s", layer, what);
+    else
+        snprintf(name, sizeof name, "%s", what);
+    int rc = pyrt_matrix_check(m, "pyrt_decoder_create", name);
+    if (rc != PYRT_OK)
+        return rc;
+    if (m->n_out != n_out || m->n_in != n_in)
+        return pyrt_fail(PYRT_E_INVALID,
+                         "pyrt_decoder_create: %s has shape [%d, %d], the model needs [%d, %d]",
+                         name, m->n_out, m->n_in, n_out, n_in);
+    return PYRT_OK;
+}
+
+#define CHECK(call)                                                                               \
+    do {                                                                                          \
+        int rc_ = (call);                                                                         \
+        if (rc_ != PYRT_OK)                                                                       \
+            return rc_;                                                                           \
+    } while (0)
+
+static int fail_block(int i, const char *msg) {
+    return pyrt_fail(PYRT_E_INVALID, "pyrt_decoder_create: blk.%d: %s", i, msg);
+}
+
+static int check_block(const pyrt_model_weights *w, const pyrt_block_weights *b, int i,
+                       int *max_ff) {
+    const int n_embd = w->n_embd, nq = w->n_head * w->head_dim, nkv = w->n_head_kv * w->head_dim;
+    if (b->attn_norm == NULL || b->ffn_norm == NULL)
+        return fail_block(i, "attn_norm or ffn_norm is NULL");
+    CHECK(check_shape(&b->wq, nq, n_embd, "attn_q", i));
+    CHECK(check_shape(&b->wk, nkv, n_embd, "attn_k", i));
+    CHECK(check_shape(&b->wv, nkv, n_embd, "attn_v", i));
+    CHECK(check_shape(&b->wo, n_embd, nq, "attn_output", i));
+    if ((b->q_norm == NULL) != (b->k_norm == NULL))
+        return fail_block(i, "q_norm and k_norm must be both present or both absent");
+    if (b->q_norm != NULL) {
+        const int all = b->q_norm_len == nq && b->k_norm_len == nkv;
+        const int per_head = b->q_norm_len == w->head_dim && b->k_norm_len == w->head_dim;
+        if (!all && !per_head)
+            return pyrt_fail(PYRT_E_INVALID,
+                             "pyrt_decoder_create: blk.%d: q/k norms have %d/%d elements; expected "
+                             "%d/%d (over all heads) or %d/%d (per head)", i, b->q_norm_len,
+                             b->k_norm_len, nq, nkv, w->head_dim, w->head_dim);
+    }
+    if (b->router.data != NULL) {
+        CHECK(check_shape(&b->router, w->n_expert, n_embd, "ffn_gate_inp", i));
+        const size_t rb = pyrt_row_bytes(b->gud_fmt, n_embd);
+        if (b->gud == NULL || pyrt_row_ops_scalar(b->gud_fmt) == NULL || rb == 0 ||
+            (double)w->n_expert * w->n_ff_exp * 3.0 * (double)rb != (double)b->gud_bytes)
+            return pyrt_fail(PYRT_E_INVALID,
+                             "pyrt_decoder_create: blk.%d.ffn_gud_exps: NULL, unknown format %d, "
+                             "or %zu bytes where [%d, %d, 3, %d] needs %.0f", i, b->gud_fmt,
+                             b->gud_bytes, w->n_expert, w->n_ff_exp, n_embd,
+                             (double)w->n_expert * w->n_ff_exp * 3.0 * (double)rb);
+        if (b->sh_gate.data != NULL) {
+            const int n_ff = b->sh_gate.n_out;
+            CHECK(check_shape(&b->sh_gate, n_ff, n_embd, "ffn_gate_shexp", i));
+            CHECK(check_shape(&b->sh_up, n_ff, n_embd, "ffn_up_shexp", i));
+            CHECK(check_shape(&b->sh_down, n_embd, n_ff, "ffn_down_shexp", i));
+            *max_ff = n_ff > *max_ff ? n_ff : *max_ff;
+        } else if (b->sh_gate_inp != NULL) {
+            return fail_block(i, "ffn_gate_inp_shexp without a shared expert");
+        }
+    } else {
+        const int n_ff = b->ffn_gate.n_out;
+        CHECK(check_shape(&b->ffn_gate, n_ff, n_embd, "ffn_gate", i));
+        CHECK(check_shape(&b->ffn_up, n_ff, n_embd, "ffn_up", i));
+        CHECK(check_shape(&b->ffn_down, n_embd, n_ff, "ffn_down", i));
+        *max_ff = n_ff > *max_ff ? n_ff : *max_ff;
+    }
+    return PYRT_OK;
+}
+
+static int check_model(const pyrt_model_weights *w, int *max_ff) {
+    const char *fn = "pyrt_decoder_create";
+    if (w->n_vocab < 1 || w->n_embd < 1 || w->n_layer < 1 || w->n_head < 1 || w->n_head_kv < 1 ||
+        w->head_dim < 1 || w->n_expert < 1 || w->n_expert_used < 1 || w->n_ff_exp < 1)
+        return pyrt_fail(PYRT_E_INVALID,
+                         "%s: sizes must be positive: n_vocab=%d n_embd=%d n_layer=%d n_head=%d "
+                         "n_head_kv=%d head_dim=%d n_expert=%d n_expert_used=%d n_ff_exp=%d", fn,
+                         w->n_vocab, w->n_embd, w->n_layer, w->n_head, w->n_head_kv, w->head_dim,
+                         w->n_expert, w->n_expert_used, w->n_ff_exp);
+    if (w->n_head % w->n_head_kv != 0)
+        return pyrt_fail(PYRT_E_INVALID, "%s: n_head=%d is not a multiple of n_head_kv=%d", fn,
+                         w->n_head, w->n_head_kv);
+    if (w->n_expert_used > w->n_expert)
+        return pyrt_fail(PYRT_E_INVALID, "%s: n_expert_used=%d > n_expert=%d", fn,
+                         w->n_expert_used, w->n_expert);
+    if (w->rope_dim < 0 || w->rope_dim % 2 || w->rope_dim > w->head_dim ||
+        (w->rope_dim > 0 && w->rope_inv_freq == NULL))
+        return pyrt_fail(PYRT_E_INVALID,
+                         "%s: rope_dim=%d must be even, <= head_dim=%d, with rope_inv_freq set", fn,
+                         w->rope_dim, w->head_dim);
+    if (w->activation < PYRT_ACT_SILU || w->activation > PYRT_ACT_GELU_ERF)
+        return pyrt_fail(PYRT_E_INVALID, "%s: unknown activation %d", fn, w->activation);
+    if (w->blocks == NULL || w->output_norm == NULL)
+        return pyrt_fail(PYRT_E_INVALID, "%s: blocks or output_norm is NULL", fn);
+    if (!(w->logit_scale != 0.0f) || !(w->rms_eps >= 0.0f) || !(w->clamp_kqv >= 0.0f))
+        return pyrt_fail(PYRT_E_INVALID, "%s: logit_scale must be non-zero, rms_eps and clamp_kqv "
+                         ">= 0", fn);
+    CHECK(check_shape(&w->token_embd, w->n_vocab, w->n_embd, "token_embd", -1));
+    CHECK(check_shape(&w->output, w->n_vocab, w->n_embd, "output", -1));
+    for (int i = 0; i < w->n_layer; i++)
+        CHECK(check_block(w, &w->blocks[i], i, max_ff));
+    return PYRT_OK;
+}
+
+/* ---- build / free -------------------------------------------------------------------------- */
+
+int pyrt_decoder_create(const pyrt_model_weights *w, pyrt_decoder **out) {
+    pyrt_clear_error();
+    if (out == NULL || w == NULL)
+        return pyrt_fail(PYRT_E_INVALID, "pyrt_decoder_create: %s is NULL", w ? "out" : "w");
+    *out = NULL;
+    int max_ff = 0;
+    CHECK(check_model(w, &max_ff));
+    pyrt_decoder *d = calloc(1, sizeof *d);
+    if (d == NULL)
+        return pyrt_fail(PYRT_E_NOMEM, "pyrt_decoder_create: out of memory");
+    d->w = *w;
+    const int nq = w->n_head * w->head_dim, nkv = w->n_head_kv * w->head_dim;
+    d->max_ff = max_ff;
+    d->max_in = w->n_embd > nq ? w->n_embd : nq;
+    d->max_in = max_ff > d->max_in ? max_ff : d->max_in;
+    const size_t f = sizeof(float);
+    d->blocks = malloc((size_t)w->n_layer * sizeof *d->blocks);
+    d->x = malloc((size_t)w->n_embd * f);
+    d->xn = malloc((size_t)d->max_in * f);
+    d->xq = malloc(((size_t)d->max_in / PYRT_QK + 1) * sizeof(pyrt_xq8));
+    d->q = malloc((size_t)nq * f);
+    d->k = malloc((size_t)nkv * f);
+    d->v = malloc((size_t)nkv * f);
+    d->att = malloc((size_t)nq * f);
+    d->y = malloc((size_t)w->n_embd * f);
+    d->ys = malloc((size_t)w->n_embd * f);
+    d->gate = malloc(((size_t)max_ff + 1) * f);
+    d->up = malloc(((size_t)max_ff + 1) * f);
+    d->router = malloc((size_t)w->n_expert * f);
+    d->ids = malloc((size_t)w->n_expert_used * sizeof(int32_t));
+    d->topw = malloc((size_t)w->n_expert_used * f);
+    if (!d->blocks || !d->x || !d->xn || !d->xq || !d->q || !d->k || !d->v || !d->att || !d->y ||
+        !d->ys || !d->gate || !d->up || !d->router || !d->ids || !d->topw) {
+        pyrt_decoder_free(d);
+        return pyrt_fail(PYRT_E_NOMEM, "pyrt_decoder_create: out of memory");
+    }
+    memcpy(d->blocks, w->blocks, (size_t)w->n_layer * sizeof *d->blocks);
+    d->w.blocks = d->blocks;
+    *out = d;
+    return PYRT_OK;
+}
+
+void pyrt_decoder_free(pyrt_decoder *d) {
+    if (d == NULL)
+        return;
+    free(d->blocks);
+    free(d->x);
+    free(d->xn);
+    free(d->xq);
+    free(d->q);
+    free(d->k);
+    free(d->v);
+    free(d->att);
+    free(d->y);
+    free(d->ys);
+    free(d->gate);
+    free(d->up);
+    free(d->router);
+    free(d->ids);
+    free(d->topw);
+    free(d->scores);
+    free(d);
+}
+
+int pyrt_decoder_times(pyrt_decoder *d, int64_t *ns, int reset) {
+    pyrt_clear_error();
+    if (d == NULL || ns == NULL)
+        return pyrt_fail(PYRT_E_INVALID, "pyrt_decoder_times: %s is NULL", d ? "ns" : "dec");
+    memcpy(ns, d->times, sizeof d->times);
+    if (reset)
+        memset(d->times, 0, sizeof d->times);
+    return PYRT_OK;
+}
+
+/* ---- serial pieces (calling thread) -------------------------------------------------------- */
+
+/* out = x * rsqrt(mean(x^2) + eps) * w, in that order (as rms_norm in transformer.py). */
+static void rms_norm(const float *x, const float *w, float eps, int n, float *out) {
+    double ss = 0.0; /* f64 sum: order-independent to well under f32 rounding */
+    for (int i = 0; i < n; i++)
+        ss += (double)x[i] * x[i];
+    const float r = 1.0f / sqrtf((float)(ss / n) + eps);
+    for (int i = 0; i < n; i++)
+        out[i] = x[i] * r * w[i];
+}
+
+static inline float activate(int kind, float g) {
+    switch (kind) {
+    case PYRT_ACT_GELU_TANH:
+        return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+    case PYRT_ACT_GELU_ERF:
+        return 0.5f * g * (1.0f + erff(g * 0.7071067811865476f));
+    default: /* SiLU: for g -> -inf, expf overflows to inf and g / inf = -0, as wanted */
+        return g / (1.0f + expf(-g));
+    }
+}
+
+/* HF rotate_half on the first rope_dim dims of each of n_heads heads of x [n_heads, hd]:
+ * with c = cos(pos f_i), s = sin(pos f_i), i < rope_dim/2:
+ * x[i] <- x[i] c - x[i + d/2] s,  x[i + d/2] <- x[i + d/2] c + x[i] s. */
+static void rope(float *x, int n_heads, int hd, int rope_dim, const float *cs) {
+    const int half = rope_dim / 2;
+    for (int h = 0; h < n_heads; h++) {
+        float *xh = x + (size_t)h * hd;
+        for (int i = 0; i < half; i++) {
+            const float x1 = xh[i], x2 = xh[i + half], c = cs[2 * i], s = cs[2 * i + 1];
+            xh[i] = x1 * c + (-x2) * s;
+            xh[i + half] = x2 * c + x1 * s;
+        }
+    }
+}
+
+/* Softmax over n values in place. */
+static void softmax(float *p, int n) {
+    float mx = p[0];
+    for (int i = 1; i < n; i++)
+        mx = p[i] > mx ? p[i] : mx;
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) {
+        p[i] = expf(p[i] - mx);
+        sum += p[i];
+    }
+    for (int i = 0; i < n; i++)
+        p[i] /= sum;
+}
+
+/* p = softmax(logits) over the experts; ids/w = the k largest (ties: lower id first), renormalized
+ * to sum 1 when asked (docs/gguf-layout.md, "Routing"). */
+static void route(float *p, int n_expert, int k, int renorm, int32_t *ids, float *w) {
+    softmax(p, n_expert);
+    float sum = 0.0f;
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int e = 0; e < n_expert; e++) {
+            int taken = 0;
+            for (int i = 0; i < j; i++)
+                taken |= ids[i] == e;
+            if (!taken && (best < 0 || p[e] > p[best]))
+                best = e;
+        }
+        ids[j] = best;
+        w[j] = p[best];
+        sum += w[j];
+    }
+    if (renorm)
+        for (int j = 0; j < k; j++)
+            w[j] /= sum;
+}
+
+/* ---- pool tasks ---------------------------------------------------------------------------- */
+
+/* y = x W^T for the job's matrices: quantizes x (n elements) once when some matrix needs Q8
+ * blocks, then one pool task. */
+static void run_matvec(pyrt_decoder *d, pyrt_pool *pool, pyrt_mv_job *job, const float *x,
+                       int n) {
+    int blocked = 0;
+    for (int i = 0; i < job->n_mats; i++)
+        blocked |= pyrt_fmt_is_blocked(job->out[i].m->fmt);
+    if (blocked)
+        pyrt_quantize_x_q8(x, d->xq, n);
+    job->x = x;
+    job->x_stride = (size_t)n;
+    job->xq = d->xq;
+    job->xq_stride = (size_t)n / PYRT_QK;
+    job->n_tokens = 1;
+    if (job->div == 0.0f)
+        job->div = 1.0f;
+    pyrt_mv_job_prepare(job, pyrt_pool_threads(pool));
+    pyrt_pool_run(pool, pyrt_mv_task, job);
+}
+
+typedef struct {
+    const pyrt_decoder *d;
+    const float *kc, *vc; /* this layer's cache [n_kv, cap, hd] */
+    size_t cap;
+    int n_pos;            /* positions attended: 0 .. n_pos-1 */
+    float scale;
+    atomic_int next;      /* next head */
+} attn_ctx;
+
+/* One query head per work item: scores over the cached positions, softmax, weighted sum of V. */
+static void task_attention(void *p, int ith, int nth) {
+    (void)ith;
+    (void)nth;
+    attn_ctx *c = p;
+    const pyrt_decoder *d = c->d;
+    const int hd = d->w.head_dim, group = d->w.n_head / d->w.n_head_kv;
+    const pyrt_row_ops *f32 = pyrt_row_ops_active(PYRT_FMT_F32);
+    for (int h; (h = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed)) < d->w.n_head;) {
+        const int kvh = h / group;
+        const float *q = d->q + (size_t)h * hd;
+        const float *keys = c->kc + (size_t)kvh * c->cap * hd;
+        const float *vals = c->vc + (size_t)kvh * c->cap * hd;
+        float *s = d->scores + (size_t)h * d->scores_cap;
+        float *out = d->att + (size_t)h * hd;
+        for (int t = 0; t < c->n_pos; t++)
+            s[t] = f32->dot(keys + (size_t)t * hd, q, hd) * c->scale;
+        softmax(s, c->n_pos);
+        memset(out, 0, (size_t)hd * sizeof *out);
+        for (int t = 0; t < c->n_pos; t++)
+            f32->axpy(s[t], vals + (size_t)t * hd, out, hd);
+    }
+}
+
+/* ---- the step ------------------------------------------------------------------------------ */
+
+static void attention_block(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weights *b,
+                            int pos, float *kc, float *vc, size_t cap, const float *cs) {
+    const pyrt_model_weights *w = &d->w;
+    const int hd = w->head_dim, nq = w->n_head * hd, nkv = w->n_head_kv * hd;
+    rms_norm(d->x, b->attn_norm, w->rms_eps, w->n_embd, d->xn);
+    pyrt_mv_job qkv = {
+        .out = {{&b->wq, b->bq, d->q, 0}, {&b->wk, b->bk, d->k, 0}, {&b->wv, b->bv, d->v, 0}},
+        .n_mats = 3,
+        .clamp = w->clamp_kqv,
+    };
+    run_matvec(d, pool, &qkv, d->xn, w->n_embd);
+    if (b->q_norm != NULL && b->q_norm_len == nq) { /* olmoe: over all heads */
+        rms_norm(d->q, b->q_norm, w->rms_eps, nq, d->q);
+        rms_norm(d->k, b->k_norm, w->rms_eps, nkv, d->k);
+    } else if (b->q_norm != NULL) { /* qwen3moe: per head */
+        for (int h = 0; h < w->n_head; h++)
+            rms_norm(d->q + (size_t)h * hd, b->q_norm, w->rms_eps, hd, d->q + (size_t)h * hd);
+        for (int h = 0; h < w->n_head_kv; h++)
+            rms_norm(d->k + (size_t)h * hd, b->k_norm, w->rms_eps, hd, d->k + (size_t)h * hd);
+    }
+    rope(d->q, w->n_head, hd, w->rope_dim, cs);
+    rope(d->k, w->n_head_kv, hd, w->rope_dim, cs);
+    for (int h = 0; h < w->n_head_kv; h++) {
+        memcpy(kc + ((size_t)h * cap + pos) * hd, d->k + (size_t)h * hd, (size_t)hd * sizeof(float));
+        memcpy(vc + ((size_t)h * cap + pos) * hd, d->v + (size_t)h * hd, (size_t)hd * sizeof(float));
+    }
+    attn_ctx ac = {.d = d, .kc = kc, .vc = vc, .cap = cap, .n_pos = pos + 1,
+                   .scale = w->attention_scale};
+    atomic_init(&ac.next, 0);
+    pyrt_pool_run(pool, task_attention, &ac);
+    pyrt_mv_job o = {.out = {{&b->wo, NULL, d->y, 0}}, .n_mats = 1};
+    run_matvec(d, pool, &o, d->att, nq);
+    for (int i = 0; i < w->n_embd; i++)
+        d->x[i] = d->x[i] + d->y[i] * w->residual_scale;
+}
+
+/* d->ys = down(act(gate) * up), gate and up already in d->gate / d->up [n_ff]. */
+static void ffn_down(pyrt_decoder *d, pyrt_pool *pool, const pyrt_matrix *down, int n_ff) {
+    for (int j = 0; j < n_ff; j++)
+        d->gate[j] = activate(d->w.activation, d->gate[j]) * d->up[j];
+    pyrt_mv_job job = {.out = {{down, NULL, d->ys, 0}}, .n_mats = 1};
+    run_matvec(d, pool, &job, d->gate, n_ff);
+}
+
+/* Returns the routed neurons computed (n_active of pyrt_moe_ffn), or -1 on failure. */
+static int64_t ffn_block(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weights *b,
+                         float threshold) {
+    const pyrt_model_weights *w = &d->w;
+    const int n_embd = w->n_embd;
+    rms_norm(d->x, b->ffn_norm, w->rms_eps, n_embd, d->xn);
+    int64_t active = 0;
+    if (b->router.data == NULL) { /* dense FFN layer */
+        pyrt_mv_job gu = {.out = {{&b->ffn_gate, NULL, d->gate, 0}, {&b->ffn_up, NULL, d->up, 0}},
+                          .n_mats = 2};
+        run_matvec(d, pool, &gu, d->xn, n_embd);
+        ffn_down(d, pool, &b->ffn_down, b->ffn_gate.n_out);
+        memcpy(d->y, d->ys, (size_t)n_embd * sizeof(float));
+    } else {
+        const int shared = b->sh_gate.data != NULL;
+        pyrt_mv_job rt = {.out = {{&b->router, NULL, d->router, 0},
+                                  {&b->sh_gate, NULL, d->gate, 0},
+                                  {&b->sh_up, NULL, d->up, 0}},
+                          .n_mats = shared ? 3 : 1};
+        run_matvec(d, pool, &rt, d->xn, n_embd);
+        route(d->router, w->n_expert, w->n_expert_used, w->expert_weights_norm, d->ids, d->topw);
+        /* pyrt_moe_ffn takes the pool itself */
+        pyrt_pool_release(pool);
+        int rc = pyrt_moe_ffn(pool, b->gud, b->gud_bytes, b->gud_fmt, w->n_expert, w->n_ff_exp,
+                              n_embd, d->xn, 1, d->ids, d->topw, w->n_expert_used, w->activation,
+                              threshold, d->y, &active);
+        pyrt_pool_acquire(pool);
+        if (rc != PYRT_OK)
+            return -1;
+        if (shared) {
+            float gs = 1.0f;
+            if (b->sh_gate_inp != NULL) {
+                const float z = pyrt_row_ops_active(PYRT_FMT_F32)->dot(b->sh_gate_inp, d->xn, n_embd);
+                gs = 1.0f / (1.0f + expf(-z));
+            }
+            ffn_down(d, pool, &b->sh_down, b->sh_gate.n_out);
+            for (int i = 0; i < n_embd; i++)
+                d->y[i] = d->y[i] + d->ys[i] * gs;
+        }
+    }
+    for (int i = 0; i < n_embd; i++)
+        d->x[i] = d->x[i] + d->y[i] * w->residual_scale;
+    return active;
+}
+
+static int check_step(const pyrt_decoder *d, const pyrt_pool *pool, int token, int pos,
+                      float *const *k_cache, float *const *v_cache, int cache_cap,
+                      const float *thresholds, const float *logits) {
+    const char *fn = "pyrt_decoder_step";
+    if (d == NULL || pool == NULL || logits == NULL || k_cache == NULL || v_cache == NULL)
+        return pyrt_fail(PYRT_E_INVALID, "%s: %s is NULL", fn,
+                         d == NULL ? "dec" : pool == NULL ? "pool" : logits == NULL ? "logits"
+                                                                                    : "kv cache");
+    if (token < 0 || token >= d->w.n_vocab)
+        return pyrt_fail(PYRT_E_INVALID, "%s: token %d is outside [0, n_vocab=%d)", fn, token,
+                         d->w.n_vocab);
+    if (pos < 0 || pos >= cache_cap)
+        return pyrt_fail(PYRT_E_INVALID, "%s: position %d is outside the cache [0, %d)", fn, pos,
+                         cache_cap);
+    for (int i = 0; i < d->w.n_layer; i++) {
+        if (k_cache[i] == NULL || v_cache[i] == NULL)
+            return pyrt_fail(PYRT_E_INVALID, "%s: kv cache of layer %d is NULL", fn, i);
+        if (thresholds != NULL && (!(thresholds[i] >= 0.0f) || isinf(thresholds[i])))
+            return pyrt_fail(PYRT_E_INVALID, "%s: threshold of layer %d must be finite and >= 0",
+                             fn, i);
+    }
+    return PYRT_OK;
+}
+
+int pyrt_decoder_step(pyrt_decoder *d, pyrt_pool *pool, int token, int pos,
+                      float *const *k_cache, float *const *v_cache, int cache_cap,
+                      const float *thresholds, float *logits, int64_t *n_active) {
+    pyrt_clear_error();
+    CHECK(check_step(d, pool, token, pos, k_cache, v_cache, cache_cap, thresholds, logits));
+    const pyrt_model_weights *w = &d->w;
+    if (d->scores_cap < (size_t)cache_cap) {
+        float *s = realloc(d->scores, (size_t)w->n_head * cache_cap * sizeof(float));
+        if (s == NULL)
+            return pyrt_fail(PYRT_E_NOMEM, "pyrt_decoder_step: cannot allocate attention scores");
+        d->scores = s;
+        d->scores_cap = (size_t)cache_cap;
+    }
+    /* RoPE table of this position: (cos, sin) of pos * inv_freq[i], pos * inv_freq in f32 as in
+     * rope_tables (transformer.py). */
+    float cs[2 * 512];
+    const int half = w->rope_dim / 2;
+    float *csp = half <= 512 ? cs : malloc((size_t)half * 2 * sizeof(float));
+    if (csp == NULL)
+        return pyrt_fail(PYRT_E_NOMEM, "pyrt_decoder_step: out of memory");
+    for (int i = 0; i < half; i++) {
+        const float f = (float)pos * w->rope_inv_freq[i];
+        csp[2 * i] = cosf(f);
+        csp[2 * i + 1] = sinf(f);
+    }
+    int64_t t0 = now_ns();
+    /* embedding row: x = token_embd[token] * embedding_scale (axpy of 1.0 onto 0 dequantizes) */
+    const pyrt_matrix *emb = &w->token_embd;
+    memset(d->x, 0, (size_t)w->n_embd * sizeof(float));
+    pyrt_row_ops_active(emb->fmt)->axpy(
+        1.0f, (const uint8_t *)emb->data + (size_t)token * pyrt_row_bytes(emb->fmt, w->n_embd),
+        d->x, w->n_embd);
+    for (int i = 0; i < w->n_embd; i++)
+        d->x[i] *= w->embedding_scale;
+
+    pyrt_pool_acquire(pool);
+    int64_t active = 0;
+    int rc = PYRT_OK;
+    for (int l = 0; l < w->n_layer && rc == PYRT_OK; l++) {
+        const pyrt_block_weights *b = &d->blocks[l];
+        attention_block(d, pool, b, pos, k_cache[l], v_cache[l], (size_t)cache_cap, csp);
+        const int64_t t1 = now_ns();
+        d->times[0] += t1 - t0;
+        const int64_t a = ffn_block(d, pool, b, thresholds != NULL ? thresholds[l] : 0.0f);
+        if (a < 0)
+            rc = PYRT_E_INVALID; /* pyrt_moe_ffn's message stays in last_error */
+        active += a;
+        t0 = now_ns();
+        d->times[1] += t0 - t1;
+    }
+    if (rc == PYRT_OK) {
+        rms_norm(d->x, w->output_norm, w->rms_eps, w->n_embd, d->xn);
+        pyrt_mv_job out = {.out = {{&w->output, NULL, logits, 0}}, .n_mats = 1,
+                           .div = w->logit_scale};
+        run_matvec(d, pool, &out, d->xn, w->n_embd);
+        d->times[2] += now_ns() - t0;
+        d->times[3] += 1;
+    }
+    pyrt_pool_release(pool);
+    if (csp != cs)
+        free(csp);
+    if (n_active != NULL)
+        *n_active = rc == PYRT_OK ? active : 0;
+    return rc;
+}

@@ -1,0 +1,53 @@
+/* Internal declarations of the dense-weight kernels (linear.c) shared with the decode step
+ * (decode.c). Not part of the public API. */
+#ifndef PYRT_DECODE_INTERNAL_H
+#define PYRT_DECODE_INTERNAL_H
+
+#include <stdatomic.h>
+
+#include "pyrt_internal.h"
+
+enum { PYRT_MV_MAX = 4 }; /* matrices one matvec job can hold (q, k, v; router, gate, up) */
+
+static inline int pyrt_fmt_is_blocked(int fmt) {
+    return fmt == PYRT_FMT_Q8_0 || fmt == PYRT_FMT_Q4_0;
+}
+
+/* Checks one weight matrix (non-NULL data, known format, n_in fits the format, bytes match the
+ * shape, aligned); on failure sets last_error ("fn: what ...") and returns the status. */
+int pyrt_matrix_check(const pyrt_matrix *m, const char *fn, const char *what);
+
+/* One output of a matvec job: y[t * y_stride + o] = m[o, :] . x_t (+ bias[o]), then clamped to
+ * [-clamp, clamp] when clamp > 0, then divided by div when div != 1. */
+typedef struct {
+    const pyrt_matrix *m;
+    const float *bias; /* [n_out] or NULL */
+    float *y;
+    size_t y_stride; /* floats between tokens in y */
+} pyrt_mv_out;
+
+/* y = x W^T for up to PYRT_MV_MAX matrices over the same tokens, as one pool task: the rows of
+ * all matrices form one list cut into chunks that threads take from a shared counter (a slower
+ * or preempted core delays the task by one chunk). Each y element is written by one thread. */
+typedef struct {
+    pyrt_mv_out out[PYRT_MV_MAX];
+    int n_mats;
+    const float *x;       /* [n_tokens, x_stride] f32: read by float-format matrices */
+    size_t x_stride;      /* floats between tokens in x */
+    const pyrt_xq8 *xq;   /* [n_tokens, xq_stride] Q8 blocks of x: read by Q8_0/Q4_0 matrices */
+    size_t xq_stride;     /* blocks between tokens in xq */
+    int n_tokens;
+    float clamp;          /* > 0: clamp every output to [-clamp, clamp] (after the bias) */
+    float div;            /* every output divided by it (1: no-op) */
+    /* set by pyrt_mv_job_prepare */
+    int64_t total_rows;
+    int chunk;            /* rows per work item (even, so row pairs share one pass over x) */
+    atomic_int next;      /* next work item */
+} pyrt_mv_job;
+
+/* Sets the chunking for nth threads and resets the counter; call before each pyrt_pool_run. */
+void pyrt_mv_job_prepare(pyrt_mv_job *job, int nth);
+/* The pool task (ctx: pyrt_mv_job). */
+void pyrt_mv_task(void *ctx, int ith, int nth);
+
+#endif /* PYRT_DECODE_INTERNAL_H */

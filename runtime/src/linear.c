@@ -1,0 +1,192 @@
+/* pyrt_linear: y = x W^T (+ b) over a dense weight matrix read in place from the GGUF mmap, in its
+ * own format (F32, F16, BF16, Q8_0, Q4_0), for one token (decode: a matvec, DRAM-bound) or many
+ * (prefill). For Q8_0/Q4_0 the activations are quantized to Q8_0 blocks once per token and the dot
+ * products are integer, as in pyrt_moe_ffn and llama.cpp; accumulation is f32.
+ *
+ * Work split: the rows of the matrices of one job form one list, cut into chunks of `chunk` rows
+ * (about CHUNKS_PER_THREAD per thread) that threads take from an atomic counter. A chunk walks
+ * its rows in pairs (dot2: one pass over x for two rows) and, inside a pair, every token of a
+ * TOKEN_TILE, so a weight row is read from DRAM once and reused from L1 for the tile. */
+#include <stdlib.h>
+
+#include "decode_internal.h"
+
+enum {
+    CHUNKS_PER_THREAD = 4,
+    MIN_CHUNK = 16,             /* rows: below this the counter traffic costs more than it saves */
+    TOKEN_TILE = 64,            /* tokens whose Q8 blocks stay in L2 while a chunk's rows pass */
+    SERIAL_QUANTIZE_MAX = 1 << 15 /* x elements quantized on the calling thread */
+};
+
+int pyrt_matrix_check(const pyrt_matrix *m, const char *fn, const char *what) {
+    if (m == NULL || m->data == NULL)
+        return pyrt_fail(PYRT_E_INVALID, "%s: %s weights are NULL", fn, what);
+    if (pyrt_row_ops_scalar(m->fmt) == NULL)
+        return pyrt_fail(PYRT_E_INVALID,
+                         "%s: %s has unknown weight format %d (supported: 0 F32, 1 F16, 30 BF16, "
+                         "8 Q8_0, 2 Q4_0)", fn, what, m->fmt);
+    if (m->n_out < 1 || m->n_in < 1)
+        return pyrt_fail(PYRT_E_INVALID, "%s: %s has shape [%d, %d]; both must be positive", fn,
+                         what, m->n_out, m->n_in);
+    const size_t rb = pyrt_row_bytes(m->fmt, m->n_in);
+    if (rb == 0)
+        return pyrt_fail(PYRT_E_INVALID,
+                         "%s: %s rows have %d elements, not a multiple of 32, which format %d "
+                         "(quantized in blocks of 32) needs", fn, what, m->n_in, m->fmt);
+    if ((double)rb * m->n_out != (double)m->bytes)
+        return pyrt_fail(PYRT_E_INVALID,
+                         "%s: %s holds %zu bytes but [%d, %d] in format %d needs %.0f: wrong shape "
+                         "or format for this tensor", fn, what, m->bytes, m->n_out, m->n_in,
+                         m->fmt, (double)rb * m->n_out);
+    const size_t elem = m->fmt == PYRT_FMT_F32 ? 4 : pyrt_fmt_is_blocked(m->fmt) ? 1 : 2;
+    if ((uintptr_t)m->data % elem != 0)
+        return pyrt_fail(PYRT_E_INVALID, "%s: %s weights pointer is not %zu-byte aligned", fn,
+                         what, elem);
+    return PYRT_OK;
+}
+
+void pyrt_mv_job_prepare(pyrt_mv_job *job, int nth) {
+    int64_t total = 0;
+    for (int i = 0; i < job->n_mats; i++)
+        total += job->out[i].m->n_out;
+    job->total_rows = total;
+    int64_t chunk = (total + (int64_t)nth * CHUNKS_PER_THREAD - 1) / ((int64_t)nth * CHUNKS_PER_THREAD);
+    if (chunk < MIN_CHUNK)
+        chunk = MIN_CHUNK;
+    chunk += chunk & 1;
+    job->chunk = (int)chunk;
+    atomic_store_explicit(&job->next, 0, memory_order_relaxed); /* pool_run publishes it */
+}
+
+static inline float finish(const pyrt_mv_job *job, const pyrt_mv_out *o, int row, float v) {
+    if (o->bias != NULL)
+        v += o->bias[row];
+    if (job->clamp > 0.0f)
+        v = v < -job->clamp ? -job->clamp : v > job->clamp ? job->clamp : v;
+    if (job->div != 1.0f)
+        v /= job->div;
+    return v;
+}
+
+/* Rows [r0, r1) of one matrix, every token of the job. */
+static void mv_rows(const pyrt_mv_job *job, const pyrt_mv_out *o, int r0, int r1) {
+    const pyrt_matrix *m = o->m;
+    const pyrt_row_ops *ops = pyrt_row_ops_active(m->fmt);
+    const size_t rb = pyrt_row_bytes(m->fmt, m->n_in);
+    const uint8_t *w = m->data;
+    const int blocked = pyrt_fmt_is_blocked(m->fmt);
+    const uint8_t *xv = blocked ? (const uint8_t *)job->xq : (const uint8_t *)job->x;
+    const size_t xs = blocked ? job->xq_stride * sizeof(pyrt_xq8) : job->x_stride * sizeof(float);
+    for (int t0 = 0; t0 < job->n_tokens; t0 += TOKEN_TILE) {
+        const int t1 = job->n_tokens - t0 < TOKEN_TILE ? job->n_tokens : t0 + TOKEN_TILE;
+        int r = r0;
+        for (; ops->dot2 != NULL && r + 1 < r1; r += 2) {
+            const uint8_t *row = w + (size_t)r * rb;
+            for (int t = t0; t < t1; t++) {
+                float d[2];
+                ops->dot2(row, row + rb, xv + (size_t)t * xs, m->n_in, d);
+                o->y[(size_t)t * o->y_stride + r] = finish(job, o, r, d[0]);
+                o->y[(size_t)t * o->y_stride + r + 1] = finish(job, o, r + 1, d[1]);
+            }
+        }
+        for (; r < r1; r++) {
+            const uint8_t *row = w + (size_t)r * rb;
+            for (int t = t0; t < t1; t++)
+                o->y[(size_t)t * o->y_stride + r] =
+                    finish(job, o, r, ops->dot(row, xv + (size_t)t * xs, m->n_in));
+        }
+    }
+}
+
+void pyrt_mv_task(void *ctx, int ith, int nth) {
+    (void)ith;
+    (void)nth;
+    pyrt_mv_job *job = ctx;
+    for (;;) {
+        const int64_t item = atomic_fetch_add_explicit(&job->next, 1, memory_order_relaxed);
+        int64_t lo = item * job->chunk;
+        if (lo >= job->total_rows)
+            return;
+        int64_t hi = lo + job->chunk < job->total_rows ? lo + job->chunk : job->total_rows;
+        /* map the global row range onto the matrices it crosses */
+        int64_t base = 0;
+        for (int i = 0; i < job->n_mats && lo < hi; i++) {
+            const int64_t n = job->out[i].m->n_out;
+            if (lo < base + n) {
+                const int64_t end = hi < base + n ? hi : base + n;
+                mv_rows(job, &job->out[i], (int)(lo - base), (int)(end - base));
+                lo = end;
+            }
+            base += n;
+        }
+    }
+}
+
+typedef struct {
+    const float *x;
+    pyrt_xq8 *xq;
+    int n_tokens, n_in;
+} quantize_ctx;
+
+static void task_quantize(void *p, int ith, int nth) {
+    quantize_ctx *c = p;
+    const int t_lo = (int)((int64_t)c->n_tokens * ith / nth);
+    const int t_hi = (int)((int64_t)c->n_tokens * (ith + 1) / nth);
+    const size_t nb = (size_t)c->n_in / PYRT_QK;
+    for (int t = t_lo; t < t_hi; t++)
+        pyrt_quantize_x_q8(c->x + (size_t)t * c->n_in, c->xq + (size_t)t * nb, c->n_in);
+}
+
+int pyrt_linear(pyrt_pool *pool, const pyrt_matrix *w, const float *x, int n_tokens,
+                const float *bias, float *y) {
+    pyrt_clear_error();
+    const char *fn = "pyrt_linear";
+    if (pool == NULL)
+        return pyrt_fail(PYRT_E_INVALID, "%s: pool is NULL (create one with pyrt_pool_create)", fn);
+    if (w == NULL)
+        return pyrt_fail(PYRT_E_INVALID, "%s: w is NULL", fn);
+    int rc = pyrt_matrix_check(w, fn, "w");
+    if (rc != PYRT_OK)
+        return rc;
+    if (n_tokens < 0)
+        return pyrt_fail(PYRT_E_INVALID, "%s: n_tokens must be >= 0, got %d", fn, n_tokens);
+    if (x == NULL || y == NULL)
+        return pyrt_fail(PYRT_E_INVALID, "%s: %s is NULL", fn, x == NULL ? "x" : "y");
+    if ((uintptr_t)x % 4 || (uintptr_t)y % 4 || (uintptr_t)bias % 4)
+        return pyrt_fail(PYRT_E_INVALID, "%s: x, y, bias must be 4-byte aligned", fn);
+    if (n_tokens == 0)
+        return PYRT_OK;
+
+    const int blocked = pyrt_fmt_is_blocked(w->fmt);
+    const size_t nb = (size_t)w->n_in / PYRT_QK;
+    pyrt_pool_acquire(pool);
+    pyrt_xq8 *xq = NULL;
+    if (blocked) {
+        xq = pyrt_pool_workspace(pool, (size_t)n_tokens * nb * sizeof(pyrt_xq8));
+        if (xq == NULL) {
+            pyrt_pool_release(pool);
+            return pyrt_fail(PYRT_E_NOMEM, "%s: cannot allocate %zu bytes for quantized x", fn,
+                             (size_t)n_tokens * nb * sizeof(pyrt_xq8));
+        }
+        quantize_ctx qc = {.x = x, .xq = xq, .n_tokens = n_tokens, .n_in = w->n_in};
+        if ((int64_t)n_tokens * w->n_in <= SERIAL_QUANTIZE_MAX)
+            task_quantize(&qc, 0, 1);
+        else
+            pyrt_pool_run(pool, task_quantize, &qc);
+    }
+    pyrt_mv_job job = {
+        .out = {{.m = w, .bias = bias, .y = y, .y_stride = (size_t)w->n_out}},
+        .n_mats = 1,
+        .x = x,
+        .x_stride = (size_t)w->n_in,
+        .xq = xq,
+        .xq_stride = nb,
+        .n_tokens = n_tokens,
+        .clamp = 0.0f,
+        .div = 1.0f,
+    };
+    pyrt_mv_job_prepare(&job, pyrt_pool_threads(pool));
+    pyrt_pool_run(pool, pyrt_mv_task, &job);
+    pyrt_pool_release(pool);
+    return PYRT_OK;
+}
