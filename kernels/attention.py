@@ -1,0 +1,139 @@
+"""Decode attention (one query token) over a static KV cache, split along the sequence.
+
+    out[h] = softmax(scale * K[kv(h), :n] @ q[h]) @ V[kv(h), :n]      kv(h) = h // (n_head / n_kv)
+
+The cached length n is read from a device tensor, not passed from the host, so one launch is
+valid at every position: a CUDA graph captured once replays for every decoded token. Only the
+first n positions of the cache are read (the static cache is allocated for the whole context).
+
+Split-K ("flash-decoding"): program (h, s) takes split s of the n positions, whose size
+cdiv(cdiv(n, N_SPLIT), BLOCK_S) * BLOCK_S is computed in the kernel from n, so the work stays
+spread over all splits at any length. Each split writes its running max m, sum l and
+unnormalized output acc [D]; `_combine_kernel` merges the N_SPLIT partials per head:
+out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s. Splits past n write m = -inf, l = 0.
+Math in fp32 whatever the cache dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, stride_kvh, GROUP, scale,
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                  N_SPLIT: tl.constexpr):  # fmt: skip
+    h = tl.program_id(0)
+    sp = tl.program_id(1)
+    kvh = h // GROUP
+    n = tl.load(len_ptr)
+    chunk = tl.cdiv(tl.cdiv(n, N_SPLIT), BLOCK_S) * BLOCK_S
+    start = sp * chunk
+    end = tl.minimum(start + chunk, n)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    q = tl.load(q_ptr + h * D + d, mask=dm, other=0.0).to(tl.float32) * scale
+    m_i = tl.full([1], float("-inf"), tl.float32)
+    l_i = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    base = kvh.to(tl.int64) * stride_kvh
+    for s0 in range(start, end, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        sm = s < end
+        off = base + s[:, None].to(tl.int64) * D + d[None, :]
+        kv_mask = sm[:, None] & dm[None, :]
+        k = tl.load(k_ptr + off, mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_S, BLOCK_D]
+        sc = tl.sum(k * q[None, :], axis=1)
+        sc = tl.where(sm, sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=0))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(sc - m_new)  # [BLOCK_S]; 0 off the mask
+        v = tl.load(v_ptr + off, mask=kv_mask, other=0.0).to(tl.float32)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m_i = m_new
+    row = h * N_SPLIT + sp
+    one = tl.arange(0, 1)
+    tl.store(m_ptr + row + one, m_i)
+    tl.store(l_ptr + row + one, l_i)
+    tl.store(acc_ptr + row * D + d, acc, mask=dm)
+
+
+@triton.jit
+def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    N_SPLIT: tl.constexpr):  # fmt: skip
+    h = tl.program_id(0)
+    sp = tl.arange(0, N_SPLIT)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    m = tl.load(m_ptr + h * N_SPLIT + sp)  # [N_SPLIT]
+    w = tl.exp(m - tl.max(m, axis=0))  # 0 for empty splits (m = -inf)
+    l_sum = tl.sum(tl.load(l_ptr + h * N_SPLIT + sp) * w, axis=0)
+    acc = tl.load(acc_ptr + (h * N_SPLIT + sp)[:, None] * D + d[None, :], mask=dm[None, :])
+    out = tl.sum(acc * w[:, None], axis=0) / l_sum
+    tl.store(out_ptr + h * D + d, out.to(out_ptr.dtype.element_ty), mask=dm)
+
+
+def decode_splits(n_head: int, max_tokens: int) -> int:
+    """Splits per head: enough programs to fill a GPU (~128 SMs) at 16+ heads, never more
+    splits than 64-position blocks in the cache. A power of two (tl.arange in the combine)."""
+    want = max(1, min(16, 256 // max(n_head, 1), triton.cdiv(max_tokens, 64)))
+    return 1 << (want.bit_length() - 1)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_len: torch.Tensor,
+    scale: float,
+    n_split: int | None = None,
+    block_s: int = 64,
+) -> torch.Tensor:
+    """q [n_head, D]; k_cache, v_cache [n_kv, max_tokens, D] (contiguous rows); seq_len [1]
+    int32 device tensor (1 <= n <= max_tokens positions to attend). Returns [n_head, D] in
+    q's dtype. No host synchronization (graph-capturable)."""
+    n_head, D = q.shape
+    n_kv, max_tokens, d_k = k_cache.shape
+    if d_k != D or v_cache.shape != k_cache.shape or n_head % n_kv:
+        raise ValueError(
+            f"q {list(q.shape)}, k {list(k_cache.shape)}, v {list(v_cache.shape)}: need "
+            "q [n_head, D], k = v [n_kv, max_tokens, D] with n_head % n_kv == 0"
+        )
+    if k_cache.stride(2) != 1 or k_cache.stride(1) != D or v_cache.stride() != k_cache.stride():
+        raise ValueError("k_cache and v_cache must have contiguous [max_tokens, D] rows per head")
+    if seq_len.numel() != 1 or seq_len.dtype != torch.int32:
+        raise ValueError("seq_len must be a [1] int32 tensor")
+    q = q.contiguous()
+    n_split = n_split or decode_splits(n_head, max_tokens)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    m = torch.empty(n_head * n_split, **f32)
+    l_sum = torch.empty(n_head * n_split, **f32)
+    acc = torch.empty(n_head * n_split, D, **f32)
+    out = torch.empty_like(q)
+    block_d = triton.next_power_of_2(D)
+    _split_kernel[(n_head, n_split)](
+        q, k_cache, v_cache, seq_len, m, l_sum, acc, k_cache.stride(0), n_head // n_kv,
+        scale, D=D, BLOCK_D=block_d, BLOCK_S=block_s, N_SPLIT=n_split,
+    )  # fmt: skip
+    _combine_kernel[(n_head,)](m, l_sum, acc, out, D=D, BLOCK_D=block_d, N_SPLIT=n_split)
+    return out
+
+
+def decode_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, n: int, scale: float
+) -> torch.Tensor:
+    """Plain torch: softmax attention of each head over the first n cached positions, fp32."""
+    group = q.shape[0] // k_cache.shape[0]
+    k = k_cache[:, :n].float().repeat_interleave(group, dim=0)  # [n_head, n, D]
+    v = v_cache[:, :n].float().repeat_interleave(group, dim=0)
+    p = torch.softmax(torch.einsum("hd,hnd->hn", q.float(), k) * scale, dim=-1)
+    return torch.einsum("hn,hnd->hd", p, v)
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

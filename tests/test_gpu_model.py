@@ -1,0 +1,128 @@
+"""The device model (pyruntime.models.gpu) vs the CPU reference model, every family.
+
+Runs on device="cpu" here (the Triton kernels under TRITON_INTERPRET=1, the same code the GPU
+runs, minus the CUDA graph); on a GPU machine the same tests also run on device="cuda" with the
+decode step captured in a CUDA graph. Tolerances are the foundation's (tests/test_parity.py):
+- f32 GGUF: max |d log-prob| <= 1e-3 against the CPU path, for a prefill and for prefill +
+  token-by-token decode through the KV cache (decode: the split-K attention kernel);
+- q8_0 GGUF (dense weights in bf16 on the device): argmax agreement >= 98% with the CPU path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hf_fixtures import make_tiny_hf_model
+
+from pyruntime.converter import convert
+from pyruntime.gguf_file import open_gguf
+from pyruntime.models.gpu import DeviceTransformer, route_device
+from pyruntime.models.transformer import MoETransformer
+
+ARCHS = ["olmoe", "qwen2moe", "qwen3moe", "mixtral", "granitemoe"]
+N_PREFILL, N_DECODE = 12, 4  # prefill > 8 tokens: the grouped-GEMM expert path
+LOGPROB_TOL = 1e-3
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def tiny_ggufs(request, tmp_path_factory) -> dict[str, Path | str]:
+    arch = request.param
+    tmp = tmp_path_factory.mktemp(f"gpu-{arch}")
+    # Tied embeddings: clear top-1 gaps, so argmax agreement measures quantization, not ties
+    # (see tests/test_parity.py).
+    hf_dir = make_tiny_hf_model(arch, tmp / "hf", tie_word_embeddings=True)
+    out: dict[str, Path | str] = {"arch": arch}
+    for fmt in ("f32", "q8_0"):
+        out[fmt] = convert(hf_dir, tmp / f"m-{fmt}.gguf", fmt, progress=False)
+    return out
+
+
+def _ids(n_vocab: int, n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, n_vocab, (n,), generator=g).tolist()
+
+
+def _logprobs(model, ids: list[int], split: int) -> torch.Tensor:
+    """Prefill ids[:split], then decode the rest one token at a time."""
+    cache = model.new_cache(len(ids))
+    parts = [model.forward(ids[:split], cache)]
+    parts += [model.forward(ids[j : j + 1], cache) for j in range(split, len(ids))]
+    return torch.log_softmax(torch.cat(parts).double(), dim=-1)
+
+
+def _models(path: Path, device: str):
+    f = open_gguf(path)
+    return MoETransformer.from_gguf(f, expert_backend="torch"), DeviceTransformer(
+        MoETransformer.from_gguf(f, expert_backend="torch").config, f, device
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_f32_logprobs_match_cpu_path(tiny_ggufs, device):
+    cpu, dev = _models(tiny_ggufs["f32"], device)
+    assert dev.dtype == torch.float32
+    ids = _ids(cpu.config.n_vocab, N_PREFILL + N_DECODE)
+    ref = _logprobs(cpu, ids, N_PREFILL)
+    got = _logprobs(dev, ids, N_PREFILL)
+    assert got.shape == ref.shape
+    err = (got - ref).abs().max().item()
+    assert err <= LOGPROB_TOL, f"max |d log-prob| {err:.2e}"
+    # Every position decoded (1-token steps from the empty cache): decode attention from n = 1.
+    got_dec = _logprobs(dev, ids[:5], 1)
+    err = (got_dec - ref[:5]).abs().max().item()
+    assert err <= LOGPROB_TOL, f"decode-only max |d log-prob| {err:.2e}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_q8_0_argmax_agrees_with_cpu_path(tiny_ggufs, device):
+    cpu, dev = _models(tiny_ggufs["q8_0"], device)
+    assert dev.dtype == torch.bfloat16  # quantized dense weights: bf16 on the device
+    ids = _ids(cpu.config.n_vocab, N_PREFILL + N_DECODE, seed=1)
+    ref = _logprobs(cpu, ids, N_PREFILL)
+    got = _logprobs(dev, ids, N_PREFILL)
+    agree = (got.argmax(-1) == ref.argmax(-1)).double().mean().item()
+    assert agree >= 0.98, f"argmax agreement {agree:.3f}"
+
+
+def test_sparse_threshold_matches_cpu_path(tiny_ggufs):
+    """Per-layer thresholds: the kernels' sparse path vs the CPU reference's, and the achieved
+    sparsity counted the same way. One family (the kernels do not depend on it)."""
+    if tiny_ggufs["arch"] != "olmoe":
+        pytest.skip("sparse path checked on olmoe only (interpreter time)")
+    cpu, dev = _models(tiny_ggufs["f32"], "cpu")
+    thresholds = [0.05] * cpu.config.n_layer
+    cpu.expert_threshold = thresholds
+    dev.set_expert_threshold(thresholds)
+    ids = _ids(cpu.config.n_vocab, 10, seed=2)
+    ref = _logprobs(cpu, ids, 4)  # prefill of 4 tokens (<= SPARSE_MAX_BATCH) + decode
+    got = _logprobs(dev, ids, 4)
+    assert (got - ref).abs().max().item() <= LOGPROB_TOL
+    assert dev.stats.neurons == cpu.stats.neurons
+    assert 0.0 < cpu.stats.sparsity < 1.0
+    assert abs(dev.stats.sparsity - cpu.stats.sparsity) < 1e-9
+
+
+def test_context_full_is_a_usage_error(tiny_ggufs):
+    from pyruntime.errors import UsageError
+
+    if tiny_ggufs["arch"] != "olmoe":
+        pytest.skip("family-independent")
+    _, dev = _models(tiny_ggufs["f32"], "cpu")
+    cache = dev.new_cache(3)
+    dev.forward([1, 2, 3], cache)
+    with pytest.raises(UsageError, match="context is full"):
+        dev.forward([4], cache)
+
+
+@pytest.mark.parametrize("renorm", [False, True])
+def test_route_device_matches_reference(renorm):
+    from pyruntime.experts.compute import route
+
+    logits = torch.randn(7, 13, generator=torch.Generator().manual_seed(3))
+    ids, w = route_device(logits, 4, renorm)
+    ref_ids, ref_w = route(logits, 4, renorm)
+    assert torch.equal(ids, ref_ids)
+    assert torch.allclose(w, ref_w, rtol=1e-6, atol=1e-7)

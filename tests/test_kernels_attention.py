@@ -1,0 +1,53 @@
+"""kernels.attention.decode_attention vs the plain torch reference (interpreter on CPU)."""
+
+import pytest
+import torch
+
+from kernels.attention import decode_attention, decode_attention_ref
+
+
+def _case(n_head, n_kv, max_tokens, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n_head, d, generator=g).to(dtype)
+    k = torch.randn(n_kv, max_tokens, d, generator=g).to(dtype)
+    v = torch.randn(n_kv, max_tokens, d, generator=g).to(dtype)
+    return q, k, v
+
+
+# (n_head, n_kv, max_tokens, head_dim, n): odd lengths, GQA, head_dim not a power of two,
+# a length that leaves some splits empty, and the full cache.
+SHAPES = [(4, 2, 37, 32, 1), (4, 2, 37, 32, 29), (6, 3, 130, 24, 130), (2, 2, 200, 16, 70)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_decode_attention_matches_reference(shape, dtype, tol):
+    n_head, n_kv, max_tokens, d, n = shape
+    q, k, v = _case(n_head, n_kv, max_tokens, d, dtype, seed=n + d)
+    # Garbage past n must not leak into the result: the kernel reads only the cached length.
+    k[:, n:] = 1e4
+    v[:, n:] = float("nan")
+    scale = d**-0.5
+    seq_len = torch.tensor([n], dtype=torch.int32)
+    out = decode_attention(q, k, v, seq_len, scale, n_split=4, block_s=16)
+    ref = decode_attention_ref(q, k, v, n, scale)
+    assert out.dtype == dtype and out.shape == (n_head, d)
+    # fp32: summation order only; bf16: the output is rounded to bf16 (2^-9 relative).
+    assert (out.float() - ref).abs().max().item() <= tol * ref.abs().max().item()
+
+
+def test_decode_attention_length_from_device_tensor():
+    """One set of buffers, the length changed in place (as a CUDA graph replay sees it)."""
+    q, k, v = _case(4, 4, 50, 32, torch.float32, seed=1)
+    seq_len = torch.tensor([1], dtype=torch.int32)
+    for n in (1, 17, 50):
+        seq_len.fill_(n)
+        out = decode_attention(q, k, v, seq_len, 0.2, n_split=2, block_s=16)
+        ref = decode_attention_ref(q, k, v, n, 0.2)
+        assert (out - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+def test_decode_attention_rejects_bad_shapes():
+    q, k, v = _case(3, 2, 10, 8, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="n_head % n_kv"):
+        decode_attention(q, k, v, torch.tensor([5], dtype=torch.int32), 1.0)
