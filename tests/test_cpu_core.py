@@ -196,10 +196,15 @@ def test_dense_matches_reference(cc, simd, fmt, act):
             assert_within(y, ref, bound, f"{fmt} {act} vs float x")
 
 
+# n_ff 211: a work item spans several chunks of 32 neurons, so the software-pipelined sparse
+# path (gates of one chunk while the previous chunk's up/down rows are fetched) runs.
+@pytest.mark.parametrize("n_ff", [37, 211])
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_sparse_drops_exactly_the_neurons_under_threshold(cc, simd, fmt):
+def test_sparse_drops_exactly_the_neurons_under_threshold(cc, simd, fmt, n_ff):
     for n_tokens, threads in [(1, 2), (3, 3), (8, 2)]:
-        raw, w, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case(fmt, n_tokens, seed=7)
+        raw, w, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case(
+            fmt, n_tokens, seed=7, n_ff=n_ff
+        )
         xk = kernel_x(fmt, x)
         _, _, abs_act, _ = reference(w, xk, ids, topk_w, "silu")
         # A threshold in the widest gap between sorted |act| values around the 60% quantile, so
@@ -221,9 +226,10 @@ def test_sparse_drops_exactly_the_neurons_under_threshold(cc, simd, fmt):
         assert_within(y, ref, bound, f"sparse {fmt} T={n_tokens}")
 
 
+@pytest.mark.parametrize("n_ff", [37, 211])
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_sparse_that_drops_nothing_equals_dense_bitwise(cc, fmt):
-    raw, w, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case(fmt, 8, seed=11)
+def test_sparse_that_drops_nothing_equals_dense_bitwise(cc, fmt, n_ff):
+    raw, w, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case(fmt, 8, seed=11, n_ff=n_ff)
     _, _, abs_act, _ = reference(w, kernel_x(fmt, x), ids, topk_w, "silu")
     threshold = float(abs_act.min()) / 2  # > 0: the sparse branch runs, but keeps every neuron
     with cc.CpuCore(2) as core:

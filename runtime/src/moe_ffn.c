@@ -28,7 +28,6 @@
 enum {
     TOKEN_BLOCK = 64,
     DEFAULT_PREFETCH_AHEAD = 2, /* neurons (best of 2, 4, 8 on the 16-core device) */
-    DEFAULT_PREFETCH_L2 = 0,
     ITEMS_PER_THREAD = 4,
     ITEMS_ACC_BYTES = 16 << 20, /* cap on the work items' partial ys together */
     SERIAL_QUANTIZE_MAX = 1 << 15 /* activations (tokens * n_embd) quantized without the pool */
@@ -67,7 +66,6 @@ typedef struct {
     size_t acc_stride;      /* floats, >= TOKEN_BLOCK * n_embd, multiple of 16 */
     int64_t *active;        /* [nth * 8] per-thread active-neuron counters (own cache line) */
     int prefetch_ahead;     /* neurons ahead whose rows are software-prefetched (0: none) */
-    int prefetch_l2;        /* prefetch into L2 only (else into L1) */
     int64_t *prof;          /* [nth * 8] per-thread task start/end ns (PYRT_PROFILE), or NULL */
 } moe_ctx;
 
@@ -87,14 +85,12 @@ static inline float activate(int kind, float g) {
  *                         experts task (the slowest thread's busy time, the mean, the latest
  *                         thread start after the hand-off) and the rest (quantize, plan, reduce).
  * PYRT_PREFETCH_AHEAD=n   software-prefetch the rows of the neuron n ahead (default 2; 0: off).
- * PYRT_PREFETCH_L2=1      that look-ahead goes into L2 only (prefetcht1).
  * PYRT_ITEMS=n            work items per thread (default 4; fewer when their partial ys grow big).
  * PYRT_SCHED=static       each thread runs a fixed run of work items (default: a shared counter).
  * The result is the same bits under every setting. */
 typedef struct {
     int profile;
     int prefetch_ahead;
-    int prefetch_l2;
     int items_per_thread;
     int dynamic;
 } knobs;
@@ -102,11 +98,10 @@ typedef struct {
 /* Read on every call (a few getenv, well under a microsecond) so a benchmark can vary them. */
 static knobs read_knobs(void) {
     const char *p = getenv("PYRT_PROFILE"), *a = getenv("PYRT_PREFETCH_AHEAD");
-    const char *sched = getenv("PYRT_SCHED"), *l2 = getenv("PYRT_PREFETCH_L2");
+    const char *sched = getenv("PYRT_SCHED");
     const char *items = getenv("PYRT_ITEMS");
     knobs k = {.profile = p != NULL && atoi(p) > 0 ? atoi(p) : 0,
                .prefetch_ahead = a != NULL ? atoi(a) : DEFAULT_PREFETCH_AHEAD,
-               .prefetch_l2 = l2 != NULL ? atoi(l2) > 0 : DEFAULT_PREFETCH_L2,
                .items_per_thread = items != NULL ? atoi(items) : ITEMS_PER_THREAD,
                .dynamic = !(sched != NULL && strcmp(sched, "static") == 0)};
     if (k.items_per_thread < 1)
@@ -174,145 +169,286 @@ static inline int64_t ceil_div(int64_t a, int64_t b) {
     return a <= 0 ? 0 : (a + b - 1) / b;
 }
 
-/* Prefetch one row into the caches (a row is row_bytes, i.e. tens of cache lines). */
+/* ---- software prefetch ---------------------------------------------------------------------
+ * Rows are prefetched a few neurons ahead of use. The line addresses of what to prefetch are
+ * handed to the row kernels (dot_pf / dot2_pf), which spread them over their loops: a burst of
+ * one neuron's ~100 lines would stall the core on full line-fill buffers, so that the weight
+ * stream and the arithmetic would take turns instead of overlapping (one thread streamed 5.8
+ * GB/s through the kernel against 10.3 GB/s in the read test with bursts). */
+
+enum {
+    PF_MAX_LINES = 512,           /* line addresses for one neuron's kernels (32 KiB of rows) */
+    NEURON_CHUNK = 32,            /* sparse: neurons whose gates go before their up/down rows */
+    DENSE_CHUNK = PYRT_AXPY_ROWS, /* dense: neurons whose down rows go out in one axpyn pass */
+    ROUTE_CHUNK = 64              /* routes of one expert handled together (>= TOKEN_BLOCK) */
+};
+
+/* Prefetch one region now, in a burst (where no spread is possible). */
 static inline void prefetch_row(const uint8_t *row, size_t bytes) {
     for (size_t off = 0; off < bytes; off += 64)
         __builtin_prefetch(row + off, 0, 3);
 }
 
-/* The same into L2 only (prefetcht1), for the streams read a few neurons later. */
-static inline void prefetch_row_l2(const uint8_t *row, size_t bytes) {
-    for (size_t off = 0; off < bytes; off += 64)
-        __builtin_prefetch(row + off, 0, 2);
+/* Appends the addresses of the cache lines covering [p, p + bytes) to lines[*n], up to
+ * PF_MAX_LINES in all. */
+static inline void add_lines(const void **lines, int *n, const uint8_t *p, size_t bytes) {
+    const uint8_t *line = p - ((uintptr_t)p & 63);
+    for (; line < p + bytes && *n < PF_MAX_LINES; line += 64)
+        lines[(*n)++] = line;
 }
 
-enum {
-    NEURON_CHUNK = 32, /* neurons whose gates are computed before their up/down rows are read */
-    ROUTE_CHUNK = 64   /* routes of one expert handled together (gate activations kept) */
-};
+static inline void prefetch_lines(const void *const *lines, int n) {
+    for (int i = 0; i < n; i++)
+        __builtin_prefetch(lines[i], 0, 3);
+}
 
-/* Accumulates down rows for one y: up to PYRT_AXPY_ROWS rows go out in one axpyn pass over y. */
-typedef struct {
-    const void *rows[PYRT_AXPY_ROWS];
-    float a[PYRT_AXPY_ROWS];
-    int n;
-} down_batch;
-
-static inline void down_flush(const moe_ctx *c, down_batch *db, float *y) {
-    if (db->n == 0)
+/* The row kernels with prefetches, or the plain ones after a burst where a level has none. */
+static inline void dot2_pf(const moe_ctx *c, const uint8_t *gate, const void *xt, float gu[2],
+                           const void *const *pf, int n_pf) {
+    const pyrt_row_ops *ops = c->ops;
+    const int n = c->n_embd;
+    if (ops->dot2_pf != NULL) {
+        ops->dot2_pf(gate, gate + c->row_bytes, xt, n, gu, pf, n_pf);
         return;
-    if (c->ops->axpyn != NULL)
-        c->ops->axpyn(db->n, db->a, db->rows, y, c->n_embd);
-    else
-        for (int r = 0; r < db->n; r++)
-            c->ops->axpy(db->a[r], db->rows[r], y, c->n_embd);
-    db->n = 0;
+    }
+    prefetch_lines(pf, n_pf);
+    if (ops->dot2 != NULL) {
+        ops->dot2(gate, gate + c->row_bytes, xt, n, gu);
+    } else {
+        gu[0] = ops->dot(gate, xt, n);
+        gu[1] = ops->dot(gate + c->row_bytes, xt, n);
+    }
 }
 
-static inline void down_add(const moe_ctx *c, down_batch *db, float a, const void *row, float *y) {
-    db->rows[db->n] = row;
-    db->a[db->n] = a;
-    if (++db->n == PYRT_AXPY_ROWS)
-        down_flush(c, db, y);
+static inline float dot_pf(const moe_ctx *c, const uint8_t *row, const void *xt,
+                           const void *const *pf, int n_pf) {
+    if (c->ops->dot_pf != NULL)
+        return c->ops->dot_pf(row, xt, c->n_embd, pf, n_pf);
+    prefetch_lines(pf, n_pf);
+    return c->ops->dot(row, xt, c->n_embd);
 }
 
-/* Neurons [j0, j1) of one expert, for routes [r0, r1) (all routes of that expert in the block).
- * Phase 1 computes the gates of a chunk of neurons (dense: gate and up together, one pass over
- * x); phase 2 (sparse only) the up dots of the neurons active for some route; phase 3, per route,
- * adds the active neurons' down rows into that token's y several rows per pass (axpyn), in neuron
- * order, so dense and sparse-keeping-everything add the same numbers in the same order. In sparse
- * mode the gate rows are strided (every third row) and the up/down rows are a data-dependent
- * gather, which the hardware prefetcher does not follow, so both are prefetched in software a
- * little ahead of use. */
-static int64_t expert_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j0, int64_t j1,
-                              int r0, int r1, float *acc) {
-    const size_t rb = c->row_bytes;
-    const int n_embd = c->n_embd;
-    const float thr = c->threshold;
-    const int sparse = thr > 0.0f;
+/* y += sum_r a[r] * rows[r] for nr rows, in row order. */
+static inline void axpy_rows(const moe_ctx *c, int nr, const float *a, const void *const *rows,
+                             float *y) {
+    if (c->ops->axpyn != NULL) {
+        for (int r0 = 0; r0 < nr; r0 += PYRT_AXPY_ROWS) {
+            const int m = nr - r0 < PYRT_AXPY_ROWS ? nr - r0 : PYRT_AXPY_ROWS;
+            c->ops->axpyn(m, a + r0, rows + r0, y, c->n_embd);
+        }
+    } else {
+        for (int r = 0; r < nr; r++)
+            c->ops->axpy(a[r], rows[r], y, c->n_embd);
+    }
+}
+
+static inline const void *token_x(const moe_ctx *c, int route) {
+    return c->xv + (size_t)(c->t0 + c->route_tok[route]) * c->xv_stride;
+}
+
+/* ---- dense --------------------------------------------------------------------------------- */
+
+/* Neurons [j0, j1) of one expert for its routes [r0, r1): per neuron, gate and up dots in one
+ * pass over x (dot2) for each route, then every DENSE_CHUNK neurons their down rows into each
+ * route's y in one pass (axpyn, y in registers). The item's rows are one contiguous stream
+ * (gate, up, down of neuron j, then of j + 1, ...); the three rows of neuron j + ahead are
+ * prefetched while neuron j is computed, split across its routes' dot2 calls. */
+static int64_t dense_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j0, int64_t j1,
+                             int r0, int r1, float *acc) {
+    const size_t rb = c->row_bytes, nrb = 3 * rb; /* bytes of one row, of one neuron */
     const int ahead = c->prefetch_ahead;
-    const pyrt_dot_fn dot = c->ops->dot;
-    const pyrt_dot2_fn dot2 = c->ops->dot2;
-    float h[NEURON_CHUNK][ROUTE_CHUNK];    /* sparse: act(g . x), then w * act * (u . x) */
-    uint8_t on[NEURON_CHUNK][ROUTE_CHUNK]; /* 0: skipped (under the threshold) */
-    int64_t active = 0;
-    /* A new stream: its first `ahead` neurons are not covered by the look-ahead below. */
-    for (int64_t j = j0; j < j0 + ahead && j < j1; j++)
-        prefetch_row(expert + (size_t)j * 3 * rb, sparse ? rb : 3 * rb);
+    const void *pf[PF_MAX_LINES];
+    float h[ROUTE_CHUNK][DENSE_CHUNK]; /* w * act(g . x) * (u . x) per route and neuron */
+    const void *down[DENSE_CHUNK];
+    for (int64_t j = j0; j < j0 + ahead && j < j1; j++) /* not covered by the look-ahead */
+        prefetch_row(expert + (size_t)j * nrb, nrb);
     for (int rc = r0; rc < r1; rc += ROUTE_CHUNK) {
         const int nr = r1 - rc < ROUTE_CHUNK ? r1 - rc : ROUTE_CHUNK;
-        for (int64_t jc = j0; jc < j1; jc += NEURON_CHUNK) {
-            const int nj = j1 - jc < NEURON_CHUNK ? (int)(j1 - jc) : NEURON_CHUNK;
-            int list[NEURON_CHUNK], n_list = 0;
-            /* phase 1: gates (dense: gates and ups) */
+        for (int64_t jc = j0; jc < j1; jc += DENSE_CHUNK) {
+            const int nj = j1 - jc < DENSE_CHUNK ? (int)(j1 - jc) : DENSE_CHUNK;
             for (int i = 0; i < nj; i++) {
-                const uint8_t *gate = expert + (size_t)(jc + i) * 3 * rb;
-                /* rows `ahead` neurons on: the gate row (sparse), all three rows (dense) */
-                if (ahead > 0 && jc + i + ahead < j1) {
-                    if (c->prefetch_l2)
-                        prefetch_row_l2(gate + (size_t)ahead * 3 * rb, sparse ? rb : 3 * rb);
-                    else
-                        prefetch_row(gate + (size_t)ahead * 3 * rb, sparse ? rb : 3 * rb);
-                }
-                int n_on = 0;
+                const uint8_t *gate = expert + (size_t)(jc + i) * nrb;
+                int n_pf = 0;
+                if (ahead > 0 && jc + i + ahead < j1)
+                    add_lines(pf, &n_pf, gate + (size_t)ahead * nrb, nrb);
                 for (int r = 0; r < nr; r++) {
-                    const int t = c->route_tok[rc + r];
-                    const void *xt = c->xv + (size_t)(c->t0 + t) * c->xv_stride;
-                    if (!sparse) {
-                        float gu[2];
-                        if (dot2 != NULL)
-                            dot2(gate, gate + rb, xt, n_embd, gu);
-                        else
-                            gu[0] = dot(gate, xt, n_embd), gu[1] = dot(gate + rb, xt, n_embd);
-                        const float a = activate(c->activation, gu[0]);
-                        h[i][r] = c->route_w[rc + r] * a * gu[1];
-                        on[i][r] = 1;
-                        n_on++;
-                        continue;
-                    }
-                    const float a = activate(c->activation, dot(gate, xt, n_embd));
-                    /* sparse: a neuron under the threshold skips its up and down rows */
-                    h[i][r] = a;
-                    on[i][r] = !(fabsf(a) < thr); /* NaN stays on, so it propagates */
-                    n_on += on[i][r];
+                    const int lo = n_pf * r / nr, hi = n_pf * (r + 1) / nr;
+                    float gu[2];
+                    dot2_pf(c, gate, token_x(c, rc + r), gu, pf + lo, hi - lo);
+                    h[r][i] = c->route_w[rc + r] * activate(c->activation, gu[0]) * gu[1];
                 }
-                if (n_on > 0)
-                    list[n_list++] = i;
-                active += n_on;
+                down[i] = gate + 2 * rb;
             }
-            /* phase 2 (sparse): up rows of the active neurons */
-            if (sparse) {
-                for (int l = 0; l < n_list && l < 2; l++)
-                    prefetch_row(expert + ((size_t)(jc + list[l]) * 3 + 1) * rb, 2 * rb);
-                for (int l = 0; l < n_list; l++) {
-                    const int i = list[l];
-                    const uint8_t *up = expert + ((size_t)(jc + i) * 3 + 1) * rb;
-                    if (l + 2 < n_list)
-                        prefetch_row(expert + ((size_t)(jc + list[l + 2]) * 3 + 1) * rb, 2 * rb);
-                    for (int r = 0; r < nr; r++) {
-                        if (!on[i][r])
-                            continue;
-                        const float a = h[i][r];
-                        const int t = c->route_tok[rc + r];
-                        const void *xt = c->xv + (size_t)(c->t0 + t) * c->xv_stride;
-                        h[i][r] = c->route_w[rc + r] * a * dot(up, xt, n_embd);
-                    }
-                }
-            }
-            /* phase 3: down rows, per route, several rows per pass over that token's y */
-            for (int r = 0; r < nr; r++) {
-                float *y = acc + (size_t)c->route_tok[rc + r] * n_embd;
-                down_batch db = {.n = 0};
-                for (int l = 0; l < n_list; l++) {
-                    const int i = list[l];
-                    if (on[i][r])
-                        down_add(c, &db, h[i][r], expert + ((size_t)(jc + i) * 3 + 2) * rb, y);
-                }
-                down_flush(c, &db, y);
-            }
+            for (int r = 0; r < nr; r++)
+                axpy_rows(c, nj, h[r], down, acc + (size_t)c->route_tok[rc + r] * c->n_embd);
         }
     }
+    return (j1 - j0) * (r1 - r0);
+}
+
+/* ---- sparse -------------------------------------------------------------------------------- */
+
+/* A chunk of neurons whose gates are done: which are active for which route, and their h. */
+typedef struct {
+    int64_t jc;
+    int n_list;
+    int list[NEURON_CHUNK];              /* neurons active for some route (offsets from jc) */
+    float h[NEURON_CHUNK][ROUTE_CHUNK];  /* act(g . x), then w * act * (u . x) */
+    uint8_t on[NEURON_CHUNK][ROUTE_CHUNK]; /* 0: under the threshold, skipped */
+} sparse_chunk;
+
+/* Walks the up+down rows (2 * row_bytes, contiguous) of a chunk's active neurons line by line,
+ * handing out their addresses for prefetching. */
+typedef struct {
+    const uint8_t *expert;
+    const sparse_chunk *ch;
+    int l;             /* active neuron (index into ch->list) being walked */
+    const uint8_t *at; /* next line of it */
+} gather_lines;
+
+static inline const uint8_t *up_row(const moe_ctx *c, const uint8_t *expert, int64_t j) {
+    return expert + ((size_t)j * 3 + 1) * c->row_bytes;
+}
+
+static void gather_begin(gather_lines *g, const moe_ctx *c, const uint8_t *expert,
+                         const sparse_chunk *ch, int l0) {
+    g->expert = expert;
+    g->ch = ch;
+    g->l = l0;
+    if (ch != NULL && l0 < ch->n_list) {
+        const uint8_t *p = up_row(c, expert, ch->jc + ch->list[l0]);
+        g->at = p - ((uintptr_t)p & 63);
+    }
+}
+
+/* Appends up to `count` more line addresses to lines[*n]. */
+static void gather_take(gather_lines *g, const moe_ctx *c, int count, const void **lines,
+                        int *n) {
+    while (count > 0 && g->ch != NULL && g->l < g->ch->n_list && *n < PF_MAX_LINES) {
+        const uint8_t *end = up_row(c, g->expert, g->ch->jc + g->ch->list[g->l]) +
+                             2 * c->row_bytes;
+        for (; g->at < end && count > 0 && *n < PF_MAX_LINES; g->at += 64, count--)
+            lines[(*n)++] = g->at;
+        if (g->at >= end && ++g->l < g->ch->n_list) {
+            const uint8_t *p = up_row(c, g->expert, g->ch->jc + g->ch->list[g->l]);
+            g->at = p - ((uintptr_t)p & 63);
+        }
+    }
+}
+
+/* Gates of the chunk's neurons for routes [rc, rc + nr). While they run, the kernels prefetch
+ * the gate row `ahead` neurons on and an even share of `prev`'s active up/down rows (a gather
+ * the hardware prefetcher cannot follow), so those are in cache when `prev` is finished. */
+static int64_t sparse_gates(const moe_ctx *c, const uint8_t *expert, sparse_chunk *ch, int nj,
+                            int64_t j1, int rc, int nr, gather_lines *prev, int prev_lines) {
+    const size_t rb = c->row_bytes;
+    const int ahead = c->prefetch_ahead;
+    const float thr = c->threshold;
+    const int share = (prev_lines + nj - 1) / nj;
+    const void *pf[PF_MAX_LINES];
+    int64_t active = 0;
+    ch->n_list = 0;
+    for (int i = 0; i < nj; i++) {
+        const uint8_t *gate = expert + (size_t)(ch->jc + i) * 3 * rb;
+        int n_pf = 0;
+        if (ahead > 0 && ch->jc + i + ahead < j1)
+            add_lines(pf, &n_pf, gate + (size_t)ahead * 3 * rb, rb);
+        gather_take(prev, c, share, pf, &n_pf);
+        int n_on = 0;
+        for (int r = 0; r < nr; r++) {
+            const int lo = n_pf * r / nr, hi = n_pf * (r + 1) / nr;
+            const float a = activate(c->activation,
+                                     dot_pf(c, gate, token_x(c, rc + r), pf + lo, hi - lo));
+            ch->h[i][r] = a;
+            ch->on[i][r] = !(fabsf(a) < thr); /* NaN stays on, so it propagates */
+            n_on += ch->on[i][r];
+        }
+        if (n_on > 0)
+            ch->list[ch->n_list++] = i;
+        active += n_on;
+    }
     return active;
+}
+
+/* Up dots and down rows of a chunk's active neurons. `prefetched`: their rows were prefetched
+ * during the next chunk's gates; else (the item's last chunk) each up dot prefetches the rows
+ * of the active neuron two on. */
+static void sparse_finish(const moe_ctx *c, const uint8_t *expert, sparse_chunk *ch, int rc,
+                          int nr, int prefetched, float *acc) {
+    const size_t rb = c->row_bytes;
+    const void *pf[PF_MAX_LINES];
+    if (!prefetched)
+        for (int l = 0; l < ch->n_list && l < 2; l++)
+            prefetch_row(up_row(c, expert, ch->jc + ch->list[l]), 2 * rb);
+    for (int l = 0; l < ch->n_list; l++) {
+        const int i = ch->list[l];
+        const uint8_t *up = up_row(c, expert, ch->jc + i);
+        int n_pf = 0;
+        if (!prefetched && l + 2 < ch->n_list)
+            add_lines(pf, &n_pf, up_row(c, expert, ch->jc + ch->list[l + 2]), 2 * rb);
+        int first = 1;
+        for (int r = 0; r < nr; r++) {
+            if (!ch->on[i][r])
+                continue;
+            const float a = ch->h[i][r];
+            const float u = dot_pf(c, up, token_x(c, rc + r), pf, first ? n_pf : 0);
+            first = 0;
+            ch->h[i][r] = c->route_w[rc + r] * a * u;
+        }
+    }
+    /* down rows, per route, in neuron order, several per pass over that token's y */
+    for (int r = 0; r < nr; r++) {
+        float a[NEURON_CHUNK];
+        const void *rows[NEURON_CHUNK];
+        int n = 0;
+        for (int l = 0; l < ch->n_list; l++) {
+            const int i = ch->list[l];
+            if (ch->on[i][r]) {
+                a[n] = ch->h[i][r];
+                rows[n++] = up_row(c, expert, ch->jc + i) + rb;
+            }
+        }
+        axpy_rows(c, n, a, rows, acc + (size_t)c->route_tok[rc + r] * c->n_embd);
+    }
+}
+
+/* Neurons [j0, j1) of one expert for its routes [r0, r1), neuron-sparse: per chunk of
+ * NEURON_CHUNK neurons the gates, then (one chunk later, software-pipelined) the up and down
+ * rows of the neurons whose |act| reaches the threshold. Down rows go into each y in neuron
+ * order, as in dense, so a threshold that drops nothing gives dense's bits. */
+static int64_t sparse_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j0, int64_t j1,
+                              int r0, int r1, float *acc) {
+    const size_t rb = c->row_bytes;
+    sparse_chunk chunks[2];
+    int64_t active = 0;
+    for (int64_t j = j0; j < j0 + c->prefetch_ahead && j < j1; j++)
+        prefetch_row(expert + (size_t)j * 3 * rb, rb);
+    for (int rc = r0; rc < r1; rc += ROUTE_CHUNK) {
+        const int nr = r1 - rc < ROUTE_CHUNK ? r1 - rc : ROUTE_CHUNK;
+        sparse_chunk *prev = NULL;
+        int cur = 0;
+        for (int64_t jc = j0; jc < j1; jc += NEURON_CHUNK, cur ^= 1) {
+            const int nj = j1 - jc < NEURON_CHUNK ? (int)(j1 - jc) : NEURON_CHUNK;
+            sparse_chunk *ch = &chunks[cur];
+            ch->jc = jc;
+            gather_lines g;
+            gather_begin(&g, c, expert, prev, 0);
+            const int prev_lines = prev == NULL ? 0 : prev->n_list * (int)((2 * rb + 63) / 64 + 1);
+            active += sparse_gates(c, expert, ch, nj, j1, rc, nr, &g, prev_lines);
+            if (prev != NULL)
+                sparse_finish(c, expert, prev, rc, nr, 1, acc);
+            prev = ch;
+        }
+        if (prev != NULL)
+            sparse_finish(c, expert, prev, rc, nr, 0, acc);
+    }
+    return active;
+}
+
+static int64_t expert_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j0, int64_t j1,
+                              int r0, int r1, float *acc) {
+    return c->threshold > 0.0f ? sparse_neurons(c, expert, j0, j1, r0, r1, acc)
+                               : dense_neurons(c, expert, j0, j1, r0, r1, acc);
 }
 
 /* One work item: the neurons whose estimated cost falls in [total * item / n_items, total *
@@ -555,7 +691,6 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
         .next_item = (atomic_int *)(ws + off_next),
         .active = (int64_t *)(ws + off_active),
         .prefetch_ahead = kn.prefetch_ahead,
-        .prefetch_l2 = kn.prefetch_l2,
         .prof = kn.profile ? (int64_t *)(ws + off_prof) : NULL,
     };
     const int64_t t_call = now_ns();

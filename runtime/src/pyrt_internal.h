@@ -46,12 +46,51 @@ typedef void (*pyrt_axpyn_fn)(int nr, const float *a, const void *const *rows, f
 
 #define PYRT_AXPY_ROWS 8
 
+/* dot_pf / dot2_pf: dot / dot2, bit for bit, that also issue software prefetches (prefetcht0) of
+ *       the n_pf cache-line addresses pf[0 .. n_pf-1], spread evenly over the kernel's loop. A
+ *       burst of ~100 prefetches stalls the core once its line-fill buffers are full, so the
+ *       weight stream and the arithmetic run one after the other; spread out, they overlap. */
+typedef float (*pyrt_dot_pf_fn)(const void *row, const void *x, int n, const void *const *pf,
+                                int n_pf);
+typedef void (*pyrt_dot2_pf_fn)(const void *row0, const void *row1, const void *x, int n,
+                                float out[2], const void *const *pf, int n_pf);
+
 typedef struct {
     pyrt_dot_fn dot;
     pyrt_axpy_fn axpy;
     pyrt_dot2_fn dot2;   /* NULL: the caller makes two dot calls */
     pyrt_axpyn_fn axpyn; /* NULL: the caller makes nr axpy calls */
+    pyrt_dot_pf_fn dot_pf;   /* NULL: the caller prefetches, then calls dot */
+    pyrt_dot2_pf_fn dot2_pf; /* NULL: the caller prefetches, then calls dot2 (or two dots) */
 } pyrt_row_ops;
+
+/* Spreads n prefetches over a loop of n_it iterations: pyrt_pf_tick after each iteration issues
+ * the lines due so far (16.16 fixed point, no division in the loop; n < 65536), pyrt_pf_end the
+ * rest. */
+typedef struct {
+    const void *const *lines;
+    int n, i;
+    uint32_t acc, step;
+} pyrt_pf_spread;
+
+static inline pyrt_pf_spread pyrt_pf_begin(const void *const *lines, int n, int n_it) {
+    pyrt_pf_spread s = {lines, n, 0, 0, 0};
+    if (n > 0 && n_it > 0)
+        s.step = (uint32_t)(((uint64_t)n << 16) / (uint64_t)n_it);
+    return s;
+}
+
+static inline void pyrt_pf_tick(pyrt_pf_spread *s) {
+    s->acc += s->step;
+    const int due = (int)(s->acc >> 16);
+    for (; s->i < due; s->i++)
+        __builtin_prefetch(s->lines[s->i], 0, 3);
+}
+
+static inline void pyrt_pf_end(pyrt_pf_spread *s) {
+    for (; s->i < s->n; s->i++)
+        __builtin_prefetch(s->lines[s->i], 0, 3);
+}
 
 /* Row kernels of one SIMD level for fmt; NULL when the level has none for fmt (unknown format). */
 const pyrt_row_ops *pyrt_row_ops_scalar(int fmt);

@@ -82,68 +82,54 @@ AVX2 static inline __m256i dot32_i8(__m256i w, __m256i x) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1));
 }
 
-AVX2 static float dot_q8_0(const void *row, const void *x, int n) {
-    const uint8_t *w = row;
-    const pyrt_xq8 *xq = x;
-    const int nb = n / PYRT_QK;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        const uint8_t *w0 = w + (size_t)b * PYRT_Q8_0_BYTES, *w1 = w0 + PYRT_Q8_0_BYTES;
-        __m256i p0 = dot32_i8(_mm256_loadu_si256((const __m256i *)(w0 + 2)),
-                              _mm256_loadu_si256((const __m256i *)xq[b].q));
-        __m256i p1 = dot32_i8(_mm256_loadu_si256((const __m256i *)(w1 + 2)),
-                              _mm256_loadu_si256((const __m256i *)xq[b + 1].q));
-        float s0 = _cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d;
-        float s1 = _cvtsh_ss(pyrt_load_u16(w1)) * xq[b + 1].d;
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s0), _mm256_cvtepi32_ps(p0), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(s1), _mm256_cvtepi32_ps(p1), acc1);
+/* One row against x; prefetches of pf[0 .. n_pf-1] are spread over the loop (pyrt_pf_*). */
+#define QUANT_DOT(name, block_bytes, load_block)                                                  \
+    AVX2 static float dot_pf_##name(const void *row, const void *x, int n,                       \
+                                    const void *const *pf, int n_pf) {                            \
+        const uint8_t *w = row;                                                                   \
+        const pyrt_xq8 *xq = x;                                                                   \
+        const int nb = n / PYRT_QK;                                                               \
+        pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, nb / 2);                                      \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                            \
+        int b = 0;                                                                                \
+        for (; b + 2 <= nb; b += 2) {                                                             \
+            const uint8_t *w0 = w + (size_t)b * (block_bytes), *w1 = w0 + (block_bytes);         \
+            __m256i p0 = dot32_i8(load_block(w0), _mm256_loadu_si256((const __m256i *)xq[b].q)); \
+            __m256i p1 =                                                                          \
+                dot32_i8(load_block(w1), _mm256_loadu_si256((const __m256i *)xq[b + 1].q));       \
+            float s0 = _cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d;                                    \
+            float s1 = _cvtsh_ss(pyrt_load_u16(w1)) * xq[b + 1].d;                                \
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s0), _mm256_cvtepi32_ps(p0), acc0);             \
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(s1), _mm256_cvtepi32_ps(p1), acc1);             \
+            pyrt_pf_tick(&ps);                                                                    \
+        }                                                                                         \
+        for (; b < nb; b++) {                                                                     \
+            const uint8_t *w0 = w + (size_t)b * (block_bytes);                                    \
+            __m256i p0 = dot32_i8(load_block(w0), _mm256_loadu_si256((const __m256i *)xq[b].q)); \
+            float s0 = _cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d;                                    \
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s0), _mm256_cvtepi32_ps(p0), acc0);             \
+        }                                                                                         \
+        pyrt_pf_end(&ps);                                                                         \
+        return hsum8(_mm256_add_ps(acc0, acc1));                                                  \
+    }                                                                                             \
+    AVX2 static float dot_##name(const void *row, const void *x, int n) {                         \
+        return dot_pf_##name(row, x, n, NULL, 0);                                                 \
     }
-    for (; b < nb; b++) {
-        const uint8_t *w0 = w + (size_t)b * PYRT_Q8_0_BYTES;
-        __m256i p0 = dot32_i8(_mm256_loadu_si256((const __m256i *)(w0 + 2)),
-                              _mm256_loadu_si256((const __m256i *)xq[b].q));
-        float s0 = _cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d;
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s0), _mm256_cvtepi32_ps(p0), acc0);
-    }
-    return hsum8(_mm256_add_ps(acc0, acc1));
-}
 
-AVX2 static float dot_q4_0(const void *row, const void *x, int n) {
-    const uint8_t *w = row;
-    const pyrt_xq8 *xq = x;
-    const int nb = n / PYRT_QK;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        const uint8_t *w0 = w + (size_t)b * PYRT_Q4_0_BYTES, *w1 = w0 + PYRT_Q4_0_BYTES;
-        __m256i p0 = dot32_i8(unpack_q4_0(w0 + 2), _mm256_loadu_si256((const __m256i *)xq[b].q));
-        __m256i p1 =
-            dot32_i8(unpack_q4_0(w1 + 2), _mm256_loadu_si256((const __m256i *)xq[b + 1].q));
-        float s0 = _cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d;
-        float s1 = _cvtsh_ss(pyrt_load_u16(w1)) * xq[b + 1].d;
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s0), _mm256_cvtepi32_ps(p0), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(s1), _mm256_cvtepi32_ps(p1), acc1);
-    }
-    for (; b < nb; b++) {
-        const uint8_t *w0 = w + (size_t)b * PYRT_Q4_0_BYTES;
-        __m256i p0 = dot32_i8(unpack_q4_0(w0 + 2), _mm256_loadu_si256((const __m256i *)xq[b].q));
-        float s0 = _cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d;
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s0), _mm256_cvtepi32_ps(p0), acc0);
-    }
-    return hsum8(_mm256_add_ps(acc0, acc1));
-}
+#define LOAD_Q8_0(wb) _mm256_loadu_si256((const __m256i *)((wb) + 2))
+#define LOAD_Q4_0(wb) unpack_q4_0((wb) + 2)
+QUANT_DOT(q8_0, PYRT_Q8_0_BYTES, LOAD_Q8_0)
+QUANT_DOT(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
 
 /* Two rows against one x in one pass: per row exactly the operations of dot_q8_0 / dot_q4_0 (same
  * accumulators, same order), so the results equal two dot calls bit for bit. */
-#define LOAD_Q8_0(wb) _mm256_loadu_si256((const __m256i *)((wb) + 2))
-#define LOAD_Q4_0(wb) unpack_q4_0((wb) + 2)
 #define QUANT_DOT2(name, block_bytes, load_block)                                                 \
-    AVX2 static void dot2_##name(const void *row0, const void *row1, const void *x, int n,        \
-                                 float out[2]) {                                                  \
+    AVX2 static void dot2_pf_##name(const void *row0, const void *row1, const void *x, int n,     \
+                                    float out[2], const void *const *pf, int n_pf) {              \
         const uint8_t *wr[2] = {row0, row1};                                                      \
         const pyrt_xq8 *xq = x;                                                                   \
         const int nb = n / PYRT_QK;                                                               \
+        pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, nb / 2);                                      \
         __m256 acc0[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                              \
         __m256 acc1[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                              \
         int b = 0;                                                                                \
@@ -159,6 +145,7 @@ AVX2 static float dot_q4_0(const void *row, const void *x, int n) {
                 acc0[r] = _mm256_fmadd_ps(_mm256_set1_ps(s0), _mm256_cvtepi32_ps(p0), acc0[r]);   \
                 acc1[r] = _mm256_fmadd_ps(_mm256_set1_ps(s1), _mm256_cvtepi32_ps(p1), acc1[r]);   \
             }                                                                                     \
+            pyrt_pf_tick(&ps);                                                                    \
         }                                                                                         \
         for (; b < nb; b++) {                                                                     \
             const __m256i x0 = _mm256_loadu_si256((const __m256i *)xq[b].q);                      \
@@ -169,8 +156,13 @@ AVX2 static float dot_q4_0(const void *row, const void *x, int n) {
                 acc0[r] = _mm256_fmadd_ps(_mm256_set1_ps(s0), _mm256_cvtepi32_ps(p0), acc0[r]);   \
             }                                                                                     \
         }                                                                                         \
+        pyrt_pf_end(&ps);                                                                         \
         out[0] = hsum8(_mm256_add_ps(acc0[0], acc1[0]));                                          \
         out[1] = hsum8(_mm256_add_ps(acc0[1], acc1[1]));                                          \
+    }                                                                                             \
+    AVX2 static void dot2_##name(const void *row0, const void *row1, const void *x, int n,        \
+                                 float out[2]) {                                                  \
+        dot2_pf_##name(row0, row1, x, n, out, NULL, 0);                                           \
     }
 
 QUANT_DOT2(q8_0, PYRT_Q8_0_BYTES, LOAD_Q8_0)
@@ -256,11 +248,13 @@ AVX2 static void axpy_q4_0(float a, const void *row, float *y, int n) {
     }
 }
 
-static const pyrt_row_ops ops_f32 = {dot_f32, axpy_f32, NULL, NULL};
-static const pyrt_row_ops ops_f16 = {dot_f16, axpy_f16, NULL, NULL};
-static const pyrt_row_ops ops_bf16 = {dot_bf16, axpy_bf16, NULL, NULL};
-static const pyrt_row_ops ops_q8_0 = {dot_q8_0, axpy_q8_0, dot2_q8_0, axpyn_q8_0};
-static const pyrt_row_ops ops_q4_0 = {dot_q4_0, axpy_q4_0, dot2_q4_0, axpyn_q4_0};
+static const pyrt_row_ops ops_f32 = {dot_f32, axpy_f32, NULL, NULL, NULL, NULL};
+static const pyrt_row_ops ops_f16 = {dot_f16, axpy_f16, NULL, NULL, NULL, NULL};
+static const pyrt_row_ops ops_bf16 = {dot_bf16, axpy_bf16, NULL, NULL, NULL, NULL};
+static const pyrt_row_ops ops_q8_0 = {dot_q8_0,  axpy_q8_0,  dot2_q8_0,
+                                      axpyn_q8_0, dot_pf_q8_0, dot2_pf_q8_0};
+static const pyrt_row_ops ops_q4_0 = {dot_q4_0,  axpy_q4_0,  dot2_q4_0,
+                                      axpyn_q4_0, dot_pf_q4_0, dot2_pf_q4_0};
 
 const pyrt_row_ops *pyrt_row_ops_avx2(int fmt) {
     switch (fmt) {

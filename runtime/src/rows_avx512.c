@@ -97,10 +97,12 @@ AVX512 static inline float dot_one_block(__m256i w, const pyrt_xq8 *xq, float dw
 }
 
 #define QUANT_DOT(name, block_bytes, load_block)                                                  \
-    AVX512 static float dot_##name(const void *row, const void *x, int n) {                       \
+    AVX512 static float dot_pf_##name(const void *row, const void *x, int n,                     \
+                                      const void *const *pf, int n_pf) {                          \
         const uint8_t *w = row;                                                                   \
         const pyrt_xq8 *xq = x;                                                                   \
         const int nb = n / PYRT_QK;                                                               \
+        pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, nb / 2);                                      \
         __m512 acc = _mm512_setzero_ps();                                                         \
         int b = 0;                                                                                \
         for (; b + 2 <= nb; b += 2) {                                                             \
@@ -111,13 +113,18 @@ AVX512 static inline float dot_one_block(__m256i w, const pyrt_xq8 *xq, float dw
             const __m512 s = scales2(_cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d,                      \
                                      _cvtsh_ss(pyrt_load_u16(w1)) * xq[b + 1].d);                 \
             acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot64_i8(wq, xv)), acc);                  \
+            pyrt_pf_tick(&ps);                                                                    \
         }                                                                                         \
+        pyrt_pf_end(&ps);                                                                         \
         float sum = _mm512_reduce_add_ps(acc);                                                    \
         if (b < nb) {                                                                             \
             const uint8_t *w0 = w + (size_t)b * (block_bytes);                                    \
             sum += dot_one_block(load_block(w0), &xq[b], _cvtsh_ss(pyrt_load_u16(w0)));           \
         }                                                                                         \
         return sum;                                                                               \
+    }                                                                                             \
+    AVX512 static float dot_##name(const void *row, const void *x, int n) {                       \
+        return dot_pf_##name(row, x, n, NULL, 0);                                                 \
     }
 
 #define LOAD_Q8_0(wb) _mm256_loadu_si256((const __m256i *)((wb) + 2))
@@ -129,11 +136,12 @@ QUANT_DOT(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
 /* Two rows against one x in one pass: per row exactly the operations of QUANT_DOT (bit for bit
  * two dot calls), the x blocks loaded once for both. */
 #define QUANT_DOT2(name, block_bytes, load_block)                                                 \
-    AVX512 static void dot2_##name(const void *row0, const void *row1, const void *x, int n,      \
-                                   float out[2]) {                                                \
+    AVX512 static void dot2_pf_##name(const void *row0, const void *row1, const void *x, int n,   \
+                                      float out[2], const void *const *pf, int n_pf) {            \
         const uint8_t *wr[2] = {row0, row1};                                                      \
         const pyrt_xq8 *xq = x;                                                                   \
         const int nb = n / PYRT_QK;                                                               \
+        pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, nb / 2);                                      \
         __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};                               \
         int b = 0;                                                                                \
         for (; b + 2 <= nb; b += 2) {                                                             \
@@ -146,7 +154,9 @@ QUANT_DOT(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
                                          _cvtsh_ss(pyrt_load_u16(w1)) * xq[b + 1].d);             \
                 acc[r] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot64_i8(wq, xv)), acc[r]);        \
             }                                                                                     \
+            pyrt_pf_tick(&ps);                                                                    \
         }                                                                                         \
+        pyrt_pf_end(&ps);                                                                         \
         for (int r = 0; r < 2; r++) {                                                             \
             float sum = _mm512_reduce_add_ps(acc[r]);                                             \
             if (b < nb) {                                                                         \
@@ -155,6 +165,10 @@ QUANT_DOT(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
             }                                                                                     \
             out[r] = sum;                                                                         \
         }                                                                                         \
+    }                                                                                             \
+    AVX512 static void dot2_##name(const void *row0, const void *row1, const void *x, int n,      \
+                                   float out[2]) {                                                \
+        dot2_pf_##name(row0, row1, x, n, out, NULL, 0);                                           \
     }
 
 QUANT_DOT2(q8_0, PYRT_Q8_0_BYTES, LOAD_Q8_0)
@@ -224,11 +238,13 @@ AVX512 static void axpy_q4_0(float a, const void *row, float *y, int n) {
     }
 }
 
-static const pyrt_row_ops ops_f32 = {dot_f32, axpy_f32, NULL, NULL};
-static const pyrt_row_ops ops_f16 = {dot_f16, axpy_f16, NULL, NULL};
-static const pyrt_row_ops ops_bf16 = {dot_bf16, axpy_bf16, NULL, NULL};
-static const pyrt_row_ops ops_q8_0 = {dot_q8_0, axpy_q8_0, dot2_q8_0, axpyn_q8_0};
-static const pyrt_row_ops ops_q4_0 = {dot_q4_0, axpy_q4_0, dot2_q4_0, axpyn_q4_0};
+static const pyrt_row_ops ops_f32 = {dot_f32, axpy_f32, NULL, NULL, NULL, NULL};
+static const pyrt_row_ops ops_f16 = {dot_f16, axpy_f16, NULL, NULL, NULL, NULL};
+static const pyrt_row_ops ops_bf16 = {dot_bf16, axpy_bf16, NULL, NULL, NULL, NULL};
+static const pyrt_row_ops ops_q8_0 = {dot_q8_0,  axpy_q8_0,  dot2_q8_0,
+                                      axpyn_q8_0, dot_pf_q8_0, dot2_pf_q8_0};
+static const pyrt_row_ops ops_q4_0 = {dot_q4_0,  axpy_q4_0,  dot2_q4_0,
+                                      axpyn_q4_0, dot_pf_q4_0, dot2_pf_q4_0};
 
 const pyrt_row_ops *pyrt_row_ops_avx512(int fmt) {
     switch (fmt) {
