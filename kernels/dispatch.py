@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.expert_formats import REPACKED, check_expert_tensor, repack_rows
 from kernels.moe_dense import moe_dense
 from kernels.moe_sparse import moe_sparse
 
@@ -19,9 +20,19 @@ def prepare_experts(w: torch.Tensor, fmt: str, n_embd: int) -> tuple[torch.Tenso
     """(weights, fmt) for the kernels, from the GGUF expert tensor already on the device.
 
     w: float formats [n_expert, n_ff, 3, n_embd] of that dtype; block formats uint8
-    [n_expert, n_ff, 3, row_bytes] (kernels.expert_formats). GGUF blocks are read as they are.
+    [n_expert, n_ff, 3, row_bytes] (kernels.expert_formats). Float formats are used as they
+    are; Q8_0 / Q4_0 are repacked on the device into q8_0r / q4_0r (same bytes, each row's
+    quants then its scales: 16-byte aligned loads), a few experts at a time so the temporary
+    is small. The caller drops its reference to the GGUF tensor afterwards.
     """
-    return w, fmt
+    check_expert_tensor(w, fmt, n_embd)
+    if fmt not in REPACKED:
+        return w, fmt
+    out = torch.empty_like(w)
+    step = max(1, (64 << 20) // max(1, w[0].numel()))  # experts per chunk: <= ~64 MiB temporary
+    for e0 in range(0, w.shape[0], step):
+        out[e0 : e0 + step] = repack_rows(w[e0 : e0 + step], fmt)
+    return out, REPACKED[fmt]
 
 
 def moe_experts(

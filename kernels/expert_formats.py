@@ -4,7 +4,16 @@ The tensor is `[n_expert, n_ff, 3, n_embd]` row-major (docs/gguf-layout.md): for
 neuron j the rows (gate, up, down^T) are adjacent, each quantized along n_embd. The kernels take
 it as a torch tensor:
 - float formats (f32, f16, bf16): that dtype, shape `[n_expert, n_ff, 3, n_embd]`;
-- block formats (q8_0, q4_0): uint8, shape `[n_expert, n_ff, 3, row_bytes]` (the GGUF bytes).
+- block formats (q8_0, q4_0): uint8, shape `[n_expert, n_ff, 3, row_bytes]` (the GGUF bytes);
+- repacked block formats (q8_0r, q4_0r): the same bytes per row, regrouped once on the GPU by
+  `repack_rows` (kernels.dispatch.prepare_experts) so the kernels load them with wide aligned
+  loads: per row [all quants of the row][all f16 scales of the row]:
+      q8_0r: [n_embd int8 quants][n_embd / 32 f16 scales]              (34 bytes per 32 elements)
+      q4_0r: [n_embd / 2 bytes of nibbles][n_embd / 32 f16 scales]     (18 bytes per 32 elements)
+  (q4_0r keeps Q4_0's nibble order inside each 16-byte group: low nibble of byte k = element k,
+  high nibble = element k + 16). GGUF's 34- and 18-byte blocks leave quants only 2-byte
+  aligned, so a GPU reads them with byte loads and becomes instruction bound; here a row of
+  2048 elements (2176 or 1152 bytes) starts 16-byte aligned and its quants are contiguous.
 
 The codecs here are plain torch (no gguf import) so the GPU benchmark can quantize on a machine
 without the gguf package; tests check them against gguf.quants, the reference codecs.
@@ -15,10 +24,12 @@ from __future__ import annotations
 import torch
 
 # Format name -> integer code passed to the kernels as a tl.constexpr.
-FMT_CODES = {"f32": 0, "f16": 0, "bf16": 0, "q8_0": 1, "q4_0": 2}
+FMT_CODES = {"f32": 0, "f16": 0, "bf16": 0, "q8_0": 1, "q4_0": 2, "q8_0r": 3, "q4_0r": 4}
 FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 # Block formats: (elements per block, bytes per block).
-BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18)}
+BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q8_0r": (32, 34), "q4_0r": (32, 18)}
+# GGUF block format -> its repacked form (same bytes, regrouped per row).
+REPACKED = {"q8_0": "q8_0r", "q4_0": "q4_0r"}
 
 
 def row_bytes(fmt: str, n_embd: int) -> int:
@@ -62,6 +73,9 @@ def quantize_rows(w: torch.Tensor, fmt: str) -> torch.Tensor:
     """
     if fmt in FLOAT_DTYPES:
         return w.to(FLOAT_DTYPES[fmt]).contiguous()
+    if fmt in REPACKED.values():
+        gguf = next(k for k, v in REPACKED.items() if v == fmt)
+        return repack_rows(quantize_rows(w, gguf), gguf)
     n = w.shape[-1]
     row_bytes(fmt, n)  # validates n
     lead = w.shape[:-1]
@@ -93,6 +107,8 @@ def dequantize_rows(data: torch.Tensor, fmt: str, n: int) -> torch.Tensor:
     lead = data.shape[:-1]
     if data.shape[-1] != row_bytes(fmt, n):
         raise ValueError(f"{fmt} rows of {n} elements have {row_bytes(fmt, n)} bytes")
+    if fmt in REPACKED.values():
+        return _dequantize_repacked(data, fmt, n)
     size = BLOCKS[fmt][1]
     b = data.reshape(-1, size)
     d = b[:, :2].contiguous().view(torch.float16).float()  # [nb, 1]
@@ -101,6 +117,36 @@ def dequantize_rows(data: torch.Tensor, fmt: str, n: int) -> torch.Tensor:
     else:
         qs = b[:, 2:].to(torch.int16)  # [nb, 16]
         q = torch.cat([(qs & 0xF) - 8, (qs >> 4) - 8], dim=1).float()
+    return (d * q).reshape(*lead, n)
+
+
+def repack_rows(data: torch.Tensor, fmt: str) -> torch.Tensor:
+    """GGUF rows `[..., row_bytes]` of `fmt` (q8_0, q4_0) -> the same bytes in REPACKED[fmt]'s
+    layout [quants of the row][f16 scales of the row]; pure byte moves (no rounding)."""
+    if fmt not in REPACKED:
+        raise ValueError(f"only {sorted(REPACKED)} are repacked, got {fmt!r}")
+    elems, size = BLOCKS[fmt]
+    rb = data.shape[-1]
+    if data.dtype != torch.uint8 or rb % size:
+        raise ValueError(f"{fmt} rows must be uint8 [..., k * {size}], got {data.dtype} {rb}")
+    blocks = data.reshape(-1, rb // size, size)  # [rows, blocks per row, size]
+    quants = blocks[:, :, 2:].reshape(blocks.shape[0], -1)  # [rows, nb * (size - 2)]
+    scales = blocks[:, :, :2].reshape(blocks.shape[0], -1)  # [rows, nb * 2]
+    return torch.cat([quants, scales], dim=1).reshape(data.shape)
+
+
+def _dequantize_repacked(data: torch.Tensor, fmt: str, n: int) -> torch.Tensor:
+    """Reference dequantizer of q8_0r / q4_0r rows `[..., row_bytes]` -> float32 `[..., n]`."""
+    lead = data.shape[:-1]
+    rows = data.reshape(-1, data.shape[-1])
+    nq = n if fmt == "q8_0r" else n // 2  # quant bytes per row
+    d = rows[:, nq:].contiguous().view(torch.float16).float()  # [rows, n / 32]
+    d = d.repeat_interleave(32, dim=1)  # [rows, n]: each block's scale on its 32 elements
+    if fmt == "q8_0r":
+        q = rows[:, :nq].contiguous().view(torch.int8).float()
+    else:
+        qs = rows[:, :nq].reshape(rows.shape[0], -1, 16).to(torch.int16)  # [rows, n / 32, 16]
+        q = torch.cat([(qs & 0xF) - 8, (qs >> 4) - 8], dim=2).reshape(rows.shape[0], n).float()
     return (d * q).reshape(*lead, n)
 
 

@@ -34,6 +34,66 @@ def act_fn(g, ACT: tl.constexpr):
 
 
 @triton.jit
+def s8_to_f32(q):
+    """uint8 bytes holding int8 values -> their fp32 values, without I2F (a conversion unit at a
+    quarter of the FMA rate, the bound of a byte-per-weight GEMV): the byte b ^ 0x80 = q + 128
+    goes into the mantissa of 2^23, so the float is 2^23 + 128 + q exactly; subtract."""
+    bits = (q.to(tl.uint32) ^ 0x80) | 0x4B000000
+    return bits.to(tl.float32, bitcast=True) - 8388736.0  # 2^23 + 128
+
+
+@triton.jit
+def u4_to_f32(v):
+    """uint32 values in [0, 16) (Q4_0 nibbles) -> fp32 value - 8, by the same mantissa trick."""
+    return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # 2^23 + 8
+
+
+@triton.jit
+def q8_blocks(w_ptr, row_off, m, h0, H, FMT: tl.constexpr, NB: tl.constexpr):
+    """(d [BLOCK_N, NB] fp32 scales, q [BLOCK_N, NB, 32] fp32 quants) of the Q8_0 blocks
+    covering elements [h0, h0 + 32 * NB) of each row; m [BLOCK_N, NB] masks (row, block)."""
+    i = tl.arange(0, 32)
+    if FMT == 1:  # GGUF: block b at byte 34 b = f16 d, int8 q[32]
+        b = h0 // 32 + tl.arange(0, NB)
+        blk = w_ptr + row_off[:, None] + b[None, :] * 34
+        d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+        qp = (blk[:, :, None] + 2 + i[None, None, :]).to(tl.pointer_type(tl.int8))
+        q = tl.load(qp, mask=m[:, :, None], other=0).to(tl.float32)
+    else:  # q8_0r: quant of element h at byte h, scale of block b at byte H + 2 b
+        hb = h0 + tl.arange(0, NB) * 32  # first element of each block
+        row = w_ptr + row_off[:, None]
+        qp = row[:, :, None] + hb[None, :, None] + i[None, None, :]
+        q = s8_to_f32(tl.load(qp, mask=m[:, :, None], other=0))
+        dp = (row + H + hb[None, :] // 16).to(tl.pointer_type(tl.float16))
+        d = tl.load(dp, mask=m, other=0.0).to(tl.float32)
+    return d, q
+
+
+@triton.jit
+def q4_blocks(w_ptr, row_off, m, h0, H, FMT: tl.constexpr, NB: tl.constexpr):
+    """(d [BLOCK_N, NB] fp32, lo, hi [BLOCK_N, NB, 16] fp32 quants - 8 of elements 0..15 and
+    16..31) of the Q4_0 blocks covering [h0, h0 + 32 * NB) of each row; m as in q8_blocks."""
+    k = tl.arange(0, 16)
+    if FMT == 2:  # GGUF: block b at byte 18 b = f16 d, uint8 qs[16]
+        b = h0 // 32 + tl.arange(0, NB)
+        blk = w_ptr + row_off[:, None] + b[None, :] * 18
+        d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+        qs = tl.load(blk[:, :, None] + 2 + k[None, None, :], mask=m[:, :, None], other=0)
+        lo = (qs & 15).to(tl.float32) - 8.0
+        hi = (qs >> 4).to(tl.float32) - 8.0
+    else:  # q4_0r: block b's 16 bytes at byte 16 b, its scale at byte H / 2 + 2 b
+        hb = h0 + tl.arange(0, NB) * 32
+        row = w_ptr + row_off[:, None]
+        qp = row[:, :, None] + (hb // 2)[None, :, None] + k[None, None, :]
+        qs = tl.load(qp, mask=m[:, :, None], other=0x88).to(tl.uint32)
+        lo = u4_to_f32(qs & 15)
+        hi = u4_to_f32(qs >> 4)
+        dp = (row + H // 2 + hb[None, :] // 16).to(tl.pointer_type(tl.float16))
+        d = tl.load(dp, mask=m, other=0.0).to(tl.float32)
+    return d, lo, hi
+
+
+@triton.jit
 def rows_dot(w_ptr, row_off, n_mask, x_ptr, h0, H, FMT: tl.constexpr, BLOCK_H: tl.constexpr):
     """[BLOCK_N] fp32: sum over h in [h0, h0 + BLOCK_H) of W[row, h] * x[h], masked rows -> 0.
 
@@ -47,17 +107,13 @@ def rows_dot(w_ptr, row_off, n_mask, x_ptr, h0, H, FMT: tl.constexpr, BLOCK_H: t
         m = n_mask[:, None] & hm[None, :]
         wv = tl.load(w_ptr + row_off[:, None] + h[None, :], mask=m, other=0.0).to(tl.float32)
         out = tl.sum(wv * xv[None, :], axis=1)
-    elif FMT == 1:
+    elif FMT % 2 == 1:
         NB: tl.constexpr = BLOCK_H // 32
         b = h0 // 32 + tl.arange(0, NB)  # block index along the row
         bm = b < H // 32
         i = tl.arange(0, 32)
         xv = tl.load(x_ptr + b[:, None] * 32 + i[None, :], mask=bm[:, None], other=0.0)
-        blk = w_ptr + row_off[:, None] + b[None, :] * 34  # [BLOCK_N, NB] -> f16 d, int8 q[32]
-        m = n_mask[:, None] & bm[None, :]
-        d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
-        qp = (blk[:, :, None] + 2 + i[None, None, :]).to(tl.pointer_type(tl.int8))
-        q = tl.load(qp, mask=m[:, :, None], other=0).to(tl.float32)
+        d, q = q8_blocks(w_ptr, row_off, n_mask[:, None] & bm[None, :], h0, H, FMT, NB)
         out = tl.sum(tl.sum(q * xv.to(tl.float32)[None, :, :], axis=2) * d, axis=1)
     else:
         NB: tl.constexpr = BLOCK_H // 32
@@ -67,12 +123,7 @@ def rows_dot(w_ptr, row_off, n_mask, x_ptr, h0, H, FMT: tl.constexpr, BLOCK_H: t
         xo = b[:, None] * 32 + k[None, :]
         x_lo = tl.load(x_ptr + xo, mask=bm[:, None], other=0.0).to(tl.float32)  # elements 0..15
         x_hi = tl.load(x_ptr + xo + 16, mask=bm[:, None], other=0.0).to(tl.float32)  # 16..31
-        blk = w_ptr + row_off[:, None] + b[None, :] * 18  # -> f16 d, uint8 qs[16]
-        m = n_mask[:, None] & bm[None, :]
-        d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
-        qs = tl.load(blk[:, :, None] + 2 + k[None, None, :], mask=m[:, :, None], other=0)
-        lo = (qs & 15).to(tl.float32) - 8.0
-        hi = (qs >> 4).to(tl.float32) - 8.0
+        d, lo, hi = q4_blocks(w_ptr, row_off, n_mask[:, None] & bm[None, :], h0, H, FMT, NB)
         s = tl.sum(lo * x_lo[None, :, :] + hi * x_hi[None, :, :], axis=2)
         out = tl.sum(s * d, axis=1)
     return out
@@ -81,10 +132,10 @@ def rows_dot(w_ptr, row_off, n_mask, x_ptr, h0, H, FMT: tl.constexpr, BLOCK_H: t
 @triton.jit
 def dot_acc_zeros(BLOCK_N: tl.constexpr, FMT: tl.constexpr, BLOCK_H: tl.constexpr):
     """Elementwise accumulator of rows_dot_acc: [BLOCK_N, BLOCK_H] (float formats),
-    [BLOCK_N, BLOCK_H // 32, 32] (Q8_0) or [BLOCK_N, BLOCK_H // 32, 16] (Q4_0)."""
+    [BLOCK_N, BLOCK_H // 32, 32] (Q8_0 family) or [BLOCK_N, BLOCK_H // 32, 16] (Q4_0)."""
     if FMT == 0:
         acc = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
-    elif FMT == 1:
+    elif FMT % 2 == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_H // 32, 32], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_H // 32, 16], dtype=tl.float32)
@@ -115,17 +166,13 @@ def rows_dot_acc(
         m = n_mask[:, None] & hm[None, :]
         wv = tl.load(w_ptr + row_off[:, None] + h[None, :], mask=m, other=0.0).to(tl.float32)
         acc += wv * xv[None, :]
-    elif FMT == 1:
+    elif FMT % 2 == 1:
         NB: tl.constexpr = BLOCK_H // 32
         b = h0 // 32 + tl.arange(0, NB)
         bm = b < H // 32
         i = tl.arange(0, 32)
         xv = tl.load(x_ptr + b[:, None] * 32 + i[None, :], mask=bm[:, None], other=0.0)
-        blk = w_ptr + row_off[:, None] + b[None, :] * 34
-        m = n_mask[:, None] & bm[None, :]
-        d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
-        qp = (blk[:, :, None] + 2 + i[None, None, :]).to(tl.pointer_type(tl.int8))
-        q = tl.load(qp, mask=m[:, :, None], other=0).to(tl.float32)
+        d, q = q8_blocks(w_ptr, row_off, n_mask[:, None] & bm[None, :], h0, H, FMT, NB)
         acc += q * d[:, :, None] * xv.to(tl.float32)[None, :, :]
     else:
         NB: tl.constexpr = BLOCK_H // 32
@@ -135,12 +182,7 @@ def rows_dot_acc(
         xo = b[:, None] * 32 + k[None, :]
         x_lo = tl.load(x_ptr + xo, mask=bm[:, None], other=0.0).to(tl.float32)
         x_hi = tl.load(x_ptr + xo + 16, mask=bm[:, None], other=0.0).to(tl.float32)
-        blk = w_ptr + row_off[:, None] + b[None, :] * 18
-        m = n_mask[:, None] & bm[None, :]
-        d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
-        qs = tl.load(blk[:, :, None] + 2 + k[None, None, :], mask=m[:, :, None], other=0)
-        lo = (qs & 15).to(tl.float32) - 8.0
-        hi = (qs >> 4).to(tl.float32) - 8.0
+        d, lo, hi = q4_blocks(w_ptr, row_off, n_mask[:, None] & bm[None, :], h0, H, FMT, NB)
         acc += (lo * x_lo[None, :, :] + hi * x_hi[None, :, :]) * d[:, :, None]
     return acc
 
@@ -159,16 +201,12 @@ def rows_axpy(w_ptr, row_off, n_mask, coef, y_ptr, h0, H, FMT: tl.constexpr, BLO
         wv = tl.load(w_ptr + row_off[:, None] + h[None, :], mask=m, other=0.0).to(tl.float32)
         c = tl.sum(wv * coef[:, None], axis=0)
         tl.atomic_add(y_ptr + h, c, mask=hm, sem="relaxed")
-    elif FMT == 1:
+    elif FMT % 2 == 1:
         NB: tl.constexpr = BLOCK_H // 32
         b = h0 // 32 + tl.arange(0, NB)
         bm = b < H // 32
         i = tl.arange(0, 32)
-        blk = w_ptr + row_off[:, None] + b[None, :] * 34
-        m = n_mask[:, None] & bm[None, :]
-        d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
-        qp = (blk[:, :, None] + 2 + i[None, None, :]).to(tl.pointer_type(tl.int8))
-        q = tl.load(qp, mask=m[:, :, None], other=0).to(tl.float32)
+        d, q = q8_blocks(w_ptr, row_off, n_mask[:, None] & bm[None, :], h0, H, FMT, NB)
         c = tl.sum(q * (d * coef[:, None])[:, :, None], axis=0)  # [NB, 32]
         tl.atomic_add(y_ptr + b[:, None] * 32 + i[None, :], c, mask=bm[:, None], sem="relaxed")
     else:
@@ -176,13 +214,10 @@ def rows_axpy(w_ptr, row_off, n_mask, coef, y_ptr, h0, H, FMT: tl.constexpr, BLO
         b = h0 // 32 + tl.arange(0, NB)
         bm = b < H // 32
         k = tl.arange(0, 16)
-        blk = w_ptr + row_off[:, None] + b[None, :] * 18
-        m = n_mask[:, None] & bm[None, :]
-        d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
-        qs = tl.load(blk[:, :, None] + 2 + k[None, None, :], mask=m[:, :, None], other=0)
+        d, lo, hi = q4_blocks(w_ptr, row_off, n_mask[:, None] & bm[None, :], h0, H, FMT, NB)
         sc = (d * coef[:, None])[:, :, None]
-        c_lo = tl.sum(((qs & 15).to(tl.float32) - 8.0) * sc, axis=0)  # [NB, 16]
-        c_hi = tl.sum(((qs >> 4).to(tl.float32) - 8.0) * sc, axis=0)
+        c_lo = tl.sum(lo * sc, axis=0)  # [NB, 16]
+        c_hi = tl.sum(hi * sc, axis=0)
         yo = y_ptr + b[:, None] * 32 + k[None, :]
         tl.atomic_add(yo, c_lo, mask=bm[:, None], sem="relaxed")
         tl.atomic_add(yo + 16, c_hi, mask=bm[:, None], sem="relaxed")
@@ -199,26 +234,19 @@ def rows_tile(w_ptr, row_off, n_mask, h0, H, FMT: tl.constexpr, BLOCK_K: tl.cons
         h = h0 + tl.arange(0, BLOCK_K)
         m = n_mask[:, None] & (h < H)[None, :]
         out = tl.load(w_ptr + row_off[:, None] + h[None, :], mask=m, other=0.0).to(tl.float32)
-    elif FMT == 1:
+    elif FMT % 2 == 1:
         NB: tl.constexpr = BLOCK_K // 32
         b = h0 // 32 + tl.arange(0, NB)
-        i = tl.arange(0, 32)
-        blk = w_ptr + row_off[:, None] + b[None, :] * 34
         m = n_mask[:, None] & (b < H // 32)[None, :]
-        d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
-        qp = (blk[:, :, None] + 2 + i[None, None, :]).to(tl.pointer_type(tl.int8))
-        q = tl.load(qp, mask=m[:, :, None], other=0).to(tl.float32)
+        d, q = q8_blocks(w_ptr, row_off, m, h0, H, FMT, NB)
         out = tl.reshape(q * d[:, :, None], [row_off.shape[0], BLOCK_K])
     else:
         NB: tl.constexpr = BLOCK_K // 32
         b = h0 // 32 + tl.arange(0, NB)
-        k = tl.arange(0, 16)
-        blk = w_ptr + row_off[:, None] + b[None, :] * 18
         m = n_mask[:, None] & (b < H // 32)[None, :]
-        d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
-        qs = tl.load(blk[:, :, None] + 2 + k[None, None, :], mask=m[:, :, None], other=0)
-        lo = ((qs & 15).to(tl.float32) - 8.0) * d[:, :, None]  # elements 0..15 of each block
-        hi = ((qs >> 4).to(tl.float32) - 8.0) * d[:, :, None]  # elements 16..31
+        d, lo, hi = q4_blocks(w_ptr, row_off, m, h0, H, FMT, NB)
+        lo = lo * d[:, :, None]  # elements 0..15 of each block
+        hi = hi * d[:, :, None]  # elements 16..31
         both = tl.permute(tl.join(lo, hi), (0, 1, 3, 2))  # [BLOCK_N, NB, 2, 16]
         out = tl.reshape(both, [row_off.shape[0], BLOCK_K])
     return out

@@ -24,7 +24,9 @@ import triton.language as tl
 
 from kernels.expert_formats import (
     ACTIVATIONS,
+    BLOCKS,
     FMT_CODES,
+    REPACKED,
     act_ref,
     check_expert_tensor,
     dequantize_rows,
@@ -144,14 +146,26 @@ GEMV_CONFIGS = {
     # MODE 2 with a single token (P <= 8 pairs): fewer programs, so more neurons per program
     (2, "float", "one"): (16, 1024, 4, False),
     (2, "block", "one"): (8, 512, 2, True),
+    # q8_0r / q4_0r (repacked rows, 16-byte loads): first guesses, to be H100-tuned
+    (0, "packed"): (16, 1024, 4, False),
+    (1, "packed"): (8, 1024, 4, True),
+    (2, "packed"): (8, 1024, 4, False),
+    (2, "packed", "one"): (16, 1024, 4, False),
 }
+
+
+def format_family(fmt: str) -> str:
+    """'float', 'block' (GGUF q8_0/q4_0: byte loads) or 'packed' (q8_0r/q4_0r: wide loads)."""
+    if fmt in REPACKED.values():
+        return "packed"
+    return "block" if fmt in BLOCKS else "float"
 
 
 def gemv_blocks(fmt: str, mode: int, n_pairs: int = 0) -> tuple[int, int, int, bool]:
     """(BLOCK_N, BLOCK_H, num_warps, ACC2D) for _moe_gemv_kernel in `mode`."""
     if interpreting():
         return 64, 256, 4, False
-    key = (mode, "block" if fmt in ("q8_0", "q4_0") else "float")
+    key = (mode, format_family(fmt))
     if mode == 2 and n_pairs <= 8:
         key = (*key, "one")
     bn, bh, nw, acc2d = GEMV_CONFIGS[key]

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.expert_formats import ACTIVATIONS, FMT_CODES, act_ref
+from kernels.expert_formats import ACTIVATIONS, BLOCKS, FMT_CODES, act_ref
 from kernels.expert_rows import dot_acc_sum, dot_acc_zeros, rows_dot_acc
 from kernels.moe_dense import (
     DECODE_MAX_TOKENS,
@@ -174,7 +174,7 @@ def moe_sparse(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", path="
     """
     H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
     if path == "auto":
-        float_fmt = fmt not in ("q8_0", "q4_0")
+        float_fmt = fmt not in BLOCKS
         if T == 1 or (float_fmt and T <= SPARSE_FUSED_MAX_TOKENS):
             path = "fused"
         else:

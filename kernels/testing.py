@@ -4,7 +4,7 @@ import os
 
 import torch
 
-from kernels.expert_formats import quantize_rows
+from kernels.expert_formats import BLOCKS, quantize_rows
 
 N_EXPERT, N_FF, TOP_K = 6, 45, 3  # odd n_ff: partial neuron tiles
 
@@ -12,7 +12,7 @@ N_EXPERT, N_FF, TOP_K = 6, 45, 3  # odd n_ff: partial neuron tiles
 def n_embd_for(fmt: str) -> int:
     """A multiple of 32 but not a power of two for block formats; not even a multiple of 32
     for float formats (partial H tiles)."""
-    return 96 if fmt in ("q8_0", "q4_0") else 100
+    return 96 if fmt in BLOCKS else 100
 
 
 def make_case(fmt: str, n_tok: int, x_dtype=torch.float32, seed: int = 0):

@@ -6,7 +6,7 @@ import torch
 from kernels.moe_dense import moe_align, moe_dense, moe_dense_ref
 from kernels.testing import N_EXPERT, assert_close_rel, make_case, rtol_for
 
-FORMATS = ["f32", "f16", "bf16", "q8_0", "q4_0"]
+FORMATS = ["f32", "f16", "bf16", "q8_0", "q4_0", "q8_0r", "q4_0r"]
 
 
 @pytest.mark.parametrize("path", ["decode", "prefill"])
@@ -21,7 +21,7 @@ def test_moe_dense_matches_reference(fmt, n_tok, path):
 
 
 @pytest.mark.parametrize("path", ["decode", "prefill"])
-@pytest.mark.parametrize("fmt", ["bf16", "q4_0"])
+@pytest.mark.parametrize("fmt", ["bf16", "q4_0", "q4_0r"])
 def test_moe_dense_gelu(fmt, path):
     x, w, ids, tw = make_case(fmt, 3, seed=5)
     y = moe_dense(x, w, fmt, ids, tw, activation="gelu", path=path)

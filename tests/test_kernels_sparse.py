@@ -16,7 +16,7 @@ from kernels.moe_sparse import (
 from kernels.sparse_mask import sparse_mask, sparse_mask_ref
 from kernels.testing import assert_close_rel, make_case, rtol_for
 
-FORMATS = ["f16", "bf16", "q8_0", "q4_0"]
+FORMATS = ["f16", "bf16", "q8_0", "q4_0", "q8_0r", "q4_0r"]
 
 
 def gate_away_from(threshold: float, shape, activation: str, margin: float = 1e-3, seed=0):
@@ -101,7 +101,7 @@ def gap_threshold(gate: torch.Tensor, activation: str, quantile: float) -> float
 
 
 # every format with silu; gelu on one float and one block format
-FMT_ACT = [(f, "silu") for f in FORMATS] + [("bf16", "gelu"), ("q4_0", "gelu")]
+FMT_ACT = [(f, "silu") for f in FORMATS] + [("bf16", "gelu"), ("q4_0", "gelu"), ("q4_0r", "gelu")]
 
 
 @pytest.mark.parametrize("path", ["fused", "decode", "prefill"])
@@ -126,7 +126,7 @@ def test_moe_sparse_all_tiles_empty(path):
 
 
 @pytest.mark.parametrize("acc2d", [False, True])
-@pytest.mark.parametrize("fmt", ["bf16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("fmt", ["bf16", "q8_0", "q4_0", "q8_0r", "q4_0r"])
 def test_moe_sparse_fused_small_tiles(fmt, acc2d):
     """GPU-sized tiles (8 neurons, 64-element chunks): per-tile counts match the reference
     mask, all-inactive tiles skip their up/down rows, and y matches the reference."""
