@@ -328,6 +328,8 @@ class CpuCore:
             if bias.shape != (n_out,):
                 raise CoreError(f"bias has shape {tuple(bias.shape)}, expected ({n_out},)")
         y = torch.empty((x.shape[0], n_out), dtype=torch.float32)
+        if x.shape[0] == 0:
+            return y
         m = _ffi.new("pyrt_matrix *", (_ffi.from_buffer(w), w.nbytes, fmt, n_out, n_in))
         _check(
             _lib().pyrt_linear(
