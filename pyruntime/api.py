@@ -14,6 +14,7 @@ common token prefix with the previous call, so a chat turn only evaluates the ne
 from __future__ import annotations
 
 import secrets
+import sys
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -24,9 +25,11 @@ import numpy as np
 import torch
 
 from pyruntime.chat_template import render_chat
+from pyruntime.device import choose_device
 from pyruntime.errors import UsageError
 from pyruntime.generation import Session, TextStream
 from pyruntime.gguf_file import GGUFFile, open_gguf
+from pyruntime.models.config import ModelConfig
 from pyruntime.models.transformer import MoETransformer
 from pyruntime.sampling import Sampler, SamplingParams
 from pyruntime.sparsity import SparsityTable, check_sparsity
@@ -42,7 +45,11 @@ class Model:
     threads: CPU threads for torch and the C core (None = physical cores for the C core).
     sparsity: target fraction of routed-expert neurons to skip, in [0, 1); needs the model's
     calibration table (`pyruntime calibrate`); 0 = dense. `achieved_sparsity` reports the result.
-    expert_backend: 'auto' (the C core when built), 'c', or 'torch' (the reference).
+    expert_backend: 'auto' (the C core when built), 'c', or 'torch' (the reference); CPU only.
+    device: 'auto' (the GPU when there is one and the model + KV cache fit in its free memory,
+    else the CPU), 'cpu', 'cuda' or 'cuda:N' (an error when there is no GPU or it does not fit).
+    `device` afterwards holds the choice ('cpu' or 'cuda[:N]'), `device_note` why auto took the
+    CPU although a GPU exists (None otherwise).
     seed: seeds the random stream of sampling calls that pass no seed of their own
     (None = a random seed), so a run of calls is reproducible as a whole.
     """
@@ -55,20 +62,38 @@ class Model:
         seed: int | None = None,
         sparsity: float = 0.0,
         expert_backend: str = "auto",
+        device: str = "auto",
     ) -> None:
         check_sparsity(sparsity)
+        if n_ctx < 0:
+            raise UsageError(f"n_ctx must be >= 0 (0 = the model's context), got {n_ctx}")
         self.file: GGUFFile = open_gguf(path)
         self.path = self.file.path
         table = SparsityTable.load(self.path) if sparsity > 0 else None
-        self.net = MoETransformer.from_gguf(
-            self.file, threads=threads, expert_backend=expert_backend
-        )
+        thresholds = None if table is None else table.for_sparsity(sparsity)
+        config = ModelConfig.from_gguf(self.file)
+        self.n_ctx = n_ctx or config.context_length
+        choice = choose_device(device, self.file, config, self.n_ctx)
+        self.device, self.device_note = choice.device, choice.note
+        if choice.note:
+            print(f"pyruntime: {choice.note}", file=sys.stderr)
+        if self.device == "cpu":
+            self.net = MoETransformer.from_gguf(
+                self.file, threads=threads, expert_backend=expert_backend
+            )
+            self.net.expert_threshold = thresholds
+        else:
+            from pyruntime.models.gpu import DeviceTransformer  # imports triton: GPU runs only
+
+            if threads is not None:
+                if threads < 1:
+                    raise UsageError(f"--threads must be >= 1, got {threads}")
+                torch.set_num_threads(threads)
+            self.net = DeviceTransformer(config, self.file, self.device)
+            key = f"{self.path.name}:{self.file.file_size}:s{sparsity}"
+            self.net.set_expert_threshold(thresholds, key=key)
         self.sparsity = sparsity
-        self.net.expert_threshold = None if table is None else table.for_sparsity(sparsity)
         self.tokenizer = Tokenizer.from_gguf(self.file)
-        if n_ctx < 0:
-            raise UsageError(f"n_ctx must be >= 0 (0 = the model's context), got {n_ctx}")
-        self.n_ctx = n_ctx or self.net.config.context_length
         if seed is not None and seed < 0:
             raise UsageError(f"seed must be >= 0, got {seed}")
         self._rng = torch.Generator()

@@ -1,4 +1,4 @@
-"""The `pyruntime` command: chat, generate, perplexity, calibrate, info.
+"""The `pyruntime` command: chat, generate, perplexity, bench, calibrate, info.
 
 Output discipline: stdout carries only the product (answers, generated text, `ppl = X`, info),
 stderr the diagnostics (timings, progress, banners), so every command can be piped.
@@ -46,6 +46,13 @@ def _runtime_parent() -> argparse.ArgumentParser:
         metavar="S",
         help="skip this fraction of routed-expert neurons, in [0, 1) (needs `pyruntime "
         "calibrate` first; 0 = dense). The achieved sparsity is reported on stderr.",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        metavar="D",
+        help="auto (default: the GPU when there is one and the model + KV cache fit), cpu, "
+        "cuda or cuda:N",
     )
     return p
 
@@ -137,6 +144,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_perplexity)
 
     p = sub.add_parser(
+        "bench",
+        parents=[common, runtime],
+        help="prompt and generation speed (llama-bench style)",
+        description="Time pp N (prefill of N random tokens) and tg N (N single-token decode "
+        "steps), each from an empty cache, repeated -r times after a warm-up run; prints "
+        "tokens/s mean ± std as a markdown table (or JSON with -o json).",
+    )
+    p.add_argument("model", nargs="?", help="GGUF file (default: the built-in demo model)")
+    p.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens, 0 = skip (512)")
+    p.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens, 0 = skip (128)")
+    p.add_argument("-r", "--repetitions", type=int, default=5, help="repetitions (5)")
+    p.add_argument("-o", "--output", choices=("md", "json"), default="md", help="md or json")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser(
         "calibrate",
         parents=[common],
         help="measure activation sparsity thresholds for --sparsity",
@@ -192,6 +214,7 @@ def _load_model(path: str | Path, args: argparse.Namespace, n_ctx: int = 2048) -
         threads=args.threads,
         seed=getattr(args, "seed", None),
         sparsity=getattr(args, "sparsity", 0.0),
+        device=getattr(args, "device", "cpu"),  # calibrate: the CPU path (gate observer)
     )
 
 
@@ -349,6 +372,39 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     else:
         print(f"tokens scored = {result.tokens_scored}, windows = {result.windows}")
         print(f"ppl = {result.ppl:.4f}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pyruntime.bench import markdown_table, result_rows, run_bench
+
+    if args.model is None:
+        from pyruntime.demo import demo_model_path
+
+        path = demo_model_path()
+    else:
+        path = args.model
+    if args.n_prompt < 0 or args.n_gen < 0 or args.n_prompt + args.n_gen == 0:
+        raise UsageError("bench needs -p N and/or -n N >= 1 (0 skips that test)")
+    if args.repetitions < 1:
+        raise UsageError(f"-r/--repetitions must be >= 1, got {args.repetitions}")
+    model = _load_model(path, args, n_ctx=max(args.n_prompt, args.n_gen))
+    print(f"bench: {Path(path).name} on {model.device}", file=sys.stderr)
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    results = run_bench(model.net, args.n_prompt, args.n_gen, args.repetitions, progress=progress)
+    import torch
+
+    threads = args.threads or torch.get_num_threads()
+    rows = result_rows(model, results, threads)
+    if args.output == "json":
+        print(json.dumps(rows, indent=1))
+    else:
+        print(markdown_table(rows))
+    if model.sparsity:
+        print(_sparsity_report(model).lstrip(" |"), file=sys.stderr)
     return 0
 
 

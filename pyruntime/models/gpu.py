@@ -299,7 +299,7 @@ class DeviceTransformer:
             cfg.attention_scale if cfg.attention_scale is not None else 1 / math.sqrt(cfg.head_dim)
         )
         self.expert_threshold: list[torch.Tensor] | None = None  # per layer, [1] f32 each
-        self.sparse_max_batch = SPARSE_MAX_BATCH
+        self.sparse_max_batch = [SPARSE_MAX_BATCH] * cfg.n_layer  # per layer (kernels.switch)
         self.stats = DeviceExpertStats(self.device)
         self.use_cuda_graph = self.device.type == "cuda" and os.environ.get(
             "PYRUNTIME_CUDA_GRAPH", "1"
@@ -311,14 +311,43 @@ class DeviceTransformer:
     def new_cache(self, max_tokens: int) -> DeviceKVCache:
         return DeviceKVCache(self.config, max_tokens, self.device, self.dtype)
 
-    def set_expert_threshold(self, thresholds: Sequence[float] | None) -> None:
-        """Per-layer |act(gate)| thresholds (None = dense)."""
-        self.expert_threshold = (
-            None
-            if thresholds is None
-            else [torch.tensor([float(t)], device=self.device) for t in thresholds]
-        )
+    def set_expert_threshold(self, thresholds: Sequence[float] | None, key: str = "") -> None:
+        """Per-layer |act(gate)| thresholds (None = dense). On CUDA with a `key` (the model's
+        identity and sparsity), each layer's dense/sparse switch batch comes from
+        kernels.switch (profiled once per GPU and layer, cached); else SPARSE_MAX_BATCH."""
+        n_layer = self.config.n_layer
+        self.sparse_max_batch = [SPARSE_MAX_BATCH] * n_layer
+        if thresholds is None:
+            self.expert_threshold = None
+        else:
+            self.expert_threshold = [
+                torch.tensor([float(t)], device=self.device) for t in thresholds
+            ]
+            if self.device.type == "cuda" and key:
+                self.sparse_max_batch = self._profiled_switch(key)
         self._state_version += 1
+
+    def _profiled_switch(self, key: str) -> list[int]:
+        from kernels.switch import sparse_max_batch
+
+        cfg = self.config
+        out = []
+        for i, blk in enumerate(self.blocks):
+            if blk.experts is None:
+                out.append(0)
+                continue
+            out.append(
+                sparse_max_batch(
+                    blk.experts,
+                    blk.experts_fmt,
+                    cfg.n_embd,
+                    cfg.n_expert_used,
+                    cfg.activation,
+                    self.expert_threshold[i],
+                    key=f"{key}/layer{i}",
+                )  # fmt: skip
+            )
+        return out
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -384,7 +413,7 @@ class DeviceTransformer:
         self._count_decode_experts()
         if not self.use_cuda_graph:
             return self._decode_step(cache)
-        key = (self._state_version, self.sparse_max_batch)
+        key = self._state_version
         if cache.graph is None or cache.graph_key != key:
             self._capture(cache)
             cache.graph_key = key
@@ -427,9 +456,9 @@ class DeviceTransformer:
     def _count_decode_experts(self) -> None:
         """Host-side counts of one decode step's routed work (replays cannot run Python)."""
         n_ff, k = self.config.n_ff_exp, self.config.n_expert_used
-        sparse = self.expert_threshold is not None and self.sparse_max_batch >= 1
-        for blk in self.blocks:
+        for i, blk in enumerate(self.blocks):
             if blk.experts is not None:
+                sparse = self.expert_threshold is not None and self.sparse_max_batch[i] >= 1
                 (self.stats.add_sparse if sparse else self.stats.add_dense)(k, n_ff)
 
     # -- shared pieces ------------------------------------------------------------------------
@@ -480,7 +509,7 @@ class DeviceTransformer:
         threshold = None if self.expert_threshold is None else self.expert_threshold[i]
         y, active = moe_experts(
             h, blk.experts, blk.experts_fmt, ids, w, cfg.activation,
-            threshold=threshold, sparse_max_batch=self.sparse_max_batch,
+            threshold=threshold, sparse_max_batch=self.sparse_max_batch[i],
         )  # fmt: skip
         if h.shape[0] > 1:  # prefill: host counts here (decode counts in _count_decode_experts)
             add = self.stats.add_dense if active is None else self.stats.add_sparse
