@@ -85,9 +85,9 @@ def _moe_gemv_kernel(
     w_ptr,  # expert tensor (typed for float formats, uint8 for block formats)
     ids_ptr,  # [P] int: expert of each pair
     tw_ptr,  # [P] f32: routing weight of each pair
-    out_ptr,  # MODE 1: gate [P, F] f32; else y [T, H] f32 (accumulated)
-    thr_ptr,  # MODE 2: [1] f32 threshold on |act(gate)|
-    cnt_ptr,  # MODE 2: [P, n_tiles] int32 out: active neurons per tile
+    out_ptr,  # MODE 1: gate [P, F] f32; MODE 3: h [P, F] f32; else y [T, H] f32 (accumulated)
+    thr_ptr,  # MODE 2/3: [1] f32 threshold on |act(gate)|
+    cnt_ptr,  # MODE 2/3: [P] int32, zeroed: active neurons of each pair (atomically added)
     H,
     F,
     RB,  # row stride of the expert tensor: elements (float formats) or bytes (block formats)
@@ -95,10 +95,11 @@ def _moe_gemv_kernel(
     stride_x,
     FMT: tl.constexpr,
     ACT: tl.constexpr,
-    MODE: tl.constexpr,  # 0 dense FFN, 1 gate dots only, 2 sparse FFN (masked up/down rows)
+    MODE: tl.constexpr,  # 0 dense FFN, 1 gate dots only, 2 sparse FFN (masked up/down rows),
+    # 3 sparse gate-up: h = act(gate) * up * topk_w of the kept neurons (0 elsewhere) -> out
     BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    ACC2D: tl.constexpr,  # MODE 1/2: elementwise accumulation over H chunks (rows_dot_acc)
+    ACC2D: tl.constexpr,  # MODE 1/2/3: elementwise accumulation over H chunks (rows_dot_acc)
 ):
     p = tl.program_id(0)
     tile = tl.program_id(1)
@@ -127,11 +128,16 @@ def _moe_gemv_kernel(
         a = act_fn(_row_dots(w_ptr, gate_off, nm, x_row, H, FMT, BLOCK_N, BLOCK_H, ACC2D), ACT)
         keep = (tl.abs(a) >= tl.load(thr_ptr)) & nm
         n_keep = tl.sum(keep.to(tl.int32), axis=0)
-        tl.store(cnt_ptr + p * tl.num_programs(1) + tile, n_keep)
-        if n_keep > 0:  # masked-off rows are never read: only active up/down rows cost bytes
+        tl.atomic_add(cnt_ptr + p, n_keep, sem="relaxed")
+        if MODE == 2:
+            if n_keep > 0:  # masked-off rows are never read: only active up/down rows cost bytes
+                u = _row_dots(w_ptr, gate_off + RB, keep, x_row, H, FMT, BLOCK_N, BLOCK_H, ACC2D)
+                coef = tl.where(keep, a * u * tl.load(tw_ptr + p).to(tl.float32), 0.0)
+                _rows_axpy_all(w_ptr, gate_off + 2 * RB, keep, coef, y_row, H, rot, FMT, BLOCK_H)
+        else:
             u = _row_dots(w_ptr, gate_off + RB, keep, x_row, H, FMT, BLOCK_N, BLOCK_H, ACC2D)
             coef = tl.where(keep, a * u * tl.load(tw_ptr + p).to(tl.float32), 0.0)
-            _rows_axpy_all(w_ptr, gate_off + 2 * RB, keep, coef, y_row, H, rot, FMT, BLOCK_H)
+            tl.store(out_ptr + p.to(tl.int64) * F + n, coef, mask=nm)
 
 
 # (BLOCK_N, BLOCK_H, num_warps, ACC2D) of _moe_gemv_kernel per (MODE, float/block format),
@@ -151,6 +157,9 @@ GEMV_CONFIGS = {
     (1, "packed"): (8, 1024, 4, True),
     (2, "packed"): (8, 1024, 4, False),
     (2, "packed", "one"): (16, 1024, 4, False),
+    (3, "float"): (8, 1024, 4, True),
+    (3, "block"): (8, 512, 2, True),
+    (3, "packed"): (8, 1024, 4, True),
 }
 
 
@@ -166,7 +175,7 @@ def gemv_blocks(fmt: str, mode: int, n_pairs: int = 0) -> tuple[int, int, int, b
     if interpreting():
         return 64, 256, 4, False
     key = (mode, format_family(fmt))
-    if mode == 2 and n_pairs <= 8:
+    if mode == 2 and n_pairs <= 8 and (*key, "one") in GEMV_CONFIGS:
         key = (*key, "one")
     bn, bh, nw, acc2d = GEMV_CONFIGS[key]
     return bn, (min(bh, 256) if fmt == "f32" else bh), nw, acc2d

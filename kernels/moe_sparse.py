@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.expert_formats import ACTIVATIONS, BLOCKS, FMT_CODES, act_ref
-from kernels.expert_rows import dot_acc_sum, dot_acc_zeros, rows_dot_acc
+from kernels.expert_formats import ACTIVATIONS, FMT_CODES, act_ref
+from kernels.expert_rows import dot_acc_sum, dot_acc_zeros, rows_dot_acc, rows_tile
 from kernels.moe_dense import (
     DECODE_MAX_TOKENS,
     _moe_gemm_gate_up_kernel,
@@ -32,15 +32,13 @@ from kernels.moe_dense import (
     _prep,
     _rows_axpy_all,
     dequantize_experts,
+    format_family,
     gemm_blocks,
     gemv_blocks,
     interpreting,
     moe_align,
 )
 from kernels.sparse_mask import as_threshold, sparse_mask
-
-# Float-format sparse decode uses the one-kernel path up to this many tokens (H100-measured).
-SPARSE_FUSED_MAX_TOKENS = 16
 
 
 def moe_gate(x, w, fmt, topk_ids, path="auto"):
@@ -143,19 +141,24 @@ def moe_sparse_up_down(x, w, fmt, topk_ids, topk_w, idx, act, count, y=None, blo
     return y
 
 
+def _zeroed_out_and_count(T: int, H: int, P: int, device):
+    """(y [T, H] f32, count [P] int32), both zero, from one allocation: one memset node in a
+    CUDA graph instead of two (each node costs ~2 us at batch 1)."""
+    buf = torch.zeros(T * H + P, dtype=torch.float32, device=device)
+    return buf[: T * H].view(T, H), buf[T * H :].view(torch.int32)
+
+
 def moe_sparse_fused(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", blocks=None):
     """One-kernel sparse FFN for decode: each (pair, neuron tile) program computes its gate
     dots, masks, then reads only the active neurons' up and down rows (masked loads) and adds
-    into y. Returns (y [T, n_embd] f32, active count [P, n_tiles] int32)."""
+    into y. Returns (y [T, n_embd] f32, active count [P] int32)."""
     H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
     P = T * K
     bn, bh, nw, acc2d = blocks or gemv_blocks(fmt, 2, P)
-    n_tiles = triton.cdiv(F, bn)
-    y = torch.zeros(T, H, device=x.device, dtype=torch.float32)
-    count = torch.empty(P, n_tiles, dtype=torch.int32, device=x.device)
+    y, count = _zeroed_out_and_count(T, H, P, x.device)
     ids = topk_ids.reshape(-1).contiguous()
     tw = topk_w.reshape(-1).float().contiguous()
-    _moe_gemv_kernel[(P, n_tiles)](
+    _moe_gemv_kernel[(P, triton.cdiv(F, bn))](
         x, w, ids, tw, y, as_threshold(threshold, x.device), count, H, F, rb, K, x.stride(0),
         FMT=FMT_CODES[fmt], ACT=ACTIVATIONS[activation], MODE=2, BLOCK_N=bn, BLOCK_H=bh,
         ACC2D=acc2d, num_warps=nw,
@@ -163,25 +166,108 @@ def moe_sparse_fused(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", 
     return y, count
 
 
+@triton.jit
+def _moe_sparse_down_kernel(
+    h_ptr,  # [P, F] f32: act(gate) * up * topk_w of kept neurons, 0 for dropped ones
+    w_ptr,  # expert tensor
+    ids_ptr,  # [P] expert of each pair
+    y_ptr,  # [T, H] f32, accumulated
+    H,
+    F,
+    RB,
+    K,
+    FMT: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # neurons per step
+    BLOCK_H: tl.constexpr,  # output columns per program
+    SPLIT_N: tl.constexpr,  # neurons per program (a multiple of BLOCK_N)
+):
+    """y[t, h-chunk] += sum over a SPLIT_N slice of token t's K * F (pair, neuron) rows of
+    h * down row; rows with h == 0 are masked off (no memory traffic). Grid (T, H chunks,
+    K * F / SPLIT_N): one atomic per output element per program, not per neuron tile."""
+    t = tl.program_id(0).to(tl.int64)
+    h0 = tl.program_id(1) * BLOCK_H
+    h = h0 + tl.arange(0, BLOCK_H)
+    KF = K * F
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for g0 in range(tl.program_id(2) * SPLIT_N, (tl.program_id(2) + 1) * SPLIT_N, BLOCK_N):
+        g = g0 + tl.arange(0, BLOCK_N)  # (slot, neuron) of token t, flattened: k * F + j
+        gm = g < KF
+        coef = tl.load(h_ptr + t * KF + g, mask=gm, other=0.0)
+        e = tl.load(ids_ptr + t * K + g // F, mask=gm, other=0).to(tl.int64)
+        down_off = ((e * F + g % F) * 3 + 2) * RB
+        tile = rows_tile(w_ptr, down_off, gm & (coef != 0.0), h0, H, FMT, BLOCK_H)
+        acc += tl.sum(tile * coef[:, None], axis=0)
+    tl.atomic_add(y_ptr + t * H + h, acc, mask=h < H, sem="relaxed")
+
+
+# (BLOCK_N, BLOCK_H, SPLIT_N, num_warps) of the split path's down kernel; first guesses.
+DOWN_CONFIGS = {"float": (32, 512, 256, 4), "block": (32, 256, 256, 4), "packed": (32, 512, 256, 4)}
+
+
+def down_blocks(fmt: str) -> tuple[int, int, int, int]:
+    if interpreting():
+        return 32, 64, 64, 4
+    return DOWN_CONFIGS[format_family(fmt)]
+
+
+def moe_sparse_split(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", blocks=None,
+                     down=None):  # fmt: skip
+    """Two-kernel sparse FFN for decode: (1) per (pair, neuron tile) gate dots, mask, up dots
+    of the kept neurons -> h [P, n_ff] (0 where dropped); (2) down rows of the kept neurons
+    summed per (token, column chunk, neuron slice), one atomic add per output element.
+    Returns (y [T, n_embd] f32, active count [P] int32)."""
+    H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
+    P = T * K
+    bn, bh, nw, acc2d = blocks or gemv_blocks(fmt, 3, P)
+    dbn, dbh, split, dnw = down or down_blocks(fmt)
+    y, count = _zeroed_out_and_count(T, H, P, x.device)
+    hbuf = torch.empty(P, F, dtype=torch.float32, device=x.device)
+    ids = topk_ids.reshape(-1).contiguous()
+    tw = topk_w.reshape(-1).float().contiguous()
+    _moe_gemv_kernel[(P, triton.cdiv(F, bn))](
+        x, w, ids, tw, hbuf, as_threshold(threshold, x.device), count, H, F, rb, K, x.stride(0),
+        FMT=FMT_CODES[fmt], ACT=ACTIVATIONS[activation], MODE=3, BLOCK_N=bn, BLOCK_H=bh,
+        ACC2D=acc2d, num_warps=nw,
+    )  # fmt: skip
+    _moe_sparse_down_kernel[(T, triton.cdiv(H, dbh), triton.cdiv(K * F, split))](
+        hbuf, w, ids, y, H, F, rb, K, FMT=FMT_CODES[fmt], BLOCK_N=dbn, BLOCK_H=dbh,
+        SPLIT_N=split, num_warps=dnw,
+    )  # fmt: skip
+    return y, count
+
+
+# The sparse path `moe_sparse(path="auto")` takes per format family and batch size: the first
+# (max T, path) entry with T <= max T (H100-measured with bench/moe_layer.py).
+SPARSE_PATHS = {
+    "float": ((16, "fused"), (DECODE_MAX_TOKENS, "decode"), (1 << 62, "prefill")),
+    "block": ((1, "fused"), (DECODE_MAX_TOKENS, "decode"), (1 << 62, "prefill")),
+    "packed": ((16, "fused"), (DECODE_MAX_TOKENS, "decode"), (1 << 62, "prefill")),
+}
+
+
+def sparse_path(fmt: str, n_tok: int) -> str:
+    """The path moe_sparse(path="auto") runs for n_tok tokens of `fmt`."""
+    return next(path for max_t, path in SPARSE_PATHS[format_family(fmt)] if n_tok <= max_t)
+
+
 def moe_sparse(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", path="auto"):
     """Sparse routed-expert FFN. Returns (y [T, n_embd] f32, active [T, K] int32 neuron counts).
 
     threshold: float or [1] device tensor on |act(gate)|; 0 keeps every neuron (= moe_dense).
-    path: "fused" (one kernel, moe_sparse_fused), "decode" (GEMV gate dots + sparse_mask +
-    sparse up-down), "prefill" (grouped-GEMM gate dots + sparse_mask + sparse up-down), or
-    "auto": the fastest on an H100 (bench/moe_layer.py): fused for one token and, for float
-    formats, up to SPARSE_FUSED_MAX_TOKENS; else decode up to DECODE_MAX_TOKENS; else prefill.
+    path: "fused" (one kernel, moe_sparse_fused), "split" (gate-up kernel + down kernel,
+    moe_sparse_split), "decode" (GEMV gate dots + sparse_mask + compacted sparse up-down),
+    "prefill" (grouped-GEMM gate dots + sparse_mask + sparse up-down), or "auto": the fastest
+    on an H100 for this format and batch (SPARSE_PATHS, bench/moe_layer.py).
     """
     H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
     if path == "auto":
-        float_fmt = fmt not in BLOCKS
-        if T == 1 or (float_fmt and T <= SPARSE_FUSED_MAX_TOKENS):
-            path = "fused"
-        else:
-            path = "decode" if T <= DECODE_MAX_TOKENS else "prefill"
+        path = sparse_path(fmt, T)
     if path == "fused":
         y, count = moe_sparse_fused(x, w, fmt, topk_ids, topk_w, threshold, activation)
-        return y, count.sum(dim=1, dtype=torch.int32).view(T, K)
+        return y, count.view(T, K)
+    if path == "split":
+        y, count = moe_sparse_split(x, w, fmt, topk_ids, topk_w, threshold, activation)
+        return y, count.view(T, K)
     gate = moe_gate(x, w, fmt, topk_ids, path=path)
     idx, act, count = sparse_mask(gate, as_threshold(threshold, x.device), activation)
     y = moe_sparse_up_down(x, w, fmt, topk_ids, topk_w, idx, act, count)

@@ -11,6 +11,7 @@ from kernels.moe_sparse import (
     moe_sparse,
     moe_sparse_fused,
     moe_sparse_ref,
+    moe_sparse_split,
     moe_sparse_up_down,
 )
 from kernels.sparse_mask import sparse_mask, sparse_mask_ref
@@ -76,7 +77,7 @@ def test_sparse_up_down_matches_reference(fmt):
     assert_close_rel(y, ref, 1e-5)
 
 
-@pytest.mark.parametrize("path", ["fused", "decode", "prefill"])
+@pytest.mark.parametrize("path", ["fused", "split", "decode", "prefill"])
 @pytest.mark.parametrize("n_tok", [1, 3, 17])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_moe_sparse_threshold_zero_equals_dense(fmt, n_tok, path):
@@ -84,7 +85,7 @@ def test_moe_sparse_threshold_zero_equals_dense(fmt, n_tok, path):
     x, w, ids, tw = make_case(fmt, n_tok, x_dtype, seed=20 + n_tok)
     y, active = moe_sparse(x, w, fmt, ids, tw, 0.0, path=path)
     assert (active == w.shape[1]).all()
-    dense_path = "decode" if path == "fused" else path
+    dense_path = "decode" if path in ("fused", "split") else path
     assert_close_rel(y, moe_dense(x, w, fmt, ids, tw, path=dense_path), rtol_for(x_dtype))
 
 
@@ -104,7 +105,7 @@ def gap_threshold(gate: torch.Tensor, activation: str, quantile: float) -> float
 FMT_ACT = [(f, "silu") for f in FORMATS] + [("bf16", "gelu"), ("q4_0", "gelu"), ("q4_0r", "gelu")]
 
 
-@pytest.mark.parametrize("path", ["fused", "decode", "prefill"])
+@pytest.mark.parametrize("path", ["fused", "split", "decode", "prefill"])
 @pytest.mark.parametrize("n_tok", [1, 17])
 @pytest.mark.parametrize(("fmt", "activation"), FMT_ACT)
 def test_moe_sparse_matches_reference(fmt, activation, n_tok, path):
@@ -117,7 +118,7 @@ def test_moe_sparse_matches_reference(fmt, activation, n_tok, path):
     assert_close_rel(y, ref, 1e-5)
 
 
-@pytest.mark.parametrize("path", ["fused", "decode"])
+@pytest.mark.parametrize("path", ["fused", "split", "decode"])
 def test_moe_sparse_all_tiles_empty(path):
     """Every tile exits early: y is exactly 0 and the counts are 0."""
     x, w, ids, tw = make_case("q8_0", 3, seed=40)
@@ -136,6 +137,20 @@ def test_moe_sparse_fused_small_tiles(fmt, acc2d):
     y, count = moe_sparse_fused(x, w, fmt, ids, tw, thr, blocks=(8, 64, 4, acc2d))
     keep = act_ref(gate, "silu").abs() >= thr  # [P, 45]
     padded = torch.nn.functional.pad(keep, (0, 3)).view(keep.shape[0], 6, 8)  # 6 tiles of 8
-    assert torch.equal(count, padded.sum(dim=2).to(torch.int32))
-    assert (count == 0).any()  # some tiles are empty and exit after the gate
+    assert (padded.sum(dim=2) == 0).any()  # some tiles are empty and exit after the gate
+    assert torch.equal(count, keep.sum(dim=1).to(torch.int32))  # tiles' counts added per pair
     assert_close_rel(y, moe_sparse_ref(x, w, fmt, ids, tw, thr)[0], 1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "q8_0", "q4_0", "q8_0r", "q4_0r"])
+def test_moe_sparse_split_small_blocks(fmt):
+    """GPU-sized blocks: 8-neuron gate-up tiles; down steps of 16 neurons, 32-column chunks,
+    slices of 48 (pair, neuron) rows that straddle pairs; counts and y match the reference."""
+    x, w, ids, tw = make_case(fmt, 2, seed=42)
+    gate = moe_gate_ref(x, w, fmt, ids)
+    thr = gap_threshold(gate, "silu", 0.8)
+    y, count = moe_sparse_split(x, w, fmt, ids, tw, thr, blocks=(8, 64, 4, True),
+                                down=(16, 32, 48, 4))  # fmt: skip
+    ref, ref_active = moe_sparse_ref(x, w, fmt, ids, tw, thr)
+    assert torch.equal(count.view(ref_active.shape), ref_active)
+    assert_close_rel(y, ref, 1e-5)
