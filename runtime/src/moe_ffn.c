@@ -28,7 +28,9 @@
 enum {
     TOKEN_BLOCK = 64,
     DEFAULT_PREFETCH_AHEAD = 2, /* neurons (best of 2, 4, 8 on the 16-core device) */
-    ITEMS_PER_THREAD = 4,
+    MAX_SPARSE_CHUNK = 32,     /* neurons: the sparse chunk arrays' size */
+    DEFAULT_SPARSE_CHUNK = 32, /* neurons */
+    MAX_ITEMS_PER_THREAD = 8, /* guided items come to ~6.2 per thread */
     ITEMS_ACC_BYTES = 16 << 20, /* cap on the work items' partial ys together */
     SERIAL_QUANTIZE_MAX = 1 << 15 /* activations (tokens * n_embd) quantized without the pool */
 };
@@ -61,12 +63,18 @@ typedef struct {
     int *counts;            /* [n_expert] scratch */
     float *acc;             /* [n_items, acc_stride] per-work-item partial y of the block */
     int n_items;            /* work items the block's neurons are cut into */
-    int dynamic;            /* threads take items from next_item (else fixed runs of items) */
+    int n_items_max;        /* room in acc and item_start */
+    int items_per_thread;   /* > 0: that many equal items per thread; 0: guided sizes */
+    int64_t *item_start;    /* [n_items + 1] item i: costs [item_start[i], item_start[i+1]) */
     atomic_int *next_item;  /* next item to take (own cache line) */
+    atomic_int *items_done; /* items finished (own cache line) */
+    atomic_int *next_slice; /* next slice of y to reduce (own cache line) */
+    size_t reduce_slice;    /* floats of y per slice */
     size_t acc_stride;      /* floats, >= TOKEN_BLOCK * n_embd, multiple of 16 */
     int64_t *active;        /* [nth * 8] per-thread active-neuron counters (own cache line) */
     int prefetch_ahead;     /* neurons ahead whose rows are software-prefetched (0: none) */
-    int64_t *prof;          /* [nth * 8] per-thread task start/end ns (PYRT_PROFILE), or NULL */
+    int sparse_chunk;       /* sparse: neurons per chunk (<= NEURON_CHUNK) */
+    int64_t *prof;          /* [nth * 8] per-thread task start, items end, end ns, or NULL */
 } moe_ctx;
 
 static inline float activate(int kind, float g) {
@@ -85,27 +93,29 @@ static inline float activate(int kind, float g) {
  *                         experts task (the slowest thread's busy time, the mean, the latest
  *                         thread start after the hand-off) and the rest (quantize, plan, reduce).
  * PYRT_PREFETCH_AHEAD=n   software-prefetch the rows of the neuron n ahead (default 2; 0: off).
- * PYRT_ITEMS=n            work items per thread (default 4; fewer when their partial ys grow big).
- * PYRT_SCHED=static       each thread runs a fixed run of work items (default: a shared counter).
+ * PYRT_SPARSE_CHUNK=n     sparse: gates of n neurons (1..32, default 32) before their up/down rows.
+ * PYRT_ITEMS=n            n equal work items per thread (default 0: guided sizes, see plan_items).
+ * PYRT_SPIN_US=n          (pool.c, read at pool creation) how long idle threads spin, default 300.
  * The result is the same bits under every setting. */
 typedef struct {
     int profile;
     int prefetch_ahead;
     int items_per_thread;
-    int dynamic;
+    int sparse_chunk;
 } knobs;
 
 /* Read on every call (a few getenv, well under a microsecond) so a benchmark can vary them. */
 static knobs read_knobs(void) {
     const char *p = getenv("PYRT_PROFILE"), *a = getenv("PYRT_PREFETCH_AHEAD");
-    const char *sched = getenv("PYRT_SCHED");
-    const char *items = getenv("PYRT_ITEMS");
+    const char *items = getenv("PYRT_ITEMS"), *chunk = getenv("PYRT_SPARSE_CHUNK");
     knobs k = {.profile = p != NULL && atoi(p) > 0 ? atoi(p) : 0,
                .prefetch_ahead = a != NULL ? atoi(a) : DEFAULT_PREFETCH_AHEAD,
-               .items_per_thread = items != NULL ? atoi(items) : ITEMS_PER_THREAD,
-               .dynamic = !(sched != NULL && strcmp(sched, "static") == 0)};
-    if (k.items_per_thread < 1)
-        k.items_per_thread = 1;
+               .items_per_thread = items != NULL ? atoi(items) : 0,
+               .sparse_chunk = chunk != NULL ? atoi(chunk) : DEFAULT_SPARSE_CHUNK};
+    if (k.sparse_chunk < 1 || k.sparse_chunk > MAX_SPARSE_CHUNK)
+        k.sparse_chunk = DEFAULT_SPARSE_CHUNK;
+    if (k.items_per_thread < 0)
+        k.items_per_thread = 0;
     if (k.prefetch_ahead < 0)
         k.prefetch_ahead = 0;
     return k;
@@ -120,37 +130,40 @@ static int64_t now_ns(void) {
 /* Sums over the calls since the last report (profiling only; calls are serialized per pool, and
  * the profile is a debugging aid, so one set of sums for the process is enough). */
 static struct {
-    int64_t calls, call_ns, experts_ns, reduce_ns, busy_max_ns, busy_mean_ns, start_max_ns;
+    int64_t calls, call_ns, task_ns, busy_max_ns, busy_mean_ns, start_max_ns, tail_ns, items;
 } prof_sum;
 
+/* Per thread: prof[0] task start, prof[1] its last item done, prof[2] its reduce done. */
 static void profile_block(const moe_ctx *c, int nth, int64_t t_run, int64_t t_run_end) {
-    int64_t busy_max = 0, busy_sum = 0, start_max = 0;
+    int64_t busy_max = 0, busy_sum = 0, start_max = 0, items_end = 0;
     for (int t = 0; t < nth; t++) {
-        const int64_t start = c->prof[(size_t)t * 8], end = c->prof[(size_t)t * 8 + 1];
-        busy_max = end - start > busy_max ? end - start : busy_max;
-        busy_sum += end - start;
-        start_max = start - t_run > start_max ? start - t_run : start_max;
+        const int64_t *pt = c->prof + (size_t)t * 8;
+        busy_max = pt[1] - pt[0] > busy_max ? pt[1] - pt[0] : busy_max;
+        busy_sum += pt[1] - pt[0];
+        start_max = pt[0] - t_run > start_max ? pt[0] - t_run : start_max;
+        items_end = pt[1] > items_end ? pt[1] : items_end;
     }
-    (void)t_run_end;
+    prof_sum.task_ns += t_run_end - t_run;
     prof_sum.busy_max_ns += busy_max;
     prof_sum.busy_mean_ns += busy_sum / nth;
     prof_sum.start_max_ns += start_max;
+    prof_sum.tail_ns += t_run_end - items_end;
+    prof_sum.items += c->n_items;
 }
 
-static void profile_call(int64_t call_ns, int64_t experts_ns, int64_t reduce_ns, int n_report) {
+static void profile_call(int64_t call_ns, int n_report) {
     prof_sum.calls++;
     prof_sum.call_ns += call_ns;
-    prof_sum.experts_ns += experts_ns;
-    prof_sum.reduce_ns += reduce_ns;
     if (prof_sum.calls < n_report)
         return;
     const double n = (double)prof_sum.calls * 1e3; /* -> us per call */
     fprintf(stderr,
-            "pyrt_moe_ffn profile (%lld calls, us/call): call %.1f | experts task %.1f: slowest "
-            "thread busy %.1f, mean busy %.1f, last thread start %.1f | reduce %.1f\n",
-            (long long)prof_sum.calls, prof_sum.call_ns / n, prof_sum.experts_ns / n,
+            "pyrt_moe_ffn profile (%lld calls, us/call): call %.1f | task %.1f: slowest thread "
+            "busy on items %.1f, mean %.1f, last thread start %.1f, after the last item "
+            "(barrier + reduce) %.1f | %.1f items/call\n",
+            (long long)prof_sum.calls, prof_sum.call_ns / n, prof_sum.task_ns / n,
             prof_sum.busy_max_ns / n, prof_sum.busy_mean_ns / n, prof_sum.start_max_ns / n,
-            prof_sum.reduce_ns / n);
+            prof_sum.tail_ns / n, (double)prof_sum.items / (double)prof_sum.calls);
     memset(&prof_sum, 0, sizeof prof_sum);
 }
 
@@ -178,7 +191,7 @@ static inline int64_t ceil_div(int64_t a, int64_t b) {
 
 enum {
     PF_MAX_LINES = 512,           /* line addresses for one neuron's kernels (32 KiB of rows) */
-    NEURON_CHUNK = 32,            /* sparse: neurons whose gates go before their up/down rows */
+    NEURON_CHUNK = MAX_SPARSE_CHUNK, /* sparse: most neurons whose gates go before their up/down rows */
     DENSE_CHUNK = PYRT_AXPY_ROWS, /* dense: neurons whose down rows go out in one axpyn pass */
     ROUTE_CHUNK = 64              /* routes of one expert handled together (>= TOKEN_BLOCK) */
 };
@@ -427,8 +440,8 @@ static int64_t sparse_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j
         const int nr = r1 - rc < ROUTE_CHUNK ? r1 - rc : ROUTE_CHUNK;
         sparse_chunk *prev = NULL;
         int cur = 0;
-        for (int64_t jc = j0; jc < j1; jc += NEURON_CHUNK, cur ^= 1) {
-            const int nj = j1 - jc < NEURON_CHUNK ? (int)(j1 - jc) : NEURON_CHUNK;
+        for (int64_t jc = j0; jc < j1; jc += c->sparse_chunk, cur ^= 1) {
+            const int nj = j1 - jc < c->sparse_chunk ? (int)(j1 - jc) : c->sparse_chunk;
             sparse_chunk *ch = &chunks[cur];
             ch->jc = jc;
             gather_lines g;
@@ -451,13 +464,12 @@ static int64_t expert_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j
                                : dense_neurons(c, expert, j0, j1, r0, r1, acc);
 }
 
-/* One work item: the neurons whose estimated cost falls in [total * item / n_items, total *
- * (item + 1) / n_items), accumulated into the item's own partial y. */
+/* One work item: the neurons whose estimated cost falls in [item_start[item],
+ * item_start[item + 1]), accumulated into the item's own partial y. */
 static int64_t run_item(const moe_ctx *c, int item) {
     float *acc = c->acc + (size_t)item * c->acc_stride;
     memset(acc, 0, (size_t)c->tb * c->n_embd * sizeof *acc);
-    const int64_t total = c->cost_start[c->n_used];
-    const int64_t lo = total * item / c->n_items, hi = total * (item + 1) / c->n_items;
+    const int64_t lo = c->item_start[item], hi = c->item_start[item + 1];
     int64_t active = 0;
     for (int u = 0; u < c->n_used; u++) {
         const int64_t base = c->cost_start[u], end = c->cost_start[u + 1];
@@ -475,41 +487,80 @@ static int64_t run_item(const moe_ctx *c, int item) {
     return active;
 }
 
-/* Threads take work items from a shared counter (or, with PYRT_SCHED=static, a fixed run of
- * items each): a thread that the OS preempts or that runs on a busier core then delays the call
- * by one item, not by its whole share. Each item owns its partial y and the reduction sums them
- * in item order, so the result does not depend on which thread ran which item. */
-static void task_experts(void *p, int ith, int nth) {
-    moe_ctx *c = p;
-    if (c->prof != NULL)
-        c->prof[(size_t)ith * 8] = now_ns();
-    int64_t active = 0;
-    if (c->dynamic) {
-        for (int item; (item = atomic_fetch_add_explicit(c->next_item, 1, memory_order_relaxed)) <
-                       c->n_items;)
-            active += run_item(c, item);
-    } else {
-        const int lo = c->n_items * ith / nth, hi = c->n_items * (ith + 1) / nth;
-        for (int item = lo; item < hi; item++)
-            active += run_item(c, item);
-    }
-    c->active[(size_t)ith * 8] += active;
-    if (c->prof != NULL)
-        c->prof[(size_t)ith * 8 + 1] = now_ns();
+/* Floats of y per reduce slice: about two slices per thread, whole cache lines, >= 64. */
+static size_t reduce_slice(size_t n, int nth) {
+    size_t sl = (n + 2 * (size_t)nth - 1) / (2 * (size_t)nth);
+    sl = (sl + 15) / 16 * 16;
+    return sl < 64 ? 64 : sl;
 }
 
-static void task_reduce(void *p, int ith, int nth) {
+/* One token block in one hand-off to the pool. (1) Threads take work items from a shared
+ * counter: a thread that the OS preempts or that runs on a busier core delays the block by one
+ * item, not by its whole share. (2) Once every item is done (a spinning wait: the items end
+ * within microseconds of each other), threads take slices of y and sum the items' partial ys
+ * there in item order, so the result does not depend on which thread ran which item. */
+static void task_block(void *p, int ith, int nth) {
     moe_ctx *c = p;
-    const size_t n = (size_t)c->tb * c->n_embd;
-    const size_t lo = n * ith / nth, hi = n * (ith + 1) / nth;
-    float *y = c->y + (size_t)c->t0 * c->n_embd;
-    for (size_t i = lo; i < hi; i++)
-        y[i] = 0.0f;
-    for (int item = 0; item < c->n_items; item++) {
-        const float *acc = c->acc + (size_t)item * c->acc_stride;
-        for (size_t i = lo; i < hi; i++)
-            y[i] += acc[i];
+    (void)nth;
+    int64_t *prof = c->prof != NULL ? c->prof + (size_t)ith * 8 : NULL;
+    if (prof != NULL)
+        prof[0] = now_ns();
+    int64_t active = 0;
+    for (int item; (item = atomic_fetch_add_explicit(c->next_item, 1, memory_order_relaxed)) <
+                   c->n_items;) {
+        active += run_item(c, item);
+        atomic_fetch_add_explicit(c->items_done, 1, memory_order_release);
     }
+    c->active[(size_t)ith * 8] += active;
+    if (prof != NULL)
+        prof[1] = now_ns();
+    for (int spins = 0; atomic_load_explicit(c->items_done, memory_order_acquire) < c->n_items;)
+        pyrt_spin_pause(++spins);
+    const size_t n = (size_t)c->tb * c->n_embd;
+    const size_t slice = c->reduce_slice;
+    const int n_slices = (int)((n + slice - 1) / slice);
+    float *y = c->y + (size_t)c->t0 * c->n_embd;
+    for (int sl; (sl = atomic_fetch_add_explicit(c->next_slice, 1, memory_order_relaxed)) <
+                 n_slices;) {
+        const size_t lo = (size_t)sl * slice, hi = lo + slice < n ? lo + slice : n;
+        memcpy(y + lo, c->acc + lo, (hi - lo) * sizeof *y);
+        for (int item = 1; item < c->n_items; item++) {
+            const float *acc = c->acc + (size_t)item * c->acc_stride;
+            for (size_t i = lo; i < hi; i++)
+                y[i] += acc[i];
+        }
+    }
+    if (prof != NULL)
+        prof[2] = now_ns();
+}
+
+/* Cut the block's total cost into work items. Guided (default): item sizes shrink from half a
+ * thread's share to a sixteenth, so the first items amortize their start (a cold prefetch
+ * stream, a partial y to clear and later sum) and the last ones are small enough that threads
+ * finish within a small fraction of a share of each other. PYRT_ITEMS=n: n equal items per
+ * thread. Both at most n_items_max (the partial ys' memory). */
+static void plan_items(moe_ctx *c, int nth) {
+    const int64_t total = c->cost_start[c->n_used];
+    int n = 0;
+    if (c->items_per_thread > 0) {
+        n = nth * c->items_per_thread < c->n_items_max ? nth * c->items_per_thread
+                                                       : c->n_items_max;
+        for (int i = 0; i <= n; i++)
+            c->item_start[i] = total * i / n;
+    } else {
+        const int64_t min_size = total / (16 * (int64_t)nth) > 0 ? total / (16 * (int64_t)nth) : 1;
+        int64_t lo = 0;
+        while (lo < total && n < c->n_items_max - 1) {
+            int64_t size = (total - lo) / (2 * (int64_t)nth);
+            size = size < min_size ? min_size : size;
+            c->item_start[n++] = lo;
+            lo = lo + size < total ? lo + size : total;
+        }
+        if (lo < total || n == 0)
+            c->item_start[n++] = lo;
+        c->item_start[n] = total;
+    }
+    c->n_items = n;
 }
 
 /* Group the block's routes by expert (counting sort) and price each expert's neurons. */
@@ -633,17 +684,19 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
     const int routes = tb_max * k;
     const int used_max = routes < n_expert ? routes : n_expert;
     const size_t acc_stride = align64((size_t)tb_max * n_embd * sizeof(float)) / sizeof(float);
-    /* Up to ITEMS_PER_THREAD work items per thread (finer balancing), fewer when the partial ys
-     * would pass ITEMS_ACC_BYTES (long prefill blocks). */
-    size_t ipt = ITEMS_ACC_BYTES / ((size_t)nth * acc_stride * sizeof(float));
-    ipt = ipt < 1 ? 1 : ipt > (size_t)kn.items_per_thread ? (size_t)kn.items_per_thread : ipt;
-    const int n_items = nth * (int)ipt;
+    /* Room for up to MAX_ITEMS_PER_THREAD work items per thread (plan_items), fewer when their
+     * partial ys would pass ITEMS_ACC_BYTES (long prefill blocks), at least one per thread. */
+    size_t n_items_max = ITEMS_ACC_BYTES / (acc_stride * sizeof(float));
+    if (n_items_max > (size_t)nth * MAX_ITEMS_PER_THREAD)
+        n_items_max = (size_t)nth * MAX_ITEMS_PER_THREAD;
+    if (n_items_max < (size_t)nth)
+        n_items_max = (size_t)nth;
     const size_t xq_bytes =
         quantized ? (size_t)n_tokens * (n_embd / PYRT_QK) * sizeof(pyrt_xq8) : 0;
 
     /* Workspace layout (each piece 64-byte aligned). */
     size_t off_acc = 0;
-    size_t off_active = off_acc + (size_t)n_items * acc_stride * sizeof(float);
+    size_t off_active = off_acc + n_items_max * acc_stride * sizeof(float);
     size_t off_xq = off_active + align64((size_t)nth * 8 * sizeof(int64_t));
     size_t off_counts = off_xq + align64(xq_bytes);
     size_t off_used = off_counts + align64((size_t)n_expert * sizeof(int));
@@ -652,8 +705,9 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
     size_t off_rw = off_rtok + align64((size_t)(routes + used_max) * sizeof(int));
     size_t off_cost = off_rw + align64((size_t)routes * sizeof(float));
     size_t off_prof = off_cost + align64((size_t)(used_max + 1) * sizeof(int64_t));
-    size_t off_next = off_prof + (size_t)nth * 8 * sizeof(int64_t);
-    size_t total = off_next + 64;
+    size_t off_istart = off_prof + (size_t)nth * 8 * sizeof(int64_t);
+    size_t off_next = off_istart + align64((n_items_max + 1) * sizeof(int64_t));
+    size_t total = off_next + 3 * 64; /* next_item, items_done, next_slice: a line each */
 
     pyrt_pool_acquire(pool);
     uint8_t *ws = pyrt_pool_workspace(pool, total);
@@ -686,15 +740,18 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
         .counts = (int *)(ws + off_counts),
         .acc = (float *)(ws + off_acc),
         .acc_stride = acc_stride,
-        .n_items = n_items,
-        .dynamic = kn.dynamic,
+        .n_items_max = (int)n_items_max,
+        .items_per_thread = kn.items_per_thread,
+        .item_start = (int64_t *)(ws + off_istart),
         .next_item = (atomic_int *)(ws + off_next),
+        .items_done = (atomic_int *)(ws + off_next + 64),
+        .next_slice = (atomic_int *)(ws + off_next + 128),
         .active = (int64_t *)(ws + off_active),
         .prefetch_ahead = kn.prefetch_ahead,
+        .sparse_chunk = kn.sparse_chunk,
         .prof = kn.profile ? (int64_t *)(ws + off_prof) : NULL,
     };
     const int64_t t_call = now_ns();
-    int64_t t_experts = 0, t_reduce = 0;
     memset(c.active, 0, (size_t)nth * 8 * sizeof(int64_t));
     if (quantized) {
         /* A few tokens take microseconds: cheaper on this thread than a hand-off to the pool. */
@@ -711,18 +768,19 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
     for (c.t0 = 0; c.t0 < n_tokens; c.t0 += TOKEN_BLOCK) {
         c.tb = n_tokens - c.t0 < TOKEN_BLOCK ? n_tokens - c.t0 : TOKEN_BLOCK;
         plan_block(&c);
-        atomic_store_explicit(c.next_item, 0, memory_order_relaxed); /* the pool run publishes it */
+        plan_items(&c, nth);
+        c.reduce_slice = reduce_slice((size_t)c.tb * n_embd, nth);
+        /* the pool run publishes these */
+        atomic_store_explicit(c.next_item, 0, memory_order_relaxed);
+        atomic_store_explicit(c.items_done, 0, memory_order_relaxed);
+        atomic_store_explicit(c.next_slice, 0, memory_order_relaxed);
         const int64_t t_run = now_ns();
-        pyrt_pool_run(pool, task_experts, &c);
-        const int64_t t_run_end = now_ns();
-        pyrt_pool_run(pool, task_reduce, &c);
-        t_reduce += now_ns() - t_run_end;
-        t_experts += t_run_end - t_run;
+        pyrt_pool_run(pool, task_block, &c);
         if (c.prof != NULL)
-            profile_block(&c, nth, t_run, t_run_end);
+            profile_block(&c, nth, t_run, now_ns());
     }
     if (c.prof != NULL)
-        profile_call(now_ns() - t_call, t_experts, t_reduce, kn.profile);
+        profile_call(now_ns() - t_call, kn.profile);
     int64_t sum = 0;
     for (int t = 0; t < nth; t++)
         sum += c.active[(size_t)t * 8];

@@ -1,16 +1,21 @@
 /* Thread pool: n_threads - 1 workers plus the calling thread, created once, woken per task.
  *
  * A decode step calls the expert kernel once per layer (tens of calls per token, each a few
- * hundred microseconds of work), so waking must be cheap: workers spin briefly on an atomic
- * generation counter before sleeping on a condition variable, and the caller spins briefly on the
- * pending counter before sleeping. The spin is short so that idle workers do not steal the cores
- * torch needs between our calls. */
+ * hundred microseconds of work), so waking must be cheap: workers spin on an atomic generation
+ * counter for up to spin_ns before sleeping on a condition variable, and the caller locks the
+ * mutex and broadcasts only when some worker sleeps (the common back-to-back case is one atomic
+ * increment). Likewise the last worker to finish signals the caller only when the caller sleeps.
+ * Both hand-offs are Dekker-style pairs of sequentially consistent atomics (write own flag, read
+ * the other's), so a wake-up cannot be lost. The spin is bounded so that idle workers do not
+ * keep the cores torch needs between our calls. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "pyrt_internal.h"
 
@@ -21,7 +26,10 @@
 #define PYRT_CPU_RELAX() ((void)0)
 #endif
 
-enum { SPIN_ITERS = 4096 }; /* ~50-200 us of pause instructions */
+enum {
+    DEFAULT_SPIN_US = 300, /* how long a worker (or the waiting caller) spins before sleeping */
+    SPIN_CHECK = 64        /* pause instructions between clock reads */
+};
 
 typedef struct {
     pyrt_pool *pool;
@@ -40,33 +48,56 @@ struct pyrt_pool {
     atomic_uint_fast64_t generation; /* bumped once per task */
     atomic_int pending;              /* workers still running the current task */
     atomic_int shutdown;
+    atomic_int n_sleeping;      /* workers inside the wake wait (or about to be) */
+    atomic_int caller_sleeping; /* the caller waits on `done` */
+    int64_t spin_ns;
     pyrt_task_fn fn; /* current task, written before generation is bumped */
     void *ctx;
     void *workspace; /* scratch owned by the pool */
     size_t workspace_bytes;
 };
 
+static int64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Spins until the generation differs from `seen` or spin_ns have passed; returns the last read. */
+static uint_fast64_t spin_for_generation(pyrt_pool *pool, uint_fast64_t seen) {
+    uint_fast64_t gen = atomic_load_explicit(&pool->generation, memory_order_acquire);
+    const int64_t t0 = gen == seen ? mono_ns() : 0;
+    while (gen == seen) {
+        for (int i = 0; i < SPIN_CHECK && gen == seen; i++) {
+            PYRT_CPU_RELAX();
+            gen = atomic_load_explicit(&pool->generation, memory_order_acquire);
+        }
+        if (gen == seen && mono_ns() - t0 > pool->spin_ns)
+            break;
+    }
+    return gen;
+}
+
 static void *worker_main(void *p) {
     worker_arg *arg = p;
     pyrt_pool *pool = arg->pool;
     uint_fast64_t seen = 0;
     for (;;) {
-        uint_fast64_t gen = atomic_load_explicit(&pool->generation, memory_order_acquire);
-        for (int i = 0; gen == seen && i < SPIN_ITERS; i++) {
-            PYRT_CPU_RELAX();
-            gen = atomic_load_explicit(&pool->generation, memory_order_acquire);
-        }
+        uint_fast64_t gen = spin_for_generation(pool, seen);
         if (gen == seen) {
             pthread_mutex_lock(&pool->lock);
+            atomic_fetch_add(&pool->n_sleeping, 1); /* then read generation: see pool_run */
             while ((gen = atomic_load(&pool->generation)) == seen && !atomic_load(&pool->shutdown))
                 pthread_cond_wait(&pool->wake, &pool->lock);
+            atomic_fetch_sub(&pool->n_sleeping, 1);
             pthread_mutex_unlock(&pool->lock);
         }
         if (atomic_load(&pool->shutdown))
             return NULL;
         seen = gen;
         pool->fn(pool->ctx, arg->ith, pool->n_threads);
-        if (atomic_fetch_sub_explicit(&pool->pending, 1, memory_order_acq_rel) == 1) {
+        /* the last one out wakes the caller if it went to sleep (seq_cst pair with pool_run) */
+        if (atomic_fetch_sub(&pool->pending, 1) == 1 && atomic_load(&pool->caller_sleeping)) {
             pthread_mutex_lock(&pool->lock);
             pthread_cond_signal(&pool->done);
             pthread_mutex_unlock(&pool->lock);
@@ -111,6 +142,10 @@ int pyrt_pool_create(int n_threads, pyrt_pool **out) {
     atomic_init(&pool->generation, 0);
     atomic_init(&pool->pending, 0);
     atomic_init(&pool->shutdown, 0);
+    atomic_init(&pool->n_sleeping, 0);
+    atomic_init(&pool->caller_sleeping, 0);
+    const char *spin = getenv("PYRT_SPIN_US");
+    pool->spin_ns = (int64_t)(spin != NULL ? atoi(spin) : DEFAULT_SPIN_US) * 1000;
     for (int i = 0; i < n_threads - 1; i++) {
         pool->args[i] = (worker_arg){.pool = pool, .ith = i + 1};
         int rc = pthread_create(&pool->threads[i], NULL, worker_main, &pool->args[i]);
@@ -167,6 +202,13 @@ void *pyrt_pool_workspace(pyrt_pool *pool, size_t bytes) {
     return p;
 }
 
+void pyrt_spin_pause(int spins) {
+    if (spins % 1024 == 0)
+        sched_yield();
+    else
+        PYRT_CPU_RELAX();
+}
+
 void pyrt_pool_run(pyrt_pool *pool, pyrt_task_fn fn, void *ctx) {
     const int nth = pool->n_threads;
     if (nth == 1) {
@@ -176,21 +218,33 @@ void pyrt_pool_run(pyrt_pool *pool, pyrt_task_fn fn, void *ctx) {
     pool->fn = fn;
     pool->ctx = ctx;
     atomic_store_explicit(&pool->pending, nth - 1, memory_order_relaxed);
-    pthread_mutex_lock(&pool->lock);
-    atomic_fetch_add_explicit(&pool->generation, 1, memory_order_release);
-    pthread_cond_broadcast(&pool->wake);
-    pthread_mutex_unlock(&pool->lock);
+    /* Publish the task (seq_cst), then look for sleepers: a worker that counted itself asleep
+     * after this read re-reads the generation under the lock and sees the new task. */
+    atomic_fetch_add(&pool->generation, 1);
+    if (atomic_load(&pool->n_sleeping) > 0) {
+        pthread_mutex_lock(&pool->lock);
+        pthread_cond_broadcast(&pool->wake);
+        pthread_mutex_unlock(&pool->lock);
+    }
 
     fn(ctx, 0, nth);
 
-    for (int i = 0; atomic_load_explicit(&pool->pending, memory_order_acquire) > 0; i++) {
-        if (i >= SPIN_ITERS) {
-            pthread_mutex_lock(&pool->lock);
-            while (atomic_load(&pool->pending) > 0)
-                pthread_cond_wait(&pool->done, &pool->lock);
-            pthread_mutex_unlock(&pool->lock);
-            break;
+    if (atomic_load_explicit(&pool->pending, memory_order_acquire) == 0)
+        return;
+    const int64_t t0 = mono_ns();
+    for (;;) {
+        for (int i = 0; i < SPIN_CHECK; i++) {
+            if (atomic_load_explicit(&pool->pending, memory_order_acquire) == 0)
+                return;
+            PYRT_CPU_RELAX();
         }
-        PYRT_CPU_RELAX();
+        if (mono_ns() - t0 > pool->spin_ns)
+            break;
     }
+    pthread_mutex_lock(&pool->lock);
+    atomic_store(&pool->caller_sleeping, 1); /* then read pending: see worker_main */
+    while (atomic_load(&pool->pending) > 0)
+        pthread_cond_wait(&pool->done, &pool->lock);
+    atomic_store(&pool->caller_sleeping, 0);
+    pthread_mutex_unlock(&pool->lock);
 }

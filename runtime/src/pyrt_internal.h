@@ -154,6 +154,10 @@ void pyrt_pool_run(pyrt_pool *pool, pyrt_task_fn fn, void *ctx);
 /* Serialize users of one pool: a kernel call holds the pool from its start to its end. */
 void pyrt_pool_acquire(pyrt_pool *pool);
 void pyrt_pool_release(pyrt_pool *pool);
+/* One step of a spin wait inside a task (spins: steps so far): a pause instruction, and from
+ * time to time a sched_yield, so that a waiter does not starve the preempted thread it waits
+ * for on an oversubscribed machine. */
+void pyrt_spin_pause(int spins);
 /* Scratch memory owned by the pool (64-byte aligned, grown on demand, kept between calls); NULL
  * when out of memory. Valid while the caller holds the pool and until the next workspace call. */
 void *pyrt_pool_workspace(pyrt_pool *pool, size_t bytes);
