@@ -1,10 +1,14 @@
 """MoE layer latency, dense vs activation-sparse, on the routed experts of one layer.
 
 Shapes are real models' MoE layers; weights and inputs are random (the kernels' speed does not
-depend on the values, only on the sparsity, which is set by a threshold = quantile of |act(gate)|
-over this very batch so the target is met). Each case is captured in a CUDA graph (the decode
-step's real setting) and replayed with the L2 cache flushed before every timed replay, with a
-fresh routing each time, so weights come from HBM. Times are medians of CUDA-event intervals.
+depend on the values, only on the sparsity). Q8_0 experts are repacked to q8_0r by
+kernels.dispatch.prepare_experts, as the GPU model does. Per (shape, format, target sparsity)
+the threshold is calibrated once (quantile of |act(gate)| over 64 other random tokens) and the
+dense/sparse switch is profiled once by kernels.switch.sparse_max_batch; "auto" times
+moe_experts with that switch, i.e. what the GPU model runs. Each case is captured in a CUDA
+graph (the decode step's real setting) and replayed with the L2 cache flushed before every
+timed replay, with a fresh routing each time, so weights come from HBM. Times are medians of
+CUDA-event intervals.
 
 Reported bandwidth is on the bytes each path must read (weights only; x and y are < 0.1%):
 dense = the routed experts' full blocks (gate+up+down rows of every distinct routed expert),
@@ -34,9 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's kerne
 
 import triton  # noqa: E402
 
+from kernels import switch  # noqa: E402
+from kernels.dispatch import moe_experts, prepare_experts  # noqa: E402
 from kernels.expert_formats import act_ref, quantize_rows, row_bytes  # noqa: E402
 from kernels.moe_dense import moe_dense, moe_dense_ref  # noqa: E402
-from kernels.moe_sparse import moe_gate, moe_sparse  # noqa: E402
+from kernels.moe_sparse import moe_gate, moe_sparse, sparse_path  # noqa: E402
 
 # name: (hidden n_embd, n_expert, top-k, expert n_ff)
 SHAPES = {
@@ -187,13 +193,28 @@ def check_correct(x, w, fmt, ids, tw, activation):
     return max(err_d, err_s)
 
 
-def bench_batch(model, shape, fmt, w, T, args, device, peak) -> list[dict]:
-    """Dense once and sparse at every target sparsity, for one (shape, format, batch)."""
+def calibrated_threshold(w, fmt, shape, sparsity, device, n_tok: int = 64) -> torch.Tensor:
+    """[1] threshold = the `sparsity` quantile of |act(gate)| over n_tok random tokens (seed
+    apart from the timed ones): a calibrated threshold, fixed for every batch size."""
+    n_embd, n_expert, k, _ = shape
+    gen = torch.Generator(device="cpu").manual_seed(999)
+    x = torch.randn(n_tok, n_embd, generator=gen).to(device=device, dtype=bench_dtype(device))
+    ids, _ = routing(n_tok, n_expert, k, 999, device)
+    mags = act_ref(moe_gate(x, w, fmt, ids), "silu").abs().flatten().sort().values
+    return mags[int(sparsity * (mags.numel() - 1))].reshape(1).clone()
+
+
+def bench_dtype(device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32  # interpreter: f32 fastest
+
+
+def bench_batch(model, shape, fmt, w, T, args, device, peak, thresholds, switch_at) -> list[dict]:
+    """Dense once; sparse and auto (moe_experts with the profiled switch) at every target
+    sparsity, for one (shape, format, batch). w, fmt: prepared (q8_0 -> q8_0r)."""
     n_embd, n_expert, k, n_ff = shape
     reps = 3 if args.smoke else args.reps
-    xdtype = torch.float32 if args.smoke else torch.bfloat16  # interpreter: f32 is fastest
     gen = torch.Generator(device="cpu").manual_seed(T)
-    x = torch.randn(T, n_embd, generator=gen).to(device=device, dtype=xdtype)
+    x = torch.randn(T, n_embd, generator=gen).to(device=device, dtype=bench_dtype(device))
     routes = [routing(T, n_expert, k, 100 * T + i, device) for i in range(args.routings)]
     ids_buf, w_buf = routes[0][0].clone(), routes[0][1].clone()  # static: graphs read these
     timer = Timer(device, routes, ids_buf, w_buf)
@@ -202,18 +223,21 @@ def bench_batch(model, shape, fmt, w, T, args, device, peak) -> list[dict]:
     t_dense, graphed = timer(functools.partial(moe_dense, x, w, fmt, ids_buf, w_buf), reps)
     timer.set_routing(0)
     gate = moe_gate(x, w, fmt, ids_buf)
-    mags = act_ref(gate, "silu").abs().flatten().sort().values
     rows = []
     for s in args.sparsities:
-        thr = mags[int(s * (mags.numel() - 1))].reshape(1).clone()
+        thr, smb = thresholds[s], switch_at[s]
         fn = functools.partial(moe_sparse, x, w, fmt, ids_buf, w_buf, thr)
         t_sparse, _ = timer(fn, reps)
+        auto = functools.partial(moe_experts, x, w, fmt, ids_buf, w_buf, "silu", thr, smb)
+        t_auto, _ = timer(auto, reps)
         timer.set_routing(0)  # bytes and achieved sparsity of routing 0 (all are alike)
         b_dense, b_sparse, achieved = bytes_read(w, fmt, n_embd, ids_buf, gate, float(thr), "silu")
         row = dict(
             model=model, fmt=fmt, batch=T, n_embd=n_embd, n_expert=n_expert, top_k=k,
-            n_ff=n_ff, target_sparsity=s, achieved_sparsity=achieved,
-            dense_s=t_dense, sparse_s=t_sparse, speedup=t_dense / t_sparse,
+            n_ff=n_ff, target_sparsity=s, threshold=float(thr), achieved_sparsity=achieved,
+            dense_s=t_dense, sparse_s=t_sparse, auto_s=t_auto, speedup=t_dense / t_sparse,
+            auto_speedup=t_dense / t_auto, sparse_max_batch=smb,
+            sparse_path=sparse_path(fmt, T), auto_path="sparse" if T <= smb else "dense",
             dense_bytes=b_dense, sparse_bytes=b_sparse,
             dense_gbps=b_dense / t_dense / 1e9, sparse_gbps=b_sparse / t_sparse / 1e9,
             peak_gbps=peak, cuda_graph=graphed,
@@ -221,7 +245,9 @@ def bench_batch(model, shape, fmt, w, T, args, device, peak) -> list[dict]:
         rows.append(row)
         print(
             f"| {model} | {fmt} | {T} | {s:.2f} | {achieved:.3f} "
-            f"| {t_dense * 1e6:.1f} | {t_sparse * 1e6:.1f} | {row['speedup']:.2f}x "
+            f"| {t_dense * 1e6:.1f} | {t_sparse * 1e6:.1f} ({row['sparse_path']}) "
+            f"| {row['speedup']:.2f}x | {t_auto * 1e6:.1f} ({row['auto_path']}, <= {smb}) "
+            f"| {row['auto_speedup']:.2f}x "
             f"| {gbps(row['dense_gbps'], peak)} | {gbps(row['sparse_gbps'], peak)} |",
             flush=True,
         )
@@ -236,19 +262,34 @@ def run(args) -> list[dict]:
     peak = hbm_read_bandwidth(device)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
     print(f"# MoE layer bench on {name}: torch {torch.__version__}, triton {triton.__version__}")
-    print(f"# measured HBM read bandwidth: {peak or 0:.0f} GB/s; times in microseconds\n")
+    print(f"# measured HBM read bandwidth: {peak or 0:.0f} GB/s; times in microseconds")
+    print("# fmt = the GGUF format; q8_0 is repacked to q8_0r by prepare_experts (same bytes)")
+    print("# auto = moe_experts with sparse_max_batch profiled by kernels.switch\n")
     print(
-        "| model | fmt | batch | target | achieved | dense us | sparse us | speedup "
-        "| dense GB/s (%peak) | sparse GB/s (%peak) |"
+        "| model | fmt | batch | target | achieved | dense us | sparse us (path) | speedup "
+        "| auto us (path, switch) | auto speedup | dense GB/s (%peak) | sparse GB/s (%peak) |"
     )
-    print("|" + "---|" * 10)
+    print("|" + "---|" * 12)
     rows = []
     for model, shape in shapes.items():
-        n_embd, n_expert, _, n_ff = shape
-        for fmt in args.formats:
-            w = make_experts(n_expert, n_ff, n_embd, fmt, device)
+        n_embd, n_expert, k, n_ff = shape
+        for gguf_fmt in args.formats:
+            w, fmt = prepare_experts(make_experts(n_expert, n_ff, n_embd, gguf_fmt, device),
+                                     gguf_fmt, n_embd)  # fmt: skip
+            thresholds = {
+                s: calibrated_threshold(w, fmt, shape, s, device) for s in args.sparsities
+            }
+            switch_at = {
+                s: switch.sparse_max_batch(
+                    w, fmt, n_embd, k, "silu", thresholds[s], f"bench/{model}/s{s}",
+                    timer=switch.graph_timer(3 if args.smoke else 20),
+                    batches=args.switch_batches, refresh=True,
+                )
+                for s in args.sparsities
+            }  # fmt: skip
             for T in args.batches:
-                rows += bench_batch(model, shape, fmt, w, T, args, device, peak)
+                rows += bench_batch(model, shape, fmt, w, T, args, device, peak, thresholds,
+                                    switch_at)  # fmt: skip
             del w
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -267,6 +308,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--formats", nargs="+", default=["bf16", "q8_0"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16, 64, 256])
     ap.add_argument("--sparsities", nargs="+", type=float, default=[0.5, 0.7, 0.85, 0.9])
+    ap.add_argument("--switch-batches", nargs="+", type=int, default=list(switch.BATCHES),
+                    help="batches the dense/sparse switch is profiled at")  # fmt: skip
     ap.add_argument("--reps", type=int, default=50, help="timed replays per case")
     ap.add_argument("--routings", type=int, default=8, help="distinct routings cycled")
     ap.add_argument("--json", help="write the rows and metadata to this JSON file")
@@ -276,6 +319,7 @@ def main(argv=None) -> list[dict]:
         args.reps = min(args.reps, 30)
     if args.smoke:
         args.batches, args.sparsities, args.routings = [1, 3], [0.5], 2
+        args.switch_batches = [1, 2]
     return run(args)
 
 

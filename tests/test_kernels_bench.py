@@ -17,7 +17,12 @@ def test_moe_layer_bench_smoke(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["rows"] == rows
     for row in rows:
-        assert abs(row["achieved_sparsity"] - 0.5) < 0.05
+        # the threshold is calibrated on other random tokens: at batch 1 the smoke shape has
+        # only 2 x 40 neurons, so the achieved sparsity scatters (sd ~0.06) around the target
+        assert abs(row["achieved_sparsity"] - 0.5) < 0.2
         assert row["sparse_bytes"] < row["dense_bytes"]
-        assert row["dense_s"] > 0 and row["sparse_s"] > 0
-    assert "| smoke | q8_0 | 1 |" in capsys.readouterr().out
+        assert row["dense_s"] > 0 and row["sparse_s"] > 0 and row["auto_s"] > 0
+        assert row["sparse_max_batch"] in (0, 1, 2)  # profiled at batches 1 and 2
+        want = "sparse" if row["batch"] <= row["sparse_max_batch"] else "dense"
+        assert row["auto_path"] == want
+    assert "| smoke | q8_0r | 1 |" in capsys.readouterr().out  # prepare_experts repacked it
