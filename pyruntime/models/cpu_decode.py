@@ -128,6 +128,16 @@ class CpuDecoder:
             cache.c_pointers = (kp, vp, int(cache.k[0].shape[1]))
         return cache.c_pointers
 
+    def _thresholds(self, thr: list[float] | None):
+        """float * of the per-layer thresholds (NULL: dense), rebuilt when the list changes."""
+        if thr is None:
+            return self._ffi.NULL
+        values = [0.0 if t is None else float(t) for t in thr]
+        if getattr(self, "_thr_values", None) != values:
+            self._thr_values = values
+            self._thr_array = self._ffi.new("float[]", values)
+        return self._thr_array
+
     def step(self, token: int, cache: KVCache) -> torch.Tensor:
         """Logits [1, n_vocab] float32 after `token` at position cache.n_tokens; advances the
         cache by one position. The caller has reserved room for it (KVCache.reserve)."""
@@ -135,10 +145,7 @@ class CpuDecoder:
         kp, vp, cap = self._cache_pointers(cache)
         pos = cache.n_tokens
         logits = torch.empty((1, model.config.n_vocab), dtype=torch.float32)
-        thr = model.expert_threshold
-        thresholds = (
-            ffi.NULL if thr is None else ffi.new("float[]", [0.0 if t is None else t for t in thr])
-        )
+        thresholds = self._thresholds(model.expert_threshold)
         cpu_core._check(
             self._lib.pyrt_decoder_step(
                 self._dec,

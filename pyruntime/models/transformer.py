@@ -254,9 +254,22 @@ class MoETransformer:
     def new_cache(self, max_tokens: int) -> KVCache:
         return KVCache(self.config, max_tokens)
 
-    @torch.inference_mode()
     def forward(
         self, tokens: Sequence[int] | torch.Tensor, cache: KVCache, last_only: bool = False
+    ) -> torch.Tensor:
+        """Logits [n_tokens, n_vocab] (or [1, n_vocab] with last_only) float32."""
+        if self._decoder is not None and self.gate_observer is None:
+            token = _single_token(tokens)
+            if token is not None:  # decode: one C call, no torch op (~15 us of Python)
+                if not 0 <= token < self.config.n_vocab:
+                    raise UsageError(f"token id out of range [0, {self.config.n_vocab})")
+                cache.reserve(1)
+                return self._decoder.step(token, cache)  # [1, n_vocab]
+        return self._forward_torch(tokens, cache, last_only)
+
+    @torch.inference_mode()
+    def _forward_torch(
+        self, tokens: Sequence[int] | torch.Tensor, cache: KVCache, last_only: bool
     ) -> torch.Tensor:
         cfg = self.config
         ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
@@ -266,8 +279,6 @@ class MoETransformer:
         if int(ids.min()) < 0 or int(ids.max()) >= cfg.n_vocab:
             raise UsageError(f"token id out of range [0, {cfg.n_vocab})")
         cache.reserve(n)
-        if n == 1 and self._decoder is not None and self.gate_observer is None:
-            return self._decoder.step(int(ids[0]), cache)  # [1, n_vocab]
         start = cache.n_tokens
         cos, sin = rope_tables(torch.arange(start, start + n), cfg.rope_dim, cfg.rope_theta)
         x = self.token_embd.rows(ids) * cfg.embedding_scale  # [n, n_embd]
@@ -344,6 +355,15 @@ class MoETransformer:
                 s = s * torch.sigmoid(x @ blk.shared_gate)[:, None]
             y = y + s
         return y
+
+
+def _single_token(tokens: Sequence[int] | torch.Tensor) -> int | None:
+    """The token id when `tokens` holds exactly one, else None."""
+    if isinstance(tokens, torch.Tensor):
+        return int(tokens.reshape(-1)[0]) if tokens.numel() == 1 else None
+    if len(tokens) == 1 and not isinstance(tokens[0], torch.Tensor | Sequence):
+        return int(tokens[0])
+    return None
 
 
 @dataclass

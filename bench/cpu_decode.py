@@ -1,0 +1,159 @@
+"""Whole-model CPU decode tokens/s against the bytes-per-token / DRAM-bandwidth floor.
+
+A random-weight GGUF of a real model's shape (bench/make_random_gguf.py, streamed to disk once)
+is loaded with the C core (dense weights and experts read in place from the mmap); after a short
+prefill, tokens are decoded one at a time (greedy), each a single C call (pyrt_decoder_step).
+
+Bytes per token are counted from the model's tensors, as stored: every dense matrix of every
+block (attention q/k/v/o, router, shared expert, dense FFN), top-k routed experts per MoE layer
+(all three rows of each neuron: the dense kernel), the output matrix (token_embd when tied), one
+embedding row, the norms and biases, and the KV cache read at the mean position of the run.
+The floor is that many bytes at this machine's DRAM read bandwidth, measured with pyrt_mem_read
+on the same thread pool. The per-part breakdown (attention / FFN / output) comes from the step's
+own timers (pyrt_decoder_times), each part next to its bytes.
+
+    PYTHONPATH=. python bench/cpu_decode.py granite-1b-a400m --outtype q8_0 --threads 2
+    PYTHONPATH=. python bench/cpu_decode.py olmoe-1b-7b --gguf /tmp/olmoe-q8_0.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_random_gguf import CONFIGS, make_random_gguf  # noqa: E402
+
+from pyruntime import cpu_core  # noqa: E402
+from pyruntime.gguf_file import open_gguf  # noqa: E402
+from pyruntime.models.transformer import MoETransformer  # noqa: E402
+
+
+def dram_read(core: cpu_core.CpuCore, gib: float, iters: int) -> tuple[float, float]:
+    """(median, best) GB/s of reading a buffer of `gib` GiB once per iteration."""
+    buf = np.random.default_rng(2).integers(0, 256, size=int(gib * 2**30), dtype=np.uint8)
+    core.mem_read(buf)  # fault the pages in
+    rates = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        core.mem_read(buf)
+        rates.append(buf.nbytes / (time.perf_counter() - t) / 1e9)
+    return statistics.median(rates), max(rates)
+
+
+def bytes_per_token(model: MoETransformer, mean_pos: float) -> dict[str, float]:
+    """Bytes one decode step must read, by part (see the module docstring)."""
+    cfg = model.config
+    attn = ffn = 0.0
+    for blk in model.blocks:
+        attn += sum(m.nbytes for m in (blk.wq, blk.wk, blk.wv, blk.wo))
+        attn += sum(t.numel() * 4 for t in (blk.attn_norm, blk.bq, blk.bk, blk.bv) if t is not None)
+        attn += sum(t.numel() * 4 for t in (blk.q_norm, blk.k_norm) if t is not None)
+        attn += 2 * cfg.n_head_kv * cfg.head_dim * 4 * (mean_pos + 1)  # K and V, f32
+        ffn += blk.ffn_norm.numel() * 4
+        if blk.experts is not None:
+            ffn += blk.router.nbytes + cfg.n_expert_used * blk.experts.expert_bytes
+            if blk.shared is not None:
+                ffn += blk.shared.gate.nbytes + blk.shared.up.nbytes + blk.shared.down.nbytes
+                ffn += 0 if blk.shared_gate is None else blk.shared_gate.numel() * 4
+        else:
+            f = blk.dense_ffn
+            ffn += f.gate.nbytes + f.up.nbytes + f.down.nbytes
+    emb_row = model.token_embd.nbytes / cfg.n_vocab
+    output = model.output.nbytes + model.output_norm.numel() * 4
+    return {"attention": attn + emb_row, "ffn": ffn, "output": output}
+
+
+def decode(model: MoETransformer, n_prompt: int, n_tokens: int, warmup: int, seed: int):
+    """Per-step seconds of n_tokens greedy steps after a prompt of n_prompt random tokens."""
+    cache = model.new_cache(n_prompt + warmup + n_tokens + 1)
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, model.config.n_vocab, (n_prompt,), generator=gen)
+    logits = model.forward(prompt, cache, last_only=True)
+    tok = int(logits[-1].argmax())
+    for _ in range(warmup):
+        tok = int(model.forward([tok], cache)[-1].argmax())
+    model._decoder.times(reset=True)
+    steps = []
+    for _ in range(n_tokens):
+        t = time.perf_counter()
+        logits = model.forward([tok], cache)
+        steps.append(time.perf_counter() - t)
+        tok = int(logits[-1].argmax())
+    return steps, model._decoder.times()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("shape", choices=sorted(CONFIGS), help="real model shape")
+    ap.add_argument("--outtype", default="q8_0", help="weight type of the random GGUF")
+    ap.add_argument("--gguf", type=Path, help="the GGUF (made when missing; default in /tmp)")
+    ap.add_argument("--threads", type=int, default=None, help="default: physical cores")
+    ap.add_argument("--prompt", type=int, default=16, help="prompt tokens before decoding")
+    ap.add_argument("--tokens", type=int, default=32, help="decode steps timed")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--dram-gib", type=float, default=1.0)
+    args = ap.parse_args()
+
+    path = args.gguf or Path(f"/tmp/{args.shape}-{args.outtype}.gguf")
+    if not path.exists():
+        t = time.perf_counter()
+        make_random_gguf(args.shape, path, args.outtype, progress=False)
+        size = path.stat().st_size / 1e9
+        print(f"wrote {path} ({size:.2f} GB) in {time.perf_counter() - t:.0f} s")
+    f = open_gguf(path)
+    model = MoETransformer.from_gguf(f, threads=args.threads, expert_backend="c")
+    core = model.core
+    # Map every page of the file into this process once (and into the page cache): the run then
+    # measures steady-state decode, not first-touch page faults of experts not yet used.
+    core.mem_read(f._map)
+    print(
+        f"{args.shape} {args.outtype}: {platform.processor() or platform.machine()}, "
+        f"{core.threads} threads, simd {cpu_core.simd_level()}, torch threads "
+        f"{torch.get_num_threads()}"
+    )
+    bw_med, bw_best = dram_read(core, args.dram_gib, 10)
+    print(
+        f"DRAM read (pyrt_mem_read, {args.dram_gib} GiB): median {bw_med:.1f} GB/s, "
+        f"best {bw_best:.1f}"
+    )
+
+    steps, times = decode(model, args.prompt, args.tokens, args.warmup, seed=0)
+    mean_pos = args.prompt + args.warmup + (args.tokens - 1) / 2
+    parts = bytes_per_token(model, mean_pos)
+    total_bytes = sum(parts.values())
+    step_med = statistics.median(steps)
+    floor_s = total_bytes / (bw_med * 1e9)
+    print(
+        f"bytes/token {total_bytes / 1e6:.1f} MB -> floor {floor_s * 1e3:.2f} ms/token "
+        f"({1 / floor_s:.1f} tokens/s at {bw_med:.1f} GB/s)"
+    )
+    print(
+        f"decode: median {step_med * 1e3:.2f} ms/token = {1 / step_med:.1f} tokens/s "
+        f"(mean {statistics.fmean(steps) * 1e3:.2f} ms, best {min(steps) * 1e3:.2f} ms, "
+        f"{args.tokens} steps) = {floor_s / step_med * 100:.0f}% of the floor"
+    )
+    n = times["steps"]
+    c_total = 0.0
+    for part in ("attention", "ffn", "output"):
+        s = times[part] / n
+        c_total += s
+        rate = parts[part] / s / 1e9
+        print(
+            f"  {part:9s} {s * 1e3:6.2f} ms  {parts[part] / 1e6:7.1f} MB  "
+            f"{rate:5.1f} GB/s ({rate / bw_med * 100:.0f}% of DRAM)"
+        )
+    mean_step = statistics.fmean(steps)
+    overhead = (mean_step - c_total) * 1e3
+    print(f"  python + call overhead {overhead:.2f} ms/token (mean step - C parts)")
+
+
+if __name__ == "__main__":
+    main()
