@@ -52,6 +52,7 @@ def sweep_case(model, fmt, T, sparsity, args, device, out):
     gate = ms.moe_gate(x, w, fk, ids)
     mags = act_ref(gate, "silu").abs().flatten().sort().values
     thr = mags[int(sparsity * (mags.numel() - 1))].reshape(1).clone()
+    moe_layer.check_correct(x, w, fk, ids, tw, "silu")  # default paths vs the torch reference
     ref_d = md.moe_dense(x, w, fk, ids, tw)
     ref_s, _ = ms.moe_sparse(x, w, fk, ids, tw, thr, path="decode")
 

@@ -7,6 +7,12 @@ import torch
 from kernels.expert_formats import BLOCKS, quantize_rows
 
 N_EXPERT, N_FF, TOP_K = 6, 45, 3  # odd n_ff: partial neuron tiles
+# The tests' device: the GPU when kernels compile for it (TRITON_INTERPRET=0), else the CPU.
+DEVICE = torch.device(
+    "cuda"
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    else "cpu"
+)
 
 
 def n_embd_for(fmt: str) -> int:
@@ -24,7 +30,7 @@ def make_case(fmt: str, n_tok: int, x_dtype=torch.float32, seed: int = 0):
     x = torch.randn(n_tok, H, generator=g).to(x_dtype)
     ids = torch.stack([torch.randperm(N_EXPERT, generator=g)[:TOP_K] for _ in range(n_tok)])
     tw = torch.rand(n_tok, TOP_K, generator=g) + 0.1
-    return x, w, ids.to(torch.int32), tw
+    return x.to(DEVICE), w.to(DEVICE), ids.to(torch.int32).to(DEVICE), tw.to(DEVICE)
 
 
 def rtol_for(x_dtype) -> float:

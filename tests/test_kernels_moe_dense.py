@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernels.moe_dense import moe_align, moe_dense, moe_dense_ref
-from kernels.testing import N_EXPERT, assert_close_rel, make_case, rtol_for
+from kernels.testing import DEVICE, N_EXPERT, assert_close_rel, make_case, rtol_for
 
 FORMATS = ["f32", "f16", "bf16", "q8_0", "q4_0", "q8_0r", "q4_0r"]
 
@@ -39,7 +39,7 @@ def test_moe_dense_small_blocks_decode():
 
 def test_moe_align_groups_pairs_by_expert():
     torch.manual_seed(0)
-    ids = torch.randint(0, N_EXPERT, (17, 3), dtype=torch.int32)
+    ids = torch.randint(0, N_EXPERT, (17, 3), dtype=torch.int32).to(DEVICE)
     bm = 4
     sorted_pairs, block_expert, total = moe_align(ids, N_EXPERT, bm)
     P = ids.numel()

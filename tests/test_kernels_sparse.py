@@ -15,7 +15,7 @@ from kernels.moe_sparse import (
     moe_sparse_up_down,
 )
 from kernels.sparse_mask import sparse_mask, sparse_mask_ref
-from kernels.testing import assert_close_rel, make_case, rtol_for
+from kernels.testing import DEVICE, assert_close_rel, make_case, rtol_for
 
 FORMATS = ["f16", "bf16", "q8_0", "q4_0", "q8_0r", "q4_0r"]
 
@@ -35,7 +35,7 @@ def gate_away_from(threshold: float, shape, activation: str, margin: float = 1e-
 @pytest.mark.parametrize(("n_pairs", "n_ff", "block"), [(1, 45, None), (7, 300, 64), (51, 45, 16)])
 def test_sparse_mask_keeps_exactly_the_right_neurons(n_pairs, n_ff, block, activation):
     thr = 0.3
-    gate = gate_away_from(thr, (n_pairs, n_ff), activation, seed=n_ff)
+    gate = gate_away_from(thr, (n_pairs, n_ff), activation, seed=n_ff).to(DEVICE)
     idx, act, count = sparse_mask(gate, thr, activation, block=block)
     ref_idx, ref_act, ref_count = sparse_mask_ref(gate, thr, activation)
     assert torch.equal(count, ref_count)
@@ -47,12 +47,14 @@ def test_sparse_mask_keeps_exactly_the_right_neurons(n_pairs, n_ff, block, activ
 
 
 def test_sparse_mask_threshold_zero_keeps_all_and_huge_keeps_none():
-    gate = torch.randn(5, 45)
+    gate = torch.randn(5, 45).to(DEVICE)
     idx, _, count = sparse_mask(gate, 0.0)
     assert (count == 45).all() and torch.equal(
-        idx, torch.arange(45, dtype=torch.int32).expand(5, 45)
+        idx, torch.arange(45, dtype=torch.int32, device=DEVICE).expand(5, 45)
     )
-    _, _, count = sparse_mask(gate, torch.tensor([1e30]))  # a device-tensor threshold
+    _, _, count = sparse_mask(
+        gate, torch.tensor([1e30], device=DEVICE)
+    )  # a device-tensor threshold
     assert (count == 0).all()
 
 
