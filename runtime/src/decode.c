@@ -20,6 +20,7 @@
  * router, shared gate, shared up), so a block costs 6-7 hand-offs. */
 #define _POSIX_C_SOURCE 199309L /* clock_gettime */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
@@ -44,6 +45,7 @@ struct pyrt_decoder {
     float *scores;               /* [n_head, scores_cap] attention probabilities */
     size_t scores_cap;           /* positions per head in scores */
     int64_t times[4];            /* see pyrt_decoder_times */
+    atomic_flag busy;            /* set during a step: the scratch above is not shareable */
 };
 
 static int64_t now_ns(void) {
@@ -204,6 +206,7 @@ int pyrt_decoder_create(const pyrt_model_weights *w, pyrt_decoder **out) {
     }
     memcpy(d->blocks, w->blocks, (size_t)w->n_layer * sizeof *d->blocks);
     d->w.blocks = d->blocks;
+    atomic_flag_clear(&d->busy);
     *out = d;
     return PYRT_OK;
 }
@@ -485,11 +488,27 @@ static int check_step(const pyrt_decoder *d, const pyrt_pool *pool, int token, i
     return PYRT_OK;
 }
 
+static int decoder_step(pyrt_decoder *d, pyrt_pool *pool, int token, int pos,
+                        float *const *k_cache, float *const *v_cache, int cache_cap,
+                        const float *thresholds, float *logits, int64_t *n_active);
+
 int pyrt_decoder_step(pyrt_decoder *d, pyrt_pool *pool, int token, int pos,
                       float *const *k_cache, float *const *v_cache, int cache_cap,
                       const float *thresholds, float *logits, int64_t *n_active) {
     pyrt_clear_error();
     CHECK(check_step(d, pool, token, pos, k_cache, v_cache, cache_cap, thresholds, logits));
+    if (atomic_flag_test_and_set(&d->busy))
+        return pyrt_fail(PYRT_E_INVALID, "pyrt_decoder_step: this decoder is running a step on "
+                                         "another thread (use one decoder per thread)");
+    const int rc = decoder_step(d, pool, token, pos, k_cache, v_cache, cache_cap, thresholds,
+                                logits, n_active);
+    atomic_flag_clear(&d->busy);
+    return rc;
+}
+
+static int decoder_step(pyrt_decoder *d, pyrt_pool *pool, int token, int pos,
+                        float *const *k_cache, float *const *v_cache, int cache_cap,
+                        const float *thresholds, float *logits, int64_t *n_active) {
     const pyrt_model_weights *w = &d->w;
     if (d->scores_cap < (size_t)cache_cap) {
         float *s = realloc(d->scores, (size_t)w->n_head * cache_cap * sizeof(float));
