@@ -346,7 +346,8 @@ typedef struct {
     size_t cap;
     int n_pos;            /* positions attended: 0 .. n_pos-1 */
     float scale;
-    atomic_int next;      /* next head */
+    _Alignas(64) atomic_int next; /* next head (own cache line) */
+    char pad[60];
 } attn_ctx;
 
 /* One query head per work item: scores over the cached positions, softmax, weighted sum of V. */

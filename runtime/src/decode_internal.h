@@ -42,7 +42,8 @@ typedef struct {
     /* set by pyrt_mv_job_prepare */
     int64_t total_rows;
     int chunk;            /* rows per work item (even, so row pairs share one pass over x) */
-    atomic_int next;      /* next work item */
+    _Alignas(64) atomic_int next; /* next work item (own cache line: threads bump it) */
+    char pad[60];
 } pyrt_mv_job;
 
 /* Sets the chunking for nth threads and resets the counter; call before each pyrt_pool_run. */
