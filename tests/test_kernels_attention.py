@@ -1,9 +1,14 @@
 """kernels.attention.decode_attention vs the plain torch reference (interpreter on CPU)."""
 
+import os
+
 import pytest
 import torch
 
 from kernels.attention import decode_attention, decode_attention_ref
+
+# The interpreter runs on CPU tensors; compiled Triton (a GPU machine) needs CUDA tensors.
+DEV = "cpu" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "cuda"
 
 
 def _case(n_head, n_kv, max_tokens, d, dtype, seed):
@@ -28,8 +33,9 @@ def test_decode_attention_matches_reference(shape, dtype, tol):
     k[:, n:] = 1e4
     v[:, n:] = float("nan")
     scale = d**-0.5
-    seq_len = torch.tensor([n], dtype=torch.int32)
-    out = decode_attention(q, k, v, seq_len, scale, n_split=4, block_s=16)
+    seq_len = torch.tensor([n], dtype=torch.int32, device=DEV)
+    out = decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), seq_len, scale, n_split=4, block_s=16)
+    out = out.cpu()
     ref = decode_attention_ref(q, k, v, n, scale)
     assert out.dtype == dtype and out.shape == (n_head, d)
     # fp32: summation order only; bf16: the output is rounded to bf16 (2^-9 relative).
@@ -39,10 +45,11 @@ def test_decode_attention_matches_reference(shape, dtype, tol):
 def test_decode_attention_length_from_device_tensor():
     """One set of buffers, the length changed in place (as a CUDA graph replay sees it)."""
     q, k, v = _case(4, 4, 50, 32, torch.float32, seed=1)
-    seq_len = torch.tensor([1], dtype=torch.int32)
+    seq_len = torch.tensor([1], dtype=torch.int32, device=DEV)
+    qd, kd, vd = q.to(DEV), k.to(DEV), v.to(DEV)
     for n in (1, 17, 50):
         seq_len.fill_(n)
-        out = decode_attention(q, k, v, seq_len, 0.2, n_split=2, block_s=16)
+        out = decode_attention(qd, kd, vd, seq_len, 0.2, n_split=2, block_s=16).cpu()
         ref = decode_attention_ref(q, k, v, n, 0.2)
         assert (out - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
 

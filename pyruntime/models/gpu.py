@@ -18,6 +18,7 @@ dtype for the matmuls; routers and the shared-expert gate run in float32 (they a
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from kernels.attention import decode_attention
+from kernels.decoder_ops import add_rms_norm, qk_rope_store
 from kernels.dispatch import moe_experts, prepare_experts
 from kernels.expert_formats import ACTIVATIONS as KERNEL_ACTIVATIONS
 from kernels.expert_formats import dequantize_rows
@@ -37,7 +39,7 @@ from pyruntime.errors import UsageError
 from pyruntime.experts.compute import activation_fn
 from pyruntime.gguf_file import GGUFFile, TensorView
 from pyruntime.models.config import ModelConfig
-from pyruntime.models.transformer import apply_rope, rope_tables
+from pyruntime.models.transformer import rope_tables
 
 Q = GGMLQuantizationType
 FORMATS = {Q.F32: "f32", Q.F16: "f16", Q.BF16: "bf16", Q.Q8_0: "q8_0", Q.Q4_0: "q4_0"}
@@ -305,6 +307,7 @@ class DeviceTransformer:
             "PYRUNTIME_CUDA_GRAPH", "1"
         ) not in ("0", "")
         self._state_version = 0  # bumped when a captured graph would be stale
+        self.profile_parts = False  # label the parts of a step for torch.profiler
 
     # -- public -------------------------------------------------------------------------------
 
@@ -372,22 +375,93 @@ class DeviceTransformer:
         cache.n_tokens += n
         return logits.float().cpu()
 
+    # -- the layers (shared by prefill and decode) --------------------------------------------
+
+    def _run(self, x: torch.Tensor, cache: DeviceKVCache, positions: torch.Tensor, attend):
+        """x [n, n_embd] f32 embeddings at `positions` [n] (device) -> final hidden state h
+        [n, n_embd] (normed, matmul dtype). attend(q [n_head, n, D], kv) -> [n, n_head * D]."""
+        cfg = self.config
+        eps, alpha = cfg.rms_eps, cfg.residual_scale
+        split_f32 = self.dtype != torch.float32  # the router wants f32 inputs
+        delta = None  # the previous sub-block's output, added to x by the next norm
+        for i, blk in enumerate(self.blocks):
+            with self._part("norm"):
+                h, _ = add_rms_norm(x, delta, blk.attn_norm, eps, self.dtype, alpha)
+            with self._part("qkv"):
+                qkv = F.linear(h, blk.wqkv, blk.bqkv)
+            with self._part("rope+kv store"):
+                kv = cache.kv[i]  # [2, n_head_kv, max_tokens, head_dim]
+                q = qk_rope_store(
+                    qkv, kv, positions, cache.cos, cache.sin, cfg.n_head,
+                    blk.q_norm, blk.k_norm, eps, cfg.clamp_kqv,
+                )  # fmt: skip
+            with self._part("attention"):
+                a = attend(q, kv)
+            with self._part("o_proj"):
+                delta = F.linear(a, blk.wo)
+            with self._part("norm"):
+                h, h32 = add_rms_norm(x, delta, blk.ffn_norm, eps, self.dtype, alpha, split_f32)
+            delta = self._ffn(i, blk, h, h if h32 is None else h32)
+        with self._part("norm"):
+            h, _ = add_rms_norm(x, delta, self.output_norm, eps, self.dtype, alpha)
+        return h
+
+    def _ffn(self, i: int, blk: DeviceBlock, h: torch.Tensor, h32: torch.Tensor) -> torch.Tensor:
+        """The FFN sub-block's output [n, n_embd] (before the residual scale)."""
+        cfg = self.config
+        if blk.experts is None:
+            with self._part("dense ffn"):
+                return self._gated_ffn(blk.dense_ffn, h)
+        with self._part("router"):
+            ids, w = route_device(h32 @ blk.router.T, cfg.n_expert_used, cfg.expert_weights_norm)
+        with self._part("routed experts"):
+            threshold = None if self.expert_threshold is None else self.expert_threshold[i]
+            y, active = moe_experts(
+                h, blk.experts, blk.experts_fmt, ids, w, cfg.activation,
+                threshold=threshold, sparse_max_batch=self.sparse_max_batch[i],
+            )  # fmt: skip
+            if h.shape[0] > 1:  # prefill counts here (decode: _count_decode_experts)
+                add = self.stats.add_dense if active is None else self.stats.add_sparse
+                add(ids.numel(), cfg.n_ff_exp)
+            if active is not None:
+                self.stats.accumulate(active)
+        if blk.shared is not None:
+            with self._part("shared expert"):
+                s = self._gated_ffn(blk.shared, h).float()
+                if blk.shared_gate is not None:
+                    s = s * torch.sigmoid(h32 @ blk.shared_gate)[:, None]
+                y = y + s
+        return y
+
+    def _gated_ffn(self, w: GatedFFN, x: torch.Tensor) -> torch.Tensor:
+        g, u = (x @ w.gate_up.T).chunk(2, dim=-1)
+        return (self.act(g) * u) @ w.down.T
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        with self._part("lm_head"):
+            return (h @ self.output.T).float() / self.config.logit_scale
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.token_embd.index_select(0, ids).float()  # [n, n_embd], a new tensor
+        return x * self.config.embedding_scale if self.config.embedding_scale != 1.0 else x
+
+    def _part(self, name: str):
+        """A profiler range around one part of a layer (bench/gpu_decode.py), else nothing."""
+        if self.profile_parts:
+            return torch.profiler.record_function(name)
+        return contextlib.nullcontext()
+
     # -- prefill (eager) ----------------------------------------------------------------------
 
     def _prefill(self, ids: torch.Tensor, cache: DeviceKVCache, last_only: bool) -> torch.Tensor:
-        cfg = self.config
-        n, start = ids.numel(), cache.n_tokens
-        cos, sin = cache.cos[start : start + n], cache.sin[start : start + n]
-        x = self.token_embd[ids].float() * cfg.embedding_scale  # [n, n_embd] f32
-        for i, blk in enumerate(self.blocks):
-            q, k, v = self._qkv(blk, self._norm(x, blk.attn_norm), cos, sin)
-            kv = cache.kv[i]  # [2, n_head_kv, max_tokens, head_dim]
-            kv[0, :, start : start + n] = k
-            kv[1, :, start : start + n] = v
-            a = self._prefill_attention(q, kv[0, :, : start + n], kv[1, :, : start + n], start)
-            x = self._add_matmul(x, a, blk.wo)
-            x = self._ffn_residual(i, blk, x)
-        return self._logits(x[-1:] if last_only else x)
+        start, n = cache.n_tokens, ids.numel()
+        positions = torch.arange(start, start + n, device=self.device)
+
+        def attend(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            return self._prefill_attention(q, kv[0, :, : start + n], kv[1, :, : start + n], start)
+
+        h = self._run(self._embed(ids), cache, positions, attend)
+        return self._logits(h[-1:] if last_only else h)
 
     def _prefill_attention(self, q, keys, values, start: int) -> torch.Tensor:
         """q [n_head, n, D]; keys, values [n_head_kv, start + n, D] -> [n, n_head * D]."""
@@ -413,19 +487,18 @@ class DeviceTransformer:
         self._count_decode_experts()
         if not self.use_cuda_graph:
             return self._decode_step(cache)
-        key = self._state_version
-        if cache.graph is None or cache.graph_key != key:
+        if cache.graph is None or cache.graph_key != self._state_version:
             self._capture(cache)
-            cache.graph_key = key
+            cache.graph_key = self._state_version
         cache.graph.replay()
         return cache.graph_logits
 
     def _capture(self, cache: DeviceKVCache) -> None:
         """Capture the decode step on `cache` (its buffers hold the current step's inputs).
 
-        Warm-up on a side stream first (Triton compiles and autotunes outside the capture);
-        the warm-up writes this step's K/V and the active count, which the replay redoes
-        (same values), so the active count is taken back to what it was."""
+        Warm-up on a side stream first (Triton compiles outside the capture); the warm-up
+        writes this step's K/V and active count, which the replay redoes (same values), so the
+        active count is taken back to what it was."""
         saved = self.stats._active.clone()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -440,18 +513,13 @@ class DeviceTransformer:
 
     def _decode_step(self, cache: DeviceKVCache) -> torch.Tensor:
         """Reads cache.token / position / seq_len; no host sync. Returns logits [1, n_vocab]."""
-        cfg = self.config
-        cos = cache.cos.index_select(0, cache.position)  # [1, rope_dim]
-        sin = cache.sin.index_select(0, cache.position)
-        x = self.token_embd.index_select(0, cache.token).float() * cfg.embedding_scale  # [1, H]
-        for i, blk in enumerate(self.blocks):
-            q, k, v = self._qkv(blk, self._norm(x, blk.attn_norm), cos, sin)
-            kv = cache.kv[i]  # [2, n_head_kv, max_tokens, head_dim]
-            kv.index_copy_(2, cache.position, torch.stack([k, v]))
-            a = decode_attention(q[:, 0], kv[0], kv[1], cache.seq_len, self.scale)  # [n_head, D]
-            x = self._add_matmul(x, a.reshape(1, -1), blk.wo)
-            x = self._ffn_residual(i, blk, x)
-        return self._logits(x)
+
+        def attend(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            out = decode_attention(q[:, 0], kv[0], kv[1], cache.seq_len, self.scale)
+            return out.reshape(1, -1)  # [1, n_head * D]
+
+        h = self._run(self._embed(cache.token), cache, cache.position, attend)
+        return self._logits(h)
 
     def _count_decode_experts(self) -> None:
         """Host-side counts of one decode step's routed work (replays cannot run Python)."""
@@ -460,72 +528,6 @@ class DeviceTransformer:
             if blk.experts is not None:
                 sparse = self.expert_threshold is not None and self.sparse_max_batch[i] >= 1
                 (self.stats.add_sparse if sparse else self.stats.add_dense)(k, n_ff)
-
-    # -- shared pieces ------------------------------------------------------------------------
-
-    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """RMSNorm in f32 (x f32 [n, H]), cast to the matmul dtype."""
-        return F.rms_norm(x, (x.shape[-1],), w, self.config.rms_eps).to(self.dtype)
-
-    def _qkv(self, blk: DeviceBlock, x: torch.Tensor, cos, sin):
-        """x [n, H] -> q [n_head, n, D], k, v [n_head_kv, n, D] (normed, rotated)."""
-        cfg = self.config
-        n, d = x.shape[0], cfg.head_dim
-        qkv = F.linear(x, blk.wqkv, blk.bqkv)  # [n, (n_head + 2 n_head_kv) * D]
-        q, k, v = qkv.split([cfg.n_head * d, cfg.n_head_kv * d, cfg.n_head_kv * d], dim=1)
-        if cfg.clamp_kqv is not None:
-            q, k, v = (t.clamp(-cfg.clamp_kqv, cfg.clamp_kqv) for t in (q, k, v))
-        per_head_norm = blk.q_norm is not None and blk.q_norm.numel() == d
-        if blk.q_norm is not None and not per_head_norm:  # olmoe: norm over all heads
-            q = F.rms_norm(q.float(), (q.shape[-1],), blk.q_norm, cfg.rms_eps)
-            k = F.rms_norm(k.float(), (k.shape[-1],), blk.k_norm, cfg.rms_eps)
-        q = q.reshape(n, cfg.n_head, d).transpose(0, 1)
-        k = k.reshape(n, cfg.n_head_kv, d).transpose(0, 1)
-        v = v.reshape(n, cfg.n_head_kv, d).transpose(0, 1)
-        if per_head_norm:  # qwen3moe: norm per head
-            q = F.rms_norm(q.float(), (d,), blk.q_norm, cfg.rms_eps)
-            k = F.rms_norm(k.float(), (d,), blk.k_norm, cfg.rms_eps)
-        q = apply_rope(q.float(), cos, sin).to(self.dtype)
-        k = apply_rope(k.float(), cos, sin).to(self.dtype)
-        return q, k, v.to(self.dtype)
-
-    def _add_matmul(self, x: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x + residual_scale * a @ w^T: x f32 [n, H], a [n, K], w [H, K] (one kernel in f32)."""
-        if self.dtype == torch.float32:
-            return torch.addmm(x, a, w.T, alpha=self.config.residual_scale)
-        return x + self.config.residual_scale * (a @ w.T).float()
-
-    def _gated_ffn(self, w: GatedFFN, x: torch.Tensor) -> torch.Tensor:
-        g, u = (x @ w.gate_up.T).chunk(2, dim=-1)
-        return (self.act(g) * u) @ w.down.T
-
-    def _ffn_residual(self, i: int, blk: DeviceBlock, x: torch.Tensor) -> torch.Tensor:
-        """x + residual_scale * ffn(norm(x)), x f32 [n, H]."""
-        cfg = self.config
-        h = self._norm(x, blk.ffn_norm)
-        if blk.experts is None:
-            return x + cfg.residual_scale * self._gated_ffn(blk.dense_ffn, h).float()
-        ids, w = route_device(h.float() @ blk.router.T, cfg.n_expert_used, cfg.expert_weights_norm)
-        threshold = None if self.expert_threshold is None else self.expert_threshold[i]
-        y, active = moe_experts(
-            h, blk.experts, blk.experts_fmt, ids, w, cfg.activation,
-            threshold=threshold, sparse_max_batch=self.sparse_max_batch[i],
-        )  # fmt: skip
-        if h.shape[0] > 1:  # prefill: host counts here (decode counts in _count_decode_experts)
-            add = self.stats.add_dense if active is None else self.stats.add_sparse
-            add(ids.numel(), cfg.n_ff_exp)
-        if active is not None:
-            self.stats.accumulate(active)
-        if blk.shared is not None:
-            s = self._gated_ffn(blk.shared, h).float()
-            if blk.shared_gate is not None:
-                s = s * torch.sigmoid(h.float() @ blk.shared_gate)[:, None]
-            y = y + s
-        return x + cfg.residual_scale * y
-
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        h = self._norm(x, self.output_norm)
-        return (h @ self.output.T).float() / self.config.logit_scale
 
 
 def route_device(

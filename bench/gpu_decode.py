@@ -1,0 +1,197 @@
+"""Whole-model GPU decode: step time, bytes read per token vs measured HBM bandwidth, and a
+per-part profile of one decode step (where the time goes).
+
+    PYTHONPATH=. python bench/gpu_decode.py /tmp/olmoe.gguf --prompt 512 -o /tmp/decode.json
+
+1. HBM read bandwidth: torch sum over a 4 GiB buffer (CUDA events, median of 10).
+2. The model on the GPU (pyruntime.Model, device cuda), a prefill of --prompt random tokens.
+3. Decode step time: CUDA-graph replays of the step at position --prompt, timed with CUDA events
+   (GPU time only), and forward() per token (with the logits copy to the host and Python).
+4. Bytes one decode step must read at that position: routed experts (top-k of n_expert per MoE
+   layer, GGUF format), dense weights as stored on the GPU (bf16 or f32), routers, the lm_head,
+   and the KV cache up to the position. Roofline = bytes / bandwidth.
+5. torch.profiler over one eager decode step with each part of a layer labelled: kernel time
+   per part (summed over layers), and the top kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pyruntime.api import Model  # noqa: E402
+from pyruntime.models.gpu import DeviceTransformer  # noqa: E402
+
+
+def cuda_time(fn, reps: int) -> list[float]:
+    """Seconds per call of fn, each timed with CUDA events."""
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / 1e3)
+    return out
+
+
+def hbm_read_bandwidth() -> float:
+    """Bytes/s of a full read of a 4 GiB buffer (median)."""
+    x = torch.ones(1 << 30, device="cuda", dtype=torch.float32)
+    x.sum()
+    t = statistics.median(cuda_time(x.sum, 10))
+    return (4 << 30) / t  # x is freed on return
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def decode_bytes(net: DeviceTransformer, position: int) -> dict[str, int]:
+    """Bytes read by one decode step at `position`, by part."""
+    cfg = net.config
+    parts = dict(experts=0, attention_weights=0, router=0, shared=0, dense_ffn=0, norms=0)
+    for blk in net.blocks:
+        if blk.experts is not None:
+            parts["experts"] += _nbytes(blk.experts) * cfg.n_expert_used // cfg.n_expert
+            parts["router"] += _nbytes(blk.router)
+        parts["attention_weights"] += sum(map(_nbytes, (blk.wqkv, blk.bqkv, blk.wo)))
+        for ffn, key in ((blk.shared, "shared"), (blk.dense_ffn, "dense_ffn")):
+            if ffn is not None:
+                parts[key] += _nbytes(ffn.gate_up) + _nbytes(ffn.down)
+        parts["norms"] += sum(
+            map(_nbytes, (blk.attn_norm, blk.ffn_norm, blk.q_norm, blk.k_norm, blk.shared_gate))
+        )
+    parts["lm_head"] = _nbytes(net.output)
+    elt = net.dtype.itemsize
+    parts["kv_cache"] = cfg.n_layer * 2 * cfg.n_head_kv * (position + 1) * cfg.head_dim * elt
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+PARTS = ("norm", "qkv", "rope+kv store", "attention", "o_proj", "router", "routed experts",
+         "shared expert", "dense ffn", "lm_head")  # fmt: skip
+
+
+def profile_step(net: DeviceTransformer, cache, log) -> dict[str, float]:
+    """Kernel microseconds per labelled part of one eager decode step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    net.profile_parts = True
+    net.use_cuda_graph = False
+    try:
+        for _ in range(2):  # warm (eager kernels compiled)
+            net._decode_step(cache)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            net._decode_step(cache)
+            torch.cuda.synchronize()
+    finally:
+        net.profile_parts = False
+        net.use_cuda_graph = True
+    out: dict[str, float] = {}
+    for evt in prof.key_averages():
+        if evt.key in PARTS:
+            us = getattr(evt, "device_time_total", None)
+            if us is None:
+                us = evt.cuda_time_total
+            out[evt.key] = max(out.get(evt.key, 0.0), float(us))
+    kernels = sorted(
+        (e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0),
+        key=lambda e: -e.self_device_time_total,
+    )
+    n_kernels = sum(e.count for e in kernels)
+    total = sum(e.self_device_time_total for e in kernels)
+    out["all kernels"] = total
+    out["kernel launches"] = n_kernels
+    print(f"eager step: {n_kernels} kernels, {total:.0f} us of kernel time", file=log)
+    for e in kernels[:25]:
+        print(
+            f"  {e.self_device_time_total:9.1f} us  x{e.count:<4d} {e.key[:110]}",
+            file=log,
+        )
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model", type=Path)
+    p.add_argument("--prompt", type=int, default=512, help="prefill tokens before decoding")
+    p.add_argument("--reps", type=int, default=200, help="graph replays timed")
+    p.add_argument("-o", "--output", type=Path, default=None, help="JSON results")
+    args = p.parse_args()
+    log = sys.stdout
+    bw = hbm_read_bandwidth()
+    torch.cuda.empty_cache()
+    print(f"HBM read bandwidth (4 GiB sum): {bw / 1e12:.3f} TB/s", file=log)
+
+    t0 = time.perf_counter()
+    model = Model(args.model, n_ctx=args.prompt + 8, device="cuda")
+    load_s = time.perf_counter() - t0
+    net: DeviceTransformer = model.net
+    print(f"load: {load_s:.1f} s, dense dtype {net.dtype}", file=log)
+    cache = net.new_cache(args.prompt + 8)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, net.config.n_vocab, (args.prompt + 2,), generator=g).tolist()
+    net.forward(ids[: args.prompt], cache)
+    net.forward(ids[args.prompt : args.prompt + 1], cache)  # captures the graph
+    cache.truncate(args.prompt)
+    # The graph's inputs now say position = prompt; replays recompute that step.
+    replay = statistics.median(cuda_time(cache.graph.replay, args.reps))
+    fwd = []
+    for _ in range(20):
+        cache.truncate(args.prompt)
+        t = time.perf_counter()
+        net.forward([ids[-1]], cache)
+        fwd.append(time.perf_counter() - t)
+    forward_s = statistics.median(fwd)
+    nbytes = decode_bytes(net, args.prompt)
+    roof = nbytes["total"] / bw
+    print(
+        f"decode step at position {args.prompt}: graph replay {replay * 1e6:.1f} us "
+        f"({1 / replay:.0f} tok/s), forward() {forward_s * 1e6:.1f} us ({1 / forward_s:.0f} tok/s)",
+        file=log,
+    )
+    print(
+        f"bytes per token {nbytes['total'] / 1e9:.3f} GB -> roofline {roof * 1e6:.1f} us "
+        f"({1 / roof:.0f} tok/s); replay at {roof / replay:.0%} of it; parts: "
+        + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in nbytes.items() if k != "total"),
+        file=log,
+    )
+    cache.truncate(args.prompt)
+    parts = profile_step(net, cache, log)
+    print("per-part kernel time of one eager decode step (us, summed over layers):", file=log)
+    for k, v in parts.items():
+        print(f"  {k:16s} {v:9.1f}", file=log)
+    if args.output:
+        args.output.write_text(
+            json.dumps(
+                dict(
+                    model=str(args.model),
+                    gpu=torch.cuda.get_device_name(),
+                    hbm_read_bytes_per_s=bw,
+                    load_s=load_s,
+                    position=args.prompt,
+                    graph_replay_s=replay,
+                    forward_s=forward_s,
+                    bytes_per_token=nbytes,
+                    roofline_s=roof,
+                    profile_us=parts,
+                ),
+                indent=1,
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()

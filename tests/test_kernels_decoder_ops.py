@@ -1,0 +1,97 @@
+"""kernels.decoder_ops (fused residual add + RMSNorm; q/k norm + rope + KV store) vs torch."""
+
+import os
+
+import pytest
+import torch
+
+from kernels.decoder_ops import add_rms_norm, add_rms_norm_ref, qk_rope_store, qk_rope_store_ref
+from pyruntime.models.transformer import rope_tables
+
+# The interpreter runs on CPU tensors; compiled Triton (a GPU machine) needs CUDA tensors.
+DEV = "cpu" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "cuda"
+
+
+def _on(*ts):
+    return [None if t is None else t.to(DEV) for t in ts]
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item() / b.float().abs().max().item()
+
+
+# (dtype of h, tolerance): f32 summation order only; bf16 output rounding (2^-9 relative).
+DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]
+
+
+@pytest.mark.parametrize("n, H", [(1, 100), (3, 64), (5, 257)])
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm(n, H, dtype, tol, with_delta):
+    g = torch.Generator().manual_seed(n * H)
+    x = torch.randn(n, H, generator=g)
+    delta = torch.randn(n, H, generator=g).to(dtype) if with_delta else None
+    w = torch.rand(H, generator=g) + 0.5
+    ref_x, ref_h = add_rms_norm_ref(x, delta, w, 1e-6, dtype, alpha=0.3)
+    got_x, delta_d, w_d = _on(x, delta, w)
+    h, h32 = add_rms_norm(got_x, delta_d, w_d, 1e-6, dtype, alpha=0.3, want_f32=True)
+    got_x, h, h32 = got_x.cpu(), h.cpu(), h32.cpu()
+    assert h.dtype == dtype and h32.dtype == torch.float32
+    assert _rel_err(got_x, ref_x) <= 1e-6  # the residual add is exact up to rounding
+    assert _rel_err(h, ref_h) <= tol
+    assert (
+        _rel_err(h32, ref_x * torch.rsqrt(ref_x.pow(2).mean(-1, keepdim=True) + 1e-6) * w) <= 1e-5
+    )
+
+
+# (n_head, n_kv, D, rope_dim, norm): no norm (mixtral), norm over all heads (olmoe), per head
+# (qwen3moe), partial rotary dims, a head_dim that is not a power of two.
+CASES = [
+    (4, 2, 16, 16, None),
+    (4, 4, 16, 16, "all"),
+    (6, 2, 24, 24, "head"),
+    (4, 2, 32, 16, "head"),
+    (2, 1, 20, 12, "all"),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+@pytest.mark.parametrize("n", [1, 3])
+def test_qk_rope_store(case, dtype, tol, n):
+    n_head, n_kv, D, rope, norm = case
+    S = 11
+    g = torch.Generator().manual_seed(n_head * D + n)
+    qkv = torch.randn(n, (n_head + 2 * n_kv) * D, generator=g).to(dtype)
+    kv = torch.randn(2, n_kv, S, D, generator=g).to(dtype)
+    positions = torch.tensor([7, 2, 9][:n])
+    cos, sin = rope_tables(torch.arange(S), rope, 10000.0)
+    q_norm = k_norm = None
+    if norm == "all":
+        q_norm = torch.rand(n_head * D, generator=g) + 0.5
+        k_norm = torch.rand(n_kv * D, generator=g) + 0.5
+    elif norm == "head":
+        q_norm = torch.rand(D, generator=g) + 0.5
+        k_norm = torch.rand(D, generator=g) + 0.5
+    ref_q, ref_kv = qk_rope_store_ref(qkv, kv, positions, cos, sin, n_head, q_norm, k_norm)
+    got_kv = kv.clone().to(DEV)
+    q = qk_rope_store(*_on(qkv), got_kv, *_on(positions, cos, sin), n_head, *_on(q_norm, k_norm))
+    q, got_kv = q.cpu(), got_kv.cpu()
+    assert q.shape == (n_head, n, D) and q.dtype == dtype
+    assert _rel_err(q, ref_q) <= tol
+    assert _rel_err(got_kv, ref_kv) <= tol
+    untouched = [p for p in range(S) if p not in positions.tolist()]
+    assert torch.equal(got_kv[:, :, untouched], kv[:, :, untouched])  # only positions written
+
+
+def test_qk_rope_store_clamp():
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(2, (2 + 2) * 8, generator=g) * 10
+    kv = torch.zeros(2, 1, 4, 8)
+    cos, sin = rope_tables(torch.arange(4), 8, 10000.0)
+    pos = torch.tensor([0, 3])
+    ref_q, ref_kv = qk_rope_store_ref(qkv, kv, pos, cos, sin, 2, clamp=1.5)
+    got_kv = kv.clone().to(DEV)
+    q = qk_rope_store(*_on(qkv), got_kv, *_on(pos, cos, sin), 2, clamp=1.5)
+    q, got_kv = q.cpu(), got_kv.cpu()
+    assert _rel_err(q, ref_q) <= 1e-5 and _rel_err(got_kv, ref_kv) <= 1e-5
