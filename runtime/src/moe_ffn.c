@@ -67,9 +67,8 @@ typedef struct {
     int items_per_thread;   /* > 0: that many equal items per thread; 0: guided sizes */
     int64_t *item_start;    /* [n_items + 1] item i: costs [item_start[i], item_start[i+1]) */
     atomic_int *next_item;  /* next item to take (own cache line) */
-    atomic_int *items_done; /* items finished (own cache line) */
-    atomic_int *next_slice; /* next slice of y to reduce (own cache line) */
-    size_t reduce_slice;    /* floats of y per slice */
+    atomic_int *item_done;  /* [n_items_max] 1 once the item's partial y is complete */
+    atomic_int *next_slice; /* next range of y to reduce (own cache line) */
     size_t acc_stride;      /* floats, >= TOKEN_BLOCK * n_embd, multiple of 16 */
     int64_t *active;        /* [nth * 8] per-thread active-neuron counters (own cache line) */
     int prefetch_ahead;     /* neurons ahead whose rows are software-prefetched (0: none) */
@@ -301,72 +300,86 @@ static int64_t dense_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j0
 
 /* ---- sparse -------------------------------------------------------------------------------- */
 
-/* A chunk of neurons whose gates are done: which are active for which route, and their h. */
+/* A chunk of neurons whose gates are done: which are active for which route, and their h; and
+ * where its results go (its expert's rows, its routes, its work item's partial y). */
 typedef struct {
+    const uint8_t *expert;
+    float *acc;
+    int item, rc, nr;
     int64_t jc;
     int n_list;
-    int list[NEURON_CHUNK];              /* neurons active for some route (offsets from jc) */
-    float h[NEURON_CHUNK][ROUTE_CHUNK];  /* act(g . x), then w * act * (u . x) */
+    int list[NEURON_CHUNK];                /* neurons active for some route (offsets from jc) */
+    float h[NEURON_CHUNK][ROUTE_CHUNK];    /* act(g . x), then w * act * (u . x) */
     uint8_t on[NEURON_CHUNK][ROUTE_CHUNK]; /* 0: under the threshold, skipped */
 } sparse_chunk;
+
+/* One thread's software pipeline over its sparse chunks, carried across experts and work items:
+ * the up/down rows of a chunk are read while the gates of the thread's next chunk (whatever
+ * expert or item it belongs to) are computed, so that only the thread's very last chunk waits
+ * on a gather. */
+typedef struct {
+    sparse_chunk chunks[2];
+    int cur;            /* the chunk to fill next */
+    sparse_chunk *prev; /* gates done, up/down rows still to read; or NULL */
+} sparse_pipe;
 
 /* Walks the up+down rows (2 * row_bytes, contiguous) of a chunk's active neurons line by line,
  * handing out their addresses for prefetching. */
 typedef struct {
-    const uint8_t *expert;
     const sparse_chunk *ch;
     int l;             /* active neuron (index into ch->list) being walked */
     const uint8_t *at; /* next line of it */
 } gather_lines;
 
-static inline const uint8_t *up_row(const moe_ctx *c, const uint8_t *expert, int64_t j) {
-    return expert + ((size_t)j * 3 + 1) * c->row_bytes;
+static inline const uint8_t *up_row(const moe_ctx *c, const sparse_chunk *ch, int i) {
+    return ch->expert + ((size_t)(ch->jc + i) * 3 + 1) * c->row_bytes;
 }
 
-static void gather_begin(gather_lines *g, const moe_ctx *c, const uint8_t *expert,
-                         const sparse_chunk *ch, int l0) {
-    g->expert = expert;
+static inline const uint8_t *line_of(const uint8_t *p) {
+    return p - ((uintptr_t)p & 63);
+}
+
+static void gather_begin(gather_lines *g, const moe_ctx *c, const sparse_chunk *ch) {
     g->ch = ch;
-    g->l = l0;
-    if (ch != NULL && l0 < ch->n_list) {
-        const uint8_t *p = up_row(c, expert, ch->jc + ch->list[l0]);
-        g->at = p - ((uintptr_t)p & 63);
-    }
+    g->l = 0;
+    g->at = NULL;
+    if (ch != NULL && ch->n_list > 0)
+        g->at = line_of(up_row(c, ch, ch->list[0]));
 }
 
 /* Appends up to `count` more line addresses to lines[*n]. */
 static void gather_take(gather_lines *g, const moe_ctx *c, int count, const void **lines,
                         int *n) {
     while (count > 0 && g->ch != NULL && g->l < g->ch->n_list && *n < PF_MAX_LINES) {
-        const uint8_t *end = up_row(c, g->expert, g->ch->jc + g->ch->list[g->l]) +
-                             2 * c->row_bytes;
+        const uint8_t *end = up_row(c, g->ch, g->ch->list[g->l]) + 2 * c->row_bytes;
         for (; g->at < end && count > 0 && *n < PF_MAX_LINES; g->at += 64, count--)
             lines[(*n)++] = g->at;
-        if (g->at >= end && ++g->l < g->ch->n_list) {
-            const uint8_t *p = up_row(c, g->expert, g->ch->jc + g->ch->list[g->l]);
-            g->at = p - ((uintptr_t)p & 63);
-        }
+        if (g->at >= end && ++g->l < g->ch->n_list)
+            g->at = line_of(up_row(c, g->ch, g->ch->list[g->l]));
     }
 }
 
-/* Gates of the chunk's neurons for routes [rc, rc + nr). While they run, the kernels prefetch
- * the gate row `ahead` neurons on and an even share of `prev`'s active up/down rows (a gather
- * the hardware prefetcher cannot follow), so those are in cache when `prev` is finished. */
-static int64_t sparse_gates(const moe_ctx *c, const uint8_t *expert, sparse_chunk *ch, int nj,
-                            int64_t j1, int rc, int nr, gather_lines *prev, int prev_lines) {
+/* Gates of the chunk's nj neurons. While they run, the kernels prefetch the gate row `ahead`
+ * neurons on (within [.., j1)) and an even share of `prev`'s active up/down rows (a gather the
+ * hardware prefetcher cannot follow), so those are in cache when `prev` is finished. */
+static int64_t sparse_gates(const moe_ctx *c, sparse_chunk *ch, int nj, int64_t j1,
+                            const sparse_chunk *prev) {
     const size_t rb = c->row_bytes;
-    const int ahead = c->prefetch_ahead;
+    const int ahead = c->prefetch_ahead, nr = ch->nr, rc = ch->rc;
     const float thr = c->threshold;
+    const int prev_lines = prev == NULL ? 0 : prev->n_list * (int)((2 * rb + 63) / 64 + 1);
     const int share = (prev_lines + nj - 1) / nj;
     const void *pf[PF_MAX_LINES];
+    gather_lines g;
+    gather_begin(&g, c, prev);
     int64_t active = 0;
     ch->n_list = 0;
     for (int i = 0; i < nj; i++) {
-        const uint8_t *gate = expert + (size_t)(ch->jc + i) * 3 * rb;
+        const uint8_t *gate = ch->expert + (size_t)(ch->jc + i) * 3 * rb;
         int n_pf = 0;
         if (ahead > 0 && ch->jc + i + ahead < j1)
             add_lines(pf, &n_pf, gate + (size_t)ahead * 3 * rb, rb);
-        gather_take(prev, c, share, pf, &n_pf);
+        gather_take(&g, c, share, pf, &n_pf);
         int n_on = 0;
         for (int r = 0; r < nr; r++) {
             const int lo = n_pf * r / nr, hi = n_pf * (r + 1) / nr;
@@ -383,22 +396,22 @@ static int64_t sparse_gates(const moe_ctx *c, const uint8_t *expert, sparse_chun
     return active;
 }
 
-/* Up dots and down rows of a chunk's active neurons. `prefetched`: their rows were prefetched
- * during the next chunk's gates; else (the item's last chunk) each up dot prefetches the rows
- * of the active neuron two on. */
-static void sparse_finish(const moe_ctx *c, const uint8_t *expert, sparse_chunk *ch, int rc,
-                          int nr, int prefetched, float *acc) {
+/* Up dots and down rows of a chunk's active neurons, into its item's partial y. `prefetched`:
+ * their rows were prefetched during the next chunk's gates; else (the thread's last chunk) each
+ * up dot prefetches the rows of the active neuron two on. */
+static void sparse_finish(const moe_ctx *c, sparse_chunk *ch, int prefetched) {
     const size_t rb = c->row_bytes;
+    const int rc = ch->rc, nr = ch->nr;
     const void *pf[PF_MAX_LINES];
     if (!prefetched)
         for (int l = 0; l < ch->n_list && l < 2; l++)
-            prefetch_row(up_row(c, expert, ch->jc + ch->list[l]), 2 * rb);
+            prefetch_row(up_row(c, ch, ch->list[l]), 2 * rb);
     for (int l = 0; l < ch->n_list; l++) {
         const int i = ch->list[l];
-        const uint8_t *up = up_row(c, expert, ch->jc + i);
+        const uint8_t *up = up_row(c, ch, i);
         int n_pf = 0;
         if (!prefetched && l + 2 < ch->n_list)
-            add_lines(pf, &n_pf, up_row(c, expert, ch->jc + ch->list[l + 2]), 2 * rb);
+            add_lines(pf, &n_pf, up_row(c, ch, ch->list[l + 2]), 2 * rb);
         int first = 1;
         for (int r = 0; r < nr; r++) {
             if (!ch->on[i][r])
@@ -418,58 +431,63 @@ static void sparse_finish(const moe_ctx *c, const uint8_t *expert, sparse_chunk 
             const int i = ch->list[l];
             if (ch->on[i][r]) {
                 a[n] = ch->h[i][r];
-                rows[n++] = up_row(c, expert, ch->jc + i) + rb;
+                rows[n++] = up_row(c, ch, i) + rb;
             }
         }
-        axpy_rows(c, n, a, rows, acc + (size_t)c->route_tok[rc + r] * c->n_embd);
+        axpy_rows(c, n, a, rows, ch->acc + (size_t)c->route_tok[rc + r] * c->n_embd);
     }
 }
 
+static inline void mark_item_done(const moe_ctx *c, int item) {
+    atomic_store_explicit(&c->item_done[item], 1, memory_order_release);
+}
+
+/* Finishes the pipeline's pending chunk; marks its item done when the thread has moved on to
+ * another item (`item_now`; -1: none, the thread's last chunk). */
+static void sparse_pipe_flush(const moe_ctx *c, sparse_pipe *pp, int prefetched, int item_now) {
+    sparse_chunk *prev = pp->prev;
+    if (prev == NULL)
+        return;
+    sparse_finish(c, prev, prefetched);
+    if (prev->item != item_now)
+        mark_item_done(c, prev->item);
+    pp->prev = NULL;
+}
+
 /* Neurons [j0, j1) of one expert for its routes [r0, r1), neuron-sparse: per chunk of
- * NEURON_CHUNK neurons the gates, then (one chunk later, software-pipelined) the up and down
+ * sparse_chunk neurons the gates, then (one chunk later, software-pipelined) the up and down
  * rows of the neurons whose |act| reaches the threshold. Down rows go into each y in neuron
  * order, as in dense, so a threshold that drops nothing gives dense's bits. */
-static int64_t sparse_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j0, int64_t j1,
-                              int r0, int r1, float *acc) {
+static int64_t sparse_neurons(const moe_ctx *c, sparse_pipe *pp, int item, const uint8_t *expert,
+                              int64_t j0, int64_t j1, int r0, int r1, float *acc) {
     const size_t rb = c->row_bytes;
-    sparse_chunk chunks[2];
     int64_t active = 0;
     for (int64_t j = j0; j < j0 + c->prefetch_ahead && j < j1; j++)
         prefetch_row(expert + (size_t)j * 3 * rb, rb);
     for (int rc = r0; rc < r1; rc += ROUTE_CHUNK) {
         const int nr = r1 - rc < ROUTE_CHUNK ? r1 - rc : ROUTE_CHUNK;
-        sparse_chunk *prev = NULL;
-        int cur = 0;
-        for (int64_t jc = j0; jc < j1; jc += c->sparse_chunk, cur ^= 1) {
+        for (int64_t jc = j0; jc < j1; jc += c->sparse_chunk) {
             const int nj = j1 - jc < c->sparse_chunk ? (int)(j1 - jc) : c->sparse_chunk;
-            sparse_chunk *ch = &chunks[cur];
-            ch->jc = jc;
-            gather_lines g;
-            gather_begin(&g, c, expert, prev, 0);
-            const int prev_lines = prev == NULL ? 0 : prev->n_list * (int)((2 * rb + 63) / 64 + 1);
-            active += sparse_gates(c, expert, ch, nj, j1, rc, nr, &g, prev_lines);
-            if (prev != NULL)
-                sparse_finish(c, expert, prev, rc, nr, 1, acc);
-            prev = ch;
+            sparse_chunk *ch = &pp->chunks[pp->cur];
+            *ch = (sparse_chunk){.expert = expert, .acc = acc, .item = item, .rc = rc, .nr = nr,
+                                 .jc = jc};
+            active += sparse_gates(c, ch, nj, j1, pp->prev);
+            sparse_pipe_flush(c, pp, 1, item);
+            pp->prev = ch;
+            pp->cur ^= 1;
         }
-        if (prev != NULL)
-            sparse_finish(c, expert, prev, rc, nr, 0, acc);
     }
     return active;
 }
 
-static int64_t expert_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j0, int64_t j1,
-                              int r0, int r1, float *acc) {
-    return c->threshold > 0.0f ? sparse_neurons(c, expert, j0, j1, r0, r1, acc)
-                               : dense_neurons(c, expert, j0, j1, r0, r1, acc);
-}
-
 /* One work item: the neurons whose estimated cost falls in [item_start[item],
- * item_start[item + 1]), accumulated into the item's own partial y. */
-static int64_t run_item(const moe_ctx *c, int item) {
+ * item_start[item + 1]), accumulated into the item's own partial y. Dense marks the item done
+ * at its end; sparse when its last chunk leaves the pipeline. */
+static int64_t run_item(const moe_ctx *c, sparse_pipe *pp, int item) {
     float *acc = c->acc + (size_t)item * c->acc_stride;
     memset(acc, 0, (size_t)c->tb * c->n_embd * sizeof *acc);
     const int64_t lo = c->item_start[item], hi = c->item_start[item + 1];
+    const int sparse = c->threshold > 0.0f;
     int64_t active = 0;
     for (int u = 0; u < c->n_used; u++) {
         const int64_t base = c->cost_start[u], end = c->cost_start[u + 1];
@@ -481,53 +499,57 @@ static int64_t run_item(const moe_ctx *c, int item) {
         int64_t j1 = ceil_div(hi - base, cost);
         if (j1 > c->n_ff)
             j1 = c->n_ff;
+        if (j1 <= j0)
+            continue;
         const uint8_t *expert = c->gud + (size_t)c->used[u] * c->n_ff * 3 * c->row_bytes;
-        active += expert_neurons(c, expert, j0, j1, c->route_start[u], c->route_start[u + 1], acc);
+        const int r0 = c->route_start[u], r1 = c->route_start[u + 1];
+        active += sparse ? sparse_neurons(c, pp, item, expert, j0, j1, r0, r1, acc)
+                         : dense_neurons(c, expert, j0, j1, r0, r1, acc);
     }
+    if (pp->prev == NULL || pp->prev->item != item)
+        mark_item_done(c, item);
     return active;
-}
-
-/* Floats of y per reduce slice: about two slices per thread, whole cache lines, >= 64. */
-static size_t reduce_slice(size_t n, int nth) {
-    size_t sl = (n + 2 * (size_t)nth - 1) / (2 * (size_t)nth);
-    sl = (sl + 15) / 16 * 16;
-    return sl < 64 ? 64 : sl;
 }
 
 /* One token block in one hand-off to the pool. (1) Threads take work items from a shared
  * counter: a thread that the OS preempts or that runs on a busier core delays the block by one
- * item, not by its whole share. (2) Once every item is done (a spinning wait: the items end
- * within microseconds of each other), threads take slices of y and sum the items' partial ys
- * there in item order, so the result does not depend on which thread ran which item. */
+ * item, not by its whole share. (2) A thread out of items takes one of nth - 1 ranges of y (if
+ * one is left) and sums the items' partial ys there in item order, each item as soon as it is
+ * done: the sums run while the last items are computed, and the result does not depend on
+ * which thread ran which item. */
 static void task_block(void *p, int ith, int nth) {
     moe_ctx *c = p;
-    (void)nth;
     int64_t *prof = c->prof != NULL ? c->prof + (size_t)ith * 8 : NULL;
     if (prof != NULL)
         prof[0] = now_ns();
+    sparse_pipe pp;
+    pp.cur = 0;
+    pp.prev = NULL;
     int64_t active = 0;
     for (int item; (item = atomic_fetch_add_explicit(c->next_item, 1, memory_order_relaxed)) <
-                   c->n_items;) {
-        active += run_item(c, item);
-        atomic_fetch_add_explicit(c->items_done, 1, memory_order_release);
-    }
+                   c->n_items;)
+        active += run_item(c, &pp, item);
+    sparse_pipe_flush(c, &pp, 0, -1);
     c->active[(size_t)ith * 8] += active;
     if (prof != NULL)
         prof[1] = now_ns();
-    for (int spins = 0; atomic_load_explicit(c->items_done, memory_order_acquire) < c->n_items;)
-        pyrt_spin_pause(++spins);
-    const size_t n = (size_t)c->tb * c->n_embd;
-    const size_t slice = c->reduce_slice;
-    const int n_slices = (int)((n + slice - 1) / slice);
-    float *y = c->y + (size_t)c->t0 * c->n_embd;
-    for (int sl; (sl = atomic_fetch_add_explicit(c->next_slice, 1, memory_order_relaxed)) <
-                 n_slices;) {
-        const size_t lo = (size_t)sl * slice, hi = lo + slice < n ? lo + slice : n;
-        memcpy(y + lo, c->acc + lo, (hi - lo) * sizeof *y);
-        for (int item = 1; item < c->n_items; item++) {
+    const int n_ranges = nth > 1 ? nth - 1 : 1;
+    const int range = atomic_fetch_add_explicit(c->next_slice, 1, memory_order_relaxed);
+    if (range < n_ranges) {
+        /* whole cache lines (16 floats) per range */
+        const size_t n = (size_t)c->tb * c->n_embd, lines = (n + 15) / 16;
+        const size_t lo = lines * range / n_ranges * 16;
+        const size_t hi = lines * (range + 1) / n_ranges * 16 < n ? lines * (range + 1) / n_ranges * 16 : n;
+        float *y = c->y + (size_t)c->t0 * c->n_embd;
+        for (int item = 0; item < c->n_items; item++) {
+            for (int spins = 0; !atomic_load_explicit(&c->item_done[item], memory_order_acquire);)
+                pyrt_spin_pause(++spins);
             const float *acc = c->acc + (size_t)item * c->acc_stride;
-            for (size_t i = lo; i < hi; i++)
-                y[i] += acc[i];
+            if (item == 0)
+                memcpy(y + lo, acc + lo, (hi - lo) * sizeof *y);
+            else
+                for (size_t i = lo; i < hi; i++)
+                    y[i] += acc[i];
         }
     }
     if (prof != NULL)
@@ -707,7 +729,8 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
     size_t off_prof = off_cost + align64((size_t)(used_max + 1) * sizeof(int64_t));
     size_t off_istart = off_prof + (size_t)nth * 8 * sizeof(int64_t);
     size_t off_next = off_istart + align64((n_items_max + 1) * sizeof(int64_t));
-    size_t total = off_next + 3 * 64; /* next_item, items_done, next_slice: a line each */
+    size_t off_done = off_next + 2 * 64; /* next_item, next_slice: a cache line each */
+    size_t total = off_done + align64(n_items_max * sizeof(atomic_int));
 
     pyrt_pool_acquire(pool);
     uint8_t *ws = pyrt_pool_workspace(pool, total);
@@ -744,8 +767,8 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
         .items_per_thread = kn.items_per_thread,
         .item_start = (int64_t *)(ws + off_istart),
         .next_item = (atomic_int *)(ws + off_next),
-        .items_done = (atomic_int *)(ws + off_next + 64),
-        .next_slice = (atomic_int *)(ws + off_next + 128),
+        .next_slice = (atomic_int *)(ws + off_next + 64),
+        .item_done = (atomic_int *)(ws + off_done),
         .active = (int64_t *)(ws + off_active),
         .prefetch_ahead = kn.prefetch_ahead,
         .sparse_chunk = kn.sparse_chunk,
@@ -769,10 +792,10 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
         c.tb = n_tokens - c.t0 < TOKEN_BLOCK ? n_tokens - c.t0 : TOKEN_BLOCK;
         plan_block(&c);
         plan_items(&c, nth);
-        c.reduce_slice = reduce_slice((size_t)c.tb * n_embd, nth);
         /* the pool run publishes these */
         atomic_store_explicit(c.next_item, 0, memory_order_relaxed);
-        atomic_store_explicit(c.items_done, 0, memory_order_relaxed);
+        for (int i = 0; i < c.n_items; i++)
+            atomic_store_explicit(&c.item_done[i], 0, memory_order_relaxed);
         atomic_store_explicit(c.next_slice, 0, memory_order_relaxed);
         const int64_t t_run = now_ns();
         pyrt_pool_run(pool, task_block, &c);
