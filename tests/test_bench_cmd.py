@@ -134,3 +134,23 @@ def test_api_gpu_generation_matches_cpu(gguf_path):
     lg = torch.log_softmax(torch.from_numpy(gpu.logits(ids)).double(), -1)
     lc = torch.log_softmax(torch.from_numpy(cpu.logits(ids)).double(), -1)
     assert (lg - lc).abs().max().item() <= 1e-3
+
+
+def test_device_choice_when_the_model_does_not_fit(gguf_path, monkeypatch):
+    """A GPU with too little free memory: auto falls back to the CPU and says why; cuda fails."""
+    from pyruntime.device import choose_device
+    from pyruntime.gguf_file import open_gguf
+    from pyruntime.models.config import ModelConfig
+
+    f = open_gguf(gguf_path)
+    cfg = ModelConfig.from_gguf(f)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (1 << 20, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "Tiny GPU")
+    choice = choose_device("auto", f, cfg, 64)
+    assert choice.device == "cpu" and choice.note.startswith("running on the CPU: ")
+    assert "GiB is free on Tiny GPU" in choice.note
+    with pytest.raises(UsageError, match="--device cuda: the model and a 64-token KV cache need"):
+        choose_device("cuda", f, cfg, 64)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (80 << 30, 80 << 30))
+    assert choose_device("auto", f, cfg, 64).device == "cuda"
