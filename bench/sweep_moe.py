@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import itertools
 import json
 import sys
@@ -29,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import moe_layer  # noqa: E402  (bench/moe_layer.py)
 
-from kernels import moe_dense as md  # noqa: E402
-from kernels import moe_sparse as ms  # noqa: E402
+# the modules (kernels/__init__ re-exports functions of the same names)
+md = importlib.import_module("kernels.moe_dense")
+ms = importlib.import_module("kernels.moe_sparse")
 from kernels.dispatch import prepare_experts  # noqa: E402
 from kernels.expert_formats import act_ref  # noqa: E402
 
@@ -73,7 +75,7 @@ def sweep_case(model, fmt, T, sparsity, args, device, out):
 
     fam = md.format_family(fk)
     dense_grid = (
-        itertools.product((8, 16, 32), (512, 1024, 2048), (4, 8))
+        [*itertools.product((8, 16, 32), (512, 1024, 2048), (4, 8)), (4, 1024, 4), (8, 512, 2)]
         if fam == "packed"
         else ((16, 512, 2), (16, 1024, 4), (8, 1024, 4), (32, 1024, 4))
     )

@@ -64,7 +64,9 @@ def q8_blocks(w_ptr, row_off, m, h0, H, FMT: tl.constexpr, NB: tl.constexpr):
         row = w_ptr + row_off[:, None]
         qp = row[:, :, None] + hb[None, :, None] + i[None, None, :]
         q = s8_to_f32(tl.load(qp, mask=m[:, :, None], other=0))
-        dp = (row + H + hb[None, :] // 16).to(tl.pointer_type(tl.float16))
+        # typed f16 pointer to the row's scales, then + block index: contiguous, 16-byte
+        # aligned element offsets, so the NB scales load as wide vectors too
+        dp = (row + H).to(tl.pointer_type(tl.float16)) + (hb // 32)[None, :]
         d = tl.load(dp, mask=m, other=0.0).to(tl.float32)
     return d, q
 
@@ -88,7 +90,7 @@ def q4_blocks(w_ptr, row_off, m, h0, H, FMT: tl.constexpr, NB: tl.constexpr):
         qs = tl.load(qp, mask=m[:, :, None], other=0x88).to(tl.uint32)
         lo = u4_to_f32(qs & 15)
         hi = u4_to_f32(qs >> 4)
-        dp = (row + H // 2 + hb[None, :] // 16).to(tl.pointer_type(tl.float16))
+        dp = (row + H // 2).to(tl.pointer_type(tl.float16)) + (hb // 32)[None, :]
         d = tl.load(dp, mask=m, other=0.0).to(tl.float32)
     return d, lo, hi
 
