@@ -113,11 +113,15 @@ def _moe_gemv_kernel(
     rot = p + tile
 
     if MODE == 0:
-        acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):  # gate and up rows are adjacent: one pass over both
-            acc_g += rows_dot(w_ptr, gate_off, nm, x_row, h0, H, FMT, BLOCK_H)
-            acc_u += rows_dot(w_ptr, gate_off + RB, nm, x_row, h0, H, FMT, BLOCK_H)
+        if ACC2D:  # two passes of elementwise accumulation, one reduction each at the end
+            acc_g = _row_dots(w_ptr, gate_off, nm, x_row, H, FMT, BLOCK_N, BLOCK_H, True)
+            acc_u = _row_dots(w_ptr, gate_off + RB, nm, x_row, H, FMT, BLOCK_N, BLOCK_H, True)
+        else:
+            acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for h0 in range(0, H, BLOCK_H):  # gate and up rows are adjacent: one pass
+                acc_g += rows_dot(w_ptr, gate_off, nm, x_row, h0, H, FMT, BLOCK_H)
+                acc_u += rows_dot(w_ptr, gate_off + RB, nm, x_row, h0, H, FMT, BLOCK_H)
         coef = act_fn(acc_g, ACT) * acc_u * tl.load(tw_ptr + p).to(tl.float32)
         coef = tl.where(nm, coef, 0.0)
         _rows_axpy_all(w_ptr, gate_off + 2 * RB, nm, coef, y_row, H, rot, FMT, BLOCK_H)
@@ -207,10 +211,12 @@ def _prep(x, w, fmt, topk_ids, topk_w, activation):
     return H, E, F, rb, T, topk_ids.shape[1]
 
 
-def moe_dense_decode(x, w, fmt, topk_ids, topk_w, activation="silu", block_n=None, block_h=None):
-    """Decode path (any T; best for small T): y [T, n_embd] fp32."""
+def moe_dense_decode(x, w, fmt, topk_ids, topk_w, activation="silu", block_n=None, block_h=None,
+                     blocks=None):  # fmt: skip
+    """Decode path (any T; best for small T): y [T, n_embd] fp32. blocks: (BLOCK_N, BLOCK_H,
+    num_warps, ACC2D), default gemv_blocks(fmt, 0); block_n / block_h override those two."""
     H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
-    bn, bh, nw, _ = gemv_blocks(fmt, 0)
+    bn, bh, nw, acc2d = blocks or gemv_blocks(fmt, 0)
     bn, bh = block_n or bn, block_h or bh
     y = torch.zeros(T, H, device=x.device, dtype=torch.float32)
     ids = topk_ids.reshape(-1).contiguous()
@@ -219,7 +225,7 @@ def moe_dense_decode(x, w, fmt, topk_ids, topk_w, activation="silu", block_n=Non
     _moe_gemv_kernel[grid](
         x, w, ids, tw, y, tw, ids, H, F, rb, K, x.stride(0),
         FMT=FMT_CODES[fmt], ACT=ACTIVATIONS[activation], MODE=0,
-        BLOCK_N=bn, BLOCK_H=bh, ACC2D=False, num_warps=nw,
+        BLOCK_N=bn, BLOCK_H=bh, ACC2D=acc2d, num_warps=nw,
     )  # fmt: skip
     return y
 

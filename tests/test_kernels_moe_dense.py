@@ -28,13 +28,16 @@ def test_moe_dense_gelu(fmt, path):
     assert_close_rel(y, moe_dense_ref(x, w, fmt, ids, tw, activation="gelu"), 1e-5)
 
 
-def test_moe_dense_small_blocks_decode():
-    """Several neuron tiles and H chunks per program (the GPU block sizes, not the big ones)."""
+@pytest.mark.parametrize("acc2d", [False, True])
+@pytest.mark.parametrize("fmt", ["bf16", "q8_0", "q8_0r", "q4_0r"])
+def test_moe_dense_small_blocks_decode(fmt, acc2d):
+    """Several neuron tiles and H chunks per program (the GPU block sizes, not the big ones),
+    with per-chunk reductions or elementwise accumulation (ACC2D)."""
     from kernels.moe_dense import moe_dense_decode
 
-    x, w, ids, tw = make_case("q8_0", 3, seed=7)
-    y = moe_dense_decode(x, w, "q8_0", ids, tw, block_n=16, block_h=32)
-    assert_close_rel(y, moe_dense_ref(x, w, "q8_0", ids, tw), 1e-5)
+    x, w, ids, tw = make_case(fmt, 3, seed=7)
+    y = moe_dense_decode(x, w, fmt, ids, tw, blocks=(16, 32, 4, acc2d))
+    assert_close_rel(y, moe_dense_ref(x, w, fmt, ids, tw), 1e-5)
 
 
 def test_moe_align_groups_pairs_by_expert():
