@@ -260,11 +260,40 @@ static inline const void *token_x(const moe_ctx *c, int route) {
 
 /* ---- dense --------------------------------------------------------------------------------- */
 
+/* Down rows into one y with prefetches spread through the pass (or a burst, then axpy_rows). */
+static inline void axpy_rows_pf(const moe_ctx *c, int nr, const float *a, const void *const *rows,
+                                float *y, const void *const *pf, int n_pf) {
+    if (c->ops->axpyn_pf != NULL && nr <= PYRT_AXPY_ROWS) {
+        c->ops->axpyn_pf(nr, a, rows, y, c->n_embd, pf, n_pf);
+        return;
+    }
+    prefetch_lines(pf, n_pf);
+    axpy_rows(c, nr, a, rows, y);
+}
+
+/* A software-prefetch cursor that runs `ahead` neurons before the reads through a contiguous
+ * stream of rows and advances by what each kernel call consumes, so prefetches are issued at
+ * the pace the rows are used (a steady distance, no bursts, no idle phases). */
+typedef struct {
+    const uint8_t *at, *end;
+} pf_cursor;
+
+/* The next `bytes` of the stream as line addresses in lines[*n] (fewer at the stream's end). */
+static inline void pf_cursor_take(pf_cursor *pc, size_t bytes, const void **lines, int *n) {
+    if (pc->at >= pc->end)
+        return;
+    if (bytes > (size_t)(pc->end - pc->at))
+        bytes = (size_t)(pc->end - pc->at);
+    add_lines(lines, n, pc->at, bytes);
+    pc->at += bytes;
+}
+
 /* Neurons [j0, j1) of one expert for its routes [r0, r1): per neuron, gate and up dots in one
  * pass over x (dot2) for each route, then every DENSE_CHUNK neurons their down rows into each
- * route's y in one pass (axpyn, y in registers). The item's rows are one contiguous stream
- * (gate, up, down of neuron j, then of j + 1, ...); the three rows of neuron j + ahead are
- * prefetched while neuron j is computed, split across its routes' dot2 calls. */
+ * route's y in one pass (axpyn, y in registers). The rows of [j0, j1) are one contiguous stream;
+ * a prefetch cursor `ahead` neurons on advances by 2 rows per dot2 phase of a neuron and by the
+ * chunk's down rows per axpyn phase, its lines split across the routes' calls (with only the
+ * dot2 calls prefetching, the memory idled through every axpyn pass). */
 static int64_t dense_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j0, int64_t j1,
                              int r0, int r1, float *acc) {
     const size_t rb = c->row_bytes, nrb = 3 * rb; /* bytes of one row, of one neuron */
@@ -272,8 +301,14 @@ static int64_t dense_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j0
     const void *pf[PF_MAX_LINES];
     float h[ROUTE_CHUNK][DENSE_CHUNK]; /* w * act(g . x) * (u . x) per route and neuron */
     const void *down[DENSE_CHUNK];
-    for (int64_t j = j0; j < j0 + ahead && j < j1; j++) /* not covered by the look-ahead */
-        prefetch_row(expert + (size_t)j * nrb, nrb);
+    pf_cursor pc = {expert + (size_t)j0 * nrb, expert + (size_t)j1 * nrb};
+    if (ahead > 0) { /* the first `ahead` neurons, in a burst; the cursor runs from there */
+        const size_t lead = (size_t)ahead * nrb;
+        prefetch_row(pc.at, lead < (size_t)(pc.end - pc.at) ? lead : (size_t)(pc.end - pc.at));
+        pc.at = lead < (size_t)(pc.end - pc.at) ? pc.at + lead : pc.end;
+    } else {
+        pc.at = pc.end;
+    }
     for (int rc = r0; rc < r1; rc += ROUTE_CHUNK) {
         const int nr = r1 - rc < ROUTE_CHUNK ? r1 - rc : ROUTE_CHUNK;
         for (int64_t jc = j0; jc < j1; jc += DENSE_CHUNK) {
@@ -281,8 +316,7 @@ static int64_t dense_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j0
             for (int i = 0; i < nj; i++) {
                 const uint8_t *gate = expert + (size_t)(jc + i) * nrb;
                 int n_pf = 0;
-                if (ahead > 0 && jc + i + ahead < j1)
-                    add_lines(pf, &n_pf, gate + (size_t)ahead * nrb, nrb);
+                pf_cursor_take(&pc, 2 * rb, pf, &n_pf);
                 for (int r = 0; r < nr; r++) {
                     const int lo = n_pf * r / nr, hi = n_pf * (r + 1) / nr;
                     float gu[2];
@@ -291,8 +325,13 @@ static int64_t dense_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j0
                 }
                 down[i] = gate + 2 * rb;
             }
-            for (int r = 0; r < nr; r++)
-                axpy_rows(c, nj, h[r], down, acc + (size_t)c->route_tok[rc + r] * c->n_embd);
+            int n_pf = 0;
+            pf_cursor_take(&pc, (size_t)nj * rb, pf, &n_pf);
+            for (int r = 0; r < nr; r++) {
+                const int lo = n_pf * r / nr, hi = n_pf * (r + 1) / nr;
+                axpy_rows_pf(c, nj, h[r], down, acc + (size_t)c->route_tok[rc + r] * c->n_embd,
+                             pf + lo, hi - lo);
+            }
         }
     }
     return (j1 - j0) * (r1 - r0);
@@ -359,10 +398,28 @@ static void gather_take(gather_lines *g, const moe_ctx *c, int count, const void
     }
 }
 
+/* The gate rows of one expert's neurons [next, end) not prefetched yet (every third row). The
+ * gate phase keeps it `ahead` neurons before its reads; the up/down phase of the previous chunk,
+ * which reads gathered rows the gate prefetches do not cover, moves it on by two gates per
+ * active neuron (as many rows as it reads), up to `limit`, so the memory does not idle there. */
+typedef struct {
+    const uint8_t *expert;
+    int64_t next, end, limit;
+} gate_cursor;
+
+static void gate_cursor_take(const moe_ctx *c, gate_cursor *gc, int64_t upto, const void **lines,
+                             int *n) {
+    if (gc == NULL)
+        return;
+    upto = upto < gc->end ? upto : gc->end;
+    for (; gc->next < upto; gc->next++)
+        add_lines(lines, n, gc->expert + (size_t)gc->next * 3 * c->row_bytes, c->row_bytes);
+}
+
 /* Gates of the chunk's nj neurons. While they run, the kernels prefetch the gate row `ahead`
  * neurons on (within [.., j1)) and an even share of `prev`'s active up/down rows (a gather the
  * hardware prefetcher cannot follow), so those are in cache when `prev` is finished. */
-static int64_t sparse_gates(const moe_ctx *c, sparse_chunk *ch, int nj, int64_t j1,
+static int64_t sparse_gates(const moe_ctx *c, sparse_chunk *ch, int nj, gate_cursor *gc,
                             const sparse_chunk *prev) {
     const size_t rb = c->row_bytes;
     const int ahead = c->prefetch_ahead, nr = ch->nr, rc = ch->rc;
@@ -377,8 +434,8 @@ static int64_t sparse_gates(const moe_ctx *c, sparse_chunk *ch, int nj, int64_t 
     for (int i = 0; i < nj; i++) {
         const uint8_t *gate = ch->expert + (size_t)(ch->jc + i) * 3 * rb;
         int n_pf = 0;
-        if (ahead > 0 && ch->jc + i + ahead < j1)
-            add_lines(pf, &n_pf, gate + (size_t)ahead * 3 * rb, rb);
+        if (ahead > 0)
+            gate_cursor_take(c, gc, ch->jc + i + ahead + 1, pf, &n_pf);
         gather_take(&g, c, share, pf, &n_pf);
         int n_on = 0;
         for (int r = 0; r < nr; r++) {
@@ -399,7 +456,7 @@ static int64_t sparse_gates(const moe_ctx *c, sparse_chunk *ch, int nj, int64_t 
 /* Up dots and down rows of a chunk's active neurons, into its item's partial y. `prefetched`:
  * their rows were prefetched during the next chunk's gates; else (the thread's last chunk) each
  * up dot prefetches the rows of the active neuron two on. */
-static void sparse_finish(const moe_ctx *c, sparse_chunk *ch, int prefetched) {
+static void sparse_finish(const moe_ctx *c, sparse_chunk *ch, int prefetched, gate_cursor *gc) {
     const size_t rb = c->row_bytes;
     const int rc = ch->rc, nr = ch->nr;
     const void *pf[PF_MAX_LINES];
@@ -412,6 +469,8 @@ static void sparse_finish(const moe_ctx *c, sparse_chunk *ch, int prefetched) {
         int n_pf = 0;
         if (!prefetched && l + 2 < ch->n_list)
             add_lines(pf, &n_pf, up_row(c, ch, ch->list[l + 2]), 2 * rb);
+        if (gc != NULL && gc->next < gc->limit)
+            gate_cursor_take(c, gc, gc->next + 1 < gc->limit ? gc->next + 1 : gc->limit, pf, &n_pf);
         int first = 1;
         for (int r = 0; r < nr; r++) {
             if (!ch->on[i][r])
@@ -434,7 +493,15 @@ static void sparse_finish(const moe_ctx *c, sparse_chunk *ch, int prefetched) {
                 rows[n++] = up_row(c, ch, i) + rb;
             }
         }
-        axpy_rows(c, n, a, rows, ch->acc + (size_t)c->route_tok[rc + r] * c->n_embd);
+        float *y = ch->acc + (size_t)c->route_tok[rc + r] * c->n_embd;
+        for (int r0 = 0; r0 < n; r0 += PYRT_AXPY_ROWS) {
+            const int m = n - r0 < PYRT_AXPY_ROWS ? n - r0 : PYRT_AXPY_ROWS;
+            int n_pf = 0;
+            if (r == 0 && gc != NULL && gc->next < gc->limit)
+                gate_cursor_take(c, gc, gc->next + m < gc->limit ? gc->next + m : gc->limit, pf,
+                                 &n_pf);
+            axpy_rows_pf(c, m, a + r0, rows + r0, y, pf, n_pf);
+        }
     }
 }
 
@@ -444,11 +511,12 @@ static inline void mark_item_done(const moe_ctx *c, int item) {
 
 /* Finishes the pipeline's pending chunk; marks its item done when the thread has moved on to
  * another item (`item_now`; -1: none, the thread's last chunk). */
-static void sparse_pipe_flush(const moe_ctx *c, sparse_pipe *pp, int prefetched, int item_now) {
+static void sparse_pipe_flush(const moe_ctx *c, sparse_pipe *pp, int prefetched, int item_now,
+                              gate_cursor *gc) {
     sparse_chunk *prev = pp->prev;
     if (prev == NULL)
         return;
-    sparse_finish(c, prev, prefetched);
+    sparse_finish(c, prev, prefetched, gc);
     if (prev->item != item_now)
         mark_item_done(c, prev->item);
     pp->prev = NULL;
@@ -461,18 +529,22 @@ static void sparse_pipe_flush(const moe_ctx *c, sparse_pipe *pp, int prefetched,
 static int64_t sparse_neurons(const moe_ctx *c, sparse_pipe *pp, int item, const uint8_t *expert,
                               int64_t j0, int64_t j1, int r0, int r1, float *acc) {
     const size_t rb = c->row_bytes;
+    const int ahead = c->prefetch_ahead;
     int64_t active = 0;
-    for (int64_t j = j0; j < j0 + c->prefetch_ahead && j < j1; j++)
-        prefetch_row(expert + (size_t)j * 3 * rb, rb);
     for (int rc = r0; rc < r1; rc += ROUTE_CHUNK) {
         const int nr = r1 - rc < ROUTE_CHUNK ? r1 - rc : ROUTE_CHUNK;
+        /* the first `ahead` gates in a burst; the cursor runs from there (nowhere if ahead 0) */
+        gate_cursor gc = {expert, j0 + ahead < j1 ? j0 + ahead : j1, ahead > 0 ? j1 : j0, j0};
+        for (int64_t j = j0; j < gc.next; j++)
+            prefetch_row(expert + (size_t)j * 3 * rb, rb);
         for (int64_t jc = j0; jc < j1; jc += c->sparse_chunk) {
             const int nj = j1 - jc < c->sparse_chunk ? (int)(j1 - jc) : c->sparse_chunk;
             sparse_chunk *ch = &pp->chunks[pp->cur];
             *ch = (sparse_chunk){.expert = expert, .acc = acc, .item = item, .rc = rc, .nr = nr,
                                  .jc = jc};
-            active += sparse_gates(c, ch, nj, j1, pp->prev);
-            sparse_pipe_flush(c, pp, 1, item);
+            active += sparse_gates(c, ch, nj, &gc, pp->prev);
+            gc.limit = jc + nj + c->sparse_chunk; /* at most the next chunk's gates */
+            sparse_pipe_flush(c, pp, 1, item, &gc);
             pp->prev = ch;
             pp->cur ^= 1;
         }
@@ -529,7 +601,7 @@ static void task_block(void *p, int ith, int nth) {
     for (int item; (item = atomic_fetch_add_explicit(c->next_item, 1, memory_order_relaxed)) <
                    c->n_items;)
         active += run_item(c, &pp, item);
-    sparse_pipe_flush(c, &pp, 0, -1);
+    sparse_pipe_flush(c, &pp, 0, -1, NULL);
     c->active[(size_t)ith * 8] += active;
     if (prof != NULL)
         prof[1] = now_ns();

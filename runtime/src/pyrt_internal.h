@@ -55,6 +55,9 @@ typedef float (*pyrt_dot_pf_fn)(const void *row, const void *x, int n, const voi
 typedef void (*pyrt_dot2_pf_fn)(const void *row0, const void *row1, const void *x, int n,
                                 float out[2], const void *const *pf, int n_pf);
 
+typedef void (*pyrt_axpyn_pf_fn)(int nr, const float *a, const void *const *rows, float *y, int n,
+                                 const void *const *pf, int n_pf);
+
 typedef struct {
     pyrt_dot_fn dot;
     pyrt_axpy_fn axpy;
@@ -62,6 +65,7 @@ typedef struct {
     pyrt_axpyn_fn axpyn; /* NULL: the caller makes nr axpy calls */
     pyrt_dot_pf_fn dot_pf;   /* NULL: the caller prefetches, then calls dot */
     pyrt_dot2_pf_fn dot2_pf; /* NULL: the caller prefetches, then calls dot2 (or two dots) */
+    pyrt_axpyn_pf_fn axpyn_pf; /* axpyn with spread prefetches; NULL: as for dot_pf */
 } pyrt_row_ops;
 
 /* Spreads n prefetches over a loop of n_it iterations: pyrt_pf_tick after each iteration issues

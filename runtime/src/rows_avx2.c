@@ -171,7 +171,9 @@ QUANT_DOT2(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
 /* Several down rows into one y: a block of y (32 floats, 4 registers) is loaded once, takes every
  * row's contribution in row order, and is stored once: per row and block 4 widen + convert + fma
  * and no y traffic, where one axpy per row pays 4 loads and 4 stores of y each time. */
-AVX2 static void axpyn_q8_0(int nr, const float *a, const void *const *rows, float *y, int n) {
+AVX2 static void axpyn_pf_q8_0(int nr, const float *a, const void *const *rows, float *y,
+                               int n, const void *const *pf, int n_pf) {
+    pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, n / PYRT_QK);
     for (int b = 0; b < n / PYRT_QK; b++, y += PYRT_QK) {
         __m256 y0 = _mm256_loadu_ps(y), y1 = _mm256_loadu_ps(y + 8);
         __m256 y2 = _mm256_loadu_ps(y + 16), y3 = _mm256_loadu_ps(y + 24);
@@ -190,10 +192,18 @@ AVX2 static void axpyn_q8_0(int nr, const float *a, const void *const *rows, flo
         _mm256_storeu_ps(y + 8, y1);
         _mm256_storeu_ps(y + 16, y2);
         _mm256_storeu_ps(y + 24, y3);
+        pyrt_pf_tick(&ps);
     }
+    pyrt_pf_end(&ps);
 }
 
-AVX2 static void axpyn_q4_0(int nr, const float *a, const void *const *rows, float *y, int n) {
+AVX2 static void axpyn_q8_0(int nr, const float *a, const void *const *rows, float *y, int n) {
+    axpyn_pf_q8_0(nr, a, rows, y, n, NULL, 0);
+}
+
+AVX2 static void axpyn_pf_q4_0(int nr, const float *a, const void *const *rows, float *y,
+                               int n, const void *const *pf, int n_pf) {
+    pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, n / PYRT_QK);
     const __m256i m4 = _mm256_set1_epi32(0xF), eight = _mm256_set1_epi32(8);
     for (int b = 0; b < n / PYRT_QK; b++, y += PYRT_QK) {
         /* y0, y1: elements 0..15 (low nibbles), y2, y3: 16..31 (high nibbles) */
@@ -213,7 +223,13 @@ AVX2 static void axpyn_q4_0(int nr, const float *a, const void *const *rows, flo
         _mm256_storeu_ps(y + 8, y1);
         _mm256_storeu_ps(y + 16, y2);
         _mm256_storeu_ps(y + 24, y3);
+        pyrt_pf_tick(&ps);
     }
+    pyrt_pf_end(&ps);
+}
+
+AVX2 static void axpyn_q4_0(int nr, const float *a, const void *const *rows, float *y, int n) {
+    axpyn_pf_q4_0(nr, a, rows, y, n, NULL, 0);
 }
 
 /* Axpy kernels widen the quants straight from memory (vpmovsxbd / vpmovzxbd with a memory
@@ -248,13 +264,13 @@ AVX2 static void axpy_q4_0(float a, const void *row, float *y, int n) {
     }
 }
 
-static const pyrt_row_ops ops_f32 = {dot_f32, axpy_f32, NULL, NULL, NULL, NULL};
-static const pyrt_row_ops ops_f16 = {dot_f16, axpy_f16, NULL, NULL, NULL, NULL};
-static const pyrt_row_ops ops_bf16 = {dot_bf16, axpy_bf16, NULL, NULL, NULL, NULL};
-static const pyrt_row_ops ops_q8_0 = {dot_q8_0,  axpy_q8_0,  dot2_q8_0,
-                                      axpyn_q8_0, dot_pf_q8_0, dot2_pf_q8_0};
-static const pyrt_row_ops ops_q4_0 = {dot_q4_0,  axpy_q4_0,  dot2_q4_0,
-                                      axpyn_q4_0, dot_pf_q4_0, dot2_pf_q4_0};
+static const pyrt_row_ops ops_f32 = {dot_f32, axpy_f32, NULL, NULL, NULL, NULL, NULL};
+static const pyrt_row_ops ops_f16 = {dot_f16, axpy_f16, NULL, NULL, NULL, NULL, NULL};
+static const pyrt_row_ops ops_bf16 = {dot_bf16, axpy_bf16, NULL, NULL, NULL, NULL, NULL};
+static const pyrt_row_ops ops_q8_0 = {dot_q8_0,    axpy_q8_0,    dot2_q8_0,    axpyn_q8_0,
+                                      dot_pf_q8_0, dot2_pf_q8_0, axpyn_pf_q8_0};
+static const pyrt_row_ops ops_q4_0 = {dot_q4_0,    axpy_q4_0,    dot2_q4_0,    axpyn_q4_0,
+                                      dot_pf_q4_0, dot2_pf_q4_0, axpyn_pf_q4_0};
 
 const pyrt_row_ops *pyrt_row_ops_avx2(int fmt) {
     switch (fmt) {

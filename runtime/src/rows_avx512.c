@@ -176,7 +176,9 @@ QUANT_DOT2(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
 
 /* Several down rows into one y: a block of y (two registers) is loaded once, takes every row's
  * contribution in row order (bit for bit nr axpy calls), and is stored once. */
-AVX512 static void axpyn_q8_0(int nr, const float *a, const void *const *rows, float *y, int n) {
+AVX512 static void axpyn_pf_q8_0(int nr, const float *a, const void *const *rows, float *y,
+                               int n, const void *const *pf, int n_pf) {
+    pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, n / PYRT_QK);
     for (int b = 0; b < n / PYRT_QK; b++, y += PYRT_QK) {
         __m512 y0 = _mm512_loadu_ps(y), y1 = _mm512_loadu_ps(y + 16);
         for (int r = 0; r < nr; r++) {
@@ -189,10 +191,18 @@ AVX512 static void axpyn_q8_0(int nr, const float *a, const void *const *rows, f
         }
         _mm512_storeu_ps(y, y0);
         _mm512_storeu_ps(y + 16, y1);
+        pyrt_pf_tick(&ps);
     }
+    pyrt_pf_end(&ps);
 }
 
-AVX512 static void axpyn_q4_0(int nr, const float *a, const void *const *rows, float *y, int n) {
+AVX512 static void axpyn_q8_0(int nr, const float *a, const void *const *rows, float *y, int n) {
+    axpyn_pf_q8_0(nr, a, rows, y, n, NULL, 0);
+}
+
+AVX512 static void axpyn_pf_q4_0(int nr, const float *a, const void *const *rows, float *y,
+                               int n, const void *const *pf, int n_pf) {
+    pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, n / PYRT_QK);
     const __m512i m4 = _mm512_set1_epi32(0xF), eight = _mm512_set1_epi32(8);
     for (int b = 0; b < n / PYRT_QK; b++, y += PYRT_QK) {
         __m512 y0 = _mm512_loadu_ps(y), y1 = _mm512_loadu_ps(y + 16);
@@ -207,7 +217,13 @@ AVX512 static void axpyn_q4_0(int nr, const float *a, const void *const *rows, f
         }
         _mm512_storeu_ps(y, y0);
         _mm512_storeu_ps(y + 16, y1);
+        pyrt_pf_tick(&ps);
     }
+    pyrt_pf_end(&ps);
+}
+
+AVX512 static void axpyn_q4_0(int nr, const float *a, const void *const *rows, float *y, int n) {
+    axpyn_pf_q4_0(nr, a, rows, y, n, NULL, 0);
 }
 
 /* Axpy kernels widen the quants straight from memory (vpmovsxbd / vpmovzxbd, memory operand). */
@@ -238,13 +254,13 @@ AVX512 static void axpy_q4_0(float a, const void *row, float *y, int n) {
     }
 }
 
-static const pyrt_row_ops ops_f32 = {dot_f32, axpy_f32, NULL, NULL, NULL, NULL};
-static const pyrt_row_ops ops_f16 = {dot_f16, axpy_f16, NULL, NULL, NULL, NULL};
-static const pyrt_row_ops ops_bf16 = {dot_bf16, axpy_bf16, NULL, NULL, NULL, NULL};
-static const pyrt_row_ops ops_q8_0 = {dot_q8_0,  axpy_q8_0,  dot2_q8_0,
-                                      axpyn_q8_0, dot_pf_q8_0, dot2_pf_q8_0};
-static const pyrt_row_ops ops_q4_0 = {dot_q4_0,  axpy_q4_0,  dot2_q4_0,
-                                      axpyn_q4_0, dot_pf_q4_0, dot2_pf_q4_0};
+static const pyrt_row_ops ops_f32 = {dot_f32, axpy_f32, NULL, NULL, NULL, NULL, NULL};
+static const pyrt_row_ops ops_f16 = {dot_f16, axpy_f16, NULL, NULL, NULL, NULL, NULL};
+static const pyrt_row_ops ops_bf16 = {dot_bf16, axpy_bf16, NULL, NULL, NULL, NULL, NULL};
+static const pyrt_row_ops ops_q8_0 = {dot_q8_0,    axpy_q8_0,    dot2_q8_0,    axpyn_q8_0,
+                                      dot_pf_q8_0, dot2_pf_q8_0, axpyn_pf_q8_0};
+static const pyrt_row_ops ops_q4_0 = {dot_q4_0,    axpy_q4_0,    dot2_q4_0,    axpyn_q4_0,
+                                      dot_pf_q4_0, dot2_pf_q4_0, axpyn_pf_q4_0};
 
 const pyrt_row_ops *pyrt_row_ops_avx512(int fmt) {
     switch (fmt) {

@@ -261,6 +261,14 @@ static void test_fused_kernels_match_plain(void) {
                         CHECK(memcmp(y1, y2, sizeof(float) * n) == 0,
                               "axpyn level %d fmt %d n %d nr %d differs from %d axpy calls", level,
                               fmt, n, nr, nr);
+                        if (ops->axpyn_pf != NULL) {
+                            for (int i = 0; i < n; i++)
+                                y2[i] = x[i];
+                            ops->axpyn_pf(nr, a, rp, y2, n, pf, n_pf);
+                            CHECK(memcmp(y1, y2, sizeof(float) * n) == 0,
+                                  "axpyn_pf level %d fmt %d n %d nr %d differs from axpyn", level,
+                                  fmt, n, nr);
+                        }
                     }
                 }
                 free(rows), free(wv), free(x), free(y1), free(y2), free(xq);
