@@ -53,8 +53,11 @@ def hbm_read_bandwidth() -> float:
     return (4 << 30) / t  # x is freed on return
 
 
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
+def _nbytes(t) -> int:
+    """Bytes of a tensor or a Linear (pyruntime.models.gpu), 0 for None."""
+    if t is None:
+        return 0
+    return t.nbytes if hasattr(t, "stack") else t.numel() * t.element_size()
 
 
 def decode_bytes(net: DeviceTransformer, position: int) -> dict[str, int]:
@@ -65,7 +68,7 @@ def decode_bytes(net: DeviceTransformer, position: int) -> dict[str, int]:
         if blk.experts is not None:
             parts["experts"] += _nbytes(blk.experts) * cfg.n_expert_used // cfg.n_expert
             parts["router"] += _nbytes(blk.router)
-        parts["attention_weights"] += sum(map(_nbytes, (blk.wqkv, blk.bqkv, blk.wo)))
+        parts["attention_weights"] += sum(map(_nbytes, (blk.wqkv, blk.wo)))
         for ffn, key in ((blk.shared, "shared"), (blk.dense_ffn, "dense_ffn")):
             if ffn is not None:
                 parts[key] += _nbytes(ffn.gate_up) + _nbytes(ffn.down)
@@ -73,7 +76,7 @@ def decode_bytes(net: DeviceTransformer, position: int) -> dict[str, int]:
             map(_nbytes, (blk.attn_norm, blk.ffn_norm, blk.q_norm, blk.k_norm, blk.shared_gate))
         )
     parts["lm_head"] = _nbytes(net.output)
-    elt = net.dtype.itemsize
+    elt = net.dtype.itemsize  # KV cache dtype
     parts["kv_cache"] = cfg.n_layer * 2 * cfg.n_head_kv * (position + 1) * cfg.head_dim * elt
     parts["total"] = sum(parts.values())
     return parts

@@ -19,7 +19,7 @@ from hf_fixtures import make_tiny_hf_model
 
 from pyruntime.converter import convert
 from pyruntime.gguf_file import open_gguf
-from pyruntime.models.gpu import DeviceTransformer, route_device
+from pyruntime.models.gpu import DeviceTransformer
 from pyruntime.models.transformer import MoETransformer
 
 ARCHS = ["olmoe", "qwen2moe", "qwen3moe", "mixtral", "granitemoe"]
@@ -120,14 +120,3 @@ def test_context_full_is_a_usage_error(tiny_ggufs):
     dev.forward([1, 2, 3], cache)
     with pytest.raises(UsageError, match="context is full"):
         dev.forward([4], cache)
-
-
-@pytest.mark.parametrize("renorm", [False, True])
-def test_route_device_matches_reference(renorm):
-    from pyruntime.experts.compute import route
-
-    logits = torch.randn(7, 13, generator=torch.Generator().manual_seed(3))
-    ids, w = route_device(logits, 4, renorm)
-    ref_ids, ref_w = route(logits, 4, renorm)
-    assert torch.equal(ids, ref_ids)
-    assert torch.allclose(w, ref_w, rtol=1e-6, atol=1e-7)

@@ -35,6 +35,8 @@ from kernels.decoder_ops import add_rms_norm, qk_rope_store
 from kernels.dispatch import moe_experts, prepare_experts
 from kernels.expert_formats import ACTIVATIONS as KERNEL_ACTIVATIONS
 from kernels.expert_formats import dequantize_rows
+from kernels.q8_linear import dequantize_q8, q8_gemv, split_q8_0
+from kernels.router import router_topk
 from pyruntime.errors import UsageError
 from pyruntime.experts.compute import activation_fn
 from pyruntime.gguf_file import GGUFFile, TensorView
@@ -88,22 +90,61 @@ def upload_experts(t: TensorView, device: torch.device, n_embd: int) -> tuple[to
     return prepare_experts(w, fmt, n_embd)
 
 
+# Decode (T <= this) reads Q8_0 dense weights with the GEMV kernel; prefill dequantizes per call.
+Q8_GEMV_MAX_TOKENS = 4
+
+
+@dataclass
+class Linear:
+    """y = x @ W^T (+ b), W [N, K]: a float tensor `w`, or Q8_0 kept quantized (q int8 [N, K],
+    d f16 [N, K / 32], kernels.q8_linear) when the GGUF stores it so."""
+
+    w: torch.Tensor | None = None
+    q: torch.Tensor | None = None
+    d: torch.Tensor | None = None
+    bias: torch.Tensor | None = None  # [N]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w is not None:
+            return F.linear(x, self.w, self.bias)
+        if x.shape[0] <= Q8_GEMV_MAX_TOKENS:
+            return q8_gemv(x.contiguous(), self.q, self.d, self.bias)
+        return F.linear(x, dequantize_q8(self.q, self.d, x.dtype), self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w, self.q, self.d, self.bias)
+                   if t is not None)  # fmt: skip
+
+    @staticmethod
+    def stack(parts: list[Linear]) -> Linear:
+        """One Linear whose rows are the parts' rows in order (e.g. q, k, v -> qkv)."""
+        if all(p.w is not None for p in parts):
+            return Linear(w=torch.cat([p.w for p in parts]))
+        if all(p.q is not None for p in parts):
+            return Linear(q=torch.cat([p.q for p in parts]), d=torch.cat([p.d for p in parts]))
+        dtype = next(p.w.dtype for p in parts if p.w is not None)
+        return Linear(w=torch.cat([p.dense(dtype) for p in parts]))
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.w.to(dtype) if self.w is not None else dequantize_q8(self.q, self.d, dtype)
+
+
 @dataclass
 class GatedFFN:
     """act(x W_gu[:n_ff]^T) * (x W_gu[n_ff:]^T) @ W_down^T; gate and up rows stacked."""
 
-    gate_up: torch.Tensor  # [2 * n_ff, n_embd]
-    down: torch.Tensor  # [n_embd, n_ff]
+    gate_up: Linear  # [2 * n_ff, n_embd]
+    down: Linear  # [n_embd, n_ff]
 
 
 @dataclass
 class DeviceBlock:
     attn_norm: torch.Tensor  # [n_embd] f32
-    wqkv: torch.Tensor  # [(n_head + 2 n_head_kv) * head_dim, n_embd]: q, k, v rows stacked
-    bqkv: torch.Tensor | None  # [(n_head + 2 n_head_kv) * head_dim]
+    wqkv: Linear  # [(n_head + 2 n_head_kv) * head_dim, n_embd]: q, k, v rows (and biases)
     q_norm: torch.Tensor | None  # olmoe [n_head * head_dim]; qwen3moe [head_dim]
     k_norm: torch.Tensor | None
-    wo: torch.Tensor  # [n_embd, n_head * head_dim]
+    wo: Linear  # [n_embd, n_head * head_dim]
     ffn_norm: torch.Tensor  # [n_embd] f32
     router: torch.Tensor | None  # [n_expert, n_embd] f32; None for a dense FFN layer
     experts: torch.Tensor | None  # GGUF-format expert tensor (kernels.expert_formats)
@@ -116,6 +157,15 @@ class DeviceBlock:
 class _Loader:
     def __init__(self, f: GGUFFile, device: torch.device, dtype: torch.dtype) -> None:
         self.f, self.device, self.dtype = f, device, dtype
+        self.q8 = os.environ.get("PYRUNTIME_DENSE_Q8", "1") not in ("0", "")
+
+    def linear(self, name: str) -> Linear:
+        """A matmul weight: Q8_0 stays quantized (PYRUNTIME_DENSE_Q8=0: bf16 instead)."""
+        t = self.f.tensor(name)
+        if t.qtype == Q.Q8_0 and self.q8:
+            q, d = split_q8_0(_raw_bytes(t, self.device).reshape(t.shape[0], -1), t.shape[1])
+            return Linear(q=q, d=d)
+        return Linear(w=upload_dense(t, self.device, self.dtype))
 
     def dense(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         return upload_dense(self.f.tensor(name), self.device, dtype or self.dtype)
@@ -126,13 +176,13 @@ class _Loader:
     def ffn(self, prefix: str, suffix: str) -> GatedFFN | None:
         if not self.f.has_tensor(f"{prefix}.ffn_gate{suffix}.weight"):
             return None
-        gate = self.dense(f"{prefix}.ffn_gate{suffix}.weight")
-        up = self.dense(f"{prefix}.ffn_up{suffix}.weight")
-        return GatedFFN(torch.cat([gate, up]), self.dense(f"{prefix}.ffn_down{suffix}.weight"))
+        gate = self.linear(f"{prefix}.ffn_gate{suffix}.weight")
+        up = self.linear(f"{prefix}.ffn_up{suffix}.weight")
+        return GatedFFN(Linear.stack([gate, up]), self.linear(f"{prefix}.ffn_down{suffix}.weight"))
 
     def block(self, cfg: ModelConfig, i: int) -> DeviceBlock:
         p, f32 = f"blk.{i}", torch.float32
-        wqkv = torch.cat([self.dense(f"{p}.attn_{s}.weight") for s in "qkv"])
+        wqkv = Linear.stack([self.linear(f"{p}.attn_{s}.weight") for s in "qkv"])
         biases = [self.opt(f"{p}.attn_{s}.bias") for s in "qkv"]
         if any(b is not None for b in biases):
             rows = [cfg.n_head, cfg.n_head_kv, cfg.n_head_kv]
@@ -140,9 +190,7 @@ class _Loader:
                 b if b is not None else torch.zeros(r * cfg.head_dim, device=self.device)
                 for b, r in zip(biases, rows, strict=True)
             ]
-            bqkv = torch.cat(biases).to(self.dtype)
-        else:
-            bqkv = None
+            wqkv.bias = torch.cat(biases).to(self.dtype)
         has_experts = self.f.has_tensor(f"{p}.ffn_gud_exps.weight")
         experts, fmt = (None, "")
         if has_experts:
@@ -153,10 +201,9 @@ class _Loader:
         return DeviceBlock(
             attn_norm=self.dense(f"{p}.attn_norm.weight", f32),
             wqkv=wqkv,
-            bqkv=bqkv,
             q_norm=self.opt(f"{p}.attn_q_norm.weight", f32),
             k_norm=self.opt(f"{p}.attn_k_norm.weight", f32),
-            wo=self.dense(f"{p}.attn_output.weight"),
+            wo=self.linear(f"{p}.attn_output.weight"),
             ffn_norm=self.dense(f"{p}.ffn_norm.weight", f32),
             router=self.dense(f"{p}.ffn_gate_inp.weight", f32) if has_experts else None,
             experts=experts,
@@ -168,8 +215,8 @@ class _Loader:
 
 
 def dense_dtype_for(f: GGUFFile) -> torch.dtype:
-    """float32 when the GGUF's dense weights are F32 (exact parity with the CPU path), else
-    bfloat16 (half the bytes of f32; a quantized GEMV for the dense weights is future work)."""
+    """Activation and float-weight dtype: float32 when the GGUF's dense weights are F32 (exact
+    parity with the CPU path), else bfloat16 (Q8_0 matmul weights stay Q8_0, see Linear)."""
     return torch.float32 if f.tensor("blk.0.attn_q.weight").qtype == Q.F32 else torch.bfloat16
 
 
@@ -178,14 +225,14 @@ def device_bytes(f: GGUFFile, cfg: ModelConfig, n_ctx: int) -> int:
     dtype = dense_dtype_for(f)
     total = 0
     for t in f.tensors.values():
-        if t.name.endswith("ffn_gud_exps.weight"):
-            total += t.n_bytes
+        if t.name.endswith("ffn_gud_exps.weight") or (t.qtype == Q.Q8_0 and t.data.ndim > 1):
+            total += t.n_bytes  # kept in the GGUF format
         elif t.qtype == Q.F32 or t.data.ndim == 1:
             total += t.n_elements * 4
         else:
             total += t.n_elements * dtype.itemsize
-    if not f.has_tensor("output.weight"):
-        total += f.tensor("token_embd.weight").n_elements * dtype.itemsize  # tied lm_head copy
+    # token_embd twice: a float copy for the lookup and the lm_head (tied) or its Q8_0 bytes
+    total += f.tensor("token_embd.weight").n_elements * dtype.itemsize
     total += kv_cache_bytes(cfg, n_ctx, dtype)
     # Working memory: the largest transient (dequantizing one tensor in f32 at load) and the
     # prefill activations; 256 MiB covers the models we run plus the CUDA context's own needs.
@@ -291,10 +338,12 @@ class DeviceTransformer:
             )
         self.dtype = dense_dtype_for(f)
         load = _Loader(f, self.device, self.dtype)
-        self.token_embd = load.dense("token_embd.weight")  # [n_vocab, n_embd]
+        self.token_embd = load.dense("token_embd.weight")  # [n_vocab, n_embd], for the lookup
         self.output_norm = load.dense("output_norm.weight", torch.float32)
-        out = load.opt("output.weight")
-        self.output = self.token_embd if out is None else out  # [n_vocab, n_embd]
+        tied = not f.has_tensor("output.weight")
+        self.output = load.linear("token_embd.weight" if tied else "output.weight")  # lm_head
+        if tied and self.output.w is not None:
+            self.output = Linear(w=self.token_embd)  # share the float copy
         self.blocks = [load.block(cfg, i) for i in range(cfg.n_layer)]
         self.act = activation_fn(cfg.activation)
         self.scale = (
@@ -388,7 +437,7 @@ class DeviceTransformer:
             with self._part("norm"):
                 h, _ = add_rms_norm(x, delta, blk.attn_norm, eps, self.dtype, alpha)
             with self._part("qkv"):
-                qkv = F.linear(h, blk.wqkv, blk.bqkv)
+                qkv = blk.wqkv(h)
             with self._part("rope+kv store"):
                 kv = cache.kv[i]  # [2, n_head_kv, max_tokens, head_dim]
                 q = qk_rope_store(
@@ -398,7 +447,7 @@ class DeviceTransformer:
             with self._part("attention"):
                 a = attend(q, kv)
             with self._part("o_proj"):
-                delta = F.linear(a, blk.wo)
+                delta = blk.wo(a)
             with self._part("norm"):
                 h, h32 = add_rms_norm(x, delta, blk.ffn_norm, eps, self.dtype, alpha, split_f32)
             delta = self._ffn(i, blk, h, h if h32 is None else h32)
@@ -413,7 +462,8 @@ class DeviceTransformer:
             with self._part("dense ffn"):
                 return self._gated_ffn(blk.dense_ffn, h)
         with self._part("router"):
-            ids, w = route_device(h32 @ blk.router.T, cfg.n_expert_used, cfg.expert_weights_norm)
+            logits = h32 @ blk.router.T  # [n, n_expert] f32
+            ids, w = router_topk(logits, cfg.n_expert_used, cfg.expert_weights_norm)
         with self._part("routed experts"):
             threshold = None if self.expert_threshold is None else self.expert_threshold[i]
             y, active = moe_experts(
@@ -434,12 +484,12 @@ class DeviceTransformer:
         return y
 
     def _gated_ffn(self, w: GatedFFN, x: torch.Tensor) -> torch.Tensor:
-        g, u = (x @ w.gate_up.T).chunk(2, dim=-1)
-        return (self.act(g) * u) @ w.down.T
+        g, u = w.gate_up(x).chunk(2, dim=-1)
+        return w.down((self.act(g) * u).to(x.dtype))
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         with self._part("lm_head"):
-            return (h @ self.output.T).float() / self.config.logit_scale
+            return self.output(h).float() / self.config.logit_scale
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.token_embd.index_select(0, ids).float()  # [n, n_embd], a new tensor
@@ -528,17 +578,3 @@ class DeviceTransformer:
             if blk.experts is not None:
                 sparse = self.expert_threshold is not None and self.sparse_max_batch[i] >= 1
                 (self.stats.add_sparse if sparse else self.stats.add_dense)(k, n_ff)
-
-
-def route_device(
-    router_logits: torch.Tensor, k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over all experts, top-k, optional renormalization (= experts.compute.route).
-
-    With renormalization the weights are softmax over the top-k logits (the same numbers, two
-    kernels fewer). router_logits [T, n_expert] f32 -> (ids [T, k] int64, weights [T, k] f32)."""
-    if renormalize:
-        top, ids = torch.topk(router_logits, k, dim=-1)
-        return ids, torch.softmax(top, dim=-1)
-    w, ids = torch.topk(torch.softmax(router_logits, dim=-1), k, dim=-1)
-    return ids, w

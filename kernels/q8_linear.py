@@ -1,0 +1,97 @@
+"""Dense Q8_0 weights on the GPU without a dequantized copy: y = x @ W^T (+ b) for decode.
+
+The GGUF Q8_0 rows of a dense weight W [N, K] (34-byte blocks: f16 scale d, 32 int8 quants q,
+W[n, 32 b + i] = d[n, b] * q[n, 32 b + i]) are split once at load into two aligned arrays,
+q int8 [N, K] and d f16 [N, K / 32] (`split_q8_0`; the same 34 bytes per 32 weights, read with
+wide loads). A decode step reads 1.0625 bytes per weight instead of bf16's 2.
+
+`q8_gemv`: one program per (BLOCK_N rows, token): for each K chunk, the 32-element block sums of
+q * x (fp32, [BLOCK_N, BLOCK_K / 32, 32] tiles), times the block scales, accumulated in fp32.
+Larger batches (prefill) dequantize W to the matmul dtype for cuBLAS (`dequantize_q8`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.moe_dense import interpreting
+
+
+def split_q8_0(raw: torch.Tensor, n_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF Q8_0 bytes uint8 [N, K / 32 * 34] -> (q int8 [N, K], d float16 [N, K / 32])."""
+    N = raw.shape[0]
+    if n_cols % 32 or raw.shape[1] != n_cols // 32 * 34 or raw.dtype != torch.uint8:
+        raise ValueError(f"Q8_0 rows of {n_cols} weights are {n_cols // 32 * 34} bytes (uint8)")
+    blocks = raw.reshape(N, n_cols // 32, 34)
+    d = blocks[:, :, :2].contiguous().view(torch.float16).reshape(N, n_cols // 32)
+    q = blocks[:, :, 2:].contiguous().view(torch.int8).reshape(N, n_cols)
+    return q, d
+
+
+def dequantize_q8(q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(q [N, K], d [N, K / 32]) -> W [N, K] in dtype (the exact products, then rounded)."""
+    N, K = q.shape
+    w = q.view(N, K // 32, 32).float() * d.float()[:, :, None]
+    return w.reshape(N, K).to(dtype)
+
+
+@triton.jit
+def _q8_gemv_kernel(x_ptr, q_ptr, d_ptr, b_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    NB: tl.constexpr = BLOCK_K // 32
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < N
+    n64 = n.to(tl.int64)
+    b = tl.arange(0, NB)
+    i = tl.arange(0, 32)
+    acc = tl.zeros([BLOCK_N, NB], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kb = k0 // 32 + b  # [NB] block index
+        bm = kb < K // 32
+        k = kb[:, None] * 32 + i[None, :]  # [NB, 32]
+        x = tl.load(x_ptr + t * K + k, mask=bm[:, None], other=0.0).to(tl.float32)
+        m3 = nm[:, None, None] & bm[None, :, None]
+        qv = tl.load(q_ptr + n64[:, None, None] * K + k[None, :, :], mask=m3, other=0)
+        s = tl.sum(qv.to(tl.float32) * x[None, :, :], axis=2)  # [BLOCK_N, NB] block sums
+        dv = tl.load(d_ptr + n64[:, None] * (K // 32) + kb[None, :],
+                     mask=nm[:, None] & bm[None, :], other=0.0)  # fmt: skip
+        acc += s * dv.to(tl.float32)
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t * N + n, y.to(y_ptr.dtype.element_ty), mask=nm)
+
+
+def q8_gemv(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    d: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """x [T, K] (f32/bf16, small T) -> y [T, N] in out_dtype (default x's), fp32 accumulation."""
+    T, K = x.shape
+    N = q.shape[0]
+    if q.shape != (N, K) or d.shape != (N, K // 32) or not x.is_contiguous():
+        raise ValueError(f"x [T, K] contiguous, q [N, K], d [N, K/32]: got x {list(x.shape)}, "
+                         f"q {list(q.shape)}, d {list(d.shape)}")  # fmt: skip
+    y = torch.empty(T, N, device=x.device, dtype=out_dtype or x.dtype)
+    if interpreting():
+        block_n, block_k, warps = 128, 256, 1  # few programs: the interpreter runs each
+    else:  # H100 first guess: ~800+ programs for N >= 6144; 4 rows of 512 for small N
+        block_n, block_k, warps = (8 if N > 4096 else 4), 512, 4
+    _q8_gemv_kernel[(triton.cdiv(N, block_n), T)](
+        x, q, d, y if bias is None else bias, y, N, K, HAS_BIAS=bias is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+    )  # fmt: skip
+    return y
+
+
+def q8_linear_ref(x, q, d, bias=None):
+    """Plain torch, fp32: x @ dequantize(q, d)^T (+ bias)."""
+    y = x.float() @ dequantize_q8(q, d, torch.float32).T
+    return y if bias is None else y + bias.float()
