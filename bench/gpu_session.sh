@@ -13,7 +13,8 @@ date -u | tee -a "$OUT/gpu.txt"
 
 if [[ $what == tests || $what == all ]]; then
   python -m pytest -q -x tests/test_kernels_attention.py tests/test_kernels_decoder_ops.py \
-    tests/test_gpu_model.py tests/test_bench_cmd.py 2>&1 | tail -n 30 | tee "$OUT/tests.log"
+    tests/test_kernels_router.py tests/test_kernels_q8_linear.py tests/test_gpu_model.py \
+    tests/test_bench_cmd.py 2>&1 | tail -n 30 | tee "$OUT/tests.log"
 fi
 
 if [[ $what == bench || $what == all ]]; then
@@ -27,6 +28,8 @@ if [[ $what == bench || $what == all ]]; then
   python -m pyruntime bench $M -p 512 -n 128 -r 5 --device cuda 2>&1 | tee "$OUT/bench.md"
   python -m pyruntime bench $M -p 512 -n 128 -r 5 --device cuda -o json \
     >"$OUT/bench.json" 2>/dev/null
+  PYRUNTIME_DENSE_Q8=0 python -m pyruntime bench $M -p 0 -n 128 -r 3 --device cuda 2>&1 \
+    | tail -n 3 | tee "$OUT/bench_bf16_dense.md"
   PYRUNTIME_CUDA_GRAPH=0 python -m pyruntime bench $M -p 0 -n 128 -r 3 --device cuda 2>&1 \
     | tail -n 3 | tee "$OUT/bench_eager.md"
   python bench/gpu_decode.py $M --prompt 512 -o "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log"
