@@ -13,11 +13,16 @@ converted to every format, after a prefill (so the step reads a cache that prefi
   the same way), so Q8_0/Q4_0 are checked op for op too.
 Both in log-probabilities, max |difference| <= 1e-5: f32 rounding through two blocks measures
 ~1e-6, while a wrong RoPE pair, a missing bias or norm, or a wrong expert is >= 1e-3.
+
+tests/c/test_decode.c runs every decode and error path of the C side under ASan + UBSan.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import gguf
@@ -202,3 +207,28 @@ def test_step_refuses_bad_token_and_position(tmp_path):
     cache.n_tokens = cache.k[0].shape[1]  # no room left in the storage
     with pytest.raises(cpu_core.CoreError, match="outside the cache"):
         c._decoder.step(0, cache)
+
+
+# ---- C unit tests under sanitizers ----------------------------------------------------------
+
+
+def test_c_decode_tests_under_asan_ubsan(tmp_path):
+    """tests/c/test_decode.c: every decode path and error path under ASan + UBSan + LSan."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        pytest.skip("no C compiler")
+    repo = Path(__file__).resolve().parents[1]
+    sources = [*sorted((repo / "runtime" / "src").glob("*.c")), repo / "tests/c/test_decode.c"]
+    exe = tmp_path / "test_decode"
+    cmd = [compiler, "-std=c11", "-O1", "-g", "-fno-omit-frame-pointer"]
+    cmd += ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
+    cmd += ["-Wall", "-Wextra", "-Werror", f"-I{repo / 'runtime/include'}"]
+    cmd += [f"-I{repo / 'runtime/src'}", *map(str, sources), "-o", str(exe), "-pthread", "-lm"]
+    build = subprocess.run(cmd, capture_output=True, text=True)
+    if build.returncode != 0 and "sanitize" in build.stderr and "unrecognized" in build.stderr:
+        pytest.skip(f"{compiler} has no ASan/UBSan")
+    assert build.returncode == 0, build.stderr
+    env = {**os.environ, "ASAN_OPTIONS": "detect_leaks=1"}
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "all C decode tests passed" in run.stdout

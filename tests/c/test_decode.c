@@ -1,0 +1,339 @@
+/* C unit tests of pyrt_linear and the decode step, built with -fsanitize=address,undefined by
+ * tests/test_cpu_decode.py (the model math is checked against torch there; here the point is
+ * memory safety on every path and the error contract).
+ *
+ * 1. pyrt_linear, F32 and Q8_0, 1..5 tokens, 1..3 threads, with and without bias, against a
+ *    float64 computation on the same numbers (Q8_0: x quantized as the kernel does).
+ * 2. A tiny 3-block model touching every block kind (MoE + shared expert + gate + biases +
+ *    per-head q/k norm; dense FFN + q/k norm over all heads; plain MoE), partial RoPE, clamp,
+ *    decoded for a full cache with 1 and 3 threads: finite logits, same logits for both.
+ * 3. Errors: status codes and messages (bad shapes, formats, tokens, positions, NULLs); build
+ *    and free pairs (LeakSanitizer checks nothing is lost).
+ * Exit status 0 and "all C decode tests passed" on success. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pyrt.h"
+#include "pyrt_internal.h"
+
+static int failures = 0;
+
+#define CHECK(cond, ...)                                                                          \
+    do {                                                                                          \
+        if (!(cond)) {                                                                            \
+            failures++;                                                                           \
+            printf("FAIL %s:%d: ", __FILE__, __LINE__);                                           \
+            printf(__VA_ARGS__);                                                                  \
+            printf("\n");                                                                         \
+        }                                                                                         \
+    } while (0)
+
+static uint64_t rng_state = 0x2545F4914F6CDD1Dull;
+
+static uint32_t rng_u32(void) {
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (uint32_t)(rng_state >> 16);
+}
+
+static float rng_uniform(void) { /* [-1, 1) */
+    return (float)rng_u32() / 2147483648.0f - 1.0f;
+}
+
+/* ---- weights ------------------------------------------------------------------------------- */
+
+/* A matrix [n_out, n_in] in fmt (F32 or Q8_0) with random values of scale `s`; malloc'd bytes. */
+static pyrt_matrix make_matrix(int fmt, int n_out, int n_in, float s) {
+    const size_t rb = pyrt_row_bytes(fmt, n_in);
+    uint8_t *data = malloc(rb * (size_t)n_out);
+    if (fmt == PYRT_FMT_F32) {
+        float *w = (float *)data;
+        for (size_t i = 0; i < (size_t)n_out * n_in; i++)
+            w[i] = s * rng_uniform();
+    } else { /* Q8_0: d = 2^-7 * s-ish (an exact f16), q uniform in [-127, 127] */
+        for (size_t b = 0; b < (size_t)n_out * n_in / PYRT_QK; b++) {
+            uint8_t *blk = data + b * PYRT_Q8_0_BYTES;
+            const uint16_t d = 0x2000; /* f16 2^-7 */
+            memcpy(blk, &d, 2);
+            for (int i = 0; i < PYRT_QK; i++)
+                blk[2 + i] = (uint8_t)(int8_t)((int)(rng_u32() % 255) - 127);
+        }
+    }
+    return (pyrt_matrix){.data = data, .bytes = rb * (size_t)n_out, .fmt = fmt, .n_out = n_out,
+                         .n_in = n_in};
+}
+
+static float *make_vec(int n, float base, float s) {
+    float *v = malloc((size_t)n * sizeof *v);
+    for (int i = 0; i < n; i++)
+        v[i] = base + s * rng_uniform();
+    return v;
+}
+
+static double weight_at(const pyrt_matrix *m, int o, int i) {
+    const uint8_t *row = (const uint8_t *)m->data + (size_t)o * pyrt_row_bytes(m->fmt, m->n_in);
+    if (m->fmt == PYRT_FMT_F32)
+        return ((const float *)row)[i];
+    const uint8_t *blk = row + (size_t)(i / PYRT_QK) * PYRT_Q8_0_BYTES;
+    return (double)pyrt_fp16_to_fp32(pyrt_load_u16(blk)) * (int8_t)blk[2 + i % PYRT_QK];
+}
+
+/* ---- 1. pyrt_linear ------------------------------------------------------------------------ */
+
+static void test_linear(int fmt, int n_tokens, int threads) {
+    const int n_out = 37, n_in = fmt == PYRT_FMT_F32 ? 83 : 96;
+    pyrt_matrix m = make_matrix(fmt, n_out, n_in, 0.1f);
+    float *x = make_vec(n_tokens * n_in, 0.0f, 1.0f), *bias = make_vec(n_out, 0.0f, 1.0f);
+    float *y = malloc((size_t)n_tokens * n_out * sizeof *y);
+    pyrt_xq8 *xq = malloc((size_t)n_in / PYRT_QK * sizeof *xq + sizeof *xq);
+    pyrt_pool *pool = NULL;
+    CHECK(pyrt_pool_create(threads, &pool) == PYRT_OK, "pool: %s", pyrt_last_error());
+    for (int with_bias = 0; with_bias < 2; with_bias++) {
+        int rc = pyrt_linear(pool, &m, x, n_tokens, with_bias ? bias : NULL, y);
+        CHECK(rc == PYRT_OK, "pyrt_linear: %s", pyrt_last_error());
+        for (int t = 0; t < n_tokens; t++) {
+            const float *xt = x + (size_t)t * n_in;
+            if (fmt != PYRT_FMT_F32)
+                pyrt_quantize_x_q8(xt, xq, n_in);
+            for (int o = 0; o < n_out; o++) {
+                double ref = with_bias ? bias[o] : 0.0, mag = fabs(ref);
+                for (int i = 0; i < n_in; i++) {
+                    const double xi = fmt == PYRT_FMT_F32
+                                          ? xt[i]
+                                          : (double)xq[i / PYRT_QK].d * xq[i / PYRT_QK].q[i % 32];
+                    ref += weight_at(&m, o, i) * xi;
+                    mag += fabs(weight_at(&m, o, i) * xi);
+                }
+                const double err = fabs(y[(size_t)t * n_out + o] - ref);
+                CHECK(err <= (n_in + 4) * 0x1.0p-24 * mag + 1e-30,
+                      "linear fmt %d t %d o %d: %g vs %g", fmt, t, o, y[(size_t)t * n_out + o],
+                      ref);
+            }
+        }
+    }
+    pyrt_pool_free(pool);
+    free((void *)m.data);
+    free(x);
+    free(bias);
+    free(y);
+    free(xq);
+}
+
+/* ---- 2. decode step ------------------------------------------------------------------------ */
+
+enum { N_EMBD = 64, N_HEAD = 4, N_KV = 2, HD = 16, N_EXP = 4, TOP_K = 2, N_FF = 32, N_VOCAB = 50 };
+enum { N_LAYER = 3, SH_FF = 64, DENSE_FF = 96, CAP = 7 };
+
+typedef struct {
+    pyrt_model_weights w;
+    pyrt_block_weights blocks[N_LAYER];
+    void *owned[128];
+    int n_owned;
+} tiny_model;
+
+static const void *own(tiny_model *t, const void *p) {
+    t->owned[t->n_owned++] = (void *)p;
+    return p;
+}
+
+static pyrt_matrix own_matrix(tiny_model *t, int fmt, int n_out, int n_in, float s) {
+    pyrt_matrix m = make_matrix(fmt, n_out, n_in, s);
+    own(t, m.data);
+    return m;
+}
+
+static const float *own_vec(tiny_model *t, int n, float base, float s) {
+    return own(t, make_vec(n, base, s));
+}
+
+static void build_tiny(tiny_model *t) {
+    memset(t, 0, sizeof *t);
+    const int q8 = PYRT_FMT_Q8_0, nq = N_HEAD * HD, nkv = N_KV * HD;
+    for (int l = 0; l < N_LAYER; l++) {
+        pyrt_block_weights *b = &t->blocks[l];
+        b->attn_norm = own_vec(t, N_EMBD, 1.0f, 0.1f);
+        b->ffn_norm = own_vec(t, N_EMBD, 1.0f, 0.1f);
+        b->wq = own_matrix(t, q8, nq, N_EMBD, 0.1f);
+        b->wk = own_matrix(t, q8, nkv, N_EMBD, 0.1f);
+        b->wv = own_matrix(t, l == 2 ? PYRT_FMT_F32 : q8, nkv, N_EMBD, 0.1f);
+        b->wo = own_matrix(t, q8, N_EMBD, nq, 0.1f);
+        if (l == 0) { /* qwen2moe-like: biases, per-head norms, shared expert with its gate */
+            b->bq = own_vec(t, nq, 0.0f, 0.5f);
+            b->bk = own_vec(t, nkv, 0.0f, 0.5f);
+            b->bv = own_vec(t, nkv, 0.0f, 0.5f);
+            b->q_norm = own_vec(t, HD, 1.0f, 0.1f);
+            b->k_norm = own_vec(t, HD, 1.0f, 0.1f);
+            b->q_norm_len = b->k_norm_len = HD;
+            b->sh_gate = own_matrix(t, q8, SH_FF, N_EMBD, 0.1f);
+            b->sh_up = own_matrix(t, q8, SH_FF, N_EMBD, 0.1f);
+            b->sh_down = own_matrix(t, q8, N_EMBD, SH_FF, 0.1f);
+            b->sh_gate_inp = own_vec(t, N_EMBD, 0.0f, 0.1f);
+        }
+        if (l == 1) { /* olmoe-like norms over all heads; a dense FFN layer */
+            b->q_norm = own_vec(t, nq, 1.0f, 0.1f);
+            b->k_norm = own_vec(t, nkv, 1.0f, 0.1f);
+            b->q_norm_len = nq;
+            b->k_norm_len = nkv;
+            b->ffn_gate = own_matrix(t, q8, DENSE_FF, N_EMBD, 0.1f);
+            b->ffn_up = own_matrix(t, q8, DENSE_FF, N_EMBD, 0.1f);
+            b->ffn_down = own_matrix(t, q8, N_EMBD, DENSE_FF, 0.1f);
+            continue;
+        }
+        b->router = own_matrix(t, PYRT_FMT_F32, N_EXP, N_EMBD, 0.3f);
+        pyrt_matrix gud = own_matrix(t, q8, N_EXP * N_FF * 3, N_EMBD, 0.1f);
+        b->gud = gud.data;
+        b->gud_bytes = gud.bytes;
+        b->gud_fmt = q8;
+    }
+    static float inv_freq[4];
+    for (int i = 0; i < 4; i++)
+        inv_freq[i] = powf(10000.0f, -2.0f * i / 8.0f);
+    t->w = (pyrt_model_weights){
+        .n_vocab = N_VOCAB, .n_embd = N_EMBD, .n_layer = N_LAYER, .n_head = N_HEAD,
+        .n_head_kv = N_KV, .head_dim = HD, .rope_dim = 8, .n_expert = N_EXP,
+        .n_expert_used = TOP_K, .n_ff_exp = N_FF, .expert_weights_norm = 1,
+        .activation = PYRT_ACT_SILU, .rms_eps = 1e-6f, .embedding_scale = 2.0f,
+        .residual_scale = 0.5f, .attention_scale = 0.25f, .logit_scale = 3.0f,
+        .clamp_kqv = 4.0f, .rope_inv_freq = inv_freq,
+        .output_norm = own_vec(t, N_EMBD, 1.0f, 0.1f), .blocks = t->blocks};
+    t->w.token_embd = own_matrix(t, q8, N_VOCAB, N_EMBD, 1.0f);
+    t->w.output = own_matrix(t, PYRT_FMT_F32, N_VOCAB, N_EMBD, 0.2f);
+}
+
+static void free_tiny(tiny_model *t) {
+    for (int i = 0; i < t->n_owned; i++)
+        free(t->owned[i]);
+}
+
+/* Decodes CAP tokens with `threads` threads; logits of every step into out [CAP, N_VOCAB]. */
+static void decode_tiny(const tiny_model *t, int threads, float *out) {
+    pyrt_pool *pool = NULL;
+    pyrt_decoder *dec = NULL;
+    CHECK(pyrt_pool_create(threads, &pool) == PYRT_OK, "pool: %s", pyrt_last_error());
+    CHECK(pyrt_decoder_create(&t->w, &dec) == PYRT_OK, "create: %s", pyrt_last_error());
+    float *kc[N_LAYER], *vc[N_LAYER];
+    for (int l = 0; l < N_LAYER; l++) {
+        kc[l] = calloc((size_t)N_KV * CAP * HD, sizeof(float));
+        vc[l] = calloc((size_t)N_KV * CAP * HD, sizeof(float));
+    }
+    const float thresholds[N_LAYER] = {0.0f, 0.0f, 0.05f};
+    int64_t active = -1;
+    for (int pos = 0; pos < CAP && dec != NULL; pos++) {
+        int rc = pyrt_decoder_step(dec, pool, (pos * 7 + 3) % N_VOCAB, pos, kc, vc, CAP,
+                                   thresholds, out + (size_t)pos * N_VOCAB, &active);
+        CHECK(rc == PYRT_OK, "step %d: %s", pos, pyrt_last_error());
+        CHECK(active > 0 && active <= 2 * TOP_K * N_FF, "n_active %lld", (long long)active);
+        for (int v = 0; v < N_VOCAB; v++)
+            CHECK(isfinite(out[(size_t)pos * N_VOCAB + v]), "logit %d at %d not finite", v, pos);
+    }
+    int64_t ns[4];
+    CHECK(pyrt_decoder_times(dec, ns, 1) == PYRT_OK && ns[3] == CAP, "times: %lld steps",
+          (long long)ns[3]);
+    /* errors: token, position, NULL cache pointer */
+    float logits[N_VOCAB];
+    CHECK(pyrt_decoder_step(dec, pool, N_VOCAB, 0, kc, vc, CAP, NULL, logits, NULL) ==
+                  PYRT_E_INVALID &&
+              strstr(pyrt_last_error(), "token 50 is outside") != NULL,
+          "bad token: %s", pyrt_last_error());
+    CHECK(pyrt_decoder_step(dec, pool, 1, CAP, kc, vc, CAP, NULL, logits, NULL) ==
+                  PYRT_E_INVALID &&
+              strstr(pyrt_last_error(), "outside the cache") != NULL,
+          "bad position: %s", pyrt_last_error());
+    float *saved = kc[1];
+    kc[1] = NULL;
+    CHECK(pyrt_decoder_step(dec, pool, 1, 0, kc, vc, CAP, NULL, logits, NULL) == PYRT_E_INVALID,
+          "NULL cache accepted");
+    kc[1] = saved;
+    const float bad_thr[N_LAYER] = {0.0f, -1.0f, 0.0f};
+    CHECK(pyrt_decoder_step(dec, pool, 1, 0, kc, vc, CAP, bad_thr, logits, NULL) ==
+              PYRT_E_INVALID,
+          "negative threshold accepted");
+    for (int l = 0; l < N_LAYER; l++) {
+        free(kc[l]);
+        free(vc[l]);
+    }
+    pyrt_decoder_free(dec);
+    pyrt_pool_free(pool);
+}
+
+static void test_decode(void) {
+    tiny_model t;
+    build_tiny(&t);
+    float *a = malloc(sizeof(float) * CAP * N_VOCAB), *b = malloc(sizeof(float) * CAP * N_VOCAB);
+    decode_tiny(&t, 1, a);
+    decode_tiny(&t, 3, b);
+    double worst = 0.0;
+    for (int i = 0; i < CAP * N_VOCAB; i++)
+        worst = fmax(worst, fabs((double)a[i] - b[i]));
+    /* threads change only the summation order of the expert partial sums */
+    CHECK(worst <= 1e-4, "1 vs 3 threads differ by %g", worst);
+
+    /* create refuses a wrong shape and a missing dense FFN, with the tensor in the message */
+    pyrt_decoder *dec = NULL;
+    t.blocks[2].wq.n_out = N_HEAD * HD + 1;
+    CHECK(pyrt_decoder_create(&t.w, &dec) == PYRT_E_INVALID && dec == NULL &&
+              strstr(pyrt_last_error(), "blk.2.attn_q") != NULL,
+          "wrong wq shape: %s", pyrt_last_error());
+    t.blocks[2].wq.n_out = N_HEAD * HD;
+    const void *gate = t.blocks[1].ffn_gate.data;
+    t.blocks[1].ffn_gate.data = NULL;
+    CHECK(pyrt_decoder_create(&t.w, &dec) == PYRT_E_INVALID &&
+              strstr(pyrt_last_error(), "blk.1.ffn_gate") != NULL,
+          "missing ffn_gate: %s", pyrt_last_error());
+    t.blocks[1].ffn_gate.data = gate;
+    t.w.rope_dim = 5;
+    CHECK(pyrt_decoder_create(&t.w, &dec) == PYRT_E_INVALID, "odd rope_dim accepted");
+    t.w.rope_dim = 8;
+    CHECK(pyrt_decoder_create(NULL, &dec) == PYRT_E_INVALID, "NULL weights accepted");
+    CHECK(pyrt_decoder_create(&t.w, &dec) == PYRT_OK, "create: %s", pyrt_last_error());
+    pyrt_decoder_free(dec);
+    pyrt_decoder_free(NULL);
+    free(a);
+    free(b);
+    free_tiny(&t);
+}
+
+/* ---- 3. pyrt_linear errors ----------------------------------------------------------------- */
+
+static void test_linear_errors(void) {
+    pyrt_matrix m = make_matrix(PYRT_FMT_Q8_0, 8, 64, 0.1f);
+    float x[64] = {0}, y[8];
+    pyrt_pool *pool = NULL;
+    CHECK(pyrt_pool_create(2, &pool) == PYRT_OK, "pool");
+    CHECK(pyrt_linear(NULL, &m, x, 1, NULL, y) == PYRT_E_INVALID, "NULL pool accepted");
+    CHECK(pyrt_linear(pool, NULL, x, 1, NULL, y) == PYRT_E_INVALID, "NULL matrix accepted");
+    CHECK(pyrt_linear(pool, &m, NULL, 1, NULL, y) == PYRT_E_INVALID, "NULL x accepted");
+    CHECK(pyrt_linear(pool, &m, x, -1, NULL, y) == PYRT_E_INVALID, "negative n_tokens accepted");
+    pyrt_matrix bad = m;
+    bad.bytes -= 1;
+    CHECK(pyrt_linear(pool, &bad, x, 1, NULL, y) == PYRT_E_INVALID &&
+              strstr(pyrt_last_error(), "wrong shape") != NULL,
+          "wrong bytes: %s", pyrt_last_error());
+    bad = m;
+    bad.fmt = 7;
+    CHECK(pyrt_linear(pool, &bad, x, 1, NULL, y) == PYRT_E_INVALID, "format 7 accepted");
+    bad = m;
+    bad.n_in = 40;
+    CHECK(pyrt_linear(pool, &bad, x, 1, NULL, y) == PYRT_E_INVALID, "n_in 40 Q8_0 accepted");
+    CHECK(pyrt_linear(pool, &m, x, 0, NULL, y) == PYRT_OK, "zero tokens refused");
+    pyrt_pool_free(pool);
+    free((void *)m.data);
+}
+
+int main(void) {
+    for (int fmt = 0; fmt < 2; fmt++)
+        for (int threads = 1; threads <= 3; threads += 2)
+            for (int n_tokens = 1; n_tokens <= 5; n_tokens += 4)
+                test_linear(fmt ? PYRT_FMT_Q8_0 : PYRT_FMT_F32, n_tokens, threads);
+    test_decode();
+    test_linear_errors();
+    if (failures) {
+        printf("%d C decode test(s) failed\n", failures);
+        return 1;
+    }
+    printf("all C decode tests passed\n");
+    return 0;
+}
