@@ -144,26 +144,27 @@ def _moe_gemv_kernel(
             tl.store(out_ptr + p.to(tl.int64) * F + n, coef, mask=nm)
 
 
-# (BLOCK_N, BLOCK_H, num_warps, ACC2D) of _moe_gemv_kernel per (MODE, float/block format),
-# measured on an H100 at batch 1-4 of the qwen3-30b-a3b shape (bench/moe_layer.py).
+# (BLOCK_N, BLOCK_H, num_warps, ACC2D) of _moe_gemv_kernel per (MODE, format family):
+# "float" and "packed" (q8_0r / q4_0r) picked by bench/sweep_moe.py on an H100 (qwen3-30b-a3b
+# shape, batch 1, 4, 16, sparsity 0.85; bench/results/moe_layer_h100_sweep.json); "block"
+# (GGUF Q8_0 / Q4_0 read unrepacked) from the earlier hand sweep at batch 1-4.
 GEMV_CONFIGS = {
-    (0, "float"): (16, 512, 2, False),
+    (0, "float"): (16, 1024, 4, False),
     (0, "block"): (8, 512, 2, False),
+    (0, "packed"): (8, 512, 8, True),
     (1, "float"): (4, 1024, 4, True),
     (1, "block"): (8, 512, 2, True),
+    (1, "packed"): (8, 1024, 4, True),
     (2, "float"): (8, 1024, 4, False),
     (2, "block"): (8, 512, 2, False),
+    (2, "packed"): (8, 1024, 4, False),
     # MODE 2 with a single token (P <= 8 pairs): fewer programs, so more neurons per program
     (2, "float", "one"): (16, 1024, 4, False),
     (2, "block", "one"): (8, 512, 2, True),
-    # q8_0r / q4_0r (repacked rows, 16-byte loads): first guesses, to be H100-tuned
-    (0, "packed"): (16, 1024, 4, False),
-    (1, "packed"): (8, 1024, 4, True),
-    (2, "packed"): (8, 1024, 4, False),
-    (2, "packed", "one"): (16, 1024, 4, False),
-    (3, "float"): (8, 1024, 4, True),
+    (2, "packed", "one"): (8, 1024, 4, False),
+    (3, "float"): (16, 1024, 4, False),
     (3, "block"): (8, 512, 2, True),
-    (3, "packed"): (8, 1024, 4, True),
+    (3, "packed"): (8, 1024, 4, False),
 }
 
 

@@ -15,6 +15,9 @@ For decode, `moe_sparse_fused` does all of it in one kernel (the dense GEMV kern
 each (pair, neuron tile) program computes its gate dots, masks, and loads only the active
 neurons' up/down rows (masked loads cost no memory traffic). At batch 1 on an H100 that beats
 the three-launch pipeline, whose fixed per-kernel latency is comparable to its runtime.
+`moe_sparse_split` is the two-kernel middle ground (gate + mask + up in one kernel writing
+h [P, n_ff], then a down kernel with one atomic per output element per neuron slice).
+Which path runs per format and batch: SPARSE_PATHS (H100 sweep, bench/sweep_moe.py).
 """
 
 from __future__ import annotations
@@ -200,8 +203,11 @@ def _moe_sparse_down_kernel(
     tl.atomic_add(y_ptr + t * H + h, acc, mask=h < H, sem="relaxed")
 
 
-# (BLOCK_N, BLOCK_H, SPLIT_N, num_warps) of the split path's down kernel; first guesses.
-DOWN_CONFIGS = {"float": (32, 512, 256, 4), "block": (32, 256, 256, 4), "packed": (32, 512, 256, 4)}
+# (BLOCK_N, BLOCK_H, SPLIT_N, num_warps) of the split path's down kernel (H100 sweep, batch 1;
+# "block" unswept). The split path lost to "fused" everywhere it was timed (30 vs 23 us bf16,
+# 69 vs 26 us q8_0r at batch 1; why q8_0r's down kernel, which dequantizes through rows_tile,
+# is that slow was not profiled): kept as an alternative for the sweep.
+DOWN_CONFIGS = {"float": (64, 512, 128, 4), "block": (32, 256, 256, 4), "packed": (32, 512, 128, 4)}
 
 
 def down_blocks(fmt: str) -> tuple[int, int, int, int]:
@@ -237,11 +243,12 @@ def moe_sparse_split(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", 
 
 
 # The sparse path `moe_sparse(path="auto")` takes per format family and batch size: the first
-# (max T, path) entry with T <= max T (H100-measured with bench/moe_layer.py).
+# (max T, path) entry with T <= max T. float / packed: the H100 sweep's fastest at batch 1, 4,
+# 16 (bench/sweep_moe.py); block: the earlier hand-tuned choice.
 SPARSE_PATHS = {
-    "float": ((16, "fused"), (DECODE_MAX_TOKENS, "decode"), (1 << 62, "prefill")),
+    "float": ((16, "fused"), (1 << 62, "prefill")),
     "block": ((1, "fused"), (DECODE_MAX_TOKENS, "decode"), (1 << 62, "prefill")),
-    "packed": ((16, "fused"), (DECODE_MAX_TOKENS, "decode"), (1 << 62, "prefill")),
+    "packed": ((4, "fused"), (16, "decode"), (1 << 62, "prefill")),
 }
 
 
