@@ -154,3 +154,14 @@ def test_device_choice_when_the_model_does_not_fit(gguf_path, monkeypatch):
         choose_device("cuda", f, cfg, 64)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (80 << 30, 80 << 30))
     assert choose_device("auto", f, cfg, 64).device == "cuda"
+
+
+def test_device_flag_on_generate_and_perplexity(gguf_path, tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("The hacker wrote a program that fixed the bug. " * 4)
+    argv = ["generate", str(gguf_path), "-p", "Hi", "-n", "3", "--temp", "0", "--device", "cpu"]
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    argv = ["perplexity", str(gguf_path), "-f", str(text), "--ctx", "16", "--device", "gpu"]
+    assert cli.main(argv) == 1
+    assert "--device must be auto, cpu, cuda or cuda:N" in capsys.readouterr().err
