@@ -42,8 +42,14 @@ def choose_device(requested: str, f: GGUFFile, cfg: ModelConfig, n_ctx: int) -> 
             f"--device {requested}: no CUDA GPU is available to torch (torch "
             f"{torch.__version__}); use --device cpu or auto"
         )
+    from kernels.expert_formats import ACTIVATIONS
     from pyruntime.models.gpu import device_bytes
 
+    if cfg.activation not in ACTIVATIONS:
+        why = f"expert activation '{cfg.activation}' has no GPU kernel"
+        if req == "auto":
+            return DeviceChoice("cpu", f"running on the CPU: {why}")
+        raise UsageError(f"--device {requested}: {why}; use --device cpu")
     dev = torch.device("cuda" if req == "auto" else req)
     try:
         free, _total = torch.cuda.mem_get_info(dev)

@@ -165,3 +165,19 @@ def test_device_flag_on_generate_and_perplexity(gguf_path, tmp_path, capsys):
     argv = ["perplexity", str(gguf_path), "-f", str(text), "--ctx", "16", "--device", "gpu"]
     assert cli.main(argv) == 1
     assert "--device must be auto, cpu, cuda or cuda:N" in capsys.readouterr().err
+
+
+def test_device_choice_without_a_gpu_kernel(gguf_path, monkeypatch):
+    """gelu_exact experts have no Triton kernel: auto takes the CPU, cuda is an error."""
+    import dataclasses
+
+    from pyruntime.device import choose_device
+    from pyruntime.gguf_file import open_gguf
+    from pyruntime.models.config import ModelConfig
+
+    f = open_gguf(gguf_path)
+    cfg = dataclasses.replace(ModelConfig.from_gguf(f), activation="gelu_exact")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "no GPU kernel" in choose_device("auto", f, cfg, 64).note
+    with pytest.raises(UsageError, match="no GPU kernel"):
+        choose_device("cuda", f, cfg, 64)
