@@ -5,13 +5,14 @@ and the plain torch reference beside it. Importing this package needs triton; it
 GPU (tests run the kernels under TRITON_INTERPRET=1).
 """
 
-from kernels.expert_formats import dequantize_rows, quantize_rows, row_bytes
+from kernels.expert_formats import dequantize_rows, quantize_rows, repack_rows, row_bytes
 from kernels.moe_dense import moe_dense, moe_dense_ref
 from kernels.moe_sparse import (
     moe_gate,
     moe_sparse,
     moe_sparse_fused,
     moe_sparse_ref,
+    moe_sparse_split,
     moe_sparse_up_down,
 )
 from kernels.sparse_mask import sparse_mask, sparse_mask_ref
@@ -24,8 +25,10 @@ __all__ = [
     "moe_sparse",
     "moe_sparse_fused",
     "moe_sparse_ref",
+    "moe_sparse_split",
     "moe_sparse_up_down",
     "quantize_rows",
+    "repack_rows",
     "row_bytes",
     "sparse_mask",
     "sparse_mask_ref",
