@@ -43,7 +43,7 @@ def choose_device(requested: str, f: GGUFFile, cfg: ModelConfig, n_ctx: int) -> 
             f"{torch.__version__}); use --device cpu or auto"
         )
     from kernels.expert_formats import ACTIVATIONS
-    from pyruntime.models.gpu import device_bytes
+    from pyruntime.models.gpu_weights import device_bytes
 
     if cfg.activation not in ACTIVATIONS:
         why = f"expert activation '{cfg.activation}' has no GPU kernel"
