@@ -3,13 +3,14 @@
  * Work split. Tokens are processed in blocks of up to TOKEN_BLOCK. Inside a block the (token,
  * expert) routes are grouped by expert, so an expert's rows are read from DRAM once per block and
  * reused from L1 for every token routed to it. The neurons of all used experts form one list
- * (expert-major, so a work item walks contiguous memory), cut into n_items = nth * (up to 4)
- * work items of equal estimated cost: batch 1 with top-8 puts every thread to work even when
- * nth > 8. Threads take items from a shared counter, so a preempted or slower core delays the
- * call by one item, not by a fixed 1/nth share (the cause of the old ~1.5 ms floor at 16
- * threads). Each item accumulates into its own partial y; a second pass sums them in item order,
- * so the result does not depend on thread timing (sparse with threshold 0 equals dense bit for
- * bit, and a rerun gives the same bits).
+ * (expert-major, so a work item walks contiguous memory), cut into work items by estimated cost,
+ * guided (sizes shrinking from half a thread's share to a sixteenth; plan_items): batch 1 with
+ * top-8 puts every thread to work even when nth > 8. Threads take items from a shared counter, so
+ * a preempted or slower core delays the call by one item, not by a fixed 1/nth share. Each item
+ * accumulates into its own partial y; in the same pool task, threads out of items sum them per
+ * range of y in item order as the items complete, so the result does not depend on thread timing
+ * (sparse with threshold 0 equals dense bit for bit, and a rerun gives the same bits). One pool
+ * hand-off per token block.
  *
  * Per neuron j of expert e and route (t, w):  a = act(g_j . x_t); skip if |a| < threshold;
  * h = w * a * (u_j . x_t); y_t += h * d_j (an axpy: the down row is the transposed column).
