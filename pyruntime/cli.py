@@ -32,7 +32,7 @@ _TEMP, _TOP_K, _TOP_P, _MIN_P, _REPEAT_PENALTY, _REPEAT_LAST_N = 0.8, 40, 0.95, 
 def _common_parent() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument(
-        "-t", "--threads", type=int, default=None, help="CPU threads (default: torch's choice)"
+        "-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores)"
     )
     return p
 
@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="measure activation sparsity thresholds for --sparsity",
         description="Run the model over a text, record |act(gate)| of every routed expert "
-        "neuron per layer, and store the thresholds that skip 5%%, 10%%, ... 95%% of them in "
+        "neuron per layer, and store the thresholds that skip 5%, 10%, ... 95% of them in "
         "MODEL.sparsity.json beside the model (the model file is not changed).",
     )
     p.add_argument("model", help="GGUF file")
@@ -375,6 +375,15 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cpu_threads(model) -> int:
+    """CPU threads the model computes with: the C core's pool when it runs the experts (torch
+    is then held to one thread so the two do not contend), else torch's."""
+    import torch
+
+    core = getattr(getattr(model.net, "expert_backend", None), "core", None)
+    return core.threads if core is not None else torch.get_num_threads()
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from pyruntime.bench import markdown_table, result_rows, run_bench
 
@@ -395,10 +404,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr, flush=True)
 
     results = run_bench(model.net, args.n_prompt, args.n_gen, args.repetitions, progress=progress)
-    import torch
-
-    threads = args.threads or torch.get_num_threads()
-    rows = result_rows(model, results, threads)
+    rows = result_rows(model, results, _cpu_threads(model))
     if args.output == "json":
         print(json.dumps(rows, indent=1))
     else:
