@@ -255,17 +255,6 @@ static void rms_norm(const float *x, const float *w, float eps, int n, float *ou
         out[i] = x[i] * r * w[i];
 }
 
-static inline float activate(int kind, float g) {
-    switch (kind) {
-    case PYRT_ACT_GELU_TANH:
-        return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
-    case PYRT_ACT_GELU_ERF:
-        return 0.5f * g * (1.0f + erff(g * 0.7071067811865476f));
-    default: /* SiLU: for g -> -inf, expf overflows to inf and g / inf = -0, as wanted */
-        return g / (1.0f + expf(-g));
-    }
-}
-
 /* HF rotate_half on the first rope_dim dims of each of n_heads heads of x [n_heads, hd]:
  * with c = cos(pos f_i), s = sin(pos f_i), i < rope_dim/2:
  * x[i] <- x[i] c - x[i + d/2] s,  x[i + d/2] <- x[i + d/2] c + x[i] s. */
@@ -415,7 +404,7 @@ static void attention_block(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_w
 /* d->ys = down(act(gate) * up), gate and up already in d->gate / d->up [n_ff]. */
 static void ffn_down(pyrt_decoder *d, pyrt_pool *pool, const pyrt_matrix *down, int n_ff) {
     for (int j = 0; j < n_ff; j++)
-        d->gate[j] = activate(d->w.activation, d->gate[j]) * d->up[j];
+        d->gate[j] = pyrt_activate(d->w.activation, d->gate[j]) * d->up[j];
     pyrt_mv_job job = {.out = {{down, NULL, d->ys, 0}}, .n_mats = 1};
     run_matvec(d, pool, &job, d->gate, n_ff);
 }

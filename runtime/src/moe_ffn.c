@@ -77,17 +77,6 @@ typedef struct {
     int64_t *prof;          /* [nth * 8] per-thread task start, items end, end ns, or NULL */
 } moe_ctx;
 
-static inline float activate(int kind, float g) {
-    switch (kind) {
-    case PYRT_ACT_GELU_TANH:
-        return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
-    case PYRT_ACT_GELU_ERF:
-        return 0.5f * g * (1.0f + erff(g * 0.7071067811865476f));
-    default: /* SiLU: for g -> -inf, expf overflows to inf and g / inf = -0, as wanted */
-        return g / (1.0f + expf(-g));
-    }
-}
-
 /* ---- debug knobs (environment, read once) --------------------------------------------------
  * PYRT_PROFILE=n          every n calls, print to stderr where the time of a call went: the
  *                         experts task (the slowest thread's busy time, the mean, the latest
@@ -322,7 +311,7 @@ static int64_t dense_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j0
                     const int lo = n_pf * r / nr, hi = n_pf * (r + 1) / nr;
                     float gu[2];
                     dot2_pf(c, gate, token_x(c, rc + r), gu, pf + lo, hi - lo);
-                    h[r][i] = c->route_w[rc + r] * activate(c->activation, gu[0]) * gu[1];
+                    h[r][i] = c->route_w[rc + r] * pyrt_activate(c->activation, gu[0]) * gu[1];
                 }
                 down[i] = gate + 2 * rb;
             }
@@ -441,8 +430,8 @@ static int64_t sparse_gates(const moe_ctx *c, sparse_chunk *ch, int nj, gate_cur
         int n_on = 0;
         for (int r = 0; r < nr; r++) {
             const int lo = n_pf * r / nr, hi = n_pf * (r + 1) / nr;
-            const float a = activate(c->activation,
-                                     dot_pf(c, gate, token_x(c, rc + r), pf + lo, hi - lo));
+            const float a = pyrt_activate(c->activation,
+                                          dot_pf(c, gate, token_x(c, rc + r), pf + lo, hi - lo));
             ch->h[i][r] = a;
             ch->on[i][r] = !(fabsf(a) < thr); /* NaN stays on, so it propagates */
             n_on += ch->on[i][r];

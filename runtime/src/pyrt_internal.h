@@ -2,6 +2,7 @@
 #ifndef PYRT_INTERNAL_H
 #define PYRT_INTERNAL_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -144,6 +145,18 @@ static inline uint16_t pyrt_load_u16(const void *p) {
     uint16_t v;
     memcpy(&v, p, sizeof v);
     return v;
+}
+
+/* act(g) for a PYRT_ACT_* kind (expert FFNs in moe_ffn.c, shared/dense FFNs in decode.c). */
+static inline float pyrt_activate(int kind, float g) {
+    switch (kind) {
+    case PYRT_ACT_GELU_TANH:
+        return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+    case PYRT_ACT_GELU_ERF:
+        return 0.5f * g * (1.0f + erff(g * 0.7071067811865476f));
+    default: /* SiLU: for g -> -inf, expf overflows to inf and g / inf = -0, as wanted */
+        return g / (1.0f + expf(-g));
+    }
 }
 
 
