@@ -25,27 +25,15 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_experts import dram_read  # noqa: E402
 from make_random_gguf import CONFIGS, make_random_gguf  # noqa: E402
 
 from pyruntime import cpu_core  # noqa: E402
 from pyruntime.gguf_file import open_gguf  # noqa: E402
 from pyruntime.models.transformer import MoETransformer  # noqa: E402
-
-
-def dram_read(core: cpu_core.CpuCore, gib: float, iters: int) -> tuple[float, float]:
-    """(median, best) GB/s of reading a buffer of `gib` GiB once per iteration."""
-    buf = np.random.default_rng(2).integers(0, 256, size=int(gib * 2**30), dtype=np.uint8)
-    core.mem_read(buf)  # fault the pages in
-    rates = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        core.mem_read(buf)
-        rates.append(buf.nbytes / (time.perf_counter() - t) / 1e9)
-    return statistics.median(rates), max(rates)
 
 
 def bytes_per_token(model: MoETransformer, mean_pos: float) -> dict[str, float]:
