@@ -43,7 +43,7 @@ from pyruntime.models.gpu_weights import (
     WeightLoader,
     dense_dtype_for,
 )
-from pyruntime.models.transformer import rope_tables
+from pyruntime.models.transformer import rope_tables, token_ids
 
 # The largest batch the sparse expert path runs at when no profiled switch is available (the CPU
 # interpreter, or no model key); on CUDA each layer's value comes from kernels.switch.
@@ -214,13 +214,8 @@ class DeviceTransformer:
     def forward(
         self, tokens: Sequence[int] | torch.Tensor, cache: DeviceKVCache, last_only: bool = False
     ) -> torch.Tensor:
-        cfg = self.config
-        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        ids = token_ids(tokens, self.config.n_vocab)
         n = ids.numel()
-        if n == 0:
-            raise UsageError("forward() needs at least one token")
-        if int(ids.min()) < 0 or int(ids.max()) >= cfg.n_vocab:
-            raise UsageError(f"token id out of range [0, {cfg.n_vocab})")
         cache.reserve(n)
         if n == 1:
             logits = self._decode(int(ids[0]), cache)

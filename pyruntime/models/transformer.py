@@ -272,12 +272,8 @@ class MoETransformer:
         self, tokens: Sequence[int] | torch.Tensor, cache: KVCache, last_only: bool
     ) -> torch.Tensor:
         cfg = self.config
-        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        ids = token_ids(tokens, cfg.n_vocab)
         n = ids.numel()
-        if n == 0:
-            raise UsageError("forward() needs at least one token")
-        if int(ids.min()) < 0 or int(ids.max()) >= cfg.n_vocab:
-            raise UsageError(f"token id out of range [0, {cfg.n_vocab})")
         cache.reserve(n)
         start = cache.n_tokens
         cos, sin = rope_tables(torch.arange(start, start + n), cfg.rope_dim, cfg.rope_theta)
@@ -355,6 +351,16 @@ class MoETransformer:
                 s = s * torch.sigmoid(x @ blk.shared_gate)[:, None]
             y = y + s
         return y
+
+
+def token_ids(tokens: Sequence[int] | torch.Tensor, n_vocab: int) -> torch.Tensor:
+    """tokens as a flat int64 tensor [n], n >= 1, every id in [0, n_vocab) (else UsageError)."""
+    ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+    if ids.numel() == 0:
+        raise UsageError("forward() needs at least one token")
+    if int(ids.min()) < 0 or int(ids.max()) >= n_vocab:
+        raise UsageError(f"token id out of range [0, {n_vocab})")
+    return ids
 
 
 def _single_token(tokens: Sequence[int] | torch.Tensor) -> int | None:
