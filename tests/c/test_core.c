@@ -16,28 +16,10 @@
 #include "pyrt.h"
 #include "pyrt_internal.h"
 
-static int failures = 0;
-
-#define CHECK(cond, ...)                                                                          \
-    do {                                                                                          \
-        if (!(cond)) {                                                                            \
-            failures++;                                                                           \
-            printf("FAIL %s:%d: ", __FILE__, __LINE__);                                           \
-            printf(__VA_ARGS__);                                                                  \
-            printf("\n");                                                                         \
-        }                                                                                         \
-    } while (0)
+#define TEST_RNG_SEED 0x9E3779B97F4A7C15ull
+#include "check.h"
 
 /* ---- deterministic random numbers ---------------------------------------------------------- */
-
-static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
-
-static uint32_t rng_u32(void) {
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (uint32_t)(rng_state >> 16);
-}
 
 static float rng_normalish(void) { /* sum of 4 uniforms, centred: mean 0, sd ~0.58 */
     float s = 0.0f;

@@ -18,26 +18,8 @@
 #include "pyrt.h"
 #include "pyrt_internal.h"
 
-static int failures = 0;
-
-#define CHECK(cond, ...)                                                                          \
-    do {                                                                                          \
-        if (!(cond)) {                                                                            \
-            failures++;                                                                           \
-            printf("FAIL %s:%d: ", __FILE__, __LINE__);                                           \
-            printf(__VA_ARGS__);                                                                  \
-            printf("\n");                                                                         \
-        }                                                                                         \
-    } while (0)
-
-static uint64_t rng_state = 0x2545F4914F6CDD1Dull;
-
-static uint32_t rng_u32(void) {
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (uint32_t)(rng_state >> 16);
-}
+#define TEST_RNG_SEED 0x2545F4914F6CDD1Dull
+#include "check.h"
 
 static float rng_uniform(void) { /* [-1, 1) */
     return (float)rng_u32() / 2147483648.0f - 1.0f;
