@@ -363,6 +363,46 @@ static void task_attention(void *p, int ith, int nth) {
     }
 }
 
+/* ---- prefetch plans ------------------------------------------------------------------------
+ * Before each pool task the step names the rows of the matvec that comes after it, so that the
+ * threads' idle time (serial pieces on the caller, waiting for the slowest thread, the tiny
+ * attention task) streams them into each thread's L2 (pyrt_pool_plan_prefetch): q/k/v and
+ * attention -> o; o -> the first FFN matvec (router + shared gate/up, or dense gate/up); the
+ * routed experts and the shared/dense down -> the next block's q/k/v; the last block -> the
+ * output matrix; the output matrix -> block 0's q/k/v (the next step, after Python's turn). */
+
+static pyrt_mv_job qkv_job(const pyrt_decoder *d, const pyrt_block_weights *b) {
+    return (pyrt_mv_job){
+        .out = {{&b->wq, b->bq, d->q, 0}, {&b->wk, b->bk, d->k, 0}, {&b->wv, b->bv, d->v, 0}},
+        .n_mats = 3,
+        .clamp = d->w.clamp_kqv,
+    };
+}
+
+/* The FFN's first matvec: router (+ shared gate and up), or the dense FFN's gate and up. */
+static pyrt_mv_job ffn_in_job(const pyrt_decoder *d, const pyrt_block_weights *b) {
+    if (b->router.data == NULL)
+        return (pyrt_mv_job){.out = {{&b->ffn_gate, NULL, d->gate, 0}, {&b->ffn_up, NULL, d->up, 0}},
+                             .n_mats = 2};
+    return (pyrt_mv_job){.out = {{&b->router, NULL, d->router, 0},
+                                 {&b->sh_gate, NULL, d->gate, 0},
+                                 {&b->sh_up, NULL, d->up, 0}},
+                         .n_mats = b->sh_gate.data != NULL ? 3 : 1};
+}
+
+static pyrt_mv_job output_job(const pyrt_decoder *d, float *logits) {
+    return (pyrt_mv_job){.out = {{&d->w.output, NULL, logits, 0}}, .n_mats = 1,
+                         .div = d->w.logit_scale};
+}
+
+/* The idle time of the next pool run prefetches `next`'s rows (NULL: nothing). */
+static void plan_next(pyrt_pool *pool, const pyrt_mv_job *next) {
+    pyrt_pf_plan plan = {.n = 0};
+    if (next != NULL)
+        pyrt_mv_job_plan(next, &plan);
+    pyrt_pool_plan_prefetch(pool, &plan);
+}
+
 /* ---- the step ------------------------------------------------------------------------------ */
 
 static void attention_block(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weights *b,
@@ -370,11 +410,10 @@ static void attention_block(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_w
     const pyrt_model_weights *w = &d->w;
     const int hd = w->head_dim, nq = w->n_head * hd, nkv = w->n_head_kv * hd;
     rms_norm(d->x, b->attn_norm, w->rms_eps, w->n_embd, d->xn);
-    pyrt_mv_job qkv = {
-        .out = {{&b->wq, b->bq, d->q, 0}, {&b->wk, b->bk, d->k, 0}, {&b->wv, b->bv, d->v, 0}},
-        .n_mats = 3,
-        .clamp = w->clamp_kqv,
-    };
+    pyrt_mv_job qkv = qkv_job(d, b);
+    pyrt_mv_job o = {.out = {{&b->wo, NULL, d->y, 0}}, .n_mats = 1};
+    const pyrt_mv_job ffn_in = ffn_in_job(d, b);
+    plan_next(pool, &o);
     run_matvec(d, pool, &qkv, d->xn, w->n_embd);
     if (b->q_norm != NULL && b->q_norm_len == nq) { /* olmoe: over all heads */
         rms_norm(d->q, b->q_norm, w->rms_eps, nq, d->q);
@@ -394,42 +433,48 @@ static void attention_block(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_w
     attn_ctx ac = {.d = d, .kc = kc, .vc = vc, .cap = cap, .n_pos = pos + 1,
                    .scale = w->attention_scale};
     atomic_init(&ac.next, 0);
+    plan_next(pool, &o);
     pyrt_pool_run(pool, task_attention, &ac);
-    pyrt_mv_job o = {.out = {{&b->wo, NULL, d->y, 0}}, .n_mats = 1};
+    plan_next(pool, &ffn_in);
     run_matvec(d, pool, &o, d->att, nq);
     for (int i = 0; i < w->n_embd; i++)
         d->x[i] = d->x[i] + d->y[i] * w->residual_scale;
 }
 
-/* d->ys = down(act(gate) * up), gate and up already in d->gate / d->up [n_ff]. */
-static void ffn_down(pyrt_decoder *d, pyrt_pool *pool, const pyrt_matrix *down, int n_ff) {
+/* d->ys = down(act(gate) * up), gate and up already in d->gate / d->up [n_ff]; `next`: the
+ * matvec after it (prefetch plan). */
+static void ffn_down(pyrt_decoder *d, pyrt_pool *pool, const pyrt_matrix *down, int n_ff,
+                     const pyrt_mv_job *next) {
     for (int j = 0; j < n_ff; j++)
         d->gate[j] = pyrt_activate(d->w.activation, d->gate[j]) * d->up[j];
     pyrt_mv_job job = {.out = {{down, NULL, d->ys, 0}}, .n_mats = 1};
+    plan_next(pool, next);
     run_matvec(d, pool, &job, d->gate, n_ff);
 }
 
-/* Returns the routed neurons computed (n_active of pyrt_moe_ffn), or -1 on failure. */
+/* Returns the routed neurons computed (n_active of pyrt_moe_ffn), or -1 on failure. `next`: the
+ * matvec after this block (the next block's q/k/v, or the output matrix), for prefetch plans. */
 static int64_t ffn_block(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weights *b,
-                         float threshold) {
+                         float threshold, const pyrt_mv_job *next) {
     const pyrt_model_weights *w = &d->w;
     const int n_embd = w->n_embd;
     rms_norm(d->x, b->ffn_norm, w->rms_eps, n_embd, d->xn);
     int64_t active = 0;
+    pyrt_mv_job in = ffn_in_job(d, b);
     if (b->router.data == NULL) { /* dense FFN layer */
-        pyrt_mv_job gu = {.out = {{&b->ffn_gate, NULL, d->gate, 0}, {&b->ffn_up, NULL, d->up, 0}},
-                          .n_mats = 2};
-        run_matvec(d, pool, &gu, d->xn, n_embd);
-        ffn_down(d, pool, &b->ffn_down, b->ffn_gate.n_out);
+        const pyrt_mv_job down = {.out = {{&b->ffn_down, NULL, d->ys, 0}}, .n_mats = 1};
+        plan_next(pool, &down);
+        run_matvec(d, pool, &in, d->xn, n_embd);
+        ffn_down(d, pool, &b->ffn_down, b->ffn_gate.n_out, next);
         memcpy(d->y, d->ys, (size_t)n_embd * sizeof(float));
     } else {
         const int shared = b->sh_gate.data != NULL;
-        pyrt_mv_job rt = {.out = {{&b->router, NULL, d->router, 0},
-                                  {&b->sh_gate, NULL, d->gate, 0},
-                                  {&b->sh_up, NULL, d->up, 0}},
-                          .n_mats = shared ? 3 : 1};
-        run_matvec(d, pool, &rt, d->xn, n_embd);
+        /* the routed experts' rows are known only after the router: no plan for its idle time */
+        plan_next(pool, NULL);
+        run_matvec(d, pool, &in, d->xn, n_embd);
         route(d->router, w->n_expert, w->n_expert_used, w->expert_weights_norm, d->ids, d->topw);
+        const pyrt_mv_job sh_down = {.out = {{&b->sh_down, NULL, d->ys, 0}}, .n_mats = 1};
+        plan_next(pool, shared ? &sh_down : next);
         /* pyrt_moe_ffn takes the pool itself */
         pyrt_pool_release(pool);
         int rc = pyrt_moe_ffn(pool, b->gud, b->gud_bytes, b->gud_fmt, w->n_expert, w->n_ff_exp,
@@ -444,7 +489,7 @@ static int64_t ffn_block(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weig
                 const float z = pyrt_row_ops_active(PYRT_FMT_F32)->dot(b->sh_gate_inp, d->xn, n_embd);
                 gs = 1.0f / (1.0f + expf(-z));
             }
-            ffn_down(d, pool, &b->sh_down, b->sh_gate.n_out);
+            ffn_down(d, pool, &b->sh_down, b->sh_gate.n_out, next);
             for (int i = 0; i < n_embd; i++)
                 d->y[i] = d->y[i] + d->ys[i] * gs;
         }
@@ -532,12 +577,14 @@ static int decoder_step(pyrt_decoder *d, pyrt_pool *pool, int token, int pos,
     pyrt_pool_acquire(pool);
     int64_t active = 0;
     int rc = PYRT_OK;
+    pyrt_mv_job out = output_job(d, logits);
     for (int l = 0; l < w->n_layer && rc == PYRT_OK; l++) {
         const pyrt_block_weights *b = &d->blocks[l];
         attention_block(d, pool, b, pos, k_cache[l], v_cache[l], (size_t)cache_cap, csp);
         const int64_t t1 = now_ns();
         d->times[0] += t1 - t0;
-        const int64_t a = ffn_block(d, pool, b, thresholds != NULL ? thresholds[l] : 0.0f);
+        const pyrt_mv_job next = l + 1 < w->n_layer ? qkv_job(d, &d->blocks[l + 1]) : out;
+        const int64_t a = ffn_block(d, pool, b, thresholds != NULL ? thresholds[l] : 0.0f, &next);
         if (a < 0)
             rc = PYRT_E_INVALID; /* pyrt_moe_ffn's message stays in last_error */
         active += a;
@@ -546,8 +593,8 @@ static int decoder_step(pyrt_decoder *d, pyrt_pool *pool, int token, int pos,
     }
     if (rc == PYRT_OK) {
         rms_norm(d->x, w->output_norm, w->rms_eps, w->n_embd, d->xn);
-        pyrt_mv_job out = {.out = {{&w->output, NULL, logits, 0}}, .n_mats = 1,
-                           .div = w->logit_scale};
+        const pyrt_mv_job first = qkv_job(d, &d->blocks[0]); /* the next step's */
+        plan_next(pool, &first);
         run_matvec(d, pool, &out, d->xn, w->n_embd);
         d->times[2] += now_ns() - t0;
         d->times[3] += 1;

@@ -27,8 +27,11 @@ typedef struct {
 } pyrt_mv_out;
 
 /* y = x W^T for up to PYRT_MV_MAX matrices over the same tokens, as one pool task: the rows of
- * all matrices form one list cut into chunks that threads take from a shared counter (a slower
- * or preempted core delays the task by one chunk). Each y element is written by one thread. */
+ * all matrices form one list, cut into one home per thread (pyrt_home_start, the same split as
+ * a prefetch plan of the job: pyrt_mv_job_plan), each home into chunks. A thread takes its own
+ * home's chunks first (their rows are in its L2 when it prefetched them while idle), then those
+ * of the other homes, from per-home counters (a slower or preempted core delays the task by one
+ * chunk). Each y element is written by one thread. */
 typedef struct {
     pyrt_mv_out out[PYRT_MV_MAX];
     int n_mats;
@@ -41,13 +44,17 @@ typedef struct {
     float div;            /* every output divided by it (1: no-op) */
     /* set by pyrt_mv_job_prepare */
     int64_t total_rows;
+    int n_homes;          /* min(nth, PYRT_MAX_HOMES) */
     int chunk;            /* rows per work item (even, so row pairs share one pass over x) */
-    _Alignas(64) atomic_int next; /* next work item (own cache line: threads bump it) */
-    char pad[60];
+    struct {
+        _Alignas(64) atomic_int next; /* next chunk of the home (own cache line) */
+    } home[PYRT_MAX_HOMES];
 } pyrt_mv_job;
 
-/* Sets the chunking for nth threads and resets the counter; call before each pyrt_pool_run. */
+/* Sets the chunking for nth threads and resets the counters; call before each pyrt_pool_run. */
 void pyrt_mv_job_prepare(pyrt_mv_job *job, int nth);
+/* The job's rows as a prefetch plan (the same homes as its task's). */
+void pyrt_mv_job_plan(const pyrt_mv_job *job, pyrt_pf_plan *plan);
 /* The pool task (ctx: pyrt_mv_job). */
 void pyrt_mv_task(void *ctx, int ith, int nth);
 

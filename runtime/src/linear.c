@@ -51,12 +51,23 @@ void pyrt_mv_job_prepare(pyrt_mv_job *job, int nth) {
     for (int i = 0; i < job->n_mats; i++)
         total += job->out[i].m->n_out;
     job->total_rows = total;
-    int64_t chunk = (total + (int64_t)nth * CHUNKS_PER_THREAD - 1) / ((int64_t)nth * CHUNKS_PER_THREAD);
+    job->n_homes = nth < PYRT_MAX_HOMES ? nth : PYRT_MAX_HOMES;
+    const int64_t home = (total + job->n_homes - 1) / job->n_homes;
+    int64_t chunk = (home + CHUNKS_PER_THREAD - 1) / CHUNKS_PER_THREAD;
     if (chunk < MIN_CHUNK)
         chunk = MIN_CHUNK;
     chunk += chunk & 1;
     job->chunk = (int)chunk;
-    atomic_store_explicit(&job->next, 0, memory_order_relaxed); /* pool_run publishes it */
+    for (int h = 0; h < job->n_homes; h++) /* pool_run publishes them */
+        atomic_store_explicit(&job->home[h].next, 0, memory_order_relaxed);
+}
+
+void pyrt_mv_job_plan(const pyrt_mv_job *job, pyrt_pf_plan *plan) {
+    plan->n = job->n_mats < PYRT_PF_REGIONS ? job->n_mats : PYRT_PF_REGIONS;
+    for (int i = 0; i < plan->n; i++) {
+        const pyrt_matrix *m = job->out[i].m;
+        plan->r[i] = (pyrt_pf_region){m->data, pyrt_row_bytes(m->fmt, m->n_in), m->n_out};
+    }
 }
 
 static inline float finish(const pyrt_mv_job *job, const pyrt_mv_out *o, int row, float v) {
@@ -118,26 +129,41 @@ static void mv_rows(const pyrt_mv_job *job, const pyrt_mv_out *o, int r0, int r1
     }
 }
 
+/* Rows [lo, hi) of the job's list, mapped onto the matrices they cross. */
+static void mv_range(const pyrt_mv_job *job, int64_t lo, int64_t hi) {
+    int64_t base = 0;
+    for (int i = 0; i < job->n_mats && lo < hi; i++) {
+        const int64_t n = job->out[i].m->n_out;
+        if (lo < base + n) {
+            const int64_t end = hi < base + n ? hi : base + n;
+            mv_rows(job, &job->out[i], (int)(lo - base), (int)(end - base));
+            lo = end;
+        }
+        base += n;
+    }
+}
+
 void pyrt_mv_task(void *ctx, int ith, int nth) {
-    (void)ith;
     (void)nth;
     pyrt_mv_job *job = ctx;
-    for (;;) {
-        const int64_t item = atomic_fetch_add_explicit(&job->next, 1, memory_order_relaxed);
-        int64_t lo = item * job->chunk;
-        if (lo >= job->total_rows)
-            return;
-        int64_t hi = lo + job->chunk < job->total_rows ? lo + job->chunk : job->total_rows;
-        /* map the global row range onto the matrices it crosses */
-        int64_t base = 0;
-        for (int i = 0; i < job->n_mats && lo < hi; i++) {
-            const int64_t n = job->out[i].m->n_out;
-            if (lo < base + n) {
-                const int64_t end = hi < base + n ? hi : base + n;
-                mv_rows(job, &job->out[i], (int)(lo - base), (int)(end - base));
-                lo = end;
-            }
-            base += n;
+    const int nh = job->n_homes;
+    /* own home first, then the others' from the next one on */
+    for (int k = 0; k < nh; k++) {
+        const int h = (ith + k) % nh;
+        const int64_t lo = pyrt_home_start(job->total_rows, h, nh);
+        const int64_t hi = pyrt_home_start(job->total_rows, h + 1, nh);
+        /* a plain load first: a finished home costs no atomic (which would serialize the
+         * threads' scans at the end of the task) */
+        if (lo + (int64_t)atomic_load_explicit(&job->home[h].next, memory_order_relaxed) *
+                     job->chunk >= hi)
+            continue;
+        for (;;) {
+            const int64_t i = atomic_fetch_add_explicit(&job->home[h].next, 1,
+                                                        memory_order_relaxed);
+            const int64_t r0 = lo + i * job->chunk;
+            if (r0 >= hi)
+                break;
+            mv_range(job, r0, r0 + job->chunk < hi ? r0 + job->chunk : hi);
         }
     }
 }

@@ -28,8 +28,15 @@
 
 enum {
     DEFAULT_SPIN_US = 300, /* how long a worker (or the waiting caller) spins before sleeping */
-    SPIN_CHECK = 64        /* pause instructions between clock reads */
+    SPIN_CHECK = 64,       /* pause instructions (or idle-prefetch steps) between clock reads */
+    IDLE_LINES = 8         /* cache lines per idle-prefetch step, between looks at the flag */
 };
+
+/* Where a thread's idle prefetch of its home has got to (own cache line: only ith writes it). */
+typedef struct {
+    _Alignas(64) int64_t epoch; /* the plan it belongs to (plan_epoch) */
+    int64_t done;               /* bytes of the home prefetched */
+} idle_progress;
 
 typedef struct {
     pyrt_pool *pool;
@@ -55,6 +62,18 @@ struct pyrt_pool {
     void *ctx;
     void *workspace; /* scratch owned by the pool */
     size_t workspace_bytes;
+    /* prefetch while idle (pyrt_internal.h): plans[g & 1] is the plan of the run of generation g
+     * (written before g is published, read by the threads of that run until g + 1 starts);
+     * plan_epoch[g & 1] changes only when the plan differs from the run before's, so a thread
+     * whose home is the same (qkv, then attention, both before the o projection) goes on from
+     * where it stopped instead of walking it again. */
+    int idle_pf;              /* PYRT_IDLE_PREFETCH at creation (default 1; 0: plans ignored) */
+    int has_next;             /* next_plan is set for the next run */
+    pyrt_pf_plan next_plan;
+    pyrt_pf_plan plans[2];
+    int64_t plan_epoch[2];
+    int64_t epoch;            /* last epoch handed out */
+    idle_progress *progress;  /* [n_threads] */
 };
 
 static int64_t mono_ns(void) {
@@ -63,13 +82,83 @@ static int64_t mono_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-/* Spins until the generation differs from `seen` or spin_ns have passed; returns the last read. */
-static uint_fast64_t spin_for_generation(pyrt_pool *pool, uint_fast64_t seen) {
+static int same_plan(const pyrt_pf_plan *a, const pyrt_pf_plan *b) {
+    if (a->n != b->n)
+        return 0;
+    for (int i = 0; i < a->n; i++)
+        if (a->r[i].data != b->r[i].data || a->r[i].row_bytes != b->r[i].row_bytes ||
+            a->r[i].n_rows != b->r[i].n_rows)
+            return 0;
+    return 1;
+}
+
+/* One step of thread ith's idle prefetch of the plan of the run in `slot`: the next IDLE_LINES
+ * lines of its home into L2. Returns 0 when its home is done (or it has none). */
+static int idle_step(pyrt_pool *pool, int ith, int slot) {
+    const pyrt_pf_plan *p = &pool->plans[slot];
+    const int n_homes = pool->n_threads < PYRT_MAX_HOMES ? pool->n_threads : PYRT_MAX_HOMES;
+    if (p->n == 0 || ith >= n_homes)
+        return 0;
+    idle_progress *pr = &pool->progress[ith];
+    if (pr->epoch != pool->plan_epoch[slot]) {
+        pr->epoch = pool->plan_epoch[slot];
+        pr->done = 0;
+    }
+    int64_t rows = 0;
+    for (int i = 0; i < p->n; i++)
+        rows += p->r[i].n_rows;
+    const int64_t lo = pyrt_home_start(rows, ith, n_homes);
+    const int64_t hi = pyrt_home_start(rows, ith + 1, n_homes);
+    int64_t skip = pr->done; /* bytes of the home before the next line to prefetch */
+    int left = IDLE_LINES;
+    int64_t base = 0;        /* first row of region i in the list */
+    for (int i = 0; i < p->n && left > 0; base += p->r[i].n_rows, i++) {
+        const pyrt_pf_region *r = &p->r[i];
+        const int64_t a = lo > base ? lo : base;
+        const int64_t b = hi < base + r->n_rows ? hi : base + r->n_rows;
+        if (a >= b)
+            continue;
+        const int64_t seg = (b - a) * (int64_t)r->row_bytes;
+        if (skip >= seg) {
+            skip -= seg;
+            continue;
+        }
+        const uint8_t *start = r->data + (size_t)(a - base) * r->row_bytes;
+        for (; skip < seg && left > 0; skip += 64, left--, pr->done += 64)
+            __builtin_prefetch(start + skip, 0, 2); /* prefetcht1: into L2 */
+        skip = 0;
+    }
+    return left == 0;
+}
+
+int pyrt_pool_idle_prefetch(pyrt_pool *pool, int ith) {
+    const uint_fast64_t gen = atomic_load_explicit(&pool->generation, memory_order_acquire);
+    return idle_step(pool, ith, (int)(gen & 1));
+}
+
+void pyrt_pool_plan_prefetch(pyrt_pool *pool, const pyrt_pf_plan *plan) {
+    if (!pool->idle_pf || plan == NULL || plan->n <= 0) {
+        pool->has_next = 0;
+        return;
+    }
+    pool->next_plan.n = plan->n < PYRT_PF_REGIONS ? plan->n : PYRT_PF_REGIONS;
+    for (int i = 0; i < pool->next_plan.n; i++)
+        pool->next_plan.r[i] = plan->r[i];
+    pool->has_next = 1;
+}
+
+/* Spins until the generation differs from `seen` or spin_ns have passed; returns the last read.
+ * While it spins, thread ith prefetches its home of the plan of run `seen` (the next task's). */
+static uint_fast64_t spin_for_generation(pyrt_pool *pool, uint_fast64_t seen, int ith) {
     uint_fast64_t gen = atomic_load_explicit(&pool->generation, memory_order_acquire);
     const int64_t t0 = gen == seen ? mono_ns() : 0;
+    int more = 1;
     while (gen == seen) {
         for (int i = 0; i < SPIN_CHECK && gen == seen; i++) {
-            PYRT_CPU_RELAX();
+            if (more)
+                more = idle_step(pool, ith, (int)(seen & 1));
+            else
+                PYRT_CPU_RELAX();
             gen = atomic_load_explicit(&pool->generation, memory_order_acquire);
         }
         if (gen == seen && mono_ns() - t0 > pool->spin_ns)
@@ -83,7 +172,7 @@ static void *worker_main(void *p) {
     pyrt_pool *pool = arg->pool;
     uint_fast64_t seen = 0;
     for (;;) {
-        uint_fast64_t gen = spin_for_generation(pool, seen);
+        uint_fast64_t gen = spin_for_generation(pool, seen, arg->ith);
         if (gen == seen) {
             pthread_mutex_lock(&pool->lock);
             atomic_fetch_add(&pool->n_sleeping, 1); /* then read generation: see pool_run */
@@ -146,6 +235,14 @@ int pyrt_pool_create(int n_threads, pyrt_pool **out) {
     atomic_init(&pool->caller_sleeping, 0);
     const char *spin = getenv("PYRT_SPIN_US");
     pool->spin_ns = (int64_t)(spin != NULL ? atoi(spin) : DEFAULT_SPIN_US) * 1000;
+    const char *idle = getenv("PYRT_IDLE_PREFETCH");
+    pool->idle_pf = idle == NULL || atoi(idle) != 0;
+    pool->progress = aligned_alloc(64, (size_t)n_threads * sizeof *pool->progress);
+    if (pool->progress == NULL) {
+        pyrt_pool_free(pool);
+        return pyrt_fail(PYRT_E_NOMEM, "pyrt_pool_create: out of memory");
+    }
+    memset(pool->progress, 0, (size_t)n_threads * sizeof *pool->progress);
     for (int i = 0; i < n_threads - 1; i++) {
         pool->args[i] = (worker_arg){.pool = pool, .ith = i + 1};
         int rc = pthread_create(&pool->threads[i], NULL, worker_main, &pool->args[i]);
@@ -170,6 +267,7 @@ void pyrt_pool_free(pyrt_pool *pool) {
     pthread_mutex_destroy(&pool->lock);
     pthread_mutex_destroy(&pool->call_lock);
     free(pool->workspace);
+    free(pool->progress);
     free(pool->threads);
     free(pool->args);
     free(pool);
@@ -217,6 +315,19 @@ void pyrt_pool_run(pyrt_pool *pool, pyrt_task_fn fn, void *ctx) {
     }
     pool->fn = fn;
     pool->ctx = ctx;
+    /* this run's plan, in the slot of the generation it is about to get */
+    const uint_fast64_t gen = atomic_load_explicit(&pool->generation, memory_order_relaxed) + 1;
+    const int slot = (int)(gen & 1);
+    pyrt_pf_plan *plan = &pool->plans[slot];
+    if (pool->has_next) {
+        if (!same_plan(&pool->next_plan, &pool->plans[slot ^ 1]))
+            pool->epoch++;
+        *plan = pool->next_plan;
+        pool->plan_epoch[slot] = pool->epoch;
+        pool->has_next = 0;
+    } else {
+        plan->n = 0;
+    }
     atomic_store_explicit(&pool->pending, nth - 1, memory_order_relaxed);
     /* Publish the task (seq_cst), then look for sleepers: a worker that counted itself asleep
      * after this read re-reads the generation under the lock and sees the new task. */
@@ -232,11 +343,15 @@ void pyrt_pool_run(pyrt_pool *pool, pyrt_task_fn fn, void *ctx) {
     if (atomic_load_explicit(&pool->pending, memory_order_acquire) == 0)
         return;
     const int64_t t0 = mono_ns();
+    int more = plan->n > 0;
     for (;;) {
         for (int i = 0; i < SPIN_CHECK; i++) {
             if (atomic_load_explicit(&pool->pending, memory_order_acquire) == 0)
                 return;
-            PYRT_CPU_RELAX();
+            if (more)
+                more = idle_step(pool, 0, slot);
+            else
+                PYRT_CPU_RELAX();
         }
         if (mono_ns() - t0 > pool->spin_ns)
             break;

@@ -69,6 +69,20 @@ typedef struct {
     pyrt_axpyn_pf_fn axpyn_pf; /* axpyn with spread prefetches; NULL: as for dot_pf */
 } pyrt_row_ops;
 
+/* A line address in a prefetch list: bit 0 clear, into L1 (prefetcht0); bit 0 set, into L2 only
+ * (prefetcht1; the address is the line's + 1). Lines are 64-byte aligned, so the bit is free. */
+static inline const void *pyrt_pf_l2(const void *line) {
+    return (const uint8_t *)line + 1;
+}
+
+static inline void pyrt_prefetch_line(const void *p) {
+    const uintptr_t a = (uintptr_t)p;
+    if (a & 1)
+        __builtin_prefetch((const void *)(a - 1), 0, 2);
+    else
+        __builtin_prefetch(p, 0, 3);
+}
+
 /* Spreads n prefetches over a loop of n_it iterations: pyrt_pf_tick after each iteration issues
  * the lines due so far (16.16 fixed point, no division in the loop; n < 65536), pyrt_pf_end the
  * rest. */
@@ -89,12 +103,12 @@ static inline void pyrt_pf_tick(pyrt_pf_spread *s) {
     s->acc += s->step;
     const int due = (int)(s->acc >> 16);
     for (; s->i < due; s->i++)
-        __builtin_prefetch(s->lines[s->i], 0, 3);
+        pyrt_prefetch_line(s->lines[s->i]);
 }
 
 static inline void pyrt_pf_end(pyrt_pf_spread *s) {
     for (; s->i < s->n; s->i++)
-        __builtin_prefetch(s->lines[s->i], 0, 3);
+        pyrt_prefetch_line(s->lines[s->i]);
 }
 
 /* Row kernels of one SIMD level for fmt; NULL when the level has none for fmt (unknown format). */
@@ -175,6 +189,43 @@ void pyrt_pool_release(pyrt_pool *pool);
  * time to time a sched_yield, so that a waiter does not starve the preempted thread it waits
  * for on an oversubscribed machine. */
 void pyrt_spin_pause(int spins);
+/* ---- prefetch while idle (pool.c) ----------------------------------------------------------
+ * Between pool tasks the DRAM idles: the caller runs serial pieces (norms, RoPE, top-k), threads
+ * wait for the slowest one, and each task's first rows arrive a memory latency late. A plan names
+ * the rows the NEXT task will read (the rows of up to PYRT_PF_REGIONS matrices, as one list), cut
+ * into homes: thread ith < n_homes = min(nth, PYRT_MAX_HOMES) owns rows
+ * [pyrt_home_start(rows, ith, n_homes), pyrt_home_start(rows, ith + 1, n_homes)). While a thread
+ * waits (for the next task, or for the others at the end of one), it prefetches its home of the
+ * plan into its L2 (prefetcht1), a few lines at a time, until the next task starts; the matvec
+ * (linear.c) then takes its home's rows first, from L2. A plan is only a hint: prefetches never
+ * fault, and a stale or wrong plan costs bandwidth, never correctness. */
+enum { PYRT_PF_REGIONS = 4, PYRT_MAX_HOMES = 64 };
+
+typedef struct {
+    const uint8_t *data; /* row 0 */
+    size_t row_bytes;
+    int64_t n_rows;
+} pyrt_pf_region;
+
+typedef struct {
+    pyrt_pf_region r[PYRT_PF_REGIONS];
+    int n;
+} pyrt_pf_plan;
+
+/* First row of home h of n_homes over `rows` rows: even (so row pairs stay in one home), rising,
+ * `rows` for h = n_homes. */
+static inline int64_t pyrt_home_start(int64_t rows, int h, int n_homes) {
+    return h >= n_homes ? rows : (rows * h / n_homes) & ~(int64_t)1;
+}
+
+/* The plan for the idle time of the next pyrt_pool_run only (its threads' waits inside and after
+ * the task); copied. NULL or an empty plan: nothing. Ignored when PYRT_IDLE_PREFETCH=0 was set at
+ * pool creation. Call while holding the pool, or just before the kernel call that will. */
+void pyrt_pool_plan_prefetch(pyrt_pool *pool, const pyrt_pf_plan *plan);
+/* Inside a task (thread ith): one step (a few lines) of this task's plan for ith; returns 0 once
+ * ith's home is done (or there is no plan), so a spin-wait can prefetch instead of pausing. */
+int pyrt_pool_idle_prefetch(pyrt_pool *pool, int ith);
+
 /* Scratch memory owned by the pool (64-byte aligned, grown on demand, kept between calls); NULL
  * when out of memory. Valid while the caller holds the pool and until the next workspace call. */
 void *pyrt_pool_workspace(pyrt_pool *pool, size_t bytes);

@@ -7,6 +7,7 @@
  * 3. Errors: status codes, messages, thread-local last_error; pools built and freed repeatedly
  *    (LeakSanitizer checks nothing is lost).
  * Exit status 0 and "all C core tests passed" on success. */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -392,6 +393,21 @@ static void test_moe_ffn_case(int FF) {
                               i, y[i], yref[i]);
                         break;
                     }
+                /* prefetch knobs (the L2 cursor, another near distance) and an idle-prefetch
+                 * plan over the weights move no bit */
+                setenv("PYRT_PF_FAR", "6", 1);
+                setenv("PYRT_PREFETCH_AHEAD", "1", 1);
+                pyrt_pf_plan plan = {.r = {{gud, rb, (int64_t)E * FF * 3}}, .n = 1};
+                pyrt_pool_plan_prefetch(pool, &plan);
+                float y2[T * 64];
+                int64_t active2 = -1;
+                rc = pyrt_moe_ffn(pool, gud, (size_t)E * FF * 3 * rb, fmt, E, FF, D, x, T, ids, tw,
+                                  K, PYRT_ACT_SILU, (float)thr, y2, &active2);
+                unsetenv("PYRT_PF_FAR");
+                unsetenv("PYRT_PREFETCH_AHEAD");
+                CHECK(rc == PYRT_OK && active2 == active &&
+                          memcmp(y, y2, sizeof(float) * T * D) == 0,
+                      "fmt %d thr %g nth %d: prefetch knobs changed the result", fmt, thr, nth);
                 pyrt_pool_free(pool);
             }
         }
