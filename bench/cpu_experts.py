@@ -11,11 +11,19 @@ expert is counted twice, so sparse batch-8 bytes/s is an upper bound). The DRAM 
 
     PYTHONPATH=. python bench/cpu_experts.py            # both shapes, Q8_0, all cores
     PYTHONPATH=. python bench/cpu_experts.py --shapes olmoe-1b-7b --formats Q8_0 Q4_0 --threads 1
+
+--sweep times the kernel's debug knobs (environment variables read on every call, see
+runtime/src/moe_ffn.c) against each other in one process, on the first shape and format, every
+combination in turn for --rounds rounds (so drift hits all alike), median of the rounds' medians:
+
+    PYTHONPATH=. python bench/cpu_experts.py --sweep PYRT_PF_FAR=0,4,8 PYRT_PREFETCH_AHEAD=1,2
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import os
 import platform
 import statistics
 import time
@@ -73,6 +81,56 @@ def dram_read(core: cpu_core.CpuCore, gib: float, iters: int) -> tuple[float, fl
         core.mem_read(buf)
         rates.append(buf.nbytes / (time.perf_counter() - t) / 1e9)
     return statistics.median(rates), max(rates)
+
+
+def layer_copies(fmt: str, shape, footprint_gib: float) -> list[np.ndarray]:
+    """One random layer and byte copies of it, footprint_gib GiB in all. Copies, not fresh random
+    layers: the kernel reads them from different addresses all the same (DRAM does not care what
+    the bytes are), and copying is ~20x faster than generating random bytes."""
+    n_embd, n_ff, n_expert, _ = shape
+    first = random_layer(fmt, n_expert, n_ff, n_embd)
+    n_copies = max(1, int(np.ceil(footprint_gib * 2**30 / first.nbytes)))
+    return [first] + [first.copy() for _ in range(n_copies - 1)]
+
+
+def sweep(core, layers, fmt, shape, batches, sparsities, iters, knobs, rounds, bw):
+    """Every combination of knob values (dict name -> list of strings), interleaved over rounds;
+    prints ms per call (median of the rounds' medians) and dense % of DRAM read / sparse speedup."""
+    n_embd, n_ff, _, _ = shape
+    thresholds = act_quantiles(layers[0], fmt, n_ff, n_embd, sparsities)
+    names = list(knobs)
+    combos = list(itertools.product(*(knobs[n] for n in names)))
+    saved = {n: os.environ.get(n) for n in names}
+    ms: dict[tuple, list[float]] = {}
+    gbs: dict[tuple, list[float]] = {}
+    for _ in range(rounds):
+        for combo in combos:
+            os.environ.update(dict(zip(names, combo, strict=True)))
+            for batch in batches:
+                for s in sparsities:
+                    r = bench_layer(core, layers, fmt, shape, batch, thresholds[s], iters)
+                    ms.setdefault((combo, batch, s), []).append(r["ms"])
+                    gbs.setdefault((combo, batch, s), []).append(r["gbs"])
+    for n, v in saved.items():
+        if v is None:
+            os.environ.pop(n, None)
+        else:
+            os.environ[n] = v
+    cols = [(b, s) for b in batches for s in sparsities]
+    head = " | ".join(f"b{b} s{s:.1f} ms" for b, s in cols)
+    print(f"\n| {' | '.join(names)} | {head} |")
+    print("|" + "---|" * (len(names) + len(cols)))
+    for combo in combos:
+        cells = []
+        for b, s in cols:
+            m = statistics.median(ms[(combo, b, s)])
+            if s == 0:
+                g = statistics.median(gbs[(combo, b, s)])
+                cells.append(f"{m:.3f} ({100 * g / bw:.0f}%)")
+            else:
+                dense = statistics.median(ms[(combo, b, 0.0)]) if 0.0 in sparsities else None
+                cells.append(f"{m:.3f}" + (f" ({dense / m:.2f}x)" if dense else ""))
+        print(f"| {' | '.join(combo)} | {' | '.join(cells)} |", flush=True)
 
 
 def bench_layer(core, layers, fmt, shape, batch, threshold, iters, seed=3):
@@ -139,6 +197,13 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--read-gib", type=float, default=1.0)
     p.add_argument(
+        "--sweep",
+        nargs="+",
+        metavar="KNOB=V1,V2",
+        help="time these knob values against each other instead (first shape and format)",
+    )
+    p.add_argument("--rounds", type=int, default=3, help="--sweep: interleaved rounds")
+    p.add_argument(
         "--footprint-gib",
         type=float,
         default=2.0,
@@ -159,6 +224,26 @@ def main() -> None:
     )
     hot, cold = wake_up_us(core)
     print(f"call overhead (tiny call): {hot:.0f} us back to back, {cold:.0f} us after 5 ms idle\n")
+    if args.sweep:
+        knobs = dict(kv.split("=", 1) for kv in args.sweep)
+        shape, fmt = SHAPES[args.shapes[0]], args.formats[0]
+        print(f"sweep: {args.shapes[0]} {fmt}, {args.rounds} rounds of {args.iters} calls per cell")
+        layers = layer_copies(fmt, shape, args.footprint_gib)
+        knob_values = {k: v.split(",") for k, v in knobs.items()}
+        sweep(
+            core,
+            layers,
+            fmt,
+            shape,
+            args.batches,
+            args.sparsity,
+            args.iters,
+            knob_values,
+            args.rounds,
+            bw,
+        )
+        core.close()
+        return
     print(
         "| shape | fmt | batch | target sparsity | achieved | ms/call | GB/s | % of DRAM read "
         "| speedup vs dense |"
@@ -168,11 +253,8 @@ def main() -> None:
         shape = SHAPES[name]
         n_embd, n_ff, n_expert, _ = shape
         for fmt in args.formats:
-            first = random_layer(fmt, n_expert, n_ff, n_embd)
-            n_copies = max(1, int(np.ceil(args.footprint_gib * 2**30 / first.nbytes)))
-            layers = [first] + [
-                random_layer(fmt, n_expert, n_ff, n_embd, seed=s + 1) for s in range(n_copies - 1)
-            ]
+            layers = layer_copies(fmt, shape, args.footprint_gib)
+            first = layers[0]
             thresholds = act_quantiles(first, fmt, n_ff, n_embd, args.sparsity)
             for batch in args.batches:
                 dense_ms = None

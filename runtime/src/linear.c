@@ -3,10 +3,12 @@
  * (prefill). For Q8_0/Q4_0 the activations are quantized to Q8_0 blocks once per token and the dot
  * products are integer, as in pyrt_moe_ffn and llama.cpp; accumulation is f32.
  *
- * Work split: the rows of the matrices of one job form one list, cut into chunks of `chunk` rows
- * (about CHUNKS_PER_THREAD per thread) that threads take from an atomic counter. A chunk walks
- * its rows in pairs (dot2: one pass over x for two rows) and, inside a pair, every token of a
- * TOKEN_TILE, so a weight row is read from DRAM once and reused from L1 for the tile. */
+ * Work split: the rows of the matrices of one job form one list, cut into one home per thread
+ * (the homes of a prefetch plan, pyrt_internal.h), each home into CHUNKS_PER_THREAD chunks that
+ * threads take from the home's counter: its own home first (in the decode step its rows were
+ * prefetched into its L2 while the thread waited), then the others'. A chunk walks its rows in
+ * pairs (dot2: one pass over x for two rows) and, inside a pair, every token of a TOKEN_TILE, so
+ * a weight row is read from DRAM once and reused from L1 for the tile. */
 #include <stdlib.h>
 
 #include "decode_internal.h"
@@ -96,9 +98,20 @@ static int prefetch_rows(void) {
     return rows;
 }
 
+enum { PAIR_LINES = 1024 }; /* prefetch list of one row pair (64 KiB of rows; more: the rest not) */
+
+/* Line addresses covering [p, p + bytes), at most PAIR_LINES. */
+static int pair_lines(const uint8_t *p, size_t bytes, const void **lines) {
+    int n = 0;
+    for (const uint8_t *l = p - ((uintptr_t)p & 63); l < p + bytes && n < PAIR_LINES; l += 64)
+        lines[n++] = l;
+    return n;
+}
+
 /* Rows [r0, r1) of one matrix, every token of the job. */
 static void mv_rows(const pyrt_mv_job *job, const pyrt_mv_out *o, int r0, int r1) {
     const int ahead = prefetch_rows();
+    const void *pf[PAIR_LINES];
     const pyrt_matrix *m = o->m;
     const pyrt_row_ops *ops = pyrt_row_ops_active(m->fmt);
     const size_t rb = pyrt_row_bytes(m->fmt, m->n_in);
@@ -106,16 +119,28 @@ static void mv_rows(const pyrt_mv_job *job, const pyrt_mv_out *o, int r0, int r1
     const int blocked = pyrt_fmt_is_blocked(m->fmt);
     const uint8_t *xv = blocked ? (const uint8_t *)job->xq : (const uint8_t *)job->x;
     const size_t xs = blocked ? job->xq_stride * sizeof(pyrt_xq8) : job->x_stride * sizeof(float);
+    if (ahead > 0) /* the chunk's first rows, which no pair before it prefetched */
+        prefetch_bytes(w + (size_t)r0 * rb, (size_t)(r1 - r0 < ahead ? r1 - r0 : ahead) * rb);
     for (int t0 = 0; t0 < job->n_tokens; t0 += TOKEN_TILE) {
         const int t1 = job->n_tokens - t0 < TOKEN_TILE ? job->n_tokens : t0 + TOKEN_TILE;
         int r = r0;
         for (; ops->dot2 != NULL && r + 1 < r1; r += 2) {
             const uint8_t *row = w + (size_t)r * rb;
-            if (t0 == 0 && r + ahead + 2 <= r1)
-                prefetch_bytes(row + (size_t)ahead * rb, 2 * rb);
+            /* the pair `ahead` rows on: spread through this pair's first dot2 where the level
+             * has dot2_pf (a burst of a pair's ~70 lines stalls on full line-fill buffers) */
+            int n_pf = 0;
+            if (t0 == 0 && r + ahead + 2 <= r1) {
+                if (ops->dot2_pf != NULL)
+                    n_pf = pair_lines(row + (size_t)ahead * rb, 2 * rb, pf);
+                else
+                    prefetch_bytes(row + (size_t)ahead * rb, 2 * rb);
+            }
             for (int t = t0; t < t1; t++) {
                 float d[2];
-                ops->dot2(row, row + rb, xv + (size_t)t * xs, m->n_in, d);
+                if (n_pf > 0 && t == t0)
+                    ops->dot2_pf(row, row + rb, xv + (size_t)t * xs, m->n_in, d, pf, n_pf);
+                else
+                    ops->dot2(row, row + rb, xv + (size_t)t * xs, m->n_in, d);
                 o->y[(size_t)t * o->y_stride + r] = finish(job, o, r, d[0]);
                 o->y[(size_t)t * o->y_stride + r + 1] = finish(job, o, r + 1, d[1]);
             }
