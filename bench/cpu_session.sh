@@ -2,9 +2,9 @@
 # One device session of the C core's CPU benchmarks: builds the library of this tree (NEW) and of
 # a base tree (OLD, e.g. main's runtime/ and CMakeLists.txt copied to a folder), then, each in its
 # own process, in this order (most important first; later steps are skipped past BUDGET_S):
-#   1. knob sweep of the new expert kernel (bench/cpu_experts.py --sweep): PYRT_PF_FAR values,
-#      interleaved rounds; the best dense batch-1 value (if >= 3% faster than 0) is exported for
-#      the steps after it and reported;
+#   1. knob sweep of the new expert kernel (bench/cpu_experts.py --sweep): PYRT_PF_FAR x
+#      PYRT_PF_NTA, interleaved rounds; the best dense batch-1 setting (if >= 5% faster than the
+#      defaults) is exported for the steps after it and reported;
 #   2. bench/cpu_experts.py --iters 20 --footprint-gib 4, OLD then NEW;
 #   3. granite-1b-a400m Q8_0 random GGUF, bench/cpu_decode.py --threads 16 --tokens 64: OLD, NEW,
 #      NEW with PYRT_IDLE_PREFETCH=0;
@@ -47,17 +47,11 @@ echo "built at $(elapsed) s"
 # 1. sweep
 PYRUNTIME_CORE_LIB=$NEW python bench/cpu_experts.py --shapes olmoe-1b-7b --iters 20 \
     --footprint-gib "$FOOT" --batches 1 --sparsity 0 0.5 0.9 --rounds 3 \
-    --sweep PYRT_PF_FAR=0,4,8,16 2>&1 | tee "$OUT/sweep.txt"
-FAR=$(python - "$OUT/sweep.txt" <<'EOF'
-import re, sys
-rows = [l for l in open(sys.argv[1]) if re.match(r"\| \d+ \|", l)]
-ms = {int(l.split("|")[1]): float(l.split("|")[2].split()[0]) for l in rows}
-best = min(ms, key=ms.get) if ms else 0
-print(best if ms and ms[best] < 0.97 * ms.get(0, float("inf")) else 0)
-EOF
-)
-export PYRT_PF_FAR=$FAR
-echo "PYRT_PF_FAR=$FAR from the sweep (at $(elapsed) s)" | tee -a "$OUT/sweep.txt"
+    --sweep PYRT_PF_FAR=0,4,8,16 PYRT_PF_NTA=0,1 2>&1 | tee "$OUT/sweep.txt"
+# the best batch-1 dense setting, if >= 5% faster than the defaults (first row); else the defaults
+BEST=$(python bench/cpu_session_pick.py "$OUT/sweep.txt")
+export $BEST
+echo "chosen from the sweep: $BEST (at $(elapsed) s)" | tee -a "$OUT/sweep.txt"
 
 # 2. expert kernel, old vs new
 for v in OLD NEW; do
@@ -76,7 +70,7 @@ decode_model() { # shape
         [ $v = OLD ] && lib=$OLD
         [ $v = NEW_IDLE_OFF ] && idle=0
         left || break
-        echo "== $v ($lib) PYRT_PF_FAR=$PYRT_PF_FAR at $(elapsed) s"
+        echo "== $v ($lib) $BEST at $(elapsed) s"
         PYRT_IDLE_PREFETCH=$idle PYRUNTIME_CORE_LIB=$lib python bench/cpu_decode.py "$shape" \
             --gguf "$g" --threads 16 --tokens "$TOKENS"
     done

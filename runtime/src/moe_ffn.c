@@ -75,6 +75,7 @@ typedef struct {
     int64_t *active;        /* [nth * 8] per-thread active-neuron counters (own cache line) */
     int prefetch_ahead;     /* neurons ahead whose rows are software-prefetched (0: none) */
     int prefetch_far;       /* > prefetch_ahead: a second cursor this far ahead, into L2 only */
+    int prefetch_nta;       /* the near cursor's prefetches are non-temporal (prefetchnta) */
     int sparse_chunk;       /* sparse: neurons per chunk (<= NEURON_CHUNK) */
     int64_t *prof;          /* [nth * 8] per-thread task start, items end, end ns, or NULL */
     pyrt_pool *pool;        /* for the idle prefetch while a reducer waits on an item */
@@ -87,6 +88,8 @@ typedef struct {
  * PYRT_PREFETCH_AHEAD=n   software-prefetch the rows of the neuron n ahead (default 2; 0: off).
  * PYRT_PF_FAR=n           and into L2 only, those of the neuron n ahead (default DEFAULT_PF_FAR;
  *                         off when n <= the above): dense rows and sparse gate rows.
+ * PYRT_PF_NTA=1           the near cursor (dense rows, sparse gates) uses prefetchnta, which
+ *                         does not fill L2 (default 0).
  * PYRT_SPARSE_CHUNK=n     sparse: gates of n neurons (1..32, default 32) before their up/down rows.
  * PYRT_ITEMS=n            n equal work items per thread (default 0: guided sizes, see plan_items).
  * PYRT_SPIN_US=n          (pool.c, read at pool creation) how long idle threads spin, default 300.
@@ -95,6 +98,7 @@ typedef struct {
     int profile;
     int prefetch_ahead;
     int prefetch_far;
+    int prefetch_nta;
     int items_per_thread;
     int sparse_chunk;
 } knobs;
@@ -103,10 +107,11 @@ typedef struct {
 static knobs read_knobs(void) {
     const char *p = getenv("PYRT_PROFILE"), *a = getenv("PYRT_PREFETCH_AHEAD");
     const char *items = getenv("PYRT_ITEMS"), *chunk = getenv("PYRT_SPARSE_CHUNK");
-    const char *far = getenv("PYRT_PF_FAR");
+    const char *far = getenv("PYRT_PF_FAR"), *nta = getenv("PYRT_PF_NTA");
     knobs k = {.profile = p != NULL && atoi(p) > 0 ? atoi(p) : 0,
                .prefetch_ahead = a != NULL ? atoi(a) : DEFAULT_PREFETCH_AHEAD,
                .prefetch_far = far != NULL ? atoi(far) : DEFAULT_PF_FAR,
+               .prefetch_nta = nta != NULL && atoi(nta) != 0,
                .items_per_thread = items != NULL ? atoi(items) : 0,
                .sparse_chunk = chunk != NULL ? atoi(chunk) : DEFAULT_SPARSE_CHUNK};
     if (k.sparse_chunk < 1 || k.sparse_chunk > MAX_SPARSE_CHUNK)
@@ -207,12 +212,12 @@ static inline void add_lines(const void **lines, int *n, const uint8_t *p, size_
         lines[(*n)++] = line;
 }
 
-/* The same, tagged for L2 (pyrt_pf_l2) when l2 is set. */
+/* The same, tagged with a hint (pyrt_prefetch_line: 0 L1, 1 L2 only, 2 non-temporal). */
 static inline void add_lines_to(const void **lines, int *n, const uint8_t *p, size_t bytes,
-                                int l2) {
+                                int hint) {
     const uint8_t *line = p - ((uintptr_t)p & 63);
     for (; line < p + bytes && *n < PF_MAX_LINES; line += 64)
-        lines[(*n)++] = l2 ? pyrt_pf_l2(line) : line;
+        lines[(*n)++] = line + hint;
 }
 
 static inline void prefetch_lines(const void *const *lines, int n) {
@@ -282,7 +287,7 @@ static inline void axpy_rows_pf(const moe_ctx *c, int nr, const float *a, const 
  * the pace the rows are used (a steady distance, no bursts, no idle phases). */
 typedef struct {
     const uint8_t *at, *end;
-    int l2; /* lines go to L2 only (the far cursor) */
+    int hint; /* pyrt_prefetch_line's: 0 L1 (the near cursor), 1 L2 only (the far one), 2 NTA */
 } pf_cursor;
 
 /* The next `bytes` of the stream as line addresses in lines[*n] (fewer at the stream's end). */
@@ -291,7 +296,7 @@ static inline void pf_cursor_take(pf_cursor *pc, size_t bytes, const void **line
         return;
     if (bytes > (size_t)(pc->end - pc->at))
         bytes = (size_t)(pc->end - pc->at);
-    add_lines_to(lines, n, pc->at, bytes, pc->l2);
+    add_lines_to(lines, n, pc->at, bytes, pc->hint);
     pc->at += bytes;
 }
 
@@ -319,7 +324,8 @@ static int64_t dense_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j0
     const void *pf[PF_MAX_LINES];
     float h[ROUTE_CHUNK][DENSE_CHUNK]; /* w * act(g . x) * (u . x) per route and neuron */
     const void *down[DENSE_CHUNK];
-    pf_cursor pc = {expert + (size_t)j0 * nrb, expert + (size_t)j1 * nrb, 0};
+    pf_cursor pc = {expert + (size_t)j0 * nrb, expert + (size_t)j1 * nrb,
+                    c->prefetch_nta ? 2 : 0};
     if (ahead > 0) { /* the first `ahead` neurons, in a burst; the cursor runs from there */
         const size_t lead = (size_t)ahead * nrb;
         prefetch_row(pc.at, lead < (size_t)(pc.end - pc.at) ? lead : (size_t)(pc.end - pc.at));
@@ -427,7 +433,7 @@ static void gather_take(gather_lines *g, const moe_ctx *c, int count, const void
 typedef struct {
     const uint8_t *expert;
     int64_t next, end, limit;
-    int l2; /* lines go to L2 only (the far cursor, PYRT_PF_FAR) */
+    int hint; /* pyrt_prefetch_line's: 0 L1, 1 L2 only (the far cursor, PYRT_PF_FAR), 2 NTA */
 } gate_cursor;
 
 static void gate_cursor_take(const moe_ctx *c, gate_cursor *gc, int64_t upto, const void **lines,
@@ -437,7 +443,7 @@ static void gate_cursor_take(const moe_ctx *c, gate_cursor *gc, int64_t upto, co
     upto = upto < gc->end ? upto : gc->end;
     for (; gc->next < upto; gc->next++)
         add_lines_to(lines, n, gc->expert + (size_t)gc->next * 3 * c->row_bytes, c->row_bytes,
-                     gc->l2);
+                     gc->hint);
 }
 
 /* Gates of the chunk's nj neurons. While they run, the kernels prefetch the gate row `ahead`
@@ -562,7 +568,8 @@ static int64_t sparse_neurons(const moe_ctx *c, sparse_pipe *pp, int item, const
     for (int rc = r0; rc < r1; rc += ROUTE_CHUNK) {
         const int nr = r1 - rc < ROUTE_CHUNK ? r1 - rc : ROUTE_CHUNK;
         /* the first `ahead` gates in a burst; the cursor runs from there (nowhere if ahead 0) */
-        gate_cursor gc = {expert, j0 + ahead < j1 ? j0 + ahead : j1, ahead > 0 ? j1 : j0, j0, 0};
+        gate_cursor gc = {expert, j0 + ahead < j1 ? j0 + ahead : j1, ahead > 0 ? j1 : j0, j0,
+                          c->prefetch_nta ? 2 : 0};
         for (int64_t j = j0; j < gc.next; j++)
             prefetch_row(expert + (size_t)j * 3 * rb, rb);
         gate_cursor far = {expert, gc.next, c->prefetch_far > ahead ? j1 : gc.next, j1, 1};
@@ -875,6 +882,7 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
         .active = (int64_t *)(ws + off_active),
         .prefetch_ahead = kn.prefetch_ahead,
         .prefetch_far = kn.prefetch_far,
+        .prefetch_nta = kn.prefetch_nta,
         .sparse_chunk = kn.sparse_chunk,
         .prof = kn.profile ? (int64_t *)(ws + off_prof) : NULL,
         .pool = pool,

@@ -69,18 +69,29 @@ typedef struct {
     pyrt_axpyn_pf_fn axpyn_pf; /* axpyn with spread prefetches; NULL: as for dot_pf */
 } pyrt_row_ops;
 
-/* A line address in a prefetch list: bit 0 clear, into L1 (prefetcht0); bit 0 set, into L2 only
- * (prefetcht1; the address is the line's + 1). Lines are 64-byte aligned, so the bit is free. */
+/* A line address in a prefetch list carries its hint in its low bits (lines are 64-byte
+ * aligned, so they are free): 0 into L1 and L2 (prefetcht0); +1 into L2 only (prefetcht1);
+ * +2 non-temporal (prefetchnta: into L1, not into L2 on Intel). */
 static inline const void *pyrt_pf_l2(const void *line) {
     return (const uint8_t *)line + 1;
 }
 
+static inline const void *pyrt_pf_nta(const void *line) {
+    return (const uint8_t *)line + 2;
+}
+
 static inline void pyrt_prefetch_line(const void *p) {
     const uintptr_t a = (uintptr_t)p;
-    if (a & 1)
+    switch (a & 3) {
+    case 1:
         __builtin_prefetch((const void *)(a - 1), 0, 2);
-    else
+        break;
+    case 2:
+        __builtin_prefetch((const void *)(a - 2), 0, 0);
+        break;
+    default:
         __builtin_prefetch(p, 0, 3);
+    }
 }
 
 /* Spreads n prefetches over a loop of n_it iterations: pyrt_pf_tick after each iteration issues
