@@ -76,6 +76,7 @@ typedef struct {
     int prefetch_ahead;     /* neurons ahead whose rows are software-prefetched (0: none) */
     int prefetch_far;       /* > prefetch_ahead: a second cursor this far ahead, into L2 only */
     int prefetch_nta;       /* the near cursor's prefetches are non-temporal (prefetchnta) */
+    int prefetch_cursor;    /* 0: the prefetch scheme before 3343c35 (PYRT_PF_CURSOR) */
     int sparse_chunk;       /* sparse: neurons per chunk (<= NEURON_CHUNK) */
     int64_t *prof;          /* [nth * 8] per-thread task start, items end, end ns, or NULL */
     pyrt_pool *pool;        /* for the idle prefetch while a reducer waits on an item */
@@ -90,6 +91,9 @@ typedef struct {
  *                         off when n <= the above): dense rows and sparse gate rows.
  * PYRT_PF_NTA=1           the near cursor (dense rows, sparse gates) uses prefetchnta, which
  *                         does not fill L2 (default 0).
+ * PYRT_PF_CURSOR=0        the prefetches before commit 3343c35 (default 1): dense, the whole
+ *                         neuron `ahead` on during its dot2 calls and nothing during the axpyn
+ *                         passes; sparse, no gate prefetch during the up/down phase.
  * PYRT_SPARSE_CHUNK=n     sparse: gates of n neurons (1..32, default 32) before their up/down rows.
  * PYRT_ITEMS=n            n equal work items per thread (default 0: guided sizes, see plan_items).
  * PYRT_SPIN_US=n          (pool.c, read at pool creation) how long idle threads spin, default 300.
@@ -99,6 +103,7 @@ typedef struct {
     int prefetch_ahead;
     int prefetch_far;
     int prefetch_nta;
+    int prefetch_cursor;
     int items_per_thread;
     int sparse_chunk;
 } knobs;
@@ -108,10 +113,12 @@ static knobs read_knobs(void) {
     const char *p = getenv("PYRT_PROFILE"), *a = getenv("PYRT_PREFETCH_AHEAD");
     const char *items = getenv("PYRT_ITEMS"), *chunk = getenv("PYRT_SPARSE_CHUNK");
     const char *far = getenv("PYRT_PF_FAR"), *nta = getenv("PYRT_PF_NTA");
+    const char *cursor = getenv("PYRT_PF_CURSOR");
     knobs k = {.profile = p != NULL && atoi(p) > 0 ? atoi(p) : 0,
                .prefetch_ahead = a != NULL ? atoi(a) : DEFAULT_PREFETCH_AHEAD,
                .prefetch_far = far != NULL ? atoi(far) : DEFAULT_PF_FAR,
                .prefetch_nta = nta != NULL && atoi(nta) != 0,
+               .prefetch_cursor = cursor == NULL || atoi(cursor) != 0,
                .items_per_thread = items != NULL ? atoi(items) : 0,
                .sparse_chunk = chunk != NULL ? atoi(chunk) : DEFAULT_SPARSE_CHUNK};
     if (k.sparse_chunk < 1 || k.sparse_chunk > MAX_SPARSE_CHUNK)
@@ -342,7 +349,10 @@ static int64_t dense_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j0
             for (int i = 0; i < nj; i++) {
                 const uint8_t *gate = expert + (size_t)(jc + i) * nrb;
                 int n_pf = 0;
-                pf_cursor_take(&pc, 2 * rb, pf, &n_pf);
+                if (c->prefetch_cursor)
+                    pf_cursor_take(&pc, 2 * rb, pf, &n_pf);
+                else if (ahead > 0 && jc + i + ahead < j1) /* before 3343c35 */
+                    add_lines(pf, &n_pf, gate + (size_t)ahead * nrb, nrb);
                 pf_far_take(&far, &pc, far_bytes, 2 * rb, pf, &n_pf);
                 for (int r = 0; r < nr; r++) {
                     const int lo = n_pf * r / nr, hi = n_pf * (r + 1) / nr;
@@ -353,7 +363,8 @@ static int64_t dense_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j0
                 down[i] = gate + 2 * rb;
             }
             int n_pf = 0;
-            pf_cursor_take(&pc, (size_t)nj * rb, pf, &n_pf);
+            if (c->prefetch_cursor)
+                pf_cursor_take(&pc, (size_t)nj * rb, pf, &n_pf);
             pf_far_take(&far, &pc, far_bytes, (size_t)nj * rb, pf, &n_pf);
             for (int r = 0; r < nr; r++) {
                 const int lo = n_pf * r / nr, hi = n_pf * (r + 1) / nr;
@@ -580,7 +591,7 @@ static int64_t sparse_neurons(const moe_ctx *c, sparse_pipe *pp, int item, const
                                  .jc = jc};
             active += sparse_gates(c, ch, nj, &gc, &far, pp->prev);
             gc.limit = jc + nj + c->sparse_chunk; /* at most the next chunk's gates */
-            sparse_pipe_flush(c, pp, 1, item, &gc);
+            sparse_pipe_flush(c, pp, 1, item, c->prefetch_cursor ? &gc : NULL);
             pp->prev = ch;
             pp->cur ^= 1;
         }
@@ -883,6 +894,7 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
         .prefetch_ahead = kn.prefetch_ahead,
         .prefetch_far = kn.prefetch_far,
         .prefetch_nta = kn.prefetch_nta,
+        .prefetch_cursor = kn.prefetch_cursor,
         .sparse_chunk = kn.sparse_chunk,
         .prof = kn.profile ? (int64_t *)(ws + off_prof) : NULL,
         .pool = pool,

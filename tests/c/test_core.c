@@ -397,6 +397,7 @@ static void test_moe_ffn_case(int FF) {
                  * plan over the weights move no bit */
                 setenv("PYRT_PF_FAR", "6", 1);
                 setenv("PYRT_PF_NTA", "1", 1);
+                setenv("PYRT_PF_CURSOR", nth == 2 ? "0" : "1", 1);
                 setenv("PYRT_PREFETCH_AHEAD", "1", 1);
                 pyrt_pf_plan plan = {.r = {{gud, rb, (int64_t)E * FF * 3}}, .n = 1};
                 pyrt_pool_plan_prefetch(pool, &plan);
@@ -406,6 +407,7 @@ static void test_moe_ffn_case(int FF) {
                                   K, PYRT_ACT_SILU, (float)thr, y2, &active2);
                 unsetenv("PYRT_PF_FAR");
                 unsetenv("PYRT_PF_NTA");
+                unsetenv("PYRT_PF_CURSOR");
                 unsetenv("PYRT_PREFETCH_AHEAD");
                 CHECK(rc == PYRT_OK && active2 == active &&
                           memcmp(y, y2, sizeof(float) * T * D) == 0,
