@@ -2,9 +2,10 @@
 # One device session of the C core's CPU benchmarks: builds the library of this tree (NEW) and of
 # a base tree (OLD, e.g. main's runtime/ and CMakeLists.txt copied to a folder), then, each in its
 # own process, in this order (most important first; later steps are skipped past BUDGET_S):
-#   1. knob sweep of the new expert kernel (bench/cpu_experts.py --sweep): PYRT_PF_FAR x
-#      PYRT_PF_NTA, interleaved rounds; the best dense batch-1 setting (if >= 5% faster than the
-#      defaults) is exported for the steps after it and reported;
+#   1. knob sweep of the new expert kernel (bench/cpu_experts.py --sweep $SWEEP, default
+#      PYRT_PREFETCH_AHEAD=2,1; the first value of each knob should be its default), interleaved
+#      rounds; the best dense batch-1 setting (if >= 5% faster than the defaults) is exported for
+#      the steps after it and reported;
 #   2. bench/cpu_experts.py --iters 20 --footprint-gib 4, OLD then NEW;
 #   3. granite-1b-a400m Q8_0 random GGUF, bench/cpu_decode.py --threads 16 --tokens 64: OLD, NEW,
 #      NEW with PYRT_IDLE_PREFETCH=0;
@@ -16,6 +17,7 @@
 #   bash bench/cpu_session.sh BASE_SRC OUT [BUDGET_S]
 # (FOOT=GiB and TOKENS=n override --footprint-gib 4 and --tokens 64, for a quick local try.)
 set -u
+SWEEP=${SWEEP:-PYRT_PREFETCH_AHEAD=2,1}
 FOOT=${FOOT:-4}
 TOKENS=${TOKENS:-64}
 BASE_SRC=$1
@@ -47,7 +49,7 @@ echo "built at $(elapsed) s"
 # 1. sweep
 PYRUNTIME_CORE_LIB=$NEW python bench/cpu_experts.py --shapes olmoe-1b-7b --iters 20 \
     --footprint-gib "$FOOT" --batches 1 --sparsity 0 0.5 0.9 --rounds 3 \
-    --sweep PYRT_PF_FAR=0,4,8,16 PYRT_PF_NTA=0,1 2>&1 | tee "$OUT/sweep.txt"
+    --sweep $SWEEP 2>&1 | tee "$OUT/sweep.txt"
 # the best batch-1 dense setting, if >= 5% faster than the defaults (first row); else the defaults
 BEST=$(python bench/cpu_session_pick.py "$OUT/sweep.txt")
 export $BEST

@@ -29,7 +29,6 @@
 enum {
     TOKEN_BLOCK = 64,
     DEFAULT_PREFETCH_AHEAD = 2, /* neurons (best of 2, 4, 8 on the 16-core device) */
-    DEFAULT_PF_FAR = 0,         /* neurons; 0: no L2 cursor */
     MAX_SPARSE_CHUNK = 32,     /* neurons: the sparse chunk arrays' size */
     DEFAULT_SPARSE_CHUNK = 32, /* neurons */
     MAX_ITEMS_PER_THREAD = 8, /* guided items come to ~6.2 per thread */
@@ -74,9 +73,6 @@ typedef struct {
     size_t acc_stride;      /* floats, >= TOKEN_BLOCK * n_embd, multiple of 16 */
     int64_t *active;        /* [nth * 8] per-thread active-neuron counters (own cache line) */
     int prefetch_ahead;     /* neurons ahead whose rows are software-prefetched (0: none) */
-    int prefetch_far;       /* > prefetch_ahead: a second cursor this far ahead, into L2 only */
-    int prefetch_nta;       /* the near cursor's prefetches are non-temporal (prefetchnta) */
-    int prefetch_cursor;    /* 0: the prefetch scheme before 3343c35 (PYRT_PF_CURSOR) */
     int sparse_chunk;       /* sparse: neurons per chunk (<= NEURON_CHUNK) */
     int64_t *prof;          /* [nth * 8] per-thread task start, items end, end ns, or NULL */
     pyrt_pool *pool;        /* for the idle prefetch while a reducer waits on an item */
@@ -87,13 +83,6 @@ typedef struct {
  *                         experts task (the slowest thread's busy time, the mean, the latest
  *                         thread start after the hand-off) and the rest (quantize, plan, reduce).
  * PYRT_PREFETCH_AHEAD=n   software-prefetch the rows of the neuron n ahead (default 2; 0: off).
- * PYRT_PF_FAR=n           and into L2 only, those of the neuron n ahead (default DEFAULT_PF_FAR;
- *                         off when n <= the above): dense rows and sparse gate rows.
- * PYRT_PF_NTA=1           the near cursor (dense rows, sparse gates) uses prefetchnta, which
- *                         does not fill L2 (default 0).
- * PYRT_PF_CURSOR=0        the prefetches before commit 3343c35 (default 1): dense, the whole
- *                         neuron `ahead` on during its dot2 calls and nothing during the axpyn
- *                         passes; sparse, no gate prefetch during the up/down phase.
  * PYRT_SPARSE_CHUNK=n     sparse: gates of n neurons (1..32, default 32) before their up/down rows.
  * PYRT_ITEMS=n            n equal work items per thread (default 0: guided sizes, see plan_items).
  * PYRT_SPIN_US=n          (pool.c, read at pool creation) how long idle threads spin, default 300.
@@ -101,9 +90,6 @@ typedef struct {
 typedef struct {
     int profile;
     int prefetch_ahead;
-    int prefetch_far;
-    int prefetch_nta;
-    int prefetch_cursor;
     int items_per_thread;
     int sparse_chunk;
 } knobs;
@@ -112,13 +98,8 @@ typedef struct {
 static knobs read_knobs(void) {
     const char *p = getenv("PYRT_PROFILE"), *a = getenv("PYRT_PREFETCH_AHEAD");
     const char *items = getenv("PYRT_ITEMS"), *chunk = getenv("PYRT_SPARSE_CHUNK");
-    const char *far = getenv("PYRT_PF_FAR"), *nta = getenv("PYRT_PF_NTA");
-    const char *cursor = getenv("PYRT_PF_CURSOR");
     knobs k = {.profile = p != NULL && atoi(p) > 0 ? atoi(p) : 0,
                .prefetch_ahead = a != NULL ? atoi(a) : DEFAULT_PREFETCH_AHEAD,
-               .prefetch_far = far != NULL ? atoi(far) : DEFAULT_PF_FAR,
-               .prefetch_nta = nta != NULL && atoi(nta) != 0,
-               .prefetch_cursor = cursor == NULL || atoi(cursor) != 0,
                .items_per_thread = items != NULL ? atoi(items) : 0,
                .sparse_chunk = chunk != NULL ? atoi(chunk) : DEFAULT_SPARSE_CHUNK};
     if (k.sparse_chunk < 1 || k.sparse_chunk > MAX_SPARSE_CHUNK)
@@ -199,7 +180,7 @@ static inline int64_t ceil_div(int64_t a, int64_t b) {
  * GB/s through the kernel against 10.3 GB/s in the read test with bursts). */
 
 enum {
-    PF_MAX_LINES = 1024,          /* line addresses for one kernel call (64 KiB of rows) */
+    PF_MAX_LINES = 512,           /* line addresses for one neuron's kernels (32 KiB of rows) */
     NEURON_CHUNK = MAX_SPARSE_CHUNK, /* sparse: most neurons whose gates go before their up/down rows */
     DENSE_CHUNK = PYRT_AXPY_ROWS, /* dense: neurons whose down rows go out in one axpyn pass */
     ROUTE_CHUNK = 64              /* routes of one expert handled together (>= TOKEN_BLOCK) */
@@ -219,17 +200,9 @@ static inline void add_lines(const void **lines, int *n, const uint8_t *p, size_
         lines[(*n)++] = line;
 }
 
-/* The same, tagged with a hint (pyrt_prefetch_line: 0 L1, 1 L2 only, 2 non-temporal). */
-static inline void add_lines_to(const void **lines, int *n, const uint8_t *p, size_t bytes,
-                                int hint) {
-    const uint8_t *line = p - ((uintptr_t)p & 63);
-    for (; line < p + bytes && *n < PF_MAX_LINES; line += 64)
-        lines[(*n)++] = line + hint;
-}
-
 static inline void prefetch_lines(const void *const *lines, int n) {
     for (int i = 0; i < n; i++)
-        pyrt_prefetch_line(lines[i]);
+        __builtin_prefetch(lines[i], 0, 3);
 }
 
 /* The row kernels with prefetches, or the plain ones after a burst where a level has none. */
@@ -294,7 +267,6 @@ static inline void axpy_rows_pf(const moe_ctx *c, int nr, const float *a, const 
  * the pace the rows are used (a steady distance, no bursts, no idle phases). */
 typedef struct {
     const uint8_t *at, *end;
-    int hint; /* pyrt_prefetch_line's: 0 L1 (the near cursor), 1 L2 only (the far one), 2 NTA */
 } pf_cursor;
 
 /* The next `bytes` of the stream as line addresses in lines[*n] (fewer at the stream's end). */
@@ -303,19 +275,8 @@ static inline void pf_cursor_take(pf_cursor *pc, size_t bytes, const void **line
         return;
     if (bytes > (size_t)(pc->end - pc->at))
         bytes = (size_t)(pc->end - pc->at);
-    add_lines_to(lines, n, pc->at, bytes, pc->hint);
+    add_lines(lines, n, pc->at, bytes);
     pc->at += bytes;
-}
-
-/* The far cursor (PYRT_PF_FAR): runs `far` neurons before the reads into L2 only, so that more
- * lines are in flight per core than its L1 fill buffers hold (the near cursor's prefetcht0 then
- * finds them in L2). It starts where the near cursor's lead ends and takes twice what the near
- * one takes until it is `far_bytes` ahead of it. */
-static inline void pf_far_take(pf_cursor *far, const pf_cursor *near, size_t far_bytes,
-                               size_t bytes, const void **lines, int *n) {
-    if (far->at < near->at + far_bytes)
-        bytes *= 2;
-    pf_cursor_take(far, bytes, lines, n);
 }
 
 /* Neurons [j0, j1) of one expert for its routes [r0, r1): per neuron, gate and up dots in one
@@ -331,8 +292,7 @@ static int64_t dense_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j0
     const void *pf[PF_MAX_LINES];
     float h[ROUTE_CHUNK][DENSE_CHUNK]; /* w * act(g . x) * (u . x) per route and neuron */
     const void *down[DENSE_CHUNK];
-    pf_cursor pc = {expert + (size_t)j0 * nrb, expert + (size_t)j1 * nrb,
-                    c->prefetch_nta ? 2 : 0};
+    pf_cursor pc = {expert + (size_t)j0 * nrb, expert + (size_t)j1 * nrb};
     if (ahead > 0) { /* the first `ahead` neurons, in a burst; the cursor runs from there */
         const size_t lead = (size_t)ahead * nrb;
         prefetch_row(pc.at, lead < (size_t)(pc.end - pc.at) ? lead : (size_t)(pc.end - pc.at));
@@ -340,8 +300,6 @@ static int64_t dense_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j0
     } else {
         pc.at = pc.end;
     }
-    const size_t far_bytes = c->prefetch_far > ahead ? (size_t)c->prefetch_far * nrb : 0;
-    pf_cursor far = {pc.at, far_bytes > 0 ? pc.end : pc.at, 1};
     for (int rc = r0; rc < r1; rc += ROUTE_CHUNK) {
         const int nr = r1 - rc < ROUTE_CHUNK ? r1 - rc : ROUTE_CHUNK;
         for (int64_t jc = j0; jc < j1; jc += DENSE_CHUNK) {
@@ -349,11 +307,7 @@ static int64_t dense_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j0
             for (int i = 0; i < nj; i++) {
                 const uint8_t *gate = expert + (size_t)(jc + i) * nrb;
                 int n_pf = 0;
-                if (c->prefetch_cursor)
-                    pf_cursor_take(&pc, 2 * rb, pf, &n_pf);
-                else if (ahead > 0 && jc + i + ahead < j1) /* before 3343c35 */
-                    add_lines(pf, &n_pf, gate + (size_t)ahead * nrb, nrb);
-                pf_far_take(&far, &pc, far_bytes, 2 * rb, pf, &n_pf);
+                pf_cursor_take(&pc, 2 * rb, pf, &n_pf);
                 for (int r = 0; r < nr; r++) {
                     const int lo = n_pf * r / nr, hi = n_pf * (r + 1) / nr;
                     float gu[2];
@@ -363,9 +317,7 @@ static int64_t dense_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j0
                 down[i] = gate + 2 * rb;
             }
             int n_pf = 0;
-            if (c->prefetch_cursor)
-                pf_cursor_take(&pc, (size_t)nj * rb, pf, &n_pf);
-            pf_far_take(&far, &pc, far_bytes, (size_t)nj * rb, pf, &n_pf);
+            pf_cursor_take(&pc, (size_t)nj * rb, pf, &n_pf);
             for (int r = 0; r < nr; r++) {
                 const int lo = n_pf * r / nr, hi = n_pf * (r + 1) / nr;
                 axpy_rows_pf(c, nj, h[r], down, acc + (size_t)c->route_tok[rc + r] * c->n_embd,
@@ -444,7 +396,6 @@ static void gather_take(gather_lines *g, const moe_ctx *c, int count, const void
 typedef struct {
     const uint8_t *expert;
     int64_t next, end, limit;
-    int hint; /* pyrt_prefetch_line's: 0 L1, 1 L2 only (the far cursor, PYRT_PF_FAR), 2 NTA */
 } gate_cursor;
 
 static void gate_cursor_take(const moe_ctx *c, gate_cursor *gc, int64_t upto, const void **lines,
@@ -453,15 +404,14 @@ static void gate_cursor_take(const moe_ctx *c, gate_cursor *gc, int64_t upto, co
         return;
     upto = upto < gc->end ? upto : gc->end;
     for (; gc->next < upto; gc->next++)
-        add_lines_to(lines, n, gc->expert + (size_t)gc->next * 3 * c->row_bytes, c->row_bytes,
-                     gc->hint);
+        add_lines(lines, n, gc->expert + (size_t)gc->next * 3 * c->row_bytes, c->row_bytes);
 }
 
 /* Gates of the chunk's nj neurons. While they run, the kernels prefetch the gate row `ahead`
  * neurons on (within [.., j1)) and an even share of `prev`'s active up/down rows (a gather the
  * hardware prefetcher cannot follow), so those are in cache when `prev` is finished. */
 static int64_t sparse_gates(const moe_ctx *c, sparse_chunk *ch, int nj, gate_cursor *gc,
-                            gate_cursor *far, const sparse_chunk *prev) {
+                            const sparse_chunk *prev) {
     const size_t rb = c->row_bytes;
     const int ahead = c->prefetch_ahead, nr = ch->nr, rc = ch->rc;
     const float thr = c->threshold;
@@ -477,10 +427,6 @@ static int64_t sparse_gates(const moe_ctx *c, sparse_chunk *ch, int nj, gate_cur
         int n_pf = 0;
         if (ahead > 0)
             gate_cursor_take(c, gc, ch->jc + i + ahead + 1, pf, &n_pf);
-        if (far->next < far->end) { /* `far` gates on, catching up two gates a step */
-            const int64_t to = ch->jc + i + c->prefetch_far + 1;
-            gate_cursor_take(c, far, to < far->next + 2 ? to : far->next + 2, pf, &n_pf);
-        }
         gather_take(&g, c, share, pf, &n_pf);
         int n_on = 0;
         for (int r = 0; r < nr; r++) {
@@ -579,19 +525,17 @@ static int64_t sparse_neurons(const moe_ctx *c, sparse_pipe *pp, int item, const
     for (int rc = r0; rc < r1; rc += ROUTE_CHUNK) {
         const int nr = r1 - rc < ROUTE_CHUNK ? r1 - rc : ROUTE_CHUNK;
         /* the first `ahead` gates in a burst; the cursor runs from there (nowhere if ahead 0) */
-        gate_cursor gc = {expert, j0 + ahead < j1 ? j0 + ahead : j1, ahead > 0 ? j1 : j0, j0,
-                          c->prefetch_nta ? 2 : 0};
+        gate_cursor gc = {expert, j0 + ahead < j1 ? j0 + ahead : j1, ahead > 0 ? j1 : j0, j0};
         for (int64_t j = j0; j < gc.next; j++)
             prefetch_row(expert + (size_t)j * 3 * rb, rb);
-        gate_cursor far = {expert, gc.next, c->prefetch_far > ahead ? j1 : gc.next, j1, 1};
         for (int64_t jc = j0; jc < j1; jc += c->sparse_chunk) {
             const int nj = j1 - jc < c->sparse_chunk ? (int)(j1 - jc) : c->sparse_chunk;
             sparse_chunk *ch = &pp->chunks[pp->cur];
             *ch = (sparse_chunk){.expert = expert, .acc = acc, .item = item, .rc = rc, .nr = nr,
                                  .jc = jc};
-            active += sparse_gates(c, ch, nj, &gc, &far, pp->prev);
+            active += sparse_gates(c, ch, nj, &gc, pp->prev);
             gc.limit = jc + nj + c->sparse_chunk; /* at most the next chunk's gates */
-            sparse_pipe_flush(c, pp, 1, item, c->prefetch_cursor ? &gc : NULL);
+            sparse_pipe_flush(c, pp, 1, item, &gc);
             pp->prev = ch;
             pp->cur ^= 1;
         }
@@ -892,9 +836,6 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
         .item_done = (atomic_int *)(ws + off_done),
         .active = (int64_t *)(ws + off_active),
         .prefetch_ahead = kn.prefetch_ahead,
-        .prefetch_far = kn.prefetch_far,
-        .prefetch_nta = kn.prefetch_nta,
-        .prefetch_cursor = kn.prefetch_cursor,
         .sparse_chunk = kn.sparse_chunk,
         .prof = kn.profile ? (int64_t *)(ws + off_prof) : NULL,
         .pool = pool,

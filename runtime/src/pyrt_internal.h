@@ -69,31 +69,6 @@ typedef struct {
     pyrt_axpyn_pf_fn axpyn_pf; /* axpyn with spread prefetches; NULL: as for dot_pf */
 } pyrt_row_ops;
 
-/* A line address in a prefetch list carries its hint in its low bits (lines are 64-byte
- * aligned, so they are free): 0 into L1 and L2 (prefetcht0); +1 into L2 only (prefetcht1);
- * +2 non-temporal (prefetchnta: into L1, not into L2 on Intel). */
-static inline const void *pyrt_pf_l2(const void *line) {
-    return (const uint8_t *)line + 1;
-}
-
-static inline const void *pyrt_pf_nta(const void *line) {
-    return (const uint8_t *)line + 2;
-}
-
-static inline void pyrt_prefetch_line(const void *p) {
-    const uintptr_t a = (uintptr_t)p;
-    switch (a & 3) {
-    case 1:
-        __builtin_prefetch((const void *)(a - 1), 0, 2);
-        break;
-    case 2:
-        __builtin_prefetch((const void *)(a - 2), 0, 0);
-        break;
-    default:
-        __builtin_prefetch(p, 0, 3);
-    }
-}
-
 /* Spreads n prefetches over a loop of n_it iterations: pyrt_pf_tick after each iteration issues
  * the lines due so far (16.16 fixed point, no division in the loop; n < 65536), pyrt_pf_end the
  * rest. */
@@ -114,12 +89,12 @@ static inline void pyrt_pf_tick(pyrt_pf_spread *s) {
     s->acc += s->step;
     const int due = (int)(s->acc >> 16);
     for (; s->i < due; s->i++)
-        pyrt_prefetch_line(s->lines[s->i]);
+        __builtin_prefetch(s->lines[s->i], 0, 3);
 }
 
 static inline void pyrt_pf_end(pyrt_pf_spread *s) {
     for (; s->i < s->n; s->i++)
-        pyrt_prefetch_line(s->lines[s->i]);
+        __builtin_prefetch(s->lines[s->i], 0, 3);
 }
 
 /* Row kernels of one SIMD level for fmt; NULL when the level has none for fmt (unknown format). */

@@ -393,11 +393,8 @@ static void test_moe_ffn_case(int FF) {
                               i, y[i], yref[i]);
                         break;
                     }
-                /* prefetch knobs (the L2 cursor, NTA, another near distance) and an idle-prefetch
-                 * plan over the weights move no bit */
-                setenv("PYRT_PF_FAR", "6", 1);
-                setenv("PYRT_PF_NTA", "1", 1);
-                setenv("PYRT_PF_CURSOR", nth == 2 ? "0" : "1", 1);
+                /* another prefetch distance and an idle-prefetch plan over the weights move no
+                 * bit */
                 setenv("PYRT_PREFETCH_AHEAD", "1", 1);
                 pyrt_pf_plan plan = {.r = {{gud, rb, (int64_t)E * FF * 3}}, .n = 1};
                 pyrt_pool_plan_prefetch(pool, &plan);
@@ -405,9 +402,6 @@ static void test_moe_ffn_case(int FF) {
                 int64_t active2 = -1;
                 rc = pyrt_moe_ffn(pool, gud, (size_t)E * FF * 3 * rb, fmt, E, FF, D, x, T, ids, tw,
                                   K, PYRT_ACT_SILU, (float)thr, y2, &active2);
-                unsetenv("PYRT_PF_FAR");
-                unsetenv("PYRT_PF_NTA");
-                unsetenv("PYRT_PF_CURSOR");
                 unsetenv("PYRT_PREFETCH_AHEAD");
                 CHECK(rc == PYRT_OK && active2 == active &&
                           memcmp(y, y2, sizeof(float) * T * D) == 0,
