@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels.grid_sync import counters, last_arrival, reset_counter
+from kernels.tuning import lookup
 
 LOG2E = 1.4426950408889634
 
@@ -79,11 +80,11 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, cnt
         reset_counter(cnt_ptr + h)
 
 
-def decode_splits(n_head: int, max_tokens: int, block_s: int) -> int:
-    """Splits per head: ~512 programs in all (an H100 has 132 SMs; a split is one or a few
+def decode_splits(n_head: int, max_tokens: int, block_s: int, programs: int = 512) -> int:
+    """Splits per head: ~`programs` programs in all (an H100 has 132 SMs; a split is one or a few
     BLOCK_S-position tiles, so many small programs keep many loads in flight), never more than
     the cache's BLOCK_S-position blocks. A power of two (tl.arange in the merge)."""
-    want = max(1, min(64, 512 // max(n_head, 1), triton.cdiv(max_tokens, block_s)))
+    want = max(1, min(64, programs // max(n_head, 1), triton.cdiv(max_tokens, block_s)))
     return 1 << (want.bit_length() - 1)
 
 
@@ -94,11 +95,12 @@ def decode_attention(
     seq_len: torch.Tensor,
     scale: float,
     n_split: int | None = None,
-    block_s: int = 32,
+    block_s: int | None = None,
 ) -> torch.Tensor:
     """q [n_head, D]; k_cache, v_cache [n_kv, max_tokens, D] (contiguous rows); seq_len [1]
     int32/int64 device tensor (1 <= n <= max_tokens positions to attend). Returns [n_head, D]
-    in q's dtype. No host synchronization (graph-capturable)."""
+    in q's dtype. No host synchronization (graph-capturable). n_split, block_s: default from
+    decode_splits and 32 positions per tile (or the kernels.tuning overrides)."""
     n_head, D = q.shape
     n_kv, max_tokens, d_k = k_cache.shape
     if d_k != D or v_cache.shape != k_cache.shape or n_head % n_kv:
@@ -111,7 +113,9 @@ def decode_attention(
     if seq_len.numel() != 1 or seq_len.dtype not in (torch.int32, torch.int64):
         raise ValueError("seq_len must be a [1] int32 or int64 tensor")
     q = q.contiguous()
-    n_split = n_split or decode_splits(n_head, max_tokens, block_s)
+    tuned = lookup("attention") or {}
+    block_s = block_s or tuned.get("block_s", 32)
+    n_split = n_split or decode_splits(n_head, max_tokens, block_s, tuned.get("programs", 512))
     if n_split & (n_split - 1):
         raise ValueError(f"n_split must be a power of two, got {n_split}")
     f32 = dict(device=q.device, dtype=torch.float32)

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from kernels.expert_rows import s8_to_f32
 from kernels.moe_dense import interpreting
+from kernels.tuning import lookup
 
 
 def split_q8_0(raw: torch.Tensor, n_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,12 +84,15 @@ def _q8_gemv_kernel(x_ptr, dl_ptr, nw_ptr, xo_ptr, q_ptr, d_ptr, b_ptr, y_ptr, N
     tl.store(y_ptr + t * N + n, y.to(y_ptr.dtype.element_ty), mask=nm)
 
 
-def gemv_config(N: int, K: int) -> tuple[int, int, int]:
+def gemv_config(N: int, K: int, norm: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N rows per program, BLOCK_K, num_warps). A whole row of K <= 2048 in one pass (no
     loop: every load of the program in flight at once); rows per program grow with N so that
     there are ~500-3000 programs (an H100 has 132 SMs). Swept on an H100 (bench/gpu_kernels.py)."""
     if interpreting():
         return 128, 256, 1  # few programs: the interpreter runs each
+    tuned = lookup("q8_gemv_norm" if norm else "q8_gemv", f"{N}x{K}")
+    if tuned is not None:
+        return tuple(tuned)
     block_k = min(2048, triton.next_power_of_2(K))
     if N <= 4096:
         return 4, block_k, 4
@@ -108,7 +112,7 @@ def _check(x, q, d):
 def _launch(x, dl, nw, xo, q, d, bias, y, alpha, eps, norm, config):
     T, K = x.shape
     N = q.shape[0]
-    block_n, block_k, warps = config or gemv_config(N, K)
+    block_n, block_k, warps = config or gemv_config(N, K, norm)
     _q8_gemv_kernel[(triton.cdiv(N, block_n), T)](
         x, x if dl is None else dl, x if nw is None else nw, x if xo is None else xo,
         q.view(torch.uint8), d, y if bias is None else bias, y, N, K, K // 32, alpha, eps,

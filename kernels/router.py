@@ -22,6 +22,7 @@ import triton.language as tl
 
 from kernels.grid_sync import counters, last_arrival, reset_counter
 from kernels.moe_dense import interpreting
+from kernels.tuning import lookup
 
 
 @triton.jit
@@ -127,6 +128,7 @@ def add_norm_router(
     out_dtype: torch.dtype,
     alpha: float = 1.0,
     want_f32: bool = False,
+    block_e: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The FFN sub-block's head for a few tokens (decode), in one launch:
     x1 = x + alpha * delta; h = rms_norm(x1) * norm_w; logits = h @ router_w^T (fp32);
@@ -134,7 +136,8 @@ def add_norm_router(
 
     x [T, H] f32 contiguous (not modified); delta [T, H] or None; norm_w [H] f32; router_w
     [E, H] f32. Returns (x1 [T, H] f32 (a new tensor), h [T, H] out_dtype, h f32 or None,
-    ids [T, k] int64, weights [T, k] f32). No host synchronization (graph-capturable)."""
+    ids [T, k] int64, weights [T, k] f32). No host synchronization (graph-capturable).
+    block_e: experts per program (default 2, or the kernels.tuning override)."""
     T, H = x.shape
     E = router_w.shape[0]
     if x.dtype != torch.float32 or not x.is_contiguous() or norm_w.shape != (H,):
@@ -154,7 +157,7 @@ def add_norm_router(
     ids = torch.empty(T, k, device=dev, dtype=torch.int64)
     w = torch.empty(T, k, device=dev, dtype=torch.float32)
     # H100 guess: 2 experts x 2048 f32 per program -> 32 programs for 64 experts
-    block_e = 16 if interpreting() else 2
+    block_e = 16 if interpreting() else (block_e or lookup("router_block_e") or 2)
     _norm_router_kernel[(triton.cdiv(E, block_e), T)](
         x, x if delta is None else delta, norm_w, router_w, x1, h, h if h32 is None else h32,
         logits, counters(dev, T), ids, w, E, H, alpha, eps, HAS_DELTA=delta is not None,

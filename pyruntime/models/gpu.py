@@ -35,6 +35,7 @@ from kernels.dispatch import moe_experts
 from kernels.expert_formats import ACTIVATIONS as KERNEL_ACTIVATIONS
 from kernels.q8_linear import add_norm_q8_gemv
 from kernels.router import add_norm_router, router_topk
+from kernels.tuning import lookup
 from pyruntime.errors import UsageError
 from pyruntime.experts.compute import activation_fn
 from pyruntime.gguf_file import GGUFFile
@@ -54,7 +55,16 @@ SPARSE_MAX_BATCH = 16
 # Up to this many tokens (decode) a step runs the fused launches: the residual add + RMSNorm in
 # the qkv Q8_0 GEMV's prologue (FUSE_NORM_GEMV) and in the router's launch (add_norm_router).
 FUSED_MAX_TOKENS = 4
-FUSE_NORM_GEMV = os.environ.get("PYRUNTIME_FUSE_NORM_GEMV", "1") not in ("0", "")
+# PYRUNTIME_FUSE_NORM_GEMV=0/1 forces it; else the kernels.tuning file's choice, else on.
+FUSE_NORM_GEMV_ENV = os.environ.get("PYRUNTIME_FUSE_NORM_GEMV")
+
+
+def fuse_norm_gemv() -> bool:
+    if FUSE_NORM_GEMV_ENV is not None:
+        return FUSE_NORM_GEMV_ENV not in ("0", "")
+    tuned = lookup("fuse_norm_gemv")
+    return True if tuned is None else bool(tuned)
+
 
 # ---------------------------------------------------------------------------------------------
 # KV cache and the decode step's static inputs
@@ -287,7 +297,7 @@ class DeviceTransformer:
         """(new x, lin(rms_norm(x + alpha * delta) * norm_w)): one launch for a Q8_0 weight
         at decode (the norm in the GEMV's prologue), else the norm in place then the matmul."""
         cfg = self.config
-        if fused and lin.q is not None and FUSE_NORM_GEMV:
+        if fused and lin.q is not None and fuse_norm_gemv():
             with self._part("qkv"):  # + residual add + attention norm
                 return add_norm_q8_gemv(
                     x, delta, norm_w, cfg.rms_eps, lin.q, lin.d, lin.bias, self.dtype,
