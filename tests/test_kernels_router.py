@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+from kernels.grid_sync import counters
 from kernels.router import add_norm_router, add_norm_router_ref, router_topk
 from pyruntime.experts.compute import route
 
@@ -50,6 +51,7 @@ def test_add_norm_router_matches_reference(T, H, E, k, renorm, with_delta):
         assert torch.allclose(h32, rh32, rtol=1e-5, atol=1e-6)
         assert torch.equal(ids, rids)
         assert torch.allclose(w, rw, rtol=1e-5, atol=1e-7)
+        assert not counters(DEV).any()  # the last program put its counter back to 0
     assert x.data_ptr() != x1.data_ptr()  # x itself is not modified: a new residual
 
 

@@ -54,8 +54,9 @@ from pyruntime.models.transformer import rope_tables, token_ids
 SPARSE_MAX_BATCH = 16
 # Up to this many tokens (decode) a step runs the fused launches: the residual add + RMSNorm in
 # the qkv Q8_0 GEMV's prologue (FUSE_NORM_GEMV) and in the router's launch (add_norm_router).
-FUSED_MAX_TOKENS = 4
-# PYRUNTIME_FUSE_NORM_GEMV=0/1 forces it; else the kernels.tuning file's choice, else on.
+# PYRUNTIME_FUSED_DECODE=0 turns both off (the separate launches, for comparisons).
+FUSED_MAX_TOKENS = 4 if os.environ.get("PYRUNTIME_FUSED_DECODE", "1") not in ("0", "") else 0
+# PYRUNTIME_FUSE_NORM_GEMV=0/1 forces the first; else the kernels.tuning file's choice, else on.
 FUSE_NORM_GEMV_ENV = os.environ.get("PYRUNTIME_FUSE_NORM_GEMV")
 
 
@@ -188,6 +189,7 @@ class DeviceTransformer:
             "PYRUNTIME_CUDA_GRAPH", "1"
         ) not in ("0", "")
         self._state_version = 0  # bumped when a captured graph would be stale
+        self._decode_counts = (-1, 0, 0)  # (state version, dense pairs, sparse pairs) per step
         self.profile_parts = False  # label the parts of a step for torch.profiler
 
     # -- public -------------------------------------------------------------------------------
@@ -427,9 +429,20 @@ class DeviceTransformer:
         return self._logits(h)
 
     def _count_decode_experts(self) -> None:
-        """Host-side counts of one decode step's routed work (replays cannot run Python)."""
+        """Host-side counts of one decode step's routed work (replays cannot run Python): the
+        pairs of dense and sparse layers, counted once per model state."""
         n_ff, k = self.config.n_ff_exp, self.config.n_expert_used
-        for i, blk in enumerate(self.blocks):
-            if blk.experts is not None:
-                sparse = self.expert_threshold is not None and self.sparse_max_batch[i] >= 1
-                (self.stats.add_sparse if sparse else self.stats.add_dense)(k, n_ff)
+        if self._decode_counts[0] != self._state_version:
+            n_sparse = n_dense = 0
+            for i, blk in enumerate(self.blocks):
+                if blk.experts is not None:
+                    if self.expert_threshold is not None and self.sparse_max_batch[i] >= 1:
+                        n_sparse += k
+                    else:
+                        n_dense += k
+            self._decode_counts = (self._state_version, n_dense, n_sparse)
+        _, n_dense, n_sparse = self._decode_counts
+        if n_dense:
+            self.stats.add_dense(n_dense, n_ff)
+        if n_sparse:
+            self.stats.add_sparse(n_sparse, n_ff)
