@@ -108,7 +108,7 @@ def _gemv_shape(old, name: str, W: list, cands: list, rows: list, log):
     best = None
     if "q8_linear" in old:
         us = graph_us(lambda: [old["q8_linear"].q8_gemv(x, q, d) for q, d in W]) / layers
-        rows.append((f"{name} q8_gemv OLD", us, nbytes / us / 1e6))
+        rows.append((f"{name} q8_gemv OLD", us, nbytes / us / 1e3))
     for cfg in cands:
         if N // cfg[0] < 100 and name != "o_proj" or cfg[0] * cfg[1] // (32 * cfg[2]) > 128:
             continue  # too few programs, or > 128 fp32 weights per thread
@@ -117,7 +117,7 @@ def _gemv_shape(old, name: str, W: list, cands: list, rows: list, log):
             print(f"  {name} {cfg}: WRONG rel err {err:.2e}", file=log)
             continue
         us = graph_us(lambda cfg=cfg: [q8_gemv(x, q, d, config=cfg) for q, d in W]) / layers
-        rows.append((f"{name} q8_gemv {cfg}", us, nbytes / us / 1e6))
+        rows.append((f"{name} q8_gemv {cfg}", us, nbytes / us / 1e3))
         best = min(best or (us, cfg), (us, cfg))
     print(f"{name}: best {best[1]} {best[0]:.2f} us", file=log)
     return best
@@ -140,9 +140,9 @@ def _norm_gemv(old, W: list, bcfg, cands: list, rows: list, tuned: dict, log) ->
 
     if "q8_linear" in old:
         us = graph_us(lambda: unfused(old["q8_linear"].q8_gemv)) / layers
-        rows.append(("qkv norm + q8_gemv OLD", us, nbytes / us / 1e6))
+        rows.append(("qkv norm + q8_gemv OLD", us, nbytes / us / 1e3))
     unfused_us = graph_us(lambda: unfused(kw=dict(config=bcfg))) / layers
-    rows.append((f"qkv norm + q8_gemv {bcfg}", unfused_us, nbytes / unfused_us / 1e6))
+    rows.append((f"qkv norm + q8_gemv {bcfg}", unfused_us, nbytes / unfused_us / 1e3))
     _, ref = add_norm_q8_linear_ref(xr, dl, nw, EPS, *W[0])
     best = None
     for cfg in cands:
@@ -156,7 +156,7 @@ def _norm_gemv(old, W: list, bcfg, cands: list, rows: list, tuned: dict, log) ->
             lambda cfg=cfg: [add_norm_q8_gemv(xr, dl, nw, EPS, q, d, config=cfg) for q, d in W]
         )
         us /= layers
-        rows.append((f"qkv add_norm_q8_gemv {cfg}", us, nbytes / us / 1e6))
+        rows.append((f"qkv add_norm_q8_gemv {cfg}", us, nbytes / us / 1e3))
         best = min(best or (us, cfg), (us, cfg))
     tuned.setdefault("q8_gemv_norm", {})[f"{N}x{K}"] = list(best[1])
     tuned["fuse_norm_gemv"] = best[0] < unfused_us
@@ -167,9 +167,9 @@ def bench_attention(old, rows: list, tuned: dict, log) -> None:
     scores: dict = {}
     for n, max_tokens in ((128, 512), (513, 520)):
         _attention_case(old, n, max_tokens, rows, scores, log)
-    (block_s, programs) = min(scores, key=scores.get)
-    tuned["attention"] = dict(block_s=block_s, programs=programs)
-    print(f"attention: best block_s {block_s}, programs {programs}", file=log)
+    (block_s, programs, warps) = min(scores, key=scores.get)
+    tuned["attention"] = dict(block_s=block_s, programs=programs, num_warps=warps)
+    print(f"attention: best block_s {block_s}, programs {programs}, warps {warps}", file=log)
 
 
 def _attention_case(old, n: int, max_tokens: int, rows: list, scores: dict, log) -> None:
@@ -183,23 +183,25 @@ def _attention_case(old, n: int, max_tokens: int, rows: list, scores: dict, log)
         us = graph_us(
             lambda: [old["attention"].decode_attention(q, c[0], c[1], s32, D**-0.5) for c in kv]
         )
-        rows.append((f"attention n={n} OLD (split + combine)", us / L, nbytes * L / us / 1e6))
-    for block_s in (16, 32, 64):
-        for programs in (128, 256, 512, 1024):
-            ns = decode_splits(N_HEAD, max_tokens, block_s, programs)
-            out = decode_attention(q, kv[0][0], kv[0][1], seq, D**-0.5, ns, block_s)
-            if rel_err(out, ref) > 2e-2:
-                print(f"  attention {block_s} {programs}: WRONG", file=log)
-                continue
-            us = graph_us(
-                lambda ns=ns, bs=block_s: [
-                    decode_attention(q, c[0], c[1], seq, D**-0.5, ns, bs) for c in kv
-                ]
-            )
-            rows.append((f"attention n={n} block_s={block_s} splits={ns}", us / L,
-                         nbytes * L / us / 1e6))  # fmt: skip
-            key = (block_s, programs)
-            scores[key] = scores.get(key, 0.0) + us / L
+        rows.append((f"attention n={n} OLD (split + combine)", us / L, nbytes * L / us / 1e3))
+    cands = [(bs, p, w) for bs in (16, 32, 64) for p in (128, 256, 512) for w in (1, 2, 4)]
+    for block_s, programs, warps in cands:
+        if block_s * D // (32 * warps) > 64:
+            continue  # > 64 fp32 of K (and of V) per thread
+        ns = decode_splits(N_HEAD, max_tokens, block_s, programs)
+        out = decode_attention(q, kv[0][0], kv[0][1], seq, D**-0.5, ns, block_s, warps)
+        if rel_err(out, ref) > 2e-2:
+            print(f"  attention {block_s} {programs} {warps}: WRONG", file=log)
+            continue
+        us = graph_us(
+            lambda ns=ns, bs=block_s, w=warps: [
+                decode_attention(q, c[0], c[1], seq, D**-0.5, ns, bs, w) for c in kv
+            ]
+        )
+        rows.append((f"attention n={n} block_s={block_s} splits={ns} warps={warps}", us / L,
+                     nbytes * L / us / 1e3))  # fmt: skip
+        key = (block_s, programs, warps)
+        scores[key] = scores.get(key, 0.0) + us / L
 
 
 def bench_router(old, rows: list, tuned: dict, log) -> None:
@@ -216,24 +218,24 @@ def bench_router(old, rows: list, tuned: dict, log) -> None:
             topk(h32 @ r.T, TOPK, False)
 
     us = graph_us(unfused) / L
-    rows.append(("router OLD (norm + cuBLAS + top-k)", us, nbytes / us / 1e6))
+    rows.append(("router OLD (norm + cuBLAS + top-k)", us, nbytes / us / 1e3))
     x = torch.randn(1, H, device="cuda") * 3
     ref = add_norm_router_ref(x, dl, nw, R[0], EPS, TOPK, False, torch.bfloat16)
     best = None
-    for be in (1, 2, 4, 8):
-        out = add_norm_router(x, dl, nw, R[0], EPS, TOPK, False, torch.bfloat16, block_e=be)
+    for be, w in [(be, w) for be in (1, 2, 4) for w in (1, 2, 4)]:
+        kw = dict(block_e=be, num_warps=w)
+        out = add_norm_router(x, dl, nw, R[0], EPS, TOPK, False, torch.bfloat16, **kw)
         if not torch.equal(out[3], ref[3]) or rel_err(out[4], ref[4]) > 1e-4:
-            print(f"  router block_e {be}: WRONG", file=log)
+            print(f"  router block_e {be} warps {w}: WRONG", file=log)
             continue
         us = graph_us(
-            lambda be=be: [
-                add_norm_router(x, dl, nw, r, EPS, TOPK, False, torch.bfloat16, block_e=be)
-                for r in R
+            lambda kw=kw: [
+                add_norm_router(x, dl, nw, r, EPS, TOPK, False, torch.bfloat16, **kw) for r in R
             ]
         )
-        rows.append((f"router fused block_e={be}", us / L, nbytes * L / us / 1e6))
-        best = min(best or (us, be), (us, be))
-    tuned["router_block_e"] = best[1]
+        rows.append((f"router fused block_e={be} warps={w}", us / L, nbytes * L / us / 1e3))
+        best = min(best or (us, be, w), (us, be, w))
+    tuned["router_block_e"], tuned["router_warps"] = best[1], best[2]
 
 
 def main() -> None:

@@ -37,6 +37,9 @@ if [[ $what == bench || $what == all ]]; then
   wait
   cat "$OUT/make_gguf.log" 2>/dev/null | tail -n 2
   python -m pyruntime bench $M -p 512 -n 128 -r 3 --device cuda 2>&1 | tee "$OUT/bench.md"
+  # the same decode with the separate launches (no fused norm/router), for comparison
+  PYRUNTIME_FUSED_DECODE=0 python -m pyruntime bench $M -p 0 -n 128 -r 3 --device cuda 2>&1 \
+    | tail -n 1 | tee "$OUT/bench_unfused.md"
   python bench/gpu_decode.py $M --prompt 512 -o "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" \
     | tail -n 45
 fi

@@ -24,9 +24,14 @@ import triton
 import triton.language as tl
 
 from kernels.grid_sync import counters, last_arrival, reset_counter
+from kernels.moe_dense import interpreting
 from kernels.tuning import lookup
 
 LOG2E = 1.4426950408889634
+# Launch defaults: H100, olmoe shape (16 heads of 128), graph-timed by bench/gpu_kernels.py
+# (2026-11-23): 8 splits of 64-position tiles took 5.1 µs a layer at 128 positions and 9.8 µs
+# at 513 (the split + combine kernels before: 5.6 and 10.1 µs).
+DECODE_BLOCK_S, DECODE_PROGRAMS, DECODE_WARPS = 64, 128, 4
 
 
 @triton.jit
@@ -96,11 +101,13 @@ def decode_attention(
     scale: float,
     n_split: int | None = None,
     block_s: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """q [n_head, D]; k_cache, v_cache [n_kv, max_tokens, D] (contiguous rows); seq_len [1]
     int32/int64 device tensor (1 <= n <= max_tokens positions to attend). Returns [n_head, D]
-    in q's dtype. No host synchronization (graph-capturable). n_split, block_s: default from
-    decode_splits and 32 positions per tile (or the kernels.tuning overrides)."""
+    in q's dtype. No host synchronization (graph-capturable). n_split, block_s, num_warps:
+    default from decode_splits, DECODE_BLOCK_S, DECODE_PROGRAMS, DECODE_WARPS (or the
+    kernels.tuning overrides)."""
     n_head, D = q.shape
     n_kv, max_tokens, d_k = k_cache.shape
     if d_k != D or v_cache.shape != k_cache.shape or n_head % n_kv:
@@ -114,8 +121,10 @@ def decode_attention(
         raise ValueError("seq_len must be a [1] int32 or int64 tensor")
     q = q.contiguous()
     tuned = lookup("attention") or {}
-    block_s = block_s or tuned.get("block_s", 32)
-    n_split = n_split or decode_splits(n_head, max_tokens, block_s, tuned.get("programs", 512))
+    block_s = block_s or tuned.get("block_s", DECODE_BLOCK_S)
+    programs = tuned.get("programs", DECODE_PROGRAMS)
+    n_split = n_split or decode_splits(n_head, max_tokens, block_s, programs)
+    num_warps = num_warps or tuned.get("num_warps", DECODE_WARPS)
     if n_split & (n_split - 1):
         raise ValueError(f"n_split must be a power of two, got {n_split}")
     f32 = dict(device=q.device, dtype=torch.float32)
@@ -126,7 +135,7 @@ def decode_attention(
     _decode_attn_kernel[(n_head, n_split)](
         q, k_cache, v_cache, seq_len, m, l_sum, acc, counters(q.device, n_head), out,
         k_cache.stride(0), n_head // n_kv, scale * LOG2E, D=D, BLOCK_D=triton.next_power_of_2(D),
-        BLOCK_S=block_s, N_SPLIT=n_split,
+        BLOCK_S=block_s, N_SPLIT=n_split, num_warps=1 if interpreting() else num_warps,
     )  # fmt: skip
     return out
 

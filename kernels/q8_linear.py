@@ -87,21 +87,24 @@ def _q8_gemv_kernel(x_ptr, dl_ptr, nw_ptr, xo_ptr, q_ptr, d_ptr, b_ptr, y_ptr, N
 def gemv_config(N: int, K: int, norm: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N rows per program, BLOCK_K, num_warps). A whole row of K <= 2048 in one pass (no
     loop: every load of the program in flight at once); rows per program grow with N so that
-    there are ~500-3000 programs (an H100 has 132 SMs). First guesses, not yet timed:
-    bench/gpu_kernels.py times the candidates on a GPU and writes a kernels.tuning file."""
+    there are ~500-3000 programs (an H100 has 132 SMs). H100, graph-timed per layer by
+    bench/gpu_kernels.py (2026-11-23, 16 layers' weights, bf16 x): [6144 x 2048] (8, 2048, 4)
+    9.3 µs (old kernel 10.5), [2048 x 2048] (2, 2048, 8) 4.9 µs (6.1), [50304 x 2048]
+    (16, 1024, 4) 50.4 µs (51.5); the norm-folded qkv (8, 2048, 8) 12.2 µs, slower than a norm
+    launch + the GEMV (11.5 µs), so the model leaves it off (gpu.FUSE_NORM_GEMV)."""
     if interpreting():
         return 128, 256, 1  # few programs: the interpreter runs each
     tuned = lookup("q8_gemv_norm" if norm else "q8_gemv", f"{N}x{K}")
     if tuned is not None:
         return tuple(tuned)
     block_k = min(2048, triton.next_power_of_2(K))
-    if norm:  # each program re-reads 3 K-float vectors from L2: more rows per program
-        return 16, block_k, 8
-    if N <= 4096:
-        return 4, block_k, 4
-    if N <= 16384:
+    if norm:
         return 8, block_k, 8
-    return 16, block_k, 8
+    if N <= 4096:
+        return 2, block_k, 8
+    if N <= 16384:
+        return 8, block_k, 4
+    return 16, min(block_k, 1024), 4
 
 
 def _check(x, q, d):

@@ -56,7 +56,11 @@ SPARSE_MAX_BATCH = 16
 # the qkv Q8_0 GEMV's prologue (FUSE_NORM_GEMV) and in the router's launch (add_norm_router).
 # PYRUNTIME_FUSED_DECODE=0 turns both off (the separate launches, for comparisons).
 FUSED_MAX_TOKENS = 4 if os.environ.get("PYRUNTIME_FUSED_DECODE", "1") not in ("0", "") else 0
-# PYRUNTIME_FUSE_NORM_GEMV=0/1 forces the first; else the kernels.tuning file's choice, else on.
+# PYRUNTIME_FUSE_NORM_GEMV=0/1 forces the first; else the kernels.tuning file's choice, else
+# FUSE_NORM_GEMV: off, since on an H100 the norm-folded qkv GEMV took 12.2 µs a layer against
+# 11.5 µs for the norm launch + the GEMV (bench/gpu_kernels.py: every program re-reads the three
+# K-float vectors from L2).
+FUSE_NORM_GEMV = False
 FUSE_NORM_GEMV_ENV = os.environ.get("PYRUNTIME_FUSE_NORM_GEMV")
 
 
@@ -64,7 +68,7 @@ def fuse_norm_gemv() -> bool:
     if FUSE_NORM_GEMV_ENV is not None:
         return FUSE_NORM_GEMV_ENV not in ("0", "")
     tuned = lookup("fuse_norm_gemv")
-    return True if tuned is None else bool(tuned)
+    return FUSE_NORM_GEMV if tuned is None else bool(tuned)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,6 +98,9 @@ class DeviceKVCache:
         self.token, self.position, self.seq_len = self.step_inputs.view(3, 1).unbind(0)
         pin = self.step_inputs.is_cuda
         self._staging = torch.zeros(3, dtype=torch.long, pin_memory=pin)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph_logits: torch.Tensor | None = None  # the captured step's output [1, n_vocab]
+        self.graph_key: object = None  # model state the graph was captured under
 
     def set_step(self, token: int) -> None:
         """The next decode step's inputs: `token` at position n_tokens. Asynchronous: the
@@ -101,9 +108,6 @@ class DeviceKVCache:
         (forward() waits for them), so its copy has run by then."""
         self._staging.numpy()[:] = (token, self.n_tokens, self.n_tokens + 1)
         self.step_inputs.copy_(self._staging, non_blocking=True)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.graph_logits: torch.Tensor | None = None  # the captured step's output [1, n_vocab]
-        self.graph_key: object = None  # model state the graph was captured under
 
     def truncate(self, n: int) -> None:
         """Forget positions >= n (keeps a common prefix for reuse)."""
@@ -348,7 +352,9 @@ class DeviceTransformer:
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         with self._part("lm_head"):
-            return self.output(h).float() / self.config.logit_scale
+            logits = self.output(h, torch.float32)
+            scale = self.config.logit_scale
+            return logits if scale == 1.0 else logits / scale
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.token_embd.index_select(0, ids).float()  # [n, n_embd], a new tensor
