@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kernels.attention import decode_attention, decode_attention_ref, decode_splits  # noqa: E402
-from kernels.decoder_ops import add_rms_norm  # noqa: E402
+from kernels.decoder_ops import add_rms_norm, qk_rope_store  # noqa: E402
 from kernels.q8_linear import (  # noqa: E402
     add_norm_q8_gemv,
     add_norm_q8_linear_ref,
@@ -238,18 +238,56 @@ def bench_router(old, rows: list, tuned: dict, log) -> None:
     tuned["router_block_e"], tuned["router_warps"] = best[1], best[2]
 
 
+def bench_small(old, rows: list, tuned: dict, log) -> None:
+    """The one-program launches: residual add + RMSNorm, q/k norm + rope + KV store (olmoe:
+    q/k norms over all heads), by warps per program."""
+    x = torch.randn(1, H, device="cuda")
+    dl = torch.randn(1, H, device="cuda")
+    nw = torch.rand(H, device="cuda") + 0.5
+    best = None
+    for w in (1, 2, 4, 8):
+        us = graph_us(
+            lambda w=w: [
+                add_rms_norm(x, dl, nw, EPS, torch.bfloat16, num_warps=w) for _ in range(L)
+            ]
+        )
+        rows.append((f"add_rms_norm warps={w}", us / L, 0))
+        best = min(best or (us, w), (us, w))
+    tuned["norm_warps"] = best[1]
+    S = 520
+    kv = [torch.zeros(2, N_HEAD, S, D, device="cuda").bfloat16() for _ in range(L)]
+    qkv = torch.randn(1, 3 * N_HEAD * D, device="cuda").bfloat16()
+    pos = torch.tensor([513], device="cuda")
+    cos, sin = torch.randn(S, D, device="cuda"), torch.randn(S, D, device="cuda")
+    qn, kn = torch.rand(N_HEAD * D, device="cuda"), torch.rand(N_HEAD * D, device="cuda")
+    best = None
+    for w in (1, 2, 4):
+        us = graph_us(
+            lambda w=w: [
+                qk_rope_store(qkv, c, pos, cos, sin, N_HEAD, qn, kn, EPS, num_warps=w) for c in kv
+            ]
+        )
+        rows.append((f"qk_rope_store warps={w}", us / L, 0))
+        best = min(best or (us, w), (us, w))
+    tuned["rope_warps"] = best[1]
+
+
+PARTS = dict(router=bench_router, attention=bench_attention, gemv=bench_gemv, small=bench_small)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--old", type=Path, default=None, help="directory of the previous kernels")
     p.add_argument("--write", type=Path, default=None, help="kernels.tuning JSON to write")
+    p.add_argument("--parts", default=",".join(PARTS), help="comma-separated: " + ", ".join(PARTS))
     args = p.parse_args()
     old = load_old(args.old)
     log = sys.stdout
     rows: list[tuple[str, float, float]] = []
     tuned: dict = {}
     print(f"GPU: {torch.cuda.get_device_name()}; old kernels: {sorted(old)}", file=log)
-    for part in (bench_router, bench_attention, bench_gemv):
-        part(old, rows, tuned, log)
+    for name in args.parts.split(","):
+        PARTS[name](old, rows, tuned, log)
     print("\n| kernel (per layer / call) | µs | GB/s |\n|---|---|---|", file=log)
     for name, us, gbs in rows:
         print(f"| {name} | {us:.2f} | {gbs:.0f} |", file=log)

@@ -5,6 +5,7 @@
 # $OUT (or ./gpu-session-out). Run from the repo root:
 #   bash bench/gpu_session.sh [tests|kernels|bench|all]
 # OLD_KERNELS=DIR: time the kernel modules in DIR (an older commit's) beside the new ones.
+# PARTS=a,b: only these parts of the microbenchmark (router, attention, gemv, small).
 # TUNE=1: use the launch configs the microbenchmark picked ($OUT/tuned.json, kernels.tuning).
 set -uo pipefail
 OUT=${OUT:-gpu-session-out}
@@ -28,7 +29,8 @@ if [[ $what == tests || $what == all ]]; then
 fi
 
 if [[ $what == kernels || $what == all ]]; then
-  python bench/gpu_kernels.py ${OLD_KERNELS:+--old $OLD_KERNELS} --write "$OUT/tuned.json" \
+  python bench/gpu_kernels.py ${OLD_KERNELS:+--old $OLD_KERNELS} ${PARTS:+--parts $PARTS} \
+    --write "$OUT/tuned.json" \
     2>&1 | tee "$OUT/kernels.log" | grep -v "^| " | tail -n 12
 fi
 [[ ${TUNE:-0} == 1 && -f $OUT/tuned.json ]] && export PYRUNTIME_DECODE_TUNING=$OUT/tuned.json

@@ -29,9 +29,10 @@ from kernels.tuning import lookup
 
 LOG2E = 1.4426950408889634
 # Launch defaults: H100, olmoe shape (16 heads of 128), graph-timed by bench/gpu_kernels.py
-# (2026-11-23): 8 splits of 64-position tiles took 5.1 µs a layer at 128 positions and 9.8 µs
-# at 513 (the split + combine kernels before: 5.6 and 10.1 µs).
-DECODE_BLOCK_S, DECODE_PROGRAMS, DECODE_WARPS = 64, 128, 4
+# (2026-11-23, 16 layers' caches): 32 splits of 16-position tiles, one warp per program (its
+# reductions stay in the warp: no CTA barriers) took 4.6 µs a layer at 128 positions and 7.7 µs
+# at 513 (the split + combine kernels before: 5.4 and 10.3 µs).
+DECODE_BLOCK_S, DECODE_PROGRAMS, DECODE_WARPS = 16, 512, 1
 
 
 @triton.jit

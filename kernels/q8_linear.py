@@ -90,8 +90,8 @@ def gemv_config(N: int, K: int, norm: bool = False) -> tuple[int, int, int]:
     there are ~500-3000 programs (an H100 has 132 SMs). H100, graph-timed per layer by
     bench/gpu_kernels.py (2026-11-23, 16 layers' weights, bf16 x): [6144 x 2048] (8, 2048, 4)
     9.3 µs (old kernel 10.5), [2048 x 2048] (2, 2048, 8) 4.9 µs (6.1), [50304 x 2048]
-    (16, 1024, 4) 50.4 µs (51.5); the norm-folded qkv (8, 2048, 8) 12.2 µs, slower than a norm
-    launch + the GEMV (11.5 µs), so the model leaves it off (gpu.FUSE_NORM_GEMV)."""
+    (16, 1024, 4) 50.4 µs (51.5); the norm-folded qkv (4, 2048, 4) 12.4 µs, slower than a norm
+    launch + the GEMV (11.4 µs), so the model leaves it off (gpu.FUSE_NORM_GEMV)."""
     if interpreting():
         return 128, 256, 1  # few programs: the interpreter runs each
     tuned = lookup("q8_gemv_norm" if norm else "q8_gemv", f"{N}x{K}")
@@ -99,7 +99,7 @@ def gemv_config(N: int, K: int, norm: bool = False) -> tuple[int, int, int]:
         return tuple(tuned)
     block_k = min(2048, triton.next_power_of_2(K))
     if norm:
-        return 8, block_k, 8
+        return 4, block_k, 4
     if N <= 4096:
         return 2, block_k, 8
     if N <= 16384:
