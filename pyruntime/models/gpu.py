@@ -13,10 +13,10 @@ Same math as pyruntime.models.transformer (the CPU reference), laid out for a GP
 
 The residual stream is float32 whatever the weight dtype; norm outputs are cast to the
 activation dtype (f32 or bf16) for the matmuls; routers and the shared-expert gate run in float32
-(they are F32 in the GGUF). Per layer, a decode step is 6 launches plus the experts': qkv GEMV
-with the residual add + RMSNorm in its prologue (Q8_0 weights), q/k-norm+rope+KV-store,
-attention (one launch, kernels.grid_sync merges its splits), o_proj, and one launch for the
-residual add + RMSNorm + router GEMV + softmax + top-k.
+(they are F32 in the GGUF). Per layer, a decode step is 6 launches plus the experts':
+residual add + RMSNorm, qkv GEMV (or both in one launch with FUSE_NORM_GEMV, off: slower on an
+H100), q/k-norm+rope+KV-store, attention (one launch, kernels.grid_sync merges its splits),
+o_proj, and one launch for the residual add + RMSNorm + router GEMV + softmax + top-k.
 """
 
 from __future__ import annotations
