@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.moe_dense import interpreting
+from kernels.tuning import lookup
 
 # ----------------------------------------------------------------------------------------------
 # residual add + RMSNorm
@@ -49,6 +50,7 @@ def add_rms_norm(
     out_dtype: torch.dtype,
     alpha: float = 1.0,
     want_f32: bool = False,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [n, H] float32 contiguous, updated in place to x + alpha * delta (delta [n, H] any
     float dtype, or None); returns (rms_norm(x) * w in out_dtype, the same in float32 or None)."""
@@ -63,7 +65,7 @@ def add_rms_norm(
     _add_rms_norm_kernel[(n,)](
         x, x if delta is None else delta, w, h, h if h32 is None else h32, H, alpha, eps,
         HAS_DELTA=delta is not None, HAS_F32=want_f32, BLOCK_H=triton.next_power_of_2(H),
-        num_warps=1 if interpreting() else 4,
+        num_warps=1 if interpreting() else (num_warps or lookup("norm_warps") or 4),
     )  # fmt: skip
     return h, h32
 
@@ -145,6 +147,7 @@ def qk_rope_store(
     k_norm: torch.Tensor | None = None,
     eps: float = 1e-6,
     clamp: float | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """qkv [n, (n_head + 2 n_kv) * D] (q, k, v columns); kv cache of one layer [2, n_kv, S, D];
     positions [n] int64 device tensor; cos, sin [S, rope_dim] float32 (rotate_half tables);
@@ -167,7 +170,8 @@ def qk_rope_store(
         q if k_norm is None else k_norm, n, S, eps, 0.0 if clamp is None else clamp,
         NH=n_head, NKV=n_kv, D=D, ROPE=rope, NORM=norm, CLAMP=clamp is not None,
         BLOCK_HEADS=triton.next_power_of_2(max(n_head, n_kv)),
-        BLOCK_D=triton.next_power_of_2(D), num_warps=1 if interpreting() else 4,
+        BLOCK_D=triton.next_power_of_2(D),
+        num_warps=1 if interpreting() else (num_warps or lookup("rope_warps") or 4),
     )  # fmt: skip
     return q
 

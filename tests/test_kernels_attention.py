@@ -58,3 +58,18 @@ def test_decode_attention_rejects_bad_shapes():
     q, k, v = _case(3, 2, 10, 8, torch.float32, seed=0)
     with pytest.raises(ValueError, match="n_head % n_kv"):
         decode_attention(q, k, v, torch.tensor([5], dtype=torch.int32), 1.0)
+
+
+@pytest.mark.parametrize("n_split, block_s, n", [(1, 16, 37), (8, 64, 5), (16, 16, 37)])
+def test_decode_attention_split_counts(n_split, block_s, n):
+    """One split (no merge), tiles wider than a split, and more splits than positions (empty
+    splits merged in); the grid_sync counters are all back at 0 after each launch."""
+    from kernels.grid_sync import counters
+
+    q, k, v = _case(4, 2, 37, 32, torch.float32, seed=n_split)
+    seq_len = torch.tensor([n], dtype=torch.int64, device=DEV)
+    for _ in range(2):
+        out = decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), seq_len, 0.3, n_split, block_s)
+        ref = decode_attention_ref(q, k, v, n, 0.3)
+        assert (out.cpu() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+        assert not counters(DEV).any()

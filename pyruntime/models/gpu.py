@@ -13,8 +13,10 @@ Same math as pyruntime.models.transformer (the CPU reference), laid out for a GP
 
 The residual stream is float32 whatever the weight dtype; norm outputs are cast to the
 activation dtype (f32 or bf16) for the matmuls; routers and the shared-expert gate run in float32
-(they are F32 in the GGUF). Per layer, a decode step is ~12 launches: residual+RMSNorm, qkv,
-q/k-norm+rope+KV-store, attention (2), o_proj, residual+RMSNorm, router GEMV, top-k, experts.
+(they are F32 in the GGUF). Per layer, a decode step is 6 launches plus the experts':
+residual add + RMSNorm, qkv GEMV (or both in one launch with FUSE_NORM_GEMV, off: slower on an
+H100), q/k-norm+rope+KV-store, attention (one launch, kernels.grid_sync merges its splits),
+o_proj, and one launch for the residual add + RMSNorm + router GEMV + softmax + top-k.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from kernels.attention import decode_attention
 from kernels.decoder_ops import add_rms_norm, qk_rope_store
 from kernels.dispatch import moe_experts
 from kernels.expert_formats import ACTIVATIONS as KERNEL_ACTIVATIONS
-from kernels.router import router_topk
+from kernels.q8_linear import add_norm_q8_gemv
+from kernels.router import add_norm_router, router_topk
+from kernels.tuning import lookup
 from pyruntime.errors import UsageError
 from pyruntime.experts.compute import activation_fn
 from pyruntime.gguf_file import GGUFFile
@@ -48,6 +52,24 @@ from pyruntime.models.transformer import rope_tables, token_ids
 # The largest batch the sparse expert path runs at when no profiled switch is available (the CPU
 # interpreter, or no model key); on CUDA each layer's value comes from kernels.switch.
 SPARSE_MAX_BATCH = 16
+# Up to this many tokens (decode) a step runs the fused launches: the residual add + RMSNorm in
+# the qkv Q8_0 GEMV's prologue (FUSE_NORM_GEMV) and in the router's launch (add_norm_router).
+# PYRUNTIME_FUSED_DECODE=0 turns both off (the separate launches, for comparisons).
+FUSED_MAX_TOKENS = 4 if os.environ.get("PYRUNTIME_FUSED_DECODE", "1") not in ("0", "") else 0
+# PYRUNTIME_FUSE_NORM_GEMV=0/1 forces the first; else the kernels.tuning file's choice, else
+# FUSE_NORM_GEMV: off, since on an H100 the norm-folded qkv GEMV took 12.2 µs a layer against
+# 11.5 µs for the norm launch + the GEMV (bench/gpu_kernels.py: every program re-reads the three
+# K-float vectors from L2).
+FUSE_NORM_GEMV = False
+FUSE_NORM_GEMV_ENV = os.environ.get("PYRUNTIME_FUSE_NORM_GEMV")
+
+
+def fuse_norm_gemv() -> bool:
+    if FUSE_NORM_GEMV_ENV is not None:
+        return FUSE_NORM_GEMV_ENV not in ("0", "")
+    tuned = lookup("fuse_norm_gemv")
+    return FUSE_NORM_GEMV if tuned is None else bool(tuned)
+
 
 # ---------------------------------------------------------------------------------------------
 # KV cache and the decode step's static inputs
@@ -70,12 +92,22 @@ class DeviceKVCache:
         self.kv = torch.zeros(shape, device=device, dtype=dtype)
         cos, sin = rope_tables(torch.arange(max_tokens), cfg.rope_dim, cfg.rope_theta)
         self.cos, self.sin = cos.to(device), sin.to(device)  # [max_tokens, rope_dim] f32
-        self.token = torch.zeros(1, dtype=torch.long, device=device)
-        self.position = torch.zeros(1, dtype=torch.long, device=device)
-        self.seq_len = torch.ones(1, dtype=torch.int32, device=device)  # position + 1
+        # The step's inputs (token, position, position + 1 = cached length after it) in one
+        # device tensor, written by one host-to-device copy from a pinned staging tensor.
+        self.step_inputs = torch.zeros(3, dtype=torch.long, device=device)
+        self.token, self.position, self.seq_len = self.step_inputs.view(3, 1).unbind(0)
+        pin = self.step_inputs.is_cuda
+        self._staging = torch.zeros(3, dtype=torch.long, pin_memory=pin)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_logits: torch.Tensor | None = None  # the captured step's output [1, n_vocab]
         self.graph_key: object = None  # model state the graph was captured under
+
+    def set_step(self, token: int) -> None:
+        """The next decode step's inputs: `token` at position n_tokens. Asynchronous: the
+        staging tensor is rewritten only after the previous step's logits reached the host
+        (forward() waits for them), so its copy has run by then."""
+        self._staging.numpy()[:] = (token, self.n_tokens, self.n_tokens + 1)
+        self.step_inputs.copy_(self._staging, non_blocking=True)
 
     def truncate(self, n: int) -> None:
         """Forget positions >= n (keeps a common prefix for reuse)."""
@@ -161,6 +193,7 @@ class DeviceTransformer:
             "PYRUNTIME_CUDA_GRAPH", "1"
         ) not in ("0", "")
         self._state_version = 0  # bumped when a captured graph would be stale
+        self._decode_counts = (-1, 0, 0)  # (state version, dense pairs, sparse pairs) per step
         self.profile_parts = False  # label the parts of a step for torch.profiler
 
     # -- public -------------------------------------------------------------------------------
@@ -228,16 +261,17 @@ class DeviceTransformer:
 
     def _run(self, x: torch.Tensor, cache: DeviceKVCache, positions: torch.Tensor, attend):
         """x [n, n_embd] f32 embeddings at `positions` [n] (device) -> final hidden state h
-        [n, n_embd] (normed, matmul dtype). attend(q [n_head, n, D], kv) -> [n, n_head * D]."""
+        [n, n_embd] (normed, matmul dtype). attend(q [n_head, n, D], kv) -> [n, n_head * D].
+
+        The residual stream x is updated in place by add_rms_norm (prefill) or replaced by the
+        new tensor a fused kernel returns (decode: the norms are folded into the qkv GEMV and
+        into the router launch)."""
         cfg = self.config
         eps, alpha = cfg.rms_eps, cfg.residual_scale
-        split_f32 = self.dtype != torch.float32  # the router wants f32 inputs
+        fused = x.shape[0] <= FUSED_MAX_TOKENS
         delta = None  # the previous sub-block's output, added to x by the next norm
         for i, blk in enumerate(self.blocks):
-            with self._part("norm"):
-                h, _ = add_rms_norm(x, delta, blk.attn_norm, eps, self.dtype, alpha)
-            with self._part("qkv"):
-                qkv = blk.wqkv(h)
+            x, qkv = self._norm_linear(x, delta, blk.attn_norm, blk.wqkv, fused)
             with self._part("rope+kv store"):
                 kv = cache.kv[i]  # [2, n_head_kv, max_tokens, head_dim]
                 q = qk_rope_store(
@@ -248,6 +282,16 @@ class DeviceTransformer:
                 a = attend(q, kv)
             with self._part("o_proj"):
                 delta = blk.wo(a)
+            if fused and blk.experts is not None:
+                with self._part("router"):  # + residual add + ffn norm
+                    want_f32 = blk.shared_gate is not None and self.dtype != torch.float32
+                    x, h, h32, ids, w = add_norm_router(
+                        x, delta, blk.ffn_norm, blk.router, eps, cfg.n_expert_used,
+                        cfg.expert_weights_norm, self.dtype, alpha, want_f32,
+                    )  # fmt: skip
+                delta = self._ffn(i, blk, h, h if h32 is None else h32, (ids, w))
+                continue
+            split_f32 = self.dtype != torch.float32  # the router wants f32 inputs
             with self._part("norm"):
                 h, h32 = add_rms_norm(x, delta, blk.ffn_norm, eps, self.dtype, alpha, split_f32)
             delta = self._ffn(i, blk, h, h if h32 is None else h32)
@@ -255,15 +299,34 @@ class DeviceTransformer:
             h, _ = add_rms_norm(x, delta, self.output_norm, eps, self.dtype, alpha)
         return h
 
-    def _ffn(self, i: int, blk: DeviceBlock, h: torch.Tensor, h32: torch.Tensor) -> torch.Tensor:
-        """The FFN sub-block's output [n, n_embd] (before the residual scale)."""
+    def _norm_linear(self, x, delta, norm_w, lin: Linear, fused: bool):
+        """(new x, lin(rms_norm(x + alpha * delta) * norm_w)): one launch for a Q8_0 weight
+        at decode (the norm in the GEMV's prologue), else the norm in place then the matmul."""
+        cfg = self.config
+        if fused and lin.q is not None and fuse_norm_gemv():
+            with self._part("qkv"):  # + residual add + attention norm
+                return add_norm_q8_gemv(
+                    x, delta, norm_w, cfg.rms_eps, lin.q, lin.d, lin.bias, self.dtype,
+                    cfg.residual_scale,
+                )  # fmt: skip
+        with self._part("norm"):
+            h, _ = add_rms_norm(x, delta, norm_w, cfg.rms_eps, self.dtype, cfg.residual_scale)
+        with self._part("qkv"):
+            return x, lin(h)
+
+    def _ffn(self, i: int, blk: DeviceBlock, h: torch.Tensor, h32: torch.Tensor,
+             routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+        """The FFN sub-block's output [n, n_embd] (before the residual scale). routed: the
+        routing (ids, weights) when already computed (decode: add_norm_router)."""
         cfg = self.config
         if blk.experts is None:
             with self._part("dense ffn"):
                 return self._gated_ffn(blk.dense_ffn, h)
-        with self._part("router"):
-            logits = h32 @ blk.router.T  # [n, n_expert] f32
-            ids, w = router_topk(logits, cfg.n_expert_used, cfg.expert_weights_norm)
+        if routed is None:
+            with self._part("router"):
+                logits = h32 @ blk.router.T  # [n, n_expert] f32
+                routed = router_topk(logits, cfg.n_expert_used, cfg.expert_weights_norm)
+        ids, w = routed
         with self._part("routed experts"):
             threshold = None if self.expert_threshold is None else self.expert_threshold[i]
             y, active = moe_experts(
@@ -289,7 +352,9 @@ class DeviceTransformer:
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         with self._part("lm_head"):
-            return self.output(h).float() / self.config.logit_scale
+            logits = self.output(h, torch.float32)
+            scale = self.config.logit_scale
+            return logits if scale == 1.0 else logits / scale
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.token_embd.index_select(0, ids).float()  # [n, n_embd], a new tensor
@@ -331,9 +396,7 @@ class DeviceTransformer:
 
     def _decode(self, token: int, cache: DeviceKVCache) -> torch.Tensor:
         """Logits [1, n_vocab] of one token at position cache.n_tokens."""
-        cache.token.fill_(token)
-        cache.position.fill_(cache.n_tokens)
-        cache.seq_len.fill_(cache.n_tokens + 1)
+        cache.set_step(token)
         self._count_decode_experts()
         if not self.use_cuda_graph:
             return self._decode_step(cache)
@@ -372,9 +435,20 @@ class DeviceTransformer:
         return self._logits(h)
 
     def _count_decode_experts(self) -> None:
-        """Host-side counts of one decode step's routed work (replays cannot run Python)."""
+        """Host-side counts of one decode step's routed work (replays cannot run Python): the
+        pairs of dense and sparse layers, counted once per model state."""
         n_ff, k = self.config.n_ff_exp, self.config.n_expert_used
-        for i, blk in enumerate(self.blocks):
-            if blk.experts is not None:
-                sparse = self.expert_threshold is not None and self.sparse_max_batch[i] >= 1
-                (self.stats.add_sparse if sparse else self.stats.add_dense)(k, n_ff)
+        if self._decode_counts[0] != self._state_version:
+            n_sparse = n_dense = 0
+            for i, blk in enumerate(self.blocks):
+                if blk.experts is not None:
+                    if self.expert_threshold is not None and self.sparse_max_batch[i] >= 1:
+                        n_sparse += k
+                    else:
+                        n_dense += k
+            self._decode_counts = (self._state_version, n_dense, n_sparse)
+        _, n_dense, n_sparse = self._decode_counts
+        if n_dense:
+            self.stats.add_dense(n_dense, n_ff)
+        if n_sparse:
+            self.stats.add_sparse(n_sparse, n_ff)

@@ -82,12 +82,15 @@ class Linear:
     d: torch.Tensor | None = None
     bias: torch.Tensor | None = None  # [N]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [T, K] -> [T, N] in out_dtype (default x's; the Q8_0 GEMV writes it directly)."""
         if self.w is not None:
-            return F.linear(x, self.w, self.bias)
-        if x.shape[0] <= Q8_GEMV_MAX_TOKENS:
-            return q8_gemv(x.contiguous(), self.q, self.d, self.bias)
-        return F.linear(x, dequantize_q8(self.q, self.d, x.dtype), self.bias)
+            y = F.linear(x, self.w, self.bias)
+        elif x.shape[0] <= Q8_GEMV_MAX_TOKENS:
+            return q8_gemv(x.contiguous(), self.q, self.d, self.bias, out_dtype)
+        else:
+            y = F.linear(x, dequantize_q8(self.q, self.d, x.dtype), self.bias)
+        return y if out_dtype is None else y.to(out_dtype)
 
     @property
     def nbytes(self) -> int:
