@@ -259,7 +259,7 @@ class MoETransformer:
     ) -> torch.Tensor:
         """Logits [n_tokens, n_vocab] (or [1, n_vocab] with last_only) float32."""
         if self._decoder is not None and self.gate_observer is None:
-            token = _single_token(tokens)
+            token = single_token(tokens)
             if token is not None:  # decode: one C call, no torch op (~15 us of Python)
                 if not 0 <= token < self.config.n_vocab:
                     raise UsageError(f"token id out of range [0, {self.config.n_vocab})")
@@ -363,7 +363,7 @@ def token_ids(tokens: Sequence[int] | torch.Tensor, n_vocab: int) -> torch.Tenso
     return ids
 
 
-def _single_token(tokens: Sequence[int] | torch.Tensor) -> int | None:
+def single_token(tokens: Sequence[int] | torch.Tensor) -> int | None:
     """The token id when `tokens` holds exactly one, else None."""
     if isinstance(tokens, torch.Tensor):
         return int(tokens.reshape(-1)[0]) if tokens.numel() == 1 else None
