@@ -252,3 +252,141 @@ def rows_tile(w_ptr, row_off, n_mask, h0, H, FMT: tl.constexpr, BLOCK_K: tl.cons
         both = tl.permute(tl.join(lo, hi), (0, 1, 3, 2))  # [BLOCK_N, NB, 2, 16]
         out = tl.reshape(both, [row_off.shape[0], BLOCK_K])
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# q8_0r rows as int32 words (decode GEMV of the repacked Q8_0 format)
+#
+# A q8_0r row's quants are contiguous bytes, so they load as int32 words: word w of block b
+# holds elements 32 b + 4 w + i in byte i (i = 0..3, "lane" i). Per element the fp32 path then
+# costs one byte extraction (bit-field op) + one FADD + one FFMA, with a single xor per word;
+# the dp4a path multiplies 4 int8 quants by 4 int8 quantized x values in one instruction.
+
+Q8_BIAS = tl.constexpr(-2139062144)  # 0x80808080 as int32: + 128 (mod 256) on each byte
+
+
+@triton.jit
+def q8r_words(w_ptr, row_off, n_mask, H, NB: tl.constexpr):
+    """(words [BLOCK_N, NB, 8] int32, d [BLOCK_N, NB] fp32 scales) of whole q8_0r rows.
+
+    NB: a power of two >= H / 32 (padding blocks load 0). The rows must start 4-byte aligned
+    (row bytes = 34 H / 32, so H % 64 == 0); with H % 256 == 0 they are 16-byte aligned and
+    each thread's 4 consecutive words load as one 16-byte vector.
+    """
+    b = tl.arange(0, NB)
+    m = n_mask[:, None] & (b < H // 32)[None, :]
+    wi = b[:, None] * 8 + tl.arange(0, 8)[None, :]  # [NB, 8] word index in the row
+    row = w_ptr + row_off  # [BLOCK_N] byte pointers
+    wp = row.to(tl.pointer_type(tl.int32))[:, None, None] + wi[None, :, :]
+    words = tl.load(wp, mask=m[:, :, None], other=0)
+    dp = (row + H).to(tl.pointer_type(tl.float16))[:, None] + b[None, :]
+    d = tl.load(dp, mask=m, other=0.0).to(tl.float32)
+    return words, d
+
+
+@triton.jit
+def q8_lane(biased, LANE: tl.constexpr):
+    """fp32 int8 value of byte LANE of each word of `biased` (= words ^ Q8_BIAS): the byte is
+    q + 128, placed in the mantissa of 2^23 and the exact float 2^23 + 128 + q less 2^23 + 128
+    (the s8_to_f32 trick: no I2F; per element a PRMT, a LOP3 and an FADD)."""
+    bits = ((biased >> (8 * LANE)) & 0xFF) | 0x4B000000
+    return bits.to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def x_lanes(x_row, H, NB: tl.constexpr):
+    """x split by word lane: (x0, x1, x2, x3) [NB, 8] fp32, x_i[b, w] = x[32 b + 4 w + i]."""
+    b = tl.arange(0, NB)
+    h = b[:, None] * 32 + tl.arange(0, 8)[None, :] * 4
+    m = (b < H // 32)[:, None]
+    x0 = tl.load(x_row + h, mask=m, other=0.0).to(tl.float32)
+    x1 = tl.load(x_row + h + 1, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + h + 2, mask=m, other=0.0).to(tl.float32)
+    x3 = tl.load(x_row + h + 3, mask=m, other=0.0).to(tl.float32)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def q8r_dot(words, d, x0, x1, x2, x3):
+    """[BLOCK_N] fp32 dots of q8_0r rows (q8r_words) with x (x_lanes): one FFMA chain over the
+    4 lanes per word, then per-block sums times the block scale."""
+    bw = words ^ Q8_BIAS
+    acc = q8_lane(bw, 0) * x0[None, :, :]
+    acc = q8_lane(bw, 1) * x1[None, :, :] + acc
+    acc = q8_lane(bw, 2) * x2[None, :, :] + acc
+    acc = q8_lane(bw, 3) * x3[None, :, :] + acc
+    return tl.sum(tl.sum(acc, axis=2) * d, axis=1)
+
+
+@triton.jit
+def q8r_axpy_lanes(words, d, coef, y0, y1, y2, y3):
+    """(y_i + sum over rows of coef[row] * W[row, 32 b + 4 w + i]) for the 4 lanes, [NB, 8]
+    each: the down rows' contribution, accumulated in registers (coef 0 on masked rows)."""
+    bw = words ^ Q8_BIAS
+    cd = (d * coef[:, None])[:, :, None]  # [BLOCK_N, NB, 1]
+    y0 += tl.sum(q8_lane(bw, 0) * cd, axis=0)
+    y1 += tl.sum(q8_lane(bw, 1) * cd, axis=0)
+    y2 += tl.sum(q8_lane(bw, 2) * cd, axis=0)
+    y3 += tl.sum(q8_lane(bw, 3) * cd, axis=0)
+    return y0, y1, y2, y3
+
+
+@triton.jit
+def lanes_atomic_add(y_row, y0, y1, y2, y3, H, NB: tl.constexpr):
+    """y_row[32 b + 4 w + i] += y_i[b, w] (relaxed fp32 atomics), blocks past H / 32 masked."""
+    b = tl.arange(0, NB)
+    h = b[:, None] * 32 + tl.arange(0, 8)[None, :] * 4
+    m = (b < H // 32)[:, None]
+    tl.atomic_add(y_row + h, y0, mask=m, sem="relaxed")
+    tl.atomic_add(y_row + h + 1, y1, mask=m, sem="relaxed")
+    tl.atomic_add(y_row + h + 2, y2, mask=m, sem="relaxed")
+    tl.atomic_add(y_row + h + 3, y3, mask=m, sem="relaxed")
+
+
+@triton.jit
+def _round_byte(v):
+    """int32 whose low byte is round-half-even(v) (two's complement), for |v| <= 127.5: adding
+    1.5 * 2^23 rounds v into the low mantissa bits (the FPU's round-to-nearest-even)."""
+    return (v + 12582912.0).to(tl.int32, bitcast=True) & 0xFF
+
+
+@triton.jit
+def quantize_x_lanes(x0, x1, x2, x3):
+    """x (x_lanes) -> Q8 blocks as the C core quantizes activations (pyrt_quantize_x_q8):
+    d = amax / 127, q = round-half-even(x / d) in [-127, 127]. Returns (xq [NB, 8] int32 words,
+    lane i in byte i, as q8r_words; xd [NB] fp32)."""
+    ax = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
+    amax = tl.max(ax, axis=1)  # [NB]
+    xd = tl.div_rn(amax, 127.0)
+    inv = tl.where(xd != 0.0, tl.div_rn(tl.full(xd.shape, 1.0, tl.float32), xd), 0.0)
+    iv = inv[:, None]
+    q0 = _round_byte(x0 * iv)
+    q1 = _round_byte(x1 * iv)
+    q2 = _round_byte(x2 * iv)
+    q3 = _round_byte(x3 * iv)
+    return q0 | (q1 << 8) | (q2 << 16) | (q3 << 24), xd
+
+
+@triton.jit
+def dp4a(a, b, c, ASM: tl.constexpr):
+    """c + sum over the 4 bytes of int8 a_i * int8 b_i (int32): the dp4a instruction on a GPU
+    (ASM), else the same integer arithmetic (the interpreter runs no inline assembly)."""
+    if ASM:
+        out = tl.inline_asm_elementwise(
+            "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+            dtype=tl.int32, is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        out = c
+        for i in tl.static_range(4):
+            out += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
+    return out
+
+
+@triton.jit
+def q8r_dot_q8x(words, d, xq, xd, ASM: tl.constexpr):
+    """[BLOCK_N] fp32 dots of q8_0r rows with Q8-quantized x (quantize_x_lanes): integer dot per
+    32-block (dp4a), then sum_b d_w[b] * d_x[b] * isum[b] in fp32, as the C core does."""
+    s = dp4a(words, xq[None, :, :], tl.zeros_like(words), ASM)
+    isum = tl.sum(s, axis=2)  # [BLOCK_N, NB] int32 (|sum| <= 32 * 127 * 127)
+    return tl.sum(isum.to(tl.float32) * (d * xd[None, :]), axis=1)

@@ -30,17 +30,26 @@ from kernels.expert_formats import (
     act_ref,
     check_expert_tensor,
     dequantize_rows,
+    quantize_x_q8_ref,
     row_bytes,
 )
 from kernels.expert_rows import (
     act_fn,
     dot_acc_sum,
     dot_acc_zeros,
+    lanes_atomic_add,
+    q8r_axpy_lanes,
+    q8r_dot,
+    q8r_dot_q8x,
+    q8r_words,
+    quantize_x_lanes,
     rows_axpy,
     rows_dot,
     rows_dot_acc,
     rows_tile,
+    x_lanes,
 )
+from kernels.sparse_mask import as_threshold
 
 
 def interpreting() -> bool:
@@ -144,6 +153,93 @@ def _moe_gemv_kernel(
             tl.store(out_ptr + p.to(tl.int64) * F + n, coef, mask=nm)
 
 
+@triton.jit
+def _q8r_gate_up(w_ptr, off, nm, RB, H, x0, x1, x2, x3, xq, xd, NB: tl.constexpr,
+                 DP4A: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """([BLOCK_N] gate dots, [BLOCK_N] up dots) of the neurons at byte offsets `off`."""
+    gw, gd = q8r_words(w_ptr, off, nm, H, NB)
+    uw, ud = q8r_words(w_ptr, off + RB, nm, H, NB)
+    if DP4A:
+        g = q8r_dot_q8x(gw, gd, xq, xd, ASM)
+        u = q8r_dot_q8x(uw, ud, xq, xd, ASM)
+    else:
+        g = q8r_dot(gw, gd, x0, x1, x2, x3)
+        u = q8r_dot(uw, ud, x0, x1, x2, x3)
+    return g, u
+
+
+@triton.jit
+def _moe_q8r_kernel(
+    x_ptr,  # [T, H] f32/bf16, row stride stride_x
+    w_ptr,  # q8_0r expert tensor, uint8 [E, F, 3, RB]
+    ids_ptr,  # [P] int: expert of each pair
+    tw_ptr,  # [P] f32: routing weight of each pair
+    y_ptr,  # [T, H] f32, accumulated
+    thr_ptr,  # MODE 2: [1] f32 threshold on |act(gate)|
+    cnt_ptr,  # MODE 2: [P] int32, zeroed: active neurons of each pair (atomically added)
+    H,
+    F,
+    RB,  # bytes per row: 34 H / 32
+    K,
+    stride_x,
+    ACT: tl.constexpr,
+    MODE: tl.constexpr,  # 0 dense, 2 sparse (up/down rows of neurons under the threshold skipped)
+    BLOCK_N: tl.constexpr,  # neurons per group (one set of whole-row loads)
+    GROUPS: tl.constexpr,  # groups per program: its down sums are added to y once, at the end
+    NB: tl.constexpr,  # power of two >= H / 32
+    DP4A: tl.constexpr,  # gate/up dots on Q8-quantized x (integer dot per 32-block)
+    ASM: tl.constexpr,  # dp4a as the GPU instruction (else its integer twin: interpreter)
+):
+    """Decode FFN over q8_0r experts: one program per (pair, BLOCK_N * GROUPS neurons). Each
+    group loads its neurons' whole gate/up/down rows as int32 words at once (no H loop), and
+    the down contributions of all groups accumulate in registers, so a program adds into y
+    once: (H atomics per program, GROUPS times fewer than one add per group)."""
+    p = tl.program_id(0)
+    t = p // K
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    x0, x1, x2, x3 = x_lanes(x_ptr + t.to(tl.int64) * stride_x, H, NB)
+    if DP4A:
+        xq, xd = quantize_x_lanes(x0, x1, x2, x3)
+    else:
+        xq, xd = x0, x0
+    twp = tl.load(tw_ptr + p).to(tl.float32)
+    y0 = tl.zeros([NB, 8], dtype=tl.float32)
+    y1 = tl.zeros([NB, 8], dtype=tl.float32)
+    y2 = tl.zeros([NB, 8], dtype=tl.float32)
+    y3 = tl.zeros([NB, 8], dtype=tl.float32)
+    n_kept = 0
+    for g in range(GROUPS):
+        n = (tl.program_id(1) * GROUPS + g) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = n < F
+        off = (e * F + n) * 3 * RB  # [BLOCK_N] int64 byte offset of each gate row
+        if MODE == 0:
+            gs, us = _q8r_gate_up(w_ptr, off, nm, RB, H, x0, x1, x2, x3, xq, xd, NB, DP4A, ASM)
+            dw, dd = q8r_words(w_ptr, off + 2 * RB, nm, H, NB)
+            coef = tl.where(nm, act_fn(gs, ACT) * us * twp, 0.0)
+            y0, y1, y2, y3 = q8r_axpy_lanes(dw, dd, coef, y0, y1, y2, y3)
+        else:
+            gw, gd = q8r_words(w_ptr, off, nm, H, NB)
+            if DP4A:
+                a = act_fn(q8r_dot_q8x(gw, gd, xq, xd, ASM), ACT)
+            else:
+                a = act_fn(q8r_dot(gw, gd, x0, x1, x2, x3), ACT)
+            keep = (tl.abs(a) >= tl.load(thr_ptr)) & nm
+            n_keep = tl.sum(keep.to(tl.int32), axis=0)
+            n_kept += n_keep
+            if n_keep > 0:  # masked-off rows are never read: only active up/down rows cost bytes
+                uw, ud = q8r_words(w_ptr, off + RB, keep, H, NB)
+                dw, dd = q8r_words(w_ptr, off + 2 * RB, keep, H, NB)
+                if DP4A:
+                    us = q8r_dot_q8x(uw, ud, xq, xd, ASM)
+                else:
+                    us = q8r_dot(uw, ud, x0, x1, x2, x3)
+                coef = tl.where(keep, a * us * twp, 0.0)
+                y0, y1, y2, y3 = q8r_axpy_lanes(dw, dd, coef, y0, y1, y2, y3)
+    if MODE == 2:
+        tl.atomic_add(cnt_ptr + p, n_kept, sem="relaxed")
+    lanes_atomic_add(y_ptr + t.to(tl.int64) * H, y0, y1, y2, y3, H, NB)
+
+
 # (BLOCK_N, BLOCK_H, num_warps, ACC2D) of _moe_gemv_kernel per (MODE, format family):
 # "float" and "packed" (q8_0r / q4_0r) picked by bench/sweep_moe.py on an H100 (qwen3-30b-a3b
 # shape, batch 1, 4, 16, sparsity 0.85; bench/results/moe_layer_h100_sweep.json); "block"
@@ -229,6 +325,45 @@ def moe_dense_decode(x, w, fmt, topk_ids, topk_w, activation="silu", block_n=Non
         BLOCK_N=bn, BLOCK_H=bh, ACC2D=acc2d, num_warps=nw,
     )  # fmt: skip
     return y
+
+
+# (BLOCK_N, GROUPS, num_warps) of _moe_q8r_kernel per MODE (0 dense, 2 sparse).
+Q8R_CONFIGS = {0: (4, 2, 4), 2: (2, 8, 4)}
+
+
+def q8r_supported(fmt: str, n_embd: int) -> bool:
+    """Whether _moe_q8r_kernel takes this layer: q8_0r rows that start 4-byte aligned."""
+    return fmt == "q8_0r" and n_embd % 64 == 0
+
+
+def moe_q8r_decode(x, w, topk_ids, topk_w, activation="silu", threshold=None, dp4a=True,
+                   blocks=None, y=None, count=None):  # fmt: skip
+    """Decode FFN over q8_0r experts with _moe_q8r_kernel: dense (threshold None) -> y, or
+    sparse -> (y, active count [P] int32). dp4a: gate/up dots on Q8-quantized x (as the C
+    core computes them); else on x itself. y [T, n_embd] f32 and count [P] int32 (both zero)
+    may be given (one zeroed buffer); new zeros otherwise. blocks: (BLOCK_N, GROUPS,
+    num_warps), default Q8R_CONFIGS."""
+    H, E, F, rb, T, K = _prep(x, w, "q8_0r", topk_ids, topk_w, activation)
+    if not q8r_supported("q8_0r", H):
+        raise ValueError(f"_moe_q8r_kernel needs n_embd % 64 == 0, got {H}")
+    P = T * K
+    mode = 0 if threshold is None else 2
+    bn, groups, nw = blocks or (
+        (64, 1, 4) if interpreting() else Q8R_CONFIGS[mode]
+    )  # fmt: skip
+    if y is None:
+        y = torch.zeros(T, H, device=x.device, dtype=torch.float32)
+    if count is None and mode == 2:
+        count = torch.zeros(P, device=x.device, dtype=torch.int32)
+    ids = topk_ids.reshape(-1).contiguous()
+    tw = topk_w.reshape(-1).float().contiguous()
+    thr = tw if mode == 0 else as_threshold(threshold, x.device)
+    _moe_q8r_kernel[(P, triton.cdiv(F, bn * groups))](
+        x, w, ids, tw, y, thr, ids if count is None else count, H, F, rb, K, x.stride(0),
+        ACT=ACTIVATIONS[activation], MODE=mode, BLOCK_N=bn, GROUPS=groups,
+        NB=triton.next_power_of_2(H // 32), DP4A=dp4a, ASM=not interpreting(), num_warps=nw,
+    )  # fmt: skip
+    return y if mode == 0 else (y, count)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -431,11 +566,13 @@ def dequantize_experts(w: torch.Tensor, fmt: str, n_embd: int) -> torch.Tensor:
     return dequantize_rows(w, fmt, n_embd)
 
 
-def moe_dense_ref(x, w, fmt, topk_ids, topk_w, activation="silu"):
-    """Plain torch: dequantize the experts, y = sum_k w_k * down(act(gate x) * up x), fp32."""
+def moe_dense_ref(x, w, fmt, topk_ids, topk_w, activation="silu", q8_x=False):
+    """Plain torch: dequantize the experts, y = sum_k w_k * down(act(gate x) * up x), fp32.
+    q8_x: the gate/up dots take x quantized to Q8 blocks (quantize_x_q8_ref), as the dp4a
+    kernels and the C core do."""
     T, H = x.shape
     wf = dequantize_experts(w, fmt, H)
-    xf = x.float()
+    xf = quantize_x_q8_ref(x) if q8_x else x.float()
     y = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     for t in range(T):
         for k in range(topk_ids.shape[1]):
