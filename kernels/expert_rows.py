@@ -319,28 +319,32 @@ def q8r_dot(words, d, x0, x1, x2, x3):
 
 
 @triton.jit
-def q8r_axpy_lanes(words, d, coef, y0, y1, y2, y3):
-    """(y_i + sum over rows of coef[row] * W[row, 32 b + 4 w + i]) for the 4 lanes, [NB, 8]
-    each: the down rows' contribution, accumulated in registers (coef 0 on masked rows)."""
-    bw = words ^ Q8_BIAS
-    cd = (d * coef[:, None])[:, :, None]  # [BLOCK_N, NB, 1]
-    y0 += tl.sum(q8_lane(bw, 0) * cd, axis=0)
-    y1 += tl.sum(q8_lane(bw, 1) * cd, axis=0)
-    y2 += tl.sum(q8_lane(bw, 2) * cd, axis=0)
-    y3 += tl.sum(q8_lane(bw, 3) * cd, axis=0)
-    return y0, y1, y2, y3
+def q8r_bytes(w_ptr, row_off, n_mask, H, NB: tl.constexpr):
+    """(q [BLOCK_N, NB, 32] raw uint8 quants, d [BLOCK_N, NB] fp32 scales) of whole q8_0r rows
+    (as q8r_words; loaded now, converted later by q8r_rows_axpy)."""
+    b = tl.arange(0, NB)
+    m = n_mask[:, None] & (b < H // 32)[None, :]
+    row = w_ptr + row_off
+    qp = row[:, None, None] + (b[:, None] * 32 + tl.arange(0, 32)[None, :])[None, :, :]
+    q = tl.load(qp, mask=m[:, :, None], other=0)
+    dp = (row + H).to(tl.pointer_type(tl.float16))[:, None] + b[None, :]
+    d = tl.load(dp, mask=m, other=0.0).to(tl.float32)
+    return q, d
 
 
 @triton.jit
-def lanes_atomic_add(y_row, y0, y1, y2, y3, H, NB: tl.constexpr):
-    """y_row[32 b + 4 w + i] += y_i[b, w] (relaxed fp32 atomics), blocks past H / 32 masked."""
+def q8r_rows_axpy(q, d, coef, acc):
+    """acc [NB, 32] + sum over rows of coef[row] * W[row, 32 b + i] (q8r_bytes rows; coef 0 on
+    masked rows): down rows summed in registers, added to y once by the caller."""
+    return acc + tl.sum(s8_to_f32(q) * (d * coef[:, None])[:, :, None], axis=0)
+
+
+@triton.jit
+def blocks_atomic_add(y_row, acc, H, NB: tl.constexpr):
+    """y_row[32 b + i] += acc[b, i] (relaxed fp32 atomics, contiguous), blocks past H / 32 off."""
     b = tl.arange(0, NB)
-    h = b[:, None] * 32 + tl.arange(0, 8)[None, :] * 4
-    m = (b < H // 32)[:, None]
-    tl.atomic_add(y_row + h, y0, mask=m, sem="relaxed")
-    tl.atomic_add(y_row + h + 1, y1, mask=m, sem="relaxed")
-    tl.atomic_add(y_row + h + 2, y2, mask=m, sem="relaxed")
-    tl.atomic_add(y_row + h + 3, y3, mask=m, sem="relaxed")
+    h = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+    tl.atomic_add(y_row + h, acc, mask=(b < H // 32)[:, None], sem="relaxed")
 
 
 @triton.jit

@@ -35,12 +35,13 @@ from kernels.expert_formats import (
 )
 from kernels.expert_rows import (
     act_fn,
+    blocks_atomic_add,
     dot_acc_sum,
     dot_acc_zeros,
-    lanes_atomic_add,
-    q8r_axpy_lanes,
+    q8r_bytes,
     q8r_dot,
     q8r_dot_q8x,
+    q8r_rows_axpy,
     q8r_words,
     quantize_x_lanes,
     rows_axpy,
@@ -154,18 +155,15 @@ def _moe_gemv_kernel(
 
 
 @triton.jit
-def _q8r_gate_up(w_ptr, off, nm, RB, H, x0, x1, x2, x3, xq, xd, NB: tl.constexpr,
-                 DP4A: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
-    """([BLOCK_N] gate dots, [BLOCK_N] up dots) of the neurons at byte offsets `off`."""
-    gw, gd = q8r_words(w_ptr, off, nm, H, NB)
-    uw, ud = q8r_words(w_ptr, off + RB, nm, H, NB)
+def _q8r_dots(w_ptr, off, m, H, x0, x1, x2, x3, xq, xd, NB: tl.constexpr, DP4A: tl.constexpr,
+              ASM: tl.constexpr):  # fmt: skip
+    """[rows] dots of the q8_0r rows at byte offsets `off` (mask m) with x."""
+    words, d = q8r_words(w_ptr, off, m, H, NB)
     if DP4A:
-        g = q8r_dot_q8x(gw, gd, xq, xd, ASM)
-        u = q8r_dot_q8x(uw, ud, xq, xd, ASM)
+        out = q8r_dot_q8x(words, d, xq, xd, ASM)
     else:
-        g = q8r_dot(gw, gd, x0, x1, x2, x3)
-        u = q8r_dot(uw, ud, x0, x1, x2, x3)
-    return g, u
+        out = q8r_dot(words, d, x0, x1, x2, x3)
+    return out
 
 
 @triton.jit
@@ -184,16 +182,21 @@ def _moe_q8r_kernel(
     stride_x,
     ACT: tl.constexpr,
     MODE: tl.constexpr,  # 0 dense, 2 sparse (up/down rows of neurons under the threshold skipped)
-    BLOCK_N: tl.constexpr,  # neurons per group (one set of whole-row loads)
-    GROUPS: tl.constexpr,  # groups per program: its down sums are added to y once, at the end
+    BLOCK_N: tl.constexpr,  # neurons per program
+    BA: tl.constexpr,  # MODE 2: kept neurons processed per step (compacted)
     NB: tl.constexpr,  # power of two >= H / 32
     DP4A: tl.constexpr,  # gate/up dots on Q8-quantized x (integer dot per 32-block)
     ASM: tl.constexpr,  # dp4a as the GPU instruction (else its integer twin: interpreter)
+    ATOMIC: tl.constexpr = True,  # False: plain stores (wrong sums; timing the atomics only)
 ):
-    """Decode FFN over q8_0r experts: one program per (pair, BLOCK_N * GROUPS neurons). Each
-    group loads its neurons' whole gate/up/down rows as int32 words at once (no H loop), and
-    the down contributions of all groups accumulate in registers, so a program adds into y
-    once: (H atomics per program, GROUPS times fewer than one add per group)."""
+    """Decode FFN over q8_0r experts: one program per (pair, BLOCK_N neurons), whole rows per
+    load (no loop over H: every byte a program needs is requested at once), the down rows
+    summed in registers [H] and added into y with one contiguous atomic per element.
+
+    MODE 2: the gate rows of the BLOCK_N neurons load at once; the kept neurons are compacted
+    in registers (their rank among the kept ones, one-hot [BA, BLOCK_N] selection) and only
+    they are processed, BA at a time: up/down instructions scale with the kept count, not
+    with BLOCK_N, and dropped rows cost neither bytes nor arithmetic."""
     p = tl.program_id(0)
     t = p // K
     e = tl.load(ids_ptr + p).to(tl.int64)
@@ -203,41 +206,52 @@ def _moe_q8r_kernel(
     else:
         xq, xd = x0, x0
     twp = tl.load(tw_ptr + p).to(tl.float32)
-    y0 = tl.zeros([NB, 8], dtype=tl.float32)
-    y1 = tl.zeros([NB, 8], dtype=tl.float32)
-    y2 = tl.zeros([NB, 8], dtype=tl.float32)
-    y3 = tl.zeros([NB, 8], dtype=tl.float32)
-    n_kept = 0
-    for g in range(GROUPS):
-        n = (tl.program_id(1) * GROUPS + g) * BLOCK_N + tl.arange(0, BLOCK_N)
-        nm = n < F
-        off = (e * F + n) * 3 * RB  # [BLOCK_N] int64 byte offset of each gate row
-        if MODE == 0:
-            gs, us = _q8r_gate_up(w_ptr, off, nm, RB, H, x0, x1, x2, x3, xq, xd, NB, DP4A, ASM)
-            dw, dd = q8r_words(w_ptr, off + 2 * RB, nm, H, NB)
-            coef = tl.where(nm, act_fn(gs, ACT) * us * twp, 0.0)
-            y0, y1, y2, y3 = q8r_axpy_lanes(dw, dd, coef, y0, y1, y2, y3)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < F
+    off = (e * F + n) * 3 * RB  # [BLOCK_N] int64 byte offset of each gate row
+    y_row = y_ptr + t.to(tl.int64) * H
+    acc = tl.zeros([NB, 32], dtype=tl.float32)
+    if MODE == 0:
+        gw, gd = q8r_words(w_ptr, off, nm, H, NB)
+        uw, ud = q8r_words(w_ptr, off + RB, nm, H, NB)
+        dq, dd = q8r_bytes(w_ptr, off + 2 * RB, nm, H, NB)  # all loads issued before any math
+        if DP4A:
+            gs = q8r_dot_q8x(gw, gd, xq, xd, ASM)
+            us = q8r_dot_q8x(uw, ud, xq, xd, ASM)
         else:
-            gw, gd = q8r_words(w_ptr, off, nm, H, NB)
+            gs = q8r_dot(gw, gd, x0, x1, x2, x3)
+            us = q8r_dot(uw, ud, x0, x1, x2, x3)
+        coef = tl.where(nm, act_fn(gs, ACT) * us * twp, 0.0)
+        acc = q8r_rows_axpy(dq, dd, coef, acc)
+        n_keep = 1
+    else:
+        a = act_fn(_q8r_dots(w_ptr, off, nm, H, x0, x1, x2, x3, xq, xd, NB, DP4A, ASM), ACT)
+        keep = (tl.abs(a) >= tl.load(thr_ptr)) & nm
+        ki = keep.to(tl.int32)
+        n_keep = tl.sum(ki, axis=0)
+        tl.atomic_add(cnt_ptr + p, n_keep, sem="relaxed")
+        rank = tl.cumsum(ki, axis=0) - 1  # [BLOCK_N] rank of each kept neuron
+        for a0 in range(0, n_keep, BA):
+            s = a0 + tl.arange(0, BA)
+            sel = keep[None, :] & (rank[None, :] == s[:, None])  # [BA, BLOCK_N] one-hot
+            sm = s < n_keep
+            j = tl.sum(tl.where(sel, n[None, :], 0), axis=1)  # [BA] kept neuron of each slot
+            aj = tl.sum(tl.where(sel, a[None, :], 0.0), axis=1)
+            offj = (e * F + j) * 3 * RB
+            uw, ud = q8r_words(w_ptr, offj + RB, sm, H, NB)
+            dq, dd = q8r_bytes(w_ptr, offj + 2 * RB, sm, H, NB)
             if DP4A:
-                a = act_fn(q8r_dot_q8x(gw, gd, xq, xd, ASM), ACT)
+                us = q8r_dot_q8x(uw, ud, xq, xd, ASM)
             else:
-                a = act_fn(q8r_dot(gw, gd, x0, x1, x2, x3), ACT)
-            keep = (tl.abs(a) >= tl.load(thr_ptr)) & nm
-            n_keep = tl.sum(keep.to(tl.int32), axis=0)
-            n_kept += n_keep
-            if n_keep > 0:  # masked-off rows are never read: only active up/down rows cost bytes
-                uw, ud = q8r_words(w_ptr, off + RB, keep, H, NB)
-                dw, dd = q8r_words(w_ptr, off + 2 * RB, keep, H, NB)
-                if DP4A:
-                    us = q8r_dot_q8x(uw, ud, xq, xd, ASM)
-                else:
-                    us = q8r_dot(uw, ud, x0, x1, x2, x3)
-                coef = tl.where(keep, a * us * twp, 0.0)
-                y0, y1, y2, y3 = q8r_axpy_lanes(dw, dd, coef, y0, y1, y2, y3)
-    if MODE == 2:
-        tl.atomic_add(cnt_ptr + p, n_kept, sem="relaxed")
-    lanes_atomic_add(y_ptr + t.to(tl.int64) * H, y0, y1, y2, y3, H, NB)
+                us = q8r_dot(uw, ud, x0, x1, x2, x3)
+            acc = q8r_rows_axpy(dq, dd, tl.where(sm, aj * us * twp, 0.0), acc)
+    if n_keep > 0:
+        if ATOMIC:
+            blocks_atomic_add(y_row, acc, H, NB)
+        else:
+            b = tl.arange(0, NB)
+            h = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+            tl.store(y_row + h, acc, mask=(b < H // 32)[:, None])
 
 
 # (BLOCK_N, BLOCK_H, num_warps, ACC2D) of _moe_gemv_kernel per (MODE, format family):
@@ -327,8 +341,8 @@ def moe_dense_decode(x, w, fmt, topk_ids, topk_w, activation="silu", block_n=Non
     return y
 
 
-# (BLOCK_N, GROUPS, num_warps) of _moe_q8r_kernel per MODE (0 dense, 2 sparse).
-Q8R_CONFIGS = {0: (4, 2, 4), 2: (2, 8, 4)}
+# (BLOCK_N, BA, num_warps) of _moe_q8r_kernel per MODE (0 dense, 2 sparse; BA unused in 0).
+Q8R_CONFIGS = {0: (8, 1, 4), 2: (16, 4, 4)}
 
 
 def q8r_supported(fmt: str, n_embd: int) -> bool:
@@ -336,21 +350,19 @@ def q8r_supported(fmt: str, n_embd: int) -> bool:
     return fmt == "q8_0r" and n_embd % 64 == 0
 
 
-def moe_q8r_decode(x, w, topk_ids, topk_w, activation="silu", threshold=None, dp4a=True,
-                   blocks=None, y=None, count=None):  # fmt: skip
+def moe_q8r_decode(x, w, topk_ids, topk_w, activation="silu", threshold=None, dp4a=False,
+                   blocks=None, y=None, count=None, atomic=True):  # fmt: skip
     """Decode FFN over q8_0r experts with _moe_q8r_kernel: dense (threshold None) -> y, or
     sparse -> (y, active count [P] int32). dp4a: gate/up dots on Q8-quantized x (as the C
     core computes them); else on x itself. y [T, n_embd] f32 and count [P] int32 (both zero)
-    may be given (one zeroed buffer); new zeros otherwise. blocks: (BLOCK_N, GROUPS,
-    num_warps), default Q8R_CONFIGS."""
+    may be given (one zeroed buffer); new zeros otherwise. blocks: (BLOCK_N, BA, num_warps),
+    default Q8R_CONFIGS. atomic=False: plain stores (a wrong sum; for timing the atomics)."""
     H, E, F, rb, T, K = _prep(x, w, "q8_0r", topk_ids, topk_w, activation)
     if not q8r_supported("q8_0r", H):
         raise ValueError(f"_moe_q8r_kernel needs n_embd % 64 == 0, got {H}")
     P = T * K
     mode = 0 if threshold is None else 2
-    bn, groups, nw = blocks or (
-        (64, 1, 4) if interpreting() else Q8R_CONFIGS[mode]
-    )  # fmt: skip
+    bn, ba, nw = blocks or ((64, 4, 4) if interpreting() else Q8R_CONFIGS[mode])
     if y is None:
         y = torch.zeros(T, H, device=x.device, dtype=torch.float32)
     if count is None and mode == 2:
@@ -358,10 +370,11 @@ def moe_q8r_decode(x, w, topk_ids, topk_w, activation="silu", threshold=None, dp
     ids = topk_ids.reshape(-1).contiguous()
     tw = topk_w.reshape(-1).float().contiguous()
     thr = tw if mode == 0 else as_threshold(threshold, x.device)
-    _moe_q8r_kernel[(P, triton.cdiv(F, bn * groups))](
+    _moe_q8r_kernel[(P, triton.cdiv(F, bn))](
         x, w, ids, tw, y, thr, ids if count is None else count, H, F, rb, K, x.stride(0),
-        ACT=ACTIVATIONS[activation], MODE=mode, BLOCK_N=bn, GROUPS=groups,
-        NB=triton.next_power_of_2(H // 32), DP4A=dp4a, ASM=not interpreting(), num_warps=nw,
+        ACT=ACTIVATIONS[activation], MODE=mode, BLOCK_N=bn, BA=ba,
+        NB=triton.next_power_of_2(H // 32), DP4A=dp4a, ASM=not interpreting(), ATOMIC=atomic,
+        num_warps=nw,
     )  # fmt: skip
     return y if mode == 0 else (y, count)
 
