@@ -341,8 +341,11 @@ def moe_dense_decode(x, w, fmt, topk_ids, topk_w, activation="silu", block_n=Non
     return y
 
 
-# (BLOCK_N, BA, num_warps) of _moe_q8r_kernel per MODE (0 dense, 2 sparse; BA unused in 0).
-Q8R_CONFIGS = {0: (8, 1, 4), 2: (16, 4, 4)}
+# (BLOCK_N, BA, num_warps) of _moe_q8r_kernel in sparse mode, for one token (P <= 8 pairs) and
+# more: bench/sweep_q8r.py on an H100 (three shapes, batch 1 and 4, sparsity 0.85). Dense mode
+# (BA unused) is not on any auto path: the _moe_gemv_kernel was as fast or faster there.
+Q8R_CONFIGS = {(0, "one"): (8, 1, 8), (0, "many"): (8, 1, 8), (2, "one"): (16, 4, 4),
+               (2, "many"): (8, 2, 4)}  # fmt: skip
 
 
 def q8r_supported(fmt: str, n_embd: int) -> bool:
@@ -351,18 +354,24 @@ def q8r_supported(fmt: str, n_embd: int) -> bool:
 
 
 def moe_q8r_decode(x, w, topk_ids, topk_w, activation="silu", threshold=None, dp4a=False,
-                   blocks=None, y=None, count=None, atomic=True):  # fmt: skip
+                   blocks=None, y=None, count=None, atomic=True, asm=None):  # fmt: skip
     """Decode FFN over q8_0r experts with _moe_q8r_kernel: dense (threshold None) -> y, or
     sparse -> (y, active count [P] int32). dp4a: gate/up dots on Q8-quantized x (as the C
     core computes them); else on x itself. y [T, n_embd] f32 and count [P] int32 (both zero)
     may be given (one zeroed buffer); new zeros otherwise. blocks: (BLOCK_N, BA, num_warps),
-    default Q8R_CONFIGS. atomic=False: plain stores (a wrong sum; for timing the atomics)."""
+    default Q8R_CONFIGS. atomic=False: plain stores (a wrong sum; for timing the atomics).
+    asm: dp4a as the GPU instruction (default: on a GPU) or its integer twin (False).
+
+    dp4a is experimental and on no auto path: on the H100 the dp4a instruction's results
+    were 5.6e-4 (relative to max |y|) off moe_dense_ref(q8_x=True) while the x quantization
+    matched exactly and the twin matches on CPU; unexplained (docs/bench-notes-gexp.md)."""
     H, E, F, rb, T, K = _prep(x, w, "q8_0r", topk_ids, topk_w, activation)
     if not q8r_supported("q8_0r", H):
         raise ValueError(f"_moe_q8r_kernel needs n_embd % 64 == 0, got {H}")
     P = T * K
     mode = 0 if threshold is None else 2
-    bn, ba, nw = blocks or ((64, 4, 4) if interpreting() else Q8R_CONFIGS[mode])
+    key = (mode, "one" if P <= 8 else "many")
+    bn, ba, nw = blocks or ((64, 4, 4) if interpreting() else Q8R_CONFIGS[key])
     if y is None:
         y = torch.zeros(T, H, device=x.device, dtype=torch.float32)
     if count is None and mode == 2:
@@ -373,7 +382,8 @@ def moe_q8r_decode(x, w, topk_ids, topk_w, activation="silu", threshold=None, dp
     _moe_q8r_kernel[(P, triton.cdiv(F, bn))](
         x, w, ids, tw, y, thr, ids if count is None else count, H, F, rb, K, x.stride(0),
         ACT=ACTIVATIONS[activation], MODE=mode, BLOCK_N=bn, BA=ba,
-        NB=triton.next_power_of_2(H // 32), DP4A=dp4a, ASM=not interpreting(), ATOMIC=atomic,
+        NB=triton.next_power_of_2(H // 32), DP4A=dp4a, ATOMIC=atomic,
+        ASM=(not interpreting()) if asm is None else asm,
         num_warps=nw,
     )  # fmt: skip
     return y if mode == 0 else (y, count)
