@@ -1,12 +1,15 @@
-"""Variants of the q8_0r decode MoE kernels on a GPU, timed in one process (device run 1 of gexp).
+"""Variants of the q8_0r decode MoE kernels on a GPU, timed in one process.
 
 For each real shape (bench/moe_layer.py SHAPES), Q8_0 experts repacked to q8_0r, batches 1, 4
 (dense) and 1, 4, 16 (sparse at 0.85), CUDA graph + L2 flush per replay (moe_layer.Timer):
-- old: the current _moe_gemv_kernel (MODE 0 dense / sparse default path), a few BLOCK_H = H
-  configs, and MODE 3 at threshold 0 (gate + up + store, no down / atomics);
-- q8r: _moe_q8r_kernel over (BLOCK_N, GROUPS, num_warps) x (fp32 dots, dp4a dots);
-- floor: the graph of the zeroed output buffer alone.
-Every variant is checked against a reference before it is timed.
+- old: _moe_gemv_kernel (dense decode and the SPARSE_PATHS path), a few BLOCK_H = H configs,
+  and MODE 3 at threshold 0 (gate + up + store: no down rows, no atomics);
+- q8r: _moe_q8r_kernel over (BLOCK_N, BA, num_warps, dp4a, atomic): atomic=0 stores instead
+  of adding (a wrong sum: times the atomics' share);
+- floor: the graph of the zeroed output buffer alone (launch + memset + event overhead);
+- x quantization of the dp4a path against the torch reference, and the dp4a / fp32 kernels
+  against moe_dense_ref (q8_x=True / False) on the routed experts.
+Every fp32 variant is checked against a reference before it is timed.
 
   python bench/sweep_q8r.py --json out.json
 """
@@ -75,6 +78,82 @@ def rel(y, ref):
     return ((y - ref).abs().max() / ref.abs().max()).item()
 
 
+def run_batch(model, shape, w, fk, thr, T, args, dev, peak, rows, t_end):
+    """Every variant at one (shape, batch): appends result rows."""
+    H, E, K, F = shape
+    rb = w.shape[-1]
+    gen = torch.Generator(device="cpu").manual_seed(T)
+    x = torch.randn(T, H, generator=gen).to(device=dev, dtype=torch.bfloat16)
+    routes = [moe_layer.routing(T, E, K, 100 * T + i, dev) for i in range(8)]
+    ids, tw = routes[0][0].clone(), routes[0][1].clone()
+    timer = moe_layer.Timer(dev, routes, ids, tw)
+    gate = ms.moe_gate(x, w, fk, ids)
+    b_dense, b_sparse, achieved = moe_layer.bytes_read(w, fk, H, ids, gate, float(thr),
+                                                       "silu")  # fmt: skip
+    ref_d = md.moe_dense(x, w, fk, ids, tw)
+    ref_s, cnt_s = ms.moe_sparse(x, w, fk, ids, tw, thr, path="decode")
+
+    def case(kind, cfg, fn, ref, nbytes, tol=2e-2):
+        if time.time() > t_end:
+            return
+        try:
+            timer.set_routing(0)
+            torch.cuda.synchronize()
+            y = fn()
+            y = y[0] if isinstance(y, tuple) else y
+            err = rel(y, ref) if ref is not None else 0.0
+            if err > tol:
+                print(f"  WRONG {model} T={T} {kind} {cfg}: {err:.2e}", flush=True)
+                return
+            t, _ = timer(fn, args.reps)
+        except Exception as exc:  # noqa: BLE001 - report and go on with the others
+            print(f"  FAILED {model} T={T} {kind} {cfg}: {type(exc).__name__}: {exc}")
+            return
+        row = dict(model=model, batch=T, kind=kind, cfg=cfg, us=t * 1e6, err=err,
+                   gbps=nbytes / t / 1e9, pct=100 * nbytes / t / 1e9 / peak,
+                   achieved=achieved)  # fmt: skip
+        rows.append(row)
+        print(f"{model:22s} T={T:2d} {kind:14s} {str(cfg):22s} {t * 1e6:7.1f} us "
+              f"{row['pct']:5.1f}% err {err:.1e}", flush=True)  # fmt: skip
+
+    P = T * K
+    case("floor", None, lambda: torch.zeros(T * H + P, device=dev), None, b_dense)
+    if T <= 4:
+        case("old_dense", "default", functools.partial(md.moe_dense, x, w, fk, ids, tw),
+             ref_d, b_dense)  # fmt: skip
+        for cfg in OLD_DENSE:
+            fn = functools.partial(md.moe_dense_decode, x, w, fk, ids, tw, blocks=cfg)
+            case("old_dense", cfg, fn, ref_d, b_dense)
+        hbuf = torch.empty(P, F, device=dev)
+        cnt = torch.zeros(P, dtype=torch.int32, device=dev)
+        zero = torch.zeros(1, device=dev)
+        idsf, twf = ids.reshape(-1), tw.reshape(-1)
+
+        def gate_up_only(bn=8, bh=1024, nw=4):
+            md._moe_gemv_kernel[(P, triton.cdiv(F, bn))](
+                x, w, idsf, twf, hbuf, zero, cnt, H, F, rb, K, x.stride(0),
+                FMT=FMT_CODES[fk], ACT=0, MODE=3, BLOCK_N=bn, BLOCK_H=bh, ACC2D=False,
+                num_warps=nw,
+            )  # fmt: skip
+            return hbuf
+
+        case("old_gateup", (8, 1024, 4), gate_up_only, None, b_dense * 2 // 3)
+        for cfg in DENSE_CFGS:
+            fn = functools.partial(md.moe_q8r_decode, x, w, ids, tw, dp4a=bool(cfg[3]),
+                                   blocks=cfg[:3], atomic=bool(cfg[4]))  # fmt: skip
+            kind = "q8r_" + ("dp4a" if cfg[3] else "f32") + ("" if cfg[4] else "_noat")
+            case(kind, cfg, fn, ref_d if cfg[4] else None, b_dense)
+    old_path = ms.sparse_path(fk, T)  # without n_embd: the _moe_gemv_kernel-based choice
+    old_fn = functools.partial(ms.moe_sparse, x, w, fk, ids, tw, thr, path=old_path)
+    case("old_sparse", old_path, old_fn, ref_s, b_sparse)
+    for cfg in SPARSE_CFGS:
+        fn = functools.partial(md.moe_q8r_decode, x, w, ids, tw, threshold=thr,
+                               dp4a=bool(cfg[3]), blocks=cfg[:3])  # fmt: skip
+        # dp4a changes which borderline neurons pass: no check against float x
+        case("q8r_sp_dp4a" if cfg[3] else "q8r_sp_f32", cfg, fn,
+             None if cfg[3] else ref_s, b_sparse)  # fmt: skip
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", required=True)
@@ -91,79 +170,9 @@ def main():
         H, E, K, F = shape
         w, fk = prepare_experts(moe_layer.make_experts(E, F, H, "q8_0", dev), "q8_0", H)
         thr = moe_layer.calibrated_threshold(w, fk, shape, 0.85, dev)
-        rb = w.shape[-1]
         for T in (1, 4, 16):
-            if time.time() > t_end:
-                break
-            gen = torch.Generator(device="cpu").manual_seed(T)
-            x = torch.randn(T, H, generator=gen).to(device=dev, dtype=torch.bfloat16)
-            routes = [moe_layer.routing(T, E, K, 100 * T + i, dev) for i in range(8)]
-            ids, tw = routes[0][0].clone(), routes[0][1].clone()
-            timer = moe_layer.Timer(dev, routes, ids, tw)
-            gate = ms.moe_gate(x, w, fk, ids)
-            b_dense, b_sparse, achieved = moe_layer.bytes_read(w, fk, H, ids, gate, float(thr),
-                                                               "silu")  # fmt: skip
-            ref_d = md.moe_dense(x, w, fk, ids, tw)
-            ref_s, cnt_s = ms.moe_sparse(x, w, fk, ids, tw, thr, path="decode")
-
-            def case(kind, cfg, fn, ref, nbytes, tol=2e-2):
-                if time.time() > t_end:
-                    return
-                try:
-                    timer.set_routing(0)
-                    torch.cuda.synchronize()
-                    y = fn()
-                    y = y[0] if isinstance(y, tuple) else y
-                    err = rel(y, ref) if ref is not None else 0.0
-                    if err > tol:
-                        print(f"  WRONG {model} T={T} {kind} {cfg}: {err:.2e}", flush=True)
-                        return
-                    t, _ = timer(fn, args.reps)
-                except Exception as exc:  # noqa: BLE001 - report and go on with the others
-                    print(f"  FAILED {model} T={T} {kind} {cfg}: {type(exc).__name__}: {exc}")
-                    return
-                row = dict(model=model, batch=T, kind=kind, cfg=cfg, us=t * 1e6, err=err,
-                           gbps=nbytes / t / 1e9, pct=100 * nbytes / t / 1e9 / peak,
-                           achieved=achieved)  # fmt: skip
-                rows.append(row)
-                print(f"{model:22s} T={T:2d} {kind:14s} {str(cfg):22s} {t * 1e6:7.1f} us "
-                      f"{row['pct']:5.1f}% err {err:.1e}", flush=True)  # fmt: skip
-
-            P = T * K
-            case("floor", None, lambda: torch.zeros(T * H + P, device=dev), None, b_dense)
-            if T <= 4:
-                case("old_dense", "default", functools.partial(md.moe_dense, x, w, fk, ids, tw),
-                     ref_d, b_dense)  # fmt: skip
-                for cfg in OLD_DENSE:
-                    fn = functools.partial(md.moe_dense_decode, x, w, fk, ids, tw, blocks=cfg)
-                    case("old_dense", cfg, fn, ref_d, b_dense)
-                hbuf = torch.empty(P, F, device=dev)
-                cnt = torch.zeros(P, dtype=torch.int32, device=dev)
-                zero = torch.zeros(1, device=dev)
-                idsf, twf = ids.reshape(-1), tw.reshape(-1)
-
-                def gate_up_only(bn=8, bh=1024, nw=4):
-                    md._moe_gemv_kernel[(P, triton.cdiv(F, bn))](
-                        x, w, idsf, twf, hbuf, zero, cnt, H, F, rb, K, x.stride(0),
-                        FMT=FMT_CODES[fk], ACT=0, MODE=3, BLOCK_N=bn, BLOCK_H=bh, ACC2D=False,
-                        num_warps=nw,
-                    )  # fmt: skip
-                    return hbuf
-
-                case("old_gateup", (8, 1024, 4), gate_up_only, None, b_dense * 2 // 3)
-                for cfg in DENSE_CFGS:
-                    fn = functools.partial(md.moe_q8r_decode, x, w, ids, tw, dp4a=bool(cfg[3]),
-                                           blocks=cfg[:3], atomic=bool(cfg[4]))  # fmt: skip
-                    kind = "q8r_" + ("dp4a" if cfg[3] else "f32") + ("" if cfg[4] else "_noat")
-                    case(kind, cfg, fn, ref_d if cfg[4] else None, b_dense)
-            case("old_sparse", ms.sparse_path(fk, T),
-                 functools.partial(ms.moe_sparse, x, w, fk, ids, tw, thr), ref_s, b_sparse)  # fmt: skip
-            for cfg in SPARSE_CFGS:
-                fn = functools.partial(md.moe_q8r_decode, x, w, ids, tw, threshold=thr,
-                                       dp4a=bool(cfg[3]), blocks=cfg[:3])  # fmt: skip
-                # dp4a changes which borderline neurons pass: no check against float x
-                case("q8r_sp_dp4a" if cfg[3] else "q8r_sp_f32", cfg, fn,
-                     None if cfg[3] else ref_s, b_sparse)  # fmt: skip
+            if time.time() < t_end:
+                run_batch(model, shape, w, fk, thr, T, args, dev, peak, rows, t_end)
         # strict check of the dp4a kernel against the Q8-x torch reference (b1, unique experts)
         x = torch.randn(1, H, generator=torch.Generator().manual_seed(5)).to(dev, torch.bfloat16)
         ids, tw = moe_layer.routing(1, E, K, 5, dev)
