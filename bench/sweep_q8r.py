@@ -154,9 +154,26 @@ def run_batch(model, shape, w, fk, thr, T, args, dev, peak, rows, t_end):
              None if cfg[3] else ref_s, b_sparse)  # fmt: skip
 
 
+def diag_dp4a(dev):
+    """The dp4a kernel (instruction and integer twin, both compiled for the GPU) and the fp32
+    one against moe_dense_ref on the routed experts of one qwen3-30b-a3b-shaped layer."""
+    H, E, K, F = moe_layer.SHAPES["qwen3-30b-a3b"]
+    w, fk = prepare_experts(moe_layer.make_experts(E, F, H, "q8_0", dev), "q8_0", H)
+    x = torch.randn(1, H, generator=torch.Generator().manual_seed(5)).to(dev, torch.bfloat16)
+    ids, tw = moe_layer.routing(1, E, K, 5, dev)
+    uniq, remap = torch.unique(ids.long(), return_inverse=True)
+    sub = w[uniq].contiguous()
+    for dp, asm in ((True, True), (True, False), (False, False)):
+        ref = md.moe_dense_ref(x, sub, fk, remap, tw, q8_x=dp)
+        y = md.moe_q8r_decode(x, w, ids, tw, dp4a=dp, asm=asm, blocks=(8, 1, 4))
+        print(f"# diag dp4a={dp} asm={asm}: rel err vs moe_dense_ref(q8_x={dp}) "
+              f"{rel(y, ref):.2e}", flush=True)  # fmt: skip
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--json", required=True)
+    ap.add_argument("--diag-only", action="store_true", help="only diag_dp4a and quantize_x")
+    ap.add_argument("--json")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--budget-s", type=float, default=400)
     args = ap.parse_args()
@@ -166,6 +183,9 @@ def main():
     print(f"# {torch.cuda.get_device_name()} peak {peak:.0f} GB/s triton {triton.__version__}")
     rows = []
     check_quantize_x(dev)
+    diag_dp4a(dev)
+    if args.diag_only:
+        return
     for model, shape in moe_layer.SHAPES.items():
         H, E, K, F = shape
         w, fk = prepare_experts(moe_layer.make_experts(E, F, H, "q8_0", dev), "q8_0", H)
