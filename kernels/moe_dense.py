@@ -30,7 +30,6 @@ from kernels.expert_formats import (
     act_ref,
     check_expert_tensor,
     dequantize_rows,
-    quantize_x_q8_ref,
     row_bytes,
 )
 from kernels.expert_rows import (
@@ -40,10 +39,8 @@ from kernels.expert_rows import (
     dot_acc_zeros,
     q8r_bytes,
     q8r_dot,
-    q8r_dot_q8x,
     q8r_rows_axpy,
     q8r_words,
-    quantize_x_lanes,
     rows_axpy,
     rows_dot,
     rows_dot_acc,
@@ -155,18 +152,6 @@ def _moe_gemv_kernel(
 
 
 @triton.jit
-def _q8r_dots(w_ptr, off, m, H, x0, x1, x2, x3, xq, xd, NB: tl.constexpr, DP4A: tl.constexpr,
-              ASM: tl.constexpr):  # fmt: skip
-    """[rows] dots of the q8_0r rows at byte offsets `off` (mask m) with x."""
-    words, d = q8r_words(w_ptr, off, m, H, NB)
-    if DP4A:
-        out = q8r_dot_q8x(words, d, xq, xd, ASM)
-    else:
-        out = q8r_dot(words, d, x0, x1, x2, x3)
-    return out
-
-
-@triton.jit
 def _moe_q8r_kernel(
     x_ptr,  # [T, H] f32/bf16, row stride stride_x
     w_ptr,  # q8_0r expert tensor, uint8 [E, F, 3, RB]
@@ -185,8 +170,6 @@ def _moe_q8r_kernel(
     BLOCK_N: tl.constexpr,  # neurons per program
     BA: tl.constexpr,  # MODE 2: kept neurons processed per step (compacted)
     NB: tl.constexpr,  # power of two >= H / 32
-    DP4A: tl.constexpr,  # gate/up dots on Q8-quantized x (integer dot per 32-block)
-    ASM: tl.constexpr,  # dp4a as the GPU instruction (else its integer twin: interpreter)
     ATOMIC: tl.constexpr = True,  # False: plain stores (wrong sums; timing the atomics only)
 ):
     """Decode FFN over q8_0r experts: one program per (pair, BLOCK_N neurons), whole rows per
@@ -201,10 +184,6 @@ def _moe_q8r_kernel(
     t = p // K
     e = tl.load(ids_ptr + p).to(tl.int64)
     x0, x1, x2, x3 = x_lanes(x_ptr + t.to(tl.int64) * stride_x, H, NB)
-    if DP4A:
-        xq, xd = quantize_x_lanes(x0, x1, x2, x3)
-    else:
-        xq, xd = x0, x0
     twp = tl.load(tw_ptr + p).to(tl.float32)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < F
@@ -215,17 +194,14 @@ def _moe_q8r_kernel(
         gw, gd = q8r_words(w_ptr, off, nm, H, NB)
         uw, ud = q8r_words(w_ptr, off + RB, nm, H, NB)
         dq, dd = q8r_bytes(w_ptr, off + 2 * RB, nm, H, NB)  # all loads issued before any math
-        if DP4A:
-            gs = q8r_dot_q8x(gw, gd, xq, xd, ASM)
-            us = q8r_dot_q8x(uw, ud, xq, xd, ASM)
-        else:
-            gs = q8r_dot(gw, gd, x0, x1, x2, x3)
-            us = q8r_dot(uw, ud, x0, x1, x2, x3)
+        gs = q8r_dot(gw, gd, x0, x1, x2, x3)
+        us = q8r_dot(uw, ud, x0, x1, x2, x3)
         coef = tl.where(nm, act_fn(gs, ACT) * us * twp, 0.0)
         acc = q8r_rows_axpy(dq, dd, coef, acc)
         n_keep = 1
     else:
-        a = act_fn(_q8r_dots(w_ptr, off, nm, H, x0, x1, x2, x3, xq, xd, NB, DP4A, ASM), ACT)
+        gw, gd = q8r_words(w_ptr, off, nm, H, NB)
+        a = act_fn(q8r_dot(gw, gd, x0, x1, x2, x3), ACT)
         keep = (tl.abs(a) >= tl.load(thr_ptr)) & nm
         ki = keep.to(tl.int32)
         n_keep = tl.sum(ki, axis=0)
@@ -240,10 +216,7 @@ def _moe_q8r_kernel(
             offj = (e * F + j) * 3 * RB
             uw, ud = q8r_words(w_ptr, offj + RB, sm, H, NB)
             dq, dd = q8r_bytes(w_ptr, offj + 2 * RB, sm, H, NB)
-            if DP4A:
-                us = q8r_dot_q8x(uw, ud, xq, xd, ASM)
-            else:
-                us = q8r_dot(uw, ud, x0, x1, x2, x3)
+            us = q8r_dot(uw, ud, x0, x1, x2, x3)
             acc = q8r_rows_axpy(dq, dd, tl.where(sm, aj * us * twp, 0.0), acc)
     if n_keep > 0:
         if ATOMIC:
@@ -353,18 +326,12 @@ def q8r_supported(fmt: str, n_embd: int) -> bool:
     return fmt == "q8_0r" and n_embd % 64 == 0
 
 
-def moe_q8r_decode(x, w, topk_ids, topk_w, activation="silu", threshold=None, dp4a=False,
-                   blocks=None, y=None, count=None, atomic=True, asm=None):  # fmt: skip
+def moe_q8r_decode(x, w, topk_ids, topk_w, activation="silu", threshold=None, blocks=None,
+                   y=None, count=None, atomic=True):  # fmt: skip
     """Decode FFN over q8_0r experts with _moe_q8r_kernel: dense (threshold None) -> y, or
-    sparse -> (y, active count [P] int32). dp4a: gate/up dots on Q8-quantized x (as the C
-    core computes them); else on x itself. y [T, n_embd] f32 and count [P] int32 (both zero)
+    sparse -> (y, active count [P] int32). y [T, n_embd] f32 and count [P] int32 (both zero)
     may be given (one zeroed buffer); new zeros otherwise. blocks: (BLOCK_N, BA, num_warps),
-    default Q8R_CONFIGS. atomic=False: plain stores (a wrong sum; for timing the atomics).
-    asm: dp4a as the GPU instruction (default: on a GPU) or its integer twin (False).
-
-    dp4a is experimental and on no auto path: on the H100 the dp4a instruction's results
-    were 5.6e-4 (relative to max |y|) off moe_dense_ref(q8_x=True) while the x quantization
-    matched exactly and the twin matches on CPU; unexplained (docs/bench-notes-gexp.md)."""
+    default Q8R_CONFIGS. atomic=False: plain stores (a wrong sum; for timing the atomics)."""
     H, E, F, rb, T, K = _prep(x, w, "q8_0r", topk_ids, topk_w, activation)
     if not q8r_supported("q8_0r", H):
         raise ValueError(f"_moe_q8r_kernel needs n_embd % 64 == 0, got {H}")
@@ -382,8 +349,7 @@ def moe_q8r_decode(x, w, topk_ids, topk_w, activation="silu", threshold=None, dp
     _moe_q8r_kernel[(P, triton.cdiv(F, bn))](
         x, w, ids, tw, y, thr, ids if count is None else count, H, F, rb, K, x.stride(0),
         ACT=ACTIVATIONS[activation], MODE=mode, BLOCK_N=bn, BA=ba,
-        NB=triton.next_power_of_2(H // 32), DP4A=dp4a, ATOMIC=atomic,
-        ASM=(not interpreting()) if asm is None else asm,
+        NB=triton.next_power_of_2(H // 32), ATOMIC=atomic,
         num_warps=nw,
     )  # fmt: skip
     return y if mode == 0 else (y, count)
@@ -589,13 +555,11 @@ def dequantize_experts(w: torch.Tensor, fmt: str, n_embd: int) -> torch.Tensor:
     return dequantize_rows(w, fmt, n_embd)
 
 
-def moe_dense_ref(x, w, fmt, topk_ids, topk_w, activation="silu", q8_x=False):
-    """Plain torch: dequantize the experts, y = sum_k w_k * down(act(gate x) * up x), fp32.
-    q8_x: the gate/up dots take x quantized to Q8 blocks (quantize_x_q8_ref), as the dp4a
-    kernels and the C core do."""
+def moe_dense_ref(x, w, fmt, topk_ids, topk_w, activation="silu"):
+    """Plain torch: dequantize the experts, y = sum_k w_k * down(act(gate x) * up x), fp32."""
     T, H = x.shape
     wf = dequantize_experts(w, fmt, H)
-    xf = quantize_x_q8_ref(x) if q8_x else x.float()
+    xf = x.float()
     y = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     for t in range(T):
         for k in range(topk_ids.shape[1]):

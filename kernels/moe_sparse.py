@@ -272,16 +272,15 @@ def sparse_path(fmt: str, n_tok: int, n_embd: int | None = None) -> str:
     return next(path for max_t, path in SPARSE_PATHS[format_family(fmt)] if n_tok <= max_t)
 
 
-def moe_sparse_q8r(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", dp4a=False,
-                   blocks=None, asm=None):  # fmt: skip
+def moe_sparse_q8r(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", blocks=None):
     """Sparse FFN of q8_0r experts in one _moe_q8r_kernel launch (plus one memset). Returns
-    (y [T, n_embd] f32, active count [P] int32). dp4a, asm: as moe_q8r_decode (experimental)."""
+    (y [T, n_embd] f32, active count [P] int32); blocks as moe_q8r_decode."""
     H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
     if not q8r_supported(fmt, H):
         raise ValueError(f"the q8r path needs q8_0r experts and n_embd % 64 == 0, got {fmt}, {H}")
     y, count = _zeroed_out_and_count(T, H, T * K, x.device)
-    return moe_q8r_decode(x, w, topk_ids, topk_w, activation, threshold, dp4a=dp4a,
-                          blocks=blocks, y=y, count=count, asm=asm)  # fmt: skip
+    return moe_q8r_decode(x, w, topk_ids, topk_w, activation, threshold, blocks=blocks, y=y,
+                          count=count)  # fmt: skip
 
 
 def moe_sparse(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", path="auto"):

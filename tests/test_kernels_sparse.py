@@ -178,21 +178,6 @@ def test_moe_sparse_q8r_matches_reference(n_tok, blocks):
     assert_close_rel(y, ref, 1e-5)
 
 
-def test_moe_sparse_q8r_dp4a_twin_matches_reference():
-    """Gate/up dots on Q8-quantized x (integer twin of dp4a) against the reference on the
-    same quantized x, threshold in a gap of the quantized-x gates."""
-    from kernels.expert_formats import quantize_x_q8_ref
-
-    x, w, ids, tw = make_case("q8_0r", 3, torch.bfloat16, seed=55, n_embd=Q8R_N_EMBD)
-    xq = quantize_x_q8_ref(x)
-    thr = gap_threshold(moe_gate_ref(xq, w, "q8_0r", ids), "silu", 0.7)
-    y, active = moe_sparse_q8r(x, w, "q8_0r", ids, tw, thr, blocks=(8, 2, 4), dp4a=True,
-                               asm=False)  # fmt: skip
-    ref, ref_active = moe_sparse_ref(xq, w, "q8_0r", ids, tw, thr)
-    assert torch.equal(active.view(ref_active.shape), ref_active)
-    assert_close_rel(y, ref, 1e-5)
-
-
 @pytest.mark.parametrize("n_tok", [1, 3])
 def test_moe_sparse_q8r_threshold_zero_equals_dense_and_huge_is_empty(n_tok):
     x, w, ids, tw = make_case("q8_0r", n_tok, torch.bfloat16, seed=60, n_embd=Q8R_N_EMBD)
