@@ -2,10 +2,14 @@
 
     y[t] = sum_k topk_w[t, k] * sum_j act(g_j . x_t) * (u_j . x_t) * d_j     (e = topk_ids[t, k])
 
-Two paths, both dequantizing inside the kernel (no dequantized copy of the weights):
+Three kernels, all dequantizing inside (no dequantized copy of the weights):
 - decode (small T): `_moe_gemv_kernel`, one program per (token-expert pair, tile of BLOCK_N
   neurons): gate and up dots over n_embd, then the down axpy into y[t] with relaxed fp32 atomics.
   Every weight byte of the routed experts is read once per pair (memory bound).
+- q8_0r decode (`_moe_q8r_kernel`, `moe_q8r_decode`; n_embd % 64 == 0): whole rows per
+  program in one set of loads (gate/up as int32 words, down as bytes), down sums in
+  registers and one contiguous atomic add per element; its sparse mode compacts the kept
+  neurons in registers (kernels.moe_sparse's "q8r" path, small batches).
 - prefill (larger T): pairs are grouped by expert (`moe_align`, like vLLM's
   moe_align_block_size, in torch, no host sync) and two grouped GEMMs run on tl.dot tiles:
   `_moe_gemm_gate_up_kernel` (act(gate) * up -> inter [P, n_ff] fp32), then
@@ -174,7 +178,7 @@ def _moe_q8r_kernel(
 ):
     """Decode FFN over q8_0r experts: one program per (pair, BLOCK_N neurons), whole rows per
     load (no loop over H: every byte a program needs is requested at once), the down rows
-    summed in registers [H] and added into y with one contiguous atomic per element.
+    summed in registers ([NB, 32] = H) and added into y with one contiguous atomic per element.
 
     MODE 2: the gate rows of the BLOCK_N neurons load at once; the kept neurons are compacted
     in registers (their rank among the kept ones, one-hot [BA, BLOCK_N] selection) and only
