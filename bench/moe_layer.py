@@ -237,7 +237,7 @@ def bench_batch(model, shape, fmt, w, T, args, device, peak, thresholds, switch_
             n_ff=n_ff, target_sparsity=s, threshold=float(thr), achieved_sparsity=achieved,
             dense_s=t_dense, sparse_s=t_sparse, auto_s=t_auto, speedup=t_dense / t_sparse,
             auto_speedup=t_dense / t_auto, sparse_max_batch=smb,
-            sparse_path=sparse_path(fmt, T), auto_path="sparse" if T <= smb else "dense",
+            sparse_path=sparse_path(fmt, T, n_embd), auto_path="sparse" if T <= smb else "dense",
             dense_bytes=b_dense, sparse_bytes=b_sparse,
             dense_gbps=b_dense / t_dense / 1e9, sparse_gbps=b_sparse / t_sparse / 1e9,
             peak_gbps=peak, cuda_graph=graphed,

@@ -252,3 +252,96 @@ def rows_tile(w_ptr, row_off, n_mask, h0, H, FMT: tl.constexpr, BLOCK_K: tl.cons
         both = tl.permute(tl.join(lo, hi), (0, 1, 3, 2))  # [BLOCK_N, NB, 2, 16]
         out = tl.reshape(both, [row_off.shape[0], BLOCK_K])
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# q8_0r rows as int32 words (decode GEMV of the repacked Q8_0 format)
+#
+# A q8_0r row's quants are contiguous bytes, so the gate/up rows load as int32 words: word w of
+# block b holds elements 32 b + 4 w + i in byte i (i = 0..3, "lane" i); per element a byte
+# extraction, an OR, an FADD and an FFMA, with one xor per word. The down rows load as bytes
+# (q8r_bytes) so that their sums over the neurons come out contiguous for the atomics.
+
+Q8_BIAS = tl.constexpr(-2139062144)  # 0x80808080 as int32: + 128 (mod 256) on each byte
+
+
+@triton.jit
+def q8r_words(w_ptr, row_off, n_mask, H, NB: tl.constexpr):
+    """(words [BLOCK_N, NB, 8] int32, d [BLOCK_N, NB] fp32 scales) of whole q8_0r rows.
+
+    NB: a power of two >= H / 32 (padding blocks load 0). The rows must start 4-byte aligned
+    (row bytes = 34 H / 32, so H % 64 == 0); with H % 256 == 0 they are 16-byte aligned and
+    each thread's 4 consecutive words load as one 16-byte vector.
+    """
+    b = tl.arange(0, NB)
+    m = n_mask[:, None] & (b < H // 32)[None, :]
+    wi = b[:, None] * 8 + tl.arange(0, 8)[None, :]  # [NB, 8] word index in the row
+    row = w_ptr + row_off  # [BLOCK_N] byte pointers
+    wp = row.to(tl.pointer_type(tl.int32))[:, None, None] + wi[None, :, :]
+    words = tl.load(wp, mask=m[:, :, None], other=0)
+    dp = (row + H).to(tl.pointer_type(tl.float16))[:, None] + b[None, :]
+    d = tl.load(dp, mask=m, other=0.0).to(tl.float32)
+    return words, d
+
+
+@triton.jit
+def q8_lane(biased, LANE: tl.constexpr):
+    """fp32 int8 value of byte LANE of each word of `biased` (= words ^ Q8_BIAS): the byte is
+    q + 128, placed in the mantissa of 2^23 and the exact float 2^23 + 128 + q less 2^23 + 128
+    (the s8_to_f32 trick: no I2F; per element a PRMT, a LOP3 and an FADD)."""
+    bits = ((biased >> (8 * LANE)) & 0xFF) | 0x4B000000
+    return bits.to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def x_lanes(x_row, H, NB: tl.constexpr):
+    """x split by word lane: (x0, x1, x2, x3) [NB, 8] fp32, x_i[b, w] = x[32 b + 4 w + i]."""
+    b = tl.arange(0, NB)
+    h = b[:, None] * 32 + tl.arange(0, 8)[None, :] * 4
+    m = (b < H // 32)[:, None]
+    x0 = tl.load(x_row + h, mask=m, other=0.0).to(tl.float32)
+    x1 = tl.load(x_row + h + 1, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + h + 2, mask=m, other=0.0).to(tl.float32)
+    x3 = tl.load(x_row + h + 3, mask=m, other=0.0).to(tl.float32)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def q8r_dot(words, d, x0, x1, x2, x3):
+    """[BLOCK_N] fp32 dots of q8_0r rows (q8r_words) with x (x_lanes): one FFMA chain over the
+    4 lanes per word, then per-block sums times the block scale."""
+    bw = words ^ Q8_BIAS
+    acc = q8_lane(bw, 0) * x0[None, :, :]
+    acc = q8_lane(bw, 1) * x1[None, :, :] + acc
+    acc = q8_lane(bw, 2) * x2[None, :, :] + acc
+    acc = q8_lane(bw, 3) * x3[None, :, :] + acc
+    return tl.sum(tl.sum(acc, axis=2) * d, axis=1)
+
+
+@triton.jit
+def q8r_bytes(w_ptr, row_off, n_mask, H, NB: tl.constexpr):
+    """(q [BLOCK_N, NB, 32] raw uint8 quants, d [BLOCK_N, NB] fp32 scales) of whole q8_0r rows
+    (as q8r_words; loaded now, converted later by q8r_rows_axpy)."""
+    b = tl.arange(0, NB)
+    m = n_mask[:, None] & (b < H // 32)[None, :]
+    row = w_ptr + row_off
+    qp = row[:, None, None] + (b[:, None] * 32 + tl.arange(0, 32)[None, :])[None, :, :]
+    q = tl.load(qp, mask=m[:, :, None], other=0)
+    dp = (row + H).to(tl.pointer_type(tl.float16))[:, None] + b[None, :]
+    d = tl.load(dp, mask=m, other=0.0).to(tl.float32)
+    return q, d
+
+
+@triton.jit
+def q8r_rows_axpy(q, d, coef, acc):
+    """acc [NB, 32] + sum over rows of coef[row] * W[row, 32 b + i] (q8r_bytes rows; coef 0 on
+    masked rows): down rows summed in registers, added to y once by the caller."""
+    return acc + tl.sum(s8_to_f32(q) * (d * coef[:, None])[:, :, None], axis=0)
+
+
+@triton.jit
+def blocks_atomic_add(y_row, acc, H, NB: tl.constexpr):
+    """y_row[32 b + i] += acc[b, i] (relaxed fp32 atomics, contiguous), blocks past H / 32 off."""
+    b = tl.arange(0, NB)
+    h = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+    tl.atomic_add(y_row + h, acc, mask=(b < H // 32)[:, None], sem="relaxed")

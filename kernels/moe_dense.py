@@ -2,10 +2,14 @@
 
     y[t] = sum_k topk_w[t, k] * sum_j act(g_j . x_t) * (u_j . x_t) * d_j     (e = topk_ids[t, k])
 
-Two paths, both dequantizing inside the kernel (no dequantized copy of the weights):
+Three kernels, all dequantizing inside (no dequantized copy of the weights):
 - decode (small T): `_moe_gemv_kernel`, one program per (token-expert pair, tile of BLOCK_N
   neurons): gate and up dots over n_embd, then the down axpy into y[t] with relaxed fp32 atomics.
   Every weight byte of the routed experts is read once per pair (memory bound).
+- q8_0r decode (`_moe_q8r_kernel`, `moe_q8r_decode`; n_embd % 64 == 0): whole rows per
+  program in one set of loads (gate/up as int32 words, down as bytes), down sums in
+  registers and one contiguous atomic add per element; its sparse mode compacts the kept
+  neurons in registers (kernels.moe_sparse's "q8r" path, small batches).
 - prefill (larger T): pairs are grouped by expert (`moe_align`, like vLLM's
   moe_align_block_size, in torch, no host sync) and two grouped GEMMs run on tl.dot tiles:
   `_moe_gemm_gate_up_kernel` (act(gate) * up -> inter [P, n_ff] fp32), then
@@ -34,13 +38,20 @@ from kernels.expert_formats import (
 )
 from kernels.expert_rows import (
     act_fn,
+    blocks_atomic_add,
     dot_acc_sum,
     dot_acc_zeros,
+    q8r_bytes,
+    q8r_dot,
+    q8r_rows_axpy,
+    q8r_words,
     rows_axpy,
     rows_dot,
     rows_dot_acc,
     rows_tile,
+    x_lanes,
 )
+from kernels.sparse_mask import as_threshold
 
 
 def interpreting() -> bool:
@@ -144,6 +155,82 @@ def _moe_gemv_kernel(
             tl.store(out_ptr + p.to(tl.int64) * F + n, coef, mask=nm)
 
 
+@triton.jit
+def _moe_q8r_kernel(
+    x_ptr,  # [T, H] f32/bf16, row stride stride_x
+    w_ptr,  # q8_0r expert tensor, uint8 [E, F, 3, RB]
+    ids_ptr,  # [P] int: expert of each pair
+    tw_ptr,  # [P] f32: routing weight of each pair
+    y_ptr,  # [T, H] f32, accumulated
+    thr_ptr,  # MODE 2: [1] f32 threshold on |act(gate)|
+    cnt_ptr,  # MODE 2: [P] int32, zeroed: active neurons of each pair (atomically added)
+    H,
+    F,
+    RB,  # bytes per row: 34 H / 32
+    K,
+    stride_x,
+    ACT: tl.constexpr,
+    MODE: tl.constexpr,  # 0 dense, 2 sparse (up/down rows of neurons under the threshold skipped)
+    BLOCK_N: tl.constexpr,  # neurons per program
+    BA: tl.constexpr,  # MODE 2: kept neurons processed per step (compacted)
+    NB: tl.constexpr,  # power of two >= H / 32
+    ATOMIC: tl.constexpr = True,  # False: plain stores (wrong sums; timing the atomics only)
+):
+    """Decode FFN over q8_0r experts: one program per (pair, BLOCK_N neurons), whole rows per
+    load (no loop over H: every byte a program needs is requested at once), the down rows
+    summed in registers ([NB, 32] = H) and added into y with one contiguous atomic per element.
+
+    MODE 2: the gate rows of the BLOCK_N neurons load at once; the kept neurons are compacted
+    in registers (their rank among the kept ones, one-hot [BA, BLOCK_N] selection) and only
+    they are processed, BA at a time: up/down instructions scale with the kept count, not
+    with BLOCK_N, and dropped rows cost neither bytes nor arithmetic."""
+    p = tl.program_id(0)
+    t = p // K
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    x0, x1, x2, x3 = x_lanes(x_ptr + t.to(tl.int64) * stride_x, H, NB)
+    twp = tl.load(tw_ptr + p).to(tl.float32)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < F
+    off = (e * F + n) * 3 * RB  # [BLOCK_N] int64 byte offset of each gate row
+    y_row = y_ptr + t.to(tl.int64) * H
+    acc = tl.zeros([NB, 32], dtype=tl.float32)
+    if MODE == 0:
+        gw, gd = q8r_words(w_ptr, off, nm, H, NB)
+        uw, ud = q8r_words(w_ptr, off + RB, nm, H, NB)
+        dq, dd = q8r_bytes(w_ptr, off + 2 * RB, nm, H, NB)  # all loads issued before any math
+        gs = q8r_dot(gw, gd, x0, x1, x2, x3)
+        us = q8r_dot(uw, ud, x0, x1, x2, x3)
+        coef = tl.where(nm, act_fn(gs, ACT) * us * twp, 0.0)
+        acc = q8r_rows_axpy(dq, dd, coef, acc)
+        n_keep = 1
+    else:
+        gw, gd = q8r_words(w_ptr, off, nm, H, NB)
+        a = act_fn(q8r_dot(gw, gd, x0, x1, x2, x3), ACT)
+        keep = (tl.abs(a) >= tl.load(thr_ptr)) & nm
+        ki = keep.to(tl.int32)
+        n_keep = tl.sum(ki, axis=0)
+        tl.atomic_add(cnt_ptr + p, n_keep, sem="relaxed")
+        rank = tl.cumsum(ki, axis=0) - 1  # [BLOCK_N] rank of each kept neuron
+        for a0 in range(0, n_keep, BA):
+            s = a0 + tl.arange(0, BA)
+            sel = keep[None, :] & (rank[None, :] == s[:, None])  # [BA, BLOCK_N] one-hot
+            sm = s < n_keep
+            j = tl.sum(tl.where(sel, n[None, :], 0), axis=1)  # [BA] kept neuron of each slot
+            aj = tl.sum(tl.where(sel, a[None, :], 0.0), axis=1)
+            offj = (e * F + j) * 3 * RB
+            uw, ud = q8r_words(w_ptr, offj + RB, sm, H, NB)
+            dq, dd = q8r_bytes(w_ptr, offj + 2 * RB, sm, H, NB)
+            us = q8r_dot(uw, ud, x0, x1, x2, x3)
+            acc = q8r_rows_axpy(dq, dd, tl.where(sm, aj * us * twp, 0.0), acc)
+    if n_keep > 0:
+        if ATOMIC:
+            blocks_atomic_add(y_row, acc, H, NB)
+        else:
+            b = tl.arange(0, NB)
+            h = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+            tl.store(y_row + h, acc, mask=(b < H // 32)[:, None])
+
+
 # (BLOCK_N, BLOCK_H, num_warps, ACC2D) of _moe_gemv_kernel per (MODE, format family):
 # "float" and "packed" (q8_0r / q4_0r) picked by bench/sweep_moe.py on an H100 (qwen3-30b-a3b
 # shape, batch 1, 4, 16, sparsity 0.85; bench/results/moe_layer_h100_sweep.json); "block"
@@ -229,6 +316,47 @@ def moe_dense_decode(x, w, fmt, topk_ids, topk_w, activation="silu", block_n=Non
         BLOCK_N=bn, BLOCK_H=bh, ACC2D=acc2d, num_warps=nw,
     )  # fmt: skip
     return y
+
+
+# (BLOCK_N, BA, num_warps) of _moe_q8r_kernel in sparse mode, for one token (P <= 8 pairs) and
+# more: bench/sweep_q8r.py on an H100 (three shapes, batch 1 and 4, sparsity 0.85). Dense mode
+# (BA unused) is not on any auto path: the _moe_gemv_kernel was as fast or faster there.
+Q8R_CONFIGS = {(0, "one"): (8, 1, 8), (0, "many"): (8, 1, 8), (2, "one"): (16, 4, 4),
+               (2, "many"): (8, 2, 4)}  # fmt: skip
+
+
+def q8r_supported(fmt: str, n_embd: int) -> bool:
+    """Whether _moe_q8r_kernel takes this layer: q8_0r rows that start 4-byte aligned."""
+    return fmt == "q8_0r" and n_embd % 64 == 0
+
+
+def moe_q8r_decode(x, w, topk_ids, topk_w, activation="silu", threshold=None, blocks=None,
+                   y=None, count=None, atomic=True):  # fmt: skip
+    """Decode FFN over q8_0r experts with _moe_q8r_kernel: dense (threshold None) -> y, or
+    sparse -> (y, active count [P] int32). y [T, n_embd] f32 and count [P] int32 (both zero)
+    may be given (one zeroed buffer); new zeros otherwise. blocks: (BLOCK_N, BA, num_warps),
+    default Q8R_CONFIGS. atomic=False: plain stores (a wrong sum; for timing the atomics)."""
+    H, E, F, rb, T, K = _prep(x, w, "q8_0r", topk_ids, topk_w, activation)
+    if not q8r_supported("q8_0r", H):
+        raise ValueError(f"_moe_q8r_kernel needs n_embd % 64 == 0, got {H}")
+    P = T * K
+    mode = 0 if threshold is None else 2
+    key = (mode, "one" if P <= 8 else "many")
+    bn, ba, nw = blocks or ((64, 4, 4) if interpreting() else Q8R_CONFIGS[key])
+    if y is None:
+        y = torch.zeros(T, H, device=x.device, dtype=torch.float32)
+    if count is None and mode == 2:
+        count = torch.zeros(P, device=x.device, dtype=torch.int32)
+    ids = topk_ids.reshape(-1).contiguous()
+    tw = topk_w.reshape(-1).float().contiguous()
+    thr = tw if mode == 0 else as_threshold(threshold, x.device)
+    _moe_q8r_kernel[(P, triton.cdiv(F, bn))](
+        x, w, ids, tw, y, thr, ids if count is None else count, H, F, rb, K, x.stride(0),
+        ACT=ACTIVATIONS[activation], MODE=mode, BLOCK_N=bn, BA=ba,
+        NB=triton.next_power_of_2(H // 32), ATOMIC=atomic,
+        num_warps=nw,
+    )  # fmt: skip
+    return y if mode == 0 else (y, count)
 
 
 # ----------------------------------------------------------------------------------------------

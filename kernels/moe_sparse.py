@@ -17,7 +17,12 @@ neurons' up/down rows (masked loads cost no memory traffic). At batch 1 on an H1
 the three-launch pipeline, whose fixed per-kernel latency is comparable to its runtime.
 `moe_sparse_split` is the two-kernel middle ground (gate + mask + up in one kernel writing
 h [P, n_ff], then a down kernel with one atomic per output element per neuron slice).
-Which path runs per format and batch: SPARSE_PATHS (H100 sweep, bench/sweep_moe.py).
+`moe_sparse_q8r` (q8_0r experts, n_embd % 64 == 0, small batches) is the fused kernel of
+kernels.moe_dense._moe_q8r_kernel in its sparse mode: whole gate rows per program, the kept
+neurons compacted in registers and only they processed (their up/down rows and arithmetic),
+down sums added into y once per program.
+Which path runs per format and batch: SPARSE_PATHS (H100 sweep, bench/sweep_moe.py) and
+Q8R_SPARSE_MAX_TOKENS (bench/sweep_q8r.py).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from kernels.moe_dense import (
     gemv_blocks,
     interpreting,
     moe_align,
+    moe_q8r_decode,
+    q8r_supported,
 )
 from kernels.sparse_mask import as_threshold, sparse_mask
 
@@ -252,23 +259,46 @@ SPARSE_PATHS = {
 }
 
 
-def sparse_path(fmt: str, n_tok: int) -> str:
-    """The path moe_sparse(path="auto") runs for n_tok tokens of `fmt`."""
+# q8_0r layers (n_embd % 64 == 0) take the "q8r" path up to this many tokens: on the H100
+# (bench/sweep_q8r.py, sparsity 0.85, three shapes) it beat "fused" at batch 1 (0.99-1.11x) and
+# 4 (1.17-1.22x) and tied "decode" at 16.
+Q8R_SPARSE_MAX_TOKENS = 4
+
+
+def sparse_path(fmt: str, n_tok: int, n_embd: int | None = None) -> str:
+    """The path moe_sparse(path="auto") runs for n_tok tokens of `fmt` (rows of n_embd)."""
+    if n_embd is not None and q8r_supported(fmt, n_embd) and n_tok <= Q8R_SPARSE_MAX_TOKENS:
+        return "q8r"
     return next(path for max_t, path in SPARSE_PATHS[format_family(fmt)] if n_tok <= max_t)
+
+
+def moe_sparse_q8r(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", blocks=None):
+    """Sparse FFN of q8_0r experts in one _moe_q8r_kernel launch (plus one memset). Returns
+    (y [T, n_embd] f32, active count [P] int32); blocks as moe_q8r_decode."""
+    H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
+    if not q8r_supported(fmt, H):
+        raise ValueError(f"the q8r path needs q8_0r experts and n_embd % 64 == 0, got {fmt}, {H}")
+    y, count = _zeroed_out_and_count(T, H, T * K, x.device)
+    return moe_q8r_decode(x, w, topk_ids, topk_w, activation, threshold, blocks=blocks, y=y,
+                          count=count)  # fmt: skip
 
 
 def moe_sparse(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", path="auto"):
     """Sparse routed-expert FFN. Returns (y [T, n_embd] f32, active [T, K] int32 neuron counts).
 
     threshold: float or [1] device tensor on |act(gate)|; 0 keeps every neuron (= moe_dense).
-    path: "fused" (one kernel, moe_sparse_fused), "split" (gate-up kernel + down kernel,
+    path: "q8r" (q8_0r only: moe_sparse_q8r), "fused" (one kernel, moe_sparse_fused),
+    "split" (gate-up kernel + down kernel,
     moe_sparse_split), "decode" (GEMV gate dots + sparse_mask + compacted sparse up-down),
     "prefill" (grouped-GEMM gate dots + sparse_mask + sparse up-down), or "auto": the fastest
     on an H100 for this format and batch (SPARSE_PATHS, bench/moe_layer.py).
     """
     H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
     if path == "auto":
-        path = sparse_path(fmt, T)
+        path = sparse_path(fmt, T, H)
+    if path == "q8r":
+        y, count = moe_sparse_q8r(x, w, fmt, topk_ids, topk_w, threshold, activation)
+        return y, count.view(T, K)
     if path == "fused":
         y, count = moe_sparse_fused(x, w, fmt, topk_ids, topk_w, threshold, activation)
         return y, count.view(T, K)

@@ -12,7 +12,7 @@ threshold, and cached:
 The profile times `moe_dense` and `moe_sparse` at T = 1, 2, 4, ..., 256 tokens (random routing,
 random or sampled hidden states) and returns the largest T such that sparse was faster at every
 profiled batch up to T (0 = never use sparse), so the switch is never on where sparse lost.
-Cache: one JSON file per (GPU name, key, format, shape, threshold) under
+Cache: one JSON file per (GPU name, key, format, shape, threshold, KERNELS_VERSION) under
 $PYRUNTIME_CACHE/switch/ (default ~/.cache/pyruntime/switch/); a second call reads it.
 
 The timer is a parameter (`timer(path, batch, fn) -> seconds`), so the crossover logic and the
@@ -38,6 +38,9 @@ from kernels.moe_dense import moe_dense
 from kernels.moe_sparse import moe_sparse
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Part of every profile's identity: bump it whenever the MoE kernels, their configs or their
+# path choices change, so a profile measured with older kernels is never reused.
+KERNELS_VERSION = 2  # 2: the q8r sparse path (kernels.moe_sparse.moe_sparse_q8r)
 Timer = Callable[[str, int, Callable[[], object]], float]  # (path, batch, fn) -> seconds
 
 _MEMO: dict[Path, int] = {}  # this process's profiles, by cache file
@@ -156,6 +159,7 @@ def sparse_max_batch(w: torch.Tensor, fmt: str, n_embd: int, top_k: int, activat
     identity = dict(
         gpu=device_name(w.device), key=str(key), fmt=fmt, shape=list(w.shape), top_k=top_k,
         activation=activation, threshold=_threshold_value(threshold), batches=sorted(batches),
+        kernels=KERNELS_VERSION,
     )  # fmt: skip
     path = cache_file(identity, directory)
     if not refresh:

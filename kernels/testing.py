@@ -21,10 +21,16 @@ def n_embd_for(fmt: str) -> int:
     return 96 if fmt in BLOCKS else 100
 
 
-def make_case(fmt: str, n_tok: int, x_dtype=torch.float32, seed: int = 0):
-    """(x [T, H], w expert tensor, topk_ids [T, K] int32, topk_w [T, K] f32), fresh and random."""
+# n_embd of the q8r kernel tests: a multiple of 64 (the kernel's alignment need) whose 6
+# Q8 blocks are not a power of two (padded, masked blocks).
+Q8R_N_EMBD = 192
+
+
+def make_case(fmt: str, n_tok: int, x_dtype=torch.float32, seed: int = 0, n_embd=None):
+    """(x [T, H], w expert tensor, topk_ids [T, K] int32, topk_w [T, K] f32), fresh and random;
+    H = n_embd or n_embd_for(fmt)."""
     g = torch.Generator().manual_seed(seed)
-    H = n_embd_for(fmt)
+    H = n_embd or n_embd_for(fmt)
     wf = torch.randn(N_EXPERT, N_FF, 3, H, generator=g) * H**-0.5
     w = quantize_rows(wf, fmt)
     x = torch.randn(n_tok, H, generator=g).to(x_dtype)

@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from kernels.moe_dense import moe_align, moe_dense, moe_dense_ref
-from kernels.testing import DEVICE, N_EXPERT, assert_close_rel, make_case, rtol_for
+from kernels.testing import (
+    DEVICE,
+    N_EXPERT,
+    Q8R_N_EMBD,
+    assert_close_rel,
+    make_case,
+    rtol_for,
+)
 
 FORMATS = ["f32", "f16", "bf16", "q8_0", "q4_0", "q8_0r", "q4_0r"]
 
@@ -65,3 +72,24 @@ def test_moe_dense_rejects_bad_shapes():
         moe_dense(x, w, "q8_0", ids[:, :2], tw)
     with pytest.raises(ValueError, match="unknown activation"):
         moe_dense(x, w, "q8_0", ids, tw, activation="relu")
+
+
+@pytest.mark.parametrize("blocks", [None, (8, 1, 4)])
+@pytest.mark.parametrize("n_tok", [1, 3])
+def test_moe_q8r_dense_matches_reference(n_tok, blocks):
+    """_moe_q8r_kernel, dense: whole q8_0r rows (gate/up as int32 words, down as bytes), down
+    sums in registers; one neuron tile per program (None: 64 neurons) or several."""
+    from kernels.moe_dense import moe_q8r_decode
+
+    x, w, ids, tw = make_case("q8_0r", n_tok, torch.bfloat16, seed=20 + n_tok, n_embd=Q8R_N_EMBD)
+    y = moe_q8r_decode(x, w, ids, tw, blocks=blocks)
+    assert y.shape == x.shape and y.dtype == torch.float32
+    assert_close_rel(y, moe_dense_ref(x, w, "q8_0r", ids, tw), 1e-5)
+
+
+def test_moe_q8r_dense_gelu():
+    from kernels.moe_dense import moe_q8r_decode
+
+    x, w, ids, tw = make_case("q8_0r", 2, seed=23, n_embd=Q8R_N_EMBD)
+    y = moe_q8r_decode(x, w, ids, tw, activation="gelu")
+    assert_close_rel(y, moe_dense_ref(x, w, "q8_0r", ids, tw, activation="gelu"), 1e-5)

@@ -6,16 +6,19 @@ import torch
 from kernels.expert_formats import act_ref
 from kernels.moe_dense import moe_dense
 from kernels.moe_sparse import (
+    Q8R_SPARSE_MAX_TOKENS,
     moe_gate,
     moe_gate_ref,
     moe_sparse,
     moe_sparse_fused,
+    moe_sparse_q8r,
     moe_sparse_ref,
     moe_sparse_split,
     moe_sparse_up_down,
+    sparse_path,
 )
 from kernels.sparse_mask import sparse_mask, sparse_mask_ref
-from kernels.testing import DEVICE, assert_close_rel, make_case, rtol_for
+from kernels.testing import DEVICE, Q8R_N_EMBD, assert_close_rel, make_case, rtol_for
 
 FORMATS = ["f16", "bf16", "q8_0", "q4_0", "q8_0r", "q4_0r"]
 
@@ -156,3 +159,39 @@ def test_moe_sparse_split_small_blocks(fmt):
     ref, ref_active = moe_sparse_ref(x, w, fmt, ids, tw, thr)
     assert torch.equal(count.view(ref_active.shape), ref_active)
     assert_close_rel(y, ref, 1e-5)
+
+
+# the q8r path: q8_0r experts with n_embd % 64 == 0 (make_case(..., n_embd=Q8R_N_EMBD))
+
+
+@pytest.mark.parametrize("blocks", [None, (16, 4, 4), (8, 2, 4), (4, 1, 2)])
+@pytest.mark.parametrize("n_tok", [1, 3])
+def test_moe_sparse_q8r_matches_reference(n_tok, blocks):
+    """Kept neurons compacted in registers and processed BA at a time (several steps per
+    program at 30% kept of up to 64 neurons), one or several neuron tiles per pair."""
+    x, w, ids, tw = make_case("q8_0r", n_tok, seed=50 + n_tok, n_embd=Q8R_N_EMBD)
+    thr = gap_threshold(moe_gate_ref(x, w, "q8_0r", ids), "silu", 0.7)
+    y, active = moe_sparse_q8r(x, w, "q8_0r", ids, tw, thr, blocks=blocks)
+    ref, ref_active = moe_sparse_ref(x, w, "q8_0r", ids, tw, thr)
+    assert torch.equal(active.view(ref_active.shape), ref_active)
+    assert 0.5 < 1 - active.sum() / active.numel() / w.shape[1] < 0.9
+    assert_close_rel(y, ref, 1e-5)
+
+
+@pytest.mark.parametrize("n_tok", [1, 3])
+def test_moe_sparse_q8r_threshold_zero_equals_dense_and_huge_is_empty(n_tok):
+    x, w, ids, tw = make_case("q8_0r", n_tok, torch.bfloat16, seed=60, n_embd=Q8R_N_EMBD)
+    y, active = moe_sparse(x, w, "q8_0r", ids, tw, 0.0, path="q8r")
+    assert (active == w.shape[1]).all()
+    assert_close_rel(y, moe_dense(x, w, "q8_0r", ids, tw, path="decode"), 1e-5)
+    y, active = moe_sparse(x, w, "q8_0r", ids, tw, 1e30, path="q8r")
+    assert (active == 0).all() and (y == 0).all()
+
+
+def test_sparse_path_takes_q8r_for_aligned_q8_0r_at_small_batch():
+    assert sparse_path("q8_0r", 1, 2048) == "q8r"
+    assert sparse_path("q8_0r", Q8R_SPARSE_MAX_TOKENS, 2048) == "q8r"
+    assert sparse_path("q8_0r", Q8R_SPARSE_MAX_TOKENS + 1, 2048) != "q8r"
+    assert sparse_path("q8_0r", 1, 96) != "q8r"  # rows not 4-byte aligned
+    assert sparse_path("q4_0r", 1, 2048) != "q8r"
+    assert sparse_path("q8_0r", 1) != "q8r"  # n_embd unknown

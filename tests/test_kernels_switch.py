@@ -93,3 +93,17 @@ def test_corrupt_cache_file_is_profiled_again(tmp_path):
     timer = FakeTimer({1: (2, 1), 2: (2, 1), 4: (2, 3), 8: (2, 3)})
     assert _call(w, fmt, timer) == 2
     assert json.loads(path.read_text())["sparse_max_batch"] == 2
+
+
+def test_profile_of_older_kernels_is_not_reused(tmp_path, monkeypatch):
+    """A cached profile records KERNELS_VERSION; after a bump the layer is profiled again."""
+    w, fmt = _experts()
+    assert _call(w, fmt, FakeTimer({1: (2, 1), 2: (2, 3)})) == 1
+    (old,) = (tmp_path / "switch").glob("*.json")
+    assert json.loads(old.read_text())["identity"]["kernels"] == switch.KERNELS_VERSION
+    switch._MEMO.clear()
+    monkeypatch.setattr(switch, "KERNELS_VERSION", switch.KERNELS_VERSION + 1)
+    timer = FakeTimer({1: (2, 1), 2: (2, 1), 4: (2, 3)})
+    assert _call(w, fmt, timer) == 2  # profiled anew, not read from the old file
+    assert timer.calls[0] == ("dense", 1)
+    assert len(list((tmp_path / "switch").glob("*.json"))) == 2

@@ -1,0 +1,148 @@
+"""Variants of the q8_0r decode MoE kernels on a GPU, timed in one process.
+
+For each real shape (bench/moe_layer.py SHAPES), Q8_0 experts repacked to q8_0r, batches 1, 4
+(dense) and 1, 4, 16 (sparse at 0.85), CUDA graph + L2 flush per replay (moe_layer.Timer):
+- old: _moe_gemv_kernel (dense decode and the SPARSE_PATHS path), a few BLOCK_H = H configs,
+  and MODE 3 at threshold 0 (gate + up + store: no down rows, no atomics);
+- q8r: _moe_q8r_kernel over (BLOCK_N, BA, num_warps, atomic): atomic=0 stores instead of
+  adding (a wrong sum: times the atomics' share);
+- floor: the graph of the zeroed output buffer alone (launch + memset + event overhead);
+Every fp32 variant is checked against a reference before it is timed.
+
+  python bench/sweep_q8r.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import moe_layer  # noqa: E402
+
+md = importlib.import_module("kernels.moe_dense")
+ms = importlib.import_module("kernels.moe_sparse")
+from kernels.dispatch import prepare_experts  # noqa: E402
+from kernels.expert_formats import FMT_CODES  # noqa: E402
+
+# (BLOCK_N, BA, num_warps, atomic). Runs v1/v2 in bench/results/gexp_sweep_q8r_v*.log also
+# timed a dp4a variant (gate/up dots on Q8-quantized x), since removed from kernels/.
+DENSE_CFGS = [(4, 1, 2, 1), (4, 1, 4, 1), (8, 1, 4, 1), (8, 1, 8, 1), (16, 1, 8, 1),
+              (16, 1, 16, 1), (32, 1, 16, 1), (8, 1, 4, 0), (16, 1, 8, 0)]  # fmt: skip
+SPARSE_CFGS = [(8, 2, 4), (16, 2, 4), (16, 4, 4), (32, 4, 4), (32, 4, 8), (32, 8, 8), (64, 4, 8),
+               (64, 8, 8), (16, 4, 2)]  # fmt: skip
+OLD_DENSE = [(8, 2048, 4, False), (4, 2048, 4, False), (16, 2048, 8, False), (8, 2048, 8, True)]
+
+
+def rel(y, ref):
+    return ((y - ref).abs().max() / ref.abs().max()).item()
+
+
+def run_batch(model, shape, w, fk, thr, T, args, dev, peak, rows, t_end):
+    """Every variant at one (shape, batch): appends result rows."""
+    H, E, K, F = shape
+    rb = w.shape[-1]
+    gen = torch.Generator(device="cpu").manual_seed(T)
+    x = torch.randn(T, H, generator=gen).to(device=dev, dtype=torch.bfloat16)
+    routes = [moe_layer.routing(T, E, K, 100 * T + i, dev) for i in range(8)]
+    ids, tw = routes[0][0].clone(), routes[0][1].clone()
+    timer = moe_layer.Timer(dev, routes, ids, tw)
+    gate = ms.moe_gate(x, w, fk, ids)
+    b_dense, b_sparse, achieved = moe_layer.bytes_read(w, fk, H, ids, gate, float(thr),
+                                                       "silu")  # fmt: skip
+    ref_d = md.moe_dense(x, w, fk, ids, tw)
+    ref_s, cnt_s = ms.moe_sparse(x, w, fk, ids, tw, thr, path="decode")
+
+    def case(kind, cfg, fn, ref, nbytes, tol=2e-2):
+        if time.time() > t_end:
+            return
+        try:
+            timer.set_routing(0)
+            torch.cuda.synchronize()
+            y = fn()
+            y = y[0] if isinstance(y, tuple) else y
+            err = rel(y, ref) if ref is not None else 0.0
+            if err > tol:
+                print(f"  WRONG {model} T={T} {kind} {cfg}: {err:.2e}", flush=True)
+                return
+            t, _ = timer(fn, args.reps)
+        except Exception as exc:  # noqa: BLE001 - report and go on with the others
+            print(f"  FAILED {model} T={T} {kind} {cfg}: {type(exc).__name__}: {exc}")
+            return
+        row = dict(model=model, batch=T, kind=kind, cfg=cfg, us=t * 1e6, err=err,
+                   gbps=nbytes / t / 1e9, pct=100 * nbytes / t / 1e9 / peak,
+                   achieved=achieved)  # fmt: skip
+        rows.append(row)
+        print(f"{model:22s} T={T:2d} {kind:14s} {str(cfg):22s} {t * 1e6:7.1f} us "
+              f"{row['pct']:5.1f}% err {err:.1e}", flush=True)  # fmt: skip
+
+    P = T * K
+    case("floor", None, lambda: torch.zeros(T * H + P, device=dev), None, b_dense)
+    if T <= 4:
+        case("old_dense", "default", functools.partial(md.moe_dense, x, w, fk, ids, tw),
+             ref_d, b_dense)  # fmt: skip
+        for cfg in OLD_DENSE:
+            fn = functools.partial(md.moe_dense_decode, x, w, fk, ids, tw, blocks=cfg)
+            case("old_dense", cfg, fn, ref_d, b_dense)
+        hbuf = torch.empty(P, F, device=dev)
+        cnt = torch.zeros(P, dtype=torch.int32, device=dev)
+        zero = torch.zeros(1, device=dev)
+        idsf, twf = ids.reshape(-1), tw.reshape(-1)
+
+        def gate_up_only(bn=8, bh=1024, nw=4):
+            md._moe_gemv_kernel[(P, triton.cdiv(F, bn))](
+                x, w, idsf, twf, hbuf, zero, cnt, H, F, rb, K, x.stride(0),
+                FMT=FMT_CODES[fk], ACT=0, MODE=3, BLOCK_N=bn, BLOCK_H=bh, ACC2D=False,
+                num_warps=nw,
+            )  # fmt: skip
+            return hbuf
+
+        case("old_gateup", (8, 1024, 4), gate_up_only, None, b_dense * 2 // 3)
+        for cfg in DENSE_CFGS:
+            fn = functools.partial(md.moe_q8r_decode, x, w, ids, tw, blocks=cfg[:3],
+                                   atomic=bool(cfg[3]))  # fmt: skip
+            kind = "q8r_f32" + ("" if cfg[3] else "_noat")
+            case(kind, cfg, fn, ref_d if cfg[3] else None, b_dense)
+    old_path = ms.sparse_path(fk, T)  # without n_embd: the _moe_gemv_kernel-based choice
+    old_fn = functools.partial(ms.moe_sparse, x, w, fk, ids, tw, thr, path=old_path)
+    case("old_sparse", old_path, old_fn, ref_s, b_sparse)
+    for cfg in SPARSE_CFGS:
+        fn = functools.partial(md.moe_q8r_decode, x, w, ids, tw, threshold=thr, blocks=cfg)
+        case("q8r_sp_f32", cfg, fn, ref_s, b_sparse)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--budget-s", type=float, default=400)
+    args = ap.parse_args()
+    t_end = time.time() + args.budget_s
+    dev = torch.device("cuda")
+    peak = moe_layer.hbm_read_bandwidth(dev)
+    print(f"# {torch.cuda.get_device_name()} peak {peak:.0f} GB/s triton {triton.__version__}")
+    rows = []
+    for model, shape in moe_layer.SHAPES.items():
+        H, E, K, F = shape
+        w, fk = prepare_experts(moe_layer.make_experts(E, F, H, "q8_0", dev), "q8_0", H)
+        thr = moe_layer.calibrated_threshold(w, fk, shape, 0.85, dev)
+        for T in (1, 4, 16):
+            if time.time() < t_end:
+                run_batch(model, shape, w, fk, thr, T, args, dev, peak, rows, t_end)
+        del w
+        torch.cuda.empty_cache()
+    Path(args.json).write_text(json.dumps(dict(peak=peak, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
