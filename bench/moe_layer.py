@@ -208,16 +208,24 @@ def bench_dtype(device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32  # interpreter: f32 fastest
 
 
+def case_inputs(T: int, shape, device, dtype, n_routings: int):
+    """(x [T, n_embd], ids [T, k], weights [T, k], Timer) of one batch: x seeded by T, the
+    routings the timer cycles through seeded by T too; ids / weights are the static buffers
+    the captured graphs read (the timer writes each routing into them)."""
+    n_embd, n_expert, k, _ = shape
+    gen = torch.Generator(device="cpu").manual_seed(T)
+    x = torch.randn(T, n_embd, generator=gen).to(device=device, dtype=dtype)
+    routes = [routing(T, n_expert, k, 100 * T + i, device) for i in range(n_routings)]
+    ids, tw = routes[0][0].clone(), routes[0][1].clone()
+    return x, ids, tw, Timer(device, routes, ids, tw)
+
+
 def bench_batch(model, shape, fmt, w, T, args, device, peak, thresholds, switch_at) -> list[dict]:
     """Dense once; sparse and auto (moe_experts with the profiled switch) at every target
     sparsity, for one (shape, format, batch). w, fmt: prepared (q8_0 -> q8_0r)."""
     n_embd, n_expert, k, n_ff = shape
     reps = 3 if args.smoke else args.reps
-    gen = torch.Generator(device="cpu").manual_seed(T)
-    x = torch.randn(T, n_embd, generator=gen).to(device=device, dtype=bench_dtype(device))
-    routes = [routing(T, n_expert, k, 100 * T + i, device) for i in range(args.routings)]
-    ids_buf, w_buf = routes[0][0].clone(), routes[0][1].clone()  # static: graphs read these
-    timer = Timer(device, routes, ids_buf, w_buf)
+    x, ids_buf, w_buf, timer = case_inputs(T, shape, device, bench_dtype(device), args.routings)
     if T == args.batches[0]:
         check_correct(x, w, fmt, ids_buf, w_buf, "silu")
     t_dense, graphed = timer(functools.partial(moe_dense, x, w, fmt, ids_buf, w_buf), reps)

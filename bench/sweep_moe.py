@@ -49,15 +49,12 @@ def gmean(xs) -> float:
 
 
 def sweep_case(model, fmt, T, sparsity, args, device, out, deadline):
-    n_embd, n_expert, k, n_ff = moe_layer.SHAPES[model]
+    shape = moe_layer.SHAPES[model]
+    n_embd, n_expert, k, n_ff = shape
     w_gguf = moe_layer.make_experts(n_expert, n_ff, n_embd, fmt, device)
     w, fk = prepare_experts(w_gguf, fmt, n_embd)
     del w_gguf
-    gen = torch.Generator(device="cpu").manual_seed(T)
-    x = torch.randn(T, n_embd, generator=gen).to(device=device, dtype=torch.bfloat16)
-    routes = [moe_layer.routing(T, n_expert, k, 100 * T + i, device) for i in range(8)]
-    ids, tw = routes[0][0].clone(), routes[0][1].clone()
-    timer = moe_layer.Timer(device, routes, ids, tw)
+    x, ids, tw, timer = moe_layer.case_inputs(T, shape, device, torch.bfloat16, 8)
     gate = ms.moe_gate(x, w, fk, ids)
     mags = act_ref(gate, "silu").abs().flatten().sort().values
     thr = mags[int(sparsity * (mags.numel() - 1))].reshape(1).clone()

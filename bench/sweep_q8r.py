@@ -52,11 +52,7 @@ def run_batch(model, shape, w, fk, thr, T, args, dev, peak, rows, t_end):
     """Every variant at one (shape, batch): appends result rows."""
     H, E, K, F = shape
     rb = w.shape[-1]
-    gen = torch.Generator(device="cpu").manual_seed(T)
-    x = torch.randn(T, H, generator=gen).to(device=dev, dtype=torch.bfloat16)
-    routes = [moe_layer.routing(T, E, K, 100 * T + i, dev) for i in range(8)]
-    ids, tw = routes[0][0].clone(), routes[0][1].clone()
-    timer = moe_layer.Timer(dev, routes, ids, tw)
+    x, ids, tw, timer = moe_layer.case_inputs(T, shape, dev, torch.bfloat16, 8)
     gate = ms.moe_gate(x, w, fk, ids)
     b_dense, b_sparse, achieved = moe_layer.bytes_read(w, fk, H, ids, gate, float(thr),
                                                        "silu")  # fmt: skip

@@ -25,18 +25,26 @@ from kernels.tuning import lookup
 
 
 @triton.jit
+def residual_rms_norm(x_ptr, d_ptr, w_ptr, row, c, m, H, alpha, eps, HAS_DELTA: tl.constexpr):
+    """(x, h) [BLOCK_H] f32 of token `row`: x = x + alpha * delta (HAS_DELTA), h = rms_norm(x) * w
+    over the H columns c (mask m). Shared by every launch that starts with the residual + norm."""
+    x = tl.load(x_ptr + row * H + c, mask=m, other=0.0)
+    if HAS_DELTA:
+        x = x + alpha * tl.load(d_ptr + row * H + c, mask=m, other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+    return x, x * r * tl.load(w_ptr + c, mask=m, other=0.0)
+
+
+@triton.jit
 def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, h_ptr, h32_ptr, H, alpha, eps,
                          HAS_DELTA: tl.constexpr, HAS_F32: tl.constexpr,
                          BLOCK_H: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_H)
     m = c < H
-    x = tl.load(x_ptr + row * H + c, mask=m, other=0.0)
+    x, h = residual_rms_norm(x_ptr, d_ptr, w_ptr, row, c, m, H, alpha, eps, HAS_DELTA)
     if HAS_DELTA:
-        x = x + alpha * tl.load(d_ptr + row * H + c, mask=m, other=0.0).to(tl.float32)
         tl.store(x_ptr + row * H + c, x, mask=m)
-    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
-    h = x * r * tl.load(w_ptr + c, mask=m, other=0.0)
     tl.store(h_ptr + row * H + c, h.to(h_ptr.dtype.element_ty), mask=m)
     if HAS_F32:
         tl.store(h32_ptr + row * H + c, h, mask=m)

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.decoder_ops import residual_rms_norm
 from kernels.grid_sync import counters, last_arrival, reset_counter
 from kernels.moe_dense import interpreting
 from kernels.tuning import lookup
@@ -98,11 +99,7 @@ def _norm_router_kernel(x_ptr, d_ptr, nw_ptr, r_ptr, xo_ptr, h_ptr, h32_ptr, log
     c = tl.arange(0, BLOCK_H)
     cm = c < H
     # Every program recomputes the norm of token t (H floats from L2): no launch in between.
-    x = tl.load(x_ptr + t * H + c, mask=cm, other=0.0)
-    if HAS_DELTA:
-        x = x + alpha * tl.load(d_ptr + t * H + c, mask=cm, other=0.0).to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
-    h = x * r * tl.load(nw_ptr + c, mask=cm, other=0.0)  # [BLOCK_H] f32, as add_rms_norm
+    x, h = residual_rms_norm(x_ptr, d_ptr, nw_ptr, t, c, cm, H, alpha, eps, HAS_DELTA)
     if pid == 0:  # the new residual and the normed input of the experts
         tl.store(xo_ptr + t * H + c, x, mask=cm)
         tl.store(h_ptr + t * H + c, h.to(h_ptr.dtype.element_ty), mask=cm)
