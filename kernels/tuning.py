@@ -19,8 +19,18 @@ from pathlib import Path
 
 @functools.cache
 def overrides() -> dict:
+    """The tuning file's contents ({} without PYRUNTIME_DECODE_TUNING); ValueError, saying
+    which file and why, when it cannot be read or is not a JSON object."""
     path = os.environ.get("PYRUNTIME_DECODE_TUNING", "")
-    return json.loads(Path(path).read_text()) if path else {}
+    if not path:
+        return {}
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"PYRUNTIME_DECODE_TUNING={path}: cannot read it: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"PYRUNTIME_DECODE_TUNING={path}: expected a JSON object of sections")
+    return data
 
 
 def lookup(section: str, key: str | None = None):

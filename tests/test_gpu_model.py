@@ -11,6 +11,7 @@ decode step captured in a CUDA graph. Tolerances are the foundation's (tests/tes
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,32 @@ def test_context_full_is_a_usage_error(tiny_ggufs):
     dev.forward([1, 2, 3], cache)
     with pytest.raises(UsageError, match="context is full"):
         dev.forward([4], cache)
+
+
+@pytest.mark.parametrize(
+    "content, reason",
+    [(None, "cannot read it"), ("{not json", "cannot read it"), ("[1]", "object")],
+)
+def test_bad_tuning_file_is_a_usage_error(tiny_ggufs, tmp_path, monkeypatch, content, reason):
+    """PYRUNTIME_DECODE_TUNING naming a missing, broken or non-object file: one line when the
+    model is built (saying which file), not a traceback in the middle of decoding."""
+    if tiny_ggufs["arch"] != "olmoe":
+        pytest.skip("family-independent")
+    from kernels import tuning
+    from pyruntime.errors import UsageError
+
+    path = tmp_path / "tuned.json"
+    if content is not None:
+        path.write_text(content)
+    monkeypatch.setenv("PYRUNTIME_DECODE_TUNING", str(path))
+    tuning.overrides.cache_clear()
+    try:
+        want = f"PYRUNTIME_DECODE_TUNING={re.escape(str(path))}: .*{reason}"
+        with pytest.raises(UsageError, match=want):
+            _models(tiny_ggufs["f32"], DEVICE)
+    finally:
+        monkeypatch.delenv("PYRUNTIME_DECODE_TUNING")
+        tuning.overrides.cache_clear()
 
 
 def test_decode_graph_captured_once_per_cache(tiny_ggufs, monkeypatch):

@@ -36,6 +36,7 @@ from kernels.expert_formats import ACTIVATIONS as KERNEL_ACTIVATIONS
 from kernels.q8_linear import add_norm_q8_gemv
 from kernels.router import add_norm_router, router_topk
 from kernels.tuning import lookup
+from kernels.tuning import overrides as tuning_overrides
 from pyruntime.errors import UsageError
 from pyruntime.experts.compute import activation_fn
 from pyruntime.gguf_file import GGUFFile
@@ -173,6 +174,10 @@ class DeviceTransformer:
                 f"expert activation '{cfg.activation}' has no GPU kernel (GPU: "
                 f"{', '.join(KERNEL_ACTIVATIONS)}); use --device cpu"
             )
+        try:  # a bad PYRUNTIME_DECODE_TUNING file: one line now, not a traceback mid-decode
+            tuning_overrides()
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
         self.dtype = dense_dtype_for(f)
         load = WeightLoader(f, self.device, self.dtype)
         self.token_embd = load.dense("token_embd.weight")  # [n_vocab, n_embd], for the lookup
