@@ -4,11 +4,15 @@ TRITON_INTERPRET must be set before any Triton kernel module is imported, so it 
 """
 
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def shared_dir() -> Path | None:
@@ -24,3 +28,36 @@ def shared() -> Path:
     if path is None:
         pytest.skip("../shared (trained checkpoints, texts) is not available")
     return path
+
+
+# The C core (tests of pyruntime.cpu_core and of the C decode step)
+
+
+@pytest.fixture(scope="session")
+def cc() -> str:
+    """The core as a module; builds libpyrt with CMake into a temp dir if no build is found."""
+    from pyruntime import cpu_core
+
+    try:
+        cpu_core._lib()
+    except cpu_core.CoreError:
+        cmake = shutil.which("cmake")
+        if cmake is None:
+            pytest.skip("libpyrt is not built (pip install -e .) and cmake is not available")
+        build = Path(os.environ.get("TMPDIR", "/tmp")) / f"pyrt-test-build-{os.getpid()}"
+        subprocess.run([cmake, "-S", str(REPO), "-B", str(build)], check=True, capture_output=True)
+        subprocess.run([cmake, "--build", str(build)], check=True, capture_output=True)
+        os.environ["PYRUNTIME_CORE_LIB"] = str(build / "libpyrt.so")
+        cpu_core._lib()
+    return cpu_core
+
+
+@pytest.fixture(params=["scalar", "avx2", "avx512"])
+def simd(request, cc):
+    """Run the test at one SIMD level (skipped when this CPU lacks it), then restore the best."""
+    level = request.param
+    if cc.SIMD_LEVELS[level] > cc.SIMD_LEVELS[cc.simd_best()]:
+        pytest.skip(f"this CPU has no {level}")
+    cc.force_simd(level)
+    yield level
+    cc.force_simd(cc.simd_best())

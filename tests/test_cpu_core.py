@@ -50,25 +50,6 @@ ACTS = {
 # ---- library --------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def cc() -> str:
-    """The core as a module; builds libpyrt with CMake into a temp dir if no build is found."""
-    from pyruntime import cpu_core
-
-    try:
-        cpu_core._lib()
-    except cpu_core.CoreError:
-        cmake = shutil.which("cmake")
-        if cmake is None:
-            pytest.skip("libpyrt is not built (pip install -e .) and cmake is not available")
-        build = Path(os.environ.get("TMPDIR", "/tmp")) / f"pyrt-test-build-{os.getpid()}"
-        subprocess.run([cmake, "-S", str(REPO), "-B", str(build)], check=True, capture_output=True)
-        subprocess.run([cmake, "--build", str(build)], check=True, capture_output=True)
-        os.environ["PYRUNTIME_CORE_LIB"] = str(build / "libpyrt.so")
-        cpu_core._lib()
-    return cpu_core
-
-
 def simd_levels() -> list[str]:
     from pyruntime import cpu_core
 
@@ -77,17 +58,6 @@ def simd_levels() -> list[str]:
     except cpu_core.CoreError:
         best = 0  # not built yet: the cc fixture builds it; scalar is always there
     return [name for name, value in cpu_core.SIMD_LEVELS.items() if value <= best]
-
-
-@pytest.fixture(params=["scalar", "avx2", "avx512"])
-def simd(request, cc):
-    """Run the test at one SIMD level (skipped when this CPU lacks it), then restore the best."""
-    level = request.param
-    if cc.SIMD_LEVELS[level] > cc.SIMD_LEVELS[cc.simd_best()]:
-        pytest.skip(f"this CPU has no {level}")
-    cc.force_simd(level)
-    yield level
-    cc.force_simd(cc.simd_best())
 
 
 # ---- inputs and reference -------------------------------------------------------------------

@@ -44,16 +44,6 @@ ARCHS = ["olmoe", "qwen2moe", "qwen3moe", "mixtral", "granitemoe"]
 LOGPROB_TOL = 1e-5
 
 
-@pytest.fixture(params=["scalar", "avx2", "avx512"])
-def simd(request):
-    level = request.param
-    if cpu_core.SIMD_LEVELS[level] > cpu_core.SIMD_LEVELS[cpu_core.simd_best()]:
-        pytest.skip(f"this CPU has no {level}")
-    cpu_core.force_simd(level)
-    yield level
-    cpu_core.force_simd(cpu_core.simd_best())
-
-
 # ---- pyrt_linear ----------------------------------------------------------------------------
 
 
