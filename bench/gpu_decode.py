@@ -28,29 +28,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kernels.timing import event_seconds, hbm_read_bandwidth  # noqa: E402
 from pyruntime.api import Model  # noqa: E402
 from pyruntime.models.gpu import DeviceTransformer  # noqa: E402
-
-
-def cuda_time(fn, reps: int) -> list[float]:
-    """Seconds per call of fn, each timed with CUDA events."""
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
-    return out
-
-
-def hbm_read_bandwidth() -> float:
-    """Bytes/s of a full read of a 4 GiB buffer (median)."""
-    x = torch.ones(1 << 30, device="cuda", dtype=torch.float32)
-    x.sum()
-    t = statistics.median(cuda_time(x.sum, 10))
-    return (4 << 30) / t  # x is freed on return
 
 
 def _nbytes(t) -> int:
@@ -142,7 +122,7 @@ def main() -> None:
     p.add_argument("-o", "--output", type=Path, default=None, help="JSON results")
     args = p.parse_args()
     log = sys.stdout
-    bw = hbm_read_bandwidth()
+    bw = hbm_read_bandwidth("cuda", 4 << 30)  # bytes/s
     torch.cuda.empty_cache()
     print(f"HBM read bandwidth (4 GiB sum): {bw / 1e12:.3f} TB/s", file=log)
 
@@ -158,7 +138,7 @@ def main() -> None:
     net.forward(ids[args.prompt : args.prompt + 1], cache)  # captures the graph
     cache.truncate(args.prompt)
     # The graph's inputs now say position = prompt; replays recompute that step.
-    replay = statistics.median(cuda_time(cache.graph.replay, args.reps))
+    replay = statistics.median(event_seconds(cache.graph.replay, args.reps))
     fwd = []
     for _ in range(20):
         cache.truncate(args.prompt)

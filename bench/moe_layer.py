@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's kerne
 
 import triton  # noqa: E402
 
-from kernels import switch  # noqa: E402
+from kernels import switch, timing  # noqa: E402
 from kernels.dispatch import moe_experts, prepare_experts  # noqa: E402
 from kernels.expert_formats import act_ref, quantize_rows, row_bytes  # noqa: E402
 from kernels.moe_dense import moe_dense, moe_dense_ref  # noqa: E402
@@ -76,26 +76,10 @@ def routing(n_tok: int, n_expert: int, k: int, seed: int, device):
 
 
 def hbm_read_bandwidth(device) -> float | None:
-    """Measured HBM read bandwidth in GB/s: median of torch.sum over a 2 GiB bf16 tensor."""
+    """Measured HBM read bandwidth in GB/s (kernels.timing: torch.sum over 2 GiB); None off CUDA."""
     if device.type != "cuda":
         return None
-    a = torch.ones(2**30, dtype=torch.bfloat16, device=device)
-    for _ in range(3):
-        a.sum()
-    times = []
-    for _ in range(20):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        a.sum()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e-3)
-    del a
-    return a_bytes_gb(2**31) / statistics.median(times)
-
-
-def a_bytes_gb(n: int) -> float:
-    return n / 1e9
+    return timing.hbm_read_bandwidth(device) / 1e9
 
 
 class Timer:
@@ -125,17 +109,10 @@ class Timer:
                 times.append(time.perf_counter() - t0)
             return statistics.median(times), False
         graph = None
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):  # compile + warm up outside the capture
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
+        timing.warm_up(fn)  # compile + warm up outside the capture
         torch.cuda.synchronize()
         try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
+            graph = timing.capture(fn)
             run = graph.replay
         except Exception as exc:  # noqa: BLE001 - report, time eagerly instead
             print(f"  (CUDA graph capture failed: {type(exc).__name__}: {exc}; timing eagerly)")
@@ -143,16 +120,12 @@ class Timer:
         for i in range(3):
             self.set_routing(i)
             run()
-        times = []
-        for i in range(reps):
+
+        def before(i):
             self.set_routing(i)
             self.flush.sum()  # evict the weights: a read leaves no dirty lines to write back
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            run()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e) * 1e-3)
+
+        times = timing.event_seconds(run, reps, before)
         return statistics.median(times), graph is not None
 
 

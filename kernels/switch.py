@@ -36,6 +36,7 @@ import torch
 
 from kernels.moe_dense import moe_dense
 from kernels.moe_sparse import moe_sparse
+from kernels.timing import capture, event_seconds, warm_up
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Part of every profile's identity: bump it whenever the MoE kernels, their configs or their
@@ -101,25 +102,10 @@ def graph_timer(reps: int = 20) -> Timer:
                 fn()
                 times.append(time.perf_counter() - t0)
             return statistics.median(times)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):  # compile and warm up outside the capture
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        warm_up(fn)  # compile and warm up outside the capture
+        graph = capture(fn)
         flush = torch.empty(2**26, dtype=torch.float32, device="cuda")  # 256 MiB > L2
-        times = []
-        for _ in range(reps + 2):
-            flush.zero_()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            graph.replay()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e) * 1e-3)
+        times = event_seconds(graph.replay, reps + 2, before=lambda i: flush.zero_())
         return statistics.median(times[2:])
 
     return timer

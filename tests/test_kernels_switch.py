@@ -107,3 +107,37 @@ def test_profile_of_older_kernels_is_not_reused(tmp_path, monkeypatch):
     assert _call(w, fmt, timer) == 2  # profiled anew, not read from the old file
     assert timer.calls[0] == ("dense", 1)
     assert len(list((tmp_path / "switch").glob("*.json"))) == 2
+
+
+def test_event_seconds_times_each_call_after_its_before(monkeypatch):
+    """kernels.timing.event_seconds (the CUDA-event loop of the switch and the benchmarks), with
+    stand-in events: before(i) runs ahead of call i and outside its interval, one time a call."""
+    import time as _time
+
+    from kernels import timing
+
+    log = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            log.append("record")
+            self.t = _time.perf_counter()
+
+        def elapsed_time(self, end):  # milliseconds, as torch.cuda.Event
+            return (end.t - self.t) * 1e3
+
+    monkeypatch.setattr(timing.torch.cuda, "Event", Event)
+    monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda: log.append("sync"))
+
+    def call():
+        log.append("call")
+        _time.sleep(0.002)
+
+    times = timing.event_seconds(
+        call, 3, before=lambda i: (log.append(f"before{i}"), _time.sleep(0.05))
+    )
+    assert log == [x for i in range(3) for x in (f"before{i}", "record", "call", "record", "sync")]
+    assert len(times) == 3 and all(0.002 <= t < 0.05 for t in times)  # seconds, before excluded
