@@ -299,6 +299,12 @@ def _prep(x, w, fmt, topk_ids, topk_w, activation):
     return H, E, F, rb, T, topk_ids.shape[1]
 
 
+def flat_routing(topk_ids, topk_w):
+    """(expert ids [P], routing weights [P] f32), contiguous: the per-pair arrays the kernels
+    index with the pair p = token * K + slot."""
+    return topk_ids.reshape(-1).contiguous(), topk_w.reshape(-1).float().contiguous()
+
+
 def moe_dense_decode(x, w, fmt, topk_ids, topk_w, activation="silu", block_n=None, block_h=None,
                      blocks=None):  # fmt: skip
     """Decode path (any T; best for small T): y [T, n_embd] fp32. blocks: (BLOCK_N, BLOCK_H,
@@ -307,8 +313,7 @@ def moe_dense_decode(x, w, fmt, topk_ids, topk_w, activation="silu", block_n=Non
     bn, bh, nw, acc2d = blocks or gemv_blocks(fmt, 0)
     bn, bh = block_n or bn, block_h or bh
     y = torch.zeros(T, H, device=x.device, dtype=torch.float32)
-    ids = topk_ids.reshape(-1).contiguous()
-    tw = topk_w.reshape(-1).float().contiguous()
+    ids, tw = flat_routing(topk_ids, topk_w)
     grid = (T * K, triton.cdiv(F, bn))
     _moe_gemv_kernel[grid](
         x, w, ids, tw, y, tw, ids, H, F, rb, K, x.stride(0),
@@ -347,8 +352,7 @@ def moe_q8r_decode(x, w, topk_ids, topk_w, activation="silu", threshold=None, bl
         y = torch.zeros(T, H, device=x.device, dtype=torch.float32)
     if count is None and mode == 2:
         count = torch.zeros(P, device=x.device, dtype=torch.int32)
-    ids = topk_ids.reshape(-1).contiguous()
-    tw = topk_w.reshape(-1).float().contiguous()
+    ids, tw = flat_routing(topk_ids, topk_w)
     thr = tw if mode == 0 else as_threshold(threshold, x.device)
     _moe_q8r_kernel[(P, triton.cdiv(F, bn))](
         x, w, ids, tw, y, thr, ids if count is None else count, H, F, rb, K, x.stride(0),

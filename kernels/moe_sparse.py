@@ -40,6 +40,7 @@ from kernels.moe_dense import (
     _prep,
     _rows_axpy_all,
     dequantize_experts,
+    flat_routing,
     format_family,
     gemm_blocks,
     gemv_blocks,
@@ -142,8 +143,7 @@ def moe_sparse_up_down(x, w, fmt, topk_ids, topk_w, idx, act, count, y=None, blo
     bn = block_n or bn
     if y is None:
         y = torch.zeros(T, H, device=x.device, dtype=torch.float32)
-    ids = topk_ids.reshape(-1).contiguous()
-    tw = topk_w.reshape(-1).float().contiguous()
+    ids, tw = flat_routing(topk_ids, topk_w)
     _moe_sparse_up_down_kernel[(P, triton.cdiv(F, bn))](
         x, w, ids, tw, idx, act, count, y, H, F, rb, K, x.stride(0),
         FMT=FMT_CODES[fmt], BLOCK_N=bn, BLOCK_H=bh, num_warps=nw,
@@ -166,8 +166,7 @@ def moe_sparse_fused(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", 
     P = T * K
     bn, bh, nw, acc2d = blocks or gemv_blocks(fmt, 2, P)
     y, count = _zeroed_out_and_count(T, H, P, x.device)
-    ids = topk_ids.reshape(-1).contiguous()
-    tw = topk_w.reshape(-1).float().contiguous()
+    ids, tw = flat_routing(topk_ids, topk_w)
     _moe_gemv_kernel[(P, triton.cdiv(F, bn))](
         x, w, ids, tw, y, as_threshold(threshold, x.device), count, H, F, rb, K, x.stride(0),
         FMT=FMT_CODES[fmt], ACT=ACTIVATIONS[activation], MODE=2, BLOCK_N=bn, BLOCK_H=bh,
@@ -235,8 +234,7 @@ def moe_sparse_split(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", 
     dbn, dbh, split, dnw = down or down_blocks(fmt)
     y, count = _zeroed_out_and_count(T, H, P, x.device)
     hbuf = torch.empty(P, F, dtype=torch.float32, device=x.device)
-    ids = topk_ids.reshape(-1).contiguous()
-    tw = topk_w.reshape(-1).float().contiguous()
+    ids, tw = flat_routing(topk_ids, topk_w)
     _moe_gemv_kernel[(P, triton.cdiv(F, bn))](
         x, w, ids, tw, hbuf, as_threshold(threshold, x.device), count, H, F, rb, K, x.stride(0),
         FMT=FMT_CODES[fmt], ACT=ACTIVATIONS[activation], MODE=3, BLOCK_N=bn, BLOCK_H=bh,
