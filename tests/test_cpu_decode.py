@@ -222,3 +222,17 @@ def test_c_decode_tests_under_asan_ubsan(tmp_path):
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "all C decode tests passed" in run.stdout
+
+
+def test_single_token_is_the_fast_paths_id_check():
+    """The decode fast paths (C step, CUDA-graph replay) take one id without building a tensor:
+    a list or tensor of one id gives it, anything longer None; an id outside the vocabulary is
+    the same UsageError as token_ids gives."""
+    from pyruntime.errors import UsageError
+    from pyruntime.models.transformer import single_token
+
+    assert single_token([5], 10) == 5 and single_token(torch.tensor([[7]]), 10) == 7
+    assert single_token([1, 2], 10) is None and single_token(torch.tensor([1, 2]), 10) is None
+    for bad in ([10], [-1], torch.tensor([12])):
+        with pytest.raises(UsageError, match=r"token id out of range \[0, 10\)"):
+            single_token(bad, 10)

@@ -251,7 +251,7 @@ class DeviceTransformer:
     def forward(
         self, tokens: Sequence[int] | torch.Tensor, cache: DeviceKVCache, last_only: bool = False
     ) -> torch.Tensor:
-        tok = single_token(tokens)
+        tok = single_token(tokens, self.config.n_vocab)
         if tok is not None and self._graph_ready(cache):
             return self._replay(tok, cache)
         return self._forward(tokens, cache, last_only)
@@ -269,16 +269,11 @@ class DeviceTransformer:
         captured graph. Per token the host only writes the step inputs, replays and copies the
         logits back, without entering torch.inference_mode (tens of us per call at batch 1,
         when the whole GPU step is ~1 ms) or building an id tensor."""
-        if not 0 <= token < self.config.n_vocab:
-            raise UsageError(f"token id out of range [0, {self.config.n_vocab})")
         cache.reserve(1)
-        cache.set_step(token)
-        self._count_decode_experts()
-        cache.graph.replay()
+        logits = self._decode(token, cache)  # the graph is ready: inputs written, one replay
         cache.n_tokens += 1
         # Through pinned memory (torch's caching host allocator reuses the block once the caller
         # drops it): a direct copy, not pageable memory's staged one (~8 GB/s here).
-        logits = cache.graph_logits
         pinned = logits.is_cuda
         out = torch.empty(logits.shape, dtype=torch.float32, pin_memory=pinned)
         out.copy_(logits, non_blocking=pinned)

@@ -259,10 +259,8 @@ class MoETransformer:
     ) -> torch.Tensor:
         """Logits [n_tokens, n_vocab] (or [1, n_vocab] with last_only) float32."""
         if self._decoder is not None and self.gate_observer is None:
-            token = single_token(tokens)
+            token = single_token(tokens, self.config.n_vocab)
             if token is not None:  # decode: one C call, no torch op (~15 us of Python)
-                if not 0 <= token < self.config.n_vocab:
-                    raise UsageError(f"token id out of range [0, {self.config.n_vocab})")
                 cache.reserve(1)
                 return self._decoder.step(token, cache)  # [1, n_vocab]
         return self._forward_torch(tokens, cache, last_only)
@@ -363,13 +361,18 @@ def token_ids(tokens: Sequence[int] | torch.Tensor, n_vocab: int) -> torch.Tenso
     return ids
 
 
-def single_token(tokens: Sequence[int] | torch.Tensor) -> int | None:
-    """The token id when `tokens` holds exactly one, else None."""
+def single_token(tokens: Sequence[int] | torch.Tensor, n_vocab: int) -> int | None:
+    """The token id when `tokens` holds exactly one (in [0, n_vocab), else UsageError as
+    token_ids), else None: the decode fast paths' check, without building a tensor."""
     if isinstance(tokens, torch.Tensor):
-        return int(tokens.reshape(-1)[0]) if tokens.numel() == 1 else None
-    if len(tokens) == 1 and not isinstance(tokens[0], torch.Tensor | Sequence):
-        return int(tokens[0])
-    return None
+        token = int(tokens.reshape(-1)[0]) if tokens.numel() == 1 else None
+    elif len(tokens) == 1 and not isinstance(tokens[0], torch.Tensor | Sequence):
+        token = int(tokens[0])
+    else:
+        return None
+    if token is not None and not 0 <= token < n_vocab:
+        raise UsageError(f"token id out of range [0, {n_vocab})")
+    return token
 
 
 @dataclass
