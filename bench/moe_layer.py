@@ -42,7 +42,7 @@ from kernels import switch, timing  # noqa: E402
 from kernels.dispatch import moe_experts, prepare_experts  # noqa: E402
 from kernels.expert_formats import act_ref, quantize_rows, row_bytes  # noqa: E402
 from kernels.moe_dense import moe_dense, moe_dense_ref  # noqa: E402
-from kernels.moe_sparse import moe_gate, moe_sparse, sparse_path  # noqa: E402
+from kernels.moe_sparse import moe_gate, moe_sparse, quantizes_x, sparse_path  # noqa: E402
 
 # name: (hidden n_embd, n_expert, top-k, expert n_ff)
 SHAPES = {
@@ -151,15 +151,19 @@ def bytes_read(w, fmt, n_embd, ids, gate, threshold, activation):
 
 
 def check_correct(x, w, fmt, ids, tw, activation):
-    """Dense vs the torch reference and sparse(threshold 0) vs dense, on the routed experts."""
+    """Dense and sparse(threshold 0) vs the torch reference on the routed experts (for the
+    sparse path on Q8-quantized x, the reference on that x)."""
     uniq, remap = torch.unique(ids.long(), return_inverse=True)
     sub = w[uniq].contiguous()
     ref = moe_dense_ref(x, sub, fmt, remap, tw, activation)
+    T, H = x.shape
+    ref_q = moe_dense_ref(x, sub, fmt, remap, tw, activation, q8_x=True) if fmt == "q8_0r" else ref
     y = moe_dense(x, w, fmt, ids, tw, activation)
     ys, _ = moe_sparse(x, w, fmt, ids, tw, 0.0, activation)
     scale = ref.abs().max().item()
-    err_d = (y - ref).abs().max().item() / scale
-    err_s = (ys - y).abs().max().item() / scale
+    err_d = (y - (ref_q if quantizes_x(fmt, T, H, sparse=False) else ref)).abs().max().item()
+    err_s = (ys - (ref_q if quantizes_x(fmt, T, H, sparse=True) else ref)).abs().max().item()
+    err_d, err_s = err_d / scale, err_s / scale
     tol = 2e-2 if x.dtype == torch.bfloat16 else 1e-4
     if err_d > tol or err_s > tol:
         raise SystemExit(f"WRONG RESULT {fmt}: dense err {err_d:.2e}, sparse(0) err {err_s:.2e}")

@@ -8,8 +8,9 @@ Three kernels, all dequantizing inside (no dequantized copy of the weights):
   Every weight byte of the routed experts is read once per pair (memory bound).
 - q8_0r decode (`_moe_q8r_kernel`, `moe_q8r_decode`; n_embd % 64 == 0): whole rows per
   program in one set of loads (gate/up as int32 words, down as bytes), down sums in
-  registers and one contiguous atomic add per element; its sparse mode compacts the kept
-  neurons in registers (kernels.moe_sparse's "q8r" path, small batches).
+  registers and one contiguous atomic add per element; gate/up dots on x quantized to Q8
+  blocks, 4 int8 products per dp4a instruction (moe_dense's "q8r" path, small batches); its
+  sparse mode compacts the kept neurons in registers (kernels.moe_sparse's "q8r" path).
 - prefill (larger T): pairs are grouped by expert (`moe_align`, like vLLM's
   moe_align_block_size, in torch, no host sync) and two grouped GEMMs run on tl.dot tiles:
   `_moe_gemm_gate_up_kernel` (act(gate) * up -> inter [P, n_ff] fp32), then
@@ -34,6 +35,7 @@ from kernels.expert_formats import (
     act_ref,
     check_expert_tensor,
     dequantize_rows,
+    quantize_x_q8_ref,
     row_bytes,
 )
 from kernels.expert_rows import (
@@ -43,8 +45,10 @@ from kernels.expert_rows import (
     dot_acc_zeros,
     q8r_bytes,
     q8r_dot,
+    q8r_dot_q8x,
     q8r_rows_axpy,
     q8r_words,
+    quantize_x_lanes,
     rows_axpy,
     rows_dot,
     rows_dot_acc,
@@ -156,6 +160,18 @@ def _moe_gemv_kernel(
 
 
 @triton.jit
+def _q8r_dots(w_ptr, off, m, H, x0, x1, x2, x3, xq, xd, NB: tl.constexpr, DP4A: tl.constexpr,
+              ASM: tl.constexpr):  # fmt: skip
+    """[rows] dots of the q8_0r rows at byte offsets `off` (mask m) with x."""
+    words, d = q8r_words(w_ptr, off, m, H, NB)
+    if DP4A:
+        out = q8r_dot_q8x(words, d, xq, xd, ASM)
+    else:
+        out = q8r_dot(words, d, x0, x1, x2, x3)
+    return out
+
+
+@triton.jit
 def _moe_q8r_kernel(
     x_ptr,  # [T, H] f32/bf16, row stride stride_x
     w_ptr,  # q8_0r expert tensor, uint8 [E, F, 3, RB]
@@ -164,6 +180,8 @@ def _moe_q8r_kernel(
     y_ptr,  # [T, H] f32, accumulated
     thr_ptr,  # MODE 2: [1] f32 threshold on |act(gate)|
     cnt_ptr,  # MODE 2: [P] int32, zeroed: active neurons of each pair (atomically added)
+    xq_ptr,  # DP4A: [T, NB, 8] int32 Q8 words of x (_quantize_x_kernel)
+    xd_ptr,  # DP4A: [T, NB] f32 their block scales
     H,
     F,
     RB,  # bytes per row: 34 H / 32
@@ -174,6 +192,9 @@ def _moe_q8r_kernel(
     BLOCK_N: tl.constexpr,  # neurons per program
     BA: tl.constexpr,  # MODE 2: kept neurons processed per step (compacted)
     NB: tl.constexpr,  # power of two >= H / 32
+    DP4A: tl.constexpr,  # gate/up dots on Q8-quantized x (integer dot per 32-block): 0 off,
+    # 1 x quantized beforehand (xq_ptr, xd_ptr), 2 quantized in the kernel
+    ASM: tl.constexpr,  # dp4a as the GPU instruction (else its integer twin: interpreter)
     ATOMIC: tl.constexpr = True,  # False: plain stores (wrong sums; timing the atomics only)
 ):
     """Decode FFN over q8_0r experts: one program per (pair, BLOCK_N neurons), whole rows per
@@ -188,6 +209,14 @@ def _moe_q8r_kernel(
     t = p // K
     e = tl.load(ids_ptr + p).to(tl.int64)
     x0, x1, x2, x3 = x_lanes(x_ptr + t.to(tl.int64) * stride_x, H, NB)
+    if DP4A == 1:  # quantized once per token by _quantize_x_kernel, loaded here
+        b = tl.arange(0, NB)
+        xq = tl.load(xq_ptr + (t.to(tl.int64) * NB + b)[:, None] * 8 + tl.arange(0, 8)[None, :])
+        xd = tl.load(xd_ptr + t.to(tl.int64) * NB + b)
+    elif DP4A == 2:  # quantized by every program: no launch, a few ALU ops per x value
+        xq, xd = quantize_x_lanes(x0, x1, x2, x3, ASM)
+    else:
+        xq, xd = x0, x0
     twp = tl.load(tw_ptr + p).to(tl.float32)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < F
@@ -198,14 +227,17 @@ def _moe_q8r_kernel(
         gw, gd = q8r_words(w_ptr, off, nm, H, NB)
         uw, ud = q8r_words(w_ptr, off + RB, nm, H, NB)
         dq, dd = q8r_bytes(w_ptr, off + 2 * RB, nm, H, NB)  # all loads issued before any math
-        gs = q8r_dot(gw, gd, x0, x1, x2, x3)
-        us = q8r_dot(uw, ud, x0, x1, x2, x3)
+        if DP4A:
+            gs = q8r_dot_q8x(gw, gd, xq, xd, ASM)
+            us = q8r_dot_q8x(uw, ud, xq, xd, ASM)
+        else:
+            gs = q8r_dot(gw, gd, x0, x1, x2, x3)
+            us = q8r_dot(uw, ud, x0, x1, x2, x3)
         coef = tl.where(nm, act_fn(gs, ACT) * us * twp, 0.0)
         acc = q8r_rows_axpy(dq, dd, coef, acc)
         n_keep = 1
     else:
-        gw, gd = q8r_words(w_ptr, off, nm, H, NB)
-        a = act_fn(q8r_dot(gw, gd, x0, x1, x2, x3), ACT)
+        a = act_fn(_q8r_dots(w_ptr, off, nm, H, x0, x1, x2, x3, xq, xd, NB, DP4A, ASM), ACT)
         keep = (tl.abs(a) >= tl.load(thr_ptr)) & nm
         ki = keep.to(tl.int32)
         n_keep = tl.sum(ki, axis=0)
@@ -220,7 +252,10 @@ def _moe_q8r_kernel(
             offj = (e * F + j) * 3 * RB
             uw, ud = q8r_words(w_ptr, offj + RB, sm, H, NB)
             dq, dd = q8r_bytes(w_ptr, offj + 2 * RB, sm, H, NB)
-            us = q8r_dot(uw, ud, x0, x1, x2, x3)
+            if DP4A:
+                us = q8r_dot_q8x(uw, ud, xq, xd, ASM)
+            else:
+                us = q8r_dot(uw, ud, x0, x1, x2, x3)
             acc = q8r_rows_axpy(dq, dd, tl.where(sm, aj * us * twp, 0.0), acc)
     if n_keep > 0:
         if ATOMIC:
@@ -330,17 +365,53 @@ Q8R_CONFIGS = {(0, "one"): (8, 1, 8), (0, "many"): (8, 1, 8), (2, "one"): (16, 4
                (2, "many"): (8, 2, 4)}  # fmt: skip
 
 
+@triton.jit
+def _quantize_x_kernel(x_ptr, stride_x, q_ptr, d_ptr, H, NB: tl.constexpr, ASM: tl.constexpr):
+    """Token t's x (grid (T,)) as Q8 blocks, as the C core quantizes activations: words
+    [T, NB, 8] int32 (lane i in byte i, as q8r_words) and scales [T, NB] f32."""
+    t = tl.program_id(0).to(tl.int64)
+    x0, x1, x2, x3 = x_lanes(x_ptr + t * stride_x, H, NB)
+    xq, xd = quantize_x_lanes(x0, x1, x2, x3, ASM)
+    b = tl.arange(0, NB)
+    tl.store(q_ptr + (t * NB + b)[:, None] * 8 + tl.arange(0, 8)[None, :], xq)
+    tl.store(d_ptr + t * NB + b, xd)
+
+
+def quantize_x_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] (H % 32 == 0) -> (words [T, NB, 8] int32, scales [T, NB] f32), NB the power of
+    two >= H / 32 (blocks past H / 32 are zero): what the dp4a path of _moe_q8r_kernel reads."""
+    T, H = x.shape
+    nb = triton.next_power_of_2(H // 32)
+    q = torch.empty(T, nb, 8, dtype=torch.int32, device=x.device)
+    d = torch.empty(T, nb, dtype=torch.float32, device=x.device)
+    _quantize_x_kernel[(T,)](x, x.stride(0), q, d, H, NB=nb, ASM=not interpreting())
+    return q, d
+
+
+# dp4a's x quantization runs inside every program of _moe_q8r_kernel up to this many tokens,
+# else in one quantize_x_q8 launch before it. H100 (bench/sweep_q8r.py --quick, three shapes):
+# in the kernel 1.0-1.1x as fast at batch 1 (one launch less), 0.71-0.91x at batch 4 and 16.
+Q8R_QUANTIZE_IN_KERNEL_MAX_TOKENS = 1
+
+
 def q8r_supported(fmt: str, n_embd: int) -> bool:
     """Whether _moe_q8r_kernel takes this layer: q8_0r rows that start 4-byte aligned."""
     return fmt == "q8_0r" and n_embd % 64 == 0
 
 
-def moe_q8r_decode(x, w, topk_ids, topk_w, activation="silu", threshold=None, blocks=None,
-                   y=None, count=None, atomic=True):  # fmt: skip
+def moe_q8r_decode(x, w, topk_ids, topk_w, activation="silu", threshold=None, dp4a=False,
+                   blocks=None, y=None, count=None, atomic=True,
+                   quantize_in_kernel=None):  # fmt: skip
     """Decode FFN over q8_0r experts with _moe_q8r_kernel: dense (threshold None) -> y, or
-    sparse -> (y, active count [P] int32). y [T, n_embd] f32 and count [P] int32 (both zero)
+    sparse -> (y, active count [P] int32). dp4a: gate/up dots on Q8-quantized x (as the C
+    core computes them); else on x itself. y [T, n_embd] f32 and count [P] int32 (both zero)
     may be given (one zeroed buffer); new zeros otherwise. blocks: (BLOCK_N, BA, num_warps),
-    default Q8R_CONFIGS. atomic=False: plain stores (a wrong sum; for timing the atomics)."""
+    default Q8R_CONFIGS. atomic=False: plain stores (a wrong sum; for timing the atomics).
+    On a GPU the integer dots are dp4a instructions; the interpreter runs their integer twin.
+    quantize_in_kernel: dp4a's x quantized by every program instead of by quantize_x_q8
+    first (default: up to Q8R_QUANTIZE_IN_KERNEL_MAX_TOKENS tokens).
+    dp4a gives the C core's results on the same quantized x (moe_dense_ref(q8_x=True)).
+    """
     H, E, F, rb, T, K = _prep(x, w, "q8_0r", topk_ids, topk_w, activation)
     if not q8r_supported("q8_0r", H):
         raise ValueError(f"_moe_q8r_kernel needs n_embd % 64 == 0, got {H}")
@@ -354,10 +425,16 @@ def moe_q8r_decode(x, w, topk_ids, topk_w, activation="silu", threshold=None, bl
         count = torch.zeros(P, device=x.device, dtype=torch.int32)
     ids, tw = flat_routing(topk_ids, topk_w)
     thr = tw if mode == 0 else as_threshold(threshold, x.device)
+    in_kernel = quantize_in_kernel
+    if in_kernel is None:
+        in_kernel = T <= Q8R_QUANTIZE_IN_KERNEL_MAX_TOKENS
+    xq, xd = quantize_x_q8(x) if dp4a and not in_kernel else (ids, tw)
     _moe_q8r_kernel[(P, triton.cdiv(F, bn))](
-        x, w, ids, tw, y, thr, ids if count is None else count, H, F, rb, K, x.stride(0),
+        x, w, ids, tw, y, thr, ids if count is None else count, xq, xd, H, F, rb, K, x.stride(0),
         ACT=ACTIVATIONS[activation], MODE=mode, BLOCK_N=bn, BA=ba,
-        NB=triton.next_power_of_2(H // 32), ATOMIC=atomic,
+        NB=triton.next_power_of_2(H // 32), DP4A=(2 if in_kernel else 1) if dp4a else 0,
+        ATOMIC=atomic,
+        ASM=not interpreting(),
         num_warps=nw,
     )  # fmt: skip
     return y if mode == 0 else (y, count)
@@ -536,6 +613,17 @@ def moe_dense_prefill(x, w, fmt, topk_ids, topk_w, activation="silu", blocks=Non
 
 # Decode below this many tokens (tuned on the H100 with bench/moe_layer.py).
 DECODE_MAX_TOKENS = 8
+# q8_0r layers (n_embd % 64 == 0) up to this many tokens take _moe_q8r_kernel with dp4a dots:
+# on the H100 (bench/sweep_q8r.py --quick, three shapes) 0.94-1.12x the decode GEMV at batch 1,
+# 1.28-1.34x at batch 4 and 1.10-2.0x the prefill GEMMs at batch 16.
+Q8R_DENSE_MAX_TOKENS = 16
+
+
+def dense_path(fmt: str, n_tok: int, n_embd: int) -> str:
+    """The path moe_dense(path="auto") runs for n_tok tokens of `fmt` (rows of n_embd)."""
+    if q8r_supported(fmt, n_embd) and n_tok <= Q8R_DENSE_MAX_TOKENS:
+        return "q8r"
+    return "decode" if n_tok <= DECODE_MAX_TOKENS else "prefill"
 
 
 def moe_dense(x, w, fmt, topk_ids, topk_w, activation="silu", path="auto"):
@@ -543,15 +631,20 @@ def moe_dense(x, w, fmt, topk_ids, topk_w, activation="silu", path="auto"):
 
     x [T, n_embd] f32/bf16; w the expert tensor in `fmt` (kernels.expert_formats);
     topk_ids [T, K] int; topk_w [T, K] float; activation "silu" or "gelu" (tanh approximation);
-    path "decode", "prefill" or "auto" (decode for T <= DECODE_MAX_TOKENS).
+    path "q8r" (q8_0r, n_embd % 64 == 0: moe_q8r_decode with dp4a, x quantized to Q8 blocks
+    as the C core does), "decode", "prefill" or "auto" (dense_path).
     """
     if path == "auto":
-        path = "decode" if x.shape[0] <= DECODE_MAX_TOKENS else "prefill"
+        path = dense_path(fmt, x.shape[0], x.shape[1])
+    if path == "q8r":
+        if fmt != "q8_0r":
+            raise ValueError(f"the q8r path needs q8_0r experts, got {fmt}")
+        return moe_q8r_decode(x, w, topk_ids, topk_w, activation, dp4a=True)
     if path == "decode":
         return moe_dense_decode(x, w, fmt, topk_ids, topk_w, activation)
     if path == "prefill":
         return moe_dense_prefill(x, w, fmt, topk_ids, topk_w, activation)
-    raise ValueError(f"path must be 'auto', 'decode' or 'prefill', got {path!r}")
+    raise ValueError(f"path must be 'auto', 'q8r', 'decode' or 'prefill', got {path!r}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -563,11 +656,13 @@ def dequantize_experts(w: torch.Tensor, fmt: str, n_embd: int) -> torch.Tensor:
     return dequantize_rows(w, fmt, n_embd)
 
 
-def moe_dense_ref(x, w, fmt, topk_ids, topk_w, activation="silu"):
-    """Plain torch: dequantize the experts, y = sum_k w_k * down(act(gate x) * up x), fp32."""
+def moe_dense_ref(x, w, fmt, topk_ids, topk_w, activation="silu", q8_x=False):
+    """Plain torch: dequantize the experts, y = sum_k w_k * down(act(gate x) * up x), fp32.
+    q8_x: the gate/up dots take x quantized to Q8 blocks (quantize_x_q8_ref), as the dp4a
+    kernels and the C core do."""
     T, H = x.shape
     wf = dequantize_experts(w, fmt, H)
-    xf = x.float()
+    xf = quantize_x_q8_ref(x) if q8_x else x.float()
     y = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     for t in range(T):
         for k in range(topk_ids.shape[1]):

@@ -20,7 +20,8 @@ h [P, n_ff], then a down kernel with one atomic per output element per neuron sl
 `moe_sparse_q8r` (q8_0r experts, n_embd % 64 == 0, small batches) is the fused kernel of
 kernels.moe_dense._moe_q8r_kernel in its sparse mode: whole gate rows per program, the kept
 neurons compacted in registers and only they processed (their up/down rows and arithmetic),
-down sums added into y once per program.
+down sums added into y once per program; its gate/up dots take x quantized to Q8 blocks and
+multiply 4 int8 pairs per dp4a instruction (the C core's arithmetic on the same quantized x).
 Which path runs per format and batch: SPARSE_PATHS (H100 sweep, bench/sweep_moe.py) and
 Q8R_SPARSE_MAX_TOKENS (bench/sweep_q8r.py).
 """
@@ -31,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.expert_formats import ACTIVATIONS, FMT_CODES, act_ref
+from kernels.expert_formats import ACTIVATIONS, FMT_CODES, act_ref, quantize_x_q8_ref
 from kernels.expert_rows import dot_acc_sum, dot_acc_zeros, rows_dot_acc, rows_tile
 from kernels.moe_dense import (
     DECODE_MAX_TOKENS,
@@ -39,6 +40,7 @@ from kernels.moe_dense import (
     _moe_gemv_kernel,
     _prep,
     _rows_axpy_all,
+    dense_path,
     dequantize_experts,
     flat_routing,
     format_family,
@@ -257,10 +259,10 @@ SPARSE_PATHS = {
 }
 
 
-# q8_0r layers (n_embd % 64 == 0) take the "q8r" path up to this many tokens: on the H100
-# (bench/sweep_q8r.py, sparsity 0.85, three shapes) it beat "fused" at batch 1 (0.99-1.11x) and
-# 4 (1.17-1.22x) and tied "decode" at 16.
-Q8R_SPARSE_MAX_TOKENS = 4
+# q8_0r layers (n_embd % 64 == 0) take the "q8r" path (gate/up dots on Q8-quantized x with
+# dp4a) up to this many tokens: on the H100 (bench/sweep_q8r.py --quick, sparsity 0.85, three
+# shapes) 1.16-1.20x "fused" at batch 1, 1.56-1.83x at 4 and 1.66-1.75x "decode" at 16.
+Q8R_SPARSE_MAX_TOKENS = 16
 
 
 def sparse_path(fmt: str, n_tok: int, n_embd: int | None = None) -> str:
@@ -270,15 +272,25 @@ def sparse_path(fmt: str, n_tok: int, n_embd: int | None = None) -> str:
     return next(path for max_t, path in SPARSE_PATHS[format_family(fmt)] if n_tok <= max_t)
 
 
-def moe_sparse_q8r(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", blocks=None):
-    """Sparse FFN of q8_0r experts in one _moe_q8r_kernel launch (plus one memset). Returns
-    (y [T, n_embd] f32, active count [P] int32); blocks as moe_q8r_decode."""
+def quantizes_x(fmt: str, n_tok: int, n_embd: int, sparse: bool) -> bool:
+    """Whether the auto path of moe_sparse (sparse) or moe_dense takes the gate/up dots on
+    Q8-quantized x here (as the C core does; the "q8r" paths): then the torch reference of
+    its result is moe_sparse_ref / moe_dense_ref with q8_x=True."""
+    path = sparse_path(fmt, n_tok, n_embd) if sparse else dense_path(fmt, n_tok, n_embd)
+    return path == "q8r"
+
+
+def moe_sparse_q8r(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", dp4a=True,
+                   blocks=None):  # fmt: skip
+    """Sparse FFN of q8_0r experts in one _moe_q8r_kernel launch (plus one memset, and the x
+    quantization with dp4a). Returns (y [T, n_embd] f32, active count [P] int32). dp4a: gate/up
+    dots on Q8-quantized x (the shipped path; False: on x itself); blocks as moe_q8r_decode."""
     H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
     if not q8r_supported(fmt, H):
         raise ValueError(f"the q8r path needs q8_0r experts and n_embd % 64 == 0, got {fmt}, {H}")
     y, count = _zeroed_out_and_count(T, H, T * K, x.device)
-    return moe_q8r_decode(x, w, topk_ids, topk_w, activation, threshold, blocks=blocks, y=y,
-                          count=count)  # fmt: skip
+    return moe_q8r_decode(x, w, topk_ids, topk_w, activation, threshold, dp4a=dp4a,
+                          blocks=blocks, y=y, count=count)  # fmt: skip
 
 
 def moe_sparse(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", path="auto"):
@@ -309,11 +321,12 @@ def moe_sparse(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", path="
     return y, count.view(T, K)
 
 
-def moe_sparse_ref(x, w, fmt, topk_ids, topk_w, threshold, activation="silu"):
-    """Torch reference of moe_sparse: (y [T, n_embd] f32, active [T, K] int32)."""
+def moe_sparse_ref(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", q8_x=False):
+    """Torch reference of moe_sparse: (y [T, n_embd] f32, active [T, K] int32). q8_x: the
+    gate/up dots take x quantized to Q8 blocks (quantize_x_q8_ref), as the dp4a path does."""
     T, H = x.shape
     wf = dequantize_experts(w, fmt, H)
-    xf = x.float()
+    xf = quantize_x_q8_ref(x) if q8_x else x.float()
     y = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     active = torch.zeros(topk_ids.shape, dtype=torch.int32, device=x.device)
     for t in range(T):

@@ -74,17 +74,21 @@ def test_moe_dense_rejects_bad_shapes():
         moe_dense(x, w, "q8_0", ids, tw, activation="relu")
 
 
+@pytest.mark.parametrize("dp4a", ["off", "quantize_first", "in_kernel"])
 @pytest.mark.parametrize("blocks", [None, (8, 1, 4)])
 @pytest.mark.parametrize("n_tok", [1, 3])
-def test_moe_q8r_dense_matches_reference(n_tok, blocks):
-    """_moe_q8r_kernel, dense: whole q8_0r rows (gate/up as int32 words, down as bytes), down
-    sums in registers; one neuron tile per program (None: 64 neurons) or several."""
+def test_moe_q8r_dense_matches_reference(n_tok, blocks, dp4a):
+    """_moe_q8r_kernel, dense: whole q8_0r rows as words (fp32 dots, or integer dots on
+    Q8-quantized x: dp4a on a GPU, its integer twin here; x quantized by quantize_x_q8 first or
+    inside every program), down sums in registers; one neuron tile per program (None: 64
+    neurons) or several."""
     from kernels.moe_dense import moe_q8r_decode
 
     x, w, ids, tw = make_case("q8_0r", n_tok, torch.bfloat16, seed=20 + n_tok, n_embd=Q8R_N_EMBD)
-    y = moe_q8r_decode(x, w, ids, tw, blocks=blocks)
+    y = moe_q8r_decode(x, w, ids, tw, dp4a=dp4a != "off", blocks=blocks,
+                       quantize_in_kernel=dp4a == "in_kernel")  # fmt: skip
     assert y.shape == x.shape and y.dtype == torch.float32
-    assert_close_rel(y, moe_dense_ref(x, w, "q8_0r", ids, tw), 1e-5)
+    assert_close_rel(y, moe_dense_ref(x, w, "q8_0r", ids, tw, q8_x=dp4a != "off"), 1e-5)
 
 
 def test_moe_q8r_dense_gelu():
@@ -93,3 +97,64 @@ def test_moe_q8r_dense_gelu():
     x, w, ids, tw = make_case("q8_0r", 2, seed=23, n_embd=Q8R_N_EMBD)
     y = moe_q8r_decode(x, w, ids, tw, activation="gelu")
     assert_close_rel(y, moe_dense_ref(x, w, "q8_0r", ids, tw, activation="gelu"), 1e-5)
+
+
+def test_quantize_x_q8_ref_is_the_c_core_rounding():
+    """Q8 x blocks: d = amax / 127, q = round-half-even(x / d); zero blocks stay zero."""
+    from kernels.expert_formats import quantize_x_q8_ref
+
+    x = torch.zeros(64)
+    x[:32] = torch.linspace(-1.27, 1.27, 32)
+    x[5] = 0.005  # x / d = 0.5: a tie, rounds to even (0)
+    x[6] = 0.015  # 1.5 -> 2
+    got = quantize_x_q8_ref(x)
+    assert got[32:].eq(0).all()
+    d = 1.27 / 127
+    assert torch.allclose(got[:32], torch.round(x[:32] / d) * d, atol=1e-7)
+    assert got[5].item() == 0.0 and got[6].item() == pytest.approx(2 * d, rel=1e-6)
+
+
+@pytest.mark.parametrize("n_embd", [Q8R_N_EMBD, 256, 2048])
+def test_quantize_x_q8_kernel_matches_reference(n_embd):
+    """The dp4a path's x quantization (one launch per call): the words hold the reference's
+    quants byte by byte (element 4w + i in byte i of word w), the scales its d; blocks past
+    n_embd / 32 (NB is a power of two) are zero; x rows at a stride. At n_embd 2048 the
+    8 x 2048 values hold near-ties that an FMA-fused rounding flipped on an H100."""
+    from kernels.expert_formats import quantize_x_q8_ref
+    from kernels.moe_dense import quantize_x_q8
+
+    gen = torch.Generator().manual_seed(7)
+    T = 8
+    wide = torch.randn(T, n_embd + 32, generator=gen).to(torch.bfloat16)
+    x = wide.to(DEVICE)[:, :n_embd]  # row stride n_embd + 32
+    q, d = (t.cpu() for t in quantize_x_q8(x))
+    nb = n_embd // 32
+    assert q.shape == (T, d.shape[1], 8) and d.shape[1] >= nb and q.dtype == torch.int32
+    quants = q.view(torch.int8).reshape(T, -1, 32).float()  # [T, NB, 32]
+    # reference on the CPU: IEEE division, as the C core (CUDA torch divides by a scalar
+    # through its reciprocal, 1 ulp off at times)
+    ref = quantize_x_q8_ref(wide[:, :n_embd]).reshape(T, nb, 32)
+    got = quants[:, :nb] * d[:, :nb, None]
+    assert torch.equal(got, ref)
+    assert quants[:, nb:].eq(0).all() and d[:, nb:].eq(0).all()
+
+
+def test_dense_path_takes_q8r_for_aligned_q8_0r_up_to_its_batch():
+    from kernels.moe_dense import Q8R_DENSE_MAX_TOKENS, dense_path
+
+    assert dense_path("q8_0r", 1, 2048) == "q8r"
+    assert dense_path("q8_0r", Q8R_DENSE_MAX_TOKENS, 2048) == "q8r"
+    assert dense_path("q8_0r", Q8R_DENSE_MAX_TOKENS + 1, 2048) == "prefill"
+    assert dense_path("q8_0r", 1, 96) == "decode"  # rows not 4-byte aligned
+    assert dense_path("q8_0", 1, 2048) == "decode"  # not repacked
+
+
+def test_moe_dense_auto_on_aligned_q8_0r_quantizes_x():
+    """moe_dense's auto path on aligned q8_0r is the dp4a kernel: the C core's result on Q8 x
+    (and, within the quantization error of x, the float-x one)."""
+    x, w, ids, tw = make_case("q8_0r", 2, torch.bfloat16, seed=24, n_embd=Q8R_N_EMBD)
+    y = moe_dense(x, w, "q8_0r", ids, tw)
+    assert_close_rel(y, moe_dense_ref(x, w, "q8_0r", ids, tw, q8_x=True), 1e-5)
+    assert_close_rel(y, moe_dense_ref(x, w, "q8_0r", ids, tw), 2e-2)
+    with pytest.raises(ValueError, match="q8_0r"):
+        moe_dense(x, w, "q8_0", ids, tw, path="q8r")

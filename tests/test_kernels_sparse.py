@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kernels.expert_formats import act_ref
-from kernels.moe_dense import moe_dense
+from kernels.expert_formats import act_ref, quantize_x_q8_ref
+from kernels.moe_dense import moe_dense, moe_dense_ref
 from kernels.moe_sparse import (
     Q8R_SPARSE_MAX_TOKENS,
     moe_gate,
@@ -15,6 +15,7 @@ from kernels.moe_sparse import (
     moe_sparse_ref,
     moe_sparse_split,
     moe_sparse_up_down,
+    quantizes_x,
     sparse_path,
 )
 from kernels.sparse_mask import sparse_mask, sparse_mask_ref
@@ -164,17 +165,33 @@ def test_moe_sparse_split_small_blocks(fmt):
 # the q8r path: q8_0r experts with n_embd % 64 == 0 (make_case(..., n_embd=Q8R_N_EMBD))
 
 
+@pytest.mark.parametrize("dp4a", [False, True])
 @pytest.mark.parametrize("blocks", [None, (16, 4, 4), (8, 2, 4), (4, 1, 2)])
 @pytest.mark.parametrize("n_tok", [1, 3])
-def test_moe_sparse_q8r_matches_reference(n_tok, blocks):
+def test_moe_sparse_q8r_matches_reference(n_tok, blocks, dp4a):
     """Kept neurons compacted in registers and processed BA at a time (several steps per
-    program at 30% kept of up to 64 neurons), one or several neuron tiles per pair."""
-    x, w, ids, tw = make_case("q8_0r", n_tok, seed=50 + n_tok, n_embd=Q8R_N_EMBD)
-    thr = gap_threshold(moe_gate_ref(x, w, "q8_0r", ids), "silu", 0.7)
-    y, active = moe_sparse_q8r(x, w, "q8_0r", ids, tw, thr, blocks=blocks)
-    ref, ref_active = moe_sparse_ref(x, w, "q8_0r", ids, tw, thr)
+    program at 30% kept of up to 64 neurons), one or several neuron tiles per pair; gate/up
+    dots on x or (dp4a) on Q8-quantized x against the reference on the same x, the threshold
+    in a gap of those gates."""
+    x, w, ids, tw = make_case("q8_0r", n_tok, torch.bfloat16, seed=50 + n_tok, n_embd=Q8R_N_EMBD)
+    xg = quantize_x_q8_ref(x) if dp4a else x
+    thr = gap_threshold(moe_gate_ref(xg, w, "q8_0r", ids), "silu", 0.7)
+    y, active = moe_sparse_q8r(x, w, "q8_0r", ids, tw, thr, blocks=blocks, dp4a=dp4a)
+    ref, ref_active = moe_sparse_ref(x, w, "q8_0r", ids, tw, thr, q8_x=dp4a)
     assert torch.equal(active.view(ref_active.shape), ref_active)
     assert 0.5 < 1 - active.sum() / active.numel() / w.shape[1] < 0.9
+    assert_close_rel(y, ref, 1e-5)
+
+
+def test_moe_sparse_auto_q8r_quantizes_x_as_reported():
+    """The auto path on aligned q8_0r: x quantized exactly when quantizes_x() says so."""
+    x, w, ids, tw = make_case("q8_0r", 2, torch.bfloat16, seed=57, n_embd=Q8R_N_EMBD)
+    q8_x = quantizes_x("q8_0r", 2, Q8R_N_EMBD, sparse=True)
+    xg = quantize_x_q8_ref(x) if q8_x else x
+    thr = gap_threshold(moe_gate_ref(xg, w, "q8_0r", ids), "silu", 0.7)
+    y, active = moe_sparse(x, w, "q8_0r", ids, tw, thr)
+    ref, ref_active = moe_sparse_ref(x, w, "q8_0r", ids, tw, thr, q8_x=q8_x)
+    assert torch.equal(active, ref_active)
     assert_close_rel(y, ref, 1e-5)
 
 
@@ -183,7 +200,8 @@ def test_moe_sparse_q8r_threshold_zero_equals_dense_and_huge_is_empty(n_tok):
     x, w, ids, tw = make_case("q8_0r", n_tok, torch.bfloat16, seed=60, n_embd=Q8R_N_EMBD)
     y, active = moe_sparse(x, w, "q8_0r", ids, tw, 0.0, path="q8r")
     assert (active == w.shape[1]).all()
-    assert_close_rel(y, moe_dense(x, w, "q8_0r", ids, tw, path="decode"), 1e-5)
+    assert_close_rel(y, moe_dense_ref(x, w, "q8_0r", ids, tw, q8_x=True), 1e-5)
+    assert_close_rel(y, moe_dense(x, w, "q8_0r", ids, tw, path="q8r"), 1e-5)
     y, active = moe_sparse(x, w, "q8_0r", ids, tw, 1e30, path="q8r")
     assert (active == 0).all() and (y == 0).all()
 
