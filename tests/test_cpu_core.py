@@ -214,6 +214,46 @@ def test_sparse_that_drops_nothing_equals_dense_bitwise(cc, fmt, n_ff):
     assert torch.equal(sparse, dense) and torch.equal(zero, dense)
 
 
+# 19 blocks: two groups of 8 (block scales converted 8 at a time), a pair, the odd last block.
+@pytest.mark.parametrize("fmt", sorted(QUANTIZED))
+def test_avx512_dot_variants_give_the_same_bits(cc, fmt, monkeypatch):
+    """The AVX-512 quantized dots, maddubs or vpdpbusd (level avx512 / avx512vnni), block scales
+    2 or 8 at a time (PYRT_QSCALES=0/1), give the bits of maddubs with scales 2 at a time (the
+    kernel before either change), dense and sparse."""
+    best = cc.SIMD_LEVELS[cc.simd_best()]
+    if best < cc.SIMD_LEVELS["avx512"]:
+        pytest.skip("this CPU has no avx512")
+    levels = [lv for lv in ("avx512", "avx512vnni") if cc.SIMD_LEVELS[lv] <= best]
+    raw, w, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case(
+        fmt, 8, seed=13, n_ff=40, n_embd=19 * 32
+    )
+    _, _, abs_act, _ = reference(w, kernel_x(fmt, x), ids, topk_w, "silu")
+    threshold = float(abs_act.flatten().quantile(0.5))
+    results = {}
+    try:
+        with cc.CpuCore(3) as core:
+            for level in levels:
+                cc.force_simd(level)
+                for qscales in ("0", "1"):
+                    monkeypatch.setenv("PYRT_QSCALES", qscales)
+                    results[level, qscales] = [
+                        core.moe_ffn(
+                            raw, FORMATS[fmt], n_expert, n_ff, n_embd, x, ids, topk_w, threshold=t
+                        )
+                        for t in (0.0, threshold)
+                    ]
+    finally:
+        cc.force_simd(cc.simd_best())
+    (y0, n0), (ys0, ns0) = results["avx512", "0"]
+    ref, _, _, bound = reference(w, kernel_x(fmt, x), ids, topk_w, "silu", threads=3)
+    assert_within(y0, ref, bound, f"{fmt} avx512 maddubs, scales 2 at a time")
+    for key, ((y, n), (ys, ns)) in results.items():
+        assert n == n0 and ns == ns0, key
+        assert torch.equal(y, y0) and torch.equal(ys, ys0), key
+    if len(levels) < 2:
+        pytest.skip("avx512vnni variants not run: this CPU has no AVX512_VNNI")
+
+
 def test_many_tokens_span_token_blocks_and_int64_ids(cc):
     """More tokens than one token block (64), repeated experts across tokens, int64 ids."""
     raw, w, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case(

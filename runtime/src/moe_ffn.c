@@ -85,6 +85,8 @@ typedef struct {
  * PYRT_PREFETCH_AHEAD=n   software-prefetch the rows of the neuron n ahead (default 2; 0: off).
  * PYRT_SPARSE_CHUNK=n     sparse: gates of n neurons (1..32, default 32) before their up/down rows.
  * PYRT_ITEMS=n            n equal work items per thread (default 0: guided sizes, see plan_items).
+ * PYRT_QSCALES=0|1        AVX-512 levels, Q8_0/Q4_0: block scales converted 2 (0) or 8 (1) at a
+ *                         time (default PYRT_AVX512_SCALES8; see rows_avx512.c).
  * PYRT_SPIN_US=n          (pool.c, read at pool creation) how long idle threads spin, default 300.
  * The result is the same bits under every setting. */
 typedef struct {
@@ -92,16 +94,19 @@ typedef struct {
     int prefetch_ahead;
     int items_per_thread;
     int sparse_chunk;
+    int qscales; /* -1: the level's default */
 } knobs;
 
 /* Read on every call (a few getenv, well under a microsecond) so a benchmark can vary them. */
 static knobs read_knobs(void) {
     const char *p = getenv("PYRT_PROFILE"), *a = getenv("PYRT_PREFETCH_AHEAD");
     const char *items = getenv("PYRT_ITEMS"), *chunk = getenv("PYRT_SPARSE_CHUNK");
+    const char *qs = getenv("PYRT_QSCALES");
     knobs k = {.profile = p != NULL && atoi(p) > 0 ? atoi(p) : 0,
                .prefetch_ahead = a != NULL ? atoi(a) : DEFAULT_PREFETCH_AHEAD,
                .items_per_thread = items != NULL ? atoi(items) : 0,
-               .sparse_chunk = chunk != NULL ? atoi(chunk) : DEFAULT_SPARSE_CHUNK};
+               .sparse_chunk = chunk != NULL ? atoi(chunk) : DEFAULT_SPARSE_CHUNK,
+               .qscales = qs != NULL && (atoi(qs) == 0 || atoi(qs) == 1) ? atoi(qs) : -1};
     if (k.sparse_chunk < 1 || k.sparse_chunk > MAX_SPARSE_CHUNK)
         k.sparse_chunk = DEFAULT_SPARSE_CHUNK;
     if (k.items_per_thread < 0)
@@ -807,7 +812,7 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
     moe_ctx c = {
         .gud = gud,
         .row_bytes = pyrt_row_bytes(fmt, n_embd),
-        .ops = pyrt_row_ops_active(fmt),
+        .ops = pyrt_row_ops_active_scales(fmt, kn.qscales),
         .n_expert = n_expert,
         .n_ff = n_ff,
         .n_embd = n_embd,

@@ -1,11 +1,13 @@
 /* AVX-512 (F + BW) row kernels: 16 f32 lanes, two quantized blocks per 512-bit vector, masked
- * tails. Per-function target attributes, called only after cpuid said yes (cpu.c). */
+ * tails; the AVX512_VNNI level differs only in the quantized dots (vpdpbusd). Per-function target
+ * attributes, called only after cpuid said yes (cpu.c). */
 #include "pyrt_internal.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
+#define AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c")))
 
 /* 16 weights of each float format widened to f32; the masked forms read only `m`'s lanes. */
 AVX512 static inline __m512 load16_f32(const void *p, int i, __mmask16 m) {
@@ -51,7 +53,19 @@ FLOAT_ROW_KERNELS(f32, load16_f32)
 FLOAT_ROW_KERNELS(f16, load16_f16)
 FLOAT_ROW_KERNELS(bf16, load16_bf16)
 
-/* ---- quantized formats --------------------------------------------------------------------- */
+/* ---- quantized formats: dots -------------------------------------------------------------
+ *
+ * One row (dot) or two (dot2) against one quantized activation vector x (pyrt_xq8 blocks), two
+ * blocks per 512-bit step. Each step makes 16 int32 lanes (lanes 0..7: block b's 32 products
+ * summed in groups of 4 bytes, lanes 8..15: block b+1's), converts them to f32 and accumulates
+ * acc += s * lanes with s = d_w * d_x of the lane's block. Four kernel variants per format, all
+ * giving the same bits (the int32 lanes are exact, the f32 scale products and the accumulation
+ * order are the same):
+ *   int dot   maddubs + madd (AVX-512 BW), or vpdpbusd (AVX512_VNNI: 4 bytes per lane in one
+ *             instruction, no int16 intermediate);
+ *   scales    per step, two scalar f16 -> f32 conversions, two multiplies, two broadcasts and a
+ *             blend ("s2"), or per 8 blocks one f16 -> f32 conversion and one multiply of 8
+ *             lanes, then one permute per step ("s8"). */
 
 /* The 32 int8 weights of a Q4_0 block (low nibbles: elements 0..15, high: 16..31). */
 AVX512 static inline __m256i unpack_q4_0(const uint8_t *qs) {
@@ -60,6 +74,13 @@ AVX512 static inline __m256i unpack_q4_0(const uint8_t *qs) {
     const __m128i lo = _mm_and_si128(raw, m4);
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
     return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
+}
+
+/* The 32 nibbles of a Q4_0 block as unsigned bytes 0..15 (the weight is nibble - 8). */
+AVX512 static inline __m256i nibbles_q4_0(const uint8_t *qs) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
 }
 
 AVX512 static inline __m512i join256(__m256i lo, __m256i hi) {
@@ -80,6 +101,28 @@ AVX512 static inline __m512 scales2(float s0, float s1) {
     return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s0), _mm512_set1_ps(s1));
 }
 
+/* d_w * d_x of 8 consecutive blocks in lanes 0..7 (lanes 8..15 undefined): the weight blocks'
+ * f16 scales sit at the start of each block, bb bytes apart; x's are f32, 36 bytes apart. */
+AVX512 static inline __m512 scales8(const uint8_t *w, size_t bb, const pyrt_xq8 *xq) {
+    __m128i h = _mm_cvtsi32_si128(pyrt_load_u16(w));
+    h = _mm_insert_epi16(h, pyrt_load_u16(w + 1 * bb), 1);
+    h = _mm_insert_epi16(h, pyrt_load_u16(w + 2 * bb), 2);
+    h = _mm_insert_epi16(h, pyrt_load_u16(w + 3 * bb), 3);
+    h = _mm_insert_epi16(h, pyrt_load_u16(w + 4 * bb), 4);
+    h = _mm_insert_epi16(h, pyrt_load_u16(w + 5 * bb), 5);
+    h = _mm_insert_epi16(h, pyrt_load_u16(w + 6 * bb), 6);
+    h = _mm_insert_epi16(h, pyrt_load_u16(w + 7 * bb), 7);
+    const __m256 dx = _mm256_setr_ps(xq[0].d, xq[1].d, xq[2].d, xq[3].d, xq[4].d, xq[5].d,
+                                     xq[6].d, xq[7].d);
+    return _mm512_castps256_ps512(_mm256_mul_ps(_mm256_cvtph_ps(h), dx));
+}
+
+/* Permute indices that spread lanes 2p and 2p+1 of scales8 over lanes 0..7 and 8..15. */
+AVX512 static inline __m512i pair_index(int p) {
+    return _mm512_add_epi32(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                            _mm512_set1_epi32(2 * p));
+}
+
 AVX512 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -87,7 +130,7 @@ AVX512 static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* One trailing block with 256-bit registers (odd block counts). */
+/* One trailing block with 256-bit registers (odd block counts); w is the block's int8 weights. */
 AVX512 static inline float dot_one_block(__m256i w, const pyrt_xq8 *xq, float dw) {
     const __m256i x = _mm256_loadu_si256((const __m256i *)xq->q);
     const __m256i p = _mm256_madd_epi16(
@@ -96,63 +139,113 @@ AVX512 static inline float dot_one_block(__m256i w, const pyrt_xq8 *xq, float dw
     return hsum8(_mm256_mul_ps(_mm256_set1_ps(dw * xq->d), _mm256_cvtepi32_ps(p)));
 }
 
-#define QUANT_DOT(name, block_bytes, load_block)                                                  \
-    AVX512 static float dot_pf_##name(const void *row, const void *x, int n,                     \
-                                      const void *const *pf, int n_pf) {                          \
+/* The int8 side of each variant, for one step of two blocks at w0, w0 + bb:
+ *   LOAD2(w0, bb)   the weights as the DOT wants them (64 bytes);
+ *   XPREP(x)        what DOT needs from x alone (computed once per step, shared by dot2's rows);
+ *   DOT(w, x, xp)   the 16 int32 lanes, exactly those of dot64_i8 on the signed weights.
+ * LOAD1(wb) is the one trailing block's signed weights for dot_one_block. */
+#define LOAD1_Q8_0(wb) _mm256_loadu_si256((const __m256i *)((wb) + 2))
+#define LOAD1_Q4_0(wb) unpack_q4_0((wb) + 2)
+#define LOAD2_Q8_0(w0, bb) join256(LOAD1_Q8_0(w0), LOAD1_Q8_0((w0) + (bb)))
+#define LOAD2_Q4_0(w0, bb) join256(LOAD1_Q4_0(w0), LOAD1_Q4_0((w0) + (bb)))
+#define LOAD2_Q4_0_NIB(w0, bb) join256(nibbles_q4_0((w0) + 2), nibbles_q4_0((w0) + (bb) + 2))
+#define XPREP_NONE(x) (x)
+#define DOT_MADDUBS(w, x, xp) ((void)(xp), dot64_i8(w, x))
+/* Q8_0, VNNI: x + 128 is unsigned (x ^ 0x80), so sum (x + 128) w - sum 128 w = sum x w, two
+ * vpdpbusd and a subtraction, for every int8 w and x (-128 included). */
+#define XPREP_Q8_VNNI(x) _mm512_xor_si512(x, _mm512_set1_epi8((char)0x80))
+#define DOT_Q8_VNNI(w, x, xp)                                                                     \
+    _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xp, w),                          \
+                     _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), w))
+/* Q4_0, VNNI: the nibble n = w + 8 is unsigned, so sum n x - sum 8 x = sum w x; the second sum
+ * depends on x alone (xp holds its negation), and one vpdpbusd per row adds the first to it. */
+#define XPREP_Q4_VNNI(x)                                                                          \
+    _mm512_sub_epi32(_mm512_setzero_si512(),                                                      \
+                     _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(8), x))
+#define DOT_Q4_VNNI(w, x, xp) _mm512_dpbusd_epi32(xp, w, x)
+
+/* dot_pf / dot: one row; the prefetches of pf[0 .. n_pf-1] are spread over the steps. */
+#define QUANT_DOT(name, ATTR, bb, LOAD2, XPREP, DOT, LOAD1, S8)                                   \
+    ATTR static float dot_pf_##name(const void *row, const void *x, int n,                       \
+                                    const void *const *pf, int n_pf) {                            \
         const uint8_t *w = row;                                                                   \
         const pyrt_xq8 *xq = x;                                                                   \
         const int nb = n / PYRT_QK;                                                               \
         pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, nb / 2);                                      \
         __m512 acc = _mm512_setzero_ps();                                                         \
         int b = 0;                                                                                \
+        for (; S8 && b + 8 <= nb; b += 8) {                                                       \
+            const __m512 s8 = scales8(w + (size_t)b * (bb), (bb), xq + b);                        \
+            _Pragma("GCC unroll 4") for (int p = 0; p < 4; p++) {                                 \
+                const int bp = b + 2 * p;                                                         \
+                const __m512i xv = join256(_mm256_loadu_si256((const __m256i *)xq[bp].q),         \
+                                           _mm256_loadu_si256((const __m256i *)xq[bp + 1].q));    \
+                const __m512i wq = LOAD2(w + (size_t)bp * (bb), (bb));                            \
+                const __m512 s = _mm512_permutexvar_ps(pair_index(p), s8);                        \
+                acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(DOT(wq, xv, XPREP(xv))), acc);        \
+                pyrt_pf_tick(&ps);                                                                \
+            }                                                                                     \
+        }                                                                                         \
         for (; b + 2 <= nb; b += 2) {                                                             \
-            const uint8_t *w0 = w + (size_t)b * (block_bytes), *w1 = w0 + (block_bytes);         \
-            const __m512i wq = join256(load_block(w0), load_block(w1));                           \
+            const uint8_t *w0 = w + (size_t)b * (bb), *w1 = w0 + (bb);                           \
             const __m512i xv = join256(_mm256_loadu_si256((const __m256i *)xq[b].q),              \
                                        _mm256_loadu_si256((const __m256i *)xq[b + 1].q));         \
+            const __m512i wq = LOAD2(w0, (bb));                                                   \
             const __m512 s = scales2(_cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d,                      \
                                      _cvtsh_ss(pyrt_load_u16(w1)) * xq[b + 1].d);                 \
-            acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot64_i8(wq, xv)), acc);                  \
+            acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(DOT(wq, xv, XPREP(xv))), acc);            \
             pyrt_pf_tick(&ps);                                                                    \
         }                                                                                         \
         pyrt_pf_end(&ps);                                                                         \
         float sum = _mm512_reduce_add_ps(acc);                                                    \
         if (b < nb) {                                                                             \
-            const uint8_t *w0 = w + (size_t)b * (block_bytes);                                    \
-            sum += dot_one_block(load_block(w0), &xq[b], _cvtsh_ss(pyrt_load_u16(w0)));           \
+            const uint8_t *w0 = w + (size_t)b * (bb);                                             \
+            sum += dot_one_block(LOAD1(w0), &xq[b], _cvtsh_ss(pyrt_load_u16(w0)));                \
         }                                                                                         \
         return sum;                                                                               \
     }                                                                                             \
-    AVX512 static float dot_##name(const void *row, const void *x, int n) {                       \
+    ATTR static float dot_##name(const void *row, const void *x, int n) {                         \
         return dot_pf_##name(row, x, n, NULL, 0);                                                 \
     }
 
-#define LOAD_Q8_0(wb) _mm256_loadu_si256((const __m256i *)((wb) + 2))
-#define LOAD_Q4_0(wb) unpack_q4_0((wb) + 2)
-
-QUANT_DOT(q8_0, PYRT_Q8_0_BYTES, LOAD_Q8_0)
-QUANT_DOT(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
-
 /* Two rows against one x in one pass: per row exactly the operations of QUANT_DOT (bit for bit
- * two dot calls), the x blocks loaded once for both. */
-#define QUANT_DOT2(name, block_bytes, load_block)                                                 \
-    AVX512 static void dot2_pf_##name(const void *row0, const void *row1, const void *x, int n,   \
-                                      float out[2], const void *const *pf, int n_pf) {            \
+ * two dot calls), x's blocks, XPREP and (s8) x's scales computed once for both. */
+#define QUANT_DOT2(name, ATTR, bb, LOAD2, XPREP, DOT, LOAD1, S8)                                  \
+    ATTR static void dot2_pf_##name(const void *row0, const void *row1, const void *x, int n,     \
+                                    float out[2], const void *const *pf, int n_pf) {              \
         const uint8_t *wr[2] = {row0, row1};                                                      \
         const pyrt_xq8 *xq = x;                                                                   \
         const int nb = n / PYRT_QK;                                                               \
         pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, nb / 2);                                      \
         __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};                               \
         int b = 0;                                                                                \
+        for (; S8 && b + 8 <= nb; b += 8) {                                                       \
+            __m512 s8[2];                                                                         \
+            s8[0] = scales8(wr[0] + (size_t)b * (bb), (bb), xq + b);                              \
+            s8[1] = scales8(wr[1] + (size_t)b * (bb), (bb), xq + b);                              \
+            _Pragma("GCC unroll 4") for (int p = 0; p < 4; p++) {                                 \
+                const int bp = b + 2 * p;                                                         \
+                const __m512i xv = join256(_mm256_loadu_si256((const __m256i *)xq[bp].q),         \
+                                           _mm256_loadu_si256((const __m256i *)xq[bp + 1].q));    \
+                const __m512i xp = XPREP(xv);                                                     \
+                for (int r = 0; r < 2; r++) {                                                     \
+                    const __m512i wq = LOAD2(wr[r] + (size_t)bp * (bb), (bb));                    \
+                    const __m512 s = _mm512_permutexvar_ps(pair_index(p), s8[r]);                 \
+                    acc[r] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(DOT(wq, xv, xp)), acc[r]);     \
+                }                                                                                 \
+                pyrt_pf_tick(&ps);                                                                \
+            }                                                                                     \
+        }                                                                                         \
         for (; b + 2 <= nb; b += 2) {                                                             \
             const __m512i xv = join256(_mm256_loadu_si256((const __m256i *)xq[b].q),              \
                                        _mm256_loadu_si256((const __m256i *)xq[b + 1].q));         \
+            const __m512i xp = XPREP(xv);                                                         \
             for (int r = 0; r < 2; r++) {                                                         \
-                const uint8_t *w0 = wr[r] + (size_t)b * (block_bytes), *w1 = w0 + (block_bytes); \
-                const __m512i wq = join256(load_block(w0), load_block(w1));                       \
+                const uint8_t *w0 = wr[r] + (size_t)b * (bb), *w1 = w0 + (bb);                   \
+                const __m512i wq = LOAD2(w0, (bb));                                               \
                 const __m512 s = scales2(_cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d,                  \
                                          _cvtsh_ss(pyrt_load_u16(w1)) * xq[b + 1].d);             \
-                acc[r] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot64_i8(wq, xv)), acc[r]);        \
+                acc[r] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(DOT(wq, xv, xp)), acc[r]);         \
             }                                                                                     \
             pyrt_pf_tick(&ps);                                                                    \
         }                                                                                         \
@@ -160,19 +253,35 @@ QUANT_DOT(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
         for (int r = 0; r < 2; r++) {                                                             \
             float sum = _mm512_reduce_add_ps(acc[r]);                                             \
             if (b < nb) {                                                                         \
-                const uint8_t *w0 = wr[r] + (size_t)b * (block_bytes);                            \
-                sum += dot_one_block(load_block(w0), &xq[b], _cvtsh_ss(pyrt_load_u16(w0)));       \
+                const uint8_t *w0 = wr[r] + (size_t)b * (bb);                                     \
+                sum += dot_one_block(LOAD1(w0), &xq[b], _cvtsh_ss(pyrt_load_u16(w0)));            \
             }                                                                                     \
             out[r] = sum;                                                                         \
         }                                                                                         \
     }                                                                                             \
-    AVX512 static void dot2_##name(const void *row0, const void *row1, const void *x, int n,      \
-                                   float out[2]) {                                                \
+    ATTR static void dot2_##name(const void *row0, const void *row1, const void *x, int n,        \
+                                 float out[2]) {                                                  \
         dot2_pf_##name(row0, row1, x, n, out, NULL, 0);                                           \
     }
 
-QUANT_DOT2(q8_0, PYRT_Q8_0_BYTES, LOAD_Q8_0)
-QUANT_DOT2(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
+#define QUANT_DOTS(name, ATTR, bb, LOAD2, XPREP, DOT, LOAD1, S8)                                  \
+    QUANT_DOT(name, ATTR, bb, LOAD2, XPREP, DOT, LOAD1, S8)                                       \
+    QUANT_DOT2(name, ATTR, bb, LOAD2, XPREP, DOT, LOAD1, S8)
+
+QUANT_DOTS(q8_0_s2, AVX512, PYRT_Q8_0_BYTES, LOAD2_Q8_0, XPREP_NONE, DOT_MADDUBS, LOAD1_Q8_0, 0)
+QUANT_DOTS(q8_0_s8, AVX512, PYRT_Q8_0_BYTES, LOAD2_Q8_0, XPREP_NONE, DOT_MADDUBS, LOAD1_Q8_0, 1)
+QUANT_DOTS(q4_0_s2, AVX512, PYRT_Q4_0_BYTES, LOAD2_Q4_0, XPREP_NONE, DOT_MADDUBS, LOAD1_Q4_0, 0)
+QUANT_DOTS(q4_0_s8, AVX512, PYRT_Q4_0_BYTES, LOAD2_Q4_0, XPREP_NONE, DOT_MADDUBS, LOAD1_Q4_0, 1)
+QUANT_DOTS(q8_0_vnni_s2, AVX512_VNNI, PYRT_Q8_0_BYTES, LOAD2_Q8_0, XPREP_Q8_VNNI, DOT_Q8_VNNI,
+           LOAD1_Q8_0, 0)
+QUANT_DOTS(q8_0_vnni_s8, AVX512_VNNI, PYRT_Q8_0_BYTES, LOAD2_Q8_0, XPREP_Q8_VNNI, DOT_Q8_VNNI,
+           LOAD1_Q8_0, 1)
+QUANT_DOTS(q4_0_vnni_s2, AVX512_VNNI, PYRT_Q4_0_BYTES, LOAD2_Q4_0_NIB, XPREP_Q4_VNNI,
+           DOT_Q4_VNNI, LOAD1_Q4_0, 0)
+QUANT_DOTS(q4_0_vnni_s8, AVX512_VNNI, PYRT_Q4_0_BYTES, LOAD2_Q4_0_NIB, XPREP_Q4_VNNI,
+           DOT_Q4_VNNI, LOAD1_Q4_0, 1)
+
+/* ---- quantized formats: axpy --------------------------------------------------------------- */
 
 /* Several down rows into one y: a block of y (two registers) is loaded once, takes every row's
  * contribution in row order (bit for bit nr axpy calls), and is stored once. */
@@ -257,12 +366,21 @@ AVX512 static void axpy_q4_0(float a, const void *row, float *y, int n) {
 static const pyrt_row_ops ops_f32 = {dot_f32, axpy_f32, NULL, NULL, NULL, NULL, NULL};
 static const pyrt_row_ops ops_f16 = {dot_f16, axpy_f16, NULL, NULL, NULL, NULL, NULL};
 static const pyrt_row_ops ops_bf16 = {dot_bf16, axpy_bf16, NULL, NULL, NULL, NULL, NULL};
-static const pyrt_row_ops ops_q8_0 = {dot_q8_0,    axpy_q8_0,    dot2_q8_0,    axpyn_q8_0,
-                                      dot_pf_q8_0, dot2_pf_q8_0, axpyn_pf_q8_0};
-static const pyrt_row_ops ops_q4_0 = {dot_q4_0,    axpy_q4_0,    dot2_q4_0,    axpyn_q4_0,
-                                      dot_pf_q4_0, dot2_pf_q4_0, axpyn_pf_q4_0};
 
-const pyrt_row_ops *pyrt_row_ops_avx512(int fmt) {
+#define QUANT_OPS(fmt, v)                                                                         \
+    {dot_##fmt##v, axpy_##fmt, dot2_##fmt##v, axpyn_##fmt, dot_pf_##fmt##v, dot2_pf_##fmt##v,    \
+     axpyn_pf_##fmt}
+/* [vnni][scales8] */
+static const pyrt_row_ops ops_q8_0[2][2] = {
+    {QUANT_OPS(q8_0, _s2), QUANT_OPS(q8_0, _s8)},
+    {QUANT_OPS(q8_0, _vnni_s2), QUANT_OPS(q8_0, _vnni_s8)}};
+static const pyrt_row_ops ops_q4_0[2][2] = {
+    {QUANT_OPS(q4_0, _s2), QUANT_OPS(q4_0, _s8)},
+    {QUANT_OPS(q4_0, _vnni_s2), QUANT_OPS(q4_0, _vnni_s8)}};
+
+const pyrt_row_ops *pyrt_row_ops_avx512_variant(int fmt, int vnni, int scales8) {
+    vnni = vnni != 0;
+    scales8 = scales8 != 0;
     switch (fmt) {
     case PYRT_FMT_F32:
         return &ops_f32;
@@ -271,17 +389,35 @@ const pyrt_row_ops *pyrt_row_ops_avx512(int fmt) {
     case PYRT_FMT_BF16:
         return &ops_bf16;
     case PYRT_FMT_Q8_0:
-        return &ops_q8_0;
+        return &ops_q8_0[vnni][scales8];
     case PYRT_FMT_Q4_0:
-        return &ops_q4_0;
+        return &ops_q4_0[vnni][scales8];
     default:
         return NULL;
     }
 }
 
+const pyrt_row_ops *pyrt_row_ops_avx512(int fmt) {
+    return pyrt_row_ops_avx512_variant(fmt, 0, PYRT_AVX512_SCALES8);
+}
+
+const pyrt_row_ops *pyrt_row_ops_avx512_vnni(int fmt) {
+    return pyrt_row_ops_avx512_variant(fmt, 1, PYRT_AVX512_SCALES8);
+}
+
 #else /* not x86-64 */
 
+const pyrt_row_ops *pyrt_row_ops_avx512_variant(int fmt, int vnni, int scales8) {
+    (void)fmt, (void)vnni, (void)scales8;
+    return NULL;
+}
+
 const pyrt_row_ops *pyrt_row_ops_avx512(int fmt) {
+    (void)fmt;
+    return NULL;
+}
+
+const pyrt_row_ops *pyrt_row_ops_avx512_vnni(int fmt) {
     (void)fmt;
     return NULL;
 }

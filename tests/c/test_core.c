@@ -106,19 +106,17 @@ static int is_quant(int fmt) {
 
 static void test_row_kernels(void) {
     const int lengths_float[] = {1, 7, 8, 15, 16, 17, 31, 32, 33, 83, 256, 1027};
-    const int lengths_quant[] = {32, 64, 96, 2048};
+    const int lengths_quant[] = {32, 64, 96, 608, 2048}; /* 608: 19 blocks, 2 groups of 8 + 3 */
     const double u = ldexp(1.0, -24);
     for (int level = PYRT_SIMD_SCALAR; level <= pyrt_simd_best(); level++) {
         for (size_t f = 0; f < sizeof FORMATS / sizeof *FORMATS; f++) {
             const int fmt = FORMATS[f];
-            const pyrt_row_ops *ops = level == PYRT_SIMD_AVX512 ? pyrt_row_ops_avx512(fmt)
-                                      : level == PYRT_SIMD_AVX2 ? pyrt_row_ops_avx2(fmt)
-                                                                : pyrt_row_ops_scalar(fmt);
+            const pyrt_row_ops *ops = pyrt_row_ops_at(level, fmt);
             CHECK(ops != NULL, "level %d has no kernels for format %d", level, fmt);
             if (ops == NULL)
                 continue;
             const int *lengths = is_quant(fmt) ? lengths_quant : lengths_float;
-            const int n_lengths = is_quant(fmt) ? 4 : 12;
+            const int n_lengths = is_quant(fmt) ? 5 : 12;
             for (int li = 0; li < n_lengths; li++) {
                 const int n = lengths[li];
                 uint8_t *row = malloc(pyrt_row_bytes(fmt, n));
@@ -168,6 +166,63 @@ static void test_row_kernels(void) {
     }
 }
 
+/* The AVX-512 quantized dot variants (maddubs or vpdpbusd; scales 2 or 8 blocks at a time) give
+ * the bits of the original kernel (maddubs, 2 at a time) for dot, dot_pf, dot2 and dot2_pf, at
+ * block counts that hit the 8-block groups, the pair steps after them and the odd last block,
+ * with -128 weights. Runs only where the CPU has AVX-512 (and AVX512_VNNI for those variants). */
+static void test_avx512_variants_same_bits(void) {
+    if (pyrt_simd_best() < PYRT_SIMD_AVX512) {
+        printf("skipped: AVX-512 quantized dot variants (this CPU has no AVX-512)\n");
+        return;
+    }
+    const int n_vnni = pyrt_simd_best() >= PYRT_SIMD_AVX512_VNNI ? 2 : 1;
+    if (n_vnni == 1)
+        printf("skipped: AVX512_VNNI dot variants (this CPU has no AVX512_VNNI)\n");
+    const int lengths[] = {32, 64, 96, 256, 288, 544, 608, 2048, 2080};
+    const int fmts[] = {PYRT_FMT_Q8_0, PYRT_FMT_Q4_0};
+    for (int f = 0; f < 2; f++) {
+        const int fmt = fmts[f];
+        const pyrt_row_ops *base = pyrt_row_ops_avx512_variant(fmt, 0, 0);
+        for (size_t li = 0; li < sizeof lengths / sizeof *lengths; li++) {
+            const int n = lengths[li];
+            const size_t rb = pyrt_row_bytes(fmt, n);
+            uint8_t *rows = malloc(2 * rb);
+            double *wv = malloc(sizeof(double) * n);
+            float *x = malloc(sizeof(float) * n);
+            pyrt_xq8 *xq = malloc(sizeof(pyrt_xq8) * (n / 32));
+            make_row(fmt, n, rows, wv, 1);
+            make_row(fmt, n, rows + rb, wv, li % 2);
+            for (int i = 0; i < n; i++)
+                x[i] = rng_normalish();
+            pyrt_quantize_x_q8(x, xq, n);
+            const void *pf[2 * 80];
+            int n_pf = 0;
+            for (size_t off = 0; off < 2 * rb && n_pf < 2 * 80; off += 64)
+                pf[n_pf++] = rows + off;
+            const float d0 = base->dot(rows, xq, n), d1 = base->dot(rows + rb, xq, n);
+            for (int vnni = 0; vnni < n_vnni; vnni++) {
+                for (int s8 = 0; s8 < 2; s8++) {
+                    const pyrt_row_ops *ops = pyrt_row_ops_avx512_variant(fmt, vnni, s8);
+                    float got[2], got2[2];
+                    got[0] = ops->dot(rows, xq, n);
+                    got[1] = ops->dot_pf(rows + rb, xq, n, pf, n_pf);
+                    ops->dot2(rows, rows + rb, xq, n, got2);
+                    CHECK(memcmp(&got[0], &d0, 4) == 0 && memcmp(&got[1], &d1, 4) == 0,
+                          "avx512 fmt %d n %d vnni %d s8 %d: dot %.9g %.9g vs %.9g %.9g", fmt, n,
+                          vnni, s8, got[0], got[1], d0, d1);
+                    CHECK(memcmp(&got2[0], &d0, 4) == 0 && memcmp(&got2[1], &d1, 4) == 0,
+                          "avx512 fmt %d n %d vnni %d s8 %d: dot2 %.9g %.9g vs %.9g %.9g", fmt,
+                          n, vnni, s8, got2[0], got2[1], d0, d1);
+                    ops->dot2_pf(rows, rows + rb, xq, n, got2, pf, n_pf);
+                    CHECK(memcmp(&got2[0], &d0, 4) == 0 && memcmp(&got2[1], &d1, 4) == 0,
+                          "avx512 fmt %d n %d vnni %d s8 %d: dot2_pf differs", fmt, n, vnni, s8);
+                }
+            }
+            free(rows), free(wv), free(x), free(xq);
+        }
+    }
+}
+
 /* The fused kernels (dot2: gate and up in one pass; axpyn: several down rows per pass over y)
  * must give exactly the bits of the plain kernels, or sparse-keeping-everything would not equal
  * dense bit for bit. */
@@ -176,9 +231,7 @@ static void test_fused_kernels_match_plain(void) {
     for (int level = PYRT_SIMD_SCALAR; level <= pyrt_simd_best(); level++) {
         for (size_t f = 0; f < sizeof FORMATS / sizeof *FORMATS; f++) {
             const int fmt = FORMATS[f];
-            const pyrt_row_ops *ops = level == PYRT_SIMD_AVX512 ? pyrt_row_ops_avx512(fmt)
-                                      : level == PYRT_SIMD_AVX2 ? pyrt_row_ops_avx2(fmt)
-                                                                : pyrt_row_ops_scalar(fmt);
+            const pyrt_row_ops *ops = pyrt_row_ops_at(level, fmt);
             if (ops == NULL || (ops->dot2 == NULL && ops->axpyn == NULL))
                 continue;
             for (int li = 0; li < 3; li++) {
@@ -460,7 +513,8 @@ static void test_errors(void) {
               PYRT_E_INVALID, "negative threshold");
     CHECK(pyrt_moe_ffn(pool, gud, sizeof gud, 0, 1, 1, 64, x, 1, ids, tw, 1, 0, 0.0f, y, NULL) ==
               PYRT_OK, "valid call: %s", pyrt_last_error());
-    CHECK(pyrt_simd_force(pyrt_simd_best() + 1) != PYRT_OK || pyrt_simd_best() == PYRT_SIMD_AVX512,
+    CHECK(pyrt_simd_force(pyrt_simd_best() + 1) != PYRT_OK ||
+              pyrt_simd_best() == PYRT_SIMD_AVX512_VNNI,
           "cannot force a level the CPU lacks");
     CHECK(pyrt_simd_force(-1) == PYRT_E_INVALID, "unknown level");
     pyrt_pool_free(pool);
@@ -476,6 +530,7 @@ static void test_errors(void) {
 int main(void) {
     test_quantize_x();
     test_row_kernels();
+    test_avx512_variants_same_bits();
     test_fused_kernels_match_plain();
     test_moe_ffn_case(13);
     test_moe_ffn_case(197);
