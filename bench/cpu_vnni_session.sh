@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# One device session for the AVX512_VNNI / block-scale work on the C core's quantized dots.
+# Builds the library of this tree (NEW) and of a base tree (OLD: main's runtime/ and
+# CMakeLists.txt copied to a folder), then, each in its own process:
+#   1. tests/test_cpu_core.py (with the C unit tests under ASan/UBSan) and tests/test_cpu_decode.py
+#      against NEW: the AVX-512 and AVX512_VNNI paths only run on a CPU that has them;
+#   2. bench/cpu_experts.py --sweep SIMD=avx512,avx512vnni PYRT_QSCALES=0,1 on NEW, olmoe-1b-7b
+#      and qwen3-30b-a3b, batch 1 and 8, sparsity 0 / 0.5 / 0.9, interleaved rounds in one process
+#      (avx512 + PYRT_QSCALES=0 is the kernel of OLD, instruction for instruction);
+#   3. the same sweep on one thread, olmoe batch 1 dense (does less arithmetic per byte let one
+#      thread stream faster?);
+#   4. bench/cpu_experts.py (dense, 0.5, 0.9; batch 1 and 8; both shapes), OLD then NEW.
+# Logs go to $OUT (one file per step).
+#
+#   bash bench/cpu_vnni_session.sh BASE_SRC OUT
+# (FOOT=GiB overrides --footprint-gib 4, ROUNDS=n the sweeps' --rounds 3, for a quick local try.)
+set -u
+FOOT=${FOOT:-4}
+ROUNDS=${ROUNDS:-3}
+BASE_SRC=$1
+OUT=$2
+T0=$(date +%s)
+elapsed() { echo $(($(date +%s) - T0)); }
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
+mkdir -p "$OUT"
+{
+    date -u
+    nproc
+    lscpu | grep -E "Model name|L2|L3"
+    grep -o -w -E "avx512f|avx512bw|avx512_vnni|avx_vnni" /proc/cpuinfo | sort | uniq -c
+    uptime
+} >"$OUT/machine.txt" 2>&1
+
+(cmake -S "$BASE_SRC" -B /tmp/vnni-old -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null &&
+    cmake --build /tmp/vnni-old >/dev/null) &
+cmake -S . -B /tmp/vnni-new -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null &&
+    cmake --build /tmp/vnni-new >/dev/null
+wait
+OLD=/tmp/vnni-old/libpyrt.so
+NEW=/tmp/vnni-new/libpyrt.so
+ls -la "$OLD" "$NEW" >>"$OUT/machine.txt" || exit 1
+echo "built at $(elapsed) s" | tee -a "$OUT/machine.txt"
+
+# 1. tests
+PYRUNTIME_CORE_LIB=$NEW timeout 170 python -m pytest -q -x -rs --durations=5 \
+    tests/test_cpu_core.py tests/test_cpu_decode.py >"$OUT/tests.txt" 2>&1
+echo "tests: exit $? at $(elapsed) s" | tee -a "$OUT/tests.txt"
+
+# 2. in-process sweeps, 16 threads
+SWEEP="SIMD=avx512,avx512vnni PYRT_QSCALES=0,1"
+for shape in olmoe-1b-7b qwen3-30b-a3b; do
+    echo "== sweep $shape at $(elapsed) s"
+    PYRUNTIME_CORE_LIB=$NEW timeout 90 python bench/cpu_experts.py --shapes $shape --iters 20 \
+        --footprint-gib "$FOOT" --batches 1 8 --sparsity 0 0.5 0.9 --rounds "$ROUNDS" \
+        --sweep $SWEEP
+done >"$OUT/sweep.txt" 2>&1
+
+# 3. one thread
+echo "== sweep olmoe-1b-7b, 1 thread, at $(elapsed) s" >"$OUT/sweep-1thread.txt"
+PYRUNTIME_CORE_LIB=$NEW timeout 60 python bench/cpu_experts.py --shapes olmoe-1b-7b --threads 1 \
+    --iters 8 --footprint-gib "$FOOT" --batches 1 --sparsity 0 --rounds "$ROUNDS" \
+    --sweep $SWEEP >>"$OUT/sweep-1thread.txt" 2>&1
+
+# 4. old vs new, separate processes
+for v in OLD NEW; do
+    lib=$OLD
+    [ $v = NEW ] && lib=$NEW
+    echo "== $v ($lib) at $(elapsed) s"
+    PYRUNTIME_CORE_LIB=$lib timeout 90 python bench/cpu_experts.py --iters 20 \
+        --footprint-gib "$FOOT" --sparsity 0 0.5 0.9
+done >"$OUT/experts.txt" 2>&1
+echo "session done at $(elapsed) s" | tee -a "$OUT/machine.txt"
