@@ -9,7 +9,10 @@
 #      (avx512 + PYRT_QSCALES=0 is the kernel of OLD, instruction for instruction);
 #   3. the same sweep on one thread, olmoe batch 1 dense (does less arithmetic per byte let one
 #      thread stream faster?);
-#   4. bench/cpu_experts.py (dense, 0.5, 0.9; batch 1 and 8; both shapes), OLD then NEW.
+#   4. bench/cpu_experts.py (dense, 0.5, 0.9; batch 1 and 8; both shapes), OLD then NEW;
+#   5. if less than BUDGET_S (default 230) seconds have passed: granite-1b-a400m Q8_0 random GGUF,
+#      bench/cpu_decode.py --threads 16 --tokens 64, OLD, NEW, OLD, NEW (the matvecs use the
+#      same dot2 kernels).
 # Logs go to $OUT (one file per step).
 #
 #   bash bench/cpu_vnni_session.sh BASE_SRC OUT
@@ -19,6 +22,7 @@ FOOT=${FOOT:-4}
 ROUNDS=${ROUNDS:-3}
 BASE_SRC=$1
 OUT=$2
+BUDGET_S=${BUDGET_S:-230}
 T0=$(date +%s)
 elapsed() { echo $(($(date +%s) - T0)); }
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -69,4 +73,17 @@ for v in OLD NEW; do
     PYRUNTIME_CORE_LIB=$lib timeout 90 python bench/cpu_experts.py --iters 20 \
         --footprint-gib "$FOOT" --sparsity 0 0.5 0.9
 done >"$OUT/experts.txt" 2>&1
+# 5. whole-model decode
+if [ "$(elapsed)" -lt "$BUDGET_S" ]; then
+    g=/tmp/granite-q8_0.gguf
+    python bench/make_random_gguf.py granite-1b-a400m --outtype q8_0 -o $g \
+        --tokenizer-dir tests/data/tiny-tokenizer >/dev/null &&
+        for v in OLD NEW OLD NEW; do
+            lib=$OLD
+            [ $v = NEW ] && lib=$NEW
+            echo "== $v ($lib) at $(elapsed) s"
+            PYRUNTIME_CORE_LIB=$lib timeout 40 python bench/cpu_decode.py granite-1b-a400m \
+                --gguf $g --threads 16 --tokens 64
+        done >"$OUT/decode-granite.txt" 2>&1
+fi
 echo "session done at $(elapsed) s" | tee -a "$OUT/machine.txt"

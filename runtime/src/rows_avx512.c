@@ -101,9 +101,9 @@ AVX512 static inline __m512 scales2(float s0, float s1) {
     return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s0), _mm512_set1_ps(s1));
 }
 
-/* d_w * d_x of 8 consecutive blocks in lanes 0..7 (lanes 8..15 undefined): the weight blocks'
- * f16 scales sit at the start of each block, bb bytes apart; x's are f32, 36 bytes apart. */
-AVX512 static inline __m512 scales8(const uint8_t *w, size_t bb, const pyrt_xq8 *xq) {
+/* The f16 scales of 8 consecutive weight blocks (at the start of each block, bb bytes apart) as
+ * f32, exactly (vcvtph2ps). */
+AVX512 static inline __m256 wscales8(const uint8_t *w, size_t bb) {
     __m128i h = _mm_cvtsi32_si128(pyrt_load_u16(w));
     h = _mm_insert_epi16(h, pyrt_load_u16(w + 1 * bb), 1);
     h = _mm_insert_epi16(h, pyrt_load_u16(w + 2 * bb), 2);
@@ -112,9 +112,15 @@ AVX512 static inline __m512 scales8(const uint8_t *w, size_t bb, const pyrt_xq8 
     h = _mm_insert_epi16(h, pyrt_load_u16(w + 5 * bb), 5);
     h = _mm_insert_epi16(h, pyrt_load_u16(w + 6 * bb), 6);
     h = _mm_insert_epi16(h, pyrt_load_u16(w + 7 * bb), 7);
+    return _mm256_cvtph_ps(h);
+}
+
+/* d_w * d_x of 8 consecutive blocks in lanes 0..7 (lanes 8..15 undefined); x's scales are f32,
+ * 36 bytes apart. */
+AVX512 static inline __m512 scales8(const uint8_t *w, size_t bb, const pyrt_xq8 *xq) {
     const __m256 dx = _mm256_setr_ps(xq[0].d, xq[1].d, xq[2].d, xq[3].d, xq[4].d, xq[5].d,
                                      xq[6].d, xq[7].d);
-    return _mm512_castps256_ps512(_mm256_mul_ps(_mm256_cvtph_ps(h), dx));
+    return _mm512_castps256_ps512(_mm256_mul_ps(wscales8(w, bb), dx));
 }
 
 /* Permute indices that spread lanes 2p and 2p+1 of scales8 over lanes 0..7 and 8..15. */
@@ -284,56 +290,91 @@ QUANT_DOTS(q4_0_vnni_s8, AVX512_VNNI, PYRT_Q4_0_BYTES, LOAD2_Q4_0_NIB, XPREP_Q4_
 /* ---- quantized formats: axpy --------------------------------------------------------------- */
 
 /* Several down rows into one y: a block of y (two registers) is loaded once, takes every row's
- * contribution in row order (bit for bit nr axpy calls), and is stored once. */
-AVX512 static void axpyn_pf_q8_0(int nr, const float *a, const void *const *rows, float *y,
-                               int n, const void *const *pf, int n_pf) {
-    pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, n / PYRT_QK);
-    for (int b = 0; b < n / PYRT_QK; b++, y += PYRT_QK) {
-        __m512 y0 = _mm512_loadu_ps(y), y1 = _mm512_loadu_ps(y + 16);
-        for (int r = 0; r < nr; r++) {
-            const uint8_t *w = (const uint8_t *)rows[r] + (size_t)b * PYRT_Q8_0_BYTES;
-            const __m512 vs = _mm512_set1_ps(a[r] * _cvtsh_ss(pyrt_load_u16(w)));
-            const __m128i q0 = _mm_loadu_si128((const __m128i *)(w + 2));
-            const __m128i q1 = _mm_loadu_si128((const __m128i *)(w + 18));
-            y0 = _mm512_fmadd_ps(vs, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), y0);
-            y1 = _mm512_fmadd_ps(vs, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), y1);
-        }
-        _mm512_storeu_ps(y, y0);
-        _mm512_storeu_ps(y + 16, y1);
-        pyrt_pf_tick(&ps);
+ * contribution in row order (bit for bit nr axpy calls), and is stored once. Per row and block,
+ * y0/y1 (elements 0..15 / 16..31) += vs * the block's weights, vs = a[r] * d_w broadcast. */
+#define BLOCK_FMA_Q8_0(vs, w, y0, y1)                                                             \
+    do {                                                                                          \
+        const __m128i q0_ = _mm_loadu_si128((const __m128i *)((w) + 2));                          \
+        const __m128i q1_ = _mm_loadu_si128((const __m128i *)((w) + 18));                         \
+        y0 = _mm512_fmadd_ps(vs, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0_)), y0);              \
+        y1 = _mm512_fmadd_ps(vs, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1_)), y1);              \
+    } while (0)
+#define BLOCK_FMA_Q4_0(vs, w, y0, y1)                                                             \
+    do {                                                                                          \
+        const __m512i m4_ = _mm512_set1_epi32(0xF), eight_ = _mm512_set1_epi32(8);                \
+        const __m512i q_ = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((w) + 2)));    \
+        const __m512i lo_ = _mm512_sub_epi32(_mm512_and_si512(q_, m4_), eight_);                  \
+        const __m512i hi_ = _mm512_sub_epi32(_mm512_srli_epi32(q_, 4), eight_);                   \
+        y0 = _mm512_fmadd_ps(vs, _mm512_cvtepi32_ps(lo_), y0);                                    \
+        y1 = _mm512_fmadd_ps(vs, _mm512_cvtepi32_ps(hi_), y1);                                    \
+    } while (0)
+
+/* s2: the scale of each (row, block) converted on its own (movzx, vcvtph2ps, vmulss, broadcast);
+ * s8: per 8 blocks, each row's 8 scales times a[r] in one vector, stored, then broadcast from
+ * memory per (row, block) (a load, no shuffle). Same products a[r] * d_w, same bits. */
+#define QUANT_AXPYN(name, bb, BLOCK_FMA)                                                          \
+    AVX512 static void axpyn_pf_##name##_s2(int nr, const float *a, const void *const *rows,      \
+                                            float *y, int n, const void *const *pf, int n_pf) {   \
+        pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, n / PYRT_QK);                                 \
+        for (int b = 0; b < n / PYRT_QK; b++, y += PYRT_QK) {                                     \
+            __m512 y0 = _mm512_loadu_ps(y), y1 = _mm512_loadu_ps(y + 16);                         \
+            for (int r = 0; r < nr; r++) {                                                        \
+                const uint8_t *w = (const uint8_t *)rows[r] + (size_t)b * (bb);                   \
+                const __m512 vs = _mm512_set1_ps(a[r] * _cvtsh_ss(pyrt_load_u16(w)));             \
+                BLOCK_FMA(vs, w, y0, y1);                                                         \
+            }                                                                                     \
+            _mm512_storeu_ps(y, y0);                                                              \
+            _mm512_storeu_ps(y + 16, y1);                                                         \
+            pyrt_pf_tick(&ps);                                                                    \
+        }                                                                                         \
+        pyrt_pf_end(&ps);                                                                         \
+    }                                                                                             \
+    AVX512 static void axpyn_pf_##name##_s8(int nr, const float *a, const void *const *rows,      \
+                                            float *y, int n, const void *const *pf, int n_pf) {   \
+        const int nb = n / PYRT_QK;                                                               \
+        pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, nb);                                          \
+        float sc[PYRT_AXPY_ROWS][8]; /* a[r] * d_w of the group's 8 blocks */                     \
+        int b = 0;                                                                                \
+        for (; b + 8 <= nb; b += 8) {                                                             \
+            for (int r = 0; r < nr; r++) {                                                        \
+                const uint8_t *w = (const uint8_t *)rows[r] + (size_t)b * (bb);                   \
+                _mm256_storeu_ps(sc[r], _mm256_mul_ps(_mm256_set1_ps(a[r]), wscales8(w, (bb))));  \
+            }                                                                                     \
+            for (int i = 0; i < 8; i++, y += PYRT_QK) {                                           \
+                __m512 y0 = _mm512_loadu_ps(y), y1 = _mm512_loadu_ps(y + 16);                     \
+                for (int r = 0; r < nr; r++) {                                                    \
+                    const uint8_t *w = (const uint8_t *)rows[r] + (size_t)(b + i) * (bb);         \
+                    BLOCK_FMA(_mm512_set1_ps(sc[r][i]), w, y0, y1);                               \
+                }                                                                                 \
+                _mm512_storeu_ps(y, y0);                                                          \
+                _mm512_storeu_ps(y + 16, y1);                                                     \
+                pyrt_pf_tick(&ps);                                                                \
+            }                                                                                     \
+        }                                                                                         \
+        for (; b < nb; b++, y += PYRT_QK) {                                                       \
+            __m512 y0 = _mm512_loadu_ps(y), y1 = _mm512_loadu_ps(y + 16);                         \
+            for (int r = 0; r < nr; r++) {                                                        \
+                const uint8_t *w = (const uint8_t *)rows[r] + (size_t)b * (bb);                   \
+                const __m512 vs = _mm512_set1_ps(a[r] * _cvtsh_ss(pyrt_load_u16(w)));             \
+                BLOCK_FMA(vs, w, y0, y1);                                                         \
+            }                                                                                     \
+            _mm512_storeu_ps(y, y0);                                                              \
+            _mm512_storeu_ps(y + 16, y1);                                                         \
+            pyrt_pf_tick(&ps);                                                                    \
+        }                                                                                         \
+        pyrt_pf_end(&ps);                                                                         \
+    }                                                                                             \
+    AVX512 static void axpyn_##name##_s2(int nr, const float *a, const void *const *rows,         \
+                                         float *y, int n) {                                       \
+        axpyn_pf_##name##_s2(nr, a, rows, y, n, NULL, 0);                                         \
+    }                                                                                             \
+    AVX512 static void axpyn_##name##_s8(int nr, const float *a, const void *const *rows,         \
+                                         float *y, int n) {                                       \
+        axpyn_pf_##name##_s8(nr, a, rows, y, n, NULL, 0);                                         \
     }
-    pyrt_pf_end(&ps);
-}
 
-AVX512 static void axpyn_q8_0(int nr, const float *a, const void *const *rows, float *y, int n) {
-    axpyn_pf_q8_0(nr, a, rows, y, n, NULL, 0);
-}
-
-AVX512 static void axpyn_pf_q4_0(int nr, const float *a, const void *const *rows, float *y,
-                               int n, const void *const *pf, int n_pf) {
-    pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, n / PYRT_QK);
-    const __m512i m4 = _mm512_set1_epi32(0xF), eight = _mm512_set1_epi32(8);
-    for (int b = 0; b < n / PYRT_QK; b++, y += PYRT_QK) {
-        __m512 y0 = _mm512_loadu_ps(y), y1 = _mm512_loadu_ps(y + 16);
-        for (int r = 0; r < nr; r++) {
-            const uint8_t *w = (const uint8_t *)rows[r] + (size_t)b * PYRT_Q4_0_BYTES;
-            const __m512 vs = _mm512_set1_ps(a[r] * _cvtsh_ss(pyrt_load_u16(w)));
-            const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 2)));
-            const __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(q, m4), eight));
-            const __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(q, 4), eight));
-            y0 = _mm512_fmadd_ps(vs, lo, y0);
-            y1 = _mm512_fmadd_ps(vs, hi, y1);
-        }
-        _mm512_storeu_ps(y, y0);
-        _mm512_storeu_ps(y + 16, y1);
-        pyrt_pf_tick(&ps);
-    }
-    pyrt_pf_end(&ps);
-}
-
-AVX512 static void axpyn_q4_0(int nr, const float *a, const void *const *rows, float *y, int n) {
-    axpyn_pf_q4_0(nr, a, rows, y, n, NULL, 0);
-}
+QUANT_AXPYN(q8_0, PYRT_Q8_0_BYTES, BLOCK_FMA_Q8_0)
+QUANT_AXPYN(q4_0, PYRT_Q4_0_BYTES, BLOCK_FMA_Q4_0)
 
 /* Axpy kernels widen the quants straight from memory (vpmovsxbd / vpmovzxbd, memory operand). */
 AVX512 static void axpy_q8_0(float a, const void *row, float *y, int n) {
@@ -367,16 +408,17 @@ static const pyrt_row_ops ops_f32 = {dot_f32, axpy_f32, NULL, NULL, NULL, NULL, 
 static const pyrt_row_ops ops_f16 = {dot_f16, axpy_f16, NULL, NULL, NULL, NULL, NULL};
 static const pyrt_row_ops ops_bf16 = {dot_bf16, axpy_bf16, NULL, NULL, NULL, NULL, NULL};
 
-#define QUANT_OPS(fmt, v)                                                                         \
-    {dot_##fmt##v, axpy_##fmt, dot2_##fmt##v, axpyn_##fmt, dot_pf_##fmt##v, dot2_pf_##fmt##v,    \
-     axpyn_pf_##fmt}
+/* dot variant v (_s2, _s8, _vnni_s2, _vnni_s8), axpyn variant sv (_s2, _s8) */
+#define QUANT_OPS(fmt, v, sv)                                                                     \
+    {dot_##fmt##v,    axpy_##fmt,       dot2_##fmt##v,           axpyn_##fmt##sv,                 \
+     dot_pf_##fmt##v, dot2_pf_##fmt##v, axpyn_pf_##fmt##sv}
 /* [vnni][scales8] */
 static const pyrt_row_ops ops_q8_0[2][2] = {
-    {QUANT_OPS(q8_0, _s2), QUANT_OPS(q8_0, _s8)},
-    {QUANT_OPS(q8_0, _vnni_s2), QUANT_OPS(q8_0, _vnni_s8)}};
+    {QUANT_OPS(q8_0, _s2, _s2), QUANT_OPS(q8_0, _s8, _s8)},
+    {QUANT_OPS(q8_0, _vnni_s2, _s2), QUANT_OPS(q8_0, _vnni_s8, _s8)}};
 static const pyrt_row_ops ops_q4_0[2][2] = {
-    {QUANT_OPS(q4_0, _s2), QUANT_OPS(q4_0, _s8)},
-    {QUANT_OPS(q4_0, _vnni_s2), QUANT_OPS(q4_0, _vnni_s8)}};
+    {QUANT_OPS(q4_0, _s2, _s2), QUANT_OPS(q4_0, _s8, _s8)},
+    {QUANT_OPS(q4_0, _vnni_s2, _s2), QUANT_OPS(q4_0, _vnni_s8, _s8)}};
 
 const pyrt_row_ops *pyrt_row_ops_avx512_variant(int fmt, int vnni, int scales8) {
     vnni = vnni != 0;

@@ -166,8 +166,9 @@ static void test_row_kernels(void) {
     }
 }
 
-/* The AVX-512 quantized dot variants (maddubs or vpdpbusd; scales 2 or 8 blocks at a time) give
- * the bits of the original kernel (maddubs, 2 at a time) for dot, dot_pf, dot2 and dot2_pf, at
+/* The AVX-512 quantized kernel variants (maddubs or vpdpbusd; scales 2 or 8 blocks at a time) give
+ * the bits of the original kernels (maddubs, 2 at a time) for dot, dot_pf, dot2, dot2_pf and
+ * axpyn (1 .. PYRT_AXPY_ROWS rows, with and without prefetches), at
  * block counts that hit the 8-block groups, the pair steps after them and the odd last block,
  * with -128 weights. Runs only where the CPU has AVX-512 (and AVX512_VNNI for those variants). */
 static void test_avx512_variants_same_bits(void) {
@@ -186,12 +187,17 @@ static void test_avx512_variants_same_bits(void) {
         for (size_t li = 0; li < sizeof lengths / sizeof *lengths; li++) {
             const int n = lengths[li];
             const size_t rb = pyrt_row_bytes(fmt, n);
-            uint8_t *rows = malloc(2 * rb);
+            uint8_t *rows = malloc(PYRT_AXPY_ROWS * rb);
             double *wv = malloc(sizeof(double) * n);
-            float *x = malloc(sizeof(float) * n);
+            float *x = malloc(sizeof(float) * n), *y0 = malloc(sizeof(float) * n);
+            float *y1 = malloc(sizeof(float) * n);
             pyrt_xq8 *xq = malloc(sizeof(pyrt_xq8) * (n / 32));
-            make_row(fmt, n, rows, wv, 1);
-            make_row(fmt, n, rows + rb, wv, li % 2);
+            for (int r = 0; r < PYRT_AXPY_ROWS; r++)
+                make_row(fmt, n, rows + r * rb, wv, r == 0 || (r == 1 && li % 2));
+            float a[PYRT_AXPY_ROWS];
+            const void *rp[PYRT_AXPY_ROWS];
+            for (int r = 0; r < PYRT_AXPY_ROWS; r++)
+                a[r] = rng_normalish(), rp[r] = rows + r * rb;
             for (int i = 0; i < n; i++)
                 x[i] = rng_normalish();
             pyrt_quantize_x_q8(x, xq, n);
@@ -216,9 +222,21 @@ static void test_avx512_variants_same_bits(void) {
                     ops->dot2_pf(rows, rows + rb, xq, n, got2, pf, n_pf);
                     CHECK(memcmp(&got2[0], &d0, 4) == 0 && memcmp(&got2[1], &d1, 4) == 0,
                           "avx512 fmt %d n %d vnni %d s8 %d: dot2_pf differs", fmt, n, vnni, s8);
+                    for (int nr = 1; nr <= PYRT_AXPY_ROWS; nr++) {
+                        for (int i = 0; i < n; i++)
+                            y0[i] = y1[i] = x[i];
+                        base->axpyn(nr, a, rp, y0, n);
+                        if (nr % 2)
+                            ops->axpyn(nr, a, rp, y1, n);
+                        else
+                            ops->axpyn_pf(nr, a, rp, y1, n, pf, n_pf);
+                        CHECK(memcmp(y0, y1, sizeof(float) * n) == 0,
+                              "avx512 fmt %d n %d vnni %d s8 %d: axpyn nr %d differs", fmt, n,
+                              vnni, s8, nr);
+                    }
                 }
             }
-            free(rows), free(wv), free(x), free(xq);
+            free(rows), free(wv), free(x), free(xq), free(y0), free(y1);
         }
     }
 }
