@@ -16,10 +16,15 @@
 # Logs go to $OUT (one file per step).
 #
 #   bash bench/cpu_vnni_session.sh BASE_SRC OUT
-# (FOOT=GiB overrides --footprint-gib 4, ROUNDS=n the sweeps' --rounds 3, for a quick local try.)
+# STEPS (default "tests sweep thread1 experts decode") picks the steps; SWEEP the knobs of 2 and 3
+# (default "SIMD=avx512,avx512vnni PYRT_QSCALES=0,1"); FOOT=GiB overrides --footprint-gib 4,
+# ROUNDS=n the sweeps' --rounds 3.
 set -u
 FOOT=${FOOT:-4}
 ROUNDS=${ROUNDS:-3}
+STEPS=${STEPS:-tests sweep thread1 experts decode}
+SWEEP=${SWEEP:-SIMD=avx512,avx512vnni PYRT_QSCALES=0,1}
+step() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac }
 BASE_SRC=$1
 OUT=$2
 BUDGET_S=${BUDGET_S:-230}
@@ -46,13 +51,14 @@ ls -la "$OLD" "$NEW" >>"$OUT/machine.txt" || exit 1
 echo "built at $(elapsed) s" | tee -a "$OUT/machine.txt"
 
 # 1. tests
-PYRUNTIME_CORE_LIB=$NEW timeout 170 python -m pytest -q -x -rs --durations=5 \
-    tests/test_cpu_core.py tests/test_cpu_decode.py >"$OUT/tests.txt" 2>&1
-echo "tests: exit $? at $(elapsed) s" | tee -a "$OUT/tests.txt"
+if step tests; then
+    PYRUNTIME_CORE_LIB=$NEW timeout 170 python -m pytest -q -x -rs --durations=5 \
+        tests/test_cpu_core.py tests/test_cpu_decode.py >"$OUT/tests.txt" 2>&1
+    echo "tests: exit $? at $(elapsed) s" | tee -a "$OUT/tests.txt"
+fi
 
 # 2. in-process sweeps, 16 threads
-SWEEP="SIMD=avx512,avx512vnni PYRT_QSCALES=0,1"
-for shape in olmoe-1b-7b qwen3-30b-a3b; do
+step sweep && for shape in olmoe-1b-7b qwen3-30b-a3b; do
     echo "== sweep $shape at $(elapsed) s"
     PYRUNTIME_CORE_LIB=$NEW timeout 90 python bench/cpu_experts.py --shapes $shape --iters 20 \
         --footprint-gib "$FOOT" --batches 1 8 --sparsity 0 0.5 0.9 --rounds "$ROUNDS" \
@@ -60,13 +66,15 @@ for shape in olmoe-1b-7b qwen3-30b-a3b; do
 done >"$OUT/sweep.txt" 2>&1
 
 # 3. one thread
-echo "== sweep olmoe-1b-7b, 1 thread, at $(elapsed) s" >"$OUT/sweep-1thread.txt"
-PYRUNTIME_CORE_LIB=$NEW timeout 60 python bench/cpu_experts.py --shapes olmoe-1b-7b --threads 1 \
-    --iters 8 --footprint-gib "$FOOT" --batches 1 --sparsity 0 --rounds "$ROUNDS" \
-    --sweep $SWEEP >>"$OUT/sweep-1thread.txt" 2>&1
+if step thread1; then
+    echo "== sweep olmoe-1b-7b, 1 thread, at $(elapsed) s" >"$OUT/sweep-1thread.txt"
+    PYRUNTIME_CORE_LIB=$NEW timeout 60 python bench/cpu_experts.py --shapes olmoe-1b-7b \
+        --threads 1 --iters 8 --footprint-gib "$FOOT" --batches 1 --sparsity 0 0.9 \
+        --rounds "$ROUNDS" --sweep $SWEEP >>"$OUT/sweep-1thread.txt" 2>&1
+fi
 
 # 4. old vs new, separate processes
-for v in OLD NEW; do
+step experts && for v in OLD NEW; do
     lib=$OLD
     [ $v = NEW ] && lib=$NEW
     echo "== $v ($lib) at $(elapsed) s"
@@ -74,7 +82,7 @@ for v in OLD NEW; do
         --footprint-gib "$FOOT" --sparsity 0 0.5 0.9
 done >"$OUT/experts.txt" 2>&1
 # 5. whole-model decode
-if [ "$(elapsed)" -lt "$BUDGET_S" ]; then
+if step decode && [ "$(elapsed)" -lt "$BUDGET_S" ]; then
     g=/tmp/granite-q8_0.gguf
     python bench/make_random_gguf.py granite-1b-a400m --outtype q8_0 -o $g \
         --tokenizer-dir tests/data/tiny-tokenizer >/dev/null &&

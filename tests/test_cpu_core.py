@@ -214,6 +214,35 @@ def test_sparse_that_drops_nothing_equals_dense_bitwise(cc, fmt, n_ff):
     assert torch.equal(sparse, dense) and torch.equal(zero, dense)
 
 
+@pytest.mark.parametrize("fmt", ["Q8_0", "F16"])
+def test_sparse_pairs_knob_gives_the_same_bits(cc, simd, fmt, monkeypatch):
+    """Sparse gate and up dots two neurons per dot2 call (PYRT_SPARSE_PAIRS=1, the default) or
+    one by one (0): the same bits, at batch 1 and 8, with odd counts of active neurons."""
+    raw, w, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case(fmt, 8, seed=17, n_ff=211)
+    _, _, abs_act, _ = reference(w, kernel_x(fmt, x), ids, topk_w, "silu")
+    out = {}
+    with cc.CpuCore(3) as core:
+        for pairs in ("0", "1"):
+            monkeypatch.setenv("PYRT_SPARSE_PAIRS", pairs)
+            out[pairs] = [
+                core.moe_ffn(
+                    raw,
+                    FORMATS[fmt],
+                    n_expert,
+                    n_ff,
+                    n_embd,
+                    x[:t],
+                    ids[:t],
+                    topk_w[:t],
+                    threshold=float(abs_act.flatten().quantile(q)),
+                )
+                for t in (1, 8)
+                for q in (0.3, 0.9)
+            ]
+    for (y0, n0), (y1, n1) in zip(out["0"], out["1"], strict=True):
+        assert n0 == n1 and torch.equal(y0, y1)
+
+
 # 19 blocks: two groups of 8 (block scales converted 8 at a time), a pair, the odd last block.
 @pytest.mark.parametrize("fmt", sorted(QUANTIZED))
 def test_avx512_dot_variants_give_the_same_bits(cc, fmt, monkeypatch):
