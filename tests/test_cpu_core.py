@@ -214,45 +214,13 @@ def test_sparse_that_drops_nothing_equals_dense_bitwise(cc, fmt, n_ff):
     assert torch.equal(sparse, dense) and torch.equal(zero, dense)
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "F16"])
-def test_sparse_pairs_knob_gives_the_same_bits(cc, simd, fmt, monkeypatch):
-    """Sparse gate and up dots two neurons per dot2 call (PYRT_SPARSE_PAIRS=1, the default) or
-    one by one (0): the same bits, at batch 1 and 8, with odd counts of active neurons."""
-    raw, w, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case(fmt, 8, seed=17, n_ff=211)
-    _, _, abs_act, _ = reference(w, kernel_x(fmt, x), ids, topk_w, "silu")
-    out = {}
-    with cc.CpuCore(3) as core:
-        for pairs in ("0", "1"):
-            monkeypatch.setenv("PYRT_SPARSE_PAIRS", pairs)
-            out[pairs] = [
-                core.moe_ffn(
-                    raw,
-                    FORMATS[fmt],
-                    n_expert,
-                    n_ff,
-                    n_embd,
-                    x[:t],
-                    ids[:t],
-                    topk_w[:t],
-                    threshold=float(abs_act.flatten().quantile(q)),
-                )
-                for t in (1, 8)
-                for q in (0.3, 0.9)
-            ]
-    for (y0, n0), (y1, n1) in zip(out["0"], out["1"], strict=True):
-        assert n0 == n1 and torch.equal(y0, y1)
-
-
 # 19 blocks: two groups of 8 (block scales converted 8 at a time), a pair, the odd last block.
 @pytest.mark.parametrize("fmt", sorted(QUANTIZED))
-def test_avx512_dot_variants_give_the_same_bits(cc, fmt, monkeypatch):
-    """The AVX-512 quantized dots, maddubs or vpdpbusd (level avx512 / avx512vnni), block scales
-    2 or 8 at a time (PYRT_QSCALES=0/1), give the bits of maddubs with scales 2 at a time (the
-    kernel before either change), dense and sparse."""
-    best = cc.SIMD_LEVELS[cc.simd_best()]
-    if best < cc.SIMD_LEVELS["avx512"]:
-        pytest.skip("this CPU has no avx512")
-    levels = [lv for lv in ("avx512", "avx512vnni") if cc.SIMD_LEVELS[lv] <= best]
+def test_avx512vnni_gives_the_bits_of_avx512(cc, fmt):
+    """The AVX512_VNNI level's quantized dots (vpdpbusd) against the AVX-512 level's (maddubs +
+    madd): exact integer sums, same scales and order, so the same bits, dense and sparse."""
+    if cc.SIMD_LEVELS[cc.simd_best()] < cc.SIMD_LEVELS["avx512vnni"]:
+        pytest.skip("this CPU has no avx512vnni")
     raw, w, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case(
         fmt, 8, seed=13, n_ff=40, n_embd=19 * 32
     )
@@ -261,26 +229,20 @@ def test_avx512_dot_variants_give_the_same_bits(cc, fmt, monkeypatch):
     results = {}
     try:
         with cc.CpuCore(3) as core:
-            for level in levels:
+            for level in ("avx512", "avx512vnni"):
                 cc.force_simd(level)
-                for qscales in ("0", "1"):
-                    monkeypatch.setenv("PYRT_QSCALES", qscales)
-                    results[level, qscales] = [
-                        core.moe_ffn(
-                            raw, FORMATS[fmt], n_expert, n_ff, n_embd, x, ids, topk_w, threshold=t
-                        )
-                        for t in (0.0, threshold)
-                    ]
+                results[level] = [
+                    core.moe_ffn(
+                        raw, FORMATS[fmt], n_expert, n_ff, n_embd, x, ids, topk_w, threshold=t
+                    )
+                    for t in (0.0, threshold)
+                ]
     finally:
         cc.force_simd(cc.simd_best())
-    (y0, n0), (ys0, ns0) = results["avx512", "0"]
     ref, _, _, bound = reference(w, kernel_x(fmt, x), ids, topk_w, "silu", threads=3)
-    assert_within(y0, ref, bound, f"{fmt} avx512 maddubs, scales 2 at a time")
-    for key, ((y, n), (ys, ns)) in results.items():
-        assert n == n0 and ns == ns0, key
-        assert torch.equal(y, y0) and torch.equal(ys, ys0), key
-    if len(levels) < 2:
-        pytest.skip("avx512vnni variants not run: this CPU has no AVX512_VNNI")
+    assert_within(results["avx512"][0][0], ref, bound, f"{fmt} avx512, 19 blocks")
+    for (y0, n0), (y1, n1) in zip(results["avx512"], results["avx512vnni"], strict=True):
+        assert n0 == n1 and torch.equal(y0, y1)
 
 
 def test_many_tokens_span_token_blocks_and_int64_ids(cc):

@@ -1,8 +1,8 @@
 /* What the CPU offers: physical core count and the SIMD level, chosen at run time.
  *
  * The library is compiled for baseline x86-64 (never -march=native); the AVX2, AVX-512 and
- * AVX512_VNNI row kernels carry per-function target attributes and are only called after cpuid says the CPU (and
- * the OS, via XGETBV, which __builtin_cpu_supports checks) supports them. */
+ * AVX512_VNNI row kernels carry per-function target attributes and are only called after cpuid
+ * says the CPU (and the OS, via XGETBV, which __builtin_cpu_supports checks) supports them. */
 #define _GNU_SOURCE
 #include <sched.h>
 #include <stdatomic.h>
@@ -123,11 +123,4 @@ const pyrt_row_ops *pyrt_row_ops_at(int level, int fmt) {
 
 const pyrt_row_ops *pyrt_row_ops_active(int fmt) {
     return pyrt_row_ops_at(pyrt_simd_active(), fmt);
-}
-
-const pyrt_row_ops *pyrt_row_ops_active_scales(int fmt, int scales8) {
-    const int level = pyrt_simd_active();
-    if (scales8 < 0 || level < PYRT_SIMD_AVX512)
-        return pyrt_row_ops_at(level, fmt);
-    return pyrt_row_ops_avx512_variant(fmt, level == PYRT_SIMD_AVX512_VNNI, scales8);
 }

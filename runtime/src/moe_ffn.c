@@ -74,7 +74,6 @@ typedef struct {
     int64_t *active;        /* [nth * 8] per-thread active-neuron counters (own cache line) */
     int prefetch_ahead;     /* neurons ahead whose rows are software-prefetched (0: none) */
     int sparse_chunk;       /* sparse: neurons per chunk (<= NEURON_CHUNK) */
-    int sparse_pairs;       /* sparse: two neurons' gate / up dots per dot2 call */
     int64_t *prof;          /* [nth * 8] per-thread task start, items end, end ns, or NULL */
     pyrt_pool *pool;        /* for the idle prefetch while a reducer waits on an item */
 } moe_ctx;
@@ -86,10 +85,6 @@ typedef struct {
  * PYRT_PREFETCH_AHEAD=n   software-prefetch the rows of the neuron n ahead (default 2; 0: off).
  * PYRT_SPARSE_CHUNK=n     sparse: gates of n neurons (1..32, default 32) before their up/down rows.
  * PYRT_ITEMS=n            n equal work items per thread (default 0: guided sizes, see plan_items).
- * PYRT_SPARSE_PAIRS=0|1   sparse: gate dots, and up dots of neurons both on for a route, two
- *                         neurons per dot2 pass over x (1, default) or one by one (0).
- * PYRT_QSCALES=0|1        AVX-512 levels, Q8_0/Q4_0: block scales converted 2 (0) or 8 (1) at a
- *                         time (default PYRT_AVX512_SCALES8; see rows_avx512.c).
  * PYRT_SPIN_US=n          (pool.c, read at pool creation) how long idle threads spin, default 300.
  * The result is the same bits under every setting. */
 typedef struct {
@@ -97,21 +92,16 @@ typedef struct {
     int prefetch_ahead;
     int items_per_thread;
     int sparse_chunk;
-    int qscales; /* -1: the level's default */
-    int sparse_pairs;
 } knobs;
 
 /* Read on every call (a few getenv, well under a microsecond) so a benchmark can vary them. */
 static knobs read_knobs(void) {
     const char *p = getenv("PYRT_PROFILE"), *a = getenv("PYRT_PREFETCH_AHEAD");
     const char *items = getenv("PYRT_ITEMS"), *chunk = getenv("PYRT_SPARSE_CHUNK");
-    const char *qs = getenv("PYRT_QSCALES"), *pairs = getenv("PYRT_SPARSE_PAIRS");
     knobs k = {.profile = p != NULL && atoi(p) > 0 ? atoi(p) : 0,
                .prefetch_ahead = a != NULL ? atoi(a) : DEFAULT_PREFETCH_AHEAD,
                .items_per_thread = items != NULL ? atoi(items) : 0,
-               .sparse_chunk = chunk != NULL ? atoi(chunk) : DEFAULT_SPARSE_CHUNK,
-               .qscales = qs != NULL && (atoi(qs) == 0 || atoi(qs) == 1) ? atoi(qs) : -1,
-               .sparse_pairs = pairs == NULL || atoi(pairs) != 0};
+               .sparse_chunk = chunk != NULL ? atoi(chunk) : DEFAULT_SPARSE_CHUNK};
     if (k.sparse_chunk < 1 || k.sparse_chunk > MAX_SPARSE_CHUNK)
         k.sparse_chunk = DEFAULT_SPARSE_CHUNK;
     if (k.items_per_thread < 0)
@@ -230,25 +220,6 @@ static inline void dot2_pf(const moe_ctx *c, const uint8_t *gate, const void *xt
     } else {
         gu[0] = ops->dot(gate, xt, n);
         gu[1] = ops->dot(gate + c->row_bytes, xt, n);
-    }
-}
-
-/* rows row0 and row1 (any two rows) against one x: bit for bit two dot calls; NULL-safe
- * fallbacks as dot2_pf. */
-static inline void dot2_rows_pf(const moe_ctx *c, const uint8_t *row0, const uint8_t *row1,
-                                const void *xt, float out[2], const void *const *pf, int n_pf) {
-    const pyrt_row_ops *ops = c->ops;
-    const int n = c->n_embd;
-    if (ops->dot2_pf != NULL) {
-        ops->dot2_pf(row0, row1, xt, n, out, pf, n_pf);
-        return;
-    }
-    prefetch_lines(pf, n_pf);
-    if (ops->dot2 != NULL) {
-        ops->dot2(row0, row1, xt, n, out);
-    } else {
-        out[0] = ops->dot(row0, xt, n);
-        out[1] = ops->dot(row1, xt, n);
     }
 }
 
@@ -451,36 +422,24 @@ static int64_t sparse_gates(const moe_ctx *c, sparse_chunk *ch, int nj, gate_cur
     gather_begin(&g, c, prev);
     int64_t active = 0;
     ch->n_list = 0;
-    /* Neurons in pairs (c->sparse_pairs): the two gate rows in one dot2 pass over x, which
-     * loads x's blocks and scales once for both (the same bits as two dots). */
-    const int step = c->sparse_pairs ? 2 : 1;
-    for (int i = 0; i < nj; i += step) {
-        const int np = i + 1 < nj ? step : 1; /* neurons i .. i + np - 1 */
+    for (int i = 0; i < nj; i++) {
         const uint8_t *gate = ch->expert + (size_t)(ch->jc + i) * 3 * rb;
         int n_pf = 0;
         if (ahead > 0)
-            gate_cursor_take(c, gc, ch->jc + i + np - 1 + ahead + 1, pf, &n_pf);
-        gather_take(&g, c, np * share, pf, &n_pf);
-        int n_on[2] = {0, 0};
+            gate_cursor_take(c, gc, ch->jc + i + ahead + 1, pf, &n_pf);
+        gather_take(&g, c, share, pf, &n_pf);
+        int n_on = 0;
         for (int r = 0; r < nr; r++) {
             const int lo = n_pf * r / nr, hi = n_pf * (r + 1) / nr;
-            float gd[2];
-            if (np == 2)
-                dot2_rows_pf(c, gate, gate + 3 * rb, token_x(c, rc + r), gd, pf + lo, hi - lo);
-            else
-                gd[0] = dot_pf(c, gate, token_x(c, rc + r), pf + lo, hi - lo);
-            for (int q = 0; q < np; q++) {
-                const float a = pyrt_activate(c->activation, gd[q]);
-                ch->h[i + q][r] = a;
-                ch->on[i + q][r] = !(fabsf(a) < thr); /* NaN stays on, so it propagates */
-                n_on[q] += ch->on[i + q][r];
-            }
+            const float a = pyrt_activate(c->activation,
+                                          dot_pf(c, gate, token_x(c, rc + r), pf + lo, hi - lo));
+            ch->h[i][r] = a;
+            ch->on[i][r] = !(fabsf(a) < thr); /* NaN stays on, so it propagates */
+            n_on += ch->on[i][r];
         }
-        for (int q = 0; q < np; q++) {
-            if (n_on[q] > 0)
-                ch->list[ch->n_list++] = i + q;
-            active += n_on[q];
-        }
+        if (n_on > 0)
+            ch->list[ch->n_list++] = i;
+        active += n_on;
     }
     return active;
 }
@@ -495,41 +454,22 @@ static void sparse_finish(const moe_ctx *c, sparse_chunk *ch, int prefetched, ga
     if (!prefetched)
         for (int l = 0; l < ch->n_list && l < 2; l++)
             prefetch_row(up_row(c, ch, ch->list[l]), 2 * rb);
-    /* Active neurons in pairs (c->sparse_pairs): for a route both are on for, their up rows in
-     * one dot2 pass over x (the same bits as two dots). */
-    const int step = c->sparse_pairs ? 2 : 1;
-    for (int l = 0; l < ch->n_list; l += step) {
-        const int np = l + 1 < ch->n_list ? step : 1; /* list[l .. l + np - 1] */
+    for (int l = 0; l < ch->n_list; l++) {
+        const int i = ch->list[l];
+        const uint8_t *up = up_row(c, ch, i);
         int n_pf = 0;
-        for (int q = 0; q < np; q++) {
-            if (!prefetched && l + q + 2 < ch->n_list)
-                add_lines(pf, &n_pf, up_row(c, ch, ch->list[l + q + 2]), 2 * rb);
-            if (gc != NULL && gc->next < gc->limit)
-                gate_cursor_take(c, gc, gc->next + 1 < gc->limit ? gc->next + 1 : gc->limit, pf,
-                                 &n_pf);
-        }
+        if (!prefetched && l + 2 < ch->n_list)
+            add_lines(pf, &n_pf, up_row(c, ch, ch->list[l + 2]), 2 * rb);
+        if (gc != NULL && gc->next < gc->limit)
+            gate_cursor_take(c, gc, gc->next + 1 < gc->limit ? gc->next + 1 : gc->limit, pf, &n_pf);
         int first = 1;
         for (int r = 0; r < nr; r++) {
-            const int i0 = ch->list[l], i1 = ch->list[l + np - 1];
-            if (np == 2 && ch->on[i0][r] && ch->on[i1][r]) {
-                float u[2];
-                dot2_rows_pf(c, up_row(c, ch, i0), up_row(c, ch, i1), token_x(c, rc + r), u, pf,
-                             first ? n_pf : 0);
-                first = 0;
-                ch->h[i0][r] = c->route_w[rc + r] * ch->h[i0][r] * u[0];
-                ch->h[i1][r] = c->route_w[rc + r] * ch->h[i1][r] * u[1];
+            if (!ch->on[i][r])
                 continue;
-            }
-            for (int q = 0; q < np; q++) {
-                const int i = ch->list[l + q];
-                if (!ch->on[i][r])
-                    continue;
-                const float a = ch->h[i][r];
-                const float u = dot_pf(c, up_row(c, ch, i), token_x(c, rc + r), pf,
-                                       first ? n_pf : 0);
-                first = 0;
-                ch->h[i][r] = c->route_w[rc + r] * a * u;
-            }
+            const float a = ch->h[i][r];
+            const float u = dot_pf(c, up, token_x(c, rc + r), pf, first ? n_pf : 0);
+            first = 0;
+            ch->h[i][r] = c->route_w[rc + r] * a * u;
         }
     }
     /* down rows, per route, in neuron order, several per pass over that token's y */
@@ -867,7 +807,7 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
     moe_ctx c = {
         .gud = gud,
         .row_bytes = pyrt_row_bytes(fmt, n_embd),
-        .ops = pyrt_row_ops_active_scales(fmt, kn.qscales),
+        .ops = pyrt_row_ops_active(fmt),
         .n_expert = n_expert,
         .n_ff = n_ff,
         .n_embd = n_embd,
@@ -897,7 +837,6 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
         .active = (int64_t *)(ws + off_active),
         .prefetch_ahead = kn.prefetch_ahead,
         .sparse_chunk = kn.sparse_chunk,
-        .sparse_pairs = kn.sparse_pairs,
         .prof = kn.profile ? (int64_t *)(ws + off_prof) : NULL,
         .pool = pool,
     };

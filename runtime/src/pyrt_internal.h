@@ -102,19 +102,10 @@ const pyrt_row_ops *pyrt_row_ops_scalar(int fmt);
 const pyrt_row_ops *pyrt_row_ops_avx2(int fmt);
 const pyrt_row_ops *pyrt_row_ops_avx512(int fmt);
 const pyrt_row_ops *pyrt_row_ops_avx512_vnni(int fmt);
-/* The AVX-512 quantized dots come in variants that give the same bits: vnni (vpdpbusd instead of
- * maddubs + madd; only after cpuid said AVX512_VNNI) and scales8 (the blocks' scales converted 8
- * at a time instead of 2). The levels use scales8 = PYRT_AVX512_SCALES8; the others are kept for
- * tests and benchmarks (the PYRT_QSCALES knob of pyrt_moe_ffn). */
-#define PYRT_AVX512_SCALES8 1
-const pyrt_row_ops *pyrt_row_ops_avx512_variant(int fmt, int vnni, int scales8);
 /* Level `level`'s kernels (cpu.c); NULL for an unknown level or format. */
 const pyrt_row_ops *pyrt_row_ops_at(int level, int fmt);
 /* The active level's kernels (cpu.c). */
 const pyrt_row_ops *pyrt_row_ops_active(int fmt);
-/* The active level's kernels with the AVX-512 levels' scales8 set to `scales8` (0 or 1); the same
- * as pyrt_row_ops_active for scales8 < 0 and at the other levels. */
-const pyrt_row_ops *pyrt_row_ops_active_scales(int fmt, int scales8);
 
 /* ---- scalar conversions -------------------------------------------------------------------- */
 

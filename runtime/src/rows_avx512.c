@@ -58,14 +58,12 @@ FLOAT_ROW_KERNELS(bf16, load16_bf16)
  * One row (dot) or two (dot2) against one quantized activation vector x (pyrt_xq8 blocks), two
  * blocks per 512-bit step. Each step makes 16 int32 lanes (lanes 0..7: block b's 32 products
  * summed in groups of 4 bytes, lanes 8..15: block b+1's), converts them to f32 and accumulates
- * acc += s * lanes with s = d_w * d_x of the lane's block. Four kernel variants per format, all
- * giving the same bits (the int32 lanes are exact, the f32 scale products and the accumulation
- * order are the same):
- *   int dot   maddubs + madd (AVX-512 BW), or vpdpbusd (AVX512_VNNI: 4 bytes per lane in one
- *             instruction, no int16 intermediate);
- *   scales    per step, two scalar f16 -> f32 conversions, two multiplies, two broadcasts and a
- *             blend ("s2"), or per 8 blocks one f16 -> f32 conversion and one multiply of 8
- *             lanes, then one permute per step ("s8"). */
+ * acc += s * lanes with s = d_w * d_x of the lane's block. The scales of 8 blocks are converted
+ * (f16 -> f32) and multiplied in one vector, then spread over each step's lanes by one permute
+ * (per step this replaced two scalar conversions, two multiplies, two broadcasts and a blend: 5%
+ * faster on the device, docs/benchmarks.md). The int32 lanes come from maddubs + madd (AVX-512
+ * BW) or, at the AVX512_VNNI level, vpdpbusd; both are exact, and the f32 products and the
+ * accumulation order are the same, so both levels give the same bits. */
 
 /* The 32 int8 weights of a Q4_0 block (low nibbles: elements 0..15, high: 16..31). */
 AVX512 static inline __m256i unpack_q4_0(const uint8_t *qs) {
@@ -145,7 +143,7 @@ AVX512 static inline float dot_one_block(__m256i w, const pyrt_xq8 *xq, float dw
     return hsum8(_mm256_mul_ps(_mm256_set1_ps(dw * xq->d), _mm256_cvtepi32_ps(p)));
 }
 
-/* The int8 side of each variant, for one step of two blocks at w0, w0 + bb:
+/* The int8 side of each level, for one step of two blocks at w0, w0 + bb:
  *   LOAD2(w0, bb)   the weights as the DOT wants them (64 bytes);
  *   XPREP(x)        what DOT needs from x alone (computed once per step, shared by dot2's rows);
  *   DOT(w, x, xp)   the 16 int32 lanes, exactly those of dot64_i8 on the signed weights.
@@ -171,7 +169,7 @@ AVX512 static inline float dot_one_block(__m256i w, const pyrt_xq8 *xq, float dw
 #define DOT_Q4_VNNI(w, x, xp) _mm512_dpbusd_epi32(xp, w, x)
 
 /* dot_pf / dot: one row; the prefetches of pf[0 .. n_pf-1] are spread over the steps. */
-#define QUANT_DOT(name, ATTR, bb, LOAD2, XPREP, DOT, LOAD1, S8)                                   \
+#define QUANT_DOT(name, ATTR, bb, LOAD2, XPREP, DOT, LOAD1)                                        \
     ATTR static float dot_pf_##name(const void *row, const void *x, int n,                       \
                                     const void *const *pf, int n_pf) {                            \
         const uint8_t *w = row;                                                                   \
@@ -180,7 +178,7 @@ AVX512 static inline float dot_one_block(__m256i w, const pyrt_xq8 *xq, float dw
         pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, nb / 2);                                      \
         __m512 acc = _mm512_setzero_ps();                                                         \
         int b = 0;                                                                                \
-        for (; S8 && b + 8 <= nb; b += 8) {                                                       \
+        for (; b + 8 <= nb; b += 8) {                                                             \
             const __m512 s8 = scales8(w + (size_t)b * (bb), (bb), xq + b);                        \
             _Pragma("GCC unroll 4") for (int p = 0; p < 4; p++) {                                 \
                 const int bp = b + 2 * p;                                                         \
@@ -215,8 +213,8 @@ AVX512 static inline float dot_one_block(__m256i w, const pyrt_xq8 *xq, float dw
     }
 
 /* Two rows against one x in one pass: per row exactly the operations of QUANT_DOT (bit for bit
- * two dot calls), x's blocks, XPREP and (s8) x's scales computed once for both. */
-#define QUANT_DOT2(name, ATTR, bb, LOAD2, XPREP, DOT, LOAD1, S8)                                  \
+ * two dot calls), x's blocks, XPREP and x's scales computed once for both. */
+#define QUANT_DOT2(name, ATTR, bb, LOAD2, XPREP, DOT, LOAD1)                                       \
     ATTR static void dot2_pf_##name(const void *row0, const void *row1, const void *x, int n,     \
                                     float out[2], const void *const *pf, int n_pf) {              \
         const uint8_t *wr[2] = {row0, row1};                                                      \
@@ -225,7 +223,7 @@ AVX512 static inline float dot_one_block(__m256i w, const pyrt_xq8 *xq, float dw
         pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, nb / 2);                                      \
         __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};                               \
         int b = 0;                                                                                \
-        for (; S8 && b + 8 <= nb; b += 8) {                                                       \
+        for (; b + 8 <= nb; b += 8) {                                                             \
             __m512 s8[2];                                                                         \
             s8[0] = scales8(wr[0] + (size_t)b * (bb), (bb), xq + b);                              \
             s8[1] = scales8(wr[1] + (size_t)b * (bb), (bb), xq + b);                              \
@@ -270,22 +268,16 @@ AVX512 static inline float dot_one_block(__m256i w, const pyrt_xq8 *xq, float dw
         dot2_pf_##name(row0, row1, x, n, out, NULL, 0);                                           \
     }
 
-#define QUANT_DOTS(name, ATTR, bb, LOAD2, XPREP, DOT, LOAD1, S8)                                  \
-    QUANT_DOT(name, ATTR, bb, LOAD2, XPREP, DOT, LOAD1, S8)                                       \
-    QUANT_DOT2(name, ATTR, bb, LOAD2, XPREP, DOT, LOAD1, S8)
+#define QUANT_DOTS(name, ATTR, bb, LOAD2, XPREP, DOT, LOAD1)                                      \
+    QUANT_DOT(name, ATTR, bb, LOAD2, XPREP, DOT, LOAD1)                                           \
+    QUANT_DOT2(name, ATTR, bb, LOAD2, XPREP, DOT, LOAD1)
 
-QUANT_DOTS(q8_0_s2, AVX512, PYRT_Q8_0_BYTES, LOAD2_Q8_0, XPREP_NONE, DOT_MADDUBS, LOAD1_Q8_0, 0)
-QUANT_DOTS(q8_0_s8, AVX512, PYRT_Q8_0_BYTES, LOAD2_Q8_0, XPREP_NONE, DOT_MADDUBS, LOAD1_Q8_0, 1)
-QUANT_DOTS(q4_0_s2, AVX512, PYRT_Q4_0_BYTES, LOAD2_Q4_0, XPREP_NONE, DOT_MADDUBS, LOAD1_Q4_0, 0)
-QUANT_DOTS(q4_0_s8, AVX512, PYRT_Q4_0_BYTES, LOAD2_Q4_0, XPREP_NONE, DOT_MADDUBS, LOAD1_Q4_0, 1)
-QUANT_DOTS(q8_0_vnni_s2, AVX512_VNNI, PYRT_Q8_0_BYTES, LOAD2_Q8_0, XPREP_Q8_VNNI, DOT_Q8_VNNI,
-           LOAD1_Q8_0, 0)
-QUANT_DOTS(q8_0_vnni_s8, AVX512_VNNI, PYRT_Q8_0_BYTES, LOAD2_Q8_0, XPREP_Q8_VNNI, DOT_Q8_VNNI,
-           LOAD1_Q8_0, 1)
-QUANT_DOTS(q4_0_vnni_s2, AVX512_VNNI, PYRT_Q4_0_BYTES, LOAD2_Q4_0_NIB, XPREP_Q4_VNNI,
-           DOT_Q4_VNNI, LOAD1_Q4_0, 0)
-QUANT_DOTS(q4_0_vnni_s8, AVX512_VNNI, PYRT_Q4_0_BYTES, LOAD2_Q4_0_NIB, XPREP_Q4_VNNI,
-           DOT_Q4_VNNI, LOAD1_Q4_0, 1)
+QUANT_DOTS(q8_0, AVX512, PYRT_Q8_0_BYTES, LOAD2_Q8_0, XPREP_NONE, DOT_MADDUBS, LOAD1_Q8_0)
+QUANT_DOTS(q4_0, AVX512, PYRT_Q4_0_BYTES, LOAD2_Q4_0, XPREP_NONE, DOT_MADDUBS, LOAD1_Q4_0)
+QUANT_DOTS(q8_0_vnni, AVX512_VNNI, PYRT_Q8_0_BYTES, LOAD2_Q8_0, XPREP_Q8_VNNI, DOT_Q8_VNNI,
+           LOAD1_Q8_0)
+QUANT_DOTS(q4_0_vnni, AVX512_VNNI, PYRT_Q4_0_BYTES, LOAD2_Q4_0_NIB, XPREP_Q4_VNNI, DOT_Q4_VNNI,
+           LOAD1_Q4_0)
 
 /* ---- quantized formats: axpy --------------------------------------------------------------- */
 
@@ -309,28 +301,11 @@ QUANT_DOTS(q4_0_vnni_s8, AVX512_VNNI, PYRT_Q4_0_BYTES, LOAD2_Q4_0_NIB, XPREP_Q4_
         y1 = _mm512_fmadd_ps(vs, _mm512_cvtepi32_ps(hi_), y1);                                    \
     } while (0)
 
-/* s2: the scale of each (row, block) converted on its own (movzx, vcvtph2ps, vmulss, broadcast);
- * s8: per 8 blocks, each row's 8 scales times a[r] in one vector, stored, then broadcast from
- * memory per (row, block) (a load, no shuffle). Same products a[r] * d_w, same bits. */
+/* Per 8 blocks, each row's 8 scales times a[r] in one vector (the same products a[r] * d_w as
+ * one at a time), stored, then broadcast from memory per (row, block): a load, no shuffle. */
 #define QUANT_AXPYN(name, bb, BLOCK_FMA)                                                          \
-    AVX512 static void axpyn_pf_##name##_s2(int nr, const float *a, const void *const *rows,      \
-                                            float *y, int n, const void *const *pf, int n_pf) {   \
-        pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, n / PYRT_QK);                                 \
-        for (int b = 0; b < n / PYRT_QK; b++, y += PYRT_QK) {                                     \
-            __m512 y0 = _mm512_loadu_ps(y), y1 = _mm512_loadu_ps(y + 16);                         \
-            for (int r = 0; r < nr; r++) {                                                        \
-                const uint8_t *w = (const uint8_t *)rows[r] + (size_t)b * (bb);                   \
-                const __m512 vs = _mm512_set1_ps(a[r] * _cvtsh_ss(pyrt_load_u16(w)));             \
-                BLOCK_FMA(vs, w, y0, y1);                                                         \
-            }                                                                                     \
-            _mm512_storeu_ps(y, y0);                                                              \
-            _mm512_storeu_ps(y + 16, y1);                                                         \
-            pyrt_pf_tick(&ps);                                                                    \
-        }                                                                                         \
-        pyrt_pf_end(&ps);                                                                         \
-    }                                                                                             \
-    AVX512 static void axpyn_pf_##name##_s8(int nr, const float *a, const void *const *rows,      \
-                                            float *y, int n, const void *const *pf, int n_pf) {   \
+    AVX512 static void axpyn_pf_##name(int nr, const float *a, const void *const *rows, float *y, \
+                                       int n, const void *const *pf, int n_pf) {                  \
         const int nb = n / PYRT_QK;                                                               \
         pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, nb);                                          \
         float sc[PYRT_AXPY_ROWS][8]; /* a[r] * d_w of the group's 8 blocks */                     \
@@ -364,13 +339,9 @@ QUANT_DOTS(q4_0_vnni_s8, AVX512_VNNI, PYRT_Q4_0_BYTES, LOAD2_Q4_0_NIB, XPREP_Q4_
         }                                                                                         \
         pyrt_pf_end(&ps);                                                                         \
     }                                                                                             \
-    AVX512 static void axpyn_##name##_s2(int nr, const float *a, const void *const *rows,         \
-                                         float *y, int n) {                                       \
-        axpyn_pf_##name##_s2(nr, a, rows, y, n, NULL, 0);                                         \
-    }                                                                                             \
-    AVX512 static void axpyn_##name##_s8(int nr, const float *a, const void *const *rows,         \
-                                         float *y, int n) {                                       \
-        axpyn_pf_##name##_s8(nr, a, rows, y, n, NULL, 0);                                         \
+    AVX512 static void axpyn_##name(int nr, const float *a, const void *const *rows, float *y,    \
+                                    int n) {                                                      \
+        axpyn_pf_##name(nr, a, rows, y, n, NULL, 0);                                              \
     }
 
 QUANT_AXPYN(q8_0, PYRT_Q8_0_BYTES, BLOCK_FMA_Q8_0)
@@ -408,21 +379,19 @@ static const pyrt_row_ops ops_f32 = {dot_f32, axpy_f32, NULL, NULL, NULL, NULL, 
 static const pyrt_row_ops ops_f16 = {dot_f16, axpy_f16, NULL, NULL, NULL, NULL, NULL};
 static const pyrt_row_ops ops_bf16 = {dot_bf16, axpy_bf16, NULL, NULL, NULL, NULL, NULL};
 
-/* dot variant v (_s2, _s8, _vnni_s2, _vnni_s8), axpyn variant sv (_s2, _s8) */
-#define QUANT_OPS(fmt, v, sv)                                                                     \
-    {dot_##fmt##v,    axpy_##fmt,       dot2_##fmt##v,           axpyn_##fmt##sv,                 \
-     dot_pf_##fmt##v, dot2_pf_##fmt##v, axpyn_pf_##fmt##sv}
-/* [vnni][scales8] */
-static const pyrt_row_ops ops_q8_0[2][2] = {
-    {QUANT_OPS(q8_0, _s2, _s2), QUANT_OPS(q8_0, _s8, _s8)},
-    {QUANT_OPS(q8_0, _vnni_s2, _s2), QUANT_OPS(q8_0, _vnni_s8, _s8)}};
-static const pyrt_row_ops ops_q4_0[2][2] = {
-    {QUANT_OPS(q4_0, _s2, _s2), QUANT_OPS(q4_0, _s8, _s8)},
-    {QUANT_OPS(q4_0, _vnni_s2, _s2), QUANT_OPS(q4_0, _vnni_s8, _s8)}};
+static const pyrt_row_ops ops_q8_0 = {dot_q8_0,    axpy_q8_0,    dot2_q8_0,    axpyn_q8_0,
+                                      dot_pf_q8_0, dot2_pf_q8_0, axpyn_pf_q8_0};
+static const pyrt_row_ops ops_q4_0 = {dot_q4_0,    axpy_q4_0,    dot2_q4_0,    axpyn_q4_0,
+                                      dot_pf_q4_0, dot2_pf_q4_0, axpyn_pf_q4_0};
+/* AVX512_VNNI: the dots above with vpdpbusd; the rest as AVX-512. */
+static const pyrt_row_ops ops_q8_0_vnni = {
+    dot_q8_0_vnni,    axpy_q8_0,         dot2_q8_0_vnni, axpyn_q8_0,
+    dot_pf_q8_0_vnni, dot2_pf_q8_0_vnni, axpyn_pf_q8_0};
+static const pyrt_row_ops ops_q4_0_vnni = {
+    dot_q4_0_vnni,    axpy_q4_0,         dot2_q4_0_vnni, axpyn_q4_0,
+    dot_pf_q4_0_vnni, dot2_pf_q4_0_vnni, axpyn_pf_q4_0};
 
-const pyrt_row_ops *pyrt_row_ops_avx512_variant(int fmt, int vnni, int scales8) {
-    vnni = vnni != 0;
-    scales8 = scales8 != 0;
+const pyrt_row_ops *pyrt_row_ops_avx512(int fmt) {
     switch (fmt) {
     case PYRT_FMT_F32:
         return &ops_f32;
@@ -431,28 +400,26 @@ const pyrt_row_ops *pyrt_row_ops_avx512_variant(int fmt, int vnni, int scales8) 
     case PYRT_FMT_BF16:
         return &ops_bf16;
     case PYRT_FMT_Q8_0:
-        return &ops_q8_0[vnni][scales8];
+        return &ops_q8_0;
     case PYRT_FMT_Q4_0:
-        return &ops_q4_0[vnni][scales8];
+        return &ops_q4_0;
     default:
         return NULL;
     }
 }
 
-const pyrt_row_ops *pyrt_row_ops_avx512(int fmt) {
-    return pyrt_row_ops_avx512_variant(fmt, 0, PYRT_AVX512_SCALES8);
-}
-
 const pyrt_row_ops *pyrt_row_ops_avx512_vnni(int fmt) {
-    return pyrt_row_ops_avx512_variant(fmt, 1, PYRT_AVX512_SCALES8);
+    switch (fmt) {
+    case PYRT_FMT_Q8_0:
+        return &ops_q8_0_vnni;
+    case PYRT_FMT_Q4_0:
+        return &ops_q4_0_vnni;
+    default:
+        return pyrt_row_ops_avx512(fmt);
+    }
 }
 
 #else /* not x86-64 */
-
-const pyrt_row_ops *pyrt_row_ops_avx512_variant(int fmt, int vnni, int scales8) {
-    (void)fmt, (void)vnni, (void)scales8;
-    return NULL;
-}
 
 const pyrt_row_ops *pyrt_row_ops_avx512(int fmt) {
     (void)fmt;
