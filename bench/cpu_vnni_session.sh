@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# One device session for the AVX512_VNNI / block-scale work on the C core's quantized dots (the
-# runs of docs/benchmarks.md used it at commits 9fabf51 and 5ab3492, where the knobs
-# PYRT_QSCALES, 0: the kernels before the work, and PYRT_SPARSE_PAIRS existed; both are gone).
+# One device session for the AVX512_VNNI / block-scale work on the C core's quantized dots. The
+# runs of docs/benchmarks.md used it at commits 9fabf51 and 5ab3492, where the SIMD level
+# avx512vnni and the knobs PYRT_QSCALES (0: the kernels before the work) and PYRT_SPARSE_PAIRS
+# existed, with SWEEP="SIMD=avx512,avx512vnni PYRT_QSCALES=0,1 [PYRT_SPARSE_PAIRS=0,1]"; all three
+# were dropped after those runs (docs/benchmarks.md says why).
 # Builds the library of this tree (NEW) and of a base tree (OLD: main's runtime/ and
 # CMakeLists.txt copied to a folder), then, each in its own process:
 #   1. tests/test_cpu_core.py (with the C unit tests under ASan/UBSan) and tests/test_cpu_decode.py
-#      against NEW: the AVX-512 and AVX512_VNNI paths only run on a CPU that has them;
+#      against NEW: the AVX-512 paths only run on a CPU that has them;
 #   2. bench/cpu_experts.py --sweep $SWEEP on NEW, olmoe-1b-7b and qwen3-30b-a3b, batch 1 and 8,
 #      sparsity 0 / 0.5 / 0.9, interleaved rounds in one process;
 #   3. the same sweep on one thread, olmoe batch 1 dense (does less arithmetic per byte let one
@@ -18,13 +20,13 @@
 #
 #   bash bench/cpu_vnni_session.sh BASE_SRC OUT
 # STEPS (default "tests sweep thread1 experts decode") picks the steps; SWEEP the knobs of 2 and 3
-# (default "SIMD=avx512,avx512vnni"); FOOT=GiB overrides --footprint-gib 4,
+# (default "SIMD=avx2,avx512"); FOOT=GiB overrides --footprint-gib 4,
 # ROUNDS=n the sweeps' --rounds 3.
 set -u
 FOOT=${FOOT:-4}
 ROUNDS=${ROUNDS:-3}
 STEPS=${STEPS:-tests sweep thread1 experts decode}
-SWEEP=${SWEEP:-SIMD=avx512,avx512vnni}
+SWEEP=${SWEEP:-SIMD=avx2,avx512}
 step() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac }
 BASE_SRC=$1
 OUT=$2

@@ -45,8 +45,7 @@ enum {
 enum {
     PYRT_SIMD_SCALAR = 0,
     PYRT_SIMD_AVX2 = 1,
-    PYRT_SIMD_AVX512 = 2,
-    PYRT_SIMD_AVX512_VNNI = 3
+    PYRT_SIMD_AVX512 = 2
 };
 typedef struct pyrt_pool pyrt_pool;
 const char *pyrt_last_error(void);
@@ -120,7 +119,7 @@ FORMATS = {FMT_F32: "F32", FMT_F16: "F16", FMT_Q4_0: "Q4_0", FMT_Q8_0: "Q8_0", F
 # Activation names as in docs/gguf-layout.md (`pyruntime.expert_activation`) -> C enum.
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 1, "gelu_pytorch_tanh": 1, "gelu_exact": 2}
 
-SIMD_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512vnni": 3}
+SIMD_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2}
 
 _LIB_NAMES = {"linux": "libpyrt.so", "darwin": "libpyrt.dylib", "win32": "pyrt.dll"}
 
@@ -178,7 +177,7 @@ def physical_cores() -> int:
 
 
 def simd_level() -> str:
-    """The SIMD level the kernels use now: 'scalar', 'avx2', 'avx512' or 'avx512vnni'."""
+    """The SIMD level the kernels use now: 'scalar', 'avx2' or 'avx512'."""
     level = int(_lib().pyrt_simd_active())
     return next(name for name, value in SIMD_LEVELS.items() if value == level)
 

@@ -52,7 +52,7 @@ def cc() -> str:
     return cpu_core
 
 
-@pytest.fixture(params=["scalar", "avx2", "avx512", "avx512vnni"])
+@pytest.fixture(params=["scalar", "avx2", "avx512"])
 def simd(request, cc):
     """Run the test at one SIMD level (skipped when this CPU lacks it), then restore the best."""
     level = request.param

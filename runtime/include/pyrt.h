@@ -51,9 +51,8 @@ enum {
 /* SIMD levels, chosen at run time from cpuid; a lower level can be forced (tests, benchmarks). */
 enum {
     PYRT_SIMD_SCALAR = 0,
-    PYRT_SIMD_AVX2 = 1,       /* AVX2 + FMA + F16C */
-    PYRT_SIMD_AVX512 = 2,     /* AVX-512 F + BW (+ the AVX2 set) */
-    PYRT_SIMD_AVX512_VNNI = 3 /* AVX512 + AVX512_VNNI: vpdpbusd quantized dots, same results */
+    PYRT_SIMD_AVX2 = 1,   /* AVX2 + FMA + F16C */
+    PYRT_SIMD_AVX512 = 2  /* AVX-512 F + BW (+ the AVX2 set) */
 };
 
 typedef struct pyrt_pool pyrt_pool;

@@ -1,8 +1,8 @@
 /* What the CPU offers: physical core count and the SIMD level, chosen at run time.
  *
- * The library is compiled for baseline x86-64 (never -march=native); the AVX2, AVX-512 and
- * AVX512_VNNI row kernels carry per-function target attributes and are only called after cpuid
- * says the CPU (and the OS, via XGETBV, which __builtin_cpu_supports checks) supports them. */
+ * The library is compiled for baseline x86-64 (never -march=native); the AVX2 and AVX-512 row
+ * kernels carry per-function target attributes and are only called after cpuid says the CPU (and
+ * the OS, via XGETBV, which __builtin_cpu_supports checks) supports them. */
 #define _GNU_SOURCE
 #include <sched.h>
 #include <stdatomic.h>
@@ -70,8 +70,6 @@ int pyrt_simd_best(void) {
     int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                __builtin_cpu_supports("f16c");
     int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-    if (avx512 && __builtin_cpu_supports("avx512vnni"))
-        return PYRT_SIMD_AVX512_VNNI;
     if (avx512)
         return PYRT_SIMD_AVX512;
     if (avx2)
@@ -95,9 +93,9 @@ int pyrt_simd_active(void) {
 int pyrt_simd_force(int level) {
     pyrt_clear_error();
     int best = pyrt_simd_best();
-    if (level < PYRT_SIMD_SCALAR || level > PYRT_SIMD_AVX512_VNNI)
+    if (level < PYRT_SIMD_SCALAR || level > PYRT_SIMD_AVX512)
         return pyrt_fail(PYRT_E_INVALID, "pyrt_simd_force: unknown SIMD level %d (0 scalar, "
-                                         "1 avx2, 2 avx512, 3 avx512vnni)", level);
+                                         "1 avx2, 2 avx512)", level);
     if (level > best)
         return pyrt_fail(PYRT_E_UNSUPPORTED,
                          "pyrt_simd_force: this CPU supports SIMD level %d at most, asked for %d",
@@ -108,8 +106,6 @@ int pyrt_simd_force(int level) {
 
 const pyrt_row_ops *pyrt_row_ops_at(int level, int fmt) {
     switch (level) {
-    case PYRT_SIMD_AVX512_VNNI:
-        return pyrt_row_ops_avx512_vnni(fmt);
     case PYRT_SIMD_AVX512:
         return pyrt_row_ops_avx512(fmt);
     case PYRT_SIMD_AVX2:

@@ -1,13 +1,11 @@
 /* AVX-512 (F + BW) row kernels: 16 f32 lanes, two quantized blocks per 512-bit vector, masked
- * tails; the AVX512_VNNI level differs only in the quantized dots (vpdpbusd). Per-function target
- * attributes, called only after cpuid said yes (cpu.c). */
+ * tails. Per-function target attributes, called only after cpuid said yes (cpu.c). */
 #include "pyrt_internal.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
-#define AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c")))
 
 /* 16 weights of each float format widened to f32; the masked forms read only `m`'s lanes. */
 AVX512 static inline __m512 load16_f32(const void *p, int i, __mmask16 m) {
@@ -61,9 +59,9 @@ FLOAT_ROW_KERNELS(bf16, load16_bf16)
  * acc += s * lanes with s = d_w * d_x of the lane's block. The scales of 8 blocks are converted
  * (f16 -> f32) and multiplied in one vector, then spread over each step's lanes by one permute
  * (per step this replaced two scalar conversions, two multiplies, two broadcasts and a blend: 5%
- * faster on the device, docs/benchmarks.md). The int32 lanes come from maddubs + madd (AVX-512
- * BW) or, at the AVX512_VNNI level, vpdpbusd; both are exact, and the f32 products and the
- * accumulation order are the same, so both levels give the same bits. */
+ * faster on the device, docs/benchmarks.md); the f32 products and the accumulation order are
+ * unchanged, so are the results. (vpdpbusd, AVX512_VNNI, for the int32 lanes gave the same bits
+ * and no speed-up beyond the device's noise: tried and dropped, docs/benchmarks.md.) */
 
 /* The 32 int8 weights of a Q4_0 block (low nibbles: elements 0..15, high: 16..31). */
 AVX512 static inline __m256i unpack_q4_0(const uint8_t *qs) {
@@ -72,13 +70,6 @@ AVX512 static inline __m256i unpack_q4_0(const uint8_t *qs) {
     const __m128i lo = _mm_and_si128(raw, m4);
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
     return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
-}
-
-/* The 32 nibbles of a Q4_0 block as unsigned bytes 0..15 (the weight is nibble - 8). */
-AVX512 static inline __m256i nibbles_q4_0(const uint8_t *qs) {
-    const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
 }
 
 AVX512 static inline __m512i join256(__m256i lo, __m256i hi) {
@@ -143,34 +134,14 @@ AVX512 static inline float dot_one_block(__m256i w, const pyrt_xq8 *xq, float dw
     return hsum8(_mm256_mul_ps(_mm256_set1_ps(dw * xq->d), _mm256_cvtepi32_ps(p)));
 }
 
-/* The int8 side of each level, for one step of two blocks at w0, w0 + bb:
- *   LOAD2(w0, bb)   the weights as the DOT wants them (64 bytes);
- *   XPREP(x)        what DOT needs from x alone (computed once per step, shared by dot2's rows);
- *   DOT(w, x, xp)   the 16 int32 lanes, exactly those of dot64_i8 on the signed weights.
- * LOAD1(wb) is the one trailing block's signed weights for dot_one_block. */
-#define LOAD1_Q8_0(wb) _mm256_loadu_si256((const __m256i *)((wb) + 2))
-#define LOAD1_Q4_0(wb) unpack_q4_0((wb) + 2)
-#define LOAD2_Q8_0(w0, bb) join256(LOAD1_Q8_0(w0), LOAD1_Q8_0((w0) + (bb)))
-#define LOAD2_Q4_0(w0, bb) join256(LOAD1_Q4_0(w0), LOAD1_Q4_0((w0) + (bb)))
-#define LOAD2_Q4_0_NIB(w0, bb) join256(nibbles_q4_0((w0) + 2), nibbles_q4_0((w0) + (bb) + 2))
-#define XPREP_NONE(x) (x)
-#define DOT_MADDUBS(w, x, xp) ((void)(xp), dot64_i8(w, x))
-/* Q8_0, VNNI: x + 128 is unsigned (x ^ 0x80), so sum (x + 128) w - sum 128 w = sum x w, two
- * vpdpbusd and a subtraction, for every int8 w and x (-128 included). */
-#define XPREP_Q8_VNNI(x) _mm512_xor_si512(x, _mm512_set1_epi8((char)0x80))
-#define DOT_Q8_VNNI(w, x, xp)                                                                     \
-    _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xp, w),                          \
-                     _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), w))
-/* Q4_0, VNNI: the nibble n = w + 8 is unsigned, so sum n x - sum 8 x = sum w x; the second sum
- * depends on x alone (xp holds its negation), and one vpdpbusd per row adds the first to it. */
-#define XPREP_Q4_VNNI(x)                                                                          \
-    _mm512_sub_epi32(_mm512_setzero_si512(),                                                      \
-                     _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(8), x))
-#define DOT_Q4_VNNI(w, x, xp) _mm512_dpbusd_epi32(xp, w, x)
+#define LOAD_Q8_0(wb) _mm256_loadu_si256((const __m256i *)((wb) + 2))
+#define LOAD_Q4_0(wb) unpack_q4_0((wb) + 2)
+/* The int8 weights of the two blocks at w0 and w0 + bb, as one vector. */
+#define LOAD_PAIR(load_block, w0, bb) join256(load_block(w0), load_block((w0) + (bb)))
 
 /* dot_pf / dot: one row; the prefetches of pf[0 .. n_pf-1] are spread over the steps. */
-#define QUANT_DOT(name, ATTR, bb, LOAD2, XPREP, DOT, LOAD1)                                        \
-    ATTR static float dot_pf_##name(const void *row, const void *x, int n,                       \
+#define QUANT_DOT(name, bb, load_block)                                                            \
+    AVX512 static float dot_pf_##name(const void *row, const void *x, int n,                       \
                                     const void *const *pf, int n_pf) {                            \
         const uint8_t *w = row;                                                                   \
         const pyrt_xq8 *xq = x;                                                                   \
@@ -184,9 +155,9 @@ AVX512 static inline float dot_one_block(__m256i w, const pyrt_xq8 *xq, float dw
                 const int bp = b + 2 * p;                                                         \
                 const __m512i xv = join256(_mm256_loadu_si256((const __m256i *)xq[bp].q),         \
                                            _mm256_loadu_si256((const __m256i *)xq[bp + 1].q));    \
-                const __m512i wq = LOAD2(w + (size_t)bp * (bb), (bb));                            \
+                const __m512i wq = LOAD_PAIR(load_block, w + (size_t)bp * (bb), (bb));             \
                 const __m512 s = _mm512_permutexvar_ps(pair_index(p), s8);                        \
-                acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(DOT(wq, xv, XPREP(xv))), acc);        \
+                acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot64_i8(wq, xv)), acc);               \
                 pyrt_pf_tick(&ps);                                                                \
             }                                                                                     \
         }                                                                                         \
@@ -194,28 +165,28 @@ AVX512 static inline float dot_one_block(__m256i w, const pyrt_xq8 *xq, float dw
             const uint8_t *w0 = w + (size_t)b * (bb), *w1 = w0 + (bb);                           \
             const __m512i xv = join256(_mm256_loadu_si256((const __m256i *)xq[b].q),              \
                                        _mm256_loadu_si256((const __m256i *)xq[b + 1].q));         \
-            const __m512i wq = LOAD2(w0, (bb));                                                   \
+            const __m512i wq = LOAD_PAIR(load_block, w0, (bb));                                    \
             const __m512 s = scales2(_cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d,                      \
                                      _cvtsh_ss(pyrt_load_u16(w1)) * xq[b + 1].d);                 \
-            acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(DOT(wq, xv, XPREP(xv))), acc);            \
+            acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot64_i8(wq, xv)), acc);                   \
             pyrt_pf_tick(&ps);                                                                    \
         }                                                                                         \
         pyrt_pf_end(&ps);                                                                         \
         float sum = _mm512_reduce_add_ps(acc);                                                    \
         if (b < nb) {                                                                             \
             const uint8_t *w0 = w + (size_t)b * (bb);                                             \
-            sum += dot_one_block(LOAD1(w0), &xq[b], _cvtsh_ss(pyrt_load_u16(w0)));                \
+            sum += dot_one_block(load_block(w0), &xq[b], _cvtsh_ss(pyrt_load_u16(w0)));            \
         }                                                                                         \
         return sum;                                                                               \
     }                                                                                             \
-    ATTR static float dot_##name(const void *row, const void *x, int n) {                         \
+    AVX512 static float dot_##name(const void *row, const void *x, int n) {                        \
         return dot_pf_##name(row, x, n, NULL, 0);                                                 \
     }
 
 /* Two rows against one x in one pass: per row exactly the operations of QUANT_DOT (bit for bit
- * two dot calls), x's blocks, XPREP and x's scales computed once for both. */
-#define QUANT_DOT2(name, ATTR, bb, LOAD2, XPREP, DOT, LOAD1)                                       \
-    ATTR static void dot2_pf_##name(const void *row0, const void *row1, const void *x, int n,     \
+ * two dot calls), x's blocks and scales loaded once for both. */
+#define QUANT_DOT2(name, bb, load_block)                                                           \
+    AVX512 static void dot2_pf_##name(const void *row0, const void *row1, const void *x, int n,    \
                                     float out[2], const void *const *pf, int n_pf) {              \
         const uint8_t *wr[2] = {row0, row1};                                                      \
         const pyrt_xq8 *xq = x;                                                                   \
@@ -231,11 +202,10 @@ AVX512 static inline float dot_one_block(__m256i w, const pyrt_xq8 *xq, float dw
                 const int bp = b + 2 * p;                                                         \
                 const __m512i xv = join256(_mm256_loadu_si256((const __m256i *)xq[bp].q),         \
                                            _mm256_loadu_si256((const __m256i *)xq[bp + 1].q));    \
-                const __m512i xp = XPREP(xv);                                                     \
                 for (int r = 0; r < 2; r++) {                                                     \
-                    const __m512i wq = LOAD2(wr[r] + (size_t)bp * (bb), (bb));                    \
+                    const __m512i wq = LOAD_PAIR(load_block, wr[r] + (size_t)bp * (bb), (bb));     \
                     const __m512 s = _mm512_permutexvar_ps(pair_index(p), s8[r]);                 \
-                    acc[r] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(DOT(wq, xv, xp)), acc[r]);     \
+                    acc[r] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot64_i8(wq, xv)), acc[r]);     \
                 }                                                                                 \
                 pyrt_pf_tick(&ps);                                                                \
             }                                                                                     \
@@ -243,13 +213,12 @@ AVX512 static inline float dot_one_block(__m256i w, const pyrt_xq8 *xq, float dw
         for (; b + 2 <= nb; b += 2) {                                                             \
             const __m512i xv = join256(_mm256_loadu_si256((const __m256i *)xq[b].q),              \
                                        _mm256_loadu_si256((const __m256i *)xq[b + 1].q));         \
-            const __m512i xp = XPREP(xv);                                                         \
             for (int r = 0; r < 2; r++) {                                                         \
                 const uint8_t *w0 = wr[r] + (size_t)b * (bb), *w1 = w0 + (bb);                   \
-                const __m512i wq = LOAD2(w0, (bb));                                               \
+                const __m512i wq = LOAD_PAIR(load_block, w0, (bb));                                \
                 const __m512 s = scales2(_cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d,                  \
                                          _cvtsh_ss(pyrt_load_u16(w1)) * xq[b + 1].d);             \
-                acc[r] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(DOT(wq, xv, xp)), acc[r]);         \
+                acc[r] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot64_i8(wq, xv)), acc[r]);         \
             }                                                                                     \
             pyrt_pf_tick(&ps);                                                                    \
         }                                                                                         \
@@ -258,26 +227,20 @@ AVX512 static inline float dot_one_block(__m256i w, const pyrt_xq8 *xq, float dw
             float sum = _mm512_reduce_add_ps(acc[r]);                                             \
             if (b < nb) {                                                                         \
                 const uint8_t *w0 = wr[r] + (size_t)b * (bb);                                     \
-                sum += dot_one_block(LOAD1(w0), &xq[b], _cvtsh_ss(pyrt_load_u16(w0)));            \
+                sum += dot_one_block(load_block(w0), &xq[b], _cvtsh_ss(pyrt_load_u16(w0)));        \
             }                                                                                     \
             out[r] = sum;                                                                         \
         }                                                                                         \
     }                                                                                             \
-    ATTR static void dot2_##name(const void *row0, const void *row1, const void *x, int n,        \
+    AVX512 static void dot2_##name(const void *row0, const void *row1, const void *x, int n,       \
                                  float out[2]) {                                                  \
         dot2_pf_##name(row0, row1, x, n, out, NULL, 0);                                           \
     }
 
-#define QUANT_DOTS(name, ATTR, bb, LOAD2, XPREP, DOT, LOAD1)                                      \
-    QUANT_DOT(name, ATTR, bb, LOAD2, XPREP, DOT, LOAD1)                                           \
-    QUANT_DOT2(name, ATTR, bb, LOAD2, XPREP, DOT, LOAD1)
-
-QUANT_DOTS(q8_0, AVX512, PYRT_Q8_0_BYTES, LOAD2_Q8_0, XPREP_NONE, DOT_MADDUBS, LOAD1_Q8_0)
-QUANT_DOTS(q4_0, AVX512, PYRT_Q4_0_BYTES, LOAD2_Q4_0, XPREP_NONE, DOT_MADDUBS, LOAD1_Q4_0)
-QUANT_DOTS(q8_0_vnni, AVX512_VNNI, PYRT_Q8_0_BYTES, LOAD2_Q8_0, XPREP_Q8_VNNI, DOT_Q8_VNNI,
-           LOAD1_Q8_0)
-QUANT_DOTS(q4_0_vnni, AVX512_VNNI, PYRT_Q4_0_BYTES, LOAD2_Q4_0_NIB, XPREP_Q4_VNNI, DOT_Q4_VNNI,
-           LOAD1_Q4_0)
+QUANT_DOT(q8_0, PYRT_Q8_0_BYTES, LOAD_Q8_0)
+QUANT_DOT(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
+QUANT_DOT2(q8_0, PYRT_Q8_0_BYTES, LOAD_Q8_0)
+QUANT_DOT2(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
 
 /* ---- quantized formats: axpy --------------------------------------------------------------- */
 
@@ -383,14 +346,6 @@ static const pyrt_row_ops ops_q8_0 = {dot_q8_0,    axpy_q8_0,    dot2_q8_0,    a
                                       dot_pf_q8_0, dot2_pf_q8_0, axpyn_pf_q8_0};
 static const pyrt_row_ops ops_q4_0 = {dot_q4_0,    axpy_q4_0,    dot2_q4_0,    axpyn_q4_0,
                                       dot_pf_q4_0, dot2_pf_q4_0, axpyn_pf_q4_0};
-/* AVX512_VNNI: the dots above with vpdpbusd; the rest as AVX-512. */
-static const pyrt_row_ops ops_q8_0_vnni = {
-    dot_q8_0_vnni,    axpy_q8_0,         dot2_q8_0_vnni, axpyn_q8_0,
-    dot_pf_q8_0_vnni, dot2_pf_q8_0_vnni, axpyn_pf_q8_0};
-static const pyrt_row_ops ops_q4_0_vnni = {
-    dot_q4_0_vnni,    axpy_q4_0,         dot2_q4_0_vnni, axpyn_q4_0,
-    dot_pf_q4_0_vnni, dot2_pf_q4_0_vnni, axpyn_pf_q4_0};
-
 const pyrt_row_ops *pyrt_row_ops_avx512(int fmt) {
     switch (fmt) {
     case PYRT_FMT_F32:
@@ -408,25 +363,9 @@ const pyrt_row_ops *pyrt_row_ops_avx512(int fmt) {
     }
 }
 
-const pyrt_row_ops *pyrt_row_ops_avx512_vnni(int fmt) {
-    switch (fmt) {
-    case PYRT_FMT_Q8_0:
-        return &ops_q8_0_vnni;
-    case PYRT_FMT_Q4_0:
-        return &ops_q4_0_vnni;
-    default:
-        return pyrt_row_ops_avx512(fmt);
-    }
-}
-
 #else /* not x86-64 */
 
 const pyrt_row_ops *pyrt_row_ops_avx512(int fmt) {
-    (void)fmt;
-    return NULL;
-}
-
-const pyrt_row_ops *pyrt_row_ops_avx512_vnni(int fmt) {
     (void)fmt;
     return NULL;
 }
