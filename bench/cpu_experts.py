@@ -18,7 +18,7 @@ combination in turn for --rounds rounds (so drift hits all alike), median of the
 
     PYTHONPATH=. python bench/cpu_experts.py --sweep PYRT_PF_FAR=0,4,8 PYRT_PREFETCH_AHEAD=1,2
 
-The knob SIMD is the SIMD level (cpu_core.force_simd), e.g. --sweep SIMD=avx512,avx512vnni.
+The knob SIMD is the SIMD level (cpu_core.force_simd), e.g. --sweep SIMD=avx2,avx512.
 """
 
 from __future__ import annotations

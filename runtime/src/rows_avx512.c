@@ -29,19 +29,19 @@ AVX512 static inline __m512 load16_bf16(const void *p, int i, __mmask16 m) {
         __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();                                \
         int i = 0;                                                                                \
         for (; i + 32 <= n; i += 32) {                                                            \
-            a0 = _mm512_fmadd_ps(load16(row, i, all), _mm512_loadu_ps(xf + i), a0);              \
-            a1 = _mm512_fmadd_ps(load16(row, i + 16, all), _mm512_loadu_ps(xf + i + 16), a1);    \
+            a0 = _mm512_fmadd_ps(load16(row, i, all), _mm512_loadu_ps(xf + i), a0);               \
+            a1 = _mm512_fmadd_ps(load16(row, i + 16, all), _mm512_loadu_ps(xf + i + 16), a1);     \
         }                                                                                         \
         for (; i < n; i += 16) {                                                                  \
-            const __mmask16 m = n - i >= 16 ? all : (__mmask16)((1u << (n - i)) - 1);            \
-            a0 = _mm512_fmadd_ps(load16(row, i, m), _mm512_maskz_loadu_ps(m, xf + i), a0);       \
+            const __mmask16 m = n - i >= 16 ? all : (__mmask16)((1u << (n - i)) - 1);             \
+            a0 = _mm512_fmadd_ps(load16(row, i, m), _mm512_maskz_loadu_ps(m, xf + i), a0);        \
         }                                                                                         \
         return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));                                       \
     }                                                                                             \
     AVX512 static void axpy_##name(float a, const void *row, float *y, int n) {                   \
         const __m512 va = _mm512_set1_ps(a);                                                      \
         for (int i = 0; i < n; i += 16) {                                                         \
-            const __mmask16 m = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);         \
+            const __mmask16 m = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);          \
             const __m512 yi = _mm512_maskz_loadu_ps(m, y + i);                                    \
             _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(va, load16(row, i, m), yi));          \
         }                                                                                         \
@@ -140,8 +140,8 @@ AVX512 static inline float dot_one_block(__m256i w, const pyrt_xq8 *xq, float dw
 #define LOAD_PAIR(load_block, w0, bb) join256(load_block(w0), load_block((w0) + (bb)))
 
 /* dot_pf / dot: one row; the prefetches of pf[0 .. n_pf-1] are spread over the steps. */
-#define QUANT_DOT(name, bb, load_block)                                                            \
-    AVX512 static float dot_pf_##name(const void *row, const void *x, int n,                       \
+#define QUANT_DOT(name, bb, load_block)                                                           \
+    AVX512 static float dot_pf_##name(const void *row, const void *x, int n,                      \
                                     const void *const *pf, int n_pf) {                            \
         const uint8_t *w = row;                                                                   \
         const pyrt_xq8 *xq = x;                                                                   \
@@ -155,38 +155,38 @@ AVX512 static inline float dot_one_block(__m256i w, const pyrt_xq8 *xq, float dw
                 const int bp = b + 2 * p;                                                         \
                 const __m512i xv = join256(_mm256_loadu_si256((const __m256i *)xq[bp].q),         \
                                            _mm256_loadu_si256((const __m256i *)xq[bp + 1].q));    \
-                const __m512i wq = LOAD_PAIR(load_block, w + (size_t)bp * (bb), (bb));             \
+                const __m512i wq = LOAD_PAIR(load_block, w + (size_t)bp * (bb), (bb));            \
                 const __m512 s = _mm512_permutexvar_ps(pair_index(p), s8);                        \
-                acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot64_i8(wq, xv)), acc);               \
+                acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot64_i8(wq, xv)), acc);              \
                 pyrt_pf_tick(&ps);                                                                \
             }                                                                                     \
         }                                                                                         \
         for (; b + 2 <= nb; b += 2) {                                                             \
-            const uint8_t *w0 = w + (size_t)b * (bb), *w1 = w0 + (bb);                           \
+            const uint8_t *w0 = w + (size_t)b * (bb), *w1 = w0 + (bb);                            \
             const __m512i xv = join256(_mm256_loadu_si256((const __m256i *)xq[b].q),              \
                                        _mm256_loadu_si256((const __m256i *)xq[b + 1].q));         \
-            const __m512i wq = LOAD_PAIR(load_block, w0, (bb));                                    \
+            const __m512i wq = LOAD_PAIR(load_block, w0, (bb));                                   \
             const __m512 s = scales2(_cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d,                      \
                                      _cvtsh_ss(pyrt_load_u16(w1)) * xq[b + 1].d);                 \
-            acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot64_i8(wq, xv)), acc);                   \
+            acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot64_i8(wq, xv)), acc);                  \
             pyrt_pf_tick(&ps);                                                                    \
         }                                                                                         \
         pyrt_pf_end(&ps);                                                                         \
         float sum = _mm512_reduce_add_ps(acc);                                                    \
         if (b < nb) {                                                                             \
             const uint8_t *w0 = w + (size_t)b * (bb);                                             \
-            sum += dot_one_block(load_block(w0), &xq[b], _cvtsh_ss(pyrt_load_u16(w0)));            \
+            sum += dot_one_block(load_block(w0), &xq[b], _cvtsh_ss(pyrt_load_u16(w0)));           \
         }                                                                                         \
         return sum;                                                                               \
     }                                                                                             \
-    AVX512 static float dot_##name(const void *row, const void *x, int n) {                        \
+    AVX512 static float dot_##name(const void *row, const void *x, int n) {                       \
         return dot_pf_##name(row, x, n, NULL, 0);                                                 \
     }
 
 /* Two rows against one x in one pass: per row exactly the operations of QUANT_DOT (bit for bit
  * two dot calls), x's blocks and scales loaded once for both. */
-#define QUANT_DOT2(name, bb, load_block)                                                           \
-    AVX512 static void dot2_pf_##name(const void *row0, const void *row1, const void *x, int n,    \
+#define QUANT_DOT2(name, bb, load_block)                                                          \
+    AVX512 static void dot2_pf_##name(const void *row0, const void *row1, const void *x, int n,   \
                                     float out[2], const void *const *pf, int n_pf) {              \
         const uint8_t *wr[2] = {row0, row1};                                                      \
         const pyrt_xq8 *xq = x;                                                                   \
@@ -203,9 +203,9 @@ AVX512 static inline float dot_one_block(__m256i w, const pyrt_xq8 *xq, float dw
                 const __m512i xv = join256(_mm256_loadu_si256((const __m256i *)xq[bp].q),         \
                                            _mm256_loadu_si256((const __m256i *)xq[bp + 1].q));    \
                 for (int r = 0; r < 2; r++) {                                                     \
-                    const __m512i wq = LOAD_PAIR(load_block, wr[r] + (size_t)bp * (bb), (bb));     \
+                    const __m512i wq = LOAD_PAIR(load_block, wr[r] + (size_t)bp * (bb), (bb));    \
                     const __m512 s = _mm512_permutexvar_ps(pair_index(p), s8[r]);                 \
-                    acc[r] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot64_i8(wq, xv)), acc[r]);     \
+                    acc[r] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot64_i8(wq, xv)), acc[r]);    \
                 }                                                                                 \
                 pyrt_pf_tick(&ps);                                                                \
             }                                                                                     \
@@ -214,11 +214,11 @@ AVX512 static inline float dot_one_block(__m256i w, const pyrt_xq8 *xq, float dw
             const __m512i xv = join256(_mm256_loadu_si256((const __m256i *)xq[b].q),              \
                                        _mm256_loadu_si256((const __m256i *)xq[b + 1].q));         \
             for (int r = 0; r < 2; r++) {                                                         \
-                const uint8_t *w0 = wr[r] + (size_t)b * (bb), *w1 = w0 + (bb);                   \
-                const __m512i wq = LOAD_PAIR(load_block, w0, (bb));                                \
+                const uint8_t *w0 = wr[r] + (size_t)b * (bb), *w1 = w0 + (bb);                    \
+                const __m512i wq = LOAD_PAIR(load_block, w0, (bb));                               \
                 const __m512 s = scales2(_cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d,                  \
                                          _cvtsh_ss(pyrt_load_u16(w1)) * xq[b + 1].d);             \
-                acc[r] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot64_i8(wq, xv)), acc[r]);         \
+                acc[r] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot64_i8(wq, xv)), acc[r]);        \
             }                                                                                     \
             pyrt_pf_tick(&ps);                                                                    \
         }                                                                                         \
@@ -227,12 +227,12 @@ AVX512 static inline float dot_one_block(__m256i w, const pyrt_xq8 *xq, float dw
             float sum = _mm512_reduce_add_ps(acc[r]);                                             \
             if (b < nb) {                                                                         \
                 const uint8_t *w0 = wr[r] + (size_t)b * (bb);                                     \
-                sum += dot_one_block(load_block(w0), &xq[b], _cvtsh_ss(pyrt_load_u16(w0)));        \
+                sum += dot_one_block(load_block(w0), &xq[b], _cvtsh_ss(pyrt_load_u16(w0)));       \
             }                                                                                     \
             out[r] = sum;                                                                         \
         }                                                                                         \
     }                                                                                             \
-    AVX512 static void dot2_##name(const void *row0, const void *row1, const void *x, int n,       \
+    AVX512 static void dot2_##name(const void *row0, const void *row1, const void *x, int n,      \
                                  float out[2]) {                                                  \
         dot2_pf_##name(row0, row1, x, n, out, NULL, 0);                                           \
     }
@@ -257,7 +257,7 @@ QUANT_DOT2(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
 #define BLOCK_FMA_Q4_0(vs, w, y0, y1)                                                             \
     do {                                                                                          \
         const __m512i m4_ = _mm512_set1_epi32(0xF), eight_ = _mm512_set1_epi32(8);                \
-        const __m512i q_ = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((w) + 2)));    \
+        const __m512i q_ = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((w) + 2)));     \
         const __m512i lo_ = _mm512_sub_epi32(_mm512_and_si512(q_, m4_), eight_);                  \
         const __m512i hi_ = _mm512_sub_epi32(_mm512_srli_epi32(q_, 4), eight_);                   \
         y0 = _mm512_fmadd_ps(vs, _mm512_cvtepi32_ps(lo_), y0);                                    \
