@@ -17,6 +17,8 @@ runtime/src/moe_ffn.c) against each other in one process, on the first shape and
 combination in turn for --rounds rounds (so drift hits all alike), median of the rounds' medians:
 
     PYTHONPATH=. python bench/cpu_experts.py --sweep PYRT_PF_FAR=0,4,8 PYRT_PREFETCH_AHEAD=1,2
+
+The knob SIMD is the SIMD level (cpu_core.force_simd), e.g. --sweep SIMD=avx2,avx512.
 """
 
 from __future__ import annotations
@@ -100,17 +102,21 @@ def sweep(core, layers, fmt, shape, batches, sparsities, iters, knobs, rounds, b
     thresholds = act_quantiles(layers[0], fmt, n_ff, n_embd, sparsities)
     names = list(knobs)
     combos = list(itertools.product(*(knobs[n] for n in names)))
-    saved = {n: os.environ.get(n) for n in names}
+    saved = {n: os.environ.get(n) for n in names if n != "SIMD"}
     ms: dict[tuple, list[float]] = {}
     gbs: dict[tuple, list[float]] = {}
     for _ in range(rounds):
         for combo in combos:
-            os.environ.update(dict(zip(names, combo, strict=True)))
+            setting = dict(zip(names, combo, strict=True))
+            if "SIMD" in setting:
+                cpu_core.force_simd(setting.pop("SIMD"))
+            os.environ.update(setting)
             for batch in batches:
                 for s in sparsities:
                     r = bench_layer(core, layers, fmt, shape, batch, thresholds[s], iters)
                     ms.setdefault((combo, batch, s), []).append(r["ms"])
                     gbs.setdefault((combo, batch, s), []).append(r["gbs"])
+    cpu_core.force_simd(cpu_core.simd_best())
     for n, v in saved.items():
         if v is None:
             os.environ.pop(n, None)

@@ -214,6 +214,29 @@ def test_sparse_that_drops_nothing_equals_dense_bitwise(cc, fmt, n_ff):
     assert torch.equal(sparse, dense) and torch.equal(zero, dense)
 
 
+# 19 blocks: two groups of 8 (AVX-512: block scales converted 8 at a time), a pair step, the odd
+# last block; the other tests' n_embd of 96 (3 blocks) never reaches a group of 8.
+@pytest.mark.parametrize("fmt", sorted(QUANTIZED))
+def test_quantized_rows_of_19_blocks(cc, simd, fmt):
+    raw, w, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case(
+        fmt, 8, seed=13, n_ff=40, n_embd=19 * 32
+    )
+    _, _, abs_act, _ = reference(w, kernel_x(fmt, x), ids, topk_w, "silu")
+    vals = abs_act.flatten().sort().values  # threshold in the widest gap around the median
+    lo, hi = int(0.4 * len(vals)), int(0.6 * len(vals))
+    i = lo + int((vals[lo + 1 : hi + 1] - vals[lo:hi]).argmax())
+    threshold = float((vals[i] + vals[i + 1]) / 2)
+    with cc.CpuCore(3) as core:
+        for t in (0.0, threshold):
+            y, _ = core.moe_ffn(
+                raw, FORMATS[fmt], n_expert, n_ff, n_embd, x, ids, topk_w, threshold=t
+            )
+            ref, _, _, bound = reference(
+                w, kernel_x(fmt, x), ids, topk_w, "silu", t or None, threads=3
+            )
+            assert_within(y, ref, bound, f"{fmt} 19 blocks threshold {t:.3g}")
+
+
 def test_many_tokens_span_token_blocks_and_int64_ids(cc):
     """More tokens than one token block (64), repeated experts across tokens, int64 ids."""
     raw, w, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case(

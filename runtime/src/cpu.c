@@ -104,13 +104,19 @@ int pyrt_simd_force(int level) {
     return PYRT_OK;
 }
 
-const pyrt_row_ops *pyrt_row_ops_active(int fmt) {
-    switch (pyrt_simd_active()) {
+const pyrt_row_ops *pyrt_row_ops_at(int level, int fmt) {
+    switch (level) {
     case PYRT_SIMD_AVX512:
         return pyrt_row_ops_avx512(fmt);
     case PYRT_SIMD_AVX2:
         return pyrt_row_ops_avx2(fmt);
-    default:
+    case PYRT_SIMD_SCALAR:
         return pyrt_row_ops_scalar(fmt);
+    default:
+        return NULL;
     }
+}
+
+const pyrt_row_ops *pyrt_row_ops_active(int fmt) {
+    return pyrt_row_ops_at(pyrt_simd_active(), fmt);
 }

@@ -101,6 +101,8 @@ static inline void pyrt_pf_end(pyrt_pf_spread *s) {
 const pyrt_row_ops *pyrt_row_ops_scalar(int fmt);
 const pyrt_row_ops *pyrt_row_ops_avx2(int fmt);
 const pyrt_row_ops *pyrt_row_ops_avx512(int fmt);
+/* Level `level`'s kernels (cpu.c); NULL for an unknown level or format. */
+const pyrt_row_ops *pyrt_row_ops_at(int level, int fmt);
 /* The active level's kernels (cpu.c). */
 const pyrt_row_ops *pyrt_row_ops_active(int fmt);
 

@@ -106,19 +106,18 @@ static int is_quant(int fmt) {
 
 static void test_row_kernels(void) {
     const int lengths_float[] = {1, 7, 8, 15, 16, 17, 31, 32, 33, 83, 256, 1027};
-    const int lengths_quant[] = {32, 64, 96, 2048};
+    /* 608: 19 blocks (2 groups of 8 scales, a pair step, an odd last block) */
+    const int lengths_quant[] = {32, 64, 96, 608, 2048};
     const double u = ldexp(1.0, -24);
     for (int level = PYRT_SIMD_SCALAR; level <= pyrt_simd_best(); level++) {
         for (size_t f = 0; f < sizeof FORMATS / sizeof *FORMATS; f++) {
             const int fmt = FORMATS[f];
-            const pyrt_row_ops *ops = level == PYRT_SIMD_AVX512 ? pyrt_row_ops_avx512(fmt)
-                                      : level == PYRT_SIMD_AVX2 ? pyrt_row_ops_avx2(fmt)
-                                                                : pyrt_row_ops_scalar(fmt);
+            const pyrt_row_ops *ops = pyrt_row_ops_at(level, fmt);
             CHECK(ops != NULL, "level %d has no kernels for format %d", level, fmt);
             if (ops == NULL)
                 continue;
             const int *lengths = is_quant(fmt) ? lengths_quant : lengths_float;
-            const int n_lengths = is_quant(fmt) ? 4 : 12;
+            const int n_lengths = is_quant(fmt) ? 5 : 12;
             for (int li = 0; li < n_lengths; li++) {
                 const int n = lengths[li];
                 uint8_t *row = malloc(pyrt_row_bytes(fmt, n));
@@ -172,16 +171,14 @@ static void test_row_kernels(void) {
  * must give exactly the bits of the plain kernels, or sparse-keeping-everything would not equal
  * dense bit for bit. */
 static void test_fused_kernels_match_plain(void) {
-    const int lengths[] = {32, 96, 2048};
+    const int lengths[] = {32, 96, 608, 2048}; /* 608: 19 blocks, AVX-512 groups of 8 + tails */
     for (int level = PYRT_SIMD_SCALAR; level <= pyrt_simd_best(); level++) {
         for (size_t f = 0; f < sizeof FORMATS / sizeof *FORMATS; f++) {
             const int fmt = FORMATS[f];
-            const pyrt_row_ops *ops = level == PYRT_SIMD_AVX512 ? pyrt_row_ops_avx512(fmt)
-                                      : level == PYRT_SIMD_AVX2 ? pyrt_row_ops_avx2(fmt)
-                                                                : pyrt_row_ops_scalar(fmt);
+            const pyrt_row_ops *ops = pyrt_row_ops_at(level, fmt);
             if (ops == NULL || (ops->dot2 == NULL && ops->axpyn == NULL))
                 continue;
-            for (int li = 0; li < 3; li++) {
+            for (int li = 0; li < 4; li++) {
                 const int n = lengths[li];
                 const size_t rb = pyrt_row_bytes(fmt, n);
                 uint8_t *rows = malloc(rb * PYRT_AXPY_ROWS);
