@@ -17,6 +17,7 @@
 #   bash bench/cpu_session.sh BASE_SRC OUT [BUDGET_S]
 # (FOOT=GiB and TOKENS=n override --footprint-gib 4 and --tokens 64, for a quick local try.)
 set -u
+. "$(dirname "$0")/cpu_session_common.sh"
 SWEEP=${SWEEP:-PYRT_PREFETCH_AHEAD=2,1}
 FOOT=${FOOT:-4}
 TOKENS=${TOKENS:-64}
@@ -28,22 +29,9 @@ elapsed() { echo $(($(date +%s) - T0)); }
 left() { [ "$(elapsed)" -lt "$BUDGET_S" ]; }
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
 mkdir -p "$OUT"
-{
-    date -u
-    nproc
-    lscpu | grep -E "Model name|L2|L3"
-    grep -o -w -E "avx512f|avx512bw|avx512_vnni|avx_vnni" /proc/cpuinfo | sort | uniq -c
-    uptime
-} >"$OUT/machine.txt" 2>&1
+session_machine "$OUT"
 
-(cmake -S "$BASE_SRC" -B /tmp/cpu-old -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null &&
-    cmake --build /tmp/cpu-old >/dev/null) &
-cmake -S . -B /tmp/cpu-new -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null &&
-    cmake --build /tmp/cpu-new >/dev/null
-wait
-OLD=/tmp/cpu-old/libpyrt.so
-NEW=/tmp/cpu-new/libpyrt.so
-ls -la "$OLD" "$NEW" || exit 1
+session_build "$BASE_SRC" cpu || exit 1
 echo "built at $(elapsed) s"
 
 # 1. sweep

@@ -23,6 +23,7 @@
 # (default "SIMD=avx2,avx512"); FOOT=GiB overrides --footprint-gib 4,
 # ROUNDS=n the sweeps' --rounds 3.
 set -u
+. "$(dirname "$0")/cpu_session_common.sh"
 FOOT=${FOOT:-4}
 ROUNDS=${ROUNDS:-3}
 STEPS=${STEPS:-tests sweep thread1 experts decode}
@@ -35,22 +36,9 @@ T0=$(date +%s)
 elapsed() { echo $(($(date +%s) - T0)); }
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
 mkdir -p "$OUT"
-{
-    date -u
-    nproc
-    lscpu | grep -E "Model name|L2|L3"
-    grep -o -w -E "avx512f|avx512bw|avx512_vnni|avx_vnni" /proc/cpuinfo | sort | uniq -c
-    uptime
-} >"$OUT/machine.txt" 2>&1
+session_machine "$OUT"
 
-(cmake -S "$BASE_SRC" -B /tmp/vnni-old -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null &&
-    cmake --build /tmp/vnni-old >/dev/null) &
-cmake -S . -B /tmp/vnni-new -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null &&
-    cmake --build /tmp/vnni-new >/dev/null
-wait
-OLD=/tmp/vnni-old/libpyrt.so
-NEW=/tmp/vnni-new/libpyrt.so
-ls -la "$OLD" "$NEW" >>"$OUT/machine.txt" || exit 1
+session_build "$BASE_SRC" vnni >>"$OUT/machine.txt" || exit 1
 echo "built at $(elapsed) s" | tee -a "$OUT/machine.txt"
 
 # 1. tests

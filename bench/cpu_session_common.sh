@@ -1,0 +1,32 @@
+# Shared by the device CPU session scripts (bench/cpu_session.sh, bench/cpu_vnni_session.sh):
+# source it, then call
+#   session_machine OUT              the machine's CPU, cache sizes, AVX-512/VNNI flags, load
+#                                    -> OUT/machine.txt
+#   session_build BASE_SRC PREFIX    builds the C core of BASE_SRC (OLD) and of this tree (NEW)
+#                                    afresh in /tmp/PREFIX-old and /tmp/PREFIX-new, both Release;
+#                                    sets OLD and NEW to their libpyrt.so (returns 1 if a build
+#                                    failed: never times a stale library)
+session_machine() {
+    {
+        date -u
+        nproc
+        lscpu | grep -E "Model name|L2|L3"
+        grep -o -w -E "avx512f|avx512bw|avx512_vnni|avx_vnni" /proc/cpuinfo | sort | uniq -c
+        uptime
+    } >"$1/machine.txt" 2>&1
+}
+
+session_build() {
+    rm -rf "/tmp/$2-old" "/tmp/$2-new"
+    (cmake -S "$1" -B "/tmp/$2-old" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null &&
+        cmake --build "/tmp/$2-old" >/dev/null) &
+    local old_pid=$!
+    cmake -S . -B "/tmp/$2-new" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null &&
+        cmake --build "/tmp/$2-new" >/dev/null
+    local new_rc=$?
+    wait $old_pid || return 1
+    [ $new_rc -eq 0 ] || return 1
+    OLD=/tmp/$2-old/libpyrt.so
+    NEW=/tmp/$2-new/libpyrt.so
+    ls -la "$OLD" "$NEW"
+}
