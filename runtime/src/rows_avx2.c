@@ -82,9 +82,277 @@ AVX2 static inline __m256i dot32_i8(__m256i w, __m256i x) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1));
 }
 
-/* One row against x; prefetches of pf[0 .. n_pf-1] are spread over the loop (pyrt_pf_*). */
-#define QUANT_DOT(name, block_bytes, load_block)                                                  \
+/* ---- quantized dots --------------------------------------------------------------------------
+ *
+ * One row (dot) or two (dot2) against one quantized activation vector x (pyrt_xq8 blocks), one
+ * 32-element block per 256-bit step: 8 int32 lanes (dot32_i8), converted to f32 and accumulated
+ * as acc += s * lanes with s = d_w * d_x of the block, even blocks into acc0 and odd ones into
+ * acc1. The scales of 8 blocks are converted (f16 -> f32, one vcvtph2ps) and multiplied by x's 8
+ * scales in one vector, stored, and each block's s is broadcast from that store (a load, no
+ * shuffle); per block this replaces a scalar conversion, a multiply and a register broadcast.
+ * The f32 products and the accumulation order are those of one block at a time, so are the
+ * results. */
+
+/* The f16 scales of 8 consecutive weight blocks (at the start of each block, bb bytes apart) as
+ * f32, exactly (vcvtph2ps). */
+AVX2 static inline __m256 wscales8(const uint8_t *w, size_t bb) {
+    __m128i h = _mm_cvtsi32_si128(pyrt_load_u16(w));
+    h = _mm_insert_epi16(h, pyrt_load_u16(w + 1 * bb), 1);
+    h = _mm_insert_epi16(h, pyrt_load_u16(w + 2 * bb), 2);
+    h = _mm_insert_epi16(h, pyrt_load_u16(w + 3 * bb), 3);
+    h = _mm_insert_epi16(h, pyrt_load_u16(w + 4 * bb), 4);
+    h = _mm_insert_epi16(h, pyrt_load_u16(w + 5 * bb), 5);
+    h = _mm_insert_epi16(h, pyrt_load_u16(w + 6 * bb), 6);
+    h = _mm_insert_epi16(h, pyrt_load_u16(w + 7 * bb), 7);
+    return _mm256_cvtph_ps(h);
+}
+
+/* x's scales of 8 consecutive blocks (f32, sizeof(pyrt_xq8) = 36 bytes apart). */
+AVX2 static inline __m256 xscales8(const pyrt_xq8 *xq) {
+    return _mm256_setr_ps(xq[0].d, xq[1].d, xq[2].d, xq[3].d, xq[4].d, xq[5].d, xq[6].d,
+                          xq[7].d);
+}
+
+/* acc += s * (w . x over one block), s = d_w * d_x of that block. */
+#define BLOCK_FMA(acc, s, wq, xb)                                                                 \
+    acc = _mm256_fmadd_ps(                                                                        \
+        (s), _mm256_cvtepi32_ps(dot32_i8((wq), _mm256_loadu_si256((const __m256i *)(xb)))), acc)
+
+/* One row against x; prefetches of pf[0 .. n_pf-1] are spread over the loop (pyrt_pf_*, one tick
+ * per two blocks). */
+#define QUANT_DOT(name, bb, load_block)                                                           \
     AVX2 static float dot_pf_##name(const void *row, const void *x, int n,                       \
+                                    const void *const *pf, int n_pf) {                            \
+        const uint8_t *w = row;                                                                   \
+        const pyrt_xq8 *xq = x;                                                                   \
+        const int nb = n / PYRT_QK;                                                               \
+        pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, nb / 2);                                      \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                            \
+        float sc[8]; /* d_w * d_x of the group's 8 blocks */                                      \
+        int b = 0;                                                                                \
+        for (; b + 8 <= nb; b += 8) {                                                             \
+            const uint8_t *wg = w + (size_t)b * (bb);                                             \
+            _mm256_storeu_ps(sc, _mm256_mul_ps(wscales8(wg, (bb)), xscales8(xq + b)));            \
+            _Pragma("GCC unroll 4") for (int i = 0; i < 8; i += 2) {                              \
+                const uint8_t *w0 = wg + (size_t)i * (bb);                                        \
+                BLOCK_FMA(acc0, _mm256_broadcast_ss(&sc[i]), load_block(w0), xq[b + i].q);        \
+                BLOCK_FMA(acc1, _mm256_broadcast_ss(&sc[i + 1]), load_block(w0 + (bb)),           \
+                          xq[b + i + 1].q);                                                       \
+                pyrt_pf_tick(&ps);                                                                \
+            }                                                                                     \
+        }                                                                                         \
+        for (; b + 2 <= nb; b += 2) {                                                             \
+            const uint8_t *w0 = w + (size_t)b * (bb), *w1 = w0 + (bb);                            \
+            const float s0 = _cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d;                              \
+            const float s1 = _cvtsh_ss(pyrt_load_u16(w1)) * xq[b + 1].d;                          \
+            BLOCK_FMA(acc0, _mm256_set1_ps(s0), load_block(w0), xq[b].q);                         \
+            BLOCK_FMA(acc1, _mm256_set1_ps(s1), load_block(w1), xq[b + 1].q);                     \
+            pyrt_pf_tick(&ps);                                                                    \
+        }                                                                                         \
+        if (b < nb) {                                                                             \
+            const uint8_t *w0 = w + (size_t)b * (bb);                                             \
+            const float s0 = _cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d;                              \
+            BLOCK_FMA(acc0, _mm256_set1_ps(s0), load_block(w0), xq[b].q);                         \
+        }                                                                                         \
+        pyrt_pf_end(&ps);                                                                         \
+        return hsum8(_mm256_add_ps(acc0, acc1));                                                  \
+    }                                                                                             \
+    AVX2 static float dot_##name(const void *row, const void *x, int n) {                         \
+        return dot_pf_##name(row, x, n, NULL, 0);                                                 \
+    }
+
+#define LOAD_Q8_0(wb) _mm256_loadu_si256((const __m256i *)((wb) + 2))
+#define LOAD_Q4_0(wb) unpack_q4_0((wb) + 2)
+QUANT_DOT(q8_0, PYRT_Q8_0_BYTES, LOAD_Q8_0)
+QUANT_DOT(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
+
+/* Two rows against one x in one pass: per row exactly the operations of dot_q8_0 / dot_q4_0 (same
+ * products, same accumulators, same order), so the results equal two dot calls bit for bit; x's
+ * blocks and scales are loaded once for both rows. */
+#define QUANT_DOT2(name, bb, load_block)                                                          \
+    AVX2 static void dot2_pf_##name(const void *row0, const void *row1, const void *x, int n,     \
+                                    float out[2], const void *const *pf, int n_pf) {              \
+        const uint8_t *wr[2] = {row0, row1};                                                      \
+        const pyrt_xq8 *xq = x;                                                                   \
+        const int nb = n / PYRT_QK;                                                               \
+        pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, nb / 2);                                      \
+        __m256 acc0[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                              \
+        __m256 acc1[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                              \
+        float sc[2][8]; /* per row, d_w * d_x of the group's 8 blocks */                          \
+        int b = 0;                                                                                \
+        for (; b + 8 <= nb; b += 8) {                                                             \
+            const __m256 dx = xscales8(xq + b);                                                   \
+            for (int r = 0; r < 2; r++)                                                           \
+                _mm256_storeu_ps(sc[r],                                                           \
+                                 _mm256_mul_ps(wscales8(wr[r] + (size_t)b * (bb), (bb)), dx));    \
+            _Pragma("GCC unroll 4") for (int i = 0; i < 8; i += 2) {                              \
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)xq[b + i].q);              \
+                const __m256i x1 = _mm256_loadu_si256((const __m256i *)xq[b + i + 1].q);          \
+                for (int r = 0; r < 2; r++) {                                                     \
+                    const uint8_t *w0 = wr[r] + (size_t)(b + i) * (bb);                           \
+                    const __m256i p0 = dot32_i8(load_block(w0), x0);                              \
+                    const __m256i p1 = dot32_i8(load_block(w0 + (bb)), x1);                       \
+                    acc0[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&sc[r][i]),                     \
+                                              _mm256_cvtepi32_ps(p0), acc0[r]);                   \
+                    acc1[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&sc[r][i + 1]),                 \
+                                              _mm256_cvtepi32_ps(p1), acc1[r]);                   \
+                }                                                                                 \
+                pyrt_pf_tick(&ps);                                                                \
+            }                                                                                     \
+        }                                                                                         \
+        for (; b + 2 <= nb; b += 2) {                                                             \
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)xq[b].q);                      \
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)xq[b + 1].q);                  \
+            for (int r = 0; r < 2; r++) {                                                         \
+                const uint8_t *w0 = wr[r] + (size_t)b * (bb), *w1 = w0 + (bb);                    \
+                const __m256i p0 = dot32_i8(load_block(w0), x0);                                  \
+                const __m256i p1 = dot32_i8(load_block(w1), x1);                                  \
+                const float s0 = _cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d;                          \
+                const float s1 = _cvtsh_ss(pyrt_load_u16(w1)) * xq[b + 1].d;                      \
+                acc0[r] = _mm256_fmadd_ps(_mm256_set1_ps(s0), _mm256_cvtepi32_ps(p0), acc0[r]);   \
+                acc1[r] = _mm256_fmadd_ps(_mm256_set1_ps(s1), _mm256_cvtepi32_ps(p1), acc1[r]);   \
+            }                                                                                     \
+            pyrt_pf_tick(&ps);                                                                    \
+        }                                                                                         \
+        if (b < nb) {                                                                             \
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)xq[b].q);                      \
+            for (int r = 0; r < 2; r++) {                                                         \
+                const uint8_t *w0 = wr[r] + (size_t)b * (bb);                                     \
+                const __m256i p0 = dot32_i8(load_block(w0), x0);                                  \
+                const float s0 = _cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d;                          \
+                acc0[r] = _mm256_fmadd_ps(_mm256_set1_ps(s0), _mm256_cvtepi32_ps(p0), acc0[r]);   \
+            }                                                                                     \
+        }                                                                                         \
+        pyrt_pf_end(&ps);                                                                         \
+        out[0] = hsum8(_mm256_add_ps(acc0[0], acc1[0]));                                          \
+        out[1] = hsum8(_mm256_add_ps(acc0[1], acc1[1]));                                          \
+    }                                                                                             \
+    AVX2 static void dot2_##name(const void *row0, const void *row1, const void *x, int n,        \
+                                 float out[2]) {                                                  \
+        dot2_pf_##name(row0, row1, x, n, out, NULL, 0);                                           \
+    }
+
+QUANT_DOT2(q8_0, PYRT_Q8_0_BYTES, LOAD_Q8_0)
+QUANT_DOT2(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
+
+/* ---- quantized axpyn ------------------------------------------------------------------------
+ *
+ * Several down rows into one y: a block of y (32 floats, 4 registers) is loaded once, takes every
+ * row's contribution in row order (bit for bit nr axpy calls), and is stored once: per row and
+ * block 4 widen + convert + fma and no y traffic, where one axpy per row pays 4 loads and 4 stores
+ * of y each time. Per 8 blocks, each row's 8 scales times a[r] are made in one vector (the same
+ * products a[r] * d_w as one at a time) and stored; each (row, block) broadcasts its scale from
+ * that store. */
+#define BLOCK_AXPY_Q8_0(vs, w, y0, y1, y2, y3)                                                    \
+    do {                                                                                          \
+        y0 = _mm256_fmadd_ps(vs, Q8_PART(w, 0), y0);                                              \
+        y1 = _mm256_fmadd_ps(vs, Q8_PART(w, 1), y1);                                              \
+        y2 = _mm256_fmadd_ps(vs, Q8_PART(w, 2), y2);                                              \
+        y3 = _mm256_fmadd_ps(vs, Q8_PART(w, 3), y3);                                              \
+    } while (0)
+/* Elements 8 part .. 8 part + 7 of the Q8_0 block at w, as f32. */
+#define Q8_PART(w, part)                                                                          \
+    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((w) + 2 + 8 * (part)))))
+/* y0, y1: elements 0..15 (low nibbles of bytes 0..15), y2, y3: 16..31 (high nibbles). */
+#define BLOCK_AXPY_Q4_0(vs, w, y0, y1, y2, y3)                                                    \
+    do {                                                                                          \
+        const __m256i m4_ = _mm256_set1_epi32(0xF), eight_ = _mm256_set1_epi32(8);                \
+        const __m256i q0_ = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((w) + 2)));   \
+        const __m256i q1_ = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((w) + 10)));  \
+        y0 = _mm256_fmadd_ps(vs, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(q0_, m4_), eight_)), y0); \
+        y1 = _mm256_fmadd_ps(vs, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(q1_, m4_), eight_)), y1); \
+        y2 = _mm256_fmadd_ps(vs, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(q0_, 4), eight_)), y2);  \
+        y3 = _mm256_fmadd_ps(vs, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(q1_, 4), eight_)), y3);  \
+    } while (0)
+
+#define QUANT_AXPYN(name, bb, BLOCK_AXPY)                                                         \
+    AVX2 static void axpyn_pf_##name(int nr, const float *a, const void *const *rows, float *y,   \
+                                     int n, const void *const *pf, int n_pf) {                    \
+        const int nb = n / PYRT_QK;                                                               \
+        pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, nb);                                          \
+        float sc[PYRT_AXPY_ROWS][8]; /* a[r] * d_w of the group's 8 blocks */                     \
+        int b = 0;                                                                                \
+        for (; b + 8 <= nb; b += 8) {                                                             \
+            for (int r = 0; r < nr; r++) {                                                        \
+                const uint8_t *w = (const uint8_t *)rows[r] + (size_t)b * (bb);                   \
+                _mm256_storeu_ps(sc[r], _mm256_mul_ps(_mm256_set1_ps(a[r]), wscales8(w, (bb))));  \
+            }                                                                                     \
+            for (int i = 0; i < 8; i++, y += PYRT_QK) {                                           \
+                __m256 y0 = _mm256_loadu_ps(y), y1 = _mm256_loadu_ps(y + 8);                      \
+                __m256 y2 = _mm256_loadu_ps(y + 16), y3 = _mm256_loadu_ps(y + 24);                \
+                for (int r = 0; r < nr; r++) {                                                    \
+                    const uint8_t *w = (const uint8_t *)rows[r] + (size_t)(b + i) * (bb);         \
+                    BLOCK_AXPY(_mm256_broadcast_ss(&sc[r][i]), w, y0, y1, y2, y3);                \
+                }                                                                                 \
+                _mm256_storeu_ps(y, y0);                                                          \
+                _mm256_storeu_ps(y + 8, y1);                                                      \
+                _mm256_storeu_ps(y + 16, y2);                                                     \
+                _mm256_storeu_ps(y + 24, y3);                                                     \
+                pyrt_pf_tick(&ps);                                                                \
+            }                                                                                     \
+        }                                                                                         \
+        for (; b < nb; b++, y += PYRT_QK) {                                                       \
+            __m256 y0 = _mm256_loadu_ps(y), y1 = _mm256_loadu_ps(y + 8);                          \
+            __m256 y2 = _mm256_loadu_ps(y + 16), y3 = _mm256_loadu_ps(y + 24);                    \
+            for (int r = 0; r < nr; r++) {                                                        \
+                const uint8_t *w = (const uint8_t *)rows[r] + (size_t)b * (bb);                   \
+                const __m256 vs = _mm256_set1_ps(a[r] * _cvtsh_ss(pyrt_load_u16(w)));             \
+                BLOCK_AXPY(vs, w, y0, y1, y2, y3);                                                \
+            }                                                                                     \
+            _mm256_storeu_ps(y, y0);                                                              \
+            _mm256_storeu_ps(y + 8, y1);                                                          \
+            _mm256_storeu_ps(y + 16, y2);                                                         \
+            _mm256_storeu_ps(y + 24, y3);                                                         \
+            pyrt_pf_tick(&ps);                                                                    \
+        }                                                                                         \
+        pyrt_pf_end(&ps);                                                                         \
+    }                                                                                             \
+    AVX2 static void axpyn_##name(int nr, const float *a, const void *const *rows, float *y,      \
+                                  int n) {                                                        \
+        axpyn_pf_##name(nr, a, rows, y, n, NULL, 0);                                              \
+    }
+
+QUANT_AXPYN(q8_0, PYRT_Q8_0_BYTES, BLOCK_AXPY_Q8_0)
+QUANT_AXPYN(q4_0, PYRT_Q4_0_BYTES, BLOCK_AXPY_Q4_0)
+
+/* Axpy kernels widen the quants straight from memory (vpmovsxbd / vpmovzxbd with a memory
+ * operand), which costs fewer shuffle uops than unpacking a 256-bit register. */
+AVX2 static void axpy_q8_0(float a, const void *row, float *y, int n) {
+    const uint8_t *w = row;
+    for (int b = 0; b < n / PYRT_QK; b++, w += PYRT_Q8_0_BYTES, y += PYRT_QK) {
+        const __m256 vs = _mm256_set1_ps(a * _cvtsh_ss(pyrt_load_u16(w)));
+        for (int part = 0; part < 4; part++) {
+            const __m128i q8 = _mm_loadl_epi64((const __m128i *)(w + 2 + 8 * part));
+            const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
+            _mm256_storeu_ps(y + 8 * part, _mm256_fmadd_ps(vs, f, _mm256_loadu_ps(y + 8 * part)));
+        }
+    }
+}
+
+AVX2 static void axpy_q4_0(float a, const void *row, float *y, int n) {
+    const uint8_t *w = row;
+    const __m256i m4 = _mm256_set1_epi32(0xF), eight = _mm256_set1_epi32(8);
+    for (int b = 0; b < n / PYRT_QK; b++, w += PYRT_Q4_0_BYTES, y += PYRT_QK) {
+        const __m256 vs = _mm256_set1_ps(a * _cvtsh_ss(pyrt_load_u16(w)));
+        for (int part = 0; part < 2; part++) {
+            /* bytes qs[8p .. 8p+7]: low nibbles are elements 8p.., high nibbles 16+8p.. */
+            const __m128i raw = _mm_loadl_epi64((const __m128i *)(w + 2 + 8 * part));
+            const __m256i q = _mm256_cvtepu8_epi32(raw);
+            const __m256 lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(q, m4), eight));
+            const __m256 hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(q, 4), eight));
+            float *ylo = y + 8 * part, *yhi = y + 16 + 8 * part;
+            _mm256_storeu_ps(ylo, _mm256_fmadd_ps(vs, lo, _mm256_loadu_ps(ylo)));
+            _mm256_storeu_ps(yhi, _mm256_fmadd_ps(vs, hi, _mm256_loadu_ps(yhi)));
+        }
+    }
+}
+
+/* ---- TEMPORARY: the kernels before block scales 8 at a time (PYRT_QSCALES=0), kept only to
+ * time old against new in one process and to compare their bits; removed once measured. ---- */
+
+/* One row against x; prefetches of pf[0 .. n_pf-1] are spread over the loop (pyrt_pf_*). */
+#define OLD_QUANT_DOT(name, block_bytes, load_block)                                                  \
+    AVX2 static float old_dot_pf_##name(const void *row, const void *x, int n,                       \
                                     const void *const *pf, int n_pf) {                            \
         const uint8_t *w = row;                                                                   \
         const pyrt_xq8 *xq = x;                                                                   \
@@ -112,19 +380,17 @@ AVX2 static inline __m256i dot32_i8(__m256i w, __m256i x) {
         pyrt_pf_end(&ps);                                                                         \
         return hsum8(_mm256_add_ps(acc0, acc1));                                                  \
     }                                                                                             \
-    AVX2 static float dot_##name(const void *row, const void *x, int n) {                         \
-        return dot_pf_##name(row, x, n, NULL, 0);                                                 \
+    AVX2 static float old_dot_##name(const void *row, const void *x, int n) {                         \
+        return old_dot_pf_##name(row, x, n, NULL, 0);                                                 \
     }
 
-#define LOAD_Q8_0(wb) _mm256_loadu_si256((const __m256i *)((wb) + 2))
-#define LOAD_Q4_0(wb) unpack_q4_0((wb) + 2)
-QUANT_DOT(q8_0, PYRT_Q8_0_BYTES, LOAD_Q8_0)
-QUANT_DOT(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
+OLD_QUANT_DOT(q8_0, PYRT_Q8_0_BYTES, LOAD_Q8_0)
+OLD_QUANT_DOT(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
 
 /* Two rows against one x in one pass: per row exactly the operations of dot_q8_0 / dot_q4_0 (same
  * accumulators, same order), so the results equal two dot calls bit for bit. */
-#define QUANT_DOT2(name, block_bytes, load_block)                                                 \
-    AVX2 static void dot2_pf_##name(const void *row0, const void *row1, const void *x, int n,     \
+#define OLD_QUANT_DOT2(name, block_bytes, load_block)                                                 \
+    AVX2 static void old_dot2_pf_##name(const void *row0, const void *row1, const void *x, int n,     \
                                     float out[2], const void *const *pf, int n_pf) {              \
         const uint8_t *wr[2] = {row0, row1};                                                      \
         const pyrt_xq8 *xq = x;                                                                   \
@@ -160,18 +426,18 @@ QUANT_DOT(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
         out[0] = hsum8(_mm256_add_ps(acc0[0], acc1[0]));                                          \
         out[1] = hsum8(_mm256_add_ps(acc0[1], acc1[1]));                                          \
     }                                                                                             \
-    AVX2 static void dot2_##name(const void *row0, const void *row1, const void *x, int n,        \
+    AVX2 static void old_dot2_##name(const void *row0, const void *row1, const void *x, int n,        \
                                  float out[2]) {                                                  \
-        dot2_pf_##name(row0, row1, x, n, out, NULL, 0);                                           \
+        old_dot2_pf_##name(row0, row1, x, n, out, NULL, 0);                                           \
     }
 
-QUANT_DOT2(q8_0, PYRT_Q8_0_BYTES, LOAD_Q8_0)
-QUANT_DOT2(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
+OLD_QUANT_DOT2(q8_0, PYRT_Q8_0_BYTES, LOAD_Q8_0)
+OLD_QUANT_DOT2(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
 
 /* Several down rows into one y: a block of y (32 floats, 4 registers) is loaded once, takes every
  * row's contribution in row order, and is stored once: per row and block 4 widen + convert + fma
  * and no y traffic, where one axpy per row pays 4 loads and 4 stores of y each time. */
-AVX2 static void axpyn_pf_q8_0(int nr, const float *a, const void *const *rows, float *y,
+AVX2 static void old_axpyn_pf_q8_0(int nr, const float *a, const void *const *rows, float *y,
                                int n, const void *const *pf, int n_pf) {
     pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, n / PYRT_QK);
     for (int b = 0; b < n / PYRT_QK; b++, y += PYRT_QK) {
@@ -180,13 +446,13 @@ AVX2 static void axpyn_pf_q8_0(int nr, const float *a, const void *const *rows, 
         for (int r = 0; r < nr; r++) {
             const uint8_t *w = (const uint8_t *)rows[r] + (size_t)b * PYRT_Q8_0_BYTES;
             const __m256 vs = _mm256_set1_ps(a[r] * _cvtsh_ss(pyrt_load_u16(w)));
-#define Q8_PART(part)                                                                             \
+#define OLD_Q8_PART(part)                                                                             \
     _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + 2 + 8 * (part)))))
-            y0 = _mm256_fmadd_ps(vs, Q8_PART(0), y0);
-            y1 = _mm256_fmadd_ps(vs, Q8_PART(1), y1);
-            y2 = _mm256_fmadd_ps(vs, Q8_PART(2), y2);
-            y3 = _mm256_fmadd_ps(vs, Q8_PART(3), y3);
-#undef Q8_PART
+            y0 = _mm256_fmadd_ps(vs, OLD_Q8_PART(0), y0);
+            y1 = _mm256_fmadd_ps(vs, OLD_Q8_PART(1), y1);
+            y2 = _mm256_fmadd_ps(vs, OLD_Q8_PART(2), y2);
+            y3 = _mm256_fmadd_ps(vs, OLD_Q8_PART(3), y3);
+#undef OLD_Q8_PART
         }
         _mm256_storeu_ps(y, y0);
         _mm256_storeu_ps(y + 8, y1);
@@ -197,11 +463,11 @@ AVX2 static void axpyn_pf_q8_0(int nr, const float *a, const void *const *rows, 
     pyrt_pf_end(&ps);
 }
 
-AVX2 static void axpyn_q8_0(int nr, const float *a, const void *const *rows, float *y, int n) {
-    axpyn_pf_q8_0(nr, a, rows, y, n, NULL, 0);
+AVX2 static void old_axpyn_q8_0(int nr, const float *a, const void *const *rows, float *y, int n) {
+    old_axpyn_pf_q8_0(nr, a, rows, y, n, NULL, 0);
 }
 
-AVX2 static void axpyn_pf_q4_0(int nr, const float *a, const void *const *rows, float *y,
+AVX2 static void old_axpyn_pf_q4_0(int nr, const float *a, const void *const *rows, float *y,
                                int n, const void *const *pf, int n_pf) {
     pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, n / PYRT_QK);
     const __m256i m4 = _mm256_set1_epi32(0xF), eight = _mm256_set1_epi32(8);
@@ -228,41 +494,15 @@ AVX2 static void axpyn_pf_q4_0(int nr, const float *a, const void *const *rows, 
     pyrt_pf_end(&ps);
 }
 
-AVX2 static void axpyn_q4_0(int nr, const float *a, const void *const *rows, float *y, int n) {
-    axpyn_pf_q4_0(nr, a, rows, y, n, NULL, 0);
+AVX2 static void old_axpyn_q4_0(int nr, const float *a, const void *const *rows, float *y, int n) {
+    old_axpyn_pf_q4_0(nr, a, rows, y, n, NULL, 0);
 }
 
-/* Axpy kernels widen the quants straight from memory (vpmovsxbd / vpmovzxbd with a memory
- * operand), which costs fewer shuffle uops than unpacking a 256-bit register. */
-AVX2 static void axpy_q8_0(float a, const void *row, float *y, int n) {
-    const uint8_t *w = row;
-    for (int b = 0; b < n / PYRT_QK; b++, w += PYRT_Q8_0_BYTES, y += PYRT_QK) {
-        const __m256 vs = _mm256_set1_ps(a * _cvtsh_ss(pyrt_load_u16(w)));
-        for (int part = 0; part < 4; part++) {
-            const __m128i q8 = _mm_loadl_epi64((const __m128i *)(w + 2 + 8 * part));
-            const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
-            _mm256_storeu_ps(y + 8 * part, _mm256_fmadd_ps(vs, f, _mm256_loadu_ps(y + 8 * part)));
-        }
-    }
-}
 
-AVX2 static void axpy_q4_0(float a, const void *row, float *y, int n) {
-    const uint8_t *w = row;
-    const __m256i m4 = _mm256_set1_epi32(0xF), eight = _mm256_set1_epi32(8);
-    for (int b = 0; b < n / PYRT_QK; b++, w += PYRT_Q4_0_BYTES, y += PYRT_QK) {
-        const __m256 vs = _mm256_set1_ps(a * _cvtsh_ss(pyrt_load_u16(w)));
-        for (int part = 0; part < 2; part++) {
-            /* bytes qs[8p .. 8p+7]: low nibbles are elements 8p.., high nibbles 16+8p.. */
-            const __m128i raw = _mm_loadl_epi64((const __m128i *)(w + 2 + 8 * part));
-            const __m256i q = _mm256_cvtepu8_epi32(raw);
-            const __m256 lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(q, m4), eight));
-            const __m256 hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(q, 4), eight));
-            float *ylo = y + 8 * part, *yhi = y + 16 + 8 * part;
-            _mm256_storeu_ps(ylo, _mm256_fmadd_ps(vs, lo, _mm256_loadu_ps(ylo)));
-            _mm256_storeu_ps(yhi, _mm256_fmadd_ps(vs, hi, _mm256_loadu_ps(yhi)));
-        }
-    }
-}
+static const pyrt_row_ops ops_q8_0_old = {old_dot_q8_0,    axpy_q8_0,    old_dot2_q8_0,    old_axpyn_q8_0,
+                                      old_dot_pf_q8_0, old_dot2_pf_q8_0, old_axpyn_pf_q8_0};
+static const pyrt_row_ops ops_q4_0_old = {old_dot_q4_0,    axpy_q4_0,    old_dot2_q4_0,    old_axpyn_q4_0,
+                                      old_dot_pf_q4_0, old_dot2_pf_q4_0, old_axpyn_pf_q4_0};
 
 static const pyrt_row_ops ops_f32 = {dot_f32, axpy_f32, NULL, NULL, NULL, NULL, NULL};
 static const pyrt_row_ops ops_f16 = {dot_f16, axpy_f16, NULL, NULL, NULL, NULL, NULL};
@@ -289,9 +529,26 @@ const pyrt_row_ops *pyrt_row_ops_avx2(int fmt) {
     }
 }
 
+/* TEMPORARY (PYRT_QSCALES=0): the AVX2 kernels with the quantized kernels before block scales 8
+ * at a time. */
+const pyrt_row_ops *pyrt_row_ops_avx2_old(int fmt) {
+    switch (fmt) {
+    case PYRT_FMT_Q8_0:
+        return &ops_q8_0_old;
+    case PYRT_FMT_Q4_0:
+        return &ops_q4_0_old;
+    default:
+        return pyrt_row_ops_avx2(fmt);
+    }
+}
+
 #else /* not x86-64: no AVX2 kernels; cpu.c never selects this level */
 
 const pyrt_row_ops *pyrt_row_ops_avx2(int fmt) {
+    (void)fmt;
+    return NULL;
+}
+const pyrt_row_ops *pyrt_row_ops_avx2_old(int fmt) {
     (void)fmt;
     return NULL;
 }
