@@ -555,6 +555,12 @@ static const pyrt_row_ops ops_q8_0_old = {old_dot_q8_0,    axpy_q8_0,    old_dot
 static const pyrt_row_ops ops_q4_0_old = {old_dot_q4_0,    axpy_q4_0,    old_dot2_q4_0,    old_axpyn_q4_0,
                                       old_dot_pf_q4_0, old_dot2_pf_q4_0, old_axpyn_pf_q4_0};
 
+/* New dots, old axpyn (PYRT_QSCALES=2). */
+static const pyrt_row_ops ops_q8_0_mix = {dot_q8_0,    axpy_q8_0,    dot2_q8_0,    old_axpyn_q8_0,
+                                          dot_pf_q8_0, dot2_pf_q8_0, old_axpyn_pf_q8_0};
+static const pyrt_row_ops ops_q4_0_mix = {dot_q4_0,    axpy_q4_0,    dot2_q4_0,    old_axpyn_q4_0,
+                                          dot_pf_q4_0, dot2_pf_q4_0, old_axpyn_pf_q4_0};
+
 static const pyrt_row_ops ops_f32 = {dot_f32, axpy_f32, NULL, NULL, NULL, NULL, NULL};
 static const pyrt_row_ops ops_f16 = {dot_f16, axpy_f16, NULL, NULL, NULL, NULL, NULL};
 static const pyrt_row_ops ops_bf16 = {dot_bf16, axpy_bf16, NULL, NULL, NULL, NULL, NULL};
@@ -582,12 +588,12 @@ const pyrt_row_ops *pyrt_row_ops_avx2(int fmt) {
 
 /* TEMPORARY (PYRT_QSCALES=0): the AVX2 kernels with the quantized kernels before block scales 8
  * at a time. */
-const pyrt_row_ops *pyrt_row_ops_avx2_old(int fmt) {
+const pyrt_row_ops *pyrt_row_ops_avx2_old(int fmt, int mix) {
     switch (fmt) {
     case PYRT_FMT_Q8_0:
-        return &ops_q8_0_old;
+        return mix ? &ops_q8_0_mix : &ops_q8_0_old;
     case PYRT_FMT_Q4_0:
-        return &ops_q4_0_old;
+        return mix ? &ops_q4_0_mix : &ops_q4_0_old;
     default:
         return pyrt_row_ops_avx2(fmt);
     }
@@ -599,8 +605,8 @@ const pyrt_row_ops *pyrt_row_ops_avx2(int fmt) {
     (void)fmt;
     return NULL;
 }
-const pyrt_row_ops *pyrt_row_ops_avx2_old(int fmt) {
-    (void)fmt;
+const pyrt_row_ops *pyrt_row_ops_avx2_old(int fmt, int mix) {
+    (void)fmt, (void)mix;
     return NULL;
 }
 

@@ -180,7 +180,7 @@ static void test_avx2_scales8_same_bits_as_old(void) {
     const int fmts[] = {PYRT_FMT_Q8_0, PYRT_FMT_Q4_0};
     for (int f = 0; f < 2; f++) {
         const int fmt = fmts[f];
-        const pyrt_row_ops *base = pyrt_row_ops_avx2_old(fmt), *ops = pyrt_row_ops_avx2(fmt);
+        const pyrt_row_ops *base = pyrt_row_ops_avx2_old(fmt, 0), *ops = pyrt_row_ops_avx2(fmt);
         for (size_t li = 0; li < sizeof lengths / sizeof *lengths; li++) {
             const int n = lengths[li];
             const size_t rb = pyrt_row_bytes(fmt, n);
