@@ -86,7 +86,8 @@ typedef struct {
  * PYRT_SPARSE_CHUNK=n     sparse: gates of n neurons (1..32, default 32) before their up/down rows.
  * PYRT_ITEMS=n            n equal work items per thread (default 0: guided sizes, see plan_items).
  * PYRT_QSCALES=0|1|2      TEMPORARY, AVX2 level: 0 runs the Q8_0/Q4_0 kernels before block scales 8
- *                         at a time (rows_avx2.c), 2 the new dots with the old axpyn, to time old
+ *                         at a time (rows_avx2.c), 2 the new dots with the old axpyn, 3 only the
+ *                         new dot (old dot2 and axpyn), to time old
  *                         against new in one process.
  * PYRT_SPIN_US=n          (pool.c, read at pool creation) how long idle threads spin, default 300.
  * The result is the same bits under every setting. */
@@ -107,7 +108,7 @@ static knobs read_knobs(void) {
                .prefetch_ahead = a != NULL ? atoi(a) : DEFAULT_PREFETCH_AHEAD,
                .items_per_thread = items != NULL ? atoi(items) : 0,
                .sparse_chunk = chunk != NULL ? atoi(chunk) : DEFAULT_SPARSE_CHUNK,
-               .qscales_old = qs != NULL && (atoi(qs) == 0 || atoi(qs) == 2) ? 1 + atoi(qs) / 2 : 0};
+               .qscales_old = qs == NULL ? 0 : atoi(qs) == 0 ? 1 : atoi(qs) == 2 || atoi(qs) == 3 ? atoi(qs) : 0};
     if (k.sparse_chunk < 1 || k.sparse_chunk > MAX_SPARSE_CHUNK)
         k.sparse_chunk = DEFAULT_SPARSE_CHUNK;
     if (k.items_per_thread < 0)
@@ -814,7 +815,7 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
         .gud = gud,
         .row_bytes = pyrt_row_bytes(fmt, n_embd),
         .ops = kn.qscales_old && pyrt_simd_active() == PYRT_SIMD_AVX2
-                   ? pyrt_row_ops_avx2_old(fmt, kn.qscales_old == 2)
+                   ? pyrt_row_ops_avx2_old(fmt, kn.qscales_old - 1)
                    : pyrt_row_ops_active(fmt),
         .n_expert = n_expert,
         .n_ff = n_ff,

@@ -561,6 +561,12 @@ static const pyrt_row_ops ops_q8_0_mix = {dot_q8_0,    axpy_q8_0,    dot2_q8_0, 
 static const pyrt_row_ops ops_q4_0_mix = {dot_q4_0,    axpy_q4_0,    dot2_q4_0,    old_axpyn_q4_0,
                                           dot_pf_q4_0, dot2_pf_q4_0, old_axpyn_pf_q4_0};
 
+/* New dot only, old dot2 and axpyn (PYRT_QSCALES=3). */
+static const pyrt_row_ops ops_q8_0_dot1 = {dot_q8_0,    axpy_q8_0,        old_dot2_q8_0,    old_axpyn_q8_0,
+                                           dot_pf_q8_0, old_dot2_pf_q8_0, old_axpyn_pf_q8_0};
+static const pyrt_row_ops ops_q4_0_dot1 = {dot_q4_0,    axpy_q4_0,        old_dot2_q4_0,    old_axpyn_q4_0,
+                                           dot_pf_q4_0, old_dot2_pf_q4_0, old_axpyn_pf_q4_0};
+
 static const pyrt_row_ops ops_f32 = {dot_f32, axpy_f32, NULL, NULL, NULL, NULL, NULL};
 static const pyrt_row_ops ops_f16 = {dot_f16, axpy_f16, NULL, NULL, NULL, NULL, NULL};
 static const pyrt_row_ops ops_bf16 = {dot_bf16, axpy_bf16, NULL, NULL, NULL, NULL, NULL};
@@ -591,9 +597,9 @@ const pyrt_row_ops *pyrt_row_ops_avx2(int fmt) {
 const pyrt_row_ops *pyrt_row_ops_avx2_old(int fmt, int mix) {
     switch (fmt) {
     case PYRT_FMT_Q8_0:
-        return mix ? &ops_q8_0_mix : &ops_q8_0_old;
+        return mix == 2 ? &ops_q8_0_dot1 : mix ? &ops_q8_0_mix : &ops_q8_0_old;
     case PYRT_FMT_Q4_0:
-        return mix ? &ops_q4_0_mix : &ops_q4_0_old;
+        return mix == 2 ? &ops_q4_0_dot1 : mix ? &ops_q4_0_mix : &ops_q4_0_old;
     default:
         return pyrt_row_ops_avx2(fmt);
     }
