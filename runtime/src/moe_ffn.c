@@ -85,10 +85,6 @@ typedef struct {
  * PYRT_PREFETCH_AHEAD=n   software-prefetch the rows of the neuron n ahead (default 2; 0: off).
  * PYRT_SPARSE_CHUNK=n     sparse: gates of n neurons (1..32, default 32) before their up/down rows.
  * PYRT_ITEMS=n            n equal work items per thread (default 0: guided sizes, see plan_items).
- * PYRT_QSCALES=0|1|2      TEMPORARY, AVX2 level: 0 runs the Q8_0/Q4_0 kernels before block scales 8
- *                         at a time (rows_avx2.c), 2 the new dots with the old axpyn, 3 only the
- *                         new dot (old dot2 and axpyn), to time old
- *                         against new in one process.
  * PYRT_SPIN_US=n          (pool.c, read at pool creation) how long idle threads spin, default 300.
  * The result is the same bits under every setting. */
 typedef struct {
@@ -96,19 +92,16 @@ typedef struct {
     int prefetch_ahead;
     int items_per_thread;
     int sparse_chunk;
-    int qscales_old; /* TEMPORARY: PYRT_QSCALES=0 */
 } knobs;
 
 /* Read on every call (a few getenv, well under a microsecond) so a benchmark can vary them. */
 static knobs read_knobs(void) {
     const char *p = getenv("PYRT_PROFILE"), *a = getenv("PYRT_PREFETCH_AHEAD");
     const char *items = getenv("PYRT_ITEMS"), *chunk = getenv("PYRT_SPARSE_CHUNK");
-    const char *qs = getenv("PYRT_QSCALES");
     knobs k = {.profile = p != NULL && atoi(p) > 0 ? atoi(p) : 0,
                .prefetch_ahead = a != NULL ? atoi(a) : DEFAULT_PREFETCH_AHEAD,
                .items_per_thread = items != NULL ? atoi(items) : 0,
-               .sparse_chunk = chunk != NULL ? atoi(chunk) : DEFAULT_SPARSE_CHUNK,
-               .qscales_old = qs == NULL ? 0 : atoi(qs) == 0 ? 1 : atoi(qs) == 2 || atoi(qs) == 3 ? atoi(qs) : 0};
+               .sparse_chunk = chunk != NULL ? atoi(chunk) : DEFAULT_SPARSE_CHUNK};
     if (k.sparse_chunk < 1 || k.sparse_chunk > MAX_SPARSE_CHUNK)
         k.sparse_chunk = DEFAULT_SPARSE_CHUNK;
     if (k.items_per_thread < 0)
@@ -814,9 +807,7 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
     moe_ctx c = {
         .gud = gud,
         .row_bytes = pyrt_row_bytes(fmt, n_embd),
-        .ops = kn.qscales_old && pyrt_simd_active() == PYRT_SIMD_AVX2
-                   ? pyrt_row_ops_avx2_old(fmt, kn.qscales_old - 1)
-                   : pyrt_row_ops_active(fmt),
+        .ops = pyrt_row_ops_active(fmt),
         .n_expert = n_expert,
         .n_ff = n_ff,
         .n_embd = n_embd,

@@ -100,9 +100,6 @@ static inline void pyrt_pf_end(pyrt_pf_spread *s) {
 /* Row kernels of one SIMD level for fmt; NULL when the level has none for fmt (unknown format). */
 const pyrt_row_ops *pyrt_row_ops_scalar(int fmt);
 const pyrt_row_ops *pyrt_row_ops_avx2(int fmt);
-/* TEMPORARY: the AVX2 kernels before block scales 8 at a time (PYRT_QSCALES=0 in moe_ffn.c);
- * mix = 1: the new dots with the old axpyn (PYRT_QSCALES=2). */
-const pyrt_row_ops *pyrt_row_ops_avx2_old(int fmt, int mix);
 const pyrt_row_ops *pyrt_row_ops_avx512(int fmt);
 /* Level `level`'s kernels (cpu.c); NULL for an unknown level or format. */
 const pyrt_row_ops *pyrt_row_ops_at(int level, int fmt);

@@ -92,12 +92,15 @@ AVX2 static inline __m256i dot32_i8(__m256i w, __m256i x) {
  * Scales, 8 blocks at a time: the weight scales of 8 blocks are gathered (vpinsrw), converted in
  * one vcvtph2ps and multiplied by x's 8 scales in one vmulps; each half (blocks 0..3, 4..7) is
  * copied to both 128-bit lanes once (vperm2f128) and each block takes its s with one in-lane
- * vpermilps. Per block this replaces a scalar conversion, a multiply and a broadcast (on Zen 3,
- * rows in L2: dot 3%, dot2 7% faster for Q8_0; Q4_0 about even). The group's scales are made one
- * group ahead: made at the start of their own group, their latency (~8 dependent inserts) stalled
- * the accumulators and the kernel was 15% slower than one block at a time. The f32 products and
- * the accumulation order are those of one block at a time, so are the results (bit for bit; a
- * tail of fewer than 8 blocks goes one pair, then one block, at a time as before). */
+ * vpermilps. Per block this replaces a scalar conversion, a multiply and a broadcast. A group's
+ * scales are made one group ahead: made at the start of their own group, their latency (8
+ * dependent inserts, convert, multiply) held up the accumulators and dot was 15% slower than one
+ * block at a time. The f32 products and the accumulation order are those of one block at a time,
+ * so are the results (bit for bit; fewer than 8 blocks left go a pair, then one block, at a time).
+ * Zen 3 (docs/benchmarks.md): rows in L2, Q8_0 dot 4% and dot2 7% faster, Q4_0 0-2%; the MoE
+ * kernel, batch 1, sparse 0.9 about 10% faster, dense even (within this machine's noise). The
+ * same scheme in axpyn was 9% faster from L2 but 5-20% slower streaming from DRAM and in the MoE
+ * kernel's dense cells, so axpyn keeps one scale per block. */
 
 /* The f16 scales of 8 consecutive weight blocks (at the start of each block, bb bytes apart) as
  * f32, exactly (vcvtph2ps). */
@@ -129,7 +132,8 @@ AVX2 static inline __m256 xscales8(const pyrt_xq8 *xq) {
     } while (0)
 
 /* acc += s * (w . x over one block); wq the block's 32 int8 weights, x its 32 int8 activations. */
-#define BLOCK_FMA(acc, s, wq, x) acc = _mm256_fmadd_ps((s), _mm256_cvtepi32_ps(dot32_i8((wq), (x))), acc)
+#define BLOCK_FMA(acc, s, wq, x)                                                                  \
+    acc = _mm256_fmadd_ps((s), _mm256_cvtepi32_ps(dot32_i8((wq), (x))), acc)
 #define LOAD_X(xb) _mm256_loadu_si256((const __m256i *)(xb))
 
 /* Blocks b + i and b + i + 1 (i even, 0..6) of the group at b, one row (w, acc0, acc1, half). */
@@ -145,7 +149,7 @@ AVX2 static inline __m256 xscales8(const pyrt_xq8 *xq) {
 
 /* One row against x; prefetches of pf[0 .. n_pf-1] are spread over the loop (pyrt_pf_*). */
 #define QUANT_DOT(name, bb, load_block)                                                           \
-    AVX2 static float dot_pf_##name(const void *row, const void *x, int n,                       \
+    AVX2 static float dot_pf_##name(const void *row, const void *x, int n,                        \
                                     const void *const *pf, int n_pf) {                            \
         const uint8_t *w = row;                                                                   \
         const pyrt_xq8 *xq = x;                                                                   \
@@ -218,7 +222,7 @@ QUANT_DOT(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
         pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, nb / 2);                                      \
         __m256 acc0[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                              \
         __m256 acc1[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                              \
-        __m256 next[2] = {acc0[0], acc0[0]}; /* per row, d_w * d_x of the next group */          \
+        __m256 next[2] = {acc0[0], acc0[0]}; /* per row, d_w * d_x of the next group */           \
         if (nb >= 8) {                                                                            \
             const __m256 dx = xscales8(xq);                                                       \
             for (int r = 0; r < 2; r++)                                                           \
@@ -270,85 +274,71 @@ QUANT_DOT(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
 QUANT_DOT2(q8_0, PYRT_Q8_0_BYTES, LOAD_Q8_0)
 QUANT_DOT2(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
 
-/* ---- quantized axpyn ------------------------------------------------------------------------
- *
- * Several down rows into one y: a block of y (32 floats, 4 registers) is loaded once, takes every
- * row's contribution in row order (bit for bit nr axpy calls), and is stored once: per row and
- * block 4 widen + convert + fma and no y traffic, where one axpy per row pays 4 loads and 4 stores
- * of y each time. Per 8 blocks, each row's 8 scales times a[r] are made in one vector (the same
- * products a[r] * d_w as one at a time) and stored; each (row, block) broadcasts its scale from
- * that store. */
-#define BLOCK_AXPY_Q8_0(vs, w, y0, y1, y2, y3)                                                    \
-    do {                                                                                          \
-        y0 = _mm256_fmadd_ps(vs, Q8_PART(w, 0), y0);                                              \
-        y1 = _mm256_fmadd_ps(vs, Q8_PART(w, 1), y1);                                              \
-        y2 = _mm256_fmadd_ps(vs, Q8_PART(w, 2), y2);                                              \
-        y3 = _mm256_fmadd_ps(vs, Q8_PART(w, 3), y3);                                              \
-    } while (0)
-/* Elements 8 part .. 8 part + 7 of the Q8_0 block at w, as f32. */
-#define Q8_PART(w, part)                                                                          \
-    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((w) + 2 + 8 * (part)))))
-/* y0, y1: elements 0..15 (low nibbles of bytes 0..15), y2, y3: 16..31 (high nibbles). */
-#define BLOCK_AXPY_Q4_0(vs, w, y0, y1, y2, y3)                                                    \
-    do {                                                                                          \
-        const __m256i m4_ = _mm256_set1_epi32(0xF), eight_ = _mm256_set1_epi32(8);                \
-        const __m256i q0_ = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((w) + 2)));   \
-        const __m256i q1_ = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((w) + 10)));  \
-        y0 = _mm256_fmadd_ps(vs, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(q0_, m4_), eight_)), y0); \
-        y1 = _mm256_fmadd_ps(vs, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(q1_, m4_), eight_)), y1); \
-        y2 = _mm256_fmadd_ps(vs, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(q0_, 4), eight_)), y2);  \
-        y3 = _mm256_fmadd_ps(vs, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(q1_, 4), eight_)), y3);  \
-    } while (0)
+/* ---- quantized axpyn and axpy ------------------------------------------------------------- */
 
-#define QUANT_AXPYN(name, bb, BLOCK_AXPY)                                                         \
-    AVX2 static void axpyn_pf_##name(int nr, const float *a, const void *const *rows, float *y,   \
-                                     int n, const void *const *pf, int n_pf) {                    \
-        const int nb = n / PYRT_QK;                                                               \
-        pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, nb);                                          \
-        float sc[PYRT_AXPY_ROWS][8]; /* a[r] * d_w of the group's 8 blocks */                     \
-        int b = 0;                                                                                \
-        for (; b + 8 <= nb; b += 8) {                                                             \
-            for (int r = 0; r < nr; r++) {                                                        \
-                const uint8_t *w = (const uint8_t *)rows[r] + (size_t)b * (bb);                   \
-                _mm256_storeu_ps(sc[r], _mm256_mul_ps(_mm256_set1_ps(a[r]), wscales8(w, (bb))));  \
-            }                                                                                     \
-            for (int i = 0; i < 8; i++, y += PYRT_QK) {                                           \
-                __m256 y0 = _mm256_loadu_ps(y), y1 = _mm256_loadu_ps(y + 8);                      \
-                __m256 y2 = _mm256_loadu_ps(y + 16), y3 = _mm256_loadu_ps(y + 24);                \
-                for (int r = 0; r < nr; r++) {                                                    \
-                    const uint8_t *w = (const uint8_t *)rows[r] + (size_t)(b + i) * (bb);         \
-                    BLOCK_AXPY(_mm256_broadcast_ss(&sc[r][i]), w, y0, y1, y2, y3);                \
-                }                                                                                 \
-                _mm256_storeu_ps(y, y0);                                                          \
-                _mm256_storeu_ps(y + 8, y1);                                                      \
-                _mm256_storeu_ps(y + 16, y2);                                                     \
-                _mm256_storeu_ps(y + 24, y3);                                                     \
-                pyrt_pf_tick(&ps);                                                                \
-            }                                                                                     \
-        }                                                                                         \
-        for (; b < nb; b++, y += PYRT_QK) {                                                       \
-            __m256 y0 = _mm256_loadu_ps(y), y1 = _mm256_loadu_ps(y + 8);                          \
-            __m256 y2 = _mm256_loadu_ps(y + 16), y3 = _mm256_loadu_ps(y + 24);                    \
-            for (int r = 0; r < nr; r++) {                                                        \
-                const uint8_t *w = (const uint8_t *)rows[r] + (size_t)b * (bb);                   \
-                const __m256 vs = _mm256_set1_ps(a[r] * _cvtsh_ss(pyrt_load_u16(w)));             \
-                BLOCK_AXPY(vs, w, y0, y1, y2, y3);                                                \
-            }                                                                                     \
-            _mm256_storeu_ps(y, y0);                                                              \
-            _mm256_storeu_ps(y + 8, y1);                                                          \
-            _mm256_storeu_ps(y + 16, y2);                                                         \
-            _mm256_storeu_ps(y + 24, y3);                                                         \
-            pyrt_pf_tick(&ps);                                                                    \
-        }                                                                                         \
-        pyrt_pf_end(&ps);                                                                         \
-    }                                                                                             \
-    AVX2 static void axpyn_##name(int nr, const float *a, const void *const *rows, float *y,      \
-                                  int n) {                                                        \
-        axpyn_pf_##name(nr, a, rows, y, n, NULL, 0);                                              \
+/* Several down rows into one y: a block of y (32 floats, 4 registers) is loaded once, takes every
+ * row's contribution in row order, and is stored once: per row and block 4 widen + convert + fma
+ * and no y traffic, where one axpy per row pays 4 loads and 4 stores of y each time. */
+AVX2 static void axpyn_pf_q8_0(int nr, const float *a, const void *const *rows, float *y,
+                               int n, const void *const *pf, int n_pf) {
+    pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, n / PYRT_QK);
+    for (int b = 0; b < n / PYRT_QK; b++, y += PYRT_QK) {
+        __m256 y0 = _mm256_loadu_ps(y), y1 = _mm256_loadu_ps(y + 8);
+        __m256 y2 = _mm256_loadu_ps(y + 16), y3 = _mm256_loadu_ps(y + 24);
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *w = (const uint8_t *)rows[r] + (size_t)b * PYRT_Q8_0_BYTES;
+            const __m256 vs = _mm256_set1_ps(a[r] * _cvtsh_ss(pyrt_load_u16(w)));
+#define Q8_PART(part)                                                                             \
+    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + 2 + 8 * (part)))))
+            y0 = _mm256_fmadd_ps(vs, Q8_PART(0), y0);
+            y1 = _mm256_fmadd_ps(vs, Q8_PART(1), y1);
+            y2 = _mm256_fmadd_ps(vs, Q8_PART(2), y2);
+            y3 = _mm256_fmadd_ps(vs, Q8_PART(3), y3);
+#undef Q8_PART
+        }
+        _mm256_storeu_ps(y, y0);
+        _mm256_storeu_ps(y + 8, y1);
+        _mm256_storeu_ps(y + 16, y2);
+        _mm256_storeu_ps(y + 24, y3);
+        pyrt_pf_tick(&ps);
     }
+    pyrt_pf_end(&ps);
+}
 
-QUANT_AXPYN(q8_0, PYRT_Q8_0_BYTES, BLOCK_AXPY_Q8_0)
-QUANT_AXPYN(q4_0, PYRT_Q4_0_BYTES, BLOCK_AXPY_Q4_0)
+AVX2 static void axpyn_q8_0(int nr, const float *a, const void *const *rows, float *y, int n) {
+    axpyn_pf_q8_0(nr, a, rows, y, n, NULL, 0);
+}
+
+AVX2 static void axpyn_pf_q4_0(int nr, const float *a, const void *const *rows, float *y,
+                               int n, const void *const *pf, int n_pf) {
+    pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, n / PYRT_QK);
+    const __m256i m4 = _mm256_set1_epi32(0xF), eight = _mm256_set1_epi32(8);
+    for (int b = 0; b < n / PYRT_QK; b++, y += PYRT_QK) {
+        /* y0, y1: elements 0..15 (low nibbles), y2, y3: 16..31 (high nibbles) */
+        __m256 y0 = _mm256_loadu_ps(y), y1 = _mm256_loadu_ps(y + 8);
+        __m256 y2 = _mm256_loadu_ps(y + 16), y3 = _mm256_loadu_ps(y + 24);
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *w = (const uint8_t *)rows[r] + (size_t)b * PYRT_Q4_0_BYTES;
+            const __m256 vs = _mm256_set1_ps(a[r] * _cvtsh_ss(pyrt_load_u16(w)));
+            const __m256i q0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 2)));
+            const __m256i q1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 10)));
+            y0 = _mm256_fmadd_ps(vs, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(q0, m4), eight)), y0);
+            y1 = _mm256_fmadd_ps(vs, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(q1, m4), eight)), y1);
+            y2 = _mm256_fmadd_ps(vs, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(q0, 4), eight)), y2);
+            y3 = _mm256_fmadd_ps(vs, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(q1, 4), eight)), y3);
+        }
+        _mm256_storeu_ps(y, y0);
+        _mm256_storeu_ps(y + 8, y1);
+        _mm256_storeu_ps(y + 16, y2);
+        _mm256_storeu_ps(y + 24, y3);
+        pyrt_pf_tick(&ps);
+    }
+    pyrt_pf_end(&ps);
+}
+
+AVX2 static void axpyn_q4_0(int nr, const float *a, const void *const *rows, float *y, int n) {
+    axpyn_pf_q4_0(nr, a, rows, y, n, NULL, 0);
+}
 
 /* Axpy kernels widen the quants straight from memory (vpmovsxbd / vpmovzxbd with a memory
  * operand), which costs fewer shuffle uops than unpacking a 256-bit register. */
@@ -382,191 +372,6 @@ AVX2 static void axpy_q4_0(float a, const void *row, float *y, int n) {
     }
 }
 
-/* ---- TEMPORARY: the kernels before block scales 8 at a time (PYRT_QSCALES=0), kept only to
- * time old against new in one process and to compare their bits; removed once measured. ---- */
-
-/* One row against x; prefetches of pf[0 .. n_pf-1] are spread over the loop (pyrt_pf_*). */
-#define OLD_QUANT_DOT(name, block_bytes, load_block)                                                  \
-    AVX2 static float old_dot_pf_##name(const void *row, const void *x, int n,                       \
-                                    const void *const *pf, int n_pf) {                            \
-        const uint8_t *w = row;                                                                   \
-        const pyrt_xq8 *xq = x;                                                                   \
-        const int nb = n / PYRT_QK;                                                               \
-        pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, nb / 2);                                      \
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                            \
-        int b = 0;                                                                                \
-        for (; b + 2 <= nb; b += 2) {                                                             \
-            const uint8_t *w0 = w + (size_t)b * (block_bytes), *w1 = w0 + (block_bytes);         \
-            __m256i p0 = dot32_i8(load_block(w0), _mm256_loadu_si256((const __m256i *)xq[b].q)); \
-            __m256i p1 =                                                                          \
-                dot32_i8(load_block(w1), _mm256_loadu_si256((const __m256i *)xq[b + 1].q));       \
-            float s0 = _cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d;                                    \
-            float s1 = _cvtsh_ss(pyrt_load_u16(w1)) * xq[b + 1].d;                                \
-            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s0), _mm256_cvtepi32_ps(p0), acc0);             \
-            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(s1), _mm256_cvtepi32_ps(p1), acc1);             \
-            pyrt_pf_tick(&ps);                                                                    \
-        }                                                                                         \
-        for (; b < nb; b++) {                                                                     \
-            const uint8_t *w0 = w + (size_t)b * (block_bytes);                                    \
-            __m256i p0 = dot32_i8(load_block(w0), _mm256_loadu_si256((const __m256i *)xq[b].q)); \
-            float s0 = _cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d;                                    \
-            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s0), _mm256_cvtepi32_ps(p0), acc0);             \
-        }                                                                                         \
-        pyrt_pf_end(&ps);                                                                         \
-        return hsum8(_mm256_add_ps(acc0, acc1));                                                  \
-    }                                                                                             \
-    AVX2 static float old_dot_##name(const void *row, const void *x, int n) {                         \
-        return old_dot_pf_##name(row, x, n, NULL, 0);                                                 \
-    }
-
-OLD_QUANT_DOT(q8_0, PYRT_Q8_0_BYTES, LOAD_Q8_0)
-OLD_QUANT_DOT(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
-
-#define DOT2_STEP(i, h, m0, m1, bb, load_block)                                                   \
-    do {                                                                                          \
-        const __m256i x0 = _mm256_loadu_si256((const __m256i *)xq[b + (i)].q);                    \
-        const __m256i x1 = _mm256_loadu_si256((const __m256i *)xq[b + (i) + 1].q);                \
-        for (int r = 0; r < 2; r++) {                                                             \
-            const uint8_t *w0 = wr[r] + (size_t)(b + (i)) * (bb);                                 \
-            const __m256i p0 = dot32_i8(load_block(w0), x0);                                      \
-            const __m256i p1 = dot32_i8(load_block(w0 + (bb)), x1);                               \
-            acc0[r] = _mm256_fmadd_ps(_mm256_permute_ps(half[r][h], m0), _mm256_cvtepi32_ps(p0),  \
-                                      acc0[r]);                                                   \
-            acc1[r] = _mm256_fmadd_ps(_mm256_permute_ps(half[r][h], m1), _mm256_cvtepi32_ps(p1),  \
-                                      acc1[r]);                                                   \
-        }                                                                                         \
-        pyrt_pf_tick(&ps);                                                                        \
-    } while (0)
-
-/* Two rows against one x in one pass: per row exactly the operations of dot_q8_0 / dot_q4_0 (same
- * accumulators, same order), so the results equal two dot calls bit for bit. */
-#define OLD_QUANT_DOT2(name, block_bytes, load_block)                                                 \
-    AVX2 static void old_dot2_pf_##name(const void *row0, const void *row1, const void *x, int n,     \
-                                    float out[2], const void *const *pf, int n_pf) {              \
-        const uint8_t *wr[2] = {row0, row1};                                                      \
-        const pyrt_xq8 *xq = x;                                                                   \
-        const int nb = n / PYRT_QK;                                                               \
-        pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, nb / 2);                                      \
-        __m256 acc0[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                              \
-        __m256 acc1[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                              \
-        int b = 0;                                                                                \
-        for (; b + 2 <= nb; b += 2) {                                                             \
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)xq[b].q);                      \
-            const __m256i x1 = _mm256_loadu_si256((const __m256i *)xq[b + 1].q);                  \
-            for (int r = 0; r < 2; r++) {                                                         \
-                const uint8_t *w0 = wr[r] + (size_t)b * (block_bytes), *w1 = w0 + (block_bytes); \
-                __m256i p0 = dot32_i8(load_block(w0), x0);                                        \
-                __m256i p1 = dot32_i8(load_block(w1), x1);                                        \
-                float s0 = _cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d;                                \
-                float s1 = _cvtsh_ss(pyrt_load_u16(w1)) * xq[b + 1].d;                            \
-                acc0[r] = _mm256_fmadd_ps(_mm256_set1_ps(s0), _mm256_cvtepi32_ps(p0), acc0[r]);   \
-                acc1[r] = _mm256_fmadd_ps(_mm256_set1_ps(s1), _mm256_cvtepi32_ps(p1), acc1[r]);   \
-            }                                                                                     \
-            pyrt_pf_tick(&ps);                                                                    \
-        }                                                                                         \
-        for (; b < nb; b++) {                                                                     \
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)xq[b].q);                      \
-            for (int r = 0; r < 2; r++) {                                                         \
-                const uint8_t *w0 = wr[r] + (size_t)b * (block_bytes);                            \
-                __m256i p0 = dot32_i8(load_block(w0), x0);                                        \
-                float s0 = _cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d;                                \
-                acc0[r] = _mm256_fmadd_ps(_mm256_set1_ps(s0), _mm256_cvtepi32_ps(p0), acc0[r]);   \
-            }                                                                                     \
-        }                                                                                         \
-        pyrt_pf_end(&ps);                                                                         \
-        out[0] = hsum8(_mm256_add_ps(acc0[0], acc1[0]));                                          \
-        out[1] = hsum8(_mm256_add_ps(acc0[1], acc1[1]));                                          \
-    }                                                                                             \
-    AVX2 static void old_dot2_##name(const void *row0, const void *row1, const void *x, int n,        \
-                                 float out[2]) {                                                  \
-        old_dot2_pf_##name(row0, row1, x, n, out, NULL, 0);                                           \
-    }
-
-OLD_QUANT_DOT2(q8_0, PYRT_Q8_0_BYTES, LOAD_Q8_0)
-OLD_QUANT_DOT2(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
-
-/* Several down rows into one y: a block of y (32 floats, 4 registers) is loaded once, takes every
- * row's contribution in row order, and is stored once: per row and block 4 widen + convert + fma
- * and no y traffic, where one axpy per row pays 4 loads and 4 stores of y each time. */
-AVX2 static void old_axpyn_pf_q8_0(int nr, const float *a, const void *const *rows, float *y,
-                               int n, const void *const *pf, int n_pf) {
-    pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, n / PYRT_QK);
-    for (int b = 0; b < n / PYRT_QK; b++, y += PYRT_QK) {
-        __m256 y0 = _mm256_loadu_ps(y), y1 = _mm256_loadu_ps(y + 8);
-        __m256 y2 = _mm256_loadu_ps(y + 16), y3 = _mm256_loadu_ps(y + 24);
-        for (int r = 0; r < nr; r++) {
-            const uint8_t *w = (const uint8_t *)rows[r] + (size_t)b * PYRT_Q8_0_BYTES;
-            const __m256 vs = _mm256_set1_ps(a[r] * _cvtsh_ss(pyrt_load_u16(w)));
-#define OLD_Q8_PART(part)                                                                             \
-    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + 2 + 8 * (part)))))
-            y0 = _mm256_fmadd_ps(vs, OLD_Q8_PART(0), y0);
-            y1 = _mm256_fmadd_ps(vs, OLD_Q8_PART(1), y1);
-            y2 = _mm256_fmadd_ps(vs, OLD_Q8_PART(2), y2);
-            y3 = _mm256_fmadd_ps(vs, OLD_Q8_PART(3), y3);
-#undef OLD_Q8_PART
-        }
-        _mm256_storeu_ps(y, y0);
-        _mm256_storeu_ps(y + 8, y1);
-        _mm256_storeu_ps(y + 16, y2);
-        _mm256_storeu_ps(y + 24, y3);
-        pyrt_pf_tick(&ps);
-    }
-    pyrt_pf_end(&ps);
-}
-
-AVX2 static void old_axpyn_q8_0(int nr, const float *a, const void *const *rows, float *y, int n) {
-    old_axpyn_pf_q8_0(nr, a, rows, y, n, NULL, 0);
-}
-
-AVX2 static void old_axpyn_pf_q4_0(int nr, const float *a, const void *const *rows, float *y,
-                               int n, const void *const *pf, int n_pf) {
-    pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, n / PYRT_QK);
-    const __m256i m4 = _mm256_set1_epi32(0xF), eight = _mm256_set1_epi32(8);
-    for (int b = 0; b < n / PYRT_QK; b++, y += PYRT_QK) {
-        /* y0, y1: elements 0..15 (low nibbles), y2, y3: 16..31 (high nibbles) */
-        __m256 y0 = _mm256_loadu_ps(y), y1 = _mm256_loadu_ps(y + 8);
-        __m256 y2 = _mm256_loadu_ps(y + 16), y3 = _mm256_loadu_ps(y + 24);
-        for (int r = 0; r < nr; r++) {
-            const uint8_t *w = (const uint8_t *)rows[r] + (size_t)b * PYRT_Q4_0_BYTES;
-            const __m256 vs = _mm256_set1_ps(a[r] * _cvtsh_ss(pyrt_load_u16(w)));
-            const __m256i q0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 2)));
-            const __m256i q1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 10)));
-            y0 = _mm256_fmadd_ps(vs, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(q0, m4), eight)), y0);
-            y1 = _mm256_fmadd_ps(vs, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(q1, m4), eight)), y1);
-            y2 = _mm256_fmadd_ps(vs, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(q0, 4), eight)), y2);
-            y3 = _mm256_fmadd_ps(vs, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(q1, 4), eight)), y3);
-        }
-        _mm256_storeu_ps(y, y0);
-        _mm256_storeu_ps(y + 8, y1);
-        _mm256_storeu_ps(y + 16, y2);
-        _mm256_storeu_ps(y + 24, y3);
-        pyrt_pf_tick(&ps);
-    }
-    pyrt_pf_end(&ps);
-}
-
-AVX2 static void old_axpyn_q4_0(int nr, const float *a, const void *const *rows, float *y, int n) {
-    old_axpyn_pf_q4_0(nr, a, rows, y, n, NULL, 0);
-}
-
-
-static const pyrt_row_ops ops_q8_0_old = {old_dot_q8_0,    axpy_q8_0,    old_dot2_q8_0,    old_axpyn_q8_0,
-                                      old_dot_pf_q8_0, old_dot2_pf_q8_0, old_axpyn_pf_q8_0};
-static const pyrt_row_ops ops_q4_0_old = {old_dot_q4_0,    axpy_q4_0,    old_dot2_q4_0,    old_axpyn_q4_0,
-                                      old_dot_pf_q4_0, old_dot2_pf_q4_0, old_axpyn_pf_q4_0};
-
-/* New dots, old axpyn (PYRT_QSCALES=2). */
-static const pyrt_row_ops ops_q8_0_mix = {dot_q8_0,    axpy_q8_0,    dot2_q8_0,    old_axpyn_q8_0,
-                                          dot_pf_q8_0, dot2_pf_q8_0, old_axpyn_pf_q8_0};
-static const pyrt_row_ops ops_q4_0_mix = {dot_q4_0,    axpy_q4_0,    dot2_q4_0,    old_axpyn_q4_0,
-                                          dot_pf_q4_0, dot2_pf_q4_0, old_axpyn_pf_q4_0};
-
-/* New dot only, old dot2 and axpyn (PYRT_QSCALES=3). */
-static const pyrt_row_ops ops_q8_0_dot1 = {dot_q8_0,    axpy_q8_0,        old_dot2_q8_0,    old_axpyn_q8_0,
-                                           dot_pf_q8_0, old_dot2_pf_q8_0, old_axpyn_pf_q8_0};
-static const pyrt_row_ops ops_q4_0_dot1 = {dot_q4_0,    axpy_q4_0,        old_dot2_q4_0,    old_axpyn_q4_0,
-                                           dot_pf_q4_0, old_dot2_pf_q4_0, old_axpyn_pf_q4_0};
-
 static const pyrt_row_ops ops_f32 = {dot_f32, axpy_f32, NULL, NULL, NULL, NULL, NULL};
 static const pyrt_row_ops ops_f16 = {dot_f16, axpy_f16, NULL, NULL, NULL, NULL, NULL};
 static const pyrt_row_ops ops_bf16 = {dot_bf16, axpy_bf16, NULL, NULL, NULL, NULL, NULL};
@@ -592,27 +397,10 @@ const pyrt_row_ops *pyrt_row_ops_avx2(int fmt) {
     }
 }
 
-/* TEMPORARY (PYRT_QSCALES=0): the AVX2 kernels with the quantized kernels before block scales 8
- * at a time. */
-const pyrt_row_ops *pyrt_row_ops_avx2_old(int fmt, int mix) {
-    switch (fmt) {
-    case PYRT_FMT_Q8_0:
-        return mix == 2 ? &ops_q8_0_dot1 : mix ? &ops_q8_0_mix : &ops_q8_0_old;
-    case PYRT_FMT_Q4_0:
-        return mix == 2 ? &ops_q4_0_dot1 : mix ? &ops_q4_0_mix : &ops_q4_0_old;
-    default:
-        return pyrt_row_ops_avx2(fmt);
-    }
-}
-
 #else /* not x86-64: no AVX2 kernels; cpu.c never selects this level */
 
 const pyrt_row_ops *pyrt_row_ops_avx2(int fmt) {
     (void)fmt;
-    return NULL;
-}
-const pyrt_row_ops *pyrt_row_ops_avx2_old(int fmt, int mix) {
-    (void)fmt, (void)mix;
     return NULL;
 }
 

@@ -167,76 +167,6 @@ static void test_row_kernels(void) {
     }
 }
 
-/* TEMPORARY, while both exist: the AVX2 quantized kernels with block scales 8 at a time give the
- * bits of the kernels before them (pyrt_row_ops_avx2_old) for dot, dot_pf, dot2, dot2_pf, axpyn
- * and axpyn_pf, at block counts that hit the 8-block scale groups, the pair steps after them and
- * the odd last block, with -128 weights. Runs only where the CPU has AVX2. */
-static void test_avx2_scales8_same_bits_as_old(void) {
-    if (pyrt_simd_best() < PYRT_SIMD_AVX2) {
-        printf("skipped: AVX2 scales8 vs old bits (this CPU has no AVX2)\n");
-        return;
-    }
-    const int lengths[] = {32, 64, 96, 256, 288, 544, 608, 2048, 2080};
-    const int fmts[] = {PYRT_FMT_Q8_0, PYRT_FMT_Q4_0};
-    for (int f = 0; f < 2; f++) {
-        const int fmt = fmts[f];
-        const pyrt_row_ops *base = pyrt_row_ops_avx2_old(fmt, 0), *ops = pyrt_row_ops_avx2(fmt);
-        for (size_t li = 0; li < sizeof lengths / sizeof *lengths; li++) {
-            const int n = lengths[li];
-            const size_t rb = pyrt_row_bytes(fmt, n);
-            uint8_t *rows = malloc(PYRT_AXPY_ROWS * rb);
-            double *wv = malloc(sizeof(double) * n);
-            float *x = malloc(sizeof(float) * n), *y0 = malloc(sizeof(float) * n);
-            float *y1 = malloc(sizeof(float) * n);
-            pyrt_xq8 *xq = malloc(sizeof(pyrt_xq8) * (n / 32));
-            for (int r = 0; r < PYRT_AXPY_ROWS; r++)
-                make_row(fmt, n, rows + r * rb, wv, r == 0 || (r == 1 && li % 2));
-            float a[PYRT_AXPY_ROWS];
-            const void *rp[PYRT_AXPY_ROWS];
-            for (int r = 0; r < PYRT_AXPY_ROWS; r++)
-                a[r] = rng_normalish(), rp[r] = rows + r * rb;
-            for (int i = 0; i < n; i++)
-                x[i] = rng_normalish();
-            pyrt_quantize_x_q8(x, xq, n);
-            const void *pf[2 * 80];
-            int n_pf = 0;
-            for (size_t off = 0; off < 2 * rb && n_pf < 2 * 80; off += 64)
-                pf[n_pf++] = rows + off;
-            const float d0 = base->dot(rows, xq, n), d1 = base->dot(rows + rb, xq, n);
-            float got[2], got2[2], old2[2];
-            got[0] = ops->dot(rows, xq, n);
-            got[1] = ops->dot_pf(rows + rb, xq, n, pf, n_pf);
-            CHECK(memcmp(&got[0], &d0, 4) == 0 && memcmp(&got[1], &d1, 4) == 0,
-                  "avx2 scales8 fmt %d n %d: dot %.9g %.9g vs old %.9g %.9g", fmt, n, got[0],
-                  got[1], d0, d1);
-            base->dot2(rows, rows + rb, xq, n, old2);
-            CHECK(memcmp(&old2[0], &d0, 4) == 0 && memcmp(&old2[1], &d1, 4) == 0,
-                  "old avx2 fmt %d n %d: dot2 differs from dot", fmt, n);
-            ops->dot2(rows, rows + rb, xq, n, got2);
-            CHECK(memcmp(&got2[0], &d0, 4) == 0 && memcmp(&got2[1], &d1, 4) == 0,
-                  "avx2 scales8 fmt %d n %d: dot2 %.9g %.9g vs old %.9g %.9g", fmt, n, got2[0],
-                  got2[1], d0, d1);
-            ops->dot2_pf(rows, rows + rb, xq, n, got2, pf, n_pf);
-            CHECK(memcmp(&got2[0], &d0, 4) == 0 && memcmp(&got2[1], &d1, 4) == 0,
-                  "avx2 scales8 fmt %d n %d: dot2_pf differs from old", fmt, n);
-            for (int nr = 1; nr <= PYRT_AXPY_ROWS; nr++) {
-                for (int i = 0; i < n; i++)
-                    y0[i] = y1[i] = x[i];
-                base->axpyn(nr, a, rp, y0, n);
-                ops->axpyn(nr, a, rp, y1, n);
-                CHECK(memcmp(y0, y1, sizeof(float) * n) == 0,
-                      "avx2 scales8 fmt %d n %d: axpyn nr %d differs from old", fmt, n, nr);
-                for (int i = 0; i < n; i++)
-                    y1[i] = x[i];
-                ops->axpyn_pf(nr, a, rp, y1, n, pf, n_pf);
-                CHECK(memcmp(y0, y1, sizeof(float) * n) == 0,
-                      "avx2 scales8 fmt %d n %d: axpyn_pf nr %d differs from old", fmt, n, nr);
-            }
-            free(rows), free(wv), free(x), free(xq), free(y0), free(y1);
-        }
-    }
-}
-
 /* The fused kernels (dot2: gate and up in one pass; axpyn: several down rows per pass over y)
  * must give exactly the bits of the plain kernels, or sparse-keeping-everything would not equal
  * dense bit for bit. */
@@ -543,7 +473,6 @@ static void test_errors(void) {
 int main(void) {
     test_quantize_x();
     test_row_kernels();
-    test_avx2_scales8_same_bits_as_old();
     test_fused_kernels_match_plain();
     test_moe_ffn_case(13);
     test_moe_ffn_case(197);
