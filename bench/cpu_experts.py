@@ -137,6 +137,29 @@ def sweep(core, layers, fmt, shape, batches, sparsities, iters, knobs, rounds, b
                 dense = statistics.median(ms[(combo, b, 0.0)]) if 0.0 in sparsities else None
                 cells.append(f"{m:.3f}" + (f" ({dense / m:.2f}x)" if dense else ""))
         print(f"| {' | '.join(combo)} | {' | '.join(cells)} |", flush=True)
+    print_spread(names, combos, cols, ms)
+
+
+def print_spread(names, combos, cols, ms):
+    """The sweep's spread: per cell, the lowest and highest of the rounds' medians (ms), and for
+    every combination after the first the median over rounds of its ms / the first's ms in the same
+    round (rounds are interleaved, so this ratio pairs measurements taken close in time)."""
+    head = " | ".join(f"b{b} s{s:.1f}" for b, s in cols)
+    print(
+        f"\nspread: min-max of the round medians (ms); ratio = median over rounds of ms / "
+        f"first combination's ms in the same round\n\n| {' | '.join(names)} | {head} |"
+    )
+    print("|" + "---|" * (len(names) + len(cols)))
+    for combo in combos:
+        cells = []
+        for b, s in cols:
+            v = ms[(combo, b, s)]
+            cell = f"{min(v):.3f}-{max(v):.3f}"
+            if combo != combos[0]:
+                ref = ms[(combos[0], b, s)]
+                cell += f" ({statistics.median(x / r for x, r in zip(v, ref, strict=True)):.3f})"
+            cells.append(cell)
+        print(f"| {' | '.join(combo)} | {' | '.join(cells)} |", flush=True)
 
 
 def bench_layer(core, layers, fmt, shape, batch, threshold, iters, seed=3):

@@ -82,32 +82,107 @@ AVX2 static inline __m256i dot32_i8(__m256i w, __m256i x) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1));
 }
 
+/* ---- quantized dots --------------------------------------------------------------------------
+ *
+ * One row (dot) or two (dot2) against one quantized activation vector x (pyrt_xq8 blocks), one
+ * 32-element block per 256-bit step: 8 int32 lanes (dot32_i8), converted to f32 and accumulated
+ * as acc += s * lanes with s = d_w * d_x of the block, even blocks into acc0 and odd ones into
+ * acc1, two blocks per prefetch tick.
+ *
+ * Scales, 8 blocks at a time: the weight scales of 8 blocks are gathered (vpinsrw), converted in
+ * one vcvtph2ps and multiplied by x's 8 scales in one vmulps; each half (blocks 0..3, 4..7) is
+ * copied to both 128-bit lanes once (vperm2f128) and each block takes its s with one in-lane
+ * vpermilps. Per block this replaces a scalar conversion, a multiply and a broadcast. A group's
+ * scales are made one group ahead: made at the start of their own group, their latency (8
+ * dependent inserts, convert, multiply) held up the accumulators and dot was 15% slower than one
+ * block at a time. The f32 products and the accumulation order are those of one block at a time,
+ * so are the results (bit for bit; fewer than 8 blocks left go a pair, then one block, at a time).
+ * Zen 3 (docs/benchmarks.md): rows in L2, Q8_0 dot 4% and dot2 7% faster, Q4_0 dot even and
+ * dot2 2-5%; the MoE kernel, sparse 0.9 8-10% faster, dense even (within that machine's noise).
+ * The same scheme in axpyn was 3-9% faster from L2 but 4-19% slower (Q8_0) streaming from DRAM,
+ * and the MoE kernel's dense cells were slower with it, so axpyn keeps one scale per block. */
+
+/* The f16 scales of 8 consecutive weight blocks (at the start of each block, bb bytes apart) as
+ * f32, exactly (vcvtph2ps). */
+AVX2 static inline __m256 wscales8(const uint8_t *w, size_t bb) {
+    __m128i h = _mm_cvtsi32_si128(pyrt_load_u16(w));
+    h = _mm_insert_epi16(h, pyrt_load_u16(w + 1 * bb), 1);
+    h = _mm_insert_epi16(h, pyrt_load_u16(w + 2 * bb), 2);
+    h = _mm_insert_epi16(h, pyrt_load_u16(w + 3 * bb), 3);
+    h = _mm_insert_epi16(h, pyrt_load_u16(w + 4 * bb), 4);
+    h = _mm_insert_epi16(h, pyrt_load_u16(w + 5 * bb), 5);
+    h = _mm_insert_epi16(h, pyrt_load_u16(w + 6 * bb), 6);
+    h = _mm_insert_epi16(h, pyrt_load_u16(w + 7 * bb), 7);
+    return _mm256_cvtph_ps(h);
+}
+
+/* x's scales of 8 consecutive blocks (f32, sizeof(pyrt_xq8) = 36 bytes apart; a vgatherdps was
+ * 1.5x slower here). */
+AVX2 static inline __m256 xscales8(const pyrt_xq8 *xq) {
+    return _mm256_setr_ps(xq[0].d, xq[1].d, xq[2].d, xq[3].d, xq[4].d, xq[5].d, xq[6].d,
+                          xq[7].d);
+}
+
+/* half[0] = lanes 0..3 of s8 in both 128-bit lanes, half[1] = lanes 4..7; block i of the group
+ * then takes its scale as _mm256_permute_ps(half[i / 4], 0x55 * (i % 4)). */
+#define SPLIT_HALVES(half, s8)                                                                    \
+    do {                                                                                          \
+        (half)[0] = _mm256_permute2f128_ps((s8), (s8), 0x00);                                     \
+        (half)[1] = _mm256_permute2f128_ps((s8), (s8), 0x11);                                     \
+    } while (0)
+
+/* acc += s * (w . x over one block); wq the block's 32 int8 weights, x its 32 int8 activations. */
+#define BLOCK_FMA(acc, s, wq, x)                                                                  \
+    acc = _mm256_fmadd_ps((s), _mm256_cvtepi32_ps(dot32_i8((wq), (x))), acc)
+#define LOAD_X(xb) _mm256_loadu_si256((const __m256i *)(xb))
+
+/* Blocks b + i and b + i + 1 (i even, 0..6) of the group at b, one row (w, acc0, acc1, half). */
+#define DOT_PAIR(i, bb, load_block)                                                               \
+    do {                                                                                          \
+        const uint8_t *w0 = w + (size_t)(b + (i)) * (bb);                                         \
+        BLOCK_FMA(acc0, _mm256_permute_ps(half[(i) / 4], 0x55 * ((i) % 4)), load_block(w0),       \
+                  LOAD_X(xq[b + (i)].q));                                                         \
+        BLOCK_FMA(acc1, _mm256_permute_ps(half[(i) / 4], 0x55 * ((i) % 4 + 1)),                   \
+                  load_block(w0 + (bb)), LOAD_X(xq[b + (i) + 1].q));                              \
+        pyrt_pf_tick(&ps);                                                                        \
+    } while (0)
+
 /* One row against x; prefetches of pf[0 .. n_pf-1] are spread over the loop (pyrt_pf_*). */
-#define QUANT_DOT(name, block_bytes, load_block)                                                  \
-    AVX2 static float dot_pf_##name(const void *row, const void *x, int n,                       \
+#define QUANT_DOT(name, bb, load_block)                                                           \
+    AVX2 static float dot_pf_##name(const void *row, const void *x, int n,                        \
                                     const void *const *pf, int n_pf) {                            \
         const uint8_t *w = row;                                                                   \
         const pyrt_xq8 *xq = x;                                                                   \
         const int nb = n / PYRT_QK;                                                               \
         pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, nb / 2);                                      \
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                            \
+        __m256 next = acc0; /* d_w * d_x of the next group's 8 blocks */                          \
+        if (nb >= 8)                                                                              \
+            next = _mm256_mul_ps(wscales8(w, (bb)), xscales8(xq));                                \
         int b = 0;                                                                                \
+        for (; b + 8 <= nb; b += 8) {                                                             \
+            __m256 half[2];                                                                       \
+            SPLIT_HALVES(half, next);                                                             \
+            if (b + 16 <= nb)                                                                     \
+                next = _mm256_mul_ps(wscales8(w + (size_t)(b + 8) * (bb), (bb)),                  \
+                                     xscales8(xq + b + 8));                                       \
+            DOT_PAIR(0, bb, load_block);                                                          \
+            DOT_PAIR(2, bb, load_block);                                                          \
+            DOT_PAIR(4, bb, load_block);                                                          \
+            DOT_PAIR(6, bb, load_block);                                                          \
+        }                                                                                         \
         for (; b + 2 <= nb; b += 2) {                                                             \
-            const uint8_t *w0 = w + (size_t)b * (block_bytes), *w1 = w0 + (block_bytes);         \
-            __m256i p0 = dot32_i8(load_block(w0), _mm256_loadu_si256((const __m256i *)xq[b].q)); \
-            __m256i p1 =                                                                          \
-                dot32_i8(load_block(w1), _mm256_loadu_si256((const __m256i *)xq[b + 1].q));       \
-            float s0 = _cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d;                                    \
-            float s1 = _cvtsh_ss(pyrt_load_u16(w1)) * xq[b + 1].d;                                \
-            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s0), _mm256_cvtepi32_ps(p0), acc0);             \
-            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(s1), _mm256_cvtepi32_ps(p1), acc1);             \
+            const uint8_t *w0 = w + (size_t)b * (bb), *w1 = w0 + (bb);                            \
+            const float s0 = _cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d;                              \
+            const float s1 = _cvtsh_ss(pyrt_load_u16(w1)) * xq[b + 1].d;                          \
+            BLOCK_FMA(acc0, _mm256_set1_ps(s0), load_block(w0), LOAD_X(xq[b].q));                 \
+            BLOCK_FMA(acc1, _mm256_set1_ps(s1), load_block(w1), LOAD_X(xq[b + 1].q));             \
             pyrt_pf_tick(&ps);                                                                    \
         }                                                                                         \
-        for (; b < nb; b++) {                                                                     \
-            const uint8_t *w0 = w + (size_t)b * (block_bytes);                                    \
-            __m256i p0 = dot32_i8(load_block(w0), _mm256_loadu_si256((const __m256i *)xq[b].q)); \
-            float s0 = _cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d;                                    \
-            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s0), _mm256_cvtepi32_ps(p0), acc0);             \
+        if (b < nb) {                                                                             \
+            const uint8_t *w0 = w + (size_t)b * (bb);                                             \
+            const float s0 = _cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d;                              \
+            BLOCK_FMA(acc0, _mm256_set1_ps(s0), load_block(w0), LOAD_X(xq[b].q));                 \
         }                                                                                         \
         pyrt_pf_end(&ps);                                                                         \
         return hsum8(_mm256_add_ps(acc0, acc1));                                                  \
@@ -121,9 +196,24 @@ AVX2 static inline __m256i dot32_i8(__m256i w, __m256i x) {
 QUANT_DOT(q8_0, PYRT_Q8_0_BYTES, LOAD_Q8_0)
 QUANT_DOT(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
 
+/* DOT_PAIR for both rows of dot2 (wr[r], acc0[r], acc1[r], half[r]); x's blocks loaded once. */
+#define DOT2_PAIR(i, bb, load_block)                                                              \
+    do {                                                                                          \
+        const __m256i x0 = LOAD_X(xq[b + (i)].q), x1 = LOAD_X(xq[b + (i) + 1].q);                 \
+        for (int r = 0; r < 2; r++) {                                                             \
+            const uint8_t *w0 = wr[r] + (size_t)(b + (i)) * (bb);                                 \
+            BLOCK_FMA(acc0[r], _mm256_permute_ps(half[r][(i) / 4], 0x55 * ((i) % 4)),             \
+                      load_block(w0), x0);                                                        \
+            BLOCK_FMA(acc1[r], _mm256_permute_ps(half[r][(i) / 4], 0x55 * ((i) % 4 + 1)),         \
+                      load_block(w0 + (bb)), x1);                                                 \
+        }                                                                                         \
+        pyrt_pf_tick(&ps);                                                                        \
+    } while (0)
+
 /* Two rows against one x in one pass: per row exactly the operations of dot_q8_0 / dot_q4_0 (same
- * accumulators, same order), so the results equal two dot calls bit for bit. */
-#define QUANT_DOT2(name, block_bytes, load_block)                                                 \
+ * products, same accumulators, same order), so the results equal two dot calls bit for bit; x's
+ * blocks and scales are loaded once for both rows. */
+#define QUANT_DOT2(name, bb, load_block)                                                          \
     AVX2 static void dot2_pf_##name(const void *row0, const void *row1, const void *x, int n,     \
                                     float out[2], const void *const *pf, int n_pf) {              \
         const uint8_t *wr[2] = {row0, row1};                                                      \
@@ -132,28 +222,44 @@ QUANT_DOT(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
         pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, nb / 2);                                      \
         __m256 acc0[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                              \
         __m256 acc1[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                              \
+        __m256 next[2] = {acc0[0], acc0[0]}; /* per row, d_w * d_x of the next group */           \
+        if (nb >= 8) {                                                                            \
+            const __m256 dx = xscales8(xq);                                                       \
+            for (int r = 0; r < 2; r++)                                                           \
+                next[r] = _mm256_mul_ps(wscales8(wr[r], (bb)), dx);                               \
+        }                                                                                         \
         int b = 0;                                                                                \
+        for (; b + 8 <= nb; b += 8) {                                                             \
+            __m256 half[2][2];                                                                    \
+            for (int r = 0; r < 2; r++)                                                           \
+                SPLIT_HALVES(half[r], next[r]);                                                   \
+            if (b + 16 <= nb) {                                                                   \
+                const __m256 dx = xscales8(xq + b + 8);                                           \
+                for (int r = 0; r < 2; r++)                                                       \
+                    next[r] = _mm256_mul_ps(wscales8(wr[r] + (size_t)(b + 8) * (bb), (bb)), dx);  \
+            }                                                                                     \
+            DOT2_PAIR(0, bb, load_block);                                                         \
+            DOT2_PAIR(2, bb, load_block);                                                         \
+            DOT2_PAIR(4, bb, load_block);                                                         \
+            DOT2_PAIR(6, bb, load_block);                                                         \
+        }                                                                                         \
         for (; b + 2 <= nb; b += 2) {                                                             \
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)xq[b].q);                      \
-            const __m256i x1 = _mm256_loadu_si256((const __m256i *)xq[b + 1].q);                  \
+            const __m256i x0 = LOAD_X(xq[b].q), x1 = LOAD_X(xq[b + 1].q);                         \
             for (int r = 0; r < 2; r++) {                                                         \
-                const uint8_t *w0 = wr[r] + (size_t)b * (block_bytes), *w1 = w0 + (block_bytes); \
-                __m256i p0 = dot32_i8(load_block(w0), x0);                                        \
-                __m256i p1 = dot32_i8(load_block(w1), x1);                                        \
-                float s0 = _cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d;                                \
-                float s1 = _cvtsh_ss(pyrt_load_u16(w1)) * xq[b + 1].d;                            \
-                acc0[r] = _mm256_fmadd_ps(_mm256_set1_ps(s0), _mm256_cvtepi32_ps(p0), acc0[r]);   \
-                acc1[r] = _mm256_fmadd_ps(_mm256_set1_ps(s1), _mm256_cvtepi32_ps(p1), acc1[r]);   \
+                const uint8_t *w0 = wr[r] + (size_t)b * (bb), *w1 = w0 + (bb);                    \
+                const float s0 = _cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d;                          \
+                const float s1 = _cvtsh_ss(pyrt_load_u16(w1)) * xq[b + 1].d;                      \
+                BLOCK_FMA(acc0[r], _mm256_set1_ps(s0), load_block(w0), x0);                       \
+                BLOCK_FMA(acc1[r], _mm256_set1_ps(s1), load_block(w1), x1);                       \
             }                                                                                     \
             pyrt_pf_tick(&ps);                                                                    \
         }                                                                                         \
-        for (; b < nb; b++) {                                                                     \
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)xq[b].q);                      \
+        if (b < nb) {                                                                             \
+            const __m256i x0 = LOAD_X(xq[b].q);                                                   \
             for (int r = 0; r < 2; r++) {                                                         \
-                const uint8_t *w0 = wr[r] + (size_t)b * (block_bytes);                            \
-                __m256i p0 = dot32_i8(load_block(w0), x0);                                        \
-                float s0 = _cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d;                                \
-                acc0[r] = _mm256_fmadd_ps(_mm256_set1_ps(s0), _mm256_cvtepi32_ps(p0), acc0[r]);   \
+                const uint8_t *w0 = wr[r] + (size_t)b * (bb);                                     \
+                const float s0 = _cvtsh_ss(pyrt_load_u16(w0)) * xq[b].d;                          \
+                BLOCK_FMA(acc0[r], _mm256_set1_ps(s0), load_block(w0), x0);                       \
             }                                                                                     \
         }                                                                                         \
         pyrt_pf_end(&ps);                                                                         \
@@ -167,6 +273,8 @@ QUANT_DOT(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
 
 QUANT_DOT2(q8_0, PYRT_Q8_0_BYTES, LOAD_Q8_0)
 QUANT_DOT2(q4_0, PYRT_Q4_0_BYTES, LOAD_Q4_0)
+
+/* ---- quantized axpyn and axpy ------------------------------------------------------------- */
 
 /* Several down rows into one y: a block of y (32 floats, 4 registers) is loaded once, takes every
  * row's contribution in row order, and is stored once: per row and block 4 widen + convert + fma
