@@ -5,6 +5,8 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 
+#include "rows_x86.h"
+
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
 AVX2 static inline float hsum8(__m256 v) {
@@ -102,19 +104,7 @@ AVX2 static inline __m256i dot32_i8(__m256i w, __m256i x) {
  * The same scheme in axpyn was 3-9% faster from L2 but 4-19% slower (Q8_0) streaming from DRAM,
  * and the MoE kernel's dense cells were slower with it, so axpyn keeps one scale per block. */
 
-/* The f16 scales of 8 consecutive weight blocks (at the start of each block, bb bytes apart) as
- * f32, exactly (vcvtph2ps). */
-AVX2 static inline __m256 wscales8(const uint8_t *w, size_t bb) {
-    __m128i h = _mm_cvtsi32_si128(pyrt_load_u16(w));
-    h = _mm_insert_epi16(h, pyrt_load_u16(w + 1 * bb), 1);
-    h = _mm_insert_epi16(h, pyrt_load_u16(w + 2 * bb), 2);
-    h = _mm_insert_epi16(h, pyrt_load_u16(w + 3 * bb), 3);
-    h = _mm_insert_epi16(h, pyrt_load_u16(w + 4 * bb), 4);
-    h = _mm_insert_epi16(h, pyrt_load_u16(w + 5 * bb), 5);
-    h = _mm_insert_epi16(h, pyrt_load_u16(w + 6 * bb), 6);
-    h = _mm_insert_epi16(h, pyrt_load_u16(w + 7 * bb), 7);
-    return _mm256_cvtph_ps(h);
-}
+/* wscales8: rows_x86.h */
 
 /* x's scales of 8 consecutive blocks (f32, sizeof(pyrt_xq8) = 36 bytes apart; a vgatherdps was
  * 1.5x slower here). */

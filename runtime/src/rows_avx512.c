@@ -5,6 +5,8 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 
+#include "rows_x86.h"
+
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
 
 /* 16 weights of each float format widened to f32; the masked forms read only `m`'s lanes. */
@@ -90,19 +92,7 @@ AVX512 static inline __m512 scales2(float s0, float s1) {
     return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s0), _mm512_set1_ps(s1));
 }
 
-/* The f16 scales of 8 consecutive weight blocks (at the start of each block, bb bytes apart) as
- * f32, exactly (vcvtph2ps). */
-AVX512 static inline __m256 wscales8(const uint8_t *w, size_t bb) {
-    __m128i h = _mm_cvtsi32_si128(pyrt_load_u16(w));
-    h = _mm_insert_epi16(h, pyrt_load_u16(w + 1 * bb), 1);
-    h = _mm_insert_epi16(h, pyrt_load_u16(w + 2 * bb), 2);
-    h = _mm_insert_epi16(h, pyrt_load_u16(w + 3 * bb), 3);
-    h = _mm_insert_epi16(h, pyrt_load_u16(w + 4 * bb), 4);
-    h = _mm_insert_epi16(h, pyrt_load_u16(w + 5 * bb), 5);
-    h = _mm_insert_epi16(h, pyrt_load_u16(w + 6 * bb), 6);
-    h = _mm_insert_epi16(h, pyrt_load_u16(w + 7 * bb), 7);
-    return _mm256_cvtph_ps(h);
-}
+/* wscales8: rows_x86.h */
 
 /* d_w * d_x of 8 consecutive blocks in lanes 0..7 (lanes 8..15 undefined); x's scales are f32,
  * 36 bytes apart. */
