@@ -151,13 +151,14 @@ def _dequantize_repacked(data: torch.Tensor, fmt: str, n: int) -> torch.Tensor:
 
 
 def quantize_x_q8_ref(x: torch.Tensor) -> torch.Tensor:
-    """Activations [..., n] -> their Q8 block approximation d * q as fp32 (n % 32 == 0), as the
-    C core (pyrt_quantize_x_q8) and the dp4a kernels quantize x: per 32-block d = amax / 127
-    (f32), q = round-half-even(x / d) in [-127, 127]."""
+    """Activations [..., n] -> their Q8 block approximation d * q, exact in float64 (n % 32 == 0),
+    as the C core (pyrt_quantize_x_q8) and the dp4a kernels quantize x: per 32-block
+    d = amax / 127 (f32 division), q = round-half-even(x * (1 / d)) (f32 product, C nearbyintf)
+    in [-127, 127]."""
     xb = x.float().reshape(*x.shape[:-1], -1, 32)
     d = xb.abs().amax(dim=-1, keepdim=True) / 127.0
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-    return (torch.round(xb * inv) * d).reshape(x.shape)
+    return (d.double() * torch.round(xb * inv).double()).reshape(x.shape)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -662,7 +662,7 @@ def moe_dense_ref(x, w, fmt, topk_ids, topk_w, activation="silu", q8_x=False):
     kernels and the C core do."""
     T, H = x.shape
     wf = dequantize_experts(w, fmt, H)
-    xf = quantize_x_q8_ref(x) if q8_x else x.float()
+    xf = quantize_x_q8_ref(x).float() if q8_x else x.float()
     y = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     for t in range(T):
         for k in range(topk_ids.shape[1]):

@@ -326,7 +326,7 @@ def moe_sparse_ref(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", q8
     gate/up dots take x quantized to Q8 blocks (quantize_x_q8_ref), as the dp4a path does."""
     T, H = x.shape
     wf = dequantize_experts(w, fmt, H)
-    xf = quantize_x_q8_ref(x) if q8_x else x.float()
+    xf = quantize_x_q8_ref(x).float() if q8_x else x.float()
     y = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     active = torch.zeros(topk_ids.shape, dtype=torch.int32, device=x.device)
     for t in range(T):

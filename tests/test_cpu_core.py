@@ -33,6 +33,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.expert_formats import quantize_x_q8_ref
+
 REPO = Path(__file__).resolve().parents[1]
 U = 2.0**-24  # f32 unit roundoff
 LIPSCHITZ = 1.13  # max |act'| over silu, gelu (tanh), gelu (erf)
@@ -70,16 +72,6 @@ def make_weights(fmt: str, n_expert: int, n_ff: int, n_embd: int, gen: torch.Gen
     raw = gguf.quants.quantize(rows, FORMATS[fmt])
     values = gguf.quants.dequantize(raw, FORMATS[fmt]).astype(np.float64)
     return np.ascontiguousarray(raw), torch.from_numpy(values).reshape(w.shape)
-
-
-def quantize_x_q8(x: torch.Tensor) -> torch.Tensor:
-    """What the kernel computes with for Q8_0/Q4_0: x in Q8_0 blocks (f32 scale), as float64."""
-    t, n = x.shape
-    xb = x.reshape(t, n // 32, 32)
-    d = xb.abs().amax(dim=-1, keepdim=True) / 127.0  # f32 division, as in C
-    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-    q = torch.round(xb * inv)  # f32 product, round half to even (C: nearbyintf)
-    return (d.double() * q.double()).reshape(t, n)
 
 
 def block_half_step(x: torch.Tensor) -> torch.Tensor:
@@ -134,7 +126,7 @@ def make_case(fmt, n_tokens, seed, n_expert=5, n_ff=37, n_embd=None, k=3):
 
 
 def kernel_x(fmt, x):
-    return quantize_x_q8(x) if fmt in QUANTIZED else x.double()
+    return quantize_x_q8_ref(x) if fmt in QUANTIZED else x.double()
 
 
 def assert_within(y, ref, bound, what):
@@ -244,7 +236,7 @@ def test_many_tokens_span_token_blocks_and_int64_ids(cc):
     )
     with cc.CpuCore(2) as core:
         y, n_active = core.moe_ffn(raw, Q.Q8_0, n_expert, n_ff, n_embd, x, ids.long(), topk_w)
-    ref, _, _, bound = reference(w, quantize_x_q8(x), ids, topk_w, "silu", threads=2)
+    ref, _, _, bound = reference(w, quantize_x_q8_ref(x), ids, topk_w, "silu", threads=2)
     assert n_active == 70 * 2 * 9
     assert_within(y, ref, bound, "70 tokens")
 
@@ -268,7 +260,7 @@ def test_reads_a_gguf_reader_tensor_in_place(cc, tmp_path):
         y, _ = core.moe_ffn(
             tensor.data, int(tensor.tensor_type), n_expert, n_ff, n_embd, x, ids, topk_w
         )
-    ref, _, _, bound = reference(w, quantize_x_q8(x), ids, topk_w, "silu", threads=2)
+    ref, _, _, bound = reference(w, quantize_x_q8_ref(x), ids, topk_w, "silu", threads=2)
     assert_within(y, ref, bound, "from GGUFReader")
 
 

@@ -31,6 +31,7 @@ import pytest
 import torch
 from hf_fixtures import make_tiny_hf_model
 
+from kernels.expert_formats import quantize_x_q8_ref
 from pyruntime import cpu_core
 from pyruntime.converter import convert
 from pyruntime.gguf_file import open_gguf
@@ -45,15 +46,6 @@ LOGPROB_TOL = 1e-5
 
 
 # ---- pyrt_linear ----------------------------------------------------------------------------
-
-
-def quantize_x_q8(x: torch.Tensor) -> torch.Tensor:
-    """x in Q8_0 blocks as the kernel computes them (f32 scale, round half to even), float64."""
-    t, n = x.shape
-    xb = x.reshape(t, n // 32, 32)
-    d = xb.abs().amax(dim=-1, keepdim=True) / 127.0
-    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-    return (d.double() * torch.round(xb * inv).double()).reshape(t, n)
 
 
 def make_matrix(fmt: str, n_out: int, n_in: int, gen: torch.Generator):
@@ -77,7 +69,7 @@ def test_linear_matches_reference(simd, fmt, n_tokens, threads):
     with cpu_core.CpuCore(threads) as core:
         y = core.linear(raw, int(FORMATS[fmt]), n_out, n_in, x, bias)
         y_nobias = core.linear(raw, int(FORMATS[fmt]), n_out, n_in, x)
-    xk = quantize_x_q8(x) if fmt in QUANTIZED else x.double()
+    xk = quantize_x_q8_ref(x) if fmt in QUANTIZED else x.double()
     ref = xk @ w.T
     bound = (n_in + 2) * U * (xk.abs() @ w.abs().T) + U * (ref.abs() + bias.abs().double())
     assert ((y_nobias.double() - ref).abs() <= bound).all()

@@ -110,7 +110,8 @@ def test_quantize_x_q8_ref_is_the_c_core_rounding():
     got = quantize_x_q8_ref(x)
     assert got[32:].eq(0).all()
     d = 1.27 / 127
-    assert torch.allclose(got[:32], torch.round(x[:32] / d) * d, atol=1e-7)
+    assert got.dtype == torch.float64  # d * q exactly
+    assert torch.allclose(got[:32], (torch.round(x[:32] / d) * d).double(), atol=1e-7)
     assert got[5].item() == 0.0 and got[6].item() == pytest.approx(2 * d, rel=1e-6)
 
 
@@ -130,11 +131,11 @@ def test_quantize_x_q8_kernel_matches_reference(n_embd):
     q, d = (t.cpu() for t in quantize_x_q8(x))
     nb = n_embd // 32
     assert q.shape == (T, d.shape[1], 8) and d.shape[1] >= nb and q.dtype == torch.int32
-    quants = q.view(torch.int8).reshape(T, -1, 32).float()  # [T, NB, 32]
+    quants = q.view(torch.int8).reshape(T, -1, 32).double()  # [T, NB, 32]
     # reference on the CPU: IEEE division, as the C core (CUDA torch divides by a scalar
     # through its reciprocal, 1 ulp off at times)
     ref = quantize_x_q8_ref(wide[:, :n_embd]).reshape(T, nb, 32)
-    got = quants[:, :nb] * d[:, :nb, None]
+    got = quants[:, :nb] * d[:, :nb, None].double()  # d * q exactly, as the reference
     assert torch.equal(got, ref)
     assert quants[:, nb:].eq(0).all() and d[:, nb:].eq(0).all()
 
