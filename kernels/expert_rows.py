@@ -266,6 +266,14 @@ Q8_BIAS = tl.constexpr(-2139062144)  # 0x80808080 as int32: + 128 (mod 256) on e
 
 
 @triton.jit
+def _q8r_scales(row, b, m, H):
+    """The f16 block scales stored after each q8_0r row's H quants, as fp32 [BLOCK_N, NB]
+    (row byte pointers [BLOCK_N], block index b [NB], mask m [BLOCK_N, NB])."""
+    dp = (row + H).to(tl.pointer_type(tl.float16))[:, None] + b[None, :]
+    return tl.load(dp, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def q8r_words(w_ptr, row_off, n_mask, H, NB: tl.constexpr):
     """(words [BLOCK_N, NB, 8] int32, d [BLOCK_N, NB] fp32 scales) of whole q8_0r rows.
 
@@ -279,9 +287,7 @@ def q8r_words(w_ptr, row_off, n_mask, H, NB: tl.constexpr):
     row = w_ptr + row_off  # [BLOCK_N] byte pointers
     wp = row.to(tl.pointer_type(tl.int32))[:, None, None] + wi[None, :, :]
     words = tl.load(wp, mask=m[:, :, None], other=0)
-    dp = (row + H).to(tl.pointer_type(tl.float16))[:, None] + b[None, :]
-    d = tl.load(dp, mask=m, other=0.0).to(tl.float32)
-    return words, d
+    return words, _q8r_scales(row, b, m, H)
 
 
 @triton.jit
@@ -327,9 +333,7 @@ def q8r_bytes(w_ptr, row_off, n_mask, H, NB: tl.constexpr):
     row = w_ptr + row_off
     qp = row[:, None, None] + (b[:, None] * 32 + tl.arange(0, 32)[None, :])[None, :, :]
     q = tl.load(qp, mask=m[:, :, None], other=0)
-    dp = (row + H).to(tl.pointer_type(tl.float16))[:, None] + b[None, :]
-    d = tl.load(dp, mask=m, other=0.0).to(tl.float32)
-    return q, d
+    return q, _q8r_scales(row, b, m, H)
 
 
 @triton.jit
@@ -340,11 +344,16 @@ def q8r_rows_axpy(q, d, coef, acc):
 
 
 @triton.jit
-def blocks_atomic_add(y_row, acc, H, NB: tl.constexpr):
-    """y_row[32 b + i] += acc[b, i] (relaxed fp32 atomics, contiguous), blocks past H / 32 off."""
+def blocks_add(y_row, acc, H, NB: tl.constexpr, ATOMIC: tl.constexpr = True):
+    """y_row[32 b + i] += acc[b, i] (relaxed fp32 atomics, contiguous), blocks past H / 32 off.
+    ATOMIC False: plain stores of acc (a wrong sum; for timing the atomics' share)."""
     b = tl.arange(0, NB)
     h = b[:, None] * 32 + tl.arange(0, 32)[None, :]
-    tl.atomic_add(y_row + h, acc, mask=(b < H // 32)[:, None], sem="relaxed")
+    m = (b < H // 32)[:, None]
+    if ATOMIC:
+        tl.atomic_add(y_row + h, acc, mask=m, sem="relaxed")
+    else:
+        tl.store(y_row + h, acc, mask=m)
 
 
 @triton.jit

@@ -40,7 +40,7 @@ from kernels.expert_formats import (
 )
 from kernels.expert_rows import (
     act_fn,
-    blocks_atomic_add,
+    blocks_add,
     dot_acc_sum,
     dot_acc_zeros,
     q8r_bytes,
@@ -160,10 +160,9 @@ def _moe_gemv_kernel(
 
 
 @triton.jit
-def _q8r_dots(w_ptr, off, m, H, x0, x1, x2, x3, xq, xd, NB: tl.constexpr, DP4A: tl.constexpr,
-              ASM: tl.constexpr):  # fmt: skip
-    """[rows] dots of the q8_0r rows at byte offsets `off` (mask m) with x."""
-    words, d = q8r_words(w_ptr, off, m, H, NB)
+def _q8r_dot_x(words, d, x0, x1, x2, x3, xq, xd, DP4A: tl.constexpr, ASM: tl.constexpr):
+    """[rows] dots of loaded q8_0r rows (q8r_words) with x: integer dots on the Q8 words of x
+    (DP4A) or fp32 dots on x's lanes."""
     if DP4A:
         out = q8r_dot_q8x(words, d, xq, xd, ASM)
     else:
@@ -227,17 +226,14 @@ def _moe_q8r_kernel(
         gw, gd = q8r_words(w_ptr, off, nm, H, NB)
         uw, ud = q8r_words(w_ptr, off + RB, nm, H, NB)
         dq, dd = q8r_bytes(w_ptr, off + 2 * RB, nm, H, NB)  # all loads issued before any math
-        if DP4A:
-            gs = q8r_dot_q8x(gw, gd, xq, xd, ASM)
-            us = q8r_dot_q8x(uw, ud, xq, xd, ASM)
-        else:
-            gs = q8r_dot(gw, gd, x0, x1, x2, x3)
-            us = q8r_dot(uw, ud, x0, x1, x2, x3)
+        gs = _q8r_dot_x(gw, gd, x0, x1, x2, x3, xq, xd, DP4A, ASM)
+        us = _q8r_dot_x(uw, ud, x0, x1, x2, x3, xq, xd, DP4A, ASM)
         coef = tl.where(nm, act_fn(gs, ACT) * us * twp, 0.0)
         acc = q8r_rows_axpy(dq, dd, coef, acc)
         n_keep = 1
     else:
-        a = act_fn(_q8r_dots(w_ptr, off, nm, H, x0, x1, x2, x3, xq, xd, NB, DP4A, ASM), ACT)
+        gw, gd = q8r_words(w_ptr, off, nm, H, NB)
+        a = act_fn(_q8r_dot_x(gw, gd, x0, x1, x2, x3, xq, xd, DP4A, ASM), ACT)
         keep = (tl.abs(a) >= tl.load(thr_ptr)) & nm
         ki = keep.to(tl.int32)
         n_keep = tl.sum(ki, axis=0)
@@ -252,18 +248,10 @@ def _moe_q8r_kernel(
             offj = (e * F + j) * 3 * RB
             uw, ud = q8r_words(w_ptr, offj + RB, sm, H, NB)
             dq, dd = q8r_bytes(w_ptr, offj + 2 * RB, sm, H, NB)
-            if DP4A:
-                us = q8r_dot_q8x(uw, ud, xq, xd, ASM)
-            else:
-                us = q8r_dot(uw, ud, x0, x1, x2, x3)
+            us = _q8r_dot_x(uw, ud, x0, x1, x2, x3, xq, xd, DP4A, ASM)
             acc = q8r_rows_axpy(dq, dd, tl.where(sm, aj * us * twp, 0.0), acc)
     if n_keep > 0:
-        if ATOMIC:
-            blocks_atomic_add(y_row, acc, H, NB)
-        else:
-            b = tl.arange(0, NB)
-            h = b[:, None] * 32 + tl.arange(0, 32)[None, :]
-            tl.store(y_row + h, acc, mask=(b < H // 32)[:, None])
+        blocks_add(y_row, acc, H, NB, ATOMIC)
 
 
 # (BLOCK_N, BLOCK_H, num_warps, ACC2D) of _moe_gemv_kernel per (MODE, format family):
@@ -358,9 +346,9 @@ def moe_dense_decode(x, w, fmt, topk_ids, topk_w, activation="silu", block_n=Non
     return y
 
 
-# (BLOCK_N, BA, num_warps) of _moe_q8r_kernel in sparse mode, for one token (P <= 8 pairs) and
-# more: bench/sweep_q8r.py on an H100 (three shapes, batch 1 and 4, sparsity 0.85). Dense mode
-# (BA unused) is not on any auto path: the _moe_gemv_kernel was as fast or faster there.
+# (BLOCK_N, BA, num_warps) of _moe_q8r_kernel, dense (mode 0, BA unused) and sparse (mode 2),
+# for one token (P <= 8 pairs) and more: bench/sweep_q8r.py on an H100 (three shapes, batch 1,
+# 4 and 16, sparsity 0.85).
 Q8R_CONFIGS = {(0, "one"): (8, 1, 8), (0, "many"): (8, 1, 8), (2, "one"): (16, 4, 4),
                (2, "many"): (8, 2, 4)}  # fmt: skip
 
@@ -394,35 +382,43 @@ def quantize_x_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 Q8R_QUANTIZE_IN_KERNEL_MAX_TOKENS = 1
 
 
+def zeroed_out_and_count(T: int, H: int, P: int, device):
+    """(y [T, H] f32, count [P] int32), both zero, from one allocation: one memset node in a
+    CUDA graph instead of two (each node costs ~2 us at batch 1)."""
+    buf = torch.zeros(T * H + P, dtype=torch.float32, device=device)
+    return buf[: T * H].view(T, H), buf[T * H :].view(torch.int32)
+
+
 def q8r_supported(fmt: str, n_embd: int) -> bool:
     """Whether _moe_q8r_kernel takes this layer: q8_0r rows that start 4-byte aligned."""
     return fmt == "q8_0r" and n_embd % 64 == 0
 
 
 def moe_q8r_decode(x, w, topk_ids, topk_w, activation="silu", threshold=None, dp4a=False,
-                   blocks=None, y=None, count=None, atomic=True,
-                   quantize_in_kernel=None):  # fmt: skip
+                   blocks=None, atomic=True, quantize_in_kernel=None,
+                   fmt="q8_0r"):  # fmt: skip
     """Decode FFN over q8_0r experts with _moe_q8r_kernel: dense (threshold None) -> y, or
-    sparse -> (y, active count [P] int32). dp4a: gate/up dots on Q8-quantized x (as the C
-    core computes them); else on x itself. y [T, n_embd] f32 and count [P] int32 (both zero)
-    may be given (one zeroed buffer); new zeros otherwise. blocks: (BLOCK_N, BA, num_warps),
-    default Q8R_CONFIGS. atomic=False: plain stores (a wrong sum; for timing the atomics).
+    sparse -> (y, active count [P] int32); y [T, n_embd] f32 (and count) zeroed in one
+    allocation. dp4a: gate/up dots on Q8-quantized x (as the C core computes them); else on x
+    itself. blocks: (BLOCK_N, BA, num_warps), default Q8R_CONFIGS. atomic=False: plain stores
+    (a wrong sum; for timing the atomics). fmt: the caller's format of w (checked: q8_0r, with
+    n_embd % 64 == 0).
     On a GPU the integer dots are dp4a instructions; the interpreter runs their integer twin.
     quantize_in_kernel: dp4a's x quantized by every program instead of by quantize_x_q8
     first (default: up to Q8R_QUANTIZE_IN_KERNEL_MAX_TOKENS tokens).
     dp4a gives the C core's results on the same quantized x (moe_dense_ref(q8_x=True)).
     """
-    H, E, F, rb, T, K = _prep(x, w, "q8_0r", topk_ids, topk_w, activation)
-    if not q8r_supported("q8_0r", H):
-        raise ValueError(f"_moe_q8r_kernel needs n_embd % 64 == 0, got {H}")
+    H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
+    if not q8r_supported(fmt, H):
+        raise ValueError(f"the q8r path needs q8_0r experts and n_embd % 64 == 0, got {fmt}, {H}")
     P = T * K
     mode = 0 if threshold is None else 2
     key = (mode, "one" if P <= 8 else "many")
     bn, ba, nw = blocks or ((64, 4, 4) if interpreting() else Q8R_CONFIGS[key])
-    if y is None:
-        y = torch.zeros(T, H, device=x.device, dtype=torch.float32)
-    if count is None and mode == 2:
-        count = torch.zeros(P, device=x.device, dtype=torch.int32)
+    if mode == 0:
+        y, count = torch.zeros(T, H, device=x.device, dtype=torch.float32), None
+    else:
+        y, count = zeroed_out_and_count(T, H, P, x.device)
     ids, tw = flat_routing(topk_ids, topk_w)
     thr = tw if mode == 0 else as_threshold(threshold, x.device)
     in_kernel = quantize_in_kernel
@@ -637,9 +633,7 @@ def moe_dense(x, w, fmt, topk_ids, topk_w, activation="silu", path="auto"):
     if path == "auto":
         path = dense_path(fmt, x.shape[0], x.shape[1])
     if path == "q8r":
-        if fmt != "q8_0r":
-            raise ValueError(f"the q8r path needs q8_0r experts, got {fmt}")
-        return moe_q8r_decode(x, w, topk_ids, topk_w, activation, dp4a=True)
+        return moe_q8r_decode(x, w, topk_ids, topk_w, activation, dp4a=True, fmt=fmt)
     if path == "decode":
         return moe_dense_decode(x, w, fmt, topk_ids, topk_w, activation)
     if path == "prefill":

@@ -50,6 +50,7 @@ from kernels.moe_dense import (
     moe_align,
     moe_q8r_decode,
     q8r_supported,
+    zeroed_out_and_count,
 )
 from kernels.sparse_mask import as_threshold, sparse_mask
 
@@ -153,13 +154,6 @@ def moe_sparse_up_down(x, w, fmt, topk_ids, topk_w, idx, act, count, y=None, blo
     return y
 
 
-def _zeroed_out_and_count(T: int, H: int, P: int, device):
-    """(y [T, H] f32, count [P] int32), both zero, from one allocation: one memset node in a
-    CUDA graph instead of two (each node costs ~2 us at batch 1)."""
-    buf = torch.zeros(T * H + P, dtype=torch.float32, device=device)
-    return buf[: T * H].view(T, H), buf[T * H :].view(torch.int32)
-
-
 def moe_sparse_fused(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", blocks=None):
     """One-kernel sparse FFN for decode: each (pair, neuron tile) program computes its gate
     dots, masks, then reads only the active neurons' up and down rows (masked loads) and adds
@@ -167,7 +161,7 @@ def moe_sparse_fused(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", 
     H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
     P = T * K
     bn, bh, nw, acc2d = blocks or gemv_blocks(fmt, 2, P)
-    y, count = _zeroed_out_and_count(T, H, P, x.device)
+    y, count = zeroed_out_and_count(T, H, P, x.device)
     ids, tw = flat_routing(topk_ids, topk_w)
     _moe_gemv_kernel[(P, triton.cdiv(F, bn))](
         x, w, ids, tw, y, as_threshold(threshold, x.device), count, H, F, rb, K, x.stride(0),
@@ -234,7 +228,7 @@ def moe_sparse_split(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", 
     P = T * K
     bn, bh, nw, acc2d = blocks or gemv_blocks(fmt, 3, P)
     dbn, dbh, split, dnw = down or down_blocks(fmt)
-    y, count = _zeroed_out_and_count(T, H, P, x.device)
+    y, count = zeroed_out_and_count(T, H, P, x.device)
     hbuf = torch.empty(P, F, dtype=torch.float32, device=x.device)
     ids, tw = flat_routing(topk_ids, topk_w)
     _moe_gemv_kernel[(P, triton.cdiv(F, bn))](
@@ -285,12 +279,8 @@ def moe_sparse_q8r(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", dp
     """Sparse FFN of q8_0r experts in one _moe_q8r_kernel launch (plus one memset, and the x
     quantization with dp4a). Returns (y [T, n_embd] f32, active count [P] int32). dp4a: gate/up
     dots on Q8-quantized x (the shipped path; False: on x itself); blocks as moe_q8r_decode."""
-    H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
-    if not q8r_supported(fmt, H):
-        raise ValueError(f"the q8r path needs q8_0r experts and n_embd % 64 == 0, got {fmt}, {H}")
-    y, count = _zeroed_out_and_count(T, H, T * K, x.device)
     return moe_q8r_decode(x, w, topk_ids, topk_w, activation, threshold, dp4a=dp4a,
-                          blocks=blocks, y=y, count=count)  # fmt: skip
+                          blocks=blocks, fmt=fmt)  # fmt: skip
 
 
 def moe_sparse(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", path="auto"):
