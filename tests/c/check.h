@@ -9,6 +9,9 @@
 
 static int failures = 0;
 
+/* Number of elements of a true array (not a pointer). */
+#define COUNT_OF(a) ((int)(sizeof(a) / sizeof *(a)))
+
 #define CHECK(cond, ...)                                                                          \
     do {                                                                                          \
         if (!(cond)) {                                                                            \

@@ -110,14 +110,15 @@ static void test_row_kernels(void) {
     const int lengths_quant[] = {32, 64, 96, 608, 2048};
     const double u = ldexp(1.0, -24);
     for (int level = PYRT_SIMD_SCALAR; level <= pyrt_simd_best(); level++) {
-        for (size_t f = 0; f < sizeof FORMATS / sizeof *FORMATS; f++) {
+        for (int f = 0; f < COUNT_OF(FORMATS); f++) {
             const int fmt = FORMATS[f];
             const pyrt_row_ops *ops = pyrt_row_ops_at(level, fmt);
             CHECK(ops != NULL, "level %d has no kernels for format %d", level, fmt);
             if (ops == NULL)
                 continue;
             const int *lengths = is_quant(fmt) ? lengths_quant : lengths_float;
-            const int n_lengths = is_quant(fmt) ? 5 : 12;
+            const int n_lengths =
+                is_quant(fmt) ? COUNT_OF(lengths_quant) : COUNT_OF(lengths_float);
             for (int li = 0; li < n_lengths; li++) {
                 const int n = lengths[li];
                 uint8_t *row = malloc(pyrt_row_bytes(fmt, n));
@@ -173,12 +174,12 @@ static void test_row_kernels(void) {
 static void test_fused_kernels_match_plain(void) {
     const int lengths[] = {32, 96, 608, 2048}; /* 608: 19 blocks, AVX-512 groups of 8 + tails */
     for (int level = PYRT_SIMD_SCALAR; level <= pyrt_simd_best(); level++) {
-        for (size_t f = 0; f < sizeof FORMATS / sizeof *FORMATS; f++) {
+        for (int f = 0; f < COUNT_OF(FORMATS); f++) {
             const int fmt = FORMATS[f];
             const pyrt_row_ops *ops = pyrt_row_ops_at(level, fmt);
             if (ops == NULL || (ops->dot2 == NULL && ops->axpyn == NULL))
                 continue;
-            for (int li = 0; li < 4; li++) {
+            for (int li = 0; li < COUNT_OF(lengths); li++) {
                 const int n = lengths[li];
                 const size_t rb = pyrt_row_bytes(fmt, n);
                 uint8_t *rows = malloc(rb * PYRT_AXPY_ROWS);
@@ -313,7 +314,7 @@ static double clean_threshold(const double *wv, const double *xv, const int32_t 
  * chunks of 32 neurons, so the software-pipelined path runs; 197 % 8 leaves a dense tail). */
 static void test_moe_ffn_case(int FF) {
     enum { E = 5, T = 4, K = 2 };
-    for (size_t f = 0; f < sizeof FORMATS / sizeof *FORMATS; f++) {
+    for (int f = 0; f < COUNT_OF(FORMATS); f++) {
         const int fmt = FORMATS[f];
         const int D = is_quant(fmt) ? 64 : 45;
         const size_t rb = pyrt_row_bytes(fmt, D);
