@@ -4,11 +4,11 @@ For each real shape (bench/moe_layer.py SHAPES), Q8_0 experts repacked to q8_0r,
 (dense) and 1, 4, 16 (sparse at 0.85), CUDA graph + L2 flush per replay (moe_layer.Timer):
 - old: _moe_gemv_kernel (dense decode and the SPARSE_PATHS path), a few BLOCK_H = H configs,
   and MODE 3 at threshold 0 (gate + up + store: no down rows, no atomics);
-- q8r: _moe_q8r_kernel over (BLOCK_N, BA, num_warps, dp4a, atomic): atomic=0 stores instead
-  of adding (a wrong sum: times the atomics' share);
+- q8r dense: the pipelined kernels.moe_q8r_pipe over (BLOCK_N, num_warps, programs per SM);
+- q8r sparse: _moe_q8r_kernel over (BLOCK_N, BA, num_warps, dp4a);
 - floor: the graph of the zeroed output buffer alone (launch + memset + event overhead);
-- a strict check of the dp4a / fp32 dense kernels against moe_dense_ref (q8_x=True / False)
-  on the routed experts of one batch-1 routing per shape.
+- a strict check of the dense q8r kernel against moe_dense_ref(q8_x=True) on the routed
+  experts of one batch-1 routing per shape.
 Every variant is checked against a reference before it is timed (fp32: the float-x results;
 dp4a: the Q8-x references, dense and sparse).
 
@@ -42,18 +42,19 @@ from kernels.expert_formats import FMT_CODES  # noqa: E402
 # (BLOCK_N, BA, num_warps, dp4a, atomic); dp4a 0 off (fp32 dots on x), 1 x quantized by a
 # quantize_x_q8 launch first, 2 quantized inside the expert kernel
 DP4A_NAMES = {0: "f32", 1: "dp4a", 2: "dp4a_ik"}
-DENSE_CFGS = [(4, 1, 2, 0, 1), (4, 1, 4, 0, 1), (8, 1, 4, 0, 1), (8, 1, 8, 0, 1), (16, 1, 8, 0, 1),
-              (16, 1, 16, 0, 1), (32, 1, 16, 0, 1), (8, 1, 4, 1, 1), (16, 1, 8, 1, 1),
-              (8, 1, 4, 0, 0), (16, 1, 8, 0, 0)]  # fmt: skip
-SPARSE_CFGS = [(8, 2, 4, 0, 1), (16, 2, 4, 0, 1), (16, 4, 4, 0, 1), (32, 4, 4, 0, 1),
-               (32, 4, 8, 0, 1), (32, 8, 8, 0, 1), (64, 4, 8, 0, 1), (64, 8, 8, 0, 1),
-               (16, 4, 2, 0, 1), (16, 4, 4, 1, 1), (32, 4, 8, 1, 1)]  # fmt: skip
+# dense: (BLOCK_N, num_warps, programs per SM) of the pipelined kernel; registers (sm_90,
+# ptxas of triton 3.9) allow those programs per SM
+DENSE_CFGS = [(2, 8, 2), (2, 4, 2), (1, 4, 3), (1, 8, 2), (1, 2, 4), (2, 4, 1), (4, 8, 1),
+              (8, 16, 1)]  # fmt: skip
+# sparse: (BLOCK_N, BA, num_warps, dp4a)
+SPARSE_CFGS = [(8, 2, 4, 0), (16, 2, 4, 0), (16, 4, 4, 0), (32, 4, 4, 0), (32, 4, 8, 0),
+               (32, 8, 8, 0), (64, 4, 8, 0), (64, 8, 8, 0), (16, 4, 2, 0), (16, 4, 4, 1),
+               (32, 4, 8, 1)]  # fmt: skip
 OLD_DENSE = [(8, 2048, 4, False), (4, 2048, 4, False), (16, 2048, 8, False), (8, 2048, 8, True)]
-# --quick: q8r dense at every batch, the shipped sparse configs (Q8R_CONFIGS) without and
-# with dp4a, and one more
-QUICK_DENSE_CFGS = [(8, 1, 8, 1, 1), (8, 1, 8, 2, 1), (8, 1, 4, 2, 1)]
-QUICK_SPARSE_CFGS = [(16, 4, 4, 1, 1), (16, 4, 4, 2, 1), (8, 2, 4, 1, 1), (8, 2, 4, 2, 1),
-                     (32, 4, 8, 2, 1)]  # fmt: skip
+# --quick: the shipped dense config and two more, the shipped sparse configs (Q8R_CONFIGS)
+# with x quantized first and inside, and one more
+QUICK_DENSE_CFGS = [(2, 8, 2), (2, 4, 2), (1, 2, 4)]
+QUICK_SPARSE_CFGS = [(16, 4, 4, 1), (16, 4, 4, 2), (8, 2, 4, 1), (8, 2, 4, 2), (32, 4, 8, 2)]
 
 
 def rel(y, ref):
@@ -101,8 +102,7 @@ def run_batch(model, shape, w, fk, thr, T, args, dev, peak, rows, t_end):
 
     P = T * K
     case("floor", None, lambda: torch.zeros(T * H + P, device=dev), None, b_dense)
-    case("old_dense", "default", functools.partial(md.moe_dense, x, w, fk, ids, tw),
-         ref_d, b_dense)  # fmt: skip
+    case("dense", "auto", functools.partial(md.moe_dense, x, w, fk, ids, tw), ref_dq, b_dense)
     if T <= 4 and not args.quick:
         for cfg in OLD_DENSE:
             fn = functools.partial(md.moe_dense_decode, x, w, fk, ids, tw, blocks=cfg)
@@ -121,12 +121,9 @@ def run_batch(model, shape, w, fk, thr, T, args, dev, peak, rows, t_end):
             return hbuf
 
         case("old_gateup", (8, 1024, 4), gate_up_only, None, b_dense * 2 // 3)
-    for cfg in QUICK_DENSE_CFGS if args.quick else DENSE_CFGS if T <= 4 else ():
-        fn = functools.partial(md.moe_q8r_decode, x, w, ids, tw, dp4a=bool(cfg[3]),
-                               blocks=cfg[:3], atomic=bool(cfg[4]),
-                               quantize_in_kernel=cfg[3] == 2)  # fmt: skip
-        kind = "q8r_" + DP4A_NAMES[cfg[3]] + ("" if cfg[4] else "_noat")
-        case(kind, cfg, fn, (ref_dq if cfg[3] else ref_d) if cfg[4] else None, b_dense)
+    for cfg in QUICK_DENSE_CFGS if args.quick else DENSE_CFGS:
+        fn = functools.partial(md.moe_q8r_decode, x, w, ids, tw, blocks=cfg)
+        case("q8r_dense", cfg, fn, ref_dq, b_dense)
     old_path = ms.sparse_path(fk, T)  # without n_embd: the _moe_gemv_kernel-based choice
     old_fn = functools.partial(ms.moe_sparse, x, w, fk, ids, tw, thr, path=old_path)
     case("old_sparse", old_path, old_fn, ref_s, b_sparse)
@@ -143,8 +140,8 @@ def main():
     ap.add_argument(
         "--quick",
         action="store_true",
-        help="dense default and q8r dense (dp4a and not), the old sparse path, q8r sparse "
-        "with/without dp4a",
+        help="dense default and three q8r dense configs, the old sparse path, q8r sparse "
+        "with x quantized first and inside",
     )
     ap.add_argument("--json")
     ap.add_argument("--reps", type=int, default=30)
@@ -167,13 +164,10 @@ def main():
         ids, tw = moe_layer.routing(1, E, K, 5, dev)
         uniq, remap = torch.unique(ids.long(), return_inverse=True)
         ref = md.moe_dense_ref(x, w[uniq].contiguous(), fk, remap, tw, q8_x=True)
-        ref_f = md.moe_dense_ref(x, w[uniq].contiguous(), fk, remap, tw)
-        for cfg in ((8, 1, 4), (16, 1, 8)):
-            for dp in (True, False):
-                y = md.moe_q8r_decode(x, w, ids, tw, dp4a=dp, blocks=cfg)
-                err = rel(y, ref if dp else ref_f)
-                print(f"# strict {'dp4a' if dp else 'f32'} {model} {cfg}: rel err {err:.2e}")
-                rows.append(dict(model=model, kind="strict", dp4a=dp, cfg=cfg, err=err))
+        for cfg in QUICK_DENSE_CFGS:
+            err = rel(md.moe_q8r_decode(x, w, ids, tw, blocks=cfg), ref)
+            print(f"# strict dense q8r {model} {cfg}: rel err {err:.2e}")
+            rows.append(dict(model=model, kind="strict", cfg=cfg, err=err))
         del w
         torch.cuda.empty_cache()
     Path(args.json).write_text(json.dumps(dict(peak=peak, rows=rows), indent=1))

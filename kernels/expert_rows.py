@@ -344,16 +344,12 @@ def q8r_rows_axpy(q, d, coef, acc):
 
 
 @triton.jit
-def blocks_add(y_row, acc, H, NB: tl.constexpr, ATOMIC: tl.constexpr = True):
-    """y_row[32 b + i] += acc[b, i] (relaxed fp32 atomics, contiguous), blocks past H / 32 off.
-    ATOMIC False: plain stores of acc (a wrong sum; for timing the atomics' share)."""
+def blocks_add(y_row, acc, H, NB: tl.constexpr):
+    """y_row[32 b + i] += acc[b, i] (relaxed fp32 atomics, contiguous), blocks past H / 32 off."""
     b = tl.arange(0, NB)
     h = b[:, None] * 32 + tl.arange(0, 32)[None, :]
     m = (b < H // 32)[:, None]
-    if ATOMIC:
-        tl.atomic_add(y_row + h, acc, mask=m, sem="relaxed")
-    else:
-        tl.store(y_row + h, acc, mask=m)
+    tl.atomic_add(y_row + h, acc, mask=m, sem="relaxed")
 
 
 @triton.jit

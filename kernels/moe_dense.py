@@ -6,11 +6,13 @@ Three kernels, all dequantizing inside (no dequantized copy of the weights):
 - decode (small T): `_moe_gemv_kernel`, one program per (token-expert pair, tile of BLOCK_N
   neurons): gate and up dots over n_embd, then the down axpy into y[t] with relaxed fp32 atomics.
   Every weight byte of the routed experts is read once per pair (memory bound).
-- q8_0r decode (`_moe_q8r_kernel`, `moe_q8r_decode`; n_embd % 64 == 0): whole rows per
-  program in one set of loads (gate/up as int32 words, down as bytes), down sums in
-  registers and one contiguous atomic add per element; gate/up dots on x quantized to Q8
-  blocks, 4 int8 products per dp4a instruction (moe_dense's "q8r" path, small batches); its
-  sparse mode compacts the kept neurons in registers (kernels.moe_sparse's "q8r" path).
+- q8_0r decode (`moe_q8r_decode`; n_embd % 64 == 0): gate/up dots on x quantized to Q8 blocks,
+  4 int8 products per dp4a instruction, whole rows per load (gate/up as int32 words, down as
+  bytes), down sums in registers and one contiguous atomic add per element. Dense (moe_dense's
+  "q8r" path, small batches): kernels.moe_q8r_pipe, a persistent kernel that requests the
+  next neuron tile's rows before the current tile's arithmetic. Sparse (kernels.moe_sparse's
+  "q8r" path): `_moe_q8r_kernel`, one program per (pair, neuron tile), the kept neurons
+  compacted in registers.
 - prefill (larger T): pairs are grouped by expert (`moe_align`, like vLLM's
   moe_align_block_size, in torch, no host sync) and two grouped GEMMs run on tl.dot tiles:
   `_moe_gemm_gate_up_kernel` (act(gate) * up -> inter [P, n_ff] fp32), then
@@ -21,6 +23,7 @@ P = T * K token-expert pairs; pair p is token p // K, slot p % K. The output y i
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -55,6 +58,7 @@ from kernels.expert_rows import (
     rows_tile,
     x_lanes,
 )
+from kernels.moe_q8r_pipe import _moe_q8r_pipe_kernel, pipe_grid
 from kernels.sparse_mask import as_threshold
 
 
@@ -177,8 +181,8 @@ def _moe_q8r_kernel(
     ids_ptr,  # [P] int: expert of each pair
     tw_ptr,  # [P] f32: routing weight of each pair
     y_ptr,  # [T, H] f32, accumulated
-    thr_ptr,  # MODE 2: [1] f32 threshold on |act(gate)|
-    cnt_ptr,  # MODE 2: [P] int32, zeroed: active neurons of each pair (atomically added)
+    thr_ptr,  # [1] f32 threshold on |act(gate)|
+    cnt_ptr,  # [P] int32, zeroed: active neurons of each pair (atomically added)
     xq_ptr,  # DP4A: [T, NB, 8] int32 Q8 words of x (_quantize_x_kernel)
     xd_ptr,  # DP4A: [T, NB] f32 their block scales
     H,
@@ -187,23 +191,21 @@ def _moe_q8r_kernel(
     K,
     stride_x,
     ACT: tl.constexpr,
-    MODE: tl.constexpr,  # 0 dense, 2 sparse (up/down rows of neurons under the threshold skipped)
     BLOCK_N: tl.constexpr,  # neurons per program
-    BA: tl.constexpr,  # MODE 2: kept neurons processed per step (compacted)
+    BA: tl.constexpr,  # kept neurons processed per step (compacted)
     NB: tl.constexpr,  # power of two >= H / 32
     DP4A: tl.constexpr,  # gate/up dots on Q8-quantized x (integer dot per 32-block): 0 off,
     # 1 x quantized beforehand (xq_ptr, xd_ptr), 2 quantized in the kernel
     ASM: tl.constexpr,  # dp4a as the GPU instruction (else its integer twin: interpreter)
-    ATOMIC: tl.constexpr = True,  # False: plain stores (wrong sums; timing the atomics only)
 ):
-    """Decode FFN over q8_0r experts: one program per (pair, BLOCK_N neurons), whole rows per
-    load (no loop over H: every byte a program needs is requested at once), the down rows
-    summed in registers ([NB, 32] = H) and added into y with one contiguous atomic per element.
-
-    MODE 2: the gate rows of the BLOCK_N neurons load at once; the kept neurons are compacted
-    in registers (their rank among the kept ones, one-hot [BA, BLOCK_N] selection) and only
-    they are processed, BA at a time: up/down instructions scale with the kept count, not
-    with BLOCK_N, and dropped rows cost neither bytes nor arithmetic."""
+    """Sparse decode FFN over q8_0r experts (up/down rows of neurons under the threshold
+    skipped): one program per (pair, BLOCK_N neurons), whole rows per load (no loop over H),
+    the down rows summed in registers ([NB, 32] = H) and added into y with one contiguous
+    atomic per element. The gate rows of the BLOCK_N neurons load at once; the kept neurons are
+    compacted in registers (their rank among the kept ones, one-hot [BA, BLOCK_N] selection)
+    and only they are processed, BA at a time: up/down instructions scale with the kept count,
+    not with BLOCK_N, and dropped rows cost neither bytes nor arithmetic. (The dense path is
+    kernels.moe_q8r_pipe.)"""
     p = tl.program_id(0)
     t = p // K
     e = tl.load(ids_ptr + p).to(tl.int64)
@@ -222,36 +224,26 @@ def _moe_q8r_kernel(
     off = (e * F + n) * 3 * RB  # [BLOCK_N] int64 byte offset of each gate row
     y_row = y_ptr + t.to(tl.int64) * H
     acc = tl.zeros([NB, 32], dtype=tl.float32)
-    if MODE == 0:
-        gw, gd = q8r_words(w_ptr, off, nm, H, NB)
-        uw, ud = q8r_words(w_ptr, off + RB, nm, H, NB)
-        dq, dd = q8r_bytes(w_ptr, off + 2 * RB, nm, H, NB)  # all loads issued before any math
-        gs = _q8r_dot_x(gw, gd, x0, x1, x2, x3, xq, xd, DP4A, ASM)
+    gw, gd = q8r_words(w_ptr, off, nm, H, NB)
+    a = act_fn(_q8r_dot_x(gw, gd, x0, x1, x2, x3, xq, xd, DP4A, ASM), ACT)
+    keep = (tl.abs(a) >= tl.load(thr_ptr)) & nm
+    ki = keep.to(tl.int32)
+    n_keep = tl.sum(ki, axis=0)
+    tl.atomic_add(cnt_ptr + p, n_keep, sem="relaxed")
+    rank = tl.cumsum(ki, axis=0) - 1  # [BLOCK_N] rank of each kept neuron
+    for a0 in range(0, n_keep, BA):
+        s = a0 + tl.arange(0, BA)
+        sel = keep[None, :] & (rank[None, :] == s[:, None])  # [BA, BLOCK_N] one-hot
+        sm = s < n_keep
+        j = tl.sum(tl.where(sel, n[None, :], 0), axis=1)  # [BA] kept neuron of each slot
+        aj = tl.sum(tl.where(sel, a[None, :], 0.0), axis=1)
+        offj = (e * F + j) * 3 * RB
+        uw, ud = q8r_words(w_ptr, offj + RB, sm, H, NB)
+        dq, dd = q8r_bytes(w_ptr, offj + 2 * RB, sm, H, NB)
         us = _q8r_dot_x(uw, ud, x0, x1, x2, x3, xq, xd, DP4A, ASM)
-        coef = tl.where(nm, act_fn(gs, ACT) * us * twp, 0.0)
-        acc = q8r_rows_axpy(dq, dd, coef, acc)
-        n_keep = 1
-    else:
-        gw, gd = q8r_words(w_ptr, off, nm, H, NB)
-        a = act_fn(_q8r_dot_x(gw, gd, x0, x1, x2, x3, xq, xd, DP4A, ASM), ACT)
-        keep = (tl.abs(a) >= tl.load(thr_ptr)) & nm
-        ki = keep.to(tl.int32)
-        n_keep = tl.sum(ki, axis=0)
-        tl.atomic_add(cnt_ptr + p, n_keep, sem="relaxed")
-        rank = tl.cumsum(ki, axis=0) - 1  # [BLOCK_N] rank of each kept neuron
-        for a0 in range(0, n_keep, BA):
-            s = a0 + tl.arange(0, BA)
-            sel = keep[None, :] & (rank[None, :] == s[:, None])  # [BA, BLOCK_N] one-hot
-            sm = s < n_keep
-            j = tl.sum(tl.where(sel, n[None, :], 0), axis=1)  # [BA] kept neuron of each slot
-            aj = tl.sum(tl.where(sel, a[None, :], 0.0), axis=1)
-            offj = (e * F + j) * 3 * RB
-            uw, ud = q8r_words(w_ptr, offj + RB, sm, H, NB)
-            dq, dd = q8r_bytes(w_ptr, offj + 2 * RB, sm, H, NB)
-            us = _q8r_dot_x(uw, ud, x0, x1, x2, x3, xq, xd, DP4A, ASM)
-            acc = q8r_rows_axpy(dq, dd, tl.where(sm, aj * us * twp, 0.0), acc)
+        acc = q8r_rows_axpy(dq, dd, tl.where(sm, aj * us * twp, 0.0), acc)
     if n_keep > 0:
-        blocks_add(y_row, acc, H, NB, ATOMIC)
+        blocks_add(y_row, acc, H, NB)
 
 
 # (BLOCK_N, BLOCK_H, num_warps, ACC2D) of _moe_gemv_kernel per (MODE, format family):
@@ -346,11 +338,15 @@ def moe_dense_decode(x, w, fmt, topk_ids, topk_w, activation="silu", block_n=Non
     return y
 
 
-# (BLOCK_N, BA, num_warps) of _moe_q8r_kernel, dense (mode 0, BA unused) and sparse (mode 2),
-# for one token (P <= 8 pairs) and more: bench/sweep_q8r.py on an H100 (three shapes, batch 1,
-# 4 and 16, sparsity 0.85).
-Q8R_CONFIGS = {(0, "one"): (8, 1, 8), (0, "many"): (8, 1, 8), (2, "one"): (16, 4, 4),
-               (2, "many"): (8, 2, 4)}  # fmt: skip
+# (BLOCK_N, BA, num_warps) of the sparse _moe_q8r_kernel for one token (P <= 8 pairs) and
+# more: bench/sweep_q8r.py on an H100 (three shapes, batch 1, 4 and 16, sparsity 0.85).
+Q8R_CONFIGS = {"one": (16, 4, 4), "many": (8, 2, 4)}
+# (BLOCK_N, num_warps, programs per SM) of the dense kernels.moe_q8r_pipe kernel: the fastest
+# or within 2% of it at batch 1, 4 and 16 on all three shapes (bench/sweep_q8r.py --pipe, H100;
+# 2 neurons a tile: the pipeline's first load and last arithmetic, which nothing overlaps, are
+# short). The interpreter's: fewer, larger steps.
+Q8R_PIPE_CONFIG = (2, 8, 2)
+Q8R_PIPE_CONFIG_INTERPRETER = (16, 4, 4)
 
 
 @triton.jit
@@ -394,46 +390,66 @@ def q8r_supported(fmt: str, n_embd: int) -> bool:
     return fmt == "q8_0r" and n_embd % 64 == 0
 
 
-def moe_q8r_decode(x, w, topk_ids, topk_w, activation="silu", threshold=None, dp4a=False,
-                   blocks=None, atomic=True, quantize_in_kernel=None,
-                   fmt="q8_0r"):  # fmt: skip
-    """Decode FFN over q8_0r experts with _moe_q8r_kernel: dense (threshold None) -> y, or
-    sparse -> (y, active count [P] int32); y [T, n_embd] f32 (and count) zeroed in one
-    allocation. dp4a: gate/up dots on Q8-quantized x (as the C core computes them); else on x
-    itself. blocks: (BLOCK_N, BA, num_warps), default Q8R_CONFIGS. atomic=False: plain stores
-    (a wrong sum; for timing the atomics). fmt: the caller's format of w (checked: q8_0r, with
-    n_embd % 64 == 0).
-    On a GPU the integer dots are dp4a instructions; the interpreter runs their integer twin.
-    quantize_in_kernel: dp4a's x quantized by every program instead of by quantize_x_q8
-    first (default: up to Q8R_QUANTIZE_IN_KERNEL_MAX_TOKENS tokens).
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def moe_q8r_decode(x, w, topk_ids, topk_w, activation="silu", threshold=None, dp4a=True,
+                   blocks=None, quantize_in_kernel=None, fmt="q8_0r"):  # fmt: skip
+    """Decode FFN over q8_0r experts: dense (threshold None) -> y, with the pipelined
+    kernels.moe_q8r_pipe kernel, or sparse -> (y, active count [P] int32) with _moe_q8r_kernel;
+    y [T, n_embd] f32 (and count) zeroed in one allocation.
+    dp4a: gate/up dots on Q8-quantized x (as the C core computes them; the dense kernel has no
+    other mode); sparse only: False takes fp32 dots on x itself.
+    blocks: dense (BLOCK_N, num_warps, programs per SM), default Q8R_PIPE_CONFIG; sparse
+    (BLOCK_N, BA, num_warps), default Q8R_CONFIGS. fmt: the caller's format of w (checked:
+    q8_0r, with n_embd % 64 == 0). On a GPU the integer dots are dp4a instructions; the
+    interpreter runs their integer twin. quantize_in_kernel: x quantized inside the kernel
+    instead of by quantize_x_q8 first (default: up to Q8R_QUANTIZE_IN_KERNEL_MAX_TOKENS tokens;
+    the dense kernel quantizes once per program, so only at one token).
     dp4a gives the C core's results on the same quantized x (moe_dense_ref(q8_x=True)).
     """
     H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
     if not q8r_supported(fmt, H):
         raise ValueError(f"the q8r path needs q8_0r experts and n_embd % 64 == 0, got {fmt}, {H}")
     P = T * K
-    mode = 0 if threshold is None else 2
-    key = (mode, "one" if P <= 8 else "many")
-    bn, ba, nw = blocks or ((64, 4, 4) if interpreting() else Q8R_CONFIGS[key])
-    if mode == 0:
-        y, count = torch.zeros(T, H, device=x.device, dtype=torch.float32), None
-    else:
-        y, count = zeroed_out_and_count(T, H, P, x.device)
-    ids, tw = flat_routing(topk_ids, topk_w)
-    thr = tw if mode == 0 else as_threshold(threshold, x.device)
     in_kernel = quantize_in_kernel
     if in_kernel is None:
         in_kernel = T <= Q8R_QUANTIZE_IN_KERNEL_MAX_TOKENS
+    ids, tw = flat_routing(topk_ids, topk_w)
+    if threshold is None:
+        if not dp4a or (in_kernel and T != 1):
+            raise ValueError("the dense q8r kernel takes dp4a dots, x quantized inside at 1 token")
+        y = torch.zeros(T, H, device=x.device, dtype=torch.float32)
+        xq, xd = (ids, tw) if in_kernel else quantize_x_q8(x)
+        _moe_q8r_dense(x, w, ids, tw, y, xq, xd, H, F, rb, K, activation, in_kernel, blocks)
+        return y
+    y, count = zeroed_out_and_count(T, H, P, x.device)
+    bn, ba, nw = blocks or ((64, 4, 4) if interpreting() else Q8R_CONFIGS[
+        "one" if P <= 8 else "many"])  # fmt: skip
     xq, xd = quantize_x_q8(x) if dp4a and not in_kernel else (ids, tw)
     _moe_q8r_kernel[(P, triton.cdiv(F, bn))](
-        x, w, ids, tw, y, thr, ids if count is None else count, xq, xd, H, F, rb, K, x.stride(0),
-        ACT=ACTIVATIONS[activation], MODE=mode, BLOCK_N=bn, BA=ba,
+        x, w, ids, tw, y, as_threshold(threshold, x.device), count, xq, xd, H, F, rb, K,
+        x.stride(0), ACT=ACTIVATIONS[activation], BLOCK_N=bn, BA=ba,
         NB=triton.next_power_of_2(H // 32), DP4A=(2 if in_kernel else 1) if dp4a else 0,
-        ATOMIC=atomic,
-        ASM=not interpreting(),
-        num_warps=nw,
+        ASM=not interpreting(), num_warps=nw,
     )  # fmt: skip
-    return y if mode == 0 else (y, count)
+    return y, count
+
+
+def _moe_q8r_dense(x, w, ids, tw, y, xq, xd, H, F, rb, K, activation, in_kernel, blocks):
+    """Launch the pipelined dense kernel on a fixed grid of (programs per SM x SMs) programs,
+    each over an equal contiguous run of the P * ceil(F / BLOCK_N) neuron tiles."""
+    interp = interpreting()
+    bn, nw, per_sm = blocks or (Q8R_PIPE_CONFIG_INTERPRETER if interp else Q8R_PIPE_CONFIG)
+    n_tiles = ids.numel() * triton.cdiv(F, bn)
+    grid, run = pipe_grid(n_tiles, per_sm * (1 if interp else _sm_count(x.device)))
+    _moe_q8r_pipe_kernel[(grid,)](
+        x, w, ids, tw, y, xq, xd, H, F, rb, K, x.stride(0), triton.cdiv(F, bn), n_tiles, run,
+        ACT=ACTIVATIONS[activation], BLOCK_N=bn, NB=triton.next_power_of_2(H // 32),
+        DP4A=2 if in_kernel else 1, ASM=not interp, num_warps=nw,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------

@@ -41,7 +41,8 @@ from kernels.timing import capture, event_seconds, warm_up
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Part of every profile's identity: bump it whenever the MoE kernels, their configs or their
 # path choices change, so a profile measured with older kernels is never reused.
-KERNELS_VERSION = 3  # 2: the q8r sparse path; 3: dp4a q8r dense and sparse (x quantized)
+KERNELS_VERSION = 4  # 2: the q8r sparse path; 3: dp4a q8r dense and sparse (x quantized);
+# 4: the pipelined q8r dense kernel
 Timer = Callable[[str, int, Callable[[], object]], float]  # (path, batch, fn) -> seconds
 
 _MEMO: dict[Path, int] = {}  # this process's profiles, by cache file

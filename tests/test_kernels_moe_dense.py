@@ -74,21 +74,23 @@ def test_moe_dense_rejects_bad_shapes():
         moe_dense(x, w, "q8_0", ids, tw, activation="relu")
 
 
-@pytest.mark.parametrize("dp4a", ["off", "quantize_first", "in_kernel"])
-@pytest.mark.parametrize("blocks", [None, (8, 1, 4)])
-@pytest.mark.parametrize("n_tok", [1, 3])
-def test_moe_q8r_dense_matches_reference(n_tok, blocks, dp4a):
-    """_moe_q8r_kernel, dense: whole q8_0r rows as words (fp32 dots, or integer dots on
-    Q8-quantized x: dp4a on a GPU, its integer twin here; x quantized by quantize_x_q8 first or
-    inside every program), down sums in registers; one neuron tile per program (None: 64
-    neurons) or several."""
+# (BLOCK_N, num_warps, programs) of the pipelined dense kernel (the interpreter's grid is
+# `programs`): one program over every tile (pair changes mid-run), a few, one tile each
+@pytest.mark.parametrize("blocks", [None, (4, 4, 1), (2, 4, 5), (16, 4, 1000)])
+@pytest.mark.parametrize("n_tok,in_kernel", [(1, True), (1, False), (3, False)])
+def test_moe_q8r_dense_matches_reference(n_tok, in_kernel, blocks):
+    """kernels.moe_q8r_pipe (tile i + 1's rows requested before tile i's arithmetic, down sums
+    kept across a pair's tiles): integer dots on Q8-quantized x (dp4a on a GPU, its integer
+    twin here; x quantized inside the kernel or by quantize_x_q8 first) against the reference
+    on the same quantized x."""
     from kernels.moe_dense import moe_q8r_decode
 
     x, w, ids, tw = make_case("q8_0r", n_tok, torch.bfloat16, seed=20 + n_tok, n_embd=Q8R_N_EMBD)
-    y = moe_q8r_decode(x, w, ids, tw, dp4a=dp4a != "off", blocks=blocks,
-                       quantize_in_kernel=dp4a == "in_kernel")  # fmt: skip
+    if blocks is not None and DEVICE.type == "cuda":  # programs per SM there
+        blocks = (*blocks[:2], max(1, blocks[2] // 100))
+    y = moe_q8r_decode(x, w, ids, tw, blocks=blocks, quantize_in_kernel=in_kernel)
     assert y.shape == x.shape and y.dtype == torch.float32
-    assert_close_rel(y, moe_dense_ref(x, w, "q8_0r", ids, tw, q8_x=dp4a != "off"), 1e-5)
+    assert_close_rel(y, moe_dense_ref(x, w, "q8_0r", ids, tw, q8_x=True), 1e-5)
 
 
 def test_moe_q8r_dense_gelu():
@@ -96,7 +98,26 @@ def test_moe_q8r_dense_gelu():
 
     x, w, ids, tw = make_case("q8_0r", 2, seed=23, n_embd=Q8R_N_EMBD)
     y = moe_q8r_decode(x, w, ids, tw, activation="gelu")
-    assert_close_rel(y, moe_dense_ref(x, w, "q8_0r", ids, tw, activation="gelu"), 1e-5)
+    assert_close_rel(y, moe_dense_ref(x, w, "q8_0r", ids, tw, activation="gelu", q8_x=True), 1e-5)
+
+
+def test_moe_q8r_dense_takes_dp4a_and_in_kernel_x_at_one_token_only():
+    from kernels.moe_dense import moe_q8r_decode
+
+    x, w, ids, tw = make_case("q8_0r", 2, seed=24, n_embd=Q8R_N_EMBD)
+    with pytest.raises(ValueError, match="dp4a"):
+        moe_q8r_decode(x, w, ids, tw, dp4a=False)
+    with pytest.raises(ValueError, match="1 token"):
+        moe_q8r_decode(x, w, ids, tw, quantize_in_kernel=True)
+
+
+def test_pipe_grid_covers_every_tile_once():
+    from kernels.moe_q8r_pipe import pipe_grid
+
+    for n_tiles in (1, 7, 64, 1000, 1001):
+        for n_programs in (1, 3, 132, 5000):
+            grid, run = pipe_grid(n_tiles, n_programs)
+            assert grid <= n_programs and grid * run >= n_tiles > (grid - 1) * run
 
 
 def test_quantize_x_q8_ref_is_the_c_core_rounding():

@@ -1,0 +1,121 @@
+"""Persistent, software-pipelined dense decode MoE over q8_0r experts (moe_dense's "q8r" path;
+launched by kernels.moe_dense.moe_q8r_decode).
+
+Gate/up dots on Q8-quantized x (dp4a on a GPU), act, down rows summed in registers, fp32
+atomics into y, as the sparse `_moe_q8r_kernel` (kernels.moe_dense) does. The schedule:
+
+- a fixed grid of about (SMs x occupancy) programs; the P * ceil(F / BLOCK_N) neuron tiles are
+  cut into equal contiguous runs, one per program, so a program's tiles mostly belong to one
+  (token, expert) pair;
+- the loads of tile i + 1 are issued before tile i's arithmetic (registers hold two tiles), so
+  an SM's memory requests never stop while it computes: the one-wave kernel loads, then
+  computes, then loads again, and HBM idles in between;
+- the down sums stay in registers across the tiles of a pair and go to y once per pair change
+  (one atomic per element per pair run, not per tile); the routing weight is applied then.
+
+H100 (bench/sweep_q8r.py --pipe, three real shapes): 1.18-1.24x the one-wave kernel at batch 1
+(2 neurons a tile, 8 warps, 2 programs per SM), 1.03-1.06x at batch 4 and 16. The same schedule
+for the sparse mode (tile i + 2's gate rows, tile i + 1's kept up/down rows, tile i's
+arithmetic, masked loads instead of the register compaction) took 1.05-1.7x the one-wave
+sparse kernel's time: without compaction every tile pays the up/down instructions; with the
+compaction inside the persistent loop it was slower still (both in commit db6d6b2).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.expert_rows import (
+    act_fn,
+    blocks_add,
+    q8r_bytes,
+    q8r_dot_q8x,
+    q8r_rows_axpy,
+    q8r_words,
+    quantize_x_lanes,
+    x_lanes,
+)
+
+
+@triton.jit
+def _tile_rows(ids_ptr, i, end, TPP, F, RB, BLOCK_N: tl.constexpr):
+    """(pair, byte offset of each gate row [BLOCK_N] int64, neuron mask [BLOCK_N]) of tile i;
+    the mask is all off when i >= end (a prefetch past the program's run loads nothing)."""
+    valid = i < end
+    p = i // TPP
+    e = tl.load(ids_ptr + p, mask=valid, other=0).to(tl.int64)
+    n = (i % TPP) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < tl.where(valid, F, 0)
+    return p, (e * F + n) * 3 * RB, nm
+
+
+@triton.jit
+def _x_q8(x_ptr, xq_ptr, xd_ptr, t, stride_x, H, NB: tl.constexpr, DP4A: tl.constexpr,
+          ASM: tl.constexpr):  # fmt: skip
+    """Token t's Q8 words [NB, 8] and scales [NB]: quantized here (DP4A 2) or loaded (1)."""
+    if DP4A == 2:
+        x0, x1, x2, x3 = x_lanes(x_ptr + t.to(tl.int64) * stride_x, H, NB)
+        xq, xd = quantize_x_lanes(x0, x1, x2, x3, ASM)
+    else:
+        b = tl.arange(0, NB)
+        xq = tl.load(xq_ptr + (t.to(tl.int64) * NB + b)[:, None] * 8 + tl.arange(0, 8)[None, :])
+        xd = tl.load(xd_ptr + t.to(tl.int64) * NB + b)
+    return xq, xd
+
+
+@triton.jit
+def _moe_q8r_pipe_kernel(
+    x_ptr,  # [T, H] f32/bf16 (DP4A 2: quantized here; T must be 1)
+    w_ptr,  # q8_0r expert tensor, uint8 [E, F, 3, RB]
+    ids_ptr,  # [P] int: expert of each pair
+    tw_ptr,  # [P] f32: routing weight of each pair
+    y_ptr,  # [T, H] f32, zeroed, accumulated
+    xq_ptr,  # DP4A 1: [T, NB, 8] int32 Q8 words of x (quantize_x_q8)
+    xd_ptr,  # DP4A 1: [T, NB] f32 their scales
+    H,
+    F,
+    RB,  # bytes per row: 34 H / 32
+    K,
+    stride_x,
+    TPP,  # tiles per pair: ceil(F / BLOCK_N)
+    n_tiles,  # P * TPP
+    run,  # tiles per program
+    ACT: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # neurons per tile
+    NB: tl.constexpr,  # power of two >= H / 32
+    DP4A: tl.constexpr,  # 1: x quantized beforehand, 2: quantized here (T == 1)
+    ASM: tl.constexpr,  # dp4a / cvt.rni as GPU instructions (else integer twins)
+):
+    """Dense: two stages, tile i + 1's three rows requested before tile i's arithmetic."""
+    start = tl.program_id(0) * run
+    end = tl.minimum(start + run, n_tiles)
+    p, off, nm = _tile_rows(ids_ptr, start, end, TPP, F, RB, BLOCK_N)
+    gw, gd = q8r_words(w_ptr, off, nm, H, NB)
+    uw, ud = q8r_words(w_ptr, off + RB, nm, H, NB)
+    dq, dd = q8r_bytes(w_ptr, off + 2 * RB, nm, H, NB)
+    xq, xd = _x_q8(x_ptr, xq_ptr, xd_ptr, p // K, stride_x, H, NB, DP4A, ASM)
+    acc = tl.zeros([NB, 32], dtype=tl.float32)
+    for i in range(start, end):
+        # 1. request tile i + 1 (nothing past the run)
+        p1, off1, nm1 = _tile_rows(ids_ptr, i + 1, end, TPP, F, RB, BLOCK_N)
+        gw1, gd1 = q8r_words(w_ptr, off1, nm1, H, NB)
+        uw1, ud1 = q8r_words(w_ptr, off1 + RB, nm1, H, NB)
+        dq1, dd1 = q8r_bytes(w_ptr, off1 + 2 * RB, nm1, H, NB)
+        # 2. tile i's arithmetic (its loads were requested one iteration ago)
+        a = act_fn(q8r_dot_q8x(gw, gd, xq, xd, ASM), ACT)
+        us = q8r_dot_q8x(uw, ud, xq, xd, ASM)
+        acc = q8r_rows_axpy(dq, dd, tl.where(nm, a * us, 0.0), acc)
+        # 3. the pair's run ends: its down sums (times the routing weight) go to y
+        if (p1 != p) | (i + 1 >= end):
+            blocks_add(y_ptr + (p // K).to(tl.int64) * H, acc * tl.load(tw_ptr + p), H, NB)
+            acc = tl.zeros([NB, 32], dtype=tl.float32)
+            if DP4A == 1:
+                xq, xd = _x_q8(x_ptr, xq_ptr, xd_ptr, p1 // K, stride_x, H, NB, DP4A, ASM)
+        gw, gd, uw, ud, dq, dd, nm, p = gw1, gd1, uw1, ud1, dq1, dd1, nm1, p1
+
+
+def pipe_grid(n_tiles: int, n_programs: int) -> tuple[int, int]:
+    """(programs, tiles per program): equal contiguous runs, at most n_programs of them."""
+    run = triton.cdiv(n_tiles, max(1, min(n_tiles, n_programs)))
+    return triton.cdiv(n_tiles, run), run
