@@ -18,7 +18,9 @@ combination in turn for --rounds rounds (so drift hits all alike), median of the
 
     PYTHONPATH=. python bench/cpu_experts.py --sweep PYRT_PF_FAR=0,4,8 PYRT_PREFETCH_AHEAD=1,2
 
-The knob SIMD is the SIMD level (cpu_core.force_simd), e.g. --sweep SIMD=avx2,avx512.
+The knob SIMD is the SIMD level (cpu_core.force_simd), e.g. --sweep SIMD=avx2,avx512. With
+PYRT_PROFILE=n among the knobs (n = --iters + 3, one report per cell), each cell's label goes to
+stderr before the kernel's profile report of it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import itertools
 import os
 import platform
 import statistics
+import sys
 import time
 
 import gguf
@@ -113,6 +116,8 @@ def sweep(core, layers, fmt, shape, batches, sparsities, iters, knobs, rounds, b
             os.environ.update(setting)
             for batch in batches:
                 for s in sparsities:
+                    if os.environ.get("PYRT_PROFILE"):  # its report of this cell follows
+                        print(f"profile cell: {combo} b{batch} s{s}", file=sys.stderr, flush=True)
                     r = bench_layer(core, layers, fmt, shape, batch, thresholds[s], iters)
                     ms.setdefault((combo, batch, s), []).append(r["ms"])
                     gbs.setdefault((combo, batch, s), []).append(r["gbs"])

@@ -27,8 +27,15 @@ typedef struct {
     int8_t q[PYRT_QK];
 } pyrt_xq8;
 
-/* x [n] f32 -> n/32 blocks; n must be a multiple of 32. Round-half-to-even (as torch.round). */
+/* x [n] f32 -> n/32 blocks; n must be a multiple of 32. Round-half-to-even (as torch.round).
+ * pyrt_quantize_x_q8 runs the active SIMD level's version (cpu.c); for finite x every level gives
+ * the scalar one's bytes (tests/c). The SIMD ones also mirror the scalar code as compiled on x86
+ * where x holds NaN/inf: amax ignores NaN lanes (as fmaxf), q is the low byte of the truncated
+ * int32 (cvttss2si + (int8_t)). */
 void pyrt_quantize_x_q8(const float *x, pyrt_xq8 *out, int n);
+void pyrt_quantize_x_q8_scalar(const float *x, pyrt_xq8 *out, int n);
+void pyrt_quantize_x_q8_avx2(const float *x, pyrt_xq8 *out, int n);
+void pyrt_quantize_x_q8_avx512(const float *x, pyrt_xq8 *out, int n);
 
 /* ---- row kernels (rows_*.c) ---------------------------------------------------------------- */
 
