@@ -31,18 +31,12 @@ enum {
     DEFAULT_PREFETCH_AHEAD = 2, /* neurons (best of 2, 4, 8 on the 16-core device) */
     MAX_SPARSE_CHUNK = 32,     /* neurons: the sparse chunk arrays' size */
     DEFAULT_SPARSE_CHUNK = 32, /* neurons */
-    MAX_ITEMS_PER_THREAD = 16, /* guided items: ~6.2 per thread (~9 with PYRT_ITEM_MIN=64) */
+    MAX_ITEMS_PER_THREAD = 16, /* guided items: ~6.2 per thread (~9.6 with PYRT_ITEM_MIN=32) */
     DEFAULT_ITEM_MIN = 16, /* guided: the smallest item is 1/16 of a thread's share */
+    REDUCE_PF_ITEMS = 2, /* reduce: items ahead whose part of the range is prefetched */
     ITEMS_ACC_BYTES = 16 << 20, /* cap on the work items' partial ys together */
     SERIAL_QUANTIZE_MAX = 1 << 15 /* activations (tokens * n_embd) quantized without the pool */
 };
-
-/* One range of y's reduce: the items' partial ys are added into it in item order, by whichever
- * thread holds the lock (own cache line each). */
-typedef struct {
-    _Alignas(64) atomic_int lock;
-    atomic_int next; /* the next item to add (written under the lock) */
-} range_state;
 
 typedef struct {
     /* weights: row r (0 gate, 1 up, 2 down) of neuron j of expert e starts at
@@ -82,12 +76,8 @@ typedef struct {
     int64_t *active;        /* [nth * 8] per-thread active-neuron counters (own cache line) */
     int prefetch_ahead;     /* neurons ahead whose rows are software-prefetched (0: none) */
     int sparse_chunk;       /* sparse: neurons per chunk (<= NEURON_CHUNK) */
-    int gate_ahead;         /* sparse: gate rows ahead whose lines are software-prefetched */
     int item_min;           /* guided: smallest item = a thread's share / item_min */
-    int reduce_eager;       /* 1: ranges of y summed as items complete (reduce_pass) */
-    int n_ranges;           /* ranges of y the reduce is cut into */
-    range_state *ranges;    /* [n_ranges] */
-    int quant_scalar;       /* PYRT_QUANT_SCALAR */
+    pyrt_add_fn ops_add;    /* y += partial y (the active SIMD level's) */
     int64_t *prof;          /* [nth * 8] per-thread task start, items end, end ns, or NULL */
     pyrt_pool *pool;        /* for the idle prefetch while a reducer waits on an item */
 } moe_ctx;
@@ -100,11 +90,6 @@ typedef struct {
  * PYRT_SPARSE_CHUNK=n     sparse: gates of n neurons (1..32, default 32) before their up/down rows.
  * PYRT_ITEMS=n            n equal work items per thread (default 0: guided sizes, see plan_items).
  * PYRT_ITEM_MIN=n         guided: the smallest item is a thread's share / n (default 16).
- * PYRT_GATE_AHEAD=n       sparse: gate rows prefetched n neurons ahead (default: PREFETCH_AHEAD).
- * PYRT_REDUCE=n           0: threads out of items sum the partial ys, each a range of y, waiting
- *                         on the items in order; 1: every thread adds what is done after each of
- *                         its items, the rest at the end (same order, same bits).
- * PYRT_QUANT_SCALAR=1     quantize x with the scalar code (A/B of the SIMD quantize).
  * PYRT_SPIN_US=n          (pool.c, read at pool creation) how long idle threads spin, default 300.
  * The result is the same bits under every setting. */
 typedef struct {
@@ -112,16 +97,8 @@ typedef struct {
     int prefetch_ahead;
     int items_per_thread;
     int sparse_chunk;
-    int gate_ahead;
     int item_min;
-    int reduce_eager;
-    int quant_scalar;
 } knobs;
-
-static int env_int(const char *name, int fallback) {
-    const char *v = getenv(name);
-    return v != NULL ? atoi(v) : fallback;
-}
 
 /* Read on every call (a few getenv, well under a microsecond) so a benchmark can vary them. */
 static knobs read_knobs(void) {
@@ -137,12 +114,8 @@ static knobs read_knobs(void) {
         k.items_per_thread = 0;
     if (k.prefetch_ahead < 0)
         k.prefetch_ahead = 0;
-    k.gate_ahead = env_int("PYRT_GATE_AHEAD", k.prefetch_ahead);
-    k.gate_ahead = k.gate_ahead < 0 ? 0 : k.gate_ahead;
-    k.item_min = env_int("PYRT_ITEM_MIN", DEFAULT_ITEM_MIN);
-    k.item_min = k.item_min < 1 ? DEFAULT_ITEM_MIN : k.item_min;
-    k.reduce_eager = env_int("PYRT_REDUCE", 0) != 0;
-    k.quant_scalar = env_int("PYRT_QUANT_SCALAR", 0) != 0;
+    const char *m = getenv("PYRT_ITEM_MIN");
+    k.item_min = m != NULL && atoi(m) > 0 ? atoi(m) : DEFAULT_ITEM_MIN;
     return k;
 }
 
@@ -159,7 +132,9 @@ static struct {
         items;
 } prof_sum;
 
-/* Per thread: prof[0] task start, prof[1] its last item done, prof[2] its reduce done. */
+/* Per thread: prof[0] task start, prof[1] its last item done, prof[2] its reduce done. The
+ * report's "reduce" is the last reduce done after the last item done; the rest of the tail is
+ * the hand-back to the caller. */
 static void profile_block(const moe_ctx *c, int nth, int64_t t_run, int64_t t_run_end) {
     int64_t busy_max = 0, busy_sum = 0, start_max = 0, items_end = 0, reduce_end = 0;
     for (int t = 0; t < nth; t++) {
@@ -204,8 +179,7 @@ static void task_quantize(void *p, int ith, int nth) {
     const int t_lo = (int)((int64_t)c->n_tokens * ith / nth);
     const int t_hi = (int)((int64_t)c->n_tokens * (ith + 1) / nth);
     for (int t = t_lo; t < t_hi; t++)
-        (c->quant_scalar ? pyrt_quantize_x_q8_scalar : pyrt_quantize_x_q8)(
-            c->x + (size_t)t * c->n_embd, c->xq + (size_t)t * nb, c->n_embd);
+        pyrt_quantize_x_q8(c->x + (size_t)t * c->n_embd, c->xq + (size_t)t * nb, c->n_embd);
 }
 
 static inline int64_t ceil_div(int64_t a, int64_t b) {
@@ -453,7 +427,7 @@ static void gate_cursor_take(const moe_ctx *c, gate_cursor *gc, int64_t upto, co
 static int64_t sparse_gates(const moe_ctx *c, sparse_chunk *ch, int nj, gate_cursor *gc,
                             const sparse_chunk *prev) {
     const size_t rb = c->row_bytes;
-    const int ahead = c->gate_ahead, nr = ch->nr, rc = ch->rc;
+    const int ahead = c->prefetch_ahead, nr = ch->nr, rc = ch->rc;
     const float thr = c->threshold;
     const int prev_lines = prev == NULL ? 0 : prev->n_list * (int)((2 * rb + 63) / 64 + 1);
     const int share = (prev_lines + nj - 1) / nj;
@@ -560,7 +534,7 @@ static void sparse_pipe_flush(const moe_ctx *c, sparse_pipe *pp, int prefetched,
 static int64_t sparse_neurons(const moe_ctx *c, sparse_pipe *pp, int item, const uint8_t *expert,
                               int64_t j0, int64_t j1, int r0, int r1, float *acc) {
     const size_t rb = c->row_bytes;
-    const int ahead = c->gate_ahead;
+    const int ahead = c->prefetch_ahead;
     int64_t active = 0;
     for (int rc = r0; rc < r1; rc += ROUTE_CHUNK) {
         const int nr = r1 - rc < ROUTE_CHUNK ? r1 - rc : ROUTE_CHUNK;
@@ -614,92 +588,12 @@ static int64_t run_item(const moe_ctx *c, sparse_pipe *pp, int item) {
     return active;
 }
 
-/* ---- the reduce: y = the items' partial ys summed in item order -------------------------- */
-
-/* [lo, hi) of range r of y's tb * n_embd floats, whole cache lines (16 floats) per range. */
-static void range_bounds(const moe_ctx *c, int r, size_t *lo, size_t *hi) {
-    const size_t n = (size_t)c->tb * c->n_embd, lines = (n + 15) / 16;
-    *lo = lines * (size_t)r / (size_t)c->n_ranges * 16;
-    const size_t h = lines * (size_t)(r + 1) / (size_t)c->n_ranges * 16;
-    *hi = h < n ? h : n;
-}
-
-/* y[lo, hi) = acc of item 0, then += acc of items 1, 2, ... in order: the same bits whichever
- * thread adds which item. */
-static void add_item(const moe_ctx *c, int item, size_t lo, size_t hi) {
-    float *y = c->y + (size_t)c->t0 * c->n_embd;
-    const float *acc = c->acc + (size_t)item * c->acc_stride;
-    if (item == 0)
-        memcpy(y + lo, acc + lo, (hi - lo) * sizeof *y);
-    else
-        for (size_t i = lo; i < hi; i++)
-            y[i] += acc[i];
-}
-
-/* If range r's lock is free: adds the items that are done, from its next item on, in order, up
- * to the first one not done. Returns 1 once the range holds every item. */
-static int reduce_range(const moe_ctx *c, int r) {
-    range_state *rs = &c->ranges[r];
-    if (atomic_load_explicit(&rs->next, memory_order_relaxed) >= c->n_items)
-        return 1;
-    if (atomic_load_explicit(&rs->lock, memory_order_relaxed) ||
-        atomic_exchange_explicit(&rs->lock, 1, memory_order_acquire))
-        return 0;
-    size_t lo, hi;
-    range_bounds(c, r, &lo, &hi);
-    int next = atomic_load_explicit(&rs->next, memory_order_relaxed);
-    for (; next < c->n_items &&
-           atomic_load_explicit(&c->item_done[next], memory_order_acquire);
-         next++)
-        add_item(c, next, lo, hi);
-    atomic_store_explicit(&rs->next, next, memory_order_relaxed);
-    atomic_store_explicit(&rs->lock, 0, memory_order_release);
-    return next >= c->n_items;
-}
-
-/* PYRT_REDUCE=1, after each of a thread's items: one pass over the ranges (starting at its own,
- * so threads spread over them), adding what is done. Returns 1 when every range is complete. */
-static int reduce_pass(const moe_ctx *c, int ith) {
-    int complete = 1;
-    for (int k = 0; k < c->n_ranges; k++)
-        complete &= reduce_range(c, (ith + k) % c->n_ranges);
-    return complete;
-}
-
-/* PYRT_REDUCE=1, out of items: passes until every range holds every item; while waiting on
- * items, prefetch this thread's home of the pool's plan. */
-static void reduce_rest(const moe_ctx *c, int ith) {
-    int pf_more = 1;
-    for (int spins = 0; !reduce_pass(c, ith);)
-        if (!pf_more || !(pf_more = pyrt_pool_idle_prefetch(c->pool, ith)))
-            pyrt_spin_pause(++spins);
-}
-
-/* PYRT_REDUCE=0: a thread out of items takes one of nth - 1 ranges of y (if one is left) and
- * sums the items' partial ys there in item order, each item as soon as it is done. */
-static void reduce_when_idle(const moe_ctx *c, int ith, int nth) {
-    const int n_ranges = nth > 1 ? nth - 1 : 1;
-    const int range = atomic_fetch_add_explicit(c->next_slice, 1, memory_order_relaxed);
-    if (range >= n_ranges)
-        return;
-    /* whole cache lines (16 floats) per range */
-    const size_t n = (size_t)c->tb * c->n_embd, lines = (n + 15) / 16;
-    const size_t lo = lines * range / n_ranges * 16;
-    const size_t hi = lines * (range + 1) / n_ranges * 16 < n ? lines * (range + 1) / n_ranges * 16 : n;
-    int pf_more = 1; /* while waiting, prefetch this thread's home of the pool's plan */
-    for (int item = 0; item < c->n_items; item++) {
-        for (int spins = 0; !atomic_load_explicit(&c->item_done[item], memory_order_acquire);)
-            if (!pf_more || !(pf_more = pyrt_pool_idle_prefetch(c->pool, ith)))
-                pyrt_spin_pause(++spins);
-        add_item(c, item, lo, hi);
-    }
-}
-
 /* One token block in one hand-off to the pool. (1) Threads take work items from a shared
  * counter: a thread that the OS preempts or that runs on a busier core delays the block by one
- * item, not by its whole share. (2) The items' partial ys are summed into y per range of y in
- * item order, as the items complete (reduce_pass / reduce_when_idle): the sums overlap the
- * items, and the result does not depend on which thread ran or summed which item. */
+ * item, not by its whole share. (2) A thread out of items takes one of nth - 1 ranges of y (if
+ * one is left) and sums the items' partial ys there in item order, each item as soon as it is
+ * done: the sums run while the last items are computed, and the result does not depend on
+ * which thread ran which item. */
 static void task_block(void *p, int ith, int nth) {
     moe_ctx *c = p;
     int64_t *prof = c->prof != NULL ? c->prof + (size_t)ith * 8 : NULL;
@@ -710,19 +604,40 @@ static void task_block(void *p, int ith, int nth) {
     pp.prev = NULL;
     int64_t active = 0;
     for (int item; (item = atomic_fetch_add_explicit(c->next_item, 1, memory_order_relaxed)) <
-                   c->n_items;) {
+                   c->n_items;)
         active += run_item(c, &pp, item);
-        if (c->reduce_eager)
-            reduce_pass(c, ith);
-    }
     sparse_pipe_flush(c, &pp, 0, -1, NULL);
     c->active[(size_t)ith * 8] += active;
     if (prof != NULL)
         prof[1] = now_ns();
-    if (c->reduce_eager)
-        reduce_rest(c, ith);
-    else
-        reduce_when_idle(c, ith, nth);
+    const int n_ranges = nth > 1 ? nth - 1 : 1;
+    const int range = atomic_fetch_add_explicit(c->next_slice, 1, memory_order_relaxed);
+    if (range < n_ranges) {
+        /* whole cache lines (16 floats) per range */
+        const size_t n = (size_t)c->tb * c->n_embd, lines = (n + 15) / 16;
+        const size_t lo = lines * range / n_ranges * 16;
+        const size_t hi = lines * (range + 1) / n_ranges * 16 < n ? lines * (range + 1) / n_ranges * 16 : n;
+        float *y = c->y + (size_t)c->t0 * c->n_embd;
+        int pf_more = 1; /* while waiting, prefetch this thread's home of the pool's plan */
+        for (int item = 0; item < c->n_items; item++) {
+            for (int spins = 0; !atomic_load_explicit(&c->item_done[item], memory_order_acquire);)
+                if (!pf_more || !(pf_more = pyrt_pool_idle_prefetch(c->pool, ith)))
+                    pyrt_spin_pause(++spins);
+            /* The partial ys sit in the caches of the cores that made them: ask for the range of
+             * an item REDUCE_PF_ITEMS on, if done, so the remote reads overlap (at the end of a
+             * call every item is done and the sums are a chain of ~100 such reads). */
+            const int ahead = item + REDUCE_PF_ITEMS;
+            if (ahead < c->n_items &&
+                atomic_load_explicit(&c->item_done[ahead], memory_order_relaxed))
+                prefetch_row((const uint8_t *)(c->acc + (size_t)ahead * c->acc_stride + lo),
+                             (hi - lo) * sizeof *y);
+            const float *acc = c->acc + (size_t)item * c->acc_stride;
+            if (item == 0)
+                memcpy(y + lo, acc + lo, (hi - lo) * sizeof *y);
+            else
+                c->ops_add(y + lo, acc + lo, hi - lo);
+        }
+    }
     if (prof != NULL)
         prof[2] = now_ns();
 }
@@ -902,8 +817,7 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
     size_t off_istart = off_prof + (size_t)nth * 8 * sizeof(int64_t);
     size_t off_next = off_istart + align64((n_items_max + 1) * sizeof(int64_t));
     size_t off_done = off_next + 2 * 64; /* next_item, next_slice: a cache line each */
-    size_t off_ranges = off_done + align64(n_items_max * sizeof(atomic_int));
-    size_t total = off_ranges + (size_t)nth * sizeof(range_state);
+    size_t total = off_done + align64(n_items_max * sizeof(atomic_int));
 
     pyrt_pool_acquire(pool);
     uint8_t *ws = pyrt_pool_workspace(pool, total);
@@ -945,12 +859,8 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
         .active = (int64_t *)(ws + off_active),
         .prefetch_ahead = kn.prefetch_ahead,
         .sparse_chunk = kn.sparse_chunk,
-        .gate_ahead = kn.gate_ahead,
         .item_min = kn.item_min,
-        .reduce_eager = kn.reduce_eager,
-        .n_ranges = nth,
-        .ranges = (range_state *)(ws + off_ranges),
-        .quant_scalar = kn.quant_scalar,
+        .ops_add = pyrt_add_f32_active(),
         .prof = kn.profile ? (int64_t *)(ws + off_prof) : NULL,
         .pool = pool,
     };
@@ -977,10 +887,6 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
         for (int i = 0; i < c.n_items; i++)
             atomic_store_explicit(&c.item_done[i], 0, memory_order_relaxed);
         atomic_store_explicit(c.next_slice, 0, memory_order_relaxed);
-        for (int r = 0; r < c.n_ranges; r++) {
-            atomic_store_explicit(&c.ranges[r].lock, 0, memory_order_relaxed);
-            atomic_store_explicit(&c.ranges[r].next, 0, memory_order_relaxed);
-        }
         const int64_t t_run = now_ns();
         pyrt_pool_run(pool, task_block, &c);
         if (c.prof != NULL)

@@ -37,6 +37,14 @@ void pyrt_quantize_x_q8_scalar(const float *x, pyrt_xq8 *out, int n);
 void pyrt_quantize_x_q8_avx2(const float *x, pyrt_xq8 *out, int n);
 void pyrt_quantize_x_q8_avx512(const float *x, pyrt_xq8 *out, int n);
 
+/* y[0:n] += x[0:n] in f32, element by element (every level gives the same bits): the expert
+ * kernel's sum of partial ys. pyrt_add_f32_active: the active SIMD level's (cpu.c). */
+typedef void (*pyrt_add_fn)(float *y, const float *x, size_t n);
+void pyrt_add_f32_scalar(float *y, const float *x, size_t n);
+void pyrt_add_f32_avx2(float *y, const float *x, size_t n);
+void pyrt_add_f32_avx512(float *y, const float *x, size_t n);
+pyrt_add_fn pyrt_add_f32_active(void);
+
 /* ---- row kernels (rows_*.c) ---------------------------------------------------------------- */
 
 /* One weight row of n elements, in one format, against one token.

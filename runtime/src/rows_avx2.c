@@ -365,6 +365,14 @@ AVX2 static void axpy_q4_0(float a, const void *row, float *y, int n) {
 static const pyrt_row_ops ops_f32 = {dot_f32, axpy_f32, NULL, NULL, NULL, NULL, NULL};
 static const pyrt_row_ops ops_f16 = {dot_f16, axpy_f16, NULL, NULL, NULL, NULL, NULL};
 static const pyrt_row_ops ops_bf16 = {dot_bf16, axpy_bf16, NULL, NULL, NULL, NULL, NULL};
+AVX2 void pyrt_add_f32_avx2(float *y, const float *x, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_add_ps(_mm256_loadu_ps(y + i), _mm256_loadu_ps(x + i)));
+    for (; i < n; i++)
+        y[i] += x[i];
+}
+
 /* x [n] f32 -> Q8_0 blocks, for finite x the same bytes as pyrt_quantize_x_q8_scalar (see the
  * AVX-512 twin in rows_avx512.c): NaN lanes ignored by the max, q the low byte of the truncated
  * int32 (masked to 0..255 and packed without saturation). */
@@ -433,6 +441,10 @@ const pyrt_row_ops *pyrt_row_ops_avx2(int fmt) {
 
 void pyrt_quantize_x_q8_avx2(const float *x, pyrt_xq8 *out, int n) {
     pyrt_quantize_x_q8_scalar(x, out, n);
+}
+
+void pyrt_add_f32_avx2(float *y, const float *x, size_t n) {
+    pyrt_add_f32_scalar(y, x, n);
 }
 
 #endif

@@ -328,6 +328,18 @@ AVX512 static void axpy_q4_0(float a, const void *row, float *y, int n) {
     }
 }
 
+AVX512 void pyrt_add_f32_avx512(float *y, const float *x, size_t n) {
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(y + i, _mm512_add_ps(_mm512_loadu_ps(y + i), _mm512_loadu_ps(x + i)));
+    if (i < n) {
+        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+        _mm512_mask_storeu_ps(y + i, m,
+                              _mm512_add_ps(_mm512_maskz_loadu_ps(m, y + i),
+                                            _mm512_maskz_loadu_ps(m, x + i)));
+    }
+}
+
 /* x [n] f32 -> Q8_0 blocks, for finite x the same bytes as pyrt_quantize_x_q8_scalar: per
  * block of 32, amax = max |x| with NaN lanes ignored (max(v, acc) returns acc where v is NaN, as
  * fmaxf), d = amax / 127, q = low byte of the truncated int32 of x * (1/d) rounded in the current
@@ -386,6 +398,10 @@ const pyrt_row_ops *pyrt_row_ops_avx512(int fmt) {
 
 void pyrt_quantize_x_q8_avx512(const float *x, pyrt_xq8 *out, int n) {
     pyrt_quantize_x_q8_scalar(x, out, n);
+}
+
+void pyrt_add_f32_avx512(float *y, const float *x, size_t n) {
+    pyrt_add_f32_scalar(y, x, n);
 }
 
 #endif

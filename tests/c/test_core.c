@@ -308,6 +308,32 @@ static void test_quantize_x_levels(void) {
     pyrt_simd_force(best);
 }
 
+/* Every SIMD level's y += x (the expert kernel's sum of partial ys) gives the scalar loop's bits,
+ * at lengths with and without a vector tail. */
+static void test_add_levels(void) {
+    enum { N = 77 };
+    static const size_t lengths[] = {1, 15, 16, 17, 33, 64, N};
+    float x[N], y0[N], want[N], got[N];
+    for (int i = 0; i < N; i++) {
+        x[i] = rng_normalish() * 1e3f;
+        y0[i] = rng_normalish();
+    }
+    const int best = pyrt_simd_best();
+    for (int l = 0; l < COUNT_OF(lengths); l++) {
+        const size_t n = lengths[l];
+        memcpy(want, y0, sizeof want);
+        pyrt_add_f32_scalar(want, x, n);
+        for (int level = PYRT_SIMD_SCALAR; level <= best; level++) {
+            CHECK(pyrt_simd_force(level) == PYRT_OK, "force level %d", level);
+            memcpy(got, y0, sizeof got);
+            pyrt_add_f32_active()(got, x, n);
+            CHECK(memcmp(got, want, sizeof got) == 0, "add level %d n %zu differs from scalar",
+                  level, n);
+        }
+    }
+    pyrt_simd_force(best);
+}
+
 /* ---- 2. the MoE kernel --------------------------------------------------------------------- */
 
 static double act_silu(double g) {
@@ -508,6 +534,7 @@ static void test_errors(void) {
 int main(void) {
     test_quantize_x();
     test_quantize_x_levels();
+    test_add_levels();
     test_row_kernels();
     test_fused_kernels_match_plain();
     test_moe_ffn_case(13);
