@@ -5,12 +5,17 @@ each round `--calls` back-to-back calls per variant on layer copies cycled from 
 routing per call (as bench/cpu_experts.py); prints median us per call.
 
     PYTHONPATH=. python bench/cpu16_overhead.py --shape olmoe-1b-7b --rounds 5
+
+With PYRT_PROFILE set to --calls, the kernel's profile of each variant's round (C-side entry and
+call time) follows that variant's label on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -130,6 +135,8 @@ def main() -> None:
     times: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(args.rounds):
         for name, fn in variants.items():
+            if os.environ.get("PYRT_PROFILE"):  # set to --calls: the kernel's report follows
+                print(f"profile of: {name}", file=sys.stderr, flush=True)
             ts = []
             for i in range(args.calls):
                 t = time.perf_counter()

@@ -26,8 +26,8 @@ for shape in olmoe-1b-7b qwen3-30b-a3b; do
 done >"$OUT/sweep.txt" 2>&1
 echo "sweeps done at $(elapsed) s" | tee -a "$OUT/machine.txt"
 
-PYRUNTIME_CORE_LIB=$NEW timeout 60 python bench/cpu16_overhead.py --shape olmoe-1b-7b \
-    --rounds 7 --calls 100 >"$OUT/overhead.txt" 2>&1
+PYRT_PROFILE=100 PYRUNTIME_CORE_LIB=$NEW timeout 60 python bench/cpu16_overhead.py \
+    --shape olmoe-1b-7b --rounds 7 --calls 100 >"$OUT/overhead.txt" 2>&1
 echo "overhead done at $(elapsed) s" | tee -a "$OUT/machine.txt"
 
 PYRUNTIME_CORE_LIB=$NEW timeout 150 python -m pytest -q -x -rs tests/test_cpu_core.py \
