@@ -3,7 +3,8 @@
 # BASE_SRC = main's runtime/ and CMakeLists.txt) in one process per shape, interleaved rounds
 # (bench/cpu_experts.py --sweep LIB=OLD,NEW, with the kernel's profile per cell); the Python
 # wrapper's cost (bench/cpu16_overhead.py); the tests against NEW (AVX-512 paths); if the budget
-# allows, granite-1b-a400m decode OLD, NEW, OLD, NEW (each its own process).
+# allows, granite-1b-a400m decode OLD, NEW, OLD, NEW (each its own process). Ran at commit 9bcc102,
+# where the knob PYRT_ITEM_MIN existed (dropped after the run: no gain); later it is ignored.
 #   bash bench/cpu16_session2.sh BASE_SRC OUT [BUDGET_S]
 set -u
 BASE_SRC=$1

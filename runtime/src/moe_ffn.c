@@ -31,8 +31,7 @@ enum {
     DEFAULT_PREFETCH_AHEAD = 2, /* neurons (best of 2, 4, 8 on the 16-core device) */
     MAX_SPARSE_CHUNK = 32,     /* neurons: the sparse chunk arrays' size */
     DEFAULT_SPARSE_CHUNK = 32, /* neurons */
-    MAX_ITEMS_PER_THREAD = 16, /* guided items: ~6.2 per thread (~9.6 with PYRT_ITEM_MIN=32) */
-    DEFAULT_ITEM_MIN = 16, /* guided: the smallest item is 1/16 of a thread's share */
+    MAX_ITEMS_PER_THREAD = 8, /* guided items come to ~6.2 per thread */
     REDUCE_PF_ITEMS = 2, /* reduce: items ahead whose part of the range is prefetched */
     ITEMS_ACC_BYTES = 16 << 20, /* cap on the work items' partial ys together */
     SERIAL_QUANTIZE_MAX = 1 << 15 /* activations (tokens * n_embd) quantized without the pool */
@@ -76,7 +75,6 @@ typedef struct {
     int64_t *active;        /* [nth * 8] per-thread active-neuron counters (own cache line) */
     int prefetch_ahead;     /* neurons ahead whose rows are software-prefetched (0: none) */
     int sparse_chunk;       /* sparse: neurons per chunk (<= NEURON_CHUNK) */
-    int item_min;           /* guided: smallest item = a thread's share / item_min */
     pyrt_add_fn ops_add;    /* y += partial y (the active SIMD level's) */
     int64_t *prof;          /* [nth * 8] per-thread task start, items end, end ns, or NULL */
     pyrt_pool *pool;        /* for the idle prefetch while a reducer waits on an item */
@@ -89,7 +87,6 @@ typedef struct {
  * PYRT_PREFETCH_AHEAD=n   software-prefetch the rows of the neuron n ahead (default 2; 0: off).
  * PYRT_SPARSE_CHUNK=n     sparse: gates of n neurons (1..32, default 32) before their up/down rows.
  * PYRT_ITEMS=n            n equal work items per thread (default 0: guided sizes, see plan_items).
- * PYRT_ITEM_MIN=n         guided: the smallest item is a thread's share / n (default 16).
  * PYRT_SPIN_US=n          (pool.c, read at pool creation) how long idle threads spin, default 300.
  * The result is the same bits under every setting. */
 typedef struct {
@@ -97,7 +94,6 @@ typedef struct {
     int prefetch_ahead;
     int items_per_thread;
     int sparse_chunk;
-    int item_min;
 } knobs;
 
 /* Read on every call (a few getenv, well under a microsecond) so a benchmark can vary them. */
@@ -114,8 +110,6 @@ static knobs read_knobs(void) {
         k.items_per_thread = 0;
     if (k.prefetch_ahead < 0)
         k.prefetch_ahead = 0;
-    const char *m = getenv("PYRT_ITEM_MIN");
-    k.item_min = m != NULL && atoi(m) > 0 ? atoi(m) : DEFAULT_ITEM_MIN;
     return k;
 }
 
@@ -660,8 +654,7 @@ static void plan_items(moe_ctx *c, int nth) {
         for (int i = 0; i <= n; i++)
             c->item_start[i] = total * i / n;
     } else {
-        const int64_t div = (int64_t)c->item_min * nth;
-        const int64_t min_size = total / div > 0 ? total / div : 1;
+        const int64_t min_size = total / (16 * (int64_t)nth) > 0 ? total / (16 * (int64_t)nth) : 1;
         int64_t lo = 0;
         while (lo < total && n < c->n_items_max - 1) {
             int64_t size = (total - lo) / (2 * (int64_t)nth);
@@ -864,7 +857,6 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
         .active = (int64_t *)(ws + off_active),
         .prefetch_ahead = kn.prefetch_ahead,
         .sparse_chunk = kn.sparse_chunk,
-        .item_min = kn.item_min,
         .ops_add = pyrt_add_f32_active(),
         .prof = kn.profile ? (int64_t *)(ws + off_prof) : NULL,
         .pool = pool,
