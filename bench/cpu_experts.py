@@ -18,7 +18,12 @@ combination in turn for --rounds rounds (so drift hits all alike), median of the
 
     PYTHONPATH=. python bench/cpu_experts.py --sweep PYRT_PF_FAR=0,4,8 PYRT_PREFETCH_AHEAD=1,2
 
-The knob SIMD is the SIMD level (cpu_core.force_simd), e.g. --sweep SIMD=avx2,avx512.
+The knob SIMD is the SIMD level (cpu_core.force_simd), e.g. --sweep SIMD=avx2,avx512. The knob LIB
+is a libpyrt build (path), so two builds are timed against each other in one process, interleaved,
+e.g. --sweep LIB=/tmp/old/libpyrt.so,/tmp/new/libpyrt.so (each gets its own pool; see Libraries).
+With
+PYRT_PROFILE=n among the knobs (n = --iters + 3, one report per cell), each cell's label goes to
+stderr before the kernel's profile report of it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import itertools
 import os
 import platform
 import statistics
+import sys
 import time
 
 import gguf
@@ -95,6 +101,38 @@ def layer_copies(fmt: str, shape, footprint_gib: float) -> list[np.ndarray]:
     return [first] + [first.copy() for _ in range(n_copies - 1)]
 
 
+class Libraries:
+    """Several libpyrt builds in one process, one pool each: use(path) makes cpu_core call that
+    build (cpu_core keeps one library handle; the builds share the cffi declarations) and returns
+    its CpuCore. Each build is loaded by path with RTLD_LOCAL, so its calls into itself stay in
+    it. Switching waits 2 ms, past the other pool's worker spin (PYRT_SPIN_US, 300 us), so idle
+    workers of one pool do not spin on the cores the other's work runs on."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self.first = cpu_core._lib()
+        self.handles: dict[str, object] = {}
+        self.cores: dict[str, cpu_core.CpuCore] = {}
+        self.current: str | None = None
+
+    def use(self, path: str) -> cpu_core.CpuCore:
+        if path not in self.handles:
+            self.handles[path] = cpu_core._ffi.dlopen(path)
+        cpu_core._lib_handle = self.handles[path]
+        if path not in self.cores:
+            self.cores[path] = cpu_core.CpuCore(self.threads)
+        if self.current != path:
+            time.sleep(0.002)
+            self.current = path
+        return self.cores[path]
+
+    def close(self) -> None:
+        for path, core in self.cores.items():
+            cpu_core._lib_handle = self.handles[path]
+            core.close()
+        cpu_core._lib_handle = self.first
+
+
 def sweep(core, layers, fmt, shape, batches, sparsities, iters, knobs, rounds, bw):
     """Every combination of knob values (dict name -> list of strings), interleaved over rounds;
     prints ms per call (median of the rounds' medians) and dense % of DRAM read / sparse speedup."""
@@ -102,20 +140,30 @@ def sweep(core, layers, fmt, shape, batches, sparsities, iters, knobs, rounds, b
     thresholds = act_quantiles(layers[0], fmt, n_ff, n_embd, sparsities)
     names = list(knobs)
     combos = list(itertools.product(*(knobs[n] for n in names)))
-    saved = {n: os.environ.get(n) for n in names if n != "SIMD"}
+    saved = {n: os.environ.get(n) for n in names if n not in ("SIMD", "LIB")}
+    libs = Libraries(core.threads) if "LIB" in names else None
     ms: dict[tuple, list[float]] = {}
     gbs: dict[tuple, list[float]] = {}
     for _ in range(rounds):
         for combo in combos:
             setting = dict(zip(names, combo, strict=True))
+            if libs is not None:
+                core = libs.use(setting.pop("LIB"))
             if "SIMD" in setting:
                 cpu_core.force_simd(setting.pop("SIMD"))
             os.environ.update(setting)
             for batch in batches:
                 for s in sparsities:
+                    if os.environ.get("PYRT_PROFILE"):  # its report of this cell follows
+                        print(f"profile cell: {combo} b{batch} s{s}", file=sys.stderr, flush=True)
                     r = bench_layer(core, layers, fmt, shape, batch, thresholds[s], iters)
                     ms.setdefault((combo, batch, s), []).append(r["ms"])
                     gbs.setdefault((combo, batch, s), []).append(r["gbs"])
+    if libs is not None:
+        for path in libs.cores:  # each build back to its best level
+            libs.use(path)
+            cpu_core.force_simd(cpu_core.simd_best())
+        libs.close()
     cpu_core.force_simd(cpu_core.simd_best())
     for n, v in saved.items():
         if v is None:

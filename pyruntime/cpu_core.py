@@ -132,6 +132,11 @@ _ffi = FFI()
 _ffi.cdef(CDEF)
 _lib_handle = None
 _lib_lock = threading.Lock()
+# pointer types parsed once (a cast by type name parses the name on every call)
+_P_FLOAT = _ffi.typeof("float *")
+_P_CFLOAT = _ffi.typeof("const float *")
+_P_CINT32 = _ffi.typeof("const int32_t *")
+_P_INT64 = _ffi.typeof("int64_t *")
 
 
 def _candidate_paths() -> list[Path]:
@@ -209,6 +214,7 @@ class CpuCore:
 
     def __init__(self, threads: int | None = None) -> None:
         lib = _lib()
+        self._lib = lib  # the build that made the pool frees it and runs its calls
         self._pool = None
         n = physical_cores() if threads is None else threads
         if not isinstance(n, int) or isinstance(n, bool):
@@ -221,7 +227,7 @@ class CpuCore:
     def close(self) -> None:
         """Stop the worker threads and free the pool (idempotent)."""
         if self._pool is not None:
-            _lib().pyrt_pool_free(self._pool)
+            self._lib.pyrt_pool_free(self._pool)
             self._pool = None
 
     def __enter__(self) -> CpuCore:
@@ -277,10 +283,10 @@ class CpuCore:
         y = torch.empty((n_tokens, n_embd), dtype=torch.float32)
         if n_tokens == 0:
             return y, 0
-        n_active = _ffi.new("int64_t *")
+        n_active = _ffi.new(_P_INT64)
         weights = _ffi.from_buffer(gud)
         _check(
-            _lib().pyrt_moe_ffn(
+            self._lib.pyrt_moe_ffn(
                 self._pool,
                 weights,
                 gud.nbytes,
@@ -288,14 +294,14 @@ class CpuCore:
                 n_expert,
                 n_ff,
                 n_embd,
-                _ffi.cast("const float *", x.data_ptr()),
+                _ffi.cast(_P_CFLOAT, x.data_ptr()),
                 n_tokens,
-                _ffi.cast("const int32_t *", topk_ids.data_ptr()),
-                _ffi.cast("const float *", topk_w.data_ptr()),
+                _ffi.cast(_P_CINT32, topk_ids.data_ptr()),
+                _ffi.cast(_P_CFLOAT, topk_w.data_ptr()),
                 k,
                 ACTIVATIONS[activation],
                 0.0 if threshold is None else float(threshold),
-                _ffi.cast("float *", y.data_ptr()),
+                _ffi.cast(_P_FLOAT, y.data_ptr()),
                 n_active,
             ),
             "pyrt_moe_ffn",
@@ -332,13 +338,13 @@ class CpuCore:
             return y
         m = _ffi.new("pyrt_matrix *", (_ffi.from_buffer(w), w.nbytes, fmt, n_out, n_in))
         _check(
-            _lib().pyrt_linear(
+            self._lib.pyrt_linear(
                 self._pool,
                 m,
-                _ffi.cast("const float *", x.data_ptr()),
+                _ffi.cast(_P_CFLOAT, x.data_ptr()),
                 x.shape[0],
-                _ffi.NULL if bias is None else _ffi.cast("const float *", bias.data_ptr()),
-                _ffi.cast("float *", y.data_ptr()),
+                _ffi.NULL if bias is None else _ffi.cast(_P_CFLOAT, bias.data_ptr()),
+                _ffi.cast(_P_FLOAT, y.data_ptr()),
             ),
             "pyrt_linear",
         )
@@ -350,12 +356,21 @@ class CpuCore:
             raise CoreError("CpuCore is closed: create a new one")
         checksum = _ffi.new("uint64_t *")
         data = _ffi.from_buffer(buf)
-        _check(_lib().pyrt_mem_read(self._pool, data, buf.nbytes, checksum), "pyrt_mem_read")
+        _check(self._lib.pyrt_mem_read(self._pool, data, buf.nbytes, checksum), "pyrt_mem_read")
         return int(checksum[0])
 
 
 def _as_cpu(t: torch.Tensor, dtype: torch.dtype, name: str, ndim: int) -> torch.Tensor:
     """t as a contiguous CPU tensor of dtype (a copy only when it is not one already)."""
+    # the common case in a few attribute reads (t.device builds a torch.device: ~1 us)
+    if (
+        type(t) is torch.Tensor
+        and t.dtype is dtype
+        and t.is_cpu
+        and t.dim() == ndim
+        and t.is_contiguous()
+    ):
+        return t
     if not isinstance(t, torch.Tensor):
         raise CoreError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":

@@ -120,3 +120,27 @@ const pyrt_row_ops *pyrt_row_ops_at(int level, int fmt) {
 const pyrt_row_ops *pyrt_row_ops_active(int fmt) {
     return pyrt_row_ops_at(pyrt_simd_active(), fmt);
 }
+
+pyrt_add_fn pyrt_add_f32_active(void) {
+    switch (pyrt_simd_active()) {
+    case PYRT_SIMD_AVX512:
+        return pyrt_add_f32_avx512;
+    case PYRT_SIMD_AVX2:
+        return pyrt_add_f32_avx2;
+    default:
+        return pyrt_add_f32_scalar;
+    }
+}
+
+void pyrt_quantize_x_q8(const float *x, pyrt_xq8 *out, int n) {
+    switch (pyrt_simd_active()) {
+    case PYRT_SIMD_AVX512:
+        pyrt_quantize_x_q8_avx512(x, out, n);
+        return;
+    case PYRT_SIMD_AVX2:
+        pyrt_quantize_x_q8_avx2(x, out, n);
+        return;
+    default:
+        pyrt_quantize_x_q8_scalar(x, out, n);
+    }
+}

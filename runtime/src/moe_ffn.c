@@ -32,6 +32,7 @@ enum {
     MAX_SPARSE_CHUNK = 32,     /* neurons: the sparse chunk arrays' size */
     DEFAULT_SPARSE_CHUNK = 32, /* neurons */
     MAX_ITEMS_PER_THREAD = 8, /* guided items come to ~6.2 per thread */
+    REDUCE_PF_ITEMS = 2, /* reduce: items ahead whose part of the range is prefetched */
     ITEMS_ACC_BYTES = 16 << 20, /* cap on the work items' partial ys together */
     SERIAL_QUANTIZE_MAX = 1 << 15 /* activations (tokens * n_embd) quantized without the pool */
 };
@@ -74,6 +75,7 @@ typedef struct {
     int64_t *active;        /* [nth * 8] per-thread active-neuron counters (own cache line) */
     int prefetch_ahead;     /* neurons ahead whose rows are software-prefetched (0: none) */
     int sparse_chunk;       /* sparse: neurons per chunk (<= NEURON_CHUNK) */
+    pyrt_add_fn ops_add;    /* y += partial y (the active SIMD level's) */
     int64_t *prof;          /* [nth * 8] per-thread task start, items end, end ns, or NULL */
     pyrt_pool *pool;        /* for the idle prefetch while a reducer waits on an item */
 } moe_ctx;
@@ -120,40 +122,50 @@ static int64_t now_ns(void) {
 /* Sums over the calls since the last report (profiling only; calls are serialized per pool, and
  * the profile is a debugging aid, so one set of sums for the process is enough). */
 static struct {
-    int64_t calls, call_ns, task_ns, busy_max_ns, busy_mean_ns, start_max_ns, tail_ns, items;
+    int64_t calls, entry_ns, call_ns, task_ns, busy_max_ns, busy_mean_ns, start_max_ns, tail_ns,
+        reduce_ns, items;
 } prof_sum;
 
-/* Per thread: prof[0] task start, prof[1] its last item done, prof[2] its reduce done. */
+/* Per thread: prof[0] task start, prof[1] its last item done, prof[2] its reduce done. The
+ * report's "reduce" is the last reduce done after the last item done; the rest of the tail is
+ * the hand-back to the caller. */
 static void profile_block(const moe_ctx *c, int nth, int64_t t_run, int64_t t_run_end) {
-    int64_t busy_max = 0, busy_sum = 0, start_max = 0, items_end = 0;
+    int64_t busy_max = 0, busy_sum = 0, start_max = 0, items_end = 0, reduce_end = 0;
     for (int t = 0; t < nth; t++) {
         const int64_t *pt = c->prof + (size_t)t * 8;
         busy_max = pt[1] - pt[0] > busy_max ? pt[1] - pt[0] : busy_max;
         busy_sum += pt[1] - pt[0];
         start_max = pt[0] - t_run > start_max ? pt[0] - t_run : start_max;
         items_end = pt[1] > items_end ? pt[1] : items_end;
+        reduce_end = pt[2] > reduce_end ? pt[2] : reduce_end;
     }
     prof_sum.task_ns += t_run_end - t_run;
     prof_sum.busy_max_ns += busy_max;
     prof_sum.busy_mean_ns += busy_sum / nth;
     prof_sum.start_max_ns += start_max;
     prof_sum.tail_ns += t_run_end - items_end;
+    prof_sum.reduce_ns += reduce_end - items_end;
     prof_sum.items += c->n_items;
 }
 
-static void profile_call(int64_t call_ns, int n_report) {
+/* entry_ns: from entering pyrt_moe_ffn to the call's own start (argument checks, knobs, pool
+ * lock, workspace); call_ns: from there to the end. */
+static void profile_call(int64_t entry_ns, int64_t call_ns, int n_report) {
     prof_sum.calls++;
+    prof_sum.entry_ns += entry_ns;
     prof_sum.call_ns += call_ns;
     if (prof_sum.calls < n_report)
         return;
     const double n = (double)prof_sum.calls * 1e3; /* -> us per call */
     fprintf(stderr,
-            "pyrt_moe_ffn profile (%lld calls, us/call): call %.1f | task %.1f: slowest thread "
-            "busy on items %.1f, mean %.1f, last thread start %.1f, after the last item "
-            "(barrier + reduce) %.1f | %.1f items/call\n",
-            (long long)prof_sum.calls, prof_sum.call_ns / n, prof_sum.task_ns / n,
+            "pyrt_moe_ffn profile (%lld calls, us/call): entry %.1f, call %.1f | task %.1f: "
+            "slowest thread busy on items %.1f, mean %.1f, last thread start %.1f, after the "
+            "last item (barrier + reduce) %.1f, of which reduce %.1f | %.1f items/call\n",
+            (long long)prof_sum.calls, prof_sum.entry_ns / n, prof_sum.call_ns / n,
+            prof_sum.task_ns / n,
             prof_sum.busy_max_ns / n, prof_sum.busy_mean_ns / n, prof_sum.start_max_ns / n,
-            prof_sum.tail_ns / n, (double)prof_sum.items / (double)prof_sum.calls);
+            prof_sum.tail_ns / n, prof_sum.reduce_ns / n,
+            (double)prof_sum.items / (double)prof_sum.calls);
     memset(&prof_sum, 0, sizeof prof_sum);
 }
 
@@ -609,12 +621,19 @@ static void task_block(void *p, int ith, int nth) {
             for (int spins = 0; !atomic_load_explicit(&c->item_done[item], memory_order_acquire);)
                 if (!pf_more || !(pf_more = pyrt_pool_idle_prefetch(c->pool, ith)))
                     pyrt_spin_pause(++spins);
+            /* The partial ys sit in the caches of the cores that made them: ask for the range of
+             * an item REDUCE_PF_ITEMS on, if done, so the remote reads overlap (at the end of a
+             * call every item is done and the sums are a chain of ~100 such reads). */
+            const int ahead = item + REDUCE_PF_ITEMS;
+            if (ahead < c->n_items &&
+                atomic_load_explicit(&c->item_done[ahead], memory_order_relaxed))
+                prefetch_row((const uint8_t *)(c->acc + (size_t)ahead * c->acc_stride + lo),
+                             (hi - lo) * sizeof *y);
             const float *acc = c->acc + (size_t)item * c->acc_stride;
             if (item == 0)
                 memcpy(y + lo, acc + lo, (hi - lo) * sizeof *y);
             else
-                for (size_t i = lo; i < hi; i++)
-                    y[i] += acc[i];
+                c->ops_add(y + lo, acc + lo, hi - lo);
         }
     }
     if (prof != NULL)
@@ -754,6 +773,7 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
                  int n_ff, int n_embd, const float *x, int n_tokens, const int32_t *topk_ids,
                  const float *topk_w, int k, int activation, float threshold, float *y,
                  int64_t *n_active) {
+    const int64_t t_entry = now_ns();
     pyrt_clear_error();
     int rc = check_args(pool, gud, gud_bytes, fmt, n_expert, n_ff, n_embd, x, n_tokens, topk_ids,
                         topk_w, k, activation, threshold, y);
@@ -837,6 +857,7 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
         .active = (int64_t *)(ws + off_active),
         .prefetch_ahead = kn.prefetch_ahead,
         .sparse_chunk = kn.sparse_chunk,
+        .ops_add = pyrt_add_f32_active(),
         .prof = kn.profile ? (int64_t *)(ws + off_prof) : NULL,
         .pool = pool,
     };
@@ -869,7 +890,7 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
             profile_block(&c, nth, t_run, now_ns());
     }
     if (c.prof != NULL)
-        profile_call(now_ns() - t_call, kn.profile);
+        profile_call(t_call - t_entry, now_ns() - t_call, kn.profile);
     int64_t sum = 0;
     for (int t = 0; t < nth; t++)
         sum += c.active[(size_t)t * 8];

@@ -27,8 +27,23 @@ typedef struct {
     int8_t q[PYRT_QK];
 } pyrt_xq8;
 
-/* x [n] f32 -> n/32 blocks; n must be a multiple of 32. Round-half-to-even (as torch.round). */
+/* x [n] f32 -> n/32 blocks; n must be a multiple of 32. Round-half-to-even (as torch.round).
+ * pyrt_quantize_x_q8 runs the active SIMD level's version (cpu.c); for finite x every level gives
+ * the scalar one's bytes (tests/c). The SIMD ones also mirror the scalar code as compiled on x86
+ * where x holds NaN/inf: amax ignores NaN lanes (as fmaxf), q is the low byte of the truncated
+ * int32 (cvttss2si + (int8_t)). */
 void pyrt_quantize_x_q8(const float *x, pyrt_xq8 *out, int n);
+void pyrt_quantize_x_q8_scalar(const float *x, pyrt_xq8 *out, int n);
+void pyrt_quantize_x_q8_avx2(const float *x, pyrt_xq8 *out, int n);
+void pyrt_quantize_x_q8_avx512(const float *x, pyrt_xq8 *out, int n);
+
+/* y[0:n] += x[0:n] in f32, element by element (every level gives the same bits): the expert
+ * kernel's sum of partial ys. pyrt_add_f32_active: the active SIMD level's (cpu.c). */
+typedef void (*pyrt_add_fn)(float *y, const float *x, size_t n);
+void pyrt_add_f32_scalar(float *y, const float *x, size_t n);
+void pyrt_add_f32_avx2(float *y, const float *x, size_t n);
+void pyrt_add_f32_avx512(float *y, const float *x, size_t n);
+pyrt_add_fn pyrt_add_f32_active(void);
 
 /* ---- row kernels (rows_*.c) ---------------------------------------------------------------- */
 

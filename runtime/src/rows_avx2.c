@@ -365,6 +365,51 @@ AVX2 static void axpy_q4_0(float a, const void *row, float *y, int n) {
 static const pyrt_row_ops ops_f32 = {dot_f32, axpy_f32, NULL, NULL, NULL, NULL, NULL};
 static const pyrt_row_ops ops_f16 = {dot_f16, axpy_f16, NULL, NULL, NULL, NULL, NULL};
 static const pyrt_row_ops ops_bf16 = {dot_bf16, axpy_bf16, NULL, NULL, NULL, NULL, NULL};
+AVX2 void pyrt_add_f32_avx2(float *y, const float *x, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_add_ps(_mm256_loadu_ps(y + i), _mm256_loadu_ps(x + i)));
+    for (; i < n; i++)
+        y[i] += x[i];
+}
+
+/* x [n] f32 -> Q8_0 blocks, for finite x the same bytes as pyrt_quantize_x_q8_scalar (see the
+ * AVX-512 twin in rows_avx512.c): NaN lanes ignored by the max, q the low byte of the truncated
+ * int32 (masked to 0..255 and packed without saturation). */
+AVX2 void pyrt_quantize_x_q8_avx2(const float *x, pyrt_xq8 *out, int n) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i low_byte = _mm256_set1_epi32(0xFF);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int b = 0; b < n / PYRT_QK; b++) {
+        const float *xb = x + (size_t)b * PYRT_QK;
+        __m256 v[4];
+        __m256 m = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(xb + 8 * i);
+            m = _mm256_max_ps(_mm256_and_ps(v[i], abs_mask), m); /* NaN lane: keeps m */
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float amax = _mm_cvtss_f32(h);
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        out[b].d = d;
+        const __m256 vid = _mm256_set1_ps(id);
+        __m256i q[4];
+        for (int i = 0; i < 4; i++) {
+            const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], vid),
+                                             _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
+            q[i] = _mm256_and_si256(_mm256_cvttps_epi32(r), low_byte);
+        }
+        /* packs work per 128-bit lane: bytes come out as q0[0..3] q1[0..3] q2[0..3] q3[0..3] |
+         * q0[4..7] q1[4..7] ...; the dword permute puts them back in element order */
+        const __m256i p = _mm256_packus_epi16(_mm256_packus_epi32(q[0], q[1]),
+                                              _mm256_packus_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)out[b].q, _mm256_permutevar8x32_epi32(p, order));
+    }
+}
+
 static const pyrt_row_ops ops_q8_0 = {dot_q8_0,    axpy_q8_0,    dot2_q8_0,    axpyn_q8_0,
                                       dot_pf_q8_0, dot2_pf_q8_0, axpyn_pf_q8_0};
 static const pyrt_row_ops ops_q4_0 = {dot_q4_0,    axpy_q4_0,    dot2_q4_0,    axpyn_q4_0,
@@ -392,6 +437,14 @@ const pyrt_row_ops *pyrt_row_ops_avx2(int fmt) {
 const pyrt_row_ops *pyrt_row_ops_avx2(int fmt) {
     (void)fmt;
     return NULL;
+}
+
+void pyrt_quantize_x_q8_avx2(const float *x, pyrt_xq8 *out, int n) {
+    pyrt_quantize_x_q8_scalar(x, out, n);
+}
+
+void pyrt_add_f32_avx2(float *y, const float *x, size_t n) {
+    pyrt_add_f32_scalar(y, x, n);
 }
 
 #endif

@@ -6,7 +6,12 @@
 
 /* ---- activation quantization --------------------------------------------------------------- */
 
-void pyrt_quantize_x_q8(const float *x, pyrt_xq8 *out, int n) {
+void pyrt_add_f32_scalar(float *y, const float *x, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        y[i] += x[i];
+}
+
+void pyrt_quantize_x_q8_scalar(const float *x, pyrt_xq8 *out, int n) {
     for (int b = 0; b < n / PYRT_QK; b++) {
         const float *xb = x + (size_t)b * PYRT_QK;
         float amax = 0.0f;

@@ -274,6 +274,66 @@ static void test_quantize_x(void) {
     CHECK(maxq == 127, "max |q| is 127, got %d", maxq);
 }
 
+/* Every SIMD level's quantize gives the scalar code's bytes: random blocks at several scales,
+ * halfway cases (x * id = k + 0.5), zeros, denormals, a huge lane. Finite x only: for NaN or inf
+ * the scalar code's (int8_t) cast of a NaN is undefined behaviour (UBSan's float-cast-overflow). */
+static void test_quantize_x_levels(void) {
+    enum { N = 32 * 40 };
+    static float x[N];
+    static pyrt_xq8 want[N / 32], got[N / 32];
+    for (int i = 0; i < N; i++) {
+        const int block = i / 32;
+        const float scale = block < 8 ? 1.0f : block < 16 ? 1e-3f : block < 24 ? 1e4f : 3.0f;
+        x[i] = rng_normalish() * scale;
+    }
+    for (int i = 0; i < 32; i++) /* block 24: amax 127, so x * id = x: halfway values */
+        x[24 * 32 + i] = i == 0 ? 127.0f : (float)(i - 16) + 0.5f;
+    for (int i = 0; i < 32; i++) { /* block 25: zeros and denormals; 26: denormals only */
+        x[25 * 32 + i] = i % 2 ? 0.0f : -0.0f;
+        x[26 * 32 + i] = (float)(i - 16) * 1e-44f;
+    }
+    x[25 * 32 + 7] = 1e-40f;
+    x[27 * 32 + 3] = 3e38f; /* near FLT_MAX: d = amax / 127 still finite */
+    pyrt_quantize_x_q8_scalar(x, want, N);
+    const int best = pyrt_simd_best();
+    for (int level = PYRT_SIMD_SCALAR; level <= best; level++) {
+        CHECK(pyrt_simd_force(level) == PYRT_OK, "force level %d", level);
+        memset(got, 0x5A, sizeof got);
+        pyrt_quantize_x_q8(x, got, N);
+        for (int b = 0; b < N / 32; b++)
+            CHECK(memcmp(&got[b].d, &want[b].d, sizeof got[b].d) == 0 &&
+                      memcmp(got[b].q, want[b].q, sizeof got[b].q) == 0,
+                  "quantize level %d block %d differs from scalar", level, b);
+    }
+    pyrt_simd_force(best);
+}
+
+/* Every SIMD level's y += x (the expert kernel's sum of partial ys) gives the scalar loop's bits,
+ * at lengths with and without a vector tail. */
+static void test_add_levels(void) {
+    enum { N = 77 };
+    static const size_t lengths[] = {1, 15, 16, 17, 33, 64, N};
+    float x[N], y0[N], want[N], got[N];
+    for (int i = 0; i < N; i++) {
+        x[i] = rng_normalish() * 1e3f;
+        y0[i] = rng_normalish();
+    }
+    const int best = pyrt_simd_best();
+    for (int l = 0; l < COUNT_OF(lengths); l++) {
+        const size_t n = lengths[l];
+        memcpy(want, y0, sizeof want);
+        pyrt_add_f32_scalar(want, x, n);
+        for (int level = PYRT_SIMD_SCALAR; level <= best; level++) {
+            CHECK(pyrt_simd_force(level) == PYRT_OK, "force level %d", level);
+            memcpy(got, y0, sizeof got);
+            pyrt_add_f32_active()(got, x, n);
+            CHECK(memcmp(got, want, sizeof got) == 0, "add level %d n %zu differs from scalar",
+                  level, n);
+        }
+    }
+    pyrt_simd_force(best);
+}
+
 /* ---- 2. the MoE kernel --------------------------------------------------------------------- */
 
 static double act_silu(double g) {
@@ -473,6 +533,8 @@ static void test_errors(void) {
 
 int main(void) {
     test_quantize_x();
+    test_quantize_x_levels();
+    test_add_levels();
     test_row_kernels();
     test_fused_kernels_match_plain();
     test_moe_ffn_case(13);
