@@ -4,7 +4,7 @@ Shapes are real models' MoE layers; weights and inputs are random (the kernels' 
 depend on the values, only on the sparsity). Q8_0 experts are repacked to q8_0r by
 kernels.dispatch.prepare_experts, as the GPU model does. Per (shape, format, target sparsity)
 the threshold is calibrated once (quantile of |act(gate)| over 64 other random tokens) and the
-dense/sparse switch is profiled once by kernels.switch.sparse_max_batch; "auto" times
+dense/sparse switch is profiled once by kernels.switch.sparse_switch; "auto" times
 moe_experts with that switch, i.e. what the GPU model runs. Each case is captured in a CUDA
 graph (the decode step's real setting) and replayed with the L2 cache flushed before every
 timed replay, with a fresh routing each time, so weights come from HBM. Times are medians of
@@ -197,6 +197,11 @@ def case_inputs(T: int, shape, device, dtype, n_routings: int):
     return x, ids, tw, Timer(device, routes, ids, tw)
 
 
+def _batches(won: tuple[int, ...]) -> str:
+    """'1+2+4' text of the profiled batches where sparse won ('none')."""
+    return "+".join(str(b) for b in won) if won else "none"
+
+
 def bench_batch(model, shape, fmt, w, T, args, device, peak, thresholds, switch_at) -> list[dict]:
     """Dense once; sparse and auto (moe_experts with the profiled switch) at every target
     sparsity, for one (shape, format, batch). w, fmt: prepared (q8_0 -> q8_0r)."""
@@ -210,10 +215,10 @@ def bench_batch(model, shape, fmt, w, T, args, device, peak, thresholds, switch_
     gate = moe_gate(x, w, fmt, ids_buf)
     rows = []
     for s in args.sparsities:
-        thr, smb = thresholds[s], switch_at[s]
+        thr, sw = thresholds[s], switch_at[s]
         fn = functools.partial(moe_sparse, x, w, fmt, ids_buf, w_buf, thr)
         t_sparse, _ = timer(fn, reps)
-        auto = functools.partial(moe_experts, x, w, fmt, ids_buf, w_buf, "silu", thr, smb)
+        auto = functools.partial(moe_experts, x, w, fmt, ids_buf, w_buf, "silu", thr, sw)
         t_auto, _ = timer(auto, reps)
         timer.set_routing(0)  # bytes and achieved sparsity of routing 0 (all are alike)
         b_dense, b_sparse, achieved = bytes_read(w, fmt, n_embd, ids_buf, gate, float(thr), "silu")
@@ -221,8 +226,9 @@ def bench_batch(model, shape, fmt, w, T, args, device, peak, thresholds, switch_
             model=model, fmt=fmt, batch=T, n_embd=n_embd, n_expert=n_expert, top_k=k,
             n_ff=n_ff, target_sparsity=s, threshold=float(thr), achieved_sparsity=achieved,
             dense_s=t_dense, sparse_s=t_sparse, auto_s=t_auto, speedup=t_dense / t_sparse,
-            auto_speedup=t_dense / t_auto, sparse_max_batch=smb,
-            sparse_path=sparse_path(fmt, T, n_embd), auto_path="sparse" if T <= smb else "dense",
+            auto_speedup=t_dense / t_auto, sparse_batches=list(sw.won),
+            switch_profiled=list(sw.profiled), sparse_path=sparse_path(fmt, T, n_embd),
+            auto_path="sparse" if sw.use_sparse(T) else "dense",
             dense_bytes=b_dense, sparse_bytes=b_sparse,
             dense_gbps=b_dense / t_dense / 1e9, sparse_gbps=b_sparse / t_sparse / 1e9,
             peak_gbps=peak, cuda_graph=graphed,
@@ -231,7 +237,8 @@ def bench_batch(model, shape, fmt, w, T, args, device, peak, thresholds, switch_
         print(
             f"| {model} | {fmt} | {T} | {s:.2f} | {achieved:.3f} "
             f"| {t_dense * 1e6:.1f} | {t_sparse * 1e6:.1f} ({row['sparse_path']}) "
-            f"| {row['speedup']:.2f}x | {t_auto * 1e6:.1f} ({row['auto_path']}, <= {smb}) "
+            f"| {row['speedup']:.2f}x | {t_auto * 1e6:.1f} ({row['auto_path']}, "
+            f"sparse at {_batches(sw.won)}) "
             f"| {row['auto_speedup']:.2f}x "
             f"| {gbps(row['dense_gbps'], peak)} | {gbps(row['sparse_gbps'], peak)} |",
             flush=True,
@@ -249,7 +256,8 @@ def run(args) -> list[dict]:
     print(f"# MoE layer bench on {name}: torch {torch.__version__}, triton {triton.__version__}")
     print(f"# measured HBM read bandwidth: {peak or 0:.0f} GB/s; times in microseconds")
     print("# fmt = the GGUF format; q8_0 is repacked to q8_0r by prepare_experts (same bytes)")
-    print("# auto = moe_experts with sparse_max_batch profiled by kernels.switch\n")
+    print("# auto = moe_experts with the switch profiled by kernels.switch (the batches where")
+    print("# sparse won; a batch takes the decision of the smallest profiled batch >= it)\n")
     print(
         "| model | fmt | batch | target | achieved | dense us | sparse us (path) | speedup "
         "| auto us (path, switch) | auto speedup | dense GB/s (%peak) | sparse GB/s (%peak) |"
@@ -265,7 +273,7 @@ def run(args) -> list[dict]:
                 s: calibrated_threshold(w, fmt, shape, s, device) for s in args.sparsities
             }
             switch_at = {
-                s: switch.sparse_max_batch(
+                s: switch.sparse_switch(
                     w, fmt, n_embd, k, "silu", thresholds[s], f"bench/{model}/s{s}",
                     timer=switch.graph_timer(3 if args.smoke else 20),
                     batches=args.switch_batches, refresh=True,

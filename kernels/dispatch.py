@@ -3,8 +3,8 @@
 - `prepare_experts(w, fmt, n_embd)`: once, when a layer's experts are staged to the GPU: returns
   the tensor and format the kernels read fastest (never a dequantized copy).
 - `moe_experts(...)`: one MoE layer's routed experts for T tokens; dense, or neuron-sparse when a
-  threshold is given and T is at most `sparse_max_batch` (the dense/sparse switch, profiled per
-  GPU and model by kernels.switch). Graph-capturable: no host synchronization.
+  threshold is given and the switch (kernels.switch.SparseSwitch, profiled per GPU and model)
+  takes sparse at T tokens. Graph-capturable: no host synchronization.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from kernels.expert_formats import REPACKED, check_expert_tensor, repack_rows
 from kernels.moe_dense import moe_dense
 from kernels.moe_sparse import moe_sparse
+from kernels.switch import SparseSwitch
 
 
 def prepare_experts(w: torch.Tensor, fmt: str, n_embd: int) -> tuple[torch.Tensor, str]:
@@ -43,15 +44,16 @@ def moe_experts(
     topk_w: torch.Tensor,
     activation: str = "silu",
     threshold: float | torch.Tensor | None = None,
-    sparse_max_batch: int = 0,
+    switch: SparseSwitch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Routed experts: (y [T, n_embd] f32, active [T, K] int32 neuron counts or None if dense).
 
     threshold: on |act(gate)| (float or a [1] device tensor); None means dense.
-    sparse_max_batch: the largest T for which the sparse path runs; above it the dense kernel
-    runs even with a threshold (sparse stops paying once many tokens share the experts' rows).
+    switch: at which batch sizes the sparse path runs (kernels.switch); elsewhere, and when it
+    is None, the dense kernel runs even with a threshold (sparse stops paying once many tokens
+    share the experts' rows, and can lose to a fast dense kernel at one token).
     """
     T = x.shape[0]
-    if threshold is None or T > sparse_max_batch:
+    if threshold is None or switch is None or not switch.use_sparse(T):
         return moe_dense(x, w, fmt, topk_ids, topk_w, activation), None
     return moe_sparse(x, w, fmt, topk_ids, topk_w, threshold, activation)

@@ -1,17 +1,20 @@
-"""Dense/sparse switch: the largest batch at which the sparse MoE path beats the dense one.
+"""Dense/sparse switch: the batch sizes at which the sparse MoE path beats the dense one.
 
 Activation sparsity saves the up/down rows of inactive neurons, but once many tokens share an
 expert the union of their active neurons covers most rows and the sparse path only adds work
-(gate pass + masks). Where that happens depends on the GPU, the expert shape and format and the
-sparsity, so it is profiled once per GPU and model layer with the layer's own expert weights and
-threshold, and cached:
+(gate pass + masks); at one token a fast dense kernel can also win (the sparse path's two
+dependent round trips to HBM over few bytes). Where sparse wins depends on the GPU, the expert
+shape and format and the sparsity, so it is profiled once per GPU and model layer with the
+layer's own expert weights and threshold, and cached:
 
-    n = sparse_max_batch(w, fmt, n_embd, top_k, activation, threshold, key)
-    y, active = moe_experts(x, w, fmt, ids, tw, activation, threshold, sparse_max_batch=n)
+    sw = sparse_switch(w, fmt, n_embd, top_k, activation, threshold, key)
+    y, active = moe_experts(x, w, fmt, ids, tw, activation, threshold, switch=sw)
 
-The profile times `moe_dense` and `moe_sparse` at T = 1, 2, 4, ..., 256 tokens (random routing,
-random or sampled hidden states) and returns the largest T such that sparse was faster at every
-profiled batch up to T (0 = never use sparse), so the switch is never on where sparse lost.
+The profile times `moe_dense` and `moe_sparse` at T = 1, 2, 4, ..., 256 tokens (random
+routings and hidden states, or sampled ones; below INPUTS_PER_BATCH tokens on several inputs,
+times summed, as one token's achieved sparsity scatters) until sparse has lost at two batches
+in a row; a step of T tokens takes the decision of the smallest profiled batch >= T (dense past
+the last), so the switch is never on where sparse lost.
 Cache: one JSON file per (GPU name, key, format, shape, threshold, KERNELS_VERSION) under
 $PYRUNTIME_CACHE/switch/ (default ~/.cache/pyruntime/switch/); a second call reads it.
 
@@ -29,6 +32,7 @@ import re
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -42,10 +46,31 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Part of every profile's identity: bump it whenever the MoE kernels, their configs or their
 # path choices change, so a profile measured with older kernels is never reused.
 KERNELS_VERSION = 4  # 2: the q8r sparse path; 3: dp4a q8r dense and sparse (x quantized);
-# 4: the pipelined q8r dense kernel
+# 4: the pipelined q8r dense kernel; per-batch decisions
+# Tokens timed per profiled batch at least: a batch of T tokens runs on INPUTS_PER_BATCH // T
+# inputs (routing, hidden states), their times summed.
+INPUTS_PER_BATCH = 4
 Timer = Callable[[str, int, Callable[[], object]], float]  # (path, batch, fn) -> seconds
 
-_MEMO: dict[Path, int] = {}  # this process's profiles, by cache file
+
+@dataclass(frozen=True)
+class SparseSwitch:
+    """Profiled batch sizes (ascending) and those where the sparse path won."""
+
+    profiled: tuple[int, ...] = ()
+    won: tuple[int, ...] = ()
+
+    @classmethod
+    def up_to(cls, n: int) -> SparseSwitch:
+        """Sparse for every batch of at most n tokens (0: never), dense above."""
+        return cls((n,), (n,)) if n >= 1 else cls()
+
+    def use_sparse(self, n_tok: int) -> bool:
+        """The decision of the smallest profiled batch >= n_tok; dense past the last one."""
+        return next((b in self.won for b in self.profiled if b >= n_tok), False)
+
+
+_MEMO: dict[Path, SparseSwitch] = {}  # this process's profiles, by cache file
 
 
 def cache_dir() -> Path:
@@ -113,29 +138,33 @@ def graph_timer(reps: int = 20) -> Timer:
 
 
 def profile(w, fmt, n_embd, top_k, activation, threshold, timer: Timer, batches=BATCHES,
-            x_sample=None) -> tuple[int, list[dict]]:  # fmt: skip
-    """(largest T with sparse faster at every profiled batch <= T, the timings measured).
-
-    Stops at the first batch where sparse is not faster: larger batches share even more rows.
-    """
+            x_sample=None) -> tuple[SparseSwitch, list[dict]]:  # fmt: skip
+    """(the switch, the timings measured): dense and sparse at each batch, summed over
+    max(1, INPUTS_PER_BATCH // T) inputs; stops after sparse lost at two batches in a row
+    (larger batches share even more rows)."""
     thr = torch.full((1,), _threshold_value(threshold), dtype=torch.float32, device=w.device)
-    best, rows = 0, []
+    profiled, won, rows = [], [], []
     for T in sorted(batches):
-        x, ids, tw = _random_inputs(w, n_embd, top_k, T, x_sample, seed=T)
-        t_dense = timer("dense", T, partial(moe_dense, x, w, fmt, ids, tw, activation))
-        t_sparse = timer("sparse", T, partial(moe_sparse, x, w, fmt, ids, tw, thr, activation))
+        t_dense = t_sparse = 0.0
+        for r in range(max(1, INPUTS_PER_BATCH // T)):
+            x, ids, tw = _random_inputs(w, n_embd, top_k, T, x_sample, seed=1000 * r + T)
+            t_dense += timer("dense", T, partial(moe_dense, x, w, fmt, ids, tw, activation))
+            t_sparse += timer("sparse", T, partial(moe_sparse, x, w, fmt, ids, tw, thr,
+                                                   activation))  # fmt: skip
         rows.append(dict(batch=T, dense_s=t_dense, sparse_s=t_sparse))
-        if not t_sparse < t_dense:
+        profiled.append(T)
+        if t_sparse < t_dense:
+            won.append(T)
+        elif len(rows) >= 2 and not rows[-2]["sparse_s"] < rows[-2]["dense_s"]:
             break
-        best = T
-    return best, rows
+    return SparseSwitch(tuple(profiled), tuple(won)), rows
 
 
-def sparse_max_batch(w: torch.Tensor, fmt: str, n_embd: int, top_k: int, activation: str,
-                     threshold, key: str, *, timer: Timer | None = None, batches=BATCHES,
-                     x_sample: torch.Tensor | None = None, directory: Path | None = None,
-                     refresh: bool = False) -> int:  # fmt: skip
-    """The largest batch for which moe_experts should take the sparse path (0: never).
+def sparse_switch(w: torch.Tensor, fmt: str, n_embd: int, top_k: int, activation: str,
+                  threshold, key: str, *, timer: Timer | None = None, batches=BATCHES,
+                  x_sample: torch.Tensor | None = None, directory: Path | None = None,
+                  refresh: bool = False) -> SparseSwitch:  # fmt: skip
+    """The batch sizes at which moe_experts should take the sparse path (SparseSwitch).
 
     w, fmt: the prepared expert tensor (kernels.dispatch.prepare_experts) on its GPU;
     threshold: the calibrated |act(gate)| threshold (float or [1] tensor) of this layer;
@@ -156,14 +185,18 @@ def sparse_max_batch(w: torch.Tensor, fmt: str, n_embd: int, top_k: int, activat
             try:
                 stored = json.loads(path.read_text())
                 if stored.get("identity") == identity:
-                    _MEMO[path] = int(stored["sparse_max_batch"])
+                    _MEMO[path] = SparseSwitch(
+                        tuple(int(b) for b in stored["profiled"]),
+                        tuple(int(b) for b in stored["sparse_batches"]),
+                    )
                     return _MEMO[path]
             except (OSError, ValueError, KeyError, TypeError):
                 pass  # unreadable or foreign file: profile again and overwrite it
     best, rows = profile(w, fmt, n_embd, top_k, activation, threshold,
                          timer or graph_timer(), batches, x_sample)  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = dict(identity=identity, sparse_max_batch=best, timings=rows,
+    record = dict(identity=identity, profiled=list(best.profiled),
+                  sparse_batches=list(best.won), timings=rows,
                   created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))  # fmt: skip
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record, indent=1))

@@ -22,7 +22,9 @@ def test_moe_layer_bench_smoke(tmp_path, capsys):
         assert abs(row["achieved_sparsity"] - 0.5) < 0.2
         assert row["sparse_bytes"] < row["dense_bytes"]
         assert row["dense_s"] > 0 and row["sparse_s"] > 0 and row["auto_s"] > 0
-        assert row["sparse_max_batch"] in (0, 1, 2)  # profiled at batches 1 and 2
-        want = "sparse" if row["batch"] <= row["sparse_max_batch"] else "dense"
+        assert row["switch_profiled"] == [1, 2]  # profiled at batches 1 and 2 (smoke)
+        assert set(row["sparse_batches"]) <= {1, 2}
+        # batch 1 takes batch 1's decision; batch 3 is past the profiled ones: dense
+        want = "sparse" if row["batch"] == 1 and 1 in row["sparse_batches"] else "dense"
         assert row["auto_path"] == want
     assert "| smoke | q8_0r | 1 |" in capsys.readouterr().out  # prepare_experts repacked it

@@ -35,6 +35,7 @@ from kernels.dispatch import moe_experts
 from kernels.expert_formats import ACTIVATIONS as KERNEL_ACTIVATIONS
 from kernels.q8_linear import add_norm_q8_gemv
 from kernels.router import add_norm_router, router_topk
+from kernels.switch import SparseSwitch
 from kernels.tuning import lookup
 from kernels.tuning import overrides as tuning_overrides
 from pyruntime.errors import UsageError
@@ -50,9 +51,9 @@ from pyruntime.models.gpu_weights import (
 )
 from pyruntime.models.transformer import rope_tables, single_token, token_ids
 
-# The largest batch the sparse expert path runs at when no profiled switch is available (the CPU
-# interpreter, or no model key); on CUDA each layer's value comes from kernels.switch.
-SPARSE_MAX_BATCH = 16
+# The batches the sparse expert path runs at when no profiled switch is available (the CPU
+# interpreter, or no model key): up to 16 tokens; on CUDA each layer's comes from kernels.switch.
+DEFAULT_SWITCH = SparseSwitch.up_to(16)
 # Up to this many tokens (decode) a step runs the fused launches: the residual add + RMSNorm in
 # the qkv Q8_0 GEMV's prologue (FUSE_NORM_GEMV) and in the router's launch (add_norm_router).
 # PYRUNTIME_FUSED_DECODE=0 turns both off (the separate launches, for comparisons).
@@ -203,7 +204,7 @@ class DeviceTransformer:
             cfg.attention_scale if cfg.attention_scale is not None else 1 / math.sqrt(cfg.head_dim)
         )
         self.expert_threshold: list[torch.Tensor] | None = None  # per layer, [1] f32 each
-        self.sparse_max_batch = [SPARSE_MAX_BATCH] * cfg.n_layer  # per layer (kernels.switch)
+        self.sparse_switch = [DEFAULT_SWITCH] * cfg.n_layer  # per layer (kernels.switch)
         self.stats = DeviceExpertStats(self.device)
         self.use_cuda_graph = self.device.type == "cuda" and os.environ.get(
             "PYRUNTIME_CUDA_GRAPH", "1"
@@ -219,10 +220,10 @@ class DeviceTransformer:
 
     def set_expert_threshold(self, thresholds: Sequence[float] | None, key: str = "") -> None:
         """Per-layer |act(gate)| thresholds (None = dense). On CUDA with a `key` (the model's
-        identity and sparsity), each layer's dense/sparse switch batch comes from
-        kernels.switch (profiled once per GPU and layer, cached); else SPARSE_MAX_BATCH."""
+        identity and sparsity), each layer's dense/sparse switch comes from kernels.switch
+        (profiled once per GPU and layer, cached); else DEFAULT_SWITCH."""
         n_layer = self.config.n_layer
-        self.sparse_max_batch = [SPARSE_MAX_BATCH] * n_layer
+        self.sparse_switch = [DEFAULT_SWITCH] * n_layer
         if thresholds is None:
             self.expert_threshold = None
         else:
@@ -230,20 +231,20 @@ class DeviceTransformer:
                 torch.tensor([float(t)], device=self.device) for t in thresholds
             ]
             if self.device.type == "cuda" and key:
-                self.sparse_max_batch = self._profiled_switch(key)
+                self.sparse_switch = self._profiled_switch(key)
         self._state_version += 1
 
-    def _profiled_switch(self, key: str) -> list[int]:
-        from kernels.switch import sparse_max_batch
+    def _profiled_switch(self, key: str) -> list[SparseSwitch]:
+        from kernels.switch import sparse_switch  # noqa: PLC0415 - profiling only on CUDA
 
         cfg = self.config
         out = []
         for i, blk in enumerate(self.blocks):
             if blk.experts is None:
-                out.append(0)
+                out.append(SparseSwitch())
                 continue
             out.append(
-                sparse_max_batch(
+                sparse_switch(
                     blk.experts,
                     blk.experts_fmt,
                     cfg.n_embd,
@@ -381,7 +382,7 @@ class DeviceTransformer:
             threshold = None if self.expert_threshold is None else self.expert_threshold[i]
             y, active = moe_experts(
                 h, blk.experts, blk.experts_fmt, ids, w, cfg.activation,
-                threshold=threshold, sparse_max_batch=self.sparse_max_batch[i],
+                threshold=threshold, switch=self.sparse_switch[i],
             )  # fmt: skip
             if h.shape[0] > 1:  # prefill counts here (decode: _count_decode_experts)
                 add = self.stats.add_dense if active is None else self.stats.add_sparse
@@ -492,7 +493,7 @@ class DeviceTransformer:
             n_sparse = n_dense = 0
             for i, blk in enumerate(self.blocks):
                 if blk.experts is not None:
-                    if self.expert_threshold is not None and self.sparse_max_batch[i] >= 1:
+                    if self.expert_threshold is not None and self.sparse_switch[i].use_sparse(1):
                         n_sparse += k
                     else:
                         n_dense += k
