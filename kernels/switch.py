@@ -45,8 +45,8 @@ from kernels.timing import capture, event_seconds, warm_up
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Part of every profile's identity: bump it whenever the MoE kernels, their configs or their
 # path choices change, so a profile measured with older kernels is never reused.
-KERNELS_VERSION = 4  # 2: the q8r sparse path; 3: dp4a q8r dense and sparse (x quantized);
-# 4: the pipelined q8r dense kernel; per-batch decisions
+KERNELS_VERSION = 5  # 2: the q8r sparse path; 3: dp4a q8r dense and sparse (x quantized);
+# 4: the pipelined q8r dense kernel; per-batch decisions; 5: L2 evicted by a read when profiling
 # Tokens timed per profiled batch at least: a batch of T tokens runs on INPUTS_PER_BATCH // T
 # inputs (routing, hidden states), their times summed.
 INPUTS_PER_BATCH = 4
@@ -130,8 +130,12 @@ def graph_timer(reps: int = 20) -> Timer:
             return statistics.median(times)
         warm_up(fn)  # compile and warm up outside the capture
         graph = capture(fn)
-        flush = torch.empty(2**26, dtype=torch.float32, device="cuda")  # 256 MiB > L2
-        times = event_seconds(graph.replay, reps + 2, before=lambda i: flush.zero_())
+        # Evict the weights by reading 256 MiB (> L2), as bench/moe_layer.py does: a write
+        # (zero_) left the L2 full of dirty lines, written back to HBM during the timed replay,
+        # which slowed the path that reads more bytes (dense) more and biased the switch toward
+        # sparse (H100: chose sparse at batch 1 where it was 4-11% slower).
+        flush = torch.ones(2**26, dtype=torch.float32, device="cuda")
+        times = event_seconds(graph.replay, reps + 2, before=lambda i: flush.sum())
         return statistics.median(times[2:])
 
     return timer
