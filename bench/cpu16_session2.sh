@@ -2,7 +2,7 @@
 # Device session 2 of helper cpu16: the final code (NEW) against main's library (OLD, built from
 # BASE_SRC = main's runtime/ and CMakeLists.txt) in one process per shape, interleaved rounds
 # (bench/cpu_experts.py --sweep LIB=OLD,NEW, with the kernel's profile per cell); the Python
-# wrapper's cost (bench/cpu16_overhead.py); the tests against NEW (AVX-512 paths); if the budget
+# wrapper's cost (bench/cpu_wrapper_overhead.py); the tests against NEW (AVX-512 paths); if the budget
 # allows, granite-1b-a400m decode OLD, NEW, OLD, NEW (each its own process). Ran at commit 9bcc102,
 # where the knob PYRT_ITEM_MIN existed (dropped after the run: no gain); later it is ignored.
 #   bash bench/cpu16_session2.sh BASE_SRC OUT [BUDGET_S]
@@ -27,7 +27,7 @@ for shape in olmoe-1b-7b qwen3-30b-a3b; do
 done >"$OUT/sweep.txt" 2>&1
 echo "sweeps done at $(elapsed) s" | tee -a "$OUT/machine.txt"
 
-PYRT_PROFILE=100 PYRUNTIME_CORE_LIB=$NEW timeout 60 python bench/cpu16_overhead.py \
+PYRT_PROFILE=100 PYRUNTIME_CORE_LIB=$NEW timeout 60 python bench/cpu_wrapper_overhead.py \
     --shape olmoe-1b-7b --rounds 7 --calls 100 >"$OUT/overhead.txt" 2>&1
 echo "overhead done at $(elapsed) s" | tee -a "$OUT/machine.txt"
 
@@ -36,16 +36,6 @@ PYRUNTIME_CORE_LIB=$NEW timeout 150 python -m pytest -q -x -rs tests/test_cpu_co
 echo "tests: exit $? at $(elapsed) s" | tee -a "$OUT/tests.txt" "$OUT/machine.txt"
 
 if [ "$(elapsed)" -lt "$BUDGET_S" ]; then
-    g=/tmp/granite-q8_0.gguf
-    python bench/make_random_gguf.py granite-1b-a400m --outtype q8_0 -o $g \
-        --tokenizer-dir tests/data/tiny-tokenizer >/dev/null &&
-        for v in OLD NEW OLD NEW; do
-            [ "$(elapsed)" -lt "$((BUDGET_S + 40))" ] || break
-            lib=$OLD
-            [ $v = NEW ] && lib=$NEW
-            echo "== $v ($lib) at $(elapsed) s"
-            PYRUNTIME_CORE_LIB=$lib timeout 40 python bench/cpu_decode.py granite-1b-a400m \
-                --gguf $g --threads 16 --tokens 64
-        done >"$OUT/decode-granite.txt" 2>&1
+    session_decode_granite "$OUT" "$((BUDGET_S + 40))"
 fi
 echo "session done at $(elapsed) s" | tee -a "$OUT/machine.txt"

@@ -1,4 +1,4 @@
-# Shared by the device CPU session scripts (bench/cpu_session.sh, bench/cpu_vnni_session.sh):
+# Shared by the device CPU session scripts (bench/cpu_session.sh, cpu_vnni_session.sh, cpu16_session*.sh):
 # source it, then call
 #   session_machine OUT              the machine's CPU, cache sizes, AVX-512/VNNI flags, load
 #                                    -> OUT/machine.txt
@@ -6,6 +6,9 @@
 #                                    afresh in /tmp/PREFIX-old and /tmp/PREFIX-new, both Release;
 #                                    sets OLD and NEW to their libpyrt.so (returns 1 if a build
 #                                    failed: never times a stale library)
+#   session_decode_granite OUT [S]   a random granite-1b-a400m Q8_0 GGUF, then whole-model decode
+#                                    with OLD, NEW, OLD, NEW (own processes), each started only
+#                                    while elapsed < S seconds (default: always) -> OUT/decode-granite.txt
 session_machine() {
     {
         date -u
@@ -29,4 +32,18 @@ session_build() {
     OLD=/tmp/$2-old/libpyrt.so
     NEW=/tmp/$2-new/libpyrt.so
     ls -la "$OLD" "$NEW"
+}
+
+session_decode_granite() {
+    local g=/tmp/granite-q8_0.gguf limit=${2:-999999}
+    python bench/make_random_gguf.py granite-1b-a400m --outtype q8_0 -o $g \
+        --tokenizer-dir tests/data/tiny-tokenizer >/dev/null &&
+        for v in OLD NEW OLD NEW; do
+            [ "$(elapsed)" -lt "$limit" ] || break
+            local lib=$OLD
+            [ $v = NEW ] && lib=$NEW
+            echo "== $v ($lib) at $(elapsed) s"
+            PYRUNTIME_CORE_LIB=$lib timeout 40 python bench/cpu_decode.py granite-1b-a400m \
+                --gguf $g --threads 16 --tokens 64
+        done >"$1/decode-granite.txt" 2>&1
 }

@@ -74,15 +74,6 @@ step experts && for v in OLD NEW; do
 done >"$OUT/experts.txt" 2>&1
 # 5. whole-model decode
 if step decode && [ "$(elapsed)" -lt "$BUDGET_S" ]; then
-    g=/tmp/granite-q8_0.gguf
-    python bench/make_random_gguf.py granite-1b-a400m --outtype q8_0 -o $g \
-        --tokenizer-dir tests/data/tiny-tokenizer >/dev/null &&
-        for v in OLD NEW OLD NEW; do
-            lib=$OLD
-            [ $v = NEW ] && lib=$NEW
-            echo "== $v ($lib) at $(elapsed) s"
-            PYRUNTIME_CORE_LIB=$lib timeout 40 python bench/cpu_decode.py granite-1b-a400m \
-                --gguf $g --threads 16 --tokens 64
-        done >"$OUT/decode-granite.txt" 2>&1
+    session_decode_granite "$OUT"
 fi
 echo "session done at $(elapsed) s" | tee -a "$OUT/machine.txt"
