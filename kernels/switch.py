@@ -167,14 +167,17 @@ def profile(w, fmt, n_embd, top_k, activation, threshold, timer: Timer, batches=
 def sparse_switch(w: torch.Tensor, fmt: str, n_embd: int, top_k: int, activation: str,
                   threshold, key: str, *, timer: Timer | None = None, batches=BATCHES,
                   x_sample: torch.Tensor | None = None, directory: Path | None = None,
-                  refresh: bool = False) -> SparseSwitch:  # fmt: skip
+                  refresh: bool = False,
+                  on_profile: Callable[[Path], None] | None = None) -> SparseSwitch:  # fmt: skip
     """The batch sizes at which moe_experts should take the sparse path (SparseSwitch).
 
     w, fmt: the prepared expert tensor (kernels.dispatch.prepare_experts) on its GPU;
     threshold: the calibrated |act(gate)| threshold (float or [1] tensor) of this layer;
     key: the model identity, layer and sparsity (the caller's; the GPU name, format, shape and
     threshold are added). x_sample [N, n_embd]: real hidden states to profile with (optional;
-    the sparsity reached by random ones may differ). Profiled once, then read from the cache.
+    the sparsity reached by random ones may differ). Profiled once, then read from the cache;
+    on_profile(cache file) is called just before a profile runs (not on a cache hit), so a
+    caller can say why the first load takes longer.
     """
     identity = dict(
         gpu=device_name(w.device), key=str(key), fmt=fmt, shape=list(w.shape), top_k=top_k,
@@ -196,6 +199,8 @@ def sparse_switch(w: torch.Tensor, fmt: str, n_embd: int, top_k: int, activation
                     return _MEMO[path]
             except (OSError, ValueError, KeyError, TypeError):
                 pass  # unreadable or foreign file: profile again and overwrite it
+    if on_profile is not None:
+        on_profile(path)
     best, rows = profile(w, fmt, n_embd, top_k, activation, threshold,
                          timer or graph_timer(), batches, x_sample)  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)

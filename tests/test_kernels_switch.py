@@ -120,6 +120,19 @@ def test_second_call_reads_the_cache(tmp_path):
     assert _call(w, fmt, FakeTimer(table), refresh=True) == want
 
 
+def test_on_profile_is_called_before_a_profile_only(tmp_path):
+    w, fmt = _experts()
+    table = {1: (2, 1), 2: (2, 3), 4: (2, 3)}
+    told = []
+    _call(w, fmt, FakeTimer(table), on_profile=told.append)
+    (path,) = (tmp_path / "switch").glob("*.json")
+    assert told == [path]  # called with the cache file it is about to write
+    _call(w, fmt, FakeTimer(table), on_profile=told.append)  # memo: no profile, no call
+    switch._MEMO.clear()
+    _call(w, fmt, FakeTimer(table), on_profile=told.append)  # the file: no call either
+    assert told == [path]
+
+
 def test_corrupt_cache_file_is_profiled_again(tmp_path):
     w, fmt = _experts()
     table = {1: (2, 1), 2: (2, 3), 4: (2, 3), 8: (2, 3)}

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -239,6 +240,16 @@ class DeviceTransformer:
 
         cfg = self.config
         out = []
+        told = False
+
+        def tell(path) -> None:  # once per load, before the first layer is profiled
+            nonlocal told
+            if not told:
+                told = True
+                print(f"pyruntime: timing dense vs sparse experts per layer on this GPU (once per "
+                      f"model and sparsity; cached in {path.parent})", file=sys.stderr,
+                      flush=True)  # fmt: skip
+
         for i, blk in enumerate(self.blocks):
             if blk.experts is None:
                 out.append(SparseSwitch())
@@ -252,6 +263,7 @@ class DeviceTransformer:
                     cfg.activation,
                     self.expert_threshold[i],
                     key=f"{key}/layer{i}",
+                    on_profile=tell,
                 )
             )
         return out
