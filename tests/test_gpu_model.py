@@ -193,3 +193,36 @@ def test_norm_folded_into_qkv_gemv_keeps_parity(tiny_ggufs, monkeypatch):
     got = _logprobs(dev, ids, 16)
     agree = (got[16:].argmax(-1) == ref[16:].argmax(-1)).double().mean().item()
     assert agree >= 0.98, f"decode argmax agreement {agree:.3f}"
+
+
+def test_profiled_switch_says_once_that_it_times_the_layers(tiny_ggufs, tmp_path, monkeypatch,
+                                                            capsys):  # fmt: skip
+    """The per-layer dense/sparse profile (run on CUDA by set_expert_threshold with a key; here
+    with a stand-in timer): one stderr line when it profiles, none when the cache answers."""
+    if tiny_ggufs["arch"] != "olmoe":
+        pytest.skip("one family is enough")
+    from kernels import switch
+
+    monkeypatch.setenv("PYRUNTIME_CACHE", str(tmp_path))
+    monkeypatch.setattr(switch, "INPUTS_PER_BATCH", 1)
+    switch._MEMO.clear()
+    calls = []
+
+    def fake_timer(reps: int = 20):
+        def timer(path, batch, fn):
+            calls.append((path, batch))
+            return {"dense": 2.0, "sparse": 1.0 if batch <= 2 else 3.0}[path]
+
+        return timer
+
+    monkeypatch.setattr(switch, "graph_timer", fake_timer)
+    _, dev = _models(tiny_ggufs["f32"], DEVICE)
+    dev.set_expert_threshold([0.05] * dev.config.n_layer)
+    got = dev._profiled_switch("tiny/s0.5")
+    assert got == [switch.SparseSwitch((1, 2, 4, 8), (1, 2))] * dev.config.n_layer
+    err = capsys.readouterr().err
+    assert err.count("timing dense vs sparse experts") == 1 and str(tmp_path) in err
+    n_timed = len(calls)
+    switch._MEMO.clear()
+    assert dev._profiled_switch("tiny/s0.5") == got  # from the cache files
+    assert len(calls) == n_timed and capsys.readouterr().err == ""
