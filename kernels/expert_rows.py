@@ -388,6 +388,22 @@ def quantize_x_lanes(x0, x1, x2, x3, ASM: tl.constexpr):
 
 
 @triton.jit
+def token_x_q8(x_ptr, xq_ptr, xd_ptr, t, stride_x, H, NB: tl.constexpr, DP4A: tl.constexpr,
+               ASM: tl.constexpr):  # fmt: skip
+    """Token t's x as Q8 blocks (xq [NB, 8] int32 words, xd [NB] f32 scales): quantized here from
+    x's row (DP4A 2, quantize_x_lanes) or loaded as kernels.moe_dense.quantize_x_q8 wrote them
+    (DP4A 1: xq [T, NB, 8], xd [T, NB])."""
+    if DP4A == 2:
+        x0, x1, x2, x3 = x_lanes(x_ptr + t.to(tl.int64) * stride_x, H, NB)
+        xq, xd = quantize_x_lanes(x0, x1, x2, x3, ASM)
+    else:
+        b = tl.arange(0, NB)
+        xq = tl.load(xq_ptr + (t.to(tl.int64) * NB + b)[:, None] * 8 + tl.arange(0, 8)[None, :])
+        xd = tl.load(xd_ptr + t.to(tl.int64) * NB + b)
+    return xq, xd
+
+
+@triton.jit
 def dp4a(a, b, c, ASM: tl.constexpr):
     """c + sum over the 4 bytes of int8 a_i * int8 b_i (int32): the dp4a instruction on a GPU
     (ASM), else the same integer arithmetic (the interpreter runs no inline assembly)."""

@@ -56,6 +56,7 @@ from kernels.expert_rows import (
     rows_dot,
     rows_dot_acc,
     rows_tile,
+    token_x_q8,
     x_lanes,
 )
 from kernels.moe_q8r_pipe import _moe_q8r_pipe_kernel, pipe_grid
@@ -209,15 +210,12 @@ def _moe_q8r_kernel(
     p = tl.program_id(0)
     t = p // K
     e = tl.load(ids_ptr + p).to(tl.int64)
-    x0, x1, x2, x3 = x_lanes(x_ptr + t.to(tl.int64) * stride_x, H, NB)
-    if DP4A == 1:  # quantized once per token by _quantize_x_kernel, loaded here
-        b = tl.arange(0, NB)
-        xq = tl.load(xq_ptr + (t.to(tl.int64) * NB + b)[:, None] * 8 + tl.arange(0, 8)[None, :])
-        xd = tl.load(xd_ptr + t.to(tl.int64) * NB + b)
-    elif DP4A == 2:  # quantized by every program: no launch, a few ALU ops per x value
-        xq, xd = quantize_x_lanes(x0, x1, x2, x3, ASM)
-    else:
+    if DP4A == 0:  # fp32 dots on x's lanes
+        x0, x1, x2, x3 = x_lanes(x_ptr + t.to(tl.int64) * stride_x, H, NB)
         xq, xd = x0, x0
+    else:  # integer dots on x's Q8 words (loaded, or quantized by every program: no launch)
+        xq, xd = token_x_q8(x_ptr, xq_ptr, xd_ptr, t, stride_x, H, NB, DP4A, ASM)
+        x0, x1, x2, x3 = xd, xd, xd, xd  # not read: _q8r_dot_x takes xq, xd
     twp = tl.load(tw_ptr + p).to(tl.float32)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < F

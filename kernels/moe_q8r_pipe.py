@@ -33,8 +33,7 @@ from kernels.expert_rows import (
     q8r_dot_q8x,
     q8r_rows_axpy,
     q8r_words,
-    quantize_x_lanes,
-    x_lanes,
+    token_x_q8,
 )
 
 
@@ -48,20 +47,6 @@ def _tile_rows(ids_ptr, i, end, TPP, F, RB, BLOCK_N: tl.constexpr):
     n = (i % TPP) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < tl.where(valid, F, 0)
     return p, (e * F + n) * 3 * RB, nm
-
-
-@triton.jit
-def _x_q8(x_ptr, xq_ptr, xd_ptr, t, stride_x, H, NB: tl.constexpr, DP4A: tl.constexpr,
-          ASM: tl.constexpr):  # fmt: skip
-    """Token t's Q8 words [NB, 8] and scales [NB]: quantized here (DP4A 2) or loaded (1)."""
-    if DP4A == 2:
-        x0, x1, x2, x3 = x_lanes(x_ptr + t.to(tl.int64) * stride_x, H, NB)
-        xq, xd = quantize_x_lanes(x0, x1, x2, x3, ASM)
-    else:
-        b = tl.arange(0, NB)
-        xq = tl.load(xq_ptr + (t.to(tl.int64) * NB + b)[:, None] * 8 + tl.arange(0, 8)[None, :])
-        xd = tl.load(xd_ptr + t.to(tl.int64) * NB + b)
-    return xq, xd
 
 
 @triton.jit
@@ -94,7 +79,7 @@ def _moe_q8r_pipe_kernel(
     gw, gd = q8r_words(w_ptr, off, nm, H, NB)
     uw, ud = q8r_words(w_ptr, off + RB, nm, H, NB)
     dq, dd = q8r_bytes(w_ptr, off + 2 * RB, nm, H, NB)
-    xq, xd = _x_q8(x_ptr, xq_ptr, xd_ptr, p // K, stride_x, H, NB, DP4A, ASM)
+    xq, xd = token_x_q8(x_ptr, xq_ptr, xd_ptr, p // K, stride_x, H, NB, DP4A, ASM)
     acc = tl.zeros([NB, 32], dtype=tl.float32)
     for i in range(start, end):
         # 1. request tile i + 1 (nothing past the run)
@@ -111,7 +96,7 @@ def _moe_q8r_pipe_kernel(
             blocks_add(y_ptr + (p // K).to(tl.int64) * H, acc * tl.load(tw_ptr + p), H, NB)
             acc = tl.zeros([NB, 32], dtype=tl.float32)
             if DP4A == 1:
-                xq, xd = _x_q8(x_ptr, xq_ptr, xd_ptr, p1 // K, stride_x, H, NB, DP4A, ASM)
+                xq, xd = token_x_q8(x_ptr, xq_ptr, xd_ptr, p1 // K, stride_x, H, NB, DP4A, ASM)
         gw, gd, uw, ud, dq, dd, nm, p = gw1, gd1, uw1, ud1, dq1, dd1, nm1, p1
 
 
