@@ -147,7 +147,7 @@ def profile(w, fmt, n_embd, top_k, activation, threshold, timer: Timer, batches=
     max(1, INPUTS_PER_BATCH // T) inputs; stops after sparse lost at two batches in a row
     (larger batches share even more rows)."""
     thr = torch.full((1,), _threshold_value(threshold), dtype=torch.float32, device=w.device)
-    profiled, won, rows = [], [], []
+    won, rows = [], []
     for T in sorted(batches):
         t_dense = t_sparse = 0.0
         for r in range(max(1, INPUTS_PER_BATCH // T)):
@@ -156,12 +156,11 @@ def profile(w, fmt, n_embd, top_k, activation, threshold, timer: Timer, batches=
             t_sparse += timer("sparse", T, partial(moe_sparse, x, w, fmt, ids, tw, thr,
                                                    activation))  # fmt: skip
         rows.append(dict(batch=T, dense_s=t_dense, sparse_s=t_sparse))
-        profiled.append(T)
         if t_sparse < t_dense:
             won.append(T)
-        elif len(rows) >= 2 and not rows[-2]["sparse_s"] < rows[-2]["dense_s"]:
+        elif len(rows) >= 2 and rows[-2]["batch"] not in won:  # lost here and the batch before
             break
-    return SparseSwitch(tuple(profiled), tuple(won)), rows
+    return SparseSwitch(tuple(r["batch"] for r in rows), tuple(won)), rows
 
 
 def sparse_switch(w: torch.Tensor, fmt: str, n_embd: int, top_k: int, activation: str,

@@ -36,7 +36,7 @@ from kernels.dispatch import moe_experts
 from kernels.expert_formats import ACTIVATIONS as KERNEL_ACTIVATIONS
 from kernels.q8_linear import add_norm_q8_gemv
 from kernels.router import add_norm_router, router_topk
-from kernels.switch import SparseSwitch
+from kernels.switch import SparseSwitch, sparse_switch
 from kernels.tuning import lookup
 from kernels.tuning import overrides as tuning_overrides
 from pyruntime.errors import UsageError
@@ -236,8 +236,6 @@ class DeviceTransformer:
         self._state_version += 1
 
     def _profiled_switch(self, key: str) -> list[SparseSwitch]:
-        from kernels.switch import sparse_switch  # noqa: PLC0415 - profiling only on CUDA
-
         cfg = self.config
         out = []
         told = False
