@@ -340,7 +340,7 @@ def moe_dense_decode(x, w, fmt, topk_ids, topk_w, activation="silu", block_n=Non
 # more: bench/sweep_q8r.py on an H100 (three shapes, batch 1, 4 and 16, sparsity 0.85).
 Q8R_CONFIGS = {"one": (16, 4, 4), "many": (8, 2, 4)}
 # (BLOCK_N, num_warps, programs per SM) of the dense kernels.moe_q8r_pipe kernel: the fastest
-# or within 2% of it at batch 1, 4 and 16 on all three shapes (bench/sweep_q8r.py --pipe, H100;
+# or within 2% of it at batch 1, 4 and 16 on all three shapes (bench/sweep_q8r.py, H100;
 # 2 neurons a tile: the pipeline's first load and last arithmetic, which nothing overlaps, are
 # short). The interpreter's: fewer, larger steps.
 Q8R_PIPE_CONFIG = (2, 8, 2)

@@ -13,7 +13,7 @@ atomics into y, as the sparse `_moe_q8r_kernel` (kernels.moe_dense) does. The sc
 - the down sums stay in registers across the tiles of a pair and go to y once per pair change
   (one atomic per element per pair run, not per tile); the routing weight is applied then.
 
-H100 (bench/sweep_q8r.py --pipe, three real shapes): 1.18-1.24x the one-wave kernel at batch 1
+H100 (bench/sweep_q8r.py, DENSE_CFGS, three real shapes): 1.18-1.24x the one-wave kernel at batch 1
 (2 neurons a tile, 8 warps, 2 programs per SM), 1.03-1.06x at batch 4 and 16. The same schedule
 for the sparse mode (tile i + 2's gate rows, tile i + 1's kept up/down rows, tile i's
 arithmetic, masked loads instead of the register compaction) took 1.05-1.7x the one-wave
