@@ -40,7 +40,7 @@ import torch
 
 from kernels.moe_dense import moe_dense
 from kernels.moe_sparse import moe_sparse
-from kernels.timing import capture, event_seconds, warm_up
+from kernels.timing import capture, event_seconds, l2_evictor, warm_up
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Part of every profile's identity: bump it whenever the MoE kernels, their configs or their
@@ -130,12 +130,8 @@ def graph_timer(reps: int = 20) -> Timer:
             return statistics.median(times)
         warm_up(fn)  # compile and warm up outside the capture
         graph = capture(fn)
-        # Evict the weights by reading 256 MiB (> L2), as bench/moe_layer.py does: a write
-        # (zero_) left the L2 full of dirty lines, written back to HBM during the timed replay,
-        # which slowed the path that reads more bytes (dense) more and biased the switch toward
-        # sparse (H100: chose sparse at batch 1 where it was 4-11% slower).
-        flush = torch.ones(2**26, dtype=torch.float32, device="cuda")
-        times = event_seconds(graph.replay, reps + 2, before=lambda i: flush.sum())
+        evict = l2_evictor("cuda")  # weights from HBM on every replay (see l2_evictor)
+        times = event_seconds(graph.replay, reps + 2, before=lambda i: evict())
         return statistics.median(times[2:])
 
     return timer

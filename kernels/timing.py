@@ -1,6 +1,7 @@
 """CUDA timing pieces shared by the dense/sparse switch (kernels.switch) and the GPU benchmarks
 (bench/moe_layer.py, bench/sweep_q8r.py, bench/gpu_decode.py): warm up and capture a call in a
-CUDA graph, time calls with CUDA events, measure the HBM read bandwidth.
+CUDA graph, evict the L2 before a timed call, time calls with CUDA events, measure the HBM read
+bandwidth.
 """
 
 from __future__ import annotations
@@ -28,6 +29,15 @@ def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
     with torch.cuda.graph(graph):
         fn()
     return graph
+
+
+def l2_evictor(device) -> Callable[[], object]:
+    """A call that evicts the GPU's L2 (50 MB on an H100) by reading 256 MiB, to run before a
+    timed call so its weights come from HBM. A read, not a write: a write (zero_) leaves the L2
+    full of dirty lines that the timed call then writes back to HBM, slowing most the path that
+    reads the most bytes (it biased the dense/sparse switch toward sparse)."""
+    buf = torch.ones(2**26, dtype=torch.float32, device=device)
+    return buf.sum
 
 
 def event_seconds(
