@@ -21,9 +21,8 @@ combination in turn for --rounds rounds (so drift hits all alike), median of the
 The knob SIMD is the SIMD level (cpu_core.force_simd), e.g. --sweep SIMD=avx2,avx512. The knob LIB
 is a libpyrt build (path), so two builds are timed against each other in one process, interleaved,
 e.g. --sweep LIB=/tmp/old/libpyrt.so,/tmp/new/libpyrt.so (each gets its own pool; see Libraries).
-With
-PYRT_PROFILE=n among the knobs (n = --iters + 3, one report per cell), each cell's label goes to
-stderr before the kernel's profile report of it.
+With PYRT_PROFILE=n among the knobs (n = --iters + 3, one report per cell), each cell's label goes
+to stderr before the kernel's profile report of it.
 """
 
 from __future__ import annotations

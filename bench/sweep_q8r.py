@@ -39,7 +39,7 @@ ms = importlib.import_module("kernels.moe_sparse")
 from kernels.dispatch import prepare_experts  # noqa: E402
 from kernels.expert_formats import FMT_CODES  # noqa: E402
 
-# (BLOCK_N, BA, num_warps, dp4a, atomic); dp4a 0 off (fp32 dots on x), 1 x quantized by a
+# dp4a (the sparse configs' last field): 0 off (fp32 dots on x), 1 x quantized by a
 # quantize_x_q8 launch first, 2 quantized inside the expert kernel
 DP4A_NAMES = {0: "f32", 1: "dp4a", 2: "dp4a_ik"}
 # dense: (BLOCK_N, num_warps, programs per SM) of the pipelined kernel; registers (sm_90,
