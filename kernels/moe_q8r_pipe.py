@@ -96,7 +96,10 @@ def _moe_q8r_pipe_kernel(
             blocks_add(y_ptr + (p // K).to(tl.int64) * H, acc * tl.load(tw_ptr + p), H, NB)
             acc = tl.zeros([NB, 32], dtype=tl.float32)
             if DP4A == 1:
-                xq, xd = token_x_q8(x_ptr, xq_ptr, xd_ptr, p1 // K, stride_x, H, NB, DP4A, ASM)
+                if i + 1 < end:  # the next pair's token (past the last tile: none, and p1 // K
+                    # may be T, one row past xq)
+                    xq, xd = token_x_q8(x_ptr, xq_ptr, xd_ptr, p1 // K, stride_x, H, NB, DP4A,
+                                        ASM)  # fmt: skip
         gw, gd, uw, ud, dq, dd, nm, p = gw1, gd1, uw1, ud1, dq1, dd1, nm1, p1
 
 
