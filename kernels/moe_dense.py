@@ -59,7 +59,13 @@ from kernels.expert_rows import (
     token_x_q8,
     x_lanes,
 )
-from kernels.moe_q8r_pipe import _moe_q8r_pipe_kernel, pipe_grid
+from kernels.moe_q8r_pipe import (
+    _moe_q8r_pipe_kernel,
+    _moe_q8r_sparse2_kernel,
+    pipe_grid,
+    sparse2_list_len,
+)
+from kernels.moe_q8r_stream import _moe_q8r_stream_kernel, stream_grid
 from kernels.sparse_mask import as_threshold
 
 
@@ -407,6 +413,9 @@ def moe_q8r_decode(x, w, topk_ids, topk_w, activation="silu", threshold=None, dp
     instead of by quantize_x_q8 first (default: up to Q8R_QUANTIZE_IN_KERNEL_MAX_TOKENS tokens;
     the dense kernel quantizes once per program, so only at one token).
     dp4a gives the C core's results on the same quantized x (moe_dense_ref(q8_x=True)).
+    With the defaults (blocks, quantize_in_kernel None, dp4a) dense at Q8R_STREAM_MIN_TOKENS
+    tokens or more takes moe_q8r_stream, sparse at one token moe_q8r_sparse2 (H100 timings at
+    those constants).
     """
     H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
     if not q8r_supported(fmt, H):
@@ -415,6 +424,11 @@ def moe_q8r_decode(x, w, topk_ids, topk_w, activation="silu", threshold=None, dp
     in_kernel = quantize_in_kernel
     if in_kernel is None:
         in_kernel = T <= Q8R_QUANTIZE_IN_KERNEL_MAX_TOKENS
+    if blocks is None and dp4a and quantize_in_kernel is None:
+        if threshold is None and T >= Q8R_STREAM_MIN_TOKENS:
+            return moe_q8r_stream(x, w, topk_ids, topk_w, activation, fmt=fmt)
+        if threshold is not None and T == 1:
+            return moe_q8r_sparse2(x, w, topk_ids, topk_w, threshold, activation, fmt=fmt)
     ids, tw = flat_routing(topk_ids, topk_w)
     if threshold is None:
         if not dp4a or (in_kernel and T != 1):
@@ -434,6 +448,76 @@ def moe_q8r_decode(x, w, topk_ids, topk_w, activation="silu", threshold=None, dp
         ASM=not interpreting(), num_warps=nw,
     )  # fmt: skip
     return y, count
+
+
+# (BLOCK_N, BK, num_warps, programs per SM) of moe_q8r_sparse2: the fastest of 8 configs at
+# batch 1 on all three shapes (H100, bench/sweep_q8r.py --sparse2, sparsity 0.85), where it
+# takes 0.90-0.94x the time of the one-wave sparse _moe_q8r_kernel; at batch 4 and 16 it is
+# within 1-2% of that kernel, so moe_q8r_decode takes it at one token only.
+Q8R_SPARSE2_CONFIG = (8, 2, 8, 2)
+
+
+def moe_q8r_sparse2(x, w, topk_ids, topk_w, threshold, activation="silu", blocks=None,
+                    fmt="q8_0r"):  # fmt: skip
+    """Sparse q8_0r decode with kernels.moe_q8r_pipe._moe_q8r_sparse2_kernel (two pipelined
+    phases per program). Returns (y [T, n_embd] f32, active count [P] int32).
+    blocks: (BLOCK_N, BK, num_warps, programs per SM). x quantized in the kernel at one token,
+    by quantize_x_q8 first above."""
+    H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
+    if not q8r_supported(fmt, H):
+        raise ValueError(f"the q8r path needs q8_0r experts and n_embd % 64 == 0, got {fmt}, {H}")
+    interp = interpreting()
+    bn, bk, nw, per_sm = blocks or ((8, 4, 4, 4) if interp else Q8R_SPARSE2_CONFIG)
+    P = T * K
+    y, count = zeroed_out_and_count(T, H, P, x.device)
+    ids, tw = flat_routing(topk_ids, topk_w)
+    xq, xd = (ids, tw) if T == 1 else quantize_x_q8(x)
+    tpp = triton.cdiv(F, bn)
+    grid, run = pipe_grid(P * tpp, per_sm * (1 if interp else _sm_count(x.device)))
+    n_list = sparse2_list_len(run, bn, tpp, bk)
+    lst = torch.empty(grid, n_list, dtype=torch.int32, device=x.device)
+    acts = torch.empty(grid, n_list, dtype=torch.float32, device=x.device)
+    _moe_q8r_sparse2_kernel[(grid,)](
+        x, w, ids, tw, y, as_threshold(threshold, x.device), count, xq, xd, lst, acts, H, F, rb,
+        K, x.stride(0), tpp, P * tpp, run, n_list, ACT=ACTIVATIONS[activation], BLOCK_N=bn,
+        BK=bk, NB=triton.next_power_of_2(H // 32), DP4A=2 if T == 1 else 1, ASM=not interp,
+        num_warps=nw,
+    )  # fmt: skip
+    return y, count
+
+
+# kernels.moe_q8r_stream (dense): (BLOCK_N, num_warps, programs per SM, STAGES), taken by
+# moe_q8r_decode from this many tokens on. H100 (bench/sweep_q8r.py --stream, three shapes):
+# 1.23-1.33x the pipelined kernel at batch 16, 0.98-1.09x at 4, 0.80-0.84x at 1 (there all
+# programs of a token add into the same y row at once, at the end). The interpreter's config:
+# fewer, larger steps (it ignores STAGES).
+Q8R_STREAM_CONFIG = (2, 4, 4, 4)
+Q8R_STREAM_CONFIG_INTERPRETER = (16, 4, 4, 1)
+Q8R_STREAM_MIN_TOKENS = 8
+
+
+def moe_q8r_stream(x, w, topk_ids, topk_w, activation="silu", blocks=None, fmt="q8_0r"):
+    """Dense decode FFN over q8_0r experts with kernels.moe_q8r_stream (one pair's neuron range
+    per program, tiles through the software pipeline; x quantized in every program as the C
+    core quantizes it, dp4a dots) -> y [T, n_embd] f32. blocks: (BLOCK_N, num_warps, programs
+    per SM, STAGES), default Q8R_STREAM_CONFIG."""
+    H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
+    if not q8r_supported(fmt, H):
+        raise ValueError(f"the q8r path needs q8_0r experts and n_embd % 64 == 0, got {fmt}, {H}")
+    interp = interpreting()
+    bn, nw, per_sm, stages = blocks or (
+        Q8R_STREAM_CONFIG_INTERPRETER if interp else Q8R_STREAM_CONFIG
+    )
+    P = T * K
+    ids, tw = flat_routing(topk_ids, topk_w)
+    spp, nps = stream_grid(F, P, bn, per_sm * (1 if interp else _sm_count(x.device)))
+    y = torch.zeros(T, H, device=x.device, dtype=torch.float32)
+    _moe_q8r_stream_kernel[(P * spp,)](
+        x, w, ids, tw, y, H, F, rb, K, x.stride(0), spp, nps, ACT=ACTIVATIONS[activation],
+        BLOCK_N=bn, NB=triton.next_power_of_2(H // 32), ASM=not interp, STAGES=stages,
+        num_warps=nw,
+    )  # fmt: skip
+    return y
 
 
 def _moe_q8r_dense(x, w, ids, tw, y, xq, xd, H, F, rb, K, activation, in_kernel, blocks):

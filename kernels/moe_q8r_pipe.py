@@ -107,3 +107,124 @@ def pipe_grid(n_tiles: int, n_programs: int) -> tuple[int, int]:
     """(programs, tiles per program): equal contiguous runs, at most n_programs of them."""
     run = triton.cdiv(n_tiles, max(1, min(n_tiles, n_programs)))
     return triton.cdiv(n_tiles, run), run
+
+
+# ----------------------------------------------------------------------------------------------
+# sparse, two phases per program (experiment, not wired into moe_sparse's auto path)
+
+
+@triton.jit
+def _kept_chunk(lst, acts, c, n_list, ids_ptr, w_ptr, F, RB, H, NB: tl.constexpr,
+                BK: tl.constexpr):  # fmt: skip
+    """Chunk c of a program's kept list (BK entries from c, past n_list none): (pair, act [BK],
+    valid [BK], up words and scales, down bytes and scales), the rows requested now. Entries
+    are pair * F + neuron, -1 for padding; a chunk never holds two pairs (phase 1 pads)."""
+    j = c + tl.arange(0, BK)
+    g = tl.load(lst + j, mask=j < n_list, other=-1)
+    av = tl.load(acts + j, mask=j < n_list, other=0.0)
+    valid = g >= 0
+    g_max = tl.max(g, axis=0)
+    pc = tl.where(g_max >= 0, g_max // F, -1)
+    e = tl.load(ids_ptr + tl.maximum(pc, 0)).to(tl.int64)
+    off = (e * F + tl.where(valid, g - pc * F, 0)) * 3 * RB
+    uw, ud = q8r_words(w_ptr, off + RB, valid, H, NB)
+    dq, dd = q8r_bytes(w_ptr, off + 2 * RB, valid, H, NB)
+    return pc, av, valid, uw, ud, dq, dd
+
+
+@triton.jit
+def _moe_q8r_sparse2_kernel(
+    x_ptr,  # as _moe_q8r_pipe_kernel
+    w_ptr,
+    ids_ptr,
+    tw_ptr,
+    y_ptr,
+    thr_ptr,  # [1] f32 threshold on |act(gate)|
+    cnt_ptr,  # [P] int32, zeroed: active neurons of each pair
+    xq_ptr,
+    xd_ptr,
+    list_ptr,  # int32 [programs, LIST] scratch: this program's kept neurons (pair * F + n)
+    act_ptr,  # f32 [programs, LIST] scratch: their act(gate)
+    H,
+    F,
+    RB,
+    K,
+    stride_x,
+    TPP,
+    n_tiles,
+    run,
+    LIST,
+    ACT: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # neurons per gate tile
+    BK: tl.constexpr,  # kept neurons per up/down chunk
+    NB: tl.constexpr,
+    DP4A: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """Sparse decode in two pipelined phases per program, one dependent round trip between
+    them (not one per tile): (1) the gate rows of the program's tiles, tile i + 1's requested
+    before tile i's dots; kept neurons appended to the program's list; (2) the kept neurons'
+    up/down rows, BK at a time, chunk c + 1's requested before chunk c's arithmetic."""
+    pid = tl.program_id(0)
+    start = pid * run
+    end = tl.minimum(start + run, n_tiles)
+    thr = tl.load(thr_ptr)
+    lst = list_ptr + pid.to(tl.int64) * LIST
+    acts = act_ptr + pid.to(tl.int64) * LIST
+    # phase 1
+    p, off, nm = _tile_rows(ids_ptr, start, end, TPP, F, RB, BLOCK_N)
+    gw, gd = q8r_words(w_ptr, off, nm, H, NB)
+    xq, xd = token_x_q8(x_ptr, xq_ptr, xd_ptr, p // K, stride_x, H, NB, DP4A, ASM)
+    n_list = tl.full([], 0, tl.int32)
+    kept = tl.full([], 0, tl.int32)
+    for i in range(start, end):
+        p1, off1, nm1 = _tile_rows(ids_ptr, i + 1, end, TPP, F, RB, BLOCK_N)
+        gw1, gd1 = q8r_words(w_ptr, off1, nm1, H, NB)
+        a = act_fn(q8r_dot_q8x(gw, gd, xq, xd, ASM), ACT)
+        keep = (tl.abs(a) >= thr) & nm
+        ki = keep.to(tl.int32)
+        rank = tl.cumsum(ki, axis=0) - 1
+        n = (i % TPP) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(lst + n_list + rank, p * F + n, mask=keep)
+        tl.store(acts + n_list + rank, a, mask=keep)
+        n_keep = tl.sum(ki, axis=0)
+        n_list += n_keep
+        kept += n_keep
+        if (p1 != p) | (i + 1 >= end):  # the pair's run ends: its count; pad to a chunk
+            tl.atomic_add(cnt_ptr + p, kept, sem="relaxed")
+            kept = tl.full([], 0, tl.int32)
+            padded = (n_list + BK - 1) // BK * BK
+            pad = n_list + tl.arange(0, BK)
+            tl.store(lst + pad, tl.full([BK], -1, tl.int32), mask=pad < padded)
+            n_list = padded
+            if DP4A == 1:
+                if i + 1 < end:  # p1 // K may be T past the last tile
+                    xq, xd = token_x_q8(x_ptr, xq_ptr, xd_ptr, p1 // K, stride_x, H, NB, DP4A,
+                                        ASM)  # fmt: skip
+        gw, gd, nm, off, p = gw1, gd1, nm1, off1, p1
+    tl.debug_barrier()  # the list's stores visible to every thread of the program
+    # phase 2
+    pc, av, valid, uw, ud, dq, dd = _kept_chunk(lst, acts, 0, n_list, ids_ptr, w_ptr, F, RB, H,
+                                                NB, BK)  # fmt: skip
+    if DP4A == 1:
+        xq, xd = token_x_q8(x_ptr, xq_ptr, xd_ptr, tl.maximum(pc, 0) // K, stride_x, H, NB, DP4A,
+                       ASM)  # fmt: skip
+    acc = tl.zeros([NB, 32], dtype=tl.float32)
+    for c in range(0, n_list, BK):
+        pc1, av1, valid1, uw1, ud1, dq1, dd1 = _kept_chunk(lst, acts, c + BK, n_list, ids_ptr,
+                                                           w_ptr, F, RB, H, NB, BK)  # fmt: skip
+        us = q8r_dot_q8x(uw, ud, xq, xd, ASM)
+        acc = q8r_rows_axpy(dq, dd, tl.where(valid, av * us, 0.0), acc)
+        if (pc1 != pc) | (c + BK >= n_list):
+            blocks_add(y_ptr + (pc // K).to(tl.int64) * H, acc * tl.load(tw_ptr + pc), H, NB)
+            acc = tl.zeros([NB, 32], dtype=tl.float32)
+            if DP4A == 1:
+                xq, xd = token_x_q8(x_ptr, xq_ptr, xd_ptr, tl.maximum(pc1, 0) // K, stride_x, H, NB,
+                               DP4A, ASM)  # fmt: skip
+        pc, av, valid, uw, ud, dq, dd = pc1, av1, valid1, uw1, ud1, dq1, dd1
+
+
+def sparse2_list_len(run: int, block_n: int, tiles_per_pair: int, bk: int) -> int:
+    """Entries of a program's kept list: every neuron of its run, plus the padding of each pair
+    run to a whole chunk (a run of `run` tiles touches at most run // TPP + 2 pairs)."""
+    return run * block_n + bk * (run // tiles_per_pair + 2)

@@ -45,8 +45,9 @@ from kernels.timing import capture, event_seconds, l2_evictor, warm_up
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Part of every profile's identity: bump it whenever the MoE kernels, their configs or their
 # path choices change, so a profile measured with older kernels is never reused.
-KERNELS_VERSION = 5  # 2: the q8r sparse path; 3: dp4a q8r dense and sparse (x quantized);
-# 4: the pipelined q8r dense kernel; per-batch decisions; 5: L2 evicted by a read when profiling
+KERNELS_VERSION = 6  # 2: the q8r sparse path; 3: dp4a q8r dense and sparse (x quantized);
+# 4: the pipelined q8r dense kernel; per-batch decisions; 5: L2 evicted by a read when profiling;
+# 6: q8r dense from 8 tokens on moe_q8r_stream, q8r sparse at one token moe_q8r_sparse2
 # Tokens timed per profiled batch at least: a batch of T tokens runs on INPUTS_PER_BATCH // T
 # inputs (routing, hidden states), their times summed.
 INPUTS_PER_BATCH = 4

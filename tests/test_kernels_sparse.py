@@ -1,5 +1,7 @@
 """Activation sparsity: mask/compaction kernel, gate dots, sparse up-down and moe_sparse."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -213,3 +215,47 @@ def test_sparse_path_takes_q8r_for_aligned_q8_0r_at_small_batch():
     assert sparse_path("q8_0r", 1, 96) != "q8r"  # rows not 4-byte aligned
     assert sparse_path("q4_0r", 1, 2048) != "q8r"
     assert sparse_path("q8_0r", 1) != "q8r"  # n_embd unknown
+
+
+# (BLOCK_N, BK, num_warps, programs) of the two-phase experiment (the interpreter's grid is
+# `programs`): one program over everything (pair changes inside both phases), a few, many
+@pytest.mark.parametrize("blocks", [(8, 4, 4, 1), (4, 2, 4, 7), (2, 2, 4, 1000), (16, 1, 4, 3)])
+@pytest.mark.parametrize("n_tok", [1, 3])
+def test_moe_q8r_sparse2_matches_reference(n_tok, blocks):
+    """kernels.moe_dense.moe_q8r_sparse2: gate rows then the kept list's up/down rows per
+    program; the same kept neurons (counts equal) and sum as the reference on quantized x."""
+    from kernels.moe_dense import moe_q8r_sparse2
+
+    x, w, ids, tw = make_case("q8_0r", n_tok, torch.bfloat16, seed=70 + n_tok, n_embd=Q8R_N_EMBD)
+    thr = gap_threshold(moe_gate_ref(quantize_x_q8_ref(x), w, "q8_0r", ids), "silu", 0.7)
+    y, active = moe_q8r_sparse2(x, w, ids, tw, thr, blocks=blocks)
+    ref, ref_active = moe_sparse_ref(x, w, "q8_0r", ids, tw, thr, q8_x=True)
+    assert torch.equal(active.view(ref_active.shape), ref_active)
+    assert 0.5 < 1 - active.sum() / active.numel() / w.shape[1] < 0.9
+    assert_close_rel(y, ref, 1e-5)
+    y0, active0 = moe_q8r_sparse2(x, w, ids, tw, 0.0, blocks=blocks)  # keeps every neuron
+    assert (active0 == w.shape[1]).all()
+    assert_close_rel(y0, moe_dense_ref(x, w, "q8_0r", ids, tw, q8_x=True), 1e-5)
+
+
+@pytest.mark.parametrize("n_tok", [1, 2])
+def test_moe_sparse_takes_the_sparse2_kernel_at_one_token(n_tok, monkeypatch):
+    """The dispatch: moe_sparse's auto path (q8r) calls moe_q8r_sparse2 at one token only,
+    and matches the reference either way."""
+    md = importlib.import_module("kernels.moe_dense")  # the package exports a moe_dense function
+
+    calls = []
+    real = md.moe_q8r_sparse2
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(md, "moe_q8r_sparse2", spy)
+    x, w, ids, tw = make_case("q8_0r", n_tok, torch.bfloat16, seed=90 + n_tok, n_embd=Q8R_N_EMBD)
+    thr = gap_threshold(moe_gate_ref(quantize_x_q8_ref(x), w, "q8_0r", ids), "silu", 0.7)
+    y, active = moe_sparse(x, w, "q8_0r", ids, tw, thr)
+    assert calls == ([1] if n_tok == 1 else [])
+    ref, ref_active = moe_sparse_ref(x, w, "q8_0r", ids, tw, thr, q8_x=True)
+    assert torch.equal(active.view(ref_active.shape), ref_active)
+    assert_close_rel(y, ref, 1e-5)
