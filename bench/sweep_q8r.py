@@ -13,6 +13,7 @@ Every variant is checked against a reference before it is timed (fp32: the float
 dp4a: the Q8-x references, dense and sparse).
 
   python bench/sweep_q8r.py --json out.json
+  python bench/sweep_q8r.py --paths --json out.json   # shipped auto paths vs those they replaced
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ OLD_DENSE = [(8, 2048, 4, False), (4, 2048, 4, False), (16, 2048, 8, False), (8,
 # --quick: the shipped dense config and two more, the shipped sparse configs (Q8R_CONFIGS)
 # with x quantized first and inside, and one more
 QUICK_DENSE_CFGS = [(2, 8, 2), (2, 4, 2), (1, 2, 4)]
+# --stream: kernels.moe_q8r_stream (dense), (BLOCK_N, num_warps, programs per SM, STAGES);
+# registers and shared memory (sm_90, triton 3.9) allow those programs per SM
+STREAM_DENSE_CFGS = [(2, 8, 2, 3), (2, 8, 3, 3), (2, 8, 2, 4), (2, 4, 4, 4), (1, 4, 4, 4),
+                     (4, 8, 2, 3), (2, 8, 1, 5), (4, 8, 1, 4)]  # fmt: skip
+# --chain L: every case also as L layers in one graph (distinct weight copies, as a decode
+# step runs them: one graph launch for all), time per layer
 QUICK_SPARSE_CFGS = [(16, 4, 4, 1), (16, 4, 4, 2), (8, 2, 4, 1), (8, 2, 4, 2), (32, 4, 8, 2)]
 
 
@@ -103,6 +110,45 @@ def run_batch(model, shape, w, fk, thr, T, args, dev, peak, rows, t_end):
     P = T * K
     case("floor", None, lambda: torch.zeros(T * H + P, device=dev), None, b_dense)
     case("dense", "auto", functools.partial(md.moe_dense, x, w, fk, ids, tw), ref_dq, b_dense)
+    if args.paths:
+        # what moe_q8r_decode ran before moe_q8r_stream / moe_q8r_sparse2 (quantize_in_kernel
+        # given: the old dispatch); the auto rows above are the shipped paths
+        in_k = T <= md.Q8R_QUANTIZE_IN_KERNEL_MAX_TOKENS
+        case("sparse", "auto", functools.partial(ms.moe_sparse, x, w, fk, ids, tw, thr),
+             ref_sq, b_sparse)  # fmt: skip
+        case("dense", "pipe", functools.partial(md.moe_q8r_decode, x, w, ids, tw,
+             quantize_in_kernel=in_k), ref_dq, b_dense)  # fmt: skip
+        case("sparse", "one-wave", functools.partial(md.moe_q8r_decode, x, w, ids, tw,
+             threshold=thr, quantize_in_kernel=in_k), ref_sq, b_sparse)  # fmt: skip
+        return
+    if args.stream:
+        variants = [("sparse", "auto", lambda wi: functools.partial(ms.moe_sparse, x, wi, fk,
+                                                                    ids, tw, thr),
+                     ref_sq, b_sparse)]  # fmt: skip
+        variants += [("stream_dense", c, lambda wi, c=c: functools.partial(
+            md.moe_q8r_stream, x, wi, ids, tw, blocks=c), ref_dq, b_dense)
+            for c in STREAM_DENSE_CFGS]  # fmt: skip
+        for kind, cfg, make, ref, nbytes in variants:
+            case(kind, cfg, make(w), ref, nbytes)
+        if args.chain and T <= 4:
+            ws = [w] + [w.clone() for _ in range(args.chain - 1)]
+
+            def chain_of(make):
+                fns = [make(wi) for wi in ws]
+                return lambda: [f() for f in fns]
+
+            def floor_fn():  # each layer's zeroed output (y and counts)
+                return [torch.zeros(T * H + P, device=dev) for _ in ws]
+
+            L = len(ws)
+            case(f"chain{L}_floor", None, floor_fn, None, b_dense * L)
+            case(f"chain{L}_dense", "auto", chain_of(
+                lambda wi: functools.partial(md.moe_dense, x, wi, fk, ids, tw)),
+                None, b_dense * L)  # fmt: skip
+            for kind, cfg, make, _ref, nbytes in variants:
+                case(f"chain{L}_" + kind, cfg, chain_of(make), None, nbytes * L)
+            del ws
+        return
     if T <= 4 and not args.quick:
         for cfg in OLD_DENSE:
             fn = functools.partial(md.moe_dense_decode, x, w, fk, ids, tw, blocks=cfg)
@@ -143,6 +189,23 @@ def main():
         help="dense default and three q8r dense configs, the old sparse path, q8r sparse "
         "with x quantized first and inside",
     )
+    ap.add_argument(
+        "--stream",
+        action="store_true",
+        help="dense and sparse auto vs kernels.moe_q8r_stream's configs (dense)",
+    )
+    ap.add_argument(
+        "--chain",
+        type=int,
+        default=0,
+        help="with --stream: also time each case as this many layers in one graph",
+    )
+    ap.add_argument(
+        "--paths",
+        action="store_true",
+        help="dense and sparse auto (the shipped paths) vs the paths they replaced (pipelined "
+        "dense, one-wave sparse), batches 1, 4, 8, 16",
+    )
     ap.add_argument("--json")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--budget-s", type=float, default=400)
@@ -156,9 +219,13 @@ def main():
         H, E, K, F = shape
         w, fk = prepare_experts(moe_layer.make_experts(E, F, H, "q8_0", dev), "q8_0", H)
         thr = moe_layer.calibrated_threshold(w, fk, shape, 0.85, dev)
-        for T in (1, 4, 16):
+        for T in (1, 4, 8, 16) if args.paths else (1, 4, 16):
             if time.time() < t_end:
                 run_batch(model, shape, w, fk, thr, T, args, dev, peak, rows, t_end)
+        if args.stream or args.paths:
+            del w
+            torch.cuda.empty_cache()
+            continue
         # strict check of the dp4a kernel against the Q8-x torch reference (b1, unique experts)
         x = torch.randn(1, H, generator=torch.Generator().manual_seed(5)).to(dev, torch.bfloat16)
         ids, tw = moe_layer.routing(1, E, K, 5, dev)
