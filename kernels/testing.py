@@ -56,3 +56,17 @@ def assert_close_rel(y: torch.Tensor, ref: torch.Tensor, rtol: float) -> None:
     assert scale > 0
     err = (y - ref).abs().max().item()
     assert err <= rtol * scale, f"max abs err {err:.3e} > {rtol:.0e} * max|ref| {scale:.3e}"
+
+
+def spy_tokens(monkeypatch, module, name: str) -> list[int]:
+    """Wrap module.name (a launcher whose first argument is x [T, ...]) so that every call
+    appends T to the returned list and then runs the real function (dispatch tests)."""
+    calls: list[int] = []
+    real = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls

@@ -21,7 +21,14 @@ from kernels.moe_sparse import (
     sparse_path,
 )
 from kernels.sparse_mask import sparse_mask, sparse_mask_ref
-from kernels.testing import DEVICE, Q8R_N_EMBD, assert_close_rel, make_case, rtol_for
+from kernels.testing import (
+    DEVICE,
+    Q8R_N_EMBD,
+    assert_close_rel,
+    make_case,
+    rtol_for,
+    spy_tokens,
+)
 
 FORMATS = ["f16", "bf16", "q8_0", "q4_0", "q8_0r", "q4_0r"]
 
@@ -244,14 +251,7 @@ def test_moe_sparse_takes_the_sparse2_kernel_at_one_token(n_tok, monkeypatch):
     and matches the reference either way."""
     md = importlib.import_module("kernels.moe_dense")  # the package exports a moe_dense function
 
-    calls = []
-    real = md.moe_q8r_sparse2
-
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape[0])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(md, "moe_q8r_sparse2", spy)
+    calls = spy_tokens(monkeypatch, md, "moe_q8r_sparse2")
     x, w, ids, tw = make_case("q8_0r", n_tok, torch.bfloat16, seed=90 + n_tok, n_embd=Q8R_N_EMBD)
     thr = gap_threshold(moe_gate_ref(quantize_x_q8_ref(x), w, "q8_0r", ids), "silu", 0.7)
     y, active = moe_sparse(x, w, "q8_0r", ids, tw, thr)

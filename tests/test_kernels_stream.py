@@ -8,7 +8,7 @@ import torch
 
 from kernels.moe_dense import Q8R_STREAM_MIN_TOKENS, moe_dense_ref, moe_q8r_stream
 from kernels.moe_q8r_stream import stream_grid
-from kernels.testing import Q8R_N_EMBD, assert_close_rel, make_case
+from kernels.testing import Q8R_N_EMBD, assert_close_rel, make_case, spy_tokens
 
 # the module (the package exports a moe_dense function under the same name)
 md = importlib.import_module("kernels.moe_dense")
@@ -31,14 +31,7 @@ def test_moe_q8r_stream_dense_matches_reference(n_tok, blocks):
 def test_moe_q8r_decode_takes_the_stream_kernel_from_its_batch(n_tok, monkeypatch):
     """The dispatch: dense through moe_q8r_decode's defaults calls moe_q8r_stream from
     Q8R_STREAM_MIN_TOKENS tokens on (not below), and matches the reference either way."""
-    calls = []
-    real = md.moe_q8r_stream
-
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape[0])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(md, "moe_q8r_stream", spy)
+    calls = spy_tokens(monkeypatch, md, "moe_q8r_stream")
     x, w, ids, tw = make_case("q8_0r", n_tok, torch.bfloat16, seed=85, n_embd=Q8R_N_EMBD)
     y = md.moe_q8r_decode(x, w, ids, tw)
     assert calls == ([n_tok] if n_tok >= Q8R_STREAM_MIN_TOKENS else [])
