@@ -10,9 +10,12 @@ Three kernels, all dequantizing inside (no dequantized copy of the weights):
   4 int8 products per dp4a instruction, whole rows per load (gate/up as int32 words, down as
   bytes), down sums in registers and one contiguous atomic add per element. Dense (moe_dense's
   "q8r" path, small batches): kernels.moe_q8r_pipe, a persistent kernel that requests the
-  next neuron tile's rows before the current tile's arithmetic. Sparse (kernels.moe_sparse's
-  "q8r" path): `_moe_q8r_kernel`, one program per (pair, neuron tile), the kept neurons
-  compacted in registers.
+  next neuron tile's rows before the current tile's arithmetic, below Q8R_STREAM_MIN_TOKENS
+  tokens; kernels.moe_q8r_stream (tiles through shared memory, cp.async) from there on.
+  Sparse (kernels.moe_sparse's "q8r" path): at one token the two-phase persistent
+  `_moe_q8r_sparse2_kernel` (gate tiles, then the kept neurons' rows), else
+  `_moe_q8r_kernel`, one program per (pair, neuron tile), the kept neurons compacted in
+  registers.
 - prefill (larger T): pairs are grouped by expert (`moe_align`, like vLLM's
   moe_align_block_size, in torch, no host sync) and two grouped GEMMs run on tl.dot tiles:
   `_moe_gemm_gate_up_kernel` (act(gate) * up -> inter [P, n_ff] fp32), then
@@ -403,7 +406,7 @@ def moe_q8r_decode(x, w, topk_ids, topk_w, activation="silu", threshold=None, dp
                    blocks=None, quantize_in_kernel=None, fmt="q8_0r"):  # fmt: skip
     """Decode FFN over q8_0r experts: dense (threshold None) -> y, with the pipelined
     kernels.moe_q8r_pipe kernel, or sparse -> (y, active count [P] int32) with _moe_q8r_kernel;
-    y [T, n_embd] f32 (and count) zeroed in one allocation.
+    y [T, n_embd] f32 (and count) zeroed in one allocation (but see the defaults below).
     dp4a: gate/up dots on Q8-quantized x (as the C core computes them; the dense kernel has no
     other mode); sparse only: False takes fp32 dots on x itself.
     blocks: dense (BLOCK_N, num_warps, programs per SM), default Q8R_PIPE_CONFIG; sparse

@@ -110,7 +110,7 @@ def pipe_grid(n_tiles: int, n_programs: int) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------------------------------------------
-# sparse, two phases per program (experiment, not wired into moe_sparse's auto path)
+# sparse, two phases per program (moe_sparse's q8r path at one token: moe_dense.moe_q8r_sparse2)
 
 
 @triton.jit
