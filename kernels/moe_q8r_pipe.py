@@ -18,7 +18,7 @@ H100 (bench/sweep_q8r.py, DENSE_CFGS, three real shapes): 1.18-1.24x the one-wav
 for the sparse mode (tile i + 2's gate rows, tile i + 1's kept up/down rows, tile i's
 arithmetic, masked loads instead of the register compaction) took 1.05-1.7x the one-wave
 sparse kernel's time: without compaction every tile pays the up/down instructions; with the
-compaction inside the persistent loop it was slower still (both in commit db6d6b2).
+compaction inside the persistent loop it was slower still (both dropped; their code is not kept).
 """
 
 from __future__ import annotations
