@@ -33,6 +33,9 @@ enum {
     DEFAULT_SPARSE_CHUNK = 32, /* neurons */
     MAX_ITEMS_PER_THREAD = 8, /* guided items come to ~6.2 per thread */
     REDUCE_PF_ITEMS = 2, /* reduce: items ahead whose part of the range is prefetched */
+    DEFAULT_DEMOTE = 0,    /* PYRT_DEMOTE */
+    DEFAULT_ITEM_DIV4 = 8, /* guided items: the rest / (DEFAULT_ITEM_DIV4 / 4 * nth) ... */
+    DEFAULT_ITEM_MIN = 16, /* ... at least total / (DEFAULT_ITEM_MIN * nth) */
     ITEMS_ACC_BYTES = 16 << 20, /* cap on the work items' partial ys together */
     SERIAL_QUANTIZE_MAX = 1 << 15 /* activations (tokens * n_embd) quantized without the pool */
 };
@@ -67,6 +70,10 @@ typedef struct {
     int n_items;            /* work items the block's neurons are cut into */
     int n_items_max;        /* room in acc and item_start */
     int items_per_thread;   /* > 0: that many equal items per thread; 0: guided sizes */
+    int item_div4;          /* guided: an item is the rest / (item_div4 / 4 * nth) ... */
+    int item_min;           /* ... but at least total / (item_min * nth) */
+    int reduce_pf;          /* reduce: items ahead whose part of the range is prefetched */
+    int demote;             /* 1: a finished item's partial y is pushed to the shared L3 */
     int64_t *item_start;    /* [n_items + 1] item i: costs [item_start[i], item_start[i+1]) */
     atomic_int *next_item;  /* next item to take (own cache line) */
     atomic_int *item_done;  /* [n_items_max] 1 once the item's partial y is complete */
@@ -87,6 +94,10 @@ typedef struct {
  * PYRT_PREFETCH_AHEAD=n   software-prefetch the rows of the neuron n ahead (default 2; 0: off).
  * PYRT_SPARSE_CHUNK=n     sparse: gates of n neurons (1..32, default 32) before their up/down rows.
  * PYRT_ITEMS=n            n equal work items per thread (default 0: guided sizes, see plan_items).
+ * PYRT_ITEM_PLAN=d:m      guided sizes: rest / (d * nth), at least total / (m * nth) (default 2:16).
+ * PYRT_REDUCE_PF=n        reduce: prefetch the range of the item n on (default REDUCE_PF_ITEMS).
+ * PYRT_DEMOTE=0|1         push a finished item's partial y out of the core's caches to the L3
+ *                         (cldemote), where the reducers read it sooner than from another core.
  * PYRT_SPIN_US=n          (pool.c, read at pool creation) how long idle threads spin, default 300.
  * The result is the same bits under every setting. */
 typedef struct {
@@ -94,6 +105,10 @@ typedef struct {
     int prefetch_ahead;
     int items_per_thread;
     int sparse_chunk;
+    int item_div4;
+    int item_min;
+    int reduce_pf;
+    int demote;
 } knobs;
 
 /* Read on every call (a few getenv, well under a microsecond) so a benchmark can vary them. */
@@ -110,6 +125,21 @@ static knobs read_knobs(void) {
         k.items_per_thread = 0;
     if (k.prefetch_ahead < 0)
         k.prefetch_ahead = 0;
+    const char *plan = getenv("PYRT_ITEM_PLAN"), *rpf = getenv("PYRT_REDUCE_PF");
+    k.item_div4 = DEFAULT_ITEM_DIV4;
+    k.item_min = DEFAULT_ITEM_MIN;
+    if (plan != NULL) {
+        char *end;
+        const double d = strtod(plan, &end);
+        const int m = *end == ':' ? atoi(end + 1) : 0;
+        if (d >= 0.25 && d <= 64.0 && m >= 1 && m <= 1024) {
+            k.item_div4 = (int)(d * 4.0 + 0.5);
+            k.item_min = m;
+        }
+    }
+    k.reduce_pf = rpf != NULL && atoi(rpf) >= 0 ? atoi(rpf) : REDUCE_PF_ITEMS;
+    const char *demote = getenv("PYRT_DEMOTE");
+    k.demote = demote != NULL ? atoi(demote) != 0 : DEFAULT_DEMOTE;
     return k;
 }
 
@@ -508,7 +538,23 @@ static void sparse_finish(const moe_ctx *c, sparse_chunk *ch, int prefetched, ga
     }
 }
 
+/* CLDEMOTE (x86: a hint that moves a cache line from this core's caches to the shared L3; in the
+ * hint-NOP space, so a no-op on x86 processors without it). Elsewhere nothing. */
+static inline void demote_line(const void *p) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    __asm__ volatile(".byte 0x0f, 0x1c, 0x07" : : "D"(p) : "memory"); /* cldemote (%rdi) */
+#else
+    (void)p;
+#endif
+}
+
 static inline void mark_item_done(const moe_ctx *c, int item) {
+    if (c->demote) { /* the reducers read this partial y next, from other cores */
+        const float *acc = c->acc + (size_t)item * c->acc_stride;
+        const size_t n = (size_t)c->tb * c->n_embd;
+        for (size_t i = 0; i < n; i += 16)
+            demote_line(acc + i);
+    }
     atomic_store_explicit(&c->item_done[item], 1, memory_order_release);
 }
 
@@ -624,7 +670,7 @@ static void task_block(void *p, int ith, int nth) {
             /* The partial ys sit in the caches of the cores that made them: ask for the range of
              * an item REDUCE_PF_ITEMS on, if done, so the remote reads overlap (at the end of a
              * call every item is done and the sums are a chain of ~100 such reads). */
-            const int ahead = item + REDUCE_PF_ITEMS;
+            const int ahead = item + c->reduce_pf;
             if (ahead < c->n_items &&
                 atomic_load_explicit(&c->item_done[ahead], memory_order_relaxed))
                 prefetch_row((const uint8_t *)(c->acc + (size_t)ahead * c->acc_stride + lo),
@@ -654,10 +700,12 @@ static void plan_items(moe_ctx *c, int nth) {
         for (int i = 0; i <= n; i++)
             c->item_start[i] = total * i / n;
     } else {
-        const int64_t min_size = total / (16 * (int64_t)nth) > 0 ? total / (16 * (int64_t)nth) : 1;
+        const int64_t min_size = total / (c->item_min * (int64_t)nth) > 0
+                                     ? total / (c->item_min * (int64_t)nth)
+                                     : 1;
         int64_t lo = 0;
         while (lo < total && n < c->n_items_max - 1) {
-            int64_t size = (total - lo) / (2 * (int64_t)nth);
+            int64_t size = (total - lo) * 4 / (c->item_div4 * (int64_t)nth);
             size = size < min_size ? min_size : size;
             c->item_start[n++] = lo;
             lo = lo + size < total ? lo + size : total;
@@ -850,6 +898,10 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
         .acc_stride = acc_stride,
         .n_items_max = (int)n_items_max,
         .items_per_thread = kn.items_per_thread,
+        .item_div4 = kn.item_div4,
+        .item_min = kn.item_min,
+        .reduce_pf = kn.reduce_pf,
+        .demote = kn.demote,
         .item_start = (int64_t *)(ws + off_istart),
         .next_item = (atomic_int *)(ws + off_next),
         .next_slice = (atomic_int *)(ws + off_next + 64),
