@@ -74,6 +74,7 @@ typedef struct {
     int item_min;           /* ... but at least total / (item_min * nth) */
     int reduce_pf;          /* reduce: items ahead whose part of the range is prefetched */
     int demote;             /* 1: a finished item's partial y is pushed to the shared L3 */
+    int reducers;           /* > 0: at most that many ranges of y (the first threads out of items) */
     int64_t *item_start;    /* [n_items + 1] item i: costs [item_start[i], item_start[i+1]) */
     atomic_int *next_item;  /* next item to take (own cache line) */
     atomic_int *item_done;  /* [n_items_max] 1 once the item's partial y is complete */
@@ -96,6 +97,8 @@ typedef struct {
  * PYRT_ITEMS=n            n equal work items per thread (default 0: guided sizes, see plan_items).
  * PYRT_ITEM_PLAN=d:m      guided sizes: rest / (d * nth), at least total / (m * nth) (default 2:16).
  * PYRT_REDUCE_PF=n        reduce: prefetch the range of the item n on (default REDUCE_PF_ITEMS).
+ * PYRT_REDUCERS=n         y is reduced in min(n, nth - 1) ranges, by the first threads out of
+ *                         items (default 0: nth - 1).
  * PYRT_DEMOTE=0|1         push a finished item's partial y out of the core's caches to the L3
  *                         (cldemote), where the reducers read it sooner than from another core.
  * PYRT_SPIN_US=n          (pool.c, read at pool creation) how long idle threads spin, default 300.
@@ -109,6 +112,7 @@ typedef struct {
     int item_min;
     int reduce_pf;
     int demote;
+    int reducers;
 } knobs;
 
 /* Read on every call (a few getenv, well under a microsecond) so a benchmark can vary them. */
@@ -140,6 +144,8 @@ static knobs read_knobs(void) {
     k.reduce_pf = rpf != NULL && atoi(rpf) >= 0 ? atoi(rpf) : REDUCE_PF_ITEMS;
     const char *demote = getenv("PYRT_DEMOTE");
     k.demote = demote != NULL ? atoi(demote) != 0 : DEFAULT_DEMOTE;
+    const char *reducers = getenv("PYRT_REDUCERS");
+    k.reducers = reducers != NULL && atoi(reducers) > 0 ? atoi(reducers) : 0;
     return k;
 }
 
@@ -654,7 +660,9 @@ static void task_block(void *p, int ith, int nth) {
     c->active[(size_t)ith * 8] += active;
     if (prof != NULL)
         prof[1] = now_ns();
-    const int n_ranges = nth > 1 ? nth - 1 : 1;
+    int n_ranges = nth > 1 ? nth - 1 : 1;
+    if (c->reducers > 0 && c->reducers < n_ranges)
+        n_ranges = c->reducers;
     const int range = atomic_fetch_add_explicit(c->next_slice, 1, memory_order_relaxed);
     if (range < n_ranges) {
         /* whole cache lines (16 floats) per range */
@@ -902,6 +910,7 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
         .item_min = kn.item_min,
         .reduce_pf = kn.reduce_pf,
         .demote = kn.demote,
+        .reducers = kn.reducers,
         .item_start = (int64_t *)(ws + off_istart),
         .next_item = (atomic_int *)(ws + off_next),
         .next_slice = (atomic_int *)(ws + off_next + 64),

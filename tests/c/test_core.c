@@ -467,10 +467,12 @@ static void test_moe_ffn_case(int FF) {
                 /* nor do the reduce's prefetch distance and cldemote of finished partial ys */
                 setenv("PYRT_REDUCE_PF", "5", 1);
                 setenv("PYRT_DEMOTE", "1", 1);
+                setenv("PYRT_REDUCERS", "1", 1);
                 rc = pyrt_moe_ffn(pool, gud, (size_t)E * FF * 3 * rb, fmt, E, FF, D, x, T, ids, tw,
                                   K, PYRT_ACT_SILU, (float)thr, y2, &active2);
                 unsetenv("PYRT_REDUCE_PF");
                 unsetenv("PYRT_DEMOTE");
+                unsetenv("PYRT_REDUCERS");
                 CHECK(rc == PYRT_OK && active2 == active &&
                           memcmp(y, y2, sizeof(float) * T * D) == 0,
                       "fmt %d thr %g nth %d: reduce knobs changed the result", fmt, thr, nth);
