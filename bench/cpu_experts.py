@@ -365,6 +365,12 @@ def main() -> None:
             args.rounds,
             bw,
         )
+        del layers
+        bw2, bw2_best = dram_read(core, args.read_gib, max(args.iters, 5))
+        print(
+            f"\nDRAM read again after the sweep: median {bw2:.2f} GB/s, best {bw2_best:.2f} GB/s "
+            f"(the tables use the first, {bw:.2f})"
+        )
         core.close()
         return
     print(

@@ -33,9 +33,6 @@ enum {
     DEFAULT_SPARSE_CHUNK = 32, /* neurons */
     MAX_ITEMS_PER_THREAD = 8, /* guided items come to ~6.2 per thread */
     REDUCE_PF_ITEMS = 2, /* reduce: items ahead whose part of the range is prefetched */
-    DEFAULT_DEMOTE = 0,    /* PYRT_DEMOTE */
-    DEFAULT_ITEM_DIV4 = 8, /* guided items: the rest / (DEFAULT_ITEM_DIV4 / 4 * nth) ... */
-    DEFAULT_ITEM_MIN = 16, /* ... at least total / (DEFAULT_ITEM_MIN * nth) */
     ITEMS_ACC_BYTES = 16 << 20, /* cap on the work items' partial ys together */
     SERIAL_QUANTIZE_MAX = 1 << 15 /* activations (tokens * n_embd) quantized without the pool */
 };
@@ -70,11 +67,6 @@ typedef struct {
     int n_items;            /* work items the block's neurons are cut into */
     int n_items_max;        /* room in acc and item_start */
     int items_per_thread;   /* > 0: that many equal items per thread; 0: guided sizes */
-    int item_div4;          /* guided: an item is the rest / (item_div4 / 4 * nth) ... */
-    int item_min;           /* ... but at least total / (item_min * nth) */
-    int reduce_pf;          /* reduce: items ahead whose part of the range is prefetched */
-    int demote;             /* 1: a finished item's partial y is pushed to the shared L3 */
-    int reducers;           /* > 0: at most that many ranges of y (the first threads out of items) */
     int64_t *item_start;    /* [n_items + 1] item i: costs [item_start[i], item_start[i+1]) */
     atomic_int *next_item;  /* next item to take (own cache line) */
     atomic_int *item_done;  /* [n_items_max] 1 once the item's partial y is complete */
@@ -95,12 +87,6 @@ typedef struct {
  * PYRT_PREFETCH_AHEAD=n   software-prefetch the rows of the neuron n ahead (default 2; 0: off).
  * PYRT_SPARSE_CHUNK=n     sparse: gates of n neurons (1..32, default 32) before their up/down rows.
  * PYRT_ITEMS=n            n equal work items per thread (default 0: guided sizes, see plan_items).
- * PYRT_ITEM_PLAN=d:m      guided sizes: rest / (d * nth), at least total / (m * nth) (default 2:16).
- * PYRT_REDUCE_PF=n        reduce: prefetch the range of the item n on (default REDUCE_PF_ITEMS).
- * PYRT_REDUCERS=n         y is reduced in min(n, nth - 1) ranges, by the first threads out of
- *                         items (default 0: nth - 1).
- * PYRT_DEMOTE=0|1         push a finished item's partial y out of the core's caches to the L3
- *                         (cldemote), where the reducers read it sooner than from another core.
  * PYRT_SPIN_US=n          (pool.c, read at pool creation) how long idle threads spin, default 300.
  * The result is the same bits under every setting. */
 typedef struct {
@@ -108,11 +94,6 @@ typedef struct {
     int prefetch_ahead;
     int items_per_thread;
     int sparse_chunk;
-    int item_div4;
-    int item_min;
-    int reduce_pf;
-    int demote;
-    int reducers;
 } knobs;
 
 /* Read on every call (a few getenv, well under a microsecond) so a benchmark can vary them. */
@@ -129,23 +110,6 @@ static knobs read_knobs(void) {
         k.items_per_thread = 0;
     if (k.prefetch_ahead < 0)
         k.prefetch_ahead = 0;
-    const char *plan = getenv("PYRT_ITEM_PLAN"), *rpf = getenv("PYRT_REDUCE_PF");
-    k.item_div4 = DEFAULT_ITEM_DIV4;
-    k.item_min = DEFAULT_ITEM_MIN;
-    if (plan != NULL) {
-        char *end;
-        const double d = strtod(plan, &end);
-        const int m = *end == ':' ? atoi(end + 1) : 0;
-        if (d >= 0.25 && d <= 64.0 && m >= 1 && m <= 1024) {
-            k.item_div4 = (int)(d * 4.0 + 0.5);
-            k.item_min = m;
-        }
-    }
-    k.reduce_pf = rpf != NULL && atoi(rpf) >= 0 ? atoi(rpf) : REDUCE_PF_ITEMS;
-    const char *demote = getenv("PYRT_DEMOTE");
-    k.demote = demote != NULL ? atoi(demote) != 0 : DEFAULT_DEMOTE;
-    const char *reducers = getenv("PYRT_REDUCERS");
-    k.reducers = reducers != NULL && atoi(reducers) > 0 ? atoi(reducers) : 0;
     return k;
 }
 
@@ -159,22 +123,40 @@ static int64_t now_ns(void) {
  * the profile is a debugging aid, so one set of sums for the process is enough). */
 static struct {
     int64_t calls, entry_ns, call_ns, task_ns, busy_max_ns, busy_mean_ns, start_max_ns, tail_ns,
-        reduce_ns, items;
+        reduce_ns, items, end_spread_ns, last_item_ns, last_item_fair_ns;
 } prof_sum;
 
-/* Per thread: prof[0] task start, prof[1] its last item done, prof[2] its reduce done. The
- * report's "reduce" is the last reduce done after the last item done; the rest of the tail is
- * the hand-back to the caller. */
+/* Per thread: prof[0] task start, prof[1] its last item done, prof[2] its reduce done, prof[3]
+ * the start of its last item, prof[4] that item (-1: none). The report's "reduce" is the last
+ * reduce done after the last item done; the rest of the tail is the hand-back to the caller.
+ * "items end spread": the last thread's items end minus the mean of the threads' ends; of the
+ * last thread, how long its last item took and how long that item's cost would take at the
+ * threads' mean rate (cost per busy ns): much longer means a stall in that item (preemption, a
+ * slow core), about equal means the item's size (granularity). */
 static void profile_block(const moe_ctx *c, int nth, int64_t t_run, int64_t t_run_end) {
     int64_t busy_max = 0, busy_sum = 0, start_max = 0, items_end = 0, reduce_end = 0;
+    int64_t end_sum = 0;
+    int last = 0;
     for (int t = 0; t < nth; t++) {
         const int64_t *pt = c->prof + (size_t)t * 8;
         busy_max = pt[1] - pt[0] > busy_max ? pt[1] - pt[0] : busy_max;
         busy_sum += pt[1] - pt[0];
         start_max = pt[0] - t_run > start_max ? pt[0] - t_run : start_max;
-        items_end = pt[1] > items_end ? pt[1] : items_end;
+        if (pt[1] > items_end) {
+            items_end = pt[1];
+            last = t;
+        }
+        end_sum += pt[1] - t_run;
         reduce_end = pt[2] > reduce_end ? pt[2] : reduce_end;
     }
+    const int64_t *pl = c->prof + (size_t)last * 8;
+    const int64_t total = c->item_start[c->n_items];
+    if (pl[4] >= 0 && total > 0) {
+        const int64_t cost = c->item_start[pl[4] + 1] - c->item_start[pl[4]];
+        prof_sum.last_item_ns += pl[1] - pl[3];
+        prof_sum.last_item_fair_ns += (int64_t)((double)busy_sum * (double)cost / (double)total);
+    }
+    prof_sum.end_spread_ns += (items_end - t_run) - end_sum / nth;
     prof_sum.task_ns += t_run_end - t_run;
     prof_sum.busy_max_ns += busy_max;
     prof_sum.busy_mean_ns += busy_sum / nth;
@@ -196,12 +178,15 @@ static void profile_call(int64_t entry_ns, int64_t call_ns, int n_report) {
     fprintf(stderr,
             "pyrt_moe_ffn profile (%lld calls, us/call): entry %.1f, call %.1f | task %.1f: "
             "slowest thread busy on items %.1f, mean %.1f, last thread start %.1f, after the "
-            "last item (barrier + reduce) %.1f, of which reduce %.1f | %.1f items/call\n",
+            "last item (barrier + reduce) %.1f, of which reduce %.1f | %.1f items/call | items "
+            "end spread (last - mean) %.1f; the last thread's last item took %.1f, %.1f at the "
+            "mean rate\n",
             (long long)prof_sum.calls, prof_sum.entry_ns / n, prof_sum.call_ns / n,
             prof_sum.task_ns / n,
             prof_sum.busy_max_ns / n, prof_sum.busy_mean_ns / n, prof_sum.start_max_ns / n,
             prof_sum.tail_ns / n, prof_sum.reduce_ns / n,
-            (double)prof_sum.items / (double)prof_sum.calls);
+            (double)prof_sum.items / (double)prof_sum.calls, prof_sum.end_spread_ns / n,
+            prof_sum.last_item_ns / n, prof_sum.last_item_fair_ns / n);
     memset(&prof_sum, 0, sizeof prof_sum);
 }
 
@@ -544,23 +529,7 @@ static void sparse_finish(const moe_ctx *c, sparse_chunk *ch, int prefetched, ga
     }
 }
 
-/* CLDEMOTE (x86: a hint that moves a cache line from this core's caches to the shared L3; in the
- * hint-NOP space, so a no-op on x86 processors without it). Elsewhere nothing. */
-static inline void demote_line(const void *p) {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    __asm__ volatile(".byte 0x0f, 0x1c, 0x07" : : "D"(p) : "memory"); /* cldemote (%rdi) */
-#else
-    (void)p;
-#endif
-}
-
 static inline void mark_item_done(const moe_ctx *c, int item) {
-    if (c->demote) { /* the reducers read this partial y next, from other cores */
-        const float *acc = c->acc + (size_t)item * c->acc_stride;
-        const size_t n = (size_t)c->tb * c->n_embd;
-        for (size_t i = 0; i < n; i += 16)
-            demote_line(acc + i);
-    }
     atomic_store_explicit(&c->item_done[item], 1, memory_order_release);
 }
 
@@ -647,22 +616,27 @@ static int64_t run_item(const moe_ctx *c, sparse_pipe *pp, int item) {
 static void task_block(void *p, int ith, int nth) {
     moe_ctx *c = p;
     int64_t *prof = c->prof != NULL ? c->prof + (size_t)ith * 8 : NULL;
-    if (prof != NULL)
-        prof[0] = now_ns();
+    if (prof != NULL) {
+        prof[0] = prof[3] = now_ns();
+        prof[4] = -1;
+    }
     sparse_pipe pp;
     pp.cur = 0;
     pp.prev = NULL;
     int64_t active = 0;
     for (int item; (item = atomic_fetch_add_explicit(c->next_item, 1, memory_order_relaxed)) <
-                   c->n_items;)
+                   c->n_items;) {
+        if (prof != NULL) {
+            prof[3] = now_ns();
+            prof[4] = item;
+        }
         active += run_item(c, &pp, item);
+    }
     sparse_pipe_flush(c, &pp, 0, -1, NULL);
     c->active[(size_t)ith * 8] += active;
     if (prof != NULL)
         prof[1] = now_ns();
-    int n_ranges = nth > 1 ? nth - 1 : 1;
-    if (c->reducers > 0 && c->reducers < n_ranges)
-        n_ranges = c->reducers;
+    const int n_ranges = nth > 1 ? nth - 1 : 1;
     const int range = atomic_fetch_add_explicit(c->next_slice, 1, memory_order_relaxed);
     if (range < n_ranges) {
         /* whole cache lines (16 floats) per range */
@@ -678,7 +652,7 @@ static void task_block(void *p, int ith, int nth) {
             /* The partial ys sit in the caches of the cores that made them: ask for the range of
              * an item REDUCE_PF_ITEMS on, if done, so the remote reads overlap (at the end of a
              * call every item is done and the sums are a chain of ~100 such reads). */
-            const int ahead = item + c->reduce_pf;
+            const int ahead = item + REDUCE_PF_ITEMS;
             if (ahead < c->n_items &&
                 atomic_load_explicit(&c->item_done[ahead], memory_order_relaxed))
                 prefetch_row((const uint8_t *)(c->acc + (size_t)ahead * c->acc_stride + lo),
@@ -708,12 +682,10 @@ static void plan_items(moe_ctx *c, int nth) {
         for (int i = 0; i <= n; i++)
             c->item_start[i] = total * i / n;
     } else {
-        const int64_t min_size = total / (c->item_min * (int64_t)nth) > 0
-                                     ? total / (c->item_min * (int64_t)nth)
-                                     : 1;
+        const int64_t min_size = total / (16 * (int64_t)nth) > 0 ? total / (16 * (int64_t)nth) : 1;
         int64_t lo = 0;
         while (lo < total && n < c->n_items_max - 1) {
-            int64_t size = (total - lo) * 4 / (c->item_div4 * (int64_t)nth);
+            int64_t size = (total - lo) / (2 * (int64_t)nth);
             size = size < min_size ? min_size : size;
             c->item_start[n++] = lo;
             lo = lo + size < total ? lo + size : total;
@@ -906,11 +878,6 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
         .acc_stride = acc_stride,
         .n_items_max = (int)n_items_max,
         .items_per_thread = kn.items_per_thread,
-        .item_div4 = kn.item_div4,
-        .item_min = kn.item_min,
-        .reduce_pf = kn.reduce_pf,
-        .demote = kn.demote,
-        .reducers = kn.reducers,
         .item_start = (int64_t *)(ws + off_istart),
         .next_item = (atomic_int *)(ws + off_next),
         .next_slice = (atomic_int *)(ws + off_next + 64),

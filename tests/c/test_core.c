@@ -464,33 +464,6 @@ static void test_moe_ffn_case(int FF) {
                 CHECK(rc == PYRT_OK && active2 == active &&
                           memcmp(y, y2, sizeof(float) * T * D) == 0,
                       "fmt %d thr %g nth %d: prefetch knobs changed the result", fmt, thr, nth);
-                /* nor do the reduce's prefetch distance and cldemote of finished partial ys */
-                setenv("PYRT_REDUCE_PF", "5", 1);
-                setenv("PYRT_DEMOTE", "1", 1);
-                setenv("PYRT_REDUCERS", "1", 1);
-                rc = pyrt_moe_ffn(pool, gud, (size_t)E * FF * 3 * rb, fmt, E, FF, D, x, T, ids, tw,
-                                  K, PYRT_ACT_SILU, (float)thr, y2, &active2);
-                unsetenv("PYRT_REDUCE_PF");
-                unsetenv("PYRT_DEMOTE");
-                unsetenv("PYRT_REDUCERS");
-                CHECK(rc == PYRT_OK && active2 == active &&
-                          memcmp(y, y2, sizeof(float) * T * D) == 0,
-                      "fmt %d thr %g nth %d: reduce knobs changed the result", fmt, thr, nth);
-                /* other item sizes sum in another order: the same active neurons, y within the
-                 * tolerance */
-                for (int plan_i = 0; plan_i < 2; plan_i++) {
-                    setenv("PYRT_ITEM_PLAN", plan_i == 0 ? "1:64" : "1.5:7", 1);
-                    rc = pyrt_moe_ffn(pool, gud, (size_t)E * FF * 3 * rb, fmt, E, FF, D, x, T, ids,
-                                      tw, K, PYRT_ACT_SILU, (float)thr, y2, &active2);
-                    unsetenv("PYRT_ITEM_PLAN");
-                    CHECK(rc == PYRT_OK && active2 == active, "fmt %d: item plan %d", fmt, plan_i);
-                    for (int i = 0; i < T * D && near == 0; i++)
-                        if (fabs(y2[i] - yref[i]) > 1e-4 * yabs[i] + 1e-6) {
-                            CHECK(0, "item plan %d fmt %d thr %g nth %d y[%d] = %.7g vs %.7g",
-                                  plan_i, fmt, thr, nth, i, y2[i], yref[i]);
-                            break;
-                        }
-                }
                 pyrt_pool_free(pool);
             }
         }
