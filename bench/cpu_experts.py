@@ -21,8 +21,13 @@ combination in turn for --rounds rounds (so drift hits all alike), median of the
 The knob SIMD is the SIMD level (cpu_core.force_simd), e.g. --sweep SIMD=avx2,avx512. The knob LIB
 is a libpyrt build (path), so two builds are timed against each other in one process, interleaved,
 e.g. --sweep LIB=/tmp/old/libpyrt.so,/tmp/new/libpyrt.so (each gets its own pool; see Libraries).
-With PYRT_PROFILE=n among the knobs (n = --iters + 3, one report per cell), each cell's label goes
-to stderr before the kernel's profile report of it.
+With PYRT_PROFILE=n among the knobs (n = 2 * --iters + 3, one report per cell), each cell's label
+goes to stderr before the kernel's profile report of it.
+
+Every cell alternates calls through the Python wrapper (CpuCore.moe_ffn) with bare cffi calls whose
+pointers were made beforehand, --iters timed calls of each: the tables give both, the bare call
+being the kernel alone (the target of issue 3 is about the kernel; the wrapper adds tens of us on
+the 16-core device, where the call has streamed the interpreter's lines out of the caches).
 """
 
 from __future__ import annotations
@@ -134,15 +139,17 @@ class Libraries:
 
 def sweep(core, layers, fmt, shape, batches, sparsities, iters, knobs, rounds, bw):
     """Every combination of knob values (dict name -> list of strings), interleaved over rounds;
-    prints ms per call (median of the rounds' medians) and dense % of DRAM read / sparse speedup."""
+    prints ms per call (median of the rounds' medians) and dense % of DRAM read / sparse speedup,
+    first through the Python wrapper, then of the bare C call (the kernel alone), each with its
+    spread."""
     n_embd, n_ff, _, _ = shape
     thresholds = act_quantiles(layers[0], fmt, n_ff, n_embd, sparsities)
     names = list(knobs)
     combos = list(itertools.product(*(knobs[n] for n in names)))
     saved = {n: os.environ.get(n) for n in names if n not in ("SIMD", "LIB")}
     libs = Libraries(core.threads) if "LIB" in names else None
-    ms: dict[tuple, list[float]] = {}
-    gbs: dict[tuple, list[float]] = {}
+    ms: dict[str, dict[tuple, list[float]]] = {"": {}, "bare_": {}}
+    gbs: dict[str, dict[tuple, list[float]]] = {"": {}, "bare_": {}}
     for _ in range(rounds):
         for combo in combos:
             setting = dict(zip(names, combo, strict=True))
@@ -156,8 +163,9 @@ def sweep(core, layers, fmt, shape, batches, sparsities, iters, knobs, rounds, b
                     if os.environ.get("PYRT_PROFILE"):  # its report of this cell follows
                         print(f"profile cell: {combo} b{batch} s{s}", file=sys.stderr, flush=True)
                     r = bench_layer(core, layers, fmt, shape, batch, thresholds[s], iters)
-                    ms.setdefault((combo, batch, s), []).append(r["ms"])
-                    gbs.setdefault((combo, batch, s), []).append(r["gbs"])
+                    for m in ms:
+                        ms[m].setdefault((combo, batch, s), []).append(r[m + "ms"])
+                        gbs[m].setdefault((combo, batch, s), []).append(r[m + "gbs"])
     if libs is not None:
         for path in libs.cores:  # each build back to its best level
             libs.use(path)
@@ -170,6 +178,13 @@ def sweep(core, layers, fmt, shape, batches, sparsities, iters, knobs, rounds, b
         else:
             os.environ[n] = v
     cols = [(b, s) for b in batches for s in sparsities]
+    for m, what in (("", "through the Python wrapper"), ("bare_", "bare C call (kernel alone)")):
+        print(f"\n{what}:")
+        print_table(names, combos, cols, ms[m], gbs[m], bw, 0.0 in sparsities)
+        print_spread(names, combos, cols, ms[m])
+
+
+def print_table(names, combos, cols, ms, gbs, bw, has_dense):
     head = " | ".join(f"b{b} s{s:.1f} ms" for b, s in cols)
     print(f"\n| {' | '.join(names)} | {head} |")
     print("|" + "---|" * (len(names) + len(cols)))
@@ -181,10 +196,9 @@ def sweep(core, layers, fmt, shape, batches, sparsities, iters, knobs, rounds, b
                 g = statistics.median(gbs[(combo, b, s)])
                 cells.append(f"{m:.3f} ({100 * g / bw:.0f}%)")
             else:
-                dense = statistics.median(ms[(combo, b, 0.0)]) if 0.0 in sparsities else None
+                dense = statistics.median(ms[(combo, b, 0.0)]) if has_dense else None
                 cells.append(f"{m:.3f}" + (f" ({dense / m:.2f}x)" if dense else ""))
         print(f"| {' | '.join(combo)} | {' | '.join(cells)} |", flush=True)
-    print_spread(names, combos, cols, ms)
 
 
 def print_spread(names, combos, cols, ms):
@@ -211,12 +225,15 @@ def print_spread(names, combos, cols, ms):
 
 def bench_layer(core, layers, fmt, shape, batch, threshold, iters, seed=3):
     """Back-to-back calls, each on the next layer copy with fresh random routing (inputs made
-    beforehand, so the pool's threads stay awake: this is kernel throughput, see wake_up_us)."""
+    beforehand, so the pool's threads stay awake: this is kernel throughput, see wake_up_us).
+    Calls alternate between CpuCore.moe_ffn (the Python wrapper: argument checks, a new output
+    tensor, cffi casts) and the bare cffi call with every pointer made beforehand (the kernel
+    alone, ~1 us of cffi on top), `iters` timed calls of each after 3 warm-up calls."""
     n_embd, n_ff, n_expert, k = shape
     rb = cpu_core.row_bytes(FMTS[fmt], n_embd)
     gen = torch.Generator().manual_seed(seed)
     calls = []
-    for _ in range(iters + 3):
+    for _ in range(2 * iters + 3):
         ids = torch.stack([torch.randperm(n_expert, generator=gen)[:k] for _ in range(batch)])
         calls.append(
             (
@@ -225,26 +242,56 @@ def bench_layer(core, layers, fmt, shape, batch, threshold, iters, seed=3):
                 torch.randn(batch, n_embd, generator=gen),
             )
         )
-    times, bytes_read, actives = [], [], []
-    for it, (ids, w, x) in enumerate(calls):
-        gud = layers[it % len(layers)]
-        t = time.perf_counter()
-        _, n_active = core.moe_ffn(
-            gud, FMTS[fmt], n_expert, n_ff, n_embd, x, ids, w, threshold=threshold
+    ffi, lib = cpu_core._ffi, core._lib
+    y = torch.empty(batch, n_embd)
+    y_p, n_active_p = ffi.cast("float *", y.data_ptr()), ffi.new("int64_t *")
+    bufs = [ffi.from_buffer(g) for g in layers]
+    bare_args = [
+        (
+            ffi.cast("const float *", x.data_ptr()),
+            ffi.cast("const int32_t *", ids.data_ptr()),
+            ffi.cast("const float *", w.data_ptr()),
         )
-        dt = time.perf_counter() - t
+        for ids, w, x in calls
+    ]
+    samples = {"wrapper": ([], [], []), "bare": ([], [], [])}  # times, bytes, actives
+    for it, (ids, w, x) in enumerate(calls):
+        g = it % len(layers)
+        gud = layers[g]
+        if it % 2 == 0:
+            mode = "wrapper"
+            t = time.perf_counter()
+            _, n_active = core.moe_ffn(
+                gud, FMTS[fmt], n_expert, n_ff, n_embd, x, ids, w, threshold=threshold
+            )
+            dt = time.perf_counter() - t
+        else:
+            mode = "bare"
+            x_p, ids_p, w_p = bare_args[it]
+            t = time.perf_counter()
+            rc = lib.pyrt_moe_ffn(
+                core._pool, bufs[g], gud.nbytes, FMTS[fmt], n_expert, n_ff, n_embd, x_p, batch,
+                ids_p, w_p, k, 0, threshold, y_p, n_active_p,
+            )  # fmt: skip
+            dt = time.perf_counter() - t
+            assert rc == 0, ffi.string(lib.pyrt_last_error())
+            n_active = int(n_active_p[0])
         if it < 3:
             continue  # warm-up
         n_unique = len(set(ids.flatten().tolist()))
         up_down = n_unique * n_ff if threshold == 0.0 else n_active
+        times, bytes_read, actives = samples[mode]
         times.append(dt)
         bytes_read.append((n_unique * n_ff + 2 * up_down) * rb)
         actives.append(n_active)
-    return {
-        "ms": statistics.median(times) * 1e3,
-        "gbs": statistics.median(b / t for b, t in zip(bytes_read, times, strict=True)) / 1e9,
-        "sparsity": 1 - statistics.mean(actives) / (batch * k * n_ff),
-    }
+    out = {}
+    for mode, prefix in (("wrapper", ""), ("bare", "bare_")):
+        times, bytes_read, actives = samples[mode]
+        out[prefix + "ms"] = statistics.median(times) * 1e3
+        rates = (b / t for b, t in zip(bytes_read, times, strict=True))
+        out[prefix + "gbs"] = statistics.median(rates) / 1e9
+        out[prefix + "sparsity"] = 1 - statistics.mean(actives) / (batch * k * n_ff)
+    return out
 
 
 def wake_up_us(core: cpu_core.CpuCore, iters: int = 20) -> tuple[float, float]:
@@ -318,13 +365,19 @@ def main() -> None:
             args.rounds,
             bw,
         )
+        del layers
+        bw2, bw2_best = dram_read(core, args.read_gib, max(args.iters, 5))
+        print(
+            f"\nDRAM read again after the sweep: median {bw2:.2f} GB/s, best {bw2_best:.2f} GB/s "
+            f"(the tables use the first, {bw:.2f})"
+        )
         core.close()
         return
     print(
         "| shape | fmt | batch | target sparsity | achieved | ms/call | GB/s | % of DRAM read "
-        "| speedup vs dense |"
+        "| speedup vs dense | kernel ms/call | kernel GB/s | kernel % of DRAM read |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.shapes:
         shape = SHAPES[name]
         n_embd, n_ff, n_expert, _ = shape
@@ -341,7 +394,8 @@ def main() -> None:
                     print(
                         f"| {name} | {fmt} | {batch} | {s:.1f} | {r['sparsity']:.3f} "
                         f"| {r['ms']:.2f} | {r['gbs']:.2f} | {100 * r['gbs'] / bw:.0f}% "
-                        f"| {speedup} |",
+                        f"| {speedup} | {r['bare_ms']:.2f} | {r['bare_gbs']:.2f} "
+                        f"| {100 * r['bare_gbs'] / bw:.0f}% |",
                         flush=True,
                     )
             del first, layers

@@ -1,5 +1,6 @@
-"""What the Python wrapper adds to a pyrt_moe_ffn call: CpuCore.moe_ffn against the bare cffi
-call with every pointer made beforehand (the floor). One process, variants interleaved per
+"""What the Python wrapper adds to a pyrt_moe_ffn call: CpuCore.moe_ffn (with a new output tensor
+per call, and with out= reusing one) against the bare cffi call with every pointer made beforehand
+(the floor). One process, variants interleaved per
 round, each round `--calls` back-to-back calls per variant on layer copies cycled from DRAM,
 fresh random routing per call (as bench/cpu_experts.py); prints median us per call. (Its first
 version, bench/cpu16_overhead.py at commit 9bcc102, also timed a copy of the wrapper as it was
@@ -65,6 +66,10 @@ def main() -> None:
         ids, w, x = inputs[i]
         core.moe_ffn(layers[g], fmt, n_expert, n_ff, n_embd, x, ids, w)
 
+    def run_out(i, g):
+        ids, w, x = inputs[i]
+        core.moe_ffn(layers[g], fmt, n_expert, n_ff, n_embd, x, ids, w, out=y)
+
     def run_raw(i, g):
         xp, ip, wp = raw_args[i]
         lib.pyrt_moe_ffn(
@@ -72,7 +77,11 @@ def main() -> None:
             k, 0, 0.0, yp, n_active,
         )  # fmt: skip
 
-    variants = {"CpuCore.moe_ffn": run_new, "bare cffi call": run_raw}
+    variants = {
+        "CpuCore.moe_ffn": run_new,
+        "moe_ffn(out=y)": run_out,
+        "bare cffi call": run_raw,
+    }
     times: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(args.rounds):
         for name, fn in variants.items():

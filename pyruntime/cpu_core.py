@@ -252,6 +252,7 @@ class CpuCore:
         topk_w: torch.Tensor,
         activation: str = "silu",
         threshold: float | None = None,
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, int]:
         """Routed experts of one layer: y[t] = sum_k topk_w[t, k] * expert_{topk_ids[t, k]}(x[t]).
 
@@ -260,8 +261,10 @@ class CpuCore:
         fmt: ggml type number (0 F32, 1 F16, 30 BF16, 8 Q8_0, 2 Q4_0).
         x: [T, n_embd] float32; topk_ids: [T, K] int32/int64; topk_w: [T, K] float32.
         threshold: None or 0 = dense; > 0 = a neuron whose |act(gate . x)| < threshold is skipped.
+        out: None, or a contiguous float32 CPU tensor [T, n_embd] that receives y (overwritten, not
+        added to), so a caller that calls per token reuses one buffer instead of a new tensor.
         Returns (y [T, n_embd] float32, n_active): n_active counts the neurons computed, summed over
-        the T*K (token, expert) pairs (T*K*n_ff when dense).
+        the T*K (token, expert) pairs (T*K*n_ff when dense); y is `out` when given.
         """
         if self._pool is None:
             raise CoreError("CpuCore is closed: create a new one")
@@ -280,7 +283,21 @@ class CpuCore:
                 f"shape mismatch: x {tuple(x.shape)} should be ({n_tokens}, {n_embd}) and topk_w "
                 f"{tuple(topk_w.shape)} should equal topk_ids {tuple(topk_ids.shape)}"
             )
-        y = torch.empty((n_tokens, n_embd), dtype=torch.float32)
+        if out is None:
+            y = torch.empty((n_tokens, n_embd), dtype=torch.float32)
+        else:
+            y = out
+            if not (
+                type(y) is torch.Tensor
+                and y.dtype is torch.float32
+                and y.is_cpu
+                and y.shape == (n_tokens, n_embd)
+                and y.is_contiguous()
+            ):
+                raise CoreError(
+                    f"out must be a contiguous float32 CPU tensor of shape ({n_tokens}, {n_embd}), "
+                    f"got {_describe(y)}"
+                )
         if n_tokens == 0:
             return y, 0
         n_active = _ffi.new(_P_INT64)
@@ -358,6 +375,13 @@ class CpuCore:
         data = _ffi.from_buffer(buf)
         _check(self._lib.pyrt_mem_read(self._pool, data, buf.nbytes, checksum), "pyrt_mem_read")
         return int(checksum[0])
+
+
+def _describe(t: object) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    kind = "contiguous" if t.is_contiguous() else "non-contiguous"
+    return f"a {kind} {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
 
 
 def _as_cpu(t: torch.Tensor, dtype: torch.dtype, name: str, ndim: int) -> torch.Tensor:

@@ -264,6 +264,25 @@ def test_reads_a_gguf_reader_tensor_in_place(cc, tmp_path):
     assert_within(y, ref, bound, "from GGUFReader")
 
 
+def test_out_receives_y(cc):
+    """out=: y is written into the caller's tensor (same bits as a fresh one); a tensor of the
+    wrong shape, dtype or layout is refused."""
+    raw, _, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case("Q8_0", 3, seed=5)
+    with cc.CpuCore(2) as core:
+        y, n = core.moe_ffn(raw, Q.Q8_0, n_expert, n_ff, n_embd, x, ids, topk_w)
+        out = torch.full((3, n_embd), float("nan"))
+        y2, n2 = core.moe_ffn(raw, Q.Q8_0, n_expert, n_ff, n_embd, x, ids, topk_w, out=out)
+        assert y2 is out and n2 == n and torch.equal(out, y)
+        bad = [
+            torch.empty(2, n_embd),
+            torch.empty(3, n_embd, dtype=torch.float64),
+            torch.empty(n_embd, 3).t(),
+        ]
+        for b in bad:
+            with pytest.raises(cc.CoreError, match="out must be"):
+                core.moe_ffn(raw, Q.Q8_0, n_expert, n_ff, n_embd, x, ids, topk_w, out=b)
+
+
 def test_zero_tokens(cc):
     raw, _, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case("F32", 1, seed=1)
     with cc.CpuCore(1) as core:

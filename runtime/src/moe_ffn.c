@@ -123,22 +123,40 @@ static int64_t now_ns(void) {
  * the profile is a debugging aid, so one set of sums for the process is enough). */
 static struct {
     int64_t calls, entry_ns, call_ns, task_ns, busy_max_ns, busy_mean_ns, start_max_ns, tail_ns,
-        reduce_ns, items;
+        reduce_ns, items, end_spread_ns, last_item_ns, last_item_fair_ns;
 } prof_sum;
 
-/* Per thread: prof[0] task start, prof[1] its last item done, prof[2] its reduce done. The
- * report's "reduce" is the last reduce done after the last item done; the rest of the tail is
- * the hand-back to the caller. */
+/* Per thread: prof[0] task start, prof[1] its last item done, prof[2] its reduce done, prof[3]
+ * the start of its last item, prof[4] that item (-1: none). The report's "reduce" is the last
+ * reduce done after the last item done; the rest of the tail is the hand-back to the caller.
+ * "items end spread": the last thread's items end minus the mean of the threads' ends; of the
+ * last thread, how long its last item took and how long that item's cost would take at the
+ * threads' mean rate (cost per busy ns): much longer means a stall in that item (preemption, a
+ * slow core), about equal means the item's size (granularity). */
 static void profile_block(const moe_ctx *c, int nth, int64_t t_run, int64_t t_run_end) {
     int64_t busy_max = 0, busy_sum = 0, start_max = 0, items_end = 0, reduce_end = 0;
+    int64_t end_sum = 0;
+    int last = 0;
     for (int t = 0; t < nth; t++) {
         const int64_t *pt = c->prof + (size_t)t * 8;
         busy_max = pt[1] - pt[0] > busy_max ? pt[1] - pt[0] : busy_max;
         busy_sum += pt[1] - pt[0];
         start_max = pt[0] - t_run > start_max ? pt[0] - t_run : start_max;
-        items_end = pt[1] > items_end ? pt[1] : items_end;
+        if (pt[1] > items_end) {
+            items_end = pt[1];
+            last = t;
+        }
+        end_sum += pt[1] - t_run;
         reduce_end = pt[2] > reduce_end ? pt[2] : reduce_end;
     }
+    const int64_t *pl = c->prof + (size_t)last * 8;
+    const int64_t total = c->item_start[c->n_items];
+    if (pl[4] >= 0 && total > 0) {
+        const int64_t cost = c->item_start[pl[4] + 1] - c->item_start[pl[4]];
+        prof_sum.last_item_ns += pl[1] - pl[3];
+        prof_sum.last_item_fair_ns += (int64_t)((double)busy_sum * (double)cost / (double)total);
+    }
+    prof_sum.end_spread_ns += (items_end - t_run) - end_sum / nth;
     prof_sum.task_ns += t_run_end - t_run;
     prof_sum.busy_max_ns += busy_max;
     prof_sum.busy_mean_ns += busy_sum / nth;
@@ -160,12 +178,15 @@ static void profile_call(int64_t entry_ns, int64_t call_ns, int n_report) {
     fprintf(stderr,
             "pyrt_moe_ffn profile (%lld calls, us/call): entry %.1f, call %.1f | task %.1f: "
             "slowest thread busy on items %.1f, mean %.1f, last thread start %.1f, after the "
-            "last item (barrier + reduce) %.1f, of which reduce %.1f | %.1f items/call\n",
+            "last item (barrier + reduce) %.1f, of which reduce %.1f | %.1f items/call | items "
+            "end spread (last - mean) %.1f; the last thread's last item took %.1f, %.1f at the "
+            "mean rate\n",
             (long long)prof_sum.calls, prof_sum.entry_ns / n, prof_sum.call_ns / n,
             prof_sum.task_ns / n,
             prof_sum.busy_max_ns / n, prof_sum.busy_mean_ns / n, prof_sum.start_max_ns / n,
             prof_sum.tail_ns / n, prof_sum.reduce_ns / n,
-            (double)prof_sum.items / (double)prof_sum.calls);
+            (double)prof_sum.items / (double)prof_sum.calls, prof_sum.end_spread_ns / n,
+            prof_sum.last_item_ns / n, prof_sum.last_item_fair_ns / n);
     memset(&prof_sum, 0, sizeof prof_sum);
 }
 
@@ -595,15 +616,22 @@ static int64_t run_item(const moe_ctx *c, sparse_pipe *pp, int item) {
 static void task_block(void *p, int ith, int nth) {
     moe_ctx *c = p;
     int64_t *prof = c->prof != NULL ? c->prof + (size_t)ith * 8 : NULL;
-    if (prof != NULL)
-        prof[0] = now_ns();
+    if (prof != NULL) {
+        prof[0] = prof[3] = now_ns();
+        prof[4] = -1;
+    }
     sparse_pipe pp;
     pp.cur = 0;
     pp.prev = NULL;
     int64_t active = 0;
     for (int item; (item = atomic_fetch_add_explicit(c->next_item, 1, memory_order_relaxed)) <
-                   c->n_items;)
+                   c->n_items;) {
+        if (prof != NULL) {
+            prof[3] = now_ns();
+            prof[4] = item;
+        }
         active += run_item(c, &pp, item);
+    }
     sparse_pipe_flush(c, &pp, 0, -1, NULL);
     c->active[(size_t)ith * 8] += active;
     if (prof != NULL)
