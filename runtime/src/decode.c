@@ -339,6 +339,23 @@ typedef struct {
     char pad[60];
 } attn_ctx;
 
+/* The KV cache of a layer was written one position per step and has left every cache since
+ * (a step streams ~460 MB of weights): a head's keys and values come from DRAM, and walked one
+ * 256-byte row per dot they are latency-bound (the hardware prefetcher ramps up per head).
+ * So the key pass prefetches keys KV_AHEAD rows ahead and, beside them, the values of the same
+ * position into L2 (the first KV_V_MAX positions: a long context's values would not fit). */
+enum { KV_AHEAD = 16, KV_V_MAX = 2048 };
+
+static inline void prefetch_kv(const float *p, size_t bytes, int l2) {
+    const char *c = (const char *)p;
+    for (size_t off = 0; off < bytes; off += 64) {
+        if (l2)
+            __builtin_prefetch(c + off, 0, 2);
+        else
+            __builtin_prefetch(c + off, 0, 3);
+    }
+}
+
 /* One query head per work item: scores over the cached positions, softmax, weighted sum of V. */
 static void task_attention(void *p, int ith, int nth) {
     (void)ith;
@@ -354,8 +371,16 @@ static void task_attention(void *p, int ith, int nth) {
         const float *vals = c->vc + (size_t)kvh * c->cap * hd;
         float *s = d->scores + (size_t)h * d->scores_cap;
         float *out = d->att + (size_t)h * hd;
-        for (int t = 0; t < c->n_pos; t++)
+        const size_t row = (size_t)hd * sizeof(float);
+        for (int t = 0; t < c->n_pos && t < KV_AHEAD; t++)
+            prefetch_kv(keys + (size_t)t * hd, row, 0);
+        for (int t = 0; t < c->n_pos; t++) {
+            if (t + KV_AHEAD < c->n_pos)
+                prefetch_kv(keys + (size_t)(t + KV_AHEAD) * hd, row, 0);
+            if (t < KV_V_MAX)
+                prefetch_kv(vals + (size_t)t * hd, row, 1);
             s[t] = f32->dot(keys + (size_t)t * hd, q, hd) * c->scale;
+        }
         softmax(s, c->n_pos);
         memset(out, 0, (size_t)hd * sizeof *out);
         for (int t = 0; t < c->n_pos; t++)
