@@ -116,6 +116,12 @@ static inline void pyrt_pf_end(pyrt_pf_spread *s) {
 const pyrt_row_ops *pyrt_row_ops_scalar(int fmt);
 const pyrt_row_ops *pyrt_row_ops_avx2(int fmt);
 const pyrt_row_ops *pyrt_row_ops_avx512(int fmt);
+/* The AVX-512 level's kernels with the Q8_0 dots on AVX512_VNNI (the same bits as
+ * pyrt_row_ops_avx512); call only where the CPU has it (pyrt_cpu_has_vnni). */
+const pyrt_row_ops *pyrt_row_ops_avx512_vnni(int fmt);
+/* 1 when the CPU has AVX512_VNNI and PYRT_VNNI is not 0 (read once): the AVX-512 level then
+ * uses pyrt_row_ops_avx512_vnni. */
+int pyrt_cpu_has_vnni(void);
 /* Level `level`'s kernels (cpu.c); NULL for an unknown level or format. */
 const pyrt_row_ops *pyrt_row_ops_at(int level, int fmt);
 /* The active level's kernels (cpu.c). */
