@@ -234,6 +234,12 @@ void pyrt_pool_plan_prefetch(pyrt_pool *pool, const pyrt_pf_plan *plan);
 /* Inside a task (thread ith): one step (a few lines) of this task's plan for ith; returns 0 once
  * ith's home is done (or there is no plan), so a spin-wait can prefetch instead of pausing. */
 int pyrt_pool_idle_prefetch(pyrt_pool *pool, int ith);
+/* The same with `lines` cache lines per step: a busy task paces the plan's
+ * prefetch by its own work (the expert kernel, a few lines per neuron), so the next task's rows
+ * stream in while the DRAM still has room, not only once the thread is out of work. */
+int pyrt_pool_plan_step(pyrt_pool *pool, int ith, int lines);
+/* Bytes of thread ith's home in the plan of the task running now (0: no plan or no home). */
+int64_t pyrt_pool_plan_home_bytes(pyrt_pool *pool, int ith);
 
 /* Scratch memory owned by the pool (64-byte aligned, grown on demand, kept between calls); NULL
  * when out of memory. Valid while the caller holds the pool and until the next workspace call. */
