@@ -42,8 +42,14 @@ struct pyrt_decoder {
     float *router;               /* [n_expert] router logits, then probabilities */
     int32_t *ids;                /* [n_expert_used] */
     float *topw;                 /* [n_expert_used] */
+    atomic_int *rows_done;       /* [n_head + 2 n_head_kv] fused q/k/v + attention: rows of each
+                                    q head, then k head, then v head computed (of head_dim) */
+    atomic_int *kv_ready;        /* [n_head_kv] 1 once head kvh's k is normed and roped, and k, v
+                                    are in the cache */
     float *scores;               /* [n_head, scores_cap] attention probabilities */
     size_t scores_cap;           /* positions per head in scores */
+    int fuse_attention;          /* q/k/v + attention in one task where the norms allow
+                                    (PYRT_FUSE_ATTN at creation, default 1; 0: never) */
     int64_t times[4];            /* see pyrt_decoder_times */
     atomic_flag busy;            /* set during a step: the scratch above is not shareable */
 };
@@ -199,12 +205,17 @@ int pyrt_decoder_create(const pyrt_model_weights *w, pyrt_decoder **out) {
     d->router = malloc((size_t)w->n_expert * f);
     d->ids = malloc((size_t)w->n_expert_used * sizeof(int32_t));
     d->topw = malloc((size_t)w->n_expert_used * f);
+    d->rows_done = malloc(((size_t)w->n_head + 2 * (size_t)w->n_head_kv) * sizeof(atomic_int));
+    d->kv_ready = malloc((size_t)w->n_head_kv * sizeof(atomic_int));
     if (!d->blocks || !d->x || !d->xn || !d->xq || !d->q || !d->k || !d->v || !d->att || !d->y ||
-        !d->ys || !d->gate || !d->up || !d->router || !d->ids || !d->topw) {
+        !d->ys || !d->gate || !d->up || !d->router || !d->ids || !d->topw || !d->rows_done ||
+        !d->kv_ready) {
         pyrt_decoder_free(d);
         return pyrt_fail(PYRT_E_NOMEM, "pyrt_decoder_create: out of memory");
     }
     memcpy(d->blocks, w->blocks, (size_t)w->n_layer * sizeof *d->blocks);
+    const char *fuse = getenv("PYRT_FUSE_ATTN");
+    d->fuse_attention = fuse == NULL || atoi(fuse) != 0;
     d->w.blocks = d->blocks;
     atomic_flag_clear(&d->busy);
     *out = d;
@@ -229,6 +240,8 @@ void pyrt_decoder_free(pyrt_decoder *d) {
     free(d->router);
     free(d->ids);
     free(d->topw);
+    free(d->rows_done);
+    free(d->kv_ready);
     free(d->scores);
     free(d);
 }
@@ -309,10 +322,10 @@ static void route(float *p, int n_expert, int k, int renorm, int32_t *ids, float
 
 /* ---- pool tasks ---------------------------------------------------------------------------- */
 
-/* y = x W^T for the job's matrices: quantizes x (n elements) once when some matrix needs Q8
- * blocks, then one pool task. */
-static void run_matvec(pyrt_decoder *d, pyrt_pool *pool, pyrt_mv_job *job, const float *x,
-                       int n) {
+/* Readies a matvec job over x (n elements) for the pool: quantizes x once when some matrix
+ * needs Q8 blocks, sets the chunking. */
+static void matvec_setup(pyrt_decoder *d, pyrt_pool *pool, pyrt_mv_job *job, const float *x,
+                         int n) {
     int blocked = 0;
     for (int i = 0; i < job->n_mats; i++)
         blocked |= pyrt_fmt_is_blocked(job->out[i].m->fmt);
@@ -326,6 +339,12 @@ static void run_matvec(pyrt_decoder *d, pyrt_pool *pool, pyrt_mv_job *job, const
     if (job->div == 0.0f)
         job->div = 1.0f;
     pyrt_mv_job_prepare(job, pyrt_pool_threads(pool));
+}
+
+/* y = x W^T for the job's matrices, as one pool task. */
+static void run_matvec(pyrt_decoder *d, pyrt_pool *pool, pyrt_mv_job *job, const float *x,
+                       int n) {
+    matvec_setup(d, pool, job, x, n);
     pyrt_pool_run(pool, pyrt_mv_task, job);
 }
 
@@ -356,35 +375,108 @@ static inline void prefetch_kv(const float *p, size_t bytes, int l2) {
     }
 }
 
-/* One query head per work item: scores over the cached positions, softmax, weighted sum of V. */
+/* Query head h: scores over the cached positions, softmax, weighted sum of V. */
+static void attend_head(const attn_ctx *c, int h) {
+    const pyrt_decoder *d = c->d;
+    const int hd = d->w.head_dim, kvh = h / (d->w.n_head / d->w.n_head_kv);
+    const pyrt_row_ops *f32 = pyrt_row_ops_active(PYRT_FMT_F32);
+    const float *q = d->q + (size_t)h * hd;
+    const float *keys = c->kc + (size_t)kvh * c->cap * hd;
+    const float *vals = c->vc + (size_t)kvh * c->cap * hd;
+    float *s = d->scores + (size_t)h * d->scores_cap;
+    float *out = d->att + (size_t)h * hd;
+    const size_t row = (size_t)hd * sizeof(float);
+    for (int t = 0; t < c->n_pos && t < KV_AHEAD; t++)
+        prefetch_kv(keys + (size_t)t * hd, row, 0);
+    for (int t = 0; t < c->n_pos; t++) {
+        if (t + KV_AHEAD < c->n_pos)
+            prefetch_kv(keys + (size_t)(t + KV_AHEAD) * hd, row, 0);
+        if (t < KV_V_MAX)
+            prefetch_kv(vals + (size_t)t * hd, row, 1);
+        s[t] = f32->dot(keys + (size_t)t * hd, q, hd) * c->scale;
+    }
+    softmax(s, c->n_pos);
+    memset(out, 0, (size_t)hd * sizeof *out);
+    for (int t = 0; t < c->n_pos; t++)
+        f32->axpy(s[t], vals + (size_t)t * hd, out, hd);
+}
+
+/* One query head per work item (q, k, v normed and roped, k and v in the cache). */
 static void task_attention(void *p, int ith, int nth) {
     (void)ith;
     (void)nth;
     attn_ctx *c = p;
-    const pyrt_decoder *d = c->d;
-    const int hd = d->w.head_dim, group = d->w.n_head / d->w.n_head_kv;
-    const pyrt_row_ops *f32 = pyrt_row_ops_active(PYRT_FMT_F32);
-    for (int h; (h = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed)) < d->w.n_head;) {
+    for (int h; (h = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed)) <
+                c->d->w.n_head;)
+        attend_head(c, h);
+}
+
+/* ---- q/k/v and attention in one pool task --------------------------------------------------
+ * Where the q/k norms are per head (or absent), a head's attention needs only its own q rows
+ * and its kv head's k and v rows, so it need not wait for the whole q/k/v matvec, nor the
+ * caller's serial norms, RoPE and cache append between two pool runs: one task computes the
+ * q/k/v chunks (pyrt_mv_task), publishing per head how many of its rows are done (rows of the
+ * job's list [q | k | v] are head_dim per head: unit u = row / head_dim), then its threads take
+ * heads in order. The first head of each kv group (the lowest, so taken first) norms and ropes
+ * k, appends k and v to the cache and raises kv_ready; the group's other heads wait for it. Each
+ * head norms and ropes its own q. The same operations on the same numbers as the serial path:
+ * the same bits (tests/c/test_decode.c compares both). A thread waiting for rows prefetches its
+ * home of the pool's plan (the o projection). */
+typedef struct {
+    attn_ctx *attn;
+    pyrt_mv_job *qkv;
+    pyrt_pool *pool;
+    const pyrt_block_weights *b;
+    const float *cs; /* this position's RoPE table */
+    int pos;
+} qkv_attn_ctx;
+
+static void qkv_rows_done(void *p, int64_t lo, int64_t hi) {
+    const qkv_attn_ctx *c = p;
+    const int hd = c->attn->d->w.head_dim;
+    for (int64_t u = lo / hd; u * hd < hi; u++) {
+        const int64_t a = lo > u * hd ? lo : u * hd, e = hi < (u + 1) * hd ? hi : (u + 1) * hd;
+        atomic_fetch_add_explicit(&c->attn->d->rows_done[u], (int)(e - a), memory_order_release);
+    }
+}
+
+static void wait_flag(const atomic_int *flag, int value, pyrt_pool *pool, int ith) {
+    int pf_more = 1;
+    for (int spins = 0; atomic_load_explicit(flag, memory_order_acquire) < value;)
+        if (!pf_more || !(pf_more = pyrt_pool_idle_prefetch(pool, ith)))
+            pyrt_spin_pause(++spins);
+}
+
+static void task_qkv_attention(void *p, int ith, int nth) {
+    const qkv_attn_ctx *c = p;
+    const pyrt_decoder *d = c->attn->d;
+    const pyrt_model_weights *w = &d->w;
+    const int hd = w->head_dim, group = w->n_head / w->n_head_kv;
+    pyrt_mv_task(c->qkv, ith, nth);
+    for (int h; (h = atomic_fetch_add_explicit(&c->attn->next, 1, memory_order_relaxed)) <
+                w->n_head;) {
         const int kvh = h / group;
-        const float *q = d->q + (size_t)h * hd;
-        const float *keys = c->kc + (size_t)kvh * c->cap * hd;
-        const float *vals = c->vc + (size_t)kvh * c->cap * hd;
-        float *s = d->scores + (size_t)h * d->scores_cap;
-        float *out = d->att + (size_t)h * hd;
-        const size_t row = (size_t)hd * sizeof(float);
-        for (int t = 0; t < c->n_pos && t < KV_AHEAD; t++)
-            prefetch_kv(keys + (size_t)t * hd, row, 0);
-        for (int t = 0; t < c->n_pos; t++) {
-            if (t + KV_AHEAD < c->n_pos)
-                prefetch_kv(keys + (size_t)(t + KV_AHEAD) * hd, row, 0);
-            if (t < KV_V_MAX)
-                prefetch_kv(vals + (size_t)t * hd, row, 1);
-            s[t] = f32->dot(keys + (size_t)t * hd, q, hd) * c->scale;
+        float *q = d->q + (size_t)h * hd;
+        wait_flag(&d->rows_done[h], hd, c->pool, ith);
+        if (h % group == 0) {
+            float *k = d->k + (size_t)kvh * hd;
+            const float *v = d->v + (size_t)kvh * hd;
+            wait_flag(&d->rows_done[w->n_head + kvh], hd, c->pool, ith);
+            wait_flag(&d->rows_done[w->n_head + w->n_head_kv + kvh], hd, c->pool, ith);
+            if (c->b->k_norm != NULL)
+                rms_norm(k, c->b->k_norm, w->rms_eps, hd, k);
+            rope(k, 1, hd, w->rope_dim, c->cs);
+            const size_t at = ((size_t)kvh * c->attn->cap + c->pos) * hd;
+            memcpy((float *)c->attn->kc + at, k, (size_t)hd * sizeof(float));
+            memcpy((float *)c->attn->vc + at, v, (size_t)hd * sizeof(float));
+            atomic_store_explicit(&d->kv_ready[kvh], 1, memory_order_release);
+        } else {
+            wait_flag(&d->kv_ready[kvh], 1, c->pool, ith);
         }
-        softmax(s, c->n_pos);
-        memset(out, 0, (size_t)hd * sizeof *out);
-        for (int t = 0; t < c->n_pos; t++)
-            f32->axpy(s[t], vals + (size_t)t * hd, out, hd);
+        if (c->b->q_norm != NULL)
+            rms_norm(q, c->b->q_norm, w->rms_eps, hd, q);
+        rope(q, 1, hd, w->rope_dim, c->cs);
+        attend_head(c->attn, h);
     }
 }
 
@@ -430,6 +522,21 @@ static void plan_next(pyrt_pool *pool, const pyrt_mv_job *next) {
 
 /* ---- the step ------------------------------------------------------------------------------ */
 
+/* The q/k/v job and the attention heads as one pool task (see task_qkv_attention). */
+static void run_qkv_attention(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weights *b,
+                              pyrt_mv_job *qkv, attn_ctx *ac, const float *cs, int pos) {
+    const pyrt_model_weights *w = &d->w;
+    qkv_attn_ctx c = {.attn = ac, .qkv = qkv, .pool = pool, .b = b, .cs = cs, .pos = pos};
+    qkv->on_rows = qkv_rows_done;
+    qkv->on_rows_ctx = &c;
+    matvec_setup(d, pool, qkv, d->xn, w->n_embd);
+    for (int u = 0; u < w->n_head + 2 * w->n_head_kv; u++) /* pool_run publishes them */
+        atomic_store_explicit(&d->rows_done[u], 0, memory_order_relaxed);
+    for (int h = 0; h < w->n_head_kv; h++)
+        atomic_store_explicit(&d->kv_ready[h], 0, memory_order_relaxed);
+    pyrt_pool_run(pool, task_qkv_attention, &c);
+}
+
 static void attention_block(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weights *b,
                             int pos, float *kc, float *vc, size_t cap, const float *cs) {
     const pyrt_model_weights *w = &d->w;
@@ -438,28 +545,35 @@ static void attention_block(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_w
     pyrt_mv_job qkv = qkv_job(d, b);
     pyrt_mv_job o = {.out = {{&b->wo, NULL, d->y, 0}}, .n_mats = 1};
     const pyrt_mv_job ffn_in = ffn_in_job(d, b);
-    plan_next(pool, &o);
-    run_matvec(d, pool, &qkv, d->xn, w->n_embd);
-    if (b->q_norm != NULL && b->q_norm_len == nq) { /* olmoe: over all heads */
-        rms_norm(d->q, b->q_norm, w->rms_eps, nq, d->q);
-        rms_norm(d->k, b->k_norm, w->rms_eps, nkv, d->k);
-    } else if (b->q_norm != NULL) { /* qwen3moe: per head */
-        for (int h = 0; h < w->n_head; h++)
-            rms_norm(d->q + (size_t)h * hd, b->q_norm, w->rms_eps, hd, d->q + (size_t)h * hd);
-        for (int h = 0; h < w->n_head_kv; h++)
-            rms_norm(d->k + (size_t)h * hd, b->k_norm, w->rms_eps, hd, d->k + (size_t)h * hd);
-    }
-    rope(d->q, w->n_head, hd, w->rope_dim, cs);
-    rope(d->k, w->n_head_kv, hd, w->rope_dim, cs);
-    for (int h = 0; h < w->n_head_kv; h++) {
-        memcpy(kc + ((size_t)h * cap + pos) * hd, d->k + (size_t)h * hd, (size_t)hd * sizeof(float));
-        memcpy(vc + ((size_t)h * cap + pos) * hd, d->v + (size_t)h * hd, (size_t)hd * sizeof(float));
-    }
     attn_ctx ac = {.d = d, .kc = kc, .vc = vc, .cap = cap, .n_pos = pos + 1,
                    .scale = w->attention_scale};
     atomic_init(&ac.next, 0);
+    const int all_heads_norm = b->q_norm != NULL && b->q_norm_len == nq;
     plan_next(pool, &o);
-    pyrt_pool_run(pool, task_attention, &ac);
+    if (d->fuse_attention && !all_heads_norm) {
+        run_qkv_attention(d, pool, b, &qkv, &ac, cs, pos);
+    } else {
+        run_matvec(d, pool, &qkv, d->xn, w->n_embd);
+        if (all_heads_norm) { /* olmoe: over all heads */
+            rms_norm(d->q, b->q_norm, w->rms_eps, nq, d->q);
+            rms_norm(d->k, b->k_norm, w->rms_eps, nkv, d->k);
+        } else if (b->q_norm != NULL) { /* qwen3moe: per head */
+            for (int h = 0; h < w->n_head; h++)
+                rms_norm(d->q + (size_t)h * hd, b->q_norm, w->rms_eps, hd, d->q + (size_t)h * hd);
+            for (int h = 0; h < w->n_head_kv; h++)
+                rms_norm(d->k + (size_t)h * hd, b->k_norm, w->rms_eps, hd, d->k + (size_t)h * hd);
+        }
+        rope(d->q, w->n_head, hd, w->rope_dim, cs);
+        rope(d->k, w->n_head_kv, hd, w->rope_dim, cs);
+        for (int h = 0; h < w->n_head_kv; h++) {
+            memcpy(kc + ((size_t)h * cap + pos) * hd, d->k + (size_t)h * hd,
+                   (size_t)hd * sizeof(float));
+            memcpy(vc + ((size_t)h * cap + pos) * hd, d->v + (size_t)h * hd,
+                   (size_t)hd * sizeof(float));
+        }
+        plan_next(pool, &o);
+        pyrt_pool_run(pool, task_attention, &ac);
+    }
     plan_next(pool, &ffn_in);
     run_matvec(d, pool, &o, d->att, nq);
     for (int i = 0; i < w->n_embd; i++)

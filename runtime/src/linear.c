@@ -188,7 +188,10 @@ void pyrt_mv_task(void *ctx, int ith, int nth) {
             const int64_t r0 = lo + i * job->chunk;
             if (r0 >= hi)
                 break;
-            mv_range(job, r0, r0 + job->chunk < hi ? r0 + job->chunk : hi);
+            const int64_t r1 = r0 + job->chunk < hi ? r0 + job->chunk : hi;
+            mv_range(job, r0, r1);
+            if (job->on_rows != NULL)
+                job->on_rows(job->on_rows_ctx, r0, r1);
         }
     }
 }
