@@ -35,6 +35,8 @@ struct pyrt_decoder {
     float *x;                    /* [n_embd] residual stream */
     float *xn;                   /* [max_in] normed input, then FFN hidden h */
     pyrt_xq8 *xq;                /* [max_in / 32] Q8 blocks of the current matvec input */
+    pyrt_xq8 *att_q;             /* [n_head * head_dim / 32] Q8 blocks of att for the fused o
+                                    projection (xq is still read by q/k/v chunks meanwhile) */
     float *q, *k, *v;            /* [n_head*hd], [n_kv*hd], [n_kv*hd] */
     float *att;                  /* [n_head*hd] attention output */
     float *y, *ys;               /* [n_embd] block output; shared expert / dense FFN output */
@@ -46,6 +48,8 @@ struct pyrt_decoder {
                                     q head, then k head, then v head computed (of head_dim) */
     atomic_int *kv_ready;        /* [n_head_kv] 1 once head kvh's k is normed and roped, and k, v
                                     are in the cache */
+    atomic_int heads_done;       /* fused: attention heads finished */
+    atomic_int att_ready;        /* fused: 1 once att is complete and quantized into att_q */
     float *scores;               /* [n_head, scores_cap] attention probabilities */
     size_t scores_cap;           /* positions per head in scores */
     int fuse_attention;          /* q/k/v + attention in one task where the norms allow
@@ -194,6 +198,7 @@ int pyrt_decoder_create(const pyrt_model_weights *w, pyrt_decoder **out) {
     d->x = malloc((size_t)w->n_embd * f);
     d->xn = malloc((size_t)d->max_in * f);
     d->xq = malloc(((size_t)d->max_in / PYRT_QK + 1) * sizeof(pyrt_xq8));
+    d->att_q = malloc(((size_t)nq / PYRT_QK + 1) * sizeof(pyrt_xq8));
     d->q = malloc((size_t)nq * f);
     d->k = malloc((size_t)nkv * f);
     d->v = malloc((size_t)nkv * f);
@@ -207,7 +212,8 @@ int pyrt_decoder_create(const pyrt_model_weights *w, pyrt_decoder **out) {
     d->topw = malloc((size_t)w->n_expert_used * f);
     d->rows_done = malloc(((size_t)w->n_head + 2 * (size_t)w->n_head_kv) * sizeof(atomic_int));
     d->kv_ready = malloc((size_t)w->n_head_kv * sizeof(atomic_int));
-    if (!d->blocks || !d->x || !d->xn || !d->xq || !d->q || !d->k || !d->v || !d->att || !d->y ||
+    if (!d->blocks || !d->x || !d->xn || !d->xq || !d->att_q || !d->q || !d->k || !d->v ||
+        !d->att || !d->y ||
         !d->ys || !d->gate || !d->up || !d->router || !d->ids || !d->topw || !d->rows_done ||
         !d->kv_ready) {
         pyrt_decoder_free(d);
@@ -229,6 +235,7 @@ void pyrt_decoder_free(pyrt_decoder *d) {
     free(d->x);
     free(d->xn);
     free(d->xq);
+    free(d->att_q);
     free(d->q);
     free(d->k);
     free(d->v);
@@ -423,12 +430,15 @@ static void task_attention(void *p, int ith, int nth) {
  * the same bits (tests/c/test_decode.c compares both). A thread waiting for rows prefetches its
  * home of the pool's plan (the o projection). */
 typedef struct {
+    pyrt_decoder *d; /* its counters and flags (attn->d is the same decoder, read-only) */
     attn_ctx *attn;
     pyrt_mv_job *qkv;
+    pyrt_mv_job *o; /* the output projection over att (x: att, xq: att_q), prepared */
     pyrt_pool *pool;
     const pyrt_block_weights *b;
     const float *cs; /* this position's RoPE table */
     int pos;
+    int o_blocked;   /* o's weights are Q8_0/Q4_0: it reads att_q */
 } qkv_attn_ctx;
 
 static void qkv_rows_done(void *p, int64_t lo, int64_t hi) {
@@ -477,7 +487,16 @@ static void task_qkv_attention(void *p, int ith, int nth) {
             rms_norm(q, c->b->q_norm, w->rms_eps, hd, q);
         rope(q, 1, hd, w->rope_dim, c->cs);
         attend_head(c->attn, h);
+        /* the last head done quantizes att for o (one vector of n_head * head_dim) */
+        if (atomic_fetch_add_explicit(&c->d->heads_done, 1, memory_order_acq_rel) ==
+            w->n_head - 1) {
+            if (c->o_blocked)
+                pyrt_quantize_x_q8(d->att, c->d->att_q, w->n_head * hd);
+            atomic_store_explicit(&c->d->att_ready, 1, memory_order_release);
+        }
     }
+    wait_flag(&d->att_ready, 1, c->pool, ith);
+    pyrt_mv_task(c->o, ith, nth);
 }
 
 /* ---- prefetch plans ------------------------------------------------------------------------
@@ -522,18 +541,28 @@ static void plan_next(pyrt_pool *pool, const pyrt_mv_job *next) {
 
 /* ---- the step ------------------------------------------------------------------------------ */
 
-/* The q/k/v job and the attention heads as one pool task (see task_qkv_attention). */
-static void run_qkv_attention(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weights *b,
-                              pyrt_mv_job *qkv, attn_ctx *ac, const float *cs, int pos) {
+/* The q/k/v job, the attention heads and the o projection as one pool task (see
+ * task_qkv_attention). */
+static void run_qkv_attention_o(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weights *b,
+                                pyrt_mv_job *qkv, attn_ctx *ac, pyrt_mv_job *o, const float *cs,
+                                int pos) {
     const pyrt_model_weights *w = &d->w;
-    qkv_attn_ctx c = {.attn = ac, .qkv = qkv, .pool = pool, .b = b, .cs = cs, .pos = pos};
+    qkv_attn_ctx c = {.d = d, .attn = ac, .qkv = qkv, .o = o, .pool = pool, .b = b, .cs = cs,
+                      .pos = pos, .o_blocked = pyrt_fmt_is_blocked(b->wo.fmt)};
     qkv->on_rows = qkv_rows_done;
     qkv->on_rows_ctx = &c;
     matvec_setup(d, pool, qkv, d->xn, w->n_embd);
+    const int nq = w->n_head * w->head_dim;
+    *o = (pyrt_mv_job){.out = {o->out[0]}, .n_mats = 1, .x = d->att, .x_stride = (size_t)nq,
+                       .xq = d->att_q, .xq_stride = (size_t)nq / PYRT_QK, .n_tokens = 1,
+                       .div = 1.0f};
+    pyrt_mv_job_prepare(o, pyrt_pool_threads(pool));
     for (int u = 0; u < w->n_head + 2 * w->n_head_kv; u++) /* pool_run publishes them */
         atomic_store_explicit(&d->rows_done[u], 0, memory_order_relaxed);
     for (int h = 0; h < w->n_head_kv; h++)
         atomic_store_explicit(&d->kv_ready[h], 0, memory_order_relaxed);
+    atomic_store_explicit(&d->heads_done, 0, memory_order_relaxed);
+    atomic_store_explicit(&d->att_ready, 0, memory_order_relaxed);
     pyrt_pool_run(pool, task_qkv_attention, &c);
 }
 
@@ -551,7 +580,7 @@ static void attention_block(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_w
     const int all_heads_norm = b->q_norm != NULL && b->q_norm_len == nq;
     plan_next(pool, &o);
     if (d->fuse_attention && !all_heads_norm) {
-        run_qkv_attention(d, pool, b, &qkv, &ac, cs, pos);
+        run_qkv_attention_o(d, pool, b, &qkv, &ac, &o, cs, pos);
     } else {
         run_matvec(d, pool, &qkv, d->xn, w->n_embd);
         if (all_heads_norm) { /* olmoe: over all heads */
@@ -573,9 +602,9 @@ static void attention_block(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_w
         }
         plan_next(pool, &o);
         pyrt_pool_run(pool, task_attention, &ac);
+        plan_next(pool, &ffn_in);
+        run_matvec(d, pool, &o, d->att, nq);
     }
-    plan_next(pool, &ffn_in);
-    run_matvec(d, pool, &o, d->att, nq);
     for (int i = 0; i < w->n_embd; i++)
         d->x[i] = d->x[i] + d->y[i] * w->residual_scale;
 }
