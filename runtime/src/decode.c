@@ -637,12 +637,16 @@ static int64_t ffn_block(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weig
         memcpy(d->y, d->ys, (size_t)n_embd * sizeof(float));
     } else {
         const int shared = b->sh_gate.data != NULL;
-        /* the routed experts' rows are known only after the router: no plan for its idle time */
-        plan_next(pool, NULL);
+        /* The routed experts' rows are known only after the router. Its run gets the plan of
+         * the experts' run (the shared down or the next block's q/k/v): the threads' wait at its
+         * end and through top-k and pyrt_moe_ffn's set-up (the DRAM idled there) start on it,
+         * and the experts' run goes on from where they stopped (same plan: pool.c). */
+        const pyrt_mv_job sh_down = {.out = {{&b->sh_down, NULL, d->ys, 0}}, .n_mats = 1};
+        const pyrt_mv_job *after = shared ? &sh_down : next;
+        plan_next(pool, after);
         run_matvec(d, pool, &in, d->xn, n_embd);
         route(d->router, w->n_expert, w->n_expert_used, w->expert_weights_norm, d->ids, d->topw);
-        const pyrt_mv_job sh_down = {.out = {{&b->sh_down, NULL, d->ys, 0}}, .n_mats = 1};
-        plan_next(pool, shared ? &sh_down : next);
+        plan_next(pool, after);
         /* pyrt_moe_ffn takes the pool itself */
         pyrt_pool_release(pool);
         int rc = pyrt_moe_ffn(pool, b->gud, b->gud_bytes, b->gud_fmt, w->n_expert, w->n_ff_exp,
