@@ -2,8 +2,10 @@
 # Device session for the granite branch (issue 3, whole-model CPU decode): builds the C core of
 # this tree (NEW) and of a base (OLD), makes a random granite-1b-a400m Q8_0 GGUF, then runs
 # bench/cpu_decode.py --threads $THREADS --tokens 64, each run its own process, round-robin over
-#   OLD | NEW | NEW PYRT_PLAN_LINES=8 | NEW PYRT_VNNI=0 | NEW PYRT_MV_PREFETCH=2
-# (the last three: knobs the 2-core box could not decide, see docs/bench-notes-granite.md),
+#   OLD | NEW | NEW PYRT_FUSE_ATTN=0 | NEW PYRT_PLAN_LINES=8 | NEW PYRT_VNNI=0 |
+#   NEW PYRT_MV_PREFETCH=2
+# (the last four: this branch's pieces off, or knobs the 2-core box could not decide, see
+# docs/bench-notes-granite.md),
 # starting a run only while less than BUDGET_S seconds have passed; then the C unit tests (the
 # AVX512_VNNI bit-equality test runs only where the CPU has it) if time is left, and a summary
 # (median ms/token and % of floor per variant) in $OUT/summary.txt. ~3.5 minutes on 16 cores.
@@ -54,6 +56,7 @@ echo "gguf at $(elapsed) s" | tee -a "$OUT/machine.txt"
 # name|library|environment
 VARIANTS="OLD|$OLD|
 NEW|$NEW|
+NEW_FUSE0|$NEW|PYRT_FUSE_ATTN=0
 NEW_PLAN8|$NEW|PYRT_PLAN_LINES=8
 NEW_VNNI0|$NEW|PYRT_VNNI=0
 NEW_MVPF2|$NEW|PYRT_MV_PREFETCH=2"
