@@ -3,7 +3,7 @@
 # this tree (NEW) and of a base (OLD), makes a random granite-1b-a400m Q8_0 GGUF, then runs
 # bench/cpu_decode.py --threads $THREADS --tokens 64, each run its own process, round-robin over
 #   OLD | NEW | NEW PYRT_FUSE_ATTN=0 | NEW PYRT_PLAN_LINES=8 | NEW PYRT_VNNI=0 |
-#   NEW PYRT_MV_PREFETCH=2
+#   NEW PYRT_MV_PREFETCH=4
 # (the last four: this branch's pieces off, or knobs the 2-core box could not decide, see
 # docs/bench-notes-granite.md),
 # starting a run only while less than BUDGET_S seconds have passed; then the C unit tests (the
@@ -59,7 +59,7 @@ NEW|$NEW|
 NEW_FUSE0|$NEW|PYRT_FUSE_ATTN=0
 NEW_PLAN8|$NEW|PYRT_PLAN_LINES=8
 NEW_VNNI0|$NEW|PYRT_VNNI=0
-NEW_MVPF2|$NEW|PYRT_MV_PREFETCH=2"
+NEW_MVPF4|$NEW|PYRT_MV_PREFETCH=4"
 for round in $(seq "$ROUNDS"); do
     while IFS='|' read -r name lib envs; do
         [ "$(elapsed)" -lt "$BUDGET_S" ] || break 2
