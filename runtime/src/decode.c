@@ -17,7 +17,9 @@
  * Threads. Serial pieces (norms, RoPE, top-k, activations: O(n_embd) each, a few microseconds)
  * run on the calling thread between pool tasks; every matrix product, the attention heads and
  * the routed experts are pool tasks. Matrices that read the same input share one task (q, k, v;
- * router, shared gate, shared up), so a block costs 6-7 hand-offs. */
+ * router, shared gate, shared up), and where the q/k norms are per head or absent, q/k/v, the
+ * attention heads (with their norms, RoPE and cache append) and the o projection are one task
+ * (task_qkv_attention): a block costs 3-5 hand-offs (olmoe's all-heads norms: 6-7). */
 #define _POSIX_C_SOURCE 199309L /* clock_gettime */
 #include <math.h>
 #include <stdatomic.h>
@@ -213,9 +215,8 @@ int pyrt_decoder_create(const pyrt_model_weights *w, pyrt_decoder **out) {
     d->rows_done = malloc(((size_t)w->n_head + 2 * (size_t)w->n_head_kv) * sizeof(atomic_int));
     d->kv_ready = malloc((size_t)w->n_head_kv * sizeof(atomic_int));
     if (!d->blocks || !d->x || !d->xn || !d->xq || !d->att_q || !d->q || !d->k || !d->v ||
-        !d->att || !d->y ||
-        !d->ys || !d->gate || !d->up || !d->router || !d->ids || !d->topw || !d->rows_done ||
-        !d->kv_ready) {
+        !d->att || !d->y || !d->ys || !d->gate || !d->up || !d->router || !d->ids || !d->topw ||
+        !d->rows_done || !d->kv_ready) {
         pyrt_decoder_free(d);
         return pyrt_fail(PYRT_E_NOMEM, "pyrt_decoder_create: out of memory");
     }
@@ -418,7 +419,7 @@ static void task_attention(void *p, int ith, int nth) {
         attend_head(c, h);
 }
 
-/* ---- q/k/v and attention in one pool task --------------------------------------------------
+/* ---- q/k/v, attention and o in one pool task -----------------------------------------------
  * Where the q/k norms are per head (or absent), a head's attention needs only its own q rows
  * and its kv head's k and v rows, so it need not wait for the whole q/k/v matvec, nor the
  * caller's serial norms, RoPE and cache append between two pool runs: one task computes the
@@ -426,15 +427,18 @@ static void task_attention(void *p, int ith, int nth) {
  * job's list [q | k | v] are head_dim per head: unit u = row / head_dim), then its threads take
  * heads in order. The first head of each kv group (the lowest, so taken first) norms and ropes
  * k, appends k and v to the cache and raises kv_ready; the group's other heads wait for it. Each
- * head norms and ropes its own q. The same operations on the same numbers as the serial path:
- * the same bits (tests/c/test_decode.c compares both). A thread waiting for rows prefetches its
- * home of the pool's plan (the o projection). */
+ * head norms and ropes its own q. The last head done quantizes att (into its own blocks: q/k/v
+ * chunks may still read x's) and raises att_ready; then every thread runs the o chunks. The
+ * same operations on the same numbers as the serial path: the same bits (tests/c/test_decode.c
+ * compares both). A thread waiting for rows or att prefetches its home of the pool's plan (the
+ * o projection). */
 typedef struct {
     pyrt_decoder *d; /* its counters and flags (attn->d is the same decoder, read-only) */
     attn_ctx *attn;
     pyrt_mv_job *qkv;
     pyrt_mv_job *o; /* the output projection over att (x: att, xq: att_q), prepared */
     pyrt_pool *pool;
+    float *kc, *vc;  /* this layer's cache [n_kv, cap, hd] (attn's, writable) */
     const pyrt_block_weights *b;
     const float *cs; /* this position's RoPE table */
     int pos;
@@ -477,8 +481,8 @@ static void task_qkv_attention(void *p, int ith, int nth) {
                 rms_norm(k, c->b->k_norm, w->rms_eps, hd, k);
             rope(k, 1, hd, w->rope_dim, c->cs);
             const size_t at = ((size_t)kvh * c->attn->cap + c->pos) * hd;
-            memcpy((float *)c->attn->kc + at, k, (size_t)hd * sizeof(float));
-            memcpy((float *)c->attn->vc + at, v, (size_t)hd * sizeof(float));
+            memcpy(c->kc + at, k, (size_t)hd * sizeof(float));
+            memcpy(c->vc + at, v, (size_t)hd * sizeof(float));
             atomic_store_explicit(&d->kv_ready[kvh], 1, memory_order_release);
         } else {
             wait_flag(&d->kv_ready[kvh], 1, c->pool, ith);
@@ -544,18 +548,23 @@ static void plan_next(pyrt_pool *pool, const pyrt_mv_job *next) {
 /* The q/k/v job, the attention heads and the o projection as one pool task (see
  * task_qkv_attention). */
 static void run_qkv_attention_o(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weights *b,
-                                pyrt_mv_job *qkv, attn_ctx *ac, pyrt_mv_job *o, const float *cs,
-                                int pos) {
+                                pyrt_mv_job *qkv, attn_ctx *ac, pyrt_mv_job *o, float *kc,
+                                float *vc, const float *cs, int pos) {
     const pyrt_model_weights *w = &d->w;
-    qkv_attn_ctx c = {.d = d, .attn = ac, .qkv = qkv, .o = o, .pool = pool, .b = b, .cs = cs,
-                      .pos = pos, .o_blocked = pyrt_fmt_is_blocked(b->wo.fmt)};
+    qkv_attn_ctx c = {.d = d, .attn = ac, .qkv = qkv, .o = o, .pool = pool, .kc = kc, .vc = vc,
+                      .b = b, .cs = cs, .pos = pos, .o_blocked = pyrt_fmt_is_blocked(b->wo.fmt)};
     qkv->on_rows = qkv_rows_done;
     qkv->on_rows_ctx = &c;
     matvec_setup(d, pool, qkv, d->xn, w->n_embd);
+    /* o reads att, or its Q8 blocks made by the last head (not quantized here: att is not
+     * computed yet) */
     const int nq = w->n_head * w->head_dim;
-    *o = (pyrt_mv_job){.out = {o->out[0]}, .n_mats = 1, .x = d->att, .x_stride = (size_t)nq,
-                       .xq = d->att_q, .xq_stride = (size_t)nq / PYRT_QK, .n_tokens = 1,
-                       .div = 1.0f};
+    o->x = d->att;
+    o->x_stride = (size_t)nq;
+    o->xq = d->att_q;
+    o->xq_stride = (size_t)nq / PYRT_QK;
+    o->n_tokens = 1;
+    o->div = 1.0f;
     pyrt_mv_job_prepare(o, pyrt_pool_threads(pool));
     for (int u = 0; u < w->n_head + 2 * w->n_head_kv; u++) /* pool_run publishes them */
         atomic_store_explicit(&d->rows_done[u], 0, memory_order_relaxed);
@@ -580,7 +589,7 @@ static void attention_block(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_w
     const int all_heads_norm = b->q_norm != NULL && b->q_norm_len == nq;
     plan_next(pool, &o);
     if (d->fuse_attention && !all_heads_norm) {
-        run_qkv_attention_o(d, pool, b, &qkv, &ac, &o, cs, pos);
+        run_qkv_attention_o(d, pool, b, &qkv, &ac, &o, kc, vc, cs, pos);
     } else {
         run_matvec(d, pool, &qkv, d->xn, w->n_embd);
         if (all_heads_norm) { /* olmoe: over all heads */
