@@ -4,11 +4,11 @@
 # bench/cpu_decode.py --threads $THREADS --tokens 64, each run its own process, round-robin over
 #   OLD | NEW | NEW PYRT_FUSE_ATTN=0 | NEW PYRT_PLAN_LINES=8 | NEW PYRT_VNNI=0 |
 #   NEW PYRT_MV_PREFETCH=4
-# (the last four: this branch's pieces off, or knobs the 2-core box could not decide, see
-# docs/bench-notes-granite.md),
-# starting a run only while less than BUDGET_S seconds have passed; then the C unit tests (the
-# AVX512_VNNI bit-equality test runs only where the CPU has it) if time is left, and a summary
-# (median ms/token and % of floor per variant) in $OUT/summary.txt. ~3.5 minutes on 16 cores.
+# (the last four: this branch's pieces off or back at main's value, or knobs the 2-core box
+# could not decide, see docs/bench-notes-granite.md), 3 rounds, starting a run only while less
+# than BUDGET_S (default 180) seconds have passed; then the C unit tests (the AVX512_VNNI
+# bit-equality test runs only where the CPU has it) and a summary (median ms/token and % of
+# floor per variant) in $OUT/summary.txt. At most ~4 minutes on 16 cores.
 #
 #   bash bench/granite_session.sh OUT [BASE_SRC] [BUDGET_S]
 #
@@ -19,10 +19,10 @@
 # reverse, so OLD differs from NEW by exactly this branch's C changes.
 # Local try: THREADS=2 bash bench/granite_session.sh /tmp/granite-out
 set -u
+OUT=$(realpath -m "${1:?usage: bash bench/granite_session.sh OUT [BASE_SRC] [BUDGET_S]}")
+BASE_SRC=${2:+$(realpath -m "$2")}
 cd "$(dirname "$0")/.."
-OUT=${1:?usage: bash bench/granite_session.sh OUT [BASE_SRC] [BUDGET_S]}
-BASE_SRC=${2:-}
-BUDGET_S=${3:-200}
+BUDGET_S=${3:-180}
 THREADS=${THREADS:-16}
 ROUNDS=${ROUNDS:-3}
 T0=$(date +%s)
