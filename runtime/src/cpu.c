@@ -7,6 +7,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <unistd.h>
 
 #include "pyrt_internal.h"
@@ -104,10 +105,27 @@ int pyrt_simd_force(int level) {
     return PYRT_OK;
 }
 
+/* -1 until first use. */
+static atomic_int vnni = -1;
+
+int pyrt_cpu_has_vnni(void) {
+    int v = atomic_load(&vnni);
+    if (v < 0) {
+        v = 0;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+        __builtin_cpu_init();
+        const char *e = getenv("PYRT_VNNI");
+        v = __builtin_cpu_supports("avx512vnni") && (e == NULL || atoi(e) != 0);
+#endif
+        atomic_store(&vnni, v);
+    }
+    return v;
+}
+
 const pyrt_row_ops *pyrt_row_ops_at(int level, int fmt) {
     switch (level) {
     case PYRT_SIMD_AVX512:
-        return pyrt_row_ops_avx512(fmt);
+        return pyrt_cpu_has_vnni() ? pyrt_row_ops_avx512_vnni(fmt) : pyrt_row_ops_avx512(fmt);
     case PYRT_SIMD_AVX2:
         return pyrt_row_ops_avx2(fmt);
     case PYRT_SIMD_SCALAR:

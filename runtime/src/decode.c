@@ -17,7 +17,9 @@
  * Threads. Serial pieces (norms, RoPE, top-k, activations: O(n_embd) each, a few microseconds)
  * run on the calling thread between pool tasks; every matrix product, the attention heads and
  * the routed experts are pool tasks. Matrices that read the same input share one task (q, k, v;
- * router, shared gate, shared up), so a block costs 6-7 hand-offs. */
+ * router, shared gate, shared up), and where the q/k norms are per head or absent, q/k/v, the
+ * attention heads (with their norms, RoPE and cache append) and the o projection are one task
+ * (task_qkv_attention): a block costs 3-5 hand-offs (olmoe's all-heads norms: 6-7). */
 #define _POSIX_C_SOURCE 199309L /* clock_gettime */
 #include <math.h>
 #include <stdatomic.h>
@@ -35,6 +37,8 @@ struct pyrt_decoder {
     float *x;                    /* [n_embd] residual stream */
     float *xn;                   /* [max_in] normed input, then FFN hidden h */
     pyrt_xq8 *xq;                /* [max_in / 32] Q8 blocks of the current matvec input */
+    pyrt_xq8 *att_q;             /* [n_head * head_dim / 32] Q8 blocks of att for the fused o
+                                    projection (xq is still read by q/k/v chunks meanwhile) */
     float *q, *k, *v;            /* [n_head*hd], [n_kv*hd], [n_kv*hd] */
     float *att;                  /* [n_head*hd] attention output */
     float *y, *ys;               /* [n_embd] block output; shared expert / dense FFN output */
@@ -42,8 +46,16 @@ struct pyrt_decoder {
     float *router;               /* [n_expert] router logits, then probabilities */
     int32_t *ids;                /* [n_expert_used] */
     float *topw;                 /* [n_expert_used] */
+    atomic_int *rows_done;       /* [n_head + 2 n_head_kv] fused q/k/v + attention: rows of each
+                                    q head, then k head, then v head computed (of head_dim) */
+    atomic_int *kv_ready;        /* [n_head_kv] 1 once head kvh's k is normed and roped, and k, v
+                                    are in the cache */
+    atomic_int heads_done;       /* fused: attention heads finished */
+    atomic_int att_ready;        /* fused: 1 once att is complete and quantized into att_q */
     float *scores;               /* [n_head, scores_cap] attention probabilities */
     size_t scores_cap;           /* positions per head in scores */
+    int fuse_attention;          /* q/k/v + attention in one task where the norms allow
+                                    (PYRT_FUSE_ATTN at creation, default 1; 0: never) */
     int64_t times[4];            /* see pyrt_decoder_times */
     atomic_flag busy;            /* set during a step: the scratch above is not shareable */
 };
@@ -188,6 +200,7 @@ int pyrt_decoder_create(const pyrt_model_weights *w, pyrt_decoder **out) {
     d->x = malloc((size_t)w->n_embd * f);
     d->xn = malloc((size_t)d->max_in * f);
     d->xq = malloc(((size_t)d->max_in / PYRT_QK + 1) * sizeof(pyrt_xq8));
+    d->att_q = malloc(((size_t)nq / PYRT_QK + 1) * sizeof(pyrt_xq8));
     d->q = malloc((size_t)nq * f);
     d->k = malloc((size_t)nkv * f);
     d->v = malloc((size_t)nkv * f);
@@ -199,12 +212,17 @@ int pyrt_decoder_create(const pyrt_model_weights *w, pyrt_decoder **out) {
     d->router = malloc((size_t)w->n_expert * f);
     d->ids = malloc((size_t)w->n_expert_used * sizeof(int32_t));
     d->topw = malloc((size_t)w->n_expert_used * f);
-    if (!d->blocks || !d->x || !d->xn || !d->xq || !d->q || !d->k || !d->v || !d->att || !d->y ||
-        !d->ys || !d->gate || !d->up || !d->router || !d->ids || !d->topw) {
+    d->rows_done = malloc(((size_t)w->n_head + 2 * (size_t)w->n_head_kv) * sizeof(atomic_int));
+    d->kv_ready = malloc((size_t)w->n_head_kv * sizeof(atomic_int));
+    if (!d->blocks || !d->x || !d->xn || !d->xq || !d->att_q || !d->q || !d->k || !d->v ||
+        !d->att || !d->y || !d->ys || !d->gate || !d->up || !d->router || !d->ids || !d->topw ||
+        !d->rows_done || !d->kv_ready) {
         pyrt_decoder_free(d);
         return pyrt_fail(PYRT_E_NOMEM, "pyrt_decoder_create: out of memory");
     }
     memcpy(d->blocks, w->blocks, (size_t)w->n_layer * sizeof *d->blocks);
+    const char *fuse = getenv("PYRT_FUSE_ATTN");
+    d->fuse_attention = fuse == NULL || atoi(fuse) != 0;
     d->w.blocks = d->blocks;
     atomic_flag_clear(&d->busy);
     *out = d;
@@ -218,6 +236,7 @@ void pyrt_decoder_free(pyrt_decoder *d) {
     free(d->x);
     free(d->xn);
     free(d->xq);
+    free(d->att_q);
     free(d->q);
     free(d->k);
     free(d->v);
@@ -229,6 +248,8 @@ void pyrt_decoder_free(pyrt_decoder *d) {
     free(d->router);
     free(d->ids);
     free(d->topw);
+    free(d->rows_done);
+    free(d->kv_ready);
     free(d->scores);
     free(d);
 }
@@ -309,10 +330,10 @@ static void route(float *p, int n_expert, int k, int renorm, int32_t *ids, float
 
 /* ---- pool tasks ---------------------------------------------------------------------------- */
 
-/* y = x W^T for the job's matrices: quantizes x (n elements) once when some matrix needs Q8
- * blocks, then one pool task. */
-static void run_matvec(pyrt_decoder *d, pyrt_pool *pool, pyrt_mv_job *job, const float *x,
-                       int n) {
+/* Readies a matvec job over x (n elements) for the pool: quantizes x once when some matrix
+ * needs Q8 blocks, sets the chunking. */
+static void matvec_setup(pyrt_decoder *d, pyrt_pool *pool, pyrt_mv_job *job, const float *x,
+                         int n) {
     int blocked = 0;
     for (int i = 0; i < job->n_mats; i++)
         blocked |= pyrt_fmt_is_blocked(job->out[i].m->fmt);
@@ -326,6 +347,12 @@ static void run_matvec(pyrt_decoder *d, pyrt_pool *pool, pyrt_mv_job *job, const
     if (job->div == 0.0f)
         job->div = 1.0f;
     pyrt_mv_job_prepare(job, pyrt_pool_threads(pool));
+}
+
+/* y = x W^T for the job's matrices, as one pool task. */
+static void run_matvec(pyrt_decoder *d, pyrt_pool *pool, pyrt_mv_job *job, const float *x,
+                       int n) {
+    matvec_setup(d, pool, job, x, n);
     pyrt_pool_run(pool, pyrt_mv_task, job);
 }
 
@@ -339,28 +366,141 @@ typedef struct {
     char pad[60];
 } attn_ctx;
 
-/* One query head per work item: scores over the cached positions, softmax, weighted sum of V. */
+/* The KV cache of a layer was written one position per step and has left every cache since
+ * (a step streams ~460 MB of weights): a head's keys and values come from DRAM, and walked one
+ * 256-byte row per dot they are latency-bound (the hardware prefetcher ramps up per head).
+ * So the key pass prefetches keys KV_AHEAD rows ahead and, beside them, the values of the same
+ * position into L2 (the first KV_V_MAX positions: a long context's values would not fit). */
+enum { KV_AHEAD = 16, KV_V_MAX = 2048 };
+
+static inline void prefetch_kv(const float *p, size_t bytes, int l2) {
+    const char *c = (const char *)p;
+    for (size_t off = 0; off < bytes; off += 64) {
+        if (l2)
+            __builtin_prefetch(c + off, 0, 2);
+        else
+            __builtin_prefetch(c + off, 0, 3);
+    }
+}
+
+/* Query head h: scores over the cached positions, softmax, weighted sum of V. */
+static void attend_head(const attn_ctx *c, int h) {
+    const pyrt_decoder *d = c->d;
+    const int hd = d->w.head_dim, kvh = h / (d->w.n_head / d->w.n_head_kv);
+    const pyrt_row_ops *f32 = pyrt_row_ops_active(PYRT_FMT_F32);
+    const float *q = d->q + (size_t)h * hd;
+    const float *keys = c->kc + (size_t)kvh * c->cap * hd;
+    const float *vals = c->vc + (size_t)kvh * c->cap * hd;
+    float *s = d->scores + (size_t)h * d->scores_cap;
+    float *out = d->att + (size_t)h * hd;
+    const size_t row = (size_t)hd * sizeof(float);
+    for (int t = 0; t < c->n_pos && t < KV_AHEAD; t++)
+        prefetch_kv(keys + (size_t)t * hd, row, 0);
+    for (int t = 0; t < c->n_pos; t++) {
+        if (t + KV_AHEAD < c->n_pos)
+            prefetch_kv(keys + (size_t)(t + KV_AHEAD) * hd, row, 0);
+        if (t < KV_V_MAX)
+            prefetch_kv(vals + (size_t)t * hd, row, 1);
+        s[t] = f32->dot(keys + (size_t)t * hd, q, hd) * c->scale;
+    }
+    softmax(s, c->n_pos);
+    memset(out, 0, (size_t)hd * sizeof *out);
+    for (int t = 0; t < c->n_pos; t++)
+        f32->axpy(s[t], vals + (size_t)t * hd, out, hd);
+}
+
+/* One query head per work item (q, k, v normed and roped, k and v in the cache). */
 static void task_attention(void *p, int ith, int nth) {
     (void)ith;
     (void)nth;
     attn_ctx *c = p;
-    const pyrt_decoder *d = c->d;
-    const int hd = d->w.head_dim, group = d->w.n_head / d->w.n_head_kv;
-    const pyrt_row_ops *f32 = pyrt_row_ops_active(PYRT_FMT_F32);
-    for (int h; (h = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed)) < d->w.n_head;) {
-        const int kvh = h / group;
-        const float *q = d->q + (size_t)h * hd;
-        const float *keys = c->kc + (size_t)kvh * c->cap * hd;
-        const float *vals = c->vc + (size_t)kvh * c->cap * hd;
-        float *s = d->scores + (size_t)h * d->scores_cap;
-        float *out = d->att + (size_t)h * hd;
-        for (int t = 0; t < c->n_pos; t++)
-            s[t] = f32->dot(keys + (size_t)t * hd, q, hd) * c->scale;
-        softmax(s, c->n_pos);
-        memset(out, 0, (size_t)hd * sizeof *out);
-        for (int t = 0; t < c->n_pos; t++)
-            f32->axpy(s[t], vals + (size_t)t * hd, out, hd);
+    for (int h; (h = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed)) <
+                c->d->w.n_head;)
+        attend_head(c, h);
+}
+
+/* ---- q/k/v, attention and o in one pool task -----------------------------------------------
+ * Where the q/k norms are per head (or absent), a head's attention needs only its own q rows
+ * and its kv head's k and v rows, so it need not wait for the whole q/k/v matvec, nor the
+ * caller's serial norms, RoPE and cache append between two pool runs: one task computes the
+ * q/k/v chunks (pyrt_mv_task), publishing per head how many of its rows are done (rows of the
+ * job's list [q | k | v] are head_dim per head: unit u = row / head_dim), then its threads take
+ * heads in order. The first head of each kv group (the lowest, so taken first) norms and ropes
+ * k, appends k and v to the cache and raises kv_ready; the group's other heads wait for it. Each
+ * head norms and ropes its own q. The last head done quantizes att (into its own blocks: q/k/v
+ * chunks may still read x's) and raises att_ready; then every thread runs the o chunks. The
+ * same operations on the same numbers as the serial path: the same bits (tests/c/test_decode.c
+ * compares both). A thread waiting for rows or att prefetches its home of the pool's plan (the
+ * o projection). */
+typedef struct {
+    pyrt_decoder *d; /* its counters and flags (attn->d is the same decoder, read-only) */
+    attn_ctx *attn;
+    pyrt_mv_job *qkv;
+    pyrt_mv_job *o; /* the output projection over att (x: att, xq: att_q), prepared */
+    pyrt_pool *pool;
+    float *kc, *vc;  /* this layer's cache [n_kv, cap, hd] (attn's, writable) */
+    const pyrt_block_weights *b;
+    const float *cs; /* this position's RoPE table */
+    int pos;
+    int o_blocked;   /* o's weights are Q8_0/Q4_0: it reads att_q */
+} qkv_attn_ctx;
+
+static void qkv_rows_done(void *p, int64_t lo, int64_t hi) {
+    const qkv_attn_ctx *c = p;
+    const int hd = c->attn->d->w.head_dim;
+    for (int64_t u = lo / hd; u * hd < hi; u++) {
+        const int64_t a = lo > u * hd ? lo : u * hd, e = hi < (u + 1) * hd ? hi : (u + 1) * hd;
+        atomic_fetch_add_explicit(&c->attn->d->rows_done[u], (int)(e - a), memory_order_release);
     }
+}
+
+static void wait_flag(const atomic_int *flag, int value, pyrt_pool *pool, int ith) {
+    int pf_more = 1;
+    for (int spins = 0; atomic_load_explicit(flag, memory_order_acquire) < value;)
+        if (!pf_more || !(pf_more = pyrt_pool_idle_prefetch(pool, ith)))
+            pyrt_spin_pause(++spins);
+}
+
+static void task_qkv_attention(void *p, int ith, int nth) {
+    const qkv_attn_ctx *c = p;
+    const pyrt_decoder *d = c->attn->d;
+    const pyrt_model_weights *w = &d->w;
+    const int hd = w->head_dim, group = w->n_head / w->n_head_kv;
+    pyrt_mv_task(c->qkv, ith, nth);
+    for (int h; (h = atomic_fetch_add_explicit(&c->attn->next, 1, memory_order_relaxed)) <
+                w->n_head;) {
+        const int kvh = h / group;
+        float *q = d->q + (size_t)h * hd;
+        wait_flag(&d->rows_done[h], hd, c->pool, ith);
+        if (h % group == 0) {
+            float *k = d->k + (size_t)kvh * hd;
+            const float *v = d->v + (size_t)kvh * hd;
+            wait_flag(&d->rows_done[w->n_head + kvh], hd, c->pool, ith);
+            wait_flag(&d->rows_done[w->n_head + w->n_head_kv + kvh], hd, c->pool, ith);
+            if (c->b->k_norm != NULL)
+                rms_norm(k, c->b->k_norm, w->rms_eps, hd, k);
+            rope(k, 1, hd, w->rope_dim, c->cs);
+            const size_t at = ((size_t)kvh * c->attn->cap + c->pos) * hd;
+            memcpy(c->kc + at, k, (size_t)hd * sizeof(float));
+            memcpy(c->vc + at, v, (size_t)hd * sizeof(float));
+            atomic_store_explicit(&d->kv_ready[kvh], 1, memory_order_release);
+        } else {
+            wait_flag(&d->kv_ready[kvh], 1, c->pool, ith);
+        }
+        if (c->b->q_norm != NULL)
+            rms_norm(q, c->b->q_norm, w->rms_eps, hd, q);
+        rope(q, 1, hd, w->rope_dim, c->cs);
+        attend_head(c->attn, h);
+        /* the last head done quantizes att for o (one vector of n_head * head_dim) */
+        if (atomic_fetch_add_explicit(&c->d->heads_done, 1, memory_order_acq_rel) ==
+            w->n_head - 1) {
+            if (c->o_blocked)
+                pyrt_quantize_x_q8(d->att, c->d->att_q, w->n_head * hd);
+            atomic_store_explicit(&c->d->att_ready, 1, memory_order_release);
+        }
+    }
+    wait_flag(&d->att_ready, 1, c->pool, ith);
+    pyrt_mv_task(c->o, ith, nth);
 }
 
 /* ---- prefetch plans ------------------------------------------------------------------------
@@ -405,6 +545,36 @@ static void plan_next(pyrt_pool *pool, const pyrt_mv_job *next) {
 
 /* ---- the step ------------------------------------------------------------------------------ */
 
+/* The q/k/v job, the attention heads and the o projection as one pool task (see
+ * task_qkv_attention). */
+static void run_qkv_attention_o(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weights *b,
+                                pyrt_mv_job *qkv, attn_ctx *ac, pyrt_mv_job *o, float *kc,
+                                float *vc, const float *cs, int pos) {
+    const pyrt_model_weights *w = &d->w;
+    qkv_attn_ctx c = {.d = d, .attn = ac, .qkv = qkv, .o = o, .pool = pool, .kc = kc, .vc = vc,
+                      .b = b, .cs = cs, .pos = pos, .o_blocked = pyrt_fmt_is_blocked(b->wo.fmt)};
+    qkv->on_rows = qkv_rows_done;
+    qkv->on_rows_ctx = &c;
+    matvec_setup(d, pool, qkv, d->xn, w->n_embd);
+    /* o reads att, or its Q8 blocks made by the last head (not quantized here: att is not
+     * computed yet) */
+    const int nq = w->n_head * w->head_dim;
+    o->x = d->att;
+    o->x_stride = (size_t)nq;
+    o->xq = d->att_q;
+    o->xq_stride = (size_t)nq / PYRT_QK;
+    o->n_tokens = 1;
+    o->div = 1.0f;
+    pyrt_mv_job_prepare(o, pyrt_pool_threads(pool));
+    for (int u = 0; u < w->n_head + 2 * w->n_head_kv; u++) /* pool_run publishes them */
+        atomic_store_explicit(&d->rows_done[u], 0, memory_order_relaxed);
+    for (int h = 0; h < w->n_head_kv; h++)
+        atomic_store_explicit(&d->kv_ready[h], 0, memory_order_relaxed);
+    atomic_store_explicit(&d->heads_done, 0, memory_order_relaxed);
+    atomic_store_explicit(&d->att_ready, 0, memory_order_relaxed);
+    pyrt_pool_run(pool, task_qkv_attention, &c);
+}
+
 static void attention_block(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weights *b,
                             int pos, float *kc, float *vc, size_t cap, const float *cs) {
     const pyrt_model_weights *w = &d->w;
@@ -413,30 +583,37 @@ static void attention_block(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_w
     pyrt_mv_job qkv = qkv_job(d, b);
     pyrt_mv_job o = {.out = {{&b->wo, NULL, d->y, 0}}, .n_mats = 1};
     const pyrt_mv_job ffn_in = ffn_in_job(d, b);
-    plan_next(pool, &o);
-    run_matvec(d, pool, &qkv, d->xn, w->n_embd);
-    if (b->q_norm != NULL && b->q_norm_len == nq) { /* olmoe: over all heads */
-        rms_norm(d->q, b->q_norm, w->rms_eps, nq, d->q);
-        rms_norm(d->k, b->k_norm, w->rms_eps, nkv, d->k);
-    } else if (b->q_norm != NULL) { /* qwen3moe: per head */
-        for (int h = 0; h < w->n_head; h++)
-            rms_norm(d->q + (size_t)h * hd, b->q_norm, w->rms_eps, hd, d->q + (size_t)h * hd);
-        for (int h = 0; h < w->n_head_kv; h++)
-            rms_norm(d->k + (size_t)h * hd, b->k_norm, w->rms_eps, hd, d->k + (size_t)h * hd);
-    }
-    rope(d->q, w->n_head, hd, w->rope_dim, cs);
-    rope(d->k, w->n_head_kv, hd, w->rope_dim, cs);
-    for (int h = 0; h < w->n_head_kv; h++) {
-        memcpy(kc + ((size_t)h * cap + pos) * hd, d->k + (size_t)h * hd, (size_t)hd * sizeof(float));
-        memcpy(vc + ((size_t)h * cap + pos) * hd, d->v + (size_t)h * hd, (size_t)hd * sizeof(float));
-    }
     attn_ctx ac = {.d = d, .kc = kc, .vc = vc, .cap = cap, .n_pos = pos + 1,
                    .scale = w->attention_scale};
     atomic_init(&ac.next, 0);
+    const int all_heads_norm = b->q_norm != NULL && b->q_norm_len == nq;
     plan_next(pool, &o);
-    pyrt_pool_run(pool, task_attention, &ac);
-    plan_next(pool, &ffn_in);
-    run_matvec(d, pool, &o, d->att, nq);
+    if (d->fuse_attention && !all_heads_norm) {
+        run_qkv_attention_o(d, pool, b, &qkv, &ac, &o, kc, vc, cs, pos);
+    } else {
+        run_matvec(d, pool, &qkv, d->xn, w->n_embd);
+        if (all_heads_norm) { /* olmoe: over all heads */
+            rms_norm(d->q, b->q_norm, w->rms_eps, nq, d->q);
+            rms_norm(d->k, b->k_norm, w->rms_eps, nkv, d->k);
+        } else if (b->q_norm != NULL) { /* qwen3moe: per head */
+            for (int h = 0; h < w->n_head; h++)
+                rms_norm(d->q + (size_t)h * hd, b->q_norm, w->rms_eps, hd, d->q + (size_t)h * hd);
+            for (int h = 0; h < w->n_head_kv; h++)
+                rms_norm(d->k + (size_t)h * hd, b->k_norm, w->rms_eps, hd, d->k + (size_t)h * hd);
+        }
+        rope(d->q, w->n_head, hd, w->rope_dim, cs);
+        rope(d->k, w->n_head_kv, hd, w->rope_dim, cs);
+        for (int h = 0; h < w->n_head_kv; h++) {
+            memcpy(kc + ((size_t)h * cap + pos) * hd, d->k + (size_t)h * hd,
+                   (size_t)hd * sizeof(float));
+            memcpy(vc + ((size_t)h * cap + pos) * hd, d->v + (size_t)h * hd,
+                   (size_t)hd * sizeof(float));
+        }
+        plan_next(pool, &o);
+        pyrt_pool_run(pool, task_attention, &ac);
+        plan_next(pool, &ffn_in);
+        run_matvec(d, pool, &o, d->att, nq);
+    }
     for (int i = 0; i < w->n_embd; i++)
         d->x[i] = d->x[i] + d->y[i] * w->residual_scale;
 }
@@ -469,12 +646,16 @@ static int64_t ffn_block(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weig
         memcpy(d->y, d->ys, (size_t)n_embd * sizeof(float));
     } else {
         const int shared = b->sh_gate.data != NULL;
-        /* the routed experts' rows are known only after the router: no plan for its idle time */
-        plan_next(pool, NULL);
+        /* The routed experts' rows are known only after the router. Its run gets the plan of
+         * the experts' run (the shared down or the next block's q/k/v): the threads' wait at its
+         * end and through top-k and pyrt_moe_ffn's set-up (the DRAM idled there) start on it,
+         * and the experts' run goes on from where they stopped (same plan: pool.c). */
+        const pyrt_mv_job sh_down = {.out = {{&b->sh_down, NULL, d->ys, 0}}, .n_mats = 1};
+        const pyrt_mv_job *after = shared ? &sh_down : next;
+        plan_next(pool, after);
         run_matvec(d, pool, &in, d->xn, n_embd);
         route(d->router, w->n_expert, w->n_expert_used, w->expert_weights_norm, d->ids, d->topw);
-        const pyrt_mv_job sh_down = {.out = {{&b->sh_down, NULL, d->ys, 0}}, .n_mats = 1};
-        plan_next(pool, shared ? &sh_down : next);
+        plan_next(pool, after);
         /* pyrt_moe_ffn takes the pool itself */
         pyrt_pool_release(pool);
         int rc = pyrt_moe_ffn(pool, b->gud, b->gud_bytes, b->gud_fmt, w->n_expert, w->n_ff_exp,

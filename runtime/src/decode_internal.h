@@ -42,6 +42,10 @@ typedef struct {
     int n_tokens;
     float clamp;          /* > 0: clamp every output to [-clamp, clamp] (after the bias) */
     float div;            /* every output divided by it (1: no-op) */
+    /* called by the thread that computed rows [lo, hi) of the list, right after (NULL: none):
+     * a later phase of the same pool task can start on rows as they complete */
+    void (*on_rows)(void *ctx, int64_t lo, int64_t hi);
+    void *on_rows_ctx;
     /* set by pyrt_mv_job_prepare */
     int64_t total_rows;
     int n_homes;          /* min(nth, PYRT_MAX_HOMES) */

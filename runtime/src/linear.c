@@ -18,7 +18,9 @@ enum {
     MIN_CHUNK = 16,             /* rows: below this the counter traffic costs more than it saves */
     TOKEN_TILE = 64,            /* tokens whose Q8 blocks stay in L2 while a chunk's rows pass */
     SERIAL_QUANTIZE_MAX = 1 << 15, /* x elements quantized on the calling thread */
-    DEFAULT_PREFETCH_ROWS = 4      /* rows ahead of the current pair (PYRT_MV_PREFETCH; 0: off) */
+    DEFAULT_PREFETCH_ROWS = 2      /* rows ahead of the current pair (PYRT_MV_PREFETCH; 0: off):
+                                      2 streamed a 650 MB Q8_0 matrix 12-14% faster than 4 on
+                                      1-2 Sapphire Rapids cores (docs/bench-notes-granite.md) */
 };
 
 int pyrt_matrix_check(const pyrt_matrix *m, const char *fn, const char *what) {
@@ -188,7 +190,10 @@ void pyrt_mv_task(void *ctx, int ith, int nth) {
             const int64_t r0 = lo + i * job->chunk;
             if (r0 >= hi)
                 break;
-            mv_range(job, r0, r0 + job->chunk < hi ? r0 + job->chunk : hi);
+            const int64_t r1 = r0 + job->chunk < hi ? r0 + job->chunk : hi;
+            mv_range(job, r0, r1);
+            if (job->on_rows != NULL)
+                job->on_rows(job->on_rows_ctx, r0, r1);
         }
     }
 }

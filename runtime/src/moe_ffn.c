@@ -29,6 +29,11 @@
 enum {
     TOKEN_BLOCK = 64,
     DEFAULT_PREFETCH_AHEAD = 2, /* neurons (best of 2, 4, 8 on the 16-core device) */
+    DEFAULT_PLAN_LINES = 0,     /* plan lines per dense neuron (of its 3 rows' lines: 51 in
+                                   granite's 1024-wide Q8_0, 96 in olmoe's 2048); off until the
+                                   16-core device has measured it (bench/granite_session.sh
+                                   sweeps 0 and 8): no gain on 2 cores, see
+                                   docs/bench-notes-granite.md */
     MAX_SPARSE_CHUNK = 32,     /* neurons: the sparse chunk arrays' size */
     DEFAULT_SPARSE_CHUNK = 32, /* neurons */
     MAX_ITEMS_PER_THREAD = 8, /* guided items come to ~6.2 per thread */
@@ -75,6 +80,7 @@ typedef struct {
     int64_t *active;        /* [nth * 8] per-thread active-neuron counters (own cache line) */
     int prefetch_ahead;     /* neurons ahead whose rows are software-prefetched (0: none) */
     int sparse_chunk;       /* sparse: neurons per chunk (<= NEURON_CHUNK) */
+    int plan_lines;         /* lines of the pool's plan prefetched per dense neuron (0: none) */
     pyrt_add_fn ops_add;    /* y += partial y (the active SIMD level's) */
     int64_t *prof;          /* [nth * 8] per-thread task start, items end, end ns, or NULL */
     pyrt_pool *pool;        /* for the idle prefetch while a reducer waits on an item */
@@ -87,6 +93,10 @@ typedef struct {
  * PYRT_PREFETCH_AHEAD=n   software-prefetch the rows of the neuron n ahead (default 2; 0: off).
  * PYRT_SPARSE_CHUNK=n     sparse: gates of n neurons (1..32, default 32) before their up/down rows.
  * PYRT_ITEMS=n            n equal work items per thread (default 0: guided sizes, see plan_items).
+ * PYRT_PLAN_LINES=n       dense: per neuron, n lines of the pool's prefetch plan (the rows of the
+ *                         task after this one) into L2, paced by the items, where a thread's
+ *                         home of the plan is at most PLAN_PACE_MAX_HOME (default
+ *                         DEFAULT_PLAN_LINES; 0: the plan waits for the idle time at the end).
  * PYRT_SPIN_US=n          (pool.c, read at pool creation) how long idle threads spin, default 300.
  * The result is the same bits under every setting. */
 typedef struct {
@@ -94,22 +104,27 @@ typedef struct {
     int prefetch_ahead;
     int items_per_thread;
     int sparse_chunk;
+    int plan_lines;
 } knobs;
 
 /* Read on every call (a few getenv, well under a microsecond) so a benchmark can vary them. */
 static knobs read_knobs(void) {
     const char *p = getenv("PYRT_PROFILE"), *a = getenv("PYRT_PREFETCH_AHEAD");
     const char *items = getenv("PYRT_ITEMS"), *chunk = getenv("PYRT_SPARSE_CHUNK");
+    const char *plan = getenv("PYRT_PLAN_LINES");
     knobs k = {.profile = p != NULL && atoi(p) > 0 ? atoi(p) : 0,
                .prefetch_ahead = a != NULL ? atoi(a) : DEFAULT_PREFETCH_AHEAD,
                .items_per_thread = items != NULL ? atoi(items) : 0,
-               .sparse_chunk = chunk != NULL ? atoi(chunk) : DEFAULT_SPARSE_CHUNK};
+               .sparse_chunk = chunk != NULL ? atoi(chunk) : DEFAULT_SPARSE_CHUNK,
+               .plan_lines = plan != NULL ? atoi(plan) : DEFAULT_PLAN_LINES};
     if (k.sparse_chunk < 1 || k.sparse_chunk > MAX_SPARSE_CHUNK)
         k.sparse_chunk = DEFAULT_SPARSE_CHUNK;
     if (k.items_per_thread < 0)
         k.items_per_thread = 0;
     if (k.prefetch_ahead < 0)
         k.prefetch_ahead = 0;
+    if (k.plan_lines < 0)
+        k.plan_lines = 0;
     return k;
 }
 
@@ -312,14 +327,42 @@ static inline void pf_cursor_take(pf_cursor *pc, size_t bytes, const void **line
     pc->at += bytes;
 }
 
+/* Prefetch of the pool's plan (the next task's rows: in the decode step the next block's q/k/v)
+ * paced by one thread's dense items: a few lines per neuron, so that they stream in while this
+ * task still streams its own rows and the DRAM has room (on the 16-core device the experts ran
+ * at ~84% of the read test), and the next task reads them from L2. What the items do not get
+ * to, the idle time at the end does (pyrt_pool_idle_prefetch). Sparse items do not pace. */
+typedef struct {
+    pyrt_pool *pool;
+    int ith;
+    int lines; /* per neuron; 0 once the thread's home of the plan is done */
+} plan_pacer;
+
+/* A home larger than this is not paced: its lines would be evicted from L2 by the thread's
+ * share of the experts (~0.8 MiB per block at 16 threads in granite, 6.7 MiB at 2) before the
+ * next task reads them, or would push out the expert rows prefetched for this one. */
+enum { PLAN_PACE_MAX_HOME = 256 << 10 };
+
+static plan_pacer plan_pacer_begin(const moe_ctx *c, int ith) {
+    plan_pacer pp = {c->pool, ith, c->plan_lines};
+    if (pp.lines > 0 && pyrt_pool_plan_home_bytes(c->pool, ith) > PLAN_PACE_MAX_HOME)
+        pp.lines = 0;
+    return pp;
+}
+
+static inline void plan_pace(plan_pacer *pp) {
+    if (pp->lines > 0 && !pyrt_pool_plan_step(pp->pool, pp->ith, pp->lines))
+        pp->lines = 0;
+}
+
 /* Neurons [j0, j1) of one expert for its routes [r0, r1): per neuron, gate and up dots in one
  * pass over x (dot2) for each route, then every DENSE_CHUNK neurons their down rows into each
  * route's y in one pass (axpyn, y in registers). The rows of [j0, j1) are one contiguous stream;
  * a prefetch cursor `ahead` neurons on advances by 2 rows per dot2 phase of a neuron and by the
  * chunk's down rows per axpyn phase, its lines split across the routes' calls (with only the
  * dot2 calls prefetching, the memory idled through every axpyn pass). */
-static int64_t dense_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j0, int64_t j1,
-                             int r0, int r1, float *acc) {
+static int64_t dense_neurons(const moe_ctx *c, plan_pacer *pacer, const uint8_t *expert,
+                             int64_t j0, int64_t j1, int r0, int r1, float *acc) {
     const size_t rb = c->row_bytes, nrb = 3 * rb; /* bytes of one row, of one neuron */
     const int ahead = c->prefetch_ahead;
     const void *pf[PF_MAX_LINES];
@@ -348,6 +391,7 @@ static int64_t dense_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j0
                     h[r][i] = c->route_w[rc + r] * pyrt_activate(c->activation, gu[0]) * gu[1];
                 }
                 down[i] = gate + 2 * rb;
+                plan_pace(pacer);
             }
             int n_pf = 0;
             pf_cursor_take(&pc, (size_t)nj * rb, pf, &n_pf);
@@ -579,7 +623,7 @@ static int64_t sparse_neurons(const moe_ctx *c, sparse_pipe *pp, int item, const
 /* One work item: the neurons whose estimated cost falls in [item_start[item],
  * item_start[item + 1]), accumulated into the item's own partial y. Dense marks the item done
  * at its end; sparse when its last chunk leaves the pipeline. */
-static int64_t run_item(const moe_ctx *c, sparse_pipe *pp, int item) {
+static int64_t run_item(const moe_ctx *c, sparse_pipe *pp, plan_pacer *pacer, int item) {
     float *acc = c->acc + (size_t)item * c->acc_stride;
     memset(acc, 0, (size_t)c->tb * c->n_embd * sizeof *acc);
     const int64_t lo = c->item_start[item], hi = c->item_start[item + 1];
@@ -600,7 +644,7 @@ static int64_t run_item(const moe_ctx *c, sparse_pipe *pp, int item) {
         const uint8_t *expert = c->gud + (size_t)c->used[u] * c->n_ff * 3 * c->row_bytes;
         const int r0 = c->route_start[u], r1 = c->route_start[u + 1];
         active += sparse ? sparse_neurons(c, pp, item, expert, j0, j1, r0, r1, acc)
-                         : dense_neurons(c, expert, j0, j1, r0, r1, acc);
+                         : dense_neurons(c, pacer, expert, j0, j1, r0, r1, acc);
     }
     if (pp->prev == NULL || pp->prev->item != item)
         mark_item_done(c, item);
@@ -623,6 +667,7 @@ static void task_block(void *p, int ith, int nth) {
     sparse_pipe pp;
     pp.cur = 0;
     pp.prev = NULL;
+    plan_pacer pacer = plan_pacer_begin(c, ith);
     int64_t active = 0;
     for (int item; (item = atomic_fetch_add_explicit(c->next_item, 1, memory_order_relaxed)) <
                    c->n_items;) {
@@ -630,7 +675,7 @@ static void task_block(void *p, int ith, int nth) {
             prof[3] = now_ns();
             prof[4] = item;
         }
-        active += run_item(c, &pp, item);
+        active += run_item(c, &pp, &pacer, item);
     }
     sparse_pipe_flush(c, &pp, 0, -1, NULL);
     c->active[(size_t)ith * 8] += active;
@@ -885,6 +930,7 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
         .active = (int64_t *)(ws + off_active),
         .prefetch_ahead = kn.prefetch_ahead,
         .sparse_chunk = kn.sparse_chunk,
+        .plan_lines = kn.plan_lines,
         .ops_add = pyrt_add_f32_active(),
         .prof = kn.profile ? (int64_t *)(ws + off_prof) : NULL,
         .pool = pool,

@@ -92,9 +92,9 @@ static int same_plan(const pyrt_pf_plan *a, const pyrt_pf_plan *b) {
     return 1;
 }
 
-/* One step of thread ith's idle prefetch of the plan of the run in `slot`: the next IDLE_LINES
+/* One step of thread ith's idle prefetch of the plan of the run in `slot`: the next `lines`
  * lines of its home into L2. Returns 0 when its home is done (or it has none). */
-static int idle_step(pyrt_pool *pool, int ith, int slot) {
+static int idle_step(pyrt_pool *pool, int ith, int slot, int lines) {
     const pyrt_pf_plan *p = &pool->plans[slot];
     const int n_homes = pool->n_threads < PYRT_MAX_HOMES ? pool->n_threads : PYRT_MAX_HOMES;
     if (p->n == 0 || ith >= n_homes)
@@ -110,7 +110,7 @@ static int idle_step(pyrt_pool *pool, int ith, int slot) {
     const int64_t lo = pyrt_home_start(rows, ith, n_homes);
     const int64_t hi = pyrt_home_start(rows, ith + 1, n_homes);
     int64_t skip = pr->done; /* bytes of the home before the next line to prefetch */
-    int left = IDLE_LINES;
+    int left = lines;
     int64_t base = 0;        /* first row of region i in the list */
     for (int i = 0; i < p->n && left > 0; base += p->r[i].n_rows, i++) {
         const pyrt_pf_region *r = &p->r[i];
@@ -131,9 +131,34 @@ static int idle_step(pyrt_pool *pool, int ith, int slot) {
     return left == 0;
 }
 
-int pyrt_pool_idle_prefetch(pyrt_pool *pool, int ith) {
+int64_t pyrt_pool_plan_home_bytes(pyrt_pool *pool, int ith) {
     const uint_fast64_t gen = atomic_load_explicit(&pool->generation, memory_order_acquire);
-    return idle_step(pool, ith, (int)(gen & 1));
+    const pyrt_pf_plan *p = &pool->plans[gen & 1];
+    const int n_homes = pool->n_threads < PYRT_MAX_HOMES ? pool->n_threads : PYRT_MAX_HOMES;
+    if (p->n == 0 || ith >= n_homes)
+        return 0;
+    int64_t rows = 0;
+    for (int i = 0; i < p->n; i++)
+        rows += p->r[i].n_rows;
+    const int64_t lo = pyrt_home_start(rows, ith, n_homes);
+    const int64_t hi = pyrt_home_start(rows, ith + 1, n_homes);
+    int64_t bytes = 0, base = 0;
+    for (int i = 0; i < p->n; base += p->r[i].n_rows, i++) {
+        const int64_t a = lo > base ? lo : base;
+        const int64_t b = hi < base + p->r[i].n_rows ? hi : base + p->r[i].n_rows;
+        if (a < b)
+            bytes += (b - a) * (int64_t)p->r[i].row_bytes;
+    }
+    return bytes;
+}
+
+int pyrt_pool_idle_prefetch(pyrt_pool *pool, int ith) {
+    return pyrt_pool_plan_step(pool, ith, IDLE_LINES);
+}
+
+int pyrt_pool_plan_step(pyrt_pool *pool, int ith, int lines) {
+    const uint_fast64_t gen = atomic_load_explicit(&pool->generation, memory_order_acquire);
+    return idle_step(pool, ith, (int)(gen & 1), lines);
 }
 
 void pyrt_pool_plan_prefetch(pyrt_pool *pool, const pyrt_pf_plan *plan) {
@@ -156,7 +181,7 @@ static uint_fast64_t spin_for_generation(pyrt_pool *pool, uint_fast64_t seen, in
     while (gen == seen) {
         for (int i = 0; i < SPIN_CHECK && gen == seen; i++) {
             if (more)
-                more = idle_step(pool, ith, (int)(seen & 1));
+                more = idle_step(pool, ith, (int)(seen & 1), IDLE_LINES);
             else
                 PYRT_CPU_RELAX();
             gen = atomic_load_explicit(&pool->generation, memory_order_acquire);
@@ -349,7 +374,7 @@ void pyrt_pool_run(pyrt_pool *pool, pyrt_task_fn fn, void *ctx) {
             if (atomic_load_explicit(&pool->pending, memory_order_acquire) == 0)
                 return;
             if (more)
-                more = idle_step(pool, 0, slot);
+                more = idle_step(pool, 0, slot, IDLE_LINES);
             else
                 PYRT_CPU_RELAX();
         }

@@ -116,6 +116,12 @@ static inline void pyrt_pf_end(pyrt_pf_spread *s) {
 const pyrt_row_ops *pyrt_row_ops_scalar(int fmt);
 const pyrt_row_ops *pyrt_row_ops_avx2(int fmt);
 const pyrt_row_ops *pyrt_row_ops_avx512(int fmt);
+/* The AVX-512 level's kernels with the Q8_0 dots on AVX512_VNNI (the same bits as
+ * pyrt_row_ops_avx512); call only where the CPU has it (pyrt_cpu_has_vnni). */
+const pyrt_row_ops *pyrt_row_ops_avx512_vnni(int fmt);
+/* 1 when the CPU has AVX512_VNNI and PYRT_VNNI is not 0 (read once): the AVX-512 level then
+ * uses pyrt_row_ops_avx512_vnni. */
+int pyrt_cpu_has_vnni(void);
 /* Level `level`'s kernels (cpu.c); NULL for an unknown level or format. */
 const pyrt_row_ops *pyrt_row_ops_at(int level, int fmt);
 /* The active level's kernels (cpu.c). */
@@ -228,6 +234,12 @@ void pyrt_pool_plan_prefetch(pyrt_pool *pool, const pyrt_pf_plan *plan);
 /* Inside a task (thread ith): one step (a few lines) of this task's plan for ith; returns 0 once
  * ith's home is done (or there is no plan), so a spin-wait can prefetch instead of pausing. */
 int pyrt_pool_idle_prefetch(pyrt_pool *pool, int ith);
+/* The same with `lines` cache lines per step: a busy task paces the plan's
+ * prefetch by its own work (the expert kernel, a few lines per neuron), so the next task's rows
+ * stream in while the DRAM still has room, not only once the thread is out of work. */
+int pyrt_pool_plan_step(pyrt_pool *pool, int ith, int lines);
+/* Bytes of thread ith's home in the plan of the task running now (0: no plan or no home). */
+int64_t pyrt_pool_plan_home_bytes(pyrt_pool *pool, int ith);
 
 /* Scratch memory owned by the pool (64-byte aligned, grown on demand, kept between calls); NULL
  * when out of memory. Valid while the caller holds the pool and until the next workspace call. */

@@ -258,6 +258,55 @@ static void test_fused_kernels_match_plain(void) {
     }
 }
 
+/* The AVX512_VNNI Q8_0 dots (vpdpbusd on w + 128, from -128 * sum x) make the int32 lanes of
+ * the plain AVX-512 ones exactly, so every result must be the same bits: rows with -128 and 127
+ * weights (the ends of the w + 128 range), x blocks with +-127, every tail length. */
+static void test_vnni_dots_match_avx512(void) {
+    if (pyrt_simd_best() < PYRT_SIMD_AVX512 || !__builtin_cpu_supports("avx512vnni"))
+        return;
+    const pyrt_row_ops *plain = pyrt_row_ops_avx512(PYRT_FMT_Q8_0);
+    const pyrt_row_ops *vnni = pyrt_row_ops_avx512_vnni(PYRT_FMT_Q8_0);
+    CHECK(plain != NULL && vnni != NULL && plain != vnni, "no AVX512_VNNI Q8_0 kernels");
+    if (plain == NULL || vnni == NULL)
+        return;
+    const int lengths[] = {32, 64, 96, 256, 288, 544, 608, 1024, 2048, 2080};
+    for (int li = 0; li < COUNT_OF(lengths); li++) {
+        const int n = lengths[li];
+        const size_t rb = pyrt_row_bytes(PYRT_FMT_Q8_0, n);
+        uint8_t *rows = malloc(2 * rb);
+        double *wv = malloc(sizeof(double) * n);
+        float *x = malloc(sizeof(float) * n);
+        pyrt_xq8 *xq = malloc(sizeof(pyrt_xq8) * (n / 32 + 1));
+        for (int trial = 0; trial < 4; trial++) {
+            for (int r = 0; r < 2; r++)
+                make_row(PYRT_FMT_Q8_0, n, rows + r * rb, wv, 1);
+            if (trial == 3) /* extremes: every weight -128 in row 0, 127 in row 1 */
+                for (int b = 0; b < n / 32; b++)
+                    for (int i = 0; i < 32; i++) {
+                        rows[b * PYRT_Q8_0_BYTES + 2 + i] = 0x80;
+                        rows[rb + b * PYRT_Q8_0_BYTES + 2 + i] = 0x7F;
+                    }
+            for (int i = 0; i < n; i++)
+                x[i] = trial == 3 ? (i % 2 ? 1.0f : -1.0f) : rng_normalish();
+            pyrt_quantize_x_q8(x, xq, n);
+            const float d0 = plain->dot(rows, xq, n), v0 = vnni->dot(rows, xq, n);
+            CHECK(memcmp(&d0, &v0, 4) == 0, "vnni dot n %d trial %d: %.9g vs %.9g", n, trial,
+                  v0, d0);
+            float dp[2], vp[2];
+            plain->dot2(rows, rows + rb, xq, n, dp);
+            vnni->dot2(rows, rows + rb, xq, n, vp);
+            CHECK(memcmp(dp, vp, sizeof dp) == 0, "vnni dot2 n %d trial %d: %.9g %.9g vs %.9g %.9g",
+                  n, trial, vp[0], vp[1], dp[0], dp[1]);
+            const void *pf[4] = {rows, rows + 64, rows + rb, rows + rb + 64};
+            const float p0 = vnni->dot_pf(rows, xq, n, pf, 4);
+            vnni->dot2_pf(rows, rows + rb, xq, n, vp, pf, 4);
+            CHECK(memcmp(&p0, &d0, 4) == 0 && memcmp(dp, vp, sizeof dp) == 0,
+                  "vnni dot_pf/dot2_pf n %d trial %d differ", n, trial);
+        }
+        free(rows), free(wv), free(x), free(xq);
+    }
+}
+
 static void test_quantize_x(void) {
     float x[64];
     pyrt_xq8 q[2];
@@ -537,6 +586,7 @@ int main(void) {
     test_add_levels();
     test_row_kernels();
     test_fused_kernels_match_plain();
+    test_vnni_dots_match_avx512();
     test_moe_ffn_case(13);
     test_moe_ffn_case(197);
     test_errors();

@@ -265,6 +265,18 @@ static void test_decode(void) {
     decode_tiny(&t, 3, c);
     unsetenv("PYRT_IDLE_PREFETCH");
     CHECK(memcmp(b, c, sizeof(float) * CAP * N_VOCAB) == 0, "idle prefetch changed the logits");
+    /* q/k/v and attention in one task (blocks 0 and 2: per-head norms, none) or two (serial
+     * norms, RoPE, cache append between them): the same operations, the same bits */
+    setenv("PYRT_FUSE_ATTN", "0", 1);
+    decode_tiny(&t, 3, c);
+    unsetenv("PYRT_FUSE_ATTN");
+    CHECK(memcmp(b, c, sizeof(float) * CAP * N_VOCAB) == 0, "fused attention changed the logits");
+    decode_tiny(&t, 16, c);
+    setenv("PYRT_FUSE_ATTN", "0", 1);
+    decode_tiny(&t, 16, a);
+    unsetenv("PYRT_FUSE_ATTN");
+    CHECK(memcmp(a, c, sizeof(float) * CAP * N_VOCAB) == 0,
+          "fused attention changed the logits at 16 threads");
     free(c);
 
     /* create refuses a wrong shape and a missing dense FFN, with the tensor in the message */

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Device session for the granite branch (issue 3, whole-model CPU decode): builds the C core of
+# this tree (NEW) and of a base (OLD), makes a random granite-1b-a400m Q8_0 GGUF, then runs
+# bench/cpu_decode.py --threads $THREADS --tokens 64, each run its own process, round-robin over
+#   OLD | NEW | NEW PYRT_FUSE_ATTN=0 | NEW PYRT_PLAN_LINES=8 | NEW PYRT_VNNI=0 |
+#   NEW PYRT_MV_PREFETCH=4
+# (the last four: this branch's pieces off or back at main's value, or knobs the 2-core box
+# could not decide, see docs/bench-notes-granite.md), 3 rounds, starting a run only while less
+# than BUDGET_S (default 180) seconds have passed; then the C unit tests (the AVX512_VNNI
+# bit-equality test runs only where the CPU has it) and a summary (median ms/token and % of
+# floor per variant) in $OUT/summary.txt. At most ~4 minutes on 16 cores.
+#
+#   bash bench/granite_session.sh OUT [BASE_SRC] [BUDGET_S]
+#
+# BASE_SRC: a folder with the base's runtime/ and CMakeLists.txt (e.g. `git archive 701cde0
+# runtime CMakeLists.txt | tar -x -C /some/dir`). Without it the base is this tree with the
+# branch's C changes taken back out: runtime/ and CMakeLists.txt copied to /tmp and
+# bench/granite_base.patch (`git diff 701cde0 granite -- runtime CMakeLists.txt`) applied in
+# reverse, so OLD differs from NEW by exactly this branch's C changes.
+# Local try: THREADS=2 bash bench/granite_session.sh /tmp/granite-out
+set -u
+OUT=$(realpath -m "${1:?usage: bash bench/granite_session.sh OUT [BASE_SRC] [BUDGET_S]}")
+BASE_SRC=${2:+$(realpath -m "$2")}
+cd "$(dirname "$0")/.."
+BUDGET_S=${3:-180}
+THREADS=${THREADS:-16}
+ROUNDS=${ROUNDS:-3}
+T0=$(date +%s)
+elapsed() { echo $(($(date +%s) - T0)); }
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
+mkdir -p "$OUT"
+. bench/cpu_session_common.sh
+session_machine "$OUT"
+
+if [ -z "$BASE_SRC" ]; then
+    BASE_SRC=/tmp/granite-base-src
+    rm -rf "$BASE_SRC" && mkdir -p "$BASE_SRC"
+    cp -r runtime CMakeLists.txt "$BASE_SRC"/
+    if ! patch -s -R -p1 -d "$BASE_SRC" <bench/granite_base.patch; then
+        echo "bench/granite_base.patch does not reverse onto this tree: pass BASE_SRC" |
+            tee -a "$OUT/machine.txt"
+        exit 1
+    fi
+fi
+session_build "$BASE_SRC" granite >>"$OUT/machine.txt" 2>&1 || {
+    echo "build failed" | tee -a "$OUT/machine.txt"
+    exit 1
+}
+echo "built at $(elapsed) s" | tee -a "$OUT/machine.txt"
+
+G=/tmp/granite-q8_0.gguf
+python bench/make_random_gguf.py granite-1b-a400m --outtype q8_0 -o $G \
+    --tokenizer-dir tests/data/tiny-tokenizer >/dev/null || exit 1
+echo "gguf at $(elapsed) s" | tee -a "$OUT/machine.txt"
+
+# name|library|environment
+VARIANTS="OLD|$OLD|
+NEW|$NEW|
+NEW_FUSE0|$NEW|PYRT_FUSE_ATTN=0
+NEW_PLAN8|$NEW|PYRT_PLAN_LINES=8
+NEW_VNNI0|$NEW|PYRT_VNNI=0
+NEW_MVPF4|$NEW|PYRT_MV_PREFETCH=4"
+for round in $(seq "$ROUNDS"); do
+    while IFS='|' read -r name lib envs; do
+        [ "$(elapsed)" -lt "$BUDGET_S" ] || break 2
+        echo "== $name round $round ($lib) $envs at $(elapsed) s, load $(cut -d' ' -f1-3 /proc/loadavg)"
+        env $envs PYRUNTIME_CORE_LIB="$lib" timeout 40 python bench/cpu_decode.py \
+            granite-1b-a400m --gguf $G --threads "$THREADS" --tokens 64
+    done <<<"$VARIANTS"
+done >"$OUT/decode-granite.txt" 2>&1
+rm -f $G
+echo "decode done at $(elapsed) s" | tee -a "$OUT/machine.txt"
+
+if [ "$(elapsed)" -lt $((BUDGET_S + 20)) ]; then
+    PYRUNTIME_CORE_LIB=$NEW timeout 60 python -m pytest -q tests/test_cpu_core.py \
+        -k c_unit_tests 2>&1 | tail -5 >"$OUT/tests.txt"
+fi
+python bench/granite_summary.py "$OUT/decode-granite.txt" | tee "$OUT/summary.txt"
+echo "session done at $(elapsed) s" | tee -a "$OUT/machine.txt"
