@@ -4,7 +4,7 @@
 # the kernel's per-phase profile per cell, the strided read test (bench/cpu16_stride.c) and the
 # C unit tests under ASan/UBSan (the AVX-512 quantize). Ran at commit 4e0db34, where the knobs
 # PYRT_QUANT_SCALAR, PYRT_REDUCE, PYRT_ITEM_MIN and PYRT_GATE_AHEAD existed (dropped after the run,
-# see docs/bench-notes-cpu16.md); at later commits they are ignored.
+# see docs/benchmarks.md, CPU sections); at later commits they are ignored.
 #   bash bench/cpu16_session.sh OUT
 set -u
 OUT=$1

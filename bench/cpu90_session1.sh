@@ -6,7 +6,7 @@
 # old library (main) beside the new one's defaults (LIB=OLD,NEW, which must tie); the Python
 # wrapper's cost with and without out=; the DRAM read test at 8-16 threads.
 # Ran at commit 77c48bc, where those knobs existed (dropped after run 2, no gain: see
-# docs/bench-notes-cpu90.md); at later commits the kernel ignores them.
+# docs/benchmarks.md, "the bare kernel vs the Python wrapper"); at later commits the kernel ignores them.
 #   bash bench/cpu90_session1.sh BASE_SRC OUT
 set -u
 BASE_SRC=$1

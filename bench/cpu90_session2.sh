@@ -6,7 +6,7 @@
 # noise): item plan (PYRT_ITEM_PLAN div:min), cldemote of finished partial ys (PYRT_DEMOTE),
 # reducers (PYRT_REDUCERS, 0 = nth - 1); wrapper and bare C call, the kernel's profile per cell.
 # Ran at commit 2fabc86, where those knobs existed (dropped after run 2, no gain: see
-# docs/bench-notes-cpu90.md); at later commits the kernel ignores them.
+# docs/benchmarks.md, "the bare kernel vs the Python wrapper"); at later commits the kernel ignores them.
 #   bash bench/cpu90_session2.sh BASE_SRC OUT
 set -u
 BASE_SRC=$1

@@ -5,7 +5,7 @@
 #   OLD | NEW | NEW PYRT_FUSE_ATTN=0 | NEW PYRT_PLAN_LINES=8 | NEW PYRT_VNNI=0 |
 #   NEW PYRT_MV_PREFETCH=4
 # (the last four: this branch's pieces off or back at main's value, or knobs the 2-core box
-# could not decide, see docs/bench-notes-granite.md), 3 rounds, starting a run only while less
+# could not decide, see docs/benchmarks.md, "granite whole-model decode"), 3 rounds, starting a run only while less
 # than BUDGET_S (default 180) seconds have passed; then the C unit tests (the AVX512_VNNI
 # bit-equality test runs only where the CPU has it) and a summary (median ms/token and % of
 # floor per variant) in $OUT/summary.txt. At most ~4 minutes on 16 cores.
@@ -18,6 +18,7 @@
 # bench/granite_base.patch (`git diff 701cde0 granite -- runtime CMakeLists.txt`) applied in
 # reverse, so OLD differs from NEW by exactly this branch's C changes.
 # Local try: THREADS=2 bash bench/granite_session.sh /tmp/granite-out
+# Other variants: GRANITE_VARIANTS=$'OLD|OLD|\nNEW|NEW|\nNEW_PLAN8|NEW|PYRT_PLAN_LINES=8' ROUNDS=4 bash ...
 set -u
 OUT=$(realpath -m "${1:?usage: bash bench/granite_session.sh OUT [BASE_SRC] [BUDGET_S]}")
 BASE_SRC=${2:+$(realpath -m "$2")}
@@ -53,15 +54,16 @@ python bench/make_random_gguf.py granite-1b-a400m --outtype q8_0 -o $G \
     --tokenizer-dir tests/data/tiny-tokenizer >/dev/null || exit 1
 echo "gguf at $(elapsed) s" | tee -a "$OUT/machine.txt"
 
-# name|library|environment
-VARIANTS="OLD|$OLD|
-NEW|$NEW|
-NEW_FUSE0|$NEW|PYRT_FUSE_ATTN=0
-NEW_PLAN8|$NEW|PYRT_PLAN_LINES=8
-NEW_VNNI0|$NEW|PYRT_VNNI=0
-NEW_MVPF4|$NEW|PYRT_MV_PREFETCH=4"
+# name|library (OLD or NEW)|environment; GRANITE_VARIANTS replaces the list
+VARIANTS=${GRANITE_VARIANTS:-"OLD|OLD|
+NEW|NEW|
+NEW_FUSE0|NEW|PYRT_FUSE_ATTN=0
+NEW_PLAN8|NEW|PYRT_PLAN_LINES=8
+NEW_VNNI0|NEW|PYRT_VNNI=0
+NEW_MVPF4|NEW|PYRT_MV_PREFETCH=4"}
 for round in $(seq "$ROUNDS"); do
-    while IFS='|' read -r name lib envs; do
+    while IFS='|' read -r name which envs; do
+        if [ "$which" = OLD ]; then lib=$OLD; else lib=$NEW; fi
         [ "$(elapsed)" -lt "$BUDGET_S" ] || break 2
         echo "== $name round $round ($lib) $envs at $(elapsed) s, load $(cut -d' ' -f1-3 /proc/loadavg)"
         env $envs PYRUNTIME_CORE_LIB="$lib" timeout 40 python bench/cpu_decode.py \
