@@ -10,14 +10,8 @@ set -u
 BASE_SRC=$1
 OUT=$2
 BUDGET_S=${3:-200}
-mkdir -p "$OUT"
-T0=$(date +%s)
-elapsed() { echo $(($(date +%s) - T0)); }
 . "$(dirname "$0")/cpu_session_common.sh"
-export PYTHONUNBUFFERED=1
-session_machine "$OUT"
-session_build "$BASE_SRC" c16 >>"$OUT/machine.txt" || exit 1
-echo "built at $(elapsed) s" | tee -a "$OUT/machine.txt"
+session_begin "$OUT" "$BASE_SRC" c16 || exit 1
 
 for shape in olmoe-1b-7b qwen3-30b-a3b; do
     echo "== sweep $shape at $(elapsed) s"

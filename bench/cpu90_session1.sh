@@ -11,15 +11,9 @@
 set -u
 BASE_SRC=$1
 OUT=$2
-mkdir -p "$OUT"
-T0=$(date +%s)
-elapsed() { echo $(($(date +%s) - T0)); }
 . "$(dirname "$0")/cpu_session_common.sh"
-export PYTHONUNBUFFERED=1
-session_machine "$OUT"
+session_begin "$OUT" "$BASE_SRC" c90 || exit 1
 grep -o -w -E "cldemote|movdiri" /proc/cpuinfo | sort | uniq -c >>"$OUT/machine.txt"
-session_build "$BASE_SRC" c90 >>"$OUT/machine.txt" || exit 1
-echo "built at $(elapsed) s" | tee -a "$OUT/machine.txt"
 
 for shape in olmoe-1b-7b qwen3-30b-a3b; do
     echo "== knob sweep $shape at $(elapsed) s"

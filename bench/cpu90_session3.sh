@@ -8,14 +8,8 @@
 set -u
 BASE_SRC=$1
 OUT=$2
-mkdir -p "$OUT"
-T0=$(date +%s)
-elapsed() { echo $(($(date +%s) - T0)); }
 . "$(dirname "$0")/cpu_session_common.sh"
-export PYTHONUNBUFFERED=1
-session_machine "$OUT"
-session_build "$BASE_SRC" c90 >>"$OUT/machine.txt" || exit 1
-echo "built at $(elapsed) s" | tee -a "$OUT/machine.txt"
+session_begin "$OUT" "$BASE_SRC" c90 || exit 1
 
 PYRT_PROFILE=5 PYRUNTIME_CORE_LIB=$NEW timeout 110 python -m pytest -q -x -rs \
     tests/test_cpu_core.py tests/test_cpu_decode.py >"$OUT/tests.txt" 2>&1

@@ -1,4 +1,5 @@
-# Shared by the device CPU session scripts (bench/cpu_session.sh, cpu_vnni_session.sh, cpu16_session*.sh):
+# Shared by the device CPU session scripts (bench/cpu_session.sh, cpu_vnni_session.sh, cpu16_session*.sh,
+# cpu90_session*.sh, granite_session.sh):
 # source it, then call
 #   session_machine OUT              the machine's CPU, cache sizes, AVX-512/VNNI flags, load
 #                                    -> OUT/machine.txt
@@ -47,3 +48,17 @@ session_decode_granite() {
                 --gguf $g --threads 16 --tokens 64
         done >"$1/decode-granite.txt" 2>&1
 }
+
+# session_begin OUT BASE_SRC PREFIX: the start every session script shares: OUT made, the timer
+# started (elapsed prints seconds since), the machine report, OLD and NEW built (returns 1 if a
+# build failed)
+session_begin() {
+    mkdir -p "$1"
+    T0=$(date +%s)
+    export PYTHONUNBUFFERED=1
+    session_machine "$1"
+    session_build "$2" "$3" >>"$1/machine.txt" || return 1
+    echo "built at $(elapsed) s" | tee -a "$1/machine.txt"
+}
+
+elapsed() { echo $(($(date +%s) - T0)); }
