@@ -56,6 +56,8 @@ struct pyrt_decoder {
     size_t scores_cap;           /* positions per head in scores */
     int fuse_attention;          /* q/k/v + attention in one task where the norms allow
                                     (PYRT_FUSE_ATTN at creation, default 1; 0: never) */
+    int fuse_router;             /* router, routing and experts in one task (PYRT_FUSE_ROUTER at
+                                    creation, default 1; 0: the router's own run) */
     int64_t times[4];            /* see pyrt_decoder_times */
     atomic_flag busy;            /* set during a step: the scratch above is not shareable */
 };
@@ -223,6 +225,8 @@ int pyrt_decoder_create(const pyrt_model_weights *w, pyrt_decoder **out) {
     memcpy(d->blocks, w->blocks, (size_t)w->n_layer * sizeof *d->blocks);
     const char *fuse = getenv("PYRT_FUSE_ATTN");
     d->fuse_attention = fuse == NULL || atoi(fuse) != 0;
+    const char *fuse_r = getenv("PYRT_FUSE_ROUTER");
+    d->fuse_router = fuse_r == NULL || atoi(fuse_r) != 0;
     d->w.blocks = d->blocks;
     atomic_flag_clear(&d->busy);
     *out = d;
@@ -326,6 +330,12 @@ static void route(float *p, int n_expert, int k, int renorm, int32_t *ids, float
     if (renorm)
         for (int j = 0; j < k; j++)
             w[j] /= sum;
+}
+
+/* The routing of the fused router + experts task (pyrt_moe_ffn_routed), from d->router. */
+static void route_task(void *ctx, int32_t *ids, float *w) {
+    pyrt_decoder *d = ctx;
+    route(d->router, d->w.n_expert, d->w.n_expert_used, d->w.expert_weights_norm, ids, w);
 }
 
 /* ---- pool tasks ---------------------------------------------------------------------------- */
@@ -653,15 +663,29 @@ static int64_t ffn_block(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weig
         const pyrt_mv_job sh_down = {.out = {{&b->sh_down, NULL, d->ys, 0}}, .n_mats = 1};
         const pyrt_mv_job *after = shared ? &sh_down : next;
         plan_next(pool, after);
-        run_matvec(d, pool, &in, d->xn, n_embd);
-        route(d->router, w->n_expert, w->n_expert_used, w->expert_weights_norm, d->ids, d->topw);
-        plan_next(pool, after);
-        /* pyrt_moe_ffn takes the pool itself */
-        pyrt_pool_release(pool);
-        int rc = pyrt_moe_ffn(pool, b->gud, b->gud_bytes, b->gud_fmt, w->n_expert, w->n_ff_exp,
+        int rc;
+        if (d->fuse_router) {
+            /* one task: router rows, routing by the thread that completes them, experts */
+            matvec_setup(d, pool, &in, d->xn, n_embd);
+            const int blocked = pyrt_fmt_is_blocked(b->router.fmt) ||
+                                (shared && (pyrt_fmt_is_blocked(b->sh_gate.fmt) ||
+                                            pyrt_fmt_is_blocked(b->sh_up.fmt)));
+            rc = pyrt_moe_ffn_routed(pool, &in, route_task, d, d->ids, d->topw, b->gud,
+                                     b->gud_fmt, w->n_expert, w->n_ff_exp, n_embd, d->xn,
+                                     blocked ? d->xq : NULL, w->n_expert_used, w->activation,
+                                     threshold, d->y, &active);
+        } else {
+            run_matvec(d, pool, &in, d->xn, n_embd);
+            route(d->router, w->n_expert, w->n_expert_used, w->expert_weights_norm, d->ids,
+                  d->topw);
+            plan_next(pool, after);
+            /* pyrt_moe_ffn takes the pool itself */
+            pyrt_pool_release(pool);
+            rc = pyrt_moe_ffn(pool, b->gud, b->gud_bytes, b->gud_fmt, w->n_expert, w->n_ff_exp,
                               n_embd, d->xn, 1, d->ids, d->topw, w->n_expert_used, w->activation,
                               threshold, d->y, &active);
-        pyrt_pool_acquire(pool);
+            pyrt_pool_acquire(pool);
+        }
         if (rc != PYRT_OK)
             return -1;
         if (shared) {

@@ -24,7 +24,7 @@
 #include <stdlib.h>
 #include <time.h>
 
-#include "pyrt_internal.h"
+#include "decode_internal.h"
 
 enum {
     TOKEN_BLOCK = 64,
@@ -37,7 +37,7 @@ enum {
     MAX_SPARSE_CHUNK = 32,     /* neurons: the sparse chunk arrays' size */
     DEFAULT_SPARSE_CHUNK = 32, /* neurons */
     MAX_ITEMS_PER_THREAD = 8, /* guided items come to ~6.2 per thread */
-    REDUCE_PF_ITEMS = 2, /* reduce: items ahead whose part of the range is prefetched */
+    DEFAULT_REDUCE_PF = 2, /* reduce: items ahead whose part of the range is prefetched */
     ITEMS_ACC_BYTES = 16 << 20, /* cap on the work items' partial ys together */
     SERIAL_QUANTIZE_MAX = 1 << 15 /* activations (tokens * n_embd) quantized without the pool */
 };
@@ -81,9 +81,19 @@ typedef struct {
     int prefetch_ahead;     /* neurons ahead whose rows are software-prefetched (0: none) */
     int sparse_chunk;       /* sparse: neurons per chunk (<= NEURON_CHUNK) */
     int plan_lines;         /* lines of the pool's plan prefetched per dense neuron (0: none) */
+    int reduce_pf;          /* reduce: items ahead whose part of the range is prefetched */
     pyrt_add_fn ops_add;    /* y += partial y (the active SIMD level's) */
     int64_t *prof;          /* [nth * 8] per-thread task start, items end, end ns, or NULL */
     pyrt_pool *pool;        /* for the idle prefetch while a reducer waits on an item */
+    int nth;
+    /* pyrt_moe_ffn_routed: the router's job and the routing, in the experts' pool task */
+    pyrt_mv_job *router;
+    pyrt_route_fn route;
+    void *route_ctx;
+    int32_t *route_ids;     /* what route writes: c->ids, c->w point at them */
+    float *route_wts;
+    _Alignas(64) atomic_llong router_rows; /* router rows (out[0]) computed (own cache line) */
+    _Alignas(64) atomic_int planned;       /* 1 once the routes and items are planned */
 } moe_ctx;
 
 /* ---- debug knobs (environment, read once) --------------------------------------------------
@@ -97,6 +107,7 @@ typedef struct {
  *                         task after this one) into L2, paced by the items, where a thread's
  *                         home of the plan is at most PLAN_PACE_MAX_HOME (default
  *                         DEFAULT_PLAN_LINES; 0: the plan waits for the idle time at the end).
+ * PYRT_REDUCE_PF=n        reduce: prefetch the range of the item n on (default DEFAULT_REDUCE_PF).
  * PYRT_SPIN_US=n          (pool.c, read at pool creation) how long idle threads spin, default 300.
  * The result is the same bits under every setting. */
 typedef struct {
@@ -105,18 +116,20 @@ typedef struct {
     int items_per_thread;
     int sparse_chunk;
     int plan_lines;
+    int reduce_pf;
 } knobs;
 
 /* Read on every call (a few getenv, well under a microsecond) so a benchmark can vary them. */
 static knobs read_knobs(void) {
     const char *p = getenv("PYRT_PROFILE"), *a = getenv("PYRT_PREFETCH_AHEAD");
     const char *items = getenv("PYRT_ITEMS"), *chunk = getenv("PYRT_SPARSE_CHUNK");
-    const char *plan = getenv("PYRT_PLAN_LINES");
+    const char *plan = getenv("PYRT_PLAN_LINES"), *rpf = getenv("PYRT_REDUCE_PF");
     knobs k = {.profile = p != NULL && atoi(p) > 0 ? atoi(p) : 0,
                .prefetch_ahead = a != NULL ? atoi(a) : DEFAULT_PREFETCH_AHEAD,
                .items_per_thread = items != NULL ? atoi(items) : 0,
                .sparse_chunk = chunk != NULL ? atoi(chunk) : DEFAULT_SPARSE_CHUNK,
-               .plan_lines = plan != NULL ? atoi(plan) : DEFAULT_PLAN_LINES};
+               .plan_lines = plan != NULL ? atoi(plan) : DEFAULT_PLAN_LINES,
+               .reduce_pf = rpf != NULL ? atoi(rpf) : DEFAULT_REDUCE_PF};
     if (k.sparse_chunk < 1 || k.sparse_chunk > MAX_SPARSE_CHUNK)
         k.sparse_chunk = DEFAULT_SPARSE_CHUNK;
     if (k.items_per_thread < 0)
@@ -125,6 +138,8 @@ static knobs read_knobs(void) {
         k.prefetch_ahead = 0;
     if (k.plan_lines < 0)
         k.plan_lines = 0;
+    if (k.reduce_pf < 0)
+        k.reduce_pf = 0;
     return k;
 }
 
@@ -690,17 +705,19 @@ static void task_block(void *p, int ith, int nth) {
         const size_t hi = lines * (range + 1) / n_ranges * 16 < n ? lines * (range + 1) / n_ranges * 16 : n;
         float *y = c->y + (size_t)c->t0 * c->n_embd;
         int pf_more = 1; /* while waiting, prefetch this thread's home of the pool's plan */
+        int pf_next = 0; /* the next item whose part of the range is not prefetched */
         for (int item = 0; item < c->n_items; item++) {
             for (int spins = 0; !atomic_load_explicit(&c->item_done[item], memory_order_acquire);)
                 if (!pf_more || !(pf_more = pyrt_pool_idle_prefetch(c->pool, ith)))
                     pyrt_spin_pause(++spins);
-            /* The partial ys sit in the caches of the cores that made them: ask for the range of
-             * an item REDUCE_PF_ITEMS on, if done, so the remote reads overlap (at the end of a
+            /* The partial ys sit in the caches of the cores that made them: ask for the ranges
+             * of the done items up to reduce_pf on, so the remote reads overlap (at the end of a
              * call every item is done and the sums are a chain of ~100 such reads). */
-            const int ahead = item + REDUCE_PF_ITEMS;
-            if (ahead < c->n_items &&
-                atomic_load_explicit(&c->item_done[ahead], memory_order_relaxed))
-                prefetch_row((const uint8_t *)(c->acc + (size_t)ahead * c->acc_stride + lo),
+            pf_next = pf_next > item ? pf_next : item + 1;
+            for (; pf_next < c->n_items && pf_next <= item + c->reduce_pf &&
+                   atomic_load_explicit(&c->item_done[pf_next], memory_order_relaxed);
+                 pf_next++)
+                prefetch_row((const uint8_t *)(c->acc + (size_t)pf_next * c->acc_stride + lo),
                              (hi - lo) * sizeof *y);
             const float *acc = c->acc + (size_t)item * c->acc_stride;
             if (item == 0)
@@ -842,22 +859,12 @@ static int check_args(const pyrt_pool *pool, const void *gud, size_t gud_bytes, 
     return PYRT_OK;
 }
 
-int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, int n_expert,
-                 int n_ff, int n_embd, const float *x, int n_tokens, const int32_t *topk_ids,
-                 const float *topk_w, int k, int activation, float threshold, float *y,
-                 int64_t *n_active) {
-    const int64_t t_entry = now_ns();
-    pyrt_clear_error();
-    int rc = check_args(pool, gud, gud_bytes, fmt, n_expert, n_ff, n_embd, x, n_tokens, topk_ids,
-                        topk_w, k, activation, threshold, y);
-    if (rc != PYRT_OK)
-        return rc;
-    if (n_active != NULL)
-        *n_active = 0;
-    if (n_tokens == 0)
-        return PYRT_OK;
-
-    const knobs kn = read_knobs();
+/* Fills *c for a call over n_tokens tokens on the pool's workspace (the caller holds the pool).
+ * The activations are not quantized yet (c->xv unset). */
+static int moe_setup(moe_ctx *c, pyrt_pool *pool, const knobs *kn, const void *gud, int fmt,
+                     int n_expert, int n_ff, int n_embd, const float *x, int n_tokens,
+                     const int32_t *topk_ids, const float *topk_w, int k, int activation,
+                     float threshold, float *y) {
     const int quantized = fmt == PYRT_FMT_Q8_0 || fmt == PYRT_FMT_Q4_0;
     const int nth = pyrt_pool_threads(pool);
     const int tb_max = n_tokens < TOKEN_BLOCK ? n_tokens : TOKEN_BLOCK;
@@ -890,14 +897,11 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
     size_t off_done = off_next + 2 * 64; /* next_item, next_slice: a cache line each */
     size_t total = off_done + align64(n_items_max * sizeof(atomic_int));
 
-    pyrt_pool_acquire(pool);
     uint8_t *ws = pyrt_pool_workspace(pool, total);
-    if (ws == NULL) {
-        pyrt_pool_release(pool);
+    if (ws == NULL)
         return pyrt_fail(PYRT_E_NOMEM, "pyrt_moe_ffn: cannot allocate %zu bytes of workspace",
                          total);
-    }
-    moe_ctx c = {
+    *c = (moe_ctx){
         .gud = gud,
         .row_bytes = pyrt_row_bytes(fmt, n_embd),
         .ops = pyrt_row_ops_active(fmt),
@@ -922,22 +926,71 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
         .acc = (float *)(ws + off_acc),
         .acc_stride = acc_stride,
         .n_items_max = (int)n_items_max,
-        .items_per_thread = kn.items_per_thread,
+        .items_per_thread = kn->items_per_thread,
         .item_start = (int64_t *)(ws + off_istart),
         .next_item = (atomic_int *)(ws + off_next),
         .next_slice = (atomic_int *)(ws + off_next + 64),
         .item_done = (atomic_int *)(ws + off_done),
         .active = (int64_t *)(ws + off_active),
-        .prefetch_ahead = kn.prefetch_ahead,
-        .sparse_chunk = kn.sparse_chunk,
-        .plan_lines = kn.plan_lines,
+        .prefetch_ahead = kn->prefetch_ahead,
+        .sparse_chunk = kn->sparse_chunk,
+        .plan_lines = kn->plan_lines,
+        .reduce_pf = kn->reduce_pf,
         .ops_add = pyrt_add_f32_active(),
-        .prof = kn.profile ? (int64_t *)(ws + off_prof) : NULL,
+        .prof = kn->profile ? (int64_t *)(ws + off_prof) : NULL,
         .pool = pool,
+        .nth = nth,
     };
+    memset(c->active, 0, (size_t)nth * 8 * sizeof(int64_t));
+    return PYRT_OK;
+}
+
+/* Plans the token block at c->t0 (routes grouped by expert, work items) and resets its counters
+ * (the pool run that follows publishes them). */
+static void plan_token_block(moe_ctx *c) {
+    c->tb = c->n_tokens - c->t0 < TOKEN_BLOCK ? c->n_tokens - c->t0 : TOKEN_BLOCK;
+    plan_block(c);
+    plan_items(c, c->nth);
+    atomic_store_explicit(c->next_item, 0, memory_order_relaxed);
+    for (int i = 0; i < c->n_items; i++)
+        atomic_store_explicit(&c->item_done[i], 0, memory_order_relaxed);
+    atomic_store_explicit(c->next_slice, 0, memory_order_relaxed);
+}
+
+static int64_t active_sum(const moe_ctx *c) {
+    int64_t sum = 0;
+    for (int t = 0; t < c->nth; t++)
+        sum += c->active[(size_t)t * 8];
+    return sum;
+}
+
+int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, int n_expert,
+                 int n_ff, int n_embd, const float *x, int n_tokens, const int32_t *topk_ids,
+                 const float *topk_w, int k, int activation, float threshold, float *y,
+                 int64_t *n_active) {
+    const int64_t t_entry = now_ns();
+    pyrt_clear_error();
+    int rc = check_args(pool, gud, gud_bytes, fmt, n_expert, n_ff, n_embd, x, n_tokens, topk_ids,
+                        topk_w, k, activation, threshold, y);
+    if (rc != PYRT_OK)
+        return rc;
+    if (n_active != NULL)
+        *n_active = 0;
+    if (n_tokens == 0)
+        return PYRT_OK;
+
+    const knobs kn = read_knobs();
+    const int nth = pyrt_pool_threads(pool);
+    pyrt_pool_acquire(pool);
+    moe_ctx c;
+    rc = moe_setup(&c, pool, &kn, gud, fmt, n_expert, n_ff, n_embd, x, n_tokens, topk_ids, topk_w,
+                   k, activation, threshold, y);
+    if (rc != PYRT_OK) {
+        pyrt_pool_release(pool);
+        return rc;
+    }
     const int64_t t_call = now_ns();
-    memset(c.active, 0, (size_t)nth * 8 * sizeof(int64_t));
-    if (quantized) {
+    if (c.xq != NULL) {
         /* A few tokens take microseconds: cheaper on this thread than a hand-off to the pool. */
         if ((int64_t)n_tokens * n_embd <= SERIAL_QUANTIZE_MAX)
             task_quantize(&c, 0, 1);
@@ -950,14 +1003,7 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
         c.xv_stride = (size_t)n_embd * sizeof(float);
     }
     for (c.t0 = 0; c.t0 < n_tokens; c.t0 += TOKEN_BLOCK) {
-        c.tb = n_tokens - c.t0 < TOKEN_BLOCK ? n_tokens - c.t0 : TOKEN_BLOCK;
-        plan_block(&c);
-        plan_items(&c, nth);
-        /* the pool run publishes these */
-        atomic_store_explicit(c.next_item, 0, memory_order_relaxed);
-        for (int i = 0; i < c.n_items; i++)
-            atomic_store_explicit(&c.item_done[i], 0, memory_order_relaxed);
-        atomic_store_explicit(c.next_slice, 0, memory_order_relaxed);
+        plan_token_block(&c);
         const int64_t t_run = now_ns();
         pyrt_pool_run(pool, task_block, &c);
         if (c.prof != NULL)
@@ -965,11 +1011,82 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
     }
     if (c.prof != NULL)
         profile_call(t_call - t_entry, now_ns() - t_call, kn.profile);
-    int64_t sum = 0;
-    for (int t = 0; t < nth; t++)
-        sum += c.active[(size_t)t * 8];
+    const int64_t sum = active_sum(&c);
     pyrt_pool_release(pool);
     if (n_active != NULL)
         *n_active = sum;
+    return PYRT_OK;
+}
+
+/* ---- router, routing and experts in one pool task (the decode step) --------------------------
+ * The threads run the router's matvec chunks; the one whose chunk completes the router's rows
+ * routes (route_fn: ids and weights of the top k) and plans the token's routes and work items,
+ * while the others, out of router chunks, prefetch their home of the pool's plan; then the
+ * experts' items and the reduce as in task_block. One pool hand-off instead of two, and the
+ * routing off the caller's serial path between them. The same operations on the same numbers as
+ * the router's own run followed by pyrt_moe_ffn: the same bits. */
+
+static void router_rows_done(void *p, int64_t lo, int64_t hi) {
+    moe_ctx *c = p;
+    const int64_t n = c->router->out[0].m->n_out;
+    if (lo >= n)
+        return;
+    const int64_t got = (hi < n ? hi : n) - lo;
+    if (atomic_fetch_add_explicit(&c->router_rows, got, memory_order_acq_rel) + got != n)
+        return;
+    c->route(c->route_ctx, c->route_ids, c->route_wts);
+    plan_token_block(c);
+    atomic_store_explicit(&c->planned, 1, memory_order_release);
+}
+
+static void task_routed(void *p, int ith, int nth) {
+    moe_ctx *c = p;
+    pyrt_mv_task(c->router, ith, nth);
+    int pf_more = 1;
+    for (int spins = 0; !atomic_load_explicit(&c->planned, memory_order_acquire);)
+        if (!pf_more || !(pf_more = pyrt_pool_idle_prefetch(c->pool, ith)))
+            pyrt_spin_pause(++spins);
+    task_block(c, ith, nth);
+}
+
+int pyrt_moe_ffn_routed(pyrt_pool *pool, pyrt_mv_job *router, pyrt_route_fn route,
+                        void *route_ctx, int32_t *ids, float *w, const void *gud, int fmt,
+                        int n_expert, int n_ff, int n_embd, const float *x, const pyrt_xq8 *xq,
+                        int k, int activation, float threshold, float *y, int64_t *n_active) {
+    const knobs kn = read_knobs();
+    moe_ctx c;
+    int rc = moe_setup(&c, pool, &kn, gud, fmt, n_expert, n_ff, n_embd, x, 1, ids, w, k,
+                       activation, threshold, y);
+    if (rc != PYRT_OK)
+        return rc;
+    if (c.xq != NULL) {
+        if (xq != NULL) /* the router's job quantized x the same way */
+            c.xv = (const uint8_t *)xq;
+        else {
+            task_quantize(&c, 0, 1);
+            c.xv = (const uint8_t *)c.xq;
+        }
+        c.xv_stride = (size_t)(n_embd / PYRT_QK) * sizeof(pyrt_xq8);
+    } else {
+        c.xv = (const uint8_t *)x;
+        c.xv_stride = (size_t)n_embd * sizeof(float);
+    }
+    c.router = router;
+    c.route = route;
+    c.route_ctx = route_ctx;
+    c.route_ids = ids;
+    c.route_wts = w;
+    c.t0 = 0;
+    atomic_init(&c.router_rows, 0);
+    atomic_init(&c.planned, 0);
+    router->on_rows = router_rows_done;
+    router->on_rows_ctx = &c;
+    const int64_t t_run = now_ns();
+    pyrt_pool_run(pool, task_routed, &c);
+    if (c.prof != NULL) {
+        profile_block(&c, c.nth, t_run, now_ns());
+        profile_call(0, now_ns() - t_run, kn.profile);
+    }
+    *n_active = active_sum(&c);
     return PYRT_OK;
 }

@@ -277,6 +277,18 @@ static void test_decode(void) {
     unsetenv("PYRT_FUSE_ATTN");
     CHECK(memcmp(a, c, sizeof(float) * CAP * N_VOCAB) == 0,
           "fused attention changed the logits at 16 threads");
+    /* router, routing and experts in one task (blocks 0 and 2) or the router's own run and
+     * pyrt_moe_ffn: the same bits (c: 16 threads, fused) */
+    setenv("PYRT_FUSE_ROUTER", "0", 1);
+    decode_tiny(&t, 16, a);
+    unsetenv("PYRT_FUSE_ROUTER");
+    CHECK(memcmp(a, c, sizeof(float) * CAP * N_VOCAB) == 0,
+          "fused router changed the logits at 16 threads");
+    setenv("PYRT_FUSE_ROUTER", "0", 1);
+    decode_tiny(&t, 3, a);
+    unsetenv("PYRT_FUSE_ROUTER");
+    CHECK(memcmp(a, b, sizeof(float) * CAP * N_VOCAB) == 0,
+          "fused router changed the logits at 3 threads");
     free(c);
 
     /* create refuses a wrong shape and a missing dense FFN, with the tensor in the message */
