@@ -46,18 +46,23 @@ struct pyrt_decoder {
     float *router;               /* [n_expert] router logits, then probabilities */
     int32_t *ids;                /* [n_expert_used] */
     float *topw;                 /* [n_expert_used] */
+    uint8_t *taken;              /* [n_expert] top-k scratch */
     atomic_int *rows_done;       /* [n_head + 2 n_head_kv] fused q/k/v + attention: rows of each
                                     q head, then k head, then v head computed (of head_dim) */
     atomic_int *kv_ready;        /* [n_head_kv] 1 once head kvh's k is normed and roped, and k, v
                                     are in the cache */
     atomic_int heads_done;       /* fused: attention heads finished */
     atomic_int att_ready;        /* fused: 1 once att is complete and quantized into att_q */
+    atomic_int o_rows;           /* fused layer: o rows computed */
+    atomic_int ffn_ready;        /* fused layer: 1 once x, xn (and xq) are the FFN's */
     float *scores;               /* [n_head, scores_cap] attention probabilities */
     size_t scores_cap;           /* positions per head in scores */
     int fuse_attention;          /* q/k/v + attention in one task where the norms allow
                                     (PYRT_FUSE_ATTN at creation, default 1; 0: never) */
     int fuse_router;             /* router, routing and experts in one task (PYRT_FUSE_ROUTER at
                                     creation, default 1; 0: the router's own run) */
+    int fuse_layer;              /* where both fusions apply, the whole block in one task
+                                    (PYRT_FUSE_LAYER at creation, default 1; 0: two tasks) */
     int64_t times[4];            /* see pyrt_decoder_times */
     atomic_flag busy;            /* set during a step: the scratch above is not shareable */
 };
@@ -214,11 +219,12 @@ int pyrt_decoder_create(const pyrt_model_weights *w, pyrt_decoder **out) {
     d->router = malloc((size_t)w->n_expert * f);
     d->ids = malloc((size_t)w->n_expert_used * sizeof(int32_t));
     d->topw = malloc((size_t)w->n_expert_used * f);
+    d->taken = malloc((size_t)w->n_expert);
     d->rows_done = malloc(((size_t)w->n_head + 2 * (size_t)w->n_head_kv) * sizeof(atomic_int));
     d->kv_ready = malloc((size_t)w->n_head_kv * sizeof(atomic_int));
     if (!d->blocks || !d->x || !d->xn || !d->xq || !d->att_q || !d->q || !d->k || !d->v ||
         !d->att || !d->y || !d->ys || !d->gate || !d->up || !d->router || !d->ids || !d->topw ||
-        !d->rows_done || !d->kv_ready) {
+        !d->taken || !d->rows_done || !d->kv_ready) {
         pyrt_decoder_free(d);
         return pyrt_fail(PYRT_E_NOMEM, "pyrt_decoder_create: out of memory");
     }
@@ -227,6 +233,8 @@ int pyrt_decoder_create(const pyrt_model_weights *w, pyrt_decoder **out) {
     d->fuse_attention = fuse == NULL || atoi(fuse) != 0;
     const char *fuse_r = getenv("PYRT_FUSE_ROUTER");
     d->fuse_router = fuse_r == NULL || atoi(fuse_r) != 0;
+    const char *fuse_l = getenv("PYRT_FUSE_LAYER");
+    d->fuse_layer = fuse_l == NULL || atoi(fuse_l) != 0;
     d->w.blocks = d->blocks;
     atomic_flag_clear(&d->busy);
     *out = d;
@@ -252,6 +260,7 @@ void pyrt_decoder_free(pyrt_decoder *d) {
     free(d->router);
     free(d->ids);
     free(d->topw);
+    free(d->taken);
     free(d->rows_done);
     free(d->kv_ready);
     free(d->scores);
@@ -310,19 +319,18 @@ static void softmax(float *p, int n) {
 }
 
 /* p = softmax(logits) over the experts; ids/w = the k largest (ties: lower id first), renormalized
- * to sum 1 when asked (docs/gguf-layout.md, "Routing"). */
-static void route(float *p, int n_expert, int k, int renorm, int32_t *ids, float *w) {
+ * to sum 1 when asked (docs/gguf-layout.md, "Routing"). taken: [n_expert] scratch. */
+static void route(float *p, int n_expert, int k, int renorm, int32_t *ids, float *w,
+                  uint8_t *taken) {
     softmax(p, n_expert);
+    memset(taken, 0, (size_t)n_expert);
     float sum = 0.0f;
     for (int j = 0; j < k; j++) {
         int best = -1;
-        for (int e = 0; e < n_expert; e++) {
-            int taken = 0;
-            for (int i = 0; i < j; i++)
-                taken |= ids[i] == e;
-            if (!taken && (best < 0 || p[e] > p[best]))
+        for (int e = 0; e < n_expert; e++)
+            if (!taken[e] && (best < 0 || p[e] > p[best]))
                 best = e;
-        }
+        taken[best] = 1;
         ids[j] = best;
         w[j] = p[best];
         sum += w[j];
@@ -335,20 +343,24 @@ static void route(float *p, int n_expert, int k, int renorm, int32_t *ids, float
 /* The routing of the fused router + experts task (pyrt_moe_ffn_routed), from d->router. */
 static void route_task(void *ctx, int32_t *ids, float *w) {
     pyrt_decoder *d = ctx;
-    route(d->router, d->w.n_expert, d->w.n_expert_used, d->w.expert_weights_norm, ids, w);
+    route(d->router, d->w.n_expert, d->w.n_expert_used, d->w.expert_weights_norm, ids, w,
+          d->taken);
 }
 
 /* ---- pool tasks ---------------------------------------------------------------------------- */
 
 /* Readies a matvec job over x (n elements) for the pool: quantizes x once when some matrix
  * needs Q8 blocks, sets the chunking. */
-static void matvec_setup(pyrt_decoder *d, pyrt_pool *pool, pyrt_mv_job *job, const float *x,
-                         int n) {
+static int job_blocked(const pyrt_mv_job *job) {
     int blocked = 0;
     for (int i = 0; i < job->n_mats; i++)
         blocked |= pyrt_fmt_is_blocked(job->out[i].m->fmt);
-    if (blocked)
-        pyrt_quantize_x_q8(x, d->xq, n);
+    return blocked;
+}
+
+/* The job over x (n elements; its Q8 blocks in d->xq, not made here), chunked for the pool. */
+static void matvec_bind(pyrt_decoder *d, pyrt_pool *pool, pyrt_mv_job *job, const float *x,
+                        int n) {
     job->x = x;
     job->x_stride = (size_t)n;
     job->xq = d->xq;
@@ -357,6 +369,13 @@ static void matvec_setup(pyrt_decoder *d, pyrt_pool *pool, pyrt_mv_job *job, con
     if (job->div == 0.0f)
         job->div = 1.0f;
     pyrt_mv_job_prepare(job, pyrt_pool_threads(pool));
+}
+
+static void matvec_setup(pyrt_decoder *d, pyrt_pool *pool, pyrt_mv_job *job, const float *x,
+                         int n) {
+    if (job_blocked(job))
+        pyrt_quantize_x_q8(x, d->xq, n);
+    matvec_bind(d, pool, job, x, n);
 }
 
 /* y = x W^T for the job's matrices, as one pool task. */
@@ -557,14 +576,15 @@ static void plan_next(pyrt_pool *pool, const pyrt_mv_job *next) {
 
 /* The q/k/v job, the attention heads and the o projection as one pool task (see
  * task_qkv_attention). */
-static void run_qkv_attention_o(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weights *b,
+static void qkv_attention_setup(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weights *b,
                                 pyrt_mv_job *qkv, attn_ctx *ac, pyrt_mv_job *o, float *kc,
-                                float *vc, const float *cs, int pos) {
+                                float *vc, const float *cs, int pos, qkv_attn_ctx *cp) {
     const pyrt_model_weights *w = &d->w;
-    qkv_attn_ctx c = {.d = d, .attn = ac, .qkv = qkv, .o = o, .pool = pool, .kc = kc, .vc = vc,
-                      .b = b, .cs = cs, .pos = pos, .o_blocked = pyrt_fmt_is_blocked(b->wo.fmt)};
+    *cp = (qkv_attn_ctx){.d = d, .attn = ac, .qkv = qkv, .o = o, .pool = pool, .kc = kc,
+                         .vc = vc, .b = b, .cs = cs, .pos = pos,
+                         .o_blocked = pyrt_fmt_is_blocked(b->wo.fmt)};
     qkv->on_rows = qkv_rows_done;
-    qkv->on_rows_ctx = &c;
+    qkv->on_rows_ctx = cp;
     matvec_setup(d, pool, qkv, d->xn, w->n_embd);
     /* o reads att, or its Q8 blocks made by the last head (not quantized here: att is not
      * computed yet) */
@@ -582,6 +602,13 @@ static void run_qkv_attention_o(pyrt_decoder *d, pyrt_pool *pool, const pyrt_blo
         atomic_store_explicit(&d->kv_ready[h], 0, memory_order_relaxed);
     atomic_store_explicit(&d->heads_done, 0, memory_order_relaxed);
     atomic_store_explicit(&d->att_ready, 0, memory_order_relaxed);
+}
+
+static void run_qkv_attention_o(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weights *b,
+                                pyrt_mv_job *qkv, attn_ctx *ac, pyrt_mv_job *o, float *kc,
+                                float *vc, const float *cs, int pos) {
+    qkv_attn_ctx c;
+    qkv_attention_setup(d, pool, b, qkv, ac, o, kc, vc, cs, pos, &c);
     pyrt_pool_run(pool, task_qkv_attention, &c);
 }
 
@@ -639,6 +666,25 @@ static void ffn_down(pyrt_decoder *d, pyrt_pool *pool, const pyrt_matrix *down, 
     run_matvec(d, pool, &job, d->gate, n_ff);
 }
 
+/* After the routed experts (in d->y): the shared expert, if any, then the residual. */
+static void moe_tail(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weights *b,
+                     const pyrt_mv_job *next) {
+    const pyrt_model_weights *w = &d->w;
+    const int n_embd = w->n_embd;
+    if (b->sh_gate.data != NULL) {
+        float gs = 1.0f;
+        if (b->sh_gate_inp != NULL) {
+            const float z = pyrt_row_ops_active(PYRT_FMT_F32)->dot(b->sh_gate_inp, d->xn, n_embd);
+            gs = 1.0f / (1.0f + expf(-z));
+        }
+        ffn_down(d, pool, &b->sh_down, b->sh_gate.n_out, next);
+        for (int i = 0; i < n_embd; i++)
+            d->y[i] = d->y[i] + d->ys[i] * gs;
+    }
+    for (int i = 0; i < n_embd; i++)
+        d->x[i] = d->x[i] + d->y[i] * w->residual_scale;
+}
+
 /* Returns the routed neurons computed (n_active of pyrt_moe_ffn), or -1 on failure. `next`: the
  * matvec after this block (the next block's q/k/v, or the output matrix), for prefetch plans. */
 static int64_t ffn_block(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weights *b,
@@ -670,14 +716,14 @@ static int64_t ffn_block(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weig
             const int blocked = pyrt_fmt_is_blocked(b->router.fmt) ||
                                 (shared && (pyrt_fmt_is_blocked(b->sh_gate.fmt) ||
                                             pyrt_fmt_is_blocked(b->sh_up.fmt)));
-            rc = pyrt_moe_ffn_routed(pool, &in, route_task, d, d->ids, d->topw, b->gud,
+            rc = pyrt_moe_ffn_routed(pool, NULL, NULL, &in, route_task, d, d->ids, d->topw, b->gud,
                                      b->gud_fmt, w->n_expert, w->n_ff_exp, n_embd, d->xn,
                                      blocked ? d->xq : NULL, w->n_expert_used, w->activation,
                                      threshold, d->y, &active);
         } else {
             run_matvec(d, pool, &in, d->xn, n_embd);
             route(d->router, w->n_expert, w->n_expert_used, w->expert_weights_norm, d->ids,
-                  d->topw);
+                  d->topw, d->taken);
             plan_next(pool, after);
             /* pyrt_moe_ffn takes the pool itself */
             pyrt_pool_release(pool);
@@ -688,19 +734,89 @@ static int64_t ffn_block(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weig
         }
         if (rc != PYRT_OK)
             return -1;
-        if (shared) {
-            float gs = 1.0f;
-            if (b->sh_gate_inp != NULL) {
-                const float z = pyrt_row_ops_active(PYRT_FMT_F32)->dot(b->sh_gate_inp, d->xn, n_embd);
-                gs = 1.0f / (1.0f + expf(-z));
-            }
-            ffn_down(d, pool, &b->sh_down, b->sh_gate.n_out, next);
-            for (int i = 0; i < n_embd; i++)
-                d->y[i] = d->y[i] + d->ys[i] * gs;
-        }
+        moe_tail(d, pool, b, next);
+        return active;
     }
     for (int i = 0; i < n_embd; i++)
         d->x[i] = d->x[i] + d->y[i] * w->residual_scale;
+    return active;
+}
+
+/* ---- the whole MoE block in one pool task ----------------------------------------------------
+ * Where the attention is one task (per-head or no q/k norms) and the router, routing and experts
+ * are another, the two are joined: the thread whose o chunk completes the o rows adds the
+ * attention to x, norms it for the FFN, quantizes it, switches the pool's prefetch plan to the
+ * one the experts' run would have had (the shared down or the next block's q/k/v), and raises
+ * ffn_ready; every thread then goes on to the router's chunks (pyrt_moe_ffn_routed, `before`).
+ * One hand-off per block instead of two, and the caller's serial residual and norm between them
+ * leave the critical path's hand-offs. The same operations on the same numbers: the same bits. */
+typedef struct {
+    qkv_attn_ctx qa;
+    pyrt_decoder *d;
+    const pyrt_block_weights *b;
+    pyrt_pf_plan after; /* the plan from ffn_ready on */
+    int quantize;       /* the FFN input's Q8 blocks are read (router/shared matrices, experts) */
+} layer_ctx;
+
+static void o_rows_done(void *p, int64_t lo, int64_t hi) {
+    layer_ctx *c = p;
+    pyrt_decoder *d = c->d;
+    const pyrt_model_weights *w = &d->w;
+    const int got = (int)(hi - lo);
+    if (atomic_fetch_add_explicit(&d->o_rows, got, memory_order_acq_rel) + got != w->n_embd)
+        return;
+    for (int i = 0; i < w->n_embd; i++)
+        d->x[i] = d->x[i] + d->y[i] * w->residual_scale;
+    rms_norm(d->x, c->b->ffn_norm, w->rms_eps, w->n_embd, d->xn);
+    if (c->quantize)
+        pyrt_quantize_x_q8(d->xn, d->xq, w->n_embd);
+    pyrt_pool_plan_switch(c->qa.pool, &c->after);
+    atomic_store_explicit(&d->ffn_ready, 1, memory_order_release);
+}
+
+static void task_attention_then_ffn_in(void *p, int ith, int nth) {
+    layer_ctx *c = p;
+    task_qkv_attention(&c->qa, ith, nth);
+    wait_flag(&c->d->ffn_ready, 1, c->qa.pool, ith);
+}
+
+static int layer_fusable(const pyrt_decoder *d, const pyrt_block_weights *b) {
+    const int all_heads_norm = b->q_norm != NULL && b->q_norm_len == d->w.n_head * d->w.head_dim;
+    return d->fuse_layer && d->fuse_attention && d->fuse_router && !all_heads_norm &&
+           b->router.data != NULL;
+}
+
+static int64_t layer_fused(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weights *b,
+                           int pos, float *kc, float *vc, size_t cap, const float *cs,
+                           float threshold, const pyrt_mv_job *next) {
+    const pyrt_model_weights *w = &d->w;
+    const int n_embd = w->n_embd;
+    rms_norm(d->x, b->attn_norm, w->rms_eps, n_embd, d->xn);
+    pyrt_mv_job qkv = qkv_job(d, b);
+    pyrt_mv_job o = {.out = {{&b->wo, NULL, d->y, 0}}, .n_mats = 1};
+    pyrt_mv_job in = ffn_in_job(d, b);
+    attn_ctx ac = {.d = d, .kc = kc, .vc = vc, .cap = cap, .n_pos = pos + 1,
+                   .scale = w->attention_scale};
+    atomic_init(&ac.next, 0);
+    const pyrt_mv_job sh_down = {.out = {{&b->sh_down, NULL, d->ys, 0}}, .n_mats = 1};
+    layer_ctx lc = {.d = d, .b = b,
+                    .quantize = job_blocked(&in) || pyrt_fmt_is_blocked(b->gud_fmt)};
+    pyrt_mv_job_plan(b->sh_gate.data != NULL ? &sh_down : next, &lc.after);
+    plan_next(pool, &o);
+    qkv_attention_setup(d, pool, b, &qkv, &ac, &o, kc, vc, cs, pos, &lc.qa);
+    o.on_rows = o_rows_done;
+    o.on_rows_ctx = &lc;
+    atomic_store_explicit(&d->o_rows, 0, memory_order_relaxed); /* pool_run publishes them */
+    atomic_store_explicit(&d->ffn_ready, 0, memory_order_relaxed);
+    matvec_bind(d, pool, &in, d->xn, n_embd); /* xn, xq: made by o_rows_done */
+    int64_t active = 0;
+    const int rc = pyrt_moe_ffn_routed(
+        pool, task_attention_then_ffn_in, &lc, &in, route_task, d, d->ids, d->topw, b->gud,
+        b->gud_fmt, w->n_expert, w->n_ff_exp, n_embd, d->xn, d->xq, w->n_expert_used,
+        w->activation, threshold, d->y, &active);
+    if (rc != PYRT_OK)
+        return -1;
+    moe_tail(d, pool, b, next);
     return active;
 }
 
@@ -785,11 +901,19 @@ static int decoder_step(pyrt_decoder *d, pyrt_pool *pool, int token, int pos,
     pyrt_mv_job out = output_job(d, logits);
     for (int l = 0; l < w->n_layer && rc == PYRT_OK; l++) {
         const pyrt_block_weights *b = &d->blocks[l];
-        attention_block(d, pool, b, pos, k_cache[l], v_cache[l], (size_t)cache_cap, csp);
-        const int64_t t1 = now_ns();
-        d->times[0] += t1 - t0;
         const pyrt_mv_job next = l + 1 < w->n_layer ? qkv_job(d, &d->blocks[l + 1]) : out;
-        const int64_t a = ffn_block(d, pool, b, thresholds != NULL ? thresholds[l] : 0.0f, &next);
+        const float thr = thresholds != NULL ? thresholds[l] : 0.0f;
+        int64_t a;
+        int64_t t1 = t0;
+        if (layer_fusable(d, b)) { /* one task: its time counts as the FFN's */
+            a = layer_fused(d, pool, b, pos, k_cache[l], v_cache[l], (size_t)cache_cap, csp, thr,
+                            &next);
+        } else {
+            attention_block(d, pool, b, pos, k_cache[l], v_cache[l], (size_t)cache_cap, csp);
+            t1 = now_ns();
+            d->times[0] += t1 - t0;
+            a = ffn_block(d, pool, b, thr, &next);
+        }
         if (a < 0)
             rc = PYRT_E_INVALID; /* pyrt_moe_ffn's message stays in last_error */
         active += a;

@@ -87,6 +87,8 @@ typedef struct {
     pyrt_pool *pool;        /* for the idle prefetch while a reducer waits on an item */
     int nth;
     /* pyrt_moe_ffn_routed: the router's job and the routing, in the experts' pool task */
+    pyrt_task_fn before; /* run by every thread first (NULL: none) */
+    void *before_ctx;
     pyrt_mv_job *router;
     pyrt_route_fn route;
     void *route_ctx;
@@ -1041,6 +1043,8 @@ static void router_rows_done(void *p, int64_t lo, int64_t hi) {
 
 static void task_routed(void *p, int ith, int nth) {
     moe_ctx *c = p;
+    if (c->before != NULL)
+        c->before(c->before_ctx, ith, nth);
     pyrt_mv_task(c->router, ith, nth);
     int pf_more = 1;
     for (int spins = 0; !atomic_load_explicit(&c->planned, memory_order_acquire);)
@@ -1049,10 +1053,11 @@ static void task_routed(void *p, int ith, int nth) {
     task_block(c, ith, nth);
 }
 
-int pyrt_moe_ffn_routed(pyrt_pool *pool, pyrt_mv_job *router, pyrt_route_fn route,
-                        void *route_ctx, int32_t *ids, float *w, const void *gud, int fmt,
-                        int n_expert, int n_ff, int n_embd, const float *x, const pyrt_xq8 *xq,
-                        int k, int activation, float threshold, float *y, int64_t *n_active) {
+int pyrt_moe_ffn_routed(pyrt_pool *pool, pyrt_task_fn before, void *before_ctx,
+                        pyrt_mv_job *router, pyrt_route_fn route, void *route_ctx, int32_t *ids,
+                        float *w, const void *gud, int fmt, int n_expert, int n_ff, int n_embd,
+                        const float *x, const pyrt_xq8 *xq, int k, int activation,
+                        float threshold, float *y, int64_t *n_active) {
     const knobs kn = read_knobs();
     moe_ctx c;
     int rc = moe_setup(&c, pool, &kn, gud, fmt, n_expert, n_ff, n_embd, x, 1, ids, w, k,
@@ -1071,6 +1076,8 @@ int pyrt_moe_ffn_routed(pyrt_pool *pool, pyrt_mv_job *router, pyrt_route_fn rout
         c.xv = (const uint8_t *)x;
         c.xv_stride = (size_t)n_embd * sizeof(float);
     }
+    c.before = before;
+    c.before_ctx = before_ctx;
     c.router = router;
     c.route = route;
     c.route_ctx = route_ctx;

@@ -29,7 +29,8 @@
 enum {
     DEFAULT_SPIN_US = 300, /* how long a worker (or the waiting caller) spins before sleeping */
     SPIN_CHECK = 64,       /* pause instructions (or idle-prefetch steps) between clock reads */
-    IDLE_LINES = 8         /* cache lines per idle-prefetch step, between looks at the flag */
+    IDLE_LINES = 8,        /* cache lines per idle-prefetch step, between looks at the flag */
+    PLAN_SLOTS = 3         /* a run's plan and one mid-run switch, beside the one before */
 };
 
 /* Where a thread's idle prefetch of its home has got to (own cache line: only ith writes it). */
@@ -62,16 +63,18 @@ struct pyrt_pool {
     void *ctx;
     void *workspace; /* scratch owned by the pool */
     size_t workspace_bytes;
-    /* prefetch while idle (pyrt_internal.h): plans[g & 1] is the plan of the run of generation g
-     * (written before g is published, read by the threads of that run until g + 1 starts);
-     * plan_epoch[g & 1] changes only when the plan differs from the run before's, so a thread
-     * whose home is the same (qkv, then attention, both before the o projection) goes on from
-     * where it stopped instead of walking it again. */
+    /* prefetch while idle (pyrt_internal.h): plans[cur_slot] is the plan in force: a run writes
+     * the next slot (mod PLAN_SLOTS) before its generation is published, and a task may switch
+     * once more mid-run (pyrt_pool_plan_switch), so a thread that has not yet seen the run start
+     * still reads a slot nobody writes; plan_epoch[slot] changes only when the plan differs from
+     * the one before, so a thread whose home is the same (qkv, then attention, both before the o
+     * projection) goes on from where it stopped instead of walking it again. */
     int idle_pf;              /* PYRT_IDLE_PREFETCH at creation (default 1; 0: plans ignored) */
     int has_next;             /* next_plan is set for the next run */
     pyrt_pf_plan next_plan;
-    pyrt_pf_plan plans[2];
-    int64_t plan_epoch[2];
+    pyrt_pf_plan plans[PLAN_SLOTS];
+    int64_t plan_epoch[PLAN_SLOTS];
+    atomic_int cur_slot;
     int64_t epoch;            /* last epoch handed out */
     idle_progress *progress;  /* [n_threads] */
 };
@@ -132,8 +135,8 @@ static int idle_step(pyrt_pool *pool, int ith, int slot, int lines) {
 }
 
 int64_t pyrt_pool_plan_home_bytes(pyrt_pool *pool, int ith) {
-    const uint_fast64_t gen = atomic_load_explicit(&pool->generation, memory_order_acquire);
-    const pyrt_pf_plan *p = &pool->plans[gen & 1];
+    const pyrt_pf_plan *p =
+        &pool->plans[atomic_load_explicit(&pool->cur_slot, memory_order_acquire)];
     const int n_homes = pool->n_threads < PYRT_MAX_HOMES ? pool->n_threads : PYRT_MAX_HOMES;
     if (p->n == 0 || ith >= n_homes)
         return 0;
@@ -157,8 +160,19 @@ int pyrt_pool_idle_prefetch(pyrt_pool *pool, int ith) {
 }
 
 int pyrt_pool_plan_step(pyrt_pool *pool, int ith, int lines) {
-    const uint_fast64_t gen = atomic_load_explicit(&pool->generation, memory_order_acquire);
-    return idle_step(pool, ith, (int)(gen & 1), lines);
+    return idle_step(pool, ith, atomic_load_explicit(&pool->cur_slot, memory_order_acquire), lines);
+}
+
+void pyrt_pool_plan_switch(pyrt_pool *pool, const pyrt_pf_plan *plan) {
+    if (!pool->idle_pf || pool->n_threads == 1)
+        return;
+    const int slot = (atomic_load_explicit(&pool->cur_slot, memory_order_relaxed) + 1) % PLAN_SLOTS;
+    pyrt_pf_plan *p = &pool->plans[slot];
+    p->n = plan == NULL ? 0 : plan->n < PYRT_PF_REGIONS ? plan->n : PYRT_PF_REGIONS;
+    for (int i = 0; i < p->n; i++)
+        p->r[i] = plan->r[i];
+    pool->plan_epoch[slot] = ++pool->epoch; /* the caller's next pool_run reads it after the run */
+    atomic_store_explicit(&pool->cur_slot, slot, memory_order_release);
 }
 
 void pyrt_pool_plan_prefetch(pyrt_pool *pool, const pyrt_pf_plan *plan) {
@@ -173,7 +187,8 @@ void pyrt_pool_plan_prefetch(pyrt_pool *pool, const pyrt_pf_plan *plan) {
 }
 
 /* Spins until the generation differs from `seen` or spin_ns have passed; returns the last read.
- * While it spins, thread ith prefetches its home of the plan of run `seen` (the next task's). */
+ * While it spins, thread ith prefetches its home of the plan in force (the last run's: the next
+ * task's rows). */
 static uint_fast64_t spin_for_generation(pyrt_pool *pool, uint_fast64_t seen, int ith) {
     uint_fast64_t gen = atomic_load_explicit(&pool->generation, memory_order_acquire);
     const int64_t t0 = gen == seen ? mono_ns() : 0;
@@ -181,7 +196,9 @@ static uint_fast64_t spin_for_generation(pyrt_pool *pool, uint_fast64_t seen, in
     while (gen == seen) {
         for (int i = 0; i < SPIN_CHECK && gen == seen; i++) {
             if (more)
-                more = idle_step(pool, ith, (int)(seen & 1), IDLE_LINES);
+                more = idle_step(pool, ith,
+                                 atomic_load_explicit(&pool->cur_slot, memory_order_acquire),
+                                 IDLE_LINES);
             else
                 PYRT_CPU_RELAX();
             gen = atomic_load_explicit(&pool->generation, memory_order_acquire);
@@ -258,6 +275,7 @@ int pyrt_pool_create(int n_threads, pyrt_pool **out) {
     atomic_init(&pool->shutdown, 0);
     atomic_init(&pool->n_sleeping, 0);
     atomic_init(&pool->caller_sleeping, 0);
+    atomic_init(&pool->cur_slot, 0);
     const char *spin = getenv("PYRT_SPIN_US");
     pool->spin_ns = (int64_t)(spin != NULL ? atoi(spin) : DEFAULT_SPIN_US) * 1000;
     const char *idle = getenv("PYRT_IDLE_PREFETCH");
@@ -340,12 +358,13 @@ void pyrt_pool_run(pyrt_pool *pool, pyrt_task_fn fn, void *ctx) {
     }
     pool->fn = fn;
     pool->ctx = ctx;
-    /* this run's plan, in the slot of the generation it is about to get */
-    const uint_fast64_t gen = atomic_load_explicit(&pool->generation, memory_order_relaxed) + 1;
-    const int slot = (int)(gen & 1);
+    /* this run's plan, in the slot after the one in force (the last run's, read by threads that
+     * have not seen this run yet) */
+    const int prev = atomic_load_explicit(&pool->cur_slot, memory_order_relaxed);
+    const int slot = (prev + 1) % PLAN_SLOTS;
     pyrt_pf_plan *plan = &pool->plans[slot];
     if (pool->has_next) {
-        if (!same_plan(&pool->next_plan, &pool->plans[slot ^ 1]))
+        if (!same_plan(&pool->next_plan, &pool->plans[prev]))
             pool->epoch++;
         *plan = pool->next_plan;
         pool->plan_epoch[slot] = pool->epoch;
@@ -353,6 +372,7 @@ void pyrt_pool_run(pyrt_pool *pool, pyrt_task_fn fn, void *ctx) {
     } else {
         plan->n = 0;
     }
+    atomic_store_explicit(&pool->cur_slot, slot, memory_order_release);
     atomic_store_explicit(&pool->pending, nth - 1, memory_order_relaxed);
     /* Publish the task (seq_cst), then look for sleepers: a worker that counted itself asleep
      * after this read re-reads the generation under the lock and sees the new task. */
@@ -368,13 +388,15 @@ void pyrt_pool_run(pyrt_pool *pool, pyrt_task_fn fn, void *ctx) {
     if (atomic_load_explicit(&pool->pending, memory_order_acquire) == 0)
         return;
     const int64_t t0 = mono_ns();
-    int more = plan->n > 0;
+    int more = 1;
     for (;;) {
         for (int i = 0; i < SPIN_CHECK; i++) {
             if (atomic_load_explicit(&pool->pending, memory_order_acquire) == 0)
                 return;
             if (more)
-                more = idle_step(pool, 0, slot, IDLE_LINES);
+                more = idle_step(pool, 0,
+                                 atomic_load_explicit(&pool->cur_slot, memory_order_acquire),
+                                 IDLE_LINES);
             else
                 PYRT_CPU_RELAX();
         }

@@ -240,6 +240,9 @@ int pyrt_pool_idle_prefetch(pyrt_pool *pool, int ith);
 int pyrt_pool_plan_step(pyrt_pool *pool, int ith, int lines);
 /* Bytes of thread ith's home in the plan of the task running now (0: no plan or no home). */
 int64_t pyrt_pool_plan_home_bytes(pyrt_pool *pool, int ith);
+/* From inside a pool task, by one thread, at most once per run: the rest of the run's idle time
+ * (and the idle time after it) prefetches `plan` instead of the run's own plan. */
+void pyrt_pool_plan_switch(pyrt_pool *pool, const pyrt_pf_plan *plan);
 
 /* Scratch memory owned by the pool (64-byte aligned, grown on demand, kept between calls); NULL
  * when out of memory. Valid while the caller holds the pool and until the next workspace call. */

@@ -278,7 +278,8 @@ static void test_decode(void) {
     CHECK(memcmp(a, c, sizeof(float) * CAP * N_VOCAB) == 0,
           "fused attention changed the logits at 16 threads");
     /* router, routing and experts in one task (blocks 0 and 2) or the router's own run and
-     * pyrt_moe_ffn: the same bits (c: 16 threads, fused) */
+     * pyrt_moe_ffn: the same bits (c: 16 threads, fused; with PYRT_FUSE_ROUTER=0 the blocks are
+     * not fused whole either) */
     setenv("PYRT_FUSE_ROUTER", "0", 1);
     decode_tiny(&t, 16, a);
     unsetenv("PYRT_FUSE_ROUTER");
@@ -289,6 +290,17 @@ static void test_decode(void) {
     unsetenv("PYRT_FUSE_ROUTER");
     CHECK(memcmp(a, b, sizeof(float) * CAP * N_VOCAB) == 0,
           "fused router changed the logits at 3 threads");
+    /* the whole block in one task (blocks 0 and 2) or attention and FFN in two: the same bits */
+    setenv("PYRT_FUSE_LAYER", "0", 1);
+    decode_tiny(&t, 16, a);
+    unsetenv("PYRT_FUSE_LAYER");
+    CHECK(memcmp(a, c, sizeof(float) * CAP * N_VOCAB) == 0,
+          "fused layer changed the logits at 16 threads");
+    setenv("PYRT_FUSE_LAYER", "0", 1);
+    decode_tiny(&t, 3, a);
+    unsetenv("PYRT_FUSE_LAYER");
+    CHECK(memcmp(a, b, sizeof(float) * CAP * N_VOCAB) == 0,
+          "fused layer changed the logits at 3 threads");
     free(c);
 
     /* create refuses a wrong shape and a missing dense FFN, with the tensor in the message */
