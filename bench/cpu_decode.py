@@ -133,7 +133,7 @@ def main() -> None:
     for part in ("attention", "ffn", "output"):
         s = times[part] / n
         c_total += s
-        rate = parts[part] / s / 1e9
+        rate = parts[part] / s / 1e9 if s > 0 else float("nan")
         print(
             f"  {part:9s} {s * 1e3:6.2f} ms  {parts[part] / 1e6:7.1f} MB  "
             f"{rate:5.1f} GB/s ({rate / bw_med * 100:.0f}% of DRAM)"

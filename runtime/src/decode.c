@@ -19,7 +19,9 @@
  * the routed experts are pool tasks. Matrices that read the same input share one task (q, k, v;
  * router, shared gate, shared up), and where the q/k norms are per head or absent, q/k/v, the
  * attention heads (with their norms, RoPE and cache append) and the o projection are one task
- * (task_qkv_attention): a block costs 3-5 hand-offs (olmoe's all-heads norms: 6-7). */
+ * (task_qkv_attention); the router, the routing and the routed experts are one task
+ * (pyrt_moe_ffn_routed), and where both apply the whole block is one (layer_fused): a granite
+ * block costs 1 hand-off, a qwen2moe-like one 2 (its shared down), olmoe (all-heads norms) 4. */
 #define _POSIX_C_SOURCE 199309L /* clock_gettime */
 #include <math.h>
 #include <stdatomic.h>
@@ -756,6 +758,7 @@ typedef struct {
     const pyrt_block_weights *b;
     pyrt_pf_plan after; /* the plan from ffn_ready on */
     int quantize;       /* the FFN input's Q8 blocks are read (router/shared matrices, experts) */
+    int64_t t_ffn;      /* when the FFN's input was ready: the attention / FFN split of times */
 } layer_ctx;
 
 static void o_rows_done(void *p, int64_t lo, int64_t hi) {
@@ -771,6 +774,7 @@ static void o_rows_done(void *p, int64_t lo, int64_t hi) {
     if (c->quantize)
         pyrt_quantize_x_q8(d->xn, d->xq, w->n_embd);
     pyrt_pool_plan_switch(c->qa.pool, &c->after);
+    c->t_ffn = now_ns(); /* read by the caller after the run */
     atomic_store_explicit(&d->ffn_ready, 1, memory_order_release);
 }
 
@@ -786,9 +790,10 @@ static int layer_fusable(const pyrt_decoder *d, const pyrt_block_weights *b) {
            b->router.data != NULL;
 }
 
+/* *t_ffn: when the attention part ended (the FFN's input was ready). */
 static int64_t layer_fused(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weights *b,
                            int pos, float *kc, float *vc, size_t cap, const float *cs,
-                           float threshold, const pyrt_mv_job *next) {
+                           float threshold, const pyrt_mv_job *next, int64_t *t_ffn) {
     const pyrt_model_weights *w = &d->w;
     const int n_embd = w->n_embd;
     rms_norm(d->x, b->attn_norm, w->rms_eps, n_embd, d->xn);
@@ -814,6 +819,7 @@ static int64_t layer_fused(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_we
         pool, task_attention_then_ffn_in, &lc, &in, route_task, d, d->ids, d->topw, b->gud,
         b->gud_fmt, w->n_expert, w->n_ff_exp, n_embd, d->xn, d->xq, w->n_expert_used,
         w->activation, threshold, d->y, &active);
+    *t_ffn = lc.t_ffn > 0 ? lc.t_ffn : now_ns(); /* 0: the run did not start */
     if (rc != PYRT_OK)
         return -1;
     moe_tail(d, pool, b, next);
@@ -905,9 +911,10 @@ static int decoder_step(pyrt_decoder *d, pyrt_pool *pool, int token, int pos,
         const float thr = thresholds != NULL ? thresholds[l] : 0.0f;
         int64_t a;
         int64_t t1 = t0;
-        if (layer_fusable(d, b)) { /* one task: its time counts as the FFN's */
+        if (layer_fusable(d, b)) { /* one task: split where the FFN's input was ready */
             a = layer_fused(d, pool, b, pos, k_cache[l], v_cache[l], (size_t)cache_cap, csp, thr,
-                            &next);
+                            &next, &t1);
+            d->times[0] += t1 - t0;
         } else {
             attention_block(d, pool, b, pos, k_cache[l], v_cache[l], (size_t)cache_cap, csp);
             t1 = now_ns();
