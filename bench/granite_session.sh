@@ -2,10 +2,10 @@
 # Device session for the granite branch (issue 3, whole-model CPU decode): builds the C core of
 # this tree (NEW) and of a base (OLD), makes a random granite-1b-a400m Q8_0 GGUF, then runs
 # bench/cpu_decode.py --threads $THREADS --tokens 64, each run its own process, round-robin over
-#   OLD | NEW | NEW PYRT_FUSE_ATTN=0 | NEW PYRT_PLAN_LINES=8 | NEW PYRT_VNNI=0 |
-#   NEW PYRT_MV_PREFETCH=4
-# (the last four: this branch's pieces off or back at main's value, or knobs the 2-core box
-# could not decide, see docs/benchmarks.md, "granite whole-model decode"), 3 rounds, starting a run only while less
+#   OLD | NEW | NEW PYRT_FUSE_LAYER=0 | NEW PYRT_FUSE_ROUTER=0
+# (the last two: the granite2 branch's fusions off, one or both, see docs/bench-notes-granite2.md;
+# the granite branch's knobs, PYRT_FUSE_ATTN=0, PYRT_PLAN_LINES=8, PYRT_VNNI=0,
+# PYRT_MV_PREFETCH=4, through GRANITE_VARIANTS), 3 rounds, starting a run only while less
 # than BUDGET_S (default 180) seconds have passed; then the C unit tests (the AVX512_VNNI
 # bit-equality test runs only where the CPU has it) and a summary (median ms/token and % of
 # floor per variant) in $OUT/summary.txt. At most ~4 minutes on 16 cores.
@@ -57,10 +57,8 @@ echo "gguf at $(elapsed) s" | tee -a "$OUT/machine.txt"
 # name|library (OLD or NEW)|environment; GRANITE_VARIANTS replaces the list
 VARIANTS=${GRANITE_VARIANTS:-"OLD|OLD|
 NEW|NEW|
-NEW_FUSE0|NEW|PYRT_FUSE_ATTN=0
-NEW_PLAN8|NEW|PYRT_PLAN_LINES=8
-NEW_VNNI0|NEW|PYRT_VNNI=0
-NEW_MVPF4|NEW|PYRT_MV_PREFETCH=4"}
+NEW_FL0|NEW|PYRT_FUSE_LAYER=0
+NEW_FR0|NEW|PYRT_FUSE_ROUTER=0"}
 for round in $(seq "$ROUNDS"); do
     while IFS='|' read -r name which envs; do
         if [ "$which" = OLD ]; then lib=$OLD; else lib=$NEW; fi
