@@ -3,7 +3,7 @@
 # this tree (NEW) and of a base (OLD), makes a random granite-1b-a400m Q8_0 GGUF, then runs
 # bench/cpu_decode.py --threads $THREADS --tokens 64, each run its own process, round-robin over
 #   OLD | NEW | NEW PYRT_FUSE_LAYER=0 | NEW PYRT_FUSE_ROUTER=0
-# (the last two: the granite2 branch's fusions off, one or both, see docs/bench-notes-granite2.md;
+# (the last two: the granite2 branch's fusions off, one or both, see docs/benchmarks.md, "granite2";
 # the granite branch's knobs, PYRT_FUSE_ATTN=0, PYRT_PLAN_LINES=8, PYRT_VNNI=0,
 # PYRT_MV_PREFETCH=4, through GRANITE_VARIANTS), 3 rounds, starting a run only while less
 # than BUDGET_S (default 180) seconds have passed; then the C unit tests (the AVX512_VNNI

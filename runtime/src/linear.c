@@ -20,7 +20,7 @@ enum {
     SERIAL_QUANTIZE_MAX = 1 << 15, /* x elements quantized on the calling thread */
     DEFAULT_PREFETCH_ROWS = 2      /* rows ahead of the current pair (PYRT_MV_PREFETCH; 0: off):
                                       2 streamed a 650 MB Q8_0 matrix 12-14% faster than 4 on
-                                      1-2 Sapphire Rapids cores (docs/bench-notes-granite.md) */
+                                      1-2 Sapphire Rapids cores (docs/benchmarks.md, granite) */
 };
 
 int pyrt_matrix_check(const pyrt_matrix *m, const char *fn, const char *what) {

@@ -31,9 +31,9 @@ enum {
     DEFAULT_PREFETCH_AHEAD = 2, /* neurons (best of 2, 4, 8 on the 16-core device) */
     DEFAULT_PLAN_LINES = 0,     /* plan lines per dense neuron (of its 3 rows' lines: 51 in
                                    granite's 1024-wide Q8_0, 96 in olmoe's 2048); off until the
-                                   16-core device has measured it (bench/granite_session.sh
-                                   sweeps 0 and 8): no gain on 2 cores, see
-                                   docs/bench-notes-granite.md */
+                                   16-core device has measured it: no gain on 2 cores,
+                                   8 vs 0 flipped between two device runs (docs/benchmarks.md,
+                                   granite) */
     MAX_SPARSE_CHUNK = 32,     /* neurons: the sparse chunk arrays' size */
     DEFAULT_SPARSE_CHUNK = 32, /* neurons */
     MAX_ITEMS_PER_THREAD = 8, /* guided items come to ~6.2 per thread */
