@@ -290,6 +290,7 @@ class CpuCore:
             if not (
                 type(y) is torch.Tensor
                 and y.dtype is torch.float32
+                and y.layout is torch.strided
                 and y.is_cpu
                 and y.shape == (n_tokens, n_embd)
                 and y.is_contiguous()
@@ -298,6 +299,8 @@ class CpuCore:
                     f"out must be a contiguous float32 CPU tensor of shape ({n_tokens}, {n_embd}), "
                     f"got {_describe(y)}"
                 )
+            if _overlaps(y, x):
+                raise CoreError("out must not share memory with x (y is written while x is read)")
         if n_tokens == 0:
             return y, 0
         n_active = _ffi.new(_P_INT64)
@@ -375,6 +378,12 @@ class CpuCore:
         data = _ffi.from_buffer(buf)
         _check(self._lib.pyrt_mem_read(self._pool, data, buf.nbytes, checksum), "pyrt_mem_read")
         return int(checksum[0])
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors' bytes overlap."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _describe(t: object) -> str:

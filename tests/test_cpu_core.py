@@ -266,7 +266,7 @@ def test_reads_a_gguf_reader_tensor_in_place(cc, tmp_path):
 
 def test_out_receives_y(cc):
     """out=: y is written into the caller's tensor (same bits as a fresh one); a tensor of the
-    wrong shape, dtype or layout is refused."""
+    wrong shape, dtype or layout, or one that shares memory with x, is refused."""
     raw, _, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case("Q8_0", 3, seed=5)
     with cc.CpuCore(2) as core:
         y, n = core.moe_ffn(raw, Q.Q8_0, n_expert, n_ff, n_embd, x, ids, topk_w)
@@ -277,10 +277,14 @@ def test_out_receives_y(cc):
             torch.empty(2, n_embd),
             torch.empty(3, n_embd, dtype=torch.float64),
             torch.empty(n_embd, 3).t(),
+            torch.zeros(3, n_embd).to_sparse(),
         ]
         for b in bad:
             with pytest.raises(cc.CoreError, match="out must be"):
                 core.moe_ffn(raw, Q.Q8_0, n_expert, n_ff, n_embd, x, ids, topk_w, out=b)
+        x32 = x.float().contiguous()  # x itself reaches the kernel (no copy): y would overwrite it
+        with pytest.raises(cc.CoreError, match="share memory with x"):
+            core.moe_ffn(raw, Q.Q8_0, n_expert, n_ff, n_embd, x32, ids, topk_w, out=x32)
 
 
 def test_zero_tokens(cc):

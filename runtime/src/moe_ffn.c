@@ -716,7 +716,7 @@ static void task_block(void *p, int ith, int nth) {
              * of the done items up to reduce_pf on, so the remote reads overlap (at the end of a
              * call every item is done and the sums are a chain of ~100 such reads). */
             pf_next = pf_next > item ? pf_next : item + 1;
-            for (; pf_next < c->n_items && pf_next <= item + c->reduce_pf &&
+            for (; pf_next < c->n_items && pf_next - item <= c->reduce_pf &&
                    atomic_load_explicit(&c->item_done[pf_next], memory_order_relaxed);
                  pf_next++)
                 prefetch_row((const uint8_t *)(c->acc + (size_t)pf_next * c->acc_stride + lo),
