@@ -242,6 +242,18 @@ static void decode_tiny(const tiny_model *t, int threads, float *out) {
     pyrt_pool_free(pool);
 }
 
+/* decode_tiny with the environment knob `name` set to "0" (a path turned off), then unset */
+static void decode_tiny_off(const tiny_model *t, int threads, const char *name, float *out) {
+    setenv(name, "0", 1);
+    decode_tiny(t, threads, out);
+    unsetenv(name);
+}
+
+/* whether two decodes' logits [CAP, N_VOCAB] are the same bits */
+static int same_logits(const float *a, const float *b) {
+    return memcmp(a, b, sizeof(float) * CAP * N_VOCAB) == 0;
+}
+
 static void test_decode(void) {
     tiny_model t;
     build_tiny(&t);
@@ -261,46 +273,26 @@ static void test_decode(void) {
         worst = fmax(worst, fabs((double)a[i] - c[i]));
     CHECK(worst <= 1e-4, "1 vs 16 threads differ by %g", worst);
     /* prefetching while idle (on by default) moves no bit */
-    setenv("PYRT_IDLE_PREFETCH", "0", 1);
-    decode_tiny(&t, 3, c);
-    unsetenv("PYRT_IDLE_PREFETCH");
-    CHECK(memcmp(b, c, sizeof(float) * CAP * N_VOCAB) == 0, "idle prefetch changed the logits");
+    decode_tiny_off(&t, 3, "PYRT_IDLE_PREFETCH", c);
+    CHECK(same_logits(b, c), "idle prefetch changed the logits");
     /* q/k/v and attention in one task (blocks 0 and 2: per-head norms, none) or two (serial
      * norms, RoPE, cache append between them): the same operations, the same bits */
-    setenv("PYRT_FUSE_ATTN", "0", 1);
-    decode_tiny(&t, 3, c);
-    unsetenv("PYRT_FUSE_ATTN");
-    CHECK(memcmp(b, c, sizeof(float) * CAP * N_VOCAB) == 0, "fused attention changed the logits");
+    decode_tiny_off(&t, 3, "PYRT_FUSE_ATTN", c);
+    CHECK(same_logits(b, c), "fused attention changed the logits");
     decode_tiny(&t, 16, c);
-    setenv("PYRT_FUSE_ATTN", "0", 1);
-    decode_tiny(&t, 16, a);
-    unsetenv("PYRT_FUSE_ATTN");
-    CHECK(memcmp(a, c, sizeof(float) * CAP * N_VOCAB) == 0,
-          "fused attention changed the logits at 16 threads");
+    decode_tiny_off(&t, 16, "PYRT_FUSE_ATTN", a);
+    CHECK(same_logits(a, c), "fused attention changed the logits at 16 threads");
     /* router, routing and experts in one task (blocks 0 and 2) or the router's own run and
      * pyrt_moe_ffn: the same bits (c: 16 threads, fused; with PYRT_FUSE_ROUTER=0 the blocks are
-     * not fused whole either) */
-    setenv("PYRT_FUSE_ROUTER", "0", 1);
-    decode_tiny(&t, 16, a);
-    unsetenv("PYRT_FUSE_ROUTER");
-    CHECK(memcmp(a, c, sizeof(float) * CAP * N_VOCAB) == 0,
-          "fused router changed the logits at 16 threads");
-    setenv("PYRT_FUSE_ROUTER", "0", 1);
-    decode_tiny(&t, 3, a);
-    unsetenv("PYRT_FUSE_ROUTER");
-    CHECK(memcmp(a, b, sizeof(float) * CAP * N_VOCAB) == 0,
-          "fused router changed the logits at 3 threads");
-    /* the whole block in one task (blocks 0 and 2) or attention and FFN in two: the same bits */
-    setenv("PYRT_FUSE_LAYER", "0", 1);
-    decode_tiny(&t, 16, a);
-    unsetenv("PYRT_FUSE_LAYER");
-    CHECK(memcmp(a, c, sizeof(float) * CAP * N_VOCAB) == 0,
-          "fused layer changed the logits at 16 threads");
-    setenv("PYRT_FUSE_LAYER", "0", 1);
-    decode_tiny(&t, 3, a);
-    unsetenv("PYRT_FUSE_LAYER");
-    CHECK(memcmp(a, b, sizeof(float) * CAP * N_VOCAB) == 0,
-          "fused layer changed the logits at 3 threads");
+     * not fused whole either); then the whole block in one task (blocks 0 and 2) or attention
+     * and FFN in two. b: 3 threads, everything fused. */
+    static const char *const fused_paths[] = {"PYRT_FUSE_ROUTER", "PYRT_FUSE_LAYER"};
+    for (size_t i = 0; i < sizeof fused_paths / sizeof fused_paths[0]; i++) {
+        decode_tiny_off(&t, 16, fused_paths[i], a);
+        CHECK(same_logits(a, c), "%s=0 changed the logits at 16 threads", fused_paths[i]);
+        decode_tiny_off(&t, 3, fused_paths[i], a);
+        CHECK(same_logits(a, b), "%s=0 changed the logits at 3 threads", fused_paths[i]);
+    }
     free(c);
 
     /* create refuses a wrong shape and a missing dense FFN, with the tensor in the message */
