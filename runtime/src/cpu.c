@@ -114,8 +114,7 @@ int pyrt_cpu_has_vnni(void) {
         v = 0;
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
         __builtin_cpu_init();
-        const char *e = getenv("PYRT_VNNI");
-        v = __builtin_cpu_supports("avx512vnni") && (e == NULL || atoi(e) != 0);
+        v = __builtin_cpu_supports("avx512vnni") && pyrt_env_int("PYRT_VNNI", 1) != 0;
 #endif
         atomic_store(&vnni, v);
     }

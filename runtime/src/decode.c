@@ -231,12 +231,9 @@ int pyrt_decoder_create(const pyrt_model_weights *w, pyrt_decoder **out) {
         return pyrt_fail(PYRT_E_NOMEM, "pyrt_decoder_create: out of memory");
     }
     memcpy(d->blocks, w->blocks, (size_t)w->n_layer * sizeof *d->blocks);
-    const char *fuse = getenv("PYRT_FUSE_ATTN");
-    d->fuse_attention = fuse == NULL || atoi(fuse) != 0;
-    const char *fuse_r = getenv("PYRT_FUSE_ROUTER");
-    d->fuse_router = fuse_r == NULL || atoi(fuse_r) != 0;
-    const char *fuse_l = getenv("PYRT_FUSE_LAYER");
-    d->fuse_layer = fuse_l == NULL || atoi(fuse_l) != 0;
+    d->fuse_attention = pyrt_env_int("PYRT_FUSE_ATTN", 1) != 0;
+    d->fuse_router = pyrt_env_int("PYRT_FUSE_ROUTER", 1) != 0;
+    d->fuse_layer = pyrt_env_int("PYRT_FUSE_LAYER", 1) != 0;
     d->w.blocks = d->blocks;
     atomic_flag_clear(&d->busy);
     *out = d;

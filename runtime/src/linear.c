@@ -93,10 +93,8 @@ static inline void prefetch_bytes(const uint8_t *p, size_t bytes) {
 
 static int prefetch_rows(void) {
     static int rows = -1;
-    if (rows < 0) {
-        const char *e = getenv("PYRT_MV_PREFETCH");
-        rows = e != NULL ? atoi(e) : DEFAULT_PREFETCH_ROWS;
-    }
+    if (rows < 0)
+        rows = pyrt_env_int("PYRT_MV_PREFETCH", DEFAULT_PREFETCH_ROWS);
     return rows;
 }
 

@@ -123,15 +123,14 @@ typedef struct {
 
 /* Read on every call (a few getenv, well under a microsecond) so a benchmark can vary them. */
 static knobs read_knobs(void) {
-    const char *p = getenv("PYRT_PROFILE"), *a = getenv("PYRT_PREFETCH_AHEAD");
-    const char *items = getenv("PYRT_ITEMS"), *chunk = getenv("PYRT_SPARSE_CHUNK");
-    const char *plan = getenv("PYRT_PLAN_LINES"), *rpf = getenv("PYRT_REDUCE_PF");
-    knobs k = {.profile = p != NULL && atoi(p) > 0 ? atoi(p) : 0,
-               .prefetch_ahead = a != NULL ? atoi(a) : DEFAULT_PREFETCH_AHEAD,
-               .items_per_thread = items != NULL ? atoi(items) : 0,
-               .sparse_chunk = chunk != NULL ? atoi(chunk) : DEFAULT_SPARSE_CHUNK,
-               .plan_lines = plan != NULL ? atoi(plan) : DEFAULT_PLAN_LINES,
-               .reduce_pf = rpf != NULL ? atoi(rpf) : DEFAULT_REDUCE_PF};
+    knobs k = {.profile = pyrt_env_int("PYRT_PROFILE", 0),
+               .prefetch_ahead = pyrt_env_int("PYRT_PREFETCH_AHEAD", DEFAULT_PREFETCH_AHEAD),
+               .items_per_thread = pyrt_env_int("PYRT_ITEMS", 0),
+               .sparse_chunk = pyrt_env_int("PYRT_SPARSE_CHUNK", DEFAULT_SPARSE_CHUNK),
+               .plan_lines = pyrt_env_int("PYRT_PLAN_LINES", DEFAULT_PLAN_LINES),
+               .reduce_pf = pyrt_env_int("PYRT_REDUCE_PF", DEFAULT_REDUCE_PF)};
+    if (k.profile < 0)
+        k.profile = 0;
     if (k.sparse_chunk < 1 || k.sparse_chunk > MAX_SPARSE_CHUNK)
         k.sparse_chunk = DEFAULT_SPARSE_CHUNK;
     if (k.items_per_thread < 0)

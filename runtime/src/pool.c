@@ -276,10 +276,8 @@ int pyrt_pool_create(int n_threads, pyrt_pool **out) {
     atomic_init(&pool->n_sleeping, 0);
     atomic_init(&pool->caller_sleeping, 0);
     atomic_init(&pool->cur_slot, 0);
-    const char *spin = getenv("PYRT_SPIN_US");
-    pool->spin_ns = (int64_t)(spin != NULL ? atoi(spin) : DEFAULT_SPIN_US) * 1000;
-    const char *idle = getenv("PYRT_IDLE_PREFETCH");
-    pool->idle_pf = idle == NULL || atoi(idle) != 0;
+    pool->spin_ns = (int64_t)pyrt_env_int("PYRT_SPIN_US", DEFAULT_SPIN_US) * 1000;
+    pool->idle_pf = pyrt_env_int("PYRT_IDLE_PREFETCH", 1) != 0;
     pool->progress = aligned_alloc(64, (size_t)n_threads * sizeof *pool->progress);
     if (pool->progress == NULL) {
         pyrt_pool_free(pool);

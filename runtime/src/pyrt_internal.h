@@ -4,6 +4,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "pyrt.h"
@@ -17,6 +18,15 @@
 /* Formats the thread's last_error message; returns `status` so callers can `return pyrt_fail(..)`. */
 int pyrt_fail(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void pyrt_clear_error(void);
+
+/* ---- environment knobs ---------------------------------------------------------------------- */
+
+/* The integer value of environment variable `name` (atoi), or `dflt` when it is unset. A switch
+ * that is on by default reads pyrt_env_int(name, 1) != 0 ("0" turns it off). */
+static inline int pyrt_env_int(const char *name, int dflt) {
+    const char *e = getenv(name);
+    return e != NULL ? atoi(e) : dflt;
+}
 
 /* ---- activation quantization --------------------------------------------------------------- */
 
