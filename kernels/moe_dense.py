@@ -402,6 +402,14 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _prep_q8r(x, w, fmt, topk_ids, topk_w, activation):
+    """_prep, and the q8r kernels' own requirement: q8_0r experts with n_embd % 64 == 0."""
+    H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
+    if not q8r_supported(fmt, H):
+        raise ValueError(f"the q8r path needs q8_0r experts and n_embd % 64 == 0, got {fmt}, {H}")
+    return H, E, F, rb, T, K
+
+
 def moe_q8r_decode(x, w, topk_ids, topk_w, activation="silu", threshold=None, dp4a=True,
                    blocks=None, quantize_in_kernel=None, fmt="q8_0r"):  # fmt: skip
     """Decode FFN over q8_0r experts: dense (threshold None) -> y, with the pipelined
@@ -420,9 +428,7 @@ def moe_q8r_decode(x, w, topk_ids, topk_w, activation="silu", threshold=None, dp
     tokens or more takes moe_q8r_stream, sparse at one token moe_q8r_sparse2 (H100 timings at
     those constants).
     """
-    H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
-    if not q8r_supported(fmt, H):
-        raise ValueError(f"the q8r path needs q8_0r experts and n_embd % 64 == 0, got {fmt}, {H}")
+    H, E, F, rb, T, K = _prep_q8r(x, w, fmt, topk_ids, topk_w, activation)
     P = T * K
     in_kernel = quantize_in_kernel
     if in_kernel is None:
@@ -466,9 +472,7 @@ def moe_q8r_sparse2(x, w, topk_ids, topk_w, threshold, activation="silu", blocks
     phases per program). Returns (y [T, n_embd] f32, active count [P] int32).
     blocks: (BLOCK_N, BK, num_warps, programs per SM). x quantized in the kernel at one token,
     by quantize_x_q8 first above."""
-    H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
-    if not q8r_supported(fmt, H):
-        raise ValueError(f"the q8r path needs q8_0r experts and n_embd % 64 == 0, got {fmt}, {H}")
+    H, E, F, rb, T, K = _prep_q8r(x, w, fmt, topk_ids, topk_w, activation)
     interp = interpreting()
     bn, bk, nw, per_sm = blocks or ((8, 4, 4, 4) if interp else Q8R_SPARSE2_CONFIG)
     P = T * K
@@ -504,9 +508,7 @@ def moe_q8r_stream(x, w, topk_ids, topk_w, activation="silu", blocks=None, fmt="
     per program, tiles through the software pipeline; x quantized in every program as the C
     core quantizes it, dp4a dots) -> y [T, n_embd] f32. blocks: (BLOCK_N, num_warps, programs
     per SM, STAGES), default Q8R_STREAM_CONFIG."""
-    H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
-    if not q8r_supported(fmt, H):
-        raise ValueError(f"the q8r path needs q8_0r experts and n_embd % 64 == 0, got {fmt}, {H}")
+    H, E, F, rb, T, K = _prep_q8r(x, w, fmt, topk_ids, topk_w, activation)
     interp = interpreting()
     bn, nw, per_sm, stages = blocks or (
         Q8R_STREAM_CONFIG_INTERPRETER if interp else Q8R_STREAM_CONFIG
