@@ -10,44 +10,25 @@
 # bit-equality test runs only where the CPU has it) and a summary (median ms/token and % of
 # floor per variant) in $OUT/summary.txt. At most ~4 minutes on 16 cores.
 #
-#   bash bench/granite_session.sh OUT [BASE_SRC] [BUDGET_S]
+#   bash bench/granite_session.sh OUT BASE_SRC [BUDGET_S]
 #
-# BASE_SRC: a folder with the base's runtime/ and CMakeLists.txt (e.g. `git archive 701cde0
-# runtime CMakeLists.txt | tar -x -C /some/dir`). Without it the base is this tree with the
-# branch's C changes taken back out: runtime/ and CMakeLists.txt copied to /tmp and
-# bench/granite_base.patch (`git diff 701cde0 granite -- runtime CMakeLists.txt`) applied in
-# reverse, so OLD differs from NEW by exactly this branch's C changes.
-# Local try: THREADS=2 bash bench/granite_session.sh /tmp/granite-out
+# BASE_SRC: a folder with the base's runtime/ and CMakeLists.txt, e.g.
+#   mkdir -p .wt/base && git archive REV runtime CMakeLists.txt | tar -x -C .wt/base
+# Local try: THREADS=2 bash bench/granite_session.sh /tmp/granite-out .wt/base
 # Other variants: GRANITE_VARIANTS=$'OLD|OLD|\nNEW|NEW|\nNEW_PLAN8|NEW|PYRT_PLAN_LINES=8' ROUNDS=4 bash ...
 set -u
-OUT=$(realpath -m "${1:?usage: bash bench/granite_session.sh OUT [BASE_SRC] [BUDGET_S]}")
-BASE_SRC=${2:+$(realpath -m "$2")}
+OUT=$(realpath -m "${1:?usage: bash bench/granite_session.sh OUT BASE_SRC [BUDGET_S]}")
+BASE_SRC=$(realpath -m "${2:?usage: bash bench/granite_session.sh OUT BASE_SRC [BUDGET_S]}")
 cd "$(dirname "$0")/.."
 BUDGET_S=${3:-180}
 THREADS=${THREADS:-16}
 ROUNDS=${ROUNDS:-3}
-T0=$(date +%s)
-elapsed() { echo $(($(date +%s) - T0)); }
-export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
-mkdir -p "$OUT"
+export PYTHONPATH=${PYTHONPATH:-.}
 . bench/cpu_session_common.sh
-session_machine "$OUT"
-
-if [ -z "$BASE_SRC" ]; then
-    BASE_SRC=/tmp/granite-base-src
-    rm -rf "$BASE_SRC" && mkdir -p "$BASE_SRC"
-    cp -r runtime CMakeLists.txt "$BASE_SRC"/
-    if ! patch -s -R -p1 -d "$BASE_SRC" <bench/granite_base.patch; then
-        echo "bench/granite_base.patch does not reverse onto this tree: pass BASE_SRC" |
-            tee -a "$OUT/machine.txt"
-        exit 1
-    fi
-fi
-session_build "$BASE_SRC" granite >>"$OUT/machine.txt" 2>&1 || {
+session_begin "$OUT" "$BASE_SRC" granite || {
     echo "build failed" | tee -a "$OUT/machine.txt"
     exit 1
 }
-echo "built at $(elapsed) s" | tee -a "$OUT/machine.txt"
 
 G=/tmp/granite-q8_0.gguf
 python bench/make_random_gguf.py granite-1b-a400m --outtype q8_0 -o $G \
