@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_experts import dram_read  # noqa: E402
+from cpu_experts import ReadTest  # noqa: E402
 from make_random_gguf import CONFIGS, make_random_gguf  # noqa: E402
 
 from pyruntime import cpu_core  # noqa: E402
@@ -59,9 +59,19 @@ def bytes_per_token(model: MoETransformer, mean_pos: float) -> dict[str, float]:
     return {"attention": attn + emb_row, "ffn": ffn, "output": output}
 
 
-def decode(model: MoETransformer, n_prompt: int, n_tokens: int, warmup: int, seed: int):
-    """Per-step seconds of n_tokens greedy steps after a prompt of n_prompt random tokens."""
-    cache = model.new_cache(n_prompt + warmup + n_tokens + 1)
+def decode(
+    model: MoETransformer,
+    n_prompt: int,
+    n_tokens: int,
+    warmup: int,
+    seed: int,
+    segments: int = 1,
+    between=None,
+):
+    """Per-step seconds of n_tokens greedy steps after a prompt of n_prompt random tokens, as
+    `segments` lists of consecutive steps; before each segment `between()` runs (the read test)
+    and one untimed step follows it, so no timed step pays for the caches it left behind."""
+    cache = model.new_cache(n_prompt + warmup + n_tokens + segments + 1)
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, model.config.n_vocab, (n_prompt,), generator=gen)
     logits = model.forward(prompt, cache, last_only=True)
@@ -69,13 +79,19 @@ def decode(model: MoETransformer, n_prompt: int, n_tokens: int, warmup: int, see
     for _ in range(warmup):
         tok = int(model.forward([tok], cache)[-1].argmax())
     model._decoder.times(reset=True)
-    steps = []
-    for _ in range(n_tokens):
-        t = time.perf_counter()
-        logits = model.forward([tok], cache)
-        steps.append(time.perf_counter() - t)
-        tok = int(logits[-1].argmax())
-    return steps, model._decoder.times()
+    seg_steps = []
+    for s in range(segments):
+        if between is not None:
+            between()
+            tok = int(model.forward([tok], cache)[-1].argmax())
+        steps = []
+        for _ in range(n_tokens * (s + 1) // segments - n_tokens * s // segments):
+            t = time.perf_counter()
+            logits = model.forward([tok], cache)
+            steps.append(time.perf_counter() - t)
+            tok = int(logits[-1].argmax())
+        seg_steps.append(steps)
+    return seg_steps, model._decoder.times()
 
 
 def main() -> None:
@@ -88,6 +104,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="decode steps timed")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--dram-gib", type=float, default=1.0)
+    ap.add_argument(
+        "--segments",
+        type=int,
+        default=4,
+        help="the steps in this many segments, each after 3 reads of the read test: every "
+        "segment's % of the floor is against the read rate measured right before it",
+    )
     args = ap.parse_args()
 
     path = args.gguf or Path(f"/tmp/{args.shape}-{args.outtype}.gguf")
@@ -107,26 +130,48 @@ def main() -> None:
         f"{core.threads} threads, simd {cpu_core.simd_level()}, torch threads "
         f"{torch.get_num_threads()}"
     )
-    bw_med, bw_best = dram_read(core, args.dram_gib, 10)
+    read = ReadTest(core, args.dram_gib)
+    rates = read.rates(10)
     print(
-        f"DRAM read (pyrt_mem_read, {args.dram_gib} GiB): median {bw_med:.1f} GB/s, "
-        f"best {bw_best:.1f}"
+        f"DRAM read (pyrt_mem_read, {args.dram_gib} GiB): median {statistics.median(rates):.1f} "
+        f"GB/s, best {max(rates):.1f}"
     )
+    seg_bw = []
 
-    steps, times = decode(model, args.prompt, args.tokens, args.warmup, seed=0)
-    mean_pos = args.prompt + args.warmup + (args.tokens - 1) / 2
+    def read_between():
+        seg_bw.append(statistics.median(read.rates(3)))
+
+    seg_steps, times = decode(
+        model, args.prompt, args.tokens, args.warmup, 0, args.segments, read_between
+    )
+    steps = [t for seg in seg_steps for t in seg]
+    mean_pos = args.prompt + args.warmup + (args.tokens + args.segments - 1) / 2
     parts = bytes_per_token(model, mean_pos)
     total_bytes = sum(parts.values())
     step_med = statistics.median(steps)
+    bw_med = statistics.median(rates + seg_bw)
     floor_s = total_bytes / (bw_med * 1e9)
     print(
         f"bytes/token {total_bytes / 1e6:.1f} MB -> floor {floor_s * 1e3:.2f} ms/token "
-        f"({1 / floor_s:.1f} tokens/s at {bw_med:.1f} GB/s)"
+        f"({1 / floor_s:.1f} tokens/s at {bw_med:.1f} GB/s, the median of all read tests)"
     )
     print(
         f"decode: median {step_med * 1e3:.2f} ms/token = {1 / step_med:.1f} tokens/s "
         f"(mean {statistics.fmean(steps) * 1e3:.2f} ms, best {min(steps) * 1e3:.2f} ms, "
-        f"{args.tokens} steps) = {floor_s / step_med * 100:.0f}% of the floor"
+        f"{args.tokens} steps) = {floor_s / step_med * 100:.1f}% of the floor"
+    )
+    pcts = [
+        total_bytes / (bw * 1e9) / statistics.median(seg) * 100
+        for bw, seg in zip(seg_bw, seg_steps, strict=True)
+    ]
+    for i, (bw, seg, pct) in enumerate(zip(seg_bw, seg_steps, pcts, strict=True)):
+        print(
+            f"  segment {i}: read {bw:.1f} GB/s, median {statistics.median(seg) * 1e3:.2f} "
+            f"ms/token over {len(seg)} steps = {pct:.1f}% of its floor"
+        )
+    print(
+        f"paired: median {statistics.median(pcts):.1f}% of the floor over {len(pcts)} segments "
+        f"(each against the read test right before it; min {min(pcts):.1f}, max {max(pcts):.1f})"
     )
     n = times["steps"]
     c_total = 0.0

@@ -83,15 +83,29 @@ def act_quantiles(gud, fmt, n_ff, n_embd, targets, seed=1):
     return {s: float(torch.quantile(a, s)) if s > 0 else 0.0 for s in targets}
 
 
+class ReadTest:
+    """pyrt_mem_read over one buffer of `gib` GiB, made (and faulted in) once, so the test can run
+    between the kernel's cells as often as needed."""
+
+    def __init__(self, core: cpu_core.CpuCore, gib: float):
+        self.core = core
+        self.buf = np.empty(int(gib * 2**30), dtype=np.uint8)
+        self.buf.fill(0x5A)  # every page written (DRAM does not care what the bytes are)
+        core.mem_read(self.buf)
+
+    def rates(self, iters: int) -> list[float]:
+        """GB/s of each of `iters` reads of the whole buffer."""
+        out = []
+        for _ in range(iters):
+            t = time.perf_counter()
+            self.core.mem_read(self.buf)
+            out.append(self.buf.nbytes / (time.perf_counter() - t) / 1e9)
+        return out
+
+
 def dram_read(core: cpu_core.CpuCore, gib: float, iters: int) -> tuple[float, float]:
     """(median, best) GB/s of reading a buffer of `gib` GiB once per iteration."""
-    buf = np.random.default_rng(2).integers(0, 256, size=int(gib * 2**30), dtype=np.uint8)
-    core.mem_read(buf)  # fault the pages in
-    rates = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        core.mem_read(buf)
-        rates.append(buf.nbytes / (time.perf_counter() - t) / 1e9)
+    rates = ReadTest(core, gib).rates(iters)
     return statistics.median(rates), max(rates)
 
 
@@ -137,11 +151,12 @@ class Libraries:
         cpu_core._lib_handle = self.first
 
 
-def sweep(core, layers, fmt, shape, batches, sparsities, iters, knobs, rounds, bw):
+def sweep(core, layers, fmt, shape, batches, sparsities, iters, knobs, rounds, bw, read):
     """Every combination of knob values (dict name -> list of strings), interleaved over rounds;
     prints ms per call (median of the rounds' medians) and dense % of DRAM read / sparse speedup,
     first through the Python wrapper, then of the bare C call (the kernel alone), each with its
-    spread."""
+    spread. Each round starts with 3 reads of the ReadTest `read`; the last table pairs every
+    round's cells with that round's read rate (see print_paired)."""
     n_embd, n_ff, _, _ = shape
     thresholds = act_quantiles(layers[0], fmt, n_ff, n_embd, sparsities)
     names = list(knobs)
@@ -150,7 +165,10 @@ def sweep(core, layers, fmt, shape, batches, sparsities, iters, knobs, rounds, b
     libs = Libraries(core.threads) if "LIB" in names else None
     ms: dict[str, dict[tuple, list[float]]] = {"": {}, "bare_": {}}
     gbs: dict[str, dict[tuple, list[float]]] = {"": {}, "bare_": {}}
+    round_bw = []  # GB/s, median of the round's 3 reads
     for _ in range(rounds):
+        time.sleep(0.002)  # past the other pools' worker spin (see Libraries)
+        round_bw.append(statistics.median(read.rates(3)))
         for combo in combos:
             setting = dict(zip(names, combo, strict=True))
             if libs is not None:
@@ -182,6 +200,7 @@ def sweep(core, layers, fmt, shape, batches, sparsities, iters, knobs, rounds, b
         print(f"\n{what}:")
         print_table(names, combos, cols, ms[m], gbs[m], bw, 0.0 in sparsities)
         print_spread(names, combos, cols, ms[m])
+    print_paired(names, combos, cols, ms["bare_"], gbs["bare_"], round_bw)
 
 
 def print_table(names, combos, cols, ms, gbs, bw, has_dense):
@@ -220,6 +239,36 @@ def print_spread(names, combos, cols, ms):
                 ref = ms[(combos[0], b, s)]
                 cell += f" ({statistics.median(x / r for x, r in zip(v, ref, strict=True)):.3f})"
             cells.append(cell)
+        print(f"| {' | '.join(combo)} | {' | '.join(cells)} |", flush=True)
+
+
+def print_paired(names, combos, cols, ms, gbs, round_bw):
+    """Bare C call, each round against itself: dense cells as % of that round's read test, sparse
+    cells as the speedup over the same combination's dense cell of that round; median over the
+    rounds, then (min-max). Drift of the machine between rounds cancels in these ratios."""
+    print(
+        f"\nbare C call, paired within each round (read tests per round, GB/s: "
+        f"{', '.join(f'{b:.1f}' for b in round_bw)}): dense = % of the round's read test, "
+        f"sparse = dense ms / sparse ms of the round; median (min-max) over rounds"
+        f"\n\n| {' | '.join(names)} | {' | '.join(f'b{b} s{s:.1f}' for b, s in cols)} |"
+    )
+    print("|" + "---|" * (len(names) + len(cols)))
+    for combo in combos:
+        cells = []
+        for b, s in cols:
+            if s == 0:
+                v = [100 * g / r for g, r in zip(gbs[(combo, b, s)], round_bw, strict=True)]
+                fmt_v = "{:.1f}%"
+            elif (combo, b, 0.0) in ms:
+                v = [d / x for d, x in zip(ms[(combo, b, 0.0)], ms[(combo, b, s)], strict=True)]
+                fmt_v = "{:.2f}x"
+            else:
+                cells.append("-")
+                continue
+            cells.append(
+                f"{fmt_v.format(statistics.median(v))} "
+                f"({fmt_v.format(min(v))}-{fmt_v.format(max(v))})"
+            )
         print(f"| {' | '.join(combo)} | {' | '.join(cells)} |", flush=True)
 
 
@@ -336,7 +385,9 @@ def main() -> None:
     args = p.parse_args()
 
     core = cpu_core.CpuCore(args.threads)
-    bw, bw_best = dram_read(core, args.read_gib, max(args.iters, 5))
+    read = ReadTest(core, args.read_gib)
+    rates = read.rates(max(args.iters, 5))
+    bw, bw_best = statistics.median(rates), max(rates)
     print(
         f"machine: {platform.processor() or platform.machine()}, {core.threads} threads, "
         f"SIMD {cpu_core.simd_level()}"
@@ -364,9 +415,11 @@ def main() -> None:
             knob_values,
             args.rounds,
             bw,
+            read,
         )
         del layers
-        bw2, bw2_best = dram_read(core, args.read_gib, max(args.iters, 5))
+        rates = read.rates(max(args.iters, 5))
+        bw2, bw2_best = statistics.median(rates), max(rates)
         print(
             f"\nDRAM read again after the sweep: median {bw2:.2f} GB/s, best {bw2_best:.2f} GB/s "
             f"(the tables use the first, {bw:.2f})"

@@ -15,6 +15,7 @@
 # BASE_SRC: a folder with the base's runtime/ and CMakeLists.txt, e.g.
 #   mkdir -p .wt/base && git archive REV runtime CMakeLists.txt | tar -x -C .wt/base
 # Local try: THREADS=2 bash bench/granite_session.sh /tmp/granite-out .wt/base
+# DECODE_ARGS adds arguments of bench/cpu_decode.py, e.g. DECODE_ARGS="--dram-gib 8".
 # Other variants: GRANITE_VARIANTS=$'OLD|OLD|\nNEW|NEW|\nNEW_PLAN8|NEW|PYRT_PLAN_LINES=8' ROUNDS=4 bash ...
 set -u
 OUT=$(realpath -m "${1:?usage: bash bench/granite_session.sh OUT BASE_SRC [BUDGET_S]}")
@@ -23,6 +24,7 @@ cd "$(dirname "$0")/.."
 BUDGET_S=${3:-180}
 THREADS=${THREADS:-16}
 ROUNDS=${ROUNDS:-3}
+DECODE_ARGS=${DECODE_ARGS:-} # more bench/cpu_decode.py arguments, e.g. --dram-gib 8
 export PYTHONPATH=${PYTHONPATH:-.}
 . bench/cpu_session_common.sh
 session_begin "$OUT" "$BASE_SRC" granite || {
@@ -46,7 +48,7 @@ for round in $(seq "$ROUNDS"); do
         [ "$(elapsed)" -lt "$BUDGET_S" ] || break 2
         echo "== $name round $round ($lib) $envs at $(elapsed) s, load $(cut -d' ' -f1-3 /proc/loadavg)"
         env $envs PYRUNTIME_CORE_LIB="$lib" timeout 40 python bench/cpu_decode.py \
-            granite-1b-a400m --gguf $G --threads "$THREADS" --tokens 64
+            granite-1b-a400m --gguf $G --threads "$THREADS" --tokens 64 $DECODE_ARGS
     done <<<"$VARIANTS"
 done >"$OUT/decode-granite.txt" 2>&1
 rm -f $G

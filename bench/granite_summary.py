@@ -13,8 +13,9 @@ import sys
 from collections import defaultdict
 
 HEADER = re.compile(r"^== (\S+) round (\d+)")
-DECODE = re.compile(r"decode: median ([\d.]+) ms/token .*= (\d+)% of the floor")
+DECODE = re.compile(r"decode: median ([\d.]+) ms/token .*= ([\d.]+)% of the floor")
 DRAM = re.compile(r"DRAM read .*median ([\d.]+) GB/s")
+PAIRED = re.compile(r"^paired: median ([\d.]+)% of the floor")
 PART = re.compile(r"^\s+(attention|ffn|output)\s+([\d.]+) ms")
 
 
@@ -29,6 +30,8 @@ def parse(path: str) -> dict[str, list[dict[str, float]]]:
             name, run = m.group(1), {}
         elif m := DECODE.search(line):
             run["ms"], run["pct"] = float(m.group(1)), float(m.group(2))
+        elif m := PAIRED.match(line):
+            run["paired"] = float(m.group(1))
         elif m := DRAM.search(line):
             run["dram"] = float(m.group(1))
         elif m := PART.match(line):
@@ -44,13 +47,25 @@ def main() -> None:
     for name, rs in runs.items():
         med = statistics.median(r["ms"] for r in rs)
         ratio = f" = {med / old:.3f} x OLD" if old else ""
-        print(f"{name}: median {med:.2f} ms/token{ratio} over {len(rs)} runs")
+        pct = statistics.median(r["pct"] for r in rs)
+        paired = [r["paired"] for r in rs if "paired" in r]
+        paired_txt = (
+            f", paired (each segment against the read test right before it) "
+            f"{statistics.median(paired):.1f}%"
+            if paired
+            else ""
+        )
+        print(
+            f"{name}: median {med:.2f} ms/token{ratio} over {len(rs)} runs; median of the runs' "
+            f"% of floor: against each run's read tests {pct:.1f}%{paired_txt}"
+        )
         for r in rs:
             parts = " ".join(
                 f"{k} {r.get(k, float('nan')):.2f}" for k in ("attention", "ffn", "output")
             )
             print(
-                f"    {r['ms']:.2f} ms, {r['pct']:.0f}% of floor "
+                f"    {r['ms']:.2f} ms, {r['pct']:.1f}% of floor, paired "
+                f"{r.get('paired', float('nan')):.1f}% "
                 f"(DRAM {r.get('dram', float('nan')):.1f} GB/s); {parts}"
             )
 

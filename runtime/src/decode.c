@@ -134,6 +134,10 @@ static int check_block(const pyrt_model_weights *w, const pyrt_block_weights *b,
                              "or %zu bytes where [%d, %d, 3, %d] needs %.0f", i, b->gud_fmt,
                              b->gud_bytes, w->n_expert, w->n_ff_exp, n_embd,
                              (double)w->n_expert * w->n_ff_exp * 3.0 * (double)rb);
+        /* checked here, once: the fused router's pyrt_moe_ffn_routed skips check_args */
+        if (pyrt_check_weights_aligned("pyrt_decoder_create: ffn_gud_exps", b->gud, b->gud_fmt) !=
+            PYRT_OK)
+            return PYRT_E_INVALID;
         if (b->sh_gate.data != NULL) {
             const int n_ff = b->sh_gate.n_out;
             CHECK(check_shape(&b->sh_gate, n_ff, n_embd, "ffn_gate_shexp", i));

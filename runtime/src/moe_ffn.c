@@ -804,6 +804,15 @@ static size_t align64(size_t n) {
     return (n + 63) & ~(size_t)63;
 }
 
+int pyrt_check_weights_aligned(const char *fn, const void *gud, int fmt) {
+    const size_t elem = fmt == PYRT_FMT_F32                             ? 4
+                        : (fmt == PYRT_FMT_F16 || fmt == PYRT_FMT_BF16) ? 2
+                                                                        : 1;
+    if ((uintptr_t)gud % elem != 0)
+        return pyrt_fail(PYRT_E_INVALID, "%s: weights pointer is not %zu-byte aligned", fn, elem);
+    return PYRT_OK;
+}
+
 static int check_args(const pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt,
                       int n_expert, int n_ff, int n_embd, const float *x, int n_tokens,
                       const int32_t *topk_ids, const float *topk_w, int k, int activation,
@@ -837,11 +846,8 @@ static int check_args(const pyrt_pool *pool, const void *gud, size_t gud_bytes, 
                          "%s: weights hold %zu bytes but n_expert=%d x n_ff=%d x 3 rows x %zu "
                          "bytes/row need %.0f: wrong shape or format for this tensor",
                          fn, gud_bytes, n_expert, n_ff, rb, need);
-    const size_t elem = fmt == PYRT_FMT_F32                             ? 4
-                        : (fmt == PYRT_FMT_F16 || fmt == PYRT_FMT_BF16) ? 2
-                                                                        : 1;
-    if ((uintptr_t)gud % elem != 0)
-        return pyrt_fail(PYRT_E_INVALID, "%s: weights pointer is not %zu-byte aligned", fn, elem);
+    if (pyrt_check_weights_aligned(fn, gud, fmt) != PYRT_OK)
+        return PYRT_E_INVALID;
     if ((uintptr_t)x % 4 || (uintptr_t)y % 4 || (uintptr_t)topk_w % 4 || (uintptr_t)topk_ids % 4)
         return pyrt_fail(PYRT_E_INVALID, "%s: x, y, topk_ids, topk_w must be 4-byte aligned", fn);
     if (activation < PYRT_ACT_SILU || activation > PYRT_ACT_GELU_ERF)

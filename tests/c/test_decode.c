@@ -347,6 +347,30 @@ static void test_linear_errors(void) {
     free((void *)m.data);
 }
 
+/* Expert weights in F32 at a pointer that is not 4-byte aligned: refused at decoder creation
+ * (the fused router's path does not check its arguments again). */
+static void test_unaligned_experts(void) {
+    tiny_model t;
+    build_tiny(&t);
+    const size_t bytes = (size_t)N_EXP * N_FF * 3 * N_EMBD * sizeof(float);
+    uint8_t *raw = calloc(bytes + 4, 1);
+    pyrt_block_weights *b = &t.blocks[2];
+    b->gud = raw + 1;
+    b->gud_bytes = bytes;
+    b->gud_fmt = PYRT_FMT_F32;
+    pyrt_decoder *dec = NULL;
+    CHECK(pyrt_decoder_create(&t.w, &dec) == PYRT_E_INVALID &&
+              strstr(pyrt_last_error(), "not 4-byte aligned") != NULL,
+          "unaligned F32 experts: %s", pyrt_last_error());
+    pyrt_decoder_free(dec);
+    b->gud = raw; /* aligned: accepted */
+    CHECK(pyrt_decoder_create(&t.w, &dec) == PYRT_OK, "aligned F32 experts: %s",
+          pyrt_last_error());
+    pyrt_decoder_free(dec);
+    free(raw);
+    free_tiny(&t);
+}
+
 int main(void) {
     for (int fmt = 0; fmt < 2; fmt++)
         for (int threads = 1; threads <= 3; threads += 2)
@@ -354,6 +378,7 @@ int main(void) {
                 test_linear(fmt ? PYRT_FMT_Q8_0 : PYRT_FMT_F32, n_tokens, threads);
     test_decode();
     test_linear_errors();
+    test_unaligned_experts();
     if (failures) {
         printf("%d C decode test(s) failed\n", failures);
         return 1;
