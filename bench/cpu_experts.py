@@ -203,10 +203,20 @@ def sweep(core, layers, fmt, shape, batches, sparsities, iters, knobs, rounds, b
     print_paired(names, combos, cols, ms["bare_"], gbs["bare_"], round_bw)
 
 
-def print_table(names, combos, cols, ms, gbs, bw, has_dense):
-    head = " | ".join(f"b{b} s{s:.1f} ms" for b, s in cols)
-    print(f"\n| {' | '.join(names)} | {head} |")
+def print_head(title, names, cols, unit=""):
+    """A table's title line, then its markdown header: the knob names, then b<batch> s<sparsity>
+    per cell (with `unit`)."""
+    labels = " | ".join(f"b{b} s{s:.1f}{unit}" for b, s in cols)
+    print(f"{title}\n\n| {' | '.join(names)} | {labels} |")
     print("|" + "---|" * (len(names) + len(cols)))
+
+
+def print_row(combo, cells):
+    print(f"| {' | '.join(combo)} | {' | '.join(cells)} |", flush=True)
+
+
+def print_table(names, combos, cols, ms, gbs, bw, has_dense):
+    print_head("", names, cols, " ms")
     for combo in combos:
         cells = []
         for b, s in cols:
@@ -217,19 +227,19 @@ def print_table(names, combos, cols, ms, gbs, bw, has_dense):
             else:
                 dense = statistics.median(ms[(combo, b, 0.0)]) if has_dense else None
                 cells.append(f"{m:.3f}" + (f" ({dense / m:.2f}x)" if dense else ""))
-        print(f"| {' | '.join(combo)} | {' | '.join(cells)} |", flush=True)
+        print_row(combo, cells)
 
 
 def print_spread(names, combos, cols, ms):
     """The sweep's spread: per cell, the lowest and highest of the rounds' medians (ms), and for
     every combination after the first the median over rounds of its ms / the first's ms in the same
     round (rounds are interleaved, so this ratio pairs measurements taken close in time)."""
-    head = " | ".join(f"b{b} s{s:.1f}" for b, s in cols)
-    print(
-        f"\nspread: min-max of the round medians (ms); ratio = median over rounds of ms / "
-        f"first combination's ms in the same round\n\n| {' | '.join(names)} | {head} |"
+    print_head(
+        "\nspread: min-max of the round medians (ms); ratio = median over rounds of ms / "
+        "first combination's ms in the same round",
+        names,
+        cols,
     )
-    print("|" + "---|" * (len(names) + len(cols)))
     for combo in combos:
         cells = []
         for b, s in cols:
@@ -239,20 +249,20 @@ def print_spread(names, combos, cols, ms):
                 ref = ms[(combos[0], b, s)]
                 cell += f" ({statistics.median(x / r for x, r in zip(v, ref, strict=True)):.3f})"
             cells.append(cell)
-        print(f"| {' | '.join(combo)} | {' | '.join(cells)} |", flush=True)
+        print_row(combo, cells)
 
 
 def print_paired(names, combos, cols, ms, gbs, round_bw):
     """Bare C call, each round against itself: dense cells as % of that round's read test, sparse
     cells as the speedup over the same combination's dense cell of that round; median over the
     rounds, then (min-max). Drift of the machine between rounds cancels in these ratios."""
-    print(
+    print_head(
         f"\nbare C call, paired within each round (read tests per round, GB/s: "
         f"{', '.join(f'{b:.1f}' for b in round_bw)}): dense = % of the round's read test, "
-        f"sparse = dense ms / sparse ms of the round; median (min-max) over rounds"
-        f"\n\n| {' | '.join(names)} | {' | '.join(f'b{b} s{s:.1f}' for b, s in cols)} |"
+        f"sparse = dense ms / sparse ms of the round; median (min-max) over rounds",
+        names,
+        cols,
     )
-    print("|" + "---|" * (len(names) + len(cols)))
     for combo in combos:
         cells = []
         for b, s in cols:
@@ -269,7 +279,7 @@ def print_paired(names, combos, cols, ms, gbs, round_bw):
                 f"{fmt_v.format(statistics.median(v))} "
                 f"({fmt_v.format(min(v))}-{fmt_v.format(max(v))})"
             )
-        print(f"| {' | '.join(combo)} | {' | '.join(cells)} |", flush=True)
+        print_row(combo, cells)
 
 
 def bench_layer(core, layers, fmt, shape, batch, threshold, iters, seed=3):
