@@ -103,12 +103,6 @@ class ReadTest:
         return out
 
 
-def dram_read(core: cpu_core.CpuCore, gib: float, iters: int) -> tuple[float, float]:
-    """(median, best) GB/s of reading a buffer of `gib` GiB once per iteration."""
-    rates = ReadTest(core, gib).rates(iters)
-    return statistics.median(rates), max(rates)
-
-
 def layer_copies(fmt: str, shape, footprint_gib: float) -> list[np.ndarray]:
     """One random layer and byte copies of it, footprint_gib GiB in all. Copies, not fresh random
     layers: the kernel reads them from different addresses all the same (DRAM does not care what

@@ -1,9 +1,10 @@
 """The DRAM read test (pyrt_mem_read) against the size of the buffer it reads.
 
-A read test whose buffer is not much larger than the last-level cache measures partly the cache:
-the device CPU reports a 300 MiB L3 (this box 480 MiB), and an L3 that keeps part of a buffer
-read over and over (a thrash-resistant replacement policy does) makes a 1 GiB test read faster
-than DRAM delivers to a kernel that streams through several GiB of expert copies. This prints
+A read test whose buffer is not much larger than the last-level cache may measure partly the
+cache: the device CPU reports a 300 MiB L3 (this box 480 MiB), and an L3 that kept part of a
+buffer read over and over (as a thrash-resistant replacement policy can) would make a 1 GiB test
+read faster than DRAM delivers to a kernel that streams through several GiB of expert copies (on
+the device it does not: docs/benchmarks.md, "The read test is not inflated by the L3"). This prints
 the read rate per buffer size, the sizes interleaved over rounds (so drift hits all alike),
 median over rounds of each round's median of --reads reads.
 

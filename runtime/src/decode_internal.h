@@ -13,6 +13,15 @@ static inline int pyrt_fmt_is_blocked(int fmt) {
     return fmt == PYRT_FMT_Q8_0 || fmt == PYRT_FMT_Q4_0;
 }
 
+/* Bytes a weights pointer in fmt must be aligned to: its element (F32 4, F16/BF16 2; blocks 1). */
+static inline size_t pyrt_fmt_align(int fmt) {
+    return fmt == PYRT_FMT_F32 ? 4 : pyrt_fmt_is_blocked(fmt) ? 1 : 2;
+}
+
+/* PYRT_OK if expert weights `gud` in `fmt` are aligned to pyrt_fmt_align(fmt); else
+ * PYRT_E_INVALID with "<fn>: weights pointer is not N-byte aligned". */
+int pyrt_check_weights_aligned(const char *fn, const void *gud, int fmt);
+
 /* Checks one weight matrix (non-NULL data, known format, n_in fits the format, bytes match the
  * shape, aligned); on failure sets last_error ("fn: what ...") and returns the status. */
 int pyrt_matrix_check(const pyrt_matrix *m, const char *fn, const char *what);

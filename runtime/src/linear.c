@@ -43,7 +43,7 @@ int pyrt_matrix_check(const pyrt_matrix *m, const char *fn, const char *what) {
                          "%s: %s holds %zu bytes but [%d, %d] in format %d needs %.0f: wrong shape "
                          "or format for this tensor", fn, what, m->bytes, m->n_out, m->n_in,
                          m->fmt, (double)rb * m->n_out);
-    const size_t elem = m->fmt == PYRT_FMT_F32 ? 4 : pyrt_fmt_is_blocked(m->fmt) ? 1 : 2;
+    const size_t elem = pyrt_fmt_align(m->fmt);
     if ((uintptr_t)m->data % elem != 0)
         return pyrt_fail(PYRT_E_INVALID, "%s: %s weights pointer is not %zu-byte aligned", fn,
                          what, elem);

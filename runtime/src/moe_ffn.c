@@ -805,9 +805,7 @@ static size_t align64(size_t n) {
 }
 
 int pyrt_check_weights_aligned(const char *fn, const void *gud, int fmt) {
-    const size_t elem = fmt == PYRT_FMT_F32                             ? 4
-                        : (fmt == PYRT_FMT_F16 || fmt == PYRT_FMT_BF16) ? 2
-                                                                        : 1;
+    const size_t elem = pyrt_fmt_align(fmt);
     if ((uintptr_t)gud % elem != 0)
         return pyrt_fail(PYRT_E_INVALID, "%s: weights pointer is not %zu-byte aligned", fn, elem);
     return PYRT_OK;

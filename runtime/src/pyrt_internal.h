@@ -17,10 +17,6 @@
 
 /* Formats the thread's last_error message; returns `status` so callers can `return pyrt_fail(..)`. */
 int pyrt_fail(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-
-/* PYRT_OK if expert weights `gud` in `fmt` are aligned to the format's element (F32 4, F16/BF16
- * 2 bytes, blocks 1); else PYRT_E_INVALID with "<fn>: weights pointer is not N-byte aligned". */
-int pyrt_check_weights_aligned(const char *fn, const void *gud, int fmt);
 void pyrt_clear_error(void);
 
 /* ---- environment knobs ---------------------------------------------------------------------- */
