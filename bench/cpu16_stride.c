@@ -161,7 +161,13 @@ int main(int argc, char **argv) {
         {7, 0, 0, "4 rows at once"},   {8, 2, 10, "sparse 0.9 pattern"},
         {8, 2, 50, "sparse 0.5 pattern"}, {8, 2, 30, "sparse 0.7 pattern"}};
     enum { REPS = 7, N_CASES = sizeof cases / sizeof cases[0] };
-    double rate[N_CASES][REPS];
+    double useful[N_CASES]; /* bytes each case reads: all, the gate rows, + kept up/down rows */
+    for (int c = 0; c < N_CASES; c++) {
+        useful[c] = cases[c].mode == 0 ? (double)bytes : (double)bytes / 3;
+        for (size_t n = 0; cases[c].mode == 8 && n < bytes / NEURON; n++)
+            useful[c] += kept(n, cases[c].lines) ? 2.0 * ROW : 0.0;
+    }
+    double secs[N_CASES][REPS];
     for (int r = 0; r < REPS; r++) /* cases interleaved per round */
         for (int c = 0; c < N_CASES; c++) {
             pthread_barrier_t bar;
@@ -177,27 +183,20 @@ int main(int argc, char **argv) {
             const double t0 = now();
             for (int t = 0; t < nth; t++)
                 pthread_join(th[t], NULL);
-            const double dt = now() - t0;
+            secs[c][r] = now() - t0;
             pthread_barrier_destroy(&bar);
-            double useful = cases[c].mode == 0 ? (double)bytes : (double)bytes / 3;
-            if (cases[c].mode == 8) /* plus the kept neurons' up and down rows */
-                for (size_t n = 0; n < bytes / NEURON; n++)
-                    useful += kept(n, cases[c].lines) ? 2.0 * ROW : 0.0;
-            rate[c][r] = useful / dt / 1e9;
         }
     printf("strided read test: %d threads, %.2f GiB buffer, %d rounds (median / best GB/s of the "
            "bytes read)\n", nth, gib, REPS);
     for (int c = 0; c < N_CASES; c++) {
-        double ratio[REPS]; /* mode 8: time of reading everything / time of the pattern, per round */
+        double rate[REPS], ratio[REPS]; /* GB/s of the useful bytes; time of case 0 / this case */
         for (int r = 0; r < REPS; r++) {
-            double useful = (double)bytes / 3;
-            for (size_t n = 0; cases[c].mode == 8 && n < bytes / NEURON; n++)
-                useful += kept(n, cases[c].lines) ? 2.0 * ROW : 0.0;
-            ratio[r] = ((double)bytes / rate[0][r]) / (useful / rate[c][r]);
+            rate[r] = useful[c] / secs[c][r] / 1e9;
+            ratio[r] = secs[0][r] / secs[c][r]; /* case 0 reads everything in the same round */
         }
-        qsort(rate[c], REPS, sizeof(double), cmp);
+        qsort(rate, REPS, sizeof(double), cmp);
         qsort(ratio, REPS, sizeof(double), cmp);
-        printf("  %-22s %6.1f / %6.1f GB/s", cases[c].name, rate[c][REPS / 2], rate[c][REPS - 1]);
+        printf("  %-22s %6.1f / %6.1f GB/s", cases[c].name, rate[REPS / 2], rate[REPS - 1]);
         if (cases[c].mode == 8)
             printf("  speedup over reading everything (same round) %.2fx median, %.2f-%.2f",
                    ratio[REPS / 2], ratio[0], ratio[REPS - 1]);
