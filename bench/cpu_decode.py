@@ -31,12 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_experts import ReadTest  # noqa: E402
 from make_random_gguf import CONFIGS, make_random_gguf  # noqa: E402
 
-from pyruntime import cpu_core  # noqa: E402
-from pyruntime.gguf_file import open_gguf  # noqa: E402
-from pyruntime.models.transformer import MoETransformer  # noqa: E402
+from pyruntime.cpu import core as cpu_core  # noqa: E402
+from pyruntime.cpu.executor import CpuExecutor  # noqa: E402
+from pyruntime.gguf.file import open_gguf  # noqa: E402
 
 
-def bytes_per_token(model: MoETransformer, mean_pos: float) -> dict[str, float]:
+def bytes_per_token(model: CpuExecutor, mean_pos: float) -> dict[str, float]:
     """Bytes one decode step must read, by part (see the module docstring)."""
     cfg = model.config
     attn = ffn = 0.0
@@ -60,7 +60,7 @@ def bytes_per_token(model: MoETransformer, mean_pos: float) -> dict[str, float]:
 
 
 def decode(
-    model: MoETransformer,
+    model: CpuExecutor,
     n_prompt: int,
     n_tokens: int,
     warmup: int,
@@ -78,7 +78,7 @@ def decode(
     tok = int(logits[-1].argmax())
     for _ in range(warmup):
         tok = int(model.forward([tok], cache)[-1].argmax())
-    model._decoder.times(reset=True)
+    model.decode_times(reset=True)
     seg_steps = []
     for s in range(segments):
         if between is not None:
@@ -91,7 +91,7 @@ def decode(
             steps.append(time.perf_counter() - t)
             tok = int(logits[-1].argmax())
         seg_steps.append(steps)
-    return seg_steps, model._decoder.times()
+    return seg_steps, model.decode_times()
 
 
 def main() -> None:
@@ -120,7 +120,7 @@ def main() -> None:
         size = path.stat().st_size / 1e9
         print(f"wrote {path} ({size:.2f} GB) in {time.perf_counter() - t:.0f} s")
     f = open_gguf(path)
-    model = MoETransformer.from_gguf(f, threads=args.threads, expert_backend="c")
+    model = CpuExecutor.from_gguf(f, threads=args.threads, expert_backend="c")
     core = model.core
     # Map every page of the file into this process once (and into the page cache): the run then
     # measures steady-state decode, not first-touch page faults of experts not yet used.

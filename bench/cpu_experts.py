@@ -1,4 +1,4 @@
-"""CPU expert kernel (pyruntime.cpu_core) vs this machine's DRAM read bandwidth.
+"""CPU expert kernel (pyruntime.cpu.core) vs this machine's DRAM read bandwidth.
 
 For each real MoE shape: one layer of random routed experts in the neuron-contiguous layout
 (docs/gguf-layout.md), batch 1 and 8, dense and at target sparsities (thresholds chosen as quantiles
@@ -44,7 +44,7 @@ import gguf
 import numpy as np
 import torch
 
-from pyruntime import cpu_core
+from pyruntime.cpu import core as cpu_core
 
 # (n_embd, n_ff per expert, n_expert, top-k), from the models' config.json
 SHAPES = {

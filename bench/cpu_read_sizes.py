@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_experts import ReadTest  # noqa: E402
 
-from pyruntime import cpu_core  # noqa: E402
+from pyruntime.cpu import core as cpu_core  # noqa: E402
 
 
 def main() -> None:

@@ -23,8 +23,8 @@ import time
 import torch
 
 from bench.cpu_experts import FMTS, SHAPES, layer_copies
-from pyruntime import cpu_core
-from pyruntime.cpu_core import _ffi, _lib
+from pyruntime.cpu import core as cpu_core
+from pyruntime.cpu.core import _ffi, _lib
 
 
 def main() -> None:

@@ -28,19 +28,19 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels.timing import event_seconds, hbm_read_bandwidth  # noqa: E402
 from pyruntime.api import Model  # noqa: E402
-from pyruntime.models.gpu import DeviceTransformer  # noqa: E402
+from pyruntime.gpu.executor import GpuExecutor  # noqa: E402
+from pyruntime.kernels.timing import event_seconds, hbm_read_bandwidth  # noqa: E402
 
 
 def _nbytes(t) -> int:
-    """Bytes of a tensor or a Linear (pyruntime.models.gpu), 0 for None."""
+    """Bytes of a tensor or a Linear (pyruntime.gpu.executor), 0 for None."""
     if t is None:
         return 0
     return t.nbytes if hasattr(t, "stack") else t.numel() * t.element_size()
 
 
-def decode_bytes(net: DeviceTransformer, position: int) -> dict[str, int]:
+def decode_bytes(net: GpuExecutor, position: int) -> dict[str, int]:
     """Bytes read by one decode step at `position`, by part."""
     cfg = net.config
     parts = dict(experts=0, attention_weights=0, router=0, shared=0, dense_ffn=0, norms=0)
@@ -66,7 +66,7 @@ PARTS = ("norm", "qkv", "rope+kv store", "attention", "o_proj", "router", "route
          "shared expert", "dense ffn", "lm_head")  # fmt: skip
 
 
-def profile_step(net: DeviceTransformer, cache, log) -> dict[str, float]:
+def profile_step(net: GpuExecutor, cache, log) -> dict[str, float]:
     """Kernel microseconds per labelled part of one eager decode step."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -129,7 +129,7 @@ def main() -> None:
     t0 = time.perf_counter()
     model = Model(args.model, n_ctx=args.prompt + 8, device="cuda")
     load_s = time.perf_counter() - t0
-    net: DeviceTransformer = model.net
+    net: GpuExecutor = model.net
     print(f"load: {load_s:.1f} s, dense dtype {net.dtype}", file=log)
     cache = net.new_cache(args.prompt + 8)
     g = torch.Generator().manual_seed(0)

@@ -24,15 +24,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels.attention import decode_attention, decode_attention_ref, decode_splits  # noqa: E402
-from kernels.decoder_ops import add_rms_norm, qk_rope_store  # noqa: E402
-from kernels.q8_linear import (  # noqa: E402
+from pyruntime.kernels.attention import decode_attention, decode_attention_ref, decode_splits  # noqa: E402
+from pyruntime.kernels.decoder_ops import add_rms_norm, qk_rope_store  # noqa: E402
+from pyruntime.kernels.q8_linear import (  # noqa: E402
     add_norm_q8_gemv,
     add_norm_q8_linear_ref,
     q8_gemv,
     q8_linear_ref,
 )
-from kernels.router import add_norm_router, add_norm_router_ref, router_topk  # noqa: E402
+from pyruntime.kernels.router import add_norm_router, add_norm_router_ref, router_topk  # noqa: E402
 
 L, H = 16, 2048  # olmoe-1b-7b: 16 layers, n_embd 2048, 16 heads of 128, 64 experts, top-8
 N_HEAD, D, E, TOPK = 16, 128, 64, 8

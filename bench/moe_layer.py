@@ -38,11 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's kerne
 
 import triton  # noqa: E402
 
-from kernels import switch, timing  # noqa: E402
-from kernels.dispatch import moe_experts, prepare_experts  # noqa: E402
-from kernels.expert_formats import act_ref, quantize_rows, row_bytes  # noqa: E402
-from kernels.moe_dense import moe_dense, moe_dense_ref  # noqa: E402
-from kernels.moe_sparse import moe_gate, moe_sparse, quantizes_x, sparse_path  # noqa: E402
+from pyruntime.kernels import switch, timing  # noqa: E402
+from pyruntime.kernels.dispatch import moe_experts, prepare_experts  # noqa: E402
+from pyruntime.kernels.expert_formats import act_ref, quantize_rows, row_bytes  # noqa: E402
+from pyruntime.kernels.moe_dense import moe_dense, moe_dense_ref  # noqa: E402
+from pyruntime.kernels.moe_sparse import moe_gate, moe_sparse, quantizes_x, sparse_path  # noqa: E402
 
 # name: (hidden n_embd, n_expert, top-k, expert n_ff)
 SHAPES = {

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import itertools
 import json
 import sys
@@ -34,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moe_layer  # noqa: E402  (bench/moe_layer.py)
 
 # the modules (kernels/__init__ re-exports functions of the same names)
-md = importlib.import_module("kernels.moe_dense")
-ms = importlib.import_module("kernels.moe_sparse")
-from kernels.dispatch import prepare_experts  # noqa: E402
-from kernels.expert_formats import act_ref  # noqa: E402
+from pyruntime.kernels import moe_dense as md
+from pyruntime.kernels import moe_sparse as ms
+from pyruntime.kernels.dispatch import prepare_experts  # noqa: E402
+from pyruntime.kernels.expert_formats import act_ref  # noqa: E402
 
 
 def close(y, ref) -> bool:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import json
 import sys
 import time
@@ -34,11 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import moe_layer  # noqa: E402
 
-md = importlib.import_module("kernels.moe_dense")
-er = importlib.import_module("kernels.expert_rows")
-ms = importlib.import_module("kernels.moe_sparse")
-from kernels.dispatch import prepare_experts  # noqa: E402
-from kernels.expert_formats import FMT_CODES  # noqa: E402
+from pyruntime.kernels import moe_dense as md
+from pyruntime.kernels import moe_sparse as ms
+from pyruntime.kernels.dispatch import prepare_experts  # noqa: E402
+from pyruntime.kernels.expert_formats import FMT_CODES  # noqa: E402
 
 # dp4a (the sparse configs' last field): 0 off (fp32 dots on x), 1 x quantized by a
 # quantize_x_q8 launch first, 2 quantized inside the expert kernel

@@ -23,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.grid_sync import counters, last_arrival, reset_counter
-from kernels.moe_dense import interpreting
-from kernels.tuning import lookup
+from .grid_sync import counters, last_arrival, reset_counter
+from .moe_dense import interpreting
+from .tuning import lookup
 
 LOG2E = 1.4426950408889634
 # Launch defaults: H100, olmoe shape (16 heads of 128), graph-timed by bench/gpu_kernels.py

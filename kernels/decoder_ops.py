@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe_dense import interpreting
-from kernels.tuning import lookup
+from .moe_dense import interpreting
+from .tuning import lookup
 
 # ----------------------------------------------------------------------------------------------
 # residual add + RMSNorm

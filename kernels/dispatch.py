@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.expert_formats import REPACKED, check_expert_tensor, repack_rows
-from kernels.moe_dense import moe_dense
-from kernels.moe_sparse import moe_sparse
-from kernels.switch import SparseSwitch
+from .expert_formats import REPACKED, check_expert_tensor, repack_rows
+from .moe_dense import moe_dense
+from .moe_sparse import moe_sparse
+from .switch import SparseSwitch
 
 
 def prepare_experts(w: torch.Tensor, fmt: str, n_embd: int) -> tuple[torch.Tensor, str]:

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.expert_formats import (
+from .expert_formats import (
     ACTIVATIONS,
     BLOCKS,
     FMT_CODES,
@@ -44,7 +44,7 @@ from kernels.expert_formats import (
     quantize_x_q8_ref,
     row_bytes,
 )
-from kernels.expert_rows import (
+from .expert_rows import (
     act_fn,
     blocks_add,
     dot_acc_sum,
@@ -62,14 +62,14 @@ from kernels.expert_rows import (
     token_x_q8,
     x_lanes,
 )
-from kernels.moe_q8r_pipe import (
+from .moe_q8r_pipe import (
     _moe_q8r_pipe_kernel,
     _moe_q8r_sparse2_kernel,
     pipe_grid,
     sparse2_list_len,
 )
-from kernels.moe_q8r_stream import _moe_q8r_stream_kernel, stream_grid
-from kernels.sparse_mask import as_threshold
+from .moe_q8r_stream import _moe_q8r_stream_kernel, stream_grid
+from .sparse_mask import as_threshold
 
 
 def interpreting() -> bool:

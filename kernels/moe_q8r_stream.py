@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.expert_rows import (
+from .expert_rows import (
     act_fn,
     blocks_add,
     q8r_bytes,

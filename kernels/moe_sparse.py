@@ -32,9 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.expert_formats import ACTIVATIONS, FMT_CODES, act_ref, quantize_x_q8_ref
-from kernels.expert_rows import dot_acc_sum, dot_acc_zeros, rows_dot_acc, rows_tile
-from kernels.moe_dense import (
+from .expert_formats import ACTIVATIONS, FMT_CODES, act_ref, quantize_x_q8_ref
+from .expert_rows import dot_acc_sum, dot_acc_zeros, rows_dot_acc, rows_tile
+from .moe_dense import (
     DECODE_MAX_TOKENS,
     _moe_gemm_gate_up_kernel,
     _moe_gemv_kernel,
@@ -52,7 +52,7 @@ from kernels.moe_dense import (
     q8r_supported,
     zeroed_out_and_count,
 )
-from kernels.sparse_mask import as_threshold, sparse_mask
+from .sparse_mask import as_threshold, sparse_mask
 
 
 def moe_gate(x, w, fmt, topk_ids, path="auto"):

@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.expert_rows import s8_to_f32
-from kernels.moe_dense import interpreting
-from kernels.tuning import lookup
+from .expert_rows import s8_to_f32
+from .moe_dense import interpreting
+from .tuning import lookup
 
 
 def split_q8_0(raw: torch.Tensor, n_cols: int) -> tuple[torch.Tensor, torch.Tensor]:

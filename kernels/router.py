@@ -3,7 +3,7 @@
     p = softmax(logits[t]);  ids[t] = the k largest p, descending;  w[t] = p[ids]
     (renormalize: w /= sum(w), which equals softmax over the k selected logits)
 
-Same numbers as pyruntime.experts.compute.route (torch softmax + topk), which took three to four
+Same numbers as pyruntime.cpu.experts.route (torch softmax + topk), which took three to four
 kernel launches and ~10 µs per layer on an H100 at batch 1 (torch's topk sorts). One program per
 token; the k picks are k masked arg-max passes over the n_expert probabilities in registers
 (ties: the smaller expert id first).
@@ -20,10 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decoder_ops import residual_rms_norm
-from kernels.grid_sync import counters, last_arrival, reset_counter
-from kernels.moe_dense import interpreting
-from kernels.tuning import lookup
+from .decoder_ops import residual_rms_norm
+from .grid_sync import counters, last_arrival, reset_counter
+from .moe_dense import interpreting
+from .tuning import lookup
 
 # H100, olmoe shape (64 experts x 2048), graph-timed by bench/gpu_kernels.py (2026-11-23): one
 # expert per program and one warp (no CTA barriers in the reductions), 5.26 µs a layer
@@ -175,9 +175,19 @@ def add_norm_router(
 
 def add_norm_router_ref(x, delta, norm_w, router_w, eps, k, renormalize, out_dtype, alpha=1.0):
     """Plain torch: (x1, h in out_dtype, h f32, ids, weights) as the unfused CPU model."""
-    from pyruntime.experts.compute import route
-
     x1 = x if delta is None else x + alpha * delta.float()
     h32 = x1 * torch.rsqrt(x1.pow(2).mean(-1, keepdim=True) + eps) * norm_w
-    ids, w = route(h32 @ router_w.T, k, renormalize)
+    ids, w = router_topk_ref(h32 @ router_w.T, k, renormalize)
     return x1, h32.to(out_dtype), h32, ids, w
+
+
+def router_topk_ref(
+    logits: torch.Tensor, k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch routing: softmax over all experts, top-k, optional renormalization.
+    logits [T, n_expert] -> (ids [T, k] int64, weights [T, k] f32)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    w, ids = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return ids, w

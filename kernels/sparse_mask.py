@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.expert_formats import ACTIVATIONS, act_ref
-from kernels.expert_rows import act_fn
+from .expert_formats import ACTIVATIONS, act_ref
+from .expert_rows import act_fn
 
 
 @triton.jit

@@ -38,9 +38,9 @@ from pathlib import Path
 
 import torch
 
-from kernels.moe_dense import moe_dense
-from kernels.moe_sparse import moe_sparse
-from kernels.timing import capture, event_seconds, l2_evictor, warm_up
+from .moe_dense import moe_dense
+from .moe_sparse import moe_sparse
+from .timing import capture, event_seconds, l2_evictor, warm_up
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Part of every profile's identity: bump it whenever the MoE kernels, their configs or their

@@ -4,7 +4,7 @@ import os
 
 import torch
 
-from kernels.expert_formats import BLOCKS, quantize_rows
+from .expert_formats import BLOCKS, quantize_rows
 
 N_EXPERT, N_FF, TOP_K = 6, 45, 3  # odd n_ff: partial neuron tiles
 # The tests' device: the GPU when kernels compile for it (TRITON_INTERPRET=0), else the CPU.

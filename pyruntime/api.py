@@ -24,16 +24,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from pyruntime.chat_template import render_chat
-from pyruntime.device import choose_device
+from pyruntime.cpu.executor import CpuExecutor
+from pyruntime.decoding.sampling import Sampler, SamplingParams
+from pyruntime.decoding.session import Session
+from pyruntime.decoding.stream import TextStream
 from pyruntime.errors import UsageError
-from pyruntime.generation import Session, TextStream
-from pyruntime.gguf_file import GGUFFile, open_gguf
-from pyruntime.models.config import ModelConfig
-from pyruntime.models.transformer import MoETransformer
-from pyruntime.sampling import Sampler, SamplingParams
-from pyruntime.sparsity import SparsityTable, check_sparsity
-from pyruntime.tokenizer import Tokenizer
+from pyruntime.experts.sparsity import SparsityTable, check_sparsity
+from pyruntime.gguf.file import GGUFFile, open_gguf
+from pyruntime.model.config import ModelConfig
+from pyruntime.placement import choose_device
+from pyruntime.text.chat_template import render_chat
+from pyruntime.text.tokenizer import Tokenizer
 
 _DEFAULTS = SamplingParams()
 
@@ -78,18 +79,18 @@ class Model:
         if choice.note:
             print(f"pyruntime: {choice.note}", file=sys.stderr)
         if self.device == "cpu":
-            self.net = MoETransformer.from_gguf(
+            self.net = CpuExecutor.from_gguf(
                 self.file, threads=threads, expert_backend=expert_backend
             )
             self.net.expert_threshold = thresholds
         else:
-            from pyruntime.models.gpu import DeviceTransformer  # imports triton: GPU runs only
+            from pyruntime.gpu.executor import GpuExecutor  # imports triton: GPU runs only
 
             if threads is not None:
                 if threads < 1:
                     raise UsageError(f"--threads must be >= 1, got {threads}")
                 torch.set_num_threads(threads)
-            self.net = DeviceTransformer(config, self.file, self.device)
+            self.net = GpuExecutor(config, self.file, self.device)
             key = f"{self.path.name}:{self.file.file_size}:s{sparsity}"
             self.net.set_expert_threshold(thresholds, key=key)
         self.sparsity = sparsity

@@ -21,7 +21,7 @@ from typing import Any
 from pyruntime import __version__
 from pyruntime.errors import PyruntimeError, UsageError
 
-# llama.cpp's defaults (kept in sync with pyruntime.sampling.SamplingParams by a test).
+# llama.cpp's defaults (kept in sync with pyruntime.decoding.sampling.SamplingParams by a test).
 _TEMP, _TOP_K, _TOP_P, _MIN_P, _REPEAT_PENALTY, _REPEAT_LAST_N = 0.8, 40, 0.95, 0.05, 1.0, 64
 
 
@@ -265,7 +265,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     if args.model is None:
-        from pyruntime.demo import demo_model_path
+        from pyruntime.tools.demo import demo_model_path
 
         path = demo_model_path()
     else:
@@ -349,7 +349,7 @@ def _stream_answer(
 
 
 def cmd_perplexity(args: argparse.Namespace) -> int:
-    from pyruntime.perplexity import perplexity
+    from pyruntime.tools.perplexity import perplexity
 
     text = _read_text(args.file)
     if args.ctx < 2:
@@ -385,10 +385,10 @@ def _cpu_threads(model) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from pyruntime.bench import markdown_table, result_rows, run_bench
+    from pyruntime.tools.bench import markdown_table, result_rows, run_bench
 
     if args.model is None:
-        from pyruntime.demo import demo_model_path
+        from pyruntime.tools.demo import demo_model_path
 
         path = demo_model_path()
     else:
@@ -415,7 +415,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from pyruntime.sparsity import calibrate, sidecar_path
+    from pyruntime.experts.sparsity import calibrate, sidecar_path
 
     text = _read_text(args.file)
     if args.ctx < 2 or args.max_tokens < 1:
@@ -442,7 +442,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from pyruntime.gguf_file import open_gguf
+    from pyruntime.gguf.file import open_gguf
 
     f = open_gguf(args.model)
     quant: dict[str, int] = {}

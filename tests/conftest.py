@@ -30,13 +30,13 @@ def shared() -> Path:
     return path
 
 
-# The C core (tests of pyruntime.cpu_core and of the C decode step)
+# The C core (tests of pyruntime.cpu.core and of the C decode step)
 
 
 @pytest.fixture(scope="session")
 def cc() -> str:
     """The core as a module; builds libpyrt with CMake into a temp dir if no build is found."""
-    from pyruntime import cpu_core
+    from pyruntime.cpu import core as cpu_core
 
     try:
         cpu_core._lib()

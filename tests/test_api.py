@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from pyruntime.api import Model
-from pyruntime.chat_template import ChatTemplateError, render_chat
-from pyruntime.demo import DEMO_SOURCE, demo_model_path
 from pyruntime.errors import ModelFileError, UsageError
-from pyruntime.perplexity import perplexity, split_windows
+from pyruntime.text.chat_template import ChatTemplateError, render_chat
+from pyruntime.tools.demo import DEMO_SOURCE, demo_model_path
+from pyruntime.tools.perplexity import perplexity, split_windows
 
 PROMPT = "The hacker wrote a program that"
 N_GREEDY = 20

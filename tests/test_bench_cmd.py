@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from pyruntime import cli
-from pyruntime.bench import BenchResult, run_bench
-from pyruntime.demo import demo_model_path
 from pyruntime.errors import UsageError
+from pyruntime.tools.bench import BenchResult, run_bench
+from pyruntime.tools.demo import demo_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,9 +138,9 @@ def test_api_gpu_generation_matches_cpu(gguf_path):
 
 def test_device_choice_when_the_model_does_not_fit(gguf_path, monkeypatch):
     """A GPU with too little free memory: auto falls back to the CPU and says why; cuda fails."""
-    from pyruntime.device import choose_device
-    from pyruntime.gguf_file import open_gguf
-    from pyruntime.models.config import ModelConfig
+    from pyruntime.gguf.file import open_gguf
+    from pyruntime.model.config import ModelConfig
+    from pyruntime.placement import choose_device
 
     f = open_gguf(gguf_path)
     cfg = ModelConfig.from_gguf(f)
@@ -171,9 +171,9 @@ def test_device_choice_without_a_gpu_kernel(gguf_path, monkeypatch):
     """gelu_exact experts have no Triton kernel: auto takes the CPU, cuda is an error."""
     import dataclasses
 
-    from pyruntime.device import choose_device
-    from pyruntime.gguf_file import open_gguf
-    from pyruntime.models.config import ModelConfig
+    from pyruntime.gguf.file import open_gguf
+    from pyruntime.model.config import ModelConfig
+    from pyruntime.placement import choose_device
 
     f = open_gguf(gguf_path)
     cfg = dataclasses.replace(ModelConfig.from_gguf(f), activation="gelu_exact")

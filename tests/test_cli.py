@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from pyruntime import __version__, cli
-from pyruntime.demo import DEMO_SOURCE, demo_model_path
-from pyruntime.gguf_file import open_gguf
+from pyruntime.gguf.file import open_gguf
+from pyruntime.tools.demo import DEMO_SOURCE, demo_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "The hacker wrote a program that"

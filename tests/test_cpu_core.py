@@ -1,4 +1,4 @@
-"""The C core's MoE expert kernel (pyruntime.cpu_core, runtime/) against a plain PyTorch reference.
+"""The C core's MoE expert kernel (pyruntime.cpu.core, runtime/) against a plain PyTorch reference.
 
 Every weight format x activation x token count x thread count x SIMD level available on this CPU,
 dense and sparse, at odd shapes; invalid arguments; and the C unit tests under ASan + UBSan.
@@ -33,7 +33,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.expert_formats import quantize_x_q8_ref
+from pyruntime.kernels.expert_formats import quantize_x_q8_ref
 
 REPO = Path(__file__).resolve().parents[1]
 U = 2.0**-24  # f32 unit roundoff
@@ -53,7 +53,7 @@ ACTS = {
 
 
 def simd_levels() -> list[str]:
-    from pyruntime import cpu_core
+    from pyruntime.cpu import core as cpu_core
 
     try:
         best = cpu_core.SIMD_LEVELS[cpu_core.simd_best()]

@@ -31,11 +31,11 @@ import pytest
 import torch
 from hf_fixtures import make_tiny_hf_model
 
-from kernels.expert_formats import quantize_x_q8_ref
-from pyruntime import cpu_core
 from pyruntime.converter import convert
-from pyruntime.gguf_file import open_gguf
-from pyruntime.models.transformer import MoETransformer
+from pyruntime.cpu import core as cpu_core
+from pyruntime.cpu.executor import CpuExecutor
+from pyruntime.gguf.file import open_gguf
+from pyruntime.kernels.expert_formats import quantize_x_q8_ref
 
 U = 2.0**-24
 Q = gguf.GGMLQuantizationType
@@ -102,11 +102,11 @@ def hf_model(request, tmp_path_factory) -> tuple[str, Path]:
     return arch, make_tiny_hf_model(arch, tmp_path_factory.mktemp(f"hf-{arch}"))
 
 
-def load(path: Path, backend: str) -> MoETransformer:
-    return MoETransformer.from_gguf(open_gguf(path), expert_backend=backend)
+def load(path: Path, backend: str) -> CpuExecutor:
+    return CpuExecutor.from_gguf(open_gguf(path), expert_backend=backend)
 
 
-def decode_logprobs(model: MoETransformer, ids: torch.Tensor, split: int, cache=None):
+def decode_logprobs(model: CpuExecutor, ids: torch.Tensor, split: int, cache=None):
     """Prefill ids[:split], then one forward per token; log-probs of the decoded positions."""
     cache = model.new_cache(len(ids)) if cache is None else cache
     model.forward(ids[:split], cache)
@@ -186,7 +186,7 @@ def test_step_refuses_bad_token_and_position(tmp_path):
     cache.reserve(1)
     with pytest.raises(cpu_core.CoreError, match="token 4096 is outside"):
         c._decoder.step(c.config.n_vocab, cache)
-    cache.n_tokens = cache.k[0].shape[1]  # no room left in the storage
+    cache.n_tokens = cache.capacity  # no room left in the storage
     with pytest.raises(cpu_core.CoreError, match="outside the cache"):
         c._decoder.step(0, cache)
 
@@ -221,7 +221,7 @@ def test_single_token_is_the_fast_paths_id_check():
     a list or tensor of one id gives it, anything longer None; an id outside the vocabulary is
     the same UsageError as token_ids gives."""
     from pyruntime.errors import UsageError
-    from pyruntime.models.transformer import single_token
+    from pyruntime.model.tokens import single_token
 
     assert single_token([5], 10) == 5 and single_token(torch.tensor([[7]]), 10) == 7
     assert single_token([1, 2], 10) is None and single_token(torch.tensor([1, 2]), 10) is None

@@ -5,7 +5,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
-from pyruntime.dequant import dequantize, row_bytes
+from pyruntime.gguf.quant import dequantize, row_bytes
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0])

@@ -10,11 +10,12 @@ import pytest
 import tokenizers
 import torch
 
-from pyruntime.demo import DEMO_SOURCE
+from pyruntime.decoding.sampling import Sampler, SamplingParams
+from pyruntime.decoding.session import Session, common_prefix_length
+from pyruntime.decoding.stream import StopStrings, TextStream
 from pyruntime.errors import UsageError
-from pyruntime.generation import Session, StopStrings, TextStream, common_prefix_length
-from pyruntime.sampling import Sampler, SamplingParams
-from pyruntime.tokenizer import Tokenizer
+from pyruntime.text.tokenizer import Tokenizer
+from pyruntime.tools.demo import DEMO_SOURCE
 
 EOS, IM_END = 0, 2
 GREEDY = SamplingParams(temp=0.0)

@@ -9,7 +9,7 @@ from hf_fixtures import make_tiny_hf_model
 
 from pyruntime.converter import convert
 from pyruntime.errors import ModelFileError
-from pyruntime.gguf_file import open_gguf
+from pyruntime.gguf.file import open_gguf
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The device model (pyruntime.models.gpu) vs the CPU reference model, every family.
+"""The device model (pyruntime.gpu.executor) vs the CPU reference model, every family.
 
 Runs on device="cpu" here (the Triton kernels under TRITON_INTERPRET=1, the same code the GPU
 runs, minus the CUDA graph); on a GPU machine the same tests also run on device="cuda" with the
@@ -19,9 +19,9 @@ import torch
 from hf_fixtures import make_tiny_hf_model
 
 from pyruntime.converter import convert
-from pyruntime.gguf_file import open_gguf
-from pyruntime.models.gpu import DeviceTransformer
-from pyruntime.models.transformer import MoETransformer
+from pyruntime.cpu.executor import CpuExecutor
+from pyruntime.gguf.file import open_gguf
+from pyruntime.gpu.executor import GpuExecutor
 
 ARCHS = ["olmoe", "qwen2moe", "qwen3moe", "mixtral", "granitemoe"]
 N_PREFILL, N_DECODE = 12, 4  # prefill > 8 tokens: the grouped-GEMM expert path
@@ -60,8 +60,8 @@ def _logprobs(model, ids: list[int], split: int) -> torch.Tensor:
 
 def _models(path: Path, device: str):
     f = open_gguf(path)
-    return MoETransformer.from_gguf(f, expert_backend="torch"), DeviceTransformer(
-        MoETransformer.from_gguf(f, expert_backend="torch").config, f, device
+    return CpuExecutor.from_gguf(f, expert_backend="torch"), GpuExecutor(
+        CpuExecutor.from_gguf(f, expert_backend="torch").config, f, device
     )
 
 
@@ -132,8 +132,8 @@ def test_bad_tuning_file_is_a_usage_error(tiny_ggufs, tmp_path, monkeypatch, con
     model is built (saying which file), not a traceback in the middle of decoding."""
     if tiny_ggufs["arch"] != "olmoe":
         pytest.skip("family-independent")
-    from kernels import tuning
     from pyruntime.errors import UsageError
+    from pyruntime.kernels import tuning
 
     path = tmp_path / "tuned.json"
     if content is not None:
@@ -184,7 +184,7 @@ def test_norm_folded_into_qkv_gemv_keeps_parity(tiny_ggufs, monkeypatch):
     (off by default: slower on an H100) keeps the q8_0 argmax agreement."""
     if tiny_ggufs["arch"] != "olmoe":
         pytest.skip("family-independent")
-    import pyruntime.models.gpu as gpu
+    import pyruntime.gpu.executor as gpu
 
     monkeypatch.setattr(gpu, "FUSE_NORM_GEMV_ENV", "1")
     cpu, dev = _models(tiny_ggufs["q8_0"], DEVICE)
@@ -201,7 +201,7 @@ def test_profiled_switch_says_once_that_it_times_the_layers(tiny_ggufs, tmp_path
     with a stand-in timer): one stderr line when it profiles, none when the cache answers."""
     if tiny_ggufs["arch"] != "olmoe":
         pytest.skip("one family is enough")
-    from kernels import switch
+    from pyruntime.kernels import switch
 
     monkeypatch.setenv("PYRUNTIME_CACHE", str(tmp_path))
     monkeypatch.setattr(switch, "INPUTS_PER_BATCH", 1)

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from kernels.attention import decode_attention, decode_attention_ref
+from pyruntime.kernels.attention import decode_attention, decode_attention_ref
 
 # The interpreter runs on CPU tensors; compiled Triton (a GPU machine) needs CUDA tensors.
 DEV = "cpu" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "cuda"
@@ -64,7 +64,7 @@ def test_decode_attention_rejects_bad_shapes():
 def test_decode_attention_split_counts(n_split, block_s, n):
     """One split (no merge), tiles wider than a split, and more splits than positions (empty
     splits merged in); the grid_sync counters are all back at 0 after each launch."""
-    from kernels.grid_sync import counters
+    from pyruntime.kernels.grid_sync import counters
 
     q, k, v = _case(4, 2, 37, 32, torch.float32, seed=n_split)
     seq_len = torch.tensor([n], dtype=torch.int64, device=DEV)

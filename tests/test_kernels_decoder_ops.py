@@ -5,8 +5,13 @@ import os
 import pytest
 import torch
 
-from kernels.decoder_ops import add_rms_norm, add_rms_norm_ref, qk_rope_store, qk_rope_store_ref
-from pyruntime.models.transformer import rope_tables
+from pyruntime.kernels.decoder_ops import (
+    add_rms_norm,
+    add_rms_norm_ref,
+    qk_rope_store,
+    qk_rope_store_ref,
+)
+from pyruntime.model.reference import rope_tables
 
 # The interpreter runs on CPU tensors; compiled Triton (a GPU machine) needs CUDA tensors.
 DEV = "cpu" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "cuda"

@@ -2,11 +2,11 @@
 
 import torch
 
-from kernels.dispatch import moe_experts, prepare_experts
-from kernels.moe_dense import moe_dense_ref
-from kernels.moe_sparse import moe_sparse_ref
-from kernels.switch import SparseSwitch
-from kernels.testing import assert_close_rel, make_case, rtol_for
+from pyruntime.kernels.dispatch import moe_experts, prepare_experts
+from pyruntime.kernels.moe_dense import moe_dense_ref
+from pyruntime.kernels.moe_sparse import moe_sparse_ref
+from pyruntime.kernels.switch import SparseSwitch
+from pyruntime.kernels.testing import assert_close_rel, make_case, rtol_for
 
 
 def _case(fmt: str, n_tok: int):

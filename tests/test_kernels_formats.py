@@ -6,8 +6,8 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from kernels.dispatch import prepare_experts
-from kernels.expert_formats import dequantize_rows, quantize_rows, repack_rows, row_bytes
+from pyruntime.kernels.dispatch import prepare_experts
+from pyruntime.kernels.expert_formats import dequantize_rows, quantize_rows, repack_rows, row_bytes
 
 QTYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kernels.moe_dense import moe_align, moe_dense, moe_dense_ref
-from kernels.testing import (
+from pyruntime.kernels.moe_dense import moe_align, moe_dense, moe_dense_ref
+from pyruntime.kernels.testing import (
     DEVICE,
     N_EXPERT,
     Q8R_N_EMBD,
@@ -40,7 +40,7 @@ def test_moe_dense_gelu(fmt, path):
 def test_moe_dense_small_blocks_decode(fmt, acc2d):
     """Several neuron tiles and H chunks per program (the GPU block sizes, not the big ones),
     with per-chunk reductions or elementwise accumulation (ACC2D)."""
-    from kernels.moe_dense import moe_dense_decode
+    from pyruntime.kernels.moe_dense import moe_dense_decode
 
     x, w, ids, tw = make_case(fmt, 3, seed=7)
     y = moe_dense_decode(x, w, fmt, ids, tw, blocks=(16, 32, 4, acc2d))
@@ -83,7 +83,7 @@ def test_moe_q8r_dense_matches_reference(n_tok, in_kernel, blocks):
     kept across a pair's tiles): integer dots on Q8-quantized x (dp4a on a GPU, its integer
     twin here; x quantized inside the kernel or by quantize_x_q8 first) against the reference
     on the same quantized x."""
-    from kernels.moe_dense import moe_q8r_decode
+    from pyruntime.kernels.moe_dense import moe_q8r_decode
 
     x, w, ids, tw = make_case("q8_0r", n_tok, torch.bfloat16, seed=20 + n_tok, n_embd=Q8R_N_EMBD)
     if blocks is not None and DEVICE.type == "cuda":  # programs per SM there
@@ -94,7 +94,7 @@ def test_moe_q8r_dense_matches_reference(n_tok, in_kernel, blocks):
 
 
 def test_moe_q8r_dense_gelu():
-    from kernels.moe_dense import moe_q8r_decode
+    from pyruntime.kernels.moe_dense import moe_q8r_decode
 
     x, w, ids, tw = make_case("q8_0r", 2, seed=23, n_embd=Q8R_N_EMBD)
     y = moe_q8r_decode(x, w, ids, tw, activation="gelu")
@@ -102,7 +102,7 @@ def test_moe_q8r_dense_gelu():
 
 
 def test_moe_q8r_dense_takes_dp4a_and_in_kernel_x_at_one_token_only():
-    from kernels.moe_dense import moe_q8r_decode
+    from pyruntime.kernels.moe_dense import moe_q8r_decode
 
     x, w, ids, tw = make_case("q8_0r", 2, seed=24, n_embd=Q8R_N_EMBD)
     with pytest.raises(ValueError, match="dp4a"):
@@ -112,7 +112,7 @@ def test_moe_q8r_dense_takes_dp4a_and_in_kernel_x_at_one_token_only():
 
 
 def test_pipe_grid_covers_every_tile_once():
-    from kernels.moe_q8r_pipe import pipe_grid
+    from pyruntime.kernels.moe_q8r_pipe import pipe_grid
 
     for n_tiles in (1, 7, 64, 1000, 1001):
         for n_programs in (1, 3, 132, 5000):
@@ -122,7 +122,7 @@ def test_pipe_grid_covers_every_tile_once():
 
 def test_quantize_x_q8_ref_is_the_c_core_rounding():
     """Q8 x blocks: d = amax / 127, q = round-half-even(x / d); zero blocks stay zero."""
-    from kernels.expert_formats import quantize_x_q8_ref
+    from pyruntime.kernels.expert_formats import quantize_x_q8_ref
 
     x = torch.zeros(64)
     x[:32] = torch.linspace(-1.27, 1.27, 32)
@@ -142,8 +142,8 @@ def test_quantize_x_q8_kernel_matches_reference(n_embd):
     quants byte by byte (element 4w + i in byte i of word w), the scales its d; blocks past
     n_embd / 32 (NB is a power of two) are zero; x rows at a stride. At n_embd 2048 the
     8 x 2048 values hold near-ties that an FMA-fused rounding flipped on an H100."""
-    from kernels.expert_formats import quantize_x_q8_ref
-    from kernels.moe_dense import quantize_x_q8
+    from pyruntime.kernels.expert_formats import quantize_x_q8_ref
+    from pyruntime.kernels.moe_dense import quantize_x_q8
 
     gen = torch.Generator().manual_seed(7)
     T = 8
@@ -162,7 +162,7 @@ def test_quantize_x_q8_kernel_matches_reference(n_embd):
 
 
 def test_dense_path_takes_q8r_for_aligned_q8_0r_up_to_its_batch():
-    from kernels.moe_dense import Q8R_DENSE_MAX_TOKENS, dense_path
+    from pyruntime.kernels.moe_dense import Q8R_DENSE_MAX_TOKENS, dense_path
 
     assert dense_path("q8_0r", 1, 2048) == "q8r"
     assert dense_path("q8_0r", Q8R_DENSE_MAX_TOKENS, 2048) == "q8r"

@@ -5,8 +5,9 @@ import os
 import pytest
 import torch
 
-from kernels.expert_formats import quantize_rows
-from kernels.q8_linear import (
+from pyruntime.gguf.quant import dequantize
+from pyruntime.kernels.expert_formats import quantize_rows
+from pyruntime.kernels.q8_linear import (
     add_norm_q8_gemv,
     add_norm_q8_linear_ref,
     dequantize_q8,
@@ -14,7 +15,6 @@ from kernels.q8_linear import (
     q8_linear_ref,
     split_q8_0,
 )
-from pyruntime.dequant import dequantize
 
 DEV = "cpu" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "cuda"
 

@@ -1,13 +1,13 @@
-"""kernels.router.router_topk vs the torch routing of the CPU model (experts.compute.route)."""
+"""kernels.router.router_topk vs the reference routing (pyruntime.model.reference.route)."""
 
 import os
 
 import pytest
 import torch
 
-from kernels.grid_sync import counters
-from kernels.router import add_norm_router, add_norm_router_ref, router_topk
-from pyruntime.experts.compute import route
+from pyruntime.kernels.grid_sync import counters
+from pyruntime.kernels.router import add_norm_router, add_norm_router_ref, router_topk
+from pyruntime.model.reference import route
 
 DEV = "cpu" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "cuda"
 

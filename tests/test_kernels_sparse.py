@@ -1,13 +1,11 @@
 """Activation sparsity: mask/compaction kernel, gate dots, sparse up-down and moe_sparse."""
 
-import importlib
-
 import pytest
 import torch
 
-from kernels.expert_formats import act_ref, quantize_x_q8_ref
-from kernels.moe_dense import moe_dense, moe_dense_ref
-from kernels.moe_sparse import (
+from pyruntime.kernels.expert_formats import act_ref, quantize_x_q8_ref
+from pyruntime.kernels.moe_dense import moe_dense, moe_dense_ref
+from pyruntime.kernels.moe_sparse import (
     Q8R_SPARSE_MAX_TOKENS,
     moe_gate,
     moe_gate_ref,
@@ -20,8 +18,8 @@ from kernels.moe_sparse import (
     quantizes_x,
     sparse_path,
 )
-from kernels.sparse_mask import sparse_mask, sparse_mask_ref
-from kernels.testing import (
+from pyruntime.kernels.sparse_mask import sparse_mask, sparse_mask_ref
+from pyruntime.kernels.testing import (
     DEVICE,
     Q8R_N_EMBD,
     assert_close_rel,
@@ -231,7 +229,7 @@ def test_sparse_path_takes_q8r_for_aligned_q8_0r_at_small_batch():
 def test_moe_q8r_sparse2_matches_reference(n_tok, blocks):
     """kernels.moe_dense.moe_q8r_sparse2: gate rows then the kept list's up/down rows per
     program; the same kept neurons (counts equal) and sum as the reference on quantized x."""
-    from kernels.moe_dense import moe_q8r_sparse2
+    from pyruntime.kernels.moe_dense import moe_q8r_sparse2
 
     x, w, ids, tw = make_case("q8_0r", n_tok, torch.bfloat16, seed=70 + n_tok, n_embd=Q8R_N_EMBD)
     thr = gap_threshold(moe_gate_ref(quantize_x_q8_ref(x), w, "q8_0r", ids), "silu", 0.7)
@@ -249,7 +247,7 @@ def test_moe_q8r_sparse2_matches_reference(n_tok, blocks):
 def test_moe_sparse_takes_the_sparse2_kernel_at_one_token(n_tok, monkeypatch):
     """The dispatch: moe_sparse's auto path (q8r) calls moe_q8r_sparse2 at one token only,
     and matches the reference either way."""
-    md = importlib.import_module("kernels.moe_dense")  # the package exports a moe_dense function
+    from pyruntime.kernels import moe_dense as md
 
     calls = spy_tokens(monkeypatch, md, "moe_q8r_sparse2")
     x, w, ids, tw = make_case("q8_0r", n_tok, torch.bfloat16, seed=90 + n_tok, n_embd=Q8R_N_EMBD)

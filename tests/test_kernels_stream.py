@@ -1,17 +1,14 @@
 """kernels.moe_q8r_stream (via kernels.moe_dense.moe_q8r_stream): the dense q8_0r decode MoE with
 one pair's neuron range per program, against the reference on Q8-quantized x."""
 
-import importlib
-
 import pytest
 import torch
 
-from kernels.moe_dense import Q8R_STREAM_MIN_TOKENS, moe_dense_ref, moe_q8r_stream
-from kernels.moe_q8r_stream import stream_grid
-from kernels.testing import Q8R_N_EMBD, assert_close_rel, make_case, spy_tokens
-
 # the module (the package exports a moe_dense function under the same name)
-md = importlib.import_module("kernels.moe_dense")
+from pyruntime.kernels import moe_dense as md
+from pyruntime.kernels.moe_dense import Q8R_STREAM_MIN_TOKENS, moe_dense_ref, moe_q8r_stream
+from pyruntime.kernels.moe_q8r_stream import stream_grid
+from pyruntime.kernels.testing import Q8R_N_EMBD, assert_close_rel, make_case, spy_tokens
 
 # (BLOCK_N, num_warps, programs per SM, STAGES); the interpreter's grid is P * SPP with
 # "programs per SM" programs in all: one program per pair, several (ranges that do not divide

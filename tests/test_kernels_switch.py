@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from kernels import switch
-from kernels.dispatch import prepare_experts
-from kernels.testing import make_case, n_embd_for
+from pyruntime.kernels import switch
+from pyruntime.kernels.dispatch import prepare_experts
+from pyruntime.kernels.testing import make_case, n_embd_for
 
 
 def _experts(fmt="bf16"):
@@ -164,7 +164,7 @@ def test_event_seconds_times_each_call_after_its_before(monkeypatch):
     stand-in events: before(i) runs ahead of call i and outside its interval, one time a call."""
     import time as _time
 
-    from kernels import timing
+    from pyruntime.kernels import timing
 
     log = []
 

@@ -15,8 +15,8 @@ import torch
 from hf_fixtures import make_tiny_hf_model
 
 from pyruntime.converter import convert
-from pyruntime.gguf_file import open_gguf
-from pyruntime.models.transformer import MoETransformer
+from pyruntime.cpu.executor import CpuExecutor
+from pyruntime.gguf.file import open_gguf
 
 ARCHS = ["olmoe", "qwen2moe", "qwen3moe", "mixtral", "granitemoe"]
 N_TOKENS = 64
@@ -36,11 +36,11 @@ def hf_logprobs(hf_dir: Path, ids: torch.Tensor) -> torch.Tensor:
 BACKENDS = ["c", "torch"]  # routed experts on the C core, and on the torch reference
 
 
-def load_runtime(gguf_path: Path, backend: str) -> MoETransformer:
-    return MoETransformer.from_gguf(open_gguf(gguf_path), expert_backend=backend)
+def load_runtime(gguf_path: Path, backend: str) -> CpuExecutor:
+    return CpuExecutor.from_gguf(open_gguf(gguf_path), expert_backend=backend)
 
 
-def runtime_logprobs(model: MoETransformer, ids: torch.Tensor, split: int | None = None):
+def runtime_logprobs(model: CpuExecutor, ids: torch.Tensor, split: int | None = None):
     """Prefill all of `ids`, or prefill ids[:split] then decode the rest one token at a time."""
     cache = model.new_cache(len(ids))
     if split is None:

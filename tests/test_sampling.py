@@ -5,8 +5,7 @@ import math
 import pytest
 import torch
 
-from pyruntime.errors import UsageError
-from pyruntime.sampling import (
+from pyruntime.decoding.sampling import (
     Sampler,
     SamplingParams,
     apply_repeat_penalty,
@@ -14,6 +13,7 @@ from pyruntime.sampling import (
     top_k_filter,
     top_p_filter,
 )
+from pyruntime.errors import UsageError
 
 INF = math.inf
 

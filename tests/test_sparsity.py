@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pyruntime.errors import ModelFileError, UsageError
-from pyruntime.sparsity import (
+from pyruntime.experts.sparsity import (
     TARGETS,
     GateHistogram,
     SparsityTable,

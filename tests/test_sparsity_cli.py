@@ -8,9 +8,9 @@ import pytest
 
 from pyruntime.api import Model
 from pyruntime.cli import main
-from pyruntime.demo import demo_model_path
 from pyruntime.errors import UsageError
-from pyruntime.sparsity import sidecar_path
+from pyruntime.experts.sparsity import sidecar_path
+from pyruntime.tools.demo import demo_model_path
 
 REPO = Path(__file__).resolve().parents[1]
 

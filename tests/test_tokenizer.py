@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import tokenizers
 
-from pyruntime.demo import DEMO_SOURCE, demo_model_path
-from pyruntime.gguf_file import open_gguf
-from pyruntime.tokenizer import IncrementalDetokenizer, Tokenizer
+from pyruntime.gguf.file import open_gguf
+from pyruntime.text.tokenizer import IncrementalDetokenizer, Tokenizer
+from pyruntime.tools.demo import DEMO_SOURCE, demo_model_path
 
 TEXTS = [
     "",

@@ -13,9 +13,9 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from pyruntime.dequant import SUPPORTED, dequantize, row_bytes
 from pyruntime.errors import ModelFileError
-from pyruntime.gguf_file import TensorView
+from pyruntime.gguf.file import TensorView
+from pyruntime.gguf.quant import SUPPORTED, dequantize, row_bytes
 
 
 @dataclass

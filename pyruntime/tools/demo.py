@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from pyruntime.errors import ConversionError
-from pyruntime.gguf_file import LAYOUT_VERSION
+from pyruntime.gguf.file import LAYOUT_VERSION
 
 DEMO_NAME = "tiny-olmoe"
 DEMO_SOURCE = Path(__file__).resolve().parent / "demo_model" / DEMO_NAME

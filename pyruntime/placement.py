@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from pyruntime.errors import UsageError
-from pyruntime.gguf_file import GGUFFile
-from pyruntime.models.config import ModelConfig
+from pyruntime.gguf.file import GGUFFile
+from pyruntime.model.config import ModelConfig
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -42,8 +42,8 @@ def choose_device(requested: str, f: GGUFFile, cfg: ModelConfig, n_ctx: int) -> 
             f"--device {requested}: no CUDA GPU is available to torch (torch "
             f"{torch.__version__}); use --device cpu or auto"
         )
-    from kernels.expert_formats import ACTIVATIONS
-    from pyruntime.models.gpu_weights import device_bytes
+    from pyruntime.gpu.weights import device_bytes
+    from pyruntime.kernels.expert_formats import ACTIVATIONS
 
     if cfg.activation not in ACTIVATIONS:
         why = f"expert activation '{cfg.activation}' has no GPU kernel"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pyruntime.errors import ModelFileError
-from pyruntime.gguf_file import GGUFFile
+from pyruntime.gguf.file import GGUFFile
 
 SUPPORTED_ARCHS = ("olmoe", "qwen2moe", "qwen3moe", "llama", "granitemoe")
 ACTIVATIONS = ("silu", "gelu", "gelu_exact")

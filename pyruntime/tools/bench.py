@@ -66,7 +66,7 @@ def run_bench(
     progress: Callable[[str], None] | None = None,
 ) -> list[BenchResult]:
     """Time pp{n_prompt} and tg{n_gen} (a test is skipped when its N is 0) on `net`
-    (MoETransformer or DeviceTransformer)."""
+    (CpuExecutor or GpuExecutor)."""
     if n_prompt < 0 or n_gen < 0 or n_prompt + n_gen == 0:
         raise UsageError("bench needs -p N and/or -n N >= 1 (0 skips that test)")
     if reps < 1:

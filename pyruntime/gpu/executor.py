@@ -1,7 +1,7 @@
 """The whole MoE decoder on one torch device (the GPU; also runs on the CPU for tests).
 
-Same math as pyruntime.models.transformer (the CPU reference), laid out for a GPU:
-- weights on the device (pyruntime.models.gpu_weights): routed experts in their GGUF format
+Same math as pyruntime.model.reference (the reference), laid out for a GPU:
+- weights on the device (pyruntime.gpu.weights): routed experts in their GGUF format
   (kernels.dispatch, dense or neuron-sparse under a per-layer threshold), Q8_0 matmul weights
   kept Q8_0 (kernels.q8_linear), other dense weights float32 for an F32 GGUF (so logits match
   the CPU path) else bfloat16;
@@ -30,30 +30,31 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import decode_attention
-from kernels.decoder_ops import add_rms_norm, qk_rope_store
-from kernels.dispatch import moe_experts
-from kernels.expert_formats import ACTIVATIONS as KERNEL_ACTIVATIONS
-from kernels.q8_linear import add_norm_q8_gemv
-from kernels.router import add_norm_router, router_topk
-from kernels.switch import SparseSwitch, sparse_switch
-from kernels.tuning import lookup
-from kernels.tuning import overrides as tuning_overrides
 from pyruntime.errors import UsageError
-from pyruntime.experts.compute import activation_fn
-from pyruntime.gguf_file import GGUFFile
-from pyruntime.models.config import ModelConfig
-from pyruntime.models.gpu_weights import (
+from pyruntime.gguf.file import GGUFFile
+from pyruntime.gpu.weights import (
     DeviceBlock,
     GatedFFN,
     Linear,
     WeightLoader,
     dense_dtype_for,
 )
-from pyruntime.models.transformer import rope_tables, single_token, token_ids
+from pyruntime.kernels.attention import decode_attention
+from pyruntime.kernels.decoder_ops import add_rms_norm, qk_rope_store
+from pyruntime.kernels.dispatch import moe_experts
+from pyruntime.kernels.expert_formats import ACTIVATIONS as KERNEL_ACTIVATIONS
+from pyruntime.kernels.q8_linear import add_norm_q8_gemv
+from pyruntime.kernels.router import add_norm_router, router_topk
+from pyruntime.kernels.switch import SparseSwitch, sparse_switch
+from pyruntime.kernels.tuning import lookup
+from pyruntime.kernels.tuning import overrides as tuning_overrides
+from pyruntime.model.config import ModelConfig
+from pyruntime.model.reference import activation_fn, rope_tables
+from pyruntime.model.tokens import single_token, token_ids
 
 # The batches the sparse expert path runs at when no profiled switch is available (the CPU
-# interpreter, or no model key): up to 16 tokens; on CUDA each layer's comes from kernels.switch.
+# interpreter, or no model key): up to 16 tokens; on CUDA each layer's comes from
+# pyruntime.kernels.switch.
 DEFAULT_SWITCH = SparseSwitch.up_to(16)
 # Up to this many tokens (decode) a step runs the fused launches: the residual add + RMSNorm in
 # the qkv Q8_0 GEMV's prologue (FUSE_NORM_GEMV) and in the router's launch (add_norm_router).
@@ -175,7 +176,7 @@ class DeviceExpertStats:
 # The model
 
 
-class DeviceTransformer:
+class GpuExecutor:
     """Forward pass on `device` with a static KV cache; `forward` returns float32 logits
     [n_tokens, n_vocab] on the CPU (the sampler's side)."""
 
@@ -221,7 +222,7 @@ class DeviceTransformer:
 
     def set_expert_threshold(self, thresholds: Sequence[float] | None, key: str = "") -> None:
         """Per-layer |act(gate)| thresholds (None = dense). On CUDA with a `key` (the model's
-        identity and sparsity), each layer's dense/sparse switch comes from kernels.switch
+        identity and sparsity), each layer's dense/sparse switch comes from pyruntime.kernels.switch
         (profiled once per GPU and layer, cached); else DEFAULT_SWITCH."""
         n_layer = self.config.n_layer
         self.sparse_switch = [DEFAULT_SWITCH] * n_layer

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from pyruntime.errors import ModelFileError, UsageError
-from pyruntime.experts.compute import activation_fn
 from pyruntime.experts.store import ExpertStore
+from pyruntime.model.reference import activation_fn
 
 FORMAT = "pyruntime-sparsity/1"
 TARGETS = tuple(round(0.05 * i, 2) for i in range(1, 20))  # 0.05 ... 0.95
@@ -185,7 +185,8 @@ def calibrate(
     model_size: int,
     progress: Callable[[int, int], None] | None = None,
 ) -> SparsityTable:
-    """Run `net` (MoETransformer) over token_ids in windows of ctx tokens and build the table."""
+    """Run `net` (the CPU executor, whose gate observer sees every routed expert's input) over
+    token_ids in windows of ctx tokens and build the table."""
     if len(token_ids) < MIN_TOKENS:
         raise UsageError(
             f"calibration text is too short: {len(token_ids)} tokens, need at least {MIN_TOKENS} "

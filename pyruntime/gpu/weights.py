@@ -1,4 +1,4 @@
-"""Weights of the device model (pyruntime.models.gpu): uploaded from the GGUF mmap once.
+"""Weights of the device model (pyruntime.gpu.executor): uploaded from the GGUF mmap once.
 
 - routed experts: their GGUF bytes on the device, prepared by kernels.dispatch.prepare_experts
   (never dequantized);
@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from kernels.dispatch import prepare_experts
-from kernels.expert_formats import dequantize_rows
-from kernels.q8_linear import dequantize_q8, q8_gemv, split_q8_0
 from pyruntime.errors import UsageError
-from pyruntime.gguf_file import GGUFFile, TensorView
-from pyruntime.models.config import ModelConfig
+from pyruntime.gguf.file import GGUFFile, TensorView
+from pyruntime.kernels.dispatch import prepare_experts
+from pyruntime.kernels.expert_formats import dequantize_rows
+from pyruntime.kernels.q8_linear import dequantize_q8, q8_gemv, split_q8_0
+from pyruntime.model.config import ModelConfig
 
 Q = GGMLQuantizationType
 FORMATS = {Q.F32: "f32", Q.F16: "f16", Q.BF16: "bf16", Q.Q8_0: "q8_0", Q.Q4_0: "q4_0"}

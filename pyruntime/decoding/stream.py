@@ -1,9 +1,7 @@
-"""Text generation: prefill, decode loop, stop conditions, streaming, timings.
+"""One generation as a stream of text: decode loop, stop conditions, streaming, timings.
 
-`Session` owns one KV cache and remembers which token ids it holds, so the next prompt (e.g. the
-next chat turn, whose rendered history starts with the previous one) only evaluates the tokens
-after the common prefix. `TextStream` is one generation: iterate it for text pieces; afterwards
-`finish_reason`, `token_ids` and `stats` describe what happened.
+`TextStream` is one generation: iterate it for text pieces; afterwards `finish_reason`,
+`token_ids` and `stats` describe what happened.
 """
 
 from __future__ import annotations
@@ -11,86 +9,11 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
-import torch
-
+from pyruntime.decoding.sampling import Sampler
+from pyruntime.decoding.session import Session
 from pyruntime.errors import UsageError
-from pyruntime.sampling import Sampler
-from pyruntime.tokenizer import IncrementalDetokenizer, Tokenizer
-
-
-class _KVCache(Protocol):
-    n_tokens: int
-    max_tokens: int
-
-    def truncate(self, n: int) -> None: ...
-
-
-class _Network(Protocol):
-    def new_cache(self, max_tokens: int) -> _KVCache: ...
-
-    def forward(
-        self, tokens: Sequence[int], cache: _KVCache, last_only: bool = False
-    ) -> torch.Tensor: ...
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-class Session:
-    """A KV cache of `max_tokens` positions plus the ids it holds (`ids[i]` at position i)."""
-
-    def __init__(self, net: _Network, max_tokens: int) -> None:
-        self.net = net
-        self.cache = net.new_cache(max_tokens)
-        self.ids: list[int] = []
-
-    @property
-    def max_tokens(self) -> int:
-        return self.cache.max_tokens
-
-    @property
-    def full(self) -> bool:
-        return len(self.ids) >= self.cache.max_tokens
-
-    def reset(self) -> None:
-        self.cache.truncate(0)
-        self.ids = []
-
-    def prefill(self, prompt_ids: Sequence[int]) -> tuple[torch.Tensor, int]:
-        """Evaluate the prompt, reusing the cached common prefix.
-
-        Returns (logits [n_vocab] float32 for the next token, number of tokens evaluated).
-        At least the last prompt token is always evaluated, to get its logits.
-        """
-        if not prompt_ids:
-            raise UsageError("the prompt is empty: give at least one token of text")
-        if len(prompt_ids) > self.cache.max_tokens:
-            raise UsageError(
-                f"the prompt has {len(prompt_ids)} tokens but the context holds "
-                f"{self.cache.max_tokens}; use a larger context (n_ctx / --ctx-size) or a "
-                "shorter prompt"
-            )
-        n_keep = min(common_prefix_length(self.ids, prompt_ids), len(prompt_ids) - 1)
-        # Also repairs a cache left ahead of self.ids by an interrupted forward pass.
-        self.cache.truncate(n_keep)
-        self.ids = self.ids[:n_keep]
-        logits = self.net.forward(list(prompt_ids[n_keep:]), self.cache, last_only=True)
-        self.ids = list(prompt_ids)
-        return logits[-1], len(prompt_ids) - n_keep
-
-    def feed(self, token_id: int) -> torch.Tensor:
-        """Append one token; logits [n_vocab] for the one after it."""
-        logits = self.net.forward([token_id], self.cache, last_only=True)
-        self.ids.append(token_id)
-        return logits[-1]
+from pyruntime.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class StopStrings:

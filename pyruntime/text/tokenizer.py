@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import tokenizers
 
 from pyruntime.errors import ModelFileError
-from pyruntime.gguf_file import GGUFFile
+from pyruntime.gguf.file import GGUFFile
 
 # What `tokenizers` produces for an incomplete UTF-8 sequence at the end of a decode.
 _REPLACEMENT_CHAR = "\ufffd"

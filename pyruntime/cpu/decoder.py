@@ -1,43 +1,43 @@
 """One decode step of a whole model in one C call (runtime/src/decode.c, pyrt_decoder_step).
 
-`CpuDecoder` describes a loaded MoETransformer to the C core once: pointers into the GGUF mmap for
-every weight matrix (read in place, in its stored format), pointers to the small F32 tensors the
-model holds (norms, biases), and the scalars of the family. A step then runs embedding, every
-block (attention with the KV cache, router, routed experts, shared expert or dense FFN) and the
-output matrix on the core's thread pool, without a torch op or a return to Python in between.
+`CpuDecoder` describes the model's host weights (pyruntime.model.weights) to the C core once:
+pointers into the GGUF mmap for every weight matrix (read in place, in its stored format),
+pointers to the small F32 tensors (norms, biases), and the scalars of the family. A step then
+runs embedding, every block (attention with the KV cache, router, routed experts, shared expert
+or dense FFN) and the output matrix on the core's thread pool, without a torch op or a return to
+Python in between.
 
 The KV cache is the model's KVCache: the step reads positions < pos that prefill (torch path)
 wrote and writes position pos in the same [n_head_kv, capacity, head_dim] tensors. Pointers are
-taken at call time and kept until the cache reallocates (KVCache.reserve clears `c_pointers`).
+taken at call time and kept in the cache's executor_state, which the cache clears when its
+storage moves.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
-from pyruntime import cpu_core
-from pyruntime.dequant import QuantMatrix
-
-if TYPE_CHECKING:
-    from pyruntime.models.transformer import KVCache, MoETransformer
+from pyruntime.cpu import core as cpu_core
+from pyruntime.gguf.quant import QuantMatrix
+from pyruntime.model.config import ModelConfig
+from pyruntime.model.kv_cache import KVCache
+from pyruntime.model.weights import HostWeights
 
 
 class CpuDecoder:
     """Owner of a C decoder (pyrt_decoder) for one model on one CpuCore; freed with the object."""
 
-    def __init__(self, model: MoETransformer, core: cpu_core.CpuCore) -> None:
+    def __init__(self, cfg: ModelConfig, weights: HostWeights, core: cpu_core.CpuCore) -> None:
         self._ffi = ffi = cpu_core._ffi
         self._lib = lib = cpu_core._lib()
-        self.model = model
+        self.config = cfg
         self.core = core
         self._keep: list[object] = []  # buffers whose memory the C side borrows
-        cfg = model.config
         blocks = ffi.new("pyrt_block_weights[]", cfg.n_layer)
         self._keep.append(blocks)
-        for i, blk in enumerate(model.blocks):
+        for i, blk in enumerate(weights.blocks):
             self._describe_block(blocks[i], blk)
         w = ffi.new("pyrt_model_weights *")
         w.n_vocab, w.n_embd, w.n_layer = cfg.n_vocab, cfg.n_embd, cfg.n_layer
@@ -57,18 +57,18 @@ class CpuDecoder:
         w.attention_scale = 1 / math.sqrt(cfg.head_dim) if scale is None else scale
         w.logit_scale = cfg.logit_scale
         w.clamp_kqv = 0.0 if cfg.clamp_kqv is None else cfg.clamp_kqv
-        # theta^(-2i/d) exactly as rope_tables (transformer.py) computes it, in float32
+        # theta^(-2i/d) exactly as rope_tables (model/reference.py) computes it, in float32
         d = cfg.rope_dim
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         w.rope_inv_freq = self._floats(inv_freq)
-        self._set_matrix(w.token_embd, model.token_embd)
-        self._set_matrix(w.output, model.output)
-        w.output_norm = self._floats(model.output_norm)
+        self._set_matrix(w.token_embd, weights.token_embd)
+        self._set_matrix(w.output, weights.output)
+        w.output_norm = self._floats(weights.output_norm)
         w.blocks = blocks
         out = ffi.new("pyrt_decoder **")
         cpu_core._check(lib.pyrt_decoder_create(w, out), "pyrt_decoder_create")
         self._dec = ffi.gc(out[0], lib.pyrt_decoder_free)
-        self._n_moe_layers = sum(blk.experts is not None for blk in model.blocks)
+        self.n_moe_layers = sum(blk.experts is not None for blk in weights.blocks)
         self._n_active = ffi.new("int64_t *")
 
     # ---- description of the weights ----------------------------------------------------------
@@ -118,15 +118,19 @@ class CpuDecoder:
     # ---- the step ----------------------------------------------------------------------------
 
     def _cache_pointers(self, cache: KVCache):
-        """(k pointers, v pointers, capacity) of the cache's current storage."""
-        if cache.c_pointers is None:
+        """(k pointers, v pointers, capacity) of the cache's current storage, kept in the
+        cache's executor_state until the storage moves."""
+        pointers = cache.executor_state.get("cpu")
+        if pointers is None:
             ffi = self._ffi
+            if cache.device.type != "cpu" or cache.dtype != torch.float32:
+                raise cpu_core.CoreError("the C decode step needs a float32 KV cache on the CPU")
             kp = ffi.new("float *[]", [ffi.cast("float *", t.data_ptr()) for t in cache.k])
             vp = ffi.new("float *[]", [ffi.cast("float *", t.data_ptr()) for t in cache.v])
             if not all(t.is_contiguous() for t in (*cache.k, *cache.v)):
                 raise cpu_core.CoreError("the KV cache storage is not contiguous")
-            cache.c_pointers = (kp, vp, int(cache.k[0].shape[1]))
-        return cache.c_pointers
+            pointers = cache.executor_state["cpu"] = (kp, vp, cache.capacity)
+        return pointers
 
     def _thresholds(self, thr: list[float] | None):
         """float * of the per-layer thresholds (NULL: dense), rebuilt when the list changes."""
@@ -138,14 +142,16 @@ class CpuDecoder:
             self._thr_array = self._ffi.new("float[]", values)
         return self._thr_array
 
-    def step(self, token: int, cache: KVCache) -> torch.Tensor:
-        """Logits [1, n_vocab] float32 after `token` at position cache.n_tokens; advances the
-        cache by one position. The caller has reserved room for it (KVCache.reserve)."""
-        ffi, model = self._ffi, self.model
+    def step(
+        self, token: int, cache: KVCache, thresholds: list[float] | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """(logits [1, n_vocab] float32, routed neurons computed) after `token` at position
+        cache.n_tokens; advances the cache by one position. The caller has reserved room for it
+        (KVCache.reserve). thresholds: per-layer sparsity thresholds, or None (dense)."""
+        ffi = self._ffi
         kp, vp, cap = self._cache_pointers(cache)
         pos = cache.n_tokens
-        logits = torch.empty((1, model.config.n_vocab), dtype=torch.float32)
-        thresholds = self._thresholds(model.expert_threshold)
+        logits = torch.empty((1, self.config.n_vocab), dtype=torch.float32)
         cpu_core._check(
             self._lib.pyrt_decoder_step(
                 self._dec,
@@ -155,20 +161,14 @@ class CpuDecoder:
                 kp,
                 vp,
                 cap,
-                thresholds,
+                self._thresholds(thresholds),
                 ffi.cast("float *", logits.data_ptr()),
                 self._n_active,
             ),
             "pyrt_decoder_step",
         )
         cache.n_tokens = pos + 1
-        cfg = model.config
-        model.stats.add(
-            n_pairs=self._n_moe_layers * cfg.n_expert_used,
-            n_active=int(self._n_active[0]),
-            n_ff=cfg.n_ff_exp,
-        )
-        return logits
+        return logits, int(self._n_active[0])
 
     def times(self, reset: bool = False) -> dict[str, float]:
         """Seconds spent in the steps since the last reset: attention (with the embedding), ffn

@@ -4,8 +4,8 @@ Layers, as in llama-cpp-python: `_lib()` holds the raw cffi functions; `CpuCore`
 (freed deterministically by close(), `with`, or garbage collection) and raises `CoreError` with the
 C library's last_error message when a call fails; `moe_ffn` is the API the MoE layer calls.
 
-The library is found, in order, at $PYRUNTIME_CORE_LIB, next to this file (where `pip install`
-and `pip install -e .` put it), or in ./build (a plain `cmake -S . -B build` build).
+The library is found, in order, at $PYRUNTIME_CORE_LIB, in the pyruntime package folder (where
+`pip install` and `pip install -e .` put it), or in ./build (a plain `cmake -S . -B build`).
 """
 
 from __future__ import annotations
@@ -141,11 +141,11 @@ _P_INT64 = _ffi.typeof("int64_t *")
 
 def _candidate_paths() -> list[Path]:
     name = _LIB_NAMES.get(sys.platform, "libpyrt.so")
-    here = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]  # pyruntime/: where the build installs it
     env = os.environ.get("PYRUNTIME_CORE_LIB")
     if env:
         return [Path(env)]
-    return [here / name, here.parent / "build" / name]
+    return [package / name, package.parent / "build" / name]
 
 
 def _lib():

@@ -75,7 +75,7 @@ class QuantMatrix:
     """A weight matrix [n_out, n_in] left where the GGUF mmap puts it, in its stored format.
 
     Dense weights stay like this (no float32 copy in memory): the C core reads them in place
-    (pyruntime.cpu_core.CpuCore.linear and the decode step); the torch path dequantizes them
+    (pyruntime.cpu.core.CpuCore.linear and the decode step); the torch path dequantizes them
     only where and when it computes with them (`dequantize`, `rows`).
     """
 

@@ -1,0 +1,88 @@
+"""The CPU executor: the reference model's math with the C core doing the heavy parts.
+
+Prefill (several tokens) runs the reference forward (pyruntime.model.reference) with the C core's
+`linear` for every weight matrix (read in place, in its stored format) and its routed-expert
+kernel; a one-token decode step is one C call (pyruntime.cpu.decoder: embedding, every block and
+the output matrix on the core's thread pool, no torch op in between). Without the C core (or with
+expert_backend='torch') it is the plain torch reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pyruntime.cpu.core import CpuCore
+from pyruntime.cpu.decoder import CpuDecoder
+from pyruntime.cpu.experts import make_expert_backend
+from pyruntime.errors import UsageError
+from pyruntime.gguf.file import GGUFFile
+from pyruntime.gguf.quant import QuantMatrix
+from pyruntime.model.config import ModelConfig
+from pyruntime.model.kv_cache import KVCache
+from pyruntime.model.reference import ReferenceModel
+from pyruntime.model.tokens import single_token
+from pyruntime.model.weights import HostWeights
+
+
+class CpuExecutor(ReferenceModel):
+    """Forward pass on the CPU. `forward` returns float32 logits [n_tokens, n_vocab]."""
+
+    def __init__(self, cfg: ModelConfig, weights: HostWeights) -> None:
+        super().__init__(cfg, weights)
+        # The C core when routed experts run on it: then the dense matrices run on it too, and a
+        # one-token forward is one C call per token (CpuDecoder).
+        self.core: CpuCore | None = None
+        self._decoder: CpuDecoder | None = None
+
+    @classmethod
+    def from_gguf(
+        cls, f: GGUFFile, threads: int | None = None, expert_backend: str = "auto"
+    ) -> CpuExecutor:
+        """expert_backend: 'auto' (C core when built), 'c' or 'torch' (the reference)."""
+        if threads is not None:
+            if threads < 1:
+                raise UsageError(f"--threads must be >= 1, got {threads}")
+            torch.set_num_threads(threads)
+        cfg = ModelConfig.from_gguf(f)
+        model = cls(cfg, HostWeights.from_gguf(f, cfg))
+        model.expert_backend = make_expert_backend(expert_backend, threads)
+        core = getattr(model.expert_backend, "core", None)
+        if core is not None:
+            model.use_core(core)
+        return model
+
+    def use_core(self, core: CpuCore) -> None:
+        """Compute dense matrices and one-token decode steps on `core`."""
+        self.core = core
+        self.linear = self._core_linear
+        self._decoder = CpuDecoder(self.config, self.weights, core)
+        # One thread pool for everything: torch only runs the few ops left on the prefill path
+        # (attention, norms), and its threads would otherwise compete with the pool's.
+        torch.set_num_threads(1)
+
+    def _core_linear(self, x: torch.Tensor, w: QuantMatrix, bias: torch.Tensor | None = None):
+        """x [T, n_in] -> [T, n_out] on the C core, w in its own format."""
+        return self.core.linear(w.raw, int(w.qtype), w.shape[0], w.shape[1], x, bias)
+
+    def forward(
+        self, tokens: Sequence[int] | torch.Tensor, cache: KVCache, last_only: bool = False
+    ) -> torch.Tensor:
+        """Logits [n_tokens, n_vocab] (or [1, n_vocab] with last_only) float32."""
+        if self._decoder is not None and self.gate_observer is None:
+            token = single_token(tokens, self.config.n_vocab)
+            if token is not None:  # decode: one C call, no torch op (~15 us of Python)
+                cache.reserve(1)
+                logits, n_active = self._decoder.step(token, cache, self.expert_threshold)
+                self.stats.add(
+                    n_pairs=self._decoder.n_moe_layers * self.config.n_expert_used,
+                    n_active=n_active,
+                    n_ff=self.config.n_ff_exp,
+                )
+                return logits  # [1, n_vocab]
+        return self._forward_torch(tokens, cache, last_only)
+
+    def decode_times(self, reset: bool = False) -> dict[str, float]:
+        """Seconds of the C decode steps by part (CpuDecoder.times); {} without the C core."""
+        return {} if self._decoder is None else self._decoder.times(reset)

@@ -1,0 +1,61 @@
+"""Routed experts on the C core, in the reference model's expert signature.
+
+`CpuCoreBackend` computes a layer's routed experts on the C core (pyruntime.cpu.core): the weights
+are read in place from the mmap, multi-threaded, dense or neuron-sparse; `make_expert_backend`
+picks it or the torch reference (pyruntime.model.reference.moe_ffn_torch).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from pyruntime.cpu.core import CoreError, CpuCore
+from pyruntime.experts.store import ExpertStore
+from pyruntime.model.reference import moe_ffn_torch
+
+
+class CpuCoreBackend:
+    """Routed experts on the C core (pyruntime.cpu.core): the weights are read in place from the
+    mmap, multi-threaded, dense or neuron-sparse. Same call signature as `moe_ffn_torch`."""
+
+    def __init__(self, threads: int | None = None) -> None:
+        self.core = CpuCore(threads)
+
+    def __call__(
+        self,
+        store: ExpertStore,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_w: torch.Tensor,
+        act: str,
+        threshold: float | None = None,
+    ) -> tuple[torch.Tensor, int]:
+        return self.core.moe_ffn(
+            store.raw,
+            int(store.qtype),
+            store.n_expert,
+            store.n_ff,
+            store.n_embd,
+            x.contiguous(),
+            topk_ids,
+            topk_w,
+            act,
+            threshold,
+        )
+
+
+def make_expert_backend(kind: str = "auto", threads: int | None = None):
+    """'c' (the C core), 'torch' (reference), or 'auto' (C core when it is built, else torch)."""
+    if kind == "torch":
+        return moe_ffn_torch
+    if kind not in ("c", "auto"):
+        raise ValueError(f"unknown expert backend '{kind}' (use auto, c or torch)")
+    try:
+        return CpuCoreBackend(threads)
+    except CoreError as exc:
+        if kind == "c" or "not found" not in str(exc):
+            raise
+        print(f"warning: {exc}; computing experts with torch instead", file=sys.stderr)
+        return moe_ffn_torch

@@ -1,0 +1,90 @@
+"""The KV cache of one sequence: keys and values of the positions it has seen, for every layer.
+
+One class for every executor. Layer i's storage kv[i] is [2, n_head_kv, capacity, head_dim]:
+k[i] = kv[i][0] and v[i] = kv[i][1], each contiguous [n_head_kv, capacity, head_dim] (the layout
+the C decode step and the GPU kernels read). Positions [0, n_tokens) hold valid entries.
+
+- growable (the host's default): capacity grows in chunks as tokens arrive, so a large
+  max_tokens costs nothing up front; growing reallocates the storage.
+- fixed (growable=False; a captured CUDA graph needs fixed addresses): capacity = max_tokens
+  from the start, one allocation, the storage never moves.
+
+`executor_state` is where an executor keeps what it derived from this storage (the C core's
+pointers, captured CUDA graphs and their input buffers); it is cleared whenever the storage moves.
+Rewinding (dropping the newest positions) only moves n_tokens: the next tokens overwrite them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pyruntime.errors import UsageError
+from pyruntime.model.config import ModelConfig
+
+
+class KVCache:
+    _CHUNK = 256  # positions added per growth of a growable cache
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_tokens: int,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        growable: bool = True,
+    ) -> None:
+        if max_tokens < 1:
+            raise UsageError(f"context size must be at least 1 token, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self.n_tokens = 0
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.growable = growable
+        self._n_layer, self._n_head_kv, self._head_dim = cfg.n_layer, cfg.n_head_kv, cfg.head_dim
+        self.executor_state: dict[str, Any] = {}
+        self._allocate(0 if growable else max_tokens)
+
+    @property
+    def capacity(self) -> int:
+        """Positions the storage holds now (<= max_tokens)."""
+        return int(self.kv[0].shape[2])
+
+    def _allocate(self, capacity: int) -> None:
+        """New storage of `capacity` positions holding the first n_tokens of the old one, made
+        layer by layer (a growth holds one extra layer at a time, not a second cache)."""
+        old = getattr(self, "kv", None)
+        shape = (2, self._n_head_kv, capacity, self._head_dim)
+        kv = []
+        for layer in range(self._n_layer):
+            t = torch.zeros(shape, device=self.device, dtype=self.dtype)
+            if old is not None and self.n_tokens:
+                t[:, :, : self.n_tokens] = old[layer][:, :, : self.n_tokens]
+                old[layer] = self.k[layer] = self.v[layer] = None  # free the old layer now
+            kv.append(t)
+        self.kv = kv  # per layer [2, n_head_kv, capacity, head_dim]
+        self.k = [t[0] for t in kv]  # per layer [n_head_kv, capacity, head_dim]
+        self.v = [t[1] for t in kv]
+        self.executor_state.clear()
+
+    def reserve(self, n_new: int) -> None:
+        """Make room for n_new more positions (UsageError when the context is full)."""
+        need = self.n_tokens + n_new
+        if need > self.max_tokens:
+            raise UsageError(
+                f"context is full: {self.n_tokens} tokens cached + {n_new} new > context size "
+                f"{self.max_tokens} (raise --ctx-size / n_ctx, or start a new conversation)"
+            )
+        if need > self.capacity:
+            self._allocate(min(self.max_tokens, max(need, self.capacity + self._CHUNK)))
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n positions, forget the rest (a common prefix kept for reuse)."""
+        self.n_tokens = max(0, min(n, self.n_tokens))
+
+    def rewind(self, n: int) -> None:
+        """Forget the newest n positions (0 <= n <= n_tokens)."""
+        if not 0 <= n <= self.n_tokens:
+            raise UsageError(f"cannot rewind {n} positions of a cache holding {self.n_tokens}")
+        self.n_tokens -= n

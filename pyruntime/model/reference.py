@@ -1,0 +1,255 @@
+"""The model's math in plain torch: the reference every executor is checked against.
+
+The MoE decoder shared by every supported family (OLMoE, Qwen2-MoE, Qwen3-MoE, Mixtral,
+Granite-MoE). Per block: RMSNorm -> attention (GQA, optional q/k norm, RoPE "rotate_half", KV
+cache) -> residual -> RMSNorm -> router (softmax, top-k) -> routed experts (+ shared expert) ->
+residual. Family differences are data, not code: optional tensors (biases, q/k norms, shared
+expert) and scalars from the GGUF metadata (scales, renormalization, activation).
+
+`ReferenceModel` runs it over HostWeights with two pluggable pieces: `linear` (a weight matrix
+times activations; default: dequantize and matmul in float32) and `experts` (a layer's routed
+experts; default `moe_ffn_torch`). The CPU executor (pyruntime.cpu.executor) plugs the C core
+into both for prefill; the GPU executor reimplements the same math in Triton and is tested
+against this one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from pyruntime.experts.store import ExpertStore
+from pyruntime.gguf.quant import QuantMatrix
+from pyruntime.model.config import ModelConfig
+from pyruntime.model.kv_cache import KVCache
+from pyruntime.model.stats import ExpertStats
+from pyruntime.model.tokens import token_ids
+from pyruntime.model.weights import BlockWeights, FFNWeights, HostWeights
+
+# ---------------------------------------------------------------------------------------------
+# Math
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rope_tables(
+    positions: torch.Tensor, dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [n, dim] for HF's rotate_half convention (frequencies repeated twice)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [n, dim/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [heads, n, head_dim]; rotates the first cos.shape[-1] dims of each head."""
+    d = cos.shape[-1]
+    xr, xp = x[..., :d], x[..., d:]
+    x1, x2 = xr[..., : d // 2], xr[..., d // 2 :]
+    rotated = xr * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return torch.cat([rotated, xp], dim=-1) if xp.shape[-1] else rotated
+
+
+def torch_linear(x: torch.Tensor, w: QuantMatrix, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, n_in] @ w^T (+ bias) in float32 torch, w dequantized for this call only."""
+    return F.linear(x, w.dequantize(), bias)
+
+
+def dense_ffn(w: FFNWeights, x: torch.Tensor, act: str, linear=torch_linear) -> torch.Tensor:
+    return linear(activation_fn(act)(linear(x, w.gate)) * linear(x, w.up), w.down)
+
+
+def activation_fn(name: str):
+    if name == "silu":
+        return F.silu
+    if name == "gelu":  # tanh approximation (HF "gelu_pytorch_tanh", "gelu_new")
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "gelu_exact":
+        return F.gelu
+    raise ValueError(f"unknown activation '{name}'")
+
+
+def route(
+    router_logits: torch.Tensor, k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts, top-k, optional renormalization (docs/gguf-layout.md).
+
+    router_logits: [T, n_expert] -> (ids [T, k] int64, weights [T, k] f32).
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    w, ids = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return ids, w
+
+
+def expert_ffn_torch(
+    w: torch.Tensor, x: torch.Tensor, act: str, threshold: float | None = None
+) -> tuple[torch.Tensor, int]:
+    """One expert: w [n_ff, 3, n_embd] (gate, up, down^T rows), x [T, n_embd] -> (y, active).
+
+    With `threshold`, neurons whose |act(gate . x)| < threshold contribute nothing (their up/down
+    rows are skipped by the fast kernels); `active` counts the (token, neuron) pairs kept.
+    """
+    g = activation_fn(act)(x @ w[:, 0, :].T)  # [T, n_ff]
+    if threshold is not None:
+        keep = g.abs() >= threshold
+        g = g * keep
+        active = int(keep.sum())
+    else:
+        active = g.numel()
+    h = g * (x @ w[:, 1, :].T)  # [T, n_ff]
+    return h @ w[:, 2, :], active  # [T, n_embd]
+
+
+def moe_ffn_torch(
+    store: ExpertStore,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_w: torch.Tensor,
+    act: str,
+    threshold: float | None = None,
+) -> tuple[torch.Tensor, int]:
+    """x: [T, n_embd] f32; topk_ids: [T, K] int; topk_w: [T, K] f32 -> (y [T, n_embd], n_active)."""
+    y = torch.zeros_like(x)
+    n_active = 0
+    for e in torch.unique(topk_ids).tolist():
+        tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        out, active = expert_ffn_torch(store.expert_weights(e), x[tok], act, threshold)
+        y.index_add_(0, tok, out * topk_w[tok, slot].unsqueeze(1))
+        n_active += active
+    return y, n_active
+
+
+# Routed experts of one layer: (store, x [T, n_embd], ids [T, K], weights [T, K], activation,
+# threshold or None) -> (y [T, n_embd], neurons computed).
+ExpertFn = Callable[..., tuple[torch.Tensor, int]]
+# A weight matrix times activations: (x [T, n_in], w, bias or None) -> [T, n_out].
+LinearFn = Callable[..., torch.Tensor]
+
+# ---------------------------------------------------------------------------------------------
+# The forward pass
+
+
+class ReferenceModel:
+    """Forward pass with a KV cache. `forward` returns float32 logits [n_tokens, n_vocab]."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: HostWeights,
+        linear: LinearFn = torch_linear,
+        experts: ExpertFn = moe_ffn_torch,
+    ) -> None:
+        self.config = cfg
+        self.weights = weights
+        self.linear = linear
+        self.expert_backend = experts
+        self.expert_threshold: list[float] | None = None  # per layer, for neuron sparsity
+        # Calibration hook: (layer, store, x [T, n_embd], ids [T, K], activation) -> None.
+        self.gate_observer = None
+        self.stats = ExpertStats()
+
+    @property
+    def blocks(self) -> list[BlockWeights]:
+        return self.weights.blocks
+
+    def new_cache(self, max_tokens: int) -> KVCache:
+        return KVCache(self.config, max_tokens)
+
+    def forward(
+        self, tokens: Sequence[int] | torch.Tensor, cache: KVCache, last_only: bool = False
+    ) -> torch.Tensor:
+        """Logits [n_tokens, n_vocab] (or [1, n_vocab] with last_only) float32."""
+        return self._forward_torch(tokens, cache, last_only)
+
+    @torch.inference_mode()
+    def _forward_torch(
+        self, tokens: Sequence[int] | torch.Tensor, cache: KVCache, last_only: bool
+    ) -> torch.Tensor:
+        cfg, w = self.config, self.weights
+        ids = token_ids(tokens, cfg.n_vocab)
+        n = ids.numel()
+        cache.reserve(n)
+        start = cache.n_tokens
+        cos, sin = rope_tables(torch.arange(start, start + n), cfg.rope_dim, cfg.rope_theta)
+        x = w.token_embd.rows(ids) * cfg.embedding_scale  # [n, n_embd]
+        for i, blk in enumerate(w.blocks):
+            h = self._attention(i, blk, rms_norm(x, blk.attn_norm, cfg.rms_eps), cache, cos, sin)
+            x = x + h * cfg.residual_scale
+            h = self._ffn(i, blk, rms_norm(x, blk.ffn_norm, cfg.rms_eps))
+            x = x + h * cfg.residual_scale
+        cache.n_tokens = start + n
+        if last_only:
+            x = x[-1:]
+        logits = self.linear(rms_norm(x, w.output_norm, cfg.rms_eps), w.output)
+        return logits / cfg.logit_scale
+
+    def _attention(
+        self,
+        i: int,
+        blk: BlockWeights,
+        x: torch.Tensor,
+        cache: KVCache,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        cfg = self.config
+        n = x.shape[0]
+        q = self.linear(x, blk.wq, blk.bq)
+        k = self.linear(x, blk.wk, blk.bk)
+        v = self.linear(x, blk.wv, blk.bv)
+        if cfg.clamp_kqv is not None:
+            q, k, v = (t.clamp(-cfg.clamp_kqv, cfg.clamp_kqv) for t in (q, k, v))
+        per_head_norm = blk.q_norm is not None and blk.q_norm.numel() == cfg.head_dim
+        if blk.q_norm is not None and not per_head_norm:  # olmoe: norm over all heads
+            q = rms_norm(q, blk.q_norm, cfg.rms_eps)
+            k = rms_norm(k, blk.k_norm, cfg.rms_eps)
+        q = q.view(n, cfg.n_head, cfg.head_dim).transpose(0, 1)  # [n_head, n, head_dim]
+        k = k.view(n, cfg.n_head_kv, cfg.head_dim).transpose(0, 1)
+        v = v.view(n, cfg.n_head_kv, cfg.head_dim).transpose(0, 1)
+        if per_head_norm:  # qwen3moe: norm per head
+            q = rms_norm(q, blk.q_norm, cfg.rms_eps)
+            k = rms_norm(k, blk.k_norm, cfg.rms_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        start = cache.n_tokens
+        end = start + n
+        cache.k[i][:, start:end] = k
+        cache.v[i][:, start:end] = v
+        keys, values = cache.k[i][:, :end], cache.v[i][:, :end]  # [n_head_kv, end, head_dim]
+        group = cfg.n_head // cfg.n_head_kv
+        if group > 1:
+            keys = keys.repeat_interleave(group, dim=0)
+            values = values.repeat_interleave(group, dim=0)
+        # Causal mask over absolute positions: query at start+a sees keys 0..start+a.
+        q_pos = torch.arange(start, end)[:, None]
+        mask = torch.arange(end)[None, :] <= q_pos  # [n, end] bool
+        scale = (
+            cfg.attention_scale if cfg.attention_scale is not None else 1 / math.sqrt(cfg.head_dim)
+        )
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        return self.linear(out.transpose(0, 1).reshape(n, cfg.n_head * cfg.head_dim), blk.wo)
+
+    def _ffn(self, i: int, blk: BlockWeights, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        if blk.experts is None:
+            return dense_ffn(blk.dense_ffn, x, cfg.activation, self.linear)
+        ids, w = route(self.linear(x, blk.router), cfg.n_expert_used, cfg.expert_weights_norm)
+        if self.gate_observer is not None:
+            self.gate_observer(i, blk.experts, x, ids, cfg.activation)
+        threshold = None if self.expert_threshold is None else self.expert_threshold[i]
+        y, n_active = self.expert_backend(blk.experts, x, ids, w, cfg.activation, threshold)
+        self.stats.add(n_pairs=ids.numel(), n_active=n_active, n_ff=cfg.n_ff_exp)
+        if blk.shared is not None:
+            s = dense_ffn(blk.shared, x, cfg.activation, self.linear)
+            if blk.shared_gate is not None:
+                s = s * torch.sigmoid(x @ blk.shared_gate)[:, None]
+            y = y + s
+        return y

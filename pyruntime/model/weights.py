@@ -1,0 +1,125 @@
+"""The model's weights as the host holds them: views into the GGUF mmap, read in place.
+
+Weight matrices (attention, routers, shared experts, embeddings, output) stay in the mmap in their
+stored format (QuantMatrix); norms and biases (small, always F32) are copied to tensors; a layer's
+routed experts are an ExpertStore over the mmap. Every executor starts from this description: the
+CPU executor reads it in place, the GPU executor uploads from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pyruntime.errors import ModelFileError
+from pyruntime.experts.store import ExpertStore
+from pyruntime.gguf.file import GGUFFile
+from pyruntime.gguf.quant import QuantMatrix, dequantize
+from pyruntime.model.config import ModelConfig
+
+
+@dataclass
+class FFNWeights:
+    """A dense gated FFN: gate/up [n_ff, n_embd], down [n_embd, n_ff]."""
+
+    gate: QuantMatrix
+    up: QuantMatrix
+    down: QuantMatrix
+
+
+@dataclass
+class BlockWeights:
+    attn_norm: torch.Tensor  # [n_embd]
+    wq: QuantMatrix  # [n_head*head_dim, n_embd]
+    wk: QuantMatrix  # [n_head_kv*head_dim, n_embd]
+    wv: QuantMatrix  # [n_head_kv*head_dim, n_embd]
+    wo: QuantMatrix  # [n_embd, n_head*head_dim]
+    bq: torch.Tensor | None
+    bk: torch.Tensor | None
+    bv: torch.Tensor | None
+    q_norm: torch.Tensor | None  # olmoe [n_head*head_dim]; qwen3moe [head_dim]
+    k_norm: torch.Tensor | None
+    ffn_norm: torch.Tensor  # [n_embd]
+    router: QuantMatrix | None  # [n_expert, n_embd] (F32); None for a dense FFN layer
+    experts: ExpertStore | None
+    shared: FFNWeights | None  # shared expert (qwen2moe)
+    shared_gate: torch.Tensor | None  # [n_embd]: shared output *= sigmoid(x . shared_gate)
+    dense_ffn: FFNWeights | None  # dense FFN layer (qwen mlp_only_layers)
+
+
+def _load(f: GGUFFile, name: str) -> torch.Tensor:
+    """A small F32 tensor (norm, bias, gate vector), copied out of the mmap."""
+    t = f.tensor(name)
+    return dequantize(t.data, t.qtype, t.shape)
+
+
+def _matrix(f: GGUFFile, name: str) -> QuantMatrix:
+    """A weight matrix, left in the mmap in its stored format."""
+    t = f.tensor(name)
+    if len(t.shape) != 2:
+        raise ModelFileError(f"{f.path}: tensor '{name}' has shape {list(t.shape)}, expected 2-D")
+    return QuantMatrix(name, t.qtype, (int(t.shape[0]), int(t.shape[1])), t.data)
+
+
+def _load_opt(f: GGUFFile, name: str) -> torch.Tensor | None:
+    return _load(f, name) if f.has_tensor(name) else None
+
+
+def _load_ffn(f: GGUFFile, prefix: str, suffix: str) -> FFNWeights | None:
+    if not f.has_tensor(f"{prefix}.ffn_gate{suffix}.weight"):
+        return None
+    return FFNWeights(
+        gate=_matrix(f, f"{prefix}.ffn_gate{suffix}.weight"),
+        up=_matrix(f, f"{prefix}.ffn_up{suffix}.weight"),
+        down=_matrix(f, f"{prefix}.ffn_down{suffix}.weight"),
+    )
+
+
+def _load_block(f: GGUFFile, cfg: ModelConfig, i: int) -> BlockWeights:
+    p = f"blk.{i}"
+    has_experts = f.has_tensor(f"{p}.ffn_gud_exps.weight")
+    shared_gate = _load_opt(f, f"{p}.ffn_gate_inp_shexp.weight")
+    return BlockWeights(
+        attn_norm=_load(f, f"{p}.attn_norm.weight"),
+        wq=_matrix(f, f"{p}.attn_q.weight"),
+        wk=_matrix(f, f"{p}.attn_k.weight"),
+        wv=_matrix(f, f"{p}.attn_v.weight"),
+        wo=_matrix(f, f"{p}.attn_output.weight"),
+        bq=_load_opt(f, f"{p}.attn_q.bias"),
+        bk=_load_opt(f, f"{p}.attn_k.bias"),
+        bv=_load_opt(f, f"{p}.attn_v.bias"),
+        q_norm=_load_opt(f, f"{p}.attn_q_norm.weight"),
+        k_norm=_load_opt(f, f"{p}.attn_k_norm.weight"),
+        ffn_norm=_load(f, f"{p}.ffn_norm.weight"),
+        router=_matrix(f, f"{p}.ffn_gate_inp.weight") if has_experts else None,
+        experts=ExpertStore.from_tensor(
+            f.tensor(f"{p}.ffn_gud_exps.weight"), cfg.n_expert, cfg.n_ff_exp, cfg.n_embd
+        )
+        if has_experts
+        else None,
+        shared=_load_ffn(f, p, "_shexp"),
+        shared_gate=None if shared_gate is None else shared_gate.reshape(-1),
+        dense_ffn=None if has_experts else _load_ffn(f, p, ""),
+    )
+
+
+@dataclass
+class HostWeights:
+    """Every tensor of the model, as BlockWeights per layer plus the embedding and the output."""
+
+    token_embd: QuantMatrix  # [n_vocab, n_embd]
+    output_norm: torch.Tensor  # [n_embd]
+    output: QuantMatrix  # [n_vocab, n_embd] (token_embd itself when the model ties them)
+    blocks: list[BlockWeights]
+
+    @classmethod
+    def from_gguf(cls, f: GGUFFile, cfg: ModelConfig) -> HostWeights:
+        token_embd = _matrix(f, "token_embd.weight")
+        tied = not f.has_tensor("output.weight")
+        return cls(
+            token_embd=token_embd,
+            output_norm=_load(f, "output_norm.weight"),
+            output=token_embd if tied else _matrix(f, "output.weight"),
+            blocks=[_load_block(f, cfg, i) for i in range(cfg.n_layer)],
+        )
