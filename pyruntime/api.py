@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pyruntime import options
 from pyruntime.cpu.executor import CpuExecutor
 from pyruntime.decoding.sampling import Sampler, SamplingParams
 from pyruntime.decoding.session import Session
@@ -32,6 +33,7 @@ from pyruntime.errors import UsageError
 from pyruntime.experts.sparsity import SparsityTable, check_sparsity
 from pyruntime.gguf.file import GGUFFile, open_gguf
 from pyruntime.model.config import ModelConfig
+from pyruntime.options import DEFAULTS
 from pyruntime.placement import choose_device
 from pyruntime.text.chat_template import render_chat
 from pyruntime.text.tokenizer import Tokenizer
@@ -53,17 +55,20 @@ class Model:
     CPU although a GPU exists (None otherwise).
     seed: seeds the random stream of sampling calls that pass no seed of their own
     (None = a random seed), so a run of calls is reproducible as a whole.
+    kernel_tuning: a JSON file of GPU kernel launch configs (None: $PYRUNTIME_DECODE_TUNING, else
+    the built-in tables). Every option's default and help: pyruntime.options.
     """
 
     def __init__(
         self,
         path: str | Path,
-        n_ctx: int = 2048,
+        n_ctx: int = DEFAULTS.n_ctx,
         threads: int | None = None,
         seed: int | None = None,
-        sparsity: float = 0.0,
-        expert_backend: str = "auto",
-        device: str = "auto",
+        sparsity: float = DEFAULTS.sparsity,
+        expert_backend: str = DEFAULTS.expert_backend,
+        device: str = DEFAULTS.device,
+        kernel_tuning: str | None = None,
     ) -> None:
         check_sparsity(sparsity)
         if n_ctx < 0:
@@ -94,6 +99,7 @@ class Model:
             key = f"{self.path.name}:{self.file.file_size}:s{sparsity}"
             self.net.set_expert_threshold(thresholds, key=key)
         self.sparsity = sparsity
+        self.kernel_tuning = options.value("kernel_tuning", kernel_tuning)
         self.tokenizer = Tokenizer.from_gguf(self.file)
         if seed is not None and seed < 0:
             raise UsageError(f"seed must be >= 0, got {seed}")
@@ -146,7 +152,7 @@ class Model:
     def generate(
         self,
         prompt: str | Sequence[int],
-        max_tokens: int | None = 256,
+        max_tokens: int | None = DEFAULTS.max_tokens,
         temp: float = _DEFAULTS.temp,
         top_k: int = _DEFAULTS.top_k,
         top_p: float = _DEFAULTS.top_p,

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pyruntime import __version__
+from pyruntime import __version__, options
 from pyruntime.errors import PyruntimeError, UsageError
 
 # llama.cpp's defaults (kept in sync with pyruntime.decoding.sampling.SamplingParams by a test).
@@ -29,64 +29,7 @@ _TEMP, _TOP_K, _TOP_P, _MIN_P, _REPEAT_PENALTY, _REPEAT_LAST_N = 0.8, 40, 0.95, 
 # Argument parsing
 
 
-def _common_parent() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument(
-        "-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores)"
-    )
-    return p
-
-
-def _runtime_parent() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument(
-        "--sparsity",
-        type=float,
-        default=0.0,
-        metavar="S",
-        help="skip this fraction of routed-expert neurons, in [0, 1) (needs `pyruntime "
-        "calibrate` first; 0 = dense). The achieved sparsity is reported on stderr.",
-    )
-    p.add_argument(
-        "--device",
-        default="auto",
-        metavar="D",
-        help="auto (default: the GPU when there is one and the model + KV cache fit), cpu, "
-        "cuda or cuda:N",
-    )
-    return p
-
-
-def _sampling_parent() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False)
-    g = p.add_argument_group("sampling (llama.cpp names and defaults)")
-    g.add_argument("-n", "--max-tokens", type=int, default=256, help="tokens to generate (256)")
-    g.add_argument("--temp", type=float, default=_TEMP, help=f"temperature, 0 = greedy ({_TEMP})")
-    g.add_argument("--top-k", type=int, default=_TOP_K, help=f"top-k, 0 = off ({_TOP_K})")
-    g.add_argument("--top-p", type=float, default=_TOP_P, help=f"top-p, 1 = off ({_TOP_P})")
-    g.add_argument("--min-p", type=float, default=_MIN_P, help=f"min-p, 0 = off ({_MIN_P})")
-    g.add_argument(
-        "--repeat-penalty",
-        type=float,
-        default=_REPEAT_PENALTY,
-        help=f"repetition penalty, 1 = off ({_REPEAT_PENALTY})",
-    )
-    g.add_argument(
-        "--repeat-last-n",
-        type=int,
-        default=_REPEAT_LAST_N,
-        help=f"tokens the penalty looks back, 0 = off, -1 = all ({_REPEAT_LAST_N})",
-    )
-    g.add_argument("--seed", type=int, default=None, help="RNG seed (default: random)")
-    g.add_argument(
-        "--stop", nargs="+", default=[], metavar="S", help="stop strings (never printed)"
-    )
-    g.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size in tokens (2048)")
-    return p
-
-
 def build_parser() -> argparse.ArgumentParser:
-    common, sampling, runtime = _common_parent(), _sampling_parent(), _runtime_parent()
     parser = argparse.ArgumentParser(
         prog="pyruntime",
         description="Run Mixture-of-Experts language models from GGUF files.",
@@ -96,7 +39,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "chat",
-        parents=[common, runtime, sampling],
         help="interactive chat (the built-in demo model without MODEL)",
         description="Chat with a model. Commands: /reset clears the history, /exit quits "
         "(or Ctrl-D). Ctrl-C stops the current answer. When stdin is not a terminal, each "
@@ -104,11 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("model", nargs="?", help="GGUF file (default: the built-in demo model)")
     p.add_argument("--system", default=None, help="system prompt")
+    options.add_arguments(p, "chat")
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser(
         "generate",
-        parents=[common, runtime, sampling],
         help="continue a prompt; the text alone goes to stdout",
         description="Continue a prompt. The generated text alone goes to stdout (streamed), "
         "timings to stderr.",
@@ -120,11 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ignore-eos", action="store_true", help="do not stop on the model's end tokens"
     )
+    options.add_arguments(p, "generate")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser(
         "perplexity",
-        parents=[common, runtime],
         help="perplexity of a text file",
         description="Tokenize the whole file (BOS only if the model adds one), cut it into "
         "consecutive non-overlapping windows of --ctx tokens, evaluate each window with a fresh "
@@ -141,11 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
         help='print {"ppl", "nll", "tokens_scored", "windows", "ctx", "sparsity_target", '
         '"sparsity_achieved"} as JSON instead',
     )
+    options.add_arguments(p, "perplexity")
     p.set_defaults(func=cmd_perplexity)
 
     p = sub.add_parser(
         "bench",
-        parents=[common, runtime],
         help="prompt and generation speed (llama-bench style)",
         description="Time pp N (prefill of N random tokens) and tg N (N single-token decode "
         "steps), each from an empty cache, repeated -r times after a warm-up run; prints "
@@ -156,11 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens, 0 = skip (128)")
     p.add_argument("-r", "--repetitions", type=int, default=5, help="repetitions (5)")
     p.add_argument("-o", "--output", choices=("md", "json"), default="md", help="md or json")
+    options.add_arguments(p, "bench")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser(
         "calibrate",
-        parents=[common],
         help="measure activation sparsity thresholds for --sparsity",
         description="Run the model over a text, record |act(gate)| of every routed expert "
         "neuron per layer, and store the thresholds that skip 5%, 10%, ... 95% of them in "
@@ -172,9 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-tokens", type=int, default=32768, help="use at most this many tokens (32768)"
     )
+    options.add_arguments(p, "calibrate")
     p.set_defaults(func=cmd_calibrate)
 
-    p = sub.add_parser("info", parents=[common], help="describe a GGUF model file")
+    p = sub.add_parser("info", help="describe a GGUF model file")
     p.add_argument("model", help="GGUF file")
     p.set_defaults(func=cmd_info)
     return parser
@@ -205,17 +148,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 # Commands
 
 
-def _load_model(path: str | Path, args: argparse.Namespace, n_ctx: int = 2048) -> Any:
+def _load_model(path: str | Path, args: argparse.Namespace, n_ctx: int) -> Any:
     from pyruntime.api import Model
 
-    return Model(
-        path,
-        n_ctx=n_ctx,
-        threads=args.threads,
-        seed=getattr(args, "seed", None),
-        sparsity=getattr(args, "sparsity", 0.0),
-        device=getattr(args, "device", "cpu"),  # calibrate: the CPU path (gate observer)
-    )
+    runtime = options.from_args(args, ("threads", "device", "sparsity", "kernel_tuning"))
+    if args.command == "calibrate":
+        runtime["device"] = "cpu"  # the gate observer runs on the CPU path
+    return Model(path, n_ctx=n_ctx, seed=getattr(args, "seed", None), **runtime)
 
 
 def _sparsity_report(model: Any) -> str:
@@ -228,19 +167,14 @@ def _sparsity_report(model: Any) -> str:
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "max_tokens": args.max_tokens,
-        "top_k": args.top_k,
-        "top_p": args.top_p,
-        "min_p": args.min_p,
-        "repeat_penalty": args.repeat_penalty,
-        "stop": args.stop,
-    }
+    return options.from_args(
+        args, ("max_tokens", "top_k", "top_p", "min_p", "repeat_penalty", "stop")
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt is not None else _read_text(args.file)
-    model = _load_model(args.model, args, n_ctx=args.ctx_size)
+    model = _load_model(args.model, args, n_ctx=args.n_ctx)
     kwargs = _sampling_kwargs(args)
     stream = model.generate(
         prompt,
@@ -270,7 +204,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         path = demo_model_path()
     else:
         path = args.model
-    model = _load_model(path, args, n_ctx=args.ctx_size)
+    model = _load_model(path, args, n_ctx=args.n_ctx)
     interactive = sys.stdin.isatty()
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict[str, str]] = list(system)

@@ -10,7 +10,6 @@ The library is found, in order, at $PYRUNTIME_CORE_LIB, in the pyruntime package
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from pathlib import Path
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 from cffi import FFI
 
+from pyruntime import options
 from pyruntime.errors import PyruntimeError
 
 # Mirrors the PYRT_CDEF_BEGIN..END section of runtime/include/pyrt.h (a test checks they agree).
@@ -142,9 +142,9 @@ _P_INT64 = _ffi.typeof("int64_t *")
 def _candidate_paths() -> list[Path]:
     name = _LIB_NAMES.get(sys.platform, "libpyrt.so")
     package = Path(__file__).resolve().parents[1]  # pyruntime/: where the build installs it
-    env = os.environ.get("PYRUNTIME_CORE_LIB")
-    if env:
-        return [Path(env)]
+    override = options.value("core_lib")
+    if override:
+        return [Path(override)]
     return [package / name, package.parent / "build" / name]
 
 

@@ -20,6 +20,7 @@ from pyruntime.errors import UsageError
 from pyruntime.gguf.file import GGUFFile
 from pyruntime.gguf.quant import QuantMatrix
 from pyruntime.model.config import ModelConfig
+from pyruntime.model.executor import RoutingTrace
 from pyruntime.model.kv_cache import KVCache
 from pyruntime.model.reference import ReferenceModel
 from pyruntime.model.tokens import single_token
@@ -67,10 +68,18 @@ class CpuExecutor(ReferenceModel):
         return self.core.linear(w.raw, int(w.qtype), w.shape[0], w.shape[1], x, bias)
 
     def forward(
-        self, tokens: Sequence[int] | torch.Tensor, cache: KVCache, last_only: bool = False
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        cache: KVCache,
+        last_only: bool = False,
+        *,
+        k: int | None = None,
+        routing: RoutingTrace | None = None,
     ) -> torch.Tensor:
-        """Logits [n_tokens, n_vocab] (or [1, n_vocab] with last_only) float32."""
-        if self._decoder is not None and self.gate_observer is None:
+        """Logits [n_tokens, n_vocab] (or [1, n_vocab] with last_only) float32 (the Executor
+        protocol: pyruntime.model.executor)."""
+        plain_step = (k is None or k == self.config.n_expert_used) and routing is None
+        if self._decoder is not None and self.gate_observer is None and plain_step:
             token = single_token(tokens, self.config.n_vocab)
             if token is not None:  # decode: one C call, no torch op (~15 us of Python)
                 cache.reserve(1)
@@ -81,7 +90,7 @@ class CpuExecutor(ReferenceModel):
                     n_ff=self.config.n_ff_exp,
                 )
                 return logits  # [1, n_vocab]
-        return self._forward_torch(tokens, cache, last_only)
+        return self._forward_torch(tokens, cache, last_only, k, routing)
 
     def decode_times(self, reset: bool = False) -> dict[str, float]:
         """Seconds of the C decode steps by part (CpuDecoder.times); {} without the C core."""

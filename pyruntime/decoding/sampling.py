@@ -1,4 +1,4 @@
-"""Token sampling, in llama.cpp's order and with its defaults.
+"""Token sampling, in llama.cpp's order and with its defaults (pyruntime.options).
 
 Chain (each step sees the survivors of the previous one):
 repeat penalty -> top-k -> top-p -> min-p -> temperature -> draw (seeded torch.Generator).
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pyruntime.errors import UsageError
+from pyruntime.options import DEFAULTS
 
 
 @dataclass(frozen=True)
@@ -29,12 +30,12 @@ class SamplingParams:
     seed: None draws a random seed.
     """
 
-    temp: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
+    temp: float = DEFAULTS.temp
+    top_k: int = DEFAULTS.top_k
+    top_p: float = DEFAULTS.top_p
+    min_p: float = DEFAULTS.min_p
+    repeat_penalty: float = DEFAULTS.repeat_penalty
+    repeat_last_n: int = DEFAULTS.repeat_last_n
     seed: int | None = None
 
     def __post_init__(self) -> None:

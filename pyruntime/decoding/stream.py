@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from pyruntime.decoding.plain import DecodingStrategy, PromptStats, plain_decoding
 from pyruntime.decoding.sampling import Sampler
 from pyruntime.decoding.session import Session
 from pyruntime.errors import UsageError
@@ -94,6 +95,7 @@ class TextStream:
         max_tokens: int | None = 256,
         stop: Sequence[str] = (),
         ignore_eos: bool = False,
+        strategy: DecodingStrategy = plain_decoding,
     ) -> None:
         if max_tokens is not None and max_tokens < 0:
             raise UsageError(f"max_tokens must be >= 0, got {max_tokens}")
@@ -106,6 +108,7 @@ class TextStream:
         self.max_tokens = max_tokens
         self.stop = list(stop)
         self.ignore_eos = ignore_eos
+        self.strategy = strategy
         self.token_ids: list[int] = []  # generated ids (a final stop token excluded)
         self.text = ""  # everything emitted so far
         self.finish_reason: str | None = None
@@ -126,37 +129,45 @@ class TextStream:
         return piece
 
     def _run(self) -> Iterator[str]:
-        start = time.perf_counter()
-        logits, self.stats.prompt_evaluated = self.session.prefill(self.prompt_ids)
-        self.stats.prompt_seconds = time.perf_counter() - start
-        history = list(self.prompt_ids)  # for the repeat penalty
+        prompt = PromptStats()
+        steps = self.strategy(self.session, self.prompt_ids, self.sampler, prompt)
         detok = IncrementalDetokenizer(self.tokenizer)
         stops = StopStrings(self.stop)
         stop_ids = set() if self.ignore_eos else self.tokenizer.stop_ids
         finish = "length"
-        while self.max_tokens is None or self.stats.generated_tokens < self.max_tokens:
-            t0 = time.perf_counter()
-            token = self.sampler.sample(logits, history)
-            self.stats.generated_tokens += 1
-            if token in stop_ids:
-                self.stats.generation_seconds += time.perf_counter() - t0
-                finish = "stop"
-                break
-            history.append(token)
-            self.token_ids.append(token)
-            out, hit = stops.push(detok.push(token))
-            self.stats.generation_seconds += time.perf_counter() - t0
-            if out:
-                yield self._emit(out)
-            if hit:
-                self.finish_reason = "stop"
-                return
-            done = self.max_tokens is not None and self.stats.generated_tokens >= self.max_tokens
-            if done or self.session.full:
-                break  # the last token is not fed: nothing would read its logits
-            t0 = time.perf_counter()
-            logits = self.session.feed(token)
-            self.stats.generation_seconds += time.perf_counter() - t0
+        try:
+            if self.max_tokens == 0:
+                next(steps)  # the prompt is evaluated (and cached) even when nothing is wanted
+            while self.max_tokens is None or self.stats.generated_tokens < self.max_tokens:
+                t0 = time.perf_counter()
+                token = next(steps)  # the previous token fed, the next one sampled
+                elapsed = time.perf_counter() - t0
+                if self.stats.generated_tokens == 0:  # the first call also read the prompt
+                    elapsed -= prompt.seconds
+                    self.stats.prompt_evaluated = prompt.evaluated
+                    self.stats.prompt_seconds = prompt.seconds
+                self.stats.generated_tokens += 1
+                if token in stop_ids:
+                    self.stats.generation_seconds += elapsed
+                    finish = "stop"
+                    break
+                self.token_ids.append(token)
+                t0 = time.perf_counter()
+                out, hit = stops.push(detok.push(token))
+                self.stats.generation_seconds += elapsed + time.perf_counter() - t0
+                if out:
+                    yield self._emit(out)
+                if hit:
+                    self.finish_reason = "stop"
+                    return
+                if self.session.full:
+                    break  # the last token is not fed: nothing would read its logits
+        finally:
+            self.stats.prompt_evaluated, self.stats.prompt_seconds = (
+                prompt.evaluated,
+                prompt.seconds,
+            )
+            steps.close()
         out, hit = stops.push(detok.flush())
         out += "" if hit else stops.flush()
         self.finish_reason = "stop" if hit else finish

@@ -21,9 +21,11 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from pyruntime.errors import UsageError
 from pyruntime.experts.store import ExpertStore
 from pyruntime.gguf.quant import QuantMatrix
 from pyruntime.model.config import ModelConfig
+from pyruntime.model.executor import RoutingTrace
 from pyruntime.model.kv_cache import KVCache
 from pyruntime.model.stats import ExpertStats
 from pyruntime.model.tokens import token_ids
@@ -127,6 +129,15 @@ def moe_ffn_torch(
     return y, n_active
 
 
+def check_k(k: int | None, cfg: ModelConfig) -> int:
+    """Experts per token for one forward pass: k, or the model's n_expert_used when None."""
+    if k is None:
+        return cfg.n_expert_used
+    if not 1 <= k <= cfg.n_expert:
+        raise UsageError(f"experts per token must be in 1..{cfg.n_expert}, got {k}")
+    return int(k)
+
+
 # Routed experts of one layer: (store, x [T, n_embd], ids [T, K], weights [T, K], activation,
 # threshold or None) -> (y [T, n_embd], neurons computed).
 ExpertFn = Callable[..., tuple[torch.Tensor, int]]
@@ -163,17 +174,36 @@ class ReferenceModel:
     def new_cache(self, max_tokens: int) -> KVCache:
         return KVCache(self.config, max_tokens)
 
+    def moe_layers(self) -> list[int]:
+        """Indices of the layers with routed experts (the others have a dense FFN)."""
+        return [i for i, blk in enumerate(self.weights.blocks) if blk.experts is not None]
+
     def forward(
-        self, tokens: Sequence[int] | torch.Tensor, cache: KVCache, last_only: bool = False
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        cache: KVCache,
+        last_only: bool = False,
+        *,
+        k: int | None = None,
+        routing: RoutingTrace | None = None,
     ) -> torch.Tensor:
-        """Logits [n_tokens, n_vocab] (or [1, n_vocab] with last_only) float32."""
-        return self._forward_torch(tokens, cache, last_only)
+        """Logits [n_tokens, n_vocab] (or [1, n_vocab] with last_only) float32; the Executor
+        protocol (pyruntime.model.executor): k experts per token (None: the model's), routing
+        filled with what the last token routed."""
+        return self._forward_torch(tokens, cache, last_only, k, routing)
 
     @torch.inference_mode()
     def _forward_torch(
-        self, tokens: Sequence[int] | torch.Tensor, cache: KVCache, last_only: bool
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        cache: KVCache,
+        last_only: bool,
+        k: int | None = None,
+        routing: RoutingTrace | None = None,
     ) -> torch.Tensor:
         cfg, w = self.config, self.weights
+        k = check_k(k, cfg)
+        trace: list[tuple[torch.Tensor, torch.Tensor]] | None = None if routing is None else []
         ids = token_ids(tokens, cfg.n_vocab)
         n = ids.numel()
         cache.reserve(n)
@@ -183,9 +213,13 @@ class ReferenceModel:
         for i, blk in enumerate(w.blocks):
             h = self._attention(i, blk, rms_norm(x, blk.attn_norm, cfg.rms_eps), cache, cos, sin)
             x = x + h * cfg.residual_scale
-            h = self._ffn(i, blk, rms_norm(x, blk.ffn_norm, cfg.rms_eps))
+            h = self._ffn(i, blk, rms_norm(x, blk.ffn_norm, cfg.rms_eps), k, trace)
             x = x + h * cfg.residual_scale
         cache.n_tokens = start + n
+        if routing is not None:
+            routing.layers = self.moe_layers()
+            routing.ids = torch.stack([ids[-1] for ids, _ in trace]) if trace else None
+            routing.logits = torch.stack([lg[-1] for _, lg in trace]) if trace else None
         if last_only:
             x = x[-1:]
         logits = self.linear(rms_norm(x, w.output_norm, cfg.rms_eps), w.output)
@@ -237,11 +271,23 @@ class ReferenceModel:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
         return self.linear(out.transpose(0, 1).reshape(n, cfg.n_head * cfg.head_dim), blk.wo)
 
-    def _ffn(self, i: int, blk: BlockWeights, x: torch.Tensor) -> torch.Tensor:
+    def _ffn(
+        self,
+        i: int,
+        blk: BlockWeights,
+        x: torch.Tensor,
+        k: int,
+        trace: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
+        """The FFN sub-block of layer i for x [T, n_embd] with k routed experts per token; trace
+        gets (ids [T, k], router logits [T, n_expert]) of a MoE layer."""
         cfg = self.config
         if blk.experts is None:
             return dense_ffn(blk.dense_ffn, x, cfg.activation, self.linear)
-        ids, w = route(self.linear(x, blk.router), cfg.n_expert_used, cfg.expert_weights_norm)
+        logits = self.linear(x, blk.router)
+        ids, w = route(logits, k, cfg.expert_weights_norm)
+        if trace is not None:
+            trace.append((ids, logits.float()))
         if self.gate_observer is not None:
             self.gate_observer(i, blk.experts, x, ids, cfg.activation)
         threshold = None if self.expert_threshold is None else self.expert_threshold[i]

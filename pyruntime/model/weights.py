@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pyruntime.errors import ModelFileError
-from pyruntime.experts.store import ExpertStore
+from pyruntime.experts.store import ExpertHandle, ExpertStore
 from pyruntime.gguf.file import GGUFFile
 from pyruntime.gguf.quant import QuantMatrix, dequantize
 from pyruntime.model.config import ModelConfig
@@ -94,7 +94,7 @@ def _load_block(f: GGUFFile, cfg: ModelConfig, i: int) -> BlockWeights:
         ffn_norm=_load(f, f"{p}.ffn_norm.weight"),
         router=_matrix(f, f"{p}.ffn_gate_inp.weight") if has_experts else None,
         experts=ExpertStore.from_tensor(
-            f.tensor(f"{p}.ffn_gud_exps.weight"), cfg.n_expert, cfg.n_ff_exp, cfg.n_embd
+            f.tensor(f"{p}.ffn_gud_exps.weight"), cfg.n_expert, cfg.n_ff_exp, cfg.n_embd, i
         )
         if has_experts
         else None,
@@ -123,3 +123,10 @@ class HostWeights:
             output=token_embd if tied else _matrix(f, "output.weight"),
             blocks=[_load_block(f, cfg, i) for i in range(cfg.n_layer)],
         )
+
+    def expert(self, layer: int, e: int) -> ExpertHandle:
+        """The handle of routed expert e of `layer` (a MoE layer)."""
+        store = self.blocks[layer].experts
+        if store is None:
+            raise IndexError(f"layer {layer} has a dense FFN, no routed experts")
+        return store.handle(e)

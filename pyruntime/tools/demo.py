@@ -14,20 +14,12 @@ import os
 import sys
 from pathlib import Path
 
+from pyruntime import options
 from pyruntime.errors import ConversionError
 from pyruntime.gguf.file import LAYOUT_VERSION
 
 DEMO_NAME = "tiny-olmoe"
 DEMO_SOURCE = Path(__file__).resolve().parent / "demo_model" / DEMO_NAME
-
-
-def cache_dir() -> Path:
-    """$PYRUNTIME_CACHE, else $XDG_CACHE_HOME/pyruntime, else ~/.cache/pyruntime."""
-    if os.environ.get("PYRUNTIME_CACHE"):
-        return Path(os.environ["PYRUNTIME_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "pyruntime"
-    return Path.home() / ".cache" / "pyruntime"
 
 
 def _source_key(source: Path) -> str:
@@ -49,7 +41,7 @@ def demo_model_path(cache: Path | None = None, quiet: bool = False) -> Path:
         raise ConversionError(
             f"the demo checkpoint is missing from the package ({DEMO_SOURCE}); reinstall pyruntime"
         )
-    cache = cache if cache is not None else cache_dir()
+    cache = cache if cache is not None else options.cache_dir()
     target = cache / f"demo-{DEMO_NAME}-f32-{_source_key(DEMO_SOURCE)}.gguf"
     if target.is_file():
         return target

@@ -1,0 +1,96 @@
+"""The bookkeeping of the GPU expert cache: which (layer, expert) each slot holds, what hit.
+
+Slots are model-wide: every routed expert of a model has the same size and format, so any slot
+can hold any layer's expert, and the replacement policy (offload/policy.py) weighs all layers
+against each other. This class moves no bytes: the staging side copies an admitted expert into
+its slot, and the expert kernels read the slots through Residency.expert_map(layer).
+
+Per MoE layer of a step: `lookup(layer, experts)` counts hits and misses and returns the misses;
+for each miss the caller either computes the expert elsewhere (the CPU) or `admit`s it (a slot is
+freed by the policy, never one the same layer is using now: those are `protect`ed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from pyruntime.experts.store import Residency
+from pyruntime.offload.policy import ReplacementPolicy
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0  # (token-layer, expert) routings served by a slot
+    misses: int = 0
+    admissions: int = 0  # experts copied into a slot
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+class ExpertCache:
+    def __init__(
+        self, n_layer: int, n_expert: int, n_slots: int, policy: ReplacementPolicy
+    ) -> None:
+        if n_slots < 0:
+            raise ValueError(f"n_slots must be >= 0, got {n_slots}")
+        self.residency = Residency(n_layer, n_expert, n_slots)
+        self.policy = policy
+        self.n_slots = n_slots
+        self.step = 0  # advanced once per lookup (one routed token-layer)
+        self.stats = CacheStats()
+        self._free = list(range(n_slots - 1, -1, -1))  # pop() gives slot 0 first
+
+    def lookup(self, layer: int, experts: Iterable[int]) -> list[int]:
+        """The experts of `layer` not in a slot (in order); hits are counted and touched."""
+        self.step += 1
+        misses = []
+        for e in experts:
+            if self.residency.slot(layer, e) >= 0:
+                self.stats.hits += 1
+                self.policy.touch((layer, e), self.step)
+            else:
+                self.stats.misses += 1
+                misses.append(e)
+        return misses
+
+    def admit(self, layer: int, expert: int, protect: Sequence[int] = ()) -> int:
+        """A slot for (layer, expert), freeing one when none is free; `protect`: experts of the
+        same layer in use now, never evicted. Returns the slot, or -1 with no slot to give."""
+        slot = self.residency.slot(layer, expert)
+        if slot >= 0:
+            return slot
+        if self._free:
+            slot = self._free.pop()
+        else:
+            victim = self.policy.victim(exclude={(layer, e) for e in protect})
+            if victim is None:
+                return -1
+            slot = self.residency.slot(*victim)
+            self.residency.evict(*victim)
+            self.policy.forget(victim)
+            self.stats.evictions += 1
+        self.residency.place(layer, expert, slot)
+        self.policy.touch((layer, expert), self.step)
+        self.stats.admissions += 1
+        return slot
+
+
+def replay_hit_rate(
+    routings: Iterable[tuple[int, Sequence[int]]],
+    n_layer: int,
+    n_expert: int,
+    n_slots: int,
+    policy: ReplacementPolicy,
+) -> CacheStats:
+    """Replay (layer, experts of one token) routings through a cache that admits every miss
+    (demand caching): the hit rate a policy reaches on that routing at that size."""
+    cache = ExpertCache(n_layer, n_expert, n_slots, policy)
+    for layer, experts in routings:
+        for e in cache.lookup(layer, experts):
+            cache.admit(layer, e, protect=experts)
+    return cache.stats

@@ -1,0 +1,93 @@
+"""The GPU expert cache's bookkeeping and replacement policies (no GPU involved)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from pyruntime.offload.cache import ExpertCache, replay_hit_rate
+from pyruntime.offload.policy import LFRU, LRU, make_policy
+
+
+def test_lru_evicts_the_least_recent_not_excluded():
+    p = LRU()
+    for step, key in enumerate("abcd"):
+        p.touch(key, step)
+    p.touch("a", 4)
+    assert p.victim() == "b"
+    assert p.victim(exclude={"b", "c"}) == "d"
+    p.forget("b")
+    assert p.victim() == "c"
+    assert p.victim(exclude={"a", "c", "d"}) is None
+
+
+def lfru_reference(history: dict, resident: set, step: int, rate: float, exclude) -> object:
+    """Brute force: the resident key with the smallest decayed count over its whole history
+    (evictions included), ties by least recent."""
+
+    def decayed(uses):
+        return sum(math.exp(-rate * (step - s)) for s in uses)
+
+    keys = [k for k in resident if k not in exclude]
+    return min(keys, key=lambda k: (round(decayed(history[k]), 9), max(history[k])))
+
+
+def test_lfru_matches_a_brute_force_reference():
+    rng = random.Random(0)
+    p = LFRU(half_life=8.0)
+    history: dict[int, list[int]] = {}
+    resident: set[int] = set()
+    for step in range(1, 400):
+        key = rng.choice(range(12)) if rng.random() < 0.7 else rng.choice(range(3))
+        p.touch(key, step)
+        history.setdefault(key, []).append(step)
+        resident.add(key)
+        if step % 7 == 0:
+            exclude = set(rng.sample(sorted(resident), k=min(2, len(resident))))
+            want = lfru_reference(history, resident, step, math.log(2) / 8.0, exclude)
+            got = p.victim(exclude)
+            assert got == want, step
+            if rng.random() < 0.5:  # evict it, as the cache would
+                p.forget(got)
+                resident.discard(got)
+
+
+def test_lfru_keeps_a_hot_key_through_a_burst_where_lru_drops_it():
+    for policy, survives in ((LFRU(half_life=64.0), True), (LRU(), False)):
+        cache = ExpertCache(n_layer=1, n_expert=100, n_slots=4, policy=policy)
+        for _ in range(20):  # expert 0 is used by every token
+            for e in cache.lookup(0, [0]):
+                cache.admit(0, e)
+        for burst in range(1, 6):  # five one-off experts, one token each
+            for e in cache.lookup(0, [burst]):
+                cache.admit(0, e)
+        assert (cache.residency.slot(0, 0) >= 0) is survives, policy.name
+
+
+def test_admit_uses_free_slots_then_evicts_but_never_a_protected_expert():
+    cache = ExpertCache(n_layer=2, n_expert=8, n_slots=3, policy=LRU())
+    assert cache.lookup(0, [1, 2]) == [1, 2]
+    assert [cache.admit(0, e, protect=[1, 2]) for e in (1, 2)] == [0, 1]
+    assert cache.lookup(1, [5]) == [5] and cache.admit(1, 5) == 2
+    assert cache.lookup(0, [1, 3]) == [3]  # 1 hits
+    slot = cache.admit(0, 3, protect=[1, 3])  # full: evicts the LRU key not in use, (0, 2)
+    assert slot == 1 and cache.residency.slot(0, 2) == -1 and cache.residency.slot(0, 3) == 1
+    assert cache.stats.hits == 1 and cache.stats.misses == 4 and cache.stats.evictions == 1
+    tiny = ExpertCache(n_layer=1, n_expert=4, n_slots=1, policy=LRU())
+    tiny.lookup(0, [0, 1])
+    assert tiny.admit(0, 0, protect=[0, 1]) == 0
+    assert tiny.admit(0, 1, protect=[0, 1]) == -1  # the only slot is in use by this layer
+    assert ExpertCache(1, 4, 0, LRU()).admit(0, 0) == -1
+
+
+@pytest.mark.parametrize("name", ["lru", "lfru"])
+def test_replay_hit_rate_bounds(name):
+    rng = random.Random(1)
+    routing = [(layer, rng.sample(range(16), 4)) for _ in range(300) for layer in range(2)]
+    everything = replay_hit_rate(routing, 2, 16, 32, make_policy(name))
+    assert everything.evictions == 0 and everything.misses == 32  # only the first use misses
+    half = replay_hit_rate(routing, 2, 16, 16, make_policy(name)).hit_rate
+    assert 0.3 < half < 0.7  # uniform routing: about the cached fraction
+    assert replay_hit_rate(routing, 2, 16, 0, make_policy(name)).hit_rate == 0.0
