@@ -26,6 +26,8 @@ import torch
 
 from pyruntime import options
 from pyruntime.cpu.executor import CpuExecutor
+from pyruntime.decoding.big_little import BigLittleStats
+from pyruntime.decoding.mode import DecodingMode
 from pyruntime.decoding.sampling import Sampler, SamplingParams
 from pyruntime.decoding.session import Session
 from pyruntime.decoding.stream import TextStream
@@ -56,7 +58,12 @@ class Model:
     seed: seeds the random stream of sampling calls that pass no seed of their own
     (None = a random seed), so a run of calls is reproducible as a whole.
     kernel_tuning: a JSON file of GPU kernel launch configs (None: $PYRUNTIME_DECODE_TUNING, else
-    the built-in tables). Every option's default and help: pyruntime.options.
+    the built-in tables).
+    experts_per_token: routed experts per token (None: the model's top-k).
+    little_experts / big_little: big/little decoding with a little pass of that many experts (a
+    bare big_little: half the top-k); fallback_threshold, fallback ('lossy' or 'verify'), draft:
+    how (pyruntime.decoding.big_little). Each can also be given per generate() call.
+    Every option's default and help: pyruntime.options.
     """
 
     def __init__(
@@ -69,6 +76,12 @@ class Model:
         expert_backend: str = DEFAULTS.expert_backend,
         device: str = DEFAULTS.device,
         kernel_tuning: str | None = None,
+        experts_per_token: int | None = None,
+        little_experts: int = DEFAULTS.little_experts,
+        big_little: bool = DEFAULTS.big_little,
+        fallback_threshold: float = DEFAULTS.fallback_threshold,
+        fallback: str = DEFAULTS.fallback,
+        draft: int = DEFAULTS.draft,
     ) -> None:
         check_sparsity(sparsity)
         if n_ctx < 0:
@@ -100,6 +113,16 @@ class Model:
             self.net.set_expert_threshold(thresholds, key=key)
         self.sparsity = sparsity
         self.kernel_tuning = options.value("kernel_tuning", kernel_tuning)
+        self._decoding_options = dict(
+            experts_per_token=experts_per_token,
+            little_experts=little_experts,
+            big_little=big_little,
+            fallback_threshold=fallback_threshold,
+            fallback=fallback,
+            draft=draft,
+        )
+        self.decoding = DecodingMode.from_options(config, **self._decoding_options)
+        self.big_little_stats = BigLittleStats()
         self.tokenizer = Tokenizer.from_gguf(self.file)
         if seed is not None and seed < 0:
             raise UsageError(f"seed must be >= 0, got {seed}")
@@ -137,12 +160,24 @@ class Model:
         return self.tokenizer.decode(ids, skip_special=skip_special)
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        """Logits float32 [n_tokens, n_vocab] of `token_ids`, evaluated with a fresh cache."""
+        """Logits float32 [n_tokens, n_vocab] of `token_ids`, evaluated with a fresh cache, as
+        the model's decoding mode scores them (with big/little: the big model's where the little
+        one would fall back, else the little one's)."""
         ids = [int(i) for i in token_ids]
         if not ids:
             raise UsageError("logits() needs at least one token id")
-        cache = self.net.new_cache(len(ids))
-        return self.net.forward(ids, cache).float().numpy()
+        return self.decoding.score(self.net, ids).float().numpy()
+
+    def stats(self) -> dict[str, Any]:
+        """What the model has done so far: achieved expert sparsity, and big/little decoding's
+        fallback ratio, pass times, prefetch hit rate and verify acceptance length."""
+        out: dict[str, Any] = {"decoding": self.decoding.describe()}
+        if self.sparsity:
+            out["sparsity_target"] = self.sparsity
+            out["sparsity_achieved"] = self.achieved_sparsity
+        if self.decoding.big_little:
+            out.update(self.big_little_stats.as_dict())
+        return out
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -162,9 +197,12 @@ class Model:
         seed: int | None = None,
         stop: str | Sequence[str] = (),
         ignore_eos: bool = False,
+        **decoding: Any,
     ) -> TextStream:
         """Stream the continuation of `prompt` (text, tokenized with BOS if the model wants one,
         or token ids) as text pieces. The returned TextStream carries `finish_reason`, `stats`.
+        decoding: per-call decoding options (experts_per_token, little_experts, big_little,
+        fallback_threshold, fallback, draft), else the model's.
         """
         params = SamplingParams(
             temp=temp,
@@ -185,7 +223,19 @@ class Model:
             max_tokens=max_tokens,
             stop=stops,
             ignore_eos=ignore_eos,
+            strategy=self._strategy(decoding),
         )
+
+    def _strategy(self, overrides: Mapping[str, Any]):
+        """The decoding strategy of one call: the model's mode, or one with these overrides."""
+        unknown = set(overrides) - set(self._decoding_options)
+        if unknown:
+            raise UsageError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
+        mode = self.decoding
+        given = {k: v for k, v in overrides.items() if v is not None}
+        if given:
+            mode = DecodingMode.from_options(self.config, **{**self._decoding_options, **given})
+        return mode.strategy(self.big_little_stats, self.config.n_expert_used)
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
@@ -215,10 +265,12 @@ class Model:
         repeat_penalty: float = _DEFAULTS.repeat_penalty,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
+        **decoding: Any,
     ) -> dict[str, Any] | Iterator[dict[str, Any]]:
         """OpenAI-shaped chat completion: a `chat.completion` dict, or with stream=True an
         iterator of `chat.completion.chunk` dicts (role first, then content deltas, then the
-        finish_reason). max_tokens None = until a stop or a full context.
+        finish_reason). max_tokens None = until a stop or a full context. decoding: per-call
+        decoding options, as generate().
         """
         text = self.apply_chat_template(messages)
         # The template writes BOS itself when the model uses one (encode skips a duplicate).
@@ -233,6 +285,7 @@ class Model:
             repeat_penalty=repeat_penalty,
             seed=seed,
             stop=stop or (),
+            **decoding,
         )
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())

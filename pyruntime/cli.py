@@ -21,6 +21,12 @@ from typing import Any
 from pyruntime import __version__, options
 from pyruntime.errors import PyruntimeError, UsageError
 
+# The pyruntime.Model keywords the CLI passes from its options (pyruntime.options).
+RUNTIME = ("threads", "device", "sparsity", "kernel_tuning")
+DECODING = (
+    "experts_per_token", "little_experts", "big_little", "fallback_threshold", "fallback", "draft"
+)  # fmt: skip
+
 # llama.cpp's defaults (kept in sync with pyruntime.decoding.sampling.SamplingParams by a test).
 _TEMP, _TOP_K, _TOP_P, _MIN_P, _REPEAT_PENALTY, _REPEAT_LAST_N = 0.8, 40, 0.95, 0.05, 1.0, 64
 
@@ -46,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("model", nargs="?", help="GGUF file (default: the built-in demo model)")
     p.add_argument("--system", default=None, help="system prompt")
+    _stats_flag(p)
     options.add_arguments(p, "chat")
     p.set_defaults(func=cmd_chat)
 
@@ -62,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ignore-eos", action="store_true", help="do not stop on the model's end tokens"
     )
+    _stats_flag(p)
     options.add_arguments(p, "generate")
     p.set_defaults(func=cmd_generate)
 
@@ -98,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens, 0 = skip (128)")
     p.add_argument("-r", "--repetitions", type=int, default=5, help="repetitions (5)")
     p.add_argument("-o", "--output", choices=("md", "json"), default="md", help="md or json")
+    _stats_flag(p)
     options.add_arguments(p, "bench")
     p.set_defaults(func=cmd_bench)
 
@@ -151,10 +160,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _load_model(path: str | Path, args: argparse.Namespace, n_ctx: int) -> Any:
     from pyruntime.api import Model
 
-    runtime = options.from_args(args, ("threads", "device", "sparsity", "kernel_tuning"))
+    runtime = options.from_args(args, RUNTIME + DECODING)
     if args.command == "calibrate":
         runtime["device"] = "cpu"  # the gate observer runs on the CPU path
     return Model(path, n_ctx=n_ctx, seed=getattr(args, "seed", None), **runtime)
+
+
+def _stats_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--stats", action="store_true",
+        help="print what the model did (sparsity, big/little fallbacks, ...) as JSON on stderr",
+    )  # fmt: skip
+
+
+def _print_stats(model: Any, args: argparse.Namespace) -> None:
+    if args.stats:
+        print("stats: " + json.dumps(model.stats()), file=sys.stderr)
 
 
 def _sparsity_report(model: Any) -> str:
@@ -194,6 +215,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"finish: {stream.finish_reason} | {stream.stats.summary()}{_sparsity_report(model)}",
         file=sys.stderr,
     )
+    _print_stats(model, args)
     return 0
 
 
@@ -222,6 +244,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if line is None:
             if model.sparsity:
                 print(_sparsity_report(model).lstrip(" |"), file=sys.stderr)
+            _print_stats(model, args)
             return 0
         line = line.strip()
         if not line:
@@ -332,12 +355,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.repetitions < 1:
         raise UsageError(f"-r/--repetitions must be >= 1, got {args.repetitions}")
     model = _load_model(path, args, n_ctx=max(args.n_prompt, args.n_gen))
-    print(f"bench: {Path(path).name} on {model.device}", file=sys.stderr)
+    print(
+        f"bench: {Path(path).name} on {model.device}, {model.decoding.describe()}",
+        file=sys.stderr,
+    )
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    results = run_bench(model.net, args.n_prompt, args.n_gen, args.repetitions, progress=progress)
+    results = run_bench(
+        model.net, args.n_prompt, args.n_gen, args.repetitions, progress=progress,
+        mode=model.decoding, stats=model.big_little_stats,
+    )  # fmt: skip
     rows = result_rows(model, results, _cpu_threads(model))
     if args.output == "json":
         print(json.dumps(rows, indent=1))
@@ -345,6 +374,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(markdown_table(rows))
     if model.sparsity:
         print(_sparsity_report(model).lstrip(" |"), file=sys.stderr)
+    _print_stats(model, args)
     return 0
 
 

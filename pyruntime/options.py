@@ -34,7 +34,7 @@ class Option:
     commands: tuple[str, ...] = ()  # CLI commands that take the flags
     env: str | None = None  # environment variable that supplies the default when set
     parse: Callable[[str], Any] = str  # a CLI or environment string -> the value
-    group: str = "runtime"  # "runtime" (how the model loads and runs), "sampling", "paths"
+    group: str = "runtime"  # runtime (how the model loads), decoding, sampling, paths
     metavar: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # other add_argument keywords
 
@@ -65,6 +65,35 @@ OPTIONS: tuple[Option, ...] = (
         "kernel_tuning", None, "JSON file of GPU kernel launch configs measured on this GPU "
         "(written by bench/gpu_kernels.py; default: the built-in tables)", ("--kernel-tuning",),
         DECODING, env="PYRUNTIME_DECODE_TUNING", metavar="PATH",
+    ),
+    # -- decoding: how each token is computed (Model keywords; per call too) --------------------
+    Option(
+        "experts_per_token", None, "routed experts per token, overriding the model's top-k "
+        "(default: the model's; little-only decoding is half of it)", ("--experts-per-token",),
+        DECODING, parse=int, group="decoding", metavar="K",
+    ),
+    Option(
+        "little_experts", 0, "big/little decoding: experts per token of the little pass (0 = "
+        "off)", ("--little-experts",), DECODING, parse=int, group="decoding", metavar="N",
+    ),
+    Option(
+        "big_little", False, "big/little decoding with a little pass of half the experts",
+        ("--big-little",), DECODING, parse=bool, group="decoding",
+        extra={"action": "store_true"},
+    ),
+    Option(
+        "fallback_threshold", 0.7, "big/little: redo a token with all experts when the little "
+        "pass's top probability is under this (0 = never, 1 = always)",
+        ("--fallback-threshold",), DECODING, parse=float, group="decoding", metavar="G",
+    ),
+    Option(
+        "fallback", "lossy", "big/little: lossy (redo unsure tokens big) or verify (the big "
+        "pass checks the little pass's drafts: big-only output, exactly)", ("--fallback",),
+        DECODING, group="decoding", extra={"choices": ["lossy", "verify"]},
+    ),
+    Option(
+        "draft", 4, "big/little verify: tokens drafted per round", ("--draft",), DECODING,
+        parse=int, group="decoding", metavar="N",
     ),
     # -- sampling: per generation call (llama.cpp's names and defaults) ------------------------
     Option(
@@ -136,24 +165,28 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     """Add every option that `command` takes to its parser, in groups. Options with an
     environment variable parse to None when not given, so `value` still sees the variable."""
     groups: dict[str, argparse._ArgumentGroup] = {}
-    titles = {"sampling": "sampling (llama.cpp names and defaults)"}
+    titles = {
+        "decoding": "decoding (experts per token, big/little)",
+        "sampling": "sampling (llama.cpp names and defaults)",
+    }
     for opt in OPTIONS:
         if command not in opt.commands or not opt.flags:
             continue
         if opt.group not in groups:
             title = titles.get(opt.group)
             groups[opt.group] = parser.add_argument_group(title) if title else parser
-        shown = f" ({opt.default})" if opt.default not in (None, (), "") else ""
+        shown = f" ({opt.default})" if opt.default not in (None, (), "", False) else ""
         env = f" [env {opt.env}]" if opt.env else ""
         kwargs: dict[str, Any] = dict(opt.extra)
-        if opt.parse is not str:
+        if "action" not in kwargs:
+            kwargs["metavar"] = opt.metavar or {int: "N", float: "X"}.get(opt.parse)
+        if opt.parse is not str and "action" not in kwargs:
             kwargs["type"] = opt.parse
         groups[opt.group].add_argument(
             *opt.flags,
             dest=opt.name,
             default=None if opt.env else _arg_default(opt),
             help=f"{opt.help}{shown}{env}",
-            metavar=opt.metavar or {int: "N", float: "X"}.get(opt.parse),
             **kwargs,
         )
 

@@ -15,6 +15,23 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _check_tested_tree() -> None:
+    """The tests must import this checkout's pyruntime: an editable install of another checkout
+    (its import finder runs before sys.path) would silently test that one instead."""
+    import pyruntime
+
+    found = Path(pyruntime.__file__).resolve().parents[1]
+    if found != REPO:
+        pytest.exit(
+            f"tests of {REPO} would import pyruntime from {found}: install this checkout "
+            "(pip install -e .) or run without the other editable install",
+            returncode=4,
+        )
+
+
+_check_tested_tree()
+
+
 def shared_dir() -> Path | None:
     """The workplace's shared/ folder beside the checkout (trained tiny models, texts), if any."""
     env = os.environ.get("PYRUNTIME_SHARED")

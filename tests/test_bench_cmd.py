@@ -55,7 +55,7 @@ def test_bench_counts_every_decode_step():
     """tg N runs N single-token forward passes from an empty cache, per repetition."""
 
     class FakeNet:
-        config = type("C", (), {"n_vocab": 50})()
+        config = type("C", (), {"n_vocab": 50, "n_expert": 8, "n_expert_used": 2})()
 
         def __init__(self):
             self.calls: list[int] = []
@@ -63,7 +63,8 @@ def test_bench_counts_every_decode_step():
         def new_cache(self, n):
             return type("K", (), {"truncate": lambda self, n: None})()
 
-        def forward(self, ids, cache, last_only=False):
+        def forward(self, ids, cache, last_only=False, *, k=None, routing=None):
+            assert k is None  # plain decoding: the model's own top-k
             self.calls.append(len(ids))
 
     net = FakeNet()

@@ -48,7 +48,13 @@ class ScriptedNet:
         return FakeCache(max_tokens)
 
     def forward(
-        self, tokens: Sequence[int], cache: FakeCache, last_only: bool = False
+        self,
+        tokens: Sequence[int],
+        cache: FakeCache,
+        last_only: bool = False,
+        *,
+        k: int | None = None,
+        routing=None,
     ) -> torch.Tensor:
         assert cache.n_tokens + len(tokens) <= cache.max_tokens
         self.calls.append(list(tokens))

@@ -36,6 +36,13 @@ class CpuExecutor(ReferenceModel):
         # one-token forward is one C call per token (CpuDecoder).
         self.core: CpuCore | None = None
         self._decoder: CpuDecoder | None = None
+        self.file: GGUFFile | None = None  # the mapped file, for prefetch hints
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+        """Start paging the experts' bytes in from the file (readahead), without waiting."""
+        if self.file is not None:
+            for e in experts:
+                self.file.advise_willneed(self.weights.expert(layer, e).data)
 
     @classmethod
     def from_gguf(
@@ -48,6 +55,7 @@ class CpuExecutor(ReferenceModel):
             torch.set_num_threads(threads)
         cfg = ModelConfig.from_gguf(f)
         model = cls(cfg, HostWeights.from_gguf(f, cfg))
+        model.file = f
         model.expert_backend = make_expert_backend(expert_backend, threads)
         core = getattr(model.expert_backend, "core", None)
         if core is not None:

@@ -35,17 +35,21 @@ class DecodingStrategy(Protocol):
 
 
 def plain_decoding(
-    session: Session, prompt_ids: Sequence[int], sampler: Sampler, prompt: PromptStats
+    session: Session,
+    prompt_ids: Sequence[int],
+    sampler: Sampler,
+    prompt: PromptStats,
+    k: int | None = None,
 ) -> Iterator[int]:
     """Prefill `prompt_ids` (reusing the session's cached prefix), then forever: sample the next
     token from the logits (the repeat penalty sees prompt + generated ids), yield it, and once
-    resumed feed it to get the next logits."""
+    resumed feed it to get the next logits. k: experts per token (None: the model's top-k)."""
     start = time.perf_counter()
-    logits, prompt.evaluated = session.prefill(prompt_ids)
+    logits, prompt.evaluated = session.prefill(prompt_ids, k=k)
     prompt.seconds = time.perf_counter() - start
     history = list(prompt_ids)
     while True:
         token = sampler.sample(logits, history)
         history.append(token)
         yield token
-        logits = session.feed(token)
+        logits = session.feed(token, k=k)

@@ -139,3 +139,21 @@ class Sampler:
             return int(torch.argmax(x))
         probs = torch.softmax(x.double(), dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def distribution(self, logits: torch.Tensor, history: Sequence[int] = ()) -> torch.Tensor:
+        """The distribution `sample` draws from, float64 [n_vocab]: one-hot on the argmax when
+        greedy (speculative acceptance then reduces to "the same token")."""
+        x = self.filtered_logits(logits, history)
+        if self.params.greedy:
+            return torch.nn.functional.one_hot(torch.argmax(x), x.numel()).double()
+        return torch.softmax(x.double(), dim=-1)
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """A token from a distribution (as `distribution` returns), with this sampler's RNG."""
+        if self.params.greedy:
+            return int(torch.argmax(probs))
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def uniform(self) -> float:
+        """A uniform draw in [0, 1) from this sampler's RNG (speculative acceptance tests)."""
+        return float(torch.rand((), generator=self.generator, dtype=torch.float64))

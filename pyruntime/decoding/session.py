@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from pyruntime.errors import UsageError
-from pyruntime.model.executor import Executor
+from pyruntime.model.executor import Executor, RoutingTrace
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -51,11 +51,18 @@ class Session:
         self.cache.truncate(len(self.ids) - n)
         del self.ids[len(self.ids) - n :]
 
-    def prefill(self, prompt_ids: Sequence[int]) -> tuple[torch.Tensor, int]:
+    def prefill(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        k: int | None = None,
+        routing: RoutingTrace | None = None,
+    ) -> tuple[torch.Tensor, int]:
         """Evaluate the prompt, reusing the cached common prefix.
 
         Returns (logits [n_vocab] float32 for the next token, number of tokens evaluated).
-        At least the last prompt token is always evaluated, to get its logits.
+        At least the last prompt token is always evaluated, to get its logits. k, routing: as
+        the executor's forward (experts per token, what the last token routed).
         """
         if not prompt_ids:
             raise UsageError("the prompt is empty: give at least one token of text")
@@ -69,12 +76,28 @@ class Session:
         # Also repairs a cache left ahead of self.ids by an interrupted forward pass.
         self.cache.truncate(n_keep)
         self.ids = self.ids[:n_keep]
-        logits = self.net.forward(list(prompt_ids[n_keep:]), self.cache, last_only=True)
+        logits = self.net.forward(
+            list(prompt_ids[n_keep:]), self.cache, last_only=True, k=k, routing=routing
+        )
         self.ids = list(prompt_ids)
         return logits[-1], len(prompt_ids) - n_keep
 
-    def feed(self, token_id: int) -> torch.Tensor:
+    def feed(
+        self, token_id: int, *, k: int | None = None, routing: RoutingTrace | None = None
+    ) -> torch.Tensor:
         """Append one token; logits [n_vocab] for the one after it."""
-        logits = self.net.forward([token_id], self.cache, last_only=True)
+        logits = self.net.forward([token_id], self.cache, last_only=True, k=k, routing=routing)
         self.ids.append(token_id)
         return logits[-1]
+
+    def extend(self, token_ids: Sequence[int], *, k: int | None = None) -> torch.Tensor:
+        """Append several tokens in one forward pass; logits [len(token_ids), n_vocab], row i
+        for the token after token_ids[i] (a verifier scores a draft so)."""
+        if self.cache.n_tokens + len(token_ids) > self.cache.max_tokens:
+            raise UsageError(
+                f"context is full: {self.cache.n_tokens} tokens cached + {len(token_ids)} new > "
+                f"context size {self.cache.max_tokens}"
+            )
+        logits = self.net.forward(list(token_ids), self.cache, k=k)
+        self.ids.extend(int(t) for t in token_ids)
+        return logits

@@ -55,3 +55,9 @@ class Executor(Protocol):
         for this call (None: the model's n_expert_used). routing: filled with what this call
         routed (see RoutingTrace)."""
         ...
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+        """A hint that `experts` of MoE layer `layer` are about to be used: start bringing them
+        closer (page them in from disk, stage them into GPU slots) without waiting. Big/little
+        decoding calls it with what the little pass's routers ranked top-K."""
+        ...

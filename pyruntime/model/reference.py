@@ -174,6 +174,9 @@ class ReferenceModel:
     def new_cache(self, max_tokens: int) -> KVCache:
         return KVCache(self.config, max_tokens)
 
+    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+        """Nothing to do: without a file to page in from, the weights are where they are."""
+
     def moe_layers(self) -> list[int]:
         """Indices of the layers with routed experts (the others have a dense FFN)."""
         return [i for i, blk in enumerate(self.weights.blocks) if blk.experts is not None]

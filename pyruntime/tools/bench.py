@@ -5,12 +5,16 @@ also compiles the kernels and captures the decode step's CUDA graph):
 - pp N: one forward pass over N prompt tokens from an empty cache (prefill); N / seconds;
 - tg N: N single-token forward passes from an empty cache (decode, batch 1); N / seconds.
 Tokens are random ids (fixed seed), fed without sampling, as llama-bench does. Each timed
-forward pass ends with its logits on the CPU, so the time includes the device's work.
+forward pass ends with its logits on the CPU, so the time includes the device's work. With
+--experts-per-token both tests use that many experts. With big/little decoding, pp is the big
+model's prefill and tg N generates N tokens greedily through the big/little strategy from a
+one-token prompt (its fallbacks, or drafts and verifications, are what is timed).
 Results: tokens/s mean ± sample standard deviation over the repetitions.
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -19,6 +23,11 @@ from typing import Any
 
 import torch
 
+from pyruntime.decoding.big_little import BigLittleStats
+from pyruntime.decoding.mode import DecodingMode
+from pyruntime.decoding.plain import DecodingStrategy, PromptStats
+from pyruntime.decoding.sampling import Sampler, SamplingParams
+from pyruntime.decoding.session import Session
 from pyruntime.errors import UsageError
 
 
@@ -42,19 +51,36 @@ class BenchResult:
         return statistics.stdev(tps) if len(tps) > 1 else 0.0
 
 
-def _time_prefill(net: Any, cache: Any, ids: list[int]) -> float:
+def _time_prefill(net: Any, cache: Any, ids: list[int], k: int | None) -> float:
     cache.truncate(0)
     t0 = time.perf_counter()
-    net.forward(ids, cache, last_only=True)
+    net.forward(ids, cache, last_only=True, k=k)
     return time.perf_counter() - t0
 
 
-def _time_decode(net: Any, cache: Any, ids: list[int]) -> float:
+def _time_decode(net: Any, cache: Any, ids: list[int], k: int | None) -> float:
     cache.truncate(0)
     t0 = time.perf_counter()
     for tok in ids:
-        net.forward([tok], cache, last_only=True)
+        net.forward([tok], cache, last_only=True, k=k)
     return time.perf_counter() - t0
+
+
+def _timer_generate(session: Session, strategy: DecodingStrategy):
+    """tg through a decoding strategy: len(ids) tokens generated greedily after ids[0]."""
+
+    def timer(net: Any, cache: Any, ids: list[int], k: int | None) -> float:
+        session.reset()
+        prompt = PromptStats()
+        steps = strategy(session, ids[:1], Sampler(SamplingParams(temp=0.0)), prompt)
+        t0 = time.perf_counter()
+        for _ in itertools.islice(steps, len(ids)):
+            pass
+        elapsed = time.perf_counter() - t0 - prompt.seconds
+        steps.close()
+        return elapsed
+
+    return timer
 
 
 def run_bench(
@@ -64,25 +90,36 @@ def run_bench(
     reps: int,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    mode: DecodingMode | None = None,
+    stats: BigLittleStats | None = None,
 ) -> list[BenchResult]:
     """Time pp{n_prompt} and tg{n_gen} (a test is skipped when its N is 0) on `net`
-    (CpuExecutor or GpuExecutor)."""
+    (CpuExecutor or GpuExecutor) in a decoding mode (None: plain, the model's top-k)."""
     if n_prompt < 0 or n_gen < 0 or n_prompt + n_gen == 0:
         raise UsageError("bench needs -p N and/or -n N >= 1 (0 skips that test)")
     if reps < 1:
         raise UsageError(f"-r/--repetitions must be >= 1, got {reps}")
     g = torch.Generator().manual_seed(seed)
-    n_vocab = net.config.n_vocab
-    cache = net.new_cache(max(n_prompt, n_gen))
+    cfg = net.config
+    mode = mode or DecodingMode(k_big=cfg.n_expert_used)
+    k = None if mode.k_big == cfg.n_expert_used else mode.k_big
+    n_ctx = max(n_prompt, n_gen + 1 if mode.big_little else n_gen)
+    cache = net.new_cache(n_ctx)
+    decode = _time_decode
+    if mode.big_little:
+        session = Session(net, n_ctx)
+        decode = _timer_generate(
+            session, mode.strategy(stats or BigLittleStats(), cfg.n_expert_used)
+        )
     results = []
-    for name, n, timer in (("pp", n_prompt, _time_prefill), ("tg", n_gen, _time_decode)):
+    for name, n, timer in (("pp", n_prompt, _time_prefill), ("tg", n_gen, decode)):
         if n == 0:
             continue
-        ids = torch.randint(0, n_vocab, (n,), generator=g).tolist()
-        timer(net, cache, ids)  # warm-up
+        ids = torch.randint(0, cfg.n_vocab, (n,), generator=g).tolist()
+        timer(net, cache, ids, k)  # warm-up
         seconds = []
         for r in range(reps):
-            seconds.append(timer(net, cache, ids))
+            seconds.append(timer(net, cache, ids, k))
             if progress:
                 progress(f"{name}{n} [{r + 1}/{reps}] {n / seconds[-1]:.2f} tokens/s")
         results.append(BenchResult(f"{name}{n}", n, seconds))
@@ -119,6 +156,7 @@ def result_rows(model: Any, results: list[BenchResult], threads: int) -> list[di
         threads=threads,
         sparsity_target=model.sparsity,
         sparsity_achieved=model.achieved_sparsity,
+        decoding=model.decoding.describe(),
     )
     return [
         {
