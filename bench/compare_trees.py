@@ -321,7 +321,7 @@ def default_calibration_text() -> Path:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="cases: " + "; ".join(f"{k}: {v}" for k, v in CASE_HELP.items())
         + ". Default: gpu and gpu-sparse where nvidia-smi finds a GPU, and cpu-decode.",
     )  # fmt: skip

@@ -30,12 +30,13 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
-from pyruntime.converter import architectures  # noqa: F401  (registers the architectures)
-from pyruntime.converter.base import model_class_for
-from pyruntime.converter.convert import _write_metadata
-from pyruntime.converter.hparams import HParams
-from pyruntime.converter.tensors import OUTTYPES, choose_qtype, tensor_nbytes
-from pyruntime.converter.vocab import load_vocab
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pyruntime
+from pyruntime.converter import architectures  # noqa: E402, F401  (registers the architectures)
+from pyruntime.converter.base import model_class_for  # noqa: E402
+from pyruntime.converter.convert import _write_metadata  # noqa: E402
+from pyruntime.converter.hparams import HParams  # noqa: E402
+from pyruntime.converter.tensors import OUTTYPES, choose_qtype, tensor_nbytes  # noqa: E402
+from pyruntime.converter.vocab import load_vocab  # noqa: E402
 
 Q = GGMLQuantizationType
 
@@ -296,9 +297,8 @@ def make_random_gguf(
 
 def main() -> None:
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog="example: python bench/make_random_gguf.py olmoe-1b-7b --outtype q8_0 "
-        "-o /tmp/olmoe-q8_0.gguf",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("shape", choices=sorted(CONFIGS))
     p.add_argument("--outtype", default="q8_0", choices=list(OUTTYPES))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,17 @@ def load(name: str):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.mark.parametrize("tool", sorted(p.name for p in BENCH.glob("*.py")))
+def test_every_tool_answers_help_with_an_example(tool, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [tool, "--help"])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the tools put their checkout first
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(BENCH / tool), run_name="__main__")
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: ") and f"python bench/{tool} " in out
 
 
 def test_random_gguf_layouts(tmp_path):

@@ -1,4 +1,5 @@
-"""MoE layer latency, dense vs activation-sparse, on the routed experts of one layer.
+"""How fast are one MoE layer's routed experts on the GPU, dense vs activation-sparse, against
+the HBM bytes they must read?
 
 Shapes are real models' MoE layers; weights and inputs are random (the kernels' speed does not
 depend on the values, only on the sparsity). Q8_0 experts are repacked to q8_0r by
@@ -8,17 +9,18 @@ dense/sparse switch is profiled once by kernels.switch.sparse_switch; "auto" tim
 moe_experts with that switch, i.e. what the GPU model runs. Each case is captured in a CUDA
 graph (the decode step's real setting) and replayed with the L2 cache flushed before every
 timed replay, with a fresh routing each time, so weights come from HBM. Times are medians of
-CUDA-event intervals.
+CUDA-event intervals. Dense and sparse(threshold 0) are checked against the torch reference
+first (a wrong result stops the run).
 
 Reported bandwidth is on the bytes each path must read (weights only; x and y are < 0.1%):
 dense = the routed experts' full blocks (gate+up+down rows of every distinct routed expert),
 sparse = those experts' gate rows + the up/down rows of each distinct active (expert, neuron).
 Peak = a measured HBM read bandwidth (torch sum over a 2 GiB tensor).
 
-  python bench/moe_layer.py                      # full table (H100: a few minutes)
-  python bench/moe_layer.py --quick              # one shape, batch 1 and 16, sparsity 0.85
-  python bench/moe_layer.py --json out.json      # also write every row as JSON
-  TRITON_INTERPRET=1 python bench/moe_layer.py --smoke   # tiny shape on CPU (interpreter)
+  python bench/gpu_experts.py                      # full table (a few minutes)
+  python bench/gpu_experts.py --quick              # one shape, batch 1 and 16, sparsity 0.85
+  python bench/gpu_experts.py --json out.json      # also write every row as JSON
+  TRITON_INTERPRET=1 python bench/gpu_experts.py --smoke   # tiny shape on CPU (interpreter)
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's kernels/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pyruntime
 
 import triton  # noqa: E402
 
