@@ -60,8 +60,9 @@ def bytes_per_token(model: CpuExecutor, mean_pos: float) -> dict[str, float]:
         else:
             f = blk.dense_ffn
             ffn += f.gate.nbytes + f.up.nbytes + f.down.nbytes
-    emb_row = model.token_embd.nbytes / cfg.n_vocab
-    output = model.output.nbytes + model.output_norm.numel() * 4
+    w = model.weights
+    emb_row = w.token_embd.nbytes / cfg.n_vocab
+    output = w.output.nbytes + w.output_norm.numel() * 4
     return {"attention": attn + emb_row, "ffn": ffn, "output": output}
 
 

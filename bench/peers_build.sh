@@ -47,10 +47,11 @@ fi
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 build=$dir/llama.cpp/build-$mode
-cmake -S "$dir/llama.cpp" -B "$build" "${generator[@]}" "${flags[@]}" >"$dir/cmake-$mode.log"
-cmake --build "$build" --target llama-bench -j "$(nproc)" >>"$dir/cmake-$mode.log" || {
-    tail -n 20 "$dir/cmake-$mode.log" >&2
-    echo "error: the llama.cpp build failed; log: $dir/cmake-$mode.log" >&2
+log=$dir/cmake-$mode.log
+if ! { cmake -S "$dir/llama.cpp" -B "$build" "${generator[@]}" "${flags[@]}" >"$log" 2>&1 &&
+    cmake --build "$build" --target llama-bench -j "$(nproc)" >>"$log" 2>&1; }; then
+    tail -n 20 "$log" >&2
+    echo "error: the llama.cpp build failed; log: $log" >&2
     exit 1
-}
+fi
 echo "$build/bin/llama-bench"

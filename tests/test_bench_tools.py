@@ -37,6 +37,30 @@ def test_every_tool_answers_help_with_an_example(tool, capsys, monkeypatch):
     assert out.startswith("usage: ") and f"python bench/{tool} " in out
 
 
+def run_tool(tool: str, *argv: str, monkeypatch) -> None:
+    monkeypatch.setattr(sys, "argv", [tool, *argv])
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    runpy.run_path(str(BENCH / tool), run_name="__main__")
+
+
+def test_cpu_tools_run_on_small_inputs(cc, tmp_path, capsys, monkeypatch):
+    """The CPU tools end to end at toy sizes: their figures are printed, whatever they are."""
+    gguf = tmp_path / "tiny.gguf"
+    run_tool("make_random_gguf.py", "tiny-olmoe", "-o", str(gguf), monkeypatch=monkeypatch)
+    run_tool("cpu_decode.py", "tiny-olmoe", "--gguf", str(gguf), "--threads", "1", "--tokens",
+             "4", "--segments", "2", "--dram-gib", "0.01", monkeypatch=monkeypatch)  # fmt: skip
+    out = capsys.readouterr().out
+    assert "decode: median " in out and "paired: median " in out and "python + call" in out
+    run_tool("cpu_experts.py", "--shapes", "granite-1b-a400m", "--threads", "1", "--iters", "2",
+             "--batches", "1", "--sparsity", "0", "0.5", "--read-gib", "0.01",
+             "--footprint-gib", "0.01", monkeypatch=monkeypatch)  # fmt: skip
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| granite")]
+    assert len(rows) == 2 and "x |" in rows[1]  # dense, then 0.5 with its speedup
+    run_tool("read_ceilings.py", "--gib", "0.01", "0.02", "--rounds", "2", "--threads", "1",
+             monkeypatch=monkeypatch)  # fmt: skip
+    assert "| 0.02 | " in capsys.readouterr().out
+
+
 def test_random_gguf_layouts(tmp_path):
     from gguf import GGUFReader
 
