@@ -4,20 +4,22 @@ built on its own, benchmarked on the same random GGUF, interleaved, with the new
     python bench/compare_trees.py 103f4c5 main
     python bench/compare_trees.py /tmp/old /tmp/new --case cpu-decode --rounds 5 --threads 16
 
-OLD and NEW are each a folder holding a tree (used in place) or a revision of the repository this
-script is in (checked out with `git worktree add --detach` under WORKDIR/trees, removed at the
-end). On a machine without the repository's git history, make folders elsewhere and pass those:
-`git archive REV | tar -x -C /tmp/old`.
+OLD and NEW are each a folder holding a tree (one with a pyruntime/ folder, used in place) or a
+revision of the repository this script is in (checked out with `git worktree add --detach` under
+WORKDIR/trees, removed at the end). On a machine without the repository's git history, make
+folders elsewhere and pass those: `git archive REV | tar -x -C /tmp/old`.
 
-Each tree's C core is built with CMake into WORKDIR/build-old and build-new (both before anything
-runs: a tree whose build fails ends the comparison with its log's last lines). The random GGUF is
+Each tree's C core is built with CMake into WORKDIR/build-LABEL-* (both before anything runs: a
+tree whose build fails ends the comparison with its log's last lines). The random GGUF is
 made once (bench/make_random_gguf.py of this script's tree; reused when the file exists). Every
 command then runs in a subprocess of its tree: the tree's root as working directory and first on
 PYTHONPATH, import finders that would resolve `pyruntime` to another folder (an editable install)
 removed, PYRUNTIME_CORE_LIB = its own libpyrt, PYRUNTIME_CACHE = its own folder (so each tree
 profiles its GPU switch itself). The two trees never share a process, so their package layouts
 may differ. Cases with --sparsity first calibrate the GGUF per tree (a symlink in the tree's
-folder holds the tree's own .sparsity.json).
+folder holds the tree's own .sparsity.json). Another run with the same --workdir reuses the
+GGUF, the builds (rebuilt incrementally) and the calibrations, so long comparisons can be split
+into several calls (say the GPU cases, then cpu-decode).
 
 Rounds run old then new for each case (A B A B ...). Each figure is in tokens/s, higher is
 faster; the table gives each tree's median (min-max over rounds) and new/old, the median
@@ -28,6 +30,7 @@ or a run failed (a case that fails in a tree is dropped from the rounds after it
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -132,6 +135,12 @@ class Tree:
     lib: Path | None = None
     failed: dict[str, str] = field(default_factory=dict)  # case -> why
 
+    @property
+    def build_name(self) -> str:
+        """Its build folder's name: one per source folder (CMake keeps one source per build)."""
+        tag = hashlib.sha1(str(self.root).encode()).hexdigest()[:10]
+        return f"build-{self.label}-{tag}"
+
     def env(self, work: Path) -> dict[str, str]:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.root), env.get("PYTHONPATH")]))
@@ -157,13 +166,17 @@ def git(repo: Path, *args: str, check: bool = True) -> str:
 
 
 def resolve_tree(spec: str, label: str, repo: Path, work: Path) -> Tree:
-    """A folder as is, else a revision of `repo` checked out (detached) under work/trees."""
+    """A folder holding a tree (a pyruntime/ inside) as is, else a revision of `repo` checked
+    out (detached) under work/trees."""
     path = Path(spec)
-    if path.is_dir():
+    if (path / "pyruntime").is_dir():
         return Tree(label, spec, path.resolve())
     sha = git(repo, "rev-parse", "--verify", "--quiet", f"{spec}^{{commit}}", check=False)
     if not sha:
-        raise CompareError(f"{label.upper()} {spec!r}: neither a folder nor a revision of {repo}")
+        raise CompareError(
+            f"{label.upper()} {spec!r}: neither a folder holding a tree (with pyruntime/) nor a "
+            f"revision of {repo}"
+        )
     dest = work / "trees" / f"{label}-{sha[:10]}"
     if not (dest.is_dir() and git(dest, "rev-parse", "HEAD", check=False) == sha):
         git(repo, "worktree", "remove", "--force", str(dest), check=False)
@@ -178,13 +191,13 @@ def build_all(trees: list[Tree], work: Path) -> None:
     log tail."""
     procs = []
     for t in trees:
-        out = work / f"build-{t.label}"
+        out = work / t.build_name
         out.mkdir(parents=True, exist_ok=True)
         fresh = not (out / "CMakeCache.txt").exists()
         gen = ["-G", "Ninja"] if shutil.which("ninja") and fresh else []
         configure = ["cmake", "-S", str(t.root), "-B", str(out), *gen, "-DCMAKE_BUILD_TYPE=Release"]
         build = ["cmake", "--build", str(out), "-j", str(os.cpu_count() or 2)]
-        log = work / f"build-{t.label}.log"
+        log = work / f"{t.build_name}.log"
         script = f"{_shell(configure)} && {_shell(build)}"
         with open(log, "w") as fh:
             procs.append((t, out, log, subprocess.Popen(["sh", "-c", script], stdout=fh,
@@ -229,11 +242,16 @@ def make_gguf(path: Path, shape: str, outtype: str, timeout: float) -> None:
 
 
 def calibrate(tree: Tree, work: Path, gguf: Path, text: Path, args) -> Path:
-    """The tree's own calibration of the GGUF, through a symlink in its folder; returns it."""
+    """The tree's own calibration of the GGUF, through a symlink in its folder; returns it. A
+    calibration newer than the GGUF, from an earlier run in the same workdir, is kept."""
     link = work / tree.label / gguf.name
     link.parent.mkdir(parents=True, exist_ok=True)
-    if not link.exists():
+    if not link.is_symlink() or link.resolve() != gguf:
+        link.unlink(missing_ok=True)
         link.symlink_to(gguf)
+    done = link.with_name(link.name + ".sparsity.json")
+    if done.exists() and done.stat().st_mtime > gguf.stat().st_mtime:
+        return link
     argv = ["-m", "pyruntime", "calibrate", str(link), "-f", str(text), "--ctx", "256",
             "--max-tokens", "256", *threads_args("-t", args.threads)]  # fmt: skip
     r = run_in(tree, work, argv, args.timeout)

@@ -90,10 +90,12 @@ import json, os, sys
 from pathlib import Path
 root = Path(__file__).resolve().parents[1]
 assert Path(os.environ["PYRUNTIME_CORE_LIB"]).is_file()
-assert Path(os.environ["PYRUNTIME_CORE_LIB"]).parent.name == "build-" + root.name
+assert Path(os.environ["PYRUNTIME_CORE_LIB"]).parent.name.startswith("build-" + root.name)
 cmd, model, *rest = sys.argv[1:]
 if cmd == "calibrate":
     Path(model + ".sparsity.json").write_text(str(root))
+    with open(root.parent / "calibrations.txt", "a") as log:
+        log.write(root.name + "\\n")
     sys.exit(0)
 if "--sparsity" in rest and Path(model + ".sparsity.json").read_text() != str(root):
     sys.exit("error: calibrated by another tree")
@@ -129,7 +131,8 @@ def fake_tree(path: Path, speed: float, cmake: str = "", decode: bool = True) ->
 def run_compare(tmp_path, old: Path, new: Path, *extra: str):
     tool = load("compare_trees")
     model = tmp_path / "model.gguf"
-    model.write_bytes(b"GGUF")
+    if not model.exists():
+        model.write_bytes(b"GGUF")
     argv = [str(old), str(new), "--gguf", str(model), "--workdir", str(tmp_path / "work")]
     return tool.main([*argv, "--rounds", "2", *extra])
 
@@ -150,6 +153,9 @@ def test_compare_trees_ratios_and_order(tmp_path, capsys):
     assert all(line.endswith("-t 3") for line in order)
     rows = json.loads(out_json.read_text())["rows"]
     assert rows[0]["rounds"] == [{"old": 100.0, "new": 110.0}] * 2
+    assert (tmp_path / "calibrations.txt").read_text().split() == ["old", "new"]
+    assert run_compare(tmp_path, old, new, "--case", "gpu-sparse") == 0  # same workdir
+    assert (tmp_path / "calibrations.txt").read_text().split() == ["old", "new"]  # kept
 
 
 def test_compare_trees_build_failure(tmp_path, capsys):
@@ -181,7 +187,7 @@ def test_compare_trees_case_failing_in_one_tree(tmp_path, capsys):
     assert out.count("round 2/2 cpu-decode") == 0  # dropped after its failure
 
 
-def test_compare_trees_checks_out_revisions(tmp_path):
+def test_compare_trees_checks_out_revisions(tmp_path, monkeypatch):
     tool = load("compare_trees")
     repo = tmp_path / "repo"
     fake_tree(repo, 1.0)
@@ -192,5 +198,8 @@ def test_compare_trees_checks_out_revisions(tmp_path):
     tree = tool.resolve_tree("HEAD", "old", repo, tmp_path / "work")
     assert tree.rev and (tree.root / "speed.txt").read_text() == "1.0"
     assert tree.root.parent == tmp_path / "work" / "trees"
-    with pytest.raises(tool.CompareError, match="neither a folder nor a revision"):
+    with pytest.raises(tool.CompareError, match="neither a folder holding a tree"):
         tool.resolve_tree("no-such-rev", "new", repo, tmp_path / "work")
+    (tmp_path / "HEAD").mkdir()  # a folder that is no tree does not hide the revision
+    monkeypatch.chdir(tmp_path)
+    assert tool.resolve_tree("HEAD", "new", repo, tmp_path / "work").rev == tree.rev
