@@ -100,16 +100,15 @@ class Case:
     argv: tuple[str, ...]
     parse: object  # stdout -> {figure: tokens/s}
     threads_flag: str
-    gpu: bool = False
     calibrate: bool = False
 
 
 BENCH = ("-m", "pyruntime", "bench", "{model}", "-o", "json")
 CASES = {
     "gpu": Case((*BENCH, "-p", "512", "-n", "128", "-r", "3", "--device", "cuda"), bench_json,
-                "-t", gpu=True),
+                "-t"),
     "gpu-sparse": Case((*BENCH, "-p", "512", "-n", "128", "-r", "3", "--device", "cuda",
-                        "--sparsity", "0.85"), bench_json, "-t", gpu=True, calibrate=True),
+                        "--sparsity", "0.85"), bench_json, "-t", calibrate=True),
     "cpu": Case((*BENCH, "-p", "0", "-n", "32", "-r", "3", "--device", "cpu"), bench_json, "-t"),
     "cpu-decode": Case(("bench/cpu_decode.py", "{shape}", "--gguf", "{model}", "--tokens", "64"),
                        cpu_decode_text, "--threads"),
@@ -152,16 +151,24 @@ class Tree:
 
     def describe(self) -> str:
         where = f"{self.spec} at {self.root}" if self.rev else str(self.root)
-        head = git(self.root, "log", "-1", "--format=%h %s", check=False)[:90]
+        head = ""
+        if git(self.root, "rev-parse", "--show-toplevel", check=False) == str(self.root):
+            head = git(self.root, "log", "-1", "--format=%h %s", check=False)[:90]
         if head and git(self.root, "status", "--porcelain", "--untracked-files=no", check=False):
             head += ", with uncommitted changes"
         return f"{self.label.upper()} = {where}" + (f" ({head})" if head else "")
 
 
 def git(repo: Path, *args: str, check: bool = True) -> str:
-    r = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+    """git's stdout ("" on failure when not `check`, also without git installed)."""
+    try:
+        r = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+    except OSError as exc:
+        if check:
+            raise CompareError(f"git {' '.join(args)}: {exc}") from None
+        return ""
     if r.returncode and check:
-        raise CompareError(f"git {' '.join(args)}: {r.stderr.strip().splitlines()[-1:]}")
+        raise CompareError(f"git {' '.join(args)}: {last_line(r.stderr)}")
     return r.stdout.strip() if r.returncode == 0 else ""
 
 

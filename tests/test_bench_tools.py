@@ -203,3 +203,21 @@ def test_compare_trees_checks_out_revisions(tmp_path, monkeypatch):
     (tmp_path / "HEAD").mkdir()  # a folder that is no tree does not hide the revision
     monkeypatch.chdir(tmp_path)
     assert tool.resolve_tree("HEAD", "new", repo, tmp_path / "work").rev == tree.rev
+
+
+def test_compare_trees_without_git(tmp_path, monkeypatch):
+    """A host without git (folders made by `git archive`): no crash, a one-line error for a
+    revision."""
+    tool = load("compare_trees")
+
+    def no_git(cmd, **kw):
+        raise FileNotFoundError(2, "No such file or directory", cmd[0])
+
+    monkeypatch.setattr(tool.subprocess, "run", no_git)
+    assert tool.git(tmp_path, "rev-parse", "HEAD", check=False) == ""
+    with pytest.raises(tool.CompareError, match="neither a folder holding a tree"):
+        tool.resolve_tree("main", "old", tmp_path, tmp_path / "work")
+    assert (
+        tool.resolve_tree(str(fake_tree(tmp_path / "t", 1.0)), "old", tmp_path, tmp_path).rev
+        is None
+    )
