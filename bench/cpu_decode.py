@@ -1,4 +1,5 @@
-"""Whole-model CPU decode tokens/s against the bytes-per-token / DRAM-bandwidth floor.
+"""How fast does the whole model decode on the CPU, against the bytes-per-token / DRAM-read
+floor, and where does a step's time go?
 
 A random-weight GGUF of a real model's shape (bench/make_random_gguf.py, streamed to disk once)
 is loaded with the C core (dense weights and experts read in place from the mmap); after a short
@@ -12,8 +13,12 @@ The floor is that many bytes at this machine's DRAM read bandwidth, measured wit
 on the same thread pool. The per-part breakdown (attention / FFN / output) comes from the step's
 own timers (pyrt_decoder_times), each part next to its bytes.
 
-    PYTHONPATH=. python bench/cpu_decode.py granite-1b-a400m --outtype q8_0 --threads 2
-    PYTHONPATH=. python bench/cpu_decode.py olmoe-1b-7b --gguf /tmp/olmoe-q8_0.gguf
+The timed steps come in --segments segments, each after 3 reads of the read test and one untimed
+step: `paired:` is the median over segments of each segment's % of the floor at the read rate
+measured right before it, which cancels most of the machine's drift.
+
+    python bench/cpu_decode.py granite-1b-a400m --outtype q8_0 --threads 2
+    python bench/cpu_decode.py olmoe-1b-7b --gguf /tmp/olmoe-q8_0.gguf --threads 16 --tokens 64
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pyruntime
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_experts import ReadTest  # noqa: E402
 from make_random_gguf import CONFIGS, make_random_gguf  # noqa: E402
@@ -54,8 +60,9 @@ def bytes_per_token(model: CpuExecutor, mean_pos: float) -> dict[str, float]:
         else:
             f = blk.dense_ffn
             ffn += f.gate.nbytes + f.up.nbytes + f.down.nbytes
-    emb_row = model.token_embd.nbytes / cfg.n_vocab
-    output = model.output.nbytes + model.output_norm.numel() * 4
+    w = model.weights
+    emb_row = w.token_embd.nbytes / cfg.n_vocab
+    output = w.output.nbytes + w.output_norm.numel() * 4
     return {"attention": attn + emb_row, "ffn": ffn, "output": output}
 
 
@@ -95,7 +102,9 @@ def decode(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("shape", choices=sorted(CONFIGS), help="real model shape")
     ap.add_argument("--outtype", default="q8_0", help="weight type of the random GGUF")
     ap.add_argument("--gguf", type=Path, help="the GGUF (made when missing; default in /tmp)")
@@ -109,7 +118,7 @@ def main() -> None:
         type=int,
         default=4,
         help="the steps in this many segments, each after 3 reads of the read test: every "
-        "segment's % of the floor is against the read rate measured right before it",
+        "segment's %% of the floor is against the read rate measured right before it",
     )
     args = ap.parse_args()
 

@@ -1,4 +1,4 @@
-"""CPU expert kernel (pyruntime.cpu.core) vs this machine's DRAM read bandwidth.
+"""How fast are one MoE layer's routed experts on the C core, against this machine's DRAM read?
 
 For each real MoE shape: one layer of random routed experts in the neuron-contiguous layout
 (docs/gguf-layout.md), batch 1 and 8, dense and at target sparsities (thresholds chosen as quantiles
@@ -9,25 +9,27 @@ read: the gate rows of every routed expert, plus the up and down rows of the act
 expert is counted twice, so sparse batch-8 bytes/s is an upper bound). The DRAM read test
 (pyrt_mem_read) runs on the same thread pool.
 
-    PYTHONPATH=. python bench/cpu_experts.py            # both shapes, Q8_0, all cores
-    PYTHONPATH=. python bench/cpu_experts.py --shapes olmoe-1b-7b --formats Q8_0 Q4_0 --threads 1
+    python bench/cpu_experts.py            # both shapes, Q8_0, all cores
+    python bench/cpu_experts.py --shapes olmoe-1b-7b --formats Q8_0 Q4_0 --threads 1
 
---sweep times the kernel's debug knobs (environment variables read on every call, see
-runtime/src/moe_ffn.c) against each other in one process, on the first shape and format, every
-combination in turn for --rounds rounds (so drift hits all alike), median of the rounds' medians:
+--sweep times settings against each other in one process, on the first shape and format, every
+combination in turn for --rounds rounds (so drift hits all alike), median of the rounds' medians;
+each round starts with 3 reads of the read test, and a last table pairs each cell with its
+round's read rate (dense: % of it; sparse: the dense cell's time over the sparse cell's):
 
-    PYTHONPATH=. python bench/cpu_experts.py --sweep PYRT_PF_FAR=0,4,8 PYRT_PREFETCH_AHEAD=1,2
+    python bench/cpu_experts.py --sweep PYRT_PREFETCH_AHEAD=2,1 PYRT_REDUCE_PF=2,6
 
-The knob SIMD is the SIMD level (cpu_core.force_simd), e.g. --sweep SIMD=avx2,avx512. The knob LIB
-is a libpyrt build (path), so two builds are timed against each other in one process, interleaved,
-e.g. --sweep LIB=/tmp/old/libpyrt.so,/tmp/new/libpyrt.so (each gets its own pool; see Libraries).
-With PYRT_PROFILE=n among the knobs (n = 2 * --iters + 3, one report per cell), each cell's label
-goes to stderr before the kernel's profile report of it.
+A PYRT_* name is one of the C core's environment knobs (runtime/src/moe_ffn.c); SIMD is the SIMD
+level (cpu_core.force_simd), e.g. SIMD=avx2,avx512; LIB is a libpyrt build (path), so two builds
+are timed against each other in one process, interleaved, e.g.
+LIB=/tmp/old/libpyrt.so,/tmp/new/libpyrt.so (each gets its own pool; see Libraries). With
+PYRT_PROFILE=n among the knobs (n = 2 * --iters + 3, one report per cell), each cell's label goes
+to stderr before the kernel's profile report of it.
 
 Every cell alternates calls through the Python wrapper (CpuCore.moe_ffn) with bare cffi calls whose
 pointers were made beforehand, --iters timed calls of each: the tables give both, the bare call
-being the kernel alone (the target of issue 3 is about the kernel; the wrapper adds tens of us on
-the 16-core device, where the call has streamed the interpreter's lines out of the caches).
+being the kernel alone (the wrapper adds argument checks, an output tensor and cffi casts, and
+runs with the interpreter's lines streamed out of the caches by the call before).
 """
 
 from __future__ import annotations
@@ -39,12 +41,14 @@ import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
 
-from pyruntime.cpu import core as cpu_core
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pyruntime
+from pyruntime.cpu import core as cpu_core  # noqa: E402
 
 # (n_embd, n_ff per expert, n_expert, top-k), from the models' config.json
 SHAPES = {
@@ -364,7 +368,9 @@ def wake_up_us(core: cpu_core.CpuCore, iters: int = 20) -> tuple[float, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--shapes", nargs="+", default=["olmoe-1b-7b", "qwen3-30b-a3b"])
     p.add_argument("--formats", nargs="+", default=["Q8_0"], choices=list(FMTS))
     p.add_argument("--threads", type=int, default=None, help="default: physical cores")

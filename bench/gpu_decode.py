@@ -1,7 +1,7 @@
-"""Whole-model GPU decode: step time, bytes read per token vs measured HBM bandwidth, and a
-per-part profile of one decode step (where the time goes).
+"""How fast is one whole-model decode step on the GPU, against the bytes it must read at the
+measured HBM bandwidth, and where does its time go?
 
-    PYTHONPATH=. python bench/gpu_decode.py /tmp/olmoe.gguf --prompt 512 -o /tmp/decode.json
+    python bench/gpu_decode.py /tmp/olmoe-q8_0.gguf --prompt 512 -o /tmp/decode.json
 
 1. HBM read bandwidth: torch sum over a 4 GiB buffer (CUDA events, median of 10).
 2. The model on the GPU (pyruntime.Model, device cuda), a prefill of --prompt random tokens.
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # this checkout's pyruntime
 
 from pyruntime.api import Model  # noqa: E402
 from pyruntime.gpu.executor import GpuExecutor  # noqa: E402
@@ -115,7 +115,9 @@ def profile_step(net: GpuExecutor, cache, log) -> dict[str, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("model", type=Path)
     p.add_argument("--prompt", type=int, default=512, help="prefill tokens before decoding")
     p.add_argument("--reps", type=int, default=200, help="graph replays timed")

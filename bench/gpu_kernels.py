@@ -1,19 +1,21 @@
-"""The decode step's non-expert kernels at olmoe-1b-7b shapes on the GPU: candidates timed in
-CUDA graphs (launch cost included, as in the model's captured step), each checked against its
-plain torch reference first, and the fastest written as a kernels.tuning file.
+"""Which launch configs of the decode step's non-expert kernels are fastest on this GPU?
 
-    PYTHONPATH=. python bench/gpu_kernels.py [--old DIR] [--write tuned.json]
+At olmoe-1b-7b shapes, each candidate config of the Q8_0 GEMV (q/k/v, o, lm_head), the residual
+add + RMSNorm folded into the q/k/v GEMV, split-K decode attention, the fused norm + router +
+top-k and the one-program launches is checked against its plain torch reference, then timed in
+a CUDA graph (launch cost included, as in the model's captured step); the fastest of each goes
+into a kernels.tuning file, which the GPU executor reads when PYRUNTIME_DECODE_TUNING names it.
 
-Each timed graph runs one op for all 16 layers, each layer with its own weights (the weights of
-16 layers do not fit in the 50 MB L2, as in the model), so a time per call is graph time / 16.
---old DIR: a directory with the previous kernels' modules (attention.py, q8_linear.py,
-router.py of an older commit), timed beside the new ones in the same process.
+    python bench/gpu_kernels.py --write tuned.json
+    PYRUNTIME_DECODE_TUNING=tuned.json pyruntime bench model.gguf --device cuda
+
+Each timed graph runs one op for all 16 layers, each layer with its own weights (16 layers'
+weights do not fit in the L2, as in the model), so a time per call is graph time / 16.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -73,42 +75,25 @@ def q8_weights(n: int, k: int, layers: int):
     return out
 
 
-def load_old(directory: Path | None):
-    if directory is None:
-        return {}
-    mods = {}
-    for name in ("attention", "q8_linear", "router"):
-        path = directory / f"{name}.py"
-        if path.exists():
-            spec = importlib.util.spec_from_file_location(f"old_{name}", path)
-            mod = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(mod)
-            mods[name] = mod
-    return mods
-
-
-def bench_gemv(old, rows: list, tuned: dict, log) -> None:
+def bench_gemv(rows: list, tuned: dict, log) -> None:
     cands = [(bn, 2048, w) for bn in (2, 4, 8, 16, 32) for w in (4, 8)]
     cands += [(8, 1024, 4), (16, 1024, 4)]
     for name, N, K, layers in (("qkv", 3 * H, H, L), ("o_proj", H, H, L), ("lm_head", 50304, H, 1)):
         W = q8_weights(N, K, layers)
-        best = _gemv_shape(old, name, W, cands, rows, log)
+        best = _gemv_shape(name, W, cands, rows, log)
         tuned.setdefault("q8_gemv", {})[f"{N}x{K}"] = list(best[1])
         if name == "qkv":
-            _norm_gemv(old, W, best[1], cands, rows, tuned, log)
+            _norm_gemv(W, best[1], cands, rows, tuned, log)
 
 
-def _gemv_shape(old, name: str, W: list, cands: list, rows: list, log):
-    """Times the old kernel and each candidate config on weights W (one per layer)."""
+def _gemv_shape(name: str, W: list, cands: list, rows: list, log):
+    """Times each candidate config on weights W (one per layer)."""
     N, K = W[0][0].shape
     layers = len(W)
     x = torch.randn(1, K, device="cuda").bfloat16()
     nbytes = N * K * 34 / 32
     ref = q8_linear_ref(x, *W[0])
     best = None
-    if "q8_linear" in old:
-        us = graph_us(lambda: [old["q8_linear"].q8_gemv(x, q, d) for q, d in W]) / layers
-        rows.append((f"{name} q8_gemv OLD", us, nbytes / us / 1e3))
     for cfg in cands:
         if N // cfg[0] < 100 and name != "o_proj" or cfg[0] * cfg[1] // (32 * cfg[2]) > 128:
             continue  # too few programs, or > 128 fp32 weights per thread
@@ -123,7 +108,7 @@ def _gemv_shape(old, name: str, W: list, cands: list, rows: list, log):
     return best
 
 
-def _norm_gemv(old, W: list, bcfg, cands: list, rows: list, tuned: dict, log) -> None:
+def _norm_gemv(W: list, bcfg, cands: list, rows: list, tuned: dict, log) -> None:
     """qkv with the residual add + RMSNorm: a norm launch then the GEMV, vs the norm folded
     into the GEMV's prologue (add_norm_q8_gemv)."""
     N, K = W[0][0].shape
@@ -133,15 +118,12 @@ def _norm_gemv(old, W: list, bcfg, cands: list, rows: list, tuned: dict, log) ->
     dl = torch.randn(1, K, device="cuda")
     nw = torch.rand(K, device="cuda") + 0.5
 
-    def unfused(gemv=q8_gemv, kw=None):
+    def unfused():
         for q, d in W:
             h, _ = add_rms_norm(xr, dl, nw, EPS, torch.bfloat16)
-            gemv(h, q, d, **(kw or {}))
+            q8_gemv(h, q, d, config=bcfg)
 
-    if "q8_linear" in old:
-        us = graph_us(lambda: unfused(old["q8_linear"].q8_gemv)) / layers
-        rows.append(("qkv norm + q8_gemv OLD", us, nbytes / us / 1e3))
-    unfused_us = graph_us(lambda: unfused(kw=dict(config=bcfg))) / layers
+    unfused_us = graph_us(unfused) / layers
     rows.append((f"qkv norm + q8_gemv {bcfg}", unfused_us, nbytes / unfused_us / 1e3))
     _, ref = add_norm_q8_linear_ref(xr, dl, nw, EPS, *W[0])
     best = None
@@ -163,27 +145,21 @@ def _norm_gemv(old, W: list, bcfg, cands: list, rows: list, tuned: dict, log) ->
     print(f"qkv fused: best {best[1]} {best[0]:.2f} us vs unfused {unfused_us:.2f}", file=log)
 
 
-def bench_attention(old, rows: list, tuned: dict, log) -> None:
+def bench_attention(rows: list, tuned: dict, log) -> None:
     scores: dict = {}
     for n, max_tokens in ((128, 512), (513, 520)):
-        _attention_case(old, n, max_tokens, rows, scores, log)
+        _attention_case(n, max_tokens, rows, scores, log)
     (block_s, programs, warps) = min(scores, key=scores.get)
     tuned["attention"] = dict(block_s=block_s, programs=programs, num_warps=warps)
     print(f"attention: best block_s {block_s}, programs {programs}, warps {warps}", file=log)
 
 
-def _attention_case(old, n: int, max_tokens: int, rows: list, scores: dict, log) -> None:
+def _attention_case(n: int, max_tokens: int, rows: list, scores: dict, log) -> None:
     kv = [torch.randn(2, N_HEAD, max_tokens, D, device="cuda").bfloat16() for _ in range(L)]
     q = torch.randn(N_HEAD, D, device="cuda").bfloat16()
     seq = torch.tensor([n], device="cuda")
     nbytes = 2 * N_HEAD * n * D * 2
     ref = decode_attention_ref(q, kv[0][0], kv[0][1], n, D**-0.5)
-    if "attention" in old:
-        s32 = seq.int()
-        us = graph_us(
-            lambda: [old["attention"].decode_attention(q, c[0], c[1], s32, D**-0.5) for c in kv]
-        )
-        rows.append((f"attention n={n} OLD (split + combine)", us / L, nbytes * L / us / 1e3))
     cands = [(bs, p, w) for bs in (16, 32, 64) for p in (128, 256, 512) for w in (1, 2, 4)]
     for block_s, programs, warps in cands:
         if block_s * D // (32 * warps) > 64:
@@ -204,21 +180,20 @@ def _attention_case(old, n: int, max_tokens: int, rows: list, scores: dict, log)
         scores[key] = scores.get(key, 0.0) + us / L
 
 
-def bench_router(old, rows: list, tuned: dict, log) -> None:
+def bench_router(rows: list, tuned: dict, log) -> None:
     R = [torch.randn(E, H, device="cuda") * H**-0.5 * 4 for _ in range(L)]
     x = torch.randn(1, H, device="cuda") * 3
     dl = torch.randn(1, H, device="cuda")
     nw = torch.rand(H, device="cuda") + 0.5
     nbytes = E * H * 4
-    topk = old["router"].router_topk if "router" in old else router_topk
 
     def unfused():
         for r in R:  # (x drifts by dl per call: harmless for a timing)
             _, h32 = add_rms_norm(x, dl, nw, EPS, torch.bfloat16, 1.0, True)
-            topk(h32 @ r.T, TOPK, False)
+            router_topk(h32 @ r.T, TOPK, False)
 
     us = graph_us(unfused) / L
-    rows.append(("router OLD (norm + cuBLAS + top-k)", us, nbytes / us / 1e3))
+    rows.append(("router unfused (norm + cuBLAS + top-k)", us, nbytes / us / 1e3))
     x = torch.randn(1, H, device="cuda") * 3
     ref = add_norm_router_ref(x, dl, nw, R[0], EPS, TOPK, False, torch.bfloat16)
     best = None
@@ -238,7 +213,7 @@ def bench_router(old, rows: list, tuned: dict, log) -> None:
     tuned["router_block_e"], tuned["router_warps"] = best[1], best[2]
 
 
-def bench_small(old, rows: list, tuned: dict, log) -> None:
+def bench_small(rows: list, tuned: dict, log) -> None:
     """The one-program launches: residual add + RMSNorm, q/k norm + rope + KV store (olmoe:
     q/k norms over all heads), by warps per program."""
     x = torch.randn(1, H, device="cuda")
@@ -276,18 +251,21 @@ PARTS = dict(router=bench_router, attention=bench_attention, gemv=bench_gemv, sm
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--old", type=Path, default=None, help="directory of the previous kernels")
+    p = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--write", type=Path, default=None, help="kernels.tuning JSON to write")
     p.add_argument("--parts", default=",".join(PARTS), help="comma-separated: " + ", ".join(PARTS))
     args = p.parse_args()
-    old = load_old(args.old)
     log = sys.stdout
     rows: list[tuple[str, float, float]] = []
     tuned: dict = {}
-    print(f"GPU: {torch.cuda.get_device_name()}; old kernels: {sorted(old)}", file=log)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/gpu_kernels.py needs a CUDA GPU")
+    print(f"GPU: {torch.cuda.get_device_name()}", file=log)
     for name in args.parts.split(","):
-        PARTS[name](old, rows, tuned, log)
+        PARTS[name](rows, tuned, log)
     print("\n| kernel (per layer / call) | µs | GB/s |\n|---|---|---|", file=log)
     for name, us, gbs in rows:
         print(f"| {name} | {us:.2f} | {gbs:.0f} |", file=log)

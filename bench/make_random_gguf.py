@@ -1,14 +1,20 @@
-"""Stream a random-weight GGUF of a real model's shape to disk, for speed tests at real sizes.
+"""A random-weight GGUF of a real model's shape, for speed tests at real sizes.
 
 The file follows docs/gguf-layout.md exactly because it is planned by the converter itself
 (pyruntime.converter): a config.json of the named model drives the architecture class, which
 gives every metadata key, tensor name, shape and type; only the weight bytes are random. They are
 written tensor by tensor in chunks (valid Q8_0/Q4_0 blocks: uniform quants, one fixed scale per
 format; std ~0.02 like an initialized model), so memory stays at one chunk whatever the model size.
-The tokenizer is the tiny-olmoe one from the shared folder (padded to the model's vocab size as
-the layout says), so prompts tokenize and the runtime can decode.
+The tokenizer is tests/data/tiny-tokenizer (the trained tiny-olmoe's), padded to the model's vocab
+size as the layout says, so prompts tokenize and the runtime can decode.
 
-    PYTHONPATH=. python bench/make_random_gguf.py granite-1b-a400m --outtype q8_0 -o /tmp/g.gguf
+`--layout llama.cpp` writes the same shapes in llama.cpp's layout instead, for llama-bench
+(bench/peers.py): the routed experts as ffn_gate_exps / ffn_up_exps [n_expert, n_ff, n_embd] and
+ffn_down_exps [n_expert, n_embd, n_ff], `{arch}.feed_forward_length` set as llama.cpp's converter
+sets it, and no pyruntime.* keys (so pyruntime refuses the file instead of misreading it).
+
+    python bench/make_random_gguf.py olmoe-1b-7b --outtype q8_0 -o /tmp/olmoe-q8_0.gguf
+    python bench/make_random_gguf.py olmoe-1b-7b --layout llama.cpp -o /tmp/olmoe-lcpp.gguf
 """
 
 from __future__ import annotations
@@ -24,12 +30,13 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
-from pyruntime.converter import architectures  # noqa: F401  (registers the architectures)
-from pyruntime.converter.base import model_class_for
-from pyruntime.converter.convert import _write_metadata
-from pyruntime.converter.hparams import HParams
-from pyruntime.converter.tensors import OUTTYPES, choose_qtype, tensor_nbytes
-from pyruntime.converter.vocab import load_vocab
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pyruntime
+from pyruntime.converter import architectures  # noqa: E402, F401  (registers the architectures)
+from pyruntime.converter.base import model_class_for  # noqa: E402
+from pyruntime.converter.convert import _write_metadata  # noqa: E402
+from pyruntime.converter.hparams import HParams  # noqa: E402
+from pyruntime.converter.tensors import OUTTYPES, choose_qtype, tensor_nbytes  # noqa: E402
+from pyruntime.converter.vocab import load_vocab  # noqa: E402
 
 Q = GGMLQuantizationType
 
@@ -53,6 +60,23 @@ CONFIGS: dict[str, dict] = {
         "attention_multiplier": 0.015625,
         "logits_scaling": 6.0,
         "tie_word_embeddings": True,
+        "hidden_act": "silu",
+    },
+    "tiny-olmoe": {  # the trained demo model's shape (shared/models/tiny-olmoe): quick checks
+        "architectures": ["OlmoeForCausalLM"],
+        "vocab_size": 4096,
+        "hidden_size": 192,
+        "intermediate_size": 96,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "norm_topk_prob": False,
+        "tie_word_embeddings": False,
         "hidden_act": "silu",
     },
     "olmoe-1b-7b": {  # allenai/OLMoE-1B-7B-0924
@@ -175,10 +199,37 @@ class RandomTensor:
         raise ValueError(f"{self.name}: no random generator for {q.name}")
 
 
-def tokenizer_dir() -> Path:
-    env = os.environ.get("PYRUNTIME_SHARED")
-    shared = Path(env) if env else Path(__file__).resolve().parents[2] / "shared"
-    return shared / "models" / "tiny-olmoe"
+TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "tiny-tokenizer"
+LAYOUTS = ("pyruntime", "llama.cpp")
+
+
+def llama_cpp_plan(plan: list) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, kind) of every tensor in llama.cpp's layout: each routed-expert tensor
+    blk.N.ffn_gud_exps.weight [E, n_ff, 3, n_embd] becomes ffn_gate_exps and ffn_up_exps
+    [E, n_ff, n_embd] and ffn_down_exps [E, n_embd, n_ff]; every other tensor is the same."""
+    out = []
+    for t in plan:
+        if not t.name.endswith(".ffn_gud_exps.weight"):
+            out.append((t.name, t.shape, t.kind))
+            continue
+        blk = t.name.removesuffix(".ffn_gud_exps.weight")
+        n_expert, n_ff, _, n_embd = t.shape
+        out.append((f"{blk}.ffn_gate_exps.weight", (n_expert, n_ff, n_embd), t.kind))
+        out.append((f"{blk}.ffn_up_exps.weight", (n_expert, n_ff, n_embd), t.kind))
+        out.append((f"{blk}.ffn_down_exps.weight", (n_expert, n_embd, n_ff), t.kind))
+    return out
+
+
+def to_llama_cpp_metadata(writer: GGUFWriter, arch_name: str, config: dict) -> None:
+    """Drop the pyruntime.* keys and add `{arch}.feed_forward_length` where the converter wrote
+    none (llama.cpp's converter writes intermediate_size there; OLMoE and Granite-MoE size their
+    experts by it)."""
+    for kv in writer.kv_data:
+        for key in [k for k in kv if k.startswith("pyruntime.")]:
+            del kv[key]
+    key = f"{arch_name}.feed_forward_length"
+    if not any(key in kv for kv in writer.kv_data):
+        writer.add_uint32(key, config["intermediate_size"])
 
 
 def make_random_gguf(
@@ -187,9 +238,13 @@ def make_random_gguf(
     outtype: str = "q8_0",
     tok_dir: Path | None = None,
     progress: bool = True,
+    layout: str = "pyruntime",
 ) -> Path:
-    """Write the random GGUF of `shape` (a key of CONFIGS) to outfile; returns outfile."""
-    tok_dir = tok_dir or tokenizer_dir()
+    """Write the random GGUF of `shape` (a key of CONFIGS) in `layout` (LAYOUTS) to outfile;
+    returns outfile."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
+    tok_dir = tok_dir or TOKENIZER_DIR
     config = CONFIGS[shape]
     with tempfile.TemporaryDirectory() as tmp:
         cfg_path = Path(tmp) / "config.json"
@@ -199,15 +254,20 @@ def make_random_gguf(
         arch = model_cls(hp, PlanOnlySource(), hf_arch)
         plan = arch.tensor_plan()
     vocab = load_vocab(tok_dir, config, arch.n_vocab)
+    specs = [(t.name, t.shape, t.kind) for t in plan]
+    if layout == "llama.cpp":
+        specs = llama_cpp_plan(plan)
     tensors = [
-        RandomTensor(t.name, t.shape, choose_qtype(t.kind, t.shape[-1], outtype), seed=i)
-        for i, t in enumerate(plan)
+        RandomTensor(name, shape_, choose_qtype(kind, shape_[-1], outtype), seed=i)
+        for i, (name, shape_, kind) in enumerate(specs)
     ]
     tmp_out = outfile.with_name(f".{outfile.name}.tmp")
     writer = GGUFWriter(tmp_out, arch.gguf_arch)
     start, total = time.perf_counter(), sum(t.nbytes for t in tensors)
     try:
         _write_metadata(writer, arch, vocab, f"random-{shape}", outtype, hf_arch)
+        if layout == "llama.cpp":
+            to_llama_cpp_metadata(writer, arch.gguf_arch, config)
         for t in tensors:
             writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, t.qtype)
         writer.write_header_to_file()
@@ -236,19 +296,23 @@ def make_random_gguf(
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("shape", choices=sorted(CONFIGS))
     p.add_argument("--outtype", default="q8_0", choices=list(OUTTYPES))
+    p.add_argument("--layout", default="pyruntime", choices=LAYOUTS)
     p.add_argument("-o", "--outfile", type=Path, default=None)
     p.add_argument(
         "--tokenizer-dir",
         type=Path,
         default=None,
-        help="HF folder with tokenizer.json (default: shared/models/tiny-olmoe)",
+        help="HF folder with tokenizer.json (default: tests/data/tiny-tokenizer)",
     )
     args = p.parse_args()
     out = args.outfile or Path(f"random-{args.shape}-{args.outtype}.gguf")
-    make_random_gguf(args.shape, out, args.outtype, args.tokenizer_dir)
+    make_random_gguf(args.shape, out, args.outtype, args.tokenizer_dir, layout=args.layout)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ from transformers import AutoModelForCausalLM
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("model", help="Hugging Face model folder")
     ap.add_argument("-f", "--file", required=True)
     ap.add_argument("--ctx", type=int, default=512)

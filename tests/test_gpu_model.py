@@ -181,7 +181,7 @@ def test_decode_graph_captured_once_per_cache(tiny_ggufs, monkeypatch):
 
 def test_norm_folded_into_qkv_gemv_keeps_parity(tiny_ggufs, monkeypatch):
     """The optional decode path with the attention RMSNorm in the qkv Q8_0 GEMV's prologue
-    (off by default: slower on an H100) keeps the q8_0 argmax agreement."""
+    (off by default: it measured slower) keeps the q8_0 argmax agreement."""
     if tiny_ggufs["arch"] != "olmoe":
         pytest.skip("family-independent")
     import pyruntime.gpu.executor as gpu

@@ -1,14 +1,14 @@
-"""bench/moe_layer.py --smoke runs end to end on CPU (interpreter) and writes its JSON."""
+"""bench/gpu_experts.py --smoke runs end to end on CPU (interpreter) and writes its JSON."""
 
 import importlib.util
 import json
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "moe_layer.py"
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "gpu_experts.py"
 
 
-def test_moe_layer_bench_smoke(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("moe_layer_bench", BENCH)
+def test_gpu_experts_bench_smoke(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("gpu_experts_bench", BENCH)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "bench.json"

@@ -141,7 +141,7 @@ def test_quantize_x_q8_kernel_matches_reference(n_embd):
     """The dp4a path's x quantization (one launch per call): the words hold the reference's
     quants byte by byte (element 4w + i in byte i of word w), the scales its d; blocks past
     n_embd / 32 (NB is a power of two) are zero; x rows at a stride. At n_embd 2048 the
-    8 x 2048 values hold near-ties that an FMA-fused rounding flipped on an H100."""
+    8 x 2048 values hold near-ties that an FMA-fused rounding flips on a GPU."""
     from pyruntime.kernels.expert_formats import quantize_x_q8_ref
     from pyruntime.kernels.moe_dense import quantize_x_q8
 

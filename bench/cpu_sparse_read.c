@@ -1,0 +1,192 @@
+/* How fast can a plain read (no arithmetic) go over exactly the bytes the CPU sparse expert kernel
+ * reads, in its order, against reading everything? The ceiling of the sparse kernel's speedup at
+ * a given sparsity, whatever the kernel does.
+ *
+ * Q8_0 experts of n_embd 2048 in the neuron-contiguous layout (docs/gguf-layout.md): per neuron a
+ * gate, an up and a down row of 2176 bytes. Cases, each on every thread over its share of the
+ * neurons, interleaved over 7 rounds:
+ *   contiguous            the whole buffer (what the dense kernel reads);
+ *   gate rows, plain      only the gate rows (hardware prefetch alone);
+ *   gate rows, sw pf 2    the gate rows with the row 2 neurons on prefetched (the kernel's scheme);
+ *   sparse P pattern      the sparse kernel's order at sparsity P: per chunk of 32 neurons the gate
+ *                         rows (prefetched as above), then the up and down rows of the kept
+ *                         neurons (a fixed hash keeps 1 - P of them), the next kept neuron's rows
+ *                         prefetched while one is summed; with its speedup over "contiguous" in
+ *                         the same round (median, min-max).
+ * GB/s count the bytes each case needs (all, the gate rows, the gate rows + the kept up/down rows).
+ * x86-64 with AVX2; not part of the library.
+ *
+ *   cc -O2 -mavx2 -pthread bench/cpu_sparse_read.c -o /tmp/sparse_read && /tmp/sparse_read 16 8
+ * (threads, GiB of experts: several times the last-level cache, so the bytes come from DRAM) */
+#define _POSIX_C_SOURCE 200809L
+#include <immintrin.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+enum { ROW = 2176, NEURON = 3 * ROW, CHUNK = 32, MAX_THREADS = 256 };
+enum mode { CONTIGUOUS, GATE_PLAIN, GATE_PREFETCH, SPARSE };
+
+typedef struct {
+    const uint8_t *p;
+    size_t bytes;
+    enum mode mode;
+    int ahead, keep_percent, ith, nth;
+    uint64_t sum;
+    pthread_barrier_t *bar;
+} job;
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static __m256i sum_bytes(const uint8_t *p, size_t n, __m256i a) {
+    for (size_t i = 0; i + 128 <= n; i += 128) {
+        a = _mm256_add_epi64(a, _mm256_loadu_si256((const __m256i *)(p + i)));
+        a = _mm256_add_epi64(a, _mm256_loadu_si256((const __m256i *)(p + i + 32)));
+        a = _mm256_add_epi64(a, _mm256_loadu_si256((const __m256i *)(p + i + 64)));
+        a = _mm256_add_epi64(a, _mm256_loadu_si256((const __m256i *)(p + i + 96)));
+    }
+    return a;
+}
+
+/* One gate row: its 2176 bytes (17 blocks of 128, then the last 32). */
+static __m256i sum_row(const uint8_t *g, __m256i a) {
+    a = sum_bytes(g, ROW / 128 * 128, a);
+    return _mm256_add_epi64(a, _mm256_loadu_si256((const __m256i *)(g + ROW - 32)));
+}
+
+static void prefetch(const uint8_t *p, size_t n) {
+    for (size_t l = 0; l < n; l += 64)
+        _mm_prefetch((const char *)p + l, _MM_HINT_T0);
+}
+
+/* Whether neuron n is kept at `percent` (a fixed hash: the same neurons in every round). */
+static int kept(size_t n, int percent) {
+    uint64_t h = (uint64_t)n * 0x9E3779B97F4A7C15ull;
+    h ^= h >> 29;
+    return (int)(h % 100) < percent;
+}
+
+static void *run(void *arg) {
+    job *j = arg;
+    const size_t n_neurons = j->bytes / NEURON;
+    const size_t lo = n_neurons * j->ith / j->nth, hi = n_neurons * (j->ith + 1) / j->nth;
+    __m256i a = _mm256_setzero_si256();
+    pthread_barrier_wait(j->bar);
+    if (j->mode == CONTIGUOUS) {
+        a = sum_bytes(j->p + lo * NEURON, (hi - lo) * NEURON, a);
+    } else if (j->mode == SPARSE) {
+        for (size_t c0 = lo; c0 < hi; c0 += CHUNK) {
+            const size_t c1 = c0 + CHUNK < hi ? c0 + CHUNK : hi;
+            for (size_t n = c0; n < c1; n++) {
+                const uint8_t *g = j->p + n * NEURON;
+                if (n + (size_t)j->ahead < hi)
+                    prefetch(g + (size_t)j->ahead * NEURON, ROW);
+                a = sum_row(g, a);
+            }
+            for (size_t n = c0; n < c1; n++) {
+                if (!kept(n, j->keep_percent))
+                    continue;
+                for (size_t m = n + 1; m < c1; m++)
+                    if (kept(m, j->keep_percent)) {
+                        prefetch(j->p + m * NEURON + ROW, 2 * ROW);
+                        break;
+                    }
+                a = sum_bytes(j->p + n * NEURON + ROW, 2 * ROW, a);
+            }
+        }
+    } else {
+        for (size_t n = lo; n < hi; n++) {
+            const uint8_t *g = j->p + n * NEURON;
+            if (j->mode == GATE_PREFETCH && n + (size_t)j->ahead < hi)
+                prefetch(g + (size_t)j->ahead * NEURON, ROW);
+            a = sum_row(g, a);
+        }
+    }
+    uint64_t l[4];
+    _mm256_storeu_si256((__m256i *)l, a);
+    j->sum = l[0] + l[1] + l[2] + l[3];
+    return NULL;
+}
+
+static int cmp(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1 && (!strcmp(argv[1], "-h") || !strcmp(argv[1], "--help"))) {
+        printf("usage: %s [threads (16)] [GiB of experts (8)]\n", argv[0]);
+        return 0;
+    }
+    const int nth = argc > 1 ? atoi(argv[1]) : 16;
+    const double gib = argc > 2 ? atof(argv[2]) : 8.0;
+    if (nth < 1 || nth > MAX_THREADS || gib <= 0) {
+        fprintf(stderr, "error: threads must be 1-%d and GiB > 0\n", MAX_THREADS);
+        return 2;
+    }
+    const size_t bytes = (size_t)(gib * (1 << 30)) / NEURON * NEURON;
+    uint8_t *p = aligned_alloc(4096, bytes);
+    if (p == NULL) {
+        fprintf(stderr, "error: cannot allocate %.2f GiB\n", gib);
+        return 1;
+    }
+    memset(p, 1, bytes);
+    const struct {
+        enum mode mode;
+        int ahead, keep_percent;
+        const char *name;
+    } cases[] = {{CONTIGUOUS, 0, 0, "contiguous"},          {GATE_PLAIN, 0, 0, "gate rows, plain"},
+                 {GATE_PREFETCH, 2, 0, "gate rows, sw pf 2"}, {SPARSE, 2, 50, "sparse 0.5 pattern"},
+                 {SPARSE, 2, 30, "sparse 0.7 pattern"},     {SPARSE, 2, 10, "sparse 0.9 pattern"}};
+    enum { REPS = 7, N_CASES = sizeof cases / sizeof cases[0] };
+    double useful[N_CASES]; /* bytes each case needs */
+    for (int c = 0; c < N_CASES; c++) {
+        useful[c] = cases[c].mode == CONTIGUOUS ? (double)bytes : (double)bytes / 3;
+        for (size_t n = 0; cases[c].mode == SPARSE && n < bytes / NEURON; n++)
+            useful[c] += kept(n, cases[c].keep_percent) ? 2.0 * ROW : 0.0;
+    }
+    double secs[N_CASES][REPS];
+    for (int r = 0; r < REPS; r++) /* cases interleaved per round */
+        for (int c = 0; c < N_CASES; c++) {
+            pthread_barrier_t bar;
+            pthread_barrier_init(&bar, NULL, (unsigned)nth + 1);
+            pthread_t th[MAX_THREADS];
+            job jobs[MAX_THREADS];
+            for (int t = 0; t < nth; t++) {
+                jobs[t] = (job){p, bytes, cases[c].mode, cases[c].ahead, cases[c].keep_percent,
+                                t, nth, 0, &bar};
+                pthread_create(&th[t], NULL, run, &jobs[t]);
+            }
+            pthread_barrier_wait(&bar);
+            const double t0 = now();
+            for (int t = 0; t < nth; t++)
+                pthread_join(th[t], NULL);
+            secs[c][r] = now() - t0;
+            pthread_barrier_destroy(&bar);
+        }
+    printf("plain reads: %d threads, %.2f GiB of Q8_0 experts (n_embd 2048), %d rounds; "
+           "median / best GB/s of the bytes each case needs\n", nth, gib, REPS);
+    for (int c = 0; c < N_CASES; c++) {
+        double rate[REPS], ratio[REPS]; /* GB/s; time of "contiguous" / this case, same round */
+        for (int r = 0; r < REPS; r++) {
+            rate[r] = useful[c] / secs[c][r] / 1e9;
+            ratio[r] = secs[0][r] / secs[c][r];
+        }
+        qsort(rate, REPS, sizeof(double), cmp);
+        qsort(ratio, REPS, sizeof(double), cmp);
+        printf("  %-20s %6.1f / %6.1f GB/s", cases[c].name, rate[REPS / 2], rate[REPS - 1]);
+        if (cases[c].mode == SPARSE)
+            printf("  speedup over contiguous (same round) %.2fx median, %.2f-%.2f",
+                   ratio[REPS / 2], ratio[0], ratio[REPS - 1]);
+        printf("\n");
+    }
+    free(p);
+    return 0;
+}

@@ -1,0 +1,153 @@
+"""How does pyruntime compare with llama.cpp on the same model shape? llama-bench and
+`pyruntime bench` side by side, each in its own process, alternating, on random weights.
+
+The model is made twice by bench/make_random_gguf.py (once per shape and type, reused after):
+in pyruntime's layout and in llama.cpp's (the same tensors and types, the routed experts split
+as llama.cpp stores them). Setups, each a llama-bench flag set and pyruntime's counterpart:
+
+    gpu       llama-bench -ngl 99 -fa 1                  pyruntime bench --device cuda
+    cpu       llama-bench -ngl 0 -dev none -t T           pyruntime bench --device cpu -t T
+    cpu-moe   llama-bench -ngl 99 -fa 1 -ncmoe L -t T     (none yet: every layer's experts on
+                                                          the CPU, the rest on the GPU)
+
+Both run pp P and tg N (-p, -n) with -r R repetitions after their own warm-up; per round and
+setup llama.cpp runs first, then pyruntime. The table gives each side's mean tokens/s (median
+over rounds when --rounds > 1) and pyruntime / llama.cpp.
+
+    bash bench/peers_build.sh /tmp/peers          # last line: the llama-bench binary
+    python bench/peers.py olmoe-1b-7b --llama-bench /tmp/peers/llama.cpp/build-cuda/bin/llama-bench
+    python bench/peers.py tiny-olmoe --setups cpu -p 64 -n 32 --llama-bench LLAMA_BENCH
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's pyruntime
+sys.path.insert(0, str(ROOT / "bench"))
+from compare_trees import LAUNCHER  # noqa: E402
+from make_random_gguf import CONFIGS, make_random_gguf  # noqa: E402
+
+# setup: (llama-bench flags, pyruntime bench flags or None); {t} threads, {layers} n_layer
+SETUPS = {
+    "gpu": (["-ngl", "99", "-fa", "1"], ["--device", "cuda"]),
+    "cpu": (["-ngl", "0", "-dev", "none", "-t", "{t}"], ["--device", "cpu", "-t", "{t}"]),
+    "cpu-moe": (["-ngl", "99", "-fa", "1", "-ncmoe", "{layers}", "-t", "{t}"], None),
+}
+
+
+def llama_rows(stdout: str) -> dict[str, dict]:
+    """llama-bench -o json: {test name (pp512, tg128): its row}."""
+    out = {}
+    for row in json.loads(stdout[stdout.index("[") :]):
+        name = f"pp{row['n_prompt']}" if row["n_gen"] == 0 else f"tg{row['n_gen']}"
+        out[name] = row
+    return out
+
+
+def pyruntime_rows(stdout: str) -> dict[str, dict]:
+    """pyruntime bench -o json: {test name: its row}."""
+    return {row["test"]: row for row in json.loads(stdout[stdout.index("[") :])}
+
+
+def run(cmd: list[str], what: str, timeout: float) -> str:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if r.returncode:
+        tail = "\n".join(r.stderr.strip().splitlines()[-5:])
+        raise SystemExit(f"{what} failed (exit {r.returncode}):\n{tail}")
+    return r.stdout
+
+
+def fill(flags: list[str], threads: int, layers: int) -> list[str]:
+    return [f.format(t=threads, layers=layers) for f in flags]
+
+
+def models(shape: str, outtype: str, folder: Path) -> tuple[Path, Path]:
+    """(pyruntime GGUF, llama.cpp GGUF) of the shape, made when missing."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ours = folder / f"{shape}-{outtype}.gguf"
+    theirs = folder / f"{shape}-{outtype}-llama.cpp.gguf"
+    for path, layout in ((ours, "pyruntime"), (theirs, "llama.cpp")):
+        if not path.exists():
+            make_random_gguf(shape, path, outtype, progress=False, layout=layout)
+            print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB)", flush=True)
+    return ours, theirs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("shape", choices=sorted(CONFIGS), help="bench/make_random_gguf.py shape")
+    p.add_argument("--llama-bench", type=Path, required=True, help="the llama-bench binary")
+    p.add_argument("--outtype", default="q8_0", help="weight type of both GGUFs (q8_0)")
+    p.add_argument(
+        "--setups",
+        nargs="+",
+        choices=list(SETUPS),
+        default=None,
+        help="default: gpu and cpu-moe where torch sees a GPU, and cpu",
+    )
+    p.add_argument("-p", "--n-prompt", type=int, default=512)
+    p.add_argument("-n", "--n-gen", type=int, default=128)
+    p.add_argument("-r", "--repetitions", type=int, default=3)
+    p.add_argument("-t", "--threads", type=int, default=None, help="default: physical cores")
+    p.add_argument("--rounds", type=int, default=1, help="alternations of the two sides")
+    p.add_argument("--gguf-dir", type=Path, default=Path("/tmp/pyruntime-peers"))
+    p.add_argument("--timeout", type=float, default=600, help="seconds per command")
+    args = p.parse_args()
+    if not args.llama_bench.is_file():
+        raise SystemExit(f"{args.llama_bench}: no such file (bash bench/peers_build.sh builds it)")
+    from pyruntime.cpu.core import physical_cores
+
+    threads = args.threads or physical_cores()
+    setups = args.setups
+    if setups is None:
+        import torch
+
+        setups = ["gpu", "cpu-moe", "cpu"] if torch.cuda.is_available() else ["cpu"]
+    ours, theirs = models(args.shape, args.outtype, args.gguf_dir)
+    layers = CONFIGS[args.shape]["num_hidden_layers"]
+    tests = ["-p", str(args.n_prompt), "-n", str(args.n_gen), "-r", str(args.repetitions)]
+    results: dict[tuple[str, str], dict[str, list[float]]] = {}
+    info = None
+    for rnd in range(args.rounds):
+        for setup in setups:
+            lflags, pflags = SETUPS[setup]
+            cmd = [str(args.llama_bench), "-m", str(theirs), *tests, "-o", "json"]
+            rows = llama_rows(run(cmd + fill(lflags, threads, layers), "llama-bench", args.timeout))
+            info = info or next(iter(rows.values()))
+            for test, row in rows.items():
+                results.setdefault((setup, test), {}).setdefault("llama.cpp", []).append(
+                    row["avg_ts"]
+                )
+            if pflags is not None:
+                cmd = [sys.executable, "-c", LAUNCHER, str(ROOT), "-m", "pyruntime", "bench",
+                       str(ours), *tests, "-o", "json", *fill(pflags, threads, layers)]  # fmt: skip
+                out = run(cmd, "pyruntime bench", args.timeout)
+                for test, row in pyruntime_rows(out).items():
+                    results.setdefault((setup, test), {}).setdefault("pyruntime", []).append(
+                        row["avg_ts"]
+                    )
+            print(f"round {rnd + 1}/{args.rounds} {setup} done", file=sys.stderr, flush=True)
+    print(f"{args.shape} {args.outtype}, {threads} threads; llama.cpp {info['build_commit']} "
+          f"({info['backends']}) on {info['cpu_info']}"
+          + (f", {info['gpu_info']}" if info.get("gpu_info") else ""))  # fmt: skip
+    print("\n| setup | test | llama.cpp t/s | pyruntime t/s | pyruntime / llama.cpp |")
+    print("|---|---|---:|---:|---:|")
+    for (setup, test), sides in results.items():
+        lc = statistics.median(sides["llama.cpp"])
+        ours_ts = statistics.median(sides["pyruntime"]) if "pyruntime" in sides else None
+        cell = f"{ours_ts:.2f}" if ours_ts else "-"
+        ratio = f"{ours_ts / lc:.2f}x" if ours_ts else "-"
+        print(f"| {setup} | {test} | {lc:.2f} | {cell} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()

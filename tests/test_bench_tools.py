@@ -1,0 +1,223 @@
+"""The bench/ tools that run without a GPU: the random GGUF maker's two layouts, and
+bench/compare_trees.py on small fake trees (a trivial C library, a `pyruntime` whose bench prints
+a fixed speed) so that its builds, isolation, calibration per tree, interleaving, ratios and
+failures are checked in seconds."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def load(name: str):
+    """bench/NAME.py as a module (registered, as dataclasses need)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("tool", sorted(p.name for p in BENCH.glob("*.py")))
+def test_every_tool_answers_help_with_an_example(tool, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [tool, "--help"])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the tools put their checkout first
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(BENCH / tool), run_name="__main__")
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: ") and f"python bench/{tool} " in out
+
+
+def run_tool(tool: str, *argv: str, monkeypatch) -> None:
+    monkeypatch.setattr(sys, "argv", [tool, *argv])
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    runpy.run_path(str(BENCH / tool), run_name="__main__")
+
+
+def test_cpu_tools_run_on_small_inputs(cc, tmp_path, capsys, monkeypatch):
+    """The CPU tools end to end at toy sizes: their figures are printed, whatever they are."""
+    gguf = tmp_path / "tiny.gguf"
+    run_tool("make_random_gguf.py", "tiny-olmoe", "-o", str(gguf), monkeypatch=monkeypatch)
+    run_tool("cpu_decode.py", "tiny-olmoe", "--gguf", str(gguf), "--threads", "1", "--tokens",
+             "4", "--segments", "2", "--dram-gib", "0.01", monkeypatch=monkeypatch)  # fmt: skip
+    out = capsys.readouterr().out
+    assert "decode: median " in out and "paired: median " in out and "python + call" in out
+    run_tool("cpu_experts.py", "--shapes", "granite-1b-a400m", "--threads", "1", "--iters", "2",
+             "--batches", "1", "--sparsity", "0", "0.5", "--read-gib", "0.01",
+             "--footprint-gib", "0.01", monkeypatch=monkeypatch)  # fmt: skip
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| granite")]
+    assert len(rows) == 2 and "x |" in rows[1]  # dense, then 0.5 with its speedup
+    run_tool("read_ceilings.py", "--gib", "0.01", "0.02", "--rounds", "2", "--threads", "1",
+             monkeypatch=monkeypatch)  # fmt: skip
+    assert "| 0.02 | " in capsys.readouterr().out
+
+
+def test_random_gguf_layouts(tmp_path):
+    from gguf import GGUFReader
+
+    from pyruntime.gguf.file import open_gguf
+
+    maker = load("make_random_gguf")
+    ours = maker.make_random_gguf("tiny-olmoe", tmp_path / "o.gguf", progress=False)
+    f = open_gguf(ours)  # the runtime's reader accepts it (layout version, every tensor)
+    assert f.get("olmoe.expert_count") == 16
+    lcpp = tmp_path / "l.gguf"
+    maker.make_random_gguf("tiny-olmoe", lcpp, progress=False, layout="llama.cpp")
+    r = GGUFReader(lcpp)
+    assert not [k for k in r.fields if k.startswith("pyruntime.")]
+    assert int(r.fields["olmoe.feed_forward_length"].parts[-1][0]) == 96
+    shapes = {t.name: [int(n) for n in t.shape] for t in r.tensors}  # innermost first
+    assert "blk.0.ffn_gud_exps.weight" not in shapes
+    assert shapes["blk.3.ffn_gate_exps.weight"] == [192, 96, 16]
+    assert shapes["blk.3.ffn_up_exps.weight"] == [192, 96, 16]
+    assert shapes["blk.3.ffn_down_exps.weight"] == [96, 192, 16]
+    ours_r = GGUFReader(ours)
+    # the same bytes of weights either way: the experts split in three, nothing else changed
+    assert sum(t.n_bytes for t in r.tensors) == sum(t.n_bytes for t in ours_r.tensors)
+
+
+FAKE_MAIN = """
+import json, os, sys
+from pathlib import Path
+root = Path(__file__).resolve().parents[1]
+assert Path(os.environ["PYRUNTIME_CORE_LIB"]).is_file()
+assert Path(os.environ["PYRUNTIME_CORE_LIB"]).parent.name.startswith("build-" + root.name)
+cmd, model, *rest = sys.argv[1:]
+if cmd == "calibrate":
+    Path(model + ".sparsity.json").write_text(str(root))
+    with open(root.parent / "calibrations.txt", "a") as log:
+        log.write(root.name + "\\n")
+    sys.exit(0)
+if "--sparsity" in rest and Path(model + ".sparsity.json").read_text() != str(root):
+    sys.exit("error: calibrated by another tree")
+with open(root.parent / "order.txt", "a") as log:
+    log.write(root.name + " " + " ".join(rest) + "\\n")
+print(json.dumps([{"test": "tg32", "avg_ts": float((root / "speed.txt").read_text())}]))
+"""
+FAKE_DECODE = """
+from pathlib import Path
+speed = float((Path(__file__).resolve().parents[1] / "speed.txt").read_text())
+print(f"decode: median {1e3 / speed} ms/token = {speed} tokens/s")
+"""
+
+
+def fake_tree(path: Path, speed: float, cmake: str = "", decode: bool = True) -> Path:
+    """A tree the tool can build and run: libpyrt from one C file, pyruntime's CLI and
+    bench/cpu_decode.py reporting `speed` tokens/s."""
+    (path / "pyruntime").mkdir(parents=True)
+    (path / "bench").mkdir()
+    (path / "CMakeLists.txt").write_text(
+        "cmake_minimum_required(VERSION 3.16)\nproject(fake C)\n"
+        f"{cmake}add_library(pyrt SHARED core.c)\n"
+    )
+    (path / "core.c").write_text("int pyrt_fake(void) { return 0; }\n")
+    (path / "pyruntime" / "__init__.py").write_text("")
+    (path / "pyruntime" / "__main__.py").write_text(FAKE_MAIN)
+    if decode:
+        (path / "bench" / "cpu_decode.py").write_text(FAKE_DECODE)
+    (path / "speed.txt").write_text(str(speed))
+    return path
+
+
+def run_compare(tmp_path, old: Path, new: Path, *extra: str):
+    tool = load("compare_trees")
+    model = tmp_path / "model.gguf"
+    if not model.exists():
+        model.write_bytes(b"GGUF")
+    argv = [str(old), str(new), "--gguf", str(model), "--workdir", str(tmp_path / "work")]
+    return tool.main([*argv, "--rounds", "2", *extra])
+
+
+def test_compare_trees_ratios_and_order(tmp_path, capsys):
+    old, new = fake_tree(tmp_path / "old", 100.0), fake_tree(tmp_path / "new", 110.0)
+    out_json = tmp_path / "samples.json"
+    rc = run_compare(tmp_path, old, new, "--case", "cpu", "gpu-sparse", "cpu-decode",
+                     "--threads", "3", "--json", str(out_json))  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    for case, figure in (("cpu", "tg32"), ("gpu-sparse", "tg32"), ("cpu-decode", "decode")):
+        row = f"| {case} | {figure} | 100.00 (100.00-100.00) | 110.00 (110.00-110.00) "
+        assert row + "| 1.100 (1.100-1.100) |" in out, out
+    # A B A B: each case old then new, every round; the threads passed to both
+    order = (tmp_path / "order.txt").read_text().splitlines()
+    assert [line.split()[0] for line in order] == ["old", "new"] * 4
+    assert all(line.endswith("-t 3") for line in order)
+    rows = json.loads(out_json.read_text())["rows"]
+    assert rows[0]["rounds"] == [{"old": 100.0, "new": 110.0}] * 2
+    assert (tmp_path / "calibrations.txt").read_text().split() == ["old", "new"]
+    assert run_compare(tmp_path, old, new, "--case", "gpu-sparse") == 0  # same workdir
+    assert (tmp_path / "calibrations.txt").read_text().split() == ["old", "new"]  # kept
+
+
+def test_compare_trees_build_failure(tmp_path, capsys):
+    old = fake_tree(tmp_path / "old", 100.0)
+    new = fake_tree(tmp_path / "new", 100.0, cmake='message(FATAL_ERROR "planted failure")\n')
+    assert run_compare(tmp_path, old, new, "--case", "cpu") == 1
+    out, err = capsys.readouterr()
+    assert "NEW" in err and "the C core build failed" in err and "planted failure" in err
+    assert "OLD" not in err  # the old tree built
+    assert "round" not in out and not (tmp_path / "order.txt").exists()  # nothing ran
+
+
+def test_compare_trees_never_runs_a_stale_build(tmp_path, capsys):
+    old, new = fake_tree(tmp_path / "old", 100.0), fake_tree(tmp_path / "new", 100.0)
+    assert run_compare(tmp_path, old, new, "--case", "cpu") == 0
+    runs = (tmp_path / "order.txt").read_text()
+    (new / "core.c").write_text("int pyrt_fake(void) { return }\n")  # same workdir, old lib there
+    assert run_compare(tmp_path, old, new, "--case", "cpu") == 1
+    assert "NEW (" in capsys.readouterr().err and (tmp_path / "order.txt").read_text() == runs
+
+
+def test_compare_trees_case_failing_in_one_tree(tmp_path, capsys):
+    old = fake_tree(tmp_path / "old", 100.0, decode=False)
+    new = fake_tree(tmp_path / "new", 120.0)
+    assert run_compare(tmp_path, old, new, "--case", "cpu-decode", "cpu") == 1
+    out = capsys.readouterr().out
+    assert "OLD failed cpu-decode: round 1: exit" in out
+    assert "| cpu | tg32 | 100.00 (100.00-100.00) | 120.00 (120.00-120.00) | 1.200" in out
+    assert out.count("round 2/2 cpu-decode") == 0  # dropped after its failure
+
+
+def test_compare_trees_checks_out_revisions(tmp_path, monkeypatch):
+    tool = load("compare_trees")
+    repo = tmp_path / "repo"
+    fake_tree(repo, 1.0)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "one"], check=True)
+    tree = tool.resolve_tree("HEAD", "old", repo, tmp_path / "work")
+    assert tree.rev and (tree.root / "speed.txt").read_text() == "1.0"
+    assert tree.root.parent == tmp_path / "work" / "trees"
+    with pytest.raises(tool.CompareError, match="neither a folder holding a tree"):
+        tool.resolve_tree("no-such-rev", "new", repo, tmp_path / "work")
+    (tmp_path / "HEAD").mkdir()  # a folder that is no tree does not hide the revision
+    monkeypatch.chdir(tmp_path)
+    assert tool.resolve_tree("HEAD", "new", repo, tmp_path / "work").rev == tree.rev
+
+
+def test_compare_trees_without_git(tmp_path, monkeypatch):
+    """A host without git (folders made by `git archive`): no crash, a one-line error for a
+    revision."""
+    tool = load("compare_trees")
+
+    def no_git(cmd, **kw):
+        raise FileNotFoundError(2, "No such file or directory", cmd[0])
+
+    monkeypatch.setattr(tool.subprocess, "run", no_git)
+    assert tool.git(tmp_path, "rev-parse", "HEAD", check=False) == ""
+    with pytest.raises(tool.CompareError, match="neither a folder holding a tree"):
+        tool.resolve_tree("main", "old", tmp_path, tmp_path / "work")
+    assert (
+        tool.resolve_tree(str(fake_tree(tmp_path / "t", 1.0)), "old", tmp_path, tmp_path).rev
+        is None
+    )
