@@ -20,12 +20,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pyruntime.converter import convert
-from pyruntime.cpu.executor import CpuExecutor
-from pyruntime.gguf.file import open_gguf
-from pyruntime.offload.cache import replay_hit_rate
-from pyruntime.offload.policy import LFRU, LRU
-from pyruntime.text.tokenizer import Tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pyruntime
+
+from pyruntime.converter import convert  # noqa: E402
+from pyruntime.cpu.executor import CpuExecutor  # noqa: E402
+from pyruntime.gguf.file import open_gguf  # noqa: E402
+from pyruntime.offload.cache import replay_hit_rate  # noqa: E402
+from pyruntime.offload.policy import LFRU, LRU  # noqa: E402
+from pyruntime.text.tokenizer import Tokenizer  # noqa: E402
 
 
 def record_routing(gguf: Path, text: str, max_tokens: int, window: int) -> tuple[list, int, int]:
