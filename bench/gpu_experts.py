@@ -43,8 +43,9 @@ import triton  # noqa: E402
 from pyruntime.kernels import switch, timing  # noqa: E402
 from pyruntime.kernels.dispatch import moe_experts, prepare_experts  # noqa: E402
 from pyruntime.kernels.expert_formats import act_ref, quantize_rows, row_bytes  # noqa: E402
+from pyruntime.kernels.expert_paths import quantizes_x, table_path  # noqa: E402
 from pyruntime.kernels.moe_dense import moe_dense, moe_dense_ref  # noqa: E402
-from pyruntime.kernels.moe_sparse import moe_gate, moe_sparse, quantizes_x, sparse_path  # noqa: E402
+from pyruntime.kernels.moe_sparse import moe_gate, moe_sparse  # noqa: E402
 
 # name: (hidden n_embd, n_expert, top-k, expert n_ff)
 SHAPES = {
@@ -163,8 +164,9 @@ def check_correct(x, w, fmt, ids, tw, activation):
     y = moe_dense(x, w, fmt, ids, tw, activation)
     ys, _ = moe_sparse(x, w, fmt, ids, tw, 0.0, activation)
     scale = ref.abs().max().item()
-    err_d = (y - (ref_q if quantizes_x(fmt, T, H, sparse=False) else ref)).abs().max().item()
-    err_s = (ys - (ref_q if quantizes_x(fmt, T, H, sparse=True) else ref)).abs().max().item()
+    q8_d, q8_s = (quantizes_x(table_path(fmt, H, T, sparse)) for sparse in (False, True))
+    err_d = (y - (ref_q if q8_d else ref)).abs().max().item()
+    err_s = (ys - (ref_q if q8_s else ref)).abs().max().item()
     err_d, err_s = err_d / scale, err_s / scale
     tol = 2e-2 if x.dtype == torch.bfloat16 else 1e-4
     if err_d > tol or err_s > tol:
@@ -229,7 +231,7 @@ def bench_batch(model, shape, fmt, w, T, args, device, peak, thresholds, switch_
             n_ff=n_ff, target_sparsity=s, threshold=float(thr), achieved_sparsity=achieved,
             dense_s=t_dense, sparse_s=t_sparse, auto_s=t_auto, speedup=t_dense / t_sparse,
             auto_speedup=t_dense / t_auto, sparse_batches=list(sw.won),
-            switch_profiled=list(sw.profiled), sparse_path=sparse_path(fmt, T, n_embd),
+            switch_profiled=list(sw.profiled), sparse_path=table_path(fmt, n_embd, T, True),
             auto_path="sparse" if sw.use_sparse(T) else "dense",
             dense_bytes=b_dense, sparse_bytes=b_sparse,
             dense_gbps=b_dense / t_dense / 1e9, sparse_gbps=b_sparse / t_sparse / 1e9,

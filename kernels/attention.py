@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .grid_sync import counters, last_arrival, reset_counter
-from .moe_dense import interpreting
+from .launch import interpreting
 from .tuning import lookup
 
 LOG2E = 1.4426950408889634

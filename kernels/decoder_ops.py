@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe_dense import interpreting
+from .launch import interpreting
 from .tuning import lookup
 
 # ----------------------------------------------------------------------------------------------

@@ -2,9 +2,10 @@
 
 - `prepare_experts(w, fmt, n_embd)`: once, when a layer's experts are staged to the GPU: returns
   the tensor and format the kernels read fastest (never a dequantized copy).
-- `moe_experts(...)`: one MoE layer's routed experts for T tokens; dense, or neuron-sparse when a
-  threshold is given and the switch (kernels.switch.SparseSwitch, profiled per GPU and model)
-  takes sparse at T tokens. Graph-capturable: no host synchronization.
+- `moe_experts(...)`: one MoE layer's routed experts for T tokens, on the path
+  kernels.expert_paths.expert_path picks (dense, or neuron-sparse where the layer's profiled
+  switch says so), optionally over a subset of the experts (an expert map, kernels.moe_args).
+  Graph-capturable: no host synchronization.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from __future__ import annotations
 import torch
 
 from .expert_formats import REPACKED, check_expert_tensor, repack_rows
+from .expert_paths import SPARSE_PATHS, SparseSwitch, expert_path
 from .moe_dense import moe_dense
 from .moe_sparse import moe_sparse
-from .switch import SparseSwitch
 
 
 def prepare_experts(w: torch.Tensor, fmt: str, n_embd: int) -> tuple[torch.Tensor, str]:
@@ -45,6 +46,7 @@ def moe_experts(
     activation: str = "silu",
     threshold: float | torch.Tensor | None = None,
     switch: SparseSwitch | None = None,
+    expert_map: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Routed experts: (y [T, n_embd] f32, active [T, K] int32 neuron counts or None if dense).
 
@@ -52,8 +54,11 @@ def moe_experts(
     switch: at which batch sizes the sparse path runs (kernels.switch); elsewhere, and when it
     is None, the dense kernel runs even with a threshold (sparse stops paying once many tokens
     share the experts' rows, and can lose to a fast dense kernel at one token).
+    expert_map: int32 [n_expert] global expert id -> slot of w (-1: not on this device, the pair
+    is skipped and counts 0 active neurons); None: w holds every expert.
     """
-    T = x.shape[0]
-    if threshold is None or switch is None or not switch.use_sparse(T):
-        return moe_dense(x, w, fmt, topk_ids, topk_w, activation), None
-    return moe_sparse(x, w, fmt, topk_ids, topk_w, threshold, activation)
+    path = expert_path(fmt, x.shape[1], x.shape[0], None if threshold is None else switch)
+    if path in SPARSE_PATHS:
+        return moe_sparse(x, w, fmt, topk_ids, topk_w, threshold, activation, path,
+                          expert_map=expert_map)  # fmt: skip
+    return moe_dense(x, w, fmt, topk_ids, topk_w, activation, path, expert_map=expert_map), None

@@ -32,6 +32,20 @@ BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q8_0r": (32, 34), "q4_0r": (32, 1
 REPACKED = {"q8_0": "q8_0r", "q4_0": "q4_0r"}
 
 
+def format_family(fmt: str) -> str:
+    """'float', 'block' (GGUF q8_0 / q4_0: byte loads) or 'packed' (q8_0r / q4_0r: wide loads):
+    what the launch configs of the generic kernels are keyed by."""
+    if fmt in REPACKED.values():
+        return "packed"
+    return "block" if fmt in BLOCKS else "float"
+
+
+def q8r_supported(fmt: str, n_embd: int) -> bool:
+    """Whether the q8_0r kernels (kernels.moe_q8r: dp4a on whole rows loaded as int32 words)
+    take this layer: q8_0r rows that start 4-byte aligned (34 n_embd / 32 bytes a row)."""
+    return fmt == "q8_0r" and n_embd % 64 == 0
+
+
 def row_bytes(fmt: str, n_embd: int) -> int:
     """Bytes of one stored row of `n_embd` elements."""
     if fmt in FLOAT_DTYPES:
@@ -166,7 +180,10 @@ def quantize_x_q8_ref(x: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # activations (torch references of the in-kernel ones)
 
-ACTIVATIONS = {"silu": 0, "gelu": 1}  # gelu = tanh approximation (gelu_pytorch_tanh)
+# Activation name -> the code the kernels take as their ACT constexpr (kernels.expert_rows.act_fn);
+# gelu is the tanh approximation (gelu_pytorch_tanh). A model activation missing here has no
+# GPU kernel.
+ACT_CODES = {"silu": 0, "gelu": 1}
 
 
 def act_ref(g: torch.Tensor, activation: str) -> torch.Tensor:
@@ -174,4 +191,4 @@ def act_ref(g: torch.Tensor, activation: str) -> torch.Tensor:
         return torch.nn.functional.silu(g)
     if activation == "gelu":
         return torch.nn.functional.gelu(g, approximate="tanh")
-    raise ValueError(f"unknown activation {activation!r}; expected one of {sorted(ACTIVATIONS)}")
+    raise ValueError(f"unknown activation {activation!r}; expected one of {sorted(ACT_CODES)}")

@@ -34,6 +34,16 @@ def act_fn(g, ACT: tl.constexpr):
 
 
 @triton.jit
+def expert_slot(ids_ptr, map_ptr, p, HAS_MAP: tl.constexpr):
+    """int64 slot in the expert tensor of pair p's expert: its id, or map[id] with an expert
+    map (-1: not on this device; kernels.moe_args)."""
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    if HAS_MAP:
+        e = tl.load(map_ptr + e).to(tl.int64)
+    return e
+
+
+@triton.jit
 def s8_to_f32(q):
     """uint8 bytes holding int8 values -> their fp32 values, without I2F (a conversion unit at a
     quarter of the FMA rate, the bound of a byte-per-weight GEMV): the byte b ^ 0x80 = q + 128

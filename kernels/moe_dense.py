@@ -2,83 +2,54 @@
 
     y[t] = sum_k topk_w[t, k] * sum_j act(g_j . x_t) * (u_j . x_t) * d_j     (e = topk_ids[t, k])
 
-Three kernels, all dequantizing inside (no dequantized copy of the weights):
-- decode (small T): `_moe_gemv_kernel`, one program per (token-expert pair, tile of BLOCK_N
+The generic kernels (every expert format, dequantizing inside: no dequantized copy of the
+weights) and `moe_dense`, which runs the dense path kernels.expert_paths picks:
+- "gemv" (small T): `_moe_gemv_kernel`, one program per (token-expert pair, tile of BLOCK_N
   neurons): gate and up dots over n_embd, then the down axpy into y[t] with relaxed fp32 atomics.
-  Every weight byte of the routed experts is read once per pair (memory bound).
-- q8_0r decode (`moe_q8r_decode`; n_embd % 64 == 0): gate/up dots on x quantized to Q8 blocks,
-  4 int8 products per dp4a instruction, whole rows per load (gate/up as int32 words, down as
-  bytes), down sums in registers and one contiguous atomic add per element. Dense (moe_dense's
-  "q8r" path, small batches): kernels.moe_q8r_pipe, a persistent kernel that requests the
-  next neuron tile's rows before the current tile's arithmetic, below Q8R_STREAM_MIN_TOKENS
-  tokens; kernels.moe_q8r_stream (tiles through shared memory, cp.async) from there on.
-  Sparse (kernels.moe_sparse's "q8r" path): at one token the two-phase persistent
-  `_moe_q8r_sparse2_kernel` (gate tiles, then the kept neurons' rows), else
-  `_moe_q8r_kernel`, one program per (pair, neuron tile), the kept neurons compacted in
-  registers.
-- prefill (larger T): pairs are grouped by expert (`moe_align`, like vLLM's
+  Every weight byte of the routed experts is read once per pair (memory bound). Its other modes
+  are kernels.moe_sparse's gate-only and sparse kernels.
+- "gemm" (larger T): pairs are grouped by expert (`moe_align`, like vLLM's
   moe_align_block_size, in torch, no host sync) and two grouped GEMMs run on tl.dot tiles:
   `_moe_gemm_gate_up_kernel` (act(gate) * up -> inter [P, n_ff] fp32), then
   `_moe_gemm_down_kernel` (inter @ down, times the routing weight, atomically added into y).
+- "q8r_pipe", "q8r_stream" (q8_0r with n_embd % 64 == 0): kernels.moe_q8r.
 
-P = T * K token-expert pairs; pair p is token p // K, slot p % K. The output y is fp32.
+P = T * K token-expert pairs; pair p is token p // K, slot p % K. The output y is fp32. With an
+expert map (kernels.moe_args) w holds n_slots experts and pairs whose expert is not on the
+device are skipped.
 """
 
 from __future__ import annotations
-
-import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from .expert_formats import (
-    ACTIVATIONS,
-    BLOCKS,
+    ACT_CODES,
     FMT_CODES,
-    REPACKED,
     act_ref,
-    check_expert_tensor,
     dequantize_rows,
+    format_family,
     quantize_x_q8_ref,
-    row_bytes,
 )
+from .expert_paths import table_path
 from .expert_rows import (
     act_fn,
-    blocks_add,
     dot_acc_sum,
     dot_acc_zeros,
-    q8r_bytes,
-    q8r_dot,
-    q8r_dot_q8x,
-    q8r_rows_axpy,
-    q8r_words,
-    quantize_x_lanes,
+    expert_slot,
     rows_axpy,
     rows_dot,
     rows_dot_acc,
     rows_tile,
-    token_x_q8,
-    x_lanes,
 )
-from .moe_q8r_pipe import (
-    _moe_q8r_pipe_kernel,
-    _moe_q8r_sparse2_kernel,
-    pipe_grid,
-    sparse2_list_len,
-)
-from .moe_q8r_stream import _moe_q8r_stream_kernel, stream_grid
-from .sparse_mask import as_threshold
-
-
-def interpreting() -> bool:
-    """True under TRITON_INTERPRET=1 (CPU interpreter: big blocks, fp32 dots)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
+from .launch import interpreting
+from .moe_args import check_moe_args, flat_routing, map_args, n_expert_of
+from .moe_q8r import moe_q8r_pipe, moe_q8r_stream
 
 # ----------------------------------------------------------------------------------------------
-# decode: GEMV per (pair, neuron tile)
+# "gemv": one program per (pair, neuron tile)
 
 
 @triton.jit
@@ -122,6 +93,7 @@ def _moe_gemv_kernel(
     RB,  # row stride of the expert tensor: elements (float formats) or bytes (block formats)
     K,
     stride_x,
+    map_ptr,  # HAS_MAP: [n_expert] int32 expert map (kernels.moe_args)
     FMT: tl.constexpr,
     ACT: tl.constexpr,
     MODE: tl.constexpr,  # 0 dense FFN, 1 gate dots only, 2 sparse FFN (masked up/down rows),
@@ -129,13 +101,20 @@ def _moe_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ACC2D: tl.constexpr,  # MODE 1/2/3: elementwise accumulation over H chunks (rows_dot_acc)
+    HAS_MAP: tl.constexpr,
 ):
     p = tl.program_id(0)
     tile = tl.program_id(1)
     t = p // K
-    e = tl.load(ids_ptr + p).to(tl.int64)
+    e = expert_slot(ids_ptr, map_ptr, p, HAS_MAP)
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < F
+    if HAS_MAP:
+        if e < 0:  # not on this device: nothing added, no count; gate (1) and h (3) rows are 0
+            if MODE % 2 == 1:
+                tl.store(out_ptr + p.to(tl.int64) * F + n, tl.zeros([BLOCK_N], tl.float32),
+                         mask=nm)  # fmt: skip
+            return
     gate_off = (e * F + n) * 3 * RB  # [BLOCK_N] int64; up row at +RB, down row at +2*RB
     x_row = x_ptr + t.to(tl.int64) * stride_x
     y_row = out_ptr + t.to(tl.int64) * H
@@ -173,90 +152,10 @@ def _moe_gemv_kernel(
             tl.store(out_ptr + p.to(tl.int64) * F + n, coef, mask=nm)
 
 
-@triton.jit
-def _q8r_dot_x(words, d, x0, x1, x2, x3, xq, xd, DP4A: tl.constexpr, ASM: tl.constexpr):
-    """[rows] dots of loaded q8_0r rows (q8r_words) with x: integer dots on the Q8 words of x
-    (DP4A) or fp32 dots on x's lanes."""
-    if DP4A:
-        out = q8r_dot_q8x(words, d, xq, xd, ASM)
-    else:
-        out = q8r_dot(words, d, x0, x1, x2, x3)
-    return out
-
-
-@triton.jit
-def _moe_q8r_kernel(
-    x_ptr,  # [T, H] f32/bf16, row stride stride_x
-    w_ptr,  # q8_0r expert tensor, uint8 [E, F, 3, RB]
-    ids_ptr,  # [P] int: expert of each pair
-    tw_ptr,  # [P] f32: routing weight of each pair
-    y_ptr,  # [T, H] f32, accumulated
-    thr_ptr,  # [1] f32 threshold on |act(gate)|
-    cnt_ptr,  # [P] int32, zeroed: active neurons of each pair (atomically added)
-    xq_ptr,  # DP4A: [T, NB, 8] int32 Q8 words of x (_quantize_x_kernel)
-    xd_ptr,  # DP4A: [T, NB] f32 their block scales
-    H,
-    F,
-    RB,  # bytes per row: 34 H / 32
-    K,
-    stride_x,
-    ACT: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # neurons per program
-    BA: tl.constexpr,  # kept neurons processed per step (compacted)
-    NB: tl.constexpr,  # power of two >= H / 32
-    DP4A: tl.constexpr,  # gate/up dots on Q8-quantized x (integer dot per 32-block): 0 off,
-    # 1 x quantized beforehand (xq_ptr, xd_ptr), 2 quantized in the kernel
-    ASM: tl.constexpr,  # dp4a as the GPU instruction (else its integer twin: interpreter)
-):
-    """Sparse decode FFN over q8_0r experts (up/down rows of neurons under the threshold
-    skipped): one program per (pair, BLOCK_N neurons), whole rows per load (no loop over H),
-    the down rows summed in registers ([NB, 32] = H) and added into y with one contiguous
-    atomic per element. The gate rows of the BLOCK_N neurons load at once; the kept neurons are
-    compacted in registers (their rank among the kept ones, one-hot [BA, BLOCK_N] selection)
-    and only they are processed, BA at a time: up/down instructions scale with the kept count,
-    not with BLOCK_N, and dropped rows cost neither bytes nor arithmetic. (The dense path is
-    kernels.moe_q8r_pipe.)"""
-    p = tl.program_id(0)
-    t = p // K
-    e = tl.load(ids_ptr + p).to(tl.int64)
-    if DP4A == 0:  # fp32 dots on x's lanes
-        x0, x1, x2, x3 = x_lanes(x_ptr + t.to(tl.int64) * stride_x, H, NB)
-        xq, xd = x0, x0
-    else:  # integer dots on x's Q8 words (loaded, or quantized by every program: no launch)
-        xq, xd = token_x_q8(x_ptr, xq_ptr, xd_ptr, t, stride_x, H, NB, DP4A, ASM)
-        x0, x1, x2, x3 = xd, xd, xd, xd  # not read: _q8r_dot_x takes xq, xd
-    twp = tl.load(tw_ptr + p).to(tl.float32)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = n < F
-    off = (e * F + n) * 3 * RB  # [BLOCK_N] int64 byte offset of each gate row
-    y_row = y_ptr + t.to(tl.int64) * H
-    acc = tl.zeros([NB, 32], dtype=tl.float32)
-    gw, gd = q8r_words(w_ptr, off, nm, H, NB)
-    a = act_fn(_q8r_dot_x(gw, gd, x0, x1, x2, x3, xq, xd, DP4A, ASM), ACT)
-    keep = (tl.abs(a) >= tl.load(thr_ptr)) & nm
-    ki = keep.to(tl.int32)
-    n_keep = tl.sum(ki, axis=0)
-    tl.atomic_add(cnt_ptr + p, n_keep, sem="relaxed")
-    rank = tl.cumsum(ki, axis=0) - 1  # [BLOCK_N] rank of each kept neuron
-    for a0 in range(0, n_keep, BA):
-        s = a0 + tl.arange(0, BA)
-        sel = keep[None, :] & (rank[None, :] == s[:, None])  # [BA, BLOCK_N] one-hot
-        sm = s < n_keep
-        j = tl.sum(tl.where(sel, n[None, :], 0), axis=1)  # [BA] kept neuron of each slot
-        aj = tl.sum(tl.where(sel, a[None, :], 0.0), axis=1)
-        offj = (e * F + j) * 3 * RB
-        uw, ud = q8r_words(w_ptr, offj + RB, sm, H, NB)
-        dq, dd = q8r_bytes(w_ptr, offj + 2 * RB, sm, H, NB)
-        us = _q8r_dot_x(uw, ud, x0, x1, x2, x3, xq, xd, DP4A, ASM)
-        acc = q8r_rows_axpy(dq, dd, tl.where(sm, aj * us * twp, 0.0), acc)
-    if n_keep > 0:
-        blocks_add(y_row, acc, H, NB)
-
-
 # (BLOCK_N, BLOCK_H, num_warps, ACC2D) of _moe_gemv_kernel per (MODE, format family):
 # "float" and "packed" (q8_0r / q4_0r) picked by bench/sweep_moe.py on an H100 (qwen3-30b-a3b
-# shape, batch 1, 4, 16, sparsity 0.85; bench/results/moe_layer_h100_sweep.json); "block"
-# (GGUF Q8_0 / Q4_0 read unrepacked) from the earlier hand sweep at batch 1-4.
+# shape, batch 1, 4, 16, sparsity 0.85); "block" (GGUF Q8_0 / Q4_0 read unrepacked) from a
+# hand sweep at batch 1-4.
 GEMV_CONFIGS = {
     (0, "float"): (16, 1024, 4, False),
     (0, "block"): (8, 512, 2, False),
@@ -277,13 +176,6 @@ GEMV_CONFIGS = {
 }
 
 
-def format_family(fmt: str) -> str:
-    """'float', 'block' (GGUF q8_0/q4_0: byte loads) or 'packed' (q8_0r/q4_0r: wide loads)."""
-    if fmt in REPACKED.values():
-        return "packed"
-    return "block" if fmt in BLOCKS else "float"
-
-
 def gemv_blocks(fmt: str, mode: int, n_pairs: int = 0) -> tuple[int, int, int, bool]:
     """(BLOCK_N, BLOCK_H, num_warps, ACC2D) for _moe_gemv_kernel in `mode`."""
     if interpreting():
@@ -295,252 +187,24 @@ def gemv_blocks(fmt: str, mode: int, n_pairs: int = 0) -> tuple[int, int, int, b
     return bn, (min(bh, 256) if fmt == "f32" else bh), nw, acc2d
 
 
-def _prep(x, w, fmt, topk_ids, topk_w, activation):
-    """Validate the common arguments; return (H, E, F, RB, T, K)."""
-    if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(
-            f"x must be [T, n_embd] float32 or bfloat16, got {x.dtype} {list(x.shape)}"
-        )
-    if x.stride(1) != 1:
-        raise ValueError("x rows must be contiguous")
-    T, H = x.shape
-    E, F = check_expert_tensor(w, fmt, H)
-    if topk_ids.shape != topk_w.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != T:
-        raise ValueError(
-            f"topk_ids {list(topk_ids.shape)} and topk_w {list(topk_w.shape)} "
-            f"must both be [T={T}, K]"
-        )
-    if activation not in ACTIVATIONS:
-        raise ValueError(
-            f"unknown activation {activation!r}; expected one of {sorted(ACTIVATIONS)}"
-        )
-    for name, tensor in (("x", x), ("topk_ids", topk_ids), ("topk_w", topk_w)):
-        if tensor.device != w.device:
-            raise ValueError(f"{name} is on {tensor.device}, the expert tensor on {w.device}")
-    rb = H if FMT_CODES[fmt] == 0 else row_bytes(fmt, H)
-    return H, E, F, rb, T, topk_ids.shape[1]
-
-
-def flat_routing(topk_ids, topk_w):
-    """(expert ids [P], routing weights [P] f32), contiguous: the per-pair arrays the kernels
-    index with the pair p = token * K + slot."""
-    return topk_ids.reshape(-1).contiguous(), topk_w.reshape(-1).float().contiguous()
-
-
-def moe_dense_decode(x, w, fmt, topk_ids, topk_w, activation="silu", block_n=None, block_h=None,
-                     blocks=None):  # fmt: skip
-    """Decode path (any T; best for small T): y [T, n_embd] fp32. blocks: (BLOCK_N, BLOCK_H,
-    num_warps, ACC2D), default gemv_blocks(fmt, 0); block_n / block_h override those two."""
-    H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
+def moe_dense_gemv(x, w, fmt, topk_ids, topk_w, activation="silu", *, expert_map=None,
+                   blocks=None) -> torch.Tensor:  # fmt: skip
+    """The "gemv" path (any T; best for small T): y [T, n_embd] fp32. blocks: (BLOCK_N,
+    BLOCK_H, num_warps, ACC2D), default gemv_blocks(fmt, 0)."""
+    H, E, F, rb, T, K = check_moe_args(x, w, fmt, topk_ids, topk_w, activation, expert_map)
     bn, bh, nw, acc2d = blocks or gemv_blocks(fmt, 0)
-    bn, bh = block_n or bn, block_h or bh
     y = torch.zeros(T, H, device=x.device, dtype=torch.float32)
     ids, tw = flat_routing(topk_ids, topk_w)
-    grid = (T * K, triton.cdiv(F, bn))
-    _moe_gemv_kernel[grid](
+    _moe_gemv_kernel[(T * K, triton.cdiv(F, bn))](
         x, w, ids, tw, y, tw, ids, H, F, rb, K, x.stride(0),
-        FMT=FMT_CODES[fmt], ACT=ACTIVATIONS[activation], MODE=0,
-        BLOCK_N=bn, BLOCK_H=bh, ACC2D=acc2d, num_warps=nw,
+        FMT=FMT_CODES[fmt], ACT=ACT_CODES[activation], MODE=0,
+        BLOCK_N=bn, BLOCK_H=bh, ACC2D=acc2d, num_warps=nw, **map_args(expert_map, ids),
     )  # fmt: skip
     return y
-
-
-# (BLOCK_N, BA, num_warps) of the sparse _moe_q8r_kernel for one token (P <= 8 pairs) and
-# more: bench/sweep_q8r.py on an H100 (three shapes, batch 1, 4 and 16, sparsity 0.85).
-Q8R_CONFIGS = {"one": (16, 4, 4), "many": (8, 2, 4)}
-# (BLOCK_N, num_warps, programs per SM) of the dense kernels.moe_q8r_pipe kernel: the fastest
-# or within 2% of it at batch 1, 4 and 16 on all three shapes (bench/sweep_q8r.py, H100;
-# 2 neurons a tile: the pipeline's first load and last arithmetic, which nothing overlaps, are
-# short). The interpreter's: fewer, larger steps.
-Q8R_PIPE_CONFIG = (2, 8, 2)
-Q8R_PIPE_CONFIG_INTERPRETER = (16, 4, 4)
-
-
-@triton.jit
-def _quantize_x_kernel(x_ptr, stride_x, q_ptr, d_ptr, H, NB: tl.constexpr, ASM: tl.constexpr):
-    """Token t's x (grid (T,)) as Q8 blocks, as the C core quantizes activations: words
-    [T, NB, 8] int32 (lane i in byte i, as q8r_words) and scales [T, NB] f32."""
-    t = tl.program_id(0).to(tl.int64)
-    x0, x1, x2, x3 = x_lanes(x_ptr + t * stride_x, H, NB)
-    xq, xd = quantize_x_lanes(x0, x1, x2, x3, ASM)
-    b = tl.arange(0, NB)
-    tl.store(q_ptr + (t * NB + b)[:, None] * 8 + tl.arange(0, 8)[None, :], xq)
-    tl.store(d_ptr + t * NB + b, xd)
-
-
-def quantize_x_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H] (H % 32 == 0) -> (words [T, NB, 8] int32, scales [T, NB] f32), NB the power of
-    two >= H / 32 (blocks past H / 32 are zero): what the dp4a path of _moe_q8r_kernel reads."""
-    T, H = x.shape
-    nb = triton.next_power_of_2(H // 32)
-    q = torch.empty(T, nb, 8, dtype=torch.int32, device=x.device)
-    d = torch.empty(T, nb, dtype=torch.float32, device=x.device)
-    _quantize_x_kernel[(T,)](x, x.stride(0), q, d, H, NB=nb, ASM=not interpreting())
-    return q, d
-
-
-# dp4a's x quantization runs inside every program of _moe_q8r_kernel up to this many tokens,
-# else in one quantize_x_q8 launch before it. H100 (bench/sweep_q8r.py --quick, three shapes):
-# in the kernel 1.0-1.1x as fast at batch 1 (one launch less), 0.71-0.91x at batch 4 and 16.
-Q8R_QUANTIZE_IN_KERNEL_MAX_TOKENS = 1
-
-
-def zeroed_out_and_count(T: int, H: int, P: int, device):
-    """(y [T, H] f32, count [P] int32), both zero, from one allocation: one memset node in a
-    CUDA graph instead of two (each node costs ~2 us at batch 1)."""
-    buf = torch.zeros(T * H + P, dtype=torch.float32, device=device)
-    return buf[: T * H].view(T, H), buf[T * H :].view(torch.int32)
-
-
-def q8r_supported(fmt: str, n_embd: int) -> bool:
-    """Whether _moe_q8r_kernel takes this layer: q8_0r rows that start 4-byte aligned."""
-    return fmt == "q8_0r" and n_embd % 64 == 0
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _prep_q8r(x, w, fmt, topk_ids, topk_w, activation):
-    """_prep, and the q8r kernels' own requirement: q8_0r experts with n_embd % 64 == 0."""
-    H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
-    if not q8r_supported(fmt, H):
-        raise ValueError(f"the q8r path needs q8_0r experts and n_embd % 64 == 0, got {fmt}, {H}")
-    return H, E, F, rb, T, K
-
-
-def moe_q8r_decode(x, w, topk_ids, topk_w, activation="silu", threshold=None, dp4a=True,
-                   blocks=None, quantize_in_kernel=None, fmt="q8_0r"):  # fmt: skip
-    """Decode FFN over q8_0r experts: dense (threshold None) -> y, with the pipelined
-    kernels.moe_q8r_pipe kernel, or sparse -> (y, active count [P] int32) with _moe_q8r_kernel;
-    y [T, n_embd] f32 (and count) zeroed in one allocation (but see the defaults below).
-    dp4a: gate/up dots on Q8-quantized x (as the C core computes them; the dense kernel has no
-    other mode); sparse only: False takes fp32 dots on x itself.
-    blocks: dense (BLOCK_N, num_warps, programs per SM), default Q8R_PIPE_CONFIG; sparse
-    (BLOCK_N, BA, num_warps), default Q8R_CONFIGS. fmt: the caller's format of w (checked:
-    q8_0r, with n_embd % 64 == 0). On a GPU the integer dots are dp4a instructions; the
-    interpreter runs their integer twin. quantize_in_kernel: x quantized inside the kernel
-    instead of by quantize_x_q8 first (default: up to Q8R_QUANTIZE_IN_KERNEL_MAX_TOKENS tokens;
-    the dense kernel quantizes once per program, so only at one token).
-    dp4a gives the C core's results on the same quantized x (moe_dense_ref(q8_x=True)).
-    With the defaults (blocks, quantize_in_kernel None, dp4a) dense at Q8R_STREAM_MIN_TOKENS
-    tokens or more takes moe_q8r_stream, sparse at one token moe_q8r_sparse2 (H100 timings at
-    those constants).
-    """
-    H, E, F, rb, T, K = _prep_q8r(x, w, fmt, topk_ids, topk_w, activation)
-    P = T * K
-    in_kernel = quantize_in_kernel
-    if in_kernel is None:
-        in_kernel = T <= Q8R_QUANTIZE_IN_KERNEL_MAX_TOKENS
-    if blocks is None and dp4a and quantize_in_kernel is None:
-        if threshold is None and T >= Q8R_STREAM_MIN_TOKENS:
-            return moe_q8r_stream(x, w, topk_ids, topk_w, activation, fmt=fmt)
-        if threshold is not None and T == 1:
-            return moe_q8r_sparse2(x, w, topk_ids, topk_w, threshold, activation, fmt=fmt)
-    ids, tw = flat_routing(topk_ids, topk_w)
-    if threshold is None:
-        if not dp4a or (in_kernel and T != 1):
-            raise ValueError("the dense q8r kernel takes dp4a dots, x quantized inside at 1 token")
-        y = torch.zeros(T, H, device=x.device, dtype=torch.float32)
-        xq, xd = (ids, tw) if in_kernel else quantize_x_q8(x)
-        _moe_q8r_dense(x, w, ids, tw, y, xq, xd, H, F, rb, K, activation, in_kernel, blocks)
-        return y
-    y, count = zeroed_out_and_count(T, H, P, x.device)
-    bn, ba, nw = blocks or ((64, 4, 4) if interpreting() else Q8R_CONFIGS[
-        "one" if P <= 8 else "many"])  # fmt: skip
-    xq, xd = quantize_x_q8(x) if dp4a and not in_kernel else (ids, tw)
-    _moe_q8r_kernel[(P, triton.cdiv(F, bn))](
-        x, w, ids, tw, y, as_threshold(threshold, x.device), count, xq, xd, H, F, rb, K,
-        x.stride(0), ACT=ACTIVATIONS[activation], BLOCK_N=bn, BA=ba,
-        NB=triton.next_power_of_2(H // 32), DP4A=(2 if in_kernel else 1) if dp4a else 0,
-        ASM=not interpreting(), num_warps=nw,
-    )  # fmt: skip
-    return y, count
-
-
-# (BLOCK_N, BK, num_warps, programs per SM) of moe_q8r_sparse2: the fastest of 8 configs at
-# batch 1 on all three shapes (H100, bench/sweep_q8r.py --sparse2, sparsity 0.85), where it
-# takes 0.90-0.94x the time of the one-wave sparse _moe_q8r_kernel; at batch 4 and 16 it is
-# within 1-2% of that kernel, so moe_q8r_decode takes it at one token only.
-Q8R_SPARSE2_CONFIG = (8, 2, 8, 2)
-
-
-def moe_q8r_sparse2(x, w, topk_ids, topk_w, threshold, activation="silu", blocks=None,
-                    fmt="q8_0r"):  # fmt: skip
-    """Sparse q8_0r decode with kernels.moe_q8r_pipe._moe_q8r_sparse2_kernel (two pipelined
-    phases per program). Returns (y [T, n_embd] f32, active count [P] int32).
-    blocks: (BLOCK_N, BK, num_warps, programs per SM). x quantized in the kernel at one token,
-    by quantize_x_q8 first above."""
-    H, E, F, rb, T, K = _prep_q8r(x, w, fmt, topk_ids, topk_w, activation)
-    interp = interpreting()
-    bn, bk, nw, per_sm = blocks or ((8, 4, 4, 4) if interp else Q8R_SPARSE2_CONFIG)
-    P = T * K
-    y, count = zeroed_out_and_count(T, H, P, x.device)
-    ids, tw = flat_routing(topk_ids, topk_w)
-    xq, xd = (ids, tw) if T == 1 else quantize_x_q8(x)
-    tpp = triton.cdiv(F, bn)
-    grid, run = pipe_grid(P * tpp, per_sm * (1 if interp else _sm_count(x.device)))
-    n_list = sparse2_list_len(run, bn, tpp, bk)
-    lst = torch.empty(grid, n_list, dtype=torch.int32, device=x.device)
-    acts = torch.empty(grid, n_list, dtype=torch.float32, device=x.device)
-    _moe_q8r_sparse2_kernel[(grid,)](
-        x, w, ids, tw, y, as_threshold(threshold, x.device), count, xq, xd, lst, acts, H, F, rb,
-        K, x.stride(0), tpp, P * tpp, run, n_list, ACT=ACTIVATIONS[activation], BLOCK_N=bn,
-        BK=bk, NB=triton.next_power_of_2(H // 32), DP4A=2 if T == 1 else 1, ASM=not interp,
-        num_warps=nw,
-    )  # fmt: skip
-    return y, count
-
-
-# kernels.moe_q8r_stream (dense): (BLOCK_N, num_warps, programs per SM, STAGES), taken by
-# moe_q8r_decode from this many tokens on. H100 (bench/sweep_q8r.py --stream, three shapes):
-# 1.23-1.33x the pipelined kernel at batch 16, 0.98-1.09x at 4, 0.80-0.84x at 1 (there all
-# programs of a token add into the same y row at once, at the end). The interpreter's config:
-# fewer, larger steps (it ignores STAGES).
-Q8R_STREAM_CONFIG = (2, 4, 4, 4)
-Q8R_STREAM_CONFIG_INTERPRETER = (16, 4, 4, 1)
-Q8R_STREAM_MIN_TOKENS = 8
-
-
-def moe_q8r_stream(x, w, topk_ids, topk_w, activation="silu", blocks=None, fmt="q8_0r"):
-    """Dense decode FFN over q8_0r experts with kernels.moe_q8r_stream (one pair's neuron range
-    per program, tiles through the software pipeline; x quantized in every program as the C
-    core quantizes it, dp4a dots) -> y [T, n_embd] f32. blocks: (BLOCK_N, num_warps, programs
-    per SM, STAGES), default Q8R_STREAM_CONFIG."""
-    H, E, F, rb, T, K = _prep_q8r(x, w, fmt, topk_ids, topk_w, activation)
-    interp = interpreting()
-    bn, nw, per_sm, stages = blocks or (
-        Q8R_STREAM_CONFIG_INTERPRETER if interp else Q8R_STREAM_CONFIG
-    )
-    P = T * K
-    ids, tw = flat_routing(topk_ids, topk_w)
-    spp, nps = stream_grid(F, P, bn, per_sm * (1 if interp else _sm_count(x.device)))
-    y = torch.zeros(T, H, device=x.device, dtype=torch.float32)
-    _moe_q8r_stream_kernel[(P * spp,)](
-        x, w, ids, tw, y, H, F, rb, K, x.stride(0), spp, nps, ACT=ACTIVATIONS[activation],
-        BLOCK_N=bn, NB=triton.next_power_of_2(H // 32), ASM=not interp, STAGES=stages,
-        num_warps=nw,
-    )  # fmt: skip
-    return y
-
-
-def _moe_q8r_dense(x, w, ids, tw, y, xq, xd, H, F, rb, K, activation, in_kernel, blocks):
-    """Launch the pipelined dense kernel on a fixed grid of (programs per SM x SMs) programs,
-    each over an equal contiguous run of the P * ceil(F / BLOCK_N) neuron tiles."""
-    interp = interpreting()
-    bn, nw, per_sm = blocks or (Q8R_PIPE_CONFIG_INTERPRETER if interp else Q8R_PIPE_CONFIG)
-    n_tiles = ids.numel() * triton.cdiv(F, bn)
-    grid, run = pipe_grid(n_tiles, per_sm * (1 if interp else _sm_count(x.device)))
-    _moe_q8r_pipe_kernel[(grid,)](
-        x, w, ids, tw, y, xq, xd, H, F, rb, K, x.stride(0), triton.cdiv(F, bn), n_tiles, run,
-        ACT=ACTIVATIONS[activation], BLOCK_N=bn, NB=triton.next_power_of_2(H // 32),
-        DP4A=2 if in_kernel else 1, ASM=not interp, num_warps=nw,
-    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
-# prefill: pairs grouped by expert, grouped GEMMs on tl.dot tiles
+# "gemm": pairs grouped by expert, grouped GEMMs on tl.dot tiles
 
 
 def moe_align(topk_ids: torch.Tensor, n_expert: int, block_m: int):
@@ -587,7 +251,7 @@ def _moe_gemm_gate_up_kernel(
     x_ptr,  # [T, H] f32/bf16
     w_ptr,  # expert tensor
     sorted_ptr,  # [n_blocks * BLOCK_M] int32 pair ids grouped by expert, P = padding
-    blk_expert_ptr,  # [n_blocks] int32
+    blk_expert_ptr,  # [n_blocks] int32 expert id of each block
     total_ptr,  # [1] int32 padded rows in use
     out_ptr,  # [P, F] f32: act(gate) * up, or gate (GATE_ONLY)
     H,
@@ -596,6 +260,7 @@ def _moe_gemm_gate_up_kernel(
     K,
     P,
     stride_x,
+    map_ptr,  # HAS_MAP: [n_expert] int32 expert map (kernels.moe_args)
     FMT: tl.constexpr,
     ACT: tl.constexpr,
     GATE_ONLY: tl.constexpr,
@@ -603,16 +268,24 @@ def _moe_gemm_gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HAS_MAP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
         return
-    e = tl.load(blk_expert_ptr + pid_m).to(tl.int64)
+    e = expert_slot(blk_expert_ptr, map_ptr, pid_m, HAS_MAP)
     pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     pm = pairs < P
     tok = (pairs // K).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < F
+    if HAS_MAP:
+        if e < 0:  # the block's expert is not on this device: gate rows 0 (GATE_ONLY)
+            if GATE_ONLY:
+                o = out_ptr + pairs.to(tl.int64)[:, None] * F + n[None, :]
+                tl.store(o, tl.zeros([BLOCK_M, BLOCK_N], tl.float32),
+                         mask=pm[:, None] & nm[None, :])  # fmt: skip
+            return
     gate_off = (e * F + n) * 3 * RB
 
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -648,16 +321,21 @@ def _moe_gemm_down_kernel(
     RB,
     K,
     P,
+    map_ptr,  # HAS_MAP: [n_expert] int32 expert map (kernels.moe_args)
     FMT: tl.constexpr,
     DOT_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # neurons per step (the reduction axis here)
     BLOCK_H: tl.constexpr,  # output columns per program
+    HAS_MAP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
         return
-    e = tl.load(blk_expert_ptr + pid_m).to(tl.int64)
+    e = expert_slot(blk_expert_ptr, map_ptr, pid_m, HAS_MAP)
+    if HAS_MAP:
+        if e < 0:  # the block's expert is not on this device
+            return
     pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     pm = pairs < P
     pairs64 = pairs.to(tl.int64)
@@ -686,10 +364,12 @@ def gemm_blocks(n_pairs: int, n_expert: int) -> tuple[int, tuple, tuple]:
     return block_m, (64, 128, 4, 3), (32, 128, 4, 3)
 
 
-def moe_dense_prefill(x, w, fmt, topk_ids, topk_w, activation="silu", blocks=None):
-    """Prefill path (grouped GEMMs): y [T, n_embd] fp32."""
-    H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
-    P = T * K
+def moe_dense_gemm(x, w, fmt, topk_ids, topk_w, activation="silu", *, expert_map=None,
+                   blocks=None) -> torch.Tensor:  # fmt: skip
+    """The "gemm" path (grouped GEMMs; best for larger T): y [T, n_embd] fp32. blocks:
+    (BLOCK_M, gate-up config, down config) as gemm_blocks returns them."""
+    H, _, F, rb, T, K = check_moe_args(x, w, fmt, topk_ids, topk_w, activation, expert_map)
+    P, E = T * K, n_expert_of(w, expert_map)
     bm, (bn, bk, nw, ns), (bn2, bk2, nw2, ns2) = blocks or gemm_blocks(P, E)
     sorted_pairs, block_expert, total = moe_align(topk_ids, E, bm)
     n_blocks = block_expert.numel()
@@ -697,51 +377,45 @@ def moe_dense_prefill(x, w, fmt, topk_ids, topk_w, activation="silu", blocks=Non
     inter = torch.empty(P, F, device=x.device, dtype=torch.float32)
     _moe_gemm_gate_up_kernel[(n_blocks, triton.cdiv(F, bn))](
         x, w, sorted_pairs, block_expert, total, inter, H, F, rb, K, P, x.stride(0),
-        FMT=FMT_CODES[fmt], ACT=ACTIVATIONS[activation], GATE_ONLY=False, DOT_BF16=dot_bf16,
+        FMT=FMT_CODES[fmt], ACT=ACT_CODES[activation], GATE_ONLY=False, DOT_BF16=dot_bf16,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns,
+        **map_args(expert_map, total),
     )  # fmt: skip
     y = torch.zeros(T, H, device=x.device, dtype=torch.float32)
     tw = topk_w.reshape(-1).float().contiguous()
     _moe_gemm_down_kernel[(n_blocks, triton.cdiv(H, bk2))](
         inter, w, sorted_pairs, block_expert, total, tw, y, H, F, rb, K, P,
         FMT=FMT_CODES[fmt], DOT_BF16=dot_bf16, BLOCK_M=bm, BLOCK_N=bn2, BLOCK_H=bk2,
-        num_warps=nw2, num_stages=ns2,
+        num_warps=nw2, num_stages=ns2, **map_args(expert_map, total),
     )  # fmt: skip
     return y
 
 
-# Decode below this many tokens (tuned on the H100 with bench/moe_layer.py).
-DECODE_MAX_TOKENS = 8
-# q8_0r layers (n_embd % 64 == 0) up to this many tokens take _moe_q8r_kernel with dp4a dots:
-# on the H100 (bench/sweep_q8r.py --quick, three shapes) 0.94-1.12x the decode GEMV at batch 1,
-# 1.28-1.34x at batch 4 and 1.10-2.0x the prefill GEMMs at batch 16.
-Q8R_DENSE_MAX_TOKENS = 16
+# ----------------------------------------------------------------------------------------------
+# the dense paths
+
+DENSE_LAUNCHERS = {
+    "q8r_pipe": moe_q8r_pipe,
+    "q8r_stream": moe_q8r_stream,
+    "gemv": moe_dense_gemv,
+    "gemm": moe_dense_gemm,
+}
 
 
-def dense_path(fmt: str, n_tok: int, n_embd: int) -> str:
-    """The path moe_dense(path="auto") runs for n_tok tokens of `fmt` (rows of n_embd)."""
-    if q8r_supported(fmt, n_embd) and n_tok <= Q8R_DENSE_MAX_TOKENS:
-        return "q8r"
-    return "decode" if n_tok <= DECODE_MAX_TOKENS else "prefill"
-
-
-def moe_dense(x, w, fmt, topk_ids, topk_w, activation="silu", path="auto"):
+def moe_dense(x, w, fmt, topk_ids, topk_w, activation="silu", path="auto", *, expert_map=None):
     """Dense routed-expert FFN: y [T, n_embd] fp32 = sum_k topk_w * expert_{topk_ids}(x).
 
     x [T, n_embd] f32/bf16; w the expert tensor in `fmt` (kernels.expert_formats);
     topk_ids [T, K] int; topk_w [T, K] float; activation "silu" or "gelu" (tanh approximation);
-    path "q8r" (q8_0r, n_embd % 64 == 0: moe_q8r_decode with dp4a, x quantized to Q8 blocks
-    as the C core does), "decode", "prefill" or "auto" (dense_path).
+    path: one of DENSE_LAUNCHERS (kernels.expert_paths; the q8r ones need q8_0r experts with
+    n_embd % 64 == 0 and take the dots on Q8-quantized x, as the C core does) or "auto" (the
+    table's choice for T tokens). expert_map: kernels.moe_args.
     """
     if path == "auto":
-        path = dense_path(fmt, x.shape[0], x.shape[1])
-    if path == "q8r":
-        return moe_q8r_decode(x, w, topk_ids, topk_w, activation, dp4a=True, fmt=fmt)
-    if path == "decode":
-        return moe_dense_decode(x, w, fmt, topk_ids, topk_w, activation)
-    if path == "prefill":
-        return moe_dense_prefill(x, w, fmt, topk_ids, topk_w, activation)
-    raise ValueError(f"path must be 'auto', 'q8r', 'decode' or 'prefill', got {path!r}")
+        path = table_path(fmt, x.shape[1], x.shape[0], sparse=False)
+    if path not in DENSE_LAUNCHERS:
+        raise ValueError(f"path must be 'auto' or one of {sorted(DENSE_LAUNCHERS)}, got {path!r}")
+    return DENSE_LAUNCHERS[path](x, w, fmt, topk_ids, topk_w, activation, expert_map=expert_map)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -753,17 +427,26 @@ def dequantize_experts(w: torch.Tensor, fmt: str, n_embd: int) -> torch.Tensor:
     return dequantize_rows(w, fmt, n_embd)
 
 
-def moe_dense_ref(x, w, fmt, topk_ids, topk_w, activation="silu", q8_x=False):
+def ref_slot(topk_ids, expert_map, t: int, k: int) -> int:
+    """Slot in w of pair (t, k)'s expert (reference side of an expert map; -1: not here)."""
+    e = int(topk_ids[t, k])
+    return e if expert_map is None else int(expert_map[e])
+
+
+def moe_dense_ref(x, w, fmt, topk_ids, topk_w, activation="silu", q8_x=False, expert_map=None):
     """Plain torch: dequantize the experts, y = sum_k w_k * down(act(gate x) * up x), fp32.
     q8_x: the gate/up dots take x quantized to Q8 blocks (quantize_x_q8_ref), as the dp4a
-    kernels and the C core do."""
+    kernels and the C core do. expert_map: w holds slots (kernels.moe_args)."""
     T, H = x.shape
     wf = dequantize_experts(w, fmt, H)
     xf = quantize_x_q8_ref(x).float() if q8_x else x.float()
     y = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     for t in range(T):
         for k in range(topk_ids.shape[1]):
-            rows = wf[int(topk_ids[t, k])]  # [F, 3, H]
+            slot = ref_slot(topk_ids, expert_map, t, k)
+            if slot < 0:
+                continue
+            rows = wf[slot]  # [F, 3, H]
             g = rows[:, 0] @ xf[t]
             u = rows[:, 1] @ xf[t]
             y[t] += float(topk_w[t, k]) * ((act_ref(g, activation) * u) @ rows[:, 2])

@@ -1,6 +1,6 @@
 """Dense decode MoE over q8_0r experts, one (token, expert) pair's neuron range per program, its
-tiles streamed through shared memory by Triton's software pipeliner (launched by
-kernels.moe_dense.moe_q8r_stream; moe_q8r_decode takes it from Q8R_STREAM_MIN_TOKENS tokens).
+tiles streamed through shared memory by Triton's software pipeliner: the "q8r_stream" path
+(kernels.expert_paths; launched by kernels.moe_q8r.moe_q8r_stream).
 
 The grid is P * SPP programs: pair p's F neurons are cut into SPP equal ranges of NPS neurons
 (a multiple of BLOCK_N). Each program walks its range in BLOCK_N-neuron tiles with
@@ -17,7 +17,8 @@ the same y row at about the same moment, at the end). A sparse twin (gate tiles 
 kept neurons listed in scratch, their up/down rows streamed through the list) was no faster
 than the shipped sparse kernels at any batch (0.91-1.05x their speed; dropped, code not kept).
 
-Under TRITON_INTERPRET=1 num_stages is ignored and the loops run in order.
+With an expert map (kernels.moe_args) the programs of a pair whose expert is not on the device
+exit at once. Under TRITON_INTERPRET=1 num_stages is ignored and the loops run in order.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import triton.language as tl
 from .expert_rows import (
     act_fn,
     blocks_add,
+    expert_slot,
     q8r_bytes,
     q8r_dot_q8x,
     q8r_rows_axpy,
@@ -37,12 +39,13 @@ from .expert_rows import (
 
 
 @triton.jit
-def _pair_range(ids_ptr, SPP, NPS, F):
-    """(pair, expert as int64, first neuron, end neuron) of this program."""
+def _pair_range(ids_ptr, map_ptr, SPP, NPS, F, HAS_MAP: tl.constexpr):
+    """(pair, its expert's slot as int64 (-1: not on the device), first neuron, end neuron) of
+    this program."""
     pid = tl.program_id(0)
     p = pid // SPP
     n0 = (pid % SPP) * NPS
-    return p, tl.load(ids_ptr + p).to(tl.int64), n0, tl.minimum(n0 + NPS, F)
+    return p, expert_slot(ids_ptr, map_ptr, p, HAS_MAP), n0, tl.minimum(n0 + NPS, F)
 
 
 @triton.jit
@@ -59,14 +62,19 @@ def _moe_q8r_stream_kernel(
     stride_x,
     SPP,  # programs per pair
     NPS,  # neurons per program, a multiple of BLOCK_N
+    map_ptr,  # HAS_MAP: [n_expert] int32 expert map (kernels.moe_args)
     ACT: tl.constexpr,
     BLOCK_N: tl.constexpr,  # neurons per tile
     NB: tl.constexpr,  # power of two >= H / 32
     ASM: tl.constexpr,  # dp4a / cvt.rni as GPU instructions (else integer twins)
     STAGES: tl.constexpr,  # pipeline depth: tiles in flight + 1
+    HAS_MAP: tl.constexpr,
 ):
     """Dense: y[t] += w_p * sum over the range's neurons of act(g . x) (u . x) d."""
-    p, e, n0, n1 = _pair_range(ids_ptr, SPP, NPS, F)
+    p, e, n0, n1 = _pair_range(ids_ptr, map_ptr, SPP, NPS, F, HAS_MAP)
+    if HAS_MAP:
+        if e < 0:
+            return
     t = p // K
     xq, xd = token_x_q8(x_ptr, ids_ptr, tw_ptr, t, stride_x, H, NB, 2, ASM)
     acc = tl.zeros([NB, 32], dtype=tl.float32)

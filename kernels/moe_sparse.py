@@ -1,76 +1,80 @@
-"""Intra-expert activation-sparse MoE: dense gate, threshold mask, fused sparse up-down.
+"""Intra-expert activation-sparse MoE: dense gate, threshold mask, sparse up-down.
 
     y[t] = sum_k topk_w[t, k] * sum_{j : |act(g_j . x_t)| >= thr} act(g_j . x_t) * (u_j . x_t) * d_j
 
-Graph-safe steps (fixed shapes, no host sync; `moe_sparse` runs them):
-1. `moe_gate`: gate dots of every neuron of each pair's expert -> gate [P, n_ff] f32
-   (the decode GEMV kernel in gate-only mode; grouped GEMM for larger T). Reads 1/3 of the bytes.
-2. `kernels.sparse_mask.sparse_mask`: act, |act| >= thr, compacted indices + count per pair.
-3. `_moe_sparse_up_down_kernel`: one program per (pair, tile of BLOCK_N active slots); a tile
-   starting at or past its count exits at once. It gathers the active neurons' up rows (dot
-   with x) and down rows (axpy into y[t], relaxed fp32 atomics). A neuron's up and down rows
-   are adjacent in `ffn_gud_exps`, so each active neuron costs two contiguous rows.
-
-For decode, `moe_sparse_fused` does all of it in one kernel (the dense GEMV kernel in MODE 2):
-each (pair, neuron tile) program computes its gate dots, masks, and loads only the active
-neurons' up/down rows (masked loads cost no memory traffic). At batch 1 on an H100 that beats
-the three-launch pipeline, whose fixed per-kernel latency is comparable to its runtime.
-`moe_sparse_split` is the two-kernel middle ground (gate + mask + up in one kernel writing
-h [P, n_ff], then a down kernel with one atomic per output element per neuron slice).
-`moe_sparse_q8r` (q8_0r experts, n_embd % 64 == 0, small batches) is the fused kernel of
-kernels.moe_dense._moe_q8r_kernel in its sparse mode: whole gate rows per program, the kept
-neurons compacted in registers and only they processed (their up/down rows and arithmetic),
-down sums added into y once per program; its gate/up dots take x quantized to Q8 blocks and
-multiply 4 int8 pairs per dp4a instruction (the C core's arithmetic on the same quantized x).
-Which path runs per format and batch: SPARSE_PATHS (H100 sweep, bench/sweep_moe.py) and
-Q8R_SPARSE_MAX_TOKENS (bench/sweep_q8r.py).
+`moe_sparse` runs the sparse path kernels.expert_paths picks (all graph-safe: fixed shapes, no
+host sync, the threshold a device tensor):
+- "gemv_mask" / "gemm_mask": three steps. (1) `moe_gate`: gate dots of every neuron of each
+  pair's expert -> gate [P, n_ff] f32 (the GEMV kernel in gate-only mode, or the grouped GEMM),
+  1/3 of the bytes; (2) kernels.sparse_mask: act, |act| >= thr, compacted indices + count per
+  pair; (3) `_moe_sparse_up_down_kernel`: one program per (pair, tile of BLOCK_N active slots),
+  a tile at or past its count exits at once; it gathers the active neurons' up rows (dot with
+  x) and down rows (axpy into y[t], relaxed fp32 atomics). A neuron's up and down rows are
+  adjacent in `ffn_gud_exps`, so each active neuron costs two contiguous rows.
+- "fused" (`moe_sparse_fused`): all of it in one kernel (the GEMV kernel in MODE 2): each
+  (pair, neuron tile) program computes its gate dots, masks, and loads only the active neurons'
+  up/down rows (masked loads cost no memory traffic). At batch 1 on an H100 that beats the
+  three-launch pipeline, whose fixed per-kernel latency is comparable to its runtime.
+- "split" (`moe_sparse_split`): gate + mask + up in one kernel writing h [P, n_ff], then a down
+  kernel with one atomic per output element per neuron slice (an alternative for comparisons).
+- "q8r_sparse", "q8r_sparse2" (q8_0r, n_embd % 64 == 0): kernels.moe_q8r.
+With an expert map (kernels.moe_args) pairs whose expert is not on the device are skipped:
+they add nothing to y and their active count is 0.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from .expert_formats import ACTIVATIONS, FMT_CODES, act_ref, quantize_x_q8_ref
-from .expert_rows import dot_acc_sum, dot_acc_zeros, rows_dot_acc, rows_tile
-from .moe_dense import (
-    DECODE_MAX_TOKENS,
-    _moe_gemm_gate_up_kernel,
-    _moe_gemv_kernel,
-    _prep,
-    _rows_axpy_all,
-    dense_path,
-    dequantize_experts,
+from .expert_formats import ACT_CODES, FMT_CODES, act_ref, format_family, quantize_x_q8_ref
+from .expert_paths import table_path
+from .expert_rows import dot_acc_sum, dot_acc_zeros, expert_slot, rows_dot_acc, rows_tile
+from .launch import interpreting
+from .moe_args import (
+    check_moe_args,
     flat_routing,
-    format_family,
-    gemm_blocks,
-    gemv_blocks,
-    interpreting,
-    moe_align,
-    moe_q8r_decode,
-    q8r_supported,
+    map_args,
+    n_expert_of,
     zeroed_out_and_count,
 )
+from .moe_dense import (
+    _moe_gemm_gate_up_kernel,
+    _moe_gemv_kernel,
+    _rows_axpy_all,
+    dequantize_experts,
+    gemm_blocks,
+    gemv_blocks,
+    moe_align,
+    ref_slot,
+)
+from .moe_q8r import moe_q8r_sparse, moe_q8r_sparse2
 from .sparse_mask import as_threshold, sparse_mask
 
 
-def moe_gate(x, w, fmt, topk_ids, path="auto"):
-    """Gate dots g[p, j] = W_gate[e_p, j] . x[p // K] for all neurons: [P, n_ff] f32."""
+def moe_gate(x, w, fmt, topk_ids, path="auto", *, expert_map=None):
+    """Gate dots g[p, j] = W_gate[e_p, j] . x[p // K] for all neurons: [P, n_ff] f32 (rows of
+    pairs whose expert is not on the device: 0). path "gemv", "gemm" or "auto" (the one the
+    dense table takes at T tokens)."""
     dummy_w = torch.zeros(topk_ids.shape, device=x.device)
-    H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, dummy_w, "silu")
+    H, _, F, rb, T, K = check_moe_args(x, w, fmt, topk_ids, dummy_w, "silu", expert_map)
     P = T * K
     gate = torch.empty(P, F, device=x.device, dtype=torch.float32)
     if path == "auto":
-        path = "decode" if T <= DECODE_MAX_TOKENS else "prefill"
-    if path == "decode":
+        path = "gemm" if table_path(fmt, H, T, sparse=False) == "gemm" else "gemv"
+    if path == "gemv":
         bn, bh, nw, acc2d = gemv_blocks(fmt, 1)
         ids = topk_ids.reshape(-1).contiguous()
         _moe_gemv_kernel[(P, triton.cdiv(F, bn))](
-            x, w, ids, gate, gate, gate, ids, H, F, rb, K, x.stride(0),
-            FMT=FMT_CODES[fmt], ACT=0, MODE=1, BLOCK_N=bn, BLOCK_H=bh, ACC2D=acc2d, num_warps=nw,
+            x, w, ids, gate, gate, gate, ids, H, F, rb, K, x.stride(0), FMT=FMT_CODES[fmt],
+            ACT=0, MODE=1, BLOCK_N=bn, BLOCK_H=bh, ACC2D=acc2d, num_warps=nw,
+            **map_args(expert_map, ids),
         )  # fmt: skip
-    elif path == "prefill":
+    elif path == "gemm":
+        E = n_expert_of(w, expert_map)
         bm, (bn, bk, nw, ns), _ = gemm_blocks(P, E)
         sorted_pairs, block_expert, total = moe_align(topk_ids, E, bm)
         dot_bf16 = x.dtype == torch.bfloat16 and not interpreting()
@@ -78,9 +82,10 @@ def moe_gate(x, w, fmt, topk_ids, path="auto"):
             x, w, sorted_pairs, block_expert, total, gate, H, F, rb, K, P, x.stride(0),
             FMT=FMT_CODES[fmt], ACT=0, GATE_ONLY=True, DOT_BF16=dot_bf16,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns,
+            **map_args(expert_map, total),
         )  # fmt: skip
     else:
-        raise ValueError(f"path must be 'auto', 'decode' or 'prefill', got {path!r}")
+        raise ValueError(f"path must be 'auto', 'gemv' or 'gemm', got {path!r}")
     return gate
 
 
@@ -99,21 +104,26 @@ def _moe_sparse_up_down_kernel(
     RB,
     K,
     stride_x,
+    map_ptr,  # HAS_MAP: [n_expert] int32 expert map (kernels.moe_args)
     FMT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    HAS_MAP: tl.constexpr,
 ):
     p = tl.program_id(0)
     start = tl.program_id(1) * BLOCK_N
     cnt = tl.load(cnt_ptr + p)
     if start >= cnt:  # empty tile: the grid is sized for a fully dense pair
         return
+    e = expert_slot(ids_ptr, map_ptr, p, HAS_MAP)
+    if HAS_MAP:
+        if e < 0:  # not on this device
+            return
     s = start + tl.arange(0, BLOCK_N)
     sm = s < cnt
     slot = p.to(tl.int64) * F + s
     j = tl.load(idx_ptr + slot, mask=sm, other=0).to(tl.int64)
     a = tl.load(act_ptr + slot, mask=sm, other=0.0)
-    e = tl.load(ids_ptr + p).to(tl.int64)
     t = (p // K).to(tl.int64)
     up_off = ((e * F + j) * 3 + 1) * RB  # down row at +RB
     x_row = x_ptr + t * stride_x
@@ -134,10 +144,11 @@ def sparse_blocks(fmt: str, n_pairs: int) -> tuple[int, int, int]:
     return (8 if n_pairs <= 8 else 32), (512 if fmt != "f32" else 256), 4
 
 
-def moe_sparse_up_down(x, w, fmt, topk_ids, topk_w, idx, act, count, y=None, block_n=None):
+def moe_sparse_up_down(x, w, fmt, topk_ids, topk_w, idx, act, count, y=None, block_n=None, *,
+                       expert_map=None):  # fmt: skip
     """Fused sparse up-down over the compacted active neurons (sparse_mask's layout); adds
     into y (new zeros if None). Grid (P, cdiv(n_ff, BLOCK_N)): fixed, graph-safe."""
-    H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, "silu")
+    H, _, F, rb, T, K = check_moe_args(x, w, fmt, topk_ids, topk_w, "silu", expert_map)
     P = T * K
     if idx.shape != (P, F) or act.shape != (P, F) or count.shape != (P,):
         raise ValueError(f"idx/act must be [P={P}, n_ff={F}] and count [P], got "
@@ -149,24 +160,36 @@ def moe_sparse_up_down(x, w, fmt, topk_ids, topk_w, idx, act, count, y=None, blo
     ids, tw = flat_routing(topk_ids, topk_w)
     _moe_sparse_up_down_kernel[(P, triton.cdiv(F, bn))](
         x, w, ids, tw, idx, act, count, y, H, F, rb, K, x.stride(0),
-        FMT=FMT_CODES[fmt], BLOCK_N=bn, BLOCK_H=bh, num_warps=nw,
+        FMT=FMT_CODES[fmt], BLOCK_N=bn, BLOCK_H=bh, num_warps=nw, **map_args(expert_map, ids),
     )  # fmt: skip
     return y
 
 
-def moe_sparse_fused(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", blocks=None):
-    """One-kernel sparse FFN for decode: each (pair, neuron tile) program computes its gate
-    dots, masks, then reads only the active neurons' up and down rows (masked loads) and adds
-    into y. Returns (y [T, n_embd] f32, active count [P] int32)."""
-    H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
+def moe_sparse_masked(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", *,
+                      expert_map=None, gate_path="gemv"):  # fmt: skip
+    """The "gemv_mask" (gate_path "gemv") or "gemm_mask" path: moe_gate, sparse_mask and the
+    compacted up-down kernel. Returns (y [T, n_embd] f32, active count [P] int32)."""
+    gate = moe_gate(x, w, fmt, topk_ids, path=gate_path, expert_map=expert_map)
+    idx, act, count = sparse_mask(gate, as_threshold(threshold, x.device), activation,
+                                  topk_ids=topk_ids, expert_map=expert_map)  # fmt: skip
+    y = moe_sparse_up_down(x, w, fmt, topk_ids, topk_w, idx, act, count, expert_map=expert_map)
+    return y, count
+
+
+def moe_sparse_fused(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", *,
+                     expert_map=None, blocks=None):  # fmt: skip
+    """The "fused" path: each (pair, neuron tile) program computes its gate dots, masks, then
+    reads only the active neurons' up and down rows (masked loads) and adds into y.
+    Returns (y [T, n_embd] f32, active count [P] int32)."""
+    H, _, F, rb, T, K = check_moe_args(x, w, fmt, topk_ids, topk_w, activation, expert_map)
     P = T * K
     bn, bh, nw, acc2d = blocks or gemv_blocks(fmt, 2, P)
     y, count = zeroed_out_and_count(T, H, P, x.device)
     ids, tw = flat_routing(topk_ids, topk_w)
     _moe_gemv_kernel[(P, triton.cdiv(F, bn))](
         x, w, ids, tw, y, as_threshold(threshold, x.device), count, H, F, rb, K, x.stride(0),
-        FMT=FMT_CODES[fmt], ACT=ACTIVATIONS[activation], MODE=2, BLOCK_N=bn, BLOCK_H=bh,
-        ACC2D=acc2d, num_warps=nw,
+        FMT=FMT_CODES[fmt], ACT=ACT_CODES[activation], MODE=2, BLOCK_N=bn, BLOCK_H=bh,
+        ACC2D=acc2d, num_warps=nw, **map_args(expert_map, ids),
     )  # fmt: skip
     return y, count
 
@@ -181,14 +204,17 @@ def _moe_sparse_down_kernel(
     F,
     RB,
     K,
+    map_ptr,  # HAS_MAP: [n_expert] int32 expert map (kernels.moe_args)
     FMT: tl.constexpr,
     BLOCK_N: tl.constexpr,  # neurons per step
     BLOCK_H: tl.constexpr,  # output columns per program
     SPLIT_N: tl.constexpr,  # neurons per program (a multiple of BLOCK_N)
+    HAS_MAP: tl.constexpr,
 ):
     """y[t, h-chunk] += sum over a SPLIT_N slice of token t's K * F (pair, neuron) rows of
-    h * down row; rows with h == 0 are masked off (no memory traffic). Grid (T, H chunks,
-    K * F / SPLIT_N): one atomic per output element per program, not per neuron tile."""
+    h * down row; rows with h == 0 are masked off (no memory traffic; the rows of pairs not on
+    the device are all 0). Grid (T, H chunks, K * F / SPLIT_N): one atomic per output element
+    per program, not per neuron tile."""
     t = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1) * BLOCK_H
     h = h0 + tl.arange(0, BLOCK_H)
@@ -199,6 +225,8 @@ def _moe_sparse_down_kernel(
         gm = g < KF
         coef = tl.load(h_ptr + t * KF + g, mask=gm, other=0.0)
         e = tl.load(ids_ptr + t * K + g // F, mask=gm, other=0).to(tl.int64)
+        if HAS_MAP:
+            e = tl.maximum(tl.load(map_ptr + e, mask=gm, other=0).to(tl.int64), 0)
         down_off = ((e * F + g % F) * 3 + 2) * RB
         tile = rows_tile(w_ptr, down_off, gm & (coef != 0.0), h0, H, FMT, BLOCK_H)
         acc += tl.sum(tile * coef[:, None], axis=0)
@@ -206,9 +234,7 @@ def _moe_sparse_down_kernel(
 
 
 # (BLOCK_N, BLOCK_H, SPLIT_N, num_warps) of the split path's down kernel (H100 sweep, batch 1;
-# "block" unswept). The split path lost to "fused" everywhere it was timed (30 vs 23 us bf16,
-# 69 vs 26 us q8_0r at batch 1; why q8_0r's down kernel, which dequantizes through rows_tile,
-# is that slow was not profiled): kept as an alternative for the sweep.
+# "block" unswept).
 DOWN_CONFIGS = {"float": (64, 512, 128, 4), "block": (32, 256, 256, 4), "packed": (32, 512, 128, 4)}
 
 
@@ -218,13 +244,13 @@ def down_blocks(fmt: str) -> tuple[int, int, int, int]:
     return DOWN_CONFIGS[format_family(fmt)]
 
 
-def moe_sparse_split(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", blocks=None,
-                     down=None):  # fmt: skip
-    """Two-kernel sparse FFN for decode: (1) per (pair, neuron tile) gate dots, mask, up dots
-    of the kept neurons -> h [P, n_ff] (0 where dropped); (2) down rows of the kept neurons
-    summed per (token, column chunk, neuron slice), one atomic add per output element.
+def moe_sparse_split(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", *,
+                     expert_map=None, blocks=None, down=None):  # fmt: skip
+    """The "split" path: (1) per (pair, neuron tile) gate dots, mask, up dots of the kept
+    neurons -> h [P, n_ff] (0 where dropped); (2) down rows of the kept neurons summed per
+    (token, column chunk, neuron slice), one atomic add per output element.
     Returns (y [T, n_embd] f32, active count [P] int32)."""
-    H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
+    H, _, F, rb, T, K = check_moe_args(x, w, fmt, topk_ids, topk_w, activation, expert_map)
     P = T * K
     bn, bh, nw, acc2d = blocks or gemv_blocks(fmt, 3, P)
     dbn, dbh, split, dnw = down or down_blocks(fmt)
@@ -233,87 +259,51 @@ def moe_sparse_split(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", 
     ids, tw = flat_routing(topk_ids, topk_w)
     _moe_gemv_kernel[(P, triton.cdiv(F, bn))](
         x, w, ids, tw, hbuf, as_threshold(threshold, x.device), count, H, F, rb, K, x.stride(0),
-        FMT=FMT_CODES[fmt], ACT=ACTIVATIONS[activation], MODE=3, BLOCK_N=bn, BLOCK_H=bh,
-        ACC2D=acc2d, num_warps=nw,
+        FMT=FMT_CODES[fmt], ACT=ACT_CODES[activation], MODE=3, BLOCK_N=bn, BLOCK_H=bh,
+        ACC2D=acc2d, num_warps=nw, **map_args(expert_map, ids),
     )  # fmt: skip
     _moe_sparse_down_kernel[(T, triton.cdiv(H, dbh), triton.cdiv(K * F, split))](
         hbuf, w, ids, y, H, F, rb, K, FMT=FMT_CODES[fmt], BLOCK_N=dbn, BLOCK_H=dbh,
-        SPLIT_N=split, num_warps=dnw,
+        SPLIT_N=split, num_warps=dnw, **map_args(expert_map, ids),
     )  # fmt: skip
     return y, count
 
 
-# The sparse path `moe_sparse(path="auto")` takes per format family and batch size: the first
-# (max T, path) entry with T <= max T. float / packed: the H100 sweep's fastest at batch 1, 4,
-# 16 (bench/sweep_moe.py); block: the earlier hand-tuned choice.
-SPARSE_PATHS = {
-    "float": ((16, "fused"), (1 << 62, "prefill")),
-    "block": ((1, "fused"), (DECODE_MAX_TOKENS, "decode"), (1 << 62, "prefill")),
-    "packed": ((4, "fused"), (16, "decode"), (1 << 62, "prefill")),
+SPARSE_LAUNCHERS = {
+    "q8r_sparse2": moe_q8r_sparse2,
+    "q8r_sparse": moe_q8r_sparse,
+    "fused": moe_sparse_fused,
+    "split": moe_sparse_split,
+    "gemv_mask": functools.partial(moe_sparse_masked, gate_path="gemv"),
+    "gemm_mask": functools.partial(moe_sparse_masked, gate_path="gemm"),
 }
 
 
-# q8_0r layers (n_embd % 64 == 0) take the "q8r" path (gate/up dots on Q8-quantized x with
-# dp4a) up to this many tokens: on the H100 (bench/sweep_q8r.py --quick, sparsity 0.85, three
-# shapes) 1.16-1.20x "fused" at batch 1, 1.56-1.83x at 4 and 1.66-1.75x "decode" at 16.
-Q8R_SPARSE_MAX_TOKENS = 16
-
-
-def sparse_path(fmt: str, n_tok: int, n_embd: int | None = None) -> str:
-    """The path moe_sparse(path="auto") runs for n_tok tokens of `fmt` (rows of n_embd)."""
-    if n_embd is not None and q8r_supported(fmt, n_embd) and n_tok <= Q8R_SPARSE_MAX_TOKENS:
-        return "q8r"
-    return next(path for max_t, path in SPARSE_PATHS[format_family(fmt)] if n_tok <= max_t)
-
-
-def quantizes_x(fmt: str, n_tok: int, n_embd: int, sparse: bool) -> bool:
-    """Whether the auto path of moe_sparse (sparse) or moe_dense takes the gate/up dots on
-    Q8-quantized x here (as the C core does; the "q8r" paths): then the torch reference of
-    its result is moe_sparse_ref / moe_dense_ref with q8_x=True."""
-    path = sparse_path(fmt, n_tok, n_embd) if sparse else dense_path(fmt, n_tok, n_embd)
-    return path == "q8r"
-
-
-def moe_sparse_q8r(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", dp4a=True,
-                   blocks=None):  # fmt: skip
-    """Sparse FFN of q8_0r experts in one _moe_q8r_kernel launch (plus one memset, and the x
-    quantization with dp4a). Returns (y [T, n_embd] f32, active count [P] int32). dp4a: gate/up
-    dots on Q8-quantized x (the shipped path; False: on x itself); blocks as moe_q8r_decode."""
-    return moe_q8r_decode(x, w, topk_ids, topk_w, activation, threshold, dp4a=dp4a,
-                          blocks=blocks, fmt=fmt)  # fmt: skip
-
-
-def moe_sparse(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", path="auto"):
-    """Sparse routed-expert FFN. Returns (y [T, n_embd] f32, active [T, K] int32 neuron counts).
+def moe_sparse(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", path="auto", *,
+               expert_map=None):  # fmt: skip
+    """Sparse routed-expert FFN. Returns (y [T, n_embd] f32, active [T, K] int32 neuron counts;
+    0 for pairs whose expert is not on the device).
 
     threshold: float or [1] device tensor on |act(gate)|; 0 keeps every neuron (= moe_dense).
-    path: "q8r" (q8_0r only: moe_sparse_q8r), "fused" (one kernel, moe_sparse_fused),
-    "split" (gate-up kernel + down kernel,
-    moe_sparse_split), "decode" (GEMV gate dots + sparse_mask + compacted sparse up-down),
-    "prefill" (grouped-GEMM gate dots + sparse_mask + sparse up-down), or "auto": the fastest
-    on an H100 for this format and batch (SPARSE_PATHS, bench/moe_layer.py).
+    path: one of SPARSE_LAUNCHERS (kernels.expert_paths; the q8r ones need q8_0r experts with
+    n_embd % 64 == 0 and take the dots on Q8-quantized x) or "auto" (the table's choice for
+    T tokens). expert_map: kernels.moe_args.
     """
-    H, E, F, rb, T, K = _prep(x, w, fmt, topk_ids, topk_w, activation)
+    T, K = topk_ids.shape
     if path == "auto":
-        path = sparse_path(fmt, T, H)
-    if path == "q8r":
-        y, count = moe_sparse_q8r(x, w, fmt, topk_ids, topk_w, threshold, activation)
-        return y, count.view(T, K)
-    if path == "fused":
-        y, count = moe_sparse_fused(x, w, fmt, topk_ids, topk_w, threshold, activation)
-        return y, count.view(T, K)
-    if path == "split":
-        y, count = moe_sparse_split(x, w, fmt, topk_ids, topk_w, threshold, activation)
-        return y, count.view(T, K)
-    gate = moe_gate(x, w, fmt, topk_ids, path=path)
-    idx, act, count = sparse_mask(gate, as_threshold(threshold, x.device), activation)
-    y = moe_sparse_up_down(x, w, fmt, topk_ids, topk_w, idx, act, count)
+        path = table_path(fmt, x.shape[1], T, sparse=True)
+    if path not in SPARSE_LAUNCHERS:
+        raise ValueError(f"path must be 'auto' or one of {sorted(SPARSE_LAUNCHERS)}, got {path!r}")
+    y, count = SPARSE_LAUNCHERS[path](x, w, fmt, topk_ids, topk_w, threshold, activation,
+                                      expert_map=expert_map)  # fmt: skip
     return y, count.view(T, K)
 
 
-def moe_sparse_ref(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", q8_x=False):
+def moe_sparse_ref(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", q8_x=False,
+                   expert_map=None):  # fmt: skip
     """Torch reference of moe_sparse: (y [T, n_embd] f32, active [T, K] int32). q8_x: the
-    gate/up dots take x quantized to Q8 blocks (quantize_x_q8_ref), as the dp4a path does."""
+    gate/up dots take x quantized to Q8 blocks (quantize_x_q8_ref), as the dp4a path does.
+    expert_map: w holds slots (kernels.moe_args)."""
     T, H = x.shape
     wf = dequantize_experts(w, fmt, H)
     xf = quantize_x_q8_ref(x).float() if q8_x else x.float()
@@ -321,7 +311,10 @@ def moe_sparse_ref(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", q8
     active = torch.zeros(topk_ids.shape, dtype=torch.int32, device=x.device)
     for t in range(T):
         for k in range(topk_ids.shape[1]):
-            rows = wf[int(topk_ids[t, k])]  # [F, 3, H]
+            slot = ref_slot(topk_ids, expert_map, t, k)
+            if slot < 0:
+                continue
+            rows = wf[slot]  # [F, 3, H]
             a = act_ref(rows[:, 0] @ xf[t], activation)
             keep = a.abs() >= threshold
             active[t, k] = int(keep.sum())

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .expert_rows import s8_to_f32
-from .moe_dense import interpreting
+from .launch import interpreting
 from .tuning import lookup
 
 

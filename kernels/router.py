@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .decoder_ops import residual_rms_norm
 from .grid_sync import counters, last_arrival, reset_counter
-from .moe_dense import interpreting
+from .launch import interpreting
 from .tuning import lookup
 
 # H100, olmoe shape (64 experts x 2048), graph-timed by bench/gpu_kernels.py (2026-11-23): one

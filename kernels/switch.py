@@ -15,8 +15,9 @@ routings and hidden states, or sampled ones; below INPUTS_PER_BATCH tokens on se
 times summed, as one token's achieved sparsity scatters) until sparse has lost at two batches
 in a row; a step of T tokens takes the decision of the smallest profiled batch >= T (dense past
 the last), so the switch is never on where sparse lost.
-Cache: one JSON file per (GPU name, key, format, shape, threshold, KERNELS_VERSION) under
-$PYRUNTIME_CACHE/switch/ (default ~/.cache/pyruntime/switch/); a second call reads it.
+Cache: one JSON file per (GPU name, key, format, shape, threshold, KERNELS_VERSION) in the
+caller's directory (default ~/.cache/pyruntime/switch/); a second call reads it. The decision
+itself, dense or sparse at T tokens and then which kernel, is kernels.expert_paths'.
 
 The timer is a parameter (`timer(path, batch, fn) -> seconds`), so the crossover logic and the
 cache are tested on CPU with a fake timer; the default one replays a CUDA graph of fn with the
@@ -32,53 +33,28 @@ import re
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
 
+from .expert_paths import SparseSwitch
 from .moe_dense import moe_dense
 from .moe_sparse import moe_sparse
 from .timing import capture, event_seconds, l2_evictor, warm_up
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Part of every profile's identity: bump it whenever the MoE kernels, their configs or their
-# path choices change, so a profile measured with older kernels is never reused.
-KERNELS_VERSION = 6  # 2: the q8r sparse path; 3: dp4a q8r dense and sparse (x quantized);
-# 4: the pipelined q8r dense kernel; per-batch decisions; 5: L2 evicted by a read when profiling;
-# 6: q8r dense from 8 tokens on moe_q8r_stream, q8r sparse at one token moe_q8r_sparse2
+# path choices (kernels.expert_paths) change, so a profile measured with older kernels is never
+# reused.
+KERNELS_VERSION = 6
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "pyruntime" / "switch"
 # Tokens timed per profiled batch at least: a batch of T tokens runs on INPUTS_PER_BATCH // T
 # inputs (routing, hidden states), their times summed.
 INPUTS_PER_BATCH = 4
 Timer = Callable[[str, int, Callable[[], object]], float]  # (path, batch, fn) -> seconds
 
-
-@dataclass(frozen=True)
-class SparseSwitch:
-    """Profiled batch sizes (ascending) and those where the sparse path won."""
-
-    profiled: tuple[int, ...] = ()
-    won: tuple[int, ...] = ()
-
-    @classmethod
-    def up_to(cls, n: int) -> SparseSwitch:
-        """Sparse for every batch of at most n tokens (0: never), dense above."""
-        return cls((n,), (n,)) if n >= 1 else cls()
-
-    def use_sparse(self, n_tok: int) -> bool:
-        """The decision of the smallest profiled batch >= n_tok; dense past the last one."""
-        return next((b in self.won for b in self.profiled if b >= n_tok), False)
-
-
 _MEMO: dict[Path, SparseSwitch] = {}  # this process's profiles, by cache file
-
-
-def cache_dir() -> Path:
-    """$PYRUNTIME_CACHE/switch, else ~/.cache/pyruntime/switch."""
-    root = os.environ.get("PYRUNTIME_CACHE")
-    base = Path(root) if root else Path.home() / ".cache" / "pyruntime"
-    return base / "switch"
 
 
 def device_name(device: torch.device) -> str:
@@ -98,7 +74,7 @@ def cache_file(identity: dict, directory: Path | None = None) -> Path:
     """The JSON file of one profile: readable GPU + key prefix, hash of the whole identity."""
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     stem = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{identity['gpu']}__{identity['key']}")[:120]
-    return (directory or cache_dir()) / f"{stem}__{digest}.json"
+    return (directory or DEFAULT_CACHE_DIR) / f"{stem}__{digest}.json"
 
 
 def _random_inputs(w, n_embd, top_k, T, x_sample, seed):
@@ -170,8 +146,9 @@ def sparse_switch(w: torch.Tensor, fmt: str, n_embd: int, top_k: int, activation
     w, fmt: the prepared expert tensor (kernels.dispatch.prepare_experts) on its GPU;
     threshold: the calibrated |act(gate)| threshold (float or [1] tensor) of this layer;
     key: the model identity, layer and sparsity (the caller's; the GPU name, format, shape and
-    threshold are added). x_sample [N, n_embd]: real hidden states to profile with (optional;
-    the sparsity reached by random ones may differ). Profiled once, then read from the cache;
+    threshold are added); directory: where profiles are cached (default DEFAULT_CACHE_DIR).
+    x_sample [N, n_embd]: real hidden states to profile with (optional; the sparsity reached by
+    random ones may differ). Profiled once, then read from the cache;
     on_profile(cache file) is called just before a profile runs (not on a cache hit), so a
     caller can say why the first load takes longer.
     """

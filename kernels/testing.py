@@ -4,7 +4,7 @@ import os
 
 import torch
 
-from .expert_formats import BLOCKS, quantize_rows
+from .expert_formats import BLOCKS, act_ref, quantize_rows
 
 N_EXPERT, N_FF, TOP_K = 6, 45, 3  # odd n_ff: partial neuron tiles
 # The tests' device: the GPU when kernels compile for it (TRITON_INTERPRET=0), else the CPU.
@@ -58,15 +58,28 @@ def assert_close_rel(y: torch.Tensor, ref: torch.Tensor, rtol: float) -> None:
     assert err <= rtol * scale, f"max abs err {err:.3e} > {rtol:.0e} * max|ref| {scale:.3e}"
 
 
-def spy_tokens(monkeypatch, module, name: str) -> list[int]:
-    """Wrap module.name (a launcher whose first argument is x [T, ...]) so that every call
-    appends T to the returned list and then runs the real function (dispatch tests)."""
+def gap_threshold(gate: torch.Tensor, activation: str, quantile: float) -> float:
+    """A threshold near `quantile` of |act(gate)| in the widest gap between neighbouring values
+    there, so kernel rounding (~1e-6 relative) cannot move any neuron across it."""
+    mags = act_ref(gate.double(), activation).abs().flatten().sort().values
+    n = mags.numel()
+    lo, hi = int(n * (quantile - 0.1)), int(n * (quantile + 0.1))
+    gaps = mags[lo + 1 : hi] - mags[lo : hi - 1]
+    i = int(gaps.argmax())
+    assert gaps[i] > 1e-4 * mags[-1], "no usable gap; change the seed"
+    return float((mags[lo + i] + mags[lo + i + 1]) / 2)
+
+
+def spy_tokens(monkeypatch, launchers: dict, path: str) -> list[int]:
+    """Wrap launchers[path] (a launcher whose first argument is x [T, ...]; launchers is
+    moe_dense.DENSE_LAUNCHERS or moe_sparse.SPARSE_LAUNCHERS) so that every call appends T to
+    the returned list and then runs the real function (dispatch tests)."""
     calls: list[int] = []
-    real = getattr(module, name)
+    real = launchers[path]
 
     def spy(*args, **kwargs):
         calls.append(args[0].shape[0])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(module, name, spy)
+    monkeypatch.setitem(launchers, path, spy)
     return calls

@@ -92,6 +92,7 @@ class Model:
         thresholds = None if table is None else table.for_sparsity(sparsity)
         config = ModelConfig.from_gguf(self.file)
         self.n_ctx = n_ctx or config.context_length
+        self.kernel_tuning = options.value("kernel_tuning", kernel_tuning)
         choice = choose_device(device, self.file, config, self.n_ctx)
         self.device, self.device_note = choice.device, choice.note
         if choice.note:
@@ -108,11 +109,11 @@ class Model:
                 if threads < 1:
                     raise UsageError(f"--threads must be >= 1, got {threads}")
                 torch.set_num_threads(threads)
-            self.net = GpuExecutor(config, self.file, self.device)
+            self.net = GpuExecutor(config, self.file, self.device, kernel_tuning=self.kernel_tuning)
             key = f"{self.path.name}:{self.file.file_size}:s{sparsity}"
-            self.net.set_expert_threshold(thresholds, key=key)
+            switch_dir = options.cache_dir() / "switch"
+            self.net.set_expert_threshold(thresholds, key=key, cache_dir=switch_dir)
         self.sparsity = sparsity
-        self.kernel_tuning = options.value("kernel_tuning", kernel_tuning)
         self._decoding_options = dict(
             experts_per_token=experts_per_token,
             little_experts=little_experts,

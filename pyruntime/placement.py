@@ -43,9 +43,9 @@ def choose_device(requested: str, f: GGUFFile, cfg: ModelConfig, n_ctx: int) -> 
             f"{torch.__version__}); use --device cpu or auto"
         )
     from pyruntime.gpu.weights import device_bytes
-    from pyruntime.kernels.expert_formats import ACTIVATIONS
+    from pyruntime.kernels.expert_formats import ACT_CODES
 
-    if cfg.activation not in ACTIVATIONS:
+    if cfg.activation not in ACT_CODES:
         why = f"expert activation '{cfg.activation}' has no GPU kernel"
         if req == "auto":
             return DeviceChoice("cpu", f"running on the CPU: {why}")

@@ -58,10 +58,10 @@ def _logprobs(model, ids: list[int], split: int) -> torch.Tensor:
     return torch.log_softmax(torch.cat(parts).double(), dim=-1)
 
 
-def _models(path: Path, device: str):
+def _models(path: Path, device: str, **gpu_options):
     f = open_gguf(path)
     return CpuExecutor.from_gguf(f, expert_backend="torch"), GpuExecutor(
-        CpuExecutor.from_gguf(f, expert_backend="torch").config, f, device
+        CpuExecutor.from_gguf(f, expert_backend="torch").config, f, device, **gpu_options
     )
 
 
@@ -127,26 +127,34 @@ def test_context_full_is_a_usage_error(tiny_ggufs):
     "content, reason",
     [(None, "cannot read it"), ("{not json", "cannot read it"), ("[1]", "object")],
 )
-def test_bad_tuning_file_is_a_usage_error(tiny_ggufs, tmp_path, monkeypatch, content, reason):
-    """PYRUNTIME_DECODE_TUNING naming a missing, broken or non-object file: one line when the
-    model is built (saying which file), not a traceback in the middle of decoding."""
+def test_bad_tuning_file_is_a_usage_error(tiny_ggufs, tmp_path, content, reason):
+    """A kernel tuning file that is missing, broken or not an object: one line when the model is
+    built (saying which file), not a traceback in the middle of decoding."""
     if tiny_ggufs["arch"] != "olmoe":
         pytest.skip("family-independent")
     from pyruntime.errors import UsageError
-    from pyruntime.kernels import tuning
 
     path = tmp_path / "tuned.json"
     if content is not None:
         path.write_text(content)
-    monkeypatch.setenv("PYRUNTIME_DECODE_TUNING", str(path))
-    tuning.overrides.cache_clear()
-    try:
-        want = f"PYRUNTIME_DECODE_TUNING={re.escape(str(path))}: .*{reason}"
-        with pytest.raises(UsageError, match=want):
-            _models(tiny_ggufs["f32"], DEVICE)
-    finally:
-        monkeypatch.delenv("PYRUNTIME_DECODE_TUNING")
-        tuning.overrides.cache_clear()
+    want = f"kernel tuning file {re.escape(str(path))}: .*{reason}"
+    with pytest.raises(UsageError, match=want):
+        _models(tiny_ggufs["f32"], DEVICE, kernel_tuning=path)
+
+
+def test_tuning_file_sets_the_launch_configs(tiny_ggufs, tmp_path):
+    """The executor installs the tuning file it is given for the kernels (kernels.tuning), and
+    the built-in defaults again when built without one."""
+    if tiny_ggufs["arch"] != "olmoe":
+        pytest.skip("family-independent")
+    from pyruntime.kernels import tuning
+
+    path = tmp_path / "tuned.json"
+    path.write_text('{"router_block_e": 2, "q8_gemv": {"64x32": [2, 32, 1]}}')
+    _models(tiny_ggufs["f32"], DEVICE, kernel_tuning=path)
+    assert tuning.lookup("router_block_e") == 2 and tuning.lookup("q8_gemv", "64x32") == [2, 32, 1]
+    _models(tiny_ggufs["f32"], DEVICE)
+    assert tuning.lookup("router_block_e") is None
 
 
 def test_decode_graph_captured_once_per_cache(tiny_ggufs, monkeypatch):
@@ -203,7 +211,6 @@ def test_profiled_switch_says_once_that_it_times_the_layers(tiny_ggufs, tmp_path
         pytest.skip("one family is enough")
     from pyruntime.kernels import switch
 
-    monkeypatch.setenv("PYRUNTIME_CACHE", str(tmp_path))
     monkeypatch.setattr(switch, "INPUTS_PER_BATCH", 1)
     switch._MEMO.clear()
     calls = []
@@ -218,11 +225,11 @@ def test_profiled_switch_says_once_that_it_times_the_layers(tiny_ggufs, tmp_path
     monkeypatch.setattr(switch, "graph_timer", fake_timer)
     _, dev = _models(tiny_ggufs["f32"], DEVICE)
     dev.set_expert_threshold([0.05] * dev.config.n_layer)
-    got = dev._profiled_switch("tiny/s0.5")
+    got = dev._profiled_switch("tiny/s0.5", tmp_path)
     assert got == [switch.SparseSwitch((1, 2, 4, 8), (1, 2))] * dev.config.n_layer
     err = capsys.readouterr().err
     assert err.count("timing dense vs sparse experts") == 1 and str(tmp_path) in err
     n_timed = len(calls)
     switch._MEMO.clear()
-    assert dev._profiled_switch("tiny/s0.5") == got  # from the cache files
+    assert dev._profiled_switch("tiny/s0.5", tmp_path) == got  # from the cache files
     assert len(calls) == n_timed and capsys.readouterr().err == ""

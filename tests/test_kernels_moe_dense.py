@@ -1,4 +1,5 @@
-"""kernels.moe_dense (decode GEMV and prefill grouped GEMM) against the torch reference."""
+"""kernels.moe_dense and kernels.moe_q8r (the dense paths: GEMV, grouped GEMM, the q8_0r decode
+kernels) against the torch reference."""
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from pyruntime.kernels.testing import (
 FORMATS = ["f32", "f16", "bf16", "q8_0", "q4_0", "q8_0r", "q4_0r"]
 
 
-@pytest.mark.parametrize("path", ["decode", "prefill"])
+@pytest.mark.parametrize("path", ["gemv", "gemm"])
 @pytest.mark.parametrize("n_tok", [1, 3, 17])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_moe_dense_matches_reference(fmt, n_tok, path):
@@ -27,7 +28,7 @@ def test_moe_dense_matches_reference(fmt, n_tok, path):
     assert_close_rel(y, moe_dense_ref(x, w, fmt, ids, tw), rtol_for(x_dtype))
 
 
-@pytest.mark.parametrize("path", ["decode", "prefill"])
+@pytest.mark.parametrize("path", ["gemv", "gemm"])
 @pytest.mark.parametrize("fmt", ["bf16", "q4_0", "q4_0r"])
 def test_moe_dense_gelu(fmt, path):
     x, w, ids, tw = make_case(fmt, 3, seed=5)
@@ -40,10 +41,10 @@ def test_moe_dense_gelu(fmt, path):
 def test_moe_dense_small_blocks_decode(fmt, acc2d):
     """Several neuron tiles and H chunks per program (the GPU block sizes, not the big ones),
     with per-chunk reductions or elementwise accumulation (ACC2D)."""
-    from pyruntime.kernels.moe_dense import moe_dense_decode
+    from pyruntime.kernels.moe_dense import moe_dense_gemv
 
     x, w, ids, tw = make_case(fmt, 3, seed=7)
-    y = moe_dense_decode(x, w, fmt, ids, tw, blocks=(16, 32, 4, acc2d))
+    y = moe_dense_gemv(x, w, fmt, ids, tw, blocks=(16, 32, 4, acc2d))
     assert_close_rel(y, moe_dense_ref(x, w, fmt, ids, tw), 1e-5)
 
 
@@ -83,32 +84,30 @@ def test_moe_q8r_dense_matches_reference(n_tok, in_kernel, blocks):
     kept across a pair's tiles): integer dots on Q8-quantized x (dp4a on a GPU, its integer
     twin here; x quantized inside the kernel or by quantize_x_q8 first) against the reference
     on the same quantized x."""
-    from pyruntime.kernels.moe_dense import moe_q8r_decode
+    from pyruntime.kernels.moe_q8r import moe_q8r_pipe
 
     x, w, ids, tw = make_case("q8_0r", n_tok, torch.bfloat16, seed=20 + n_tok, n_embd=Q8R_N_EMBD)
     if blocks is not None and DEVICE.type == "cuda":  # programs per SM there
         blocks = (*blocks[:2], max(1, blocks[2] // 100))
-    y = moe_q8r_decode(x, w, ids, tw, blocks=blocks, quantize_in_kernel=in_kernel)
+    y = moe_q8r_pipe(x, w, "q8_0r", ids, tw, blocks=blocks, quantize_in_kernel=in_kernel)
     assert y.shape == x.shape and y.dtype == torch.float32
     assert_close_rel(y, moe_dense_ref(x, w, "q8_0r", ids, tw, q8_x=True), 1e-5)
 
 
 def test_moe_q8r_dense_gelu():
-    from pyruntime.kernels.moe_dense import moe_q8r_decode
+    from pyruntime.kernels.moe_q8r import moe_q8r_pipe
 
     x, w, ids, tw = make_case("q8_0r", 2, seed=23, n_embd=Q8R_N_EMBD)
-    y = moe_q8r_decode(x, w, ids, tw, activation="gelu")
+    y = moe_q8r_pipe(x, w, "q8_0r", ids, tw, activation="gelu")
     assert_close_rel(y, moe_dense_ref(x, w, "q8_0r", ids, tw, activation="gelu", q8_x=True), 1e-5)
 
 
-def test_moe_q8r_dense_takes_dp4a_and_in_kernel_x_at_one_token_only():
-    from pyruntime.kernels.moe_dense import moe_q8r_decode
+def test_moe_q8r_dense_takes_in_kernel_x_at_one_token_only():
+    from pyruntime.kernels.moe_q8r import moe_q8r_pipe
 
     x, w, ids, tw = make_case("q8_0r", 2, seed=24, n_embd=Q8R_N_EMBD)
-    with pytest.raises(ValueError, match="dp4a"):
-        moe_q8r_decode(x, w, ids, tw, dp4a=False)
     with pytest.raises(ValueError, match="1 token"):
-        moe_q8r_decode(x, w, ids, tw, quantize_in_kernel=True)
+        moe_q8r_pipe(x, w, "q8_0r", ids, tw, quantize_in_kernel=True)
 
 
 def test_pipe_grid_covers_every_tile_once():
@@ -143,7 +142,7 @@ def test_quantize_x_q8_kernel_matches_reference(n_embd):
     n_embd / 32 (NB is a power of two) are zero; x rows at a stride. At n_embd 2048 the
     8 x 2048 values hold near-ties that an FMA-fused rounding flips on a GPU."""
     from pyruntime.kernels.expert_formats import quantize_x_q8_ref
-    from pyruntime.kernels.moe_dense import quantize_x_q8
+    from pyruntime.kernels.moe_q8r import quantize_x_q8
 
     gen = torch.Generator().manual_seed(7)
     T = 8
@@ -161,14 +160,16 @@ def test_quantize_x_q8_kernel_matches_reference(n_embd):
     assert quants[:, nb:].eq(0).all() and d[:, nb:].eq(0).all()
 
 
-def test_dense_path_takes_q8r_for_aligned_q8_0r_up_to_its_batch():
-    from pyruntime.kernels.moe_dense import Q8R_DENSE_MAX_TOKENS, dense_path
+def test_dense_table_takes_q8r_for_aligned_q8_0r_up_to_16_tokens():
+    """kernels.expert_paths: the pipelined q8r kernel below 8 tokens, the streaming one from 8
+    to 16, the grouped GEMMs above; GEMV up to 8 tokens for the other formats."""
+    from pyruntime.kernels.expert_paths import table_path
 
-    assert dense_path("q8_0r", 1, 2048) == "q8r"
-    assert dense_path("q8_0r", Q8R_DENSE_MAX_TOKENS, 2048) == "q8r"
-    assert dense_path("q8_0r", Q8R_DENSE_MAX_TOKENS + 1, 2048) == "prefill"
-    assert dense_path("q8_0r", 1, 96) == "decode"  # rows not 4-byte aligned
-    assert dense_path("q8_0", 1, 2048) == "decode"  # not repacked
+    got = [table_path("q8_0r", 2048, t, sparse=False) for t in (1, 7, 8, 16, 17)]
+    assert got == ["q8r_pipe", "q8r_pipe", "q8r_stream", "q8r_stream", "gemm"]
+    assert table_path("q8_0r", 96, 1, sparse=False) == "gemv"  # rows not 4-byte aligned
+    assert table_path("q8_0", 2048, 1, sparse=False) == "gemv"  # not repacked
+    assert [table_path("bf16", 100, t, sparse=False) for t in (8, 9)] == ["gemv", "gemm"]
 
 
 def test_moe_dense_auto_on_aligned_q8_0r_quantizes_x():
@@ -179,4 +180,4 @@ def test_moe_dense_auto_on_aligned_q8_0r_quantizes_x():
     assert_close_rel(y, moe_dense_ref(x, w, "q8_0r", ids, tw, q8_x=True), 1e-5)
     assert_close_rel(y, moe_dense_ref(x, w, "q8_0r", ids, tw), 2e-2)
     with pytest.raises(ValueError, match="q8_0r"):
-        moe_dense(x, w, "q8_0", ids, tw, path="q8r")
+        moe_dense(x, w, "q8_0", ids, tw, path="q8r_pipe")

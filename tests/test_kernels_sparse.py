@@ -4,25 +4,25 @@ import pytest
 import torch
 
 from pyruntime.kernels.expert_formats import act_ref, quantize_x_q8_ref
+from pyruntime.kernels.expert_paths import quantizes_x, table_path
 from pyruntime.kernels.moe_dense import moe_dense, moe_dense_ref
+from pyruntime.kernels.moe_q8r import moe_q8r_sparse, moe_q8r_sparse2
 from pyruntime.kernels.moe_sparse import (
-    Q8R_SPARSE_MAX_TOKENS,
+    SPARSE_LAUNCHERS,
     moe_gate,
     moe_gate_ref,
     moe_sparse,
     moe_sparse_fused,
-    moe_sparse_q8r,
     moe_sparse_ref,
     moe_sparse_split,
     moe_sparse_up_down,
-    quantizes_x,
-    sparse_path,
 )
 from pyruntime.kernels.sparse_mask import sparse_mask, sparse_mask_ref
 from pyruntime.kernels.testing import (
     DEVICE,
     Q8R_N_EMBD,
     assert_close_rel,
+    gap_threshold,
     make_case,
     rtol_for,
     spy_tokens,
@@ -69,7 +69,7 @@ def test_sparse_mask_threshold_zero_keeps_all_and_huge_keeps_none():
     assert (count == 0).all()
 
 
-@pytest.mark.parametrize("path", ["decode", "prefill"])
+@pytest.mark.parametrize("path", ["gemv", "gemm"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_moe_gate_matches_reference(fmt, path):
     x, w, ids, tw = make_case(fmt, 3, seed=11)
@@ -90,7 +90,7 @@ def test_sparse_up_down_matches_reference(fmt):
     assert_close_rel(y, ref, 1e-5)
 
 
-@pytest.mark.parametrize("path", ["fused", "split", "decode", "prefill"])
+@pytest.mark.parametrize("path", ["fused", "split", "gemv_mask", "gemm_mask"])
 @pytest.mark.parametrize("n_tok", [1, 3, 17])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_moe_sparse_threshold_zero_equals_dense(fmt, n_tok, path):
@@ -98,27 +98,15 @@ def test_moe_sparse_threshold_zero_equals_dense(fmt, n_tok, path):
     x, w, ids, tw = make_case(fmt, n_tok, x_dtype, seed=20 + n_tok)
     y, active = moe_sparse(x, w, fmt, ids, tw, 0.0, path=path)
     assert (active == w.shape[1]).all()
-    dense_path = "decode" if path in ("fused", "split") else path
+    dense_path = "gemm" if path == "gemm_mask" else "gemv"
     assert_close_rel(y, moe_dense(x, w, fmt, ids, tw, path=dense_path), rtol_for(x_dtype))
-
-
-def gap_threshold(gate: torch.Tensor, activation: str, quantile: float) -> float:
-    """A threshold near `quantile` of |act(gate)| in the widest gap between neighbouring values
-    there, so kernel rounding (~1e-6 relative) cannot move any neuron across it."""
-    mags = act_ref(gate.double(), activation).abs().flatten().sort().values
-    n = mags.numel()
-    lo, hi = int(n * (quantile - 0.1)), int(n * (quantile + 0.1))
-    gaps = mags[lo + 1 : hi] - mags[lo : hi - 1]
-    i = int(gaps.argmax())
-    assert gaps[i] > 1e-4 * mags[-1], "no usable gap; change the seed"
-    return float((mags[lo + i] + mags[lo + i + 1]) / 2)
 
 
 # every format with silu; gelu on one float and one block format
 FMT_ACT = [(f, "silu") for f in FORMATS] + [("bf16", "gelu"), ("q4_0", "gelu"), ("q4_0r", "gelu")]
 
 
-@pytest.mark.parametrize("path", ["fused", "split", "decode", "prefill"])
+@pytest.mark.parametrize("path", ["fused", "split", "gemv_mask", "gemm_mask"])
 @pytest.mark.parametrize("n_tok", [1, 17])
 @pytest.mark.parametrize(("fmt", "activation"), FMT_ACT)
 def test_moe_sparse_matches_reference(fmt, activation, n_tok, path):
@@ -131,7 +119,7 @@ def test_moe_sparse_matches_reference(fmt, activation, n_tok, path):
     assert_close_rel(y, ref, 1e-5)
 
 
-@pytest.mark.parametrize("path", ["fused", "split", "decode"])
+@pytest.mark.parametrize("path", ["fused", "split", "gemv_mask"])
 def test_moe_sparse_all_tiles_empty(path):
     """Every tile exits early: y is exactly 0 and the counts are 0."""
     x, w, ids, tw = make_case("q8_0", 3, seed=40)
@@ -183,7 +171,7 @@ def test_moe_sparse_q8r_matches_reference(n_tok, blocks, dp4a):
     x, w, ids, tw = make_case("q8_0r", n_tok, torch.bfloat16, seed=50 + n_tok, n_embd=Q8R_N_EMBD)
     xg = quantize_x_q8_ref(x) if dp4a else x
     thr = gap_threshold(moe_gate_ref(xg, w, "q8_0r", ids), "silu", 0.7)
-    y, active = moe_sparse_q8r(x, w, "q8_0r", ids, tw, thr, blocks=blocks, dp4a=dp4a)
+    y, active = moe_q8r_sparse(x, w, "q8_0r", ids, tw, thr, blocks=blocks, dp4a=dp4a)
     ref, ref_active = moe_sparse_ref(x, w, "q8_0r", ids, tw, thr, q8_x=dp4a)
     assert torch.equal(active.view(ref_active.shape), ref_active)
     assert 0.5 < 1 - active.sum() / active.numel() / w.shape[1] < 0.9
@@ -193,7 +181,7 @@ def test_moe_sparse_q8r_matches_reference(n_tok, blocks, dp4a):
 def test_moe_sparse_auto_q8r_quantizes_x_as_reported():
     """The auto path on aligned q8_0r: x quantized exactly when quantizes_x() says so."""
     x, w, ids, tw = make_case("q8_0r", 2, torch.bfloat16, seed=57, n_embd=Q8R_N_EMBD)
-    q8_x = quantizes_x("q8_0r", 2, Q8R_N_EMBD, sparse=True)
+    q8_x = quantizes_x(table_path("q8_0r", Q8R_N_EMBD, 2, sparse=True))
     xg = quantize_x_q8_ref(x) if q8_x else x
     thr = gap_threshold(moe_gate_ref(xg, w, "q8_0r", ids), "silu", 0.7)
     y, active = moe_sparse(x, w, "q8_0r", ids, tw, thr)
@@ -205,21 +193,24 @@ def test_moe_sparse_auto_q8r_quantizes_x_as_reported():
 @pytest.mark.parametrize("n_tok", [1, 3])
 def test_moe_sparse_q8r_threshold_zero_equals_dense_and_huge_is_empty(n_tok):
     x, w, ids, tw = make_case("q8_0r", n_tok, torch.bfloat16, seed=60, n_embd=Q8R_N_EMBD)
-    y, active = moe_sparse(x, w, "q8_0r", ids, tw, 0.0, path="q8r")
+    y, active = moe_sparse(x, w, "q8_0r", ids, tw, 0.0, path="q8r_sparse")
     assert (active == w.shape[1]).all()
     assert_close_rel(y, moe_dense_ref(x, w, "q8_0r", ids, tw, q8_x=True), 1e-5)
-    assert_close_rel(y, moe_dense(x, w, "q8_0r", ids, tw, path="q8r"), 1e-5)
-    y, active = moe_sparse(x, w, "q8_0r", ids, tw, 1e30, path="q8r")
+    assert_close_rel(y, moe_dense(x, w, "q8_0r", ids, tw, path="q8r_pipe"), 1e-5)
+    y, active = moe_sparse(x, w, "q8_0r", ids, tw, 1e30, path="q8r_sparse")
     assert (active == 0).all() and (y == 0).all()
 
 
-def test_sparse_path_takes_q8r_for_aligned_q8_0r_at_small_batch():
-    assert sparse_path("q8_0r", 1, 2048) == "q8r"
-    assert sparse_path("q8_0r", Q8R_SPARSE_MAX_TOKENS, 2048) == "q8r"
-    assert sparse_path("q8_0r", Q8R_SPARSE_MAX_TOKENS + 1, 2048) != "q8r"
-    assert sparse_path("q8_0r", 1, 96) != "q8r"  # rows not 4-byte aligned
-    assert sparse_path("q4_0r", 1, 2048) != "q8r"
-    assert sparse_path("q8_0r", 1) != "q8r"  # n_embd unknown
+def test_sparse_table_takes_q8r_for_aligned_q8_0r_at_small_batch():
+    """kernels.expert_paths: the two-phase q8r kernel at one token, the one-wave one up to 16,
+    then the generic paths; never q8r for other formats or unaligned rows."""
+    got = [table_path("q8_0r", 2048, t, sparse=True) for t in (1, 2, 16, 17)]
+    assert got == ["q8r_sparse2", "q8r_sparse", "q8r_sparse", "gemm_mask"]
+    assert not quantizes_x(table_path("q8_0r", 96, 1, sparse=True))  # rows not 4-byte aligned
+    assert not quantizes_x(table_path("q4_0r", 2048, 1, sparse=True))
+    assert [table_path("q4_0r", 2048, t, sparse=True) for t in (4, 5, 16, 17)] == [
+        "fused", "gemv_mask", "gemv_mask", "gemm_mask"
+    ]  # fmt: skip
 
 
 # (BLOCK_N, BK, num_warps, programs) of the two-phase experiment (the interpreter's grid is
@@ -229,16 +220,14 @@ def test_sparse_path_takes_q8r_for_aligned_q8_0r_at_small_batch():
 def test_moe_q8r_sparse2_matches_reference(n_tok, blocks):
     """kernels.moe_dense.moe_q8r_sparse2: gate rows then the kept list's up/down rows per
     program; the same kept neurons (counts equal) and sum as the reference on quantized x."""
-    from pyruntime.kernels.moe_dense import moe_q8r_sparse2
-
     x, w, ids, tw = make_case("q8_0r", n_tok, torch.bfloat16, seed=70 + n_tok, n_embd=Q8R_N_EMBD)
     thr = gap_threshold(moe_gate_ref(quantize_x_q8_ref(x), w, "q8_0r", ids), "silu", 0.7)
-    y, active = moe_q8r_sparse2(x, w, ids, tw, thr, blocks=blocks)
+    y, active = moe_q8r_sparse2(x, w, "q8_0r", ids, tw, thr, blocks=blocks)
     ref, ref_active = moe_sparse_ref(x, w, "q8_0r", ids, tw, thr, q8_x=True)
     assert torch.equal(active.view(ref_active.shape), ref_active)
     assert 0.5 < 1 - active.sum() / active.numel() / w.shape[1] < 0.9
     assert_close_rel(y, ref, 1e-5)
-    y0, active0 = moe_q8r_sparse2(x, w, ids, tw, 0.0, blocks=blocks)  # keeps every neuron
+    y0, active0 = moe_q8r_sparse2(x, w, "q8_0r", ids, tw, 0.0, blocks=blocks)  # keeps all
     assert (active0 == w.shape[1]).all()
     assert_close_rel(y0, moe_dense_ref(x, w, "q8_0r", ids, tw, q8_x=True), 1e-5)
 
@@ -247,9 +236,7 @@ def test_moe_q8r_sparse2_matches_reference(n_tok, blocks):
 def test_moe_sparse_takes_the_sparse2_kernel_at_one_token(n_tok, monkeypatch):
     """The dispatch: moe_sparse's auto path (q8r) calls moe_q8r_sparse2 at one token only,
     and matches the reference either way."""
-    from pyruntime.kernels import moe_dense as md
-
-    calls = spy_tokens(monkeypatch, md, "moe_q8r_sparse2")
+    calls = spy_tokens(monkeypatch, SPARSE_LAUNCHERS, "q8r_sparse2")
     x, w, ids, tw = make_case("q8_0r", n_tok, torch.bfloat16, seed=90 + n_tok, n_embd=Q8R_N_EMBD)
     thr = gap_threshold(moe_gate_ref(quantize_x_q8_ref(x), w, "q8_0r", ids), "silu", 0.7)
     y, active = moe_sparse(x, w, "q8_0r", ids, tw, thr)

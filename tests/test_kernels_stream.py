@@ -1,14 +1,17 @@
-"""kernels.moe_q8r_stream (via kernels.moe_dense.moe_q8r_stream): the dense q8_0r decode MoE with
+"""kernels.moe_q8r_stream (via kernels.moe_q8r.moe_q8r_stream): the dense q8_0r decode MoE with
 one pair's neuron range per program, against the reference on Q8-quantized x."""
 
 import pytest
 import torch
 
-# the module (the package exports a moe_dense function under the same name)
-from pyruntime.kernels import moe_dense as md
-from pyruntime.kernels.moe_dense import Q8R_STREAM_MIN_TOKENS, moe_dense_ref, moe_q8r_stream
+from pyruntime.kernels.expert_paths import PATHS
+from pyruntime.kernels.moe_dense import DENSE_LAUNCHERS, moe_dense, moe_dense_ref
+from pyruntime.kernels.moe_q8r import moe_q8r_stream
 from pyruntime.kernels.moe_q8r_stream import stream_grid
 from pyruntime.kernels.testing import Q8R_N_EMBD, assert_close_rel, make_case, spy_tokens
+
+# the first batch size the table gives to the streaming kernel
+STREAM_FROM = 1 + next(t for t, path in PATHS[("q8r", False)] if path == "q8r_pipe")
 
 # (BLOCK_N, num_warps, programs per SM, STAGES); the interpreter's grid is P * SPP with
 # "programs per SM" programs in all: one program per pair, several (ranges that do not divide
@@ -20,18 +23,18 @@ CONFIGS = [(16, 4, 1, 1), (4, 4, 7, 2), (2, 4, 1000, 3)]
 @pytest.mark.parametrize("n_tok", [1, 3])
 def test_moe_q8r_stream_dense_matches_reference(n_tok, blocks):
     x, w, ids, tw = make_case("q8_0r", n_tok, torch.bfloat16, seed=80 + n_tok, n_embd=Q8R_N_EMBD)
-    y = moe_q8r_stream(x, w, ids, tw, blocks=blocks)
+    y = moe_q8r_stream(x, w, "q8_0r", ids, tw, blocks=blocks)
     assert_close_rel(y, moe_dense_ref(x, w, "q8_0r", ids, tw, q8_x=True), 1e-5)
 
 
-@pytest.mark.parametrize("n_tok", [Q8R_STREAM_MIN_TOKENS - 1, Q8R_STREAM_MIN_TOKENS])
-def test_moe_q8r_decode_takes_the_stream_kernel_from_its_batch(n_tok, monkeypatch):
-    """The dispatch: dense through moe_q8r_decode's defaults calls moe_q8r_stream from
-    Q8R_STREAM_MIN_TOKENS tokens on (not below), and matches the reference either way."""
-    calls = spy_tokens(monkeypatch, md, "moe_q8r_stream")
+@pytest.mark.parametrize("n_tok", [STREAM_FROM - 1, STREAM_FROM])
+def test_moe_dense_takes_the_stream_kernel_from_its_batch(n_tok, monkeypatch):
+    """The dispatch: moe_dense's auto path on aligned q8_0r calls moe_q8r_stream from the
+    table's batch size on (not below), and matches the reference either way."""
+    calls = spy_tokens(monkeypatch, DENSE_LAUNCHERS, "q8r_stream")
     x, w, ids, tw = make_case("q8_0r", n_tok, torch.bfloat16, seed=85, n_embd=Q8R_N_EMBD)
-    y = md.moe_q8r_decode(x, w, ids, tw)
-    assert calls == ([n_tok] if n_tok >= Q8R_STREAM_MIN_TOKENS else [])
+    y = moe_dense(x, w, "q8_0r", ids, tw)
+    assert calls == ([n_tok] if n_tok >= STREAM_FROM else [])
     assert_close_rel(y, moe_dense_ref(x, w, "q8_0r", ids, tw, q8_x=True), 1e-5)
 
 

@@ -33,7 +33,7 @@ class FakeTimer:
 
 @pytest.fixture(autouse=True)
 def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYRUNTIME_CACHE", str(tmp_path))
+    monkeypatch.setattr(switch, "DEFAULT_CACHE_DIR", tmp_path / "switch")
     monkeypatch.setattr(switch, "INPUTS_PER_BATCH", 1)  # one timer call per path and batch
     switch._MEMO.clear()
 

@@ -26,6 +26,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -39,15 +40,15 @@ from pyruntime.gpu.weights import (
     WeightLoader,
     dense_dtype_for,
 )
+from pyruntime.kernels import tuning
 from pyruntime.kernels.attention import decode_attention
 from pyruntime.kernels.decoder_ops import add_rms_norm, qk_rope_store
 from pyruntime.kernels.dispatch import moe_experts
-from pyruntime.kernels.expert_formats import ACTIVATIONS as KERNEL_ACTIVATIONS
+from pyruntime.kernels.expert_formats import ACT_CODES
 from pyruntime.kernels.q8_linear import add_norm_q8_gemv
 from pyruntime.kernels.router import add_norm_router, router_topk
 from pyruntime.kernels.switch import SparseSwitch, sparse_switch
 from pyruntime.kernels.tuning import lookup
-from pyruntime.kernels.tuning import overrides as tuning_overrides
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.reference import activation_fn, rope_tables
 from pyruntime.model.tokens import single_token, token_ids
@@ -180,16 +181,17 @@ class GpuExecutor:
     """Forward pass on `device` with a static KV cache; `forward` returns float32 logits
     [n_tokens, n_vocab] on the CPU (the sampler's side)."""
 
-    def __init__(self, cfg: ModelConfig, f: GGUFFile, device: str | torch.device = "cuda") -> None:
+    def __init__(self, cfg: ModelConfig, f: GGUFFile, device: str | torch.device = "cuda",
+                 kernel_tuning: str | Path | None = None) -> None:  # fmt: skip
         self.config = cfg
         self.device = torch.device(device)
-        if cfg.activation not in KERNEL_ACTIVATIONS:
+        if cfg.activation not in ACT_CODES:
             raise UsageError(
                 f"expert activation '{cfg.activation}' has no GPU kernel (GPU: "
-                f"{', '.join(KERNEL_ACTIVATIONS)}); use --device cpu"
+                f"{', '.join(ACT_CODES)}); use --device cpu"
             )
-        try:  # a bad PYRUNTIME_DECODE_TUNING file: one line now, not a traceback mid-decode
-            tuning_overrides()
+        try:  # a bad tuning file: one line now, not a traceback mid-decode
+            tuning.set_overrides(None if kernel_tuning is None else tuning.load(kernel_tuning))
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         self.dtype = dense_dtype_for(f)
@@ -220,10 +222,12 @@ class GpuExecutor:
     def new_cache(self, max_tokens: int) -> DeviceKVCache:
         return DeviceKVCache(self.config, max_tokens, self.device, self.dtype)
 
-    def set_expert_threshold(self, thresholds: Sequence[float] | None, key: str = "") -> None:
+    def set_expert_threshold(self, thresholds: Sequence[float] | None, key: str = "",
+                             cache_dir: Path | None = None) -> None:  # fmt: skip
         """Per-layer |act(gate)| thresholds (None = dense). On CUDA with a `key` (the model's
         identity and sparsity), each layer's dense/sparse switch comes from pyruntime.kernels.switch
-        (profiled once per GPU and layer, cached); else DEFAULT_SWITCH."""
+        (profiled once per GPU and layer, cached in cache_dir, default the switch's); else
+        DEFAULT_SWITCH."""
         n_layer = self.config.n_layer
         self.sparse_switch = [DEFAULT_SWITCH] * n_layer
         if thresholds is None:
@@ -233,10 +237,10 @@ class GpuExecutor:
                 torch.tensor([float(t)], device=self.device) for t in thresholds
             ]
             if self.device.type == "cuda" and key:
-                self.sparse_switch = self._profiled_switch(key)
+                self.sparse_switch = self._profiled_switch(key, cache_dir)
         self._state_version += 1
 
-    def _profiled_switch(self, key: str) -> list[SparseSwitch]:
+    def _profiled_switch(self, key: str, cache_dir: Path | None = None) -> list[SparseSwitch]:
         cfg = self.config
         out = []
         told = False
@@ -262,6 +266,7 @@ class GpuExecutor:
                     cfg.activation,
                     self.expert_threshold[i],
                     key=f"{key}/layer{i}",
+                    directory=cache_dir,
                     on_profile=tell,
                 )
             )
