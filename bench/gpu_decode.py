@@ -71,17 +71,15 @@ def profile_step(net: GpuExecutor, cache, log) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
     net.profile_parts = True
-    net.use_cuda_graph = False
     try:
         for _ in range(2):  # warm (eager kernels compiled)
-            net._decode_step(cache)
+            net.decode_step_eager(cache)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            net._decode_step(cache)
+            net.decode_step_eager(cache)
             torch.cuda.synchronize()
     finally:
         net.profile_parts = False
-        net.use_cuda_graph = True
     out: dict[str, float] = {}
     # A label's device time is its GPU-side span (the CPU-side event sees only the kernels of
     # aten ops, not Triton's launches). In this eager step the span also holds the GPU's idle
@@ -140,7 +138,7 @@ def main() -> None:
     net.forward(ids[args.prompt : args.prompt + 1], cache)  # captures the graph
     cache.truncate(args.prompt)
     # The graph's inputs now say position = prompt; replays recompute that step.
-    replay = statistics.median(event_seconds(cache.graph.replay, args.reps))
+    replay = statistics.median(event_seconds(net.decode_graph(cache).replay, args.reps))
     fwd = []
     for _ in range(20):
         cache.truncate(args.prompt)

@@ -1,13 +1,13 @@
 """Which launch configs of the decode step's non-expert kernels are fastest on this GPU?
 
-At olmoe-1b-7b shapes, each candidate config of the Q8_0 GEMV (q/k/v, o, lm_head), the residual
-add + RMSNorm folded into the q/k/v GEMV, split-K decode attention, the fused norm + router +
-top-k and the one-program launches is checked against its plain torch reference, then timed in
-a CUDA graph (launch cost included, as in the model's captured step); the fastest of each goes
-into a kernels.tuning file, which the GPU executor reads when PYRUNTIME_DECODE_TUNING names it.
+At olmoe-1b-7b shapes, each candidate config of the Q8_0 GEMV (q/k/v, o, lm_head), split-K
+decode attention, the fused norm + router + top-k and the one-program launches is checked
+against its plain torch reference, then timed in a CUDA graph (launch cost included, as in the
+model's captured step); the fastest of each goes into a kernels.tuning file, which the GPU
+executor installs when --kernel-tuning (or PYRUNTIME_DECODE_TUNING) names it.
 
     python bench/gpu_kernels.py --write tuned.json
-    PYRUNTIME_DECODE_TUNING=tuned.json pyruntime bench model.gguf --device cuda
+    pyruntime bench model.gguf --device cuda --kernel-tuning tuned.json
 
 Each timed graph runs one op for all 16 layers, each layer with its own weights (16 layers'
 weights do not fit in the L2, as in the model), so a time per call is graph time / 16.
@@ -28,12 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from pyruntime.kernels.attention import decode_attention, decode_attention_ref, decode_splits  # noqa: E402
 from pyruntime.kernels.decoder_ops import add_rms_norm, qk_rope_store  # noqa: E402
-from pyruntime.kernels.q8_linear import (  # noqa: E402
-    add_norm_q8_gemv,
-    add_norm_q8_linear_ref,
-    q8_gemv,
-    q8_linear_ref,
-)
+from pyruntime.kernels.q8_linear import q8_gemv, q8_linear_ref  # noqa: E402
 from pyruntime.kernels.router import add_norm_router, add_norm_router_ref, router_topk  # noqa: E402
 
 L, H = 16, 2048  # olmoe-1b-7b: 16 layers, n_embd 2048, 16 heads of 128, 64 experts, top-8
@@ -82,8 +77,6 @@ def bench_gemv(rows: list, tuned: dict, log) -> None:
         W = q8_weights(N, K, layers)
         best = _gemv_shape(name, W, cands, rows, log)
         tuned.setdefault("q8_gemv", {})[f"{N}x{K}"] = list(best[1])
-        if name == "qkv":
-            _norm_gemv(W, best[1], cands, rows, tuned, log)
 
 
 def _gemv_shape(name: str, W: list, cands: list, rows: list, log):
@@ -106,43 +99,6 @@ def _gemv_shape(name: str, W: list, cands: list, rows: list, log):
         best = min(best or (us, cfg), (us, cfg))
     print(f"{name}: best {best[1]} {best[0]:.2f} us", file=log)
     return best
-
-
-def _norm_gemv(W: list, bcfg, cands: list, rows: list, tuned: dict, log) -> None:
-    """qkv with the residual add + RMSNorm: a norm launch then the GEMV, vs the norm folded
-    into the GEMV's prologue (add_norm_q8_gemv)."""
-    N, K = W[0][0].shape
-    layers = len(W)
-    nbytes = N * K * 34 / 32
-    xr = torch.randn(1, K, device="cuda") * 3
-    dl = torch.randn(1, K, device="cuda")
-    nw = torch.rand(K, device="cuda") + 0.5
-
-    def unfused():
-        for q, d in W:
-            h, _ = add_rms_norm(xr, dl, nw, EPS, torch.bfloat16)
-            q8_gemv(h, q, d, config=bcfg)
-
-    unfused_us = graph_us(unfused) / layers
-    rows.append((f"qkv norm + q8_gemv {bcfg}", unfused_us, nbytes / unfused_us / 1e3))
-    _, ref = add_norm_q8_linear_ref(xr, dl, nw, EPS, *W[0])
-    best = None
-    for cfg in cands:
-        if cfg[0] < 4 or cfg[1] < 2048 or cfg[0] * cfg[1] // (32 * cfg[2]) > 128:
-            continue
-        _, y = add_norm_q8_gemv(xr, dl, nw, EPS, *W[0], config=cfg)
-        if rel_err(y, ref) > 1e-2:
-            print(f"  fused {cfg}: WRONG", file=log)
-            continue
-        us = graph_us(
-            lambda cfg=cfg: [add_norm_q8_gemv(xr, dl, nw, EPS, q, d, config=cfg) for q, d in W]
-        )
-        us /= layers
-        rows.append((f"qkv add_norm_q8_gemv {cfg}", us, nbytes / us / 1e3))
-        best = min(best or (us, cfg), (us, cfg))
-    tuned.setdefault("q8_gemv_norm", {})[f"{N}x{K}"] = list(best[1])
-    tuned["fuse_norm_gemv"] = best[0] < unfused_us
-    print(f"qkv fused: best {best[1]} {best[0]:.2f} us vs unfused {unfused_us:.2f}", file=log)
 
 
 def bench_attention(rows: list, tuned: dict, log) -> None:

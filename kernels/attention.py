@@ -12,7 +12,7 @@ splits at any length), in BLOCK_S-position tiles, and writes its running max m, 
 unnormalized output acc [D]. The last split of head h to finish (kernels.grid_sync) merges the
 N_SPLIT partials: out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s. Splits past n write
 m = -inf, l = 0. Math in fp32 whatever the cache dtype; exponentials as exp2 with log2(e) folded
-into the scale. (Before: a second `_combine_kernel` launch, ~1.8 µs per layer on an H100.)
+into the scale. (A second launch for the combine costs ~1.8 µs per layer on an H100.)
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from .tuning import lookup
 
 LOG2E = 1.4426950408889634
 # Launch defaults: H100, olmoe shape (16 heads of 128), graph-timed by bench/gpu_kernels.py
-# (2026-11-23, 16 layers' caches): 32 splits of 16-position tiles, one warp per program (its
-# reductions stay in the warp: no CTA barriers) took 4.6 µs a layer at 128 positions and 7.7 µs
-# at 513 (the split + combine kernels before: 5.4 and 10.3 µs).
+# (16 layers' caches): 32 splits of 16-position tiles, one warp per program (its reductions
+# stay in the warp: no CTA barriers) took 4.6 µs a layer at 128 positions and 7.7 µs at 513
+# (split and combine kernels in two launches: 5.4 and 10.3 µs).
 DECODE_BLOCK_S, DECODE_PROGRAMS, DECODE_WARPS = 16, 512, 1
 
 

@@ -41,7 +41,7 @@ ANY = 1 << 62  # "any number of tokens" in PATHS
 # - q8r sparse (sparsity 0.85): q8r_sparse 1.16-1.20x fused at batch 1, 1.56-1.83x at 4,
 #   1.66-1.75x gemv_mask at 16; q8r_sparse2 0.90-0.94x the time of q8r_sparse at batch 1,
 #   within 1-2% at 4 and 16.
-# - packed / float: the sweep's fastest at batch 1, 4, 16; block: the earlier hand-tuned choice.
+# - packed / float: the sweep's fastest at batch 1, 4, 16; block: a hand sweep's choice.
 # - gemv vs gemm (dense): gemv up to 8 tokens (bench/moe_layer.py).
 PATHS: dict[tuple[str, bool], tuple[tuple[int, str], ...]] = {
     ("q8r", False): ((7, "q8r_pipe"), (16, "q8r_stream"), (ANY, "gemm")),

@@ -9,7 +9,6 @@ wide loads). A decode step reads 1.0625 bytes per weight instead of bf16's 2.
 the 32-element block sums of q * x (fp32, [BLOCK_N, BLOCK_K / 32, 32] tiles; the int8 quants
 are loaded as bytes and turned into floats by the mantissa trick of kernels.expert_rows, not by
 the quarter-rate I2F unit), times the block scales, accumulated in fp32.
-`add_norm_q8_gemv`: the same with the residual add + RMSNorm before it folded into its prologue.
 Larger batches (prefill) dequantize W to the matmul dtype for cuBLAS (`dequantize_q8`).
 """
 
@@ -43,8 +42,7 @@ def dequantize_q8(q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> torch
 
 
 @triton.jit
-def _q8_gemv_kernel(x_ptr, dl_ptr, nw_ptr, xo_ptr, q_ptr, d_ptr, b_ptr, y_ptr, N, K, KB, alpha,
-                    eps, NORM: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _q8_gemv_kernel(x_ptr, q_ptr, d_ptr, b_ptr, y_ptr, N, K, KB, HAS_BIAS: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
@@ -55,20 +53,11 @@ def _q8_gemv_kernel(x_ptr, dl_ptr, nw_ptr, xo_ptr, q_ptr, d_ptr, b_ptr, y_ptr, N
     b = tl.arange(0, NB)
     i = tl.arange(0, 32)
     acc = tl.zeros([BLOCK_N, NB], tl.float32)
-    ss = tl.zeros([NB, 32], tl.float32)  # NORM: sum of squares of the new residual
     for k0 in range(0, K, BLOCK_K):
         kb = k0 // 32 + b  # [NB] block index
         bm = kb < KB
         k = kb[:, None] * 32 + i[None, :]  # [NB, 32]
         x = tl.load(x_ptr + t * K + k, mask=bm[:, None], other=0.0).to(tl.float32)
-        if NORM:  # x is the residual: x + alpha * delta, written once, then times the weight
-            if HAS_DELTA:
-                dl = tl.load(dl_ptr + t * K + k, mask=bm[:, None], other=0.0)
-                x = x + alpha * dl.to(tl.float32)
-            if pid == 0:
-                tl.store(xo_ptr + t * K + k, x, mask=bm[:, None])
-            ss += x * x
-            x = x * tl.load(nw_ptr + k, mask=bm[:, None], other=0.0)
         m3 = nm[:, None, None] & bm[None, :, None]
         # quant bytes (uint8 view) -> fp32 by the mantissa trick: no I2F (quarter rate)
         qv = tl.load(q_ptr + n64[:, None, None] * K + k[None, :, :], mask=m3, other=0x80)
@@ -77,29 +66,26 @@ def _q8_gemv_kernel(x_ptr, dl_ptr, nw_ptr, xo_ptr, q_ptr, d_ptr, b_ptr, y_ptr, N
                      mask=nm[:, None] & bm[None, :], other=0.0)  # fmt: skip
         acc += s * dv.to(tl.float32)
     y = tl.sum(acc, axis=1)
-    if NORM:  # rms_norm(x) * w @ W^T = rsqrt(mean(x^2) + eps) * ((x * w) @ W^T)
-        y = y / tl.sqrt(tl.sum(tl.sum(ss, axis=1), axis=0) / K + eps)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
     tl.store(y_ptr + t * N + n, y.to(y_ptr.dtype.element_ty), mask=nm)
 
 
-def gemv_config(N: int, K: int, norm: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N rows per program, BLOCK_K, num_warps). A whole row of K <= 2048 in one pass (no
-    loop: every load of the program in flight at once); rows per program grow with N so that
-    there are ~500-3000 programs (an H100 has 132 SMs). H100, graph-timed per layer by
-    bench/gpu_kernels.py (2026-11-23, 16 layers' weights, bf16 x): [6144 x 2048] (8, 2048, 4)
-    9.3 µs (old kernel 10.5), [2048 x 2048] (2, 2048, 8) 4.9 µs (6.1), [50304 x 2048]
-    (16, 1024, 4) 50.4 µs (51.5); the norm-folded qkv (4, 2048, 4) 12.4 µs, slower than a norm
-    launch + the GEMV (11.4 µs), so the model leaves it off (gpu.FUSE_NORM_GEMV)."""
+def gemv_config(N: int, K: int) -> tuple[int, int, int]:
+    """(BLOCK_N rows per program, BLOCK_K, num_warps), or the tuning file's for N x K. A whole
+    row of K <= 2048 in one pass (no loop: every load of the program in flight at once); rows
+    per program grow with N so that there are ~500-3000 programs (an H100 has 132 SMs). H100,
+    graph-timed per layer by bench/gpu_kernels.py (16 layers' weights, bf16 x): [6144 x 2048]
+    (8, 2048, 4) 9.3 µs, [2048 x 2048] (2, 2048, 8) 4.9 µs, [50304 x 2048] (16, 1024, 4)
+    50.4 µs. (Folding the residual add + RMSNorm into the qkv GEMV's prologue took 12.4 µs a
+    layer against 11.4 µs for a norm launch + the GEMV: every program re-reads the three
+    K-float vectors; dropped.)"""
     if interpreting():
         return 128, 256, 1  # few programs: the interpreter runs each
-    tuned = lookup("q8_gemv_norm" if norm else "q8_gemv", f"{N}x{K}")
+    tuned = lookup("q8_gemv", f"{N}x{K}")
     if tuned is not None:
         return tuple(tuned)
     block_k = min(2048, triton.next_power_of_2(K))
-    if norm:
-        return 4, block_k, 4
     if N <= 4096:
         return 2, block_k, 8
     if N <= 16384:
@@ -115,18 +101,6 @@ def _check(x, q, d):
                          f"q {list(q.shape)}, d {list(d.shape)}")  # fmt: skip
 
 
-def _launch(x, dl, nw, xo, q, d, bias, y, alpha, eps, norm, config):
-    T, K = x.shape
-    N = q.shape[0]
-    block_n, block_k, warps = config or gemv_config(N, K, norm)
-    _q8_gemv_kernel[(triton.cdiv(N, block_n), T)](
-        x, x if dl is None else dl, x if nw is None else nw, x if xo is None else xo,
-        q.view(torch.uint8), d, y if bias is None else bias, y, N, K, K // 32, alpha, eps,
-        NORM=norm, HAS_DELTA=dl is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=warps,
-    )  # fmt: skip
-
-
 def q8_gemv(
     x: torch.Tensor,
     q: torch.Tensor,
@@ -138,49 +112,18 @@ def q8_gemv(
     """x [T, K] (f32/bf16, small T) -> y [T, N] in out_dtype (default x's), fp32 accumulation.
     config: (BLOCK_N, BLOCK_K, num_warps), default gemv_config(N, K)."""
     _check(x, q, d)
-    y = torch.empty(x.shape[0], q.shape[0], device=x.device, dtype=out_dtype or x.dtype)
-    _launch(x, None, None, None, q, d, bias, y, 1.0, 0.0, False, config)
+    T, K = x.shape
+    N = q.shape[0]
+    y = torch.empty(T, N, device=x.device, dtype=out_dtype or x.dtype)
+    block_n, block_k, warps = config or gemv_config(N, K)
+    _q8_gemv_kernel[(triton.cdiv(N, block_n), T)](
+        x, q.view(torch.uint8), d, y if bias is None else bias, y, N, K, K // 32,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+    )  # fmt: skip
     return y
-
-
-def add_norm_q8_gemv(
-    x: torch.Tensor,
-    delta: torch.Tensor | None,
-    norm_w: torch.Tensor,
-    eps: float,
-    q: torch.Tensor,
-    d: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.bfloat16,
-    alpha: float = 1.0,
-    config: tuple[int, int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual add and RMSNorm folded into the GEMV that consumes them (decode):
-    x1 = x + alpha * delta; y = (rms_norm(x1) * norm_w) @ W^T (+ bias), fp32 throughout.
-
-    Every program re-reads the token's K floats (x, delta, norm_w: L2 hits) and sums the
-    squares itself, so no norm launch runs before the GEMV; program 0 writes x1.
-    x [T, K] f32 contiguous (not modified); delta [T, K] or None. Returns (x1 [T, K] f32, a new
-    tensor; y [T, N] out_dtype)."""
-    _check(x, q, d)
-    if x.dtype != torch.float32 or norm_w.shape != (x.shape[1],):
-        raise ValueError("x must be float32 [T, K] and norm_w [K]")
-    if delta is not None and (delta.shape != x.shape or not delta.is_contiguous()):
-        raise ValueError(f"delta must be contiguous {list(x.shape)}, got {list(delta.shape)}")
-    x1 = torch.empty_like(x)
-    y = torch.empty(x.shape[0], q.shape[0], device=x.device, dtype=out_dtype)
-    _launch(x, delta, norm_w, x1, q, d, bias, y, alpha, eps, True, config)
-    return x1, y
 
 
 def q8_linear_ref(x, q, d, bias=None):
     """Plain torch, fp32: x @ dequantize(q, d)^T (+ bias)."""
     y = x.float() @ dequantize_q8(q, d, torch.float32).T
     return y if bias is None else y + bias.float()
-
-
-def add_norm_q8_linear_ref(x, delta, norm_w, eps, q, d, bias=None, alpha=1.0):
-    """Plain torch, fp32: (x1, rms_norm(x1) * norm_w @ dequantize(q, d)^T (+ bias))."""
-    x1 = x if delta is None else x + alpha * delta.float()
-    h = x1 * torch.rsqrt(x1.pow(2).mean(-1, keepdim=True) + eps) * norm_w
-    return x1, q8_linear_ref(h, q, d, bias)

@@ -25,9 +25,9 @@ from .grid_sync import counters, last_arrival, reset_counter
 from .launch import interpreting
 from .tuning import lookup
 
-# H100, olmoe shape (64 experts x 2048), graph-timed by bench/gpu_kernels.py (2026-11-23): one
-# expert per program and one warp (no CTA barriers in the reductions), 5.26 µs a layer
-# (add_rms_norm + cuBLAS GEMV + top-k before: 7.74 µs).
+# H100, olmoe shape (64 experts x 2048), graph-timed by bench/gpu_kernels.py: one expert per
+# program and one warp (no CTA barriers in the reductions), 5.26 µs a layer (add_rms_norm +
+# cuBLAS GEMV + top-k: 7.74 µs).
 ROUTER_BLOCK_E, ROUTER_WARPS = 1, 1
 
 
@@ -132,14 +132,17 @@ def add_norm_router(
     want_f32: bool = False,
     block_e: int | None = None,
     num_warps: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor
+]:
     """The FFN sub-block's head for a few tokens (decode), in one launch:
     x1 = x + alpha * delta; h = rms_norm(x1) * norm_w; logits = h @ router_w^T (fp32);
     softmax, top-k, optional renormalization (as router_topk).
 
     x [T, H] f32 contiguous (not modified); delta [T, H] or None; norm_w [H] f32; router_w
     [E, H] f32. Returns (x1 [T, H] f32 (a new tensor), h [T, H] out_dtype, h f32 or None,
-    ids [T, k] int64, weights [T, k] f32). No host synchronization (graph-capturable).
+    ids [T, k] int64, weights [T, k] f32, logits [T, E] f32). No host synchronization
+    (graph-capturable).
     block_e, num_warps: experts per program and warps (default ROUTER_BLOCK_E, ROUTER_WARPS,
     or the kernels.tuning overrides)."""
     T, H = x.shape
@@ -170,15 +173,17 @@ def add_norm_router(
         BLOCK_H=triton.next_power_of_2(H), BLOCK_ALL=triton.next_power_of_2(E),
         num_warps=num_warps,
     )  # fmt: skip
-    return x1, h, h32, ids, w
+    return x1, h, h32, ids, w, logits
 
 
 def add_norm_router_ref(x, delta, norm_w, router_w, eps, k, renormalize, out_dtype, alpha=1.0):
-    """Plain torch: (x1, h in out_dtype, h f32, ids, weights) as the unfused CPU model."""
+    """Plain torch: (x1, h in out_dtype, h f32, ids, weights, logits) as the unfused CPU
+    model."""
     x1 = x if delta is None else x + alpha * delta.float()
     h32 = x1 * torch.rsqrt(x1.pow(2).mean(-1, keepdim=True) + eps) * norm_w
-    ids, w = router_topk_ref(h32 @ router_w.T, k, renormalize)
-    return x1, h32.to(out_dtype), h32, ids, w
+    logits = h32 @ router_w.T
+    ids, w = router_topk_ref(logits, k, renormalize)
+    return x1, h32.to(out_dtype), h32, ids, w, logits
 
 
 def router_topk_ref(

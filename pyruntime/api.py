@@ -109,7 +109,8 @@ class Model:
                 if threads < 1:
                     raise UsageError(f"--threads must be >= 1, got {threads}")
                 torch.set_num_threads(threads)
-            self.net = GpuExecutor(config, self.file, self.device, kernel_tuning=self.kernel_tuning)
+            self.net = GpuExecutor.from_gguf(self.file, self.device,
+                                             kernel_tuning=self.kernel_tuning)  # fmt: skip
             key = f"{self.path.name}:{self.file.file_size}:s{sparsity}"
             switch_dir = options.cache_dir() / "switch"
             self.net.set_expert_threshold(thresholds, key=key, cache_dir=switch_dir)

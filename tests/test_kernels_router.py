@@ -44,20 +44,21 @@ def test_add_norm_router_matches_reference(T, H, E, k, renorm, with_delta):
         out = add_norm_router(x.to(DEV), None if delta is None else delta.to(DEV),
                               *(a.to(DEV) if torch.is_tensor(a) else a for a in args),
                               alpha=alpha, want_f32=True)  # fmt: skip
-        x1, h, h32, ids, w = (t.cpu() for t in out)
-        rx1, rh, rh32, rids, rw = add_norm_router_ref(x, delta, *args, alpha=alpha)
+        x1, h, h32, ids, w, logits = (t.cpu() for t in out)
+        rx1, rh, rh32, rids, rw, rlogits = add_norm_router_ref(x, delta, *args, alpha=alpha)
         assert torch.allclose(x1, rx1, rtol=1e-6, atol=1e-6)
         assert h.dtype == torch.bfloat16 and torch.allclose(h.float(), rh.float(), rtol=1e-2)
         assert torch.allclose(h32, rh32, rtol=1e-5, atol=1e-6)
         assert torch.equal(ids, rids)
         assert torch.allclose(w, rw, rtol=1e-5, atol=1e-7)
+        assert torch.allclose(logits, rlogits, rtol=1e-5, atol=1e-5)  # the router's logits
         assert not counters(DEV).any()  # the last program put its counter back to 0
     assert x.data_ptr() != x1.data_ptr()  # x itself is not modified: a new residual
 
 
 def test_add_norm_router_without_f32_copy():
     x = torch.randn(1, 32, device=DEV)
-    _, h, h32, ids, _ = add_norm_router(x, None, torch.ones(32, device=DEV),
+    _, h, h32, ids, _, _ = add_norm_router(x, None, torch.ones(32, device=DEV),
                                         torch.randn(4, 32, device=DEV), 1e-6, 2, True,
                                         torch.float32)  # fmt: skip
     assert h32 is None and h.dtype == torch.float32 and ids.shape == (1, 2)

@@ -22,6 +22,14 @@ SUPPORTED = (
     GGMLQuantizationType.Q8_0,
     GGMLQuantizationType.Q4_0,
 )
+# The supported formats by the names the GPU kernels use (pyruntime.kernels.expert_formats).
+FORMAT_NAMES = {
+    GGMLQuantizationType.F32: "f32",
+    GGMLQuantizationType.F16: "f16",
+    GGMLQuantizationType.BF16: "bf16",
+    GGMLQuantizationType.Q8_0: "q8_0",
+    GGMLQuantizationType.Q4_0: "q4_0",
+}
 
 
 def row_bytes(qtype: GGMLQuantizationType, n: int) -> int:

@@ -1,4 +1,5 @@
-"""Weights of the device model (pyruntime.gpu.executor): uploaded from the GGUF mmap once.
+"""Weights of the GPU executor, uploaded once from the host description (pyruntime.model.weights:
+views into the GGUF mmap, already loaded and checked there).
 
 - routed experts: their GGUF bytes on the device, prepared by kernels.dispatch.prepare_experts
   (never dequantized);
@@ -11,7 +12,6 @@ Also the device memory estimate used by `--device auto`.
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass
 
@@ -21,52 +21,16 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from pyruntime.errors import UsageError
-from pyruntime.gguf.file import GGUFFile, TensorView
+from pyruntime.experts.store import ExpertStore
+from pyruntime.gguf.file import GGUFFile
+from pyruntime.gguf.quant import FORMAT_NAMES, QuantMatrix
 from pyruntime.kernels.dispatch import prepare_experts
-from pyruntime.kernels.expert_formats import dequantize_rows
+from pyruntime.kernels.expert_formats import FLOAT_DTYPES, dequantize_rows
 from pyruntime.kernels.q8_linear import dequantize_q8, q8_gemv, split_q8_0
 from pyruntime.model.config import ModelConfig
+from pyruntime.model.weights import BlockWeights, FFNWeights, HostWeights
 
 Q = GGMLQuantizationType
-FORMATS = {Q.F32: "f32", Q.F16: "f16", Q.BF16: "bf16", Q.Q8_0: "q8_0", Q.Q4_0: "q4_0"}
-
-
-def _raw_bytes(t: TensorView, device: torch.device) -> torch.Tensor:
-    """The stored bytes of `t` as a flat uint8 tensor on `device` (one copy from the mmap)."""
-    flat = np.ascontiguousarray(t.data).reshape(-1).view(np.uint8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only mmap; never written through
-        return torch.from_numpy(flat).to(device)
-
-
-def upload_dense(t: TensorView, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Tensor `t` dequantized on the device to `dtype`, shape t.shape."""
-    if t.qtype not in FORMATS:
-        raise UsageError(f"tensor '{t.name}': type {t.qtype.name} is not supported on the GPU")
-    fmt = FORMATS[t.qtype]
-    raw = _raw_bytes(t, device)
-    if fmt in ("f32", "f16", "bf16"):
-        w = raw.view({"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[fmt])
-        return w.reshape(t.shape).to(dtype)
-    rows = raw.reshape(*t.shape[:-1], -1)
-    return dequantize_rows(rows, fmt, t.shape[-1]).to(dtype)
-
-
-def upload_experts(t: TensorView, device: torch.device, n_embd: int) -> tuple[torch.Tensor, str]:
-    """The routed-expert tensor in its GGUF format on the device, as the kernels want it."""
-    if t.qtype not in FORMATS:
-        raise UsageError(f"tensor '{t.name}': type {t.qtype.name} is not supported on the GPU")
-    fmt = FORMATS[t.qtype]
-    raw = _raw_bytes(t, device)
-    if fmt == "f32":
-        w = raw.view(torch.float32)
-    elif fmt in ("f16", "bf16"):
-        w = raw.view(torch.float16 if fmt == "f16" else torch.bfloat16)
-    else:
-        w = raw
-    w = w.reshape(*t.shape[:-1], -1)  # [n_expert, n_ff, 3, n_embd or row_bytes]
-    return prepare_experts(w, fmt, n_embd)
-
 
 # Decode (T <= this) reads Q8_0 dense weights with the GEMV kernel; prefill dequantizes per call.
 Q8_GEMV_MAX_TOKENS = 4
@@ -128,84 +92,123 @@ class DeviceBlock:
     wo: Linear  # [n_embd, n_head * head_dim]
     ffn_norm: torch.Tensor  # [n_embd] f32
     router: torch.Tensor | None  # [n_expert, n_embd] f32; None for a dense FFN layer
-    experts: torch.Tensor | None  # GGUF-format expert tensor (kernels.expert_formats)
+    experts: torch.Tensor | None  # expert tensor as the kernels take it (kernels.expert_formats)
     experts_fmt: str
     shared: GatedFFN | None
     shared_gate: torch.Tensor | None  # [n_embd] f32
     dense_ffn: GatedFFN | None
 
 
-class WeightLoader:
-    """Uploads one GGUF's tensors to `device` in the forms above."""
-
-    def __init__(self, f: GGUFFile, device: torch.device, dtype: torch.dtype) -> None:
-        self.f, self.device, self.dtype = f, device, dtype
-        self.q8 = os.environ.get("PYRUNTIME_DENSE_Q8", "1") not in ("0", "")
-
-    def linear(self, name: str) -> Linear:
-        """A matmul weight: Q8_0 stays quantized (PYRUNTIME_DENSE_Q8=0: bf16 instead)."""
-        t = self.f.tensor(name)
-        if t.qtype == Q.Q8_0 and self.q8:
-            q, d = split_q8_0(_raw_bytes(t, self.device).reshape(t.shape[0], -1), t.shape[1])
-            return Linear(q=q, d=d)
-        return Linear(w=upload_dense(t, self.device, self.dtype))
-
-    def dense(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return upload_dense(self.f.tensor(name), self.device, dtype or self.dtype)
-
-    def opt(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor | None:
-        return self.dense(name, dtype) if self.f.has_tensor(name) else None
-
-    def ffn(self, prefix: str, suffix: str) -> GatedFFN | None:
-        if not self.f.has_tensor(f"{prefix}.ffn_gate{suffix}.weight"):
-            return None
-        gate = self.linear(f"{prefix}.ffn_gate{suffix}.weight")
-        up = self.linear(f"{prefix}.ffn_up{suffix}.weight")
-        return GatedFFN(Linear.stack([gate, up]), self.linear(f"{prefix}.ffn_down{suffix}.weight"))
-
-    def block(self, cfg: ModelConfig, i: int) -> DeviceBlock:
-        p, f32 = f"blk.{i}", torch.float32
-        wqkv = Linear.stack([self.linear(f"{p}.attn_{s}.weight") for s in "qkv"])
-        biases = [self.opt(f"{p}.attn_{s}.bias") for s in "qkv"]
-        if any(b is not None for b in biases):
-            rows = [cfg.n_head, cfg.n_head_kv, cfg.n_head_kv]
-            biases = [
-                b if b is not None else torch.zeros(r * cfg.head_dim, device=self.device)
-                for b, r in zip(biases, rows, strict=True)
-            ]
-            wqkv.bias = torch.cat(biases).to(self.dtype)
-        has_experts = self.f.has_tensor(f"{p}.ffn_gud_exps.weight")
-        experts, fmt = (None, "")
-        if has_experts:
-            experts, fmt = upload_experts(
-                self.f.tensor(f"{p}.ffn_gud_exps.weight"), self.device, cfg.n_embd
-            )
-        shared_gate = self.opt(f"{p}.ffn_gate_inp_shexp.weight", f32)
-        return DeviceBlock(
-            attn_norm=self.dense(f"{p}.attn_norm.weight", f32),
-            wqkv=wqkv,
-            q_norm=self.opt(f"{p}.attn_q_norm.weight", f32),
-            k_norm=self.opt(f"{p}.attn_k_norm.weight", f32),
-            wo=self.linear(f"{p}.attn_output.weight"),
-            ffn_norm=self.dense(f"{p}.ffn_norm.weight", f32),
-            router=self.dense(f"{p}.ffn_gate_inp.weight", f32) if has_experts else None,
-            experts=experts,
-            experts_fmt=fmt,
-            shared=self.ffn(p, "_shexp"),
-            shared_gate=None if shared_gate is None else shared_gate.reshape(-1),
-            dense_ffn=None if has_experts else self.ffn(p, ""),
-        )
+@dataclass
+class DeviceWeights:
+    token_embd: torch.Tensor  # [n_vocab, n_embd] float copy, for the lookup
+    output_norm: torch.Tensor  # [n_embd] f32
+    output: Linear  # lm_head [n_vocab, n_embd] (shares token_embd's float copy when tied)
+    blocks: list[DeviceBlock]
 
 
-def dense_dtype_for(f: GGUFFile) -> torch.dtype:
-    """Activation and float-weight dtype: float32 when the GGUF's dense weights are F32 (exact
-    parity with the CPU path), else bfloat16 (Q8_0 matmul weights stay Q8_0, see Linear)."""
-    return torch.float32 if f.tensor("blk.0.attn_q.weight").qtype == Q.F32 else torch.bfloat16
+def _bytes_on(raw: np.ndarray, device: torch.device) -> torch.Tensor:
+    """The stored bytes of an mmap view as a flat uint8 tensor on `device` (one copy)."""
+    flat = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only mmap; never written through
+        return torch.from_numpy(flat).to(device)
+
+
+def _format(name: str, qtype: Q) -> str:
+    if qtype not in FORMAT_NAMES:
+        raise UsageError(f"tensor '{name}': type {qtype.name} is not supported on the GPU")
+    return FORMAT_NAMES[qtype]
+
+
+def upload_dense(m: QuantMatrix, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Matrix m dequantized on the device to `dtype`, shape m.shape."""
+    fmt = _format(m.name, m.qtype)
+    raw = _bytes_on(m.raw, device)
+    if fmt in FLOAT_DTYPES:
+        return raw.view(FLOAT_DTYPES[fmt]).reshape(m.shape).to(dtype)
+    return dequantize_rows(raw.reshape(m.shape[0], -1), fmt, m.shape[1]).to(dtype)
+
+
+def upload_linear(m: QuantMatrix, device: torch.device, dtype: torch.dtype) -> Linear:
+    """A matmul weight: Q8_0 stays quantized (q, d), anything else becomes `dtype`."""
+    if m.qtype == Q.Q8_0:
+        q, d = split_q8_0(_bytes_on(m.raw, device).reshape(m.shape[0], -1), m.shape[1])
+        return Linear(q=q, d=d)
+    return Linear(w=upload_dense(m, device, dtype))
+
+
+def upload_experts(store: ExpertStore, device: torch.device) -> tuple[torch.Tensor, str]:
+    """A layer's routed-expert tensor in its GGUF format on the device, as the kernels want it."""
+    fmt = _format(store.name, store.qtype)
+    raw = _bytes_on(store.raw, device)
+    w = raw.view(FLOAT_DTYPES[fmt]) if fmt in FLOAT_DTYPES else raw
+    w = w.reshape(store.n_expert, store.n_ff, 3, -1)  # [.., 3, n_embd or row_bytes]
+    return prepare_experts(w, fmt, store.n_embd)
+
+
+def _ffn(w: FFNWeights | None, device: torch.device, dtype: torch.dtype) -> GatedFFN | None:
+    if w is None:
+        return None
+    gate, up = (upload_linear(m, device, dtype) for m in (w.gate, w.up))
+    return GatedFFN(Linear.stack([gate, up]), upload_linear(w.down, device, dtype))
+
+
+def upload_block(
+    blk: BlockWeights, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> DeviceBlock:
+    def f32(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device=device, dtype=torch.float32)
+
+    wqkv = Linear.stack([upload_linear(m, device, dtype) for m in (blk.wq, blk.wk, blk.wv)])
+    biases = (blk.bq, blk.bk, blk.bv)
+    if any(b is not None for b in biases):
+        rows = (cfg.n_head, cfg.n_head_kv, cfg.n_head_kv)
+        biases = [b if b is not None else torch.zeros(r * cfg.head_dim)
+                  for b, r in zip(biases, rows, strict=True)]  # fmt: skip
+        wqkv.bias = torch.cat(biases).to(device=device, dtype=dtype)
+    experts, fmt = (None, "") if blk.experts is None else upload_experts(blk.experts, device)
+    return DeviceBlock(
+        attn_norm=f32(blk.attn_norm),
+        wqkv=wqkv,
+        q_norm=f32(blk.q_norm),
+        k_norm=f32(blk.k_norm),
+        wo=upload_linear(blk.wo, device, dtype),
+        ffn_norm=f32(blk.ffn_norm),
+        router=None if blk.router is None else upload_dense(blk.router, device, torch.float32),
+        experts=experts,
+        experts_fmt=fmt,
+        shared=_ffn(blk.shared, device, dtype),
+        shared_gate=f32(blk.shared_gate),
+        dense_ffn=_ffn(blk.dense_ffn, device, dtype),
+    )
+
+
+def upload_weights(
+    host: HostWeights, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> DeviceWeights:
+    token_embd = upload_dense(host.token_embd, device, dtype)
+    output = upload_linear(host.output, device, dtype)
+    if host.output is host.token_embd and output.w is not None:
+        output = Linear(w=token_embd)  # tied: share the float copy
+    return DeviceWeights(
+        token_embd=token_embd,
+        output_norm=host.output_norm.to(device=device, dtype=torch.float32),
+        output=output,
+        blocks=[upload_block(b, cfg, device, dtype) for b in host.blocks],
+    )
+
+
+def dense_dtype_for(attn_q_type: Q) -> torch.dtype:
+    """Activation and float-weight dtype from the type of the attention q weight: float32 when
+    the GGUF's dense weights are F32 (exact parity with the CPU path), else bfloat16 (Q8_0
+    matmul weights stay Q8_0, see Linear)."""
+    return torch.float32 if attn_q_type == Q.F32 else torch.bfloat16
 
 
 def device_bytes(f: GGUFFile, cfg: ModelConfig, n_ctx: int) -> int:
     """Bytes the model needs on the device: weights as uploaded + KV cache + activations."""
-    dtype = dense_dtype_for(f)
+    dtype = dense_dtype_for(f.tensor("blk.0.attn_q.weight").qtype)
     total = 0
     for t in f.tensors.values():
         if t.name.endswith("ffn_gud_exps.weight") or (t.qtype == Q.Q8_0 and t.data.ndim > 1):

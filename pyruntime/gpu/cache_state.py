@@ -1,0 +1,68 @@
+"""What the GPU executor keeps per KV cache (in `cache.executor_state`, dropped with it).
+
+- the decode step's inputs as device tensors (token, position, cached length after the step),
+  written by one host-to-device copy from a pinned staging tensor;
+- the rope tables of every cache position;
+- the decode steps captured in CUDA graphs, one per (experts per token, expert maps): a graph
+  reads every input from these fixed addresses, so one capture replays at every position, and
+  rewinding the cache only changes n_tokens (the next step's inputs say where it writes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pyruntime.model.config import ModelConfig
+from pyruntime.model.reference import rope_tables
+
+STATE_KEY = "gpu"  # this executor's entry in KVCache.executor_state
+
+
+@dataclass
+class CapturedStep:
+    """A decode step captured in a CUDA graph: replay() reruns it on the current step inputs,
+    rewriting `outputs` (logits [1, n_vocab] and the MoE layers' routing tensors) in place."""
+
+    graph: Any  # torch.cuda.CUDAGraph (or a stand-in with replay())
+    outputs: Any
+    version: int  # the executor's model state it was captured under
+
+
+class GpuCacheState:
+    def __init__(self, owner: object, cfg: ModelConfig, max_tokens: int,
+                 device: torch.device) -> None:  # fmt: skip
+        self.owner_id = id(owner)  # the executor whose graphs these are
+        cos, sin = rope_tables(torch.arange(max_tokens), cfg.rope_dim, cfg.rope_theta)
+        self.cos, self.sin = cos.to(device), sin.to(device)  # [max_tokens, rope_dim] f32
+        # (token, position, position + 1 = cached length after the step) in one device tensor
+        self.step_inputs = torch.zeros(3, dtype=torch.long, device=device)
+        self.token, self.position, self.seq_len = self.step_inputs.view(3, 1).unbind(0)
+        self._staging = torch.zeros(3, dtype=torch.long, pin_memory=self.step_inputs.is_cuda)
+        self.graphs: dict[tuple, CapturedStep] = {}
+
+    def set_step(self, token: int, position: int) -> None:
+        """The next decode step's inputs: `token` at `position`. Asynchronous: the staging
+        tensor is rewritten only after the previous step's logits reached the host (forward()
+        waits for them), so its copy has run by then."""
+        self._staging.numpy()[:] = (token, position, position + 1)
+        self.step_inputs.copy_(self._staging, non_blocking=True)
+
+
+def capture(fn: Callable[[], Any], device: torch.device) -> tuple[Any, Any]:
+    """(a CUDA graph of fn, fn's outputs in it). fn runs once first on a side stream (Triton
+    compiles, allocations and the grid_sync counters happen outside the capture); that run has
+    the side effects of a step (KV writes, device counts), which the caller undoes or redoes."""
+    current = torch.cuda.current_stream(device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        fn()
+    current.wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return graph, outputs

@@ -1,0 +1,229 @@
+"""One decoder layer on the GPU, in the pieces a step is made of: the per-layer entry points.
+
+The whole-model step (pyruntime.gpu.executor) runs, for each layer i, with the hidden state
+(x, delta): x [n, n_embd] f32 the residual stream, delta the last sub-block's output that the
+next norm adds to it (x + residual_scale * delta), so the residual add rides in the norm's
+launch:
+
+    x, delta = layers.attention(i, x, delta, kv, span)       # norm, qkv, rope + KV store, attend, o
+    r = layers.route(i, x, delta, k)                         # residual add + norm + router + top-k
+    y, active = layers.routed_experts(i, r, expert_map=...)  # the routed experts (or a subset)
+    delta = layers.ffn_output(i, r, y)                       # + shared expert (gated)
+    x = r.x
+    (dense-FFN layers: x, h = layers.ffn_norm(i, x, delta); delta = layers.dense_ffn(i, h))
+    logits = layers.output(x, delta)
+
+A hybrid executor calls the same pieces one layer at a time and adds its own experts' output
+to y before ffn_output. At decode (n <= FUSED_MAX_TOKENS) route() is one launch (kernels.router
+add_norm_router). Pieces may update the x they are given in place (the residual add of a norm);
+use the x they return. Nothing here synchronizes with the host: a step of these pieces is
+captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pyruntime.gpu.weights import DeviceBlock, DeviceWeights, GatedFFN
+from pyruntime.kernels.attention import decode_attention
+from pyruntime.kernels.decoder_ops import add_rms_norm, qk_rope_store
+from pyruntime.kernels.dispatch import moe_experts
+from pyruntime.kernels.expert_paths import SparseSwitch
+from pyruntime.kernels.router import add_norm_router, router_topk
+from pyruntime.model.config import ModelConfig
+from pyruntime.model.reference import activation_fn
+
+# Up to this many tokens (decode) the residual add + FFN RMSNorm + router + top-k run in one
+# launch (kernels.router.add_norm_router): per layer 5.3 us against 7.7 us for the separate
+# launches on an H100 (olmoe shape); above, the separate launches (prefill).
+FUSED_MAX_TOKENS = 4
+
+
+@dataclass
+class Span:
+    """Where a step's n tokens go: ids [n] and positions [n] int64 on the device, the rope
+    tables of every cache position (cos, sin [max_tokens, rope_dim] f32), and either
+    seq_len [1] (decode, one token: the cached length after the step, a device tensor the
+    decode attention reads, so a captured graph replays at any position) or start (prefill:
+    the first position, for the causal mask)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    seq_len: torch.Tensor | None = None
+    start: int = 0
+
+    @property
+    def n(self) -> int:
+        return self.ids.shape[0]
+
+
+@dataclass
+class Routed:
+    """One MoE layer's FFN input and routing of n tokens, as route() leaves them."""
+
+    x: torch.Tensor  # [n, n_embd] f32: the residual stream after the attention sub-block
+    h: torch.Tensor  # [n, n_embd] the experts' input (normed), matmul dtype
+    h32: torch.Tensor  # [n, n_embd] f32: the same for the router and the shared-expert gate
+    ids: torch.Tensor  # [n, k] int64 experts, in order of routing weight
+    weights: torch.Tensor  # [n, k] f32 routing weights
+    logits: torch.Tensor  # [n, n_expert] f32 router logits
+
+
+class DecoderLayers:
+    """The model's layers on one device, piece by piece (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, weights: DeviceWeights, dtype: torch.dtype) -> None:
+        self.config = cfg
+        self.weights = weights
+        self.blocks: list[DeviceBlock] = weights.blocks
+        self.dtype = dtype  # activations and float weights
+        self.act = activation_fn(cfg.activation)
+        self.scale = (
+            cfg.attention_scale if cfg.attention_scale is not None else 1 / math.sqrt(cfg.head_dim)
+        )
+        # Neuron sparsity of the routed experts, per layer: [1] f32 thresholds on |act(gate)|
+        # (None: dense) and the batch sizes where the sparse path runs (kernels.switch).
+        self.expert_threshold: list[torch.Tensor] | None = None
+        self.sparse_switch: list[SparseSwitch] = [SparseSwitch()] * cfg.n_layer
+        self.profile_parts = False  # label each piece for torch.profiler (bench/gpu_decode.py)
+
+    def part(self, name: str):
+        """A profiler range around one piece of a layer, else nothing."""
+        if self.profile_parts:
+            return torch.profiler.record_function(name)
+        return contextlib.nullcontext()
+
+    # -- embedding and output -----------------------------------------------------------------
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [n] on the device -> x [n, n_embd] f32 (a new tensor)."""
+        x = self.weights.token_embd.index_select(0, ids).float()
+        scale = self.config.embedding_scale
+        return x * scale if scale != 1.0 else x
+
+    def output(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """Logits [n, n_vocab] f32 of the last layer's state (final norm, lm_head)."""
+        cfg = self.config
+        with self.part("norm"):
+            h, _ = add_rms_norm(x, delta, self.weights.output_norm, cfg.rms_eps, self.dtype,
+                                cfg.residual_scale)  # fmt: skip
+        with self.part("lm_head"):
+            logits = self.weights.output(h, torch.float32)
+            return logits if cfg.logit_scale == 1.0 else logits / cfg.logit_scale
+
+    # -- attention sub-block ------------------------------------------------------------------
+
+    def attention(self, i: int, x: torch.Tensor, delta: torch.Tensor | None, kv: torch.Tensor,
+                  span: Span) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Layer i's attention sub-block: (x + residual_scale * delta, its output [n, n_embd]).
+        kv: layer i's cache storage [2, n_head_kv, max_tokens, head_dim]; the tokens' keys and
+        values are written at span.positions."""
+        cfg, blk = self.config, self.blocks[i]
+        with self.part("norm"):
+            h, _ = add_rms_norm(x, delta, blk.attn_norm, cfg.rms_eps, self.dtype,
+                                cfg.residual_scale)  # fmt: skip
+        with self.part("qkv"):
+            qkv = blk.wqkv(h)
+        with self.part("rope+kv store"):
+            q = qk_rope_store(
+                qkv, kv, span.positions, span.cos, span.sin, cfg.n_head, blk.q_norm, blk.k_norm,
+                cfg.rms_eps, cfg.clamp_kqv,
+            )  # fmt: skip
+        with self.part("attention"):
+            if span.seq_len is not None:  # one token: split-K kernel, length on the device
+                a = decode_attention(q[:, 0], kv[0], kv[1], span.seq_len, self.scale)
+                a = a.reshape(1, -1)
+            else:
+                end = span.start + span.n
+                a = self._prefill_attention(q, kv[0, :, :end], kv[1, :, :end], span.start)
+        with self.part("o_proj"):
+            return x, blk.wo(a)
+
+    def _prefill_attention(self, q, keys, values, start: int) -> torch.Tensor:
+        """q [n_head, n, D]; keys, values [n_head_kv, start + n, D] -> [n, n_head * D]."""
+        cfg = self.config
+        n, end = q.shape[1], keys.shape[1]
+        group = cfg.n_head // cfg.n_head_kv
+        if group > 1:
+            keys = keys.repeat_interleave(group, dim=0)
+            values = values.repeat_interleave(group, dim=0)
+        # Causal over absolute positions: query at start+a sees keys 0..start+a.
+        q_pos = torch.arange(start, end, device=q.device)[:, None]
+        mask = torch.arange(end, device=q.device)[None, :] <= q_pos  # [n, end]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+        return out.transpose(0, 1).reshape(n, cfg.n_head * cfg.head_dim)
+
+    # -- FFN sub-block ------------------------------------------------------------------------
+
+    def route(self, i: int, x: torch.Tensor, delta: torch.Tensor, k: int) -> Routed:
+        """MoE layer i's FFN head: residual add, RMSNorm, router logits, softmax top-k experts
+        (k of them per token, renormalized as the model says)."""
+        cfg, blk = self.config, self.blocks[i]
+        eps, alpha = cfg.rms_eps, cfg.residual_scale
+        if x.shape[0] <= FUSED_MAX_TOKENS:
+            with self.part("router"):  # + residual add + ffn norm
+                want_f32 = blk.shared_gate is not None and self.dtype != torch.float32
+                x, h, h32, ids, w, logits = add_norm_router(
+                    x, delta, blk.ffn_norm, blk.router, eps, k, cfg.expert_weights_norm,
+                    self.dtype, alpha, want_f32,
+                )  # fmt: skip
+            return Routed(x, h, h if h32 is None else h32, ids, w, logits)
+        x, h, h32 = self.ffn_norm(i, x, delta, want_f32=True)
+        with self.part("router"):
+            logits = h32 @ blk.router.T  # [n, n_expert] f32
+            ids, w = router_topk(logits, k, cfg.expert_weights_norm)
+        return Routed(x, h, h32, ids, w, logits)
+
+    def routed_experts(self, i: int, r: Routed, expert_map: torch.Tensor | None = None,
+                       slots: torch.Tensor | None = None):  # fmt: skip
+        """MoE layer i's routed experts: (y [n, n_embd] f32, active [n, k] int32 neuron counts,
+        or None where the dense path ran). expert_map: int32 [n_expert] expert -> slot of
+        `slots` (default: the layer's expert tensor), -1 for experts not computed here
+        (kernels.moe_args). slots: an expert tensor in the layer's prepared format (a cache of
+        expert slots)."""
+        blk = self.blocks[i]
+        threshold = None if self.expert_threshold is None else self.expert_threshold[i]
+        with self.part("routed experts"):
+            return moe_experts(
+                r.h, blk.experts if slots is None else slots, blk.experts_fmt, r.ids, r.weights,
+                self.config.activation, threshold, self.sparse_switch[i], expert_map,
+            )  # fmt: skip
+
+    def ffn_output(self, i: int, r: Routed, y: torch.Tensor) -> torch.Tensor:
+        """MoE layer i's FFN output [n, n_embd]: the routed experts' y plus the shared expert
+        (times its sigmoid gate); the next norm adds it to r.x."""
+        blk = self.blocks[i]
+        if blk.shared is None:
+            return y
+        with self.part("shared expert"):
+            s = self._gated_ffn(blk.shared, r.h).float()
+            if blk.shared_gate is not None:
+                s = s * torch.sigmoid(r.h32 @ blk.shared_gate)[:, None]
+            return y + s
+
+    def ffn_norm(self, i: int, x: torch.Tensor, delta: torch.Tensor | None,
+                 want_f32: bool = False):  # fmt: skip
+        """Layer i's FFN norm: (x + residual_scale * delta (in place), h in the matmul dtype,
+        h in f32 (want_f32; h itself when that is f32) or None)."""
+        cfg = self.config
+        split_f32 = want_f32 and self.dtype != torch.float32
+        with self.part("norm"):
+            h, h32 = add_rms_norm(x, delta, self.blocks[i].ffn_norm, cfg.rms_eps, self.dtype,
+                                  cfg.residual_scale, split_f32)  # fmt: skip
+        return x, h, (h if want_f32 and h32 is None else h32)
+
+    def dense_ffn(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """Dense-FFN layer i's output (layers without routed experts)."""
+        with self.part("dense ffn"):
+            return self._gated_ffn(self.blocks[i].dense_ffn, h)
+
+    def _gated_ffn(self, w: GatedFFN, x: torch.Tensor) -> torch.Tensor:
+        g, u = w.gate_up(x).chunk(2, dim=-1)
+        return w.down((self.act(g) * u).to(x.dtype))
