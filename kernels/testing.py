@@ -1,18 +1,13 @@
 """Random MoE layer inputs at odd shapes and result checks, shared by the kernel tests."""
 
-import os
-
 import torch
 
 from .expert_formats import BLOCKS, act_ref, quantize_rows
+from .launch import interpreting
 
 N_EXPERT, N_FF, TOP_K = 6, 45, 3  # odd n_ff: partial neuron tiles
 # The tests' device: the GPU when kernels compile for it (TRITON_INTERPRET=0), else the CPU.
-DEVICE = torch.device(
-    "cuda"
-    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
-    else "cpu"
-)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and not interpreting() else "cpu")
 
 
 def n_embd_for(fmt: str) -> int:
@@ -46,7 +41,7 @@ def rtol_for(x_dtype) -> float:
     only summation-order rounding (~1e-6). On a GPU the prefill dots of bf16 x run on bf16
     tensor cores (weights and the act*up intermediate rounded to bf16: ~2^-9 each) -> 1e-2.
     """
-    if x_dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if x_dtype == torch.bfloat16 and not interpreting():
         return 1e-2
     return 1e-5
 

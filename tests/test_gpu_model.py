@@ -203,11 +203,11 @@ def test_profiled_switch_says_once_that_it_times_the_layers(tiny_ggufs, tmp_path
     monkeypatch.setattr(switch, "graph_timer", fake_timer)
     _, dev = _models(tiny_ggufs["f32"], DEVICE)
     dev.set_expert_threshold([0.05] * dev.config.n_layer)
-    got = dev._profiled_switch("tiny/s0.5", tmp_path)
+    got = dev.layers.profiled_switch("tiny/s0.5", tmp_path)
     assert got == [switch.SparseSwitch((1, 2, 4, 8), (1, 2))] * dev.config.n_layer
     err = capsys.readouterr().err
     assert err.count("timing dense vs sparse experts") == 1 and str(tmp_path) in err
     n_timed = len(calls)
     switch._MEMO.clear()
-    assert dev._profiled_switch("tiny/s0.5", tmp_path) == got  # from the cache files
+    assert dev.layers.profiled_switch("tiny/s0.5", tmp_path) == got  # from the cache files
     assert len(calls) == n_timed and capsys.readouterr().err == ""

@@ -24,7 +24,6 @@ softmax + top-k.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -38,19 +37,13 @@ from pyruntime.gpu.layers import DecoderLayers, Routed, Span
 from pyruntime.gpu.weights import DeviceBlock, Linear, dense_dtype_for, upload_weights
 from pyruntime.kernels import tuning
 from pyruntime.kernels.expert_formats import ACT_CODES
-from pyruntime.kernels.expert_paths import SPARSE_PATHS, SparseSwitch, expert_path
-from pyruntime.kernels.switch import sparse_switch
+from pyruntime.kernels.expert_paths import SPARSE_PATHS, expert_path
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.executor import RoutingTrace
 from pyruntime.model.kv_cache import KVCache
 from pyruntime.model.stats import ExpertStats
 from pyruntime.model.tokens import single_token, token_ids
 from pyruntime.model.weights import HostWeights
-
-# The batches the sparse expert path runs at when no profiled switch is available (the CPU
-# interpreter, or no model key): up to 16 tokens; on CUDA each layer's comes from
-# pyruntime.kernels.switch.
-DEFAULT_SWITCH = SparseSwitch.up_to(16)
 
 ExpertMaps = Sequence[torch.Tensor | None]  # per layer: int32 [n_expert] expert -> slot, or None
 
@@ -87,7 +80,6 @@ class GpuExecutor:
         self.dtype = dense_dtype_for(weights.blocks[0].wq.qtype)
         self.weights = upload_weights(weights, cfg, self.device, self.dtype)
         self.layers = DecoderLayers(cfg, self.weights, self.dtype)
-        self.layers.sparse_switch = [DEFAULT_SWITCH] * cfg.n_layer
         self.stats = ExpertStats(self.device)
         self.cuda_graphs = self.device.type == "cuda"
         self.moe_layers = [i for i, b in enumerate(self.weights.blocks) if b.experts is not None]
@@ -128,54 +120,12 @@ class GpuExecutor:
 
     def set_expert_threshold(self, thresholds: Sequence[float] | None, key: str = "",
                              cache_dir: Path | None = None) -> None:  # fmt: skip
-        """Per-layer |act(gate)| thresholds (None = dense). On CUDA with a `key` (the model's
-        identity and sparsity), each layer's dense/sparse switch comes from kernels.switch
-        (profiled once per GPU and layer, cached in cache_dir, default the switch's); else
-        DEFAULT_SWITCH."""
-        n_layer = self.config.n_layer
-        self.layers.sparse_switch = [DEFAULT_SWITCH] * n_layer
-        if thresholds is None:
-            self.layers.expert_threshold = None
-        else:
-            self.layers.expert_threshold = [
-                torch.tensor([float(t)], device=self.device) for t in thresholds
-            ]
-            if self.device.type == "cuda" and key:
-                self.layers.sparse_switch = self._profiled_switch(key, cache_dir)
+        """Per-layer |act(gate)| thresholds (None = dense); see DecoderLayers.set_sparsity (on
+        CUDA with a `key`, each layer's dense/sparse switch is profiled, cached in cache_dir).
+        Captured decode graphs are recaptured on their next step."""
+        self.layers.set_sparsity(thresholds, key if self.device.type == "cuda" else "", cache_dir)
         self._version += 1
         self._decode_counts.clear()
-
-    def _profiled_switch(self, key: str, cache_dir: Path | None = None) -> list[SparseSwitch]:
-        cfg = self.config
-        out = []
-        told = False
-
-        def tell(path) -> None:  # once per load, before the first layer is profiled
-            nonlocal told
-            if not told:
-                told = True
-                print(f"pyruntime: timing dense vs sparse experts per layer on this GPU (once per "
-                      f"model and sparsity; cached in {path.parent})", file=sys.stderr,
-                      flush=True)  # fmt: skip
-
-        for i, blk in enumerate(self.blocks):
-            if blk.experts is None:
-                out.append(SparseSwitch())
-                continue
-            out.append(
-                sparse_switch(
-                    blk.experts,
-                    blk.experts_fmt,
-                    cfg.n_embd,
-                    cfg.n_expert_used,
-                    cfg.activation,
-                    self.layers.expert_threshold[i],
-                    key=f"{key}/layer{i}",
-                    directory=cache_dir,
-                    on_profile=tell,
-                )  # fmt: skip
-            )
-        return out
 
     def _sparse_at(self, i: int, n_tok: int) -> bool:
         """Whether layer i's routed experts take a sparse path at n_tok tokens (moe_experts'

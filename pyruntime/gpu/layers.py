@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +38,7 @@ from pyruntime.kernels.decoder_ops import add_rms_norm, qk_rope_store
 from pyruntime.kernels.dispatch import moe_experts
 from pyruntime.kernels.expert_paths import SparseSwitch
 from pyruntime.kernels.router import add_norm_router, router_topk
+from pyruntime.kernels.switch import sparse_switch
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.reference import activation_fn
 
@@ -42,6 +46,9 @@ from pyruntime.model.reference import activation_fn
 # launch (kernels.router.add_norm_router): per layer 5.3 us against 7.7 us for the separate
 # launches on an H100 (olmoe shape); above, the separate launches (prefill).
 FUSED_MAX_TOKENS = 4
+# The batches the sparse expert path runs at when no profiled switch is available (the CPU
+# interpreter, or no model key): up to 16 tokens; on CUDA each layer's comes from kernels.switch.
+DEFAULT_SWITCH = SparseSwitch.up_to(16)
 
 
 @dataclass
@@ -91,8 +98,57 @@ class DecoderLayers:
         # Neuron sparsity of the routed experts, per layer: [1] f32 thresholds on |act(gate)|
         # (None: dense) and the batch sizes where the sparse path runs (kernels.switch).
         self.expert_threshold: list[torch.Tensor] | None = None
-        self.sparse_switch: list[SparseSwitch] = [SparseSwitch()] * cfg.n_layer
+        self.sparse_switch: list[SparseSwitch] = [DEFAULT_SWITCH] * cfg.n_layer
         self.profile_parts = False  # label each piece for torch.profiler (bench/gpu_decode.py)
+
+    def set_sparsity(self, thresholds: Sequence[float] | None, key: str = "",
+                     cache_dir: Path | None = None) -> None:  # fmt: skip
+        """Per-layer |act(gate)| thresholds (None = dense). With a `key` (the model's identity
+        and sparsity), each layer's dense/sparse switch is profiled on this GPU by
+        kernels.switch (once per GPU and layer, cached in cache_dir, default the switch's);
+        without one every layer takes DEFAULT_SWITCH."""
+        self.sparse_switch = [DEFAULT_SWITCH] * self.config.n_layer
+        if thresholds is None:
+            self.expert_threshold = None
+            return
+        device = self.weights.output_norm.device
+        self.expert_threshold = [torch.tensor([float(t)], device=device) for t in thresholds]
+        if key:
+            self.sparse_switch = self.profiled_switch(key, cache_dir)
+
+    def profiled_switch(self, key: str, cache_dir: Path | None = None) -> list[SparseSwitch]:
+        """Each layer's profiled dense/sparse switch (kernels.switch.sparse_switch); one line on
+        stderr before the first layer that has to be timed."""
+        cfg = self.config
+        told = False
+
+        def tell(path) -> None:
+            nonlocal told
+            if not told:
+                told = True
+                print(f"pyruntime: timing dense vs sparse experts per layer on this GPU (once per "
+                      f"model and sparsity; cached in {path.parent})", file=sys.stderr,
+                      flush=True)  # fmt: skip
+
+        out = []
+        for i, blk in enumerate(self.blocks):
+            if blk.experts is None:
+                out.append(SparseSwitch())
+                continue
+            out.append(
+                sparse_switch(
+                    blk.experts,
+                    blk.experts_fmt,
+                    cfg.n_embd,
+                    cfg.n_expert_used,
+                    cfg.activation,
+                    self.expert_threshold[i],
+                    key=f"{key}/layer{i}",
+                    directory=cache_dir,
+                    on_profile=tell,
+                )  # fmt: skip
+            )
+        return out
 
     def part(self, name: str):
         """A profiler range around one piece of a layer, else nothing."""
