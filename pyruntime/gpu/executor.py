@@ -41,6 +41,7 @@ from pyruntime.kernels.expert_paths import SPARSE_PATHS, expert_path
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.executor import RoutingTrace
 from pyruntime.model.kv_cache import KVCache
+from pyruntime.model.reference import check_k
 from pyruntime.model.stats import ExpertStats
 from pyruntime.model.tokens import single_token, token_ids
 from pyruntime.model.weights import HostWeights
@@ -82,7 +83,7 @@ class GpuExecutor:
         self.layers = DecoderLayers(cfg, self.weights, self.dtype)
         self.stats = ExpertStats(self.device)
         self.cuda_graphs = self.device.type == "cuda"
-        self.moe_layers = [i for i, b in enumerate(self.weights.blocks) if b.experts is not None]
+        self._moe_layers = [i for i, b in enumerate(self.weights.blocks) if b.experts is not None]
         self._version = 0  # bumped when captured graphs and step counts go stale
         self._decode_counts: dict[tuple, tuple[int, int]] = {}
 
@@ -107,6 +108,13 @@ class GpuExecutor:
     @profile_parts.setter
     def profile_parts(self, on: bool) -> None:
         self.layers.profile_parts = on
+
+    def moe_layers(self) -> list[int]:
+        """Indices of the layers with routed experts (the others have a dense FFN)."""
+        return list(self._moe_layers)
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+        """Nothing to do: every routed expert is in device memory."""
 
     def new_cache(self, max_tokens: int) -> KVCache:
         """A KV cache on the device, its storage fixed for its life (captured graphs read it)."""
@@ -158,7 +166,7 @@ class GpuExecutor:
         layer's expert tensor, -1 for experts this call does not compute (their pairs add
         nothing; kernels.moe_args), or None. A decode step's graph is captured per (k, maps):
         update a map's values in place rather than passing a new tensor each step."""
-        k = self._experts_per_token(k)
+        k = check_k(k, self.config)
         maps = self._check_maps(expert_maps)
         token = single_token(tokens, self.config.n_vocab)
         if token is not None:
@@ -183,13 +191,6 @@ class GpuExecutor:
 
     def _decode_span(self, state: GpuCacheState) -> Span:
         return Span(state.token, state.position, state.cos, state.sin, seq_len=state.seq_len)
-
-    def _experts_per_token(self, k: int | None) -> int:
-        if k is None:
-            return self.config.n_expert_used
-        if not 1 <= k <= self.config.n_expert:
-            raise UsageError(f"k (experts per token) must be in 1..{self.config.n_expert}, got {k}")
-        return int(k)
 
     def _check_maps(self, maps: ExpertMaps | None) -> tuple | None:
         if maps is None:
@@ -291,14 +292,14 @@ class GpuExecutor:
         state = cache.executor_state.get(STATE_KEY)
         if state is None or state.owner_id != id(self):
             return None
-        step = state.graphs.get((self._experts_per_token(k), None))
+        step = state.graphs.get((check_k(k, self.config), None))
         return None if step is None else step.graph
 
     @torch.inference_mode()
     def decode_step_eager(self, cache: KVCache, k: int | None = None) -> torch.Tensor:
         """One decode step run eagerly on the inputs last written to `cache`'s step state (the
         cache does not advance): logits [1, n_vocab] on the device (for profiling)."""
-        k = self._experts_per_token(k)
+        k = check_k(k, self.config)
         logits, _ = self._step(self._decode_span(self._state(cache)), cache, k, None, False)
         return logits
 
@@ -310,7 +311,7 @@ class GpuExecutor:
         counts = self._decode_counts.get(key)
         if counts is None:
             n_dense = n_sparse = 0
-            for i in self.moe_layers:
+            for i in self._moe_layers:
                 if maps is None or maps[i] is None:
                     if self._sparse_at(i, 1):
                         n_sparse += k
@@ -373,7 +374,7 @@ class GpuExecutor:
 
     def _trace(self, trace: RoutingTrace, routes: list, k: int) -> None:
         """Fill `trace` with the last token's routing of each MoE layer (one copy to the host)."""
-        trace.layers = list(self.moe_layers)
+        trace.layers = self.moe_layers()
         if not routes:
             trace.ids = torch.zeros(0, k, dtype=torch.int64)
             trace.logits = torch.zeros(0, self.config.n_expert)
