@@ -293,3 +293,32 @@ def test_bad_expert_maps_are_usage_errors(model):
     bad[dev.moe_layers()[0]] = torch.zeros(cfg.n_expert, dtype=torch.int64)
     with pytest.raises(UsageError, match="int32"):
         dev.forward([1], cache, expert_maps=bad)
+
+
+# -- decoding strategies on this executor ----------------------------------------------------
+
+
+def test_big_little_decoding_runs_on_the_gpu_executor(tmp_path):
+    """pyruntime.Model's big/little decoding over the GPU executor (k per call, routing traces,
+    prefetch, rewinds): gamma = 0 is little-only decoding, gamma = 1 big-only, and greedy verify
+    gives big-only's tokens, exactly (the same kernels on both sides)."""
+    from pyruntime.api import Model
+
+    hf = make_tiny_hf_model("olmoe", tmp_path / "hf", num_experts_per_tok=4,
+                            initializer_range=0.3)  # fmt: skip
+    m = Model(convert(hf, tmp_path / "m.gguf", "f32", progress=False), n_ctx=64, device="cpu",
+              expert_backend="torch", seed=0)  # fmt: skip
+    m.net = GpuExecutor.from_gguf(m.file, DEVICE)
+
+    def tokens(**decoding) -> list[int]:
+        m.reset()
+        stream = m.generate([5, 17, 300, 42, 9], max_tokens=8, temp=0.0, ignore_eos=True,
+                            **decoding)  # fmt: skip
+        list(stream)
+        return stream.token_ids
+
+    big, little = tokens(), tokens(experts_per_token=2)
+    assert big != little  # the two models differ, so the equalities say something
+    assert tokens(little_experts=2, fallback_threshold=0.0) == little
+    assert tokens(little_experts=2, fallback_threshold=1.0) == big
+    assert tokens(little_experts=2, fallback="verify", draft=3) == big
