@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 import triton  # noqa: E402
 
+from pyruntime import options  # noqa: E402
 from pyruntime.kernels import switch, timing  # noqa: E402
 from pyruntime.kernels.dispatch import moe_experts, prepare_experts  # noqa: E402
 from pyruntime.kernels.expert_formats import act_ref, quantize_rows, row_bytes  # noqa: E402
@@ -281,6 +282,7 @@ def run(args) -> list[dict]:
                     w, fmt, n_embd, k, "silu", thresholds[s], f"bench/{model}/s{s}",
                     timer=switch.graph_timer(3 if args.smoke else 20),
                     batches=args.switch_batches, refresh=True,
+                    directory=options.cache_dir() / "switch",
                 )
                 for s in args.sparsities
             }  # fmt: skip
