@@ -358,13 +358,11 @@ class GpuExecutor:
     def _count(self, r: Routed, active: torch.Tensor | None, emap: torch.Tensor | None,
                count_host: bool) -> None:  # fmt: skip
         """Expert stats of one MoE layer: active counts on the device where a kernel made them;
-        with an expert map, the pairs computed here too (known on the device only)."""
+        with an expert map, which pairs were computed here too (known on the device only: one
+        gather a layer, the rest summed once a step by stats.flush)."""
         n_ff = self.config.n_ff_exp
         if emap is not None:
-            here = emap[r.ids] >= 0  # [n, k]
-            if active is None:  # dense: every neuron of a computed pair
-                active = here.to(torch.int32) * n_ff
-            self.stats.add_device(active, here, n_ff)
+            self.stats.add_device(active, emap[r.ids], n_ff)
         elif active is not None:
             self.stats.add_device(active)
             if count_host:

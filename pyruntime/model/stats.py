@@ -20,7 +20,7 @@ class ExpertStats:
         captured later adds into a fixed address); None: allocated by the first add_device."""
         self._host = [0, 0, 0]  # pairs, neurons, active
         self._device: torch.Tensor | None = None  # int64 [3]: pairs, neurons, active
-        self._pending: list[tuple[torch.Tensor, torch.Tensor | None, int]] = []
+        self._pending: list[tuple[torch.Tensor | None, torch.Tensor | None, int]] = []
         if device is not None:
             self._device = torch.zeros(3, dtype=torch.int64, device=device)
 
@@ -34,29 +34,34 @@ class ExpertStats:
         self.add(n_pairs, 0, n_ff)
 
     def add_device(
-        self, active: torch.Tensor, pairs: torch.Tensor | None = None, n_ff: int = 0
+        self, active: torch.Tensor | None, slots: torch.Tensor | None = None, n_ff: int = 0
     ) -> None:
         """Device counts, kept until `flush`: active neurons (an int tensor, summed) and, when
-        the pairs computed are only known on the device, their indicator or count (summed;
-        neurons += pairs * n_ff)."""
-        self._pending.append((active, pairs, n_ff))
+        which pairs were computed is known on the device only, the slot of each pair's expert
+        (an expert map applied to the routing: -1 = not computed here; the others count as
+        pairs of n_ff neurons, all of them active when `active` is None: a dense layer)."""
+        self._pending.append((active, slots, n_ff))
 
     def flush(self) -> None:
         """Add the pending device counts to the accumulator: three launches (cat, sum, add)
-        for the active counts, more only when pairs were counted on the device. Summing each
-        layer's counts on its own took two launches per layer (16 layers: ~50 us of a ~1 ms
-        decode step)."""
+        for the active counts of a step, a few more when pairs were counted on the device.
+        Summing each layer's counts on its own took two launches per layer (16 layers: ~50 us
+        of a ~1 ms decode step)."""
         if not self._pending:
             return
         if self._device is None:
-            self._device = torch.zeros(3, dtype=torch.int64, device=self._pending[0][0].device)
-        active = torch.cat([a.reshape(-1) for a, _, _ in self._pending])
-        self._device[2:].add_(active.sum(dtype=torch.int64))
-        counted = [(p.reshape(-1), n_ff) for _, p, n_ff in self._pending if p is not None]
-        if counted:
-            pairs = torch.cat([p for p, _ in counted]).to(torch.int64)
-            neurons = torch.cat([p.to(torch.int64) * n_ff for p, n_ff in counted])
-            self._device[:2].add_(torch.stack([pairs.sum(), neurons.sum()]))
+            t = next(a if a is not None else s for a, s, _ in self._pending)
+            self._device = torch.zeros(3, dtype=torch.int64, device=t.device)
+        active = [a.reshape(-1) for a, _, _ in self._pending if a is not None]
+        if active:
+            self._device[2:].add_(torch.cat(active).sum(dtype=torch.int64))
+        for n_ff in {n for _, s, n in self._pending if s is not None}:
+            mapped = [(s.reshape(-1), a is None) for a, s, n in self._pending
+                      if s is not None and n == n_ff]  # fmt: skip
+            pairs = (torch.cat([s for s, _ in mapped]) >= 0).sum()
+            dense = [s for s, is_dense in mapped if is_dense]
+            dense_pairs = (torch.cat(dense) >= 0).sum() if dense else torch.zeros_like(pairs)
+            self._device.add_(torch.stack([pairs, pairs * n_ff, dense_pairs * n_ff]))
         self._pending.clear()
 
     def _total(self, i: int) -> int:
