@@ -347,7 +347,7 @@ def test_zero_threads_and_null_pointers(cc):
         cc.CpuCore(0)
     lib, ffi = cc._lib(), cc._ffi
     out = ffi.new("pyrt_pool **")
-    assert lib.pyrt_pool_create(1, out) == lib.PYRT_OK
+    assert lib.pyrt_pool_create(1, ffi.NULL, out) == lib.PYRT_OK
     pool = out[0]
     try:
         y = ffi.new("float[32]")
@@ -366,9 +366,33 @@ def test_zero_threads_and_null_pointers(cc):
             pool, xs, 4096, 0, 1, 1, 32, ffi.NULL, 1, ids, tw, 1, 0, 0.0, y, ffi.NULL
         )
         assert rc == lib.PYRT_E_INVALID and b"x is NULL" in ffi.string(lib.pyrt_last_error())
-        assert lib.pyrt_pool_create(1, ffi.NULL) == lib.PYRT_E_INVALID
+        assert lib.pyrt_pool_create(1, ffi.NULL, ffi.NULL) == lib.PYRT_E_INVALID
     finally:
         lib.pyrt_pool_free(pool)
+
+
+def test_params_change_speed_not_results(cc):
+    """A pool's params (prefetch distances, VNNI, spin) give the default pool's bits; a name or
+    value the C core does not take is refused with what and where."""
+    raw, _, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case("Q8_0", 3, seed=4, n_ff=211)
+    defaults = cc.default_params()
+    assert defaults["expert_prefetch_neurons"] == 2 and defaults["fuse_layer"] == 1
+    with cc.CpuCore(2) as core:
+        assert core.params == defaults
+        want, n_want = core.moe_ffn(
+            raw, Q.Q8_0, n_expert, n_ff, n_embd, x, ids, topk_w, "silu", 0.1
+        )
+    other = {"expert_prefetch_neurons": 0, "reduce_prefetch_items": 7, "vnni": 0, "spin_us": 0}
+    with cc.CpuCore(2, params=other) as core:
+        assert core.params == {**defaults, **other}
+        got, n_got = core.moe_ffn(raw, Q.Q8_0, n_expert, n_ff, n_embd, x, ids, topk_w, "silu", 0.1)
+    assert n_got == n_want and torch.equal(got, want)
+    with pytest.raises(cc.CoreError, match="unknown C core parameter 'prefetch'"):
+        cc.CpuCore(1, params={"prefetch": 1})
+    with pytest.raises(cc.CoreError, match=r"params.fuse_router = 3 is outside \[0, 1\]"):
+        cc.CpuCore(1, params={"fuse_router": 3})
+    with pytest.raises(cc.CoreError, match="must be an integer"):
+        cc.CpuCore(1, params={"spin_us": 1.5})
 
 
 def test_helpers(cc):

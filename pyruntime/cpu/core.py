@@ -48,12 +48,24 @@ enum {
     PYRT_SIMD_AVX512 = 2
 };
 typedef struct pyrt_pool pyrt_pool;
+typedef struct {
+    int spin_us;
+    int idle_prefetch;
+    int vnni;
+    int matvec_prefetch_rows;
+    int expert_prefetch_neurons;
+    int reduce_prefetch_items;
+    int fuse_attention;
+    int fuse_router;
+    int fuse_layer;
+} pyrt_params;
+void pyrt_params_default(pyrt_params *params);
 const char *pyrt_last_error(void);
 int pyrt_physical_cores(void);
 int pyrt_simd_best(void);
 int pyrt_simd_active(void);
 int pyrt_simd_force(int level);
-int pyrt_pool_create(int n_threads, pyrt_pool **out);
+int pyrt_pool_create(int n_threads, const pyrt_params *params, pyrt_pool **out);
 void pyrt_pool_free(pyrt_pool *pool);
 int pyrt_pool_threads(const pyrt_pool *pool);
 size_t pyrt_row_bytes(int fmt, int64_t n);
@@ -205,14 +217,40 @@ def row_bytes(fmt: int, n: int) -> int:
     return int(_lib().pyrt_row_bytes(fmt, n))
 
 
+def default_params() -> dict[str, int]:
+    """The pool's execution parameters and their defaults (pyrt_params in runtime/include/pyrt.h:
+    what each field trades). Every setting gives the same results; they change speed only."""
+    p = _ffi.new("pyrt_params *")
+    _lib().pyrt_params_default(p)
+    return {name: getattr(p, name) for name, _ in _ffi.typeof("pyrt_params").fields}
+
+
+def _params(values: dict[str, int] | None):
+    """A pyrt_params * holding the defaults updated with `values` (NULL for None)."""
+    if values is None:
+        return _ffi.NULL
+    p = _ffi.new("pyrt_params *")
+    _lib().pyrt_params_default(p)
+    fields = [name for name, _ in _ffi.typeof("pyrt_params").fields]
+    for name, value in values.items():
+        if name not in fields:
+            raise CoreError(f"unknown C core parameter {name!r}: use one of {', '.join(fields)}")
+        if not isinstance(value, int):  # bool is one: a switch given as True/False
+            raise CoreError(f"C core parameter {name} must be an integer, got {value!r}")
+        setattr(p, name, int(value))
+    return p
+
+
 class CpuCore:
     """Owner of the C core's thread pool; computes routed experts on the CPU.
 
     One per process is enough (calls on it are serialized). Free it with close() or `with`;
-    garbage collection frees it too.
+    garbage collection frees it too. params: execution parameters that differ from the defaults
+    (names and defaults: default_params(); what each trades: pyrt_params in pyrt.h), e.g.
+    {"fuse_layer": 0}; every setting gives the same results.
     """
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, params: dict[str, int] | None = None) -> None:
         lib = _lib()
         self._lib = lib  # the build that made the pool frees it and runs its calls
         self._pool = None
@@ -220,9 +258,10 @@ class CpuCore:
         if not isinstance(n, int) or isinstance(n, bool):
             raise CoreError(f"threads must be an integer, got {threads!r}")
         out = _ffi.new("pyrt_pool **")
-        _check(lib.pyrt_pool_create(n, out), "pyrt_pool_create")
+        _check(lib.pyrt_pool_create(n, _params(params), out), "pyrt_pool_create")
         self._pool = out[0]
         self.threads = n
+        self.params = {**default_params(), **(params or {})}
 
     def close(self) -> None:
         """Stop the worker threads and free the pool (idempotent)."""

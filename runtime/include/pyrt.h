@@ -57,6 +57,36 @@ enum {
 
 typedef struct pyrt_pool pyrt_pool;
 
+/* How a pool's kernels and the decode steps run on it: given at pool creation, read by every
+ * call on that pool. Every setting gives the same results bit for bit (tests/c compares them);
+ * they trade speed only. Fill the defaults with pyrt_params_default, then change fields. */
+typedef struct {
+    int spin_us;                 /* microseconds an idle worker (or the caller waiting for one)
+                                    spins before sleeping; default 300. Longer: cheaper hand-offs
+                                    after longer gaps, more CPU burnt between calls. 0..1000000 */
+    int idle_prefetch;           /* 1 (default): threads waiting for a task, or for the others at
+                                    its end, prefetch the next task's weight rows into their L2
+                                    (the decode step names them); 0: they only spin */
+    int vnni;                    /* 1 (default): Q8_0 dots on AVX512_VNNI where the CPU has it;
+                                    0: the AVX-512 BW dots (same bits) */
+    int matvec_prefetch_rows;    /* dense matvec: rows ahead of the current row pair that are
+                                    software-prefetched; default 2; 0: none. 0..64 */
+    int expert_prefetch_neurons; /* routed experts: neurons ahead whose rows are
+                                    software-prefetched; default 2; 0: none. 0..64 */
+    int reduce_prefetch_items;   /* routed experts: while summing the work items' partial ys,
+                                    done items ahead whose part is prefetched; default 2. 0..64 */
+    int fuse_attention;          /* decode step: q/k/v, attention heads and o projection in one
+                                    pool task where the q/k norms are per head or absent (1,
+                                    default), or in three with the norms and RoPE between (0) */
+    int fuse_router;             /* decode step: router, routing and routed experts in one pool
+                                    task (1, default), or the router's own task first (0) */
+    int fuse_layer;              /* decode step: where both fusions apply, a whole MoE block in
+                                    one pool task (1, default), or attention and FFN in two (0) */
+} pyrt_params;
+
+/* The defaults of every field. */
+void pyrt_params_default(pyrt_params *params);
+
 /* The message of the last failed call on this thread ("" if none). Valid until the next call. */
 const char *pyrt_last_error(void);
 
@@ -71,8 +101,9 @@ int pyrt_simd_force(int level);
 
 /* Thread pool of n_threads workers in all (the calling thread is one of them, so n_threads - 1
  * threads are started). Create once and reuse: kernels split their work across it. Calls on one
- * pool are serialized (a mutex), so one pool may be shared by several Python threads. */
-int pyrt_pool_create(int n_threads, pyrt_pool **out);
+ * pool are serialized (a mutex), so one pool may be shared by several Python threads.
+ * params: copied; NULL = pyrt_params_default's. */
+int pyrt_pool_create(int n_threads, const pyrt_params *params, pyrt_pool **out);
 void pyrt_pool_free(pyrt_pool *pool);
 int pyrt_pool_threads(const pyrt_pool *pool);
 

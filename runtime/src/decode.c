@@ -59,12 +59,9 @@ struct pyrt_decoder {
     atomic_int ffn_ready;        /* fused layer: 1 once x, xn (and xq) are the FFN's */
     float *scores;               /* [n_head, scores_cap] attention probabilities */
     size_t scores_cap;           /* positions per head in scores */
-    int fuse_attention;          /* q/k/v + attention in one task where the norms allow
-                                    (PYRT_FUSE_ATTN at creation, default 1; 0: never) */
-    int fuse_router;             /* router, routing and experts in one task (PYRT_FUSE_ROUTER at
-                                    creation, default 1; 0: the router's own run) */
-    int fuse_layer;              /* where both fusions apply, the whole block in one task
-                                    (PYRT_FUSE_LAYER at creation, default 1; 0: two tasks) */
+    int fuse_attention;          /* this step's pool's params.fuse_attention, fuse_router and */
+    int fuse_router;             /* fuse_layer (pyrt.h), read at the start of the step */
+    int fuse_layer;
     int64_t times[4];            /* see pyrt_decoder_times */
     atomic_flag busy;            /* set during a step: the scratch above is not shareable */
 };
@@ -235,9 +232,6 @@ int pyrt_decoder_create(const pyrt_model_weights *w, pyrt_decoder **out) {
         return pyrt_fail(PYRT_E_NOMEM, "pyrt_decoder_create: out of memory");
     }
     memcpy(d->blocks, w->blocks, (size_t)w->n_layer * sizeof *d->blocks);
-    d->fuse_attention = pyrt_env_int("PYRT_FUSE_ATTN", 1) != 0;
-    d->fuse_router = pyrt_env_int("PYRT_FUSE_ROUTER", 1) != 0;
-    d->fuse_layer = pyrt_env_int("PYRT_FUSE_LAYER", 1) != 0;
     d->w.blocks = d->blocks;
     atomic_flag_clear(&d->busy);
     *out = d;
@@ -371,7 +365,7 @@ static void matvec_bind(pyrt_decoder *d, pyrt_pool *pool, pyrt_mv_job *job, cons
     job->n_tokens = 1;
     if (job->div == 0.0f)
         job->div = 1.0f;
-    pyrt_mv_job_prepare(job, pyrt_pool_threads(pool));
+    pyrt_mv_job_prepare(job, pool);
 }
 
 static void matvec_setup(pyrt_decoder *d, pyrt_pool *pool, pyrt_mv_job *job, const float *x,
@@ -390,6 +384,7 @@ static void run_matvec(pyrt_decoder *d, pyrt_pool *pool, pyrt_mv_job *job, const
 
 typedef struct {
     const pyrt_decoder *d;
+    const pyrt_row_ops *f32; /* the pool's F32 row kernels */
     const float *kc, *vc; /* this layer's cache [n_kv, cap, hd] */
     size_t cap;
     int n_pos;            /* positions attended: 0 .. n_pos-1 */
@@ -419,7 +414,7 @@ static inline void prefetch_kv(const float *p, size_t bytes, int l2) {
 static void attend_head(const attn_ctx *c, int h) {
     const pyrt_decoder *d = c->d;
     const int hd = d->w.head_dim, kvh = h / (d->w.n_head / d->w.n_head_kv);
-    const pyrt_row_ops *f32 = pyrt_row_ops_active(PYRT_FMT_F32);
+    const pyrt_row_ops *f32 = c->f32;
     const float *q = d->q + (size_t)h * hd;
     const float *keys = c->kc + (size_t)kvh * c->cap * hd;
     const float *vals = c->vc + (size_t)kvh * c->cap * hd;
@@ -598,7 +593,7 @@ static void qkv_attention_setup(pyrt_decoder *d, pyrt_pool *pool, const pyrt_blo
     o->xq_stride = (size_t)nq / PYRT_QK;
     o->n_tokens = 1;
     o->div = 1.0f;
-    pyrt_mv_job_prepare(o, pyrt_pool_threads(pool));
+    pyrt_mv_job_prepare(o, pool);
     for (int u = 0; u < w->n_head + 2 * w->n_head_kv; u++) /* pool_run publishes them */
         atomic_store_explicit(&d->rows_done[u], 0, memory_order_relaxed);
     for (int h = 0; h < w->n_head_kv; h++)
@@ -623,8 +618,8 @@ static void attention_block(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_w
     pyrt_mv_job qkv = qkv_job(d, b);
     pyrt_mv_job o = {.out = {{&b->wo, NULL, d->y, 0}}, .n_mats = 1};
     const pyrt_mv_job ffn_in = ffn_in_job(d, b);
-    attn_ctx ac = {.d = d, .kc = kc, .vc = vc, .cap = cap, .n_pos = pos + 1,
-                   .scale = w->attention_scale};
+    attn_ctx ac = {.d = d, .f32 = pyrt_pool_row_ops(pool, PYRT_FMT_F32), .kc = kc, .vc = vc,
+                   .cap = cap, .n_pos = pos + 1, .scale = w->attention_scale};
     atomic_init(&ac.next, 0);
     const int all_heads_norm = b->q_norm != NULL && b->q_norm_len == nq;
     plan_next(pool, &o);
@@ -677,7 +672,8 @@ static void moe_tail(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weights 
     if (b->sh_gate.data != NULL) {
         float gs = 1.0f;
         if (b->sh_gate_inp != NULL) {
-            const float z = pyrt_row_ops_active(PYRT_FMT_F32)->dot(b->sh_gate_inp, d->xn, n_embd);
+            const float z = pyrt_pool_row_ops(pool, PYRT_FMT_F32)->dot(b->sh_gate_inp, d->xn,
+                                                                       n_embd);
             gs = 1.0f / (1.0f + expf(-z));
         }
         ffn_down(d, pool, &b->sh_down, b->sh_gate.n_out, next);
@@ -801,8 +797,8 @@ static int64_t layer_fused(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_we
     pyrt_mv_job qkv = qkv_job(d, b);
     pyrt_mv_job o = {.out = {{&b->wo, NULL, d->y, 0}}, .n_mats = 1};
     pyrt_mv_job in = ffn_in_job(d, b);
-    attn_ctx ac = {.d = d, .kc = kc, .vc = vc, .cap = cap, .n_pos = pos + 1,
-                   .scale = w->attention_scale};
+    attn_ctx ac = {.d = d, .f32 = pyrt_pool_row_ops(pool, PYRT_FMT_F32), .kc = kc, .vc = vc,
+                   .cap = cap, .n_pos = pos + 1, .scale = w->attention_scale};
     atomic_init(&ac.next, 0);
     const pyrt_mv_job sh_down = {.out = {{&b->sh_down, NULL, d->ys, 0}}, .n_mats = 1};
     layer_ctx lc = {.d = d, .b = b,
@@ -892,11 +888,15 @@ static int decoder_step(pyrt_decoder *d, pyrt_pool *pool, int token, int pos,
         csp[2 * i] = cosf(f);
         csp[2 * i + 1] = sinf(f);
     }
+    const pyrt_params *params = pyrt_pool_params(pool);
+    d->fuse_attention = params->fuse_attention;
+    d->fuse_router = params->fuse_router;
+    d->fuse_layer = params->fuse_layer;
     int64_t t0 = now_ns();
     /* embedding row: x = token_embd[token] * embedding_scale (axpy of 1.0 onto 0 dequantizes) */
     const pyrt_matrix *emb = &w->token_embd;
     memset(d->x, 0, (size_t)w->n_embd * sizeof(float));
-    pyrt_row_ops_active(emb->fmt)->axpy(
+    pyrt_pool_row_ops(pool, emb->fmt)->axpy(
         1.0f, (const uint8_t *)emb->data + (size_t)token * pyrt_row_bytes(emb->fmt, w->n_embd),
         d->x, w->n_embd);
     for (int i = 0; i < w->n_embd; i++)

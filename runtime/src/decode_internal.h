@@ -56,6 +56,8 @@ typedef struct {
     void (*on_rows)(void *ctx, int64_t lo, int64_t hi);
     void *on_rows_ctx;
     /* set by pyrt_mv_job_prepare */
+    const pyrt_row_ops *ops[PYRT_MV_MAX]; /* out[i]'s row kernels (the pool's SIMD setting) */
+    int prefetch_rows;    /* the pool's params.matvec_prefetch_rows */
     int64_t total_rows;
     int n_homes;          /* min(nth, PYRT_MAX_HOMES) */
     int chunk;            /* rows per work item (even, so row pairs share one pass over x) */
@@ -64,8 +66,9 @@ typedef struct {
     } home[PYRT_MAX_HOMES];
 } pyrt_mv_job;
 
-/* Sets the chunking for nth threads and resets the counters; call before each pyrt_pool_run. */
-void pyrt_mv_job_prepare(pyrt_mv_job *job, int nth);
+/* Sets the chunking for the pool's threads, the row kernels and prefetch distance of its
+ * params, and resets the counters; call before each pyrt_pool_run. */
+void pyrt_mv_job_prepare(pyrt_mv_job *job, const pyrt_pool *pool);
 /* The job's rows as a prefetch plan (the same homes as its task's). */
 void pyrt_mv_job_plan(const pyrt_mv_job *job, pyrt_pf_plan *plan);
 /* The pool task (ctx: pyrt_mv_job). */

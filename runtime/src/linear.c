@@ -17,10 +17,7 @@ enum {
     CHUNKS_PER_THREAD = 4,
     MIN_CHUNK = 16,             /* rows: below this the counter traffic costs more than it saves */
     TOKEN_TILE = 64,            /* tokens whose Q8 blocks stay in L2 while a chunk's rows pass */
-    SERIAL_QUANTIZE_MAX = 1 << 15, /* x elements quantized on the calling thread */
-    DEFAULT_PREFETCH_ROWS = 2      /* rows ahead of the current pair (PYRT_MV_PREFETCH; 0: off):
-                                      2 streamed a 650 MB Q8_0 matrix 12-14% faster than 4 on
-                                      1-2 Sapphire Rapids cores (docs/benchmarks.md, granite) */
+    SERIAL_QUANTIZE_MAX = 1 << 15 /* x elements quantized on the calling thread */
 };
 
 int pyrt_matrix_check(const pyrt_matrix *m, const char *fn, const char *what) {
@@ -50,10 +47,14 @@ int pyrt_matrix_check(const pyrt_matrix *m, const char *fn, const char *what) {
     return PYRT_OK;
 }
 
-void pyrt_mv_job_prepare(pyrt_mv_job *job, int nth) {
+void pyrt_mv_job_prepare(pyrt_mv_job *job, const pyrt_pool *pool) {
+    const int nth = pyrt_pool_threads(pool);
     int64_t total = 0;
-    for (int i = 0; i < job->n_mats; i++)
+    for (int i = 0; i < job->n_mats; i++) {
         total += job->out[i].m->n_out;
+        job->ops[i] = pyrt_pool_row_ops(pool, job->out[i].m->fmt);
+    }
+    job->prefetch_rows = pyrt_pool_params(pool)->matvec_prefetch_rows;
     job->total_rows = total;
     job->n_homes = nth < PYRT_MAX_HOMES ? nth : PYRT_MAX_HOMES;
     const int64_t home = (total + job->n_homes - 1) / job->n_homes;
@@ -91,13 +92,6 @@ static inline void prefetch_bytes(const uint8_t *p, size_t bytes) {
         __builtin_prefetch(p + off, 0, 3);
 }
 
-static int prefetch_rows(void) {
-    static int rows = -1;
-    if (rows < 0)
-        rows = pyrt_env_int("PYRT_MV_PREFETCH", DEFAULT_PREFETCH_ROWS);
-    return rows;
-}
-
 enum { PAIR_LINES = 1024 }; /* prefetch list of one row pair (64 KiB of rows; more: the rest not) */
 
 /* Line addresses covering [p, p + bytes), at most PAIR_LINES. */
@@ -108,12 +102,13 @@ static int pair_lines(const uint8_t *p, size_t bytes, const void **lines) {
     return n;
 }
 
-/* Rows [r0, r1) of one matrix, every token of the job. */
-static void mv_rows(const pyrt_mv_job *job, const pyrt_mv_out *o, int r0, int r1) {
-    const int ahead = prefetch_rows();
+/* Rows [r0, r1) of matrix i of the job, every token of the job. */
+static void mv_rows(const pyrt_mv_job *job, int i, int r0, int r1) {
+    const int ahead = job->prefetch_rows;
     const void *pf[PAIR_LINES];
+    const pyrt_mv_out *o = &job->out[i];
     const pyrt_matrix *m = o->m;
-    const pyrt_row_ops *ops = pyrt_row_ops_active(m->fmt);
+    const pyrt_row_ops *ops = job->ops[i];
     const size_t rb = pyrt_row_bytes(m->fmt, m->n_in);
     const uint8_t *w = m->data;
     const int blocked = pyrt_fmt_is_blocked(m->fmt);
@@ -161,7 +156,7 @@ static void mv_range(const pyrt_mv_job *job, int64_t lo, int64_t hi) {
         const int64_t n = job->out[i].m->n_out;
         if (lo < base + n) {
             const int64_t end = hi < base + n ? hi : base + n;
-            mv_rows(job, &job->out[i], (int)(lo - base), (int)(end - base));
+            mv_rows(job, i, (int)(lo - base), (int)(end - base));
             lo = end;
         }
         base += n;
@@ -259,7 +254,7 @@ int pyrt_linear(pyrt_pool *pool, const pyrt_matrix *w, const float *x, int n_tok
         .clamp = 0.0f,
         .div = 1.0f,
     };
-    pyrt_mv_job_prepare(&job, pyrt_pool_threads(pool));
+    pyrt_mv_job_prepare(&job, pool);
     pyrt_pool_run(pool, pyrt_mv_task, &job);
     pyrt_pool_release(pool);
     return PYRT_OK;

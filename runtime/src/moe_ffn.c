@@ -16,28 +16,16 @@
  * h = w * a * (u_j . x_t); y_t += h * d_j (an axpy: the down row is the transposed column).
  * Dense computes g_j . x and u_j . x in one pass over x (dot2); the down rows of up to
  * PYRT_AXPY_ROWS active neurons go into y_t in one pass over y (axpyn, y held in registers). */
-#define _POSIX_C_SOURCE 199309L /* clock_gettime */
 #include <math.h>
 #include <stdatomic.h>
 #include <stdint.h>
-#include <stdio.h>
 #include <stdlib.h>
-#include <time.h>
 
 #include "decode_internal.h"
 
 enum {
     TOKEN_BLOCK = 64,
-    DEFAULT_PREFETCH_AHEAD = 2, /* neurons (best of 2, 4, 8 on the 16-core device) */
-    DEFAULT_PLAN_LINES = 0,     /* plan lines per dense neuron (of its 3 rows' lines: 51 in
-                                   granite's 1024-wide Q8_0, 96 in olmoe's 2048); off until the
-                                   16-core device has measured it: no gain on 2 cores,
-                                   8 vs 0 flipped between two device runs (docs/benchmarks.md,
-                                   granite) */
-    MAX_SPARSE_CHUNK = 32,     /* neurons: the sparse chunk arrays' size */
-    DEFAULT_SPARSE_CHUNK = 32, /* neurons */
     MAX_ITEMS_PER_THREAD = 8, /* guided items come to ~6.2 per thread */
-    DEFAULT_REDUCE_PF = 2, /* reduce: items ahead whose part of the range is prefetched */
     ITEMS_ACC_BYTES = 16 << 20, /* cap on the work items' partial ys together */
     SERIAL_QUANTIZE_MAX = 1 << 15 /* activations (tokens * n_embd) quantized without the pool */
 };
@@ -71,7 +59,6 @@ typedef struct {
     float *acc;             /* [n_items, acc_stride] per-work-item partial y of the block */
     int n_items;            /* work items the block's neurons are cut into */
     int n_items_max;        /* room in acc and item_start */
-    int items_per_thread;   /* > 0: that many equal items per thread; 0: guided sizes */
     int64_t *item_start;    /* [n_items + 1] item i: costs [item_start[i], item_start[i+1]) */
     atomic_int *next_item;  /* next item to take (own cache line) */
     atomic_int *item_done;  /* [n_items_max] 1 once the item's partial y is complete */
@@ -79,11 +66,8 @@ typedef struct {
     size_t acc_stride;      /* floats, >= TOKEN_BLOCK * n_embd, multiple of 16 */
     int64_t *active;        /* [nth * 8] per-thread active-neuron counters (own cache line) */
     int prefetch_ahead;     /* neurons ahead whose rows are software-prefetched (0: none) */
-    int sparse_chunk;       /* sparse: neurons per chunk (<= NEURON_CHUNK) */
-    int plan_lines;         /* lines of the pool's plan prefetched per dense neuron (0: none) */
     int reduce_pf;          /* reduce: items ahead whose part of the range is prefetched */
     pyrt_add_fn ops_add;    /* y += partial y (the active SIMD level's) */
-    int64_t *prof;          /* [nth * 8] per-thread task start, items end, end ns, or NULL */
     pyrt_pool *pool;        /* for the idle prefetch while a reducer waits on an item */
     int nth;
     /* pyrt_moe_ffn_routed: the router's job and the routing, in the experts' pool task */
@@ -97,129 +81,6 @@ typedef struct {
     _Alignas(64) atomic_llong router_rows; /* router rows (out[0]) computed (own cache line) */
     _Alignas(64) atomic_int planned;       /* 1 once the routes and items are planned */
 } moe_ctx;
-
-/* ---- debug knobs (environment, read once) --------------------------------------------------
- * PYRT_PROFILE=n          every n calls, print to stderr where the time of a call went: the
- *                         experts task (the slowest thread's busy time, the mean, the latest
- *                         thread start after the hand-off) and the rest (quantize, plan, reduce).
- * PYRT_PREFETCH_AHEAD=n   software-prefetch the rows of the neuron n ahead (default 2; 0: off).
- * PYRT_SPARSE_CHUNK=n     sparse: gates of n neurons (1..32, default 32) before their up/down rows.
- * PYRT_ITEMS=n            n equal work items per thread (default 0: guided sizes, see plan_items).
- * PYRT_PLAN_LINES=n       dense: per neuron, n lines of the pool's prefetch plan (the rows of the
- *                         task after this one) into L2, paced by the items, where a thread's
- *                         home of the plan is at most PLAN_PACE_MAX_HOME (default
- *                         DEFAULT_PLAN_LINES; 0: the plan waits for the idle time at the end).
- * PYRT_REDUCE_PF=n        reduce: prefetch the range of the item n on (default DEFAULT_REDUCE_PF).
- * PYRT_SPIN_US=n          (pool.c, read at pool creation) how long idle threads spin, default 300.
- * The result is the same bits under every setting. */
-typedef struct {
-    int profile;
-    int prefetch_ahead;
-    int items_per_thread;
-    int sparse_chunk;
-    int plan_lines;
-    int reduce_pf;
-} knobs;
-
-/* Read on every call (a few getenv, well under a microsecond) so a benchmark can vary them. */
-static knobs read_knobs(void) {
-    knobs k = {.profile = pyrt_env_int("PYRT_PROFILE", 0),
-               .prefetch_ahead = pyrt_env_int("PYRT_PREFETCH_AHEAD", DEFAULT_PREFETCH_AHEAD),
-               .items_per_thread = pyrt_env_int("PYRT_ITEMS", 0),
-               .sparse_chunk = pyrt_env_int("PYRT_SPARSE_CHUNK", DEFAULT_SPARSE_CHUNK),
-               .plan_lines = pyrt_env_int("PYRT_PLAN_LINES", DEFAULT_PLAN_LINES),
-               .reduce_pf = pyrt_env_int("PYRT_REDUCE_PF", DEFAULT_REDUCE_PF)};
-    if (k.profile < 0)
-        k.profile = 0;
-    if (k.sparse_chunk < 1 || k.sparse_chunk > MAX_SPARSE_CHUNK)
-        k.sparse_chunk = DEFAULT_SPARSE_CHUNK;
-    if (k.items_per_thread < 0)
-        k.items_per_thread = 0;
-    if (k.prefetch_ahead < 0)
-        k.prefetch_ahead = 0;
-    if (k.plan_lines < 0)
-        k.plan_lines = 0;
-    if (k.reduce_pf < 0)
-        k.reduce_pf = 0;
-    return k;
-}
-
-static int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-/* Sums over the calls since the last report (profiling only; calls are serialized per pool, and
- * the profile is a debugging aid, so one set of sums for the process is enough). */
-static struct {
-    int64_t calls, entry_ns, call_ns, task_ns, busy_max_ns, busy_mean_ns, start_max_ns, tail_ns,
-        reduce_ns, items, end_spread_ns, last_item_ns, last_item_fair_ns;
-} prof_sum;
-
-/* Per thread: prof[0] task start, prof[1] its last item done, prof[2] its reduce done, prof[3]
- * the start of its last item, prof[4] that item (-1: none). The report's "reduce" is the last
- * reduce done after the last item done; the rest of the tail is the hand-back to the caller.
- * "items end spread": the last thread's items end minus the mean of the threads' ends; of the
- * last thread, how long its last item took and how long that item's cost would take at the
- * threads' mean rate (cost per busy ns): much longer means a stall in that item (preemption, a
- * slow core), about equal means the item's size (granularity). */
-static void profile_block(const moe_ctx *c, int nth, int64_t t_run, int64_t t_run_end) {
-    int64_t busy_max = 0, busy_sum = 0, start_max = 0, items_end = 0, reduce_end = 0;
-    int64_t end_sum = 0;
-    int last = 0;
-    for (int t = 0; t < nth; t++) {
-        const int64_t *pt = c->prof + (size_t)t * 8;
-        busy_max = pt[1] - pt[0] > busy_max ? pt[1] - pt[0] : busy_max;
-        busy_sum += pt[1] - pt[0];
-        start_max = pt[0] - t_run > start_max ? pt[0] - t_run : start_max;
-        if (pt[1] > items_end) {
-            items_end = pt[1];
-            last = t;
-        }
-        end_sum += pt[1] - t_run;
-        reduce_end = pt[2] > reduce_end ? pt[2] : reduce_end;
-    }
-    const int64_t *pl = c->prof + (size_t)last * 8;
-    const int64_t total = c->item_start[c->n_items];
-    if (pl[4] >= 0 && total > 0) {
-        const int64_t cost = c->item_start[pl[4] + 1] - c->item_start[pl[4]];
-        prof_sum.last_item_ns += pl[1] - pl[3];
-        prof_sum.last_item_fair_ns += (int64_t)((double)busy_sum * (double)cost / (double)total);
-    }
-    prof_sum.end_spread_ns += (items_end - t_run) - end_sum / nth;
-    prof_sum.task_ns += t_run_end - t_run;
-    prof_sum.busy_max_ns += busy_max;
-    prof_sum.busy_mean_ns += busy_sum / nth;
-    prof_sum.start_max_ns += start_max;
-    prof_sum.tail_ns += t_run_end - items_end;
-    prof_sum.reduce_ns += reduce_end - items_end;
-    prof_sum.items += c->n_items;
-}
-
-/* entry_ns: from entering pyrt_moe_ffn to the call's own start (argument checks, knobs, pool
- * lock, workspace); call_ns: from there to the end. */
-static void profile_call(int64_t entry_ns, int64_t call_ns, int n_report) {
-    prof_sum.calls++;
-    prof_sum.entry_ns += entry_ns;
-    prof_sum.call_ns += call_ns;
-    if (prof_sum.calls < n_report)
-        return;
-    const double n = (double)prof_sum.calls * 1e3; /* -> us per call */
-    fprintf(stderr,
-            "pyrt_moe_ffn profile (%lld calls, us/call): entry %.1f, call %.1f | task %.1f: "
-            "slowest thread busy on items %.1f, mean %.1f, last thread start %.1f, after the "
-            "last item (barrier + reduce) %.1f, of which reduce %.1f | %.1f items/call | items "
-            "end spread (last - mean) %.1f; the last thread's last item took %.1f, %.1f at the "
-            "mean rate\n",
-            (long long)prof_sum.calls, prof_sum.entry_ns / n, prof_sum.call_ns / n,
-            prof_sum.task_ns / n,
-            prof_sum.busy_max_ns / n, prof_sum.busy_mean_ns / n, prof_sum.start_max_ns / n,
-            prof_sum.tail_ns / n, prof_sum.reduce_ns / n,
-            (double)prof_sum.items / (double)prof_sum.calls, prof_sum.end_spread_ns / n,
-            prof_sum.last_item_ns / n, prof_sum.last_item_fair_ns / n);
-    memset(&prof_sum, 0, sizeof prof_sum);
-}
 
 /* ---- tasks --------------------------------------------------------------------------------- */
 
@@ -245,7 +106,7 @@ static inline int64_t ceil_div(int64_t a, int64_t b) {
 
 enum {
     PF_MAX_LINES = 512,           /* line addresses for one neuron's kernels (32 KiB of rows) */
-    NEURON_CHUNK = MAX_SPARSE_CHUNK, /* sparse: most neurons whose gates go before their up/down rows */
+    NEURON_CHUNK = 32,            /* sparse: neurons whose gates go before their up/down rows */
     DENSE_CHUNK = PYRT_AXPY_ROWS, /* dense: neurons whose down rows go out in one axpyn pass */
     ROUTE_CHUNK = 64              /* routes of one expert handled together (>= TOKEN_BLOCK) */
 };
@@ -343,42 +204,14 @@ static inline void pf_cursor_take(pf_cursor *pc, size_t bytes, const void **line
     pc->at += bytes;
 }
 
-/* Prefetch of the pool's plan (the next task's rows: in the decode step the next block's q/k/v)
- * paced by one thread's dense items: a few lines per neuron, so that they stream in while this
- * task still streams its own rows and the DRAM has room (on the 16-core device the experts ran
- * at ~84% of the read test), and the next task reads them from L2. What the items do not get
- * to, the idle time at the end does (pyrt_pool_idle_prefetch). Sparse items do not pace. */
-typedef struct {
-    pyrt_pool *pool;
-    int ith;
-    int lines; /* per neuron; 0 once the thread's home of the plan is done */
-} plan_pacer;
-
-/* A home larger than this is not paced: its lines would be evicted from L2 by the thread's
- * share of the experts (~0.8 MiB per block at 16 threads in granite, 6.7 MiB at 2) before the
- * next task reads them, or would push out the expert rows prefetched for this one. */
-enum { PLAN_PACE_MAX_HOME = 256 << 10 };
-
-static plan_pacer plan_pacer_begin(const moe_ctx *c, int ith) {
-    plan_pacer pp = {c->pool, ith, c->plan_lines};
-    if (pp.lines > 0 && pyrt_pool_plan_home_bytes(c->pool, ith) > PLAN_PACE_MAX_HOME)
-        pp.lines = 0;
-    return pp;
-}
-
-static inline void plan_pace(plan_pacer *pp) {
-    if (pp->lines > 0 && !pyrt_pool_plan_step(pp->pool, pp->ith, pp->lines))
-        pp->lines = 0;
-}
-
 /* Neurons [j0, j1) of one expert for its routes [r0, r1): per neuron, gate and up dots in one
  * pass over x (dot2) for each route, then every DENSE_CHUNK neurons their down rows into each
  * route's y in one pass (axpyn, y in registers). The rows of [j0, j1) are one contiguous stream;
  * a prefetch cursor `ahead` neurons on advances by 2 rows per dot2 phase of a neuron and by the
  * chunk's down rows per axpyn phase, its lines split across the routes' calls (with only the
  * dot2 calls prefetching, the memory idled through every axpyn pass). */
-static int64_t dense_neurons(const moe_ctx *c, plan_pacer *pacer, const uint8_t *expert,
-                             int64_t j0, int64_t j1, int r0, int r1, float *acc) {
+static int64_t dense_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j0, int64_t j1,
+                             int r0, int r1, float *acc) {
     const size_t rb = c->row_bytes, nrb = 3 * rb; /* bytes of one row, of one neuron */
     const int ahead = c->prefetch_ahead;
     const void *pf[PF_MAX_LINES];
@@ -407,7 +240,6 @@ static int64_t dense_neurons(const moe_ctx *c, plan_pacer *pacer, const uint8_t 
                     h[r][i] = c->route_w[rc + r] * pyrt_activate(c->activation, gu[0]) * gu[1];
                 }
                 down[i] = gate + 2 * rb;
-                plan_pace(pacer);
             }
             int n_pf = 0;
             pf_cursor_take(&pc, (size_t)nj * rb, pf, &n_pf);
@@ -607,7 +439,7 @@ static void sparse_pipe_flush(const moe_ctx *c, sparse_pipe *pp, int prefetched,
 }
 
 /* Neurons [j0, j1) of one expert for its routes [r0, r1), neuron-sparse: per chunk of
- * sparse_chunk neurons the gates, then (one chunk later, software-pipelined) the up and down
+ * NEURON_CHUNK neurons the gates, then (one chunk later, software-pipelined) the up and down
  * rows of the neurons whose |act| reaches the threshold. Down rows go into each y in neuron
  * order, as in dense, so a threshold that drops nothing gives dense's bits. */
 static int64_t sparse_neurons(const moe_ctx *c, sparse_pipe *pp, int item, const uint8_t *expert,
@@ -621,13 +453,13 @@ static int64_t sparse_neurons(const moe_ctx *c, sparse_pipe *pp, int item, const
         gate_cursor gc = {expert, j0 + ahead < j1 ? j0 + ahead : j1, ahead > 0 ? j1 : j0, j0};
         for (int64_t j = j0; j < gc.next; j++)
             prefetch_row(expert + (size_t)j * 3 * rb, rb);
-        for (int64_t jc = j0; jc < j1; jc += c->sparse_chunk) {
-            const int nj = j1 - jc < c->sparse_chunk ? (int)(j1 - jc) : c->sparse_chunk;
+        for (int64_t jc = j0; jc < j1; jc += NEURON_CHUNK) {
+            const int nj = j1 - jc < NEURON_CHUNK ? (int)(j1 - jc) : NEURON_CHUNK;
             sparse_chunk *ch = &pp->chunks[pp->cur];
             *ch = (sparse_chunk){.expert = expert, .acc = acc, .item = item, .rc = rc, .nr = nr,
                                  .jc = jc};
             active += sparse_gates(c, ch, nj, &gc, pp->prev);
-            gc.limit = jc + nj + c->sparse_chunk; /* at most the next chunk's gates */
+            gc.limit = jc + nj + NEURON_CHUNK; /* at most the next chunk's gates */
             sparse_pipe_flush(c, pp, 1, item, &gc);
             pp->prev = ch;
             pp->cur ^= 1;
@@ -639,7 +471,7 @@ static int64_t sparse_neurons(const moe_ctx *c, sparse_pipe *pp, int item, const
 /* One work item: the neurons whose estimated cost falls in [item_start[item],
  * item_start[item + 1]), accumulated into the item's own partial y. Dense marks the item done
  * at its end; sparse when its last chunk leaves the pipeline. */
-static int64_t run_item(const moe_ctx *c, sparse_pipe *pp, plan_pacer *pacer, int item) {
+static int64_t run_item(const moe_ctx *c, sparse_pipe *pp, int item) {
     float *acc = c->acc + (size_t)item * c->acc_stride;
     memset(acc, 0, (size_t)c->tb * c->n_embd * sizeof *acc);
     const int64_t lo = c->item_start[item], hi = c->item_start[item + 1];
@@ -660,7 +492,7 @@ static int64_t run_item(const moe_ctx *c, sparse_pipe *pp, plan_pacer *pacer, in
         const uint8_t *expert = c->gud + (size_t)c->used[u] * c->n_ff * 3 * c->row_bytes;
         const int r0 = c->route_start[u], r1 = c->route_start[u + 1];
         active += sparse ? sparse_neurons(c, pp, item, expert, j0, j1, r0, r1, acc)
-                         : dense_neurons(c, pacer, expert, j0, j1, r0, r1, acc);
+                         : dense_neurons(c, expert, j0, j1, r0, r1, acc);
     }
     if (pp->prev == NULL || pp->prev->item != item)
         mark_item_done(c, item);
@@ -675,28 +507,15 @@ static int64_t run_item(const moe_ctx *c, sparse_pipe *pp, plan_pacer *pacer, in
  * which thread ran which item. */
 static void task_block(void *p, int ith, int nth) {
     moe_ctx *c = p;
-    int64_t *prof = c->prof != NULL ? c->prof + (size_t)ith * 8 : NULL;
-    if (prof != NULL) {
-        prof[0] = prof[3] = now_ns();
-        prof[4] = -1;
-    }
     sparse_pipe pp;
     pp.cur = 0;
     pp.prev = NULL;
-    plan_pacer pacer = plan_pacer_begin(c, ith);
     int64_t active = 0;
     for (int item; (item = atomic_fetch_add_explicit(c->next_item, 1, memory_order_relaxed)) <
-                   c->n_items;) {
-        if (prof != NULL) {
-            prof[3] = now_ns();
-            prof[4] = item;
-        }
-        active += run_item(c, &pp, &pacer, item);
-    }
+                   c->n_items;)
+        active += run_item(c, &pp, item);
     sparse_pipe_flush(c, &pp, 0, -1, NULL);
     c->active[(size_t)ith * 8] += active;
-    if (prof != NULL)
-        prof[1] = now_ns();
     const int n_ranges = nth > 1 ? nth - 1 : 1;
     const int range = atomic_fetch_add_explicit(c->next_slice, 1, memory_order_relaxed);
     if (range < n_ranges) {
@@ -727,36 +546,27 @@ static void task_block(void *p, int ith, int nth) {
                 c->ops_add(y + lo, acc + lo, hi - lo);
         }
     }
-    if (prof != NULL)
-        prof[2] = now_ns();
 }
 
-/* Cut the block's total cost into work items. Guided (default): item sizes shrink from half a
- * thread's share to a sixteenth, so the first items amortize their start (a cold prefetch
- * stream, a partial y to clear and later sum) and the last ones are small enough that threads
- * finish within a small fraction of a share of each other. PYRT_ITEMS=n: n equal items per
- * thread. Both at most n_items_max (the partial ys' memory). */
+/* Cut the block's total cost into work items, guided: item sizes shrink from half a thread's
+ * share to a sixteenth, so the first items amortize their start (a cold prefetch stream, a
+ * partial y to clear and later sum) and the last ones are small enough that threads finish
+ * within a small fraction of a share of each other (equal items, 3 per thread, measured 3%
+ * slower on 16 cores). At most n_items_max (the partial ys' memory). */
 static void plan_items(moe_ctx *c, int nth) {
     const int64_t total = c->cost_start[c->n_used];
     int n = 0;
-    if (c->items_per_thread > 0) {
-        n = nth * c->items_per_thread < c->n_items_max ? nth * c->items_per_thread
-                                                       : c->n_items_max;
-        for (int i = 0; i <= n; i++)
-            c->item_start[i] = total * i / n;
-    } else {
-        const int64_t min_size = total / (16 * (int64_t)nth) > 0 ? total / (16 * (int64_t)nth) : 1;
-        int64_t lo = 0;
-        while (lo < total && n < c->n_items_max - 1) {
-            int64_t size = (total - lo) / (2 * (int64_t)nth);
-            size = size < min_size ? min_size : size;
-            c->item_start[n++] = lo;
-            lo = lo + size < total ? lo + size : total;
-        }
-        if (lo < total || n == 0)
-            c->item_start[n++] = lo;
-        c->item_start[n] = total;
+    const int64_t min_size = total / (16 * (int64_t)nth) > 0 ? total / (16 * (int64_t)nth) : 1;
+    int64_t lo = 0;
+    while (lo < total && n < c->n_items_max - 1) {
+        int64_t size = (total - lo) / (2 * (int64_t)nth);
+        size = size < min_size ? min_size : size;
+        c->item_start[n++] = lo;
+        lo = lo + size < total ? lo + size : total;
     }
+    if (lo < total || n == 0)
+        c->item_start[n++] = lo;
+    c->item_start[n] = total;
     c->n_items = n;
 }
 
@@ -866,7 +676,7 @@ static int check_args(const pyrt_pool *pool, const void *gud, size_t gud_bytes, 
 
 /* Fills *c for a call over n_tokens tokens on the pool's workspace (the caller holds the pool).
  * The activations are not quantized yet (c->xv unset). */
-static int moe_setup(moe_ctx *c, pyrt_pool *pool, const knobs *kn, const void *gud, int fmt,
+static int moe_setup(moe_ctx *c, pyrt_pool *pool, const void *gud, int fmt,
                      int n_expert, int n_ff, int n_embd, const float *x, int n_tokens,
                      const int32_t *topk_ids, const float *topk_w, int k, int activation,
                      float threshold, float *y) {
@@ -896,12 +706,12 @@ static int moe_setup(moe_ctx *c, pyrt_pool *pool, const knobs *kn, const void *g
     size_t off_rtok = off_rstart + align64((size_t)(used_max + 1) * sizeof(int));
     size_t off_rw = off_rtok + align64((size_t)(routes + used_max) * sizeof(int));
     size_t off_cost = off_rw + align64((size_t)routes * sizeof(float));
-    size_t off_prof = off_cost + align64((size_t)(used_max + 1) * sizeof(int64_t));
-    size_t off_istart = off_prof + (size_t)nth * 8 * sizeof(int64_t);
+    size_t off_istart = off_cost + align64((size_t)(used_max + 1) * sizeof(int64_t));
     size_t off_next = off_istart + align64((n_items_max + 1) * sizeof(int64_t));
     size_t off_done = off_next + 2 * 64; /* next_item, next_slice: a cache line each */
     size_t total = off_done + align64(n_items_max * sizeof(atomic_int));
 
+    const pyrt_params *params = pyrt_pool_params(pool);
     uint8_t *ws = pyrt_pool_workspace(pool, total);
     if (ws == NULL)
         return pyrt_fail(PYRT_E_NOMEM, "pyrt_moe_ffn: cannot allocate %zu bytes of workspace",
@@ -909,7 +719,7 @@ static int moe_setup(moe_ctx *c, pyrt_pool *pool, const knobs *kn, const void *g
     *c = (moe_ctx){
         .gud = gud,
         .row_bytes = pyrt_row_bytes(fmt, n_embd),
-        .ops = pyrt_row_ops_active(fmt),
+        .ops = pyrt_pool_row_ops(pool, fmt),
         .n_expert = n_expert,
         .n_ff = n_ff,
         .n_embd = n_embd,
@@ -931,18 +741,14 @@ static int moe_setup(moe_ctx *c, pyrt_pool *pool, const knobs *kn, const void *g
         .acc = (float *)(ws + off_acc),
         .acc_stride = acc_stride,
         .n_items_max = (int)n_items_max,
-        .items_per_thread = kn->items_per_thread,
         .item_start = (int64_t *)(ws + off_istart),
         .next_item = (atomic_int *)(ws + off_next),
         .next_slice = (atomic_int *)(ws + off_next + 64),
         .item_done = (atomic_int *)(ws + off_done),
         .active = (int64_t *)(ws + off_active),
-        .prefetch_ahead = kn->prefetch_ahead,
-        .sparse_chunk = kn->sparse_chunk,
-        .plan_lines = kn->plan_lines,
-        .reduce_pf = kn->reduce_pf,
+        .prefetch_ahead = params->expert_prefetch_neurons,
+        .reduce_pf = params->reduce_prefetch_items,
         .ops_add = pyrt_add_f32_active(),
-        .prof = kn->profile ? (int64_t *)(ws + off_prof) : NULL,
         .pool = pool,
         .nth = nth,
     };
@@ -973,7 +779,6 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
                  int n_ff, int n_embd, const float *x, int n_tokens, const int32_t *topk_ids,
                  const float *topk_w, int k, int activation, float threshold, float *y,
                  int64_t *n_active) {
-    const int64_t t_entry = now_ns();
     pyrt_clear_error();
     int rc = check_args(pool, gud, gud_bytes, fmt, n_expert, n_ff, n_embd, x, n_tokens, topk_ids,
                         topk_w, k, activation, threshold, y);
@@ -984,17 +789,14 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
     if (n_tokens == 0)
         return PYRT_OK;
 
-    const knobs kn = read_knobs();
-    const int nth = pyrt_pool_threads(pool);
     pyrt_pool_acquire(pool);
     moe_ctx c;
-    rc = moe_setup(&c, pool, &kn, gud, fmt, n_expert, n_ff, n_embd, x, n_tokens, topk_ids, topk_w,
+    rc = moe_setup(&c, pool, gud, fmt, n_expert, n_ff, n_embd, x, n_tokens, topk_ids, topk_w,
                    k, activation, threshold, y);
     if (rc != PYRT_OK) {
         pyrt_pool_release(pool);
         return rc;
     }
-    const int64_t t_call = now_ns();
     if (c.xq != NULL) {
         /* A few tokens take microseconds: cheaper on this thread than a hand-off to the pool. */
         if ((int64_t)n_tokens * n_embd <= SERIAL_QUANTIZE_MAX)
@@ -1009,13 +811,8 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
     }
     for (c.t0 = 0; c.t0 < n_tokens; c.t0 += TOKEN_BLOCK) {
         plan_token_block(&c);
-        const int64_t t_run = now_ns();
         pyrt_pool_run(pool, task_block, &c);
-        if (c.prof != NULL)
-            profile_block(&c, nth, t_run, now_ns());
     }
-    if (c.prof != NULL)
-        profile_call(t_call - t_entry, now_ns() - t_call, kn.profile);
     const int64_t sum = active_sum(&c);
     pyrt_pool_release(pool);
     if (n_active != NULL)
@@ -1061,9 +858,8 @@ int pyrt_moe_ffn_routed(pyrt_pool *pool, pyrt_task_fn before, void *before_ctx,
                         float *w, const void *gud, int fmt, int n_expert, int n_ff, int n_embd,
                         const float *x, const pyrt_xq8 *xq, int k, int activation,
                         float threshold, float *y, int64_t *n_active) {
-    const knobs kn = read_knobs();
     moe_ctx c;
-    int rc = moe_setup(&c, pool, &kn, gud, fmt, n_expert, n_ff, n_embd, x, 1, ids, w, k,
+    int rc = moe_setup(&c, pool, gud, fmt, n_expert, n_ff, n_embd, x, 1, ids, w, k,
                        activation, threshold, y);
     if (rc != PYRT_OK)
         return rc;
@@ -1091,12 +887,7 @@ int pyrt_moe_ffn_routed(pyrt_pool *pool, pyrt_task_fn before, void *before_ctx,
     atomic_init(&c.planned, 0);
     router->on_rows = router_rows_done;
     router->on_rows_ctx = &c;
-    const int64_t t_run = now_ns();
     pyrt_pool_run(pool, task_routed, &c);
-    if (c.prof != NULL) {
-        profile_block(&c, c.nth, t_run, now_ns());
-        profile_call(0, now_ns() - t_run, kn.profile);
-    }
     *n_active = active_sum(&c);
     return PYRT_OK;
 }

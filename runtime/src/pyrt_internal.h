@@ -19,15 +19,6 @@
 int pyrt_fail(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void pyrt_clear_error(void);
 
-/* ---- environment knobs ---------------------------------------------------------------------- */
-
-/* The integer value of environment variable `name` (atoi), or `dflt` when it is unset. A switch
- * that is on by default reads pyrt_env_int(name, 1) != 0 ("0" turns it off). */
-static inline int pyrt_env_int(const char *name, int dflt) {
-    const char *e = getenv(name);
-    return e != NULL ? atoi(e) : dflt;
-}
-
 /* ---- activation quantization --------------------------------------------------------------- */
 
 /* One quantized activation block: x[i] ~= d * q[i], q in [-127, 127]. The scale is kept in f32
@@ -129,13 +120,11 @@ const pyrt_row_ops *pyrt_row_ops_avx512(int fmt);
 /* The AVX-512 level's kernels with the Q8_0 dots on AVX512_VNNI (the same bits as
  * pyrt_row_ops_avx512); call only where the CPU has it (pyrt_cpu_has_vnni). */
 const pyrt_row_ops *pyrt_row_ops_avx512_vnni(int fmt);
-/* 1 when the CPU has AVX512_VNNI and PYRT_VNNI is not 0 (read once): the AVX-512 level then
- * uses pyrt_row_ops_avx512_vnni. */
+/* 1 when the CPU has AVX512_VNNI (cpu.c). */
 int pyrt_cpu_has_vnni(void);
-/* Level `level`'s kernels (cpu.c); NULL for an unknown level or format. */
-const pyrt_row_ops *pyrt_row_ops_at(int level, int fmt);
-/* The active level's kernels (cpu.c). */
-const pyrt_row_ops *pyrt_row_ops_active(int fmt);
+/* Level `level`'s kernels (cpu.c); NULL for an unknown level or format. vnni != 0: the AVX-512
+ * level's Q8_0 dots are pyrt_row_ops_avx512_vnni's where the CPU has AVX512_VNNI. */
+const pyrt_row_ops *pyrt_row_ops_at(int level, int fmt, int vnni);
 
 /* ---- scalar conversions -------------------------------------------------------------------- */
 
@@ -238,21 +227,20 @@ static inline int64_t pyrt_home_start(int64_t rows, int h, int n_homes) {
 }
 
 /* The plan for the idle time of the next pyrt_pool_run only (its threads' waits inside and after
- * the task); copied. NULL or an empty plan: nothing. Ignored when PYRT_IDLE_PREFETCH=0 was set at
- * pool creation. Call while holding the pool, or just before the kernel call that will. */
+ * the task); copied. NULL or an empty plan: nothing. Ignored when the pool's params have
+ * idle_prefetch 0. Call while holding the pool, or just before the kernel call that will. */
 void pyrt_pool_plan_prefetch(pyrt_pool *pool, const pyrt_pf_plan *plan);
 /* Inside a task (thread ith): one step (a few lines) of this task's plan for ith; returns 0 once
  * ith's home is done (or there is no plan), so a spin-wait can prefetch instead of pausing. */
 int pyrt_pool_idle_prefetch(pyrt_pool *pool, int ith);
-/* The same with `lines` cache lines per step: a busy task paces the plan's
- * prefetch by its own work (the expert kernel, a few lines per neuron), so the next task's rows
- * stream in while the DRAM still has room, not only once the thread is out of work. */
-int pyrt_pool_plan_step(pyrt_pool *pool, int ith, int lines);
-/* Bytes of thread ith's home in the plan of the task running now (0: no plan or no home). */
-int64_t pyrt_pool_plan_home_bytes(pyrt_pool *pool, int ith);
 /* From inside a pool task, by one thread, at most once per run: the rest of the run's idle time
  * (and the idle time after it) prefetches `plan` instead of the run's own plan. */
 void pyrt_pool_plan_switch(pyrt_pool *pool, const pyrt_pf_plan *plan);
+
+/* The pool's params (as given at creation). */
+const pyrt_params *pyrt_pool_params(const pyrt_pool *pool);
+/* The active SIMD level's row kernels for fmt, with the pool's vnni setting. */
+const pyrt_row_ops *pyrt_pool_row_ops(const pyrt_pool *pool, int fmt);
 
 /* Scratch memory owned by the pool (64-byte aligned, grown on demand, kept between calls); NULL
  * when out of memory. Valid while the caller holds the pool and until the next workspace call. */

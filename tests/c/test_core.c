@@ -7,7 +7,6 @@
  * 3. Errors: status codes, messages, thread-local last_error; pools built and freed repeatedly
  *    (LeakSanitizer checks nothing is lost).
  * Exit status 0 and "all C core tests passed" on success. */
-#define _POSIX_C_SOURCE 200809L /* setenv */
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -112,7 +111,7 @@ static void test_row_kernels(void) {
     for (int level = PYRT_SIMD_SCALAR; level <= pyrt_simd_best(); level++) {
         for (int f = 0; f < COUNT_OF(FORMATS); f++) {
             const int fmt = FORMATS[f];
-            const pyrt_row_ops *ops = pyrt_row_ops_at(level, fmt);
+            const pyrt_row_ops *ops = pyrt_row_ops_at(level, fmt, 1);
             CHECK(ops != NULL, "level %d has no kernels for format %d", level, fmt);
             if (ops == NULL)
                 continue;
@@ -176,7 +175,7 @@ static void test_fused_kernels_match_plain(void) {
     for (int level = PYRT_SIMD_SCALAR; level <= pyrt_simd_best(); level++) {
         for (int f = 0; f < COUNT_OF(FORMATS); f++) {
             const int fmt = FORMATS[f];
-            const pyrt_row_ops *ops = pyrt_row_ops_at(level, fmt);
+            const pyrt_row_ops *ops = pyrt_row_ops_at(level, fmt, 1);
             if (ops == NULL || (ops->dot2 == NULL && ops->axpyn == NULL))
                 continue;
             for (int li = 0; li < COUNT_OF(lengths); li++) {
@@ -484,7 +483,7 @@ static void test_moe_ffn_case(int FF) {
                   (long long)near, thr);
             for (int nth = 1; nth <= 3; nth++) {
                 pyrt_pool *pool = NULL;
-                CHECK(pyrt_pool_create(nth, &pool) == PYRT_OK, "pool %d", nth);
+                CHECK(pyrt_pool_create(nth, NULL, &pool) == PYRT_OK, "pool %d", nth);
                 int64_t active = -1;
                 int rc = pyrt_moe_ffn(pool, gud, (size_t)E * FF * 3 * rb, fmt, E, FF, D, x, T, ids,
                                       tw, K, PYRT_ACT_SILU, (float)thr, y, &active);
@@ -500,19 +499,28 @@ static void test_moe_ffn_case(int FF) {
                               i, y[i], yref[i]);
                         break;
                     }
-                /* another prefetch distance and an idle-prefetch plan over the weights move no
-                 * bit */
-                setenv("PYRT_PREFETCH_AHEAD", "1", 1);
-                pyrt_pf_plan plan = {.r = {{gud, rb, (int64_t)E * FF * 3}}, .n = 1};
-                pyrt_pool_plan_prefetch(pool, &plan);
-                float y2[T * 64];
-                int64_t active2 = -1;
-                rc = pyrt_moe_ffn(pool, gud, (size_t)E * FF * 3 * rb, fmt, E, FF, D, x, T, ids, tw,
-                                  K, PYRT_ACT_SILU, (float)thr, y2, &active2);
-                unsetenv("PYRT_PREFETCH_AHEAD");
-                CHECK(rc == PYRT_OK && active2 == active &&
-                          memcmp(y, y2, sizeof(float) * T * D) == 0,
-                      "fmt %d thr %g nth %d: prefetch knobs changed the result", fmt, thr, nth);
+                /* other prefetch distances, the VNNI dots off and on, and an idle-prefetch plan
+                 * over the weights move no bit */
+                for (int v = 0; v < 2; v++) {
+                    pyrt_params params;
+                    pyrt_params_default(&params);
+                    params.expert_prefetch_neurons = v ? 5 : 0;
+                    params.reduce_prefetch_items = v ? 6 : 0;
+                    params.vnni = v;
+                    pyrt_pool *other = NULL;
+                    CHECK(pyrt_pool_create(nth, &params, &other) == PYRT_OK, "pool: %s",
+                          pyrt_last_error());
+                    pyrt_pf_plan plan = {.r = {{gud, rb, (int64_t)E * FF * 3}}, .n = 1};
+                    pyrt_pool_plan_prefetch(other, &plan);
+                    float y2[T * 64];
+                    int64_t active2 = -1;
+                    rc = pyrt_moe_ffn(other, gud, (size_t)E * FF * 3 * rb, fmt, E, FF, D, x, T,
+                                      ids, tw, K, PYRT_ACT_SILU, (float)thr, y2, &active2);
+                    CHECK(rc == PYRT_OK && active2 == active &&
+                              memcmp(y, y2, sizeof(float) * T * D) == 0,
+                          "fmt %d thr %g nth %d: params %d changed the result", fmt, thr, nth, v);
+                    pyrt_pool_free(other);
+                }
                 pyrt_pool_free(pool);
             }
         }
@@ -531,9 +539,20 @@ static void *other_thread_error(void *arg) {
 
 static void test_errors(void) {
     pyrt_pool *pool = NULL;
-    CHECK(pyrt_pool_create(0, &pool) == PYRT_E_INVALID && pool == NULL, "zero threads");
+    CHECK(pyrt_pool_create(0, NULL, &pool) == PYRT_E_INVALID && pool == NULL, "zero threads");
     CHECK(strstr(pyrt_last_error(), "n_threads") != NULL, "message: %s", pyrt_last_error());
-    CHECK(pyrt_pool_create(2, NULL) == PYRT_E_INVALID, "NULL out");
+    CHECK(pyrt_pool_create(2, NULL, NULL) == PYRT_E_INVALID, "NULL out");
+    pyrt_params params;
+    pyrt_params_default(&params);
+    params.fuse_layer = 2;
+    CHECK(pyrt_pool_create(2, &params, &pool) == PYRT_E_INVALID && pool == NULL &&
+              strstr(pyrt_last_error(), "params.fuse_layer = 2 is outside [0, 1]") != NULL,
+          "bad params: %s", pyrt_last_error());
+    pyrt_params_default(&params);
+    params.spin_us = -1;
+    CHECK(pyrt_pool_create(2, &params, &pool) == PYRT_E_INVALID &&
+              strstr(pyrt_last_error(), "params.spin_us") != NULL,
+          "negative spin: %s", pyrt_last_error());
 
     pthread_t th;
     void *ok = NULL;
@@ -541,7 +560,7 @@ static void test_errors(void) {
     pthread_join(th, &ok);
     CHECK(ok != NULL, "last_error is thread-local");
 
-    CHECK(pyrt_pool_create(2, &pool) == PYRT_OK, "pool");
+    CHECK(pyrt_pool_create(2, NULL, &pool) == PYRT_OK, "pool");
     CHECK(pyrt_last_error()[0] == '\0', "success clears the message");
     float x[64] = {0}, y[64], tw[1] = {1.0f};
     int32_t ids[1] = {0};
@@ -574,7 +593,7 @@ static void test_errors(void) {
     pyrt_pool_free(NULL);
 
     for (int i = 0; i < 20; i++) { /* build/free churn: LeakSanitizer reports anything lost */
-        CHECK(pyrt_pool_create(1 + i % 4, &pool) == PYRT_OK, "pool churn");
+        CHECK(pyrt_pool_create(1 + i % 4, NULL, &pool) == PYRT_OK, "pool churn");
         pyrt_pool_free(pool);
     }
     CHECK(pyrt_physical_cores() >= 1, "physical cores");

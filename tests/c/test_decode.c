@@ -10,8 +10,8 @@
  * 3. Errors: status codes and messages (bad shapes, formats, tokens, positions, NULLs); build
  *    and free pairs (LeakSanitizer checks nothing is lost).
  * Exit status 0 and "all C decode tests passed" on success. */
-#define _POSIX_C_SOURCE 200809L /* setenv */
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -73,7 +73,7 @@ static void test_linear(int fmt, int n_tokens, int threads) {
     float *y = malloc((size_t)n_tokens * n_out * sizeof *y);
     pyrt_xq8 *xq = malloc((size_t)n_in / PYRT_QK * sizeof *xq + sizeof *xq);
     pyrt_pool *pool = NULL;
-    CHECK(pyrt_pool_create(threads, &pool) == PYRT_OK, "pool: %s", pyrt_last_error());
+    CHECK(pyrt_pool_create(threads, NULL, &pool) == PYRT_OK, "pool: %s", pyrt_last_error());
     for (int with_bias = 0; with_bias < 2; with_bias++) {
         int rc = pyrt_linear(pool, &m, x, n_tokens, with_bias ? bias : NULL, y);
         CHECK(rc == PYRT_OK, "pyrt_linear: %s", pyrt_last_error());
@@ -191,11 +191,13 @@ static void free_tiny(tiny_model *t) {
         free(t->owned[i]);
 }
 
-/* Decodes CAP tokens with `threads` threads; logits of every step into out [CAP, N_VOCAB]. */
-static void decode_tiny(const tiny_model *t, int threads, float *out) {
+/* Decodes CAP tokens with `threads` threads on a pool with `params` (NULL: the defaults);
+ * logits of every step into out [CAP, N_VOCAB]. */
+static void decode_tiny_with(const tiny_model *t, int threads, const pyrt_params *params,
+                             float *out) {
     pyrt_pool *pool = NULL;
     pyrt_decoder *dec = NULL;
-    CHECK(pyrt_pool_create(threads, &pool) == PYRT_OK, "pool: %s", pyrt_last_error());
+    CHECK(pyrt_pool_create(threads, params, &pool) == PYRT_OK, "pool: %s", pyrt_last_error());
     CHECK(pyrt_decoder_create(&t->w, &dec) == PYRT_OK, "create: %s", pyrt_last_error());
     float *kc[N_LAYER], *vc[N_LAYER];
     for (int l = 0; l < N_LAYER; l++) {
@@ -242,12 +244,26 @@ static void decode_tiny(const tiny_model *t, int threads, float *out) {
     pyrt_pool_free(pool);
 }
 
-/* decode_tiny with the environment knob `name` set to "0" (a path turned off), then unset */
-static void decode_tiny_off(const tiny_model *t, int threads, const char *name, float *out) {
-    setenv(name, "0", 1);
-    decode_tiny(t, threads, out);
-    unsetenv(name);
+static void decode_tiny(const tiny_model *t, int threads, float *out) {
+    decode_tiny_with(t, threads, NULL, out);
 }
+
+/* A switch of pyrt_params, by name and offset. */
+typedef struct {
+    const char *name;
+    size_t offset;
+} param_switch;
+
+/* decode_tiny on a pool whose params are the defaults with the switch turned off (a path not
+ * taken) */
+static void decode_tiny_off(const tiny_model *t, int threads, param_switch sw, float *out) {
+    pyrt_params params;
+    pyrt_params_default(&params);
+    *(int *)((char *)&params + sw.offset) = 0;
+    decode_tiny_with(t, threads, &params, out);
+}
+
+#define SWITCH(field) ((param_switch){#field, offsetof(pyrt_params, field)})
 
 /* whether two decodes' logits [CAP, N_VOCAB] are the same bits */
 static int same_logits(const float *a, const float *b) {
@@ -273,25 +289,36 @@ static void test_decode(void) {
         worst = fmax(worst, fabs((double)a[i] - c[i]));
     CHECK(worst <= 1e-4, "1 vs 16 threads differ by %g", worst);
     /* prefetching while idle (on by default) moves no bit */
-    decode_tiny_off(&t, 3, "PYRT_IDLE_PREFETCH", c);
+    decode_tiny_off(&t, 3, SWITCH(idle_prefetch), c);
     CHECK(same_logits(b, c), "idle prefetch changed the logits");
+    /* the VNNI dots give the AVX-512 BW dots' bits */
+    decode_tiny_off(&t, 3, SWITCH(vnni), c);
+    CHECK(same_logits(b, c), "vnni changed the logits");
+    /* other prefetch distances move no bit */
+    pyrt_params far;
+    pyrt_params_default(&far);
+    far.matvec_prefetch_rows = 7;
+    far.expert_prefetch_neurons = 9;
+    far.reduce_prefetch_items = 0;
+    decode_tiny_with(&t, 3, &far, c);
+    CHECK(same_logits(b, c), "prefetch distances changed the logits");
     /* q/k/v and attention in one task (blocks 0 and 2: per-head norms, none) or two (serial
      * norms, RoPE, cache append between them): the same operations, the same bits */
-    decode_tiny_off(&t, 3, "PYRT_FUSE_ATTN", c);
+    decode_tiny_off(&t, 3, SWITCH(fuse_attention), c);
     CHECK(same_logits(b, c), "fused attention changed the logits");
     decode_tiny(&t, 16, c);
-    decode_tiny_off(&t, 16, "PYRT_FUSE_ATTN", a);
+    decode_tiny_off(&t, 16, SWITCH(fuse_attention), a);
     CHECK(same_logits(a, c), "fused attention changed the logits at 16 threads");
     /* router, routing and experts in one task (blocks 0 and 2) or the router's own run and
-     * pyrt_moe_ffn: the same bits (c: 16 threads, fused; with PYRT_FUSE_ROUTER=0 the blocks are
+     * pyrt_moe_ffn: the same bits (c: 16 threads, fused; with fuse_router 0 the blocks are
      * not fused whole either); then the whole block in one task (blocks 0 and 2) or attention
      * and FFN in two. b: 3 threads, everything fused. */
-    static const char *const fused_paths[] = {"PYRT_FUSE_ROUTER", "PYRT_FUSE_LAYER"};
-    for (size_t i = 0; i < sizeof fused_paths / sizeof fused_paths[0]; i++) {
+    const param_switch fused_paths[] = {SWITCH(fuse_router), SWITCH(fuse_layer)};
+    for (int i = 0; i < COUNT_OF(fused_paths); i++) {
         decode_tiny_off(&t, 16, fused_paths[i], a);
-        CHECK(same_logits(a, c), "%s=0 changed the logits at 16 threads", fused_paths[i]);
+        CHECK(same_logits(a, c), "%s 0 changed the logits at 16 threads", fused_paths[i].name);
         decode_tiny_off(&t, 3, fused_paths[i], a);
-        CHECK(same_logits(a, b), "%s=0 changed the logits at 3 threads", fused_paths[i]);
+        CHECK(same_logits(a, b), "%s 0 changed the logits at 3 threads", fused_paths[i].name);
     }
     free(c);
 
@@ -326,7 +353,7 @@ static void test_linear_errors(void) {
     pyrt_matrix m = make_matrix(PYRT_FMT_Q8_0, 8, 64, 0.1f);
     float x[64] = {0}, y[8];
     pyrt_pool *pool = NULL;
-    CHECK(pyrt_pool_create(2, &pool) == PYRT_OK, "pool");
+    CHECK(pyrt_pool_create(2, NULL, &pool) == PYRT_OK, "pool");
     CHECK(pyrt_linear(NULL, &m, x, 1, NULL, y) == PYRT_E_INVALID, "NULL pool accepted");
     CHECK(pyrt_linear(pool, NULL, x, 1, NULL, y) == PYRT_E_INVALID, "NULL matrix accepted");
     CHECK(pyrt_linear(pool, &m, NULL, 1, NULL, y) == PYRT_E_INVALID, "NULL x accepted");
