@@ -10,7 +10,8 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-#include "pyrt_internal.h"
+#include "error.h"
+#include "rows.h"
 
 /* ---- physical cores ------------------------------------------------------------------------ */
 

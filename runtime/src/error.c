@@ -2,7 +2,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 
-#include "pyrt_internal.h"
+#include "error.h"
 
 static _Thread_local char last_error[512];
 

@@ -4,14 +4,15 @@
  * products are integer, as in pyrt_moe_ffn and llama.cpp; accumulation is f32.
  *
  * Work split: the rows of the matrices of one job form one list, cut into one home per thread
- * (the homes of a prefetch plan, pyrt_internal.h), each home into CHUNKS_PER_THREAD chunks that
+ * (the homes of a prefetch plan, pool.h), each home into CHUNKS_PER_THREAD chunks that
  * threads take from the home's counter: its own home first (in the decode step its rows were
  * prefetched into its L2 while the thread waited), then the others'. A chunk walks its rows in
  * pairs (dot2: one pass over x for two rows) and, inside a pair, every token of a TOKEN_TILE, so
  * a weight row is read from DRAM once and reused from L1 for the tile. */
 #include <stdlib.h>
 
-#include "decode_internal.h"
+#include "error.h"
+#include "linear.h"
 
 enum {
     CHUNKS_PER_THREAD = 4,
@@ -23,7 +24,7 @@ enum {
 int pyrt_matrix_check(const pyrt_matrix *m, const char *fn, const char *what) {
     if (m == NULL || m->data == NULL)
         return pyrt_fail(PYRT_E_INVALID, "%s: %s weights are NULL", fn, what);
-    if (pyrt_row_ops_scalar(m->fmt) == NULL)
+    if (!pyrt_fmt_known(m->fmt))
         return pyrt_fail(PYRT_E_INVALID,
                          "%s: %s has unknown weight format %d (supported: 0 F32, 1 F16, 30 BF16, "
                          "8 Q8_0, 2 Q4_0)", fn, what, m->fmt);
@@ -190,6 +191,46 @@ void pyrt_mv_task(void *ctx, int ith, int nth) {
         }
     }
 }
+
+/* ---- one token (the decode step) ----------------------------------------------------------- */
+
+int pyrt_mv_job_blocked(const pyrt_mv_job *job) {
+    int blocked = 0;
+    for (int i = 0; i < job->n_mats; i++)
+        blocked |= pyrt_fmt_is_blocked(job->out[i].m->fmt);
+    return blocked;
+}
+
+void pyrt_mv_job_bind(pyrt_mv_job *job, pyrt_pool *pool, const float *x, int n, pyrt_xq8 *xq) {
+    job->x = x;
+    job->x_stride = (size_t)n;
+    job->xq = xq;
+    job->xq_stride = (size_t)n / PYRT_QK;
+    job->n_tokens = 1;
+    if (job->div == 0.0f)
+        job->div = 1.0f;
+    pyrt_mv_job_prepare(job, pool);
+}
+
+void pyrt_mv_job_setup(pyrt_mv_job *job, pyrt_pool *pool, const float *x, int n, pyrt_xq8 *xq) {
+    if (pyrt_mv_job_blocked(job))
+        pyrt_quantize_x_q8(x, xq, n);
+    pyrt_mv_job_bind(job, pool, x, n, xq);
+}
+
+void pyrt_mv_run(pyrt_mv_job *job, pyrt_pool *pool, const float *x, int n, pyrt_xq8 *xq) {
+    pyrt_mv_job_setup(job, pool, x, n, xq);
+    pyrt_pool_run(pool, pyrt_mv_task, job);
+}
+
+void pyrt_pool_plan_job(pyrt_pool *pool, const pyrt_mv_job *next) {
+    pyrt_pf_plan plan = {.n = 0};
+    if (next != NULL)
+        pyrt_mv_job_plan(next, &plan);
+    pyrt_pool_plan_prefetch(pool, &plan);
+}
+
+/* ---- pyrt_linear --------------------------------------------------------------------------- */
 
 typedef struct {
     const float *x;

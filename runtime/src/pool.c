@@ -17,7 +17,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "pyrt_internal.h"
+#include "error.h"
+#include "pool.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -63,7 +64,7 @@ struct pyrt_pool {
     void *ctx;
     void *workspace; /* scratch owned by the pool */
     size_t workspace_bytes;
-    /* prefetch while idle (pyrt_internal.h): plans[cur_slot] is the plan in force: a run writes
+    /* prefetch while idle (pool.h): plans[cur_slot] is the plan in force: a run writes
      * the next slot (mod PLAN_SLOTS) before its generation is published, and a task may switch
      * once more mid-run (pyrt_pool_plan_switch), so a thread that has not yet seen the run start
      * still reads a slot nobody writes; plan_epoch[slot] changes only when the plan differs from

@@ -1,6 +1,6 @@
 /* AVX2 + FMA + F16C row kernels. Every function carries the target attribute, so this file is
  * compiled with the baseline flags and only called after cpuid said yes (cpu.c). */
-#include "pyrt_internal.h"
+#include "rows.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>

@@ -1,6 +1,6 @@
 /* AVX-512 (F + BW) row kernels: 16 f32 lanes, two quantized blocks per 512-bit vector, masked
  * tails. Per-function target attributes, called only after cpuid said yes (cpu.c). */
-#include "pyrt_internal.h"
+#include "rows.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>

@@ -14,7 +14,8 @@
 #include <string.h>
 
 #include "pyrt.h"
-#include "pyrt_internal.h"
+#include "pool.h"
+#include "rows.h"
 
 #define TEST_RNG_SEED 0x9E3779B97F4A7C15ull
 #include "check.h"

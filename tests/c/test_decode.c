@@ -17,7 +17,7 @@
 #include <string.h>
 
 #include "pyrt.h"
-#include "pyrt_internal.h"
+#include "rows.h"
 
 #define TEST_RNG_SEED 0x2545F4914F6CDD1Dull
 #include "check.h"
