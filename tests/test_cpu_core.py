@@ -22,7 +22,6 @@ d_b / 2 (half a quantization step of its block), so |dg| <= sum_i |g_i| d_b(i) /
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -409,16 +408,37 @@ def test_helpers(cc):
     core.close()  # idempotent
 
 
-def test_cdef_matches_header(cc):
-    """cpu_core.CDEF is the header's PYRT_CDEF section without comments."""
-    header = (REPO / "runtime" / "include" / "pyrt.h").read_text()
-    section = header.split("/* PYRT_CDEF_BEGIN */")[1].split("/* PYRT_CDEF_END */")[0]
+def test_binding_declarations_come_from_the_header(cc, tmp_path, monkeypatch):
+    """The binding declares the library from pyrt.h's PYRT_CDEF section: the section parses as
+    cffi takes it, every function it declares resolves in the loaded library, the header beside
+    a library comes first, and a missing header is a CoreError naming where it looked."""
+    from cffi import FFI
 
-    def norm(s: str) -> str:
-        s = re.sub(r"/\*.*?\*/", "", s, flags=re.S)
-        return re.sub(r"\s+", " ", s).replace("( ", "(").replace(" )", ")").strip()
+    lib = cc._lib()
+    header = REPO / "runtime" / "include" / "pyrt.h"
+    section = cc.cdef_section(header)
+    assert "pyrt_decoder_step" in section and "#" not in section  # no preprocessor lines
+    ffi = FFI()
+    ffi.cdef(section)
+    functions = [n for n in dir(lib) if n.startswith("pyrt_")]
+    assert len(functions) >= 15 and "pyrt_moe_ffn" in functions
+    for name in functions:
+        assert callable(getattr(lib, name)), name
+    # a fresh FFI over the same section reaches the same library
+    fresh = ffi.dlopen(str(next(p for p in cc._candidate_paths() if p.is_file())))
+    assert fresh.pyrt_row_bytes(fresh.PYRT_FMT_Q8_0, 64) == 68
 
-    assert norm(section) == norm(cc.CDEF)
+    beside = tmp_path / "pyrt.h"
+    assert cc.find_header(tmp_path / "libpyrt.so") == header  # none beside: the source tree's
+    beside.write_text(header.read_text())
+    assert cc.find_header(tmp_path / "libpyrt.so") == beside
+    beside.unlink()
+    monkeypatch.setattr(cc, "_SOURCE_HEADER", tmp_path / "src" / "pyrt.h")
+    with pytest.raises(cc.CoreError, match=r"pyrt.h not found .* \(tried .*/pyrt.h, .*src/pyrt.h"):
+        cc.find_header(tmp_path / "libpyrt.so")
+    beside.write_text("/* no section */")
+    with pytest.raises(cc.CoreError, match="has no /\\* PYRT_CDEF_BEGIN"):
+        cc.cdef_section(beside)
 
 
 # ---- C unit tests under sanitizers ----------------------------------------------------------

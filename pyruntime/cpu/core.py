@@ -5,7 +5,9 @@ Layers, as in llama-cpp-python: `_lib()` holds the raw cffi functions; `CpuCore`
 C library's last_error message when a call fails; `moe_ffn` is the API the MoE layer calls.
 
 The library is found, in order, at $PYRUNTIME_CORE_LIB, in the pyruntime package folder (where
-`pip install` and `pip install -e .` put it), or in ./build (a plain `cmake -S . -B build`).
+`pip install` and `pip install -e .` put it), or in ./build (a plain `cmake -S . -B build`). Its
+cffi declarations are the PYRT_CDEF section of pyrt.h, read from beside the library (every build
+puts it there) or else from the source tree (runtime/include/pyrt.h).
 """
 
 from __future__ import annotations
@@ -20,109 +22,6 @@ from cffi import FFI
 
 from pyruntime import options
 from pyruntime.errors import PyruntimeError
-
-# Mirrors the PYRT_CDEF_BEGIN..END section of runtime/include/pyrt.h (a test checks they agree).
-CDEF = """
-enum {
-    PYRT_OK = 0,
-    PYRT_E_INVALID = 1,
-    PYRT_E_NOMEM = 2,
-    PYRT_E_UNSUPPORTED = 3,
-    PYRT_E_SYSTEM = 4
-};
-enum {
-    PYRT_FMT_F32 = 0,
-    PYRT_FMT_F16 = 1,
-    PYRT_FMT_Q4_0 = 2,
-    PYRT_FMT_Q8_0 = 8,
-    PYRT_FMT_BF16 = 30
-};
-enum {
-    PYRT_ACT_SILU = 0,
-    PYRT_ACT_GELU_TANH = 1,
-    PYRT_ACT_GELU_ERF = 2
-};
-enum {
-    PYRT_SIMD_SCALAR = 0,
-    PYRT_SIMD_AVX2 = 1,
-    PYRT_SIMD_AVX512 = 2
-};
-typedef struct pyrt_pool pyrt_pool;
-typedef struct {
-    int spin_us;
-    int idle_prefetch;
-    int vnni;
-    int matvec_prefetch_rows;
-    int expert_prefetch_neurons;
-    int reduce_prefetch_items;
-    int fuse_attention;
-    int fuse_router;
-    int fuse_layer;
-} pyrt_params;
-void pyrt_params_default(pyrt_params *params);
-const char *pyrt_last_error(void);
-int pyrt_physical_cores(void);
-int pyrt_simd_best(void);
-int pyrt_simd_active(void);
-int pyrt_simd_force(int level);
-int pyrt_pool_create(int n_threads, const pyrt_params *params, pyrt_pool **out);
-void pyrt_pool_free(pyrt_pool *pool);
-int pyrt_pool_threads(const pyrt_pool *pool);
-size_t pyrt_row_bytes(int fmt, int64_t n);
-int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, int n_expert,
-                 int n_ff, int n_embd, const float *x, int n_tokens, const int32_t *topk_ids,
-                 const float *topk_w, int k, int activation, float threshold, float *y,
-                 int64_t *n_active);
-int pyrt_mem_read(pyrt_pool *pool, const void *buf, size_t bytes, uint64_t *checksum);
-typedef struct {
-    const void *data;
-    size_t bytes;
-    int fmt;
-    int n_out;
-    int n_in;
-} pyrt_matrix;
-int pyrt_linear(pyrt_pool *pool, const pyrt_matrix *w, const float *x, int n_tokens,
-                const float *bias, float *y);
-typedef struct {
-    const float *attn_norm;
-    pyrt_matrix wq, wk, wv;
-    pyrt_matrix wo;
-    const float *bq, *bk, *bv;
-    const float *q_norm, *k_norm;
-    int q_norm_len, k_norm_len;
-    const float *ffn_norm;
-    pyrt_matrix router;
-    const void *gud;
-    size_t gud_bytes;
-    int gud_fmt;
-    pyrt_matrix sh_gate, sh_up;
-    pyrt_matrix sh_down;
-    const float *sh_gate_inp;
-    pyrt_matrix ffn_gate, ffn_up;
-    pyrt_matrix ffn_down;
-} pyrt_block_weights;
-typedef struct {
-    int n_vocab, n_embd, n_layer, n_head, n_head_kv, head_dim, rope_dim;
-    int n_expert, n_expert_used, n_ff_exp;
-    int expert_weights_norm;
-    int activation;
-    float rms_eps;
-    float embedding_scale, residual_scale, attention_scale, logit_scale;
-    float clamp_kqv;
-    const float *rope_inv_freq;
-    pyrt_matrix token_embd;
-    pyrt_matrix output;
-    const float *output_norm;
-    const pyrt_block_weights *blocks;
-} pyrt_model_weights;
-typedef struct pyrt_decoder pyrt_decoder;
-int pyrt_decoder_create(const pyrt_model_weights *w, pyrt_decoder **out);
-void pyrt_decoder_free(pyrt_decoder *dec);
-int pyrt_decoder_step(pyrt_decoder *dec, pyrt_pool *pool, int token, int pos,
-                      float *const *k_cache, float *const *v_cache, int cache_cap,
-                      const float *thresholds, float *logits, int64_t *n_active);
-int pyrt_decoder_times(pyrt_decoder *dec, int64_t *ns, int reset);
-"""
 
 # ggml type numbers of the weight formats the core reads (gguf.GGMLQuantizationType values).
 FMT_F32, FMT_F16, FMT_Q4_0, FMT_Q8_0, FMT_BF16 = 0, 1, 2, 8, 30
@@ -140,8 +39,7 @@ class CoreError(PyruntimeError):
     """The C core refused a call (bad arguments, no memory) or could not be loaded."""
 
 
-_ffi = FFI()
-_ffi.cdef(CDEF)
+_ffi = FFI()  # declarations: the PYRT_CDEF section of the library's pyrt.h, read by _lib()
 _lib_handle = None
 _lib_lock = threading.Lock()
 # pointer types parsed once (a cast by type name parses the name on every call)
@@ -150,18 +48,45 @@ _P_CFLOAT = _ffi.typeof("const float *")
 _P_CINT32 = _ffi.typeof("const int32_t *")
 _P_INT64 = _ffi.typeof("int64_t *")
 
+_PACKAGE = Path(__file__).resolve().parents[1]  # pyruntime/: where the build installs the library
+_SOURCE_HEADER = _PACKAGE.parent / "runtime" / "include" / "pyrt.h"  # in a source checkout
+_CDEF_BEGIN, _CDEF_END = "/* PYRT_CDEF_BEGIN */", "/* PYRT_CDEF_END */"
+
 
 def _candidate_paths() -> list[Path]:
     name = _LIB_NAMES.get(sys.platform, "libpyrt.so")
-    package = Path(__file__).resolve().parents[1]  # pyruntime/: where the build installs it
     override = options.value("core_lib")
     if override:
         return [Path(override)]
-    return [package / name, package.parent / "build" / name]
+    return [_PACKAGE / name, _PACKAGE.parent / "build" / name]
+
+
+def find_header(library: Path) -> Path:
+    """The pyrt.h that declares `library`: the one beside it (every build puts it there, so a
+    library and its declarations match), else the source tree's; CoreError naming both if none."""
+    paths = [library.parent / "pyrt.h", _SOURCE_HEADER]
+    found = next((p for p in paths if p.is_file()), None)
+    if found is None:
+        tried = ", ".join(str(p) for p in paths)
+        raise CoreError(
+            f"C core header pyrt.h not found for {library} (tried {tried}): rebuild the library "
+            "(its build puts pyrt.h beside it)"
+        )
+    return found
+
+
+def cdef_section(header: Path) -> str:
+    """The PYRT_CDEF_BEGIN..END section of a pyrt.h: plain C declarations, comments included,
+    which cffi's cdef parser takes as they are."""
+    text = header.read_text()
+    begin, end = text.find(_CDEF_BEGIN), text.find(_CDEF_END)
+    if begin < 0 or end < begin:
+        raise CoreError(f"{header} has no {_CDEF_BEGIN} ... {_CDEF_END} section")
+    return text[begin + len(_CDEF_BEGIN) : end]
 
 
 def _lib():
-    """The loaded library (loaded once per process)."""
+    """The loaded library (loaded once per process), declared from its pyrt.h."""
     global _lib_handle
     with _lib_lock:
         if _lib_handle is None:
@@ -173,6 +98,7 @@ def _lib():
                     f"C core library not found (tried {tried}): build it with `pip install -e .` "
                     "in the repository, or point PYRUNTIME_CORE_LIB at a libpyrt build"
                 )
+            _ffi.cdef(cdef_section(find_header(found)))
             try:
                 _lib_handle = _ffi.dlopen(str(found))
             except OSError as exc:
@@ -220,8 +146,9 @@ def row_bytes(fmt: int, n: int) -> int:
 def default_params() -> dict[str, int]:
     """The pool's execution parameters and their defaults (pyrt_params in runtime/include/pyrt.h:
     what each field trades). Every setting gives the same results; they change speed only."""
+    lib = _lib()
     p = _ffi.new("pyrt_params *")
-    _lib().pyrt_params_default(p)
+    lib.pyrt_params_default(p)
     return {name: getattr(p, name) for name, _ in _ffi.typeof("pyrt_params").fields}
 
 
@@ -229,8 +156,9 @@ def _params(values: dict[str, int] | None):
     """A pyrt_params * holding the defaults updated with `values` (NULL for None)."""
     if values is None:
         return _ffi.NULL
+    lib = _lib()
     p = _ffi.new("pyrt_params *")
-    _lib().pyrt_params_default(p)
+    lib.pyrt_params_default(p)
     fields = [name for name, _ in _ffi.typeof("pyrt_params").fields]
     for name, value in values.items():
         if name not in fields:

@@ -1,6 +1,6 @@
 /* pyrt: the pyruntime C core -- CPU expert kernels for Mixture-of-Experts layers.
  *
- * Called from Python through cffi in ABI mode (pyruntime/cpu_core.py), so this header is plain C:
+ * Called from Python through cffi in ABI mode (pyruntime/cpu/core.py), so this header is plain C:
  * every function returns an int status (PYRT_OK or a PYRT_E_* code) and, on failure, leaves a
  * one-line message in pyrt_last_error() (thread-local). Nothing here calls exit() or prints.
  * Resources come in build/free pairs: pyrt_pool_create / pyrt_pool_free.
@@ -9,8 +9,9 @@
  * docs/gguf-layout.md: tensor blk.N.ffn_gud_exps.weight, shape [n_expert, n_ff, 3, n_embd], where
  * neuron j of expert e owns rows 3j (gate), 3j+1 (up), 3j+2 (down column, transposed).
  *
- * The declarations between PYRT_CDEF_BEGIN and PYRT_CDEF_END are mirrored verbatim in
- * pyruntime/cpu_core.py (cffi cdef); tests/test_cpu_core.py checks that they agree.
+ * The declarations between PYRT_CDEF_BEGIN and PYRT_CDEF_END are the binding's: cffi's cdef reads
+ * them from this file (installed beside the library), so that section holds only what cffi's
+ * parser takes: plain declarations, enums with values, comments; no macros or attributes.
  */
 #ifndef PYRT_H
 #define PYRT_H
