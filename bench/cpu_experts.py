@@ -290,7 +290,13 @@ def bench_layer(core, layers, fmt, shape, batch, threshold, iters, seed=3):
     ffi, lib = cpu_core._ffi, core._lib
     y = torch.empty(batch, n_embd)
     y_p, n_active_p = ffi.cast("float *", y.data_ptr()), ffi.new("int64_t *")
-    bufs = [ffi.from_buffer(g) for g in layers]
+    experts = [
+        ffi.new(
+            "pyrt_experts *",
+            (ffi.from_buffer(g), g.nbytes, FMTS[fmt], n_expert, n_expert, n_ff, n_embd, ffi.NULL),
+        )
+        for g in layers
+    ]
     bare_args = [
         (
             ffi.cast("const float *", x.data_ptr()),
@@ -315,9 +321,8 @@ def bench_layer(core, layers, fmt, shape, batch, threshold, iters, seed=3):
             x_p, ids_p, w_p = bare_args[it]
             t = time.perf_counter()
             rc = lib.pyrt_moe_ffn(
-                core._pool, bufs[g], gud.nbytes, FMTS[fmt], n_expert, n_ff, n_embd, x_p, batch,
-                ids_p, w_p, k, 0, threshold, y_p, n_active_p,
-            )  # fmt: skip
+                core._pool, experts[g], x_p, batch, ids_p, w_p, k, 0, threshold, y_p, n_active_p
+            )
             dt = time.perf_counter() - t
             assert rc == 0, ffi.string(lib.pyrt_last_error())
             n_active = int(n_active_p[0])

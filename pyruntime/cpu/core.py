@@ -220,18 +220,23 @@ class CpuCore:
         activation: str = "silu",
         threshold: float | None = None,
         out: torch.Tensor | None = None,
+        expert_map: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, int]:
         """Routed experts of one layer: y[t] = sum_k topk_w[t, k] * expert_{topk_ids[t, k]}(x[t]).
 
         gud: the layer's `ffn_gud_exps` tensor data, raw bytes or a typed view of the GGUF mmap
-        (read in place, never copied), layout [n_expert, n_ff, 3, n_embd] of docs/gguf-layout.md.
+        (read in place, never copied), layout [n_expert, n_ff, 3, n_embd] of docs/gguf-layout.md
+        (with expert_map: [n_slots, n_ff, 3, n_embd], n_slots from its size).
         fmt: ggml type number (0 F32, 1 F16, 30 BF16, 8 Q8_0, 2 Q4_0).
-        x: [T, n_embd] float32; topk_ids: [T, K] int32/int64; topk_w: [T, K] float32.
+        x: [T, n_embd] float32; topk_ids: [T, K] int32/int64 in [0, n_expert); topk_w: [T, K].
         threshold: None or 0 = dense; > 0 = a neuron whose |act(gate . x)| < threshold is skipped.
         out: None, or a contiguous float32 CPU tensor [T, n_embd] that receives y (overwritten, not
         added to), so a caller that calls per token reuses one buffer instead of a new tensor.
+        expert_map: None (gud holds every expert), or int [n_expert]: expert id -> its slot in
+        gud, -1 = not held here: that id's (token, expert) pairs are skipped and add nothing to y
+        (vLLM's fused_moe expert_map; a cache of slots, or one device's share of the experts).
         Returns (y [T, n_embd] float32, n_active): n_active counts the neurons computed, summed over
-        the T*K (token, expert) pairs (T*K*n_ff when dense); y is `out` when given.
+        the (token, expert) pairs computed (their number * n_ff when dense); y is `out` when given.
         """
         if self._pool is None:
             raise CoreError("CpuCore is closed: create a new one")
@@ -270,17 +275,32 @@ class CpuCore:
                 raise CoreError("out must not share memory with x (y is written while x is read)")
         if n_tokens == 0:
             return y, 0
+        n_slots = n_expert
+        map_ptr = _ffi.NULL
+        if expert_map is not None:
+            expert_map = _as_cpu(expert_map, torch.int32, "expert_map", 1)
+            if expert_map.shape != (n_expert,):
+                raise CoreError(
+                    f"expert_map has shape {tuple(expert_map.shape)}, expected ({n_expert},): "
+                    "one slot (or -1) per expert id"
+                )
+            expert_bytes = n_ff * 3 * row_bytes(fmt, n_embd)
+            if expert_bytes == 0 or gud.nbytes % expert_bytes:
+                raise CoreError(
+                    f"expert weights hold {gud.nbytes} bytes, not a whole number of experts of "
+                    f"{expert_bytes} bytes (n_ff={n_ff}, n_embd={n_embd}, format {fmt})"
+                )
+            n_slots = gud.nbytes // expert_bytes
+            map_ptr = _ffi.cast(_P_CINT32, expert_map.data_ptr())
+        experts = _ffi.new(
+            "pyrt_experts *",
+            (_ffi.from_buffer(gud), gud.nbytes, fmt, n_expert, n_slots, n_ff, n_embd, map_ptr),
+        )
         n_active = _ffi.new(_P_INT64)
-        weights = _ffi.from_buffer(gud)
         _check(
             self._lib.pyrt_moe_ffn(
                 self._pool,
-                weights,
-                gud.nbytes,
-                fmt,
-                n_expert,
-                n_ff,
-                n_embd,
+                experts,
                 _ffi.cast(_P_CFLOAT, x.data_ptr()),
                 n_tokens,
                 _ffi.cast(_P_CINT32, topk_ids.data_ptr()),

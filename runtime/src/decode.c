@@ -89,14 +89,15 @@ static int layer_fusable(const pyrt_decoder *d, const pyrt_block_weights *b) {
 }
 
 /* *t_ffn: when the attention part ended (the FFN's input was ready). */
-static int64_t layer_fused(pyrt_decoder *d, pyrt_pool *pool, const pyrt_attn_layer *l,
-                           float threshold, const pyrt_mv_job *next, int64_t *t_ffn) {
+static int layer_fused(pyrt_decoder *d, pyrt_pool *pool, const pyrt_attn_layer *l,
+                       pyrt_ffn_io *io, const pyrt_mv_job *next, int64_t *t_ffn) {
     const pyrt_model_weights *w = &d->w;
     const pyrt_block_weights *b = l->b;
     const int n_embd = w->n_embd;
     pyrt_rms_norm(d->x, b->attn_norm, w->rms_eps, n_embd, d->xn);
     pyrt_mv_job qkv, o;
     pyrt_mv_job in = pyrt_decode_ffn_in_job(d, b);
+    const pyrt_experts experts = pyrt_decode_experts(d, b, io);
     const pyrt_mv_job sh_down = {.out = {{&b->sh_down, NULL, d->ys, 0}}, .n_mats = 1};
     layer_ctx lc = {.d = d, .b = b,
                     .quantize = pyrt_mv_job_blocked(&in) || pyrt_fmt_is_blocked(b->gud_fmt)};
@@ -108,33 +109,32 @@ static int64_t layer_fused(pyrt_decoder *d, pyrt_pool *pool, const pyrt_attn_lay
     atomic_store_explicit(&d->o_rows, 0, memory_order_relaxed); /* pool_run publishes them */
     atomic_store_explicit(&d->ffn_ready, 0, memory_order_relaxed);
     pyrt_mv_job_bind(&in, pool, d->xn, n_embd, d->xq); /* xn, xq: made by o_rows_done */
-    int64_t active = 0;
-    const int rc = pyrt_moe_ffn_routed(
-        pool, task_attention_then_ffn_in, &lc, &in, pyrt_decode_route, d, d->ids, d->topw, b->gud,
-        b->gud_fmt, w->n_expert, w->n_ff_exp, n_embd, d->xn, d->xq, w->n_expert_used,
-        w->activation, threshold, d->y, &active);
+    pyrt_decode_route_begin(d, io);
+    const int rc = pyrt_moe_ffn_routed(pool, task_attention_then_ffn_in, &lc, &in,
+                                       pyrt_decode_route, d, d->ids, d->topw, &experts, d->xn,
+                                       d->xq, io->k, w->activation, io->threshold, d->y,
+                                       &io->n_active);
     *t_ffn = lc.t_ffn > 0 ? lc.t_ffn : pyrt_now_ns(); /* 0: the run did not start */
     if (rc != PYRT_OK)
-        return -1;
+        return rc;
+    pyrt_decode_route_end(d, io);
     pyrt_decode_moe_tail(d, pool, b, next);
-    return active;
+    return PYRT_OK;
 }
 
 /* ---- the step ------------------------------------------------------------------------------ */
 
-static int decoder_step(pyrt_decoder *d, pyrt_pool *pool, int token, int pos,
-                        float *const *k_cache, float *const *v_cache, int cache_cap,
-                        const float *thresholds, float *logits, int64_t *n_active) {
-    const pyrt_model_weights *w = &d->w;
-    int rc = pyrt_attention_prepare(&d->att, pos, cache_cap, "pyrt_decoder_step");
-    if (rc != PYRT_OK)
-        return rc;
+/* The decode switches of the pool the call runs on. */
+static void use_pool(pyrt_decoder *d, const pyrt_pool *pool) {
     const pyrt_params *params = pyrt_pool_params(pool);
     d->fuse_attention = params->fuse_attention;
     d->fuse_router = params->fuse_router;
     d->fuse_layer = params->fuse_layer;
-    int64_t t0 = pyrt_now_ns();
-    /* embedding row: x = token_embd[token] * embedding_scale (axpy of 1.0 onto 0 dequantizes) */
+}
+
+/* x = token_embd[token] * embedding_scale (an axpy of 1.0 onto 0 dequantizes the row). */
+static void embed(pyrt_decoder *d, const pyrt_pool *pool, int token) {
+    const pyrt_model_weights *w = &d->w;
     const pyrt_matrix *emb = &w->token_embd;
     memset(d->x, 0, (size_t)w->n_embd * sizeof(float));
     pyrt_pool_row_ops(pool, emb->fmt)->axpy(
@@ -142,60 +142,184 @@ static int decoder_step(pyrt_decoder *d, pyrt_pool *pool, int token, int pos,
         d->x, w->n_embd);
     for (int i = 0; i < w->n_embd; i++)
         d->x[i] *= w->embedding_scale;
+}
+
+/* The matvec after block `layer` (the next block's q/k/v, or the output matrix): prefetch plans. */
+static pyrt_mv_job after_layer(const pyrt_decoder *d, int layer, const pyrt_mv_job *out) {
+    return layer + 1 < d->w.n_layer ? pyrt_attention_qkv_job(&d->att, &d->blocks[layer + 1])
+                                    : *out;
+}
+
+static pyrt_attn_layer attn_layer(const pyrt_decoder *d, int layer, const pyrt_step_args *a) {
+    return (pyrt_attn_layer){&d->blocks[layer], a->k_cache[layer], a->v_cache[layer],
+                             (size_t)a->cache_cap, a->pos};
+}
+
+/* logits = (rms_norm(x) * output_norm) Wout^T / logit_scale; plans block 0's q/k/v next. */
+static void output(pyrt_decoder *d, pyrt_pool *pool, pyrt_mv_job *out) {
+    const pyrt_model_weights *w = &d->w;
+    pyrt_rms_norm(d->x, w->output_norm, w->rms_eps, w->n_embd, d->xn);
+    const pyrt_mv_job first = pyrt_attention_qkv_job(&d->att, &d->blocks[0]); /* next step */
+    pyrt_pool_plan_job(pool, &first);
+    pyrt_mv_run(out, pool, d->xn, w->n_embd, d->xq);
+}
+
+static int decoder_step(pyrt_decoder *d, pyrt_pool *pool, pyrt_step_args *a) {
+    const pyrt_model_weights *w = &d->w;
+    int rc = pyrt_attention_prepare(&d->att, a->pos, a->cache_cap, "pyrt_decoder_step");
+    if (rc != PYRT_OK)
+        return rc;
+    use_pool(d, pool);
+    int64_t t0 = pyrt_now_ns();
+    embed(d, pool, a->token);
 
     pyrt_pool_acquire(pool);
-    int64_t active = 0;
-    pyrt_mv_job out = output_job(d, logits);
+    pyrt_mv_job out = output_job(d, a->logits);
     for (int i = 0; i < w->n_layer && rc == PYRT_OK; i++) {
         const pyrt_block_weights *b = &d->blocks[i];
-        const pyrt_attn_layer l = {b, k_cache[i], v_cache[i], (size_t)cache_cap, pos};
-        const pyrt_mv_job next =
-            i + 1 < w->n_layer ? pyrt_attention_qkv_job(&d->att, &d->blocks[i + 1]) : out;
-        const float thr = thresholds != NULL ? thresholds[i] : 0.0f;
-        int64_t a;
+        const pyrt_attn_layer l = attn_layer(d, i, a);
+        const pyrt_mv_job next = after_layer(d, i, &out);
+        pyrt_ffn_io io = pyrt_decode_ffn_io(d, a, i);
         int64_t t1 = t0;
         if (layer_fusable(d, b)) { /* one task: split where the FFN's input was ready */
-            a = layer_fused(d, pool, &l, thr, &next, &t1);
+            rc = layer_fused(d, pool, &l, &io, &next, &t1);
             d->times[0] += t1 - t0;
         } else {
             attention_half(d, pool, &l);
             t1 = pyrt_now_ns();
             d->times[0] += t1 - t0;
-            a = pyrt_decode_ffn(d, pool, b, thr, &next);
+            rc = pyrt_decode_ffn(d, pool, b, &io, &next);
         }
-        if (a < 0)
-            rc = PYRT_E_INVALID; /* pyrt_moe_ffn's message stays in last_error */
-        active += a;
+        a->n_active += io.n_active;
+        a->n_pairs += io.n_pairs;
         t0 = pyrt_now_ns();
         d->times[1] += t0 - t1;
     }
     if (rc == PYRT_OK) {
-        pyrt_rms_norm(d->x, w->output_norm, w->rms_eps, w->n_embd, d->xn);
-        const pyrt_mv_job first = pyrt_attention_qkv_job(&d->att, &d->blocks[0]); /* next step */
-        pyrt_pool_plan_job(pool, &first);
-        pyrt_mv_run(&out, pool, d->xn, w->n_embd, d->xq);
+        output(d, pool, &out);
         d->times[2] += pyrt_now_ns() - t0;
         d->times[3] += 1;
     }
     pyrt_pool_release(pool);
-    if (n_active != NULL)
-        *n_active = rc == PYRT_OK ? active : 0;
     return rc;
 }
 
-int pyrt_decoder_step(pyrt_decoder *d, pyrt_pool *pool, int token, int pos,
-                      float *const *k_cache, float *const *v_cache, int cache_cap,
-                      const float *thresholds, float *logits, int64_t *n_active) {
+/* Marks the decoder busy for one call; PYRT_E_INVALID when another thread is in one. */
+static int enter(pyrt_decoder *d, const char *fn) {
+    if (atomic_flag_test_and_set(&d->busy))
+        return pyrt_fail(PYRT_E_INVALID, "%s: this decoder is running a step on another thread "
+                                         "(use one decoder per thread)", fn);
+    return PYRT_OK;
+}
+
+int pyrt_decoder_step(pyrt_decoder *d, pyrt_pool *pool, pyrt_step_args *a) {
+    const char *fn = "pyrt_decoder_step";
     pyrt_clear_error();
-    int rc = pyrt_decoder_check_step(d, pool, token, pos, k_cache, v_cache, cache_cap,
-                                     thresholds, logits);
+    int rc = pyrt_decoder_check_call(d, pool, a, fn);
+    if (rc == PYRT_OK)
+        rc = pyrt_decoder_check_token(d, a, fn);
+    if (rc == PYRT_OK && a->logits == NULL)
+        rc = pyrt_fail(PYRT_E_INVALID, "%s: logits is NULL", fn);
+    for (int i = 0; rc == PYRT_OK && i < d->w.n_layer; i++) {
+        rc = pyrt_decoder_check_attention(i, a, fn);
+        if (rc == PYRT_OK)
+            rc = pyrt_decoder_check_ffn(d, i, a, fn);
+    }
     if (rc != PYRT_OK)
         return rc;
-    if (atomic_flag_test_and_set(&d->busy))
-        return pyrt_fail(PYRT_E_INVALID, "pyrt_decoder_step: this decoder is running a step on "
-                                         "another thread (use one decoder per thread)");
-    rc = decoder_step(d, pool, token, pos, k_cache, v_cache, cache_cap, thresholds, logits,
-                      n_active);
+    if ((rc = enter(d, fn)) != PYRT_OK)
+        return rc;
+    a->n_active = a->n_pairs = 0;
+    rc = decoder_step(d, pool, a);
     atomic_flag_clear(&d->busy);
     return rc;
+}
+
+/* ---- the step in pieces ----------------------------------------------------------------------
+ * The unfused composition of decoder_step (attention and FFN halves as their own calls, each
+ * fused inside where the pool's params say), the same bits. Each call holds the pool for itself
+ * and adds its time to the decoder's timers. */
+
+int pyrt_decoder_begin(pyrt_decoder *d, pyrt_pool *pool, pyrt_step_args *a) {
+    const char *fn = "pyrt_decoder_begin";
+    pyrt_clear_error();
+    int rc = pyrt_decoder_check_call(d, pool, a, fn);
+    if (rc == PYRT_OK)
+        rc = pyrt_decoder_check_token(d, a, fn);
+    if (rc != PYRT_OK || (rc = enter(d, fn)) != PYRT_OK)
+        return rc;
+    const int64_t t0 = pyrt_now_ns();
+    embed(d, pool, a->token);
+    a->n_active = a->n_pairs = 0;
+    d->times[0] += pyrt_now_ns() - t0;
+    atomic_flag_clear(&d->busy);
+    return PYRT_OK;
+}
+
+int pyrt_decoder_attention(pyrt_decoder *d, pyrt_pool *pool, int layer, pyrt_step_args *a) {
+    const char *fn = "pyrt_decoder_attention";
+    pyrt_clear_error();
+    int rc = pyrt_decoder_check_call(d, pool, a, fn);
+    if (rc == PYRT_OK)
+        rc = pyrt_decoder_check_layer(d, layer, fn);
+    if (rc == PYRT_OK)
+        rc = pyrt_decoder_check_attention(layer, a, fn);
+    if (rc != PYRT_OK || (rc = enter(d, fn)) != PYRT_OK)
+        return rc;
+    const int64_t t0 = pyrt_now_ns();
+    rc = pyrt_attention_prepare(&d->att, a->pos, a->cache_cap, fn);
+    if (rc == PYRT_OK) {
+        use_pool(d, pool);
+        const pyrt_attn_layer l = attn_layer(d, layer, a);
+        pyrt_pool_acquire(pool);
+        attention_half(d, pool, &l);
+        pyrt_pool_release(pool);
+    }
+    d->times[0] += pyrt_now_ns() - t0;
+    atomic_flag_clear(&d->busy);
+    return rc;
+}
+
+int pyrt_decoder_ffn(pyrt_decoder *d, pyrt_pool *pool, int layer, pyrt_step_args *a) {
+    const char *fn = "pyrt_decoder_ffn";
+    pyrt_clear_error();
+    int rc = pyrt_decoder_check_call(d, pool, a, fn);
+    if (rc == PYRT_OK)
+        rc = pyrt_decoder_check_layer(d, layer, fn);
+    if (rc == PYRT_OK)
+        rc = pyrt_decoder_check_ffn(d, layer, a, fn);
+    if (rc != PYRT_OK || (rc = enter(d, fn)) != PYRT_OK)
+        return rc;
+    const int64_t t0 = pyrt_now_ns();
+    use_pool(d, pool);
+    const pyrt_mv_job out = output_job(d, a->logits); /* its rows: the plan after the last */
+    const pyrt_mv_job next = after_layer(d, layer, &out);
+    pyrt_ffn_io io = pyrt_decode_ffn_io(d, a, layer);
+    pyrt_pool_acquire(pool);
+    rc = pyrt_decode_ffn(d, pool, &d->blocks[layer], &io, &next);
+    pyrt_pool_release(pool);
+    a->n_active += io.n_active;
+    a->n_pairs += io.n_pairs;
+    d->times[1] += pyrt_now_ns() - t0;
+    atomic_flag_clear(&d->busy);
+    return rc;
+}
+
+int pyrt_decoder_end(pyrt_decoder *d, pyrt_pool *pool, pyrt_step_args *a) {
+    const char *fn = "pyrt_decoder_end";
+    pyrt_clear_error();
+    int rc = pyrt_decoder_check_call(d, pool, a, fn);
+    if (rc == PYRT_OK && a->logits == NULL)
+        rc = pyrt_fail(PYRT_E_INVALID, "%s: logits is NULL", fn);
+    if (rc != PYRT_OK || (rc = enter(d, fn)) != PYRT_OK)
+        return rc;
+    const int64_t t0 = pyrt_now_ns();
+    pyrt_mv_job out = output_job(d, a->logits);
+    pyrt_pool_acquire(pool);
+    output(d, pool, &out);
+    pyrt_pool_release(pool);
+    d->times[2] += pyrt_now_ns() - t0;
+    d->times[3] += 1;
+    atomic_flag_clear(&d->busy);
+    return PYRT_OK;
 }

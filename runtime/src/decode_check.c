@@ -1,6 +1,7 @@
 /* The decoder's checks: every shape and format of the model once at creation, with the tensor's
  * name in the message (blk.N.attn_q, ...), and the arguments of each step. */
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 
 #include "decoder.h"
@@ -120,26 +121,58 @@ int pyrt_decoder_check_model(const pyrt_model_weights *w, int *max_ff) {
     return PYRT_OK;
 }
 
-int pyrt_decoder_check_step(const pyrt_decoder *d, const pyrt_pool *pool, int token, int pos,
-                            float *const *k_cache, float *const *v_cache, int cache_cap,
-                            const float *thresholds, const float *logits) {
-    const char *fn = "pyrt_decoder_step";
-    if (d == NULL || pool == NULL || logits == NULL || k_cache == NULL || v_cache == NULL)
+int pyrt_decoder_check_call(const pyrt_decoder *d, const pyrt_pool *pool, const pyrt_step_args *a,
+                            const char *fn) {
+    if (d == NULL || pool == NULL || a == NULL)
         return pyrt_fail(PYRT_E_INVALID, "%s: %s is NULL", fn,
-                         d == NULL ? "dec" : pool == NULL ? "pool" : logits == NULL ? "logits"
-                                                                                    : "kv cache");
-    if (token < 0 || token >= d->w.n_vocab)
-        return pyrt_fail(PYRT_E_INVALID, "%s: token %d is outside [0, n_vocab=%d)", fn, token,
+                         d == NULL ? "dec" : pool == NULL ? "pool" : "args");
+    if (a->k < 0 || a->k > d->w.n_expert)
+        return pyrt_fail(PYRT_E_INVALID,
+                         "%s: k=%d experts per token is outside [1, n_expert=%d] (0: the model's "
+                         "%d)", fn, a->k, d->w.n_expert, d->w.n_expert_used);
+    return PYRT_OK;
+}
+
+int pyrt_decoder_check_token(const pyrt_decoder *d, const pyrt_step_args *a, const char *fn) {
+    if (a->token < 0 || a->token >= d->w.n_vocab)
+        return pyrt_fail(PYRT_E_INVALID, "%s: token %d is outside [0, n_vocab=%d)", fn, a->token,
                          d->w.n_vocab);
-    if (pos < 0 || pos >= cache_cap)
-        return pyrt_fail(PYRT_E_INVALID, "%s: position %d is outside the cache [0, %d)", fn, pos,
-                         cache_cap);
-    for (int i = 0; i < d->w.n_layer; i++) {
-        if (k_cache[i] == NULL || v_cache[i] == NULL)
-            return pyrt_fail(PYRT_E_INVALID, "%s: kv cache of layer %d is NULL", fn, i);
-        if (thresholds != NULL && (!(thresholds[i] >= 0.0f) || isinf(thresholds[i])))
-            return pyrt_fail(PYRT_E_INVALID, "%s: threshold of layer %d must be finite and >= 0",
-                             fn, i);
-    }
+    return PYRT_OK;
+}
+
+int pyrt_decoder_check_layer(const pyrt_decoder *d, int layer, const char *fn) {
+    if (layer < 0 || layer >= d->w.n_layer)
+        return pyrt_fail(PYRT_E_INVALID, "%s: layer %d is outside [0, n_layer=%d)", fn, layer,
+                         d->w.n_layer);
+    return PYRT_OK;
+}
+
+int pyrt_decoder_check_attention(int layer, const pyrt_step_args *a, const char *fn) {
+    if (a->pos < 0 || a->pos >= a->cache_cap)
+        return pyrt_fail(PYRT_E_INVALID, "%s: position %d is outside the cache [0, %d)", fn, a->pos,
+                         a->cache_cap);
+    if (a->k_cache == NULL || a->v_cache == NULL || a->k_cache[layer] == NULL ||
+        a->v_cache[layer] == NULL)
+        return pyrt_fail(PYRT_E_INVALID, "%s: kv cache of layer %d is NULL", fn, layer);
+    return PYRT_OK;
+}
+
+int pyrt_decoder_check_ffn(const pyrt_decoder *d, int layer, const pyrt_step_args *a,
+                           const char *fn) {
+    const float *thr = a->thresholds;
+    if (thr != NULL && (!(thr[layer] >= 0.0f) || isinf(thr[layer])))
+        return pyrt_fail(PYRT_E_INVALID, "%s: threshold of layer %d must be finite and >= 0", fn,
+                         layer);
+    const int32_t *map = a->expert_maps != NULL ? a->expert_maps[layer] : NULL;
+    if (map == NULL || d->blocks[layer].router.data == NULL)
+        return PYRT_OK;
+    if ((uintptr_t)map % 4)
+        return pyrt_fail(PYRT_E_INVALID, "%s: expert map of layer %d is not 4-byte aligned", fn,
+                         layer);
+    for (int e = 0; e < d->w.n_expert; e++)
+        if (map[e] < -1 || map[e] >= d->w.n_expert)
+            return pyrt_fail(PYRT_E_INVALID,
+                             "%s: expert map of layer %d: [%d] = %d is outside [-1, n_expert=%d)",
+                             fn, layer, e, (int)map[e], d->w.n_expert);
     return PYRT_OK;
 }

@@ -1,5 +1,6 @@
 /* The decoder's life: pyrt_decoder_create checks the model once and allocates the step's
- * scratch (the weights are borrowed), pyrt_decoder_free, and the step timers. */
+ * scratch (the weights are borrowed), pyrt_decoder_free, the step timers, and the residual
+ * stream's accessors for the per-layer calls. */
 #define _POSIX_C_SOURCE 199309L /* clock_gettime */
 #include <stdlib.h>
 #include <string.h>
@@ -42,8 +43,8 @@ int pyrt_decoder_create(const pyrt_model_weights *w, pyrt_decoder **out) {
     d->gate = malloc(((size_t)max_ff + 1) * f);
     d->up = malloc(((size_t)max_ff + 1) * f);
     d->router = malloc((size_t)w->n_expert * f);
-    d->ids = malloc((size_t)w->n_expert_used * sizeof(int32_t));
-    d->topw = malloc((size_t)w->n_expert_used * f);
+    d->ids = malloc((size_t)w->n_expert * sizeof(int32_t)); /* any k <= n_expert per step */
+    d->topw = malloc((size_t)w->n_expert * f);
     d->taken = malloc((size_t)w->n_expert);
     if (!d->blocks || !d->x || !d->xn || !d->xq || !d->y || !d->ys || !d->gate || !d->up ||
         !d->router || !d->ids || !d->topw || !d->taken) {
@@ -88,5 +89,29 @@ int pyrt_decoder_times(pyrt_decoder *d, int64_t *ns, int reset) {
     memcpy(ns, d->times, sizeof d->times);
     if (reset)
         memset(d->times, 0, sizeof d->times);
+    return PYRT_OK;
+}
+
+int pyrt_decoder_read_x(pyrt_decoder *d, float *x) {
+    pyrt_clear_error();
+    if (d == NULL || x == NULL)
+        return pyrt_fail(PYRT_E_INVALID, "pyrt_decoder_read_x: %s is NULL", d ? "x" : "dec");
+    if (atomic_flag_test_and_set(&d->busy))
+        return pyrt_fail(PYRT_E_INVALID, "pyrt_decoder_read_x: this decoder is running a step on "
+                                         "another thread");
+    memcpy(x, d->x, (size_t)d->w.n_embd * sizeof(float));
+    atomic_flag_clear(&d->busy);
+    return PYRT_OK;
+}
+
+int pyrt_decoder_write_x(pyrt_decoder *d, const float *x) {
+    pyrt_clear_error();
+    if (d == NULL || x == NULL)
+        return pyrt_fail(PYRT_E_INVALID, "pyrt_decoder_write_x: %s is NULL", d ? "x" : "dec");
+    if (atomic_flag_test_and_set(&d->busy))
+        return pyrt_fail(PYRT_E_INVALID, "pyrt_decoder_write_x: this decoder is running a step "
+                                         "on another thread");
+    memcpy(d->x, x, (size_t)d->w.n_embd * sizeof(float));
+    atomic_flag_clear(&d->busy);
     return PYRT_OK;
 }

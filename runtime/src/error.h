@@ -5,7 +5,8 @@
 
 #include "pyrt.h"
 
-/* Formats the thread's last_error message; returns `status` so callers can `return pyrt_fail(..)`. */
+/* Formats the thread's last_error message; returns `status` so that callers can
+ * `return pyrt_fail(...)`. */
 int pyrt_fail(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void pyrt_clear_error(void);
 

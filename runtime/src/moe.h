@@ -17,11 +17,11 @@ typedef void (*pyrt_route_fn)(void *ctx, int32_t *ids, float *w);
  * chunks (prepared: pyrt_mv_job_prepare; its out[0] the router, whose rows' completion triggers
  * `route`, which fills ids/w [k]), then pyrt_moe_ffn's work for x (xq: its Q8 blocks, made by the
  * router's job or by `before`; NULL: quantized here, before the run). The caller holds the pool;
- * the weights were checked. */
+ * the experts (and their map's values) were checked. */
 int pyrt_moe_ffn_routed(pyrt_pool *pool, pyrt_task_fn before, void *before_ctx,
                         pyrt_mv_job *router, pyrt_route_fn route, void *route_ctx, int32_t *ids,
-                        float *w, const void *gud, int fmt, int n_expert, int n_ff, int n_embd,
-                        const float *x, const pyrt_xq8 *xq, int k, int activation,
-                        float threshold, float *y, int64_t *n_active);
+                        float *w, const pyrt_experts *experts, const float *x,
+                        const pyrt_xq8 *xq, int k, int activation, float threshold, float *y,
+                        int64_t *n_active);
 
 #endif /* PYRT_MOE_H */

@@ -18,12 +18,13 @@ enum {
 };
 
 typedef struct {
-    /* weights: row r (0 gate, 1 up, 2 down) of neuron j of expert e starts at
-     * gud + ((e * n_ff + j) * 3 + r) * row_bytes */
+    /* weights: row r (0 gate, 1 up, 2 down) of neuron j of the expert in slot s starts at
+     * gud + ((s * n_ff + j) * 3 + r) * row_bytes */
     const uint8_t *gud;
     size_t row_bytes;
     const pyrt_row_ops *ops;
-    int n_expert, n_ff, n_embd, activation;
+    int n_slots, n_ff, n_embd, activation;
+    const int32_t *expert_map; /* [n_expert]: id -> slot, -1: skipped; NULL: slot = id */
     float threshold;
     /* tokens */
     const float *x;         /* [n_tokens, n_embd] */
@@ -36,13 +37,13 @@ typedef struct {
     pyrt_xq8 *xq;           /* [n_tokens, n_embd/32] when quantized, else NULL */
     /* the current token block [t0, t0 + tb) */
     int t0, tb;
-    int n_used;             /* experts used by the block */
-    int *used;              /* [n_used] expert ids, ascending */
+    int n_used;             /* slots used by the block */
+    int *used;              /* [n_used] slots, ascending */
     int *route_start;       /* [n_used + 1] routes of used[u]: route_start[u] .. route_start[u+1] */
     int *route_tok;         /* [tb*k] token index inside the block */
     float *route_w;         /* [tb*k] routing weight */
     int64_t *cost_start;    /* [n_used + 1] prefix sums of n_ff * cost per neuron */
-    int *counts;            /* [n_expert] scratch */
+    int *counts;            /* [n_slots] scratch */
     float *acc;             /* [n_items, acc_stride] per-work-item partial y of the block */
     int n_items;            /* work items the block's neurons are cut into */
     int n_items_max;        /* room in acc and item_start */

@@ -81,41 +81,59 @@ static size_t align64(size_t n) {
     return (n + 63) & ~(size_t)63;
 }
 
-static int check_args(const pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt,
-                      int n_expert, int n_ff, int n_embd, const float *x, int n_tokens,
+/* The experts' shape, format, size and alignment (not the map's values: per pair, below). */
+static int check_experts(const pyrt_experts *e, const char *fn) {
+    if (e->data == NULL)
+        return pyrt_fail(PYRT_E_INVALID, "%s: experts->data (the expert weights) is NULL", fn);
+    if (!pyrt_fmt_known(e->fmt))
+        return pyrt_fail(PYRT_E_INVALID,
+                         "%s: unknown weight format %d (supported: 0 F32, 1 F16, 30 BF16, 8 Q8_0, "
+                         "2 Q4_0)", fn, e->fmt);
+    if (e->n_expert < 1 || e->n_slots < 0 || e->n_ff < 1 || e->n_embd < 1)
+        return pyrt_fail(PYRT_E_INVALID,
+                         "%s: sizes must be positive (n_slots >= 0): n_expert=%d n_slots=%d "
+                         "n_ff=%d n_embd=%d", fn, e->n_expert, e->n_slots, e->n_ff, e->n_embd);
+    if (e->expert_map == NULL && e->n_slots != e->n_expert)
+        return pyrt_fail(PYRT_E_INVALID,
+                         "%s: n_slots=%d but n_expert=%d: without an expert_map the weights hold "
+                         "every expert", fn, e->n_slots, e->n_expert);
+    const size_t rb = pyrt_row_bytes(e->fmt, e->n_embd);
+    if (rb == 0)
+        return pyrt_fail(PYRT_E_INVALID,
+                         "%s: n_embd=%d is not a multiple of 32, which format %d (quantized in "
+                         "blocks of 32) needs", fn, e->n_embd, e->fmt);
+    const double need = (double)e->n_slots * e->n_ff * 3.0 * (double)rb;
+    if (need != (double)e->bytes)
+        return pyrt_fail(PYRT_E_INVALID,
+                         "%s: weights hold %zu bytes but n_slots=%d x n_ff=%d x 3 rows x %zu "
+                         "bytes/row need %.0f: wrong shape or format for this tensor",
+                         fn, e->bytes, e->n_slots, e->n_ff, rb, need);
+    if (pyrt_check_weights_aligned(fn, e->data, e->fmt) != PYRT_OK)
+        return PYRT_E_INVALID;
+    if ((uintptr_t)e->expert_map % 4)
+        return pyrt_fail(PYRT_E_INVALID, "%s: expert_map must be 4-byte aligned", fn);
+    return PYRT_OK;
+}
+
+static int check_args(const pyrt_pool *pool, const pyrt_experts *e, const float *x, int n_tokens,
                       const int32_t *topk_ids, const float *topk_w, int k, int activation,
                       float threshold, const float *y) {
     const char *fn = "pyrt_moe_ffn";
     if (pool == NULL)
         return pyrt_fail(PYRT_E_INVALID, "%s: pool is NULL (create one with pyrt_pool_create)", fn);
-    if (gud == NULL)
-        return pyrt_fail(PYRT_E_INVALID, "%s: gud (expert weights) is NULL", fn);
+    if (e == NULL)
+        return pyrt_fail(PYRT_E_INVALID, "%s: experts is NULL", fn);
     if (x == NULL || topk_ids == NULL || topk_w == NULL || y == NULL)
         return pyrt_fail(PYRT_E_INVALID, "%s: %s is NULL", fn,
                          x == NULL ? "x" : topk_ids == NULL ? "topk_ids"
                                         : topk_w == NULL   ? "topk_w"
                                                            : "y");
-    if (!pyrt_fmt_known(fmt))
-        return pyrt_fail(PYRT_E_INVALID,
-                         "%s: unknown weight format %d (supported: 0 F32, 1 F16, 30 BF16, 8 Q8_0, "
-                         "2 Q4_0)", fn, fmt);
-    if (n_expert < 1 || n_ff < 1 || n_embd < 1 || k < 1 || n_tokens < 0)
-        return pyrt_fail(PYRT_E_INVALID,
-                         "%s: sizes must be positive: n_expert=%d n_ff=%d n_embd=%d k=%d "
-                         "n_tokens=%d", fn, n_expert, n_ff, n_embd, k, n_tokens);
-    const size_t rb = pyrt_row_bytes(fmt, n_embd);
-    if (rb == 0)
-        return pyrt_fail(PYRT_E_INVALID,
-                         "%s: n_embd=%d is not a multiple of 32, which format %d (quantized in "
-                         "blocks of 32) needs", fn, n_embd, fmt);
-    const double need = (double)n_expert * n_ff * 3.0 * (double)rb;
-    if (need != (double)gud_bytes)
-        return pyrt_fail(PYRT_E_INVALID,
-                         "%s: weights hold %zu bytes but n_expert=%d x n_ff=%d x 3 rows x %zu "
-                         "bytes/row need %.0f: wrong shape or format for this tensor",
-                         fn, gud_bytes, n_expert, n_ff, rb, need);
-    if (pyrt_check_weights_aligned(fn, gud, fmt) != PYRT_OK)
-        return PYRT_E_INVALID;
+    int rc = check_experts(e, fn);
+    if (rc != PYRT_OK)
+        return rc;
+    if (k < 1 || n_tokens < 0)
+        return pyrt_fail(PYRT_E_INVALID, "%s: k=%d must be positive and n_tokens=%d >= 0", fn, k,
+                         n_tokens);
     if ((uintptr_t)x % 4 || (uintptr_t)y % 4 || (uintptr_t)topk_w % 4 || (uintptr_t)topk_ids % 4)
         return pyrt_fail(PYRT_E_INVALID, "%s: x, y, topk_ids, topk_w must be 4-byte aligned", fn);
     if (activation < PYRT_ACT_SILU || activation > PYRT_ACT_GELU_ERF)
@@ -126,25 +144,31 @@ static int check_args(const pyrt_pool *pool, const void *gud, size_t gud_bytes, 
         return pyrt_fail(PYRT_E_INVALID,
                          "%s: threshold must be finite and >= 0 (0 = dense), got %g", fn,
                          (double)threshold);
-    for (int64_t i = 0; i < (int64_t)n_tokens * k; i++)
-        if (topk_ids[i] < 0 || topk_ids[i] >= n_expert)
+    for (int64_t i = 0; i < (int64_t)n_tokens * k; i++) {
+        const int32_t id = topk_ids[i];
+        if (id < 0 || id >= e->n_expert)
             return pyrt_fail(PYRT_E_INVALID,
                              "%s: topk_ids[%lld, %lld] = %d is outside [0, n_expert=%d)", fn,
-                             (long long)(i / k), (long long)(i % k), (int)topk_ids[i], n_expert);
+                             (long long)(i / k), (long long)(i % k), (int)id, e->n_expert);
+        if (e->expert_map != NULL && (e->expert_map[id] < -1 || e->expert_map[id] >= e->n_slots))
+            return pyrt_fail(PYRT_E_INVALID,
+                             "%s: expert_map[%d] = %d is outside [-1, n_slots=%d)", fn, (int)id,
+                             (int)e->expert_map[id], e->n_slots);
+    }
     return PYRT_OK;
 }
 
 /* Fills *c for a call over n_tokens tokens on the pool's workspace (the caller holds the pool).
  * The activations are not quantized yet (c->xv unset). */
-static int moe_setup(moe_ctx *c, pyrt_pool *pool, const void *gud, int fmt,
-                     int n_expert, int n_ff, int n_embd, const float *x, int n_tokens,
-                     const int32_t *topk_ids, const float *topk_w, int k, int activation,
-                     float threshold, float *y) {
-    const int quantized = fmt == PYRT_FMT_Q8_0 || fmt == PYRT_FMT_Q4_0;
+static int moe_setup(moe_ctx *c, pyrt_pool *pool, const pyrt_experts *e, const float *x,
+                     int n_tokens, const int32_t *topk_ids, const float *topk_w, int k,
+                     int activation, float threshold, float *y) {
+    const int fmt = e->fmt, n_embd = e->n_embd;
+    const int quantized = pyrt_fmt_is_blocked(fmt);
     const int nth = pyrt_pool_threads(pool);
     const int tb_max = n_tokens < TOKEN_BLOCK ? n_tokens : TOKEN_BLOCK;
     const int routes = tb_max * k;
-    const int used_max = routes < n_expert ? routes : n_expert;
+    const int used_max = routes < e->n_slots ? routes : e->n_slots;
     const size_t acc_stride = align64((size_t)tb_max * n_embd * sizeof(float)) / sizeof(float);
     /* Room for up to MAX_ITEMS_PER_THREAD work items per thread (plan_items), fewer when their
      * partial ys would pass ITEMS_ACC_BYTES (long prefill blocks), at least one per thread. */
@@ -161,7 +185,7 @@ static int moe_setup(moe_ctx *c, pyrt_pool *pool, const void *gud, int fmt,
     size_t off_active = off_acc + n_items_max * acc_stride * sizeof(float);
     size_t off_xq = off_active + align64((size_t)nth * 8 * sizeof(int64_t));
     size_t off_counts = off_xq + align64(xq_bytes);
-    size_t off_used = off_counts + align64((size_t)n_expert * sizeof(int));
+    size_t off_used = off_counts + align64((size_t)e->n_slots * sizeof(int));
     size_t off_rstart = off_used + align64((size_t)used_max * sizeof(int));
     size_t off_rtok = off_rstart + align64((size_t)(used_max + 1) * sizeof(int));
     size_t off_rw = off_rtok + align64((size_t)(routes + used_max) * sizeof(int));
@@ -177,11 +201,12 @@ static int moe_setup(moe_ctx *c, pyrt_pool *pool, const void *gud, int fmt,
         return pyrt_fail(PYRT_E_NOMEM, "pyrt_moe_ffn: cannot allocate %zu bytes of workspace",
                          total);
     *c = (moe_ctx){
-        .gud = gud,
+        .gud = e->data,
         .row_bytes = pyrt_row_bytes(fmt, n_embd),
         .ops = pyrt_pool_row_ops(pool, fmt),
-        .n_expert = n_expert,
-        .n_ff = n_ff,
+        .n_slots = e->n_slots,
+        .expert_map = e->expert_map,
+        .n_ff = e->n_ff,
         .n_embd = n_embd,
         .activation = activation,
         .threshold = threshold,
@@ -223,13 +248,11 @@ static int64_t active_sum(const moe_ctx *c) {
     return sum;
 }
 
-int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, int n_expert,
-                 int n_ff, int n_embd, const float *x, int n_tokens, const int32_t *topk_ids,
-                 const float *topk_w, int k, int activation, float threshold, float *y,
-                 int64_t *n_active) {
+int pyrt_moe_ffn(pyrt_pool *pool, const pyrt_experts *experts, const float *x, int n_tokens,
+                 const int32_t *topk_ids, const float *topk_w, int k, int activation,
+                 float threshold, float *y, int64_t *n_active) {
     pyrt_clear_error();
-    int rc = check_args(pool, gud, gud_bytes, fmt, n_expert, n_ff, n_embd, x, n_tokens, topk_ids,
-                        topk_w, k, activation, threshold, y);
+    int rc = check_args(pool, experts, x, n_tokens, topk_ids, topk_w, k, activation, threshold, y);
     if (rc != PYRT_OK)
         return rc;
     if (n_active != NULL)
@@ -239,23 +262,22 @@ int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, in
 
     pyrt_pool_acquire(pool);
     moe_ctx c;
-    rc = moe_setup(&c, pool, gud, fmt, n_expert, n_ff, n_embd, x, n_tokens, topk_ids, topk_w,
-                   k, activation, threshold, y);
+    rc = moe_setup(&c, pool, experts, x, n_tokens, topk_ids, topk_w, k, activation, threshold, y);
     if (rc != PYRT_OK) {
         pyrt_pool_release(pool);
         return rc;
     }
     if (c.xq != NULL) {
         /* A few tokens take microseconds: cheaper on this thread than a hand-off to the pool. */
-        if ((int64_t)n_tokens * n_embd <= SERIAL_QUANTIZE_MAX)
+        if ((int64_t)n_tokens * c.n_embd <= SERIAL_QUANTIZE_MAX)
             task_quantize(&c, 0, 1);
         else
             pyrt_pool_run(pool, task_quantize, &c);
         c.xv = (const uint8_t *)c.xq;
-        c.xv_stride = (size_t)(n_embd / PYRT_QK) * sizeof(pyrt_xq8);
+        c.xv_stride = (size_t)(c.n_embd / PYRT_QK) * sizeof(pyrt_xq8);
     } else {
         c.xv = (const uint8_t *)x;
-        c.xv_stride = (size_t)n_embd * sizeof(float);
+        c.xv_stride = (size_t)c.n_embd * sizeof(float);
     }
     for (c.t0 = 0; c.t0 < n_tokens; c.t0 += TOKEN_BLOCK) {
         pyrt_moe_plan_token_block(&c);
@@ -303,12 +325,12 @@ static void task_routed(void *p, int ith, int nth) {
 
 int pyrt_moe_ffn_routed(pyrt_pool *pool, pyrt_task_fn before, void *before_ctx,
                         pyrt_mv_job *router, pyrt_route_fn route, void *route_ctx, int32_t *ids,
-                        float *w, const void *gud, int fmt, int n_expert, int n_ff, int n_embd,
-                        const float *x, const pyrt_xq8 *xq, int k, int activation,
-                        float threshold, float *y, int64_t *n_active) {
+                        float *w, const pyrt_experts *experts, const float *x,
+                        const pyrt_xq8 *xq, int k, int activation, float threshold, float *y,
+                        int64_t *n_active) {
+    const int n_embd = experts->n_embd;
     moe_ctx c;
-    int rc = moe_setup(&c, pool, gud, fmt, n_expert, n_ff, n_embd, x, 1, ids, w, k,
-                       activation, threshold, y);
+    int rc = moe_setup(&c, pool, experts, x, 1, ids, w, k, activation, threshold, y);
     if (rc != PYRT_OK)
         return rc;
     if (c.xq != NULL) {

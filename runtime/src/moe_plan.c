@@ -28,26 +28,36 @@ static void plan_items(moe_ctx *c, int nth) {
     c->n_items = n;
 }
 
-/* Group the block's routes by expert (counting sort) and price each expert's neurons. */
+/* The slot of route r (a (token, expert) pair of the block) in the weights; -1: not held here
+ * (one load of the map per pair). */
+static inline int route_slot(const moe_ctx *c, const int32_t *ids, int r) {
+    return c->expert_map != NULL ? c->expert_map[ids[r]] : ids[r];
+}
+
+/* Group the block's routes by slot (counting sort; routes whose expert is not held here are
+ * dropped) and price each used expert's neurons. */
 static void plan_block(moe_ctx *c) {
-    memset(c->counts, 0, (size_t)c->n_expert * sizeof *c->counts);
+    memset(c->counts, 0, (size_t)c->n_slots * sizeof *c->counts);
     const int32_t *ids = c->ids + (size_t)c->t0 * c->k;
     const float *w = c->w + (size_t)c->t0 * c->k;
     const int n_routes = c->tb * c->k;
-    for (int r = 0; r < n_routes; r++)
-        c->counts[ids[r]]++;
+    for (int r = 0; r < n_routes; r++) {
+        const int s = route_slot(c, ids, r);
+        if (s >= 0)
+            c->counts[s]++;
+    }
     c->n_used = 0;
     int start = 0;
-    for (int e = 0; e < c->n_expert; e++) {
-        if (c->counts[e] == 0)
+    for (int s = 0; s < c->n_slots; s++) {
+        if (c->counts[s] == 0)
             continue;
         const int u = c->n_used++;
-        c->used[u] = e;
+        c->used[u] = s;
         c->route_start[u] = start;
         /* Cost of one neuron: reading its rows (~1) plus one unit per routed token. */
-        c->cost_start[u + 1] = (int64_t)c->n_ff * (1 + c->counts[e]);
-        start += c->counts[e];
-        c->counts[e] = u; /* from here on: expert -> its index in used[] */
+        c->cost_start[u + 1] = (int64_t)c->n_ff * (1 + c->counts[s]);
+        start += c->counts[s];
+        c->counts[s] = u; /* from here on: slot -> its index in used[] */
     }
     c->route_start[c->n_used] = start;
     c->cost_start[0] = 0;
@@ -59,10 +69,12 @@ static void plan_block(moe_ctx *c) {
     for (int u = 0; u < c->n_used; u++)
         fill[u] = c->route_start[u];
     for (int r = 0; r < n_routes; r++) {
-        const int u = c->counts[ids[r]];
-        const int slot = fill[u]++;
-        c->route_tok[slot] = r / c->k;
-        c->route_w[slot] = w[r];
+        const int s = route_slot(c, ids, r);
+        if (s < 0)
+            continue;
+        const int at = fill[c->counts[s]]++;
+        c->route_tok[at] = r / c->k;
+        c->route_w[at] = w[r];
     }
 }
 
