@@ -76,13 +76,21 @@ void pyrt_mv_job_plan(const pyrt_mv_job *job, pyrt_pf_plan *plan) {
     }
 }
 
-static inline float finish(const pyrt_mv_job *job, const pyrt_mv_out *o, int row, float v) {
-    if (o->bias != NULL)
-        v += o->bias[row];
-    if (job->clamp > 0.0f)
-        v = v < -job->clamp ? -job->clamp : v > job->clamp ? job->clamp : v;
-    if (job->div != 1.0f)
-        v /= job->div;
+/* What happens to one output after its dot: bias, clamp, division (the job's, held in locals
+ * so that the stores into y need not reload them). */
+typedef struct {
+    const float *bias; /* [n_out] or NULL */
+    float clamp;       /* > 0: clamp to [-clamp, clamp] */
+    float div;         /* 1: none */
+} mv_finish;
+
+static inline float finish(const mv_finish *f, int row, float v) {
+    if (f->bias != NULL)
+        v += f->bias[row];
+    if (f->clamp > 0.0f)
+        v = v < -f->clamp ? -f->clamp : v > f->clamp ? f->clamp : v;
+    if (f->div != 1.0f)
+        v /= f->div;
     return v;
 }
 
@@ -110,6 +118,9 @@ static void mv_rows(const pyrt_mv_job *job, int i, int r0, int r1) {
     const pyrt_mv_out *o = &job->out[i];
     const pyrt_matrix *m = o->m;
     const pyrt_row_ops *ops = job->ops[i];
+    const mv_finish fin = {o->bias, job->clamp, job->div};
+    float *y = o->y;
+    const size_t ys = o->y_stride;
     const size_t rb = pyrt_row_bytes(m->fmt, m->n_in);
     const uint8_t *w = m->data;
     const int blocked = pyrt_fmt_is_blocked(m->fmt);
@@ -137,15 +148,15 @@ static void mv_rows(const pyrt_mv_job *job, int i, int r0, int r1) {
                     ops->dot2_pf(row, row + rb, xv + (size_t)t * xs, m->n_in, d, pf, n_pf);
                 else
                     ops->dot2(row, row + rb, xv + (size_t)t * xs, m->n_in, d);
-                o->y[(size_t)t * o->y_stride + r] = finish(job, o, r, d[0]);
-                o->y[(size_t)t * o->y_stride + r + 1] = finish(job, o, r + 1, d[1]);
+                y[(size_t)t * ys + r] = finish(&fin, r, d[0]);
+                y[(size_t)t * ys + r + 1] = finish(&fin, r + 1, d[1]);
             }
         }
         for (; r < r1; r++) {
             const uint8_t *row = w + (size_t)r * rb;
             for (int t = t0; t < t1; t++)
-                o->y[(size_t)t * o->y_stride + r] =
-                    finish(job, o, r, ops->dot(row, xv + (size_t)t * xs, m->n_in));
+                y[(size_t)t * ys + r] =
+                    finish(&fin, r, ops->dot(row, xv + (size_t)t * xs, m->n_in));
         }
     }
 }

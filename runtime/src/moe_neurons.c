@@ -35,8 +35,12 @@ enum {
  * PF_MAX_LINES in all. */
 static inline void add_lines(const void **lines, int *n, const uint8_t *p, size_t bytes) {
     const uint8_t *line = p - ((uintptr_t)p & 63);
-    for (; line < p + bytes && *n < PF_MAX_LINES; line += 64)
-        lines[(*n)++] = line;
+    int count = (int)(((size_t)(p - line) + bytes + 63) / 64);
+    count = count < PF_MAX_LINES - *n ? count : PF_MAX_LINES - *n;
+    const void **out = lines + *n;
+    for (int i = 0; i < count; i++) /* a counted loop: ~4 instructions a line */
+        out[i] = line + (size_t)i * 64;
+    *n += count > 0 ? count : 0;
 }
 
 static inline void prefetch_lines(const void *const *lines, int n) {
