@@ -76,6 +76,8 @@ static inline void pyrt_pool_wait_flag(pyrt_pool *pool, const atomic_int *flag, 
 
 /* ---- the pool's settings and scratch -------------------------------------------------------- */
 
+/* PYRT_OK, or PYRT_E_INVALID with "<fn>: params.<field> = <v> is outside [lo, hi]" (params.c). */
+int pyrt_params_check(const pyrt_params *params, const char *fn);
 /* The pool's params (as given at creation). */
 const pyrt_params *pyrt_pool_params(const pyrt_pool *pool);
 /* The active SIMD level's row kernels for fmt, with the pool's vnni setting. */
