@@ -351,6 +351,32 @@ def test_expert_maps_split_the_experts_between_two_devices(hf_model, tmp_path):
     assert_close(split, plain, f"{hf_model[0]}: even experts here + odd ones elsewhere")
 
 
+def test_a_plain_step_after_one_with_extras_is_plain(tmp_path):
+    """The decoder reuses one argument struct: after a step with k, maps and routing outputs, a
+    plain step routes the model's k, computes every expert and writes no routing tensor."""
+    hf_dir = make_tiny_hf_model("qwen2moe", tmp_path / "hf")
+    c = load(convert(hf_dir, tmp_path / "m.gguf", "f32", progress=False), "c")
+    cfg, dec = c.config, c._decoder
+    ids = prompt(cfg.n_vocab, n=8)
+    plain = step_logprobs(c, ids, 6)
+    cache = c.new_cache(len(ids))
+    c.forward(ids[:6], cache)
+    route_ids = torch.empty(cfg.n_layer, 1, dtype=torch.int32)
+    none = torch.full((cfg.n_expert,), -1, dtype=torch.int32)
+    cache.reserve(1)
+    dec.step(int(ids[6]), cache, k=1, route_ids=route_ids, expert_maps=[none] * cfg.n_layer)
+    assert dec.n_pairs == 0
+    route_ids.fill_(-7)
+    cache.n_tokens -= 1  # the same position again, plainly
+    rows = []
+    for j in (6, 7):
+        cache.reserve(1)
+        logits, _ = dec.step(int(ids[j]), cache)
+        rows.append(logits)
+    assert torch.equal(torch.log_softmax(torch.cat(rows), dim=-1), plain)
+    assert (route_ids == -7).all() and dec.n_pairs == dec.n_moe_layers * cfg.n_expert_used
+
+
 def test_step_seams_refuse_bad_arguments(tmp_path):
     hf_dir = make_tiny_hf_model("mixtral", tmp_path / "hf")
     c = load(convert(hf_dir, tmp_path / "m.gguf", "q8_0", progress=False), "c")

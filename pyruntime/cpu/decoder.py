@@ -80,7 +80,9 @@ class CpuDecoder:
         self._dec = ffi.gc(out[0], lib.pyrt_decoder_free)
         self.n_moe_layers = sum(blk.experts is not None for blk in weights.blocks)
         self._args = ffi.new("pyrt_step_args *")  # one step's arguments, reused
-        self._keep_step: list = []  # what the current step's arguments borrow
+        self._bound = None  # the cache pointers _args holds
+        self._extras = False  # _args holds k, maps or routing outputs of an earlier step
+        self._keep_step: list = []  # the maps _args borrows
         self.n_pairs = 0  # (token, expert) pairs the last step computed
 
     # ---- description of the weights ----------------------------------------------------------
@@ -208,26 +210,34 @@ class CpuDecoder:
         expert_maps: Sequence[torch.Tensor | None] | None,
     ) -> torch.Tensor:
         """Fills the step's pyrt_step_args for `token` at position cache.n_tokens; returns the
-        logits tensor [1, n_vocab] it will write. What the C side borrows is kept in _keep_step."""
+        logits tensor [1, n_vocab] it will write. What the C side borrows is kept alive by the
+        cache (its pointers), self (thresholds) and _keep_step (maps). A plain step sets only
+        what changes (token, position, logits; the cache's pointers when they move)."""
         ffi, cfg, a = self._ffi, self.config, self._args
-        kp, vp, cap = self._cache_pointers(cache)
-        n_k = cfg.n_expert_used if k is None else k
-        if not isinstance(n_k, int) or not 1 <= n_k <= cfg.n_expert:
-            raise cpu_core.CoreError(
-                f"k={k!r} experts per token is outside [1, n_expert={cfg.n_expert}]"
-            )
+        pointers = self._cache_pointers(cache)
+        if pointers is not self._bound:  # another cache, or its storage moved
+            a.k_cache, a.v_cache, a.cache_cap = pointers
+            self._bound = pointers
         logits = torch.empty((1, cfg.n_vocab), dtype=torch.float32)
-        keep: list = [kp, vp]
-        a.token, a.pos, a.k_cache, a.v_cache, a.cache_cap = token, cache.n_tokens, kp, vp, cap
+        a.token, a.pos = token, cache.n_tokens
         a.thresholds = self._thresholds(thresholds)
-        a.k = n_k
-        a.expert_maps = self._maps(expert_maps, keep)
-        a.logits = ffi.cast("float *", logits.data_ptr())
-        a.route_ids = self._out(route_ids, torch.int32, (cfg.n_layer, n_k), "route_ids")
-        a.route_logits = self._out(
-            route_logits, torch.float32, (cfg.n_layer, cfg.n_expert), "route_logits"
-        )
-        self._keep_step = keep
+        a.logits = ffi.cast(cpu_core._P_FLOAT, logits.data_ptr())
+        extras = not (k is None and route_ids is None and route_logits is None)
+        if extras or expert_maps is not None or self._extras:  # else they are all unset still
+            n_k = cfg.n_expert_used if k is None else k
+            if not isinstance(n_k, int) or not 1 <= n_k <= cfg.n_expert:
+                raise cpu_core.CoreError(
+                    f"k={k!r} experts per token is outside [1, n_expert={cfg.n_expert}]"
+                )
+            keep: list = []
+            a.k = n_k
+            a.expert_maps = self._maps(expert_maps, keep)
+            a.route_ids = self._out(route_ids, torch.int32, (cfg.n_layer, n_k), "route_ids")
+            a.route_logits = self._out(
+                route_logits, torch.float32, (cfg.n_layer, cfg.n_expert), "route_logits"
+            )
+            self._keep_step = keep
+            self._extras = extras or expert_maps is not None
         return logits
 
     def step(
