@@ -132,7 +132,9 @@ class Pools:
 
     def use(self, path: str | None, params: dict[str, int]) -> cpu_core.CpuCore:
         if path not in self.handles:
-            self.handles[path] = cpu_core._ffi.dlopen(path)
+            handle = cpu_core._ffi.dlopen(path)
+            cpu_core._check_api(handle, Path(path), cpu_core._SOURCE_HEADER)  # same declarations
+            self.handles[path] = handle
         cpu_core._lib_handle = self.handles[path]
         key = (path, tuple(sorted(params.items())))
         if key not in self.cores:

@@ -517,6 +517,14 @@ def test_binding_declarations_come_from_the_header(cc, tmp_path, monkeypatch):
     fresh = ffi.dlopen(str(next(p for p in cc._candidate_paths() if p.is_file())))
     assert fresh.pyrt_row_bytes(fresh.PYRT_FMT_Q8_0, 64) == 68
 
+    # a library built from another API version than its declarations is refused
+    assert lib.pyrt_api_version() == lib.PYRT_API_VERSION
+    older = FFI()
+    older.cdef(section.replace("PYRT_API_VERSION = ", "PYRT_API_VERSION = 1 + "))
+    stale = older.dlopen(str(next(p for p in cc._candidate_paths() if p.is_file())))
+    with pytest.raises(cc.CoreError, match=r"built from API version \d+ but .* declares version"):
+        cc._check_api(stale, Path("libpyrt.so"), header)
+
     beside = tmp_path / "pyrt.h"
     assert cc.find_header(tmp_path / "libpyrt.so") == header  # none beside: the source tree's
     beside.write_text(header.read_text())

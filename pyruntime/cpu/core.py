@@ -98,14 +98,31 @@ def _lib():
                     f"C core library not found (tried {tried}): build it with `pip install -e .` "
                     "in the repository, or point PYRUNTIME_CORE_LIB at a libpyrt build"
                 )
-            _ffi.cdef(cdef_section(find_header(found)))
+            header = find_header(found)
+            _ffi.cdef(cdef_section(header))
             try:
-                _lib_handle = _ffi.dlopen(str(found))
+                lib = _ffi.dlopen(str(found))
             except OSError as exc:
                 raise CoreError(
                     f"cannot load the C core {found}: {exc}; rebuild it with `pip install -e .`"
                 ) from exc
+            _check_api(lib, found, header)
+            _lib_handle = lib
         return _lib_handle
+
+
+def _check_api(lib, library: Path, header: Path) -> None:
+    """CoreError unless the library was built from a header of the same API version as the one
+    it is declared from (a stale build would otherwise be called with other signatures)."""
+    try:
+        built = int(lib.pyrt_api_version())
+    except AttributeError:  # built before the API had a version
+        built = 1
+    if built != lib.PYRT_API_VERSION:
+        raise CoreError(
+            f"the C core {library} was built from API version {built} but {header} declares "
+            f"version {lib.PYRT_API_VERSION}: rebuild it (`pip install -e .`, or cmake --build)"
+        )
 
 
 def _check(status: int, what: str) -> None:

@@ -24,6 +24,10 @@ extern "C" {
 #endif
 
 /* PYRT_CDEF_BEGIN */
+/* This header's version of the API: raised whenever a declaration below changes, so that a
+ * caller declared from one header refuses a library built from another (pyrt_api_version). */
+enum { PYRT_API_VERSION = 2 };
+
 /* Status codes. */
 enum {
     PYRT_OK = 0,
@@ -87,6 +91,9 @@ typedef struct {
 
 /* The defaults of every field. */
 void pyrt_params_default(pyrt_params *params);
+
+/* PYRT_API_VERSION of the header this library was built from. */
+int pyrt_api_version(void);
 
 /* The message of the last failed call on this thread ("" if none). Valid until the next call. */
 const char *pyrt_last_error(void);
