@@ -17,8 +17,12 @@ The timed steps come in --segments segments, each after 3 reads of the read test
 step: `paired:` is the median over segments of each segment's % of the floor at the read rate
 measured right before it, which cancels most of the machine's drift.
 
+--param NAME=VALUE sets one of the C core's execution parameters (pyrt_params in
+runtime/include/pyrt.h: fusions, prefetch distances, VNNI, spin) for the run.
+
     python bench/cpu_decode.py granite-1b-a400m --outtype q8_0 --threads 2
     python bench/cpu_decode.py olmoe-1b-7b --gguf /tmp/olmoe-q8_0.gguf --threads 16 --tokens 64
+    python bench/cpu_decode.py granite-1b-a400m --param fuse_layer=0 --param vnni=0
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from make_random_gguf import CONFIGS, make_random_gguf  # noqa: E402
 
 from pyruntime.cpu import core as cpu_core  # noqa: E402
 from pyruntime.cpu.executor import CpuExecutor  # noqa: E402
+from pyruntime.cpu.experts import CpuCoreBackend  # noqa: E402
 from pyruntime.gguf.file import open_gguf  # noqa: E402
 
 
@@ -120,7 +125,20 @@ def main() -> None:
         help="the steps in this many segments, each after 3 reads of the read test: every "
         "segment's %% of the floor is against the read rate measured right before it",
     )
+    ap.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a C core execution parameter (pyrt_params), e.g. fuse_layer=0; repeatable",
+    )
     args = ap.parse_args()
+    params = {}
+    for item in args.param:
+        name, sep, value = item.partition("=")
+        if not sep or not value.lstrip("-").isdigit():
+            ap.error(f"--param takes NAME=INTEGER, got {item!r}")
+        params[name] = int(value)
 
     path = args.gguf or Path(f"/tmp/{args.shape}-{args.outtype}.gguf")
     if not path.exists():
@@ -129,7 +147,9 @@ def main() -> None:
         size = path.stat().st_size / 1e9
         print(f"wrote {path} ({size:.2f} GB) in {time.perf_counter() - t:.0f} s")
     f = open_gguf(path)
-    model = CpuExecutor.from_gguf(f, threads=args.threads, expert_backend="c")
+    model = CpuExecutor.from_gguf(f, threads=args.threads, expert_backend="torch")
+    model.expert_backend = CpuCoreBackend(args.threads, params)
+    model.use_core(model.expert_backend.core)
     core = model.core
     # Map every page of the file into this process once (and into the page cache): the run then
     # measures steady-state decode, not first-touch page faults of experts not yet used.
@@ -137,7 +157,7 @@ def main() -> None:
     print(
         f"{args.shape} {args.outtype}: {platform.processor() or platform.machine()}, "
         f"{core.threads} threads, simd {cpu_core.simd_level()}, torch threads "
-        f"{torch.get_num_threads()}"
+        f"{torch.get_num_threads()}, params {params or 'default'}"
     )
     read = ReadTest(core, args.dram_gib)
     rates = read.rates(10)

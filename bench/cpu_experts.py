@@ -17,14 +17,13 @@ combination in turn for --rounds rounds (so drift hits all alike), median of the
 each round starts with 3 reads of the read test, and a last table pairs each cell with its
 round's read rate (dense: % of it; sparse: the dense cell's time over the sparse cell's):
 
-    python bench/cpu_experts.py --sweep PYRT_PREFETCH_AHEAD=2,1 PYRT_REDUCE_PF=2,6
+    python bench/cpu_experts.py --sweep expert_prefetch_neurons=2,1 reduce_prefetch_items=2,6
 
-A PYRT_* name is one of the C core's environment knobs (runtime/src/moe_ffn.c); SIMD is the SIMD
-level (cpu_core.force_simd), e.g. SIMD=avx2,avx512; LIB is a libpyrt build (path), so two builds
-are timed against each other in one process, interleaved, e.g.
-LIB=/tmp/old/libpyrt.so,/tmp/new/libpyrt.so (each gets its own pool; see Libraries). With
-PYRT_PROFILE=n among the knobs (n = 2 * --iters + 3, one report per cell), each cell's label goes
-to stderr before the kernel's profile report of it.
+A lower-case name is one of the C core's execution parameters (pyrt_params in
+runtime/include/pyrt.h; each setting gets its own pool); SIMD is the SIMD level
+(cpu_core.force_simd), e.g. SIMD=avx2,avx512; LIB is a libpyrt build (path) of the same C API,
+so two builds are timed against each other in one process, interleaved, e.g.
+LIB=/tmp/old/libpyrt.so,/tmp/new/libpyrt.so (see Pools).
 
 Every cell alternates calls through the Python wrapper (CpuCore.moe_ffn) with bare cffi calls whose
 pointers were made beforehand, --iters timed calls of each: the tables give both, the bare call
@@ -36,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import platform
 import statistics
 import sys
@@ -117,34 +115,39 @@ def layer_copies(fmt: str, shape, footprint_gib: float) -> list[np.ndarray]:
     return [first] + [first.copy() for _ in range(n_copies - 1)]
 
 
-class Libraries:
-    """Several libpyrt builds in one process, one pool each: use(path) makes cpu_core call that
-    build (cpu_core keeps one library handle; the builds share the cffi declarations) and returns
-    its CpuCore. Each build is loaded by path with RTLD_LOCAL, so its calls into itself stay in
-    it. Switching waits 2 ms, past the other pool's worker spin (PYRT_SPIN_US, 300 us), so idle
-    workers of one pool do not spin on the cores the other's work runs on."""
+class Pools:
+    """One pool per (libpyrt build, params) in one process: use(path, params) makes cpu_core call
+    that build (None: the loaded one; cpu_core keeps one library handle, the builds share the cffi
+    declarations, so they must have the same C API) and returns the CpuCore of those params. Each
+    build is loaded by path with RTLD_LOCAL, so its calls into itself stay in it. Switching waits
+    2 ms, past the other pool's worker spin (params spin_us, 300 us), so idle workers of one pool
+    do not spin on the cores the other's work runs on."""
 
     def __init__(self, threads: int):
         self.threads = threads
         self.first = cpu_core._lib()
-        self.handles: dict[str, object] = {}
-        self.cores: dict[str, cpu_core.CpuCore] = {}
-        self.current: str | None = None
+        self.handles: dict[str | None, object] = {None: self.first}
+        self.cores: dict[tuple, cpu_core.CpuCore] = {}
+        self.current: tuple | None = None
 
-    def use(self, path: str) -> cpu_core.CpuCore:
+    def use(self, path: str | None, params: dict[str, int]) -> cpu_core.CpuCore:
         if path not in self.handles:
-            self.handles[path] = cpu_core._ffi.dlopen(path)
+            handle = cpu_core._ffi.dlopen(path)
+            cpu_core._check_api(handle, Path(path), cpu_core._SOURCE_HEADER)  # same declarations
+            self.handles[path] = handle
         cpu_core._lib_handle = self.handles[path]
-        if path not in self.cores:
-            self.cores[path] = cpu_core.CpuCore(self.threads)
-        if self.current != path:
+        key = (path, tuple(sorted(params.items())))
+        if key not in self.cores:
+            self.cores[key] = cpu_core.CpuCore(self.threads, params=params)
+        if self.current != key:
             time.sleep(0.002)
-            self.current = path
-        return self.cores[path]
+            self.current = key
+        return self.cores[key]
 
     def close(self) -> None:
-        for path, core in self.cores.items():
+        for (path, _), core in self.cores.items():
             cpu_core._lib_handle = self.handles[path]
+            cpu_core.force_simd(cpu_core.simd_best())  # each build back to its best level
             core.close()
         cpu_core._lib_handle = self.first
 
@@ -159,40 +162,27 @@ def sweep(core, layers, fmt, shape, batches, sparsities, iters, knobs, rounds, b
     thresholds = act_quantiles(layers[0], fmt, n_ff, n_embd, sparsities)
     names = list(knobs)
     combos = list(itertools.product(*(knobs[n] for n in names)))
-    saved = {n: os.environ.get(n) for n in names if n not in ("SIMD", "LIB")}
-    libs = Libraries(core.threads) if "LIB" in names else None
+    pools = Pools(core.threads)
     ms: dict[str, dict[tuple, list[float]]] = {"": {}, "bare_": {}}
     gbs: dict[str, dict[tuple, list[float]]] = {"": {}, "bare_": {}}
     round_bw = []  # GB/s, median of the round's 3 reads
     for _ in range(rounds):
-        time.sleep(0.002)  # past the other pools' worker spin (see Libraries)
+        time.sleep(0.002)  # past the other pools' worker spin (see Pools)
         round_bw.append(statistics.median(read.rates(3)))
         for combo in combos:
             setting = dict(zip(names, combo, strict=True))
-            if libs is not None:
-                core = libs.use(setting.pop("LIB"))
-            if "SIMD" in setting:
-                cpu_core.force_simd(setting.pop("SIMD"))
-            os.environ.update(setting)
+            lib, simd = setting.pop("LIB", None), setting.pop("SIMD", None)
+            cell_core = pools.use(lib, {k: int(v) for k, v in setting.items()})
+            if simd is not None:
+                cpu_core.force_simd(simd)
             for batch in batches:
                 for s in sparsities:
-                    if os.environ.get("PYRT_PROFILE"):  # its report of this cell follows
-                        print(f"profile cell: {combo} b{batch} s{s}", file=sys.stderr, flush=True)
-                    r = bench_layer(core, layers, fmt, shape, batch, thresholds[s], iters)
+                    r = bench_layer(cell_core, layers, fmt, shape, batch, thresholds[s], iters)
                     for m in ms:
                         ms[m].setdefault((combo, batch, s), []).append(r[m + "ms"])
                         gbs[m].setdefault((combo, batch, s), []).append(r[m + "gbs"])
-    if libs is not None:
-        for path in libs.cores:  # each build back to its best level
-            libs.use(path)
-            cpu_core.force_simd(cpu_core.simd_best())
-        libs.close()
+    pools.close()
     cpu_core.force_simd(cpu_core.simd_best())
-    for n, v in saved.items():
-        if v is None:
-            os.environ.pop(n, None)
-        else:
-            os.environ[n] = v
     cols = [(b, s) for b in batches for s in sparsities]
     for m, what in (("", "through the Python wrapper"), ("bare_", "bare C call (kernel alone)")):
         print(f"\n{what}:")
@@ -302,7 +292,13 @@ def bench_layer(core, layers, fmt, shape, batch, threshold, iters, seed=3):
     ffi, lib = cpu_core._ffi, core._lib
     y = torch.empty(batch, n_embd)
     y_p, n_active_p = ffi.cast("float *", y.data_ptr()), ffi.new("int64_t *")
-    bufs = [ffi.from_buffer(g) for g in layers]
+    experts = [
+        ffi.new(
+            "pyrt_experts *",
+            (ffi.from_buffer(g), g.nbytes, FMTS[fmt], n_expert, n_expert, n_ff, n_embd, ffi.NULL),
+        )
+        for g in layers
+    ]
     bare_args = [
         (
             ffi.cast("const float *", x.data_ptr()),
@@ -327,9 +323,8 @@ def bench_layer(core, layers, fmt, shape, batch, threshold, iters, seed=3):
             x_p, ids_p, w_p = bare_args[it]
             t = time.perf_counter()
             rc = lib.pyrt_moe_ffn(
-                core._pool, bufs[g], gud.nbytes, FMTS[fmt], n_expert, n_ff, n_embd, x_p, batch,
-                ids_p, w_p, k, 0, threshold, y_p, n_active_p,
-            )  # fmt: skip
+                core._pool, experts[g], x_p, batch, ids_p, w_p, k, 0, threshold, y_p, n_active_p
+            )
             dt = time.perf_counter() - t
             assert rc == 0, ffi.string(lib.pyrt_last_error())
             n_active = int(n_active_p[0])

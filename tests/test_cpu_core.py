@@ -22,7 +22,6 @@ d_b / 2 (half a quantization step of its block), so |dg| <= sum_i |g_i| d_b(i) /
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -81,17 +80,20 @@ def block_half_step(x: torch.Tensor) -> torch.Tensor:
     return (d / 2).expand(t, n // 32, 32).reshape(t, n)
 
 
-def reference(w, x, ids, topk_w, act, threshold=None, x_err=None, threads=1):
+def reference(w, x, ids, topk_w, act, threshold=None, x_err=None, threads=1, here=None):
     """(y, n_active, per-(t,k,j) |act|, bound on |y_kernel - y|) in float64.
 
     w [E, F, 3, D] f64; x [T, D] f64; ids [T, K]; topk_w [T, K]. x_err: per-element bound on how
     far the kernel's x may be from this x (activation quantization), else only f32 rounding.
+    here: None, or bool [E]: only the (token, expert) pairs of experts held here are computed.
     """
     ws = w[ids.long()]  # [T, K, F, 3, D]
     g = torch.einsum("tkfd,td->tkf", ws[..., 0, :], x)
     u = torch.einsum("tkfd,td->tkf", ws[..., 1, :], x)
     a = ACTS[act](g)
     keep = torch.ones_like(a, dtype=torch.bool) if threshold is None else a.abs() >= threshold
+    if here is not None:
+        keep = keep & here[ids.long()][..., None]
     h = topk_w.double()[..., None] * a * u * keep
     y = torch.einsum("tkf,tkfd->td", h, ws[..., 2, :])
 
@@ -287,6 +289,90 @@ def test_out_receives_y(cc):
             core.moe_ffn(raw, Q.Q8_0, n_expert, n_ff, n_embd, x32, ids, topk_w, out=x32)
 
 
+# ---- expert maps ----------------------------------------------------------------------------
+
+
+def slots_of(raw: np.ndarray, n_expert: int, experts: list[int]) -> np.ndarray:
+    """A compact weights tensor holding `experts` in that order (slot s: experts[s])."""
+    per_expert = raw.reshape(n_expert, -1)
+    return np.ascontiguousarray(per_expert[experts].reshape(-1, *raw.shape[1:]))
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_expert_map_computes_the_pairs_held_here(cc, fmt):
+    """expert_map (id -> slot, -1 = elsewhere): a compact tensor of experts 4, 0, 2 in that slot
+    order gives the reference over those experts' pairs only, n_active counting only them (dense
+    and sparse); a map over the full tensor keeping the other experts gives theirs; and the two
+    complementary results sum to the unmapped y.
+
+    Tolerance of the sum: each result is within its derived bound (module docstring) of its
+    float64 reference, and the two references sum to the full one exactly in real arithmetic
+    (each pair's term is in exactly one of them), so |y_a + y_b - y| <= bound_a + bound_b +
+    bound + u |y_a + y_b| (the last term: the f32 addition here). Not bit-exact: the maps change
+    which experts share a work item, hence the order of the f32 sums."""
+    raw, w, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case(fmt, 6, seed=21, n_ff=45)
+    xk = kernel_x(fmt, x)
+    held = [4, 0, 2]
+    map_a = torch.full((n_expert,), -1, dtype=torch.int32)
+    for slot, e in enumerate(held):
+        map_a[e] = slot
+    here_a = map_a >= 0
+    map_b = torch.where(here_a, -1, torch.arange(n_expert, dtype=torch.int32))
+    compact = slots_of(raw, n_expert, held)
+    _, _, abs_act, _ = reference(w, xk, ids, topk_w, "silu")
+    vals = abs_act.flatten().sort().values  # threshold in the widest gap around the median
+    lo, hi = int(0.4 * len(vals)), int(0.6 * len(vals))
+    i = lo + int((vals[lo + 1 : hi + 1] - vals[lo:hi]).argmax())
+    with cc.CpuCore(3) as core:
+        for threshold in (None, float((vals[i] + vals[i + 1]) / 2)):
+            call = dict(activation="silu", threshold=threshold)
+            y, n = core.moe_ffn(raw, FORMATS[fmt], n_expert, n_ff, n_embd, x, ids, topk_w, **call)
+            y_a, n_a = core.moe_ffn(
+                compact, FORMATS[fmt], n_expert, n_ff, n_embd, x, ids, topk_w, **call,
+                expert_map=map_a,
+            )  # fmt: skip
+            y_b, n_b = core.moe_ffn(
+                raw, FORMATS[fmt], n_expert, n_ff, n_embd, x, ids, topk_w, **call,
+                expert_map=map_b,
+            )  # fmt: skip
+            ref, _, _, bound = reference(w, xk, ids, topk_w, "silu", threshold, threads=3)
+            ref_a, act_a, _, bound_a = reference(
+                w, xk, ids, topk_w, "silu", threshold, threads=3, here=here_a
+            )
+            ref_b, act_b, _, bound_b = reference(
+                w, xk, ids, topk_w, "silu", threshold, threads=3, here=~here_a
+            )
+            what = f"{fmt} threshold {threshold}"
+            assert_within(y_a, ref_a, bound_a, f"compact permuted slots, {what}")
+            assert_within(y_b, ref_b, bound_b, f"masking map, {what}")
+            assert (n_a, n_b) == (act_a, act_b) and n_a + n_b == n
+            if threshold is None:
+                assert n_a == int(here_a[ids.long()].sum()) * n_ff
+            total = y_a.double() + y_b.double()
+            assert_within(total, y.double(), bound_a + bound_b + bound + U * total.abs(), what)
+
+
+def test_expert_map_edges_and_errors(cc):
+    """A map of -1 only: y = 0 exactly and nothing computed; a map's length, its values (checked
+    where a pair uses them) and a tensor that is not a whole number of experts are refused."""
+    raw, _, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case("Q8_0", 3, seed=22)
+    none = torch.full((n_expert,), -1, dtype=torch.int32)
+    with cc.CpuCore(2) as core:
+        y, n = core.moe_ffn(raw, Q.Q8_0, n_expert, n_ff, n_embd, x, ids, topk_w, expert_map=none)
+        assert n == 0 and torch.equal(y, torch.zeros_like(y))
+        compact = slots_of(raw, n_expert, [1, 3])
+        bad = torch.full((n_expert,), -1, dtype=torch.int32)
+        bad[ids[0, 0]] = 2  # slot 2 of a tensor of 2
+        with pytest.raises(
+            cc.CoreError, match=r"expert_map\[\d\] = 2 is outside \[-1, n_slots=2\)"
+        ):
+            core.moe_ffn(compact, Q.Q8_0, n_expert, n_ff, n_embd, x, ids, topk_w, expert_map=bad)
+        with pytest.raises(cc.CoreError, match="expert_map has shape"):
+            core.moe_ffn(raw, Q.Q8_0, n_expert, n_ff, n_embd, x, ids, topk_w, expert_map=bad[:3])
+        with pytest.raises(cc.CoreError, match="not a whole number of experts"):
+            core.moe_ffn(raw[:-1], Q.Q8_0, n_expert, n_ff, n_embd, x, ids, topk_w, expert_map=none)
+
+
 def test_zero_tokens(cc):
     raw, _, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case("F32", 1, seed=1)
     with cc.CpuCore(1) as core:
@@ -347,28 +433,54 @@ def test_zero_threads_and_null_pointers(cc):
         cc.CpuCore(0)
     lib, ffi = cc._lib(), cc._ffi
     out = ffi.new("pyrt_pool **")
-    assert lib.pyrt_pool_create(1, out) == lib.PYRT_OK
+    assert lib.pyrt_pool_create(1, ffi.NULL, out) == lib.PYRT_OK
     pool = out[0]
     try:
         y = ffi.new("float[32]")
         xs = ffi.new("float[32]")
         ids = ffi.new("int32_t[1]")
         tw = ffi.new("float[1]")
-        rc = lib.pyrt_moe_ffn(
-            ffi.NULL, xs, 4096, 0, 1, 1, 32, xs, 1, ids, tw, 1, 0, 0.0, y, ffi.NULL
-        )
+        w = ffi.new("float[96]")
+        experts = ffi.new("pyrt_experts *", (w, 384, 0, 1, 1, 1, 32, ffi.NULL))
+        rc = lib.pyrt_moe_ffn(ffi.NULL, experts, xs, 1, ids, tw, 1, 0, 0.0, y, ffi.NULL)
         assert rc == lib.PYRT_E_INVALID and b"pool is NULL" in ffi.string(lib.pyrt_last_error())
-        rc = lib.pyrt_moe_ffn(
-            pool, ffi.NULL, 4096, 0, 1, 1, 32, xs, 1, ids, tw, 1, 0, 0.0, y, ffi.NULL
-        )
-        assert rc == lib.PYRT_E_INVALID and b"gud" in ffi.string(lib.pyrt_last_error())
-        rc = lib.pyrt_moe_ffn(
-            pool, xs, 4096, 0, 1, 1, 32, ffi.NULL, 1, ids, tw, 1, 0, 0.0, y, ffi.NULL
-        )
+        rc = lib.pyrt_moe_ffn(pool, ffi.NULL, xs, 1, ids, tw, 1, 0, 0.0, y, ffi.NULL)
+        assert rc == lib.PYRT_E_INVALID and b"experts is NULL" in ffi.string(lib.pyrt_last_error())
+        experts.data = ffi.NULL
+        rc = lib.pyrt_moe_ffn(pool, experts, xs, 1, ids, tw, 1, 0, 0.0, y, ffi.NULL)
+        assert rc == lib.PYRT_E_INVALID and b"data" in ffi.string(lib.pyrt_last_error())
+        experts.data = w
+        rc = lib.pyrt_moe_ffn(pool, experts, ffi.NULL, 1, ids, tw, 1, 0, 0.0, y, ffi.NULL)
         assert rc == lib.PYRT_E_INVALID and b"x is NULL" in ffi.string(lib.pyrt_last_error())
-        assert lib.pyrt_pool_create(1, ffi.NULL) == lib.PYRT_E_INVALID
+        rc = lib.pyrt_moe_ffn(pool, experts, xs, 1, ids, tw, 1, 0, 0.0, y, ffi.NULL)
+        assert rc == lib.PYRT_OK, ffi.string(lib.pyrt_last_error())
+        assert lib.pyrt_pool_create(1, ffi.NULL, ffi.NULL) == lib.PYRT_E_INVALID
     finally:
         lib.pyrt_pool_free(pool)
+
+
+def test_params_change_speed_not_results(cc):
+    """A pool's params (prefetch distances, VNNI, spin) give the default pool's bits; a name or
+    value the C core does not take is refused with what and where."""
+    raw, _, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case("Q8_0", 3, seed=4, n_ff=211)
+    defaults = cc.default_params()
+    assert defaults["expert_prefetch_neurons"] == 2 and defaults["fuse_layer"] == 1
+    with cc.CpuCore(2) as core:
+        assert core.params == defaults
+        want, n_want = core.moe_ffn(
+            raw, Q.Q8_0, n_expert, n_ff, n_embd, x, ids, topk_w, "silu", 0.1
+        )
+    other = {"expert_prefetch_neurons": 0, "reduce_prefetch_items": 7, "vnni": 0, "spin_us": 0}
+    with cc.CpuCore(2, params=other) as core:
+        assert core.params == {**defaults, **other}
+        got, n_got = core.moe_ffn(raw, Q.Q8_0, n_expert, n_ff, n_embd, x, ids, topk_w, "silu", 0.1)
+    assert n_got == n_want and torch.equal(got, want)
+    with pytest.raises(cc.CoreError, match="unknown C core parameter 'prefetch'"):
+        cc.CpuCore(1, params={"prefetch": 1})
+    with pytest.raises(cc.CoreError, match=r"params.fuse_router = 3 is outside \[0, 1\]"):
+        cc.CpuCore(1, params={"fuse_router": 3})
+    with pytest.raises(cc.CoreError, match="must be an integer"):
+        cc.CpuCore(1, params={"spin_us": 1.5})
 
 
 def test_helpers(cc):
@@ -385,16 +497,45 @@ def test_helpers(cc):
     core.close()  # idempotent
 
 
-def test_cdef_matches_header(cc):
-    """cpu_core.CDEF is the header's PYRT_CDEF section without comments."""
-    header = (REPO / "runtime" / "include" / "pyrt.h").read_text()
-    section = header.split("/* PYRT_CDEF_BEGIN */")[1].split("/* PYRT_CDEF_END */")[0]
+def test_binding_declarations_come_from_the_header(cc, tmp_path, monkeypatch):
+    """The binding declares the library from pyrt.h's PYRT_CDEF section: the section parses as
+    cffi takes it, every function it declares resolves in the loaded library, the header beside
+    a library comes first, and a missing header is a CoreError naming where it looked."""
+    from cffi import FFI
 
-    def norm(s: str) -> str:
-        s = re.sub(r"/\*.*?\*/", "", s, flags=re.S)
-        return re.sub(r"\s+", " ", s).replace("( ", "(").replace(" )", ")").strip()
+    lib = cc._lib()
+    header = REPO / "runtime" / "include" / "pyrt.h"
+    section = cc.cdef_section(header)
+    assert "pyrt_decoder_step" in section and "#" not in section  # no preprocessor lines
+    ffi = FFI()
+    ffi.cdef(section)
+    functions = [n for n in dir(lib) if n.startswith("pyrt_")]
+    assert len(functions) >= 15 and "pyrt_moe_ffn" in functions
+    for name in functions:
+        assert callable(getattr(lib, name)), name
+    # a fresh FFI over the same section reaches the same library
+    fresh = ffi.dlopen(str(next(p for p in cc._candidate_paths() if p.is_file())))
+    assert fresh.pyrt_row_bytes(fresh.PYRT_FMT_Q8_0, 64) == 68
 
-    assert norm(section) == norm(cc.CDEF)
+    # a library built from another API version than its declarations is refused
+    assert lib.pyrt_api_version() == lib.PYRT_API_VERSION
+    older = FFI()
+    older.cdef(section.replace("PYRT_API_VERSION = ", "PYRT_API_VERSION = 1 + "))
+    stale = older.dlopen(str(next(p for p in cc._candidate_paths() if p.is_file())))
+    with pytest.raises(cc.CoreError, match=r"built from API version \d+ but .* declares version"):
+        cc._check_api(stale, Path("libpyrt.so"), header)
+
+    beside = tmp_path / "pyrt.h"
+    assert cc.find_header(tmp_path / "libpyrt.so") == header  # none beside: the source tree's
+    beside.write_text(header.read_text())
+    assert cc.find_header(tmp_path / "libpyrt.so") == beside
+    beside.unlink()
+    monkeypatch.setattr(cc, "_SOURCE_HEADER", tmp_path / "src" / "pyrt.h")
+    with pytest.raises(cc.CoreError, match=r"pyrt.h not found .* \(tried .*/pyrt.h, .*src/pyrt.h"):
+        cc.find_header(tmp_path / "libpyrt.so")
+    beside.write_text("/* no section */")
+    with pytest.raises(cc.CoreError, match="has no /\\* PYRT_CDEF_BEGIN"):
+        cc.cdef_section(beside)
 
 
 # ---- C unit tests under sanitizers ----------------------------------------------------------

@@ -191,6 +191,217 @@ def test_step_refuses_bad_token_and_position(tmp_path):
         c._decoder.step(0, cache)
 
 
+# ---- the seams: k per step, routing out, per-layer calls, expert maps -----------------------
+
+
+def converted(hf_model, tmp_path, outtype: str = "f32") -> Path:
+    arch, hf_dir = hf_model
+    return convert(hf_dir, tmp_path / f"{arch}-{outtype}.gguf", outtype, progress=False)
+
+
+def step_logprobs(c: CpuExecutor, ids: torch.Tensor, split: int, **step) -> torch.Tensor:
+    """Prefill ids[:split] (the executor's torch path, with c.config), then CpuDecoder.step per
+    token with `step`'s keywords; log-probs of the decoded positions."""
+    cache = c.new_cache(len(ids))
+    c.forward(ids[:split], cache)
+    rows = []
+    for j in range(split, len(ids)):
+        cache.reserve(1)
+        logits, _ = c._decoder.step(int(ids[j]), cache, c.expert_threshold, **step)
+        rows.append(logits)
+    return torch.log_softmax(torch.cat(rows), dim=-1)
+
+
+def test_step_with_k_equals_the_reference_with_that_many_experts(hf_model, tmp_path):
+    """A step with k experts per token is the torch reference whose config routes k
+    (dataclasses.replace(config, n_expert_used=k)); k = None is the model's own, bit for bit."""
+    path = converted(hf_model, tmp_path)
+    c, t = load(path, "c"), load(path, "torch")
+    cfg = c.config
+    ids = prompt(cfg.n_vocab, n=16)
+    default = step_logprobs(c, ids, 6)
+    assert torch.equal(default, step_logprobs(c, ids, 6, k=cfg.n_expert_used))
+    for k in sorted({1, min(cfg.n_expert_used + 2, cfg.n_expert)}):
+        c.config = t.config = dataclasses.replace(cfg, n_expert_used=k)  # prefill routes k too
+        got = step_logprobs(c, ids, 6, k=k)
+        assert_close(got, decode_logprobs(t, ids, 6), f"{hf_model[0]} k={k}: C step vs torch")
+        # k mattered: the logprobs moved well past the tolerance the reference is met to
+        assert (got - default).abs().max() > 10 * LOGPROB_TOL
+
+
+def test_step_routing_is_the_reference_router(hf_model, tmp_path):
+    """route_ids / route_logits of a step: per MoE layer the reference's top-k ids (in order) and
+    the router's logits of the reference's FFN input, before the softmax; dense-FFN layers give
+    -1 and NaN rows. Logits tolerance: the two hidden states agree to ~1e-6 relative (the
+    log-prob tests), a router dot over n_embd adds ~n_embd u; 1e-4 is 10-100x that, while a wrong
+    row, a copy after the softmax or a stale layer is O(1)."""
+    path = converted(hf_model, tmp_path)
+    c, t = load(path, "c"), load(path, "torch")
+    cfg = c.config
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    t.gate_observer = lambda i, store, x, ids, act: seen.__setitem__(i, (x[-1], ids[-1]))
+    ids = prompt(cfg.n_vocab, n=10)
+    cache_c, cache_t = c.new_cache(len(ids)), t.new_cache(len(ids))
+    c.forward(ids[:6], cache_c)
+    t.forward(ids[:6], cache_t)
+    route_ids = torch.empty(cfg.n_layer, cfg.n_expert_used, dtype=torch.int32)
+    route_logits = torch.empty(cfg.n_layer, cfg.n_expert)
+    for j in range(6, len(ids)):
+        t.forward(ids[j : j + 1], cache_t)
+        cache_c.reserve(1)
+        c._decoder.step(int(ids[j]), cache_c, route_ids=route_ids, route_logits=route_logits)
+        for i, blk in enumerate(c.weights.blocks):
+            if blk.experts is None:
+                assert (route_ids[i] == -1).all() and route_logits[i].isnan().all()
+                continue
+            x, want_ids = seen[i]
+            want = x.double() @ blk.router.dequantize().double().T
+            assert (route_logits[i].double() - want).abs().max() <= 1e-4 * (1 + want.abs().max())
+            assert route_ids[i].tolist() == want_ids.tolist(), (i, j)
+        assert c._decoder.n_pairs == c._decoder.n_moe_layers * cfg.n_expert_used
+
+
+def test_step_in_pieces_is_the_step(hf_model, tmp_path):
+    """begin, attention(i) and ffn(i) per layer (with the residual stream read and written back
+    between them), end: the same logits, neurons, pairs and routing as one step, bit for bit
+    (Q8_0, sparse thresholds: the quantized and sparse paths too)."""
+    path = converted(hf_model, tmp_path, "q8_0")
+    c = load(path, "c")
+    cfg, dec = c.config, c._decoder
+    thresholds = [0.02] * cfg.n_layer
+    ids = prompt(cfg.n_vocab, n=10)
+    caches = [c.new_cache(len(ids)), c.new_cache(len(ids))]
+    for cache in caches:
+        c.forward(ids[:5], cache)
+    outs = [
+        (torch.empty(cfg.n_layer, cfg.n_expert_used, dtype=torch.int32),
+         torch.empty(cfg.n_layer, cfg.n_expert))
+        for _ in caches
+    ]  # fmt: skip
+    for j in range(5, len(ids)):
+        tok = int(ids[j])
+        for cache in caches:
+            cache.reserve(1)
+        (r1, l1), (r2, l2) = outs
+        logits1, n1 = dec.step(tok, caches[0], thresholds, route_ids=r1, route_logits=l1)
+        pairs1 = dec.n_pairs
+        dec.begin(tok, caches[1], thresholds, route_ids=r2, route_logits=l2)
+        for i in range(cfg.n_layer):
+            dec.attention(i)
+            dec.write_x(dec.read_x())
+            dec.ffn(i)
+        logits2, n2 = dec.end()
+        assert torch.equal(logits1, logits2) and (n1, pairs1) == (n2, dec.n_pairs)
+        assert torch.equal(r1, r2) and torch.equal(l1.nan_to_num(), l2.nan_to_num())
+        assert caches[0].n_tokens == caches[1].n_tokens == j + 1
+
+
+def test_expert_maps_split_the_experts_between_two_devices(hf_model, tmp_path):
+    """Offloading's flow on the C core alone: per layer the step computes the even experts
+    (expert_maps), and "the other device" (here CpuCore.moe_ffn with the complementary map, from
+    the step's routing outputs and the residual stream) adds the odd ones' share through
+    read_x / write_x: the logits are those of the plain step (the two shares are summed in
+    another order: within LOGPROB_TOL, as f32 rounding through the layers). Identity maps are
+    the plain step bit for bit."""
+    from pyruntime.model.reference import rms_norm
+
+    path = converted(hf_model, tmp_path)
+    c = load(path, "c")
+    cfg, dec, core = c.config, c._decoder, c.core
+    even = torch.where(torch.arange(cfg.n_expert) % 2 == 0, torch.arange(cfg.n_expert), -1)
+    odd = torch.where(even < 0, torch.arange(cfg.n_expert), -1).int()
+    ids = prompt(cfg.n_vocab, n=10)
+    plain = step_logprobs(c, ids, 5)
+    ident = [torch.arange(cfg.n_expert, dtype=torch.int32)] * cfg.n_layer
+    assert torch.equal(plain, step_logprobs(c, ids, 5, expert_maps=ident))
+
+    cache = c.new_cache(len(ids))
+    c.forward(ids[:5], cache)
+    route_ids = torch.empty(cfg.n_layer, cfg.n_expert_used, dtype=torch.int32)
+    route_logits = torch.empty(cfg.n_layer, cfg.n_expert)
+    rows = []
+    for j in range(5, len(ids)):
+        cache.reserve(1)
+        dec.begin(int(ids[j]), cache, route_ids=route_ids, route_logits=route_logits,
+                  expert_maps=[even] * cfg.n_layer)  # fmt: skip
+        pairs_odd = 0
+        for i, blk in enumerate(c.weights.blocks):
+            dec.attention(i)
+            x0 = dec.read_x()
+            dec.ffn(i)
+            if blk.experts is None:
+                continue
+            h = rms_norm(x0, blk.ffn_norm, cfg.rms_eps)[None]
+            p = torch.softmax(route_logits[i], dim=-1)
+            chosen = route_ids[i].long()
+            w = p[chosen]
+            if cfg.expert_weights_norm:
+                w = w / w.sum()
+            store = blk.experts
+            y_odd, _ = core.moe_ffn(
+                store.raw, int(store.qtype), store.n_expert, store.n_ff, store.n_embd, h,
+                chosen[None], w[None], cfg.activation, expert_map=odd,
+            )  # fmt: skip
+            pairs_odd += int((odd[chosen] >= 0).sum())
+            dec.write_x(dec.read_x() + y_odd[0] * cfg.residual_scale)
+        logits, _ = dec.end()
+        assert dec.n_pairs + pairs_odd == dec.n_moe_layers * cfg.n_expert_used
+        rows.append(logits)
+    split = torch.log_softmax(torch.cat(rows), dim=-1)
+    assert_close(split, plain, f"{hf_model[0]}: even experts here + odd ones elsewhere")
+
+
+def test_a_plain_step_after_one_with_extras_is_plain(tmp_path):
+    """The decoder reuses one argument struct: after a step with k, maps and routing outputs, a
+    plain step routes the model's k, computes every expert and writes no routing tensor."""
+    hf_dir = make_tiny_hf_model("qwen2moe", tmp_path / "hf")
+    c = load(convert(hf_dir, tmp_path / "m.gguf", "f32", progress=False), "c")
+    cfg, dec = c.config, c._decoder
+    ids = prompt(cfg.n_vocab, n=8)
+    plain = step_logprobs(c, ids, 6)
+    cache = c.new_cache(len(ids))
+    c.forward(ids[:6], cache)
+    route_ids = torch.empty(cfg.n_layer, 1, dtype=torch.int32)
+    none = torch.full((cfg.n_expert,), -1, dtype=torch.int32)
+    cache.reserve(1)
+    dec.step(int(ids[6]), cache, k=1, route_ids=route_ids, expert_maps=[none] * cfg.n_layer)
+    assert dec.n_pairs == 0
+    route_ids.fill_(-7)
+    cache.n_tokens -= 1  # the same position again, plainly
+    rows = []
+    for j in (6, 7):
+        cache.reserve(1)
+        logits, _ = dec.step(int(ids[j]), cache)
+        rows.append(logits)
+    assert torch.equal(torch.log_softmax(torch.cat(rows), dim=-1), plain)
+    assert (route_ids == -7).all() and dec.n_pairs == dec.n_moe_layers * cfg.n_expert_used
+
+
+def test_step_seams_refuse_bad_arguments(tmp_path):
+    hf_dir = make_tiny_hf_model("mixtral", tmp_path / "hf")
+    c = load(convert(hf_dir, tmp_path / "m.gguf", "q8_0", progress=False), "c")
+    cfg, dec = c.config, c._decoder
+    cache = c.new_cache(4)
+    cache.reserve(1)
+    for k in (0, cfg.n_expert + 1):
+        with pytest.raises(cpu_core.CoreError, match=f"k={k} experts per token is outside"):
+            dec.step(1, cache, k=k)
+    with pytest.raises(cpu_core.CoreError, match="route_ids must be a contiguous torch.int32"):
+        dec.step(1, cache, route_ids=torch.empty(cfg.n_layer, cfg.n_expert_used + 1))
+    with pytest.raises(cpu_core.CoreError, match="expert_maps has 1 entries"):
+        dec.step(1, cache, expert_maps=[None])
+    bad = torch.zeros(cfg.n_expert, dtype=torch.int32)
+    bad[2] = cfg.n_expert
+    with pytest.raises(cpu_core.CoreError, match=r"expert map of layer 0: \[2\] = 4 is outside"):
+        dec.step(1, cache, expert_maps=[bad] + [None] * (cfg.n_layer - 1))
+    with pytest.raises(cpu_core.CoreError, match="x has shape"):
+        dec.write_x(torch.zeros(cfg.n_embd + 1))
+    dec.begin(1, cache)
+    with pytest.raises(cpu_core.CoreError, match=f"layer {cfg.n_layer} is outside"):
+        dec.attention(cfg.n_layer)
+    assert cache.n_tokens == 0  # nothing advanced by the refused calls
+
+
 # ---- C unit tests under sanitizers ----------------------------------------------------------
 
 

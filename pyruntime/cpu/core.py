@@ -5,7 +5,9 @@ Layers, as in llama-cpp-python: `_lib()` holds the raw cffi functions; `CpuCore`
 C library's last_error message when a call fails; `moe_ffn` is the API the MoE layer calls.
 
 The library is found, in order, at $PYRUNTIME_CORE_LIB, in the pyruntime package folder (where
-`pip install` and `pip install -e .` put it), or in ./build (a plain `cmake -S . -B build`).
+`pip install` and `pip install -e .` put it), or in ./build (a plain `cmake -S . -B build`). Its
+cffi declarations are the PYRT_CDEF section of pyrt.h, read from beside the library (every build
+puts it there) or else from the source tree (runtime/include/pyrt.h).
 """
 
 from __future__ import annotations
@@ -20,97 +22,6 @@ from cffi import FFI
 
 from pyruntime import options
 from pyruntime.errors import PyruntimeError
-
-# Mirrors the PYRT_CDEF_BEGIN..END section of runtime/include/pyrt.h (a test checks they agree).
-CDEF = """
-enum {
-    PYRT_OK = 0,
-    PYRT_E_INVALID = 1,
-    PYRT_E_NOMEM = 2,
-    PYRT_E_UNSUPPORTED = 3,
-    PYRT_E_SYSTEM = 4
-};
-enum {
-    PYRT_FMT_F32 = 0,
-    PYRT_FMT_F16 = 1,
-    PYRT_FMT_Q4_0 = 2,
-    PYRT_FMT_Q8_0 = 8,
-    PYRT_FMT_BF16 = 30
-};
-enum {
-    PYRT_ACT_SILU = 0,
-    PYRT_ACT_GELU_TANH = 1,
-    PYRT_ACT_GELU_ERF = 2
-};
-enum {
-    PYRT_SIMD_SCALAR = 0,
-    PYRT_SIMD_AVX2 = 1,
-    PYRT_SIMD_AVX512 = 2
-};
-typedef struct pyrt_pool pyrt_pool;
-const char *pyrt_last_error(void);
-int pyrt_physical_cores(void);
-int pyrt_simd_best(void);
-int pyrt_simd_active(void);
-int pyrt_simd_force(int level);
-int pyrt_pool_create(int n_threads, pyrt_pool **out);
-void pyrt_pool_free(pyrt_pool *pool);
-int pyrt_pool_threads(const pyrt_pool *pool);
-size_t pyrt_row_bytes(int fmt, int64_t n);
-int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, int n_expert,
-                 int n_ff, int n_embd, const float *x, int n_tokens, const int32_t *topk_ids,
-                 const float *topk_w, int k, int activation, float threshold, float *y,
-                 int64_t *n_active);
-int pyrt_mem_read(pyrt_pool *pool, const void *buf, size_t bytes, uint64_t *checksum);
-typedef struct {
-    const void *data;
-    size_t bytes;
-    int fmt;
-    int n_out;
-    int n_in;
-} pyrt_matrix;
-int pyrt_linear(pyrt_pool *pool, const pyrt_matrix *w, const float *x, int n_tokens,
-                const float *bias, float *y);
-typedef struct {
-    const float *attn_norm;
-    pyrt_matrix wq, wk, wv;
-    pyrt_matrix wo;
-    const float *bq, *bk, *bv;
-    const float *q_norm, *k_norm;
-    int q_norm_len, k_norm_len;
-    const float *ffn_norm;
-    pyrt_matrix router;
-    const void *gud;
-    size_t gud_bytes;
-    int gud_fmt;
-    pyrt_matrix sh_gate, sh_up;
-    pyrt_matrix sh_down;
-    const float *sh_gate_inp;
-    pyrt_matrix ffn_gate, ffn_up;
-    pyrt_matrix ffn_down;
-} pyrt_block_weights;
-typedef struct {
-    int n_vocab, n_embd, n_layer, n_head, n_head_kv, head_dim, rope_dim;
-    int n_expert, n_expert_used, n_ff_exp;
-    int expert_weights_norm;
-    int activation;
-    float rms_eps;
-    float embedding_scale, residual_scale, attention_scale, logit_scale;
-    float clamp_kqv;
-    const float *rope_inv_freq;
-    pyrt_matrix token_embd;
-    pyrt_matrix output;
-    const float *output_norm;
-    const pyrt_block_weights *blocks;
-} pyrt_model_weights;
-typedef struct pyrt_decoder pyrt_decoder;
-int pyrt_decoder_create(const pyrt_model_weights *w, pyrt_decoder **out);
-void pyrt_decoder_free(pyrt_decoder *dec);
-int pyrt_decoder_step(pyrt_decoder *dec, pyrt_pool *pool, int token, int pos,
-                      float *const *k_cache, float *const *v_cache, int cache_cap,
-                      const float *thresholds, float *logits, int64_t *n_active);
-int pyrt_decoder_times(pyrt_decoder *dec, int64_t *ns, int reset);
-"""
 
 # ggml type numbers of the weight formats the core reads (gguf.GGMLQuantizationType values).
 FMT_F32, FMT_F16, FMT_Q4_0, FMT_Q8_0, FMT_BF16 = 0, 1, 2, 8, 30
@@ -128,8 +39,7 @@ class CoreError(PyruntimeError):
     """The C core refused a call (bad arguments, no memory) or could not be loaded."""
 
 
-_ffi = FFI()
-_ffi.cdef(CDEF)
+_ffi = FFI()  # declarations: the PYRT_CDEF section of the library's pyrt.h, read by _lib()
 _lib_handle = None
 _lib_lock = threading.Lock()
 # pointer types parsed once (a cast by type name parses the name on every call)
@@ -138,18 +48,45 @@ _P_CFLOAT = _ffi.typeof("const float *")
 _P_CINT32 = _ffi.typeof("const int32_t *")
 _P_INT64 = _ffi.typeof("int64_t *")
 
+_PACKAGE = Path(__file__).resolve().parents[1]  # pyruntime/: where the build installs the library
+_SOURCE_HEADER = _PACKAGE.parent / "runtime" / "include" / "pyrt.h"  # in a source checkout
+_CDEF_BEGIN, _CDEF_END = "/* PYRT_CDEF_BEGIN */", "/* PYRT_CDEF_END */"
+
 
 def _candidate_paths() -> list[Path]:
     name = _LIB_NAMES.get(sys.platform, "libpyrt.so")
-    package = Path(__file__).resolve().parents[1]  # pyruntime/: where the build installs it
     override = options.value("core_lib")
     if override:
         return [Path(override)]
-    return [package / name, package.parent / "build" / name]
+    return [_PACKAGE / name, _PACKAGE.parent / "build" / name]
+
+
+def find_header(library: Path) -> Path:
+    """The pyrt.h that declares `library`: the one beside it (every build puts it there, so a
+    library and its declarations match), else the source tree's; CoreError naming both if none."""
+    paths = [library.parent / "pyrt.h", _SOURCE_HEADER]
+    found = next((p for p in paths if p.is_file()), None)
+    if found is None:
+        tried = ", ".join(str(p) for p in paths)
+        raise CoreError(
+            f"C core header pyrt.h not found for {library} (tried {tried}): rebuild the library "
+            "(its build puts pyrt.h beside it)"
+        )
+    return found
+
+
+def cdef_section(header: Path) -> str:
+    """The PYRT_CDEF_BEGIN..END section of a pyrt.h: plain C declarations, comments included,
+    which cffi's cdef parser takes as they are."""
+    text = header.read_text()
+    begin, end = text.find(_CDEF_BEGIN), text.find(_CDEF_END)
+    if begin < 0 or end < begin:
+        raise CoreError(f"{header} has no {_CDEF_BEGIN} ... {_CDEF_END} section")
+    return text[begin + len(_CDEF_BEGIN) : end]
 
 
 def _lib():
-    """The loaded library (loaded once per process)."""
+    """The loaded library (loaded once per process), declared from its pyrt.h."""
     global _lib_handle
     with _lib_lock:
         if _lib_handle is None:
@@ -161,13 +98,31 @@ def _lib():
                     f"C core library not found (tried {tried}): build it with `pip install -e .` "
                     "in the repository, or point PYRUNTIME_CORE_LIB at a libpyrt build"
                 )
+            header = find_header(found)
+            _ffi.cdef(cdef_section(header))
             try:
-                _lib_handle = _ffi.dlopen(str(found))
+                lib = _ffi.dlopen(str(found))
             except OSError as exc:
                 raise CoreError(
                     f"cannot load the C core {found}: {exc}; rebuild it with `pip install -e .`"
                 ) from exc
+            _check_api(lib, found, header)
+            _lib_handle = lib
         return _lib_handle
+
+
+def _check_api(lib, library: Path, header: Path) -> None:
+    """CoreError unless the library was built from a header of the same API version as the one
+    it is declared from (a stale build would otherwise be called with other signatures)."""
+    try:
+        built = int(lib.pyrt_api_version())
+    except AttributeError:  # built before the API had a version
+        built = 1
+    if built != lib.PYRT_API_VERSION:
+        raise CoreError(
+            f"the C core {library} was built from API version {built} but {header} declares "
+            f"version {lib.PYRT_API_VERSION}: rebuild it (`pip install -e .`, or cmake --build)"
+        )
 
 
 def _check(status: int, what: str) -> None:
@@ -205,14 +160,42 @@ def row_bytes(fmt: int, n: int) -> int:
     return int(_lib().pyrt_row_bytes(fmt, n))
 
 
+def default_params() -> dict[str, int]:
+    """The pool's execution parameters and their defaults (pyrt_params in runtime/include/pyrt.h:
+    what each field trades). Every setting gives the same results; they change speed only."""
+    lib = _lib()
+    p = _ffi.new("pyrt_params *")
+    lib.pyrt_params_default(p)
+    return {name: getattr(p, name) for name, _ in _ffi.typeof("pyrt_params").fields}
+
+
+def _params(values: dict[str, int] | None):
+    """A pyrt_params * holding the defaults updated with `values` (NULL for None)."""
+    if values is None:
+        return _ffi.NULL
+    lib = _lib()
+    p = _ffi.new("pyrt_params *")
+    lib.pyrt_params_default(p)
+    fields = [name for name, _ in _ffi.typeof("pyrt_params").fields]
+    for name, value in values.items():
+        if name not in fields:
+            raise CoreError(f"unknown C core parameter {name!r}: use one of {', '.join(fields)}")
+        if not isinstance(value, int):  # bool is one: a switch given as True/False
+            raise CoreError(f"C core parameter {name} must be an integer, got {value!r}")
+        setattr(p, name, int(value))
+    return p
+
+
 class CpuCore:
     """Owner of the C core's thread pool; computes routed experts on the CPU.
 
     One per process is enough (calls on it are serialized). Free it with close() or `with`;
-    garbage collection frees it too.
+    garbage collection frees it too. params: execution parameters that differ from the defaults
+    (names and defaults: default_params(); what each trades: pyrt_params in pyrt.h), e.g.
+    {"fuse_layer": 0}; every setting gives the same results.
     """
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, params: dict[str, int] | None = None) -> None:
         lib = _lib()
         self._lib = lib  # the build that made the pool frees it and runs its calls
         self._pool = None
@@ -220,9 +203,10 @@ class CpuCore:
         if not isinstance(n, int) or isinstance(n, bool):
             raise CoreError(f"threads must be an integer, got {threads!r}")
         out = _ffi.new("pyrt_pool **")
-        _check(lib.pyrt_pool_create(n, out), "pyrt_pool_create")
+        _check(lib.pyrt_pool_create(n, _params(params), out), "pyrt_pool_create")
         self._pool = out[0]
         self.threads = n
+        self.params = {**default_params(), **(params or {})}
 
     def close(self) -> None:
         """Stop the worker threads and free the pool (idempotent)."""
@@ -253,18 +237,23 @@ class CpuCore:
         activation: str = "silu",
         threshold: float | None = None,
         out: torch.Tensor | None = None,
+        expert_map: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, int]:
         """Routed experts of one layer: y[t] = sum_k topk_w[t, k] * expert_{topk_ids[t, k]}(x[t]).
 
         gud: the layer's `ffn_gud_exps` tensor data, raw bytes or a typed view of the GGUF mmap
-        (read in place, never copied), layout [n_expert, n_ff, 3, n_embd] of docs/gguf-layout.md.
+        (read in place, never copied), layout [n_expert, n_ff, 3, n_embd] of docs/gguf-layout.md
+        (with expert_map: [n_slots, n_ff, 3, n_embd], n_slots from its size).
         fmt: ggml type number (0 F32, 1 F16, 30 BF16, 8 Q8_0, 2 Q4_0).
-        x: [T, n_embd] float32; topk_ids: [T, K] int32/int64; topk_w: [T, K] float32.
+        x: [T, n_embd] float32; topk_ids: [T, K] int32/int64 in [0, n_expert); topk_w: [T, K].
         threshold: None or 0 = dense; > 0 = a neuron whose |act(gate . x)| < threshold is skipped.
         out: None, or a contiguous float32 CPU tensor [T, n_embd] that receives y (overwritten, not
         added to), so a caller that calls per token reuses one buffer instead of a new tensor.
+        expert_map: None (gud holds every expert), or int [n_expert]: expert id -> its slot in
+        gud, -1 = not held here: that id's (token, expert) pairs are skipped and add nothing to y
+        (vLLM's fused_moe expert_map; a cache of slots, or one device's share of the experts).
         Returns (y [T, n_embd] float32, n_active): n_active counts the neurons computed, summed over
-        the T*K (token, expert) pairs (T*K*n_ff when dense); y is `out` when given.
+        the (token, expert) pairs computed (their number * n_ff when dense); y is `out` when given.
         """
         if self._pool is None:
             raise CoreError("CpuCore is closed: create a new one")
@@ -303,17 +292,32 @@ class CpuCore:
                 raise CoreError("out must not share memory with x (y is written while x is read)")
         if n_tokens == 0:
             return y, 0
+        n_slots = n_expert
+        map_ptr = _ffi.NULL
+        if expert_map is not None:
+            expert_map = _as_cpu(expert_map, torch.int32, "expert_map", 1)
+            if expert_map.shape != (n_expert,):
+                raise CoreError(
+                    f"expert_map has shape {tuple(expert_map.shape)}, expected ({n_expert},): "
+                    "one slot (or -1) per expert id"
+                )
+            expert_bytes = n_ff * 3 * row_bytes(fmt, n_embd)
+            if expert_bytes == 0 or gud.nbytes % expert_bytes:
+                raise CoreError(
+                    f"expert weights hold {gud.nbytes} bytes, not a whole number of experts of "
+                    f"{expert_bytes} bytes (n_ff={n_ff}, n_embd={n_embd}, format {fmt})"
+                )
+            n_slots = gud.nbytes // expert_bytes
+            map_ptr = _ffi.cast(_P_CINT32, expert_map.data_ptr())
+        experts = _ffi.new(
+            "pyrt_experts *",
+            (_ffi.from_buffer(gud), gud.nbytes, fmt, n_expert, n_slots, n_ff, n_embd, map_ptr),
+        )
         n_active = _ffi.new(_P_INT64)
-        weights = _ffi.from_buffer(gud)
         _check(
             self._lib.pyrt_moe_ffn(
                 self._pool,
-                weights,
-                gud.nbytes,
-                fmt,
-                n_expert,
-                n_ff,
-                n_embd,
+                experts,
                 _ffi.cast(_P_CFLOAT, x.data_ptr()),
                 n_tokens,
                 _ffi.cast(_P_CINT32, topk_ids.data_ptr()),

@@ -20,8 +20,8 @@ class CpuCoreBackend:
     """Routed experts on the C core (pyruntime.cpu.core): the weights are read in place from the
     mmap, multi-threaded, dense or neuron-sparse. Same call signature as `moe_ffn_torch`."""
 
-    def __init__(self, threads: int | None = None) -> None:
-        self.core = CpuCore(threads)
+    def __init__(self, threads: int | None = None, params: dict[str, int] | None = None) -> None:
+        self.core = CpuCore(threads, params)
 
     def __call__(
         self,

@@ -1,6 +1,6 @@
 /* pyrt: the pyruntime C core -- CPU expert kernels for Mixture-of-Experts layers.
  *
- * Called from Python through cffi in ABI mode (pyruntime/cpu_core.py), so this header is plain C:
+ * Called from Python through cffi in ABI mode (pyruntime/cpu/core.py), so this header is plain C:
  * every function returns an int status (PYRT_OK or a PYRT_E_* code) and, on failure, leaves a
  * one-line message in pyrt_last_error() (thread-local). Nothing here calls exit() or prints.
  * Resources come in build/free pairs: pyrt_pool_create / pyrt_pool_free.
@@ -9,8 +9,9 @@
  * docs/gguf-layout.md: tensor blk.N.ffn_gud_exps.weight, shape [n_expert, n_ff, 3, n_embd], where
  * neuron j of expert e owns rows 3j (gate), 3j+1 (up), 3j+2 (down column, transposed).
  *
- * The declarations between PYRT_CDEF_BEGIN and PYRT_CDEF_END are mirrored verbatim in
- * pyruntime/cpu_core.py (cffi cdef); tests/test_cpu_core.py checks that they agree.
+ * The declarations between PYRT_CDEF_BEGIN and PYRT_CDEF_END are the binding's: cffi's cdef reads
+ * them from this file (installed beside the library), so that section holds only what cffi's
+ * parser takes: plain declarations, enums with values, comments; no macros or attributes.
  */
 #ifndef PYRT_H
 #define PYRT_H
@@ -23,6 +24,10 @@ extern "C" {
 #endif
 
 /* PYRT_CDEF_BEGIN */
+/* This header's version of the API: raised whenever a declaration below changes, so that a
+ * caller declared from one header refuses a library built from another (pyrt_api_version). */
+enum { PYRT_API_VERSION = 2 };
+
 /* Status codes. */
 enum {
     PYRT_OK = 0,
@@ -57,6 +62,39 @@ enum {
 
 typedef struct pyrt_pool pyrt_pool;
 
+/* How a pool's kernels and the decode steps run on it: given at pool creation, read by every
+ * call on that pool. Every setting gives the same results bit for bit (tests/c compares them);
+ * they trade speed only. Fill the defaults with pyrt_params_default, then change fields. */
+typedef struct {
+    int spin_us;                 /* microseconds an idle worker (or the caller waiting for one)
+                                    spins before sleeping; default 300. Longer: cheaper hand-offs
+                                    after longer gaps, more CPU burnt between calls. 0..1000000 */
+    int idle_prefetch;           /* 1 (default): threads waiting for a task, or for the others at
+                                    its end, prefetch the next task's weight rows into their L2
+                                    (the decode step names them); 0: they only spin */
+    int vnni;                    /* 1 (default): Q8_0 dots on AVX512_VNNI where the CPU has it;
+                                    0: the AVX-512 BW dots (same bits) */
+    int matvec_prefetch_rows;    /* dense matvec: rows ahead of the current row pair that are
+                                    software-prefetched; default 2; 0: none. 0..64 */
+    int expert_prefetch_neurons; /* routed experts: neurons ahead whose rows are
+                                    software-prefetched; default 2; 0: none. 0..64 */
+    int reduce_prefetch_items;   /* routed experts: while summing the work items' partial ys,
+                                    done items ahead whose part is prefetched; default 2. 0..64 */
+    int fuse_attention;          /* decode step: q/k/v, attention heads and o projection in one
+                                    pool task where the q/k norms are per head or absent (1,
+                                    default), or in three with the norms and RoPE between (0) */
+    int fuse_router;             /* decode step: router, routing and routed experts in one pool
+                                    task (1, default), or the router's own task first (0) */
+    int fuse_layer;              /* decode step: where both fusions apply, a whole MoE block in
+                                    one pool task (1, default), or attention and FFN in two (0) */
+} pyrt_params;
+
+/* The defaults of every field. */
+void pyrt_params_default(pyrt_params *params);
+
+/* PYRT_API_VERSION of the header this library was built from. */
+int pyrt_api_version(void);
+
 /* The message of the last failed call on this thread ("" if none). Valid until the next call. */
 const char *pyrt_last_error(void);
 
@@ -71,31 +109,47 @@ int pyrt_simd_force(int level);
 
 /* Thread pool of n_threads workers in all (the calling thread is one of them, so n_threads - 1
  * threads are started). Create once and reuse: kernels split their work across it. Calls on one
- * pool are serialized (a mutex), so one pool may be shared by several Python threads. */
-int pyrt_pool_create(int n_threads, pyrt_pool **out);
+ * pool are serialized (a mutex), so one pool may be shared by several Python threads.
+ * params: copied; NULL = pyrt_params_default's. */
+int pyrt_pool_create(int n_threads, const pyrt_params *params, pyrt_pool **out);
 void pyrt_pool_free(pyrt_pool *pool);
 int pyrt_pool_threads(const pyrt_pool *pool);
 
 /* Bytes of one row of n elements in format fmt (0 if fmt is unknown or n does not fit it). */
 size_t pyrt_row_bytes(int fmt, int64_t n);
 
+/* One MoE layer's routed experts as the kernel reads them: n_slots experts in the layout of
+ * blk.N.ffn_gud_exps (read in place), and which global expert id each slot holds. */
+typedef struct {
+    const void *data;           /* [n_slots, n_ff, 3, n_embd] in fmt: neuron j of the expert in a
+                                   slot owns rows 3j (gate), 3j+1 (up), 3j+2 (down, transposed) */
+    size_t bytes;               /* == n_slots * n_ff * 3 * pyrt_row_bytes(fmt, n_embd) */
+    int fmt;                    /* PYRT_FMT_* */
+    int n_expert;               /* expert ids (topk_ids) are in [0, n_expert) */
+    int n_slots;                /* experts data holds */
+    int n_ff, n_embd;
+    const int32_t *expert_map;  /* [n_expert]: expert id -> its slot in data, or -1: not held
+                                   here (its (token, expert) pairs are skipped and add nothing to
+                                   y); NULL: the identity, n_slots == n_expert. As vLLM's fused_moe
+                                   expert_map: a cache of slots, or one device's share */
+} pyrt_experts;
+
 /* One MoE layer's routed experts, for n_tokens tokens:
- *   y[t, :] = sum_k topk_w[t, k] * expert_{topk_ids[t, k]}(x[t, :])
+ *   y[t, :] = sum_k topk_w[t, k] * expert_{topk_ids[t, k]}(x[t, :])   (k over the pairs held here)
  *   expert_e(x) = sum_j act(g_j . x) * (u_j . x) * d_j     (j over the n_ff neurons of e)
  *
- * gud       weights, gud_bytes == n_expert * n_ff * 3 * pyrt_row_bytes(fmt, n_embd)
- * x         [n_tokens, n_embd] f32;  y [n_tokens, n_embd] f32 (written, not accumulated into)
+ * x         [n_tokens, n_embd] f32;  y [n_tokens, n_embd] f32 (written, not accumulated into;
+ *           0 where no pair is held here)
  * topk_ids  [n_tokens, k] int32 in [0, n_expert);  topk_w [n_tokens, k] f32
  * threshold >= 0: a neuron whose |act(g_j . x)| < threshold is skipped for that token (its up and
  *           down rows are not read). 0 is the dense FFN (nothing is skipped).
- * n_active  out (may be NULL): neurons computed, summed over the n_tokens * k (token, expert)
- *           pairs; n_tokens * k * n_ff when dense.
+ * n_active  out (may be NULL): neurons computed, summed over the (token, expert) pairs computed
+ *           (those held here); their number * n_ff when dense.
  * For Q8_0/Q4_0 weights, x is quantized to Q8_0 blocks (one f32 scale per 32 values) once per
  * token and the dot products are integer, as llama.cpp does; accumulation is f32 throughout. */
-int pyrt_moe_ffn(pyrt_pool *pool, const void *gud, size_t gud_bytes, int fmt, int n_expert,
-                 int n_ff, int n_embd, const float *x, int n_tokens, const int32_t *topk_ids,
-                 const float *topk_w, int k, int activation, float threshold, float *y,
-                 int64_t *n_active);
+int pyrt_moe_ffn(pyrt_pool *pool, const pyrt_experts *experts, const float *x, int n_tokens,
+                 const int32_t *topk_ids, const float *topk_w, int k, int activation,
+                 float threshold, float *y, int64_t *n_active);
 
 /* Read `bytes` of buf once, split across the pool's threads (a stream-like DRAM read test for
  * benchmarks); checksum (may be NULL) gets the sum of the 64-bit words read. */
@@ -161,19 +215,64 @@ typedef struct {
 
 typedef struct pyrt_decoder pyrt_decoder;
 
-/* Checks every shape and format once and allocates the step's scratch; the weights are borrowed. */
+/* Checks every shape and format once and allocates the step's scratch (for up to n_expert
+ * experts per token); the weights are borrowed. */
 int pyrt_decoder_create(const pyrt_model_weights *w, pyrt_decoder **out);
 void pyrt_decoder_free(pyrt_decoder *dec);
 
-/* One decode step of one token at position pos, all layers, on the pool:
- *   logits [n_vocab] f32 (written) of the token after `token`.
- * k_cache[i], v_cache[i]: layer i's KV cache, [n_head_kv, cache_cap, head_dim] f32; positions
- *   < pos hold earlier tokens (written by prefill or earlier steps), this step writes pos.
- * thresholds: [n_layer] routed-expert sparsity thresholds (0 = dense), or NULL (all dense).
- * n_active (may be NULL): routed neurons computed, summed over layers and top-k experts. */
-int pyrt_decoder_step(pyrt_decoder *dec, pyrt_pool *pool, int token, int pos,
-                      float *const *k_cache, float *const *v_cache, int cache_cap,
-                      const float *thresholds, float *logits, int64_t *n_active);
+/* What one decode step takes and gives. Zero-initialize, then set the inputs; NULL pointers and
+ * 0 are the defaults. */
+typedef struct {
+    /* in */
+    int token;                   /* [0, n_vocab) */
+    int pos;                     /* its position, [0, cache_cap) */
+    float *const *k_cache;       /* [n_layer]: layer i's keys [n_head_kv, cache_cap, head_dim] f32;
+                                    positions < pos hold earlier tokens, the step writes pos */
+    float *const *v_cache;       /* [n_layer]: values, the same layout */
+    int cache_cap;
+    const float *thresholds;     /* [n_layer] routed-expert sparsity thresholds (0 = dense), or
+                                    NULL: all dense */
+    int k;                       /* experts per token, [1, n_expert]; 0: the model's n_expert_used.
+                                    The k chosen are renormalized as the model says
+                                    (expert_weights_norm), whatever k is */
+    const int32_t *const *expert_maps; /* NULL, or [n_layer] maps [n_expert] as in pyrt_experts
+                                    over the layer's own experts (slots = ids): -1 = computed
+                                    elsewhere, skipped here; a NULL entry: all computed here */
+    /* out (pointers NULL: not wanted, no work done for them) */
+    float *logits;               /* [n_vocab] the next token's logits (required for a step) */
+    int32_t *route_ids;          /* [n_layer, k] (k as resolved: n_expert_used when 0): each MoE
+                                    layer's chosen experts in order of routing weight, every one
+                                    chosen (computed here or not); -1 rows for dense-FFN layers */
+    float *route_logits;         /* [n_layer, n_expert]: the router's logits before the softmax;
+                                    NaN rows for dense-FFN layers (no router) */
+    int64_t n_active;            /* routed neurons computed, summed over layers and pairs */
+    int64_t n_pairs;             /* (token, expert) pairs computed: k per MoE layer, less those a
+                                    map sends elsewhere */
+} pyrt_step_args;
+
+/* One decode step of one token, all layers, on the pool: the logits of the token after
+ * args->token, with args->n_active / n_pairs and the routing asked for. */
+int pyrt_decoder_step(pyrt_decoder *dec, pyrt_pool *pool, pyrt_step_args *args);
+
+/* The same step in pieces, so that a layer's attention or experts can run elsewhere in between
+ * (the caller reads and writes the residual stream x with pyrt_decoder_read_x / _write_x):
+ *   pyrt_decoder_begin(dec, pool, args)             x = embedding of args->token; n_active and
+ *                                                   n_pairs = 0
+ *   for each layer i, in order:
+ *     pyrt_decoder_attention(dec, pool, i, args)    x += the attention half of block i (writes
+ *                                                   position pos of layer i's cache)
+ *     pyrt_decoder_ffn(dec, pool, i, args)          x += the FFN half of block i (its route_ids /
+ *                                                   route_logits rows; n_active, n_pairs add up)
+ *   pyrt_decoder_end(dec, pool, args)               args->logits from x
+ * Called in that order they give pyrt_decoder_step's bits (which runs them fused where it can). */
+int pyrt_decoder_begin(pyrt_decoder *dec, pyrt_pool *pool, pyrt_step_args *args);
+int pyrt_decoder_attention(pyrt_decoder *dec, pyrt_pool *pool, int layer, pyrt_step_args *args);
+int pyrt_decoder_ffn(pyrt_decoder *dec, pyrt_pool *pool, int layer, pyrt_step_args *args);
+int pyrt_decoder_end(pyrt_decoder *dec, pyrt_pool *pool, pyrt_step_args *args);
+/* The residual stream x [n_embd] f32 between those calls: copied out of / into the decoder. */
+int pyrt_decoder_read_x(pyrt_decoder *dec, float *x);
+int pyrt_decoder_write_x(pyrt_decoder *dec, const float *x);
+
 /* Time spent by the decoder's steps since the last reset, in ns: [0] embedding + attention
  * (norm, q/k/v, RoPE, attention, output projection), [1] FFN (norm, router, routed experts, shared
  * expert or dense FFN), [2] output (final norm, output matrix); [3] steps. reset != 0 zeroes it. */

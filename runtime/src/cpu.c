@@ -10,7 +10,8 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-#include "pyrt_internal.h"
+#include "error.h"
+#include "rows.h"
 
 /* ---- physical cores ------------------------------------------------------------------------ */
 
@@ -106,25 +107,26 @@ int pyrt_simd_force(int level) {
 }
 
 /* -1 until first use. */
-static atomic_int vnni = -1;
+static atomic_int has_vnni = -1;
 
 int pyrt_cpu_has_vnni(void) {
-    int v = atomic_load(&vnni);
+    int v = atomic_load(&has_vnni);
     if (v < 0) {
         v = 0;
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
         __builtin_cpu_init();
-        v = __builtin_cpu_supports("avx512vnni") && pyrt_env_int("PYRT_VNNI", 1) != 0;
+        v = __builtin_cpu_supports("avx512vnni") != 0;
 #endif
-        atomic_store(&vnni, v);
+        atomic_store(&has_vnni, v);
     }
     return v;
 }
 
-const pyrt_row_ops *pyrt_row_ops_at(int level, int fmt) {
+const pyrt_row_ops *pyrt_row_ops_at(int level, int fmt, int vnni) {
     switch (level) {
     case PYRT_SIMD_AVX512:
-        return pyrt_cpu_has_vnni() ? pyrt_row_ops_avx512_vnni(fmt) : pyrt_row_ops_avx512(fmt);
+        return vnni && pyrt_cpu_has_vnni() ? pyrt_row_ops_avx512_vnni(fmt)
+                                           : pyrt_row_ops_avx512(fmt);
     case PYRT_SIMD_AVX2:
         return pyrt_row_ops_avx2(fmt);
     case PYRT_SIMD_SCALAR:
@@ -132,10 +134,6 @@ const pyrt_row_ops *pyrt_row_ops_at(int level, int fmt) {
     default:
         return NULL;
     }
-}
-
-const pyrt_row_ops *pyrt_row_ops_active(int fmt) {
-    return pyrt_row_ops_at(pyrt_simd_active(), fmt);
 }
 
 pyrt_add_fn pyrt_add_f32_active(void) {

@@ -1,8 +1,9 @@
-/* Thread-local last-error message: every failing pyrt_* call writes one line here. */
+/* Thread-local last-error message: every failing pyrt_* call writes one line here; and the API
+ * version the library was built with. */
 #include <stdarg.h>
 #include <stdio.h>
 
-#include "pyrt_internal.h"
+#include "error.h"
 
 static _Thread_local char last_error[512];
 
@@ -20,4 +21,8 @@ int pyrt_fail(int status, const char *fmt, ...) {
     vsnprintf(last_error, sizeof last_error, fmt, ap);
     va_end(ap);
     return status;
+}
+
+int pyrt_api_version(void) {
+    return PYRT_API_VERSION;
 }

@@ -4,29 +4,27 @@
  * products are integer, as in pyrt_moe_ffn and llama.cpp; accumulation is f32.
  *
  * Work split: the rows of the matrices of one job form one list, cut into one home per thread
- * (the homes of a prefetch plan, pyrt_internal.h), each home into CHUNKS_PER_THREAD chunks that
+ * (the homes of a prefetch plan, pool.h), each home into CHUNKS_PER_THREAD chunks that
  * threads take from the home's counter: its own home first (in the decode step its rows were
  * prefetched into its L2 while the thread waited), then the others'. A chunk walks its rows in
  * pairs (dot2: one pass over x for two rows) and, inside a pair, every token of a TOKEN_TILE, so
  * a weight row is read from DRAM once and reused from L1 for the tile. */
 #include <stdlib.h>
 
-#include "decode_internal.h"
+#include "error.h"
+#include "linear.h"
 
 enum {
     CHUNKS_PER_THREAD = 4,
     MIN_CHUNK = 16,             /* rows: below this the counter traffic costs more than it saves */
     TOKEN_TILE = 64,            /* tokens whose Q8 blocks stay in L2 while a chunk's rows pass */
-    SERIAL_QUANTIZE_MAX = 1 << 15, /* x elements quantized on the calling thread */
-    DEFAULT_PREFETCH_ROWS = 2      /* rows ahead of the current pair (PYRT_MV_PREFETCH; 0: off):
-                                      2 streamed a 650 MB Q8_0 matrix 12-14% faster than 4 on
-                                      1-2 Sapphire Rapids cores (docs/benchmarks.md, granite) */
+    SERIAL_QUANTIZE_MAX = 1 << 15 /* x elements quantized on the calling thread */
 };
 
 int pyrt_matrix_check(const pyrt_matrix *m, const char *fn, const char *what) {
     if (m == NULL || m->data == NULL)
         return pyrt_fail(PYRT_E_INVALID, "%s: %s weights are NULL", fn, what);
-    if (pyrt_row_ops_scalar(m->fmt) == NULL)
+    if (!pyrt_fmt_known(m->fmt))
         return pyrt_fail(PYRT_E_INVALID,
                          "%s: %s has unknown weight format %d (supported: 0 F32, 1 F16, 30 BF16, "
                          "8 Q8_0, 2 Q4_0)", fn, what, m->fmt);
@@ -50,10 +48,14 @@ int pyrt_matrix_check(const pyrt_matrix *m, const char *fn, const char *what) {
     return PYRT_OK;
 }
 
-void pyrt_mv_job_prepare(pyrt_mv_job *job, int nth) {
+void pyrt_mv_job_prepare(pyrt_mv_job *job, const pyrt_pool *pool) {
+    const int nth = pyrt_pool_threads(pool);
     int64_t total = 0;
-    for (int i = 0; i < job->n_mats; i++)
+    for (int i = 0; i < job->n_mats; i++) {
         total += job->out[i].m->n_out;
+        job->ops[i] = pyrt_pool_row_ops(pool, job->out[i].m->fmt);
+    }
+    job->prefetch_rows = pyrt_pool_params(pool)->matvec_prefetch_rows;
     job->total_rows = total;
     job->n_homes = nth < PYRT_MAX_HOMES ? nth : PYRT_MAX_HOMES;
     const int64_t home = (total + job->n_homes - 1) / job->n_homes;
@@ -74,13 +76,21 @@ void pyrt_mv_job_plan(const pyrt_mv_job *job, pyrt_pf_plan *plan) {
     }
 }
 
-static inline float finish(const pyrt_mv_job *job, const pyrt_mv_out *o, int row, float v) {
-    if (o->bias != NULL)
-        v += o->bias[row];
-    if (job->clamp > 0.0f)
-        v = v < -job->clamp ? -job->clamp : v > job->clamp ? job->clamp : v;
-    if (job->div != 1.0f)
-        v /= job->div;
+/* What happens to one output after its dot: bias, clamp, division (the job's, held in locals
+ * so that the stores into y need not reload them). */
+typedef struct {
+    const float *bias; /* [n_out] or NULL */
+    float clamp;       /* > 0: clamp to [-clamp, clamp] */
+    float div;         /* 1: none */
+} mv_finish;
+
+static inline float finish(const mv_finish *f, int row, float v) {
+    if (f->bias != NULL)
+        v += f->bias[row];
+    if (f->clamp > 0.0f)
+        v = v < -f->clamp ? -f->clamp : v > f->clamp ? f->clamp : v;
+    if (f->div != 1.0f)
+        v /= f->div;
     return v;
 }
 
@@ -89,13 +99,6 @@ static inline float finish(const pyrt_mv_job *job, const pyrt_mv_out *o, int row
 static inline void prefetch_bytes(const uint8_t *p, size_t bytes) {
     for (size_t off = 0; off < bytes; off += 64)
         __builtin_prefetch(p + off, 0, 3);
-}
-
-static int prefetch_rows(void) {
-    static int rows = -1;
-    if (rows < 0)
-        rows = pyrt_env_int("PYRT_MV_PREFETCH", DEFAULT_PREFETCH_ROWS);
-    return rows;
 }
 
 enum { PAIR_LINES = 1024 }; /* prefetch list of one row pair (64 KiB of rows; more: the rest not) */
@@ -108,12 +111,16 @@ static int pair_lines(const uint8_t *p, size_t bytes, const void **lines) {
     return n;
 }
 
-/* Rows [r0, r1) of one matrix, every token of the job. */
-static void mv_rows(const pyrt_mv_job *job, const pyrt_mv_out *o, int r0, int r1) {
-    const int ahead = prefetch_rows();
+/* Rows [r0, r1) of matrix i of the job, every token of the job. */
+static void mv_rows(const pyrt_mv_job *job, int i, int r0, int r1) {
+    const int ahead = job->prefetch_rows;
     const void *pf[PAIR_LINES];
+    const pyrt_mv_out *o = &job->out[i];
     const pyrt_matrix *m = o->m;
-    const pyrt_row_ops *ops = pyrt_row_ops_active(m->fmt);
+    const pyrt_row_ops *ops = job->ops[i];
+    const mv_finish fin = {o->bias, job->clamp, job->div};
+    float *y = o->y;
+    const size_t ys = o->y_stride;
     const size_t rb = pyrt_row_bytes(m->fmt, m->n_in);
     const uint8_t *w = m->data;
     const int blocked = pyrt_fmt_is_blocked(m->fmt);
@@ -141,15 +148,15 @@ static void mv_rows(const pyrt_mv_job *job, const pyrt_mv_out *o, int r0, int r1
                     ops->dot2_pf(row, row + rb, xv + (size_t)t * xs, m->n_in, d, pf, n_pf);
                 else
                     ops->dot2(row, row + rb, xv + (size_t)t * xs, m->n_in, d);
-                o->y[(size_t)t * o->y_stride + r] = finish(job, o, r, d[0]);
-                o->y[(size_t)t * o->y_stride + r + 1] = finish(job, o, r + 1, d[1]);
+                y[(size_t)t * ys + r] = finish(&fin, r, d[0]);
+                y[(size_t)t * ys + r + 1] = finish(&fin, r + 1, d[1]);
             }
         }
         for (; r < r1; r++) {
             const uint8_t *row = w + (size_t)r * rb;
             for (int t = t0; t < t1; t++)
-                o->y[(size_t)t * o->y_stride + r] =
-                    finish(job, o, r, ops->dot(row, xv + (size_t)t * xs, m->n_in));
+                y[(size_t)t * ys + r] =
+                    finish(&fin, r, ops->dot(row, xv + (size_t)t * xs, m->n_in));
         }
     }
 }
@@ -161,7 +168,7 @@ static void mv_range(const pyrt_mv_job *job, int64_t lo, int64_t hi) {
         const int64_t n = job->out[i].m->n_out;
         if (lo < base + n) {
             const int64_t end = hi < base + n ? hi : base + n;
-            mv_rows(job, &job->out[i], (int)(lo - base), (int)(end - base));
+            mv_rows(job, i, (int)(lo - base), (int)(end - base));
             lo = end;
         }
         base += n;
@@ -195,6 +202,46 @@ void pyrt_mv_task(void *ctx, int ith, int nth) {
         }
     }
 }
+
+/* ---- one token (the decode step) ----------------------------------------------------------- */
+
+int pyrt_mv_job_blocked(const pyrt_mv_job *job) {
+    int blocked = 0;
+    for (int i = 0; i < job->n_mats; i++)
+        blocked |= pyrt_fmt_is_blocked(job->out[i].m->fmt);
+    return blocked;
+}
+
+void pyrt_mv_job_bind(pyrt_mv_job *job, pyrt_pool *pool, const float *x, int n, pyrt_xq8 *xq) {
+    job->x = x;
+    job->x_stride = (size_t)n;
+    job->xq = xq;
+    job->xq_stride = (size_t)n / PYRT_QK;
+    job->n_tokens = 1;
+    if (job->div == 0.0f)
+        job->div = 1.0f;
+    pyrt_mv_job_prepare(job, pool);
+}
+
+void pyrt_mv_job_setup(pyrt_mv_job *job, pyrt_pool *pool, const float *x, int n, pyrt_xq8 *xq) {
+    if (pyrt_mv_job_blocked(job))
+        pyrt_quantize_x_q8(x, xq, n);
+    pyrt_mv_job_bind(job, pool, x, n, xq);
+}
+
+void pyrt_mv_run(pyrt_mv_job *job, pyrt_pool *pool, const float *x, int n, pyrt_xq8 *xq) {
+    pyrt_mv_job_setup(job, pool, x, n, xq);
+    pyrt_pool_run(pool, pyrt_mv_task, job);
+}
+
+void pyrt_pool_plan_job(pyrt_pool *pool, const pyrt_mv_job *next) {
+    pyrt_pf_plan plan = {.n = 0};
+    if (next != NULL)
+        pyrt_mv_job_plan(next, &plan);
+    pyrt_pool_plan_prefetch(pool, &plan);
+}
+
+/* ---- pyrt_linear --------------------------------------------------------------------------- */
 
 typedef struct {
     const float *x;
@@ -259,7 +306,7 @@ int pyrt_linear(pyrt_pool *pool, const pyrt_matrix *w, const float *x, int n_tok
         .clamp = 0.0f,
         .div = 1.0f,
     };
-    pyrt_mv_job_prepare(&job, pyrt_pool_threads(pool));
+    pyrt_mv_job_prepare(&job, pool);
     pyrt_pool_run(pool, pyrt_mv_task, &job);
     pyrt_pool_release(pool);
     return PYRT_OK;

@@ -2,7 +2,8 @@
  * benchmark can put the kernels' bytes/s next to what this machine's memory delivers. Each thread
  * sums the 64-bit words of its contiguous slice (the sum is returned so nothing is optimized away).
  */
-#include "pyrt_internal.h"
+#include "error.h"
+#include "pool.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>

@@ -17,7 +17,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "pyrt_internal.h"
+#include "error.h"
+#include "pool.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -27,7 +28,6 @@
 #endif
 
 enum {
-    DEFAULT_SPIN_US = 300, /* how long a worker (or the waiting caller) spins before sleeping */
     SPIN_CHECK = 64,       /* pause instructions (or idle-prefetch steps) between clock reads */
     IDLE_LINES = 8,        /* cache lines per idle-prefetch step, between looks at the flag */
     PLAN_SLOTS = 3         /* a run's plan and one mid-run switch, beside the one before */
@@ -58,18 +58,19 @@ struct pyrt_pool {
     atomic_int shutdown;
     atomic_int n_sleeping;      /* workers inside the wake wait (or about to be) */
     atomic_int caller_sleeping; /* the caller waits on `done` */
-    int64_t spin_ns;
+    pyrt_params params;
+    int64_t spin_ns;   /* params.spin_us in ns */
     pyrt_task_fn fn; /* current task, written before generation is bumped */
     void *ctx;
     void *workspace; /* scratch owned by the pool */
     size_t workspace_bytes;
-    /* prefetch while idle (pyrt_internal.h): plans[cur_slot] is the plan in force: a run writes
+    /* prefetch while idle (pool.h): plans[cur_slot] is the plan in force: a run writes
      * the next slot (mod PLAN_SLOTS) before its generation is published, and a task may switch
      * once more mid-run (pyrt_pool_plan_switch), so a thread that has not yet seen the run start
      * still reads a slot nobody writes; plan_epoch[slot] changes only when the plan differs from
      * the one before, so a thread whose home is the same (qkv, then attention, both before the o
      * projection) goes on from where it stopped instead of walking it again. */
-    int idle_pf;              /* PYRT_IDLE_PREFETCH at creation (default 1; 0: plans ignored) */
+    int idle_pf;              /* params.idle_prefetch (0: plans ignored) */
     int has_next;             /* next_plan is set for the next run */
     pyrt_pf_plan next_plan;
     pyrt_pf_plan plans[PLAN_SLOTS];
@@ -134,33 +135,9 @@ static int idle_step(pyrt_pool *pool, int ith, int slot, int lines) {
     return left == 0;
 }
 
-int64_t pyrt_pool_plan_home_bytes(pyrt_pool *pool, int ith) {
-    const pyrt_pf_plan *p =
-        &pool->plans[atomic_load_explicit(&pool->cur_slot, memory_order_acquire)];
-    const int n_homes = pool->n_threads < PYRT_MAX_HOMES ? pool->n_threads : PYRT_MAX_HOMES;
-    if (p->n == 0 || ith >= n_homes)
-        return 0;
-    int64_t rows = 0;
-    for (int i = 0; i < p->n; i++)
-        rows += p->r[i].n_rows;
-    const int64_t lo = pyrt_home_start(rows, ith, n_homes);
-    const int64_t hi = pyrt_home_start(rows, ith + 1, n_homes);
-    int64_t bytes = 0, base = 0;
-    for (int i = 0; i < p->n; base += p->r[i].n_rows, i++) {
-        const int64_t a = lo > base ? lo : base;
-        const int64_t b = hi < base + p->r[i].n_rows ? hi : base + p->r[i].n_rows;
-        if (a < b)
-            bytes += (b - a) * (int64_t)p->r[i].row_bytes;
-    }
-    return bytes;
-}
-
 int pyrt_pool_idle_prefetch(pyrt_pool *pool, int ith) {
-    return pyrt_pool_plan_step(pool, ith, IDLE_LINES);
-}
-
-int pyrt_pool_plan_step(pyrt_pool *pool, int ith, int lines) {
-    return idle_step(pool, ith, atomic_load_explicit(&pool->cur_slot, memory_order_acquire), lines);
+    return idle_step(pool, ith, atomic_load_explicit(&pool->cur_slot, memory_order_acquire),
+                     IDLE_LINES);
 }
 
 void pyrt_pool_plan_switch(pyrt_pool *pool, const pyrt_pf_plan *plan) {
@@ -246,7 +223,7 @@ static void stop_workers(pyrt_pool *pool) {
     pool->n_started = 0;
 }
 
-int pyrt_pool_create(int n_threads, pyrt_pool **out) {
+int pyrt_pool_create(int n_threads, const pyrt_params *params, pyrt_pool **out) {
     pyrt_clear_error();
     if (out == NULL)
         return pyrt_fail(PYRT_E_INVALID, "pyrt_pool_create: out is NULL");
@@ -254,10 +231,18 @@ int pyrt_pool_create(int n_threads, pyrt_pool **out) {
     if (n_threads < 1 || n_threads > 1024)
         return pyrt_fail(PYRT_E_INVALID,
                          "pyrt_pool_create: n_threads must be in [1, 1024], got %d", n_threads);
+    pyrt_params p;
+    if (params != NULL)
+        p = *params;
+    else
+        pyrt_params_default(&p);
+    if (pyrt_params_check(&p, "pyrt_pool_create") != PYRT_OK)
+        return PYRT_E_INVALID;
     pyrt_pool *pool = calloc(1, sizeof *pool);
     if (pool == NULL)
         return pyrt_fail(PYRT_E_NOMEM, "pyrt_pool_create: out of memory");
     pool->n_threads = n_threads;
+    pool->params = p;
     pool->threads = calloc((size_t)n_threads, sizeof *pool->threads);
     pool->args = calloc((size_t)n_threads, sizeof *pool->args);
     if (pool->threads == NULL || pool->args == NULL) {
@@ -276,8 +261,8 @@ int pyrt_pool_create(int n_threads, pyrt_pool **out) {
     atomic_init(&pool->n_sleeping, 0);
     atomic_init(&pool->caller_sleeping, 0);
     atomic_init(&pool->cur_slot, 0);
-    pool->spin_ns = (int64_t)pyrt_env_int("PYRT_SPIN_US", DEFAULT_SPIN_US) * 1000;
-    pool->idle_pf = pyrt_env_int("PYRT_IDLE_PREFETCH", 1) != 0;
+    pool->spin_ns = (int64_t)p.spin_us * 1000;
+    pool->idle_pf = p.idle_prefetch;
     pool->progress = aligned_alloc(64, (size_t)n_threads * sizeof *pool->progress);
     if (pool->progress == NULL) {
         pyrt_pool_free(pool);
@@ -316,6 +301,14 @@ void pyrt_pool_free(pyrt_pool *pool) {
 
 int pyrt_pool_threads(const pyrt_pool *pool) {
     return pool == NULL ? 0 : pool->n_threads;
+}
+
+const pyrt_params *pyrt_pool_params(const pyrt_pool *pool) {
+    return &pool->params;
+}
+
+const pyrt_row_ops *pyrt_pool_row_ops(const pyrt_pool *pool, int fmt) {
+    return pyrt_row_ops_at(pyrt_simd_active(), fmt, pool->params.vnni);
 }
 
 void pyrt_pool_acquire(pyrt_pool *pool) {

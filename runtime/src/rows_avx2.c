@@ -1,6 +1,6 @@
 /* AVX2 + FMA + F16C row kernels. Every function carries the target attribute, so this file is
  * compiled with the baseline flags and only called after cpuid said yes (cpu.c). */
-#include "pyrt_internal.h"
+#include "rows.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -99,7 +99,7 @@ AVX2 static inline __m256i dot32_i8(__m256i w, __m256i x) {
  * dependent inserts, convert, multiply) held up the accumulators and dot was 15% slower than one
  * block at a time. The f32 products and the accumulation order are those of one block at a time,
  * so are the results (bit for bit; fewer than 8 blocks left go a pair, then one block, at a time).
- * Zen 3 (docs/benchmarks.md): rows in L2, Q8_0 dot 4% and dot2 7% faster, Q4_0 dot even and
+ * On Zen 3, rows in L2: Q8_0 dot 4% and dot2 7% faster, Q4_0 dot even and
  * dot2 2-5%; the MoE kernel, sparse 0.9 8-10% faster, dense even (within that machine's noise).
  * The same scheme in axpyn was 3-9% faster from L2 but 4-19% slower (Q8_0) streaming from DRAM,
  * and the MoE kernel's dense cells were slower with it, so axpyn keeps one scale per block. */

@@ -1,6 +1,6 @@
 /* AVX-512 (F + BW) row kernels: 16 f32 lanes, two quantized blocks per 512-bit vector, masked
  * tails. Per-function target attributes, called only after cpuid said yes (cpu.c). */
-#include "pyrt_internal.h"
+#include "rows.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -61,9 +61,9 @@ FLOAT_ROW_KERNELS(bf16, load16_bf16)
  * acc += s * lanes with s = d_w * d_x of the lane's block. The scales of 8 blocks are converted
  * (f16 -> f32) and multiplied in one vector, then spread over each step's lanes by one permute
  * (per step this replaced two scalar conversions, two multiplies, two broadcasts and a blend: 5%
- * faster on the device, docs/benchmarks.md); the f32 products and the accumulation order are
- * unchanged, so are the results. (vpdpbusd, AVX512_VNNI, for the int32 lanes gave the same bits
- * and no speed-up beyond the device's noise: tried and dropped, docs/benchmarks.md.) */
+ * faster on 16 Sapphire Rapids cores); the f32 products and the accumulation order are
+ * unchanged, so are the results. Where the CPU has AVX512_VNNI, the int32 lanes come from
+ * vpdpbusd instead (ops_q8_0_vnni below, the same bits). */
 
 /* The 32 int8 weights of a Q4_0 block (low nibbles: elements 0..15, high: 16..31). */
 AVX512 static inline __m256i unpack_q4_0(const uint8_t *qs) {

@@ -2,7 +2,7 @@
  * These are also the reference the SIMD kernels are tested against in tests/c/. */
 #include <math.h>
 
-#include "pyrt_internal.h"
+#include "rows.h"
 
 /* ---- activation quantization --------------------------------------------------------------- */
 
@@ -155,23 +155,5 @@ const pyrt_row_ops *pyrt_row_ops_scalar(int fmt) {
         return &ops_q4_0;
     default:
         return NULL;
-    }
-}
-
-size_t pyrt_row_bytes(int fmt, int64_t n) {
-    if (n <= 0)
-        return 0;
-    switch (fmt) {
-    case PYRT_FMT_F32:
-        return (size_t)n * 4;
-    case PYRT_FMT_F16:
-    case PYRT_FMT_BF16:
-        return (size_t)n * 2;
-    case PYRT_FMT_Q8_0:
-        return n % PYRT_QK ? 0 : (size_t)(n / PYRT_QK) * PYRT_Q8_0_BYTES;
-    case PYRT_FMT_Q4_0:
-        return n % PYRT_QK ? 0 : (size_t)(n / PYRT_QK) * PYRT_Q4_0_BYTES;
-    default:
-        return 0;
     }
 }

@@ -4,7 +4,7 @@
 #ifndef PYRT_ROWS_X86_H
 #define PYRT_ROWS_X86_H
 
-#include "pyrt_internal.h"
+#include "rows.h"
 
 /* The f16 scales of 8 consecutive weight blocks (at the start of each block, bb bytes apart) as
  * f32, exactly (vcvtph2ps). */

@@ -7,7 +7,6 @@
  * 3. Errors: status codes, messages, thread-local last_error; pools built and freed repeatedly
  *    (LeakSanitizer checks nothing is lost).
  * Exit status 0 and "all C core tests passed" on success. */
-#define _POSIX_C_SOURCE 200809L /* setenv */
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -15,7 +14,8 @@
 #include <string.h>
 
 #include "pyrt.h"
-#include "pyrt_internal.h"
+#include "pool.h"
+#include "rows.h"
 
 #define TEST_RNG_SEED 0x9E3779B97F4A7C15ull
 #include "check.h"
@@ -112,7 +112,7 @@ static void test_row_kernels(void) {
     for (int level = PYRT_SIMD_SCALAR; level <= pyrt_simd_best(); level++) {
         for (int f = 0; f < COUNT_OF(FORMATS); f++) {
             const int fmt = FORMATS[f];
-            const pyrt_row_ops *ops = pyrt_row_ops_at(level, fmt);
+            const pyrt_row_ops *ops = pyrt_row_ops_at(level, fmt, 1);
             CHECK(ops != NULL, "level %d has no kernels for format %d", level, fmt);
             if (ops == NULL)
                 continue;
@@ -176,7 +176,7 @@ static void test_fused_kernels_match_plain(void) {
     for (int level = PYRT_SIMD_SCALAR; level <= pyrt_simd_best(); level++) {
         for (int f = 0; f < COUNT_OF(FORMATS); f++) {
             const int fmt = FORMATS[f];
-            const pyrt_row_ops *ops = pyrt_row_ops_at(level, fmt);
+            const pyrt_row_ops *ops = pyrt_row_ops_at(level, fmt, 1);
             if (ops == NULL || (ops->dot2 == NULL && ops->axpyn == NULL))
                 continue;
             for (int li = 0; li < COUNT_OF(lengths); li++) {
@@ -419,6 +419,132 @@ static double clean_threshold(const double *wv, const double *xv, const int32_t 
     return thr;
 }
 
+/* The float64 MoE over the pairs whose expert has here[e] != 0 (NULL: all): y and, per element,
+ * a scale for the tolerance (sum of |terms|); returns the neurons kept; *near counts |act| within
+ * 1e-4 of thr (where f32 may fall on the other side). */
+static int64_t moe_ref(const double *wv, const double *xv, const int32_t *ids, const float *tw,
+                       int T, int K, int FF, int D, double thr, const int *here, double *yref,
+                       double *yabs, int64_t *near) {
+    int64_t active = 0;
+    memset(yref, 0, sizeof(double) * T * D);
+    memset(yabs, 0, sizeof(double) * T * D);
+    for (int t = 0; t < T; t++)
+        for (int k = 0; k < K; k++) {
+            if (here != NULL && !here[ids[t * K + k]])
+                continue;
+            const double *we = wv + (size_t)ids[t * K + k] * FF * 3 * D;
+            for (int j = 0; j < FF; j++) {
+                double g = 0, u = 0;
+                for (int i = 0; i < D; i++) {
+                    g += we[(3 * j) * D + i] * xv[t * D + i];
+                    u += we[(3 * j + 1) * D + i] * xv[t * D + i];
+                }
+                const double a = act_silu(g);
+                if (thr > 0 && fabs(fabs(a) - thr) < 1e-4)
+                    (*near)++;
+                if (fabs(a) < thr)
+                    continue;
+                active++;
+                for (int i = 0; i < D; i++) {
+                    const double c = tw[t * K + k] * a * u * we[(3 * j + 2) * D + i];
+                    yref[t * D + i] += c;
+                    yabs[t * D + i] += fabs(c) + fabs(tw[t * K + k] * u);
+                }
+            }
+        }
+    return active;
+}
+
+/* Whether y [n] is within 1e-4 of the reference's scale (f32 through the kernel's sums). */
+static int close_to(const float *y, const double *yref, const double *yabs, int n) {
+    for (int i = 0; i < n; i++)
+        if (fabs(y[i] - yref[i]) > 1e-4 * yabs[i] + 1e-6)
+            return 0;
+    return 1;
+}
+
+static pyrt_experts all_experts(const void *gud, int fmt, int E, int FF, int D) {
+    return (pyrt_experts){.data = gud, .bytes = (size_t)E * FF * 3 * pyrt_row_bytes(fmt, D),
+                          .fmt = fmt, .n_expert = E, .n_slots = E, .n_ff = FF, .n_embd = D};
+}
+
+/* Expert maps (pyrt_experts.expert_map): a compact tensor holding experts 4, 0, 2 in slots 0, 1,
+ * 2 gives the reference over those experts' pairs; the full tensor with a map that keeps the
+ * other two (1, 3) gives theirs, and the two results sum to the unmapped one; a map of -1 only
+ * gives y = 0 and no neuron; bad maps are refused. */
+static void check_expert_maps(pyrt_pool *pool, const uint8_t *gud, const double *wv,
+                              const double *xv, const float *x, const int32_t *ids,
+                              const float *tw, int fmt, int T, int K, int E, int FF, int D,
+                              double thr, const float *y_full) {
+    const size_t rb = pyrt_row_bytes(fmt, D), eb = (size_t)FF * 3 * rb;
+    static const int slot_expert[3] = {4, 0, 2};
+    uint8_t *compact = malloc(3 * eb);
+    for (int s = 0; s < 3; s++)
+        memcpy(compact + s * eb, gud + (size_t)slot_expert[s] * eb, eb);
+    const int32_t map_a[5] = {1, -1, 2, -1, 0}, map_b[5] = {-1, 1, -1, 3, -1};
+    const int32_t none[5] = {-1, -1, -1, -1, -1};
+    const int here_a[5] = {1, 0, 1, 0, 1}, here_b[5] = {0, 1, 0, 1, 0};
+    double yref[4 * 64], yabs[4 * 64];
+    float ya[4 * 64], yb[4 * 64];
+    int64_t near = 0, active_a = -1, active_b = -1;
+    pyrt_experts ea = {.data = compact, .bytes = 3 * eb, .fmt = fmt, .n_expert = E, .n_slots = 3,
+                       .n_ff = FF, .n_embd = D, .expert_map = map_a};
+    CHECK(pyrt_moe_ffn(pool, &ea, x, T, ids, tw, K, PYRT_ACT_SILU, (float)thr, ya, &active_a) ==
+              PYRT_OK, "map a: %s", pyrt_last_error());
+    const int64_t ref_a = moe_ref(wv, xv, ids, tw, T, K, FF, D, thr, here_a, yref, yabs, &near);
+    CHECK(near > 0 || (active_a == ref_a && close_to(ya, yref, yabs, T * D)),
+          "fmt %d thr %g: compact permuted slots differ from the reference", fmt, thr);
+    pyrt_experts eb_ = all_experts(gud, fmt, E, FF, D);
+    eb_.expert_map = map_b;
+    CHECK(pyrt_moe_ffn(pool, &eb_, x, T, ids, tw, K, PYRT_ACT_SILU, (float)thr, yb, &active_b) ==
+              PYRT_OK, "map b: %s", pyrt_last_error());
+    const int64_t ref_b = moe_ref(wv, xv, ids, tw, T, K, FF, D, thr, here_b, yref, yabs, &near);
+    CHECK(near > 0 || (active_b == ref_b && close_to(yb, yref, yabs, T * D)),
+          "fmt %d thr %g: masking map differs from the reference", fmt, thr);
+    /* complementary maps: y_a + y_b = y (up to the order of the f32 sums) */
+    moe_ref(wv, xv, ids, tw, T, K, FF, D, thr, NULL, yref, yabs, &near);
+    float sum[4 * 64];
+    for (int i = 0; i < T * D; i++)
+        sum[i] = ya[i] + yb[i];
+    for (int i = 0; i < T * D; i++)
+        yref[i] = y_full[i];
+    CHECK(close_to(sum, yref, yabs, T * D), "fmt %d thr %g: complementary maps do not sum to y",
+          fmt, thr);
+    /* nothing held here */
+    eb_.expert_map = none;
+    int64_t active = -1;
+    CHECK(pyrt_moe_ffn(pool, &eb_, x, T, ids, tw, K, PYRT_ACT_SILU, (float)thr, ya, &active) ==
+              PYRT_OK && active == 0, "all -1: %s", pyrt_last_error());
+    for (int i = 0; i < T * D; i++)
+        CHECK(ya[i] == 0.0f, "all -1: y[%d] = %g", i, ya[i]);
+    /* refused: a slot past n_slots or under -1 (checked where a pair uses it), a map-less
+     * tensor of fewer slots, bytes of another number of slots */
+    int32_t bad[5] = {1, -1, 2, -1, 0};
+    bad[ids[0]] = 3;
+    ea.expert_map = bad;
+    char want[64];
+    snprintf(want, sizeof want, "expert_map[%d] = 3 is outside [-1, n_slots=3)", (int)ids[0]);
+    CHECK(pyrt_moe_ffn(pool, &ea, x, T, ids, tw, K, PYRT_ACT_SILU, 0.0f, ya, NULL) ==
+                  PYRT_E_INVALID &&
+              strstr(pyrt_last_error(), want) != NULL,
+          "slot 3 of 3 accepted: %s", pyrt_last_error());
+    bad[ids[0]] = -2;
+    CHECK(pyrt_moe_ffn(pool, &ea, x, T, ids, tw, K, PYRT_ACT_SILU, 0.0f, ya, NULL) ==
+              PYRT_E_INVALID, "slot -2 accepted");
+    ea.expert_map = NULL;
+    CHECK(pyrt_moe_ffn(pool, &ea, x, T, ids, tw, K, PYRT_ACT_SILU, 0.0f, ya, NULL) ==
+                  PYRT_E_INVALID &&
+              strstr(pyrt_last_error(), "without an expert_map") != NULL,
+          "3 slots without a map accepted: %s", pyrt_last_error());
+    ea.expert_map = map_a;
+    ea.bytes = 2 * eb;
+    CHECK(pyrt_moe_ffn(pool, &ea, x, T, ids, tw, K, PYRT_ACT_SILU, 0.0f, ya, NULL) ==
+                  PYRT_E_INVALID &&
+              strstr(pyrt_last_error(), "n_slots=3") != NULL,
+          "2 slots of bytes for 3 accepted: %s", pyrt_last_error());
+    free(compact);
+}
+
 /* n_ff = FF: 13 (items shorter than a chunk of neurons) and 197 (items spanning several sparse
  * chunks of 32 neurons, so the software-pipelined path runs; 197 % 8 leaves a dense tail). */
 static void test_moe_ffn_case(int FF) {
@@ -431,6 +557,7 @@ static void test_moe_ffn_case(int FF) {
         double *wv = malloc(sizeof(double) * E * FF * 3 * D);
         for (int r = 0; r < E * FF * 3; r++)
             make_row(fmt, D, gud + r * rb, wv + (size_t)r * D, 0);
+        const pyrt_experts experts = all_experts(gud, fmt, E, FF, D);
         float x[T * 64], tw[T * K], y[T * 64];
         int32_t ids[T * K];
         for (int i = 0; i < T * D; i++)
@@ -456,63 +583,49 @@ static void test_moe_ffn_case(int FF) {
         const double thresholds[] = {0.0, clean_threshold(wv, xv, ids, T, K, FF, D)};
         for (int ti = 0; ti < 2; ti++) {
             const double thr = thresholds[ti];
-            double yref[T * 64] = {0}, yabs[T * 64] = {0};
-            int64_t active_ref = 0, near = 0;
-            for (int t = 0; t < T; t++)
-                for (int k = 0; k < K; k++) {
-                    const double *we = wv + (size_t)ids[t * K + k] * FF * 3 * D;
-                    for (int j = 0; j < FF; j++) {
-                        double g = 0, u = 0;
-                        for (int i = 0; i < D; i++) {
-                            g += we[(3 * j) * D + i] * xv[t * D + i];
-                            u += we[(3 * j + 1) * D + i] * xv[t * D + i];
-                        }
-                        const double a = act_silu(g);
-                        if (thr > 0 && fabs(fabs(a) - thr) < 1e-4)
-                            near++;
-                        if (fabs(a) < thr)
-                            continue;
-                        active_ref++;
-                        for (int i = 0; i < D; i++) {
-                            const double c = tw[t * K + k] * a * u * we[(3 * j + 2) * D + i];
-                            yref[t * D + i] += c;
-                            yabs[t * D + i] += fabs(c) + fabs(tw[t * K + k] * u);
-                        }
-                    }
-                }
+            double yref[T * 64], yabs[T * 64];
+            int64_t near = 0;
+            const int64_t active_ref =
+                moe_ref(wv, xv, ids, tw, T, K, FF, D, thr, NULL, yref, yabs, &near);
             CHECK(near == 0, "fmt %d FF %d: %lld |act| within 1e-4 of threshold %g", fmt, FF,
                   (long long)near, thr);
             for (int nth = 1; nth <= 3; nth++) {
                 pyrt_pool *pool = NULL;
-                CHECK(pyrt_pool_create(nth, &pool) == PYRT_OK, "pool %d", nth);
+                CHECK(pyrt_pool_create(nth, NULL, &pool) == PYRT_OK, "pool %d", nth);
                 int64_t active = -1;
-                int rc = pyrt_moe_ffn(pool, gud, (size_t)E * FF * 3 * rb, fmt, E, FF, D, x, T, ids,
-                                      tw, K, PYRT_ACT_SILU, (float)thr, y, &active);
+                int rc = pyrt_moe_ffn(pool, &experts, x, T, ids, tw, K, PYRT_ACT_SILU, (float)thr,
+                                      y, &active);
                 CHECK(rc == PYRT_OK, "moe_ffn fmt %d: %s", fmt, pyrt_last_error());
                 if (near == 0)
                     CHECK(active == active_ref, "fmt %d thr %g: active %lld vs %lld", fmt, thr,
                           (long long)active, (long long)active_ref);
                 if (thr == 0.0)
                     CHECK(active == (int64_t)T * K * FF, "dense active count");
-                for (int i = 0; i < T * D && near == 0; i++)
-                    if (fabs(y[i] - yref[i]) > 1e-4 * yabs[i] + 1e-6) {
-                        CHECK(0, "moe fmt %d thr %g nth %d y[%d] = %.7g vs %.7g", fmt, thr, nth,
-                              i, y[i], yref[i]);
-                        break;
-                    }
-                /* another prefetch distance and an idle-prefetch plan over the weights move no
-                 * bit */
-                setenv("PYRT_PREFETCH_AHEAD", "1", 1);
-                pyrt_pf_plan plan = {.r = {{gud, rb, (int64_t)E * FF * 3}}, .n = 1};
-                pyrt_pool_plan_prefetch(pool, &plan);
-                float y2[T * 64];
-                int64_t active2 = -1;
-                rc = pyrt_moe_ffn(pool, gud, (size_t)E * FF * 3 * rb, fmt, E, FF, D, x, T, ids, tw,
-                                  K, PYRT_ACT_SILU, (float)thr, y2, &active2);
-                unsetenv("PYRT_PREFETCH_AHEAD");
-                CHECK(rc == PYRT_OK && active2 == active &&
-                          memcmp(y, y2, sizeof(float) * T * D) == 0,
-                      "fmt %d thr %g nth %d: prefetch knobs changed the result", fmt, thr, nth);
+                CHECK(near > 0 || close_to(y, yref, yabs, T * D), "moe fmt %d thr %g nth %d", fmt,
+                      thr, nth);
+                /* other prefetch distances, the VNNI dots off and on, and an idle-prefetch plan
+                 * over the weights move no bit */
+                for (int v = 0; v < 2; v++) {
+                    pyrt_params params;
+                    pyrt_params_default(&params);
+                    params.expert_prefetch_neurons = v ? 5 : 0;
+                    params.reduce_prefetch_items = v ? 6 : 0;
+                    params.vnni = v;
+                    pyrt_pool *other = NULL;
+                    CHECK(pyrt_pool_create(nth, &params, &other) == PYRT_OK, "pool: %s",
+                          pyrt_last_error());
+                    pyrt_pf_plan plan = {.r = {{gud, rb, (int64_t)E * FF * 3}}, .n = 1};
+                    pyrt_pool_plan_prefetch(other, &plan);
+                    float y2[T * 64];
+                    int64_t active2 = -1;
+                    rc = pyrt_moe_ffn(other, &experts, x, T, ids, tw, K, PYRT_ACT_SILU,
+                                      (float)thr, y2, &active2);
+                    CHECK(rc == PYRT_OK && active2 == active &&
+                              memcmp(y, y2, sizeof(float) * T * D) == 0,
+                          "fmt %d thr %g nth %d: params %d changed the result", fmt, thr, nth, v);
+                    pyrt_pool_free(other);
+                }
+                check_expert_maps(pool, gud, wv, xv, x, ids, tw, fmt, T, K, E, FF, D, thr, y);
                 pyrt_pool_free(pool);
             }
         }
@@ -531,9 +644,20 @@ static void *other_thread_error(void *arg) {
 
 static void test_errors(void) {
     pyrt_pool *pool = NULL;
-    CHECK(pyrt_pool_create(0, &pool) == PYRT_E_INVALID && pool == NULL, "zero threads");
+    CHECK(pyrt_pool_create(0, NULL, &pool) == PYRT_E_INVALID && pool == NULL, "zero threads");
     CHECK(strstr(pyrt_last_error(), "n_threads") != NULL, "message: %s", pyrt_last_error());
-    CHECK(pyrt_pool_create(2, NULL) == PYRT_E_INVALID, "NULL out");
+    CHECK(pyrt_pool_create(2, NULL, NULL) == PYRT_E_INVALID, "NULL out");
+    pyrt_params params;
+    pyrt_params_default(&params);
+    params.fuse_layer = 2;
+    CHECK(pyrt_pool_create(2, &params, &pool) == PYRT_E_INVALID && pool == NULL &&
+              strstr(pyrt_last_error(), "params.fuse_layer = 2 is outside [0, 1]") != NULL,
+          "bad params: %s", pyrt_last_error());
+    pyrt_params_default(&params);
+    params.spin_us = -1;
+    CHECK(pyrt_pool_create(2, &params, &pool) == PYRT_E_INVALID &&
+              strstr(pyrt_last_error(), "params.spin_us") != NULL,
+          "negative spin: %s", pyrt_last_error());
 
     pthread_t th;
     void *ok = NULL;
@@ -541,32 +665,40 @@ static void test_errors(void) {
     pthread_join(th, &ok);
     CHECK(ok != NULL, "last_error is thread-local");
 
-    CHECK(pyrt_pool_create(2, &pool) == PYRT_OK, "pool");
+    CHECK(pyrt_pool_create(2, NULL, &pool) == PYRT_OK, "pool");
     CHECK(pyrt_last_error()[0] == '\0', "success clears the message");
     float x[64] = {0}, y[64], tw[1] = {1.0f};
     int32_t ids[1] = {0};
     uint8_t gud[3 * 64 * 4] = {0};
-    CHECK(pyrt_moe_ffn(pool, gud, sizeof gud, 5, 1, 1, 64, x, 1, ids, tw, 1, 0, 0.0f, y, NULL) ==
-              PYRT_E_INVALID, "unknown format");
+    pyrt_experts e = all_experts(gud, PYRT_FMT_F32, 1, 1, 64);
+    e.fmt = 5;
+    CHECK(pyrt_moe_ffn(pool, &e, x, 1, ids, tw, 1, 0, 0.0f, y, NULL) == PYRT_E_INVALID,
+          "unknown format");
     CHECK(strstr(pyrt_last_error(), "unknown weight format 5") != NULL, "%s", pyrt_last_error());
-    CHECK(pyrt_moe_ffn(pool, gud, sizeof gud - 1, 0, 1, 1, 64, x, 1, ids, tw, 1, 0, 0.0f, y,
-                       NULL) == PYRT_E_INVALID, "short weights");
-    CHECK(pyrt_moe_ffn(pool, gud, sizeof gud, 8, 1, 1, 48, x, 1, ids, tw, 1, 0, 0.0f, y, NULL) ==
-              PYRT_E_INVALID, "Q8_0 with n_embd 48");
+    e = all_experts(gud, PYRT_FMT_F32, 1, 1, 64);
+    e.bytes -= 1;
+    CHECK(pyrt_moe_ffn(pool, &e, x, 1, ids, tw, 1, 0, 0.0f, y, NULL) == PYRT_E_INVALID,
+          "short weights");
+    e = all_experts(gud, PYRT_FMT_Q8_0, 1, 1, 48);
+    CHECK(pyrt_moe_ffn(pool, &e, x, 1, ids, tw, 1, 0, 0.0f, y, NULL) == PYRT_E_INVALID,
+          "Q8_0 with n_embd 48");
+    e = all_experts(gud, PYRT_FMT_F32, 1, 1, 64);
     ids[0] = 1;
-    CHECK(pyrt_moe_ffn(pool, gud, sizeof gud, 0, 1, 1, 64, x, 1, ids, tw, 1, 0, 0.0f, y, NULL) ==
-              PYRT_E_INVALID, "expert id out of range");
+    CHECK(pyrt_moe_ffn(pool, &e, x, 1, ids, tw, 1, 0, 0.0f, y, NULL) == PYRT_E_INVALID,
+          "expert id out of range");
     ids[0] = 0;
-    CHECK(pyrt_moe_ffn(pool, gud, sizeof gud, 0, 1, 1, 64, NULL, 1, ids, tw, 1, 0, 0.0f, y,
-                       NULL) == PYRT_E_INVALID, "NULL x");
-    CHECK(pyrt_moe_ffn(NULL, gud, sizeof gud, 0, 1, 1, 64, x, 1, ids, tw, 1, 0, 0.0f, y, NULL) ==
-              PYRT_E_INVALID, "NULL pool");
-    CHECK(pyrt_moe_ffn(pool, gud, sizeof gud, 0, 1, 1, 64, x, 1, ids, tw, 1, 7, 0.0f, y, NULL) ==
-              PYRT_E_INVALID, "bad activation");
-    CHECK(pyrt_moe_ffn(pool, gud, sizeof gud, 0, 1, 1, 64, x, 1, ids, tw, 1, 0, -1.0f, y, NULL) ==
-              PYRT_E_INVALID, "negative threshold");
-    CHECK(pyrt_moe_ffn(pool, gud, sizeof gud, 0, 1, 1, 64, x, 1, ids, tw, 1, 0, 0.0f, y, NULL) ==
-              PYRT_OK, "valid call: %s", pyrt_last_error());
+    CHECK(pyrt_moe_ffn(pool, &e, NULL, 1, ids, tw, 1, 0, 0.0f, y, NULL) == PYRT_E_INVALID,
+          "NULL x");
+    CHECK(pyrt_moe_ffn(pool, NULL, x, 1, ids, tw, 1, 0, 0.0f, y, NULL) == PYRT_E_INVALID &&
+              strstr(pyrt_last_error(), "experts is NULL") != NULL, "NULL experts");
+    CHECK(pyrt_moe_ffn(NULL, &e, x, 1, ids, tw, 1, 0, 0.0f, y, NULL) == PYRT_E_INVALID,
+          "NULL pool");
+    CHECK(pyrt_moe_ffn(pool, &e, x, 1, ids, tw, 1, 7, 0.0f, y, NULL) == PYRT_E_INVALID,
+          "bad activation");
+    CHECK(pyrt_moe_ffn(pool, &e, x, 1, ids, tw, 1, 0, -1.0f, y, NULL) == PYRT_E_INVALID,
+          "negative threshold");
+    CHECK(pyrt_moe_ffn(pool, &e, x, 1, ids, tw, 1, 0, 0.0f, y, NULL) == PYRT_OK,
+          "valid call: %s", pyrt_last_error());
     CHECK(pyrt_simd_force(pyrt_simd_best() + 1) != PYRT_OK || pyrt_simd_best() == PYRT_SIMD_AVX512,
           "cannot force a level the CPU lacks");
     CHECK(pyrt_simd_force(-1) == PYRT_E_INVALID, "unknown level");
@@ -574,7 +706,7 @@ static void test_errors(void) {
     pyrt_pool_free(NULL);
 
     for (int i = 0; i < 20; i++) { /* build/free churn: LeakSanitizer reports anything lost */
-        CHECK(pyrt_pool_create(1 + i % 4, &pool) == PYRT_OK, "pool churn");
+        CHECK(pyrt_pool_create(1 + i % 4, NULL, &pool) == PYRT_OK, "pool churn");
         pyrt_pool_free(pool);
     }
     CHECK(pyrt_physical_cores() >= 1, "physical cores");

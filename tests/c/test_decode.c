@@ -10,14 +10,14 @@
  * 3. Errors: status codes and messages (bad shapes, formats, tokens, positions, NULLs); build
  *    and free pairs (LeakSanitizer checks nothing is lost).
  * Exit status 0 and "all C decode tests passed" on success. */
-#define _POSIX_C_SOURCE 200809L /* setenv */
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "pyrt.h"
-#include "pyrt_internal.h"
+#include "rows.h"
 
 #define TEST_RNG_SEED 0x2545F4914F6CDD1Dull
 #include "check.h"
@@ -73,7 +73,7 @@ static void test_linear(int fmt, int n_tokens, int threads) {
     float *y = malloc((size_t)n_tokens * n_out * sizeof *y);
     pyrt_xq8 *xq = malloc((size_t)n_in / PYRT_QK * sizeof *xq + sizeof *xq);
     pyrt_pool *pool = NULL;
-    CHECK(pyrt_pool_create(threads, &pool) == PYRT_OK, "pool: %s", pyrt_last_error());
+    CHECK(pyrt_pool_create(threads, NULL, &pool) == PYRT_OK, "pool: %s", pyrt_last_error());
     for (int with_bias = 0; with_bias < 2; with_bias++) {
         int rc = pyrt_linear(pool, &m, x, n_tokens, with_bias ? bias : NULL, y);
         CHECK(rc == PYRT_OK, "pyrt_linear: %s", pyrt_last_error());
@@ -191,63 +191,118 @@ static void free_tiny(tiny_model *t) {
         free(t->owned[i]);
 }
 
-/* Decodes CAP tokens with `threads` threads; logits of every step into out [CAP, N_VOCAB]. */
-static void decode_tiny(const tiny_model *t, int threads, float *out) {
+/* How decode_tiny_opts decodes: the pool, the step's k and maps, step or pieces, and where the
+ * routing outputs go. */
+typedef struct {
+    int threads;
+    const pyrt_params *params;   /* NULL: the defaults */
+    int k;                       /* 0: the model's */
+    int pieces;                  /* begin / attention / ffn / end instead of pyrt_decoder_step */
+    const int32_t *const *maps;  /* [N_LAYER] or NULL */
+    const float *thresholds;     /* [N_LAYER] or NULL */
+    int32_t *route_ids;          /* [CAP, N_LAYER, k] or NULL */
+    float *route_logits;         /* [CAP, N_LAYER, N_EXP] or NULL */
+    int64_t *n_active, *n_pairs; /* [CAP] or NULL */
+} decode_opts;
+
+static const float THRESHOLDS[N_LAYER] = {0.0f, 0.0f, 0.05f};
+
+typedef struct {
+    float *kc[N_LAYER], *vc[N_LAYER];
+} tiny_cache;
+
+static void cache_alloc(tiny_cache *c) {
+    for (int l = 0; l < N_LAYER; l++) {
+        c->kc[l] = calloc((size_t)N_KV * CAP * HD, sizeof(float));
+        c->vc[l] = calloc((size_t)N_KV * CAP * HD, sizeof(float));
+    }
+}
+
+static void cache_free(tiny_cache *c) {
+    for (int l = 0; l < N_LAYER; l++) {
+        free(c->kc[l]);
+        free(c->vc[l]);
+    }
+}
+
+/* One step as the per-layer calls, in order. */
+static int step_in_pieces(pyrt_decoder *dec, pyrt_pool *pool, pyrt_step_args *a) {
+    int rc = pyrt_decoder_begin(dec, pool, a);
+    for (int l = 0; l < N_LAYER && rc == PYRT_OK; l++) {
+        rc = pyrt_decoder_attention(dec, pool, l, a);
+        if (rc == PYRT_OK)
+            rc = pyrt_decoder_ffn(dec, pool, l, a);
+    }
+    return rc == PYRT_OK ? pyrt_decoder_end(dec, pool, a) : rc;
+}
+
+/* Decodes CAP tokens as `o` says; logits of every step into out [CAP, N_VOCAB]. */
+static void decode_tiny_opts(const tiny_model *t, const decode_opts *o, float *out) {
     pyrt_pool *pool = NULL;
     pyrt_decoder *dec = NULL;
-    CHECK(pyrt_pool_create(threads, &pool) == PYRT_OK, "pool: %s", pyrt_last_error());
+    CHECK(pyrt_pool_create(o->threads, o->params, &pool) == PYRT_OK, "pool: %s",
+          pyrt_last_error());
     CHECK(pyrt_decoder_create(&t->w, &dec) == PYRT_OK, "create: %s", pyrt_last_error());
-    float *kc[N_LAYER], *vc[N_LAYER];
-    for (int l = 0; l < N_LAYER; l++) {
-        kc[l] = calloc((size_t)N_KV * CAP * HD, sizeof(float));
-        vc[l] = calloc((size_t)N_KV * CAP * HD, sizeof(float));
-    }
-    const float thresholds[N_LAYER] = {0.0f, 0.0f, 0.05f};
-    int64_t active = -1;
+    tiny_cache c;
+    cache_alloc(&c);
+    const int k = o->k > 0 ? o->k : TOP_K;
     for (int pos = 0; pos < CAP && dec != NULL; pos++) {
-        int rc = pyrt_decoder_step(dec, pool, (pos * 7 + 3) % N_VOCAB, pos, kc, vc, CAP,
-                                   thresholds, out + (size_t)pos * N_VOCAB, &active);
+        pyrt_step_args a = {.token = (pos * 7 + 3) % N_VOCAB, .pos = pos, .k_cache = c.kc,
+                            .v_cache = c.vc, .cache_cap = CAP, .thresholds = o->thresholds,
+                            .k = o->k, .expert_maps = o->maps,
+                            .logits = out + (size_t)pos * N_VOCAB};
+        if (o->route_ids != NULL)
+            a.route_ids = o->route_ids + (size_t)pos * N_LAYER * k;
+        if (o->route_logits != NULL)
+            a.route_logits = o->route_logits + (size_t)pos * N_LAYER * N_EXP;
+        const int rc = o->pieces ? step_in_pieces(dec, pool, &a) : pyrt_decoder_step(dec, pool, &a);
         CHECK(rc == PYRT_OK, "step %d: %s", pos, pyrt_last_error());
-        CHECK(active > 0 && active <= 2 * TOP_K * N_FF, "n_active %lld", (long long)active);
+        CHECK(a.n_active >= 0 && a.n_active <= 2 * (int64_t)k * N_FF, "n_active %lld",
+              (long long)a.n_active);
+        CHECK(a.n_pairs >= 0 && a.n_pairs <= 2 * k, "n_pairs %lld", (long long)a.n_pairs);
+        if (o->n_active != NULL)
+            o->n_active[pos] = a.n_active;
+        if (o->n_pairs != NULL)
+            o->n_pairs[pos] = a.n_pairs;
         for (int v = 0; v < N_VOCAB; v++)
             CHECK(isfinite(out[(size_t)pos * N_VOCAB + v]), "logit %d at %d not finite", v, pos);
     }
     int64_t ns[4];
     CHECK(pyrt_decoder_times(dec, ns, 1) == PYRT_OK && ns[3] == CAP, "times: %lld steps",
           (long long)ns[3]);
-    /* errors: token, position, NULL cache pointer */
-    float logits[N_VOCAB];
-    CHECK(pyrt_decoder_step(dec, pool, N_VOCAB, 0, kc, vc, CAP, NULL, logits, NULL) ==
-                  PYRT_E_INVALID &&
-              strstr(pyrt_last_error(), "token 50 is outside") != NULL,
-          "bad token: %s", pyrt_last_error());
-    CHECK(pyrt_decoder_step(dec, pool, 1, CAP, kc, vc, CAP, NULL, logits, NULL) ==
-                  PYRT_E_INVALID &&
-              strstr(pyrt_last_error(), "outside the cache") != NULL,
-          "bad position: %s", pyrt_last_error());
-    float *saved = kc[1];
-    kc[1] = NULL;
-    CHECK(pyrt_decoder_step(dec, pool, 1, 0, kc, vc, CAP, NULL, logits, NULL) == PYRT_E_INVALID,
-          "NULL cache accepted");
-    kc[1] = saved;
-    const float bad_thr[N_LAYER] = {0.0f, -1.0f, 0.0f};
-    CHECK(pyrt_decoder_step(dec, pool, 1, 0, kc, vc, CAP, bad_thr, logits, NULL) ==
-              PYRT_E_INVALID,
-          "negative threshold accepted");
-    for (int l = 0; l < N_LAYER; l++) {
-        free(kc[l]);
-        free(vc[l]);
-    }
+    cache_free(&c);
     pyrt_decoder_free(dec);
     pyrt_pool_free(pool);
 }
 
-/* decode_tiny with the environment knob `name` set to "0" (a path turned off), then unset */
-static void decode_tiny_off(const tiny_model *t, int threads, const char *name, float *out) {
-    setenv(name, "0", 1);
-    decode_tiny(t, threads, out);
-    unsetenv(name);
+/* Decodes CAP tokens with `threads` threads on a pool with `params` (NULL: the defaults), the
+ * thresholds THRESHOLDS; logits of every step into out [CAP, N_VOCAB]. */
+static void decode_tiny_with(const tiny_model *t, int threads, const pyrt_params *params,
+                             float *out) {
+    const decode_opts o = {.threads = threads, .params = params, .thresholds = THRESHOLDS};
+    decode_tiny_opts(t, &o, out);
 }
+
+static void decode_tiny(const tiny_model *t, int threads, float *out) {
+    decode_tiny_with(t, threads, NULL, out);
+}
+
+/* A switch of pyrt_params, by name and offset. */
+typedef struct {
+    const char *name;
+    size_t offset;
+} param_switch;
+
+/* decode_tiny on a pool whose params are the defaults with the switch turned off (a path not
+ * taken) */
+static void decode_tiny_off(const tiny_model *t, int threads, param_switch sw, float *out) {
+    pyrt_params params;
+    pyrt_params_default(&params);
+    *(int *)((char *)&params + sw.offset) = 0;
+    decode_tiny_with(t, threads, &params, out);
+}
+
+#define SWITCH(field) ((param_switch){#field, offsetof(pyrt_params, field)})
 
 /* whether two decodes' logits [CAP, N_VOCAB] are the same bits */
 static int same_logits(const float *a, const float *b) {
@@ -273,25 +328,36 @@ static void test_decode(void) {
         worst = fmax(worst, fabs((double)a[i] - c[i]));
     CHECK(worst <= 1e-4, "1 vs 16 threads differ by %g", worst);
     /* prefetching while idle (on by default) moves no bit */
-    decode_tiny_off(&t, 3, "PYRT_IDLE_PREFETCH", c);
+    decode_tiny_off(&t, 3, SWITCH(idle_prefetch), c);
     CHECK(same_logits(b, c), "idle prefetch changed the logits");
+    /* the VNNI dots give the AVX-512 BW dots' bits */
+    decode_tiny_off(&t, 3, SWITCH(vnni), c);
+    CHECK(same_logits(b, c), "vnni changed the logits");
+    /* other prefetch distances move no bit */
+    pyrt_params far;
+    pyrt_params_default(&far);
+    far.matvec_prefetch_rows = 7;
+    far.expert_prefetch_neurons = 9;
+    far.reduce_prefetch_items = 0;
+    decode_tiny_with(&t, 3, &far, c);
+    CHECK(same_logits(b, c), "prefetch distances changed the logits");
     /* q/k/v and attention in one task (blocks 0 and 2: per-head norms, none) or two (serial
      * norms, RoPE, cache append between them): the same operations, the same bits */
-    decode_tiny_off(&t, 3, "PYRT_FUSE_ATTN", c);
+    decode_tiny_off(&t, 3, SWITCH(fuse_attention), c);
     CHECK(same_logits(b, c), "fused attention changed the logits");
     decode_tiny(&t, 16, c);
-    decode_tiny_off(&t, 16, "PYRT_FUSE_ATTN", a);
+    decode_tiny_off(&t, 16, SWITCH(fuse_attention), a);
     CHECK(same_logits(a, c), "fused attention changed the logits at 16 threads");
     /* router, routing and experts in one task (blocks 0 and 2) or the router's own run and
-     * pyrt_moe_ffn: the same bits (c: 16 threads, fused; with PYRT_FUSE_ROUTER=0 the blocks are
+     * pyrt_moe_ffn: the same bits (c: 16 threads, fused; with fuse_router 0 the blocks are
      * not fused whole either); then the whole block in one task (blocks 0 and 2) or attention
      * and FFN in two. b: 3 threads, everything fused. */
-    static const char *const fused_paths[] = {"PYRT_FUSE_ROUTER", "PYRT_FUSE_LAYER"};
-    for (size_t i = 0; i < sizeof fused_paths / sizeof fused_paths[0]; i++) {
+    const param_switch fused_paths[] = {SWITCH(fuse_router), SWITCH(fuse_layer)};
+    for (int i = 0; i < COUNT_OF(fused_paths); i++) {
         decode_tiny_off(&t, 16, fused_paths[i], a);
-        CHECK(same_logits(a, c), "%s=0 changed the logits at 16 threads", fused_paths[i]);
+        CHECK(same_logits(a, c), "%s 0 changed the logits at 16 threads", fused_paths[i].name);
         decode_tiny_off(&t, 3, fused_paths[i], a);
-        CHECK(same_logits(a, b), "%s=0 changed the logits at 3 threads", fused_paths[i]);
+        CHECK(same_logits(a, b), "%s 0 changed the logits at 3 threads", fused_paths[i].name);
     }
     free(c);
 
@@ -320,13 +386,248 @@ static void test_decode(void) {
     free_tiny(&t);
 }
 
-/* ---- 3. pyrt_linear errors ----------------------------------------------------------------- */
+/* ---- 3. the seams: per-layer calls, k per step, routing out, expert maps ----------------- */
+
+/* Errors of the step and the per-layer calls: status and message, the decoder usable after. */
+static void test_step_errors(const tiny_model *t) {
+    pyrt_pool *pool = NULL;
+    pyrt_decoder *dec = NULL;
+    CHECK(pyrt_pool_create(2, NULL, &pool) == PYRT_OK, "pool");
+    CHECK(pyrt_decoder_create(&t->w, &dec) == PYRT_OK, "create: %s", pyrt_last_error());
+    tiny_cache c;
+    cache_alloc(&c);
+    float logits[N_VOCAB];
+    const pyrt_step_args good = {.token = 1, .pos = 0, .k_cache = c.kc, .v_cache = c.vc,
+                                 .cache_cap = CAP, .logits = logits};
+    pyrt_step_args a = good;
+    a.token = N_VOCAB;
+    CHECK(pyrt_decoder_step(dec, pool, &a) == PYRT_E_INVALID &&
+              strstr(pyrt_last_error(), "token 50 is outside") != NULL,
+          "bad token: %s", pyrt_last_error());
+    CHECK(pyrt_decoder_begin(dec, pool, &a) == PYRT_E_INVALID, "begin: bad token accepted");
+    a = good;
+    a.pos = CAP;
+    CHECK(pyrt_decoder_step(dec, pool, &a) == PYRT_E_INVALID &&
+              strstr(pyrt_last_error(), "outside the cache") != NULL,
+          "bad position: %s", pyrt_last_error());
+    CHECK(pyrt_decoder_attention(dec, pool, 0, &a) == PYRT_E_INVALID, "attention: bad position");
+    a = good;
+    float *saved = c.kc[1];
+    c.kc[1] = NULL;
+    CHECK(pyrt_decoder_step(dec, pool, &a) == PYRT_E_INVALID, "NULL cache accepted");
+    c.kc[1] = saved;
+    const float bad_thr[N_LAYER] = {0.0f, -1.0f, 0.0f};
+    a.thresholds = bad_thr;
+    CHECK(pyrt_decoder_step(dec, pool, &a) == PYRT_E_INVALID, "negative threshold accepted");
+    CHECK(pyrt_decoder_ffn(dec, pool, 1, &a) == PYRT_E_INVALID, "ffn: negative threshold");
+    a = good;
+    a.k = N_EXP + 1;
+    CHECK(pyrt_decoder_step(dec, pool, &a) == PYRT_E_INVALID &&
+              strstr(pyrt_last_error(), "k=5 experts per token is outside [1, n_expert=4]") !=
+                  NULL,
+          "k 5 of 4: %s", pyrt_last_error());
+    a.k = -1;
+    CHECK(pyrt_decoder_step(dec, pool, &a) == PYRT_E_INVALID, "k -1 accepted");
+    a = good;
+    const int32_t bad_map[N_EXP] = {0, 1, 4, -1};
+    const int32_t *maps[N_LAYER] = {NULL, NULL, bad_map};
+    a.expert_maps = maps;
+    CHECK(pyrt_decoder_step(dec, pool, &a) == PYRT_E_INVALID &&
+              strstr(pyrt_last_error(), "expert map of layer 2: [2] = 4 is outside") != NULL,
+          "map value 4 of 4 experts: %s", pyrt_last_error());
+    a = good;
+    a.logits = NULL;
+    CHECK(pyrt_decoder_step(dec, pool, &a) == PYRT_E_INVALID, "NULL logits accepted");
+    CHECK(pyrt_decoder_end(dec, pool, &a) == PYRT_E_INVALID, "end: NULL logits accepted");
+    a = good;
+    CHECK(pyrt_decoder_attention(dec, pool, N_LAYER, &a) == PYRT_E_INVALID &&
+              strstr(pyrt_last_error(), "layer 3 is outside [0, n_layer=3)") != NULL,
+          "layer 3: %s", pyrt_last_error());
+    CHECK(pyrt_decoder_ffn(dec, pool, -1, &a) == PYRT_E_INVALID, "layer -1 accepted");
+    CHECK(pyrt_decoder_step(dec, pool, NULL) == PYRT_E_INVALID, "NULL args accepted");
+    CHECK(pyrt_decoder_read_x(dec, NULL) == PYRT_E_INVALID, "read_x NULL accepted");
+    CHECK(pyrt_decoder_step(dec, pool, &a) == PYRT_OK, "after the errors: %s", pyrt_last_error());
+    cache_free(&c);
+    pyrt_decoder_free(dec);
+    pyrt_pool_free(pool);
+}
+
+/* route_ids / route_logits of CAP steps: each MoE layer's ids are the top k of its logits (in
+ * order, distinct), the dense layer's row is -1 / NaN. */
+static void check_routing(const int32_t *ids, const float *logits, int k) {
+    for (int pos = 0; pos < CAP; pos++)
+        for (int l = 0; l < N_LAYER; l++) {
+            const int32_t *id = ids + ((size_t)pos * N_LAYER + l) * k;
+            const float *lg = logits + ((size_t)pos * N_LAYER + l) * N_EXP;
+            if (l == 1) { /* the dense FFN layer */
+                for (int j = 0; j < k; j++)
+                    CHECK(id[j] == -1, "dense layer id %d", id[j]);
+                for (int e = 0; e < N_EXP; e++)
+                    CHECK(isnan(lg[e]), "dense layer logit %g", lg[e]);
+                continue;
+            }
+            uint8_t taken[N_EXP] = {0};
+            for (int j = 0; j < k; j++) {
+                int best = -1;
+                for (int e = 0; e < N_EXP; e++)
+                    if (!taken[e] && (best < 0 || lg[e] > lg[best]))
+                        best = e;
+                taken[best] = 1;
+                CHECK(id[j] == best, "pos %d layer %d: id %d is %d, the logits' top is %d", pos, l,
+                      j, id[j], best);
+                CHECK(isfinite(lg[best]), "logit not finite");
+            }
+        }
+}
+
+static void test_seams(const tiny_model *t) {
+    const size_t n = (size_t)CAP * N_VOCAB;
+    float *step = malloc(sizeof(float) * n), *got = malloc(sizeof(float) * n);
+    int32_t ids_step[CAP * N_LAYER * N_EXP], ids_got[CAP * N_LAYER * N_EXP];
+    float lg_step[CAP * N_LAYER * N_EXP], lg_got[CAP * N_LAYER * N_EXP];
+    int64_t act_step[CAP], act_got[CAP], pairs[CAP];
+    /* the step in pieces: the same bits and routing as the (fused) step, 3 and 16 threads */
+    for (int threads = 3; threads <= 16; threads += 13) {
+        decode_opts o = {.threads = threads, .thresholds = THRESHOLDS, .route_ids = ids_step,
+                         .route_logits = lg_step, .n_active = act_step, .n_pairs = pairs};
+        decode_tiny_opts(t, &o, step);
+        check_routing(ids_step, lg_step, TOP_K);
+        for (int pos = 0; pos < CAP; pos++)
+            CHECK(pairs[pos] == 2 * TOP_K, "n_pairs %lld", (long long)pairs[pos]);
+        o.pieces = 1;
+        o.route_ids = ids_got;
+        o.route_logits = lg_got;
+        o.n_active = act_got;
+        decode_tiny_opts(t, &o, got);
+        CHECK(same_logits(step, got), "per-layer calls differ from the step at %d threads",
+              threads);
+        CHECK(memcmp(ids_step, ids_got, sizeof(int32_t) * CAP * N_LAYER * TOP_K) == 0 &&
+                  memcmp(act_step, act_got, sizeof act_step) == 0,
+              "per-layer routing differs at %d threads", threads);
+        for (int i = 0; i < CAP * N_LAYER * N_EXP; i++)
+            CHECK(memcmp(&lg_step[i], &lg_got[i], 4) == 0, "per-layer router logit %d", i);
+    }
+    /* k per step: k = the model's k gives the default's bits; other k route that many experts
+     * (the logits move) */
+    decode_opts o = {.threads = 3, .thresholds = THRESHOLDS};
+    decode_tiny_opts(t, &o, step);
+    o.k = TOP_K;
+    decode_tiny_opts(t, &o, got);
+    CHECK(same_logits(step, got), "k = n_expert_used differs from the default");
+    for (int k = 1; k <= N_EXP; k++) {
+        o = (decode_opts){.threads = 3, .k = k, .route_ids = ids_got, .route_logits = lg_got,
+                          .n_pairs = pairs, .pieces = k % 2};
+        decode_tiny_opts(t, &o, got);
+        check_routing(ids_got, lg_got, k);
+        for (int pos = 0; pos < CAP; pos++)
+            CHECK(pairs[pos] == 2 * k, "k %d: n_pairs %lld", k, (long long)pairs[pos]);
+        if (k != TOP_K)
+            CHECK(!same_logits(step, got), "k %d gave k %d's logits", k, TOP_K);
+    }
+    /* expert maps: every expert here = no map, bit for bit; none here = no routed neuron */
+    const int32_t ident[N_EXP] = {0, 1, 2, 3}, none[N_EXP] = {-1, -1, -1, -1};
+    const int32_t *all[N_LAYER] = {ident, ident, ident}, *nothing[N_LAYER] = {none, none, none};
+    decode_tiny_opts(t, &(decode_opts){.threads = 3, .thresholds = THRESHOLDS}, step);
+    decode_tiny_opts(t, &(decode_opts){.threads = 3, .thresholds = THRESHOLDS, .maps = all},
+                     got);
+    CHECK(same_logits(step, got), "identity maps changed the logits");
+    decode_tiny_opts(t,
+                     &(decode_opts){.threads = 3, .maps = nothing, .n_active = act_got,
+                                    .n_pairs = pairs, .route_ids = ids_got,
+                                    .route_logits = lg_got},
+                     got);
+    check_routing(ids_got, lg_got, TOP_K); /* every chosen id, computed here or not */
+    for (int pos = 0; pos < CAP; pos++)
+        CHECK(act_got[pos] == 0 && pairs[pos] == 0, "maps of -1: %lld neurons, %lld pairs",
+              (long long)act_got[pos], (long long)pairs[pos]);
+    CHECK(!same_logits(step, got), "maps of -1 left the logits as they were");
+    free(step);
+    free(got);
+}
+
+/* The hybrid flow at one layer: x after block 2's attention; its FFN with half the experts (map
+ * a), then from the same x with the other half (map b), then with all: the two halves' updates
+ * of x sum to the full one (block 2 has no shared expert, which both halves would add). */
+static void test_complementary_maps(const tiny_model *t) {
+    pyrt_pool *pool = NULL;
+    pyrt_decoder *dec = NULL;
+    CHECK(pyrt_pool_create(3, NULL, &pool) == PYRT_OK, "pool");
+    CHECK(pyrt_decoder_create(&t->w, &dec) == PYRT_OK, "create: %s", pyrt_last_error());
+    tiny_cache c;
+    cache_alloc(&c);
+    float logits[N_VOCAB], x0[N_EMBD], xa[N_EMBD], xb[N_EMBD], xf[N_EMBD];
+    const int32_t map_a[N_EXP] = {0, -1, 2, -1}, map_b[N_EXP] = {-1, 1, -1, 3};
+    const int32_t *maps_a[N_LAYER] = {NULL, NULL, map_a}, *maps_b[N_LAYER] = {NULL, NULL, map_b};
+    for (int pos = 0; pos < 3; pos++) {
+        pyrt_step_args a = {.token = 5 + pos, .pos = pos, .k_cache = c.kc, .v_cache = c.vc,
+                            .cache_cap = CAP, .thresholds = THRESHOLDS, .logits = logits};
+        int rc = pyrt_decoder_begin(dec, pool, &a);
+        for (int l = 0; l < 2 && rc == PYRT_OK; l++) {
+            rc = pyrt_decoder_attention(dec, pool, l, &a);
+            rc = rc == PYRT_OK ? pyrt_decoder_ffn(dec, pool, l, &a) : rc;
+        }
+        rc = rc == PYRT_OK ? pyrt_decoder_attention(dec, pool, 2, &a) : rc;
+        rc = rc == PYRT_OK ? pyrt_decoder_read_x(dec, x0) : rc;
+        const int64_t before = a.n_pairs;
+        a.expert_maps = maps_a;
+        rc = rc == PYRT_OK ? pyrt_decoder_ffn(dec, pool, 2, &a) : rc;
+        rc = rc == PYRT_OK ? pyrt_decoder_read_x(dec, xa) : rc;
+        const int64_t pairs_a = a.n_pairs - before;
+        rc = rc == PYRT_OK ? pyrt_decoder_write_x(dec, x0) : rc;
+        a.expert_maps = maps_b;
+        rc = rc == PYRT_OK ? pyrt_decoder_ffn(dec, pool, 2, &a) : rc;
+        rc = rc == PYRT_OK ? pyrt_decoder_read_x(dec, xb) : rc;
+        const int64_t pairs_b = a.n_pairs - before - pairs_a;
+        rc = rc == PYRT_OK ? pyrt_decoder_write_x(dec, x0) : rc;
+        a.expert_maps = NULL;
+        float route_logits[N_LAYER * N_EXP];
+        a.route_logits = route_logits;
+        rc = rc == PYRT_OK ? pyrt_decoder_ffn(dec, pool, 2, &a) : rc;
+        rc = rc == PYRT_OK ? pyrt_decoder_read_x(dec, xf) : rc;
+        /* route_logits: the router's (F32) logits of rms_norm(x0) * ffn_norm, before softmax */
+        const pyrt_block_weights *b = &t->blocks[2];
+        double ss = 0.0;
+        for (int i = 0; i < N_EMBD; i++)
+            ss += (double)x0[i] * x0[i];
+        const double r = 1.0 / sqrt(ss / N_EMBD + 1e-6);
+        for (int e = 0; e < N_EXP; e++) {
+            const float *row = (const float *)b->router.data + (size_t)e * N_EMBD;
+            double z = 0.0, zabs = 0.0;
+            for (int i = 0; i < N_EMBD; i++) {
+                z += row[i] * (x0[i] * r * b->ffn_norm[i]);
+                zabs += fabs(row[i] * (x0[i] * r * b->ffn_norm[i]));
+            }
+            CHECK(fabs(route_logits[2 * N_EXP + e] - z) <= 1e-5 * zabs + 1e-7,
+                  "pos %d: router logit %d is %g, want %g", pos, e, route_logits[2 * N_EXP + e],
+                  z);
+        }
+        rc = rc == PYRT_OK ? pyrt_decoder_end(dec, pool, &a) : rc;
+        CHECK(rc == PYRT_OK, "pos %d: %s", pos, pyrt_last_error());
+        CHECK(pairs_a + pairs_b == TOP_K, "pairs %lld + %lld", (long long)pairs_a,
+              (long long)pairs_b);
+        double worst = 0.0;
+        for (int i = 0; i < N_EMBD; i++) {
+            const double da = (double)xa[i] - x0[i], db = (double)xb[i] - x0[i];
+            const double df = (double)xf[i] - x0[i];
+            /* f32: each x = x0 + y * residual_scale rounded, y's sums in another order */
+            const double tol = 1e-5 * (fabs(x0[i]) + fabs(da) + fabs(db)) + 1e-7;
+            worst = fmax(worst, fabs(da + db - df) / tol);
+        }
+        CHECK(worst <= 1.0, "pos %d: the halves' updates miss the full one (ratio %g)", pos,
+              worst);
+    }
+    cache_free(&c);
+    pyrt_decoder_free(dec);
+    pyrt_pool_free(pool);
+}
+
+/* ---- 4. pyrt_linear errors ----------------------------------------------------------------- */
 
 static void test_linear_errors(void) {
     pyrt_matrix m = make_matrix(PYRT_FMT_Q8_0, 8, 64, 0.1f);
     float x[64] = {0}, y[8];
     pyrt_pool *pool = NULL;
-    CHECK(pyrt_pool_create(2, &pool) == PYRT_OK, "pool");
+    CHECK(pyrt_pool_create(2, NULL, &pool) == PYRT_OK, "pool");
     CHECK(pyrt_linear(NULL, &m, x, 1, NULL, y) == PYRT_E_INVALID, "NULL pool accepted");
     CHECK(pyrt_linear(pool, NULL, x, 1, NULL, y) == PYRT_E_INVALID, "NULL matrix accepted");
     CHECK(pyrt_linear(pool, &m, NULL, 1, NULL, y) == PYRT_E_INVALID, "NULL x accepted");
@@ -377,6 +678,12 @@ int main(void) {
             for (int n_tokens = 1; n_tokens <= 5; n_tokens += 4)
                 test_linear(fmt ? PYRT_FMT_Q8_0 : PYRT_FMT_F32, n_tokens, threads);
     test_decode();
+    tiny_model t;
+    build_tiny(&t);
+    test_step_errors(&t);
+    test_seams(&t);
+    test_complementary_maps(&t);
+    free_tiny(&t);
     test_linear_errors();
     test_unaligned_experts();
     if (failures) {

@@ -1,26 +1,16 @@
-/* Internal declarations of the dense-weight kernels (linear.c) shared with the decode step
- * (decode.c). Not part of the public API. */
-#ifndef PYRT_DECODE_INTERNAL_H
-#define PYRT_DECODE_INTERNAL_H
+/* Dense weight matrices (linear.c): y = x W^T over matrices read in place in their own format,
+ * as pool tasks (matvec jobs) that the decode step composes, and pyrt_linear on top. */
+#ifndef PYRT_LINEAR_H
+#define PYRT_LINEAR_H
 
 #include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
 
-#include "pyrt_internal.h"
+#include "pool.h"
+#include "rows.h"
 
 enum { PYRT_MV_MAX = 4 }; /* matrices one matvec job can hold (q, k, v; router, gate, up) */
-
-static inline int pyrt_fmt_is_blocked(int fmt) {
-    return fmt == PYRT_FMT_Q8_0 || fmt == PYRT_FMT_Q4_0;
-}
-
-/* Bytes a weights pointer in fmt must be aligned to: its element (F32 4, F16/BF16 2; blocks 1). */
-static inline size_t pyrt_fmt_align(int fmt) {
-    return fmt == PYRT_FMT_F32 ? 4 : pyrt_fmt_is_blocked(fmt) ? 1 : 2;
-}
-
-/* PYRT_OK if expert weights `gud` in `fmt` are aligned to pyrt_fmt_align(fmt); else
- * PYRT_E_INVALID with "<fn>: weights pointer is not N-byte aligned". */
-int pyrt_check_weights_aligned(const char *fn, const void *gud, int fmt);
 
 /* Checks one weight matrix (non-NULL data, known format, n_in fits the format, bytes match the
  * shape, aligned); on failure sets last_error ("fn: what ...") and returns the status. */
@@ -56,6 +46,8 @@ typedef struct {
     void (*on_rows)(void *ctx, int64_t lo, int64_t hi);
     void *on_rows_ctx;
     /* set by pyrt_mv_job_prepare */
+    const pyrt_row_ops *ops[PYRT_MV_MAX]; /* out[i]'s row kernels (the pool's SIMD setting) */
+    int prefetch_rows;    /* the pool's params.matvec_prefetch_rows */
     int64_t total_rows;
     int n_homes;          /* min(nth, PYRT_MAX_HOMES) */
     int chunk;            /* rows per work item (even, so row pairs share one pass over x) */
@@ -64,26 +56,26 @@ typedef struct {
     } home[PYRT_MAX_HOMES];
 } pyrt_mv_job;
 
-/* Sets the chunking for nth threads and resets the counters; call before each pyrt_pool_run. */
-void pyrt_mv_job_prepare(pyrt_mv_job *job, int nth);
+/* Sets the chunking for the pool's threads, the row kernels and prefetch distance of its
+ * params, and resets the counters; call before each pyrt_pool_run. */
+void pyrt_mv_job_prepare(pyrt_mv_job *job, const pyrt_pool *pool);
 /* The job's rows as a prefetch plan (the same homes as its task's). */
 void pyrt_mv_job_plan(const pyrt_mv_job *job, pyrt_pf_plan *plan);
 /* The pool task (ctx: pyrt_mv_job). */
 void pyrt_mv_task(void *ctx, int ith, int nth);
 
-/* Writes the top k expert ids and weights of the token from the router's output. */
-typedef void (*pyrt_route_fn)(void *ctx, int32_t *ids, float *w);
+/* ---- one token (the decode step) ----------------------------------------------------------- */
 
-/* One token's router, routing and routed experts as one pool task (moe_ffn.c): every thread
- * runs `before` first (NULL: none; it returns once x, xq and the router's input are ready),
- * then `router`'s chunks (prepared: pyrt_mv_job_prepare; its out[0] the router, whose rows'
- * completion triggers `route`, which fills ids/w [k]), then pyrt_moe_ffn's work for x (xq: its
- * Q8 blocks, made by the router's job or by `before`; NULL: quantized here, before the run).
- * The caller holds the pool; the weights were checked. */
-int pyrt_moe_ffn_routed(pyrt_pool *pool, pyrt_task_fn before, void *before_ctx,
-                        pyrt_mv_job *router, pyrt_route_fn route, void *route_ctx, int32_t *ids,
-                        float *w, const void *gud, int fmt, int n_expert, int n_ff, int n_embd,
-                        const float *x, const pyrt_xq8 *xq, int k, int activation,
-                        float threshold, float *y, int64_t *n_active);
+/* 1 when a matrix of the job reads Q8 blocks of x (Q8_0/Q4_0). */
+int pyrt_mv_job_blocked(const pyrt_mv_job *job);
+/* The job over one token x [n] whose Q8 blocks are in xq [n / 32] (not made here), prepared for
+ * the pool (div 0 is taken as 1). */
+void pyrt_mv_job_bind(pyrt_mv_job *job, pyrt_pool *pool, const float *x, int n, pyrt_xq8 *xq);
+/* pyrt_mv_job_bind after quantizing x into xq where a matrix reads Q8 blocks. */
+void pyrt_mv_job_setup(pyrt_mv_job *job, pyrt_pool *pool, const float *x, int n, pyrt_xq8 *xq);
+/* pyrt_mv_job_setup, then the job as one pool task (the caller holds the pool). */
+void pyrt_mv_run(pyrt_mv_job *job, pyrt_pool *pool, const float *x, int n, pyrt_xq8 *xq);
+/* The idle time of the next pool run prefetches `next`'s rows (NULL: nothing). */
+void pyrt_pool_plan_job(pyrt_pool *pool, const pyrt_mv_job *next);
 
-#endif /* PYRT_DECODE_INTERNAL_H */
+#endif /* PYRT_LINEAR_H */

@@ -1,0 +1,45 @@
+/* The execution parameters of a pool (pyrt_params, pyrt.h): their defaults and ranges. Every
+ * value gives the same results; the defaults are the fastest measured (the spin: a bound on the
+ * CPU idle workers burn between calls, which torch's threads may need). */
+#include <stddef.h>
+
+#include "error.h"
+#include "pool.h"
+
+void pyrt_params_default(pyrt_params *p) {
+    *p = (pyrt_params){
+        .spin_us = 300,
+        .idle_prefetch = 1,
+        .vnni = 1,
+        .matvec_prefetch_rows = 2,    /* 2 streamed a 650 MB Q8_0 matrix 12-14% faster than 4 on
+                                         1-2 Sapphire Rapids cores (8: prefetches stall on full
+                                         line-fill buffers) */
+        .expert_prefetch_neurons = 2, /* the best of 2, 4, 8 on 16 cores */
+        .reduce_prefetch_items = 2,   /* 6 measured no faster on 16 cores */
+        .fuse_attention = 1,
+        .fuse_router = 1,
+        .fuse_layer = 1,
+    };
+}
+
+int pyrt_params_check(const pyrt_params *p, const char *fn) {
+    const struct {
+        const char *name;
+        int value, lo, hi;
+    } fields[] = {
+        {"spin_us", p->spin_us, 0, 1000000},
+        {"idle_prefetch", p->idle_prefetch, 0, 1},
+        {"vnni", p->vnni, 0, 1},
+        {"matvec_prefetch_rows", p->matvec_prefetch_rows, 0, 64},
+        {"expert_prefetch_neurons", p->expert_prefetch_neurons, 0, 64},
+        {"reduce_prefetch_items", p->reduce_prefetch_items, 0, 64},
+        {"fuse_attention", p->fuse_attention, 0, 1},
+        {"fuse_router", p->fuse_router, 0, 1},
+        {"fuse_layer", p->fuse_layer, 0, 1},
+    };
+    for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++)
+        if (fields[i].value < fields[i].lo || fields[i].value > fields[i].hi)
+            return pyrt_fail(PYRT_E_INVALID, "%s: params.%s = %d is outside [%d, %d]", fn,
+                             fields[i].name, fields[i].value, fields[i].lo, fields[i].hi);
+    return PYRT_OK;
+}

@@ -1,0 +1,122 @@
+/* Row kernels: one weight row against one token, per format and SIMD level (rows_scalar.c,
+ * rows_avx2.c, rows_avx512.c), the activation quantizer and the f32 add they share, and the
+ * run-time choice among the levels (cpu.c). */
+#ifndef PYRT_ROWS_H
+#define PYRT_ROWS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "formats.h"
+
+/* ---- activation quantization --------------------------------------------------------------- */
+
+/* One quantized activation block: x[i] ~= d * q[i], q in [-127, 127]. The scale is kept in f32
+ * (llama.cpp rounds it to f16; f32 is as fast here and a little more accurate). */
+typedef struct {
+    float d;
+    int8_t q[PYRT_QK];
+} pyrt_xq8;
+
+/* x [n] f32 -> n/32 blocks; n must be a multiple of 32. Round-half-to-even (as torch.round).
+ * pyrt_quantize_x_q8 runs the active SIMD level's version (cpu.c); for finite x every level gives
+ * the scalar one's bytes (tests/c). The SIMD ones also mirror the scalar code as compiled on x86
+ * where x holds NaN/inf: amax ignores NaN lanes (as fmaxf), q is the low byte of the truncated
+ * int32 (cvttss2si + (int8_t)). */
+void pyrt_quantize_x_q8(const float *x, pyrt_xq8 *out, int n);
+void pyrt_quantize_x_q8_scalar(const float *x, pyrt_xq8 *out, int n);
+void pyrt_quantize_x_q8_avx2(const float *x, pyrt_xq8 *out, int n);
+void pyrt_quantize_x_q8_avx512(const float *x, pyrt_xq8 *out, int n);
+
+/* y[0:n] += x[0:n] in f32, element by element (every level gives the same bits): the expert
+ * kernel's sum of partial ys. pyrt_add_f32_active: the active SIMD level's (cpu.c). */
+typedef void (*pyrt_add_fn)(float *y, const float *x, size_t n);
+void pyrt_add_f32_scalar(float *y, const float *x, size_t n);
+void pyrt_add_f32_avx2(float *y, const float *x, size_t n);
+void pyrt_add_f32_avx512(float *y, const float *x, size_t n);
+pyrt_add_fn pyrt_add_f32_active(void);
+
+/* ---- row kernels --------------------------------------------------------------------------- */
+
+/* One weight row of n elements, in one format, against one token.
+ * dot:  returns row . x, where x is f32 [n] for float formats and pyrt_xq8 [n/32] for Q8_0/Q4_0.
+ * axpy: y[0:n] += a * row (the row dequantized on the fly); y is f32 [n]. */
+typedef float (*pyrt_dot_fn)(const void *row, const void *x, int n);
+typedef void (*pyrt_axpy_fn)(float a, const void *row, float *y, int n);
+/* dot2: out[r] = rows r . x for two rows in one pass over x (a neuron's gate and up rows);
+ *       bit for bit what two dot calls return.
+ * axpyn: y[0:n] += a[r] * rows[r] for r = 0 .. nr-1 (1 <= nr <= PYRT_AXPY_ROWS) in one pass over
+ *       y, y held in registers across the rows; bit for bit what nr axpy calls in order give. */
+typedef void (*pyrt_dot2_fn)(const void *row0, const void *row1, const void *x, int n,
+                             float out[2]);
+typedef void (*pyrt_axpyn_fn)(int nr, const float *a, const void *const *rows, float *y, int n);
+
+#define PYRT_AXPY_ROWS 8
+
+/* dot_pf / dot2_pf: dot / dot2, bit for bit, that also issue software prefetches (prefetcht0) of
+ *       the n_pf cache-line addresses pf[0 .. n_pf-1], spread evenly over the kernel's loop. A
+ *       burst of ~100 prefetches stalls the core once its line-fill buffers are full, so the
+ *       weight stream and the arithmetic run one after the other; spread out, they overlap. */
+typedef float (*pyrt_dot_pf_fn)(const void *row, const void *x, int n, const void *const *pf,
+                                int n_pf);
+typedef void (*pyrt_dot2_pf_fn)(const void *row0, const void *row1, const void *x, int n,
+                                float out[2], const void *const *pf, int n_pf);
+
+typedef void (*pyrt_axpyn_pf_fn)(int nr, const float *a, const void *const *rows, float *y, int n,
+                                 const void *const *pf, int n_pf);
+
+typedef struct {
+    pyrt_dot_fn dot;
+    pyrt_axpy_fn axpy;
+    pyrt_dot2_fn dot2;   /* NULL: the caller makes two dot calls */
+    pyrt_axpyn_fn axpyn; /* NULL: the caller makes nr axpy calls */
+    pyrt_dot_pf_fn dot_pf;   /* NULL: the caller prefetches, then calls dot */
+    pyrt_dot2_pf_fn dot2_pf; /* NULL: the caller prefetches, then calls dot2 (or two dots) */
+    pyrt_axpyn_pf_fn axpyn_pf; /* axpyn with spread prefetches; NULL: as for dot_pf */
+} pyrt_row_ops;
+
+/* Spreads n prefetches over a loop of n_it iterations: pyrt_pf_tick after each iteration issues
+ * the lines due so far (16.16 fixed point, no division in the loop; n < 65536), pyrt_pf_end the
+ * rest. */
+typedef struct {
+    const void *const *lines;
+    int n, i;
+    uint32_t acc, step;
+} pyrt_pf_spread;
+
+static inline pyrt_pf_spread pyrt_pf_begin(const void *const *lines, int n, int n_it) {
+    pyrt_pf_spread s = {lines, n, 0, 0, 0};
+    if (n > 0 && n_it > 0)
+        s.step = (uint32_t)(((uint64_t)n << 16) / (uint64_t)n_it);
+    return s;
+}
+
+static inline void pyrt_pf_tick(pyrt_pf_spread *s) {
+    s->acc += s->step;
+    const int due = (int)(s->acc >> 16);
+    for (; s->i < due; s->i++)
+        __builtin_prefetch(s->lines[s->i], 0, 3);
+}
+
+static inline void pyrt_pf_end(pyrt_pf_spread *s) {
+    for (; s->i < s->n; s->i++)
+        __builtin_prefetch(s->lines[s->i], 0, 3);
+}
+
+/* Row kernels of one SIMD level for fmt; NULL when the level has none for fmt (unknown format). */
+const pyrt_row_ops *pyrt_row_ops_scalar(int fmt);
+const pyrt_row_ops *pyrt_row_ops_avx2(int fmt);
+const pyrt_row_ops *pyrt_row_ops_avx512(int fmt);
+/* The AVX-512 level's kernels with the Q8_0 dots on AVX512_VNNI (the same bits as
+ * pyrt_row_ops_avx512); call only where the CPU has it (pyrt_cpu_has_vnni). */
+const pyrt_row_ops *pyrt_row_ops_avx512_vnni(int fmt);
+
+/* ---- the choice among levels (cpu.c) ------------------------------------------------------- */
+
+/* 1 when the CPU has AVX512_VNNI. */
+int pyrt_cpu_has_vnni(void);
+/* Level `level`'s kernels; NULL for an unknown level or format. vnni != 0: the AVX-512 level's
+ * Q8_0 dots are pyrt_row_ops_avx512_vnni's where the CPU has AVX512_VNNI. */
+const pyrt_row_ops *pyrt_row_ops_at(int level, int fmt, int vnni);
+
+#endif /* PYRT_ROWS_H */

@@ -1,0 +1,13 @@
+/* Serial vector pieces of the decode step (vec.c), O(n) on the calling thread: RMS norm and
+ * softmax. */
+#ifndef PYRT_VEC_H
+#define PYRT_VEC_H
+
+/* out = x * rsqrt(mean(x^2) + eps) * w, in that order (as rms_norm in the reference model);
+ * out may be x. */
+void pyrt_rms_norm(const float *x, const float *w, float eps, int n, float *out);
+
+/* Softmax over n values in place. */
+void pyrt_softmax(float *p, int n);
+
+#endif /* PYRT_VEC_H */
