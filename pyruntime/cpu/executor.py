@@ -22,7 +22,7 @@ from pyruntime.gguf.quant import QuantMatrix
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.executor import RoutingTrace
 from pyruntime.model.kv_cache import KVCache
-from pyruntime.model.reference import ReferenceModel
+from pyruntime.model.reference import ReferenceModel, check_k
 from pyruntime.model.tokens import single_token
 from pyruntime.model.weights import HostWeights
 
@@ -86,19 +86,37 @@ class CpuExecutor(ReferenceModel):
     ) -> torch.Tensor:
         """Logits [n_tokens, n_vocab] (or [1, n_vocab] with last_only) float32 (the Executor
         protocol: pyruntime.model.executor)."""
-        plain_step = (k is None or k == self.config.n_expert_used) and routing is None
-        if self._decoder is not None and self.gate_observer is None and plain_step:
+        if self._decoder is not None and self.gate_observer is None:
             token = single_token(tokens, self.config.n_vocab)
             if token is not None:  # decode: one C call, no torch op (~15 us of Python)
-                cache.reserve(1)
-                logits, n_active = self._decoder.step(token, cache, self.expert_threshold)
-                self.stats.add(
-                    n_pairs=self._decoder.n_moe_layers * self.config.n_expert_used,
-                    n_active=n_active,
-                    n_ff=self.config.n_ff_exp,
-                )
-                return logits  # [1, n_vocab]
+                return self._decode(token, cache, check_k(k, self.config), routing)
         return self._forward_torch(tokens, cache, last_only, k, routing)
+
+    def _decode(
+        self, token: int, cache: KVCache, k: int, routing: RoutingTrace | None
+    ) -> torch.Tensor:
+        """One token through the C decode step; logits [1, n_vocab]."""
+        cache.reserve(1)
+        cfg = self.config
+        ids = logits = None
+        if routing is not None:
+            ids = torch.empty((cfg.n_layer, k), dtype=torch.int32)
+            logits = torch.empty((cfg.n_layer, cfg.n_expert), dtype=torch.float32)
+        out, n_active = self._decoder.step(
+            token,
+            cache,
+            self.expert_threshold,
+            k=None if k == cfg.n_expert_used else k,
+            route_ids=ids,
+            route_logits=logits,
+        )
+        self.stats.add(n_pairs=self._decoder.n_pairs, n_active=n_active, n_ff=cfg.n_ff_exp)
+        if routing is not None:
+            layers = self.moe_layers()
+            routing.layers = layers
+            routing.ids = ids[layers].long() if layers else None
+            routing.logits = logits[layers] if layers else None
+        return out
 
     def decode_times(self, reset: bool = False) -> dict[str, float]:
         """Seconds of the C decode steps by part (CpuDecoder.times); {} without the C core."""
