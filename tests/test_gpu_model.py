@@ -172,7 +172,9 @@ def test_decode_graph_captured_once_per_cache(tiny_ggufs, monkeypatch):
     dev.forward([1, 2, 3], cache)
     eager.forward([1, 2, 3], eager_cache)
     for tok in (4, 5, 6):
-        assert torch.equal(dev.forward([tok], cache), eager.forward([tok], eager_cache))
+        got, want = dev.forward([tok], cache), eager.forward([tok], eager_cache)
+        # bit for bit under the interpreter; a GPU's atomics reorder float32 sums between runs
+        assert torch.equal(got, want) if DEVICE == "cpu" else torch.allclose(got, want, atol=1e-4)
     assert len(captures) == 1
     dev.set_expert_threshold(None)  # a new model state: captured again on the next step
     dev.forward([7], cache)

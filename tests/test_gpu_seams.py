@@ -33,6 +33,20 @@ from pyruntime.model.weights import HostWeights
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "cuda"
 LOGPROB_TOL = 1e-3
+# Same kernels, same order: bit for bit under the interpreter. On a GPU several kernels add
+# partial sums with atomics (split-K attention, down projections), whose order varies from run to
+# run, so two runs of the same step differ by float32 rounding (~1e-6 relative).
+RERUN_TOL = 0.0 if DEVICE == "cpu" else 1e-4
+
+
+def assert_same_run(a: torch.Tensor, b: torch.Tensor) -> None:
+    """a and b: logits of the same computation run twice (see RERUN_TOL)."""
+    if RERUN_TOL == 0.0:
+        assert torch.equal(a, b)
+    else:
+        assert _max_err(a, b) <= RERUN_TOL, _max_err(a, b)
+
+
 # olmoe; qwen2moe: a shared expert with its sigmoid gate and a dense-FFN layer
 ARCHS = ["olmoe", "qwen2moe"]
 
@@ -93,7 +107,7 @@ def test_a_graph_per_k_each_replayed(model, monkeypatch):
     eager.forward(ids[:4], ce)
     dev.forward(ids[:4], cg)
     for t, k in zip(ids[4:], ks, strict=True):
-        assert torch.equal(dev.forward([t], cg, k=k), eager.forward([t], ce, k=k))
+        assert_same_run(dev.forward([t], cg, k=k), eager.forward([t], ce, k=k))
     assert len(captures) == 2
     with pytest.raises(UsageError, match="experts per token"):
         dev.forward([1], cg, k=cfg.n_expert + 1)
@@ -151,7 +165,7 @@ def test_decode_after_rewind_equals_a_cache_that_never_saw_the_dropped(model, gr
     dev.forward(dropped[:1], b)
     assert a.n_tokens == b.n_tokens == 6
     for t in after:
-        assert torch.equal(dev.forward([t], a), dev.forward([t], b))
+        assert_same_run(dev.forward([t], a), dev.forward([t], b))
     assert len(captures) == (2 if graphs else 0)  # one per cache, replayed after the rewind
 
 
@@ -186,7 +200,7 @@ def test_running_the_pieces_layer_by_layer_equals_forward(model):
     ids = _ids(cfg.n_vocab, 8, seed=7)
     c1, c2 = dev.new_cache(8), dev.new_cache(8)
     for tokens in (ids[:6], ids[6:7], ids[7:]):  # a prefill (grouped GEMMs), two decode steps
-        assert torch.equal(run_pieces(dev, tokens, c2), dev.forward(tokens, c1))
+        assert_same_run(run_pieces(dev, tokens, c2), dev.forward(tokens, c1))
 
 
 # -- expert maps -----------------------------------------------------------------------------
