@@ -21,8 +21,8 @@ from pyruntime.converter.sources import SourceTensors
 from pyruntime.converter.tensors import OUTTYPES, StreamedTensor, choose_qtype
 from pyruntime.converter.vocab import Vocab, load_vocab, write_vocab
 from pyruntime.errors import ConversionError, UsageError
+from pyruntime.model.layout import LAYOUT_VERSION  # docs/gguf-layout.md
 
-LAYOUT_VERSION = 1  # docs/gguf-layout.md
 QUANTIZATION_VERSION = 2
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pyruntime import options
 from pyruntime.errors import ConversionError
-from pyruntime.gguf.file import LAYOUT_VERSION
+from pyruntime.model.layout import LAYOUT_VERSION
 
 DEMO_NAME = "tiny-olmoe"
 DEMO_SOURCE = Path(__file__).resolve().parent / "demo_model" / DEMO_NAME
