@@ -125,7 +125,7 @@ class Model:
         )
         self.decoding = DecodingMode.from_options(config, **self._decoding_options)
         self.big_little_stats = BigLittleStats()
-        self.tokenizer = Tokenizer.from_gguf(self.file)
+        self.tokenizer = Tokenizer.from_gguf(self.file, config.n_vocab)
         if seed is not None and seed < 0:
             raise UsageError(f"seed must be >= 0, got {seed}")
         self._rng = torch.Generator()

@@ -347,16 +347,18 @@ def _check_data_section(
     """Tensor data in file order, each tensor starting where the previous one's data, padded to
     the alignment, ends; the file ending with the last one's padding (tensors: at least one)."""
     expected = 0
+    after = ""
     for t in tensors:
         if t.offset != expected:
             why = "a gap or overlap"
             if t.offset % alignment:
                 why = f"not aligned to {alignment} bytes"
             raise FormatError(
-                f"tensor {t.name!r} starts at data offset {t.offset}, expected {expected} "
+                f"tensor {t.name!r} starts at data offset {t.offset}, expected {expected}{after} "
                 f"({why}: tensor data must follow in order, each padded to {alignment} bytes)"
             )
         expected += -(-t.n_bytes // alignment) * alignment
+        after = f" after {t.name!r} of {t.n_bytes} bytes"
     end = data_start + expected
     if end > file_size:
         raise FormatError(
