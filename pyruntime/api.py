@@ -9,15 +9,23 @@
 
 One Model holds one KV cache (a `Session`): consecutive generate / chat calls reuse the longest
 common token prefix with the previous call, so a chat turn only evaluates the new messages.
+
+Threads: a Model serializes its calls. Whatever touches its session or executor (a generation,
+`logits`, `reset`) runs one at a time; a generation holds the Model from its first piece until it
+ends or is closed, and other threads' calls wait for it. Tokenizing and rendering chat templates
+do not wait. For generations in parallel, load one Model per thread: the weights are the same
+mapped file, shared by the OS.
 """
 
 from __future__ import annotations
 
 import secrets
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +51,31 @@ from pyruntime.text.tokenizer import Tokenizer
 _DEFAULTS = SamplingParams()
 
 
+class CallLock:
+    """One call at a time on a Model (module doc). A thread whose own generation is still open
+    (iterated part way, neither finished nor closed) gets a UsageError instead of waiting for
+    itself forever; a generation finished in another thread releases the lock there."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holder: int | None = None  # thread id of the call in progress
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        me = threading.get_ident()
+        if self._holder == me:
+            raise UsageError(
+                "this thread's previous generation on this Model is still open: iterate it to "
+                "the end or close() it before the next call"
+            )
+        with self._lock:
+            self._holder = me
+            try:
+                yield
+            finally:
+                self._holder = None
+
+
 class Model:
     """A GGUF model ready to tokenize, score and generate.
 
@@ -64,6 +97,9 @@ class Model:
     bare big_little: half the top-k); fallback_threshold, fallback ('lossy' or 'verify'), draft:
     how (pyruntime.decoding.big_little). Each can also be given per generate() call.
     Every option's default and help: pyruntime.options.
+
+    Thread-safe by serialization (module doc): one generation, `logits` or `reset` at a time; a
+    streamed generation holds the Model until it ends or is closed.
     """
 
     def __init__(
@@ -131,6 +167,8 @@ class Model:
         self._rng = torch.Generator()
         self._rng.manual_seed(seed if seed is not None else secrets.randbits(63))
         self._session: Session | None = None  # created on first use
+        self._session_lock = threading.Lock()  # guards that creation
+        self._serial = CallLock()
         self._name = str(self.file.get("general.name", self.path.stem))
 
     @property
@@ -144,14 +182,17 @@ class Model:
 
     @property
     def session(self) -> Session:
-        if self._session is None:
-            self._session = Session(self.net, self.n_ctx)
-        return self._session
+        """The Model's KV cache and the ids it holds (used directly, it is not serialized)."""
+        with self._session_lock:
+            if self._session is None:
+                self._session = Session(self.net, self.n_ctx)
+            return self._session
 
     def reset(self) -> None:
         """Forget the cached context (the next call evaluates its whole prompt)."""
-        if self._session is not None:
-            self._session.reset()
+        with self._serial():
+            if self._session is not None:
+                self._session.reset()
 
     # -- tokens -------------------------------------------------------------------------------
 
@@ -168,7 +209,8 @@ class Model:
         ids = [int(i) for i in token_ids]
         if not ids:
             raise UsageError("logits() needs at least one token id")
-        return self.decoding.score(self.net, ids).float().numpy()
+        with self._serial():
+            return self.decoding.score(self.net, ids).float().numpy()
 
     def stats(self) -> dict[str, Any]:
         """What the model has done so far: achieved expert sparsity, and big/little decoding's
@@ -226,6 +268,7 @@ class Model:
             stop=stops,
             ignore_eos=ignore_eos,
             strategy=self._strategy(decoding),
+            hold=self._serial,
         )
 
     def _strategy(self, overrides: Mapping[str, Any]):
