@@ -19,11 +19,13 @@ mapped file, shared by the OS.
 
 from __future__ import annotations
 
+import operator
 import secrets
 import sys
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,7 +41,7 @@ from pyruntime.decoding.mode import DecodingMode
 from pyruntime.decoding.sampling import Sampler, SamplingParams
 from pyruntime.decoding.session import Session
 from pyruntime.decoding.stream import TextStream
-from pyruntime.errors import UsageError
+from pyruntime.errors import PyruntimeWarning, UsageError
 from pyruntime.experts.sparsity import SparsityTable, check_sparsity
 from pyruntime.gguf.file import GGUFFile, open_gguf
 from pyruntime.model.config import ModelConfig
@@ -83,6 +85,7 @@ class Model:
     threads: CPU threads for torch and the C core (None = physical cores for the C core).
     sparsity: target fraction of routed-expert neurons to skip, in [0, 1); needs the model's
     calibration table (`pyruntime calibrate`); 0 = dense. `achieved_sparsity` reports the result.
+    sparsity_table: that table's file (None: MODEL.sparsity.json beside the model).
     expert_backend: 'auto' (the C core when built), 'c', or 'torch' (the reference); CPU only.
     device: 'auto' (the GPU when there is one and the model + KV cache fit in its free memory,
     else the CPU), 'cpu', 'cuda' or 'cuda:N' (an error when there is no GPU or it does not fit).
@@ -109,6 +112,7 @@ class Model:
         threads: int | None = None,
         seed: int | None = None,
         sparsity: float = DEFAULTS.sparsity,
+        sparsity_table: str | Path | None = None,
         expert_backend: str = DEFAULTS.expert_backend,
         device: str = DEFAULTS.device,
         kernel_tuning: str | None = None,
@@ -120,11 +124,11 @@ class Model:
         draft: int = DEFAULTS.draft,
     ) -> None:
         check_sparsity(sparsity)
-        if n_ctx < 0:
-            raise UsageError(f"n_ctx must be >= 0 (0 = the model's context), got {n_ctx}")
+        for name, value in (("n_ctx", n_ctx), ("threads", threads), ("seed", seed)):
+            options.check(name, value)
         self.file: GGUFFile = open_gguf(path)
         self.path = self.file.path
-        table = SparsityTable.load(self.path) if sparsity > 0 else None
+        table = SparsityTable.load(self.path, sparsity_table) if sparsity > 0 else None
         thresholds = None if table is None else table.for_sparsity(sparsity)
         config = ModelConfig.from_gguf(self.file)
         self.n_ctx = n_ctx or config.context_length
@@ -162,8 +166,6 @@ class Model:
         self.decoding = DecodingMode.from_options(config, **self._decoding_options)
         self.big_little_stats = BigLittleStats()
         self.tokenizer = Tokenizer.from_gguf(self.file, config.n_vocab)
-        if seed is not None and seed < 0:
-            raise UsageError(f"seed must be >= 0, got {seed}")
         self._rng = torch.Generator()
         self._rng.manual_seed(seed if seed is not None else secrets.randbits(63))
         self._session: Session | None = None  # created on first use
@@ -206,9 +208,15 @@ class Model:
         """Logits float32 [n_tokens, n_vocab] of `token_ids`, evaluated with a fresh cache, as
         the model's decoding mode scores them (with big/little: the big model's where the little
         one would fall back, else the little one's)."""
-        ids = [int(i) for i in token_ids]
+        if isinstance(token_ids, (str, bytes, bytearray, memoryview)):
+            raise UsageError("logits() takes token ids (model.tokenize(text) gives them)")
+        try:
+            ids = [operator.index(i) for i in token_ids]
+        except TypeError:
+            raise UsageError("logits() takes a sequence of int token ids") from None
         if not ids:
             raise UsageError("logits() needs at least one token id")
+        self._warn_past_context(len(ids))
         with self._serial():
             return self.decoding.score(self.net, ids).float().numpy()
 
@@ -257,7 +265,7 @@ class Model:
             repeat_last_n=repeat_last_n,
             seed=seed,
         )
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+        ids = self._prompt_ids(prompt)
         stops = [stop] if isinstance(stop, str) else list(stop or ())
         return TextStream(
             self.session,
@@ -270,6 +278,31 @@ class Model:
             strategy=self._strategy(decoding),
             hold=self._serial,
         )
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt given as text or as ids; bytes are refused (they would read as
+        ids), and a prompt past the model's trained context is warned about."""
+        if isinstance(prompt, str):
+            ids = self.tokenize(prompt)
+        elif isinstance(prompt, (bytes, bytearray, memoryview)):
+            raise UsageError("the prompt is bytes: give text (decode it first) or token ids")
+        else:
+            try:
+                ids = [operator.index(i) for i in prompt]
+            except TypeError:
+                raise UsageError("the prompt must be text or a sequence of int token ids") from None
+        self._warn_past_context(len(ids))
+        return ids
+
+    def _warn_past_context(self, n_tokens: int) -> None:
+        trained = self.config.context_length
+        if n_tokens > trained:
+            warnings.warn(
+                f"the prompt has {n_tokens} tokens, more than the {trained} the model was trained "
+                "on: quality may drop past that point",
+                PyruntimeWarning,
+                stacklevel=3,
+            )
 
     def _strategy(self, overrides: Mapping[str, Any]):
         """The decoding strategy of one call: the model's mode, or one with these overrides."""

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import tokenizers
 
-from pyruntime.errors import ModelFileError
+from pyruntime.errors import ModelFileError, UsageError
 from pyruntime.gguf.file import GGUFFile
 
 # What `tokenizers` produces for an incomplete UTF-8 sequence at the end of a decode.
@@ -90,6 +90,15 @@ class Tokenizer:
         `add_special` prepends BOS when the model asks for it (`tokenizer.ggml.add_bos_token`),
         unless the text already starts with the BOS token.
         """
+        if not isinstance(text, str):
+            raise UsageError(f"text to tokenize must be a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # tokenizers would raise a TypeError deep inside
+            raise UsageError(
+                f"text is not valid Unicode: a lone surrogate at index {exc.start} (bytes that "
+                "were not UTF-8, decoded with surrogateescape?)"
+            ) from None
         ids = self._hf.encode(text, add_special_tokens=False).ids
         if add_special and self.add_bos and not (ids and ids[0] == self.bos_id):
             ids = [self.bos_id, *ids]
