@@ -146,14 +146,13 @@ class Model:
             from pyruntime.gpu.executor import GpuExecutor  # imports triton: GPU runs only
 
             if threads is not None:
-                if threads < 1:
-                    raise UsageError(f"--threads must be >= 1, got {threads}")
-                torch.set_num_threads(threads)
+                torch.set_num_threads(threads)  # in range: checked above
             self.net = GpuExecutor.from_gguf(self.file, self.device,
                                              kernel_tuning=self.kernel_tuning)  # fmt: skip
             key = f"{self.path.name}:{self.file.file_size}:s{sparsity}"
-            switch_dir = options.cache_dir() / "switch"
-            self.net.set_expert_threshold(thresholds, key=key, cache_dir=switch_dir)
+            # profiles are written only with thresholds; an unwritable cache then falls back
+            cache = options.writable_cache_dir() if thresholds is not None else options.cache_dir()
+            self.net.set_expert_threshold(thresholds, key=key, cache_dir=cache / "switch")
         self.sparsity = sparsity
         self._decoding_options = dict(
             experts_per_token=experts_per_token,
