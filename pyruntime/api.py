@@ -27,7 +27,6 @@ import time
 import uuid
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ import numpy as np
 import torch
 
 from pyruntime import options
+from pyruntime.call_lock import CallLock
 from pyruntime.cpu.executor import CpuExecutor
 from pyruntime.decoding.big_little import BigLittleStats
 from pyruntime.decoding.mode import DecodingMode
@@ -51,31 +51,6 @@ from pyruntime.text.chat_template import render_chat
 from pyruntime.text.tokenizer import Tokenizer
 
 _DEFAULTS = SamplingParams()
-
-
-class CallLock:
-    """One call at a time on a Model (module doc). A thread whose own generation is still open
-    (iterated part way, neither finished nor closed) gets a UsageError instead of waiting for
-    itself forever; a generation finished in another thread releases the lock there."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._holder: int | None = None  # thread id of the call in progress
-
-    @contextmanager
-    def __call__(self) -> Iterator[None]:
-        me = threading.get_ident()
-        if self._holder == me:
-            raise UsageError(
-                "this thread's previous generation on this Model is still open: iterate it to "
-                "the end or close() it before the next call"
-            )
-        with self._lock:
-            self._holder = me
-            try:
-                yield
-            finally:
-                self._holder = None
 
 
 class Model:

@@ -14,7 +14,7 @@ from pyruntime.converter import convert
 from pyruntime.errors import ModelFileError
 from pyruntime.gguf.file import open_gguf
 from pyruntime.model.config import ModelConfig
-from pyruntime.tools import gguf_mutants as gm
+from pyruntime.tools import gguf_map as gm
 from pyruntime.tools.demo import DEMO_SOURCE
 
 A = "olmoe"

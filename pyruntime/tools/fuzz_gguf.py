@@ -32,7 +32,8 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pyruntime.tools.gguf_mutants import Mutant, map_file, mutant
+from pyruntime.tools.gguf_map import map_file
+from pyruntime.tools.gguf_mutants import Mutant, mutant
 
 RUNS = ("info", "chat")
 CHAT_ARGS = ("-n", "4", "--temp", "0", "-t", "1", "--device", "cpu")
