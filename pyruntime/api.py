@@ -12,9 +12,9 @@ common token prefix with the previous call, so a chat turn only evaluates the ne
 
 Threads: a Model serializes its calls. Whatever touches its session or executor (a generation,
 `logits`, `reset`) runs one at a time; a generation holds the Model from its first piece until it
-ends or is closed, and other threads' calls wait for it. Tokenizing and rendering chat templates
-do not wait. For generations in parallel, load one Model per thread: the weights are the same
-mapped file, shared by the OS.
+ends, is closed or is dropped, and other threads' calls wait for it. Tokenizing and rendering
+chat templates do not wait. For generations in parallel, load one Model per thread: the weights
+are the same mapped file, shared by the OS.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class Model:
     Every option's default and help: pyruntime.options.
 
     Thread-safe by serialization (module doc): one generation, `logits` or `reset` at a time; a
-    streamed generation holds the Model until it ends or is closed.
+    streamed generation holds the Model until it ends, is closed or is dropped.
     """
 
     def __init__(
@@ -145,6 +145,7 @@ class Model:
         self._session: Session | None = None  # created on first use
         self._session_lock = threading.Lock()  # guards that creation
         self._serial = CallLock()
+        self._warned_context = False  # a prompt past the trained context was warned about
         self._name = str(self.file.get("general.name", self.path.stem))
 
     @property
@@ -269,8 +270,11 @@ class Model:
         return ids
 
     def _warn_past_context(self, n_tokens: int) -> None:
+        """Once per Model: a perplexity run or a long chat would repeat it for every window or
+        turn."""
         trained = self.config.context_length
-        if n_tokens > trained:
+        if n_tokens > trained and not self._warned_context:
+            self._warned_context = True
             warnings.warn(
                 f"the prompt has {n_tokens} tokens, more than the {trained} the model was trained "
                 "on: quality may drop past that point",

@@ -427,7 +427,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if not 2 <= args.ctx < options.C_INT or not 1 <= args.max_tokens < options.C_INT:
         raise UsageError("-c/--ctx-size must be >= 2 and --max-tokens >= 1")
     out = args.out if args.out is not None else sidecar_path(Path(args.model))
-    _check_output(out)  # before the run, not after it
+    if args.out is not None or Path(args.model).is_file():  # (a missing model: its own error)
+        _check_output(out)  # before the run, not after it
     model = _load_model(args.model, args, n_ctx=args.ctx)
     ids = model.tokenize(text, add_special=False)[: args.max_tokens]
     print(f"calibrate: {len(ids)} tokens of {args.file}, windows of {args.ctx}", file=sys.stderr)
