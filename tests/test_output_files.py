@@ -93,6 +93,18 @@ def test_the_destination_is_checked_before_converting(hf, tmp_path, monkeypatch)
     assert list(tmp_path.iterdir()) == [dev_null]  # nothing written, no temp file
 
 
+def test_a_full_disk_is_one_line_and_leaves_nothing(hf, tmp_path, monkeypatch):
+    from pyruntime.converter import tensors
+
+    def full(self, fout):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tensors.StreamedTensor, "tofile", full)
+    with pytest.raises(ConversionError, match=r"writing the GGUF failed \(No space left"):
+        convert(hf, tmp_path / "m.gguf", "f32", progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
 class _Recorder:
     def __init__(self, log: list, real) -> None:
         self.log, self.real = log, real
