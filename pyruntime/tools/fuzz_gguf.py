@@ -232,8 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory-mib", type=int, default=1024, help="address space over the driver's")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = p.parse_args(argv)
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # no tokenizer thread pool across forks
-    import pyruntime.api  # noqa: F401  (imported once, before the forks)
+    # imported once, before the forks; nothing runs in this process (no tokenizer or torch
+    # thread pool exists to be forked)
+    import pyruntime.api  # noqa: F401
     import pyruntime.cli  # noqa: F401
 
     with tempfile.TemporaryDirectory(prefix="pyrt-fuzz-", dir=_scratch_dir()) as tmp:
