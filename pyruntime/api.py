@@ -9,14 +9,23 @@
 
 One Model holds one KV cache (a `Session`): consecutive generate / chat calls reuse the longest
 common token prefix with the previous call, so a chat turn only evaluates the new messages.
+
+Threads: a Model serializes its calls. Whatever touches its session or executor (a generation,
+`logits`, `reset`) runs one at a time; a generation holds the Model from its first piece until it
+ends, is closed or is dropped, and other threads' calls wait for it. Tokenizing and rendering
+chat templates do not wait. For generations in parallel, load one Model per thread: the weights
+are the same mapped file, shared by the OS.
 """
 
 from __future__ import annotations
 
+import operator
 import secrets
 import sys
+import threading
 import time
 import uuid
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,13 +34,14 @@ import numpy as np
 import torch
 
 from pyruntime import options
+from pyruntime.call_lock import CallLock
 from pyruntime.cpu.executor import CpuExecutor
 from pyruntime.decoding.big_little import BigLittleStats
 from pyruntime.decoding.mode import DecodingMode
 from pyruntime.decoding.sampling import Sampler, SamplingParams
 from pyruntime.decoding.session import Session
 from pyruntime.decoding.stream import TextStream
-from pyruntime.errors import UsageError
+from pyruntime.errors import PyruntimeWarning, UsageError
 from pyruntime.experts.sparsity import SparsityTable, check_sparsity
 from pyruntime.gguf.file import GGUFFile, open_gguf
 from pyruntime.model.config import ModelConfig
@@ -50,6 +60,7 @@ class Model:
     threads: CPU threads for torch and the C core (None = physical cores for the C core).
     sparsity: target fraction of routed-expert neurons to skip, in [0, 1); needs the model's
     calibration table (`pyruntime calibrate`); 0 = dense. `achieved_sparsity` reports the result.
+    sparsity_table: that table's file (None: MODEL.sparsity.json beside the model).
     expert_backend: 'auto' (the C core when built), 'c', or 'torch' (the reference); CPU only.
     device: 'auto' (the GPU when there is one and the model + KV cache fit in its free memory,
     else the CPU), 'cpu', 'cuda' or 'cuda:N' (an error when there is no GPU or it does not fit).
@@ -64,6 +75,9 @@ class Model:
     bare big_little: half the top-k); fallback_threshold, fallback ('lossy' or 'verify'), draft:
     how (pyruntime.decoding.big_little). Each can also be given per generate() call.
     Every option's default and help: pyruntime.options.
+
+    Thread-safe by serialization (module doc): one generation, `logits` or `reset` at a time; a
+    streamed generation holds the Model until it ends, is closed or is dropped.
     """
 
     def __init__(
@@ -73,6 +87,7 @@ class Model:
         threads: int | None = None,
         seed: int | None = None,
         sparsity: float = DEFAULTS.sparsity,
+        sparsity_table: str | Path | None = None,
         expert_backend: str = DEFAULTS.expert_backend,
         device: str = DEFAULTS.device,
         kernel_tuning: str | None = None,
@@ -84,11 +99,11 @@ class Model:
         draft: int = DEFAULTS.draft,
     ) -> None:
         check_sparsity(sparsity)
-        if n_ctx < 0:
-            raise UsageError(f"n_ctx must be >= 0 (0 = the model's context), got {n_ctx}")
+        for name, value in (("n_ctx", n_ctx), ("threads", threads), ("seed", seed)):
+            options.check(name, value)
         self.file: GGUFFile = open_gguf(path)
         self.path = self.file.path
-        table = SparsityTable.load(self.path) if sparsity > 0 else None
+        table = SparsityTable.load(self.path, sparsity_table) if sparsity > 0 else None
         thresholds = None if table is None else table.for_sparsity(sparsity)
         config = ModelConfig.from_gguf(self.file)
         self.n_ctx = n_ctx or config.context_length
@@ -106,14 +121,13 @@ class Model:
             from pyruntime.gpu.executor import GpuExecutor  # imports triton: GPU runs only
 
             if threads is not None:
-                if threads < 1:
-                    raise UsageError(f"--threads must be >= 1, got {threads}")
-                torch.set_num_threads(threads)
+                torch.set_num_threads(threads)  # in range: checked above
             self.net = GpuExecutor.from_gguf(self.file, self.device,
                                              kernel_tuning=self.kernel_tuning)  # fmt: skip
             key = f"{self.path.name}:{self.file.file_size}:s{sparsity}"
-            switch_dir = options.cache_dir() / "switch"
-            self.net.set_expert_threshold(thresholds, key=key, cache_dir=switch_dir)
+            # profiles are written only with thresholds; an unwritable cache then falls back
+            cache = options.writable_cache_dir() if thresholds is not None else options.cache_dir()
+            self.net.set_expert_threshold(thresholds, key=key, cache_dir=cache / "switch")
         self.sparsity = sparsity
         self._decoding_options = dict(
             experts_per_token=experts_per_token,
@@ -125,12 +139,13 @@ class Model:
         )
         self.decoding = DecodingMode.from_options(config, **self._decoding_options)
         self.big_little_stats = BigLittleStats()
-        self.tokenizer = Tokenizer.from_gguf(self.file)
-        if seed is not None and seed < 0:
-            raise UsageError(f"seed must be >= 0, got {seed}")
+        self.tokenizer = Tokenizer.from_gguf(self.file, config.n_vocab)
         self._rng = torch.Generator()
         self._rng.manual_seed(seed if seed is not None else secrets.randbits(63))
         self._session: Session | None = None  # created on first use
+        self._session_lock = threading.Lock()  # guards that creation
+        self._serial = CallLock()
+        self._warned_context = False  # a prompt past the trained context was warned about
         self._name = str(self.file.get("general.name", self.path.stem))
 
     @property
@@ -144,14 +159,17 @@ class Model:
 
     @property
     def session(self) -> Session:
-        if self._session is None:
-            self._session = Session(self.net, self.n_ctx)
-        return self._session
+        """The Model's KV cache and the ids it holds (used directly, it is not serialized)."""
+        with self._session_lock:
+            if self._session is None:
+                self._session = Session(self.net, self.n_ctx)
+            return self._session
 
     def reset(self) -> None:
         """Forget the cached context (the next call evaluates its whole prompt)."""
-        if self._session is not None:
-            self._session.reset()
+        with self._serial():
+            if self._session is not None:
+                self._session.reset()
 
     # -- tokens -------------------------------------------------------------------------------
 
@@ -165,10 +183,17 @@ class Model:
         """Logits float32 [n_tokens, n_vocab] of `token_ids`, evaluated with a fresh cache, as
         the model's decoding mode scores them (with big/little: the big model's where the little
         one would fall back, else the little one's)."""
-        ids = [int(i) for i in token_ids]
+        if isinstance(token_ids, (str, bytes, bytearray, memoryview)):
+            raise UsageError("logits() takes token ids (model.tokenize(text) gives them)")
+        try:
+            ids = [operator.index(i) for i in token_ids]
+        except TypeError:
+            raise UsageError("logits() takes a sequence of int token ids") from None
         if not ids:
             raise UsageError("logits() needs at least one token id")
-        return self.decoding.score(self.net, ids).float().numpy()
+        self._warn_past_context(len(ids))
+        with self._serial():
+            return self.decoding.score(self.net, ids).float().numpy()
 
     def stats(self) -> dict[str, Any]:
         """What the model has done so far: achieved expert sparsity, and big/little decoding's
@@ -215,7 +240,7 @@ class Model:
             repeat_last_n=repeat_last_n,
             seed=seed,
         )
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+        ids = self._prompt_ids(prompt)
         stops = [stop] if isinstance(stop, str) else list(stop or ())
         return TextStream(
             self.session,
@@ -226,7 +251,36 @@ class Model:
             stop=stops,
             ignore_eos=ignore_eos,
             strategy=self._strategy(decoding),
+            hold=self._serial,
         )
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt given as text or as ids; bytes are refused (they would read as
+        ids), and a prompt past the model's trained context is warned about."""
+        if isinstance(prompt, str):
+            ids = self.tokenize(prompt)
+        elif isinstance(prompt, (bytes, bytearray, memoryview)):
+            raise UsageError("the prompt is bytes: give text (decode it first) or token ids")
+        else:
+            try:
+                ids = [operator.index(i) for i in prompt]
+            except TypeError:
+                raise UsageError("the prompt must be text or a sequence of int token ids") from None
+        self._warn_past_context(len(ids))
+        return ids
+
+    def _warn_past_context(self, n_tokens: int) -> None:
+        """Once per Model: a perplexity run or a long chat would repeat it for every window or
+        turn."""
+        trained = self.config.context_length
+        if n_tokens > trained and not self._warned_context:
+            self._warned_context = True
+            warnings.warn(
+                f"the prompt has {n_tokens} tokens, more than the {trained} the model was trained "
+                "on: quality may drop past that point",
+                PyruntimeWarning,
+                stacklevel=3,
+            )
 
     def _strategy(self, overrides: Mapping[str, Any]):
         """The decoding strategy of one call: the model's mode, or one with these overrides."""

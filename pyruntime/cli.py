@@ -14,15 +14,17 @@ import contextlib
 import json
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from pyruntime import __version__, options
-from pyruntime.errors import PyruntimeError, UsageError
+from pyruntime.errors import PyruntimeError, PyruntimeWarning, UsageError
+from pyruntime.output_files import Terminated, check_writable
 
 # The pyruntime.Model keywords the CLI passes from its options (pyruntime.options).
-RUNTIME = ("threads", "device", "sparsity", "kernel_tuning")
+RUNTIME = ("threads", "device", "sparsity", "sparsity_table", "kernel_tuning")
 DECODING = (
     "experts_per_token", "little_experts", "big_little", "fallback_threshold", "fallback", "draft"
 )  # fmt: skip
@@ -77,14 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
         "perplexity",
         help="perplexity of a text file",
         description="Tokenize the whole file (BOS only if the model adds one), cut it into "
-        "consecutive non-overlapping windows of --ctx tokens, evaluate each window with a fresh "
-        "cache and score every token after the first of each window. The tail after the last "
-        "full window is scored as a shorter window when it has at least 2 tokens, and dropped "
-        "otherwise. Prints `ppl = X` as the last line of stdout.",
+        "consecutive non-overlapping windows of -c/--ctx-size tokens, evaluate each window with "
+        "a fresh cache and score every token after the first of each window. The tail after the "
+        "last full window is scored as a shorter window when it has at least 2 tokens, and "
+        "dropped otherwise. Prints `ppl = X` as the last line of stdout.",
     )
     p.add_argument("model", help="GGUF file")
     p.add_argument("-f", "--file", type=Path, required=True, help="text file (UTF-8)")
-    p.add_argument("--ctx", type=int, default=512, help="window size in tokens (512)")
+    _window_flag(p)
     p.add_argument(
         "--json",
         action="store_true",
@@ -115,14 +117,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure activation sparsity thresholds for --sparsity",
         description="Run the model over a text, record |act(gate)| of every routed expert "
         "neuron per layer, and store the thresholds that skip 5%, 10%, ... 95% of them in "
-        "MODEL.sparsity.json beside the model (the model file is not changed).",
+        "MODEL.sparsity.json beside the model, or in --out FILE (the model file is not "
+        "changed).",
     )
     p.add_argument("model", help="GGUF file")
     p.add_argument("-f", "--file", type=Path, required=True, help="calibration text (UTF-8)")
-    p.add_argument("--ctx", type=int, default=512, help="window size in tokens (512)")
+    _window_flag(p)
     p.add_argument(
         "--max-tokens", type=int, default=32768, help="use at most this many tokens (32768)"
     )
+    p.add_argument(
+        "-o", "--out", type=Path, default=None, metavar="FILE",
+        help="write the table here (default: MODEL.sparsity.json beside the model; use a table "
+        "written elsewhere with --sparsity-table FILE)",
+    )  # fmt: skip
     options.add_arguments(p, "calibrate")
     p.set_defaults(func=cmd_calibrate)
 
@@ -138,14 +146,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    warnings.showwarning = _show_warning
     try:
+        options.check_args(args)
         return args.func(args)
     except PyruntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except MemoryError:
+        print("error: out of memory (a smaller context, model or input may fit)", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except Terminated:
+        return 143
     except BrokenPipeError:
         # The reader went away (`| head`): stop quietly, and keep Python's exit-time flush quiet.
         with contextlib.suppress(OSError):
@@ -164,6 +179,18 @@ def _load_model(path: str | Path, args: argparse.Namespace, n_ctx: int) -> Any:
     if args.command == "calibrate":
         runtime["device"] = "cpu"  # the gate observer runs on the CPU path
     return Model(path, n_ctx=n_ctx, seed=getattr(args, "seed", None), **runtime)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings as one `warning: ` line on stderr (no file, line or source)."""
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def _window_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-c", "--ctx-size", "--ctx", dest="ctx", type=int, default=512, metavar="N",
+        help="window size in tokens (512)",
+    )  # fmt: skip
 
 
 def _stats_flag(p: argparse.ArgumentParser) -> None:
@@ -188,13 +215,18 @@ def _sparsity_report(model: Any) -> str:
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return options.from_args(
+    kwargs = options.from_args(
         args, ("max_tokens", "top_k", "top_p", "min_p", "repeat_penalty", "stop")
     )
+    kwargs["stop"] = [_valid_text(s, "--stop") for s in kwargs["stop"] or ()]
+    return kwargs
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    prompt = args.prompt if args.prompt is not None else _read_text(args.file)
+    if args.prompt is not None:
+        prompt = _valid_text(args.prompt, "the prompt")
+    else:
+        prompt = _read_text(args.file)
     model = _load_model(args.model, args, n_ctx=args.n_ctx)
     kwargs = _sampling_kwargs(args)
     stream = model.generate(
@@ -205,18 +237,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         **kwargs,
     )
-    for piece in stream:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-    if sys.stdout.isatty():
+    finish, code = None, 0
+    try:
+        for piece in stream:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    except KeyboardInterrupt:  # stop, and still say how far it got
+        stream.close()
+        finish, code = "interrupted", 130
+    if sys.stdout.isatty() or code:
         sys.stdout.write("\n")
     sys.stdout.flush()
     print(
-        f"finish: {stream.finish_reason} | {stream.stats.summary()}{_sparsity_report(model)}",
+        f"finish: {finish or stream.finish_reason} | {stream.stats.summary()}"
+        f"{_sparsity_report(model)}",
         file=sys.stderr,
     )
     _print_stats(model, args)
-    return 0
+    return code
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -228,7 +266,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
         path = args.model
     model = _load_model(path, args, n_ctx=args.n_ctx)
     interactive = sys.stdin.isatty()
-    system = [{"role": "system", "content": args.system}] if args.system else []
+    if hasattr(sys.stdin, "reconfigure"):  # undecodable bytes reach _valid_text, not a crash
+        sys.stdin.reconfigure(errors="surrogateescape")
+    system_prompt = _valid_text(args.system, "--system") if args.system else None
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
     history: list[dict[str, str]] = list(system)
     if interactive:
         with contextlib.suppress(ImportError):
@@ -246,7 +287,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 print(_sparsity_report(model).lstrip(" |"), file=sys.stderr)
             _print_stats(model, args)
             return 0
-        line = line.strip()
+        line = _valid_text(line, "the input").strip()
         if not line:
             continue
         if line == "/exit":
@@ -309,8 +350,8 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     from pyruntime.tools.perplexity import perplexity
 
     text = _read_text(args.file)
-    if args.ctx < 2:
-        raise UsageError(f"--ctx must be >= 2 tokens, got {args.ctx}")
+    if not 2 <= args.ctx < options.C_INT:
+        raise UsageError(f"-c/--ctx-size must be >= 2 tokens, got {args.ctx}")
     model = _load_model(args.model, args, n_ctx=args.ctx)
     ids = model.tokenize(text, add_special=True)
     print(f"perplexity: {len(ids)} tokens, windows of {args.ctx}", file=sys.stderr)
@@ -350,10 +391,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         path = demo_model_path()
     else:
         path = args.model
-    if args.n_prompt < 0 or args.n_gen < 0 or args.n_prompt + args.n_gen == 0:
-        raise UsageError("bench needs -p N and/or -n N >= 1 (0 skips that test)")
-    if args.repetitions < 1:
-        raise UsageError(f"-r/--repetitions must be >= 1, got {args.repetitions}")
+    counts = (args.n_prompt, args.n_gen)
+    if min(counts) < 0 or max(counts) >= options.C_INT or sum(counts) == 0:
+        raise UsageError("bench needs -p N and/or -n N in [1, 2^31) (0 skips that test)")
+    if not 1 <= args.repetitions < options.C_INT:
+        raise UsageError(f"-r/--repetitions must be in [1, 2^31), got {args.repetitions}")
     model = _load_model(path, args, n_ctx=max(args.n_prompt, args.n_gen))
     print(
         f"bench: {Path(path).name} on {model.device}, {model.decoding.describe()}",
@@ -382,8 +424,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from pyruntime.experts.sparsity import calibrate, sidecar_path
 
     text = _read_text(args.file)
-    if args.ctx < 2 or args.max_tokens < 1:
-        raise UsageError("--ctx must be >= 2 and --max-tokens >= 1")
+    if not 2 <= args.ctx < options.C_INT or not 1 <= args.max_tokens < options.C_INT:
+        raise UsageError("-c/--ctx-size must be >= 2 and --max-tokens >= 1")
+    out = args.out if args.out is not None else sidecar_path(Path(args.model))
+    if args.out is not None or Path(args.model).is_file():  # (a missing model: its own error)
+        _check_output(out)  # before the run, not after it
     model = _load_model(args.model, args, n_ctx=args.ctx)
     ids = model.tokenize(text, add_special=False)[: args.max_tokens]
     print(f"calibrate: {len(ids)} tokens of {args.file}, windows of {args.ctx}", file=sys.stderr)
@@ -394,14 +439,17 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     table = calibrate(
         model.net, ids, args.ctx, str(args.file), model.file.file_size, progress=progress
     )
-    path = sidecar_path(model.path)
-    table.save(path)
+    try:
+        table.save(out)
+    except OSError as exc:
+        raise UsageError(f"{out}: cannot write the table ({exc.strerror or exc})") from None
     shown = [0.5, 0.7, 0.9]
     print("layer  " + "  ".join(f"t@{s:.2f}" for s in shown))
     for layer, row in enumerate(table.thresholds):
         vals = [row[table.targets.index(s)] for s in shown]
         print(f"{layer:>5}  " + "  ".join(f"{v:8.5f}" for v in vals))
-    print(f"wrote {path}", file=sys.stderr)
+    hint = "" if args.out is None else f" (use it with --sparsity-table {out})"
+    print(f"wrote {out}{hint}", file=sys.stderr)
     return 0
 
 
@@ -448,6 +496,46 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
+
+
+_WARNED_UNDECODABLE: set[str] = set()
+
+
+def _valid_text(text: str, what: str) -> str:
+    """`text` with bytes that were not UTF-8 (read as lone surrogates: argv, a reconfigured
+    stdin) replaced by U+FFFD, with one warning saying so; the tokenizer cannot take them."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        fixed = text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # surrogates that were not bytes: replace them too
+        fixed = text.encode("utf-8", "replace").decode("utf-8")
+    if what not in _WARNED_UNDECODABLE:  # once per source, not per line of a session
+        _WARNED_UNDECODABLE.add(what)
+        warnings.warn(
+            f"{what} had bytes that are not UTF-8; they were replaced by U+FFFD",
+            PyruntimeWarning,
+            stacklevel=2,
+        )
+    return fixed
+
+
+def _check_output(path: Path) -> None:
+    """UsageError unless a file can be written at `path` (its folder exists and is writable)."""
+    if path.is_dir():
+        raise UsageError(f"{path}: is a directory; give --out a file name")
+    if not path.parent.is_dir():
+        raise UsageError(f"{path}: folder {path.parent} does not exist; choose --out FILE")
+    try:
+        check_writable(path.parent)
+    except OSError as exc:
+        raise UsageError(
+            f"{path}: cannot write in {path.parent} ({exc.strerror or exc}); choose another "
+            "place with --out FILE"
+        ) from None
 
 
 def _read_text(path: Path) -> str:

@@ -20,3 +20,9 @@ class ConversionError(PyruntimeError):
 
 class UsageError(PyruntimeError):
     """A flag or argument value is invalid."""
+
+
+class PyruntimeWarning(UserWarning):
+    """Something a user should know that does not stop the run (an unwritable cache folder, a
+    prompt past the model's trained context, input bytes that were not UTF-8). The CLI prints
+    each as one `warning: ` line on stderr."""

@@ -12,17 +12,63 @@ This module imports nothing heavy (no torch), so `pyruntime --help` stays instan
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import stat
+import tempfile
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pyruntime.errors import UsageError
+from pyruntime.errors import PyruntimeWarning, UsageError
+from pyruntime.output_files import check_writable
 
 # The commands that load a model for decoding, and those that also sample.
 DECODING = ("chat", "generate", "perplexity", "bench")
 SAMPLING = ("chat", "generate")
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric option may take (floats: finite ones only)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False  # lo itself excluded
+    hi_open: bool = False  # hi itself excluded
+
+    def __contains__(self, v: object) -> bool:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return False
+        if isinstance(v, float) and not math.isfinite(v):
+            return False
+        if self.lo is not None and (v < self.lo or (self.lo_open and v == self.lo)):
+            return False
+        return self.hi is None or v < self.hi or (not self.hi_open and v == self.hi)
+
+    def __str__(self) -> str:
+        lo, hi = _shown(self.lo), _shown(self.hi)
+        if self.lo is not None and self.hi is not None:
+            return f"in {'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}"
+        if self.lo is not None:
+            return f"{'>' if self.lo_open else '>='} {lo}"
+        return f"{'<' if self.hi_open else '<='} {hi}"
+
+
+def _shown(x: float | None) -> str:
+    """2^64 rather than 18446744073709551616."""
+    if isinstance(x, int) and x >= 1 << 20 and x & (x - 1) == 0:
+        return f"2^{x.bit_length() - 1}"
+    return str(x)
+
+
+C_INT = 1 << 31  # counts the C core takes as an int stay below it
+
+
+def _ints(lo: int, hi: int = C_INT) -> Range:
+    return Range(lo, hi, hi_open=True)
 
 
 @dataclass(frozen=True)
@@ -37,6 +83,7 @@ class Option:
     group: str = "runtime"  # runtime (how the model loads), decoding, sampling, paths
     metavar: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # other add_argument keywords
+    bounds: Range | None = None  # the values a numeric option may take
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -47,15 +94,21 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "threads", None, "CPU threads (default: physical cores)", ("-t", "--threads"),
-        DECODING + ("calibrate",), parse=int,
+        DECODING + ("calibrate",), parse=int, bounds=_ints(1),
     ),
     Option(
-        "n_ctx", 2048, "context size in tokens", ("-c", "--ctx-size"), SAMPLING, parse=int,
+        "n_ctx", 2048, "context size in tokens (0 = the model's trained context)",
+        ("-c", "--ctx-size"), SAMPLING, parse=int, bounds=_ints(0),
     ),
     Option(
         "sparsity", 0.0, "skip this fraction of routed-expert neurons, in [0, 1) (needs "
         "`pyruntime calibrate` first; 0 = dense). The achieved sparsity is reported on stderr.",
-        ("--sparsity",), DECODING, parse=float, metavar="S",
+        ("--sparsity",), DECODING, parse=float, metavar="S", bounds=Range(0.0, 1.0, hi_open=True),
+    ),
+    Option(
+        "sparsity_table", None, "the calibration table --sparsity uses (default: "
+        "MODEL.sparsity.json beside the model, where `calibrate` writes it without --out)",
+        ("--sparsity-table",), DECODING, metavar="FILE",
     ),
     Option(
         "expert_backend", "auto", "CPU routed experts: auto (the C core when it is built), c, or "
@@ -70,11 +123,12 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "experts_per_token", None, "routed experts per token, overriding the model's top-k "
         "(default: the model's; little-only decoding is half of it)", ("--experts-per-token",),
-        DECODING, parse=int, group="decoding", metavar="K",
+        DECODING, parse=int, group="decoding", metavar="K", bounds=_ints(1),
     ),
     Option(
         "little_experts", 0, "big/little decoding: experts per token of the little pass (0 = "
         "off)", ("--little-experts",), DECODING, parse=int, group="decoding", metavar="N",
+        bounds=_ints(0),
     ),
     Option(
         "big_little", False, "big/little decoding with a little pass of half the experts",
@@ -85,6 +139,7 @@ OPTIONS: tuple[Option, ...] = (
         "fallback_threshold", 0.7, "big/little: redo a token with all experts when the little "
         "pass's top probability is under this (0 = never, 1 = always)",
         ("--fallback-threshold",), DECODING, parse=float, group="decoding", metavar="G",
+        bounds=Range(0.0, 1.0),
     ),
     Option(
         "fallback", "lossy", "big/little: lossy (redo unsure tokens big) or verify (the big "
@@ -93,35 +148,40 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "draft", 4, "big/little verify: tokens drafted per round", ("--draft",), DECODING,
-        parse=int, group="decoding", metavar="N",
+        parse=int, group="decoding", metavar="N", bounds=_ints(1),
     ),
     # -- sampling: per generation call (llama.cpp's names and defaults) ------------------------
     Option(
         "max_tokens", 256, "tokens to generate", ("-n", "--max-tokens"), SAMPLING, parse=int,
-        group="sampling",
+        group="sampling", bounds=_ints(0),
     ),
     Option(
         "temp", 0.8, "temperature, 0 = greedy", ("--temp",), SAMPLING, parse=float,
-        group="sampling",
-    ),
-    Option("top_k", 40, "top-k, 0 = off", ("--top-k",), SAMPLING, parse=int, group="sampling"),
-    Option(
-        "top_p", 0.95, "top-p, 1 = off", ("--top-p",), SAMPLING, parse=float, group="sampling"
+        group="sampling", bounds=Range(0.0),
     ),
     Option(
-        "min_p", 0.05, "min-p, 0 = off", ("--min-p",), SAMPLING, parse=float, group="sampling"
+        "top_k", 40, "top-k, 0 = off", ("--top-k",), SAMPLING, parse=int, group="sampling",
+        bounds=_ints(0),
+    ),
+    Option(
+        "top_p", 0.95, "top-p, 1 = off", ("--top-p",), SAMPLING, parse=float, group="sampling",
+        bounds=Range(0.0, 1.0, lo_open=True),
+    ),
+    Option(
+        "min_p", 0.05, "min-p, 0 = off", ("--min-p",), SAMPLING, parse=float, group="sampling",
+        bounds=Range(0.0, 1.0),
     ),
     Option(
         "repeat_penalty", 1.0, "repetition penalty, 1 = off", ("--repeat-penalty",), SAMPLING,
-        parse=float, group="sampling",
+        parse=float, group="sampling", bounds=Range(0.0, lo_open=True),
     ),
     Option(
         "repeat_last_n", 64, "tokens the penalty looks back, 0 = off, -1 = all",
-        ("--repeat-last-n",), SAMPLING, parse=int, group="sampling",
+        ("--repeat-last-n",), SAMPLING, parse=int, group="sampling", bounds=_ints(-1),
     ),
     Option(
         "seed", None, "RNG seed (default: random)", ("--seed",), SAMPLING, parse=int,
-        group="sampling",
+        group="sampling", bounds=Range(0, 1 << 64, hi_open=True),
     ),
     Option(
         "stop", (), "stop strings (never printed)", ("--stop",), SAMPLING, group="sampling",
@@ -159,6 +219,21 @@ def value(name: str, given: Any = None) -> Any:
         except ValueError:
             raise UsageError(f"{opt.env}={raw!r} is not a valid {name}") from None
     return opt.default
+
+
+def check(name: str, v: Any, flag: bool = False) -> None:
+    """UsageError when `v` (not None) is outside option `name`'s range, naming the option as a
+    keyword, or as its CLI flag when `flag`."""
+    opt = _BY_NAME[name]
+    if v is not None and opt.bounds is not None and v not in opt.bounds:
+        shown = opt.flags[-1] if flag and opt.flags else name
+        raise UsageError(f"{shown} must be {opt.bounds}, got {v}")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every option parsed into `args` in its range (before anything is loaded)."""
+    for opt in OPTIONS:
+        check(opt.name, getattr(args, opt.name, None), flag=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -199,6 +274,44 @@ def cache_dir() -> Path:
     if os.environ.get("XDG_CACHE_HOME"):
         return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "pyruntime"
     return Path.home() / ".cache" / "pyruntime"
+
+
+def writable_cache_dir() -> Path:
+    """cache_dir(), created; when it cannot be created or written (a read-only
+    $PYRUNTIME_CACHE), a private folder in the system's temp dir instead, with a warning."""
+    path = cache_dir()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        check_writable(path)
+        return path
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+    fallback = _private_temp_dir()
+    warnings.warn(
+        f"the cache folder {path} is not writable ({reason}); using {fallback} instead (set "
+        "PYRUNTIME_CACHE to a writable folder)",
+        PyruntimeWarning,
+        stacklevel=2,
+    )
+    return fallback
+
+
+def _private_temp_dir() -> Path:
+    """A folder only this user can use in the system's temp dir: pyruntime-<uid> when it is this
+    user's own and private (then it lasts across runs), else a fresh one for this process (a
+    name in a shared temp dir may have been planted by someone else)."""
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    path = Path(tempfile.gettempdir()) / f"pyruntime-{uid if uid is not None else 'user'}"
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+        st = os.lstat(path)
+        ours = uid is None or st.st_uid == uid
+        if stat.S_ISDIR(st.st_mode) and ours and not st.st_mode & 0o077:
+            check_writable(path)
+            return path
+    except OSError:
+        pass
+    return Path(tempfile.mkdtemp(prefix="pyruntime-"))
 
 
 def _arg_default(opt: Option) -> Any:

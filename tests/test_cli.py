@@ -163,7 +163,7 @@ def test_perplexity_json(gguf_path, text_file, capsys):
     [
         (["generate", "{model}", "-p", "x", "--temp", "-1"], "temp must be >= 0"),
         (["generate", "{model}", "-f", "/nonexistent/prompt.txt"], "no such file"),
-        (["perplexity", "{model}", "-f", "{text}", "--ctx", "1"], "--ctx must be >= 2"),
+        (["perplexity", "{model}", "-f", "{text}", "--ctx", "1"], "--ctx-size must be >= 2"),
         (["chat", "{bad}"], "not a GGUF file"),
         (["generate", "{bad}", "-p", "x"], "not a GGUF file"),
     ],

@@ -1,4 +1,4 @@
-"""Command line: `python convert_hf_to_gguf.py MODEL [--outfile F] [--outtype TYPE]`."""
+"""Command line: `python convert_hf_to_gguf.py MODEL [--outfile F] [--outtype TYPE] [--force]`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pyruntime.converter.tensors import OUTTYPES
 from pyruntime.errors import PyruntimeError
+from pyruntime.output_files import Terminated
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--outtype", choices=list(OUTTYPES), default="f16", help="weight type (default f16)"
     )
+    p.add_argument(
+        "--force", action="store_true",
+        help="overwrite an existing --outfile (never a file of the checkpoint itself)",
+    )  # fmt: skip
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     return p
 
@@ -31,11 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from pyruntime.converter import convert
 
-        convert(args.model, args.outfile, args.outtype, progress=not args.quiet)
+        convert(args.model, args.outfile, args.outtype, progress=not args.quiet, force=args.force)
     except PyruntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted; no output written", file=sys.stderr)
         return 130
+    except Terminated:
+        print("terminated; no output written", file=sys.stderr)
+        return 143
     return 0

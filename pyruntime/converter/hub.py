@@ -12,12 +12,18 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+def model_name(model: str | Path) -> str:
+    """The display name of MODEL without fetching it: a folder's name, or the repo id."""
+    path = Path(model).expanduser()
+    return path.resolve().name if path.is_dir() else str(model)
+
+
 def resolve_model(model: str | Path) -> tuple[Path, str]:
     """(local folder, display name). A Hub id is fetched with snapshot_download, which honours
     HF_HUB_OFFLINE, HF_HOME/HF_HUB_CACHE and reuses its cache."""
     path = Path(model).expanduser()
     if path.is_dir():
-        return path, path.resolve().name
+        return path, model_name(model)
     if path.exists():
         raise ConversionError(f"{path} is a file; pass the model folder (with config.json)")
     repo_id = str(model)

@@ -49,11 +49,14 @@ class SamplingParams:
                 "repeat_penalty must be > 0 (1 = off)",
             ),
             (self.repeat_last_n >= -1, "repeat_last_n must be >= -1 (-1 = whole context)"),
-            (self.seed is None or self.seed >= 0, "seed must be >= 0"),
+            (self.seed is None or 0 <= self.seed < 1 << 64, "seed must be in [0, 2^64)"),
         ]
         for ok, message in checks:
             if not ok:
-                raise UsageError(f"invalid sampling parameter: {message}; got {self}")
+                name = message.split()[0]
+                raise UsageError(
+                    f"invalid sampling parameter: {message}, got {getattr(self, name)!r}"
+                )
 
     @property
     def greedy(self) -> bool:

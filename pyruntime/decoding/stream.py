@@ -7,7 +7,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 from pyruntime.decoding.plain import DecodingStrategy, PromptStats, plain_decoding
@@ -84,6 +85,10 @@ class TextStream:
 
     max_tokens None generates until a stop condition or a full context. finish_reason becomes
     "stop" (stop token or stop string) or "length" (max_tokens or the context is full).
+    `hold` (a Model's lock) is held from the first piece until the generation ends, is closed,
+    or the stream is dropped: the running generator refers to the generation, not to this
+    stream, so dropping the last reference to the stream (a `break` out of a `for` loop over it)
+    ends it at once instead of at the next garbage collection.
     """
 
     def __init__(
@@ -96,24 +101,35 @@ class TextStream:
         stop: Sequence[str] = (),
         ignore_eos: bool = False,
         strategy: DecodingStrategy = plain_decoding,
+        hold: Callable[[], AbstractContextManager] = nullcontext,
     ) -> None:
         if max_tokens is not None and max_tokens < 0:
             raise UsageError(f"max_tokens must be >= 0, got {max_tokens}")
         if isinstance(stop, str):
             stop = [stop]
-        self.session = session
-        self.tokenizer = tokenizer
-        self.prompt_ids = list(prompt_ids)
-        self.sampler = sampler
-        self.max_tokens = max_tokens
-        self.stop = list(stop)
-        self.ignore_eos = ignore_eos
-        self.strategy = strategy
-        self.token_ids: list[int] = []  # generated ids (a final stop token excluded)
-        self.text = ""  # everything emitted so far
-        self.finish_reason: str | None = None
-        self.stats = GenerationStats(prompt_tokens=len(self.prompt_ids))
-        self._iterator = self._run()
+        self._gen = _Generation(
+            session, tokenizer, list(prompt_ids), sampler, max_tokens, list(stop), ignore_eos,
+            strategy,
+        )  # fmt: skip
+        self._iterator = self._gen.run(hold)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Generated ids (a final stop token excluded)."""
+        return self._gen.token_ids
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return self._gen.text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._gen.finish_reason
+
+    @property
+    def stats(self) -> GenerationStats:
+        return self._gen.stats
 
     def __iter__(self) -> Iterator[str]:
         return self
@@ -124,11 +140,43 @@ class TextStream:
     def close(self) -> None:
         self._iterator.close()
 
+
+class _Generation:
+    """The state of one generation and its decode loop (TextStream is the handle users hold)."""
+
+    def __init__(
+        self,
+        session: Session,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int],
+        sampler: Sampler,
+        max_tokens: int | None,
+        stop: list[str],
+        ignore_eos: bool,
+        strategy: DecodingStrategy,
+    ) -> None:
+        self.session = session
+        self.tokenizer = tokenizer
+        self.prompt_ids = prompt_ids
+        self.sampler = sampler
+        self.max_tokens = max_tokens
+        self.stop = stop
+        self.ignore_eos = ignore_eos
+        self.strategy = strategy
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stats = GenerationStats(prompt_tokens=len(self.prompt_ids))
+
     def _emit(self, piece: str) -> str:
         self.text += piece
         return piece
 
-    def _run(self) -> Iterator[str]:
+    def run(self, hold: Callable[[], AbstractContextManager]) -> Iterator[str]:
+        with hold():
+            yield from self._generate()
+
+    def _generate(self) -> Iterator[str]:
         prompt = PromptStats()
         steps = self.strategy(self.session, self.prompt_ids, self.sampler, prompt)
         detok = IncrementalDetokenizer(self.tokenizer)

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +21,7 @@ import torch
 from pyruntime.errors import ModelFileError, UsageError
 from pyruntime.experts.store import ExpertStore
 from pyruntime.model.reference import activation_fn
+from pyruntime.output_files import atomic_output
 
 FORMAT = "pyruntime-sparsity/1"
 TARGETS = tuple(round(0.05 * i, 2) for i in range(1, 20))  # 0.05 ... 0.95
@@ -124,6 +123,7 @@ class SparsityTable:
         return out
 
     def save(self, path: Path) -> None:
+        """Write the table to `path` whole or not at all (pyruntime.output_files)."""
         data = {
             "format": FORMAT,
             "scope": "routed",
@@ -133,18 +133,18 @@ class SparsityTable:
             "targets": self.targets,
             "thresholds": self.thresholds,
         }
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as fh:
-                json.dump(data, fh, indent=1)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_output(path) as tmp:
+            tmp.write_text(json.dumps(data, indent=1))
 
     @classmethod
-    def load(cls, model_path: Path) -> SparsityTable:
-        path = sidecar_path(model_path)
+    def load(cls, model_path: Path, table_path: str | Path | None = None) -> SparsityTable:
+        """The table of `model_path`: table_path, or the sidecar beside the model."""
+        if table_path is not None:
+            path = Path(table_path)
+            if not path.is_file():
+                raise UsageError(f"{path}: no such calibration table (--sparsity-table)")
+        else:
+            path = sidecar_path(model_path)
         if not path.exists():
             raise UsageError(
                 f"{model_path} has no sparsity calibration ({path.name} not found): run "
@@ -161,7 +161,10 @@ class SparsityTable:
                 source=str(data["source"]),
                 model_size=int(data["model_size"]),
             )
-        except (ValueError, KeyError, TypeError) as exc:
+        except OSError as exc:
+            reason = exc.strerror or exc
+            raise UsageError(f"{path}: cannot read the calibration table ({reason})") from None
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ModelFileError(f"{path}: bad sparsity calibration file ({exc})") from None
         if table.model_size != model_path.stat().st_size:
             raise ModelFileError(

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 from pyruntime.errors import ModelFileError
 from pyruntime.gguf.file import GGUFFile
+from pyruntime.model.layout import check_layout_keys, check_tensors
 
+_REQUIRED = object()  # the default of a key that must be present
 SUPPORTED_ARCHS = ("olmoe", "qwen2moe", "qwen3moe", "llama", "granitemoe")
 ACTIVATIONS = ("silu", "gelu", "gelu_exact")
 
@@ -38,46 +42,57 @@ class ModelConfig:
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> ModelConfig:
+        """The hyper-parameters of a file in our layout, each range-checked (ModelFileError
+        naming the key) before anything derived from it is computed; then every tensor of the
+        file checked against them (model/layout.py), before any executor reads one."""
+        check_layout_keys(f)
         if f.arch not in SUPPORTED_ARCHS:
             raise ModelFileError(
-                f"{f.path}: architecture '{f.arch}' is not supported "
+                f"{f.path}: architecture {f.arch!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_ARCHS)})"
             )
-        g = f.arch_get
-        n_embd = int(g("embedding_length"))
-        n_head = int(g("attention.head_count"))
-        head_dim = int(g("attention.key_length", n_embd // n_head))
-        token_embd = f.tensor("token_embd.weight")
+        g = _Keys(f)
+        n_embd = g.int("embedding_length")
+        n_head = g.int("attention.head_count")
+        head_dim = g.int("attention.key_length", n_embd // n_head or None)
+        n_expert = g.int("expert_count")
         cfg = cls(
             arch=f.arch,
-            n_vocab=int(g("vocab_size", token_embd.shape[0])),
+            n_vocab=g.int("vocab_size", _rows(f, "token_embd.weight")),
             n_embd=n_embd,
-            n_layer=int(g("block_count")),
+            n_layer=g.int("block_count"),
             n_head=n_head,
-            n_head_kv=int(g("attention.head_count_kv", n_head)),
+            n_head_kv=g.int("attention.head_count_kv", n_head),
             head_dim=head_dim,
-            n_expert=int(g("expert_count")),
-            n_expert_used=int(g("expert_used_count")),
-            n_ff_exp=int(g("expert_feed_forward_length")),
-            context_length=int(g("context_length")),
-            rms_eps=float(g("attention.layer_norm_rms_epsilon")),
-            rope_theta=float(g("rope.freq_base", 10000.0)),
-            rope_dim=int(g("rope.dimension_count", head_dim)),
-            expert_weights_norm=bool(g("expert_weights_norm", False)),
+            n_expert=n_expert,
+            n_expert_used=g.int("expert_used_count"),
+            n_ff_exp=g.int("expert_feed_forward_length"),
+            context_length=g.int("context_length"),
+            rms_eps=g.float("attention.layer_norm_rms_epsilon", positive=True),
+            rope_theta=g.float("rope.freq_base", 10000.0, positive=True),
+            rope_dim=g.int("rope.dimension_count", head_dim, minimum=0),
+            expert_weights_norm=bool(g.get("expert_weights_norm", False)),
             activation=str(f.get("pyruntime.expert_activation", "silu")),
-            n_ff_shexp=int(g("expert_shared_feed_forward_length", 0)),
-            embedding_scale=float(g("embedding_scale", 1.0)),
-            residual_scale=float(g("residual_scale", 1.0)),
-            attention_scale=_opt_float(g("attention.scale", None)),
-            logit_scale=float(g("logit_scale", 1.0)),
-            clamp_kqv=_opt_float(g("attention.clamp_kqv", None)),
+            n_ff_shexp=g.int("expert_shared_feed_forward_length", 0),
+            embedding_scale=g.float("embedding_scale", 1.0),
+            residual_scale=g.float("residual_scale", 1.0),
+            attention_scale=g.float("attention.scale", None, positive=True),
+            logit_scale=g.float("logit_scale", 1.0, positive=True),
+            clamp_kqv=g.float("attention.clamp_kqv", None, positive=True),
         )
+        value_length = g.int("attention.value_length", head_dim)
+        if value_length != head_dim:
+            raise ModelFileError(
+                f"{f.path}: {f.arch}.attention.value_length {value_length} differs from "
+                f"key_length {head_dim}, which is not supported"
+            )
         cfg.validate(str(f.path))
+        check_tensors(f, cfg)
         return cfg
 
     def validate(self, where: str) -> None:
         if self.activation not in ACTIVATIONS:
-            raise ModelFileError(f"{where}: unknown expert activation '{self.activation}'")
+            raise ModelFileError(f"{where}: unknown expert activation {self.activation!r}")
         if not 0 < self.n_expert_used <= self.n_expert:
             raise ModelFileError(
                 f"{where}: expert_used_count {self.n_expert_used} not in 1..{self.n_expert}"
@@ -91,5 +106,53 @@ class ModelConfig:
             raise ModelFileError(f"{where}: bad rope.dimension_count {self.rope_dim}")
 
 
-def _opt_float(v: object) -> float | None:
-    return None if v is None else float(v)  # type: ignore[arg-type]
+class _Keys:
+    """The `{arch}.*` keys of a file, read with range checks. Their GGUF types were checked when
+    the file was opened (pyruntime.gguf.keys), so an integer key holds an int here, unless the
+    family stores it per layer (a list), which these architectures never do."""
+
+    def __init__(self, f: GGUFFile) -> None:
+        self.f = f
+
+    def get(self, suffix: str, default: Any) -> Any:
+        return self.f.arch_get(suffix, default)
+
+    def _bad(self, suffix: str, why: str) -> ModelFileError:
+        return ModelFileError(f"{self.f.path}: metadata key '{self.f.arch}.{suffix}' {why}")
+
+    def int(self, suffix: str, default: Any = _REQUIRED, minimum: int = 1) -> int:
+        """An integer in [minimum, 2^31) (the C core's int)."""
+        value = self.get(suffix, None)
+        if value is None:
+            if default is _REQUIRED or default is None:
+                raise self._bad(suffix, "is missing")
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self._bad(suffix, f"is {_shown(value)}, expected one integer")
+        if not minimum <= value < 1 << 31:
+            raise self._bad(suffix, f"is {value}, outside [{minimum}, 2^31)")
+        return value
+
+    def float(self, suffix: str, default: Any = _REQUIRED, positive: bool = False) -> Any:
+        """A finite float (> 0 when `positive`), or `default` (which may be None) when absent."""
+        value = self.get(suffix, None)
+        if value is None:
+            if default is _REQUIRED:
+                raise self._bad(suffix, "is missing")
+            return default
+        if not isinstance(value, float) or not math.isfinite(value) or (positive and value <= 0):
+            expected = "a finite float > 0" if positive else "a finite float"
+            raise self._bad(suffix, f"is {_shown(value)}, expected {expected}")
+        return value
+
+
+def _rows(f: GGUFFile, name: str) -> int | None:
+    """Rows of a tensor (its outermost dimension), or None for a scalar or an empty one."""
+    shape = f.tensor(name).shape
+    return shape[0] or None if shape else None
+
+
+def _shown(value: Any) -> str:
+    """A value for an error line: short and on one line."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -115,6 +115,8 @@ class HostWeights:
 
     @classmethod
     def from_gguf(cls, f: GGUFFile, cfg: ModelConfig) -> HostWeights:
+        """`cfg` from ModelConfig.from_gguf, which has checked every tensor's name, shape and
+        type against the layout, so nothing here reads a tensor of the wrong size."""
         token_embd = _matrix(f, "token_embd.weight")
         tied = not f.has_tensor("output.weight")
         return cls(

@@ -3,7 +3,8 @@
 The environment mirrors transformers' `apply_chat_template`: a sandbox (templates come from model
 files, which are untrusted), `trim_blocks`/`lstrip_blocks`, `raise_exception`, a `tojson` that
 keeps non-ASCII, `strftime_now`, and the variables `messages`, `bos_token`, `eos_token`,
-`add_generation_prompt`.
+`add_generation_prompt`. Rendering has a time and a size limit (template_limits.py); any failure
+is one ChatTemplateError line.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from functools import lru_cache
 from typing import Any
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from pyruntime.errors import ModelFileError, UsageError
+from pyruntime.text.template_limits import LimitedSandbox, TemplateLimitError, render_limited
 
 _ROLES = ("system", "user", "assistant", "tool")
 
@@ -40,7 +41,7 @@ def _strftime_now(fmt: str) -> str:
 
 @lru_cache(maxsize=8)
 def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
+    env = LimitedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )
     env.filters["tojson"] = _tojson
@@ -83,7 +84,8 @@ def render_chat(
         )
     messages = validate_messages(messages)
     try:
-        return _compile(template).render(
+        return render_limited(
+            _compile(template),
             messages=messages,
             bos_token=bos_token,
             eos_token=eos_token,
@@ -91,5 +93,14 @@ def render_chat(
         )
     except ChatTemplateError:
         raise
+    except TemplateLimitError as exc:
+        raise ChatTemplateError(f"{source}: the chat template {exc}; refused") from None
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"{source}: chat template failed to render: {exc}") from None
+    except (RecursionError, MemoryError):
+        raise ChatTemplateError(f"{source}: the chat template is too large to compile") from None
+    except Exception as exc:  # the template's own arithmetic or calls: 1/0, int("x"), ...
+        reason = str(exc).splitlines()[0] if str(exc) else ""
+        raise ChatTemplateError(
+            f"{source}: chat template failed to render: {type(exc).__name__}: {reason}"
+        ) from None

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import tokenizers
 
-from pyruntime.errors import ModelFileError
+from pyruntime.errors import ModelFileError, UsageError
 from pyruntime.gguf.file import GGUFFile
 
 # What `tokenizers` produces for an incomplete UTF-8 sequence at the end of a decode.
@@ -42,8 +42,10 @@ class Tokenizer:
         self.chat_template = chat_template
 
     @classmethod
-    def from_gguf(cls, f: GGUFFile) -> Tokenizer:
-        """Build the tokenizer from the metadata of a file written by convert_hf_to_gguf.py."""
+    def from_gguf(cls, f: GGUFFile, n_vocab: int | None = None) -> Tokenizer:
+        """Build the tokenizer from the metadata of a file written by convert_hf_to_gguf.py.
+        With n_vocab (the embedding's rows), every id the tokenizer can produce or stops on is
+        checked to be one of the model's tokens."""
         tokenizer_json = f.get("tokenizer.huggingface.json", None)
         if not tokenizer_json:
             raise ModelFileError(
@@ -52,9 +54,12 @@ class Tokenizer:
             )
         try:
             hf = tokenizers.Tokenizer.from_str(tokenizer_json)
-        except Exception as exc:  # tokenizers raises its own Exception subclass
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # its own Exception subclass; a Rust panic: BaseException
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise ModelFileError(
-                f"{f.path}: 'tokenizer.huggingface.json' is not a valid tokenizer.json ({exc})"
+                f"{f.path}: 'tokenizer.huggingface.json' is not a valid tokenizer.json ({reason})"
             ) from None
         bos_id = f.get("tokenizer.ggml.bos_token_id", None)
         eos_id = f.get("tokenizer.ggml.eos_token_id", None)
@@ -64,6 +69,8 @@ class Tokenizer:
             eot_id = f.get("tokenizer.ggml.eot_token_id", None)
             stop_ids = [i for i in (eos_id, eot_id) if i is not None]
         add_bos = bool(f.get("tokenizer.ggml.add_bos_token", False)) and bos_id is not None
+        if n_vocab is not None:
+            _check_ids(f, hf, n_vocab, {"bos": bos_id, "eos": eos_id, "stop": stop_ids})
         return cls(
             hf,
             bos_id=bos_id,
@@ -83,6 +90,15 @@ class Tokenizer:
         `add_special` prepends BOS when the model asks for it (`tokenizer.ggml.add_bos_token`),
         unless the text already starts with the BOS token.
         """
+        if not isinstance(text, str):
+            raise UsageError(f"text to tokenize must be a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # tokenizers would raise a TypeError deep inside
+            raise UsageError(
+                f"text is not valid Unicode: a lone surrogate at index {exc.start} (bytes that "
+                "were not UTF-8, decoded with surrogateescape?)"
+            ) from None
         ids = self._hf.encode(text, add_special_tokens=False).ids
         if add_special and self.add_bos and not (ids and ids[0] == self.bos_id):
             ids = [self.bos_id, *ids]
@@ -94,6 +110,24 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str | None:
         """The vocabulary entry of `token_id` (byte-level form), or None if out of range."""
         return self._hf.id_to_token(token_id)
+
+
+def _check_ids(f: GGUFFile, hf: tokenizers.Tokenizer, n_vocab: int, special: dict) -> None:
+    """Every id of tokenizer.json and every special id in [0, n_vocab): an id past the embedding
+    would be refused at the first forward pass, far from its cause."""
+    vocab = hf.get_vocab(with_added_tokens=True)
+    top = max(vocab.values(), default=-1)
+    if top >= n_vocab:
+        raise ModelFileError(
+            f"{f.path}: 'tokenizer.huggingface.json' has token id {top}, but the model has "
+            f"{n_vocab} tokens"
+        )
+    for name, ids in special.items():
+        for i in ids if isinstance(ids, list) else [ids]:
+            if i is not None and not 0 <= i < n_vocab:
+                raise ModelFileError(
+                    f"{f.path}: the {name} token id {i} is not one of the model's {n_vocab} tokens"
+                )
 
 
 class IncrementalDetokenizer:

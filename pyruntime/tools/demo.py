@@ -10,13 +10,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import os
 import sys
 from pathlib import Path
 
 from pyruntime import options
 from pyruntime.errors import ConversionError
-from pyruntime.gguf.file import LAYOUT_VERSION
+from pyruntime.model.layout import LAYOUT_VERSION
 
 DEMO_NAME = "tiny-olmoe"
 DEMO_SOURCE = Path(__file__).resolve().parent / "demo_model" / DEMO_NAME
@@ -41,7 +40,7 @@ def demo_model_path(cache: Path | None = None, quiet: bool = False) -> Path:
         raise ConversionError(
             f"the demo checkpoint is missing from the package ({DEMO_SOURCE}); reinstall pyruntime"
         )
-    cache = cache if cache is not None else options.cache_dir()
+    cache = cache if cache is not None else options.writable_cache_dir()
     target = cache / f"demo-{DEMO_NAME}-f32-{_source_key(DEMO_SOURCE)}.gguf"
     if target.is_file():
         return target
@@ -56,15 +55,8 @@ def demo_model_path(cache: Path | None = None, quiet: bool = False) -> Path:
         ) from None
     if not quiet:
         print(f"pyruntime: converting the demo model to {target} (first use only)", file=sys.stderr)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        # The converter reports a summary; keep our stdout for the answer alone.
-        with contextlib.redirect_stdout(io.StringIO()):
-            convert(DEMO_SOURCE, outfile=tmp, outtype="f32", progress=False)
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o666 & ~umask)  # a shared cache file, readable like any other
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+    # convert() writes beside the target and renames: an interrupted or concurrent first run
+    # never leaves a partial model behind (force: a concurrent run may have just finished).
+    with contextlib.redirect_stdout(io.StringIO()):  # keep our stdout for the answer alone
+        convert(DEMO_SOURCE, outfile=target, outtype="f32", progress=False, force=True)
     return target

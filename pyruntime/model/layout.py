@@ -1,0 +1,173 @@
+"""Our GGUF layout's rules (docs/gguf-layout.md), checked where a model is built.
+
+The reader (pyruntime.gguf) checks what every GGUF file must be; this module checks what a
+pyruntime model file must hold beyond that: the layout version, the types of the keys the layout
+adds, and every tensor: a name the layout knows for this family, the shape the hyper-parameters
+imply, a type the runtime computes with; every tensor a layer needs, present. A file that passes
+holds nothing a decoder could over-read: every norm and bias has its n_embd (or head) floats,
+every matrix its rows, every expert block its neurons. Tensor data itself cannot be checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gguf import GGMLQuantizationType
+
+from pyruntime.errors import ModelFileError
+from pyruntime.gguf.file import GGUFFile
+from pyruntime.gguf.header import FormatError
+from pyruntime.gguf.keys import INT32S, STR, U32, check_key_types
+
+LAYOUT_VERSION = 1
+
+# The keys the layout adds to the standard ones (pyruntime.gguf.keys checks those).
+LAYOUT_KEYS = {
+    "pyruntime.layout_version": (U32,),
+    "pyruntime.hf_architecture": (STR,),
+    "pyruntime.expert_activation": (STR,),
+    "pyruntime.stop_token_ids": (INT32S,),
+}
+
+Q = GGMLQuantizationType
+WEIGHT = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0)  # matrices: the formats the kernels read
+F32 = (Q.F32,)  # norms, biases, routers, the shared-expert gate
+
+# What differs by family: q/k RMSNorm over the whole projection or per head (required), q/k/v
+# biases (all three or none), a shared expert in every MoE layer (required).
+QK_NORM = {"olmoe": "whole", "qwen3moe": "head"}
+QKV_BIAS = ("qwen2moe",)
+SHARED_EXPERT = ("qwen2moe",)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]  # row-major, outermost first
+    types: tuple[GGMLQuantizationType, ...]
+    group: str = ""  # "": required; else optional, and all tensors of the group or none
+
+
+def check_layout_keys(f: GGUFFile) -> None:
+    """The layout version and the types of the layout's own keys."""
+    try:
+        check_key_types(f.signatures, LAYOUT_KEYS)
+    except FormatError as exc:
+        raise ModelFileError(f"{f.path}: {exc}") from None
+    version = f.get("pyruntime.layout_version", None)
+    if version != LAYOUT_VERSION:
+        raise ModelFileError(
+            f"{f.path}: GGUF layout version {version} is not supported (this pyruntime reads "
+            f"version {LAYOUT_VERSION}); convert the model again with convert_hf_to_gguf.py"
+        )
+
+
+def expected_tensors(f: GGUFFile, cfg) -> dict[str, TensorSpec]:
+    """Every tensor a model of `cfg` (a ModelConfig) may hold in this layout, by name. A layer
+    is a MoE layer when the file holds its routed experts, else a dense FFN layer."""
+    n, v = cfg.n_embd, cfg.n_vocab
+    q_rows, kv_rows = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+    specs = {
+        "token_embd.weight": TensorSpec((v, n), WEIGHT),
+        "output_norm.weight": TensorSpec((n,), F32),
+        "output.weight": TensorSpec((v, n), WEIGHT, group="output"),  # absent: tied to token_embd
+    }
+    qk_norm = QK_NORM.get(cfg.arch)
+    for i in range(cfg.n_layer):
+        p = f"blk.{i}"
+        specs |= {
+            f"{p}.attn_norm.weight": TensorSpec((n,), F32),
+            f"{p}.attn_q.weight": TensorSpec((q_rows, n), WEIGHT),
+            f"{p}.attn_k.weight": TensorSpec((kv_rows, n), WEIGHT),
+            f"{p}.attn_v.weight": TensorSpec((kv_rows, n), WEIGHT),
+            f"{p}.attn_output.weight": TensorSpec((n, q_rows), WEIGHT),
+            f"{p}.ffn_norm.weight": TensorSpec((n,), F32),
+        }
+        if cfg.arch in QKV_BIAS:
+            for name, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
+                specs[f"{p}.attn_{name}.bias"] = TensorSpec((rows,), F32, group=f"{p} biases")
+        if qk_norm is not None:
+            whole = qk_norm == "whole"  # else per head
+            q_norm, k_norm = (q_rows, kv_rows) if whole else (cfg.head_dim, cfg.head_dim)
+            specs[f"{p}.attn_q_norm.weight"] = TensorSpec((q_norm,), F32)
+            specs[f"{p}.attn_k_norm.weight"] = TensorSpec((k_norm,), F32)
+        if f.has_tensor(f"{p}.ffn_gud_exps.weight"):
+            specs |= _moe_layer(f, cfg, p)
+        else:
+            specs |= _dense_layer(f, cfg, p)
+    return specs
+
+
+def _moe_layer(f: GGUFFile, cfg, p: str) -> dict[str, TensorSpec]:
+    n = cfg.n_embd
+    specs = {
+        f"{p}.ffn_gate_inp.weight": TensorSpec((cfg.n_expert, n), F32),
+        f"{p}.ffn_gud_exps.weight": TensorSpec((cfg.n_expert, cfg.n_ff_exp, 3, n), WEIGHT),
+    }
+    if cfg.arch in SHARED_EXPERT:
+        if not cfg.n_ff_shexp:
+            raise ModelFileError(
+                f"{f.path}: metadata key '{cfg.arch}.expert_shared_feed_forward_length' is "
+                f"missing; a {cfg.arch} MoE layer has a shared expert"
+            )
+        ff = cfg.n_ff_shexp
+        specs |= {
+            f"{p}.ffn_gate_shexp.weight": TensorSpec((ff, n), WEIGHT),
+            f"{p}.ffn_up_shexp.weight": TensorSpec((ff, n), WEIGHT),
+            f"{p}.ffn_down_shexp.weight": TensorSpec((n, ff), WEIGHT),
+            f"{p}.ffn_gate_inp_shexp.weight": TensorSpec((n,), F32),
+        }
+    return specs
+
+
+def _dense_layer(f: GGUFFile, cfg, p: str) -> dict[str, TensorSpec]:
+    key = f"{cfg.arch}.feed_forward_length"
+    ff = f.get(key, None)
+    if not isinstance(ff, int) or isinstance(ff, bool) or not 1 <= ff < 1 << 31:
+        why = "is missing" if ff is None else f"is {ff!r}, expected one integer >= 1"
+        raise ModelFileError(
+            f"{f.path}: metadata key {key!r} {why}; layer {p} is a dense FFN layer (it has no "
+            f"{p}.ffn_gud_exps.weight)"
+        )
+    n = cfg.n_embd
+    return {
+        f"{p}.ffn_gate.weight": TensorSpec((ff, n), WEIGHT),
+        f"{p}.ffn_up.weight": TensorSpec((ff, n), WEIGHT),
+        f"{p}.ffn_down.weight": TensorSpec((n, ff), WEIGHT),
+    }
+
+
+def check_tensors(f: GGUFFile, cfg) -> None:
+    """ModelFileError for the first tensor that is unknown to the layout, of the wrong shape or
+    type, or missing."""
+    specs = expected_tensors(f, cfg)
+    for name, t in f.tensors.items():
+        spec = specs.get(name)
+        if spec is None:
+            raise ModelFileError(
+                f"{f.path}: tensor {name!r} is not part of a {cfg.arch} model with "
+                f"{cfg.n_layer} layers in this layout (docs/gguf-layout.md)"
+            )
+        if t.shape != spec.shape:
+            raise ModelFileError(
+                f"{f.path}: tensor {name!r} has shape {list(t.shape)}, but the model's "
+                f"hyper-parameters make it {list(spec.shape)}"
+            )
+        if t.qtype not in spec.types:
+            raise ModelFileError(
+                f"{f.path}: tensor {name!r} is {t.qtype.name}; the layout stores it as "
+                f"{' or '.join(q.name for q in spec.types)}"
+            )
+    groups: dict[str, list[str]] = {}
+    for name, spec in specs.items():
+        if spec.group:
+            groups.setdefault(spec.group, []).append(name)
+        elif name not in f.tensors:
+            raise ModelFileError(f"{f.path}: tensor {name!r} is missing")
+    for names in groups.values():
+        present = [n for n in names if n in f.tensors]
+        if present and len(present) < len(names):
+            absent = next(n for n in names if n not in f.tensors)
+            raise ModelFileError(
+                f"{f.path}: tensor {absent!r} is missing (the file has {present[0]!r}, which "
+                "comes with it)"
+            )
