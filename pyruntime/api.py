@@ -26,6 +26,7 @@ import threading
 import time
 import uuid
 import warnings
+from argparse import ArgumentTypeError
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,11 @@ class Model:
     (None = a random seed), so a run of calls is reproducible as a whole.
     kernel_tuning: a JSON file of GPU kernel launch configs (None: $PYRUNTIME_DECODE_TUNING, else
     the built-in tables).
+    gpu_mem: the GPU memory budget in bytes or as a size ('12G'; None: what torch can allocate
+    now, minus a margin). A model bigger than it runs hybrid (pyruntime.offload): dense weights
+    and the KV cache on the GPU, routed experts in host memory, the rest of the budget a GPU
+    cache of expert slots; staging ('auto', 'register', 'bounce', 'pinned'), pin_experts,
+    cache_policy ('lfru', 'lru'), misses ('auto', 'cpu', 'stage') and lookahead say how.
     experts_per_token: routed experts per token (None: the model's top-k).
     little_experts / big_little: big/little decoding with a little pass of that many experts (a
     bare big_little: half the top-k); fallback_threshold, fallback ('lossy' or 'verify'), draft:
@@ -91,6 +97,12 @@ class Model:
         expert_backend: str = DEFAULTS.expert_backend,
         device: str = DEFAULTS.device,
         kernel_tuning: str | None = None,
+        gpu_mem: int | str | None = None,
+        staging: str = DEFAULTS.staging,
+        pin_experts: bool = DEFAULTS.pin_experts,
+        cache_policy: str = DEFAULTS.cache_policy,
+        misses: str = DEFAULTS.misses,
+        lookahead: bool = DEFAULTS.lookahead,
         experts_per_token: int | None = None,
         little_experts: int = DEFAULTS.little_experts,
         big_little: bool = DEFAULTS.big_little,
@@ -99,7 +111,9 @@ class Model:
         draft: int = DEFAULTS.draft,
     ) -> None:
         check_sparsity(sparsity)
-        for name, value in (("n_ctx", n_ctx), ("threads", threads), ("seed", seed)):
+        gpu_bytes = _size(gpu_mem)
+        for name, value in (("n_ctx", n_ctx), ("threads", threads), ("seed", seed),
+                            ("gpu_mem", gpu_bytes)):  # fmt: skip
             options.check(name, value)
         self.file: GGUFFile = open_gguf(path)
         self.path = self.file.path
@@ -108,11 +122,23 @@ class Model:
         config = ModelConfig.from_gguf(self.file)
         self.n_ctx = n_ctx or config.context_length
         self.kernel_tuning = options.value("kernel_tuning", kernel_tuning)
-        choice = choose_device(device, self.file, config, self.n_ctx)
+        choice = choose_device(device, self.file, config, self.n_ctx, gpu_bytes)
         self.device, self.device_note = choice.device, choice.note
+        self.placement = choice.plan  # the hybrid's plan (None: one device holds everything)
         if choice.note:
             print(f"pyruntime: {choice.note}", file=sys.stderr)
-        if self.device == "cpu":
+        if choice.hybrid:
+            from pyruntime.offload.loading import device_memory_guard, load_hybrid
+
+            print(f"pyruntime: {choice.plan.summary(self.device)}", file=sys.stderr)
+            with device_memory_guard("loading the model", self.device, choice.plan.budget):
+                self.net = load_hybrid(
+                    self.file, config, choice.plan, self.device, threads=threads,
+                    staging=staging, pin_experts=pin_experts, cache_policy=cache_policy,
+                    misses=misses, lookahead=lookahead, kernel_tuning=self.kernel_tuning,
+                    thresholds=thresholds,
+                )  # fmt: skip
+        elif self.device == "cpu":
             self.net = CpuExecutor.from_gguf(
                 self.file, threads=threads, expert_backend=expert_backend
             )
@@ -122,8 +148,11 @@ class Model:
 
             if threads is not None:
                 torch.set_num_threads(threads)  # in range: checked above
-            self.net = GpuExecutor.from_gguf(self.file, self.device,
-                                             kernel_tuning=self.kernel_tuning)  # fmt: skip
+            from pyruntime.offload.loading import device_memory_guard
+
+            with device_memory_guard("loading the model", self.device):
+                self.net = GpuExecutor.from_gguf(self.file, self.device,
+                                                 kernel_tuning=self.kernel_tuning)  # fmt: skip
             key = f"{self.path.name}:{self.file.file_size}:s{sparsity}"
             # profiles are written only with thresholds; an unwritable cache then falls back
             cache = options.writable_cache_dir() if thresholds is not None else options.cache_dir()
@@ -196,15 +225,26 @@ class Model:
             return self.decoding.score(self.net, ids).float().numpy()
 
     def stats(self) -> dict[str, Any]:
-        """What the model has done so far: achieved expert sparsity, and big/little decoding's
-        fallback ratio, pass times, prefetch hit rate and verify acceptance length."""
+        """What the model has done so far: achieved expert sparsity, big/little decoding's
+        fallback ratio, pass times, prefetch hit rate and verify acceptance length, and a hybrid
+        run's slot hits, bytes staged and read by the CPU, and time per token by part."""
         out: dict[str, Any] = {"decoding": self.decoding.describe()}
         if self.sparsity:
             out["sparsity_target"] = self.sparsity
             out["sparsity_achieved"] = self.achieved_sparsity
         if self.decoding.big_little:
             out.update(self.big_little_stats.as_dict())
+        offload = getattr(self.net, "offload_stats", None)
+        if offload is not None:
+            out["offload"] = offload()
         return out
+
+    def time_parts(self, on: bool = True) -> None:
+        """Time the hybrid's parts (attention, router, GPU experts, waits for copies) with
+        CUDA events for stats() (a few event records per layer and token: off by default)."""
+        timer = getattr(self.net, "timer", None)
+        if timer is not None:
+            timer.enabled = on or not timer.cuda
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -384,6 +424,16 @@ class Model:
         final = chunk({}, generation.finish_reason)
         final["usage"] = _usage(generation)
         yield final
+
+
+def _size(gpu_mem: int | str | None) -> int | None:
+    """A budget given as bytes or as a size string ('12G')."""
+    if gpu_mem is None or isinstance(gpu_mem, int):
+        return gpu_mem
+    try:
+        return options.parse_size(gpu_mem)
+    except (ArgumentTypeError, TypeError):
+        raise UsageError(f"gpu_mem: {gpu_mem!r} is not a size (use e.g. 12G, 8GiB, 512M)") from None
 
 
 def _usage(generation: TextStream) -> dict[str, int]:

@@ -24,7 +24,8 @@ from pyruntime.errors import PyruntimeError, PyruntimeWarning, UsageError
 from pyruntime.output_files import Terminated, check_writable
 
 # The pyruntime.Model keywords the CLI passes from its options (pyruntime.options).
-RUNTIME = ("threads", "device", "sparsity", "sparsity_table", "kernel_tuning")
+RUNTIME = ("threads", "device", "sparsity", "sparsity_table", "kernel_tuning", "gpu_mem", "staging",
+           "pin_experts", "cache_policy", "misses", "lookahead")  # fmt: skip
 DECODING = (
     "experts_per_token", "little_experts", "big_little", "fallback_threshold", "fallback", "draft"
 )  # fmt: skip
@@ -134,8 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_arguments(p, "calibrate")
     p.set_defaults(func=cmd_calibrate)
 
-    p = sub.add_parser("info", help="describe a GGUF model file")
+    p = sub.add_parser(
+        "info",
+        help="describe a GGUF model file",
+        description="Describe a GGUF model file, and where it would run on the GPU: the whole "
+        "model, or hybrid (dense weights and KV cache on the GPU, routed experts in host "
+        "memory, the rest of the budget as expert slots) under --gpu-mem (default: this "
+        "machine's GPU, if any) at a context of -c/--ctx-size tokens.",
+    )
     p.add_argument("model", help="GGUF file")
+    options.add_arguments(p, "info")
     p.set_defaults(func=cmd_info)
     return parser
 
@@ -178,7 +187,10 @@ def _load_model(path: str | Path, args: argparse.Namespace, n_ctx: int) -> Any:
     runtime = options.from_args(args, RUNTIME + DECODING)
     if args.command == "calibrate":
         runtime["device"] = "cpu"  # the gate observer runs on the CPU path
-    return Model(path, n_ctx=n_ctx, seed=getattr(args, "seed", None), **runtime)
+    model = Model(path, n_ctx=n_ctx, seed=getattr(args, "seed", None), **runtime)
+    if getattr(args, "stats", False):
+        model.time_parts()
+    return model
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
@@ -488,10 +500,31 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("vocab", str(f.arch_get("vocab_size", len(tokens)))),
         ("chat template", "yes" if f.get("tokenizer.chat_template", None) else "no"),
     ]
+    rows += _gpu_plan_rows(f, args)
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}} : {value}")
     return 0
+
+
+def _gpu_plan_rows(f: Any, args: argparse.Namespace) -> list[tuple[str, str]]:
+    """Where the model would run under --gpu-mem (default: this machine's GPU's budget) at
+    -c/--ctx-size tokens; a line saying so without a budget or a GPU."""
+    from pyruntime.model.config import ModelConfig
+    from pyruntime.offload.plan import device_bytes, plan_budget
+
+    cfg = ModelConfig.from_gguf(f)
+    n_ctx = options.value("n_ctx", args.n_ctx) or cfg.context_length
+    budget = options.value("gpu_mem", args.gpu_mem)
+    if budget is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return [("gpu plan", "no GPU here: give --gpu-mem SIZE for the plan on one")]
+        from pyruntime.placement import gpu_budget
+
+        budget, _ = gpu_budget(torch.device("cuda"), None)
+    return plan_budget(device_bytes(f, cfg, n_ctx), budget, n_ctx).rows()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,3 +26,8 @@ class PyruntimeWarning(UserWarning):
     """Something a user should know that does not stop the run (an unwritable cache folder, a
     prompt past the model's trained context, input bytes that were not UTF-8). The CLI prints
     each as one `warning: ` line on stderr."""
+
+
+class DeviceMemoryError(PyruntimeError):
+    """The GPU memory budget cannot hold what it must (the dense weights and the KV cache), or
+    the GPU ran out of memory while loading or running; the message says how much was needed."""

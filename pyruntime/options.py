@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import stat
 import tempfile
 import warnings
@@ -25,6 +26,8 @@ from typing import Any
 from pyruntime.errors import PyruntimeWarning, UsageError
 from pyruntime.output_files import check_writable
 
+# How the hybrid stages experts to the GPU (pyruntime.offload.home); auto picks register.
+STAGING = ("auto", "register", "bounce", "pinned")
 # The commands that load a model for decoding, and those that also sample.
 DECODING = ("chat", "generate", "perplexity", "bench")
 SAMPLING = ("chat", "generate")
@@ -86,6 +89,19 @@ class Option:
     bounds: Range | None = None  # the values a numeric option may take
 
 
+_SIZE = re.compile(r"(\d+\.?\d*|\.\d+)\s*([kmgt]?)(i?b)?", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size written as 12G, 8GiB, 512M, 1.5g or a plain number of bytes (binary
+    units: G = GiB, as nvidia-smi and llama.cpp count GPU memory)."""
+    m = _SIZE.fullmatch(str(text).strip())
+    if m is None or (m.group(3) and not m.group(2) and m.group(3).lower() == "ib"):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a size (use e.g. 12G, 8GiB, 512M)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
 OPTIONS: tuple[Option, ...] = (
     # -- runtime: how a model is loaded and run (pyruntime.Model keywords) ----------------------
     Option(
@@ -98,7 +114,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "n_ctx", 2048, "context size in tokens (0 = the model's trained context)",
-        ("-c", "--ctx-size"), SAMPLING, parse=int, bounds=_ints(0),
+        ("-c", "--ctx-size"), SAMPLING + ("info",), parse=int, bounds=_ints(0),
     ),
     Option(
         "sparsity", 0.0, "skip this fraction of routed-expert neurons, in [0, 1) (needs "
@@ -113,6 +129,42 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "expert_backend", "auto", "CPU routed experts: auto (the C core when it is built), c, or "
         "torch (the plain reference)",
+    ),
+    Option(
+        "gpu_mem", None, "GPU memory budget, e.g. 12G, 8GiB, 512M (default: what torch can "
+        "allocate on the GPU now, minus 512 MiB). A model bigger than the budget runs hybrid: "
+        "dense weights and the KV cache on the GPU, the routed experts in host memory, the rest "
+        "of the budget a GPU cache of expert slots", ("--gpu-mem",), DECODING + ("info",),
+        parse=parse_size, group="offload", metavar="SIZE", bounds=Range(0),
+    ),
+    Option(
+        "staging", "auto", "hybrid: how experts reach the GPU slots: register (the mapped file "
+        "registered read-only with the driver, copied by DMA), bounce (the CPU copies them "
+        "into small pinned buffers first), pinned (a pinned copy of every routed expert in RAM, "
+        "as --pin-experts); auto: register. A refused pin falls back to bounce, with a warning",
+        ("--staging",), DECODING, group="offload", extra={"choices": list(STAGING)},
+    ),
+    Option(
+        "pin_experts", False, "hybrid: copy every routed expert into pinned RAM at load (the "
+        "fastest staging; costs RAM the size of the experts): --staging pinned",
+        ("--pin-experts",), DECODING, parse=bool, group="offload",
+        extra={"action": "store_true"},
+    ),
+    Option(
+        "cache_policy", "lfru", "hybrid: which cached expert a new one replaces: lfru "
+        "(frequency-weighted LRU) or lru", ("--cache-policy",), DECODING, group="offload",
+        extra={"choices": ["lfru", "lru"]},
+    ),
+    Option(
+        "misses", "auto", "hybrid: where an expert that is not in a GPU slot is computed: auto "
+        "(costs measured on this machine split each layer's misses between the CPU and staging "
+        "to the GPU), cpu, or stage", ("--misses",), DECODING, group="offload",
+        extra={"choices": ["auto", "cpu", "stage"]},
+    ),
+    Option(
+        "lookahead", False, "hybrid: stage the next layer's likely experts early (its router "
+        "applied to this layer's hidden state)", ("--lookahead",), DECODING, parse=bool,
+        group="offload", extra={"action": "store_true"},
     ),
     Option(
         "kernel_tuning", None, "JSON file of GPU kernel launch configs measured on this GPU "
@@ -216,7 +268,7 @@ def value(name: str, given: Any = None) -> Any:
     if raw:
         try:
             return opt.parse(raw)
-        except ValueError:
+        except (ValueError, argparse.ArgumentTypeError):
             raise UsageError(f"{opt.env}={raw!r} is not a valid {name}") from None
     return opt.default
 
@@ -243,6 +295,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     titles = {
         "decoding": "decoding (experts per token, big/little)",
         "sampling": "sampling (llama.cpp names and defaults)",
+        "offload": "offload (a model bigger than the GPU)",
     }
     for opt in OPTIONS:
         if command not in opt.commands or not opt.flags:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pyruntime import cli
-from pyruntime.errors import UsageError
+from pyruntime.errors import DeviceMemoryError, UsageError
 from pyruntime.tools.bench import BenchResult, run_bench
 from pyruntime.tools.demo import demo_model_path
 
@@ -150,8 +150,8 @@ def test_device_choice_when_the_model_does_not_fit(gguf_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "Tiny GPU")
     choice = choose_device("auto", f, cfg, 64)
     assert choice.device == "cpu" and choice.note.startswith("running on the CPU: ")
-    assert "GiB is free on Tiny GPU" in choice.note
-    with pytest.raises(UsageError, match="--device cuda: the model and a 64-token KV cache need"):
+    assert "is free on Tiny GPU" in choice.note
+    with pytest.raises(DeviceMemoryError, match="--device cuda: the dense weights .* 64-token KV"):
         choose_device("cuda", f, cfg, 64)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (80 << 30, 80 << 30))
     assert choose_device("auto", f, cfg, 64).device == "cuda"

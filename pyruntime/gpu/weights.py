@@ -7,7 +7,7 @@ views into the GGUF mmap, already loaded and checked there).
   quantized (kernels.q8_linear) when the GGUF stores Q8_0, else float (f32 for an F32 GGUF,
   bf16 otherwise);
 - norms, routers, the shared-expert gate: float32 (F32 in the GGUF); embeddings: float copy.
-Also the device memory estimate used by `--device auto`.
+The device memory each part takes is estimated without uploading, by pyruntime.offload.plan.
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ from gguf import GGMLQuantizationType
 
 from pyruntime.errors import UsageError
 from pyruntime.experts.store import ExpertStore
-from pyruntime.gguf.file import GGUFFile
 from pyruntime.gguf.quant import FORMAT_NAMES, QuantMatrix
 from pyruntime.kernels.dispatch import prepare_experts
-from pyruntime.kernels.expert_formats import FLOAT_DTYPES, dequantize_rows
+from pyruntime.kernels.expert_formats import FLOAT_DTYPES, REPACKED, dequantize_rows
 from pyruntime.kernels.q8_linear import dequantize_q8, q8_gemv, split_q8_0
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.weights import BlockWeights, FFNWeights, HostWeights
@@ -155,8 +154,12 @@ def _ffn(w: FFNWeights | None, device: torch.device, dtype: torch.dtype) -> Gate
 
 
 def upload_block(
-    blk: BlockWeights, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
-) -> DeviceBlock:
+    blk: BlockWeights, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+    routed_experts: bool = True,
+) -> DeviceBlock:  # fmt: skip
+    """routed_experts=False: a MoE block's `experts` stays None (a hybrid executor keeps them
+    in slots of its own) and `experts_fmt` names the format its slots hold."""
+
     def f32(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(device=device, dtype=torch.float32)
 
@@ -167,7 +170,12 @@ def upload_block(
         biases = [b if b is not None else torch.zeros(r * cfg.head_dim)
                   for b, r in zip(biases, rows, strict=True)]  # fmt: skip
         wqkv.bias = torch.cat(biases).to(device=device, dtype=dtype)
-    experts, fmt = (None, "") if blk.experts is None else upload_experts(blk.experts, device)
+    if blk.experts is None:
+        experts, fmt = None, ""
+    elif routed_experts:
+        experts, fmt = upload_experts(blk.experts, device)
+    else:
+        experts, fmt = None, slot_format(blk.experts)
     return DeviceBlock(
         attn_norm=f32(blk.attn_norm),
         wqkv=wqkv,
@@ -184,9 +192,18 @@ def upload_block(
     )
 
 
+def slot_format(store: ExpertStore) -> str:
+    """The format a layer's experts take on the device (upload_experts): q8_0 / q4_0 repacked."""
+    fmt = _format(store.name, store.qtype)
+    return REPACKED.get(fmt, fmt)
+
+
 def upload_weights(
-    host: HostWeights, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
-) -> DeviceWeights:
+    host: HostWeights, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+    routed_experts: bool = True,
+) -> DeviceWeights:  # fmt: skip
+    """Every weight on the device; routed_experts=False leaves the routed experts on the host
+    (upload_block)."""
     token_embd = upload_dense(host.token_embd, device, dtype)
     output = upload_linear(host.output, device, dtype)
     if host.output is host.token_embd and output.w is not None:
@@ -195,7 +212,7 @@ def upload_weights(
         token_embd=token_embd,
         output_norm=host.output_norm.to(device=device, dtype=torch.float32),
         output=output,
-        blocks=[upload_block(b, cfg, device, dtype) for b in host.blocks],
+        blocks=[upload_block(b, cfg, device, dtype, routed_experts) for b in host.blocks],
     )
 
 
@@ -204,27 +221,3 @@ def dense_dtype_for(attn_q_type: Q) -> torch.dtype:
     the GGUF's dense weights are F32 (exact parity with the CPU path), else bfloat16 (Q8_0
     matmul weights stay Q8_0, see Linear)."""
     return torch.float32 if attn_q_type == Q.F32 else torch.bfloat16
-
-
-def device_bytes(f: GGUFFile, cfg: ModelConfig, n_ctx: int) -> int:
-    """Bytes the model needs on the device: weights as uploaded + KV cache + activations."""
-    dtype = dense_dtype_for(f.tensor("blk.0.attn_q.weight").qtype)
-    total = 0
-    for t in f.tensors.values():
-        if t.name.endswith("ffn_gud_exps.weight") or (t.qtype == Q.Q8_0 and t.data.ndim > 1):
-            total += t.n_bytes  # kept in the GGUF format
-        elif t.qtype == Q.F32 or t.data.ndim == 1:
-            total += t.n_elements * 4
-        else:
-            total += t.n_elements * dtype.itemsize
-    # token_embd twice: a float copy for the lookup and the lm_head (tied) or its Q8_0 bytes
-    total += f.tensor("token_embd.weight").n_elements * dtype.itemsize
-    total += kv_cache_bytes(cfg, n_ctx, dtype)
-    # Working memory: the largest transient (dequantizing one tensor in f32 at load) and the
-    # prefill activations; 256 MiB covers the models we run plus the CUDA context's own needs.
-    biggest = max(t.n_elements for t in f.tensors.values()) * 4
-    return total + biggest + (256 << 20)
-
-
-def kv_cache_bytes(cfg: ModelConfig, n_ctx: int, dtype: torch.dtype) -> int:
-    return cfg.n_layer * 2 * cfg.n_head_kv * n_ctx * cfg.head_dim * dtype.itemsize

@@ -7,7 +7,9 @@ its slot, and the expert kernels read the slots through Residency.expert_map(lay
 
 Per MoE layer of a step: `lookup(layer, experts)` counts hits and misses and returns the misses;
 for each miss the caller either computes the expert elsewhere (the CPU) or `admit`s it (a slot is
-freed by the policy, never one the same layer is using now: those are `protect`ed).
+freed by the policy, never one the same layer is using now: those are `protect`ed). Keys in
+`held` are never evicted either, whatever their layer: the experts a pass is about to read
+(staged ahead by a prefetch or a lookahead, or in use by a layer whose kernels are queued).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class ExpertCache:
         self.step = 0  # advanced once per lookup (one routed token-layer)
         self.stats = CacheStats()
         self._free = list(range(n_slots - 1, -1, -1))  # pop() gives slot 0 first
+        self.held: set[tuple[int, int]] = set()  # (layer, expert) keys never evicted
 
     def lookup(self, layer: int, experts: Iterable[int]) -> list[int]:
         """The experts of `layer` not in a slot (in order); hits are counted and touched."""
@@ -67,7 +70,8 @@ class ExpertCache:
         if self._free:
             slot = self._free.pop()
         else:
-            victim = self.policy.victim(exclude={(layer, e) for e in protect})
+            exclude = self.held.union((layer, e) for e in protect) if protect else self.held
+            victim = self.policy.victim(exclude=exclude)
             if victim is None:
                 return -1
             slot = self.residency.slot(*victim)

@@ -1,0 +1,222 @@
+"""Where a missed expert is computed: the cost model, its measurement, and the split it decides.
+
+For each (layer, expert) a pass needs that is not in a GPU slot (a miss), the hybrid either
+computes it on the CPU (the C core reads its bytes from host memory) or stages it (copies it
+into a slot over PCIe, then the GPU computes it). Both sides run at once, so a layer's misses
+are split to finish together (docs/offloading.md has the model with its constants):
+
+    cpu(S)   = c_call + sum over e in S of r * (c_expert + n_e * c_pair)
+    stage(S) = sum over e in S of (B / beta + g_expert + n_e * g_pair)
+
+n_e: tokens of the pass routed to e; B: an expert's bytes; beta: the staging rate (GB/s);
+r: the share of an expert's bytes the CPU reads, 1 dense, (1 + 2 (1 - s)) / 3 at neuron
+sparsity s (gate rows always, up and down rows of the kept neurons). `split_misses` assigns the
+misses with the most tokens first, each to the side that then finishes sooner (list scheduling),
+so decode (n_e = 1) splits in proportion to the two rates and a prefill's experts with many
+tokens go to the GPU (their CPU cost grows with n_e, their staging cost does not).
+
+The constants are measured once per machine, model shape and staging mode (`measure_costs`,
+at start-up) and cached as JSON in options.cache_dir()/offload; tests give their own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from pyruntime.errors import PyruntimeWarning
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds of the work a miss can take, on one machine for one model shape."""
+
+    expert_bytes: int  # B: one routed expert
+    pcie_gbs: float  # beta: staging rate, GB/s, measured while the CPU computes experts
+    cpu_call_s: float  # c_call: one CPU expert call (handoff, h and y across)
+    cpu_expert_s: float  # c_expert: reading one expert's bytes (dense), during staging
+    cpu_pair_s: float  # c_pair: one (token, expert) pair's arithmetic on the CPU
+    gpu_expert_s: float  # g_expert: one staged expert on the GPU, beyond its copy
+    gpu_pair_s: float  # g_pair: one (token, expert) pair on the GPU
+
+    def cpu_seconds(self, n_tokens: Sequence[int], read: float = 1.0) -> float:
+        if not n_tokens:
+            return 0.0
+        return self.cpu_call_s + read * sum(self.cpu_expert_s + n * self.cpu_pair_s
+                                            for n in n_tokens)  # fmt: skip
+
+    def stage_seconds(self, n_tokens: Sequence[int]) -> float:
+        copy = self.expert_bytes / (self.pcie_gbs * 1e9) if self.pcie_gbs > 0 else float("inf")
+        return sum(copy + self.gpu_expert_s + n * self.gpu_pair_s for n in n_tokens)
+
+
+def read_share(sparsity: float) -> float:
+    """The share of an expert's bytes the CPU reads at neuron sparsity s (the gate rows
+    always, the up and down rows of the kept neurons)."""
+    return (1.0 + 2.0 * (1.0 - sparsity)) / 3.0
+
+
+def split_misses(misses: Sequence[tuple[int, int]], costs: Costs, read: float = 1.0,
+                 capacity: int | None = None) -> tuple[list[int], list[int]]:  # fmt: skip
+    """(experts for the CPU, experts to stage) of one layer's misses [(expert, n_tokens)]: the
+    most tokens first, each to the side that finishes sooner with it (ties: the CPU, which
+    evicts nothing); at most `capacity` staged (None: no limit)."""
+    cpu: list[int] = []
+    stage: list[int] = []
+    t_cpu = t_stage = 0.0
+    copy = costs.stage_seconds([0])
+    for e, n in sorted(misses, key=lambda m: -m[1]):
+        c = read * (costs.cpu_expert_s + n * costs.cpu_pair_s) + (0.0 if cpu else costs.cpu_call_s)
+        g = copy + n * costs.gpu_pair_s
+        if (capacity is None or len(stage) < capacity) and t_stage + g < t_cpu + c:
+            stage.append(e)
+            t_stage += g
+        else:
+            cpu.append(e)
+            t_cpu += c
+    return cpu, stage
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement
+
+
+def _median_seconds(fn: Callable[[int], None], reps: int) -> float:
+    times = []
+    for r in range(reps):
+        t = time.perf_counter()
+        fn(r)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _solve(a: float, b: float, c: float, m: int, t: int) -> tuple[float, float, float]:
+    """(call, per expert, per pair) >= 0 from the times of (1 expert, 1 token) = a,
+    (m experts, 1 token) = b and (m experts, t tokens each) = c."""
+    pair = max(0.0, (c - b) / (m * (t - 1)))
+    expert = max(0.0, (b - a) / (m - 1) - pair)
+    call = max(0.0, a - expert - pair)
+    return call, expert, pair
+
+
+def measure_costs(hybrid, reps: int = 5, tokens: int = 16) -> Costs:
+    """Measure the constants on this machine with the hybrid executor's own pieces (its C
+    core, expert home, slots and GPU layers), on the model's real experts: CPU expert calls
+    of 1 and m experts at 1 token and of m experts at `tokens` tokens; a batch of experts
+    staged into slots while the CPU computes (both rates under the contention they meet in a
+    split layer); the GPU's expert kernel over staged slots at 1 and `tokens` tokens."""
+    cfg, home = hybrid.config, hybrid.home
+    m = min(max(2, cfg.n_expert_used), cfg.n_expert)
+    layers = hybrid.moe_layers()
+    # Each call reads other experts than the calls before it (rotating over the layers and
+    # their experts), so its bytes come from DRAM, not from a cache.
+    groups = []
+    for r in range(3 * reps + 16):
+        layer = layers[r % len(layers)]
+        first = (r // len(layers)) * m % cfg.n_expert
+        groups.append((layer, [(first + j) % cfg.n_expert for j in range(m)]))
+    for layer, experts in groups:  # fault the pages in (from disk on a cold start)
+        for e in experts:
+            hybrid.core.mem_read(home.cpu_view(layer)[e])
+    x = torch.randn(tokens, cfg.n_embd)
+    turn = iter(range(1 << 30))
+
+    def cpu_call(n_exp: int, n_tok: int) -> None:
+        layer, experts = groups[next(turn) % len(groups)]
+        ids = torch.tensor([experts[:n_exp]] * n_tok)
+        hybrid.cpu_experts(layer, experts[:n_exp], x[:n_tok], ids,
+                           torch.full((n_tok, n_exp), 1.0 / n_exp))  # fmt: skip
+
+    a = _median_seconds(lambda _: cpu_call(1, 1), reps)
+    b = _median_seconds(lambda _: cpu_call(m, 1), reps)
+    c = _median_seconds(lambda _: cpu_call(m, tokens), reps)
+    call, expert, pair = _solve(a, b, c, m, tokens)
+    keys = [(layer, e) for layer, experts in groups for e in experts]
+    pcie, busy = _staging_rate(hybrid, keys, lambda: cpu_call(m, 1), reps)
+    if busy is not None:  # the CPU's expert time while the copy engine also reads DRAM
+        expert *= max(1.0, busy / b)
+    g_expert, g_pair = _gpu_expert_times(hybrid, m, tokens, reps)
+    return Costs(home.expert_bytes, pcie, call, expert, pair, g_expert, g_pair)
+
+
+def _staging_rate(hybrid, keys, cpu_call, reps: int) -> tuple[float, float | None]:
+    """(staging GB/s, median CPU call seconds meanwhile or None) of up to 4 m experts staged
+    into slots while the CPU runs expert calls (on a CPU device: one after the other)."""
+    slots, streams = hybrid.slots, hybrid.streams
+    n = min(slots.n_slots, 4 * max(2, hybrid.config.n_expert_used))
+    if n == 0:
+        return 0.0, None
+    rates, busy = [], []
+    for r in range(reps):
+        batch = [keys[(r * n + j) % len(keys)] for j in range(n)]
+        streams.host_waits()
+        t = time.perf_counter()
+        slots.fill(list(range(n)), hybrid.home.sources(batch))
+        done = streams.mark_copy()
+        if done is not None:  # the copies run while the CPU computes
+            while not done.event.query():
+                t0 = time.perf_counter()
+                cpu_call()
+                busy.append(time.perf_counter() - t0)
+            done.event.synchronize()
+        rates.append(n * slots.expert_bytes / (time.perf_counter() - t) / 1e9)
+    return statistics.median(rates), (statistics.median(busy) if busy else None)
+
+
+def _gpu_expert_times(hybrid, m: int, tokens: int, reps: int) -> tuple[float, float]:
+    """(seconds per expert, per pair) of the GPU's expert kernel over slots 0..m-1."""
+    n = min(m, hybrid.slots.n_slots)
+    if n == 0:
+        return 0.0, 0.0
+
+    def run(n_tok: int) -> float:
+        return hybrid.time_gpu_experts(n, n_tok, reps)
+
+    one, many = run(1), run(tokens)
+    pair = max(0.0, (many - one) / (n * (tokens - 1)))
+    return max(0.0, one / n - pair), pair
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache
+
+
+def costs_key(**parts: object) -> str:
+    return json.dumps(parts, sort_keys=True)
+
+
+def load_or_measure(key: str, directory: Path, measure: Callable[[], Costs],
+                    announce: Callable[[Path], None] | None = None) -> Costs:  # fmt: skip
+    """The costs cached under `key` in `directory`, else measured now and cached (an
+    unwritable folder: measured and used, with a warning)."""
+    path = directory / f"costs-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
+    try:
+        saved = json.loads(path.read_text())
+        if saved.get("key") == key:
+            return Costs(**saved["costs"])
+    except (OSError, ValueError, TypeError, KeyError):
+        pass
+    if announce is not None:
+        announce(path)
+    costs = measure()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"key": key, "costs": asdict(costs)}, indent=1))
+        tmp.replace(path)
+    except OSError as exc:
+        warnings.warn(
+            f"cannot cache the measured offload costs in {directory} ({exc.strerror}):"
+            " they will be measured again next time",
+            PyruntimeWarning,
+            stacklevel=2,
+        )
+    return costs

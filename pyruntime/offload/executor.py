@@ -1,0 +1,304 @@
+"""The hybrid executor: a model bigger than the GPU, its dense part and KV cache on the GPU, its
+routed experts at home in host memory, a GPU cache of expert slots, misses computed on the CPU
+or staged, whichever measured costs say is faster.
+
+A forward pass runs pyruntime.gpu.layers' pieces one layer at a time on the device (attention,
+route, the shared expert; dense-FFN layers whole), with each MoE layer's routed experts split
+between the GPU's expert slots and the CPU by pyruntime.offload.split. Its parts:
+
+- plan.py: the device budget (the dense part, the KV cache, the number of slots);
+- home.py: the experts' host memory (the mapped GGUF, registered or through bounce buffers, or
+  a pinned copy), which the CPU reads and the copies start from;
+- slots.py + streams.py: the slot tensor and its copies, ordered by events on a copy stream;
+- cache.py + policy.py: which expert each slot holds, LRU or LFRU eviction;
+- costs.py: where a miss is computed, from costs measured on this machine;
+- stats.py: what it did.
+
+With torch's CPU device standing in for the GPU (tests), every piece runs the same code, the
+Triton kernels under the interpreter and the streams as no-ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pyruntime.cpu.core import CpuCore
+from pyruntime.errors import DeviceMemoryError, UsageError
+from pyruntime.gguf.file import GGUFFile
+from pyruntime.gguf.quant import FORMAT_NAMES
+from pyruntime.gpu.cache_state import GpuCacheState
+from pyruntime.gpu.layers import DecoderLayers, Routed, Span
+from pyruntime.gpu.weights import dense_dtype_for, upload_weights
+from pyruntime.kernels import tuning
+from pyruntime.kernels.expert_formats import ACT_CODES
+from pyruntime.model.config import ModelConfig
+from pyruntime.model.executor import RoutingTrace
+from pyruntime.model.kv_cache import KVCache
+from pyruntime.model.reference import check_k
+from pyruntime.model.stats import ExpertStats
+from pyruntime.model.tokens import single_token, token_ids
+from pyruntime.model.weights import HostWeights
+from pyruntime.offload.cache import ExpertCache
+from pyruntime.offload.costs import Costs
+from pyruntime.offload.home import Pinning, open_home
+from pyruntime.offload.plan import gib
+from pyruntime.offload.policy import make_policy
+from pyruntime.offload.slots import ExpertSlots
+from pyruntime.offload.split import SplitExperts
+from pyruntime.offload.stats import OffloadStats, PartTimer
+from pyruntime.offload.streams import DeviceStreams
+
+STATE_KEY = "hybrid"  # this executor's entry in KVCache.executor_state
+
+
+class HybridExecutor:
+    """Forward pass with the dense part on `device` and the routed experts in host memory
+    (module doc); `forward` returns float32 logits on the host."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: HostWeights,
+        device: str | torch.device,
+        core: CpuCore,
+        *,
+        slots: int,
+        costs: Costs | None = None,
+        policy: str = "lfru",
+        staging: str = "register",
+        misses: str = "auto",
+        lookahead: bool = False,
+        staging_buffer: int | None = None,
+        pinning: Pinning | None = None,
+        kernel_tuning: str | Path | None = None,
+        file: GGUFFile | None = None,
+    ) -> None:
+        """slots: GPU expert slots (the plan's); costs: the split's constants (needed with
+        misses='auto' and slots > 0; measure_costs makes them); pinning: the host-memory
+        locking seam (tests); file: the mapped GGUF, for readahead of unstaged prefetches."""
+        self.config = cfg
+        self.host = weights
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._moe = [i for i, b in enumerate(weights.blocks) if b.experts is not None]
+        if not self._moe:
+            raise UsageError("the hybrid executor needs a model with routed experts")
+        if cfg.activation not in ACT_CODES:
+            raise UsageError(f"expert activation '{cfg.activation}' has no GPU kernel (GPU: "
+                             f"{', '.join(ACT_CODES)}); use --device cpu")  # fmt: skip
+        stores = [weights.blocks[i].experts for i in self._moe]
+        first = stores[0]
+        if any((s.qtype, s.n_ff, s.n_embd) != (first.qtype, first.n_ff, first.n_embd)
+               for s in stores):  # fmt: skip
+            raise UsageError("the hybrid needs every layer's routed experts in one format and "
+                             "shape (a slot holds an expert of any layer)")  # fmt: skip
+        try:
+            tuning.set_overrides(None if kernel_tuning is None else tuning.load(kernel_tuning))
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        self.dtype = dense_dtype_for(weights.blocks[0].wq.qtype)
+        self.weights = upload_weights(weights, cfg, self.device, self.dtype, routed_experts=False)
+        self.layers = DecoderLayers(cfg, self.weights, self.dtype)
+        self.streams = DeviceStreams(self.device)
+        self.home = open_home(weights, self.device, staging, pinning)
+        self.slots = ExpertSlots(
+            slots, first.n_ff, first.n_embd, FORMAT_NAMES[first.qtype], self.device,
+            self.streams, staging_buffer or cfg.n_expert_used,
+        )  # fmt: skip
+        self.cache = ExpertCache(cfg.n_layer, cfg.n_expert, slots, make_policy(policy))
+        self.core = core
+        self.file = file
+        self.stats = ExpertStats(self.device)
+        self.offload = OffloadStats()
+        self.timer = PartTimer(self.streams.cuda)
+        self.experts = SplitExperts(cfg, weights, self.layers, self.streams, self.home,
+                                    self.slots, self.cache, core, self.stats, self.offload,
+                                    self.timer)  # fmt: skip
+        self.experts.lookahead = lookahead
+        self.set_misses(misses, costs)
+        self._last_decode_end: float | None = None
+
+    def close(self) -> None:
+        """Unlock the host memory locked for staging (idempotent)."""
+        self.home.close()
+
+    def __del__(self) -> None:
+        home = getattr(self, "home", None)
+        if home is not None:
+            with contextlib.suppress(Exception):  # at interpreter exit the runtime may be gone
+                home.close()
+
+    # -- the executor protocol ------------------------------------------------------------------
+
+    def moe_layers(self) -> list[int]:
+        return list(self._moe)
+
+    def new_cache(self, max_tokens: int) -> KVCache:
+        """A KV cache on the device, its storage fixed for its life."""
+        return KVCache(self.config, max_tokens, self.device, self.dtype, growable=False)
+
+    def synchronize(self) -> None:
+        self.streams.host_waits()
+
+    def set_misses(self, misses: str, costs: Costs | None = None) -> None:
+        """Where misses are computed: auto (split by `costs`, which measure_costs makes on
+        this executor), cpu, or stage."""
+        self.experts.set_misses(misses, costs)
+
+    @property
+    def costs(self) -> Costs | None:
+        return self.experts.costs
+
+    def set_expert_threshold(self, thresholds: Sequence[float] | None) -> None:
+        """Per-layer |act(gate)| thresholds (None = dense), the same on the CPU and the GPU
+        (whose dense/sparse switch is the default one: the hybrid has no resident layer to
+        profile it on)."""
+        self.experts.threshold = None if thresholds is None else list(thresholds)
+        self.experts.cpu_active = [0, 0]
+        self.layers.set_sparsity(thresholds)
+
+    @property
+    def expert_threshold(self) -> list[float] | None:
+        return self.experts.threshold
+
+    def cpu_experts(self, layer: int, experts: Sequence[int], x: torch.Tensor, ids: torch.Tensor,
+                    weights: torch.Tensor) -> tuple[torch.Tensor, int]:  # fmt: skip
+        """The C core's share of a layer (SplitExperts.cpu_experts; costs.measure_costs)."""
+        return self.experts.cpu_experts(layer, experts, x, ids, weights)
+
+    def forward(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        cache: KVCache,
+        last_only: bool = False,
+        *,
+        k: int | None = None,
+        routing: RoutingTrace | None = None,
+    ) -> torch.Tensor:
+        """Logits float32 [n_tokens, n_vocab] on the host (or [1, n_vocab] with last_only) of
+        `tokens` at positions cache.n_tokens.., which the cache then holds (the Executor
+        protocol: pyruntime.model.executor)."""
+        k = check_k(k, self.config)
+        decode = single_token(tokens, self.config.n_vocab) is not None
+        start = time.perf_counter()
+        if decode and self._last_decode_end is not None:
+            self.offload.between_seconds += start - self._last_decode_end
+        try:
+            with torch.inference_mode():
+                logits, n = self._forward(tokens, cache, last_only, k, routing)
+        except torch.OutOfMemoryError:
+            slot_bytes = gib(self.slots.n_slots * self.experts.expert_bytes)
+            raise DeviceMemoryError(
+                f"the GPU ran out of memory while running the model on {self.device} (its "
+                f"{self.slots.n_slots} expert slots take {slot_bytes}): lower --gpu-mem or "
+                "--ctx-size"
+            ) from None
+        finally:
+            self.experts.release(set(self.experts.prefetch_holds))
+        self.offload.passes += 1
+        self.offload.tokens += n
+        self.offload.decode_steps += decode
+        self._last_decode_end = time.perf_counter() if decode else None
+        return logits
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+        """Stage `experts` of MoE layer `layer` into slots now (asynchronously), held there
+        until the next forward pass ends; those no slot can take are read ahead from the file."""
+        if layer not in self._moe:
+            return
+        wanted = list(dict.fromkeys(int(e) for e in experts))
+        self.offload.prefetched += len(self.experts.stage(layer, wanted, hold=True))
+        if self.file is not None and self.home.mode != "pinned":
+            for e in wanted:
+                if self.cache.residency.slot(layer, e) < 0:
+                    self.file.advise_willneed(self.home.cpu_view(layer)[e])
+
+    def offload_stats(self) -> dict:
+        """The hybrid's counters (pyruntime.offload.stats) as a dict for Model.stats()."""
+        self.offload.timer_seconds = dict(self.timer.seconds)
+        share = self.slots.n_slots / (len(self._moe) * self.config.n_expert)
+        return self.offload.as_dict(self.cache.stats, self.slots.n_slots, min(1.0, share))
+
+    # -- a pass ---------------------------------------------------------------------------------
+
+    def _forward(self, tokens, cache: KVCache, last_only: bool, k: int,
+                 routing: RoutingTrace | None) -> tuple[torch.Tensor, int]:  # fmt: skip
+        span = self._span(tokens, cache)
+        layers, timer = self.layers, self.timer
+        trace: list | None = None if routing is None else []
+        x, delta = layers.embed(span.ids), None
+        for i, blk in enumerate(self.host.blocks):
+            mark = timer.start()
+            x, delta = layers.attention(i, x, delta, cache.kv[i], span)
+            mark = timer.stop("attention", mark)
+            if blk.experts is None:
+                x, h, _ = layers.ffn_norm(i, x, delta)
+                delta = layers.dense_ffn(i, h)
+                continue
+            r = layers.route(i, x, delta, k)
+            timer.stop("router", mark)
+            y = self.experts(i, r, k, trace)
+            delta = layers.ffn_output(i, r, y)
+            x = r.x
+        self.stats.flush()
+        if last_only:
+            x, delta = x[-1:], delta[-1:]
+        logits = self.streams.to_host(layers.output(x, delta).float())
+        self.streams.host_waits()
+        timer.collect()
+        cache.n_tokens += span.n
+        if routing is not None:
+            routing.layers = self.moe_layers()
+            routing.ids = torch.stack([ids for ids, _ in trace]).long()
+            routing.logits = torch.stack([lg for _, lg in trace]).float()
+        return logits, span.n
+
+    def _span(self, tokens, cache: KVCache) -> Span:
+        state = cache.executor_state.get(STATE_KEY)
+        if state is None or state.owner_id != id(self):
+            if cache.growable or cache.device != self.device or cache.dtype != self.dtype:
+                raise UsageError(
+                    f"this KV cache ({cache.dtype} on {cache.device}, growable={cache.growable}) "
+                    "was not made by this executor: use its new_cache()"
+                )
+            with torch.inference_mode(False):  # the step inputs are rewritten outside it
+                state = GpuCacheState(self, self.config, cache.max_tokens, self.device)
+            cache.executor_state[STATE_KEY] = state
+        token = single_token(tokens, self.config.n_vocab)
+        if token is not None:
+            cache.reserve(1)
+            state.set_step(token, cache.n_tokens)
+            return Span(state.token, state.position, state.cos, state.sin, seq_len=state.seq_len)
+        ids = token_ids(tokens, self.config.n_vocab)
+        cache.reserve(ids.numel())
+        start = cache.n_tokens
+        positions = torch.arange(start, start + ids.numel(), device=self.device)
+        return Span(ids.to(self.device), positions, state.cos, state.sin, start=start)
+
+    def time_gpu_experts(self, n: int, n_tokens: int, reps: int) -> float:
+        """Median seconds of the GPU's expert kernel over slots 0..n-1 as experts 0..n-1 of the
+        first MoE layer, n_tokens tokens each routed to all n (costs.measure_costs)."""
+        layer, cfg = self._moe[0], self.config
+        h = torch.randn(n_tokens, cfg.n_embd, device=self.device).to(self.dtype)
+        ids = torch.arange(n, device=self.device).repeat(n_tokens, 1)
+        w = torch.full((n_tokens, n), 1.0 / n, device=self.device)
+        r = Routed(h.float(), h, h.float(), ids, w, w)
+        emap = torch.full((cfg.n_expert,), -1, dtype=torch.int32)
+        emap[:n] = torch.arange(n, dtype=torch.int32)
+        emap = emap.to(self.device)
+        times = []
+        with torch.inference_mode():
+            for _ in range(reps + 1):
+                self.streams.host_waits()
+                t = time.perf_counter()
+                self.layers.routed_experts(layer, r, emap, self.slots.tensor)
+                self.streams.host_waits()
+                times.append(time.perf_counter() - t)
+        return float(np.median(times[1:]))

@@ -1,0 +1,237 @@
+"""Where the routed experts live on the host, and how their bytes start toward the GPU.
+
+Three homes behind one interface (`ExpertHome`), chosen by `--staging` (`--pin-experts`):
+- register: the experts stay in the mapped GGUF; the span of the mapping that holds them is
+  registered read-only with the CUDA driver (cudaHostRegister, cudaHostRegisterReadOnly), so the
+  copy engine reads them by DMA straight from the page cache. Locks those pages in RAM.
+- bounce: the experts stay in the mapped GGUF; a staged batch is first copied by the CPU into a
+  pinned buffer (torch's caching host allocator, which keeps a buffer from reuse until the copies
+  queued on it are done: a ring of bounce buffers), then copied by DMA. Costs a CPU copy (DRAM
+  read + write) per staged byte, locks nothing beyond the buffers.
+- pinned: a copy of every routed expert in anonymous RAM, registered with the driver: the fastest
+  DMA source; costs RAM the size of the experts and one read of them at load.
+Every home keeps the GGUF layout, so the C core computes from it too (`cpu_view`); q8_0/q4_0 are
+repacked on the device after the copy (pyruntime.offload.slots).
+
+Pinning refused (memlock limits, a driver without read-only registration, no RAM): a warning,
+and the bounce home instead (which itself falls back to pageable buffers, slower, with a warning
+when even those cannot be pinned); never a crash. `Pinning` is the seam: CudaPinning on a GPU,
+NoPinning on a CPU device (nothing to lock; the tests give a refusing one).
+"""
+
+from __future__ import annotations
+
+import mmap
+import warnings
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from pyruntime.errors import PyruntimeWarning
+from pyruntime.model.weights import HostWeights
+from pyruntime.offload.plan import gib
+
+PAGE = mmap.PAGESIZE
+HOST_REGISTER_DEFAULT, HOST_REGISTER_READ_ONLY = 0x0, 0x8  # cudaHostRegister flags
+Key = tuple[int, int]  # (layer, expert)
+
+
+class Pinning(Protocol):
+    def pin(self, ptr: int, nbytes: int, read_only: bool) -> str | None:
+        """Lock [ptr, ptr + nbytes) for DMA; None when done, else why not."""
+        ...
+
+    def unpin(self, ptr: int) -> None: ...
+
+
+class CudaPinning:
+    """cudaHostRegister / cudaHostUnregister through torch's binding of the CUDA runtime."""
+
+    def pin(self, ptr: int, nbytes: int, read_only: bool) -> str | None:
+        rt = torch.cuda.cudart()
+        flags = HOST_REGISTER_READ_ONLY if read_only else HOST_REGISTER_DEFAULT
+        err = rt.cudaHostRegister(ptr, nbytes, flags)
+        if err == rt.cudaError.success:
+            return None
+        # A failed runtime call stays the thread's last error, which torch's next kernel-launch
+        # check would raise as that kernel's failure: clear it.
+        clear = getattr(rt, "cudaGetLastError", None)
+        if clear is not None:
+            clear()
+        return str(rt.cudaGetErrorString(err))
+
+    def unpin(self, ptr: int) -> None:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+class NoPinning:
+    """A CPU device: nothing is copied by DMA, so nothing needs locking."""
+
+    def pin(self, ptr: int, nbytes: int, read_only: bool) -> str | None:
+        return None
+
+    def unpin(self, ptr: int) -> None:
+        pass
+
+
+def default_pinning(device: torch.device) -> Pinning:
+    return CudaPinning() if device.type == "cuda" else NoPinning()
+
+
+def _as_tensor(view: np.ndarray) -> torch.Tensor:
+    """A flat uint8 torch view of host bytes (no copy; the mapping is never written through)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns on read-only arrays
+        return torch.from_numpy(view.reshape(-1).view(np.uint8))
+
+
+class ExpertHome:
+    """The routed experts of every MoE layer on the host (module doc)."""
+
+    mode = ""
+
+    def __init__(self, host: HostWeights) -> None:
+        self.layers = {i: blk.experts for i, blk in enumerate(host.blocks) if blk.experts}
+        first = next(iter(self.layers.values()), None)
+        self.expert_bytes = 0 if first is None else first.expert_bytes
+
+    def cpu_view(self, layer: int) -> np.ndarray:
+        """Layer `layer`'s expert tensor as the C core reads it: [n_expert, n_ff, 3, row]."""
+        return self.layers[layer].raw
+
+    def sources(self, keys: Sequence[Key]) -> list[torch.Tensor]:
+        """For each (layer, expert), its bytes as a flat uint8 host tensor that a copy to the
+        device queued now may read (pinned, registered or plain)."""
+        return [_as_tensor(self.cpu_view(layer)[e]) for layer, e in keys]
+
+    def close(self) -> None:
+        """Unlock what this home locked (idempotent)."""
+
+
+class MappedHome(ExpertHome):
+    """register: the mapped file's span that holds the experts, registered read-only."""
+
+    mode = "register"
+
+    def __init__(self, host: HostWeights, pinning: Pinning) -> None:
+        super().__init__(host)
+        self._pinning, self._ptr = pinning, None
+        raws = [s.raw for s in self.layers.values()]
+        start = min(r.ctypes.data for r in raws) // PAGE * PAGE
+        end = -(-max(r.ctypes.data + r.nbytes for r in raws) // PAGE) * PAGE
+        why = pinning.pin(start, end - start, read_only=True)
+        if why is not None:
+            raise PinRefused(f"registering the experts' {gib(end - start)} of the mapped file "
+                             f"for DMA was refused ({why})")  # fmt: skip
+        self._ptr, self.locked_bytes = start, end - start
+
+    def close(self) -> None:
+        if self._ptr is not None:
+            self._pinning.unpin(self._ptr)
+            self._ptr = None
+
+
+class PinnedHome(ExpertHome):
+    """pinned: every routed expert copied into anonymous RAM, registered for DMA."""
+
+    mode = "pinned"
+
+    def __init__(self, host: HostWeights, pinning: Pinning) -> None:
+        super().__init__(host)
+        self._pinning = pinning
+        self._buffers: list[mmap.mmap] = []
+        self._pinned: list[int] = []
+        self._copies: dict[int, np.ndarray] = {}
+        self.locked_bytes = 0
+        try:
+            for layer, store in self.layers.items():
+                buf = mmap.mmap(-1, max(store.raw.nbytes, 1))  # page-aligned, zeroed lazily
+                self._buffers.append(buf)
+                copy = np.frombuffer(buf, dtype=np.uint8, count=store.raw.nbytes)
+                copy[:] = store.raw_bytes()
+                why = pinning.pin(copy.ctypes.data, copy.nbytes, read_only=False)
+                if why is not None:
+                    raise PinRefused(f"pinning a {gib(self.layers_bytes())} copy of the experts "
+                                     f"in RAM was refused ({why})")  # fmt: skip
+                self._pinned.append(copy.ctypes.data)
+                self.locked_bytes += copy.nbytes
+                self._copies[layer] = copy.view(store.raw.dtype).reshape(store.raw.shape)
+        except (MemoryError, OSError) as exc:
+            self.close()
+            raise PinRefused(f"no RAM for a {gib(self.layers_bytes())} copy of the experts "
+                             f"({exc})") from None  # fmt: skip
+        except PinRefused:
+            self.close()
+            raise
+
+    def layers_bytes(self) -> int:
+        return sum(s.raw.nbytes for s in self.layers.values())
+
+    def cpu_view(self, layer: int) -> np.ndarray:
+        return self._copies[layer]
+
+    def close(self) -> None:
+        for ptr in self._pinned:
+            self._pinning.unpin(ptr)
+        self._pinned.clear()
+        self._copies.clear()
+        for buf in self._buffers:
+            buf.close()
+        self._buffers.clear()
+
+
+class BounceHome(ExpertHome):
+    """bounce: the CPU copies a staged batch into a pinned buffer, the DMA reads that."""
+
+    mode = "bounce"
+
+    def __init__(self, host: HostWeights, device: torch.device) -> None:
+        super().__init__(host)
+        self._pinned = device.type == "cuda"
+        if self._pinned:
+            try:
+                torch.empty(self.expert_bytes, dtype=torch.uint8, pin_memory=True)
+            except RuntimeError as exc:
+                warnings.warn(
+                    f"cannot pin bounce buffers ({str(exc).splitlines()[0]}): staging experts "
+                    "from pageable memory (slower)",
+                    PyruntimeWarning,
+                    stacklevel=2,
+                )
+                self._pinned = False
+
+    def sources(self, keys: Sequence[Key]) -> list[torch.Tensor]:
+        if not keys:
+            return []
+        buf = torch.empty((len(keys), self.expert_bytes), dtype=torch.uint8,
+                          pin_memory=self._pinned)  # fmt: skip
+        for row, (layer, e) in zip(buf, keys, strict=True):
+            row.copy_(_as_tensor(self.cpu_view(layer)[e]))
+        return list(buf)
+
+
+class PinRefused(Exception):
+    """A home could not lock its memory for DMA (the message says what and why)."""
+
+
+STAGING_MODES = ("register", "bounce", "pinned")
+
+
+def open_home(host: HostWeights, device: torch.device, staging: str,
+              pinning: Pinning | None = None) -> ExpertHome:  # fmt: skip
+    """The home for `staging` (register, bounce or pinned); a refused pin warns and falls back
+    to bounce."""
+    if staging not in STAGING_MODES:
+        raise ValueError(f"unknown staging {staging!r} (use {', '.join(STAGING_MODES)})")
+    pinning = pinning or default_pinning(device)
+    try:
+        if staging == "register":
+            return MappedHome(host, pinning)
+        if staging == "pinned":
+            return PinnedHome(host, pinning)
+    except PinRefused as exc:
+        warnings.warn(f"{exc}: staging experts through pinned bounce buffers instead",
+                      PyruntimeWarning, stacklevel=2)  # fmt: skip
+    return BounceHome(host, device)

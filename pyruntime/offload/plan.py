@@ -1,0 +1,186 @@
+"""What a model needs in GPU memory, part by part, and how a budget is spent on it.
+
+`DeviceBytes` counts a model's device bytes as the GPU executor uploads them
+(pyruntime.gpu.weights): the dense weights (embeddings, attention, norms, routers, shared
+experts, dense FFN layers, lm_head), the routed experts, the KV cache at a context size, and
+working memory. `plan_budget` spends a budget on them: the whole model when it fits; else the
+dense part and the KV cache, and the rest as expert slots (each holds one routed expert of any
+layer, in the kernels' format: pyruntime.offload.slots) for the hybrid executor. A budget below
+the dense part is a DeviceMemoryError saying how much is needed.
+
+No torch.cuda and no Triton here: `pyruntime info --gpu-mem 8G` prints a plan on any machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gguf import GGMLQuantizationType
+
+from pyruntime.errors import DeviceMemoryError
+from pyruntime.gguf.file import GGUFFile
+from pyruntime.gguf.quant import FORMAT_NAMES
+from pyruntime.model.config import ModelConfig
+
+Q = GGMLQuantizationType
+EXPERTS_SUFFIX = "ffn_gud_exps.weight"
+# Activations and transients beyond the largest tensor dequantized at load (prefill activations
+# of a few hundred tokens, the grouped GEMMs' buffers, kernel workspaces).
+WORK_BYTES = 256 << 20
+# GGUF block formats the kernels read repacked (kernels.expert_formats.REPACKED): staged through
+# a device buffer and repacked there, so they need that buffer beside the slots.
+REPACKED_FORMATS = ("q8_0", "q4_0")
+
+
+def gib(n: float) -> str:
+    """Bytes for a message: GiB with two decimals, or MiB under 1 GiB."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def activation_itemsize(attn_q_type: Q) -> int:
+    """Bytes per element of the GPU's float weights and KV cache: float32 for an F32 GGUF, else
+    bfloat16 (the rule of pyruntime.gpu.weights.dense_dtype_for, which a test holds equal)."""
+    return 4 if attn_q_type == Q.F32 else 2
+
+
+@dataclass(frozen=True)
+class DeviceBytes:
+    """A model's GPU memory by part, in bytes."""
+
+    dense: int  # every weight but the routed experts, as uploaded
+    experts: int  # every routed expert, in its GGUF format (repacking keeps the size)
+    kv: int  # the KV cache at n_ctx tokens
+    work: int  # the largest tensor dequantized at load (f32) + WORK_BYTES
+    expert_bytes: int  # one routed expert (0: the model has none)
+    n_experts: int  # routed experts of all layers
+    expert_format: str  # their format's kernel name ("q8_0", "f32", ...; "" without experts)
+    n_expert_used: int
+
+    @property
+    def whole(self) -> int:
+        """The whole model on the GPU."""
+        return self.dense + self.experts + self.kv + self.work
+
+    @property
+    def fixed(self) -> int:
+        """What the hybrid keeps on the GPU besides its expert slots."""
+        return self.dense + self.kv + self.work
+
+
+def device_bytes(f: GGUFFile, cfg: ModelConfig, n_ctx: int) -> DeviceBytes:
+    """A model's GPU memory at a context of n_ctx tokens, by part (module doc)."""
+    itemsize = activation_itemsize(f.tensor("blk.0.attn_q.weight").qtype)
+    dense = experts = n_experts = expert_bytes = 0
+    biggest = 0  # elements of the largest tensor dequantized at load
+    fmt = ""
+    for t in f.tensors.values():
+        if t.name.endswith(EXPERTS_SUFFIX):
+            experts += t.n_bytes  # kept in the GGUF format
+            n_experts += t.shape[0]
+            expert_bytes = t.n_bytes // t.shape[0]
+            fmt = FORMAT_NAMES.get(t.qtype, t.qtype.name.lower())
+            continue
+        biggest = max(biggest, t.n_elements)
+        if t.qtype == Q.Q8_0 and t.data.ndim > 1:
+            dense += t.n_bytes  # matmul weights stay Q8_0
+        elif t.qtype == Q.F32 or t.data.ndim == 1:
+            dense += t.n_elements * 4
+        else:
+            dense += t.n_elements * itemsize
+    # token_embd twice: a float copy for the lookup, and the lm_head (tied) or its own bytes
+    dense += f.tensor("token_embd.weight").n_elements * itemsize
+    kv = cfg.n_layer * 2 * cfg.n_head_kv * n_ctx * cfg.head_dim * itemsize
+    return DeviceBytes(
+        dense=dense, experts=experts, kv=kv, work=biggest * 4 + WORK_BYTES,
+        expert_bytes=expert_bytes, n_experts=n_experts, expert_format=fmt,
+        n_expert_used=cfg.n_expert_used,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """A budget spent on a model: the whole model, or the hybrid's fixed part and its slots."""
+
+    budget: int
+    need: DeviceBytes
+    n_ctx: int
+    slots: int  # expert slots of the hybrid (need.n_experts when the whole model fits)
+    staging_buffer: int  # experts' worth of device buffer where staged experts are repacked
+
+    @property
+    def whole_model(self) -> bool:
+        return self.budget >= self.need.whole
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.slots * self.need.expert_bytes
+
+    @property
+    def resident_share(self) -> float:
+        """The share of all routed experts a GPU slot can hold at once."""
+        n = self.need.n_experts
+        return 1.0 if self.whole_model or n == 0 else self.slots / n
+
+    def summary(self, device: str) -> str:
+        """One line on what sits where, for stderr when a model loads hybrid."""
+        need = self.need
+        return (f"hybrid on {device}: dense weights and KV cache on the GPU, {self.slots} of "
+                f"{need.n_experts} routed experts fit its {gib(self.slot_bytes)} of expert slots "
+                f"({100 * self.resident_share:.1f}%), all at home in host memory")  # fmt: skip
+
+    def rows(self) -> list[tuple[str, str]]:
+        """(what, how much) lines for `pyruntime info`."""
+        need = self.need
+        rows = [
+            ("gpu budget", gib(self.budget)),
+            ("dense weights", f"{gib(need.dense)} (GPU)"),
+            (f"KV cache ({self.n_ctx} tokens)", f"{gib(need.kv)} (GPU)"),
+            ("working memory", f"{gib(need.work)} (GPU)"),
+            (
+                "routed experts",
+                f"{need.n_experts} x {need.expert_bytes:,} bytes = "
+                f"{gib(need.experts)} ({need.expert_format})",
+            ),  # fmt: skip
+        ]
+        if self.whole_model:
+            rows.append(("placement", f"the whole model on the GPU ({gib(need.whole)})"))
+            return rows
+        rows += [
+            ("placement", "hybrid: dense weights and KV cache on the GPU, routed experts in "
+                          "host memory, the rest of the budget as GPU expert slots"),
+            ("expert slots", f"{self.slots} ({gib(self.slot_bytes)}"
+                             + (f", + {self.staging_buffer} experts' staging buffer"
+                                if self.staging_buffer else "") + ")"),
+            ("experts resident", f"{100 * self.resident_share:.1f}% of all routed experts"),
+        ]  # fmt: skip
+        return rows
+
+
+def plan_budget(need: DeviceBytes, budget: int, n_ctx: int, source: str = "") -> OffloadPlan:
+    """Spend `budget` bytes: the whole model if it fits, else the fixed part and as many expert
+    slots as the rest holds. DeviceMemoryError when the budget is below the fixed part, or the
+    model has no routed experts to keep off the GPU. source: where the budget came from, for
+    the message (e.g. "1.2 GiB is free on <GPU>, less a 512 MiB margin")."""
+    if budget >= need.whole:
+        return OffloadPlan(budget, need, n_ctx, need.n_experts, 0)
+    whose = f"the budget is {gib(budget)}" + (f" ({source})" if source else "")
+    if need.n_experts == 0:
+        raise DeviceMemoryError(
+            f"the model has no routed experts to keep in host memory, and it needs "
+            f"{gib(need.whole)} of GPU memory with a {n_ctx}-token KV cache; {whose}: use "
+            "--device cpu, or a smaller --ctx-size"
+        )
+    if budget < need.fixed:
+        raise DeviceMemoryError(
+            f"the dense weights ({gib(need.dense)}), a {n_ctx}-token KV cache ({gib(need.kv)}) "
+            f"and working memory ({gib(need.work)}) need {gib(need.fixed)} of GPU memory; "
+            f"{whose}: raise --gpu-mem, lower --ctx-size, or use --device cpu"
+        )
+    fit = (budget - need.fixed) // need.expert_bytes
+    staging = 0
+    if need.expert_format in REPACKED_FORMATS:
+        # A staging buffer of up to k experts beside the slots (half the room at most); fewer
+        # than two experts' room leaves no useful slot.
+        staging = 0 if fit < 2 else min(need.n_expert_used, fit // 2)
+        fit = fit - staging if staging else 0
+    return OffloadPlan(budget, need, n_ctx, int(fit), staging)

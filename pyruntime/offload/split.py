@@ -1,0 +1,245 @@
+"""One MoE layer's routed experts, split between the GPU's expert slots and the CPU.
+
+`SplitExperts(i, r, k)` is the routed-experts piece of the hybrid executor's layer loop:
+
+1. the layer's routing (top-k ids, weights) and its experts' input h come to the host: one
+   small device-to-host copy and one wait, the pass's only host synchronization per layer;
+2. ExpertCache.lookup: the routed experts in a slot (hits) and the others (misses);
+   costs.split_misses divides the misses between the CPU and staging (or misses = cpu | stage);
+3. staged misses are admitted into slots (the policy frees them, never one of this layer's) and
+   copied on the copy stream (pyruntime.offload.slots, ordered by events); the GPU computes hits
+   and staged experts from the slot tensor through an expert map (kernels.dispatch), in rounds
+   when a prefill stages more experts than there are free slots;
+4. meanwhile the C core computes the CPU's share in place from host memory (CpuCore.moe_ffn with
+   an expert map, dense or sparse with the same thresholds), on this thread: the GPU work is
+   already queued and the next layer needs this one's output, so a worker thread would only add
+   a handoff;
+5. the CPU's partial sum is copied to the device and added to the GPU's.
+
+`prefetch` stages experts ahead and holds them until the next pass ends; the lookahead stages
+the next MoE layer's likely experts (its router applied to this layer's residual stream) while
+this layer computes, held until that layer's lookup.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from pyruntime.cpu.core import CpuCore
+from pyruntime.errors import UsageError
+from pyruntime.gpu.layers import DecoderLayers, Routed
+from pyruntime.model.config import ModelConfig
+from pyruntime.model.reference import rms_norm
+from pyruntime.model.stats import ExpertStats
+from pyruntime.model.weights import HostWeights
+from pyruntime.offload.cache import ExpertCache
+from pyruntime.offload.costs import Costs, read_share, split_misses
+from pyruntime.offload.home import ExpertHome
+from pyruntime.offload.slots import ExpertSlots
+from pyruntime.offload.stats import OffloadStats, PartTimer
+from pyruntime.offload.streams import DeviceStreams
+
+MISSES = ("auto", "cpu", "stage")
+Key = tuple[int, int]  # (layer, expert)
+
+
+class SplitExperts:
+    def __init__(self, cfg: ModelConfig, host: HostWeights, layers: DecoderLayers,
+                 streams: DeviceStreams, home: ExpertHome, slots: ExpertSlots,
+                 cache: ExpertCache, core: CpuCore, stats: ExpertStats,
+                 offload: OffloadStats, timer: PartTimer) -> None:  # fmt: skip
+        self.config, self.host, self.layers, self.streams = cfg, host, layers, streams
+        self.home, self.slots, self.cache, self.core = home, slots, cache, core
+        self.stats, self.offload, self.timer = stats, offload, timer
+        self.moe = [i for i, b in enumerate(host.blocks) if b.experts is not None]
+        self.next_moe = dict(zip(self.moe, self.moe[1:], strict=False))
+        first = host.blocks[self.moe[0]].experts
+        self.fmt, self.expert_bytes = int(first.qtype), first.expert_bytes
+        self.misses, self.costs = "cpu", None
+        self.lookahead = False
+        self.threshold: list[float] | None = None  # per layer, the CPU's (the GPU's: layers)
+        self.prefetch_holds: set[Key] = set()  # until the next pass ends
+        self.lookahead_holds: set[Key] = set()  # until their layer's lookup
+        self.cpu_active = [0, 0]  # neurons the CPU kept, of those it considered
+
+    def set_misses(self, misses: str, costs: Costs | None) -> None:
+        if misses not in MISSES:
+            raise UsageError(f"misses must be one of {', '.join(MISSES)}, got {misses!r}")
+        if misses == "auto" and self.slots.n_slots and costs is None:
+            raise UsageError("misses='auto' splits misses by measured costs: give costs "
+                             "(pyruntime.offload.costs.measure_costs)")  # fmt: skip
+        self.misses, self.costs = misses, costs
+
+    def __call__(self, i: int, r: Routed, k: int, trace: list | None) -> torch.Tensor:
+        """y [n, n_embd] f32 on the device: layer i's routed experts (module doc); trace gets
+        the last token's (ids, router logits) on the host."""
+        t = time.perf_counter()
+        parts = [r.ids, r.weights, r.h32]
+        ahead = self.next_moe.get(i) if self.lookahead and r.ids.shape[0] == 1 else None
+        if ahead is not None:
+            parts.append(self._predict(ahead, r, k))
+        if trace is not None:
+            parts.append(r.logits[-1])
+        host = [self.streams.to_host(p) for p in parts]
+        self.streams.host_waits()
+        self.offload.route_wait_seconds += time.perf_counter() - t
+        ids, weights, h = host[0], host[1], host[2]
+        if trace is not None:
+            trace.append((ids[-1].clone(), host[-1].clone()))
+        ids_np = ids.numpy()
+        experts, counts = np.unique(ids_np, return_counts=True)
+        used = experts.tolist()
+        self.release({(i, e) for e in used} & self.lookahead_holds)
+        missed = set(self.cache.lookup(i, used))
+        hits = [e for e in used if e not in missed]
+        misses = [(e, int(n)) for e, n in zip(used, counts, strict=True) if e in missed]
+        cpu, stage = self.place(misses, len(hits))
+        y, left = self._gpu(i, r, hits, stage)
+        cpu += left
+        if ahead is not None:
+            self._look_ahead(i, ahead, host[3].tolist(), used)
+        if cpu:
+            t = time.perf_counter()
+            y_cpu, n_active = self.cpu_experts(i, cpu, h.float(), ids, weights)
+            self.offload.cpu_seconds += time.perf_counter() - t
+            y_cpu = self.streams.to_device(y_cpu)
+            y = y_cpu if y is None else y.add_(y_cpu)
+            self._count_cpu(len(cpu), int(np.isin(ids_np, cpu).sum()), n_active)
+        return y
+
+    def place(self, misses: list[tuple[int, int]], n_hits: int) -> tuple[list[int], list[int]]:
+        """(CPU experts, staged experts) of one layer's misses [(expert, tokens)], when n_hits
+        of the slots hold this layer's hits."""
+        if not misses or self.slots.n_slots <= n_hits or self.misses == "cpu":
+            return [e for e, _ in misses], []
+        if self.misses == "stage":
+            return [], [e for e, _ in misses]
+        kept = self.cpu_active[0] / self.cpu_active[1] if self.cpu_active[1] else 1.0
+        return split_misses(misses, self.costs, read_share(1.0 - kept))
+
+    # -- the GPU's share --------------------------------------------------------------------------
+
+    def _gpu(self, i: int, r: Routed, hits: list[int],
+             stage: list[int]) -> tuple[torch.Tensor | None, list[int]]:  # fmt: skip
+        """(y of the hits and the staged experts, None when there are none; the staged experts
+        no slot could take). Staged experts go in rounds of at most half the slots this
+        layer's hits leave when they do not fit at once, so a round's copies can run while the
+        previous round computes."""
+        if not stage:
+            return (self._round(i, r, hits) if hits else None), []
+        room = self.slots.n_slots - len(hits)
+        size = len(stage) if len(stage) <= room else max(1, room // 2)
+        y, left, previous = None, [], []
+        for n, j in enumerate(range(0, len(stage), size)):
+            chunk = stage[j : j + size]
+            placed = self.stage(i, chunk, protect=hits + previous + chunk)
+            left += [e for e in chunk if e not in placed]
+            in_use = (hits if n == 0 else []) + placed
+            if in_use:
+                y_round = self._round(i, r, in_use)
+                y = y_round if y is None else y.add_(y_round)
+            previous = placed
+        return y, left
+
+    def _round(self, i: int, r: Routed, experts: list[int]) -> torch.Tensor:
+        """y of `experts` (all in slots) from the slot tensor, once their copies landed."""
+        slots = [self.cache.residency.slot(i, e) for e in experts]
+        emap = self.streams.host_tensor((self.config.n_expert,), torch.int32)
+        view = emap.numpy()
+        view.fill(-1)
+        view[experts] = slots
+        dmap = self.streams.to_device(emap)
+        mark = self.timer.start()
+        self.slots.wait_ready(slots)
+        mark = self.timer.stop("copy_wait", mark)
+        y, active = self.layers.routed_experts(i, r, dmap, self.slots.tensor)
+        self.timer.stop("gpu_experts", mark)
+        self.slots.mark_read(slots)
+        self.stats.add_device(active, dmap[r.ids], self.config.n_ff_exp)
+        return y
+
+    def stage(self, i: int, experts: Sequence[int], protect: Sequence[int] = (),
+              hold: bool = False) -> list[int]:  # fmt: skip
+        """Admit `experts` of layer i into slots and start their copies; returns those placed
+        (in order; fewer when no unprotected, unheld slot is left). hold: keep them resident
+        until the next pass ends (a prefetch)."""
+        placed = []
+        for e in experts:
+            if self.cache.residency.slot(i, e) >= 0:
+                continue
+            if self.cache.admit(i, e, protect=protect) < 0:
+                break
+            placed.append(e)
+        if placed:
+            keys = [(i, e) for e in placed]
+            if hold:
+                self.prefetch_holds.update(keys)
+                self.cache.held.update(keys)
+            slots = [self.cache.residency.slot(i, e) for e in placed]
+            self.slots.fill(slots, self.home.sources(keys))
+            self.offload.staged += len(keys)
+            self.offload.staged_bytes += len(keys) * self.expert_bytes
+        return placed
+
+    def release(self, keys: set[Key]) -> None:
+        """Let `keys` be evicted again."""
+        if keys:
+            self.cache.held.difference_update(keys)
+            self.prefetch_holds.difference_update(keys)
+            self.lookahead_holds.difference_update(keys)
+
+    def _predict(self, j: int, r: Routed, k: int) -> torch.Tensor:
+        """Layer j's likely top-k for the last token: its router on this layer's residual
+        stream (after attention), normed with layer j's FFN norm."""
+        blk = self.layers.blocks[j]
+        h = rms_norm(r.x[-1:].float(), blk.ffn_norm, self.config.rms_eps)
+        return torch.topk(h @ blk.router.T, k, dim=-1).indices[0]
+
+    def _look_ahead(self, i: int, j: int, predicted: list[int], in_use: list[int]) -> None:
+        """Stage the predicted experts of layer j that the split would stage, held until layer
+        j's lookup; layer i's experts in use stay (their kernels are queued)."""
+        missing = [(e, 1) for e in predicted if self.cache.residency.slot(j, e) < 0]
+        _, stage = self.place(missing, 0)
+        if not stage:
+            return
+        keep = {(i, e) for e in in_use} - self.cache.held
+        self.cache.held |= keep
+        try:
+            placed = self.stage(j, stage, protect=predicted)
+        finally:
+            self.cache.held -= keep
+        keys = {(j, e) for e in placed}
+        self.lookahead_holds |= keys
+        self.cache.held |= keys
+        self.offload.prefetched += len(placed)
+
+    # -- the CPU's share --------------------------------------------------------------------------
+
+    def cpu_experts(self, layer: int, experts: Sequence[int], x: torch.Tensor, ids: torch.Tensor,
+                    weights: torch.Tensor) -> tuple[torch.Tensor, int]:  # fmt: skip
+        """(y [T, n_embd] f32 in a host tensor a copy to the device may read, neurons kept) of
+        the pairs of ids [T, k] routed to `experts`, on the C core from host memory."""
+        cfg = self.config
+        emap = np.full(cfg.n_expert, -1, dtype=np.int32)
+        emap[list(experts)] = experts
+        out = self.streams.host_tensor((x.shape[0], cfg.n_embd), torch.float32)
+        threshold = None if self.threshold is None else self.threshold[layer]
+        store = self.host.blocks[layer].experts
+        return self.core.moe_ffn(
+            self.home.cpu_view(layer), self.fmt, store.n_expert, store.n_ff, store.n_embd,
+            x, ids, weights, cfg.activation, threshold, out=out,
+            expert_map=torch.from_numpy(emap),
+        )  # fmt: skip
+
+    def _count_cpu(self, n_experts: int, n_pairs: int, n_active: int) -> None:
+        neurons = n_pairs * self.config.n_ff_exp
+        self.stats.add(n_pairs, n_active, self.config.n_ff_exp)
+        self.cpu_active[0] += n_active
+        self.cpu_active[1] += neurons
+        share = read_share(1.0 - n_active / neurons) if neurons else 1.0
+        self.offload.cpu_experts += n_experts
+        self.offload.cpu_bytes += int(n_experts * self.expert_bytes * share)
