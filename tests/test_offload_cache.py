@@ -91,3 +91,14 @@ def test_replay_hit_rate_bounds(name):
     half = replay_hit_rate(routing, 2, 16, 16, make_policy(name)).hit_rate
     assert 0.3 < half < 0.7  # uniform routing: about the cached fraction
     assert replay_hit_rate(routing, 2, 16, 0, make_policy(name)).hit_rate == 0.0
+
+
+def test_held_keys_are_never_evicted_whatever_their_layer():
+    cache = ExpertCache(n_layer=2, n_expert=8, n_slots=2, policy=LRU())
+    assert cache.admit(0, 1) == 0 and cache.admit(1, 2) == 1
+    cache.held = {(0, 1)}
+    assert cache.admit(1, 3) == 1  # (0, 1) is the least recent, but held: (1, 2) goes
+    cache.held = {(0, 1), (1, 3)}
+    assert cache.admit(0, 4) == -1  # every slot held
+    cache.held = set()
+    assert cache.admit(0, 4) == 0

@@ -10,10 +10,10 @@ are split to finish together (docs/offloading.md has the model with its constant
 
 n_e: tokens of the pass routed to e; B: an expert's bytes; beta: the staging rate (GB/s);
 r: the share of an expert's bytes the CPU reads, 1 dense, (1 + 2 (1 - s)) / 3 at neuron
-sparsity s (gate rows always, up and down rows of the kept neurons). `split_misses` assigns the
-misses with the most tokens first, each to the side that then finishes sooner (list scheduling),
-so decode (n_e = 1) splits in proportion to the two rates and a prefill's experts with many
-tokens go to the GPU (their CPU cost grows with n_e, their staging cost does not).
+sparsity s (gate rows always, up and down rows of the kept neurons). `split_misses` orders the
+misses by cpu / stage time and stages the prefix of that order that makes the two sides finish
+soonest: decode (n_e = 1) splits in proportion to the two rates, and a prefill's experts with
+many tokens go to the GPU (their CPU cost grows with n_e, their staging cost hardly does).
 
 The constants are measured once per machine, model shape and staging mode (`measure_costs`,
 at start-up) and cached as JSON in options.cache_dir()/offload; tests give their own.
@@ -66,23 +66,31 @@ def read_share(sparsity: float) -> float:
 
 def split_misses(misses: Sequence[tuple[int, int]], costs: Costs, read: float = 1.0,
                  capacity: int | None = None) -> tuple[list[int], list[int]]:  # fmt: skip
-    """(experts for the CPU, experts to stage) of one layer's misses [(expert, n_tokens)]: the
-    most tokens first, each to the side that finishes sooner with it (ties: the CPU, which
-    evicts nothing); at most `capacity` staged (None: no limit)."""
-    cpu: list[int] = []
-    stage: list[int] = []
-    t_cpu = t_stage = 0.0
+    """(experts for the CPU, experts to stage) of one layer's misses [(expert, n_tokens)], the
+    split that finishes first: the misses in order of how much more the CPU would take than
+    staging (cpu / stage time), a prefix of that order staged and the rest on the CPU, the
+    prefix whose two sides finish soonest (ties: the shorter prefix, which evicts less); at
+    most `capacity` staged (None: no limit). Optimal when an expert may be split between the
+    sides, within one expert's time of it otherwise. One token each (decode): the misses split
+    in proportion to the two sides' rates; many (prefill): those with many tokens staged."""
     copy = costs.stage_seconds([0])
-    for e, n in sorted(misses, key=lambda m: -m[1]):
-        c = read * (costs.cpu_expert_s + n * costs.cpu_pair_s) + (0.0 if cpu else costs.cpu_call_s)
+    jobs = []
+    for e, n in misses:
+        c = read * (costs.cpu_expert_s + n * costs.cpu_pair_s)
         g = copy + n * costs.gpu_pair_s
-        if (capacity is None or len(stage) < capacity) and t_stage + g < t_cpu + c:
-            stage.append(e)
-            t_stage += g
-        else:
-            cpu.append(e)
-            t_cpu += c
-    return cpu, stage
+        jobs.append((c / g if g > 0 else float("inf"), e, c, g))
+    jobs.sort(key=lambda j: -j[0])
+    limit = len(jobs) if capacity is None else min(len(jobs), max(0, capacity))
+    t_cpu = sum(c for _, _, c, _ in jobs)
+    t_stage, best, best_time = 0.0, 0, t_cpu + (costs.cpu_call_s if jobs else 0.0)
+    for p in range(1, limit + 1):
+        _, _, c, g = jobs[p - 1]
+        t_cpu -= c
+        t_stage += g
+        finish = max(t_stage, t_cpu + (costs.cpu_call_s if p < len(jobs) else 0.0))
+        if finish < best_time:
+            best, best_time = p, finish
+    return [e for _, e, _, _ in jobs[best:]], [e for _, e, _, _ in jobs[:best]]
 
 
 # ---------------------------------------------------------------------------------------------

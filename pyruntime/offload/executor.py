@@ -126,14 +126,17 @@ class HybridExecutor:
         self._last_decode_end: float | None = None
 
     def close(self) -> None:
-        """Unlock the host memory locked for staging (idempotent)."""
+        """Unlock the host memory locked for staging, once no copy reads it (idempotent)."""
+        self.streams.host_waits()
+        if self.streams.cuda:
+            self.streams.copy.synchronize()
         self.home.close()
 
     def __del__(self) -> None:
         home = getattr(self, "home", None)
         if home is not None:
             with contextlib.suppress(Exception):  # at interpreter exit the runtime may be gone
-                home.close()
+                self.close()
 
     # -- the executor protocol ------------------------------------------------------------------
 
@@ -201,7 +204,7 @@ class HybridExecutor:
                 "--ctx-size"
             ) from None
         finally:
-            self.experts.release(set(self.experts.prefetch_holds))
+            self.experts.release(self.experts.prefetch_holds | self.experts.lookahead_holds)
         self.offload.passes += 1
         self.offload.tokens += n
         self.offload.decode_steps += decode

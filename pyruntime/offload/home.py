@@ -133,41 +133,43 @@ class MappedHome(ExpertHome):
             self._ptr = None
 
 
+def _page_aligned(nbytes: int) -> np.ndarray:
+    """An uninitialized uint8 array of nbytes starting on a page boundary (as registration
+    wants), freed with its last reference."""
+    raw = np.empty(nbytes + PAGE, dtype=np.uint8)
+    start = -raw.ctypes.data % PAGE
+    return raw[start : start + nbytes]
+
+
 class PinnedHome(ExpertHome):
-    """pinned: every routed expert copied into anonymous RAM, registered for DMA."""
+    """pinned: every routed expert copied into RAM, registered for DMA."""
 
     mode = "pinned"
 
     def __init__(self, host: HostWeights, pinning: Pinning) -> None:
         super().__init__(host)
         self._pinning = pinning
-        self._buffers: list[mmap.mmap] = []
         self._pinned: list[int] = []
         self._copies: dict[int, np.ndarray] = {}
         self.locked_bytes = 0
+        total = gib(sum(s.raw.nbytes for s in self.layers.values()))
         try:
             for layer, store in self.layers.items():
-                buf = mmap.mmap(-1, max(store.raw.nbytes, 1))  # page-aligned, zeroed lazily
-                self._buffers.append(buf)
-                copy = np.frombuffer(buf, dtype=np.uint8, count=store.raw.nbytes)
+                copy = _page_aligned(store.raw.nbytes)
                 copy[:] = store.raw_bytes()
                 why = pinning.pin(copy.ctypes.data, copy.nbytes, read_only=False)
                 if why is not None:
-                    raise PinRefused(f"pinning a {gib(self.layers_bytes())} copy of the experts "
-                                     f"in RAM was refused ({why})")  # fmt: skip
+                    raise PinRefused(f"pinning a {total} copy of the experts in RAM was refused "
+                                     f"({why})")  # fmt: skip
                 self._pinned.append(copy.ctypes.data)
                 self.locked_bytes += copy.nbytes
                 self._copies[layer] = copy.view(store.raw.dtype).reshape(store.raw.shape)
-        except (MemoryError, OSError) as exc:
+        except MemoryError:
             self.close()
-            raise PinRefused(f"no RAM for a {gib(self.layers_bytes())} copy of the experts "
-                             f"({exc})") from None  # fmt: skip
+            raise PinRefused(f"no RAM for a {total} copy of the experts") from None
         except PinRefused:
             self.close()
             raise
-
-    def layers_bytes(self) -> int:
-        return sum(s.raw.nbytes for s in self.layers.values())
 
     def cpu_view(self, layer: int) -> np.ndarray:
         return self._copies[layer]
@@ -177,9 +179,6 @@ class PinnedHome(ExpertHome):
             self._pinning.unpin(ptr)
         self._pinned.clear()
         self._copies.clear()
-        for buf in self._buffers:
-            buf.close()
-        self._buffers.clear()
 
 
 class BounceHome(ExpertHome):

@@ -93,7 +93,7 @@ class SplitExperts:
         ids_np = ids.numpy()
         experts, counts = np.unique(ids_np, return_counts=True)
         used = experts.tolist()
-        self.release({(i, e) for e in used} & self.lookahead_holds)
+        self.release({key for key in self.lookahead_holds if key[0] == i})
         missed = set(self.cache.lookup(i, used))
         hits = [e for e in used if e not in missed]
         misses = [(e, int(n)) for e, n in zip(used, counts, strict=True) if e in missed]
@@ -169,16 +169,15 @@ class SplitExperts:
         until the next pass ends (a prefetch)."""
         placed = []
         for e in experts:
-            if self.cache.residency.slot(i, e) >= 0:
-                continue
-            if self.cache.admit(i, e, protect=protect) < 0:
-                break
-            placed.append(e)
+            if self.cache.residency.slot(i, e) < 0:
+                if self.cache.admit(i, e, protect=protect) < 0:
+                    break
+                placed.append(e)
+            if hold:  # at once, so the next admissions cannot evict it
+                self.prefetch_holds.add((i, e))
+                self.cache.held.add((i, e))
         if placed:
             keys = [(i, e) for e in placed]
-            if hold:
-                self.prefetch_holds.update(keys)
-                self.cache.held.update(keys)
             slots = [self.cache.residency.slot(i, e) for e in placed]
             self.slots.fill(slots, self.home.sources(keys))
             self.offload.staged += len(keys)

@@ -1,0 +1,319 @@
+"""The hybrid executor (pyruntime.offload): a model bigger than the GPU, with torch's CPU device
+standing in for the GPU (Triton kernels under the interpreter, streams and events as no-ops) and
+the C core computing the CPU's experts.
+
+Every budget from dense only (0 slots) to everything resident, every placement of the misses
+(all on the CPU, all staged, split by costs), dense and sparse: the logits equal the GPU
+executor's with the whole model resident (the same kernels) within the GPU-vs-CPU tolerance of
+tests/test_gpu_model.py (f32 GGUF: |d log-prob| <= 1e-3; the CPU's experts are the C core's),
+and bit for bit where only the GPU computes. Fake costs stand in for measured ones, chosen so
+that a decode step's two misses go one to each side.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hf_fixtures import make_tiny_hf_model
+
+from pyruntime.converter import convert
+from pyruntime.cpu.core import CpuCore
+from pyruntime.errors import DeviceMemoryError, PyruntimeWarning
+from pyruntime.gguf.file import open_gguf
+from pyruntime.gpu.executor import GpuExecutor
+from pyruntime.model.config import ModelConfig
+from pyruntime.model.executor import RoutingTrace
+from pyruntime.model.weights import HostWeights
+from pyruntime.offload.costs import Costs
+from pyruntime.offload.executor import HybridExecutor
+
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "cuda"
+LOGPROB_TOL = 1e-3
+N_PROMPT, N_DECODE = 7, 4
+
+
+def tiny(tmp_path_factory, arch: str, fmt: str = "f32", **hf):
+    tmp = tmp_path_factory.mktemp(f"offload-{arch}-{fmt}")
+    hf_dir = make_tiny_hf_model(arch, tmp / "hf", tie_word_embeddings=True, **hf)
+    f = open_gguf(convert(hf_dir, tmp / "m.gguf", fmt, progress=False))
+    cfg = ModelConfig.from_gguf(f)
+    return f, cfg, HostWeights.from_gguf(f, cfg)
+
+
+@pytest.fixture(scope="module")
+def olmoe(tmp_path_factory):
+    return tiny(tmp_path_factory, "olmoe")
+
+
+@pytest.fixture(scope="module")
+def qwen2moe(tmp_path_factory):
+    """A shared expert with its gate, and a dense-FFN layer."""
+    return tiny(tmp_path_factory, "qwen2moe")
+
+
+@pytest.fixture(scope="module")
+def core(cc):
+    with CpuCore(2) as c:
+        yield c
+
+
+def even_costs(host: HostWeights) -> Costs:
+    """A staged expert and a CPU expert cost the same (1e-4 s): a layer's misses alternate
+    between the two sides, the first to the CPU."""
+    nbytes = next(b.experts for b in host.blocks if b.experts).expert_bytes
+    return Costs(nbytes, nbytes / 1e5, 0.0, 1e-4, 0.0, 0.0, 0.0)
+
+
+def n_routed(cfg: ModelConfig, host: HostWeights) -> int:
+    return sum(cfg.n_expert for b in host.blocks if b.experts is not None)
+
+
+def hybrid(model, core, slots: int, misses: str = "auto", **kw) -> HybridExecutor:
+    f, cfg, host = model
+    kw.setdefault("costs", even_costs(host))
+    return HybridExecutor(cfg, host, DEVICE, core, slots=slots, misses=misses, **kw)
+
+
+def ids_of(cfg: ModelConfig, n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.n_vocab, (n,), generator=g).tolist()
+
+
+def logprobs(net, ids: list[int]) -> torch.Tensor:
+    """A prefill of N_PROMPT tokens, then one-token decode steps."""
+    cache = net.new_cache(len(ids))
+    parts = [net.forward(ids[:N_PROMPT], cache)]
+    parts += [net.forward(ids[j : j + 1], cache) for j in range(N_PROMPT, len(ids))]
+    return torch.log_softmax(torch.cat(parts).double(), dim=-1)
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape
+    return (a - b).abs().max().item()
+
+
+@pytest.fixture(scope="module")
+def whole(olmoe, qwen2moe):
+    """Reference log-probs of the GPU executor with every expert resident, per model."""
+    out = {}
+    for name, (_, cfg, host) in (("olmoe", olmoe), ("qwen2moe", qwen2moe)):
+        ids = ids_of(cfg, N_PROMPT + N_DECODE)
+        out[name] = ids, logprobs(GpuExecutor(cfg, host, DEVICE), ids)
+    return out
+
+
+# -- every budget, every placement -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("misses", ["cpu", "stage", "auto"])
+@pytest.mark.parametrize("slots", [0, 1, 3, "all"])
+def test_logits_equal_the_whole_model_on_the_gpu(olmoe, core, whole, slots, misses):
+    _, cfg, host = olmoe
+    slots = n_routed(cfg, host) if slots == "all" else slots
+    net = hybrid(olmoe, core, slots, misses)
+    ids, want = whole["olmoe"]
+    got = logprobs(net, ids)
+    st = net.offload_stats()
+    assert max_err(got, want) <= LOGPROB_TOL
+    assert st["slot_hits"] + st["slot_misses"] > 0
+    if slots == 0 or misses == "cpu":  # nothing can be staged, or nothing is
+        assert st["staged_experts"] == 0 and st["slot_hits"] == 0 and st["cpu_experts"] > 0
+    elif misses == "stage" and slots == n_routed(cfg, host):
+        assert st["cpu_experts"] == 0 and st["evictions"] == 0
+        assert torch.equal(got, want)  # only the GPU's kernels, as resident
+    elif misses == "auto" and slots >= 3:
+        assert st["cpu_experts"] > 0 and st["staged_experts"] > 0  # a split
+    assert net.stats.pairs == (N_PROMPT + N_DECODE) * cfg.n_expert_used * 2  # 2 MoE layers
+
+
+@pytest.mark.parametrize("slots", [0, 3, 8])
+def test_shared_expert_and_dense_layers(qwen2moe, core, whole, slots):
+    net = hybrid(qwen2moe, core, slots, "auto")
+    ids, want = whole["qwen2moe"]
+    assert max_err(logprobs(net, ids), want) <= LOGPROB_TOL
+    assert net.moe_layers() == [0]
+
+
+@pytest.mark.parametrize("misses", ["cpu", "stage", "auto"])
+def test_sparse_experts_match_on_both_sides(olmoe, core, misses):
+    """The same thresholds on the CPU and the GPU: the GPU executor's logits and neuron
+    counts, within the tolerance (a neuron at the threshold may flip between the two)."""
+    _, cfg, host = olmoe
+    thresholds = [0.05] * cfg.n_layer
+    ref = GpuExecutor(cfg, host, DEVICE)
+    ref.set_expert_threshold(thresholds)
+    ids = ids_of(cfg, N_PROMPT + N_DECODE, seed=1)
+    want = logprobs(ref, ids)
+    net = hybrid(olmoe, core, 3, misses)
+    net.set_expert_threshold(thresholds)
+    got = logprobs(net, ids)
+    assert max_err(got, want) <= LOGPROB_TOL
+    assert net.stats.pairs == ref.stats.pairs
+    assert 0.2 < net.stats.sparsity < 0.9
+    assert abs(net.stats.sparsity - ref.stats.sparsity) < 0.02
+    dense = logprobs(GpuExecutor(cfg, host, DEVICE), ids)
+    assert max_err(got, dense) > 2 * LOGPROB_TOL  # the thresholds did skip neurons
+
+
+def test_q8_0_experts_are_repacked_into_slots(tmp_path_factory, core):
+    """Q8_0 experts are staged as GGUF blocks and repacked on the device: all staged, the
+    logits are the resident model's bit for bit; on the CPU (the C core's Q8 dots against
+    the GPU's bf16 activations), within bf16's tolerance."""
+    model = tiny(tmp_path_factory, "olmoe", "q8_0")
+    _, cfg, host = model
+    ids = ids_of(cfg, N_PROMPT + N_DECODE, seed=2)
+    want = logprobs(GpuExecutor(cfg, host, DEVICE), ids)
+    staged = hybrid(model, core, 5, "stage")
+    assert staged.slots.format == "q8_0r"
+    assert torch.equal(logprobs(staged, ids), want)
+    on_cpu = logprobs(hybrid(model, core, 0, "cpu"), ids)
+    assert max_err(on_cpu, want) <= 2e-2
+    assert torch.equal(on_cpu.argmax(-1), want.argmax(-1))
+
+
+def test_a_prefill_stages_in_rounds_when_its_experts_outnumber_the_slots(olmoe, core, whole):
+    _, cfg, host = olmoe
+    ids, want = whole["olmoe"]
+    net = hybrid(olmoe, core, 2, "stage")
+    cache = net.new_cache(len(ids))
+    got = [net.forward(ids[:N_PROMPT], cache)]
+    assert net.offload.staged > 2 and net.offload.cpu_experts == 0  # more than the slots
+    got += [net.forward(ids[j : j + 1], cache) for j in range(N_PROMPT, len(ids))]
+    assert max_err(torch.log_softmax(torch.cat(got).double(), -1), want) <= LOGPROB_TOL
+
+
+# -- prefetch, lookahead, routing -------------------------------------------------------------
+
+
+def test_prefetch_stages_and_holds_until_the_next_pass_ends(olmoe, core, whole):
+    ids, want = whole["olmoe"]
+    net = hybrid(olmoe, core, 4, "cpu")  # misses are never staged: only prefetches fill slots
+    cache = net.new_cache(len(ids))
+    parts = [net.forward(ids[:N_PROMPT], cache)]
+    for j in range(N_PROMPT, len(ids)):
+        net.prefetch(0, [0, 1])
+        net.prefetch(1, [2, 3, 4])  # the fifth finds every slot held
+        assert net.cache.held == {(0, 0), (0, 1), (1, 2), (1, 3)}
+        parts.append(net.forward(ids[j : j + 1], cache))
+        assert net.cache.held == set()
+    assert max_err(torch.log_softmax(torch.cat(parts).double(), -1), want) <= LOGPROB_TOL
+    assert net.offload.prefetched == 4 and net.cache.stats.hits > 0
+    net.prefetch(5, [0])  # not a MoE layer (the model has 2): nothing to do
+    assert net.cache.held == set()
+
+
+@pytest.mark.parametrize("misses", ["stage", "auto"])
+def test_lookahead_stages_the_next_layers_experts_early(olmoe, core, whole, misses):
+    """With staging cheaper than the CPU (auto stages what it predicts, as stage does)."""
+    ids, want = whole["olmoe"]
+    cheap = Costs(even_costs(olmoe[2]).expert_bytes, 1e3, 0.0, 1e-4, 0.0, 0.0, 0.0)
+    net = hybrid(olmoe, core, 6, misses, lookahead=True, costs=cheap)
+    assert max_err(logprobs(net, ids), want) <= LOGPROB_TOL
+    assert net.offload.prefetched > 0  # staged for layer 1 during layer 0's decode steps
+    assert net.cache.held == set()
+
+
+def test_routing_trace_is_the_gpu_executors(olmoe, core):
+    _, cfg, host = olmoe
+    ref, net = GpuExecutor(cfg, host, DEVICE), hybrid(olmoe, core, 3)
+    rc, nc = ref.new_cache(9), net.new_cache(9)
+    ids = ids_of(cfg, 9, seed=3)
+    for tokens in (ids[:6], ids[6:7], ids[7:8]):
+        want, got = RoutingTrace(layers=[]), RoutingTrace(layers=[])
+        ref.forward(tokens, rc, routing=want)
+        net.forward(tokens, nc, routing=got)
+        assert got.layers == want.layers == [0, 1]
+        assert torch.equal(got.ids, want.ids)
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_k_experts_per_call(olmoe, core, k):
+    _, cfg, host = olmoe
+    ids = ids_of(cfg, N_PROMPT + N_DECODE, seed=4)
+    ref, net = GpuExecutor(cfg, host, DEVICE), hybrid(olmoe, core, 3)
+    cache_r, cache_n = ref.new_cache(len(ids)), net.new_cache(len(ids))
+    for tokens in (ids[:N_PROMPT], *[[t] for t in ids[N_PROMPT:]]):
+        want = torch.log_softmax(ref.forward(tokens, cache_r, k=k).double(), -1)
+        got = torch.log_softmax(net.forward(tokens, cache_n, k=k).double(), -1)
+        assert max_err(got, want) <= LOGPROB_TOL
+    assert net.stats.pairs == len(ids) * k * 2
+
+
+# -- big/little through the hybrid ------------------------------------------------------------
+
+
+def test_big_little_through_the_hybrid_equals_the_cpu_executor(tmp_path, core):
+    """gamma = 0 (little only), gamma = 1 (big only) and greedy verify give the same tokens
+    through the hybrid as through the CPU executor (prefetch stages the big pass's experts)."""
+    from pyruntime.api import Model
+    from pyruntime.cpu.executor import CpuExecutor
+
+    hf = make_tiny_hf_model("olmoe", tmp_path / "hf", num_experts_per_tok=4,
+                            initializer_range=0.3)  # fmt: skip
+    m = Model(convert(hf, tmp_path / "m.gguf", "f32", progress=False), n_ctx=64, device="cpu",
+              expert_backend="torch", seed=0)  # fmt: skip
+    cfg = m.config
+    nets = {
+        "cpu": CpuExecutor.from_gguf(m.file, expert_backend="torch"),
+        "hybrid": HybridExecutor(
+            cfg,
+            HostWeights.from_gguf(m.file, cfg),
+            DEVICE,
+            core,
+            slots=6,
+            costs=Costs(1, 1.0, 0, 1, 0, 0, 0),
+        ),  # fmt: skip
+    }
+
+    def tokens(net, **decoding) -> list[int]:
+        m.net, m._session = net, None
+        stream = m.generate([5, 17, 300, 42, 9], max_tokens=6, temp=0.0, ignore_eos=True,
+                            **decoding)  # fmt: skip
+        list(stream)
+        return stream.token_ids
+
+    for decoding in ({}, dict(experts_per_token=2), dict(little_experts=2, fallback_threshold=0.0),
+                     dict(little_experts=2, fallback_threshold=1.0),
+                     dict(little_experts=2, fallback="verify", draft=3)):  # fmt: skip
+        assert tokens(nets["hybrid"], **decoding) == tokens(nets["cpu"], **decoding), decoding
+    assert nets["hybrid"].offload.prefetched > 0  # the fallbacks' prefetches staged experts
+
+
+# -- faults ----------------------------------------------------------------------------------
+
+
+class RefusingPinning:
+    def __init__(self) -> None:
+        self.pinned: list[int] = []
+
+    def pin(self, ptr: int, nbytes: int, read_only: bool) -> str | None:
+        return "operation not permitted (RLIMIT_MEMLOCK)"
+
+    def unpin(self, ptr: int) -> None:
+        raise AssertionError("nothing was pinned")
+
+
+@pytest.mark.parametrize("staging", ["register", "pinned"])
+def test_a_refused_pin_warns_and_stages_through_bounce_buffers(olmoe, core, whole, staging):
+    with pytest.warns(PyruntimeWarning, match="refused .*RLIMIT_MEMLOCK.*bounce buffers"):
+        net = hybrid(olmoe, core, 3, "stage", staging=staging, pinning=RefusingPinning())
+    assert net.home.mode == "bounce"
+    ids, want = whole["olmoe"]
+    assert max_err(logprobs(net, ids), want) <= LOGPROB_TOL
+    assert net.offload.staged > 0
+
+
+def test_out_of_memory_while_running_is_one_line(olmoe, core, monkeypatch):
+    net = hybrid(olmoe, core, 3)
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(net.layers, "routed_experts", oom)
+    with pytest.raises(DeviceMemoryError, match="ran out of memory while running") as err:
+        net.forward([1, 2, 3], net.new_cache(4))
+    assert "\n" not in str(err.value) and "--gpu-mem" in str(err.value)
+    assert net.cache.held == set()

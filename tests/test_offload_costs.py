@@ -1,0 +1,74 @@
+"""Where a missed expert is computed: the cost model's split (pyruntime.offload.costs) with
+given costs, and the cache of measured costs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pyruntime.errors import PyruntimeWarning
+from pyruntime.offload.costs import Costs, load_or_measure, read_share, split_misses
+
+B = 1 << 20  # bytes of an expert
+
+
+def costs(cpu_expert=100e-6, stage_expert=150e-6, cpu_pair=10e-6, call=0.0) -> Costs:
+    return Costs(B, B / stage_expert / 1e9, call, cpu_expert, cpu_pair, 0.0, 0.0)
+
+
+def test_decode_misses_split_in_proportion_to_the_two_rates():
+    """One token each: the CPU (110 us an expert) takes 6 of 10, staging (150 us) 4."""
+    cpu, stage = split_misses([(e, 1) for e in range(10)], costs())
+    assert len(cpu) == 6 and len(stage) == 4
+    t_cpu = costs().cpu_seconds([1] * len(cpu))
+    t_stage = costs().stage_seconds([1] * len(stage))
+    assert abs(t_cpu - t_stage) <= 110e-6  # they finish within one expert of each other
+    assert split_misses([(0, 1)], costs()) == ([0], [])  # the CPU alone is sooner
+    assert split_misses([(0, 1)], costs(cpu_expert=140e-6)) == ([0], [])  # a tie: the CPU
+
+
+def test_prefill_stages_the_experts_with_many_tokens():
+    misses = [(0, 64), (1, 2), (2, 40), (3, 1), (4, 30)]
+    cpu, stage = split_misses(misses, costs())
+    assert stage == [0, 2, 4] and cpu == [1, 3]  # 450 us each side at most
+    assert split_misses(misses, costs(), capacity=1) == ([2, 4, 1, 3], [0])
+
+
+def test_sparsity_makes_the_cpu_cheaper():
+    misses = [(e, 1) for e in range(10)]
+    dense_cpu, _ = split_misses(misses, costs())
+    sparse_cpu, _ = split_misses(misses, costs(), read=read_share(0.9))
+    assert len(sparse_cpu) > len(dense_cpu)
+    assert read_share(0.0) == 1.0 and read_share(1.0) == pytest.approx(1 / 3)
+
+
+def test_a_call_cost_keeps_a_single_cheap_miss_off_the_cpu():
+    assert split_misses([(0, 1)], costs(call=1e-3)) == ([], [0])
+    assert split_misses([(0, 1)], costs(), capacity=0) == ([0], [])
+    assert costs().stage_seconds([1]) == pytest.approx(150e-6)
+    assert Costs(B, 0.0, 0, 0, 0, 0, 0).stage_seconds([1]) == float("inf")
+
+
+def test_costs_are_measured_once_per_key(tmp_path):
+    calls = []
+
+    def measure() -> Costs:
+        calls.append(1)
+        return costs()
+
+    assert load_or_measure("a", tmp_path, measure) == costs()
+    assert load_or_measure("a", tmp_path, measure) == costs() and len(calls) == 1
+    load_or_measure("b", tmp_path, measure)
+    assert len(calls) == 2  # another machine or shape
+    [path] = [p for p in tmp_path.iterdir() if json.loads(p.read_text())["key"] == "a"]
+    path.write_text("{not json")
+    load_or_measure("a", tmp_path, measure)
+    assert len(calls) == 3  # a damaged file is measured again
+
+
+def test_an_unwritable_cache_warns_and_uses_the_measurement(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.warns(PyruntimeWarning, match="cannot cache the measured offload costs"):
+        assert load_or_measure("a", blocker / "sub", costs) == costs()

@@ -1,0 +1,127 @@
+"""The experts' homes on the host (pyruntime.offload.home) and the slots they fill
+(pyruntime.offload.slots): the bytes each home hands out, what it locks and unlocks, and a
+refused pin falling back to bounce buffers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hf_fixtures import make_tiny_hf_model
+
+from pyruntime.converter import convert
+from pyruntime.errors import PyruntimeWarning
+from pyruntime.gguf.file import open_gguf
+from pyruntime.kernels.expert_formats import repack_rows
+from pyruntime.model.config import ModelConfig
+from pyruntime.model.weights import HostWeights
+from pyruntime.offload.home import PAGE, BounceHome, open_home
+from pyruntime.offload.slots import ExpertSlots
+from pyruntime.offload.streams import DeviceStreams
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", params=["f32", "q8_0"])
+def host(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"home-{request.param}")
+    hf = make_tiny_hf_model("olmoe", tmp / "hf")
+    f = open_gguf(convert(hf, tmp / "m.gguf", request.param, progress=False))
+    cfg = ModelConfig.from_gguf(f)
+    return request.param, HostWeights.from_gguf(f, cfg)
+
+
+class RecordingPinning:
+    def __init__(self, refuse: bool = False) -> None:
+        self.refuse, self.pinned, self.unpinned = refuse, [], []
+
+    def pin(self, ptr: int, nbytes: int, read_only: bool) -> str | None:
+        if self.refuse:
+            return "invalid argument"
+        self.pinned.append((ptr, nbytes, read_only))
+        return None
+
+    def unpin(self, ptr: int) -> None:
+        self.unpinned.append(ptr)
+
+
+def expert_bytes(host: HostWeights, layer: int, e: int) -> np.ndarray:
+    return host.blocks[layer].experts.raw[e].reshape(-1).view(np.uint8)
+
+
+@pytest.mark.parametrize("staging", ["register", "bounce", "pinned"])
+def test_every_home_hands_out_the_experts_bytes(host, staging):
+    _, weights = host
+    home = open_home(weights, CPU, staging, RecordingPinning())
+    assert home.mode == staging
+    keys = [(1, 3), (0, 0), (1, 7)]
+    for (layer, e), src in zip(keys, home.sources(keys), strict=True):
+        assert src.dtype == torch.uint8 and np.array_equal(
+            src.numpy(), expert_bytes(weights, layer, e)
+        )
+    for layer in (0, 1):
+        view = home.cpu_view(layer)
+        raw = weights.blocks[layer].experts.raw
+        assert view.shape == raw.shape and view.dtype == raw.dtype and np.array_equal(view, raw)
+        assert view.flags.c_contiguous
+    home.close()
+    home.close()
+
+
+def test_register_locks_the_page_span_of_the_expert_tensors_read_only(host):
+    _, weights = host
+    pinning = RecordingPinning()
+    home = open_home(weights, CPU, "register", pinning)
+    [(ptr, nbytes, read_only)] = pinning.pinned
+    raws = [b.experts.raw for b in weights.blocks]
+    assert read_only and ptr % PAGE == 0 and nbytes % PAGE == 0
+    assert ptr <= min(r.ctypes.data for r in raws)
+    assert ptr + nbytes >= max(r.ctypes.data + r.nbytes for r in raws)
+    home.close()
+    assert pinning.unpinned == [ptr]
+
+
+def test_pinned_copies_each_layer_to_page_aligned_memory_and_unpins_it(host):
+    _, weights = host
+    pinning = RecordingPinning()
+    home = open_home(weights, CPU, "pinned", pinning)
+    assert [p % PAGE for p, _, ro in pinning.pinned] == [0, 0]
+    assert not any(ro for _, _, ro in pinning.pinned)
+    assert home.cpu_view(0).ctypes.data != weights.blocks[0].experts.raw.ctypes.data  # a copy
+    home.close()
+    assert sorted(pinning.unpinned) == sorted(p for p, _, _ in pinning.pinned)
+
+
+@pytest.mark.parametrize("staging", ["register", "pinned"])
+def test_a_refused_pin_falls_back_to_bounce_buffers(host, staging):
+    _, weights = host
+    with pytest.warns(
+        PyruntimeWarning,
+        match="refused \\(invalid argument\\): staging experts through pinned bounce buffers",
+    ):
+        home = open_home(weights, CPU, staging, RecordingPinning(refuse=True))
+    assert isinstance(home, BounceHome)
+    with pytest.raises(ValueError, match="unknown staging"):
+        open_home(weights, CPU, "mmap")
+
+
+def test_slots_hold_the_experts_in_the_kernels_format(host):
+    """Filled in one batch, across batches of the staging buffer, into any slots: each slot
+    holds its expert's GGUF bytes, repacked for q8_0."""
+    fmt, weights = host
+    store = weights.blocks[0].experts
+    slots = ExpertSlots(5, store.n_ff, store.n_embd, fmt, CPU, DeviceStreams(CPU),
+                        staging_buffer=2)  # fmt: skip
+    assert slots.format == {"f32": "f32", "q8_0": "q8_0r"}[fmt]
+    home = open_home(weights, CPU, "bounce")
+    keys = [(0, 5), (1, 2), (0, 0)]
+    slots.fill([4, 1, 2], home.sources(keys))
+
+    def held(slot: int, layer: int, e: int) -> bool:
+        want = torch.from_numpy(weights.blocks[layer].experts.raw[e].copy())
+        return torch.equal(slots.tensor[slot], repack_rows(want, fmt) if fmt == "q8_0" else want)
+
+    assert all(held(s, layer, e) for s, (layer, e) in zip([4, 1, 2], keys, strict=True))
+    slots.fill([0, 1], home.sources([(1, 7), (1, 6)]))  # consecutive slots, one batch
+    assert held(0, 1, 7) and held(1, 1, 6) and held(2, 0, 0) and held(4, 0, 5)
+    assert not held(1, 1, 2)

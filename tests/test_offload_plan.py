@@ -1,0 +1,234 @@
+"""The GPU budget: what a model needs by part (pyruntime.offload.plan), where it runs under a
+budget (pyruntime.placement, with a GPU faked through torch.cuda's queries), --gpu-mem on the
+command line and `pyruntime info`'s plan, and the hybrid loaded through pyruntime.Model (on the
+CPU device standing in for the GPU, its costs measured and cached)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from hf_fixtures import make_tiny_hf_model
+
+from pyruntime import cli, options
+from pyruntime.converter import convert
+from pyruntime.errors import DeviceMemoryError, PyruntimeWarning, UsageError
+from pyruntime.gguf.file import open_gguf
+from pyruntime.gpu.weights import dense_dtype_for
+from pyruntime.model.config import ModelConfig
+from pyruntime.offload.plan import (
+    DeviceBytes,
+    activation_itemsize,
+    device_bytes,
+    plan_budget,
+)
+from pyruntime.placement import DEFAULT_MARGIN, allocatable_bytes, choose_device
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def q8(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("plan")
+    hf = make_tiny_hf_model("olmoe", tmp / "hf", tie_word_embeddings=True)
+    path = convert(hf, tmp / "m.gguf", "q8_0", progress=False)
+    f = open_gguf(path)
+    return path, f, ModelConfig.from_gguf(f)
+
+
+def test_device_bytes_by_part(q8):
+    _, f, cfg = q8
+    need = device_bytes(f, cfg, 100)
+    experts = [t for t in f.tensors.values() if t.name.endswith("ffn_gud_exps.weight")]
+    assert need.experts == sum(t.n_bytes for t in experts)
+    assert need.n_experts == 2 * cfg.n_expert and need.expert_format == "q8_0"
+    assert need.expert_bytes * need.n_experts == need.experts
+    assert need.kv == cfg.n_layer * 2 * cfg.n_head_kv * 100 * cfg.head_dim * 2  # bf16
+    assert need.whole == need.fixed + need.experts
+    assert device_bytes(f, cfg, 200).kv == 2 * need.kv
+
+
+@pytest.mark.parametrize("qtype", list(GGMLQuantizationType)[:12])
+def test_activation_size_is_the_gpu_executors_dtype(qtype):
+    assert activation_itemsize(qtype) == dense_dtype_for(qtype).itemsize
+
+
+def need_of(n_experts=100, expert=10 * MIB, fmt="q8_0", k=8) -> DeviceBytes:
+    return DeviceBytes(dense=300 * MIB, experts=n_experts * expert, kv=50 * MIB, work=150 * MIB,
+                       expert_bytes=expert, n_experts=n_experts, expert_format=fmt,
+                       n_expert_used=k)  # fmt: skip
+
+
+def test_a_budget_is_spent_on_the_whole_model_or_on_slots():
+    need = need_of()
+    whole = plan_budget(need, need.whole, 512)
+    assert whole.whole_model and whole.resident_share == 1.0 and whole.staging_buffer == 0
+    hybrid = plan_budget(need, need.fixed + 40 * MIB + 5, 512)
+    # q8_0: 4 experts' room, half of it (2) a staging buffer for repacking, 2 slots
+    assert (hybrid.slots, hybrid.staging_buffer) == (2, 2) and not hybrid.whole_model
+    assert hybrid.resident_share == pytest.approx(0.02)
+    f32 = plan_budget(need_of(fmt="f32"), need.fixed + 40 * MIB, 512)
+    assert (f32.slots, f32.staging_buffer) == (4, 0)  # copied straight into their slots
+    assert plan_budget(need, need.fixed + 15 * MIB, 512).slots == 0  # one expert's room: none
+    big = plan_budget(need, need.fixed + 500 * MIB, 512)
+    assert (big.slots, big.staging_buffer) == (42, 8)
+    rows = dict(big.rows())
+    assert rows["expert slots"].startswith("42 (420.0 MiB, + 8 experts' staging buffer)")
+    assert rows["experts resident"] == "42.0% of all routed experts"
+    assert "42 of 100 routed experts" in big.summary("cuda:0")
+
+
+def test_a_budget_below_the_dense_part_says_how_much_is_needed():
+    need = need_of()
+    with pytest.raises(DeviceMemoryError) as err:
+        plan_budget(need, 100 * MIB, 4096, "12.0 MiB is free on Tiny GPU")
+    msg = str(err.value)
+    assert "\n" not in msg and "need 500.0 MiB of GPU memory" in msg
+    assert "the budget is 100.0 MiB (12.0 MiB is free on Tiny GPU)" in msg
+    assert "4096-token KV cache" in msg and "--gpu-mem" in msg
+    dense_model = dataclasses.replace(need, experts=0, expert_bytes=0, n_experts=0)
+    with pytest.raises(DeviceMemoryError, match="no routed experts to keep in host memory"):
+        plan_budget(dense_model, need.fixed - 1, 512)
+    assert plan_budget(dense_model, need.fixed, 512).whole_model
+
+
+# -- placement --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """torch.cuda answering as a GPU with `free` bytes free (settable)."""
+    state = {"free": 80 << 30}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (state["free"], 80 << 30))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "Tiny GPU")
+    return state
+
+
+def test_auto_and_cuda_run_whole_or_hybrid_by_the_budget(q8, fake_gpu):
+    _, f, cfg = q8
+    need = device_bytes(f, cfg, 64)
+    for device in ("auto", "cuda"):
+        assert choose_device(device, f, cfg, 64).plan is None  # 80 GiB free: the whole model
+        choice = choose_device(device, f, cfg, 64, gpu_mem=need.fixed + 6 * need.expert_bytes)
+        assert choice.device == "cuda" and choice.hybrid
+        assert (choice.plan.slots, choice.plan.staging_buffer) == (4, 2)
+    assert choose_device("cpu", f, cfg, 64, gpu_mem=1).device == "cpu"
+    fake_gpu["free"] = need.fixed + DEFAULT_MARGIN + 3 * need.expert_bytes  # default budget
+    assert choose_device("auto", f, cfg, 64).plan.slots == 2
+
+
+def test_a_budget_too_small_takes_the_cpu_or_fails(q8, fake_gpu):
+    _, f, cfg = q8
+    choice = choose_device("auto", f, cfg, 64, gpu_mem=MIB)
+    assert choice.device == "cpu" and choice.note.startswith("running on the CPU: ")
+    assert "the budget is 1.0 MiB (--gpu-mem)" in choice.note
+    with pytest.raises(DeviceMemoryError, match="^--device cuda: the dense weights"):
+        choose_device("cuda", f, cfg, 64, gpu_mem=MIB)
+    with pytest.raises(UsageError, match="gpu_mem must be a number of bytes"):
+        choose_device("auto", f, cfg, 64, gpu_mem=-1)
+
+
+def test_a_budget_above_what_can_be_allocated_is_lowered_with_a_warning(q8, fake_gpu):
+    _, f, cfg = q8
+    fake_gpu["free"] = 2 << 30
+    with pytest.warns(
+        PyruntimeWarning,
+        match="--gpu-mem 64.00 GiB is more than torch can "
+        "allocate now: 2.00 GiB is free on Tiny GPU",
+    ):
+        choice = choose_device("cuda", f, cfg, 64, gpu_mem=64 << 30)
+    assert choice.plan is None  # the tiny model fits the 1.5 GiB left
+
+
+def test_the_budget_counts_torchs_own_cap_not_just_the_drivers_free_memory(monkeypatch):
+    """set_per_process_memory_fraction caps torch below what the driver reports free: the
+    budget must come from the cap (loading would otherwise die in an out-of-memory error)."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (70 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 6 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 5 << 30)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda dev=None: 0.25)
+    # may still reserve 20 - 6 = 14 GiB, plus 1 GiB cached and free in torch's pool
+    assert allocatable_bytes(torch.device("cuda")) == 15 << 30
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda dev=None: 1.0)
+    assert allocatable_bytes(torch.device("cuda")) == 71 << 30
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, n",
+    [
+        ("12G", 12 << 30),
+        ("8GiB", 8 << 30),
+        ("512M", 512 * MIB),
+        ("1.5g", 3 << 29),
+        ("4096", 4096),
+        ("2 GB", 2 << 30),
+    ],
+)
+def test_sizes(text, n):  # fmt: skip
+    assert options.parse_size(text) == n
+
+
+def test_gpu_mem_flag(q8, capsys):
+    path, f, cfg = q8
+    need = device_bytes(f, cfg, 128)
+    budget = need.fixed + 5 * need.expert_bytes
+    assert cli.main(["info", str(path), "--gpu-mem", str(budget), "-c", "128"]) == 0
+    out = capsys.readouterr().out
+    assert "KV cache (128 tokens)" in out and "placement             : hybrid" in out
+    assert "expert slots          : 3 (" in out and "18.8% of all routed experts" in out
+    assert cli.main(["info", str(path), "--gpu-mem", "1G"]) == 0
+    assert "the whole model on the GPU" in capsys.readouterr().out
+    assert cli.main(["info", str(path), "--gpu-mem", "1M"]) == 1
+    assert "error: the dense weights" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["generate", str(path), "-p", "x", "--gpu-mem", "12X"])
+    assert "'12X' is not a size" in capsys.readouterr().err
+
+
+# -- the hybrid through pyruntime.Model ---------------------------------------------------------
+
+
+def test_model_loads_hybrid_measures_its_costs_once_and_reports_them(tmp_path, monkeypatch,
+                                                                     capsys, cc):  # fmt: skip
+    """A plan that does not hold every expert gives the hybrid (here on the CPU device standing
+    in for the GPU): its costs are measured once per staging mode and cached, its greedy text
+    is the CPU executor's, and Model.stats() carries the slot hits and bytes it moved."""
+    from pyruntime import api, placement
+    from pyruntime.api import Model
+
+    hf = make_tiny_hf_model("olmoe", tmp_path / "hf", tie_word_embeddings=True)
+    path = convert(hf, tmp_path / "m.gguf", "f32", progress=False)
+    f = open_gguf(path)
+    need = device_bytes(f, ModelConfig.from_gguf(f), 64)
+    plan = plan_budget(need, need.fixed + 4 * need.expert_bytes, 64)
+    cpu = Model(path, n_ctx=64, seed=0, device="cpu")
+    want = "".join(cpu.generate("The hacker wrote", max_tokens=8, temp=0, ignore_eos=True))
+    monkeypatch.setattr(api, "choose_device",
+                        lambda *a, **k: placement.DeviceChoice("cpu", None, plan))  # fmt: skip
+    monkeypatch.setenv("PYRUNTIME_CACHE", str(tmp_path / "cache"))
+    m = Model(path, n_ctx=64, seed=0)
+    err = capsys.readouterr().err
+    assert "hybrid on cpu: dense weights and KV cache on the GPU, 4 of 16 routed experts" in err
+    assert "measuring the offload costs" in err
+    costs = m.net.costs
+    assert costs.pcie_gbs > 0 and costs.cpu_expert_s >= 0 and costs.expert_bytes > 0
+    [saved] = (tmp_path / "cache" / "offload").glob("costs-*.json")
+    assert json.loads(saved.read_text())["costs"]["expert_bytes"] == costs.expert_bytes
+    text = "".join(m.generate("The hacker wrote", max_tokens=8, temp=0, ignore_eos=True))
+    assert text == want
+    stats = m.stats()["offload"]
+    assert stats["slots"] == 4 and stats["slot_hits"] + stats["slot_misses"] > 0
+    assert stats["staged_bytes"] == stats["staged_experts"] * need.expert_bytes
+    assert set(stats["seconds_per_token"]) >= {"attention", "router", "gpu_experts",
+                                               "copy_wait", "cpu_experts", "sampling"}  # fmt: skip
+    Model(path, n_ctx=64, seed=0, staging="bounce")
+    assert "measuring" in capsys.readouterr().err  # another staging mode: its own costs
+    again = Model(path, n_ctx=64, seed=0)
+    assert "measuring" not in capsys.readouterr().err and again.net.costs == costs
