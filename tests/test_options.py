@@ -24,6 +24,7 @@ def test_every_flagged_option_is_on_its_commands():
         "perplexity": ["perplexity", "m.gguf", "-f", "t.txt"],
         "bench": ["bench"],
         "calibrate": ["calibrate", "m.gguf", "-f", "t.txt"],
+        "info": ["info", "m.gguf"],
     }
     for opt in options.OPTIONS:
         for command in opt.commands:
@@ -36,7 +37,7 @@ def test_every_flagged_option_is_on_its_commands():
 def test_runtime_options_are_model_keywords_with_the_same_defaults():
     params = inspect.signature(Model.__init__).parameters
     for opt in options.OPTIONS:
-        if opt.group not in ("runtime", "decoding"):
+        if opt.group not in ("runtime", "decoding", "offload"):
             continue
         assert opt.name in params, f"pyruntime.Model has no keyword {opt.name}"
         default = params[opt.name].default

@@ -1,0 +1,219 @@
+"""How fast does a model bigger than the GPU run hybrid, and how close is that to its floor?
+
+The matrix of issue 15, in one process: for each budget (a share of all routed experts that fits
+in GPU slots), each placement of the misses (stage: copied into slots and computed on the GPU;
+auto: split between the CPU and staging by the measured costs; cpu: all on the CPU), dense and
+with neuron sparsity, pp N (a prefill) and tg N (one-token decode steps), timed as `pyruntime
+bench` times them (pyruntime.tools.bench: a warm-up run, then -r repetitions). A budget of 0
+keeps no cache: its slots are 2 x top-k, room to stage two layers' experts (staging needs a slot
+to land in; --misses cpu at 0 uses none, as llama.cpp's --cpu-moe).
+
+Each figure stands beside its floor: the bytes that crossed DRAM or PCIe per token (experts read
+by the CPU, experts staged, from the executor's counters) over the bandwidth measured in the same
+run, before the matrix: the C core's DRAM read (pyrt_mem_read), the pinned host-to-GPU copy, and
+both at once (bench/read_ceilings.py's measure). cpu rows divide by the read alone, stage rows by
+the copy alone, auto rows by both together. `% floor` = floor time / measured time.
+
+The costs are measured once (pyruntime.offload.costs, not cached here); --sparsity S takes the
+thresholds from the model's calibration (MODEL.sparsity.json), made first from random tokens if
+there is none. MODEL is a GGUF or a shape of bench/make_random_gguf.py (written once to
+--workdir).
+
+    python bench/offload.py olmoe-1b-7b --outtype q8_0 -t 16
+    python bench/offload.py /tmp/olmoe-q8_0.gguf --fractions 0.25 --misses auto -n 64
+    TRITON_INTERPRET=1 python bench/offload.py tiny-olmoe --device cpu -p 16 -n 4 -r 1 \
+        --fractions 0.5 --ceiling-gib 0.05      (the CPU standing in for the GPU: a check)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pyruntime
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_experts import ReadTest  # noqa: E402
+from make_random_gguf import CONFIGS, make_random_gguf  # noqa: E402
+
+from pyruntime.cpu import core as cpu_core  # noqa: E402
+from pyruntime.cpu.executor import CpuExecutor  # noqa: E402
+from pyruntime.experts.sparsity import SparsityTable, calibrate, sidecar_path  # noqa: E402
+from pyruntime.gguf.file import open_gguf  # noqa: E402
+from pyruntime.model.config import ModelConfig  # noqa: E402
+from pyruntime.model.weights import HostWeights  # noqa: E402
+from pyruntime.offload.costs import measure_costs  # noqa: E402
+from pyruntime.offload.executor import HybridExecutor  # noqa: E402
+from pyruntime.tools.bench import run_bench  # noqa: E402
+
+
+@dataclasses.dataclass
+class Ceilings:
+    read: float  # GB/s, the C core reading DRAM alone
+    copy: float  # GB/s, pinned host -> device alone
+    both: float | None  # GB/s, the two at once in all (None on a CPU device)
+
+    def rate(self, misses: str) -> float:
+        if misses == "cpu":
+            return self.read
+        if misses == "stage":
+            return self.copy
+        return self.both or self.read + self.copy
+
+
+def measure_ceilings(core: cpu_core.CpuCore, device: torch.device, gib: float,
+                     rounds: int = 3) -> Ceilings:  # fmt: skip
+    read_test = ReadTest(core, gib)
+    read = statistics.median(read_test.rates(rounds))
+    n = int(gib * 2**30)
+    src = torch.empty(n, dtype=torch.uint8, pin_memory=device.type == "cuda").fill_(1)
+    dst = torch.empty(n, dtype=torch.uint8, device=device)
+    rates = []
+    for _ in range(rounds):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        rates.append(n / (time.perf_counter() - t) / 1e9)
+    both = None
+    if device.type == "cuda":
+        from read_ceilings import copy_while_reading
+
+        pairs = [copy_while_reading(dst, src, read_test) for _ in range(rounds)]
+        both = statistics.median(c + r for c, r in pairs)
+    return Ceilings(read, statistics.median(rates), both)
+
+
+def thresholds_for(path: Path, f, sparsity: float, threads: int | None) -> list[float] | None:
+    """The model's calibrated thresholds at `sparsity`, calibrating on random tokens first
+    (saved beside the model) when it has none."""
+    if sparsity == 0:
+        return None
+    if not sidecar_path(path).exists():
+        print(f"calibrating {path.name} on 256 random tokens ...", file=sys.stderr, flush=True)
+        net = CpuExecutor.from_gguf(f, threads=threads)
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, net.config.n_vocab, (256,), generator=g).tolist()
+        calibrate(net, ids, 256, "random tokens", f.file_size).save(sidecar_path(path))
+    return SparsityTable.load(path).for_sparsity(sparsity)
+
+
+def slots_for(fraction: float, misses: str, n_experts: int, k: int) -> int:
+    if fraction == 0:
+        return 0 if misses == "cpu" else 2 * k
+    return max(1, round(fraction * n_experts))
+
+
+def run_case(net: HybridExecutor, test: str, n: int, reps: int) -> dict:
+    """tok/s and, per token, the bytes the CPU read and staged (warm-up included)."""
+    before = dataclasses.replace(net.offload)
+    hits = net.cache.stats.hits, net.cache.stats.misses
+    [result] = run_bench(net, n if test == "pp" else 0, n if test == "tg" else 0, reps)
+    after = net.offload
+    tokens = max(1, after.tokens - before.tokens)
+    lookups = net.cache.stats.hits - hits[0] + net.cache.stats.misses - hits[1]
+    return {
+        "tok_s": result.mean,
+        "std": result.std,
+        "hit_rate": (net.cache.stats.hits - hits[0]) / lookups if lookups else 0.0,
+        "cpu_mb": (after.cpu_bytes - before.cpu_bytes) / tokens / 1e6,
+        "staged_mb": (after.staged_bytes - before.staged_bytes) / tokens / 1e6,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("model", help="GGUF file, or a shape of bench/make_random_gguf.py")
+    p.add_argument("--outtype", default="q8_0", help="a shape's weight type (q8_0)")
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/pyruntime-offload"))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("-t", "--threads", type=int, default=None, help="C core threads")
+    p.add_argument(
+        "--fractions",
+        default="0,0.1,0.25,0.5",
+        help="budgets as shares of all routed experts in slots (0: no cache)",
+    )
+    p.add_argument("--misses", default="stage,auto", help="placements: cpu, stage, auto")
+    p.add_argument("--sparsity", default="0,0.5", help="neuron sparsity targets")
+    p.add_argument("--staging", default="register", choices=["register", "bounce", "pinned"])
+    p.add_argument("--policy", default="lfru", choices=["lfru", "lru"])
+    p.add_argument("-p", "--n-prompt", type=int, default=512)
+    p.add_argument("-n", "--n-gen", type=int, default=128)
+    p.add_argument("-r", "--repetitions", type=int, default=2)
+    p.add_argument("--ceiling-gib", type=float, default=1.0, help="buffer of the ceilings")
+    args = p.parse_args(argv)  # fmt: skip
+
+    path = Path(args.model)
+    if args.model in CONFIGS:
+        path = args.workdir / f"{args.model}-{args.outtype}.gguf"
+        if not path.exists():
+            args.workdir.mkdir(parents=True, exist_ok=True)
+            make_random_gguf(args.model, path, args.outtype)
+    device = torch.device(args.device)
+    f = open_gguf(path)
+    cfg = ModelConfig.from_gguf(f)
+    host = HostWeights.from_gguf(f, cfg)
+    n_experts = sum(cfg.n_expert for b in host.blocks if b.experts is not None)
+    core = cpu_core.CpuCore(args.threads)
+    ceilings = measure_ceilings(core, device, args.ceiling_gib)
+    both = "-" if ceilings.both is None else f"{ceilings.both:.1f}"
+    print(f"{path.name}: {n_experts} routed experts of {host.blocks[0].experts.expert_bytes:,} "
+          f"bytes; {args.device}, {core.threads} CPU threads, staging {args.staging}, policy "
+          f"{args.policy}\nceilings (GB/s): DRAM read {ceilings.read:.1f}, host->GPU copy "
+          f"{ceilings.copy:.1f}, both at once {both}\n")  # fmt: skip
+    fractions = [float(x) for x in args.fractions.split(",")]
+    placements = args.misses.split(",")
+    sparsities = [float(x) for x in args.sparsity.split(",")]
+    tests = [(t, n) for t, n in (("pp", args.n_prompt), ("tg", args.n_gen)) if n]
+    thresholds = {s: thresholds_for(path, f, s, args.threads) for s in sparsities}
+    print(
+        "| experts in slots | slots | misses | sparsity | test | tok/s | hit rate "
+        "| CPU MB/tok | staged MB/tok | floor tok/s | % floor |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    costs = None
+    for fraction in fractions:
+        for slots in sorted({slots_for(fraction, m, n_experts, cfg.n_expert_used)
+                             for m in placements}):  # fmt: skip
+            net = HybridExecutor(cfg, host, device, core, slots=slots, misses="cpu",
+                                 staging=args.staging, policy=args.policy)  # fmt: skip
+            if costs is None and slots and "auto" in placements:
+                costs = measure_costs(net)
+            for misses in placements:
+                if slots_for(fraction, misses, n_experts, cfg.n_expert_used) != slots:
+                    continue
+                net.set_misses(misses, costs)
+                for s in sparsities:
+                    net.set_expert_threshold(thresholds[s])
+                    for test, n in tests:
+                        row = run_case(net, test, n, args.repetitions)
+                        mb = row["cpu_mb"] + row["staged_mb"]
+                        floor = ceilings.rate(misses) * 1e3 / mb if mb else None
+                        vs = "- | -" if floor is None else \
+                            f"{floor:.1f} | {100 * row['tok_s'] / floor:.0f}%"  # fmt: skip
+                        print(f"| {100 * slots / n_experts:.1f}% | {slots} | {misses} | {s:g} "
+                              f"| {test}{n} | {row['tok_s']:.1f} ± {row['std']:.1f} "
+                              f"| {row['hit_rate']:.3f} | {row['cpu_mb']:.2f} "
+                              f"| {row['staged_mb']:.2f} | {vs} |", flush=True)  # fmt: skip
+            net.close()
+            del net
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if costs is not None:
+        print(f"\ncosts: {costs}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""bench/offload.py end to end at toy size, with torch's CPU device standing in for the GPU: every
+row of its matrix printed with its floor (the figures themselves mean nothing here)."""
+
+from __future__ import annotations
+
+import runpy
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+from hf_fixtures import make_tiny_hf_model
+
+from pyruntime.converter import convert
+
+TOOL = Path(__file__).resolve().parents[1] / "bench" / "offload.py"
+
+
+def test_the_matrix_runs_and_prints_every_row(cc, tmp_path, capsys, monkeypatch):
+    hf = make_tiny_hf_model("olmoe", tmp_path / "hf", tie_word_embeddings=True)
+    gguf = convert(hf, tmp_path / "m.gguf", "f32", progress=False)
+    argv = [str(gguf), "--device", "cpu", "-t", "1", "-p", "4", "-n", "2", "-r", "1",
+            "--fractions", "0,0.5", "--misses", "cpu,stage,auto", "--sparsity", "0,0.5",
+            "--ceiling-gib", "0.01"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["offload.py", *argv])
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    with warnings.catch_warnings(), pytest.raises(SystemExit) as done:
+        warnings.simplefilter("ignore", RuntimeWarning)  # the interpreter's masked divisions
+        runpy.run_path(str(TOOL), run_name="__main__")
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "ceilings (GB/s): DRAM read " in out and "costs: Costs(" in out
+    table = [line for line in out.splitlines() if line.startswith("| ")][1:]  # past the head
+    rows = [line.split(" | ") for line in table]
+    got = {(r[1], r[2], r[3], r[4]) for r in rows}
+    # budget 0: no slots for cpu, 2 x top-k transit slots for the others; 0.5: 8 of 16
+    want = {(slots, misses, s, test) for slots, misses in
+            [("0", "cpu"), ("4", "stage"), ("4", "auto"), ("8", "cpu"), ("8", "stage"),
+             ("8", "auto")] for s in ("0", "0.5") for test in ("pp4", "tg2")}  # fmt: skip
+    assert got == want and len(rows) == len(want)
+    cpu_only = [r for r in rows if r[1] == "0"]
+    assert all(float(r[8]) == 0.0 and float(r[7]) > 0 for r in cpu_only)  # nothing staged
+    assert (gguf.parent / (gguf.name + ".sparsity.json")).exists()  # calibrated for 0.5
