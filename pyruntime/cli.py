@@ -165,6 +165,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MemoryError:
         print("error: out of memory (a smaller context, model or input may fit)", file=sys.stderr)
         return 1
+    except RuntimeError as exc:
+        if not _gpu_out_of_memory(exc):
+            raise
+        print(f"error: the GPU ran out of memory ({str(exc).splitlines()[0]}): lower --gpu-mem "
+              "or --ctx-size, or use --device cpu", file=sys.stderr)  # fmt: skip
+        return 1
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
@@ -175,6 +181,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+
+
+def _gpu_out_of_memory(exc: BaseException) -> bool:
+    """A CUDA out-of-memory error from torch (imported by then, if it was raised)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(exc, torch.OutOfMemoryError)
 
 
 # ---------------------------------------------------------------------------------------------

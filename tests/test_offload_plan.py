@@ -232,3 +232,42 @@ def test_model_loads_hybrid_measures_its_costs_once_and_reports_them(tmp_path, m
     assert "measuring" in capsys.readouterr().err  # another staging mode: its own costs
     again = Model(path, n_ctx=64, seed=0)
     assert "measuring" not in capsys.readouterr().err and again.net.costs == costs
+
+
+# -- out of memory ------------------------------------------------------------------------------
+
+
+def test_out_of_memory_while_loading_is_one_line_and_frees_what_was_built():
+    import weakref
+
+    from pyruntime.offload.loading import device_memory_guard
+
+    built = []
+
+    def load():
+        partial = torch.zeros(1000)  # a tensor of the half-built model
+        built.append(weakref.ref(partial))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    with pytest.raises(DeviceMemoryError) as err:
+        with device_memory_guard("loading the model", "cuda:0", 8 << 30):
+            load()
+    msg = str(err.value)
+    assert msg.startswith("the GPU ran out of memory loading the model on cuda:0 within a budget "
+                          "of 8.00 GiB: lower --gpu-mem") and "\n" not in msg  # fmt: skip
+    assert built[0]() is None  # freed, not held by the traceback
+
+
+def test_the_cli_reports_a_gpu_out_of_memory_in_one_line(q8, monkeypatch, capsys):
+    from pyruntime import api
+
+    path, _, _ = q8
+
+    def oom(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB\nmore")
+
+    monkeypatch.setattr(api.Model, "generate", oom)
+    assert cli.main(["generate", str(path), "-p", "Hi", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert err == ("error: the GPU ran out of memory (CUDA out of memory. Tried to allocate "
+                   "20.00 MiB): lower --gpu-mem or --ctx-size, or use --device cpu\n")  # fmt: skip

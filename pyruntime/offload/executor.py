@@ -107,11 +107,12 @@ class HybridExecutor:
         self.weights = upload_weights(weights, cfg, self.device, self.dtype, routed_experts=False)
         self.layers = DecoderLayers(cfg, self.weights, self.dtype)
         self.streams = DeviceStreams(self.device)
-        self.home = open_home(weights, self.device, staging, pinning)
         self.slots = ExpertSlots(
             slots, first.n_ff, first.n_embd, FORMAT_NAMES[first.qtype], self.device,
             self.streams, staging_buffer or cfg.n_expert_used,
         )  # fmt: skip
+        # Last of what can fail (device memory first), so a failure leaves nothing locked.
+        self.home = open_home(weights, self.device, staging, pinning)
         self.cache = ExpertCache(cfg.n_layer, cfg.n_expert, slots, make_policy(policy))
         self.core = core
         self.file = file

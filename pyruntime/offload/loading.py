@@ -9,6 +9,7 @@ import contextlib
 import gc
 import platform
 import sys
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,7 +43,10 @@ def device_memory_guard(what: str, device: str, budget: int | None = None) -> It
     after the partly built tensors are released (the caller holds no reference to them)."""
     try:
         yield
-    except torch.OutOfMemoryError:
+    except torch.OutOfMemoryError as exc:
+        # The finished frames of the traceback hold the tensors made so far: clear them, so
+        # collecting frees those tensors now.
+        traceback.clear_frames(exc.__traceback__)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
