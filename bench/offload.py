@@ -147,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sparsity", default="0,0.5", help="neuron sparsity targets")
     p.add_argument("--staging", default="register", choices=["register", "bounce", "pinned"])
     p.add_argument("--policy", default="lfru", choices=["lfru", "lru"])
+    p.add_argument(
+        "--cpu-thread",
+        action="store_true",
+        help="the CPU's share on a worker thread while the GPU's is queued",
+    )
     p.add_argument("-p", "--n-prompt", type=int, default=512)
     p.add_argument("-n", "--n-gen", type=int, default=128)
     p.add_argument("-r", "--repetitions", type=int, default=2)
@@ -167,10 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     core = cpu_core.CpuCore(args.threads)
     ceilings = measure_ceilings(core, device, args.ceiling_gib)
     both = "-" if ceilings.both is None else f"{ceilings.both:.1f}"
+    share = "on a worker thread" if args.cpu_thread else "inline"
     print(f"{path.name}: {n_experts} routed experts of {host.blocks[0].experts.expert_bytes:,} "
           f"bytes; {args.device}, {core.threads} CPU threads, staging {args.staging}, policy "
-          f"{args.policy}\nceilings (GB/s): DRAM read {ceilings.read:.1f}, host->GPU copy "
-          f"{ceilings.copy:.1f}, both at once {both}\n")  # fmt: skip
+          f"{args.policy}, CPU share {share}\nceilings (GB/s): DRAM read {ceilings.read:.1f}, "
+          f"host->GPU copy {ceilings.copy:.1f}, both at once {both}\n")  # fmt: skip
     fractions = [float(x) for x in args.fractions.split(",")]
     placements = args.misses.split(",")
     sparsities = [float(x) for x in args.sparsity.split(",")]
@@ -186,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         for slots in sorted({slots_for(fraction, m, n_experts, cfg.n_expert_used)
                              for m in placements}):  # fmt: skip
             net = HybridExecutor(cfg, host, device, core, slots=slots, misses="cpu",
-                                 staging=args.staging, policy=args.policy)  # fmt: skip
+                                 staging=args.staging, policy=args.policy,
+                                 cpu_thread=args.cpu_thread)  # fmt: skip
             if costs is None and slots and "auto" in placements:
                 costs = measure_costs(net)
             for misses in placements:

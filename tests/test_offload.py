@@ -317,3 +317,23 @@ def test_out_of_memory_while_running_is_one_line(olmoe, core, monkeypatch):
         net.forward([1, 2, 3], net.new_cache(4))
     assert "\n" not in str(err.value) and "--gpu-mem" in str(err.value)
     assert net.cache.held == set()
+
+
+def test_the_cpus_share_on_a_worker_thread(olmoe, core, whole, monkeypatch):
+    """cpu_thread: the same logits; a GPU failure mid-layer still collects the CPU's result,
+    so the next pass pairs each layer with its own."""
+    ids, want = whole["olmoe"]
+    net = hybrid(olmoe, core, 3, "auto", cpu_thread=True)
+    assert max_err(logprobs(net, ids), want) <= LOGPROB_TOL
+    assert net.offload.cpu_experts > 0 and net.offload.staged > 0
+    real = net.layers.routed_experts
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(net.layers, "routed_experts", oom)
+    with pytest.raises(DeviceMemoryError):
+        net.forward(ids[:N_PROMPT], net.new_cache(len(ids)))
+    monkeypatch.setattr(net.layers, "routed_experts", real)
+    assert max_err(logprobs(net, ids), want) <= LOGPROB_TOL
+    net.close()

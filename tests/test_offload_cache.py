@@ -102,3 +102,12 @@ def test_held_keys_are_never_evicted_whatever_their_layer():
     assert cache.admit(0, 4) == -1  # every slot held
     cache.held = set()
     assert cache.admit(0, 4) == 0
+
+
+def test_a_dropped_expert_frees_its_slot():
+    cache = ExpertCache(n_layer=1, n_expert=8, n_slots=2, policy=LRU())
+    assert cache.admit(0, 1) == 0 and cache.admit(0, 2) == 1
+    cache.drop(0, 1)
+    assert cache.residency.slot(0, 1) == -1 and cache.residency.holder(0) is None
+    assert cache.admit(0, 3) == 0 and cache.stats.evictions == 0  # the free slot, no eviction
+    cache.drop(0, 5)  # not resident: nothing to do

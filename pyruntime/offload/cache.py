@@ -83,6 +83,14 @@ class ExpertCache:
         self.stats.admissions += 1
         return slot
 
+    def drop(self, layer: int, expert: int) -> None:
+        """(layer, expert) leaves its slot, which becomes free (a copy that never happened)."""
+        slot = self.residency.slot(layer, expert)
+        if slot >= 0:
+            self.residency.evict(layer, expert)
+            self.policy.forget((layer, expert))
+            self._free.append(slot)
+
 
 def replay_hit_rate(
     routings: Iterable[tuple[int, Sequence[int]]],

@@ -50,7 +50,7 @@ from pyruntime.offload.home import Pinning, open_home
 from pyruntime.offload.plan import gib
 from pyruntime.offload.policy import make_policy
 from pyruntime.offload.slots import ExpertSlots
-from pyruntime.offload.split import SplitExperts
+from pyruntime.offload.split import CpuWorker, SplitExperts
 from pyruntime.offload.stats import OffloadStats, PartTimer
 from pyruntime.offload.streams import DeviceStreams
 
@@ -74,14 +74,16 @@ class HybridExecutor:
         staging: str = "register",
         misses: str = "auto",
         lookahead: bool = False,
+        cpu_thread: bool = False,
         staging_buffer: int | None = None,
         pinning: Pinning | None = None,
         kernel_tuning: str | Path | None = None,
         file: GGUFFile | None = None,
     ) -> None:
         """slots: GPU expert slots (the plan's); costs: the split's constants (needed with
-        misses='auto' and slots > 0; measure_costs makes them); pinning: the host-memory
-        locking seam (tests); file: the mapped GGUF, for readahead of unstaged prefetches."""
+        misses='auto' and slots > 0; measure_costs makes them); cpu_thread: run the CPU's
+        share on a worker thread (pyruntime.offload.split); pinning: the host-memory locking
+        seam (tests); file: the mapped GGUF, for readahead of unstaged prefetches."""
         self.config = cfg
         self.host = weights
         self.device = torch.device(device)
@@ -123,6 +125,7 @@ class HybridExecutor:
                                     self.slots, self.cache, core, self.stats, self.offload,
                                     self.timer)  # fmt: skip
         self.experts.lookahead = lookahead
+        self.experts.worker = CpuWorker() if cpu_thread else None
         self.set_misses(misses, costs)
         self._last_decode_end: float | None = None
 
@@ -132,6 +135,9 @@ class HybridExecutor:
         if self.streams.cuda:
             self.streams.copy.synchronize()
         self.home.close()
+        if self.experts.worker is not None:
+            self.experts.worker.close()
+            self.experts.worker = None
 
     def __del__(self) -> None:
         home = getattr(self, "home", None)

@@ -11,9 +11,10 @@
    and staged experts from the slot tensor through an expert map (kernels.dispatch), in rounds
    when a prefill stages more experts than there are free slots;
 4. meanwhile the C core computes the CPU's share in place from host memory (CpuCore.moe_ffn with
-   an expert map, dense or sparse with the same thresholds), on this thread: the GPU work is
-   already queued and the next layer needs this one's output, so a worker thread would only add
-   a handoff;
+   an expert map, dense or sparse with the same thresholds): on this thread once the GPU work is
+   queued, or (cpu_thread) on a worker thread started before the GPU work is queued, so that
+   queueing it overlaps the CPU's share at the price of a thread handoff (the C call releases
+   the GIL); which is faster is the device's to measure (bench/offload.py --cpu-thread);
 5. the CPU's partial sum is copied to the device and added to the GPU's.
 
 `prefetch` stages experts ahead and holds them until the next pass ends; the lookahead stages
@@ -23,6 +24,9 @@ this layer computes, held until that layer's lookup.
 
 from __future__ import annotations
 
+import contextlib
+import queue
+import threading
 import time
 from collections.abc import Sequence
 
@@ -65,6 +69,7 @@ class SplitExperts:
         self.prefetch_holds: set[Key] = set()  # until the next pass ends
         self.lookahead_holds: set[Key] = set()  # until their layer's lookup
         self.cpu_active = [0, 0]  # neurons the CPU kept, of those it considered
+        self.worker: CpuWorker | None = None  # runs the CPU's share beside this thread
 
     def set_misses(self, misses: str, costs: Costs | None) -> None:
         if misses not in MISSES:
@@ -91,24 +96,35 @@ class SplitExperts:
         if trace is not None:
             trace.append((ids[-1].clone(), host[-1].clone()))
         ids_np = ids.numpy()
-        experts, counts = np.unique(ids_np, return_counts=True)
-        used = experts.tolist()
+        if ids_np.shape[0] == 1:  # decode: k distinct experts, one token each
+            used, counts = ids_np[0].tolist(), [1] * ids_np.shape[1]
+        else:
+            experts, n_tokens = np.unique(ids_np, return_counts=True)
+            used, counts = experts.tolist(), n_tokens.tolist()
         self.release({key for key in self.lookahead_holds if key[0] == i})
         missed = set(self.cache.lookup(i, used))
         hits = [e for e in used if e not in missed]
-        misses = [(e, int(n)) for e, n in zip(used, counts, strict=True) if e in missed]
-        cpu, stage = self.place(misses, len(hits))
-        y, left = self._gpu(i, r, hits, stage)
+        cpu, stage = self.place([(e, n) for e, n in zip(used, counts, strict=True)
+                                 if e in missed], len(hits))  # fmt: skip
+        rounds, left = self._admit_rounds(i, hits, stage)
         cpu += left
-        if ahead is not None:
-            self._look_ahead(i, ahead, host[3].tolist(), used)
-        if cpu:
-            t = time.perf_counter()
-            y_cpu, n_active = self.cpu_experts(i, cpu, h.float(), ids, weights)
-            self.offload.cpu_seconds += time.perf_counter() - t
+        job = self._start_cpu(i, cpu, h, ids, weights) if cpu else None
+        try:
+            y = self._gpu(i, r, rounds)
+            if ahead is not None:
+                self._look_ahead(i, ahead, host[3].tolist(), used)
+        except BaseException:
+            if job is not None:  # the worker's result must not be left for the next layer
+                with contextlib.suppress(BaseException):
+                    job()
+            raise
+        if job is not None:
+            y_cpu, n_active, seconds = job()
+            self.offload.cpu_seconds += seconds
             y_cpu = self.streams.to_device(y_cpu)
             y = y_cpu if y is None else y.add_(y_cpu)
-            self._count_cpu(len(cpu), int(np.isin(ids_np, cpu).sum()), n_active)
+            n_pairs = len(cpu) if ids_np.shape[0] == 1 else int(np.isin(ids_np, cpu).sum())
+            self._count_cpu(len(cpu), n_pairs, n_active)
         return y
 
     def place(self, misses: list[tuple[int, int]], n_hits: int) -> tuple[list[int], list[int]]:
@@ -123,31 +139,50 @@ class SplitExperts:
 
     # -- the GPU's share --------------------------------------------------------------------------
 
-    def _gpu(self, i: int, r: Routed, hits: list[int],
-             stage: list[int]) -> tuple[torch.Tensor | None, list[int]]:  # fmt: skip
-        """(y of the hits and the staged experts, None when there are none; the staged experts
-        no slot could take). Staged experts go in rounds of at most half the slots this
-        layer's hits leave when they do not fit at once, so a round's copies can run while the
-        previous round computes."""
+    def _admit_rounds(self, i: int, hits: list[int], stage: list[int]) -> tuple[list, list[int]]:
+        """([(experts, their slots, those to copy in)] per round, the staged experts no slot
+        could take): the slots are assigned now (bookkeeping only), the copies and kernels
+        issued by _gpu. Staged experts go in rounds of at most half the slots this layer's hits
+        leave when they do not fit at once, so a round's copies can run while the previous
+        round computes (a copy into a slot waits for the kernels that read it)."""
+        hit_slots = [self.cache.residency.slot(i, e) for e in hits]
         if not stage:
-            return (self._round(i, r, hits) if hits else None), []
+            return ([(hits, hit_slots, [])] if hits else []), []
         room = self.slots.n_slots - len(hits)
         size = len(stage) if len(stage) <= room else max(1, room // 2)
-        y, left, previous = None, [], []
-        for n, j in enumerate(range(0, len(stage), size)):
+        rounds, left, previous = [], [], []
+        for j in range(0, len(stage), size):
             chunk = stage[j : j + size]
-            placed = self.stage(i, chunk, protect=hits + previous + chunk)
-            left += [e for e in chunk if e not in placed]
-            in_use = (hits if n == 0 else []) + placed
-            if in_use:
-                y_round = self._round(i, r, in_use)
-                y = y_round if y is None else y.add_(y_round)
-            previous = placed
-        return y, left
+            placed = self._admit(i, chunk, protect=hits + previous + chunk)
+            left += chunk[len(placed) :]
+            first = not rounds
+            experts = (hits if first else []) + [e for e, _ in placed]
+            slots = (hit_slots if first else []) + [slot for _, slot in placed]
+            if experts:
+                rounds.append((experts, slots, placed))
+            previous = [e for e, _ in placed]
+        return rounds, left
 
-    def _round(self, i: int, r: Routed, experts: list[int]) -> torch.Tensor:
-        """y of `experts` (all in slots) from the slot tensor, once their copies landed."""
-        slots = [self.cache.residency.slot(i, e) for e in experts]
+    def _gpu(self, i: int, r: Routed, rounds: list) -> torch.Tensor | None:
+        """y of the rounds' experts (None without any): each round's copies, then its kernel.
+        On a failure, the experts admitted for rounds whose copies never started leave their
+        slots (the bookkeeping must not claim bytes that are not there)."""
+        y, filled = None, 0
+        try:
+            for experts, slots, placed in rounds:
+                self._fill(i, placed)
+                filled += 1
+                y_round = self._round(i, r, experts, slots)
+                y = y_round if y is None else y.add_(y_round)
+        except BaseException:
+            for _, _, placed in rounds[filled:]:
+                for e, _ in placed:
+                    self.cache.drop(i, e)
+            raise
+        return y
+
+    def _round(self, i: int, r: Routed, experts: list[int], slots: list[int]) -> torch.Tensor:
+        """y of `experts` (in `slots`) from the slot tensor, once their copies landed."""
         emap = self.streams.host_tensor((self.config.n_expert,), torch.int32)
         view = emap.numpy()
         view.fill(-1)
@@ -162,27 +197,43 @@ class SplitExperts:
         self.stats.add_device(active, dmap[r.ids], self.config.n_ff_exp)
         return y
 
-    def stage(self, i: int, experts: Sequence[int], protect: Sequence[int] = (),
-              hold: bool = False) -> list[int]:  # fmt: skip
-        """Admit `experts` of layer i into slots and start their copies; returns those placed
-        (in order; fewer when no unprotected, unheld slot is left). hold: keep them resident
-        until the next pass ends (a prefetch)."""
+    def _admit(self, i: int, experts: Sequence[int], protect: Sequence[int] = (),
+               hold: bool = False) -> list[tuple[int, int]]:  # fmt: skip
+        """[(expert, slot)] of `experts` of layer i given a slot now (in order, up to the first
+        that finds none: every slot protected or held); those already resident are skipped.
+        hold: keep each resident until the next pass ends (a prefetch)."""
         placed = []
         for e in experts:
             if self.cache.residency.slot(i, e) < 0:
-                if self.cache.admit(i, e, protect=protect) < 0:
+                slot = self.cache.admit(i, e, protect=protect)
+                if slot < 0:
                     break
-                placed.append(e)
+                placed.append((e, slot))
             if hold:  # at once, so the next admissions cannot evict it
                 self.prefetch_holds.add((i, e))
                 self.cache.held.add((i, e))
-        if placed:
-            keys = [(i, e) for e in placed]
-            slots = [self.cache.residency.slot(i, e) for e in placed]
-            self.slots.fill(slots, self.home.sources(keys))
-            self.offload.staged += len(keys)
-            self.offload.staged_bytes += len(keys) * self.expert_bytes
         return placed
+
+    def _fill(self, i: int, placed: list[tuple[int, int]]) -> None:
+        """Start the copies of layer i's placed experts into their slots."""
+        if placed:
+            self.slots.fill([slot for _, slot in placed],
+                            self.home.sources([(i, e) for e, _ in placed]))  # fmt: skip
+            self.offload.staged += len(placed)
+            self.offload.staged_bytes += len(placed) * self.expert_bytes
+
+    def stage(self, i: int, experts: Sequence[int], protect: Sequence[int] = (),
+              hold: bool = False) -> list[int]:  # fmt: skip
+        """Admit `experts` of layer i into slots and start their copies now; returns those
+        copied (see _admit)."""
+        placed = self._admit(i, experts, protect, hold)
+        try:
+            self._fill(i, placed)
+        except BaseException:
+            for e, _ in placed:
+                self.cache.drop(i, e)
+            raise
+        return [e for e, _ in placed]
 
     def release(self, keys: set[Key]) -> None:
         """Let `keys` be evicted again."""
@@ -218,6 +269,21 @@ class SplitExperts:
 
     # -- the CPU's share --------------------------------------------------------------------------
 
+    def _start_cpu(self, i: int, experts: list[int], h: torch.Tensor, ids: torch.Tensor,
+                   weights: torch.Tensor):  # fmt: skip
+        """A callable giving (y on the host, neurons kept, seconds) of layer i's CPU share: run
+        when called (inline: after the GPU work is queued), or started now on the worker thread
+        (cpu_thread) while this thread queues the GPU work."""
+
+        def run():
+            t = time.perf_counter()
+            y, n_active = self.cpu_experts(i, experts, h.float(), ids, weights)
+            return y, n_active, time.perf_counter() - t
+
+        if self.worker is None:
+            return run
+        return self.worker.submit(run)
+
     def cpu_experts(self, layer: int, experts: Sequence[int], x: torch.Tensor, ids: torch.Tensor,
                     weights: torch.Tensor) -> tuple[torch.Tensor, int]:  # fmt: skip
         """(y [T, n_embd] f32 in a host tensor a copy to the device may read, neurons kept) of
@@ -242,3 +308,38 @@ class SplitExperts:
         share = read_share(1.0 - n_active / neurons) if neurons else 1.0
         self.offload.cpu_experts += n_experts
         self.offload.cpu_bytes += int(n_experts * self.expert_bytes * share)
+
+
+class CpuWorker:
+    """One thread that runs the CPU's share of a layer while the caller queues the GPU's (the
+    C core's call releases the GIL). `submit(fn)` returns a callable that waits for fn's
+    result (re-raising its exception)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="pyruntime-cpu-experts",
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while (fn := self._jobs.get()) is not None:
+            try:
+                self._results.put((fn(), None))
+            except BaseException as exc:  # handed to the caller
+                self._results.put((None, exc))
+
+    def submit(self, fn):
+        self._jobs.put(fn)
+
+        def result():
+            value, exc = self._results.get()
+            if exc is not None:
+                raise exc
+            return value
+
+        return result
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
