@@ -44,6 +44,8 @@ from make_random_gguf import CONFIGS, make_random_gguf  # noqa: E402
 
 from pyruntime.cpu import core as cpu_core  # noqa: E402
 from pyruntime.cpu.executor import CpuExecutor  # noqa: E402
+from pyruntime.decoding.big_little import BigLittleStats  # noqa: E402
+from pyruntime.decoding.mode import DecodingMode  # noqa: E402
 from pyruntime.experts.sparsity import SparsityTable, calibrate, sidecar_path  # noqa: E402
 from pyruntime.gguf.file import open_gguf  # noqa: E402
 from pyruntime.model.config import ModelConfig  # noqa: E402
@@ -112,11 +114,43 @@ def slots_for(fraction: float, misses: str, n_experts: int, k: int) -> int:
     return max(1, round(fraction * n_experts))
 
 
-def run_case(net: HybridExecutor, test: str, n: int, reps: int) -> dict:
+def decoding_modes(k: int, threshold: float, big_little: bool) -> dict[str, DecodingMode]:
+    """plain (the model's top-k); with --big-little also little-only (k/2), big/little lossy at
+    `threshold` and verify, each timed as tg rows."""
+    plain = DecodingMode(k_big=k)
+    if not big_little:
+        return {"plain": plain}
+    return {
+        "plain": plain,
+        "little": DecodingMode(k_big=k // 2),
+        "lossy": DecodingMode(k_big=k, k_little=k // 2, threshold=threshold),
+        "verify": DecodingMode(k_big=k, k_little=k // 2, threshold=threshold, fallback="verify"),
+    }
+
+
+def combined_speedup(rows: dict[str, dict], ratios: list[float]) -> str:
+    """T / (T_l + r·T_b) from the measured steps: T the plain step, T_l the little step, T_b a
+    fallback's big pass (the lossy rows' big seconds per fallback), r each given ratio."""
+    t = 1 / rows["plain"]["tok_s"]
+    t_l = 1 / rows["little"]["tok_s"]
+    bl = rows["lossy"]["stats"]
+    t_b = bl.big_seconds / bl.fallbacks if bl.fallbacks else t
+    combined = ", ".join(f"{t / (t_l + r * t_b):.2f}x at r = {r:g}" for r in ratios)
+    return (
+        f"  big/little: T {1e3 * t:.2f} ms, T_l {1e3 * t_l:.2f} ms, T_b {1e3 * t_b:.2f} ms "
+        f"(measured); this model's fallback ratio {bl.fallback_ratio:.2f}, prefetch hit rate "
+        f"{bl.prefetch_hit_rate:.2f}; T / (T_l + r·T_b) = {combined} (combined)"
+    )
+
+
+def run_case(net: HybridExecutor, test: str, n: int, reps: int,
+             mode: DecodingMode | None = None) -> dict:  # fmt: skip
     """tok/s and, per token, the bytes the CPU read and staged (warm-up included)."""
     before = dataclasses.replace(net.offload)
     hits = net.cache.stats.hits, net.cache.stats.misses
-    [result] = run_bench(net, n if test == "pp" else 0, n if test == "tg" else 0, reps)
+    stats = BigLittleStats()
+    [result] = run_bench(net, n if test == "pp" else 0, n if test == "tg" else 0, reps,
+                         mode=mode, stats=stats)  # fmt: skip
     after = net.offload
     tokens = max(1, after.tokens - before.tokens)
     lookups = net.cache.stats.hits - hits[0] + net.cache.stats.misses - hits[1]
@@ -126,6 +160,7 @@ def run_case(net: HybridExecutor, test: str, n: int, reps: int) -> dict:
         "hit_rate": (net.cache.stats.hits - hits[0]) / lookups if lookups else 0.0,
         "cpu_mb": (after.cpu_bytes - before.cpu_bytes) / tokens / 1e6,
         "staged_mb": (after.staged_bytes - before.staged_bytes) / tokens / 1e6,
+        "stats": stats,
     }
 
 
@@ -156,6 +191,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", "--n-gen", type=int, default=128)
     p.add_argument("-r", "--repetitions", type=int, default=2)
     p.add_argument("--ceiling-gib", type=float, default=1.0, help="buffer of the ceilings")
+    p.add_argument(
+        "--big-little",
+        action="store_true",
+        help="tg rows also for little-only (K/2), big/little lossy and verify, and the "
+        "combined T / (T_l + r·T_b) for each --fallback-ratio",
+    )
+    p.add_argument("--fallback-threshold", type=float, default=0.7, help="big/little's γ")
+    p.add_argument(
+        "--fallback-ratio", default="0.21", help="r values to combine (0.21: the paper's OLMoE)"
+    )
     args = p.parse_args(argv)  # fmt: skip
 
     path = Path(args.model)
@@ -182,11 +227,13 @@ def main(argv: list[str] | None = None) -> int:
     sparsities = [float(x) for x in args.sparsity.split(",")]
     tests = [(t, n) for t, n in (("pp", args.n_prompt), ("tg", args.n_gen)) if n]
     thresholds = {s: thresholds_for(path, f, s, args.threads) for s in sparsities}
+    modes = decoding_modes(cfg.n_expert_used, args.fallback_threshold, args.big_little)
+    ratios = [float(x) for x in args.fallback_ratio.split(",")]
     print(
-        "| experts in slots | slots | misses | sparsity | test | tok/s | hit rate "
+        "| experts in slots | slots | misses | sparsity | test | mode | tok/s | hit rate "
         "| CPU MB/tok | staged MB/tok | floor tok/s | % floor |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     costs = None
     for fraction in fractions:
         for slots in sorted({slots_for(fraction, m, n_experts, cfg.n_expert_used)
@@ -203,15 +250,20 @@ def main(argv: list[str] | None = None) -> int:
                 for s in sparsities:
                     net.set_expert_threshold(thresholds[s])
                     for test, n in tests:
-                        row = run_case(net, test, n, args.repetitions)
-                        mb = row["cpu_mb"] + row["staged_mb"]
-                        floor = ceilings.rate(misses) * 1e3 / mb if mb else None
-                        vs = "- | -" if floor is None else \
-                            f"{floor:.1f} | {100 * row['tok_s'] / floor:.0f}%"  # fmt: skip
-                        print(f"| {100 * slots / n_experts:.1f}% | {slots} | {misses} | {s:g} "
-                              f"| {test}{n} | {row['tok_s']:.1f} ± {row['std']:.1f} "
-                              f"| {row['hit_rate']:.3f} | {row['cpu_mb']:.2f} "
-                              f"| {row['staged_mb']:.2f} | {vs} |", flush=True)  # fmt: skip
+                        rows = {}
+                        for name, mode in modes.items() if test == "tg" else [("plain", None)]:
+                            row = rows[name] = run_case(net, test, n, args.repetitions, mode)
+                            mb = row["cpu_mb"] + row["staged_mb"]
+                            floor = ceilings.rate(misses) * 1e3 / mb if mb else None
+                            vs = "- | -" if floor is None else \
+                                f"{floor:.1f} | {100 * row['tok_s'] / floor:.0f}%"  # fmt: skip
+                            print(f"| {100 * slots / n_experts:.1f}% | {slots} | {misses} "
+                                  f"| {s:g} | {test}{n} | {name} "
+                                  f"| {row['tok_s']:.1f} ± {row['std']:.1f} "
+                                  f"| {row['hit_rate']:.3f} | {row['cpu_mb']:.2f} "
+                                  f"| {row['staged_mb']:.2f} | {vs} |", flush=True)  # fmt: skip
+                        if "lossy" in rows:
+                            print(combined_speedup(rows, ratios), flush=True)
             net.close()
             del net
             gc.collect()

@@ -39,5 +39,25 @@ def test_the_matrix_runs_and_prints_every_row(cc, tmp_path, capsys, monkeypatch)
              ("8", "auto")] for s in ("0", "0.5") for test in ("pp4", "tg2")}  # fmt: skip
     assert got == want and len(rows) == len(want)
     cpu_only = [r for r in rows if r[1] == "0"]
-    assert all(float(r[8]) == 0.0 and float(r[7]) > 0 for r in cpu_only)  # nothing staged
+    assert all(r[5] == "plain" for r in rows)
+    assert all(float(r[9]) == 0.0 and float(r[8]) > 0 for r in cpu_only)  # nothing staged
     assert (gguf.parent / (gguf.name + ".sparsity.json")).exists()  # calibrated for 0.5
+
+
+def test_big_little_rows_and_their_combination(cc, tmp_path, capsys, monkeypatch):
+    hf = make_tiny_hf_model("olmoe", tmp_path / "hf", tie_word_embeddings=True)
+    gguf = convert(hf, tmp_path / "m.gguf", "f32", progress=False)
+    argv = [str(gguf), "--device", "cpu", "-t", "1", "-p", "0", "-n", "3", "-r", "1",
+            "--fractions", "0.5", "--misses", "auto", "--sparsity", "0", "--ceiling-gib",
+            "0.01", "--big-little", "--fallback-ratio", "0.21,0.65"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["offload.py", *argv])
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    with warnings.catch_warnings(), pytest.raises(SystemExit) as done:
+        warnings.simplefilter("ignore", RuntimeWarning)
+        runpy.run_path(str(TOOL), run_name="__main__")
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ")][1:]
+    assert [r[5] for r in rows] == ["plain", "little", "lossy", "verify"]
+    [line] = [line for line in out.splitlines() if line.startswith("  big/little: ")]
+    assert "x at r = 0.21, " in line and "x at r = 0.65 (combined)" in line
