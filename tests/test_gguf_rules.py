@@ -227,5 +227,5 @@ def test_the_reader_is_generic(tmp_path):
     w.close()
     f = open_gguf(path)
     assert f.arch == "llama" and f.tensors["token_embd.weight"].shape == (8, 32)
-    with pytest.raises(ModelFileError, match="layout version None is not supported"):
+    with pytest.raises(ModelFileError, match="pyruntime.layout_version. is missing"):
         ModelConfig.from_gguf(f)

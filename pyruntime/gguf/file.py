@@ -11,6 +11,7 @@ conventions (see TensorView).
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,7 @@ class GGUFFile:
         header = parse_header(memoryview(self._map))
         self.version = header.version
         self.alignment = header.alignment
+        self.data_start = header.data_start  # file offset of the tensor data (the header's size)
         self.metadata: dict[str, Any] = header.metadata
         self.signatures: dict[str, Signature] = header.signatures  # each key's stored type
         arch = self.metadata.get("general.architecture")
@@ -89,6 +91,10 @@ class GGUFFile:
             rows = shape or (1,)
             data = raw.reshape(*rows[:-1], rows[-1] // block * block_bytes)
         return TensorView(t.name, t.qtype, shape, data, t.n_elements, t.n_bytes)
+
+    def header_sha256(self) -> str:
+        """SHA-256 of the header (metadata and tensor table, up to the tensor data), hex."""
+        return hashlib.sha256(memoryview(self._map)[: self.data_start]).hexdigest()
 
     def get(self, key: str, default: Any = _MISSING) -> Any:
         """Metadata value as a Python object; ModelFileError if missing and no default."""

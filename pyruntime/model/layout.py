@@ -45,6 +45,7 @@ class TensorSpec:
     shape: tuple[int, ...]  # row-major, outermost first
     types: tuple[GGMLQuantizationType, ...]
     group: str = ""  # "": required; else optional, and all tensors of the group or none
+    alt_shape: tuple[int, ...] | None = None  # another shape the same data may be stored as
 
 
 def check_layout_keys(f: GGUFFile) -> None:
@@ -54,6 +55,17 @@ def check_layout_keys(f: GGUFFile) -> None:
     except FormatError as exc:
         raise ModelFileError(f"{f.path}: {exc}") from None
     version = f.get("pyruntime.layout_version", None)
+    if version is None and any(n.endswith("_exps.weight") for n in f.tensors):
+        raise ModelFileError(
+            f"{f.path}: the file is in llama.cpp's layout (experts as ffn_*_exps tensors); "
+            "pyruntime.Model and the pyruntime commands repack it on first use, or run "
+            "`pyruntime repack` on it"
+        )
+    if version is None:
+        raise ModelFileError(
+            f"{f.path}: metadata key 'pyruntime.layout_version' is missing and the file holds "
+            "no routed experts (ffn_*_exps): not a Mixture-of-Experts model pyruntime runs"
+        )
     if version != LAYOUT_VERSION:
         raise ModelFileError(
             f"{f.path}: GGUF layout version {version} is not supported (this pyruntime reads "
@@ -139,15 +151,18 @@ def _dense_layer(f: GGUFFile, cfg, p: str) -> dict[str, TensorSpec]:
 def check_tensors(f: GGUFFile, cfg) -> None:
     """ModelFileError for the first tensor that is unknown to the layout, of the wrong shape or
     type, or missing."""
-    specs = expected_tensors(f, cfg)
+    what = f"a {cfg.arch} model with {cfg.n_layer} layers in this layout (docs/gguf-layout.md)"
+    check_specs(f, expected_tensors(f, cfg), what)
+
+
+def check_specs(f: GGUFFile, specs: dict[str, TensorSpec], what: str) -> None:
+    """Every tensor of `f` against `specs` (a layout's tensors, by name; `what` names the layout
+    and model in the error line): unknown, misshapen, of a wrong type, or missing."""
     for name, t in f.tensors.items():
         spec = specs.get(name)
         if spec is None:
-            raise ModelFileError(
-                f"{f.path}: tensor {name!r} is not part of a {cfg.arch} model with "
-                f"{cfg.n_layer} layers in this layout (docs/gguf-layout.md)"
-            )
-        if t.shape != spec.shape:
+            raise ModelFileError(f"{f.path}: tensor {name!r} is not part of {what}")
+        if t.shape != spec.shape and t.shape != spec.alt_shape:
             raise ModelFileError(
                 f"{f.path}: tensor {name!r} has shape {list(t.shape)}, but the model's "
                 f"hyper-parameters make it {list(spec.shape)}"

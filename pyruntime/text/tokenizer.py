@@ -1,9 +1,11 @@
-"""Tokenizer read from the GGUF file, with exact Hugging Face behaviour.
+"""Tokenizer read from the GGUF file, with exact Hugging Face behaviour where the file allows it.
 
 The converter stores the checkpoint's original `tokenizer.json` verbatim under
 `tokenizer.huggingface.json`; we hand it to the `tokenizers` library, so splitting, merges,
-added/special tokens and decoding are those of `transformers.AutoTokenizer`. The GGUF keys decide
-what lies outside tokenizer.json: whether to prepend BOS, and which ids end generation.
+added/special tokens and decoding are those of `transformers.AutoTokenizer`. A file without it
+(llama.cpp's converter writes none) is tokenized from its ggml vocabulary as llama.cpp does
+(ggml_vocab.py). The GGUF keys decide what lies outside the vocabulary: whether to prepend BOS,
+and which ids end generation.
 
 `IncrementalDetokenizer` turns a stream of token ids into text pieces for streaming output without
 ever emitting half of a multi-byte UTF-8 character (byte-level BPE splits characters across tokens).
@@ -17,9 +19,22 @@ import tokenizers
 
 from pyruntime.errors import ModelFileError, UsageError
 from pyruntime.gguf.file import GGUFFile
+from pyruntime.text.ggml_vocab import ggml_tokenizer
 
 # What `tokenizers` produces for an incomplete UTF-8 sequence at the end of a decode.
 _REPLACEMENT_CHAR = "\ufffd"
+
+
+def _from_tokenizer_json(f: GGUFFile, tokenizer_json: str) -> tokenizers.Tokenizer:
+    try:
+        return tokenizers.Tokenizer.from_str(tokenizer_json)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # its own Exception subclass; a Rust panic: BaseException
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelFileError(
+            f"{f.path}: 'tokenizer.huggingface.json' is not a valid tokenizer.json ({reason})"
+        ) from None
 
 
 class Tokenizer:
@@ -43,24 +58,17 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, f: GGUFFile, n_vocab: int | None = None) -> Tokenizer:
-        """Build the tokenizer from the metadata of a file written by convert_hf_to_gguf.py.
+        """Build the tokenizer from the file's metadata: the stored tokenizer.json when there is
+        one (our converter's files), else the ggml vocabulary (llama.cpp's files; ggml_vocab.py).
         With n_vocab (the embedding's rows), every id the tokenizer can produce or stops on is
         checked to be one of the model's tokens."""
         tokenizer_json = f.get("tokenizer.huggingface.json", None)
-        if not tokenizer_json:
-            raise ModelFileError(
-                f"{f.path}: metadata key 'tokenizer.huggingface.json' is missing; convert the "
-                "model again with convert_hf_to_gguf.py"
-            )
-        try:
-            hf = tokenizers.Tokenizer.from_str(tokenizer_json)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # its own Exception subclass; a Rust panic: BaseException
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise ModelFileError(
-                f"{f.path}: 'tokenizer.huggingface.json' is not a valid tokenizer.json ({reason})"
-            ) from None
+        if tokenizer_json:
+            hf = _from_tokenizer_json(f, tokenizer_json)
+            bos_by_default = False
+        else:  # a llama.cpp file: its ggml vocabulary, tokenized as llama.cpp does
+            hf, pre = ggml_tokenizer(f)
+            bos_by_default = pre.add_bos
         bos_id = f.get("tokenizer.ggml.bos_token_id", None)
         eos_id = f.get("tokenizer.ggml.eos_token_id", None)
         stop_ids = list(f.get("pyruntime.stop_token_ids", None) or [])
@@ -68,7 +76,7 @@ class Tokenizer:
             # Older or foreign files: fall back to the end-of-text / end-of-turn ids.
             eot_id = f.get("tokenizer.ggml.eot_token_id", None)
             stop_ids = [i for i in (eos_id, eot_id) if i is not None]
-        add_bos = bool(f.get("tokenizer.ggml.add_bos_token", False)) and bos_id is not None
+        add_bos = bool(f.get("tokenizer.ggml.add_bos_token", bos_by_default)) and bos_id is not None
         if n_vocab is not None:
             _check_ids(f, hf, n_vocab, {"bos": bos_id, "eos": eos_id, "stop": stop_ids})
         return cls(
