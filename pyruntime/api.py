@@ -36,6 +36,7 @@ import torch
 
 from pyruntime import options
 from pyruntime.call_lock import CallLock
+from pyruntime.converter.repack_cache import open_model_file
 from pyruntime.cpu.executor import CpuExecutor
 from pyruntime.decoding.big_little import BigLittleStats
 from pyruntime.decoding.mode import DecodingMode
@@ -44,7 +45,7 @@ from pyruntime.decoding.session import Session
 from pyruntime.decoding.stream import TextStream
 from pyruntime.errors import PyruntimeWarning, UsageError
 from pyruntime.experts.sparsity import SparsityTable, check_sparsity
-from pyruntime.gguf.file import GGUFFile, open_gguf
+from pyruntime.gguf.file import GGUFFile
 from pyruntime.model.config import ModelConfig
 from pyruntime.options import DEFAULTS
 from pyruntime.placement import choose_device
@@ -115,8 +116,9 @@ class Model:
         for name, value in (("n_ctx", n_ctx), ("threads", threads), ("seed", seed),
                             ("gpu_mem", gpu_bytes)):  # fmt: skip
             options.check(name, value)
-        self.file: GGUFFile = open_gguf(path)
-        self.path = self.file.path
+        # a llama.cpp file runs from its repacked copy (made once, in the cache folder)
+        self.file: GGUFFile = open_model_file(path)
+        self.path = Path(path)
         table = SparsityTable.load(self.path, sparsity_table) if sparsity > 0 else None
         thresholds = None if table is None else table.for_sparsity(sparsity)
         config = ModelConfig.from_gguf(self.file)

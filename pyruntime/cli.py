@@ -1,4 +1,4 @@
-"""The `pyruntime` command: chat, generate, perplexity, bench, calibrate, info.
+"""The `pyruntime` command: chat, generate, perplexity, bench, calibrate, repack, serve, info.
 
 Output discipline: stdout carries only the product (answers, generated text, `ppl = X`, info),
 stderr the diagnostics (timings, progress, banners), so every command can be piped.
@@ -22,6 +22,10 @@ from typing import Any
 from pyruntime import __version__, options
 from pyruntime.errors import PyruntimeError, PyruntimeWarning, UsageError
 from pyruntime.output_files import Terminated, check_writable
+
+# --outtype of `repack` (the converter's; pyruntime.converter.tensors.OUTTYPES, kept in sync by a
+# test: importing it here would load numpy and gguf for `--help`)
+OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 
 # The pyruntime.Model keywords the CLI passes from its options (pyruntime.options).
 RUNTIME = ("threads", "device", "sparsity", "sparsity_table", "kernel_tuning", "gpu_mem", "staging",
@@ -134,6 +138,29 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     options.add_arguments(p, "calibrate")
     p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser(
+        "repack",
+        help="rewrite a llama.cpp GGUF in pyruntime's layout (otherwise done on first use)",
+        description="Read a GGUF in llama.cpp's layout (routed experts as ffn_gate_exps, "
+        "ffn_up_exps, ffn_down_exps) and write it in pyruntime's (docs/gguf-layout.md): every "
+        "neuron's gate, up and down rows side by side. Without -o the copy goes where "
+        "pyruntime looks for it when MODEL is opened (the cache folder, $PYRUNTIME_CACHE); "
+        "pyruntime does this by itself the first time a llama.cpp file is opened. The path "
+        "written is printed on stdout.",
+    )
+    p.add_argument("model", help="GGUF file in llama.cpp's layout")
+    p.add_argument(
+        "-o", "--outfile", type=Path, default=None, metavar="FILE",
+        help="write the copy here instead (open it directly afterwards)",
+    )  # fmt: skip
+    p.add_argument(
+        "--outtype", choices=sorted(OUTTYPES), default=None,
+        help="store every weight in this format (default: each tensor's own; the experts' down "
+        "rows, which must be transposed, are quantized again in it: f32 keeps them exact)",
+    )  # fmt: skip
+    p.add_argument("--force", action="store_true", help="overwrite an existing FILE")
+    p.set_defaults(func=cmd_repack)
 
     p = sub.add_parser(
         "info",
@@ -460,9 +487,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     def progress(i: int, n: int) -> None:
         print(f"[{i}/{n}]", file=sys.stderr, flush=True)
 
-    table = calibrate(
-        model.net, ids, args.ctx, str(args.file), model.file.file_size, progress=progress
-    )
+    size = model.path.stat().st_size  # the user's file (a llama.cpp one runs from a copy)
+    table = calibrate(model.net, ids, args.ctx, str(args.file), size, progress=progress)
     try:
         table.save(out)
     except OSError as exc:
@@ -477,10 +503,57 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_info(args: argparse.Namespace) -> int:
+def cmd_repack(args: argparse.Namespace) -> int:
+    import time
+
+    from pyruntime.converter.repack import repack
+    from pyruntime.converter.repack_cache import cached_copy_path, is_copy_of
     from pyruntime.gguf.file import open_gguf
+    from pyruntime.model.config import ModelConfig
+    from pyruntime.model.llamacpp_layout import detect_layout
 
     f = open_gguf(args.model)
+    layout = detect_layout(f)
+    if layout != "llama.cpp":
+        why = "is already in pyruntime's layout" if layout == "pyruntime" else (
+            "holds no routed experts (ffn_*_exps): not a Mixture-of-Experts model"
+        )  # fmt: skip
+        raise UsageError(f"{f.path}: {why}; nothing to repack")
+    if args.outfile is None:
+        dest = cached_copy_path(f.path)
+        if args.outtype is None and is_copy_of(dest, f):
+            print(f"repack: {dest} is already a current copy of {f.path}", file=sys.stderr)
+            print(dest)
+            return 0
+    else:
+        dest = Path(os.path.realpath(args.outfile))
+        if os.path.lexists(args.outfile) and not args.force:
+            raise UsageError(f"{args.outfile} exists; pass --force to overwrite it")
+        if dest.exists() and os.path.samefile(dest, f.path):
+            raise UsageError(f"{args.outfile}: is the input file; choose another -o")
+        _check_output(dest)
+    start = time.perf_counter()
+    repack(f, dest, args.outtype, progress=True)
+    ModelConfig.from_gguf(open_gguf(dest))  # the copy passes every rule of our layout
+    print(
+        f"repack: wrote {dest} ({dest.stat().st_size / 1e6:.1f} MB) in "
+        f"{time.perf_counter() - start:.1f} s",
+        file=sys.stderr,
+    )
+    print(dest)
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from pyruntime.gguf.file import open_gguf
+    from pyruntime.model.llamacpp_layout import detect_layout
+
+    f = open_gguf(args.model)
+    layout = {
+        "pyruntime": "pyruntime",
+        "llama.cpp": "llama.cpp (repacked into pyruntime's on first use; `pyruntime repack`)",
+        "unknown": "unknown (no routed experts)",
+    }[detect_layout(f)]
     quant: dict[str, int] = {}
     for t in f.tensors.values():
         quant[t.qtype.name] = quant.get(t.qtype.name, 0) + 1
@@ -490,6 +563,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("file", str(f.path)),
         ("file size", f"{f.file_size:,} bytes ({_human_bytes(f.file_size)})"),
         ("architecture", f.arch),
+        ("layout", layout),
         ("hf architecture", f.get("pyruntime.hf_architecture", "?")),
         ("name", f.get("general.name", "?")),
         ("parameters", f"{n_params:,} ({_human_count(n_params)})"),

@@ -131,7 +131,8 @@ class MoeModel:
         w.add_uint32(f"{a}.context_length", self.hp.int("max_position_embeddings"))
         w.add_uint32(f"{a}.embedding_length", self.n_embd)
         w.add_uint32(f"{a}.block_count", self.n_layer)
-        if self.dense_layers:
+        if self.dense_layers or self.hp.has("intermediate_size"):  # as llama.cpp writes it: the
+            # experts' size (olmoe, llama, granitemoe) or the dense layers' (qwen)
             w.add_uint32(f"{a}.feed_forward_length", self.hp.int("intermediate_size"))
         w.add_uint32(f"{a}.expert_feed_forward_length", self.n_ff_exp)
         w.add_uint32(f"{a}.expert_count", self.n_expert)

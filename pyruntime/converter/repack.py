@@ -47,6 +47,7 @@ from pyruntime.model.llamacpp_layout import (
     EXPERT_PROJECTIONS,
     LlamaCppHParams,
     check_tensors,
+    check_types,
     unpermute_rows,
 )
 from pyruntime.output_files import atomic_output
@@ -276,6 +277,7 @@ def plan(f: GGUFFile, outtype: str | None = None) -> tuple[LlamaCppHParams, list
     check of llama.cpp's layout (one ModelFileError line for the first problem)."""
     if outtype is not None and outtype not in OUTTYPES:
         raise UsageError(f"unknown outtype {outtype!r}; use one of {', '.join(OUTTYPES)}")
+    check_types(f)
     hp = LlamaCppHParams.from_gguf(f)
     if hp.arch == "granitemoe" and f.arch_get("logit_scale", None) is None:
         raise ModelFileError(f"{f.path}: metadata key 'granitemoe.logit_scale' is missing")

@@ -1,11 +1,14 @@
 """Tokenizer metadata: ggml vocab, special ids, chat template, stop ids (docs/gguf-layout.md).
 
 Only byte-level BPE tokenizers (tokenizer.json with a BPE model) are supported; the original
-tokenizer.json is also stored verbatim, and the runtime tokenizes with it.
+tokenizer.json is also stored verbatim, and the runtime tokenizes with it. The ggml vocabulary
+and `tokenizer.ggml.pre` (llama.cpp's name of the same pre-tokenizer split) let llama.cpp, and
+pyruntime without the json, tokenize the file the same way.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +17,7 @@ from gguf import GGUFWriter
 
 from pyruntime.converter.hparams import read_json
 from pyruntime.errors import ConversionError
+from pyruntime.text.ggml_vocab import pre_tokenizer_name
 
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>")
@@ -25,6 +29,7 @@ class Vocab:
     token_types: list[int]
     merges: list[str]
     hf_json: str
+    pre: str | None  # llama.cpp's name of the pre-tokenizer (None: none splits the same way)
     bos_id: int | None = None
     eos_id: int | None = None
     eot_id: int | None = None
@@ -98,6 +103,7 @@ def load_vocab(model_dir: Path, config: dict[str, Any], vocab_size: int) -> Voca
         token_types=[k for _, k in tokens],
         merges=merges,
         hf_json=tok_path.read_text(encoding="utf-8"),
+        pre=pre_tokenizer_name(tok),
         bos_id=special_id("bos_token"),
         eos_id=special_id("eos_token"),
         eot_id=next((id_of[t] for t in END_OF_TURN_TOKENS if t in id_of), None),
@@ -134,7 +140,14 @@ def _adds_bos(tok: dict[str, Any], tok_config: dict[str, Any], bos_id: int | Non
 
 def write_vocab(w: GGUFWriter, vocab: Vocab) -> None:
     w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_string("tokenizer.ggml.pre", "default")
+    if vocab.pre is not None:
+        w.add_string("tokenizer.ggml.pre", vocab.pre)
+    else:  # llama.cpp would split with its "default" regexes (and warn); pyruntime reads the json
+        print(
+            "warning: tokenizer.json's pre-tokenizer matches none that llama.cpp knows; "
+            "tokenizer.ggml.pre is left out (pyruntime tokenizes with tokenizer.json)",
+            file=sys.stderr,
+        )
     w.add_array("tokenizer.ggml.tokens", vocab.tokens)
     w.add_array("tokenizer.ggml.token_type", vocab.token_types)
     if vocab.merges:

@@ -9,6 +9,7 @@ from typing import Any
 from pyruntime.errors import ModelFileError
 from pyruntime.gguf.file import GGUFFile
 from pyruntime.model.layout import check_layout_keys, check_tensors
+from pyruntime.model.llamacpp_layout import EXPERT_WEIGHTS_NORM
 
 _REQUIRED = object()  # the default of a key that must be present
 SUPPORTED_ARCHS = ("olmoe", "qwen2moe", "qwen3moe", "llama", "granitemoe")
@@ -71,7 +72,8 @@ class ModelConfig:
             rms_eps=g.float("attention.layer_norm_rms_epsilon", positive=True),
             rope_theta=g.float("rope.freq_base", 10000.0, positive=True),
             rope_dim=g.int("rope.dimension_count", head_dim, minimum=0),
-            expert_weights_norm=bool(g.get("expert_weights_norm", False)),
+            # absent: what llama.cpp's graph does for the family
+            expert_weights_norm=bool(g.get("expert_weights_norm", EXPERT_WEIGHTS_NORM[f.arch])),
             activation=str(f.get("pyruntime.expert_activation", "silu")),
             n_ff_shexp=g.int("expert_shared_feed_forward_length", 0),
             embedding_scale=g.float("embedding_scale", 1.0),

@@ -1,0 +1,246 @@
+"""llama.cpp's GGUFs: layout detection, the repack into ours, its cache, `pyruntime repack`, and
+one-line errors for what cannot run (K-quants, missing keys and tensors)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize, quantize
+from hf_fixtures import ARCHS, make_tiny_hf_model
+from llamacpp_fixtures import permute, to_llamacpp
+
+from pyruntime.converter import convert
+from pyruntime.converter.repack import repack
+from pyruntime.converter.repack_cache import cached_copy_path, open_model_file
+from pyruntime.errors import ModelFileError
+from pyruntime.gguf.file import open_gguf
+from pyruntime.model.config import ModelConfig
+from pyruntime.model.llamacpp_layout import EXPERT_WEIGHTS_NORM, detect_layout, unpermute_rows
+
+Q = GGMLQuantizationType
+IDS = list(range(5, 60, 3))
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYRUNTIME_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """{(arch, outtype): (our file, the llama.cpp layout of it)} of the tiny random models
+    (qwen without dense layers: llama.cpp's qwen graphs have none; qwen3moe normalising its
+    routing weights, which llama.cpp's qwen3moe graph always does, as real Qwen3 models do)."""
+    root = tmp_path_factory.mktemp("llamacpp")
+    out = {}
+    for arch in ARCHS:
+        extra = {"mlp_only_layers": []} if arch.startswith("qwen") else {}
+        if arch == "qwen3moe":
+            extra["norm_topk_prob"] = True
+        hf = make_tiny_hf_model(arch, root / arch, **extra)
+        for outtype in ("f32", "q8_0"):
+            ours = convert(hf, root / f"{arch}-{outtype}.gguf", outtype, progress=False)
+            out[arch, outtype] = ours, to_llamacpp(ours, root / f"{arch}-{outtype}-lcpp.gguf")
+    return out
+
+
+def _logits(path: Path) -> np.ndarray:
+    from pyruntime.api import Model
+
+    return Model(path, device="cpu").logits(IDS)
+
+
+def test_unpermute_undoes_llamacpp_permute():
+    w = np.arange(4 * 8 * 3).reshape(4 * 8, 3)  # 4 heads of 8 rows
+    assert (permute(w, 4)[unpermute_rows(32, 4)] == w).all()
+    assert not (permute(w, 4) == w).all()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_llamacpp_file_runs_as_ours(files, arch):
+    """F32: the repacked llama.cpp file computes exactly what our own conversion does (the
+    experts rearranged, q/k rows of llama and granitemoe put back in Hugging Face's order)."""
+    ours, lcpp = files[arch, "f32"]
+    assert detect_layout(open_gguf(lcpp)) == "llama.cpp"
+    assert detect_layout(open_gguf(ours)) == "pyruntime"
+    np.testing.assert_array_equal(_logits(lcpp), _logits(ours))
+
+
+def test_quantized_experts_repacked_row_by_row(files, tmp_path):
+    """Q8_0: gate and up rows are the source's bytes; down rows are the source's down matrix
+    transposed and quantized once more along n_embd."""
+    _, lcpp = files["olmoe", "q8_0"]
+    src = open_gguf(lcpp)
+    out = open_gguf(repack(src, tmp_path / "out.gguf", progress=False))
+    gud = np.asarray(out.tensors["blk.1.ffn_gud_exps.weight"].data)  # [E, ff, 3, row_bytes]
+    gate = np.asarray(src.tensors["blk.1.ffn_gate_exps.weight"].data)
+    up = np.asarray(src.tensors["blk.1.ffn_up_exps.weight"].data)
+    down = np.asarray(src.tensors["blk.1.ffn_down_exps.weight"].data)  # [E, n, ff bytes]
+    assert out.tensors["blk.1.ffn_gud_exps.weight"].qtype == Q.Q8_0
+    np.testing.assert_array_equal(gud[:, :, 0], gate)
+    np.testing.assert_array_equal(gud[:, :, 1], up)
+    for e in (0, 3):
+        d = dequantize(down[e], Q.Q8_0)  # [n, ff]
+        expect = quantize(np.ascontiguousarray(d.T), Q.Q8_0)
+        np.testing.assert_array_equal(gud[e, :, 2], expect)
+    # lossless with --outtype f32: the down rows are the source's values exactly
+    exact = open_gguf(repack(src, tmp_path / "f32.gguf", "f32", progress=False))
+    rows = np.asarray(exact.tensors["blk.1.ffn_gud_exps.weight"].data)  # [E, ff, 3, n] f32
+    np.testing.assert_array_equal(rows[2, :, 2], dequantize(down[2], Q.Q8_0).T)
+
+
+def test_repacked_metadata_applies_llamacpp_defaults(files, tmp_path):
+    """Keys llama.cpp's converter leaves out get llama.cpp's values: the routing normalisation
+    its graph fixes per family, the experts' size from feed_forward_length."""
+    _, lcpp = files["mixtral", "q8_0"]
+    src = open_gguf(lcpp)
+    assert "llama.expert_weights_norm" not in src.metadata
+    out = open_gguf(repack(src, tmp_path / "out.gguf", progress=False))
+    cfg = ModelConfig.from_gguf(out)
+    assert cfg.expert_weights_norm is EXPERT_WEIGHTS_NORM["llama"] is True
+    assert cfg.n_ff_exp == 32 and out.get("pyruntime.hf_architecture") == "MixtralForCausalLM"
+    assert out.get("tokenizer.ggml.pre") == src.get("tokenizer.ggml.pre")
+
+
+def test_cache_is_reused_and_follows_the_source(files, tmp_path, capfd):
+    _, lcpp = files["olmoe", "q8_0"]
+    src = tmp_path / "model.gguf"
+    src.write_bytes(lcpp.read_bytes())
+    first = open_model_file(src)
+    assert "repacking its experts once" in capfd.readouterr().err
+    assert first.path == cached_copy_path(src) and first.path.parent.name == "repacked"
+    made = first.path.stat().st_mtime_ns
+    again = open_model_file(src)
+    assert again.path == first.path and again.path.stat().st_mtime_ns == made
+    assert "repacking" not in capfd.readouterr().err
+    os.utime(src, ns=(made + 10**9, made + 10**9))  # the source changed: made again
+    open_model_file(src)
+    assert "repacking its experts once" in capfd.readouterr().err
+
+
+def test_cache_made_again_for_a_replaced_source(files, tmp_path, capfd):
+    """Same size and modification time, another header (a metadata value edited in place):
+    the copy is of another file, so it is made again."""
+    src = tmp_path / "model.gguf"
+    src.write_bytes(files["olmoe", "f32"][1].read_bytes())
+    open_model_file(src)
+    st = os.stat(src)
+    data = bytearray(src.read_bytes())
+    at = data.index(b"general.name") + len(b"general.name") + 4 + 8  # its type, its length
+    data[at] = ord("X") if data[at] != ord("X") else ord("Y")
+    src.write_bytes(data)
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(src).st_size == st.st_size
+    capfd.readouterr()
+    again = open_model_file(src)
+    assert "repacking its experts once" in capfd.readouterr().err
+    assert again.get("general.name")[0] in "XY"
+
+
+def test_model_opens_a_llamacpp_file_once(files):
+    from pyruntime.api import Model
+
+    _, lcpp = files["qwen2moe", "q8_0"]
+    m = Model(lcpp, device="cpu")
+    assert m.path == lcpp and m.file.path == cached_copy_path(lcpp)
+    assert m.tokenize("Hello world") == Model(files["qwen2moe", "q8_0"][0]).tokenize("Hello world")
+
+
+def _write(path: Path, arch: str, tensors: dict, keys: dict) -> Path:
+    w = GGUFWriter(path, arch)
+    for k, v in keys.items():
+        (w.add_uint32 if isinstance(v, int) else w.add_string)(k, v)
+    for name, (data, qtype) in tensors.items():
+        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_kquant_file_is_one_line(tmp_path):
+    q4k = np.zeros((2, 8, 144), np.uint8)  # 2 experts x 8 rows of 256 elements, Q4_K blocks
+    path = _write(tmp_path / "k.gguf", "olmoe", {
+        "blk.0.ffn_gate_exps.weight": (q4k, Q.Q4_K),
+    }, {})  # fmt: skip
+    with pytest.raises(ModelFileError, match=r"is Q4_K: K-quants and i-quants are not supported"):
+        open_model_file(path)
+
+
+def test_missing_key_and_tensor_named(files, tmp_path):
+    _, lcpp = files["olmoe", "f32"]
+    no_key = to_llamacpp(files["olmoe", "f32"][0], tmp_path / "k.gguf",
+                         drop=("olmoe.expert_count",))  # fmt: skip
+    with pytest.raises(ModelFileError, match=r"'olmoe.expert_count' is missing$"):
+        open_model_file(no_key)
+    from gguf import GGUFReader
+
+    r = GGUFReader(lcpp)
+    w = GGUFWriter(tmp_path / "t.gguf", "olmoe")
+    for k, field in r.fields.items():
+        if k.startswith("GGUF.") or k == "general.architecture":
+            continue
+        from llamacpp_fixtures import _value
+
+        sub = field.types[1] if len(field.types) > 1 else None
+        w.add_key_value(k, _value(field), field.types[0], sub)
+    for t in r.tensors:
+        if t.name != "blk.1.ffn_up_exps.weight":
+            raw = np.asarray(t.data).view(np.uint8)
+            w.add_tensor(t.name, raw, raw_shape=raw.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelFileError, match=r"tensor 'blk.1.ffn_up_exps.weight' is missing$"):
+        open_model_file(tmp_path / "t.gguf")
+
+
+def _cli(*args: str, env_cache: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYRUNTIME_CACHE": str(env_cache)}
+    return subprocess.run([sys.executable, "-m", "pyruntime", *args], capture_output=True,
+                          text=True, cwd=REPO, env=env, timeout=300)  # fmt: skip
+
+
+def test_repack_command(files, tmp_path):
+    ours, lcpp = files["granitemoe", "q8_0"]
+    out = tmp_path / "out.gguf"
+    r = _cli("repack", str(lcpp), "-o", str(out), env_cache=tmp_path / "c")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(out) and "repack: wrote" in r.stderr
+    assert detect_layout(open_gguf(out)) == "pyruntime"
+    assert oct(out.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+    r = _cli("repack", str(lcpp), "-o", str(out), env_cache=tmp_path / "c")
+    assert r.returncode == 1 and r.stderr == f"error: {out} exists; pass --force to overwrite it\n"
+    r = _cli("repack", str(ours), env_cache=tmp_path / "c")
+    assert r.returncode == 1 and "already in pyruntime's layout" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = _cli("repack", str(lcpp), env_cache=tmp_path / "c")  # into the cache
+    assert r.returncode == 0 and Path(r.stdout.strip()).parent == tmp_path / "c" / "repacked"
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def test_errors_of_the_commands_are_one_line(files, tmp_path):
+    q6k = np.zeros((2, 8, 210), np.uint8)  # Q6_K blocks of 256 elements
+    path = _write(tmp_path / "k.gguf", "olmoe", {"blk.0.ffn_up_exps.weight": (q6k, Q.Q6_K)}, {})
+    for command in ("info", "generate", "repack"):
+        args = [command, str(path)] + (["-p", "hi"] if command == "generate" else [])
+        r = _cli(*args, env_cache=tmp_path / "c")
+        if command == "info":
+            assert r.returncode == 0 and "llama.cpp" in r.stdout
+            continue
+        assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+        assert "Q6_K: K-quants" in r.stderr and "Traceback" not in r.stderr
