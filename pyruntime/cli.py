@@ -163,6 +163,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_repack)
 
     p = sub.add_parser(
+        "serve",
+        help="serve a model over OpenAI's HTTP API (chat and text completions)",
+        description="Serve one model over HTTP as OpenAI's API does: POST /v1/chat/completions "
+        'and /v1/completions (streamed with "stream": true), GET /v1/models and /health. '
+        "Sampling parameters are those of the request, with llama.cpp's names and defaults "
+        "(temperature, top_p, top_k, min_p, repeat_penalty, seed, stop, max_tokens). Requests "
+        "are answered one at a time, in arrival order; a client that disconnects cancels its "
+        'request. Needs the server extra: pip install "pyruntime[server]".',
+    )
+    p.add_argument("model", nargs="?", help="GGUF file (default: the built-in demo model)")
+    options.add_arguments(p, "serve")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser(
         "info",
         help="describe a GGUF model file",
         description="Describe a GGUF model file, and where it would run on the GPU: the whole "
@@ -500,6 +514,28 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print(f"{layer:>5}  " + "  ".join(f"{v:8.5f}" for v in vals))
     hint = "" if args.out is None else f" (use it with --sparsity-table {out})"
     print(f"wrote {out}{hint}", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pyruntime.serve import run_server
+
+    if args.model is None:
+        from pyruntime.tools.demo import demo_model_path
+
+        path = demo_model_path()
+    else:
+        path = args.model
+    host, port = options.value("host", args.host), options.value("port", args.port)
+    options.check("port", port, flag=True)
+    model = _load_model(path, args, n_ctx=args.n_ctx)
+    print(
+        f"pyruntime serve: {Path(path).name} on {model.device}, context {model.n_ctx} tokens, "
+        f"OpenAI API at http://{host}:{port}/v1 (Ctrl-C stops)",
+        file=sys.stderr,
+        flush=True,
+    )
+    run_server(model, Path(path).name, host, port)
     return 0
 
 

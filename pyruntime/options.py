@@ -29,7 +29,7 @@ from pyruntime.output_files import check_writable
 # How the hybrid stages experts to the GPU (pyruntime.offload.home); auto picks register.
 STAGING = ("auto", "register", "bounce", "pinned")
 # The commands that load a model for decoding, and those that also sample.
-DECODING = ("chat", "generate", "perplexity", "bench")
+DECODING = ("chat", "generate", "perplexity", "bench", "serve")
 SAMPLING = ("chat", "generate")
 
 
@@ -114,7 +114,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "n_ctx", 2048, "context size in tokens (0 = the model's trained context)",
-        ("-c", "--ctx-size"), SAMPLING + ("info",), parse=int, bounds=_ints(0),
+        ("-c", "--ctx-size"), SAMPLING + ("info", "serve"), parse=int, bounds=_ints(0),
     ),
     Option(
         "sparsity", 0.0, "skip this fraction of routed-expert neurons, in [0, 1) (needs "
@@ -238,6 +238,15 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "stop", (), "stop strings (never printed)", ("--stop",), SAMPLING, group="sampling",
         metavar="S", extra={"nargs": "+"},
+    ),
+    # -- server: where `pyruntime serve` listens ------------------------------------------------
+    Option(
+        "host", "127.0.0.1", "address to listen on (0.0.0.0: every interface)", ("--host",),
+        ("serve",), env="PYRUNTIME_HOST", group="server", metavar="ADDR",
+    ),
+    Option(
+        "port", 8080, "port to listen on", ("--port",), ("serve",), env="PYRUNTIME_PORT",
+        parse=int, group="server", bounds=_ints(1, 1 << 16),
     ),
     # -- paths: where pyruntime finds and keeps files -------------------------------------------
     Option(
