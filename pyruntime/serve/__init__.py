@@ -8,6 +8,7 @@ Needs the `server` extra (`pip install "pyruntime[server]"`: starlette and uvico
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 from pyruntime.errors import UsageError
@@ -24,10 +25,14 @@ def run_server(model: Any, name: str, host: str, port: int) -> None:
             f"`pyruntime serve` needs the server extra ({exc.name} is not installed): "
             'pip install "pyruntime[server]"'
         ) from None
+    try:  # bound here, so that a taken port or an unknown host is one error line
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        raise UsageError(f"cannot serve on {host}:{port} ({exc.strerror or exc})") from None
     config = uvicorn.Config(create_app(model, name), host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=5)  # fmt: skip
-    server = uvicorn.Server(config)
-    try:
-        server.run()
-    except OSError as exc:  # the port is taken, the host unknown
-        raise UsageError(f"cannot serve on {host}:{port} ({exc.strerror or exc})") from None
+    with sock:
+        uvicorn.Server(config).run(sockets=[sock])
