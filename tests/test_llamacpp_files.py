@@ -166,6 +166,30 @@ def _write(path: Path, arch: str, tensors: dict, keys: dict) -> Path:
     return path
 
 
+def _copy(src: Path, dest: Path, add: dict | None = None, drop_tensor: str = "") -> Path:
+    """`src` rewritten with keys added (u32) and one tensor left out."""
+    from gguf import GGUFReader
+    from llamacpp_fixtures import _value
+
+    r = GGUFReader(src)
+    w = GGUFWriter(dest, _value(r.fields["general.architecture"]))
+    for k, field in r.fields.items():
+        if not k.startswith("GGUF.") and k != "general.architecture":
+            sub = field.types[1] if len(field.types) > 1 else None
+            w.add_key_value(k, _value(field), field.types[0], sub)
+    for k, v in (add or {}).items():
+        w.add_uint32(k, v)
+    for t in r.tensors:
+        if t.name != drop_tensor:
+            raw = np.asarray(t.data).view(np.uint8)
+            w.add_tensor(t.name, raw, raw_shape=raw.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dest
+
+
 def test_kquant_file_is_one_line(tmp_path):
     q4k = np.zeros((2, 8, 144), np.uint8)  # 2 experts x 8 rows of 256 elements, Q4_K blocks
     path = _write(tmp_path / "k.gguf", "olmoe", {
@@ -181,25 +205,7 @@ def test_missing_key_and_tensor_named(files, tmp_path):
                          drop=("olmoe.expert_count",))  # fmt: skip
     with pytest.raises(ModelFileError, match=r"'olmoe.expert_count' is missing$"):
         open_model_file(no_key)
-    from gguf import GGUFReader
-
-    r = GGUFReader(lcpp)
-    w = GGUFWriter(tmp_path / "t.gguf", "olmoe")
-    for k, field in r.fields.items():
-        if k.startswith("GGUF.") or k == "general.architecture":
-            continue
-        from llamacpp_fixtures import _value
-
-        sub = field.types[1] if len(field.types) > 1 else None
-        w.add_key_value(k, _value(field), field.types[0], sub)
-    for t in r.tensors:
-        if t.name != "blk.1.ffn_up_exps.weight":
-            raw = np.asarray(t.data).view(np.uint8)
-            w.add_tensor(t.name, raw, raw_shape=raw.shape, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _copy(lcpp, tmp_path / "t.gguf", drop_tensor="blk.1.ffn_up_exps.weight")
     with pytest.raises(ModelFileError, match=r"tensor 'blk.1.ffn_up_exps.weight' is missing$"):
         open_model_file(tmp_path / "t.gguf")
 
@@ -244,3 +250,26 @@ def test_errors_of_the_commands_are_one_line(files, tmp_path):
             continue
         assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
         assert "Q6_K: K-quants" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_llamacpp_file_with_our_layout_key_is_one_line(files, tmp_path):
+    """A llama.cpp file whose metadata claims our layout (the issue's patched file): one line
+    naming what our layout misses, where a decoder once met a layer with no FFN (an
+    AttributeError)."""
+    from pyruntime.api import Model
+
+    path = _copy(files["olmoe", "f32"][1], tmp_path / "claims-ours.gguf",
+                 add={"pyruntime.layout_version": 1})  # fmt: skip
+    with pytest.raises(ModelFileError, match=r"'olmoe.expert_feed_forward_length' is missing$"):
+        Model(path, device="cpu")
+    keys = {"pyruntime.layout_version": 1, "olmoe.expert_feed_forward_length": 32}
+    path = _copy(files["olmoe", "f32"][1], tmp_path / "claims-ours-2.gguf", add=keys)
+    with pytest.raises(ModelFileError, match=r"tensor 'blk.0.ffn_gate_inp.weight' is not part of"):
+        Model(path, device="cpu")
+
+
+def test_old_split_expert_layout_is_named(tmp_path):
+    old = {"blk.0.ffn_gate.0.weight": (np.zeros((4, 32), np.float32), Q.F32)}
+    path = _write(tmp_path / "old.gguf", "llama", old, {})
+    with pytest.raises(ModelFileError, match=r"holds one expert alone, llama.cpp's layout before"):
+        open_model_file(path)

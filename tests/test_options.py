@@ -25,6 +25,7 @@ def test_every_flagged_option_is_on_its_commands():
         "bench": ["bench"],
         "calibrate": ["calibrate", "m.gguf", "-f", "t.txt"],
         "info": ["info", "m.gguf"],
+        "serve": ["serve"],
     }
     for opt in options.OPTIONS:
         for command in opt.commands:
