@@ -585,11 +585,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     from pyruntime.model.llamacpp_layout import detect_layout
 
     f = open_gguf(args.model)
+    kind = detect_layout(f)
     layout = {
         "pyruntime": "pyruntime",
         "llama.cpp": "llama.cpp (repacked into pyruntime's on first use; `pyruntime repack`)",
         "unknown": "unknown (no routed experts)",
-    }[detect_layout(f)]
+    }[kind]
     quant: dict[str, int] = {}
     for t in f.tensors.values():
         quant[t.qtype.name] = quant.get(t.qtype.name, 0) + 1
@@ -622,11 +623,26 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("vocab", str(f.arch_get("vocab_size", len(tokens)))),
         ("chat template", "yes" if f.get("tokenizer.chat_template", None) else "no"),
     ]
-    rows += _gpu_plan_rows(f, args)
+    if kind == "llama.cpp":
+        rows += _repacked_plan_rows(f, args)
+    else:
+        rows += _gpu_plan_rows(f, args)
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}} : {value}")
     return 0
+
+
+def _repacked_plan_rows(f: Any, args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The GPU plan of a llama.cpp file's repacked copy (what would run), once there is a
+    current one; info does not repack."""
+    from pyruntime.converter.repack_cache import cached_copy_path, is_copy_of
+    from pyruntime.gguf.file import open_gguf
+
+    copy = cached_copy_path(f.path)
+    if not is_copy_of(copy, f):
+        return [("gpu plan", "once repacked (on first use, or `pyruntime repack MODEL`)")]
+    return _gpu_plan_rows(open_gguf(copy), args)
 
 
 def _gpu_plan_rows(f: Any, args: argparse.Namespace) -> list[tuple[str, str]]:

@@ -233,6 +233,20 @@ def test_repack_command(files, tmp_path):
     assert r.returncode == 0 and Path(r.stdout.strip()).parent == tmp_path / "c" / "repacked"
 
 
+def test_info_plans_the_repacked_copy(files, tmp_path):
+    """info describes a llama.cpp file without repacking it; its GPU plan is the copy's, once
+    there is a current one."""
+    _, lcpp = files["olmoe", "q8_0"]
+    r = _cli("info", str(lcpp), "--gpu-mem", "1G", env_cache=tmp_path / "c")
+    assert r.returncode == 0, r.stderr
+    assert "layout          : llama.cpp" in r.stdout
+    assert "gpu plan        : once repacked" in r.stdout
+    assert not any((tmp_path / "c" / "repacked").glob("*.gguf"))
+    assert _cli("repack", str(lcpp), env_cache=tmp_path / "c").returncode == 0
+    r = _cli("info", str(lcpp), "--gpu-mem", "1G", env_cache=tmp_path / "c")
+    assert r.returncode == 0 and "the whole model on the GPU" in r.stdout, r.stdout + r.stderr
+
+
 def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
