@@ -601,7 +601,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("file size", f"{f.file_size:,} bytes ({_human_bytes(f.file_size)})"),
         ("architecture", f.arch),
         ("layout", layout),
-        ("hf architecture", f.get("pyruntime.hf_architecture", "?")),
+        ("hf architecture", f.get("pyruntime.hf_architecture", _family_class(f))),
         ("name", f.get("general.name", "?")),
         ("parameters", f"{n_params:,} ({_human_count(n_params)})"),
         ("tensors", str(len(f.tensors))),
@@ -631,6 +631,14 @@ def cmd_info(args: argparse.Namespace) -> int:
     for key, value in rows:
         print(f"{key:<{width}} : {value}")
     return 0
+
+
+def _family_class(f: Any) -> str:
+    """The Hugging Face class llama.cpp's converter reads for the file's architecture, or '?'."""
+    from pyruntime.model.llamacpp_layout import FAMILIES
+
+    family = FAMILIES.get(f.arch)
+    return family.hf_architecture if family is not None else "?"
 
 
 def _repacked_plan_rows(f: Any, args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -697,15 +705,15 @@ def _valid_text(text: str, what: str) -> str:
 def _check_output(path: Path) -> None:
     """UsageError unless a file can be written at `path` (its folder exists and is writable)."""
     if path.is_dir():
-        raise UsageError(f"{path}: is a directory; give --out a file name")
+        raise UsageError(f"{path}: is a directory; give -o a file name")
     if not path.parent.is_dir():
-        raise UsageError(f"{path}: folder {path.parent} does not exist; choose --out FILE")
+        raise UsageError(f"{path}: folder {path.parent} does not exist; choose another -o FILE")
     try:
         check_writable(path.parent)
     except OSError as exc:
         raise UsageError(
             f"{path}: cannot write in {path.parent} ({exc.strerror or exc}); choose another "
-            "place with --out FILE"
+            "place with -o FILE"
         ) from None
 
 

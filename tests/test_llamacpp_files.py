@@ -240,6 +240,7 @@ def test_info_plans_the_repacked_copy(files, tmp_path):
     r = _cli("info", str(lcpp), "--gpu-mem", "1G", env_cache=tmp_path / "c")
     assert r.returncode == 0, r.stderr
     assert "layout          : llama.cpp" in r.stdout
+    assert "hf architecture : OlmoeForCausalLM" in r.stdout  # llama.cpp's family, not '?'
     assert "gpu plan        : once repacked" in r.stdout
     assert not any((tmp_path / "c" / "repacked").glob("*.gguf"))
     assert _cli("repack", str(lcpp), env_cache=tmp_path / "c").returncode == 0
