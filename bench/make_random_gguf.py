@@ -11,7 +11,7 @@ size as the layout says, so prompts tokenize and the runtime can decode.
 `--layout llama.cpp` writes the same shapes in llama.cpp's layout instead, for llama-bench
 (bench/peers.py): the routed experts as ffn_gate_exps / ffn_up_exps [n_expert, n_ff, n_embd] and
 ffn_down_exps [n_expert, n_embd, n_ff], `{arch}.feed_forward_length` set as llama.cpp's converter
-sets it, and no pyruntime.* keys (so pyruntime refuses the file instead of misreading it).
+sets it, and no pyruntime.* keys (pyruntime repacks it on first use, as any llama.cpp GGUF).
 
     python bench/make_random_gguf.py olmoe-1b-7b --outtype q8_0 -o /tmp/olmoe-q8_0.gguf
     python bench/make_random_gguf.py olmoe-1b-7b --layout llama.cpp -o /tmp/olmoe-lcpp.gguf
