@@ -40,23 +40,33 @@ def llama_ids(bin_dir: Path, model: Path, text_file: Path) -> list[int]:
     return ast.literal_eval(out.strip().splitlines()[-1])
 
 
-def llama_ppl(bin_dir: Path, model: Path, text_file: Path, ctx: int, threads: int) -> float:
+def llama_ppl(bin_dir: Path, model: Path, text_file: Path, ctx: int, threads: int
+              ) -> tuple[float, int]:  # fmt: skip
+    """llama-perplexity's perplexity and the windows it covers. Its log is written by a thread
+    that is not waited for at exit, so the last lines (the final estimate among them) can be
+    lost on a busy machine: then the running value of the last window printed, `[i]ppl`, is
+    taken with i windows."""
     out = subprocess.run(
         [str(bin_dir / "llama-perplexity"), "-m", str(model), "-f", str(text_file), "-c",
          str(ctx), "-b", str(ctx), "-t", str(threads)],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
-    m = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
-    if m is None:
+    log = out.stdout + out.stderr
+    final = re.search(r"Final estimate: PPL = ([0-9.]+)", log)
+    chunks = re.search(r"calculating perplexity over (\d+) chunks", log)
+    if final is not None and chunks is not None:
+        return float(final.group(1)), int(chunks.group(1))
+    running = re.findall(r"\[(\d+)\]([0-9.]+),", log)
+    if not running:
         raise SystemExit(f"llama-perplexity printed no estimate: {out.stderr[-500:]}")
-    return float(m.group(1))
+    return float(running[-1][1]), int(running[-1][0])
 
 
-def our_ppl(model: Model, ids: list[int], ctx: int) -> float:
-    """llama-perplexity's scoring of our logits."""
+def our_ppl(model: Model, ids: list[int], ctx: int, windows: int) -> float:
+    """llama-perplexity's scoring of our logits over the first `windows` windows."""
     tok = model.tokenizer
     nll, count = 0.0, 0
-    for c in range(len(ids) // ctx):
+    for c in range(min(windows, len(ids) // ctx)):
         window = ids[c * ctx : (c + 1) * ctx]
         if tok.add_bos:
             window = [tok.bos_id, *window[1:]]
@@ -88,9 +98,10 @@ def main() -> int:
                "llama_tokens": len(theirs), "same_ids": ours == theirs}  # fmt: skip
         ok &= ours == theirs
         if layout == "llama.cpp":
-            ppl = our_ppl(model, ours, args.ctx)
-            ref = llama_ppl(args.bin, path, args.file, args.ctx, args.threads)
-            row |= {"ppl": round(ppl, 4), "llama_ppl": ref, "ratio": round(ppl / ref, 5)}
+            ref, windows = llama_ppl(args.bin, path, args.file, args.ctx, args.threads)
+            ppl = our_ppl(model, ours, args.ctx, windows)
+            row |= {"windows": windows, "ppl": round(ppl, 4), "llama_ppl": ref,
+                    "ratio": round(ppl / ref, 5)}  # fmt: skip
             ok &= abs(ppl / ref - 1) <= 0.005
         print(json.dumps(row), flush=True)
     return 0 if ok else 1
