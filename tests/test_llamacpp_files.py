@@ -233,6 +233,14 @@ def test_repack_command(files, tmp_path):
     assert r.returncode == 0 and Path(r.stdout.strip()).parent == tmp_path / "c" / "repacked"
 
 
+def test_repack_outtypes_are_the_converters():
+    """`repack --outtype` lists the converter's formats without importing it (for --help)."""
+    from pyruntime import cli
+    from pyruntime.converter.tensors import OUTTYPES
+
+    assert set(cli.OUTTYPES) == set(OUTTYPES)
+
+
 def test_info_plans_the_repacked_copy(files, tmp_path):
     """info describes a llama.cpp file without repacking it; its GPU plan is the copy's, once
     there is a current one."""
