@@ -4,7 +4,8 @@ One table, two doors (as llama.cpp's common_arg does): the CLI builds its flags 
 (`add_arguments`) and `pyruntime.Model` / the generation calls take their defaults from it
 (`value`, `DEFAULTS`). An option with an environment variable takes its default from it when set;
 a flag or keyword always wins. Command-specific arguments (a prompt, a file, bench's -p/-n) stay
-with their command in cli.py; what changes how the runtime loads or decodes a model lives here.
+with their command in pyruntime/cli/; what changes how the runtime loads or decodes a model lives
+here.
 
 This module imports nothing heavy (no torch), so `pyruntime --help` stays instant.
 """

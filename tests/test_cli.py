@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pyruntime import __version__, cli
+from pyruntime.cli import chat as chat_command
 from pyruntime.gguf.file import open_gguf
 from pyruntime.tools.demo import DEMO_SOURCE, demo_model_path
 
@@ -196,13 +197,13 @@ def _chat(monkeypatch, cache_dir, lines: str, *argv: str) -> int:
 
 def test_chat_history_reset_and_exit(monkeypatch, gguf_path, cache_dir, capsys):
     seen: list[list[dict]] = []
-    real = cli._stream_answer
+    real = chat_command._stream_answer
 
     def spy(model, history, args, kwargs):
         seen.append([dict(m) for m in history])
         return real(model, history, args, kwargs)
 
-    monkeypatch.setattr(cli, "_stream_answer", spy)
+    monkeypatch.setattr(chat_command, "_stream_answer", spy)
     lines = "Hello.\n\nHow are you?\n/reset\nHello.\n/exit\nnever read\n"
     assert _chat(monkeypatch, cache_dir, lines, "--system", "Be brief.") == 0
     answers = capsys.readouterr().out.splitlines()
@@ -234,7 +235,9 @@ def test_ctrl_c_stops_the_answer_not_the_chat(monkeypatch, cache_dir, gguf_path,
     assert calls == [1, 3]  # the interrupted answer is kept in the history
     # Ctrl-C while waiting for input leaves with 130, quietly
     monkeypatch.setattr(
-        cli, "_read_user_line", lambda interactive: (_ for _ in ()).throw(KeyboardInterrupt)
+        chat_command,
+        "_read_user_line",
+        lambda interactive: (_ for _ in ()).throw(KeyboardInterrupt),
     )
     assert _chat(monkeypatch, cache_dir, "") == 130
     assert "Traceback" not in capsys.readouterr().err

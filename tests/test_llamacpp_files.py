@@ -235,10 +235,10 @@ def test_repack_command(files, tmp_path):
 
 def test_repack_outtypes_are_the_converters():
     """`repack --outtype` lists the converter's formats without importing it (for --help)."""
-    from pyruntime import cli
+    from pyruntime.cli import repack as repack_command
     from pyruntime.converter.tensors import OUTTYPES
 
-    assert set(cli.OUTTYPES) == set(OUTTYPES)
+    assert set(repack_command.OUTTYPES) == set(OUTTYPES)
 
 
 def test_info_plans_the_repacked_copy(files, tmp_path):

@@ -1,0 +1,132 @@
+"""What the commands share: loading the model from the options, the flags several commands take,
+and reading the user's text and output paths into one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from pyruntime import options
+from pyruntime.errors import PyruntimeWarning, UsageError
+from pyruntime.output_files import check_writable
+
+# The pyruntime.Model keywords the CLI passes from its options (pyruntime.options).
+RUNTIME = ("threads", "device", "sparsity", "sparsity_table", "kernel_tuning", "gpu_mem", "staging",
+           "pin_experts", "cache_policy", "misses", "lookahead")  # fmt: skip
+DECODING = (
+    "experts_per_token", "little_experts", "big_little", "fallback_threshold", "fallback", "draft"
+)  # fmt: skip
+
+
+def load_model(path: str | Path, args: argparse.Namespace, n_ctx: int) -> Any:
+    from pyruntime.api import Model
+
+    runtime = options.from_args(args, RUNTIME + DECODING)
+    if args.command == "calibrate":
+        runtime["device"] = "cpu"  # the gate observer runs on the CPU path
+    model = Model(path, n_ctx=n_ctx, seed=getattr(args, "seed", None), **runtime)
+    if getattr(args, "stats", False):
+        model.time_parts()
+    return model
+
+
+def model_or_demo(model: str | None) -> str | Path:
+    """MODEL, or without one the built-in demo model's GGUF (converted on first use)."""
+    if model is not None:
+        return model
+    from pyruntime.tools.demo import demo_model_path
+
+    return demo_model_path()
+
+
+def window_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-c", "--ctx-size", "--ctx", dest="ctx", type=int, default=512, metavar="N",
+        help="window size in tokens (512)",
+    )  # fmt: skip
+
+
+def stats_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--stats", action="store_true",
+        help="print what the model did (sparsity, big/little fallbacks, ...) as JSON on stderr",
+    )  # fmt: skip
+
+
+def print_stats(model: Any, args: argparse.Namespace) -> None:
+    if args.stats:
+        print("stats: " + json.dumps(model.stats()), file=sys.stderr)
+
+
+def sparsity_report(model: Any) -> str:
+    """'' when dense; else the target and the measured fraction of skipped expert neurons."""
+    if not model.sparsity:
+        return ""
+    return (
+        f" | expert sparsity: target {model.sparsity:.2f}, achieved {model.achieved_sparsity:.3f}"
+    )
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    kwargs = options.from_args(
+        args, ("max_tokens", "top_k", "top_p", "min_p", "repeat_penalty", "stop")
+    )
+    kwargs["stop"] = [valid_text(s, "--stop") for s in kwargs["stop"] or ()]
+    return kwargs
+
+
+_WARNED_UNDECODABLE: set[str] = set()
+
+
+def valid_text(text: str, what: str) -> str:
+    """`text` with bytes that were not UTF-8 (read as lone surrogates: argv, a reconfigured
+    stdin) replaced by U+FFFD, with one warning saying so; the tokenizer cannot take them."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        fixed = text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # surrogates that were not bytes: replace them too
+        fixed = text.encode("utf-8", "replace").decode("utf-8")
+    if what not in _WARNED_UNDECODABLE:  # once per source, not per line of a session
+        _WARNED_UNDECODABLE.add(what)
+        warnings.warn(
+            f"{what} had bytes that are not UTF-8; they were replaced by U+FFFD",
+            PyruntimeWarning,
+            stacklevel=2,
+        )
+    return fixed
+
+
+def check_output(path: Path) -> None:
+    """UsageError unless a file can be written at `path` (its folder exists and is writable)."""
+    if path.is_dir():
+        raise UsageError(f"{path}: is a directory; give -o a file name")
+    if not path.parent.is_dir():
+        raise UsageError(f"{path}: folder {path.parent} does not exist; choose another -o FILE")
+    try:
+        check_writable(path.parent)
+    except OSError as exc:
+        raise UsageError(
+            f"{path}: cannot write in {path.parent} ({exc.strerror or exc}); choose another "
+            "place with -o FILE"
+        ) from None
+
+
+def read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise UsageError(f"{path}: is a directory, expected a text file") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read ({exc.strerror})") from None

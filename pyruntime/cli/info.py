@@ -1,0 +1,131 @@
+"""`pyruntime info`: what a GGUF file holds, and where it would run on the GPU."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from pyruntime import options
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "info",
+        help="describe a GGUF model file",
+        description="Describe a GGUF model file, and where it would run on the GPU: the whole "
+        "model, or hybrid (dense weights and KV cache on the GPU, routed experts in host "
+        "memory, the rest of the budget as expert slots) under --gpu-mem (default: this "
+        "machine's GPU, if any) at a context of -c/--ctx-size tokens.",
+    )
+    p.add_argument("model", help="GGUF file")
+    options.add_arguments(p, "info")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pyruntime.gguf.file import open_gguf
+    from pyruntime.model.llamacpp_layout import detect_layout
+
+    f = open_gguf(args.model)
+    kind = detect_layout(f)
+    layout = {
+        "pyruntime": "pyruntime",
+        "llama.cpp": "llama.cpp (repacked into pyruntime's on first use; `pyruntime repack`)",
+        "unknown": "unknown (no routed experts)",
+    }[kind]
+    quant: dict[str, int] = {}
+    for t in f.tensors.values():
+        quant[t.qtype.name] = quant.get(t.qtype.name, 0) + 1
+    n_params = sum(t.n_elements for t in f.tensors.values())
+    tokens = f.get("tokenizer.ggml.tokens", [])
+    rows = [
+        ("file", str(f.path)),
+        ("file size", f"{f.file_size:,} bytes ({_human_bytes(f.file_size)})"),
+        ("architecture", f.arch),
+        ("layout", layout),
+        ("hf architecture", f.get("pyruntime.hf_architecture", _family_class(f))),
+        ("name", f.get("general.name", "?")),
+        ("parameters", f"{n_params:,} ({_human_count(n_params)})"),
+        ("tensors", str(len(f.tensors))),
+        ("quant types", ", ".join(f"{k}: {v}" for k, v in sorted(quant.items()))),
+        ("layers", str(f.arch_get("block_count", "?"))),
+        (
+            "experts",
+            f"{f.arch_get('expert_count', '?')} (used per token: "
+            f"{f.arch_get('expert_used_count', '?')})",
+        ),
+        ("expert ffn", str(f.arch_get("expert_feed_forward_length", "?"))),
+        ("context length", str(f.arch_get("context_length", "?"))),
+        ("embedding size", str(f.arch_get("embedding_length", "?"))),
+        (
+            "heads (kv)",
+            f"{f.arch_get('attention.head_count', '?')} "
+            f"({f.arch_get('attention.head_count_kv', '?')})",
+        ),
+        ("vocab", str(f.arch_get("vocab_size", len(tokens)))),
+        ("chat template", "yes" if f.get("tokenizer.chat_template", None) else "no"),
+    ]
+    if kind == "llama.cpp":
+        rows += _repacked_plan_rows(f, args)
+    else:
+        rows += _gpu_plan_rows(f, args)
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}} : {value}")
+    return 0
+
+
+def _family_class(f: Any) -> str:
+    """The Hugging Face class llama.cpp's converter reads for the file's architecture, or '?'."""
+    from pyruntime.model.llamacpp_layout import FAMILIES
+
+    family = FAMILIES.get(f.arch)
+    return family.hf_architecture if family is not None else "?"
+
+
+def _repacked_plan_rows(f: Any, args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The GPU plan of a llama.cpp file's repacked copy (what would run), once there is a
+    current one; info does not repack."""
+    from pyruntime.converter.repack_cache import cached_copy_path, is_copy_of
+    from pyruntime.gguf.file import open_gguf
+
+    copy = cached_copy_path(f.path)
+    if not is_copy_of(copy, f):
+        return [("gpu plan", "once repacked (on first use, or `pyruntime repack MODEL`)")]
+    return _gpu_plan_rows(open_gguf(copy), args)
+
+
+def _gpu_plan_rows(f: Any, args: argparse.Namespace) -> list[tuple[str, str]]:
+    """Where the model would run under --gpu-mem (default: this machine's GPU's budget) at
+    -c/--ctx-size tokens; a line saying so without a budget or a GPU."""
+    from pyruntime.model.config import ModelConfig
+    from pyruntime.offload.plan import device_bytes, plan_budget
+
+    cfg = ModelConfig.from_gguf(f)
+    n_ctx = options.value("n_ctx", args.n_ctx) or cfg.context_length
+    budget = options.value("gpu_mem", args.gpu_mem)
+    if budget is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return [("gpu plan", "no GPU here: give --gpu-mem SIZE for the plan on one")]
+        from pyruntime.placement import gpu_budget
+
+        budget, _ = gpu_budget(torch.device("cuda"), None)
+    return plan_budget(device_bytes(f, cfg, n_ctx), budget, n_ctx).rows()
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _human_count(n: float) -> str:
+    for unit in ("", "K", "M", "B"):
+        if n < 1000 or unit == "B":
+            return f"{n:.2f}{unit}" if unit else str(int(n))
+        n /= 1000
+    return f"{n:.2f}T"
