@@ -5,8 +5,11 @@ For each GGUF given (llama.cpp's layout, or ours: llama.cpp reads only the token
 runs `llama-tokenize --ids --no-escape` on the text and compares with pyruntime's ids; for a
 llama.cpp-layout file also runs `llama-perplexity -c CTX` and scores pyruntime's logits as it does
 (consecutive windows of CTX tokens, BOS first when the model adds one, only the second half of
-each window scored: tools/perplexity of llama.cpp). The llama.cpp tools come from
-`bench/peers_build.sh` (add the targets llama-tokenize and llama-perplexity to its build).
+each window scored: tools/perplexity of llama.cpp). Exits 1 when an id differs or a ratio is
+off by more than 0.5%. The llama.cpp tools: `bench/peers_build.sh` (llama-bench), then
+`cmake --build /tmp/peers/llama.cpp/build-cpu --target llama-tokenize llama-perplexity`; a
+llama.cpp-layout file from a checkpoint: llama.cpp's `convert_hf_to_gguf.py` (with
+PYTHONPATH=/tmp/peers/llama.cpp/gguf-py), Q4_0 from it by `llama-quantize`.
 
     python bench/llamacpp_parity.py M-q8_0.gguf M-f16.gguf -f ../shared/data/eval-jargon.txt \
         --bin /tmp/peers/llama.cpp/build-cpu/bin --ctx 256
@@ -80,7 +83,9 @@ def our_ppl(model: Model, ids: list[int], ctx: int, windows: int) -> float:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("models", nargs="+", type=Path)
     p.add_argument("-f", "--file", type=Path, required=True, help="text (UTF-8)")
     p.add_argument("--bin", type=Path, required=True, help="folder of llama-tokenize, -perplexity")

@@ -135,7 +135,9 @@ def bad_loop(url: str, every: float, tally: Tally, stop: threading.Event) -> Non
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("model", nargs="?", help="GGUF file (default: the demo model)")
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--minutes", type=float, default=5.0)
