@@ -14,6 +14,11 @@ run, before the matrix: the C core's DRAM read (pyrt_mem_read), the pinned host-
 both at once (bench/read_ceilings.py's measure). cpu rows divide by the read alone, stage rows by
 the copy alone, auto rows by both together. `% floor` = floor time / measured time.
 
+--stats times each row's parts (pyruntime.offload.stats: the decode step's dense graph segments,
+the GPU's experts, waits for copies, the host's wait for each layer's routing, the C core's
+calls) and prints them per token; --staging-rates register,bounce,pinned first measures how
+fast each expert home fills slots (the copies alone), beside the pinned copy ceiling.
+
 The costs are measured once (pyruntime.offload.costs, not cached here); --sparsity S takes the
 thresholds from the model's calibration (MODEL.sparsity.json), made first from random tokens if
 there is none. MODEL is a GGUF or a shape of bench/make_random_gguf.py (written once to
@@ -48,10 +53,15 @@ from pyruntime.decoding.big_little import BigLittleStats  # noqa: E402
 from pyruntime.decoding.mode import DecodingMode  # noqa: E402
 from pyruntime.experts.sparsity import SparsityTable, calibrate, sidecar_path  # noqa: E402
 from pyruntime.gguf.file import open_gguf  # noqa: E402
+from pyruntime.gguf.quant import FORMAT_NAMES  # noqa: E402
 from pyruntime.model.config import ModelConfig  # noqa: E402
 from pyruntime.model.weights import HostWeights  # noqa: E402
 from pyruntime.offload.costs import measure_costs  # noqa: E402
 from pyruntime.offload.executor import HybridExecutor  # noqa: E402
+from pyruntime.offload.home import open_home  # noqa: E402
+from pyruntime.offload.slots import ExpertSlots  # noqa: E402
+from pyruntime.offload.stats import OffloadStats  # noqa: E402
+from pyruntime.offload.streams import DeviceStreams  # noqa: E402
 from pyruntime.tools.bench import run_bench  # noqa: E402
 
 
@@ -143,10 +153,50 @@ def combined_speedup(rows: dict[str, dict], ratios: list[float]) -> str:
     )
 
 
+def staging_rates(host: HostWeights, device: torch.device, modes: list[str], n_slots: int,
+                  reps: int = 3) -> dict[str, float]:  # fmt: skip
+    """GB/s of each home (register, bounce, pinned) filling n_slots slots with experts of every
+    MoE layer in turn (the copies alone: no CPU work meanwhile), median of `reps` fills."""
+    moe = [i for i, b in enumerate(host.blocks) if b.experts is not None]
+    first = host.blocks[moe[0]].experts
+    streams = DeviceStreams(device)
+    slots = ExpertSlots(n_slots, first.n_ff, first.n_embd, FORMAT_NAMES[first.qtype], device,
+                        streams, 8)  # fmt: skip
+    keys = [(layer, e) for e in range(first.n_expert) for layer in moe]
+    out = {}
+    for mode in modes:
+        home = open_home(host, device, mode)
+        rates = []
+        for r in range(reps + 1):  # the first fill warms the buffers up
+            batch = [keys[(r * n_slots + j) % len(keys)] for j in range(n_slots)]
+            if streams.cuda:
+                torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            slots.fill(list(range(n_slots)), home.sources(batch))
+            if streams.cuda:
+                streams.copy.synchronize()
+            rates.append(n_slots * slots.expert_bytes / (time.perf_counter() - t) / 1e9)
+        out[home.mode if home.mode == mode else f"{mode} ({home.mode})"] = statistics.median(
+            rates[1:]
+        )
+        home.close()
+    return out
+
+
+def part_times(net: HybridExecutor, before: OffloadStats, timer: dict, tokens: int) -> str:
+    """Milliseconds per token by part since `before` (--stats; the parts overlap)."""
+    after = net.offload
+    parts = {p: (net.timer.seconds[p] - timer[p]) for p in net.timer.seconds}
+    parts["route_wait"] = after.route_wait_seconds - before.route_wait_seconds
+    parts["cpu_experts"] = after.cpu_seconds - before.cpu_seconds
+    return ", ".join(f"{p} {1e3 * v / tokens:.3f}" for p, v in parts.items() if v > 0)
+
+
 def run_case(net: HybridExecutor, test: str, n: int, reps: int,
              mode: DecodingMode | None = None) -> dict:  # fmt: skip
     """tok/s and, per token, the bytes the CPU read and staged (warm-up included)."""
     before = dataclasses.replace(net.offload)
+    timer = dict(net.timer.seconds)
     hits = net.cache.stats.hits, net.cache.stats.misses
     stats = BigLittleStats()
     [result] = run_bench(net, n if test == "pp" else 0, n if test == "tg" else 0, reps,
@@ -161,6 +211,7 @@ def run_case(net: HybridExecutor, test: str, n: int, reps: int,
         "cpu_mb": (after.cpu_bytes - before.cpu_bytes) / tokens / 1e6,
         "staged_mb": (after.staged_bytes - before.staged_bytes) / tokens / 1e6,
         "stats": stats,
+        "parts": part_times(net, before, timer, tokens),
     }
 
 
@@ -187,10 +238,26 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the CPU's share on a worker thread while the GPU's is queued",
     )
+    p.add_argument(
+        "--lookahead",
+        action="store_true",
+        help="stage the next MoE layer's likely experts during a decode step (its router on "
+        "this layer's residual stream)",
+    )
     p.add_argument("-p", "--n-prompt", type=int, default=512)
     p.add_argument("-n", "--n-gen", type=int, default=128)
     p.add_argument("-r", "--repetitions", type=int, default=2)
     p.add_argument("--ceiling-gib", type=float, default=1.0, help="buffer of the ceilings")
+    p.add_argument(
+        "--stats",
+        action="store_true",
+        help="time the parts of each row (GPU events per layer) and print them per token",
+    )
+    p.add_argument(
+        "--staging-rates",
+        default="",
+        help="homes whose staging rate to measure first (e.g. register,bounce,pinned)",
+    )
     p.add_argument(
         "--big-little",
         action="store_true",
@@ -218,10 +285,18 @@ def main(argv: list[str] | None = None) -> int:
     ceilings = measure_ceilings(core, device, args.ceiling_gib)
     both = "-" if ceilings.both is None else f"{ceilings.both:.1f}"
     share = "on a worker thread" if args.cpu_thread else "inline"
+    share += ", lookahead" if args.lookahead else ""
     print(f"{path.name}: {n_experts} routed experts of {host.blocks[0].experts.expert_bytes:,} "
           f"bytes; {args.device}, {core.threads} CPU threads, staging {args.staging}, policy "
           f"{args.policy}, CPU share {share}\nceilings (GB/s): DRAM read {ceilings.read:.1f}, "
           f"host->GPU copy {ceilings.copy:.1f}, both at once {both}\n")  # fmt: skip
+    if args.staging_rates:
+        n_slots = 4 * cfg.n_expert_used
+        rates = staging_rates(host, device, args.staging_rates.split(","), n_slots)
+        print(f"staging {n_slots} experts into slots (GB/s, copies alone; the copy ceiling "
+              f"{ceilings.copy:.1f}): " + ", ".join(f"{m} {r:.1f} ({100 * r / ceilings.copy:.0f}%)"
+                                                   for m, r in rates.items()) + "\n",
+              flush=True)  # fmt: skip
     fractions = [float(x) for x in args.fractions.split(",")]
     placements = args.misses.split(",")
     sparsities = [float(x) for x in args.sparsity.split(",")]
@@ -240,9 +315,12 @@ def main(argv: list[str] | None = None) -> int:
                              for m in placements}):  # fmt: skip
             net = HybridExecutor(cfg, host, device, core, slots=slots, misses="cpu",
                                  staging=args.staging, policy=args.policy,
-                                 cpu_thread=args.cpu_thread)  # fmt: skip
+                                 cpu_thread=args.cpu_thread,
+                                 lookahead=args.lookahead)  # fmt: skip
+            net.timer.enabled = args.stats or not net.streams.cuda
             if costs is None and slots and "auto" in placements:
                 costs = measure_costs(net)
+                print(f"costs: {costs}", flush=True)
             for misses in placements:
                 if slots_for(fraction, misses, n_experts, cfg.n_expert_used) != slots:
                     continue
@@ -262,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
                                   f"| {row['tok_s']:.1f} ± {row['std']:.1f} "
                                   f"| {row['hit_rate']:.3f} | {row['cpu_mb']:.2f} "
                                   f"| {row['staged_mb']:.2f} | {vs} |", flush=True)  # fmt: skip
+                            if args.stats:
+                                print(f"  ms/token: {row['parts']}", flush=True)
                         if "lossy" in rows:
                             print(combined_speedup(rows, ratios), flush=True)
             net.close()
@@ -269,8 +349,6 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    if costs is not None:
-        print(f"\ncosts: {costs}")
     return 0
 
 

@@ -240,6 +240,7 @@ def test_k_experts_per_call(olmoe, core, k):
         got = torch.log_softmax(net.forward(tokens, cache_n, k=k).double(), -1)
         assert max_err(got, want) <= LOGPROB_TOL
     assert net.stats.pairs == len(ids) * k * 2
+    assert list(cache_n.executor_state["hybrid"].segments) == [(k, False)]  # made once
 
 
 # -- big/little through the hybrid ------------------------------------------------------------

@@ -16,6 +16,7 @@ from pyruntime.kernels.expert_formats import repack_rows
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.weights import HostWeights
 from pyruntime.offload.home import PAGE, BounceHome, open_home
+from pyruntime.offload.host_register import SharedRegistration
 from pyruntime.offload.slots import ExpertSlots
 from pyruntime.offload.streams import DeviceStreams
 
@@ -125,3 +126,53 @@ def test_slots_hold_the_experts_in_the_kernels_format(host):
     slots.fill([0, 1], home.sources([(1, 7), (1, 6)]))  # consecutive slots, one batch
     assert held(0, 1, 7) and held(1, 1, 6) and held(2, 0, 0) and held(4, 0, 5)
     assert not held(1, 1, 2)
+
+
+# -- registrations shared by every home over one mapping ---------------------------------------
+
+
+class RecordingDriver:
+    def __init__(self, refuse_at: int | None = None) -> None:
+        self.live: dict[int, tuple[int, bool]] = {}  # start -> (end, read_only)
+        self.refuse_at = refuse_at
+
+    def register(self, ptr: int, nbytes: int, read_only: bool) -> str | None:
+        if ptr == self.refuse_at:
+            return "out of memory"
+        assert all(ptr + nbytes <= s or e <= ptr for s, (e, _) in self.live.items()), "overlap"
+        self.live[ptr] = (ptr + nbytes, read_only)
+        return None
+
+    def unregister(self, ptr: int) -> None:
+        del self.live[ptr]
+
+
+def test_one_registration_per_range_shared_by_its_users():
+    """Two homes over one mapping pin the same span: the driver registers it once (a second
+    registration of an overlapping range is refused by CUDA), and unregisters it after the
+    last user lets go; a wider span registers only what no range covers yet."""
+    driver = RecordingDriver()
+    shared = SharedRegistration(driver)
+    assert shared.pin(0x10000, 0x4000, read_only=True) is None
+    assert shared.pin(0x10000, 0x4000, read_only=True) is None
+    assert driver.live == {0x10000: (0x14000, True)}
+    assert shared.pin(0xE000, 0x8000, read_only=True) is None  # both sides of the first
+    assert driver.live == {0xE000: (0x10000, True), 0x10000: (0x14000, True),
+                           0x14000: (0x16000, True)}  # fmt: skip
+    shared.unpin(0x10000)
+    shared.unpin(0xE000)
+    assert shared.registered() == [(0x10000, 0x14000)]
+    shared.unpin(0x10000)
+    assert driver.live == {} and shared.registered() == []
+    shared.unpin(0x10000)  # nothing left to let go: a no-op
+
+
+def test_a_refused_part_leaves_nothing_registered():
+    driver = RecordingDriver(refuse_at=0x12000)  # the second gap
+    shared = SharedRegistration(driver)
+    assert shared.pin(0x10000, 0x2000, read_only=True) is None
+    assert shared.pin(0xE000, 0x8000, read_only=True) == "out of memory"
+    assert shared.registered() == [(0x10000, 0x12000)] and list(driver.live) == [0x10000]
+    assert "read-only" in shared.pin(0x11000, 0x1000, read_only=False)
+    shared.unpin(0x10000)
+    assert driver.live == {}

@@ -5,7 +5,8 @@
 - the rope tables of every cache position;
 - the decode steps captured in CUDA graphs, one per (experts per token, expert maps): a graph
   reads every input from these fixed addresses, so one capture replays at every position, and
-  rewinding the cache only changes n_tokens (the next step's inputs say where it writes).
+  rewinding the cache only changes n_tokens (the next step's inputs say where it writes); the
+  hybrid executor's steps are graph segments (pyruntime.offload.segments), kept the same way.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class GpuCacheState:
         self.token, self.position, self.seq_len = self.step_inputs.view(3, 1).unbind(0)
         self._staging = torch.zeros(3, dtype=torch.long, pin_memory=self.step_inputs.is_cuda)
         self.graphs: dict[tuple, CapturedStep] = {}
+        # the hybrid executor's decode steps as graph segments (pyruntime.offload.segments)
+        self.segments: dict[tuple, Any] = {}
 
     def set_step(self, token: int, position: int) -> None:
         """The next decode step's inputs: `token` at `position`. Asynchronous: the staging
@@ -52,10 +55,12 @@ class GpuCacheState:
         self.step_inputs.copy_(self._staging, non_blocking=True)
 
 
-def capture(fn: Callable[[], Any], device: torch.device) -> tuple[Any, Any]:
+def capture(fn: Callable[[], Any], device: torch.device, pool: Any = None) -> tuple[Any, Any]:
     """(a CUDA graph of fn, fn's outputs in it). fn runs once first on a side stream (Triton
     compiles, allocations and the grid_sync counters happen outside the capture); that run has
-    the side effects of a step (KV writes, device counts), which the caller undoes or redoes."""
+    the side effects of a step (KV writes, device counts), which the caller undoes or redoes.
+    pool: a memory pool shared with other graphs (torch.cuda.graph_pool_handle()), which must
+    then replay in the order they were captured."""
     current = torch.cuda.current_stream(device)
     stream = torch.cuda.Stream(device)
     stream.wait_stream(current)
@@ -63,6 +68,6 @@ def capture(fn: Callable[[], Any], device: torch.device) -> tuple[Any, Any]:
         fn()
     current.wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         outputs = fn()
     return graph, outputs

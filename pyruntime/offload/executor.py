@@ -46,9 +46,11 @@ from pyruntime.model.tokens import single_token, token_ids
 from pyruntime.model.weights import HostWeights
 from pyruntime.offload.cache import ExpertCache
 from pyruntime.offload.costs import Costs
-from pyruntime.offload.home import Pinning, open_home
+from pyruntime.offload.home import default_pinning, open_home
+from pyruntime.offload.host_register import Pinning
 from pyruntime.offload.plan import gib
 from pyruntime.offload.policy import make_policy
+from pyruntime.offload.segments import DecodeSegments
 from pyruntime.offload.slots import ExpertSlots
 from pyruntime.offload.split import CpuWorker, SplitExperts
 from pyruntime.offload.stats import OffloadStats, PartTimer
@@ -114,7 +116,8 @@ class HybridExecutor:
             self.streams, staging_buffer or cfg.n_expert_used,
         )  # fmt: skip
         # Last of what can fail (device memory first), so a failure leaves nothing locked.
-        self.home = open_home(weights, self.device, staging, pinning)
+        self._pinning = pinning or default_pinning(self.device)
+        self.home = open_home(weights, self.device, staging, self._pinning)
         self.cache = ExpertCache(cfg.n_layer, cfg.n_expert, slots, make_policy(policy))
         self.core = core
         self.file = file
@@ -240,9 +243,28 @@ class HybridExecutor:
 
     def _forward(self, tokens, cache: KVCache, last_only: bool, k: int,
                  routing: RoutingTrace | None) -> tuple[torch.Tensor, int]:  # fmt: skip
-        span = self._span(tokens, cache)
-        layers, timer = self.layers, self.timer
+        state = self._state(cache)
         trace: list | None = None if routing is None else []
+        token = single_token(tokens, self.config.n_vocab)
+        if token is not None:
+            logits, n = self._decode(state, token, cache, k, trace), 1
+        else:
+            logits, n = self._prefill(state, tokens, cache, last_only, k, trace)
+        if routing is not None:
+            routing.layers = self.moe_layers()
+            routing.ids = torch.stack([ids for ids, _ in trace]).long()
+            routing.logits = torch.stack([lg for _, lg in trace]).float()
+        return logits, n
+
+    def _prefill(self, state: GpuCacheState, tokens, cache: KVCache, last_only: bool, k: int,
+                 trace: list | None) -> tuple[torch.Tensor, int]:  # fmt: skip
+        """Several tokens, eagerly, layer by layer."""
+        ids = token_ids(tokens, self.config.n_vocab)
+        cache.reserve(ids.numel())
+        start = cache.n_tokens
+        positions = torch.arange(start, start + ids.numel(), device=self.device)
+        span = Span(ids.to(self.device), positions, state.cos, state.sin, start=start)
+        layers, timer = self.layers, self.timer
         x, delta = layers.embed(span.ids), None
         for i, blk in enumerate(self.host.blocks):
             mark = timer.start()
@@ -254,7 +276,7 @@ class HybridExecutor:
                 continue
             r = layers.route(i, x, delta, k)
             timer.stop("router", mark)
-            y = self.experts(i, r, k, trace)
+            y = self.experts(i, r, trace)
             delta = layers.ffn_output(i, r, y)
             x = r.x
         self.stats.flush()
@@ -264,13 +286,52 @@ class HybridExecutor:
         self.streams.host_waits()
         timer.collect()
         cache.n_tokens += span.n
-        if routing is not None:
-            routing.layers = self.moe_layers()
-            routing.ids = torch.stack([ids for ids, _ in trace]).long()
-            routing.logits = torch.stack([lg for _, lg in trace]).float()
         return logits, span.n
 
-    def _span(self, tokens, cache: KVCache) -> Span:
+    def _decode(self, state: GpuCacheState, token: int, cache: KVCache, k: int,
+                trace: list | None) -> torch.Tensor:  # fmt: skip
+        """One token: the step's graph segments (pyruntime.offload.segments), each MoE layer's
+        experts placed by the host between two of them."""
+        cache.reserve(1)
+        state.set_step(token, cache.n_tokens)
+        seg = self._segments(state, cache, k)
+        timer, streams = self.timer, self.streams
+        for m, i in enumerate(self._moe):
+            mark = timer.start()
+            r = seg.run(m)
+            timer.stop("dense", mark)
+            t = time.perf_counter()
+            streams.host_waits()
+            self.offload.route_wait_seconds += time.perf_counter() - t
+            self.experts.decode(i, r, seg, trace)
+        mark = timer.start()
+        seg.run(len(self._moe))
+        timer.stop("dense", mark)
+        self.stats.flush()
+        streams.host_waits()
+        timer.collect()
+        cache.n_tokens += 1
+        return seg.logits.clone()
+
+    def _segments(self, state: GpuCacheState, cache: KVCache, k: int) -> DecodeSegments:
+        """The decode step's segments at k on this cache, made on first use."""
+        lookahead = self.experts.lookahead
+        key = (k, lookahead)
+        seg = state.segments.get(key)
+        if seg is None:
+            experts = self.experts
+
+            def predict(i: int, r: Routed) -> torch.Tensor | None:
+                ahead = experts.next_moe.get(i) if lookahead else None
+                return None if ahead is None else experts._predict(ahead, r, k)
+
+            span = Span(state.token, state.position, state.cos, state.sin, seq_len=state.seq_len)
+            seg = DecodeSegments(self.layers, self._moe, cache.kv, span, k, predict,
+                                 self._pinning, self.device)  # fmt: skip
+            state.segments[key] = seg
+        return seg
+
+    def _state(self, cache: KVCache) -> GpuCacheState:
         state = cache.executor_state.get(STATE_KEY)
         if state is None or state.owner_id != id(self):
             if cache.growable or cache.device != self.device or cache.dtype != self.dtype:
@@ -281,16 +342,7 @@ class HybridExecutor:
             with torch.inference_mode(False):  # the step inputs are rewritten outside it
                 state = GpuCacheState(self, self.config, cache.max_tokens, self.device)
             cache.executor_state[STATE_KEY] = state
-        token = single_token(tokens, self.config.n_vocab)
-        if token is not None:
-            cache.reserve(1)
-            state.set_step(token, cache.n_tokens)
-            return Span(state.token, state.position, state.cos, state.sin, seq_len=state.seq_len)
-        ids = token_ids(tokens, self.config.n_vocab)
-        cache.reserve(ids.numel())
-        start = cache.n_tokens
-        positions = torch.arange(start, start + ids.numel(), device=self.device)
-        return Span(ids.to(self.device), positions, state.cos, state.sin, start=start)
+        return state
 
     def time_gpu_experts(self, n: int, n_tokens: int, reps: int) -> float:
         """Median seconds of the GPU's expert kernel over slots 0..n-1 as experts 0..n-1 of the

@@ -2,12 +2,14 @@
 
 Three homes behind one interface (`ExpertHome`), chosen by `--staging` (`--pin-experts`):
 - register: the experts stay in the mapped GGUF; the span of the mapping that holds them is
-  registered read-only with the CUDA driver (cudaHostRegister, cudaHostRegisterReadOnly), so the
-  copy engine reads them by DMA straight from the page cache. Locks those pages in RAM.
-- bounce: the experts stay in the mapped GGUF; a staged batch is first copied by the CPU into a
-  pinned buffer (torch's caching host allocator, which keeps a buffer from reuse until the copies
-  queued on it are done: a ring of bounce buffers), then copied by DMA. Costs a CPU copy (DRAM
-  read + write) per staged byte, locks nothing beyond the buffers.
+  registered read-only with the CUDA driver (pyruntime.offload.host_register: one registration
+  per range, shared by every executor over the same mapping), so the copy engine reads them by
+  DMA straight from the page cache. Locks those pages in RAM.
+- bounce: the experts stay in the mapped GGUF; a staged batch is copied by the CPU into a pinned
+  buffer (torch's caching host allocator, which keeps a buffer from reuse until the copies queued
+  on it are done: a ring of bounce buffers) expert by expert as the slots ask for them, so the
+  DMA of one overlaps the CPU's copy of the next. Costs a CPU copy (DRAM read + write) per staged
+  byte, locks nothing beyond the buffers.
 - pinned: a copy of every routed expert in anonymous RAM, registered with the driver: the fastest
   DMA source; costs RAM the size of the experts and one read of them at load.
 Every home keeps the GGUF layout, so the C core computes from it too (`cpu_view`); q8_0/q4_0 are
@@ -15,8 +17,9 @@ repacked on the device after the copy (pyruntime.offload.slots).
 
 Pinning refused (memlock limits, a driver without read-only registration, no RAM): a warning,
 and the bounce home instead (which itself falls back to pageable buffers, slower, with a warning
-when even those cannot be pinned); never a crash. `Pinning` is the seam: CudaPinning on a GPU,
-NoPinning on a CPU device (nothing to lock; the tests give a refusing one).
+when even those cannot be pinned); never a crash.
+`Pinning` is the seam: the shared CUDA registrations on a GPU, NoPinning on a CPU device
+(nothing to lock; the tests give a refusing one).
 """
 
 from __future__ import annotations
@@ -24,60 +27,21 @@ from __future__ import annotations
 import mmap
 import warnings
 from collections.abc import Sequence
-from typing import Protocol
 
 import numpy as np
 import torch
 
 from pyruntime.errors import PyruntimeWarning
 from pyruntime.model.weights import HostWeights
+from pyruntime.offload.host_register import NoPinning, Pinning, cuda_pinning
 from pyruntime.offload.plan import gib
 
 PAGE = mmap.PAGESIZE
-HOST_REGISTER_DEFAULT, HOST_REGISTER_READ_ONLY = 0x0, 0x8  # cudaHostRegister flags
 Key = tuple[int, int]  # (layer, expert)
 
 
-class Pinning(Protocol):
-    def pin(self, ptr: int, nbytes: int, read_only: bool) -> str | None:
-        """Lock [ptr, ptr + nbytes) for DMA; None when done, else why not."""
-        ...
-
-    def unpin(self, ptr: int) -> None: ...
-
-
-class CudaPinning:
-    """cudaHostRegister / cudaHostUnregister through torch's binding of the CUDA runtime."""
-
-    def pin(self, ptr: int, nbytes: int, read_only: bool) -> str | None:
-        rt = torch.cuda.cudart()
-        flags = HOST_REGISTER_READ_ONLY if read_only else HOST_REGISTER_DEFAULT
-        err = rt.cudaHostRegister(ptr, nbytes, flags)
-        if err == rt.cudaError.success:
-            return None
-        # A failed runtime call stays the thread's last error, which torch's next kernel-launch
-        # check would raise as that kernel's failure: clear it.
-        clear = getattr(rt, "cudaGetLastError", None)
-        if clear is not None:
-            clear()
-        return str(rt.cudaGetErrorString(err))
-
-    def unpin(self, ptr: int) -> None:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
-
-
-class NoPinning:
-    """A CPU device: nothing is copied by DMA, so nothing needs locking."""
-
-    def pin(self, ptr: int, nbytes: int, read_only: bool) -> str | None:
-        return None
-
-    def unpin(self, ptr: int) -> None:
-        pass
-
-
 def default_pinning(device: torch.device) -> Pinning:
-    return CudaPinning() if device.type == "cuda" else NoPinning()
+    return cuda_pinning() if device.type == "cuda" else NoPinning()
 
 
 def _as_tensor(view: np.ndarray) -> torch.Tensor:
@@ -133,12 +97,19 @@ class MappedHome(ExpertHome):
             self._ptr = None
 
 
-def _page_aligned(nbytes: int) -> np.ndarray:
-    """An uninitialized uint8 array of nbytes starting on a page boundary (as registration
-    wants), freed with its last reference."""
-    raw = np.empty(nbytes + PAGE, dtype=np.uint8)
+def page_aligned(nbytes: int) -> np.ndarray:
+    """An uninitialized uint8 array of nbytes starting on a page boundary, alone in its pages
+    (registration locks whole pages: no other allocation may share one), freed with its last
+    reference."""
+    pages = -(-nbytes // PAGE) * PAGE
+    raw = np.empty(pages + PAGE, dtype=np.uint8)
     start = -raw.ctypes.data % PAGE
-    return raw[start : start + nbytes]
+    return raw[start : start + pages][:nbytes]
+
+
+def page_span(a: np.ndarray) -> int:
+    """Bytes of the whole pages `a` (from page_aligned) starts in."""
+    return -(-a.nbytes // PAGE) * PAGE
 
 
 class PinnedHome(ExpertHome):
@@ -155,9 +126,9 @@ class PinnedHome(ExpertHome):
         total = gib(sum(s.raw.nbytes for s in self.layers.values()))
         try:
             for layer, store in self.layers.items():
-                copy = _page_aligned(store.raw.nbytes)
+                copy = page_aligned(store.raw.nbytes)
                 copy[:] = store.raw_bytes()
-                why = pinning.pin(copy.ctypes.data, copy.nbytes, read_only=False)
+                why = pinning.pin(copy.ctypes.data, page_span(copy), read_only=False)
                 if why is not None:
                     raise PinRefused(f"pinning a {total} copy of the experts in RAM was refused "
                                      f"({why})")  # fmt: skip
@@ -201,14 +172,35 @@ class BounceHome(ExpertHome):
                 )
                 self._pinned = False
 
-    def sources(self, keys: Sequence[Key]) -> list[torch.Tensor]:
+    def sources(self, keys: Sequence[Key]) -> Sequence[torch.Tensor]:
         if not keys:
             return []
         buf = torch.empty((len(keys), self.expert_bytes), dtype=torch.uint8,
                           pin_memory=self._pinned)  # fmt: skip
-        for row, (layer, e) in zip(buf, keys, strict=True):
-            row.copy_(_as_tensor(self.cpu_view(layer)[e]))
-        return list(buf)
+        views = [_as_tensor(self.cpu_view(layer)[e]) for layer, e in keys]
+        return _BounceBatch(buf, views, [False] * len(keys), range(len(keys)))
+
+
+class _BounceBatch(Sequence):
+    """Bounce buffer rows filled from their experts' bytes when first asked for (a slice is a
+    lazy view too), so the copy of one expert to the device is queued before the CPU copies the
+    next one."""
+
+    def __init__(self, buf: torch.Tensor, views: list[torch.Tensor], done: list[bool],
+                 rows: range) -> None:  # fmt: skip
+        self._buf, self._views, self._done, self._rows = buf, views, done, rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, j):
+        if isinstance(j, slice):
+            return _BounceBatch(self._buf, self._views, self._done, self._rows[j])
+        row = self._rows[j]
+        if not self._done[row]:
+            self._buf[row].copy_(self._views[row])
+            self._done[row] = True
+        return self._buf[row]
 
 
 class PinRefused(Exception):

@@ -43,6 +43,7 @@ from pyruntime.model.weights import HostWeights
 from pyruntime.offload.cache import ExpertCache
 from pyruntime.offload.costs import Costs, read_share, split_misses
 from pyruntime.offload.home import ExpertHome
+from pyruntime.offload.segments import DecodeSegments
 from pyruntime.offload.slots import ExpertSlots
 from pyruntime.offload.stats import OffloadStats, PartTimer
 from pyruntime.offload.streams import DeviceStreams
@@ -79,28 +80,48 @@ class SplitExperts:
                              "(pyruntime.offload.costs.measure_costs)")  # fmt: skip
         self.misses, self.costs = misses, costs
 
-    def __call__(self, i: int, r: Routed, k: int, trace: list | None) -> torch.Tensor:
-        """y [n, n_embd] f32 on the device: layer i's routed experts (module doc); trace gets
-        the last token's (ids, router logits) on the host."""
+    def __call__(self, i: int, r: Routed, trace: list | None) -> torch.Tensor:
+        """y [n, n_embd] f32 on the device: layer i's routed experts for a pass of several
+        tokens (module doc); trace gets the last token's (ids, router logits) on the host."""
         t = time.perf_counter()
         parts = [r.ids, r.weights, r.h32]
-        ahead = self.next_moe.get(i) if self.lookahead and r.ids.shape[0] == 1 else None
-        if ahead is not None:
-            parts.append(self._predict(ahead, r, k))
         if trace is not None:
             parts.append(r.logits[-1])
         host = [self.streams.to_host(p) for p in parts]
         self.streams.host_waits()
         self.offload.route_wait_seconds += time.perf_counter() - t
-        ids, weights, h = host[0], host[1], host[2]
+        ids, weights, h = host[0], host[1], host[2].float()
         if trace is not None:
             trace.append((ids[-1].clone(), host[-1].clone()))
-        ids_np = ids.numpy()
-        if ids_np.shape[0] == 1:  # decode: k distinct experts, one token each
-            used, counts = ids_np[0].tolist(), [1] * ids_np.shape[1]
-        else:
-            experts, n_tokens = np.unique(ids_np, return_counts=True)
-            used, counts = experts.tolist(), n_tokens.tolist()
+        experts, n_tokens = np.unique(ids.numpy(), return_counts=True)
+        y, y_cpu = self._layer(i, r, experts.tolist(), n_tokens.tolist(), h, ids, weights)
+        if y_cpu is not None:
+            y_cpu = self.streams.to_device(y_cpu)
+            y = y_cpu if y is None else y.add_(y_cpu)
+        return y
+
+    def decode(self, i: int, r: Routed, seg: DecodeSegments, trace: list | None) -> None:
+        """Layer i's routed experts for one token, its segment's routing in seg's host buffers
+        (the host waited for them): the GPU's share into seg.y_gpu, the CPU's into seg.y_cpu
+        (pyruntime.offload.segments); trace gets (ids, router logits) on the host."""
+        used = seg.ids[0].tolist()  # k distinct experts, one token each
+        if trace is not None:
+            trace.append((seg.ids[0].long(), seg.router_logits[0].clone()))
+        ahead = self.next_moe.get(i) if self.lookahead else None
+        predicted = seg.predicted.tolist() if ahead is not None else None
+        y, y_cpu = self._layer(i, r, used, [1] * len(used), seg.h, seg.ids, seg.weights,
+                               ahead, predicted, seg.y_cpu)  # fmt: skip
+        seg.set_gpu_share(y)
+        seg.set_cpu_share(y_cpu is not None)
+
+    def _layer(self, i: int, r: Routed, used: list[int], counts: list[int], h: torch.Tensor,
+               ids: torch.Tensor, weights: torch.Tensor, ahead: int | None = None,
+               predicted: list[int] | None = None,
+               out: torch.Tensor | None = None):  # fmt: skip
+        """(the GPU's y on the device or None, the CPU's y on the host or None) of layer i's
+        experts `used`, counts[j] tokens routed to used[j]; h, ids, weights: the layer's
+        routing on the host; ahead, predicted: the lookahead's next layer and its likely
+        experts; out: where the C core writes its y."""
         self.release({key for key in self.lookahead_holds if key[0] == i})
         missed = set(self.cache.lookup(i, used))
         hits = [e for e in used if e not in missed]
@@ -108,24 +129,24 @@ class SplitExperts:
                                  if e in missed], len(hits))  # fmt: skip
         rounds, left = self._admit_rounds(i, hits, stage)
         cpu += left
-        job = self._start_cpu(i, cpu, h, ids, weights) if cpu else None
+        job = self._start_cpu(i, cpu, h, ids, weights, out) if cpu else None
         try:
             y = self._gpu(i, r, rounds)
             if ahead is not None:
-                self._look_ahead(i, ahead, host[3].tolist(), used)
+                self._look_ahead(i, ahead, predicted, used)
         except BaseException:
             if job is not None:  # the worker's result must not be left for the next layer
                 with contextlib.suppress(BaseException):
                     job()
             raise
-        if job is not None:
-            y_cpu, n_active, seconds = job()
-            self.offload.cpu_seconds += seconds
-            y_cpu = self.streams.to_device(y_cpu)
-            y = y_cpu if y is None else y.add_(y_cpu)
-            n_pairs = len(cpu) if ids_np.shape[0] == 1 else int(np.isin(ids_np, cpu).sum())
-            self._count_cpu(len(cpu), n_pairs, n_active)
-        return y
+        if job is None:
+            return y, None
+        y_cpu, n_active, seconds = job()
+        self.offload.cpu_seconds += seconds
+        on_cpu = set(cpu)
+        n_pairs = sum(n for e, n in zip(used, counts, strict=True) if e in on_cpu)
+        self._count_cpu(len(cpu), n_pairs, n_active)
+        return y, y_cpu
 
     def place(self, misses: list[tuple[int, int]], n_hits: int) -> tuple[list[int], list[int]]:
         """(CPU experts, staged experts) of one layer's misses [(expert, tokens)], when n_hits
@@ -270,14 +291,14 @@ class SplitExperts:
     # -- the CPU's share --------------------------------------------------------------------------
 
     def _start_cpu(self, i: int, experts: list[int], h: torch.Tensor, ids: torch.Tensor,
-                   weights: torch.Tensor):  # fmt: skip
+                   weights: torch.Tensor, out: torch.Tensor | None):  # fmt: skip
         """A callable giving (y on the host, neurons kept, seconds) of layer i's CPU share: run
         when called (inline: after the GPU work is queued), or started now on the worker thread
         (cpu_thread) while this thread queues the GPU work."""
 
         def run():
             t = time.perf_counter()
-            y, n_active = self.cpu_experts(i, experts, h.float(), ids, weights)
+            y, n_active = self.cpu_experts(i, experts, h, ids, weights, out)
             return y, n_active, time.perf_counter() - t
 
         if self.worker is None:
@@ -285,13 +306,16 @@ class SplitExperts:
         return self.worker.submit(run)
 
     def cpu_experts(self, layer: int, experts: Sequence[int], x: torch.Tensor, ids: torch.Tensor,
-                    weights: torch.Tensor) -> tuple[torch.Tensor, int]:  # fmt: skip
-        """(y [T, n_embd] f32 in a host tensor a copy to the device may read, neurons kept) of
-        the pairs of ids [T, k] routed to `experts`, on the C core from host memory."""
+                    weights: torch.Tensor,
+                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:  # fmt: skip
+        """(y [T, n_embd] f32 in a host tensor a copy to the device may read (`out` when
+        given), neurons kept) of the pairs of ids [T, k] routed to `experts`, on the C core
+        from host memory."""
         cfg = self.config
         emap = np.full(cfg.n_expert, -1, dtype=np.int32)
         emap[list(experts)] = experts
-        out = self.streams.host_tensor((x.shape[0], cfg.n_embd), torch.float32)
+        if out is None:
+            out = self.streams.host_tensor((x.shape[0], cfg.n_embd), torch.float32)
         threshold = None if self.threshold is None else self.threshold[layer]
         store = self.host.blocks[layer].experts
         return self.core.moe_ffn(

@@ -1,7 +1,7 @@
 """What the hybrid executor did: slot hits, bytes moved, CPU expert time, and where a token's
 time went.
 
-Counters are kept on the host at no cost to the device. The time by part (attention, router,
+Counters are kept on the host at no cost to the device. The time by part (the dense GPU work,
 GPU experts, waits for copies) is measured on the device's compute stream with CUDA events
 when `PartTimer.enabled` (`--stats`: about 10 event records per MoE layer and token, so it is
 off otherwise); on a CPU device, where each op runs when issued, with the host clock. CPU expert
@@ -18,7 +18,9 @@ import torch
 
 from pyruntime.offload.cache import CacheStats
 
-PARTS = ("attention", "router", "gpu_experts", "copy_wait")
+# dense: a decode step's graph segments (each the previous MoE layer's FFN output, attention
+# and route: pyruntime.offload.segments); attention and router: a prefill's, apart
+PARTS = ("dense", "attention", "router", "gpu_experts", "copy_wait")
 
 
 class PartTimer:

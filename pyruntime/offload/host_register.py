@@ -1,0 +1,198 @@
+"""Locking host memory for DMA: page ranges registered with the CUDA driver, shared process-wide.
+
+A registered range may not overlap another (the driver refuses: "part or all of the requested
+memory range is already mapped"), yet several executors over one mapped GGUF each want its
+experts' span locked. `SharedRegistration` keeps the ranges registered so far with a count of
+their users: a request registers only the parts of its span no earlier range covers, and a range
+is unregistered when its last user lets go. `Pinning` is the seam the homes use (pin / unpin);
+`cuda_pinning()` is the process's one SharedRegistration over the driver, `NoPinning` a CPU
+device's (nothing is copied by DMA there).
+
+The driver API (libcuda's cuMemHostRegister, through ctypes), not the runtime's
+cudaHostRegister: a refused runtime call stays the thread's last runtime error, which torch's
+next kernel-launch check raises as that kernel's failure; a driver call leaves the runtime's
+error state alone. Ranges are registered PORTABLE (pinned for every context) and, for the mapped
+file, READ_ONLY (its pages are never written; the driver needs the flag for a read-only mapping).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class Pinning(Protocol):
+    def pin(self, ptr: int, nbytes: int, read_only: bool) -> str | None:
+        """Lock [ptr, ptr + nbytes) for DMA; None when done, else why not."""
+        ...
+
+    def unpin(self, ptr: int) -> None:
+        """Let go of the lock taken by the pin at ptr (one of them, when pinned twice)."""
+        ...
+
+
+class NoPinning:
+    """A CPU device: nothing is copied by DMA, so nothing needs locking."""
+
+    def pin(self, ptr: int, nbytes: int, read_only: bool) -> str | None:
+        return None
+
+    def unpin(self, ptr: int) -> None:
+        pass
+
+
+class Driver(Protocol):
+    def register(self, ptr: int, nbytes: int, read_only: bool) -> str | None: ...
+
+    def unregister(self, ptr: int) -> None: ...
+
+
+@dataclass
+class _Range:
+    start: int
+    end: int
+    read_only: bool
+    users: int = 0
+
+
+@dataclass
+class SharedRegistration:
+    """Registered ranges with their users (module doc), over `driver`; thread-safe."""
+
+    driver: Driver
+    _ranges: list[_Range] = field(default_factory=list)  # disjoint, in no particular order
+    _pins: dict[int, list[list[_Range]]] = field(default_factory=dict)  # ptr -> each pin's
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def pin(self, ptr: int, nbytes: int, read_only: bool) -> str | None:
+        end = ptr + nbytes
+        with self._lock:
+            covering = sorted((r for r in self._ranges if r.start < end and ptr < r.end),
+                              key=lambda r: r.start)  # fmt: skip
+            if not read_only and any(r.read_only for r in covering):
+                return "part of the range is already registered read-only"
+            made: list[_Range] = []
+            at = ptr
+            for r in [*covering, None]:
+                gap_end = end if r is None else r.start
+                if at < gap_end:
+                    why = self.driver.register(at, gap_end - at, read_only)
+                    if why is not None:
+                        for m in made:
+                            self.driver.unregister(m.start)
+                        return why
+                    made.append(_Range(at, gap_end, read_only))
+                if r is not None:
+                    at = max(at, r.end)
+            self._ranges += made
+            used = covering + made
+            for r in used:
+                r.users += 1
+            self._pins.setdefault(ptr, []).append(used)
+            return None
+
+    def unpin(self, ptr: int) -> None:
+        with self._lock:
+            pins = self._pins.get(ptr)
+            if not pins:
+                return
+            used = pins.pop()
+            if not pins:
+                del self._pins[ptr]
+            for r in used:
+                r.users -= 1
+                if r.users == 0:
+                    self._ranges.remove(r)
+                    self.driver.unregister(r.start)
+
+    def registered(self) -> list[tuple[int, int]]:
+        """The (start, end) of every range registered now, in address order."""
+        with self._lock:
+            return sorted((r.start, r.end) for r in self._ranges)
+
+
+# ---------------------------------------------------------------------------------------------
+# The CUDA driver (a GPU only)
+
+CU_MEMHOSTREGISTER_PORTABLE, CU_MEMHOSTREGISTER_READ_ONLY = 0x01, 0x08
+
+
+class CudaDriver:
+    """cuMemHostRegister / cuMemHostUnregister of libcuda, each run with the device's primary
+    context current (pushed when the calling thread has none: a finalizer may run anywhere)."""
+
+    def __init__(self, device_index: int = 0) -> None:
+        self._lib = ctypes.CDLL("libcuda.so.1")
+        self._device = device_index
+        lib = self._lib
+        lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+        lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+        lib.cuDevicePrimaryCtxRelease_v2.argtypes = [ctypes.c_int]
+        lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
+        lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+
+    def _error(self, status: int) -> str:
+        text = ctypes.c_char_p()
+        if self._lib.cuGetErrorString(status, ctypes.byref(text)) != 0 or not text.value:
+            return f"CUDA driver error {status}"
+        return text.value.decode()
+
+    def _in_context(self, call) -> int:
+        current = ctypes.c_void_p()
+        if self._lib.cuCtxGetCurrent(ctypes.byref(current)) == 0 and current.value:
+            return call()
+        ctx = ctypes.c_void_p()
+        status = self._lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), self._device)
+        if status != 0:
+            return status
+        self._lib.cuCtxPushCurrent_v2(ctx)
+        try:
+            return call()
+        finally:
+            self._lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+            self._lib.cuDevicePrimaryCtxRelease_v2(self._device)
+
+    def register(self, ptr: int, nbytes: int, read_only: bool) -> str | None:
+        flags = CU_MEMHOSTREGISTER_PORTABLE | (CU_MEMHOSTREGISTER_READ_ONLY if read_only else 0)
+        status = self._in_context(lambda: self._lib.cuMemHostRegister_v2(ptr, nbytes, flags))
+        return None if status == 0 else self._error(status)
+
+    def unregister(self, ptr: int) -> None:
+        self._in_context(lambda: self._lib.cuMemHostUnregister(ptr))
+
+
+class _Unavailable:
+    """The driver library could not be loaded: every registration is refused, saying why."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def register(self, ptr: int, nbytes: int, read_only: bool) -> str | None:
+        return self.why
+
+    def unregister(self, ptr: int) -> None:
+        pass
+
+
+_shared: SharedRegistration | None = None
+_shared_lock = threading.Lock()
+
+
+def cuda_pinning() -> SharedRegistration:
+    """The process's registrations with the CUDA driver (one set for every executor)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            import torch
+
+            try:
+                driver: Driver = CudaDriver(torch.cuda.current_device())
+            except OSError as exc:
+                driver = _Unavailable(f"the CUDA driver library cannot be loaded: {exc}")
+            _shared = SharedRegistration(driver)
+        return _shared

@@ -1,0 +1,188 @@
+"""A hybrid decode step as CUDA graph segments: one graph per stretch of GPU work between two
+MoE layers' routed experts.
+
+The host decides each MoE layer's placement from its routing, so a decode step cannot be one
+graph (as the whole-GPU executor's is); launched eagerly from Python, a layer's ~10 dense
+launches cost more host time than its GPU time. With M MoE layers, a step is M + 1 segments:
+
+    segment 0   embed; the layers before the first MoE layer; attention + route of MoE layer 0
+    segment m   y = y_gpu + y_cpu (MoE layer m-1's routed output); its FFN output (+ shared
+                expert); the dense-FFN layers between; attention + route of MoE layer m
+    segment M   y, the FFN output of the last MoE layer, the layers after it, norm + lm_head
+
+Each segment but the last ends with copies of what the host needs into registered host memory
+(`StepBuffers`): the layer's top-k ids (int32) and weights, the experts' input h (f32), the
+router logits (routing traces) and, with the lookahead, the next MoE layer's predicted experts;
+the last one copies the logits. Between two segments the host places the layer's experts
+(pyruntime.offload.split.SplitExperts.decode): the GPU's share lands in y_gpu (device), the C
+core's in y_cpu (host), and the next segment adds the two. A step is then M + 1 replays, M host
+waits and M C calls.
+
+Graphs are captured per (k, lookahead) on the first step that needs them, each right before its
+first replay (its inputs are then the real ones: the capture's warm-up run has a step's side
+effects, rewritten by the replay), in one memory pool: they replay in the order they were
+captured, never at once. Their inputs and outputs stay at fixed addresses for the life of the
+KV cache they belong to (in its GpuCacheState). A segment clones the residual stream it starts
+from: the first norm adds to it in place, and the warm-up run must not add twice. On a CPU
+device (tests) every segment runs eagerly: the same code on the same buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from pyruntime.gpu import cache_state
+from pyruntime.gpu.layers import DecoderLayers, Routed, Span
+from pyruntime.offload.home import page_aligned, page_span
+from pyruntime.offload.host_register import Pinning
+
+ALIGN = 64  # bytes between the starts of two host buffers
+
+_NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
+
+
+class StepBuffers:
+    """Host tensors of one decode step in one page-aligned block registered for DMA (copies into
+    it can be captured in a graph). A refused registration leaves `registered` False: the
+    buffers are then torch's pinned memory, and the segments run eagerly."""
+
+    def __init__(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                 pinning: Pinning, cuda: bool) -> None:  # fmt: skip
+        offsets, total = {}, 0
+        for name, (shape, dtype) in shapes.items():
+            offsets[name] = total
+            nbytes = int(np.prod(shape)) * torch.tensor([], dtype=dtype).element_size()
+            total += -(-nbytes // ALIGN) * ALIGN
+        block = page_aligned(total)
+        block.fill(0)  # y_cpu is read before the C core first writes it
+        why = pinning.pin(block.ctypes.data, page_span(block), read_only=False)
+        self.registered = why is None
+        if self.registered:  # unpinned when the buffers go; the finalizer keeps the block
+            weakref.finalize(self, _unpin, pinning, block)
+        self.tensors: dict[str, torch.Tensor] = {}
+        for name, (shape, dtype) in shapes.items():
+            if self.registered:
+                n = int(np.prod(shape))
+                view = block[offsets[name] :].view(_NUMPY[dtype])[:n].reshape(shape)
+                self.tensors[name] = torch.from_numpy(view)
+            else:
+                self.tensors[name] = torch.zeros(shape, dtype=dtype, pin_memory=cuda)
+        self._block = block
+
+
+def _unpin(pinning: Pinning, block: np.ndarray) -> None:
+    with contextlib.suppress(Exception):  # at interpreter exit the driver may be gone
+        pinning.unpin(block.ctypes.data)
+
+
+class DecodeSegments:
+    """The segments of a decode step at k experts per token (module doc) on one KV cache.
+    predict(i, r): MoE layer i's lookahead (the next MoE layer's likely experts [k] int64 on
+    the device) or None (no lookahead, or no next layer)."""
+
+    def __init__(self, layers: DecoderLayers, moe: list[int], kv: list[torch.Tensor],
+                 span: Span, k: int, predict: Callable[[int, Routed], torch.Tensor | None],
+                 pinning: Pinning, device: torch.device) -> None:  # fmt: skip
+        cfg = layers.config
+        self.layers, self.moe, self.kv, self.span, self.k = layers, moe, kv, span, k
+        self.predict, self.device = predict, device
+        self.cuda = device.type == "cuda"
+        buffers = StepBuffers(
+            {
+                "ids": ((1, k), torch.int32),
+                "weights": ((1, k), torch.float32),
+                "h": ((1, cfg.n_embd), torch.float32),
+                "router_logits": ((1, cfg.n_expert), torch.float32),
+                "predicted": ((k,), torch.int64),
+                "y_cpu": ((1, cfg.n_embd), torch.float32),
+                "logits": ((1, cfg.n_vocab), torch.float32),
+            },
+            pinning,
+            self.cuda,
+        )  # fmt: skip
+        self._buffers = buffers
+        t = buffers.tensors
+        self.ids, self.weights, self.h = t["ids"], t["weights"], t["h"]
+        self.router_logits, self.predicted = t["router_logits"], t["predicted"]
+        self.y_cpu, self.logits = t["y_cpu"], t["logits"]
+        self.y_gpu = torch.zeros(1, cfg.n_embd, device=device)
+        self.gpu_written = self.cpu_written = False  # y_gpu / y_cpu hold a layer's output
+        self.capture = self.cuda and buffers.registered
+        self.routed: list[Routed | None] = [None] * len(moe)
+        self._graphs: list = [None] * (len(moe) + 1)
+        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+
+    @property
+    def n_segments(self) -> int:
+        return len(self.moe) + 1
+
+    def run(self, m: int) -> Routed | None:
+        """Queue segment m (capturing it first when it has no graph yet); MoE layer m's
+        Routed (None for the last segment). The host buffers hold its copies once the host
+        waited for the compute stream."""
+        if not self.capture:
+            out = self._segment(m)
+        else:
+            if self._graphs[m] is None:
+                graph, out = cache_state.capture(lambda: self._segment(m), self.device,
+                                                 pool=self._pool)  # fmt: skip
+                self._graphs[m] = graph
+                if m < len(self.moe):
+                    self.routed[m] = out
+            self._graphs[m].replay()
+        if m < len(self.moe):
+            if not self.capture:
+                self.routed[m] = out
+            return self.routed[m]
+        return None
+
+    def set_gpu_share(self, y: torch.Tensor | None) -> None:
+        """y_gpu = the GPU's share of the layer's routed output (None: zero)."""
+        if y is not None:
+            self.y_gpu.copy_(y)
+            self.gpu_written = True
+        elif self.gpu_written:
+            self.y_gpu.zero_()
+            self.gpu_written = False
+
+    def set_cpu_share(self, written: bool) -> None:
+        """Whether the C core wrote y_cpu for this layer (else it is zeroed, once)."""
+        if written:
+            self.cpu_written = True
+        elif self.cpu_written:
+            self.y_cpu.zero_()
+            self.cpu_written = False
+
+    def _segment(self, m: int) -> Routed | None:
+        layers, moe = self.layers, self.moe
+        if m == 0:
+            x, delta, first = layers.embed(self.span.ids), None, 0
+        else:
+            prev, r = moe[m - 1], self.routed[m - 1]
+            y = self.y_gpu + self.y_cpu.to(self.device, non_blocking=True)
+            delta = layers.ffn_output(prev, r, y)
+            x, first = r.x.clone(), prev + 1
+        last = moe[m] if m < len(moe) else layers.config.n_layer
+        for i in range(first, last):  # dense-FFN layers
+            x, delta = layers.attention(i, x, delta, self.kv[i], self.span)
+            x, h, _ = layers.ffn_norm(i, x, delta)
+            delta = layers.dense_ffn(i, h)
+        if m == len(moe):
+            self.logits.copy_(layers.output(x, delta).float(), non_blocking=True)
+            return None
+        i = moe[m]
+        x, delta = layers.attention(i, x, delta, self.kv[i], self.span)
+        r = layers.route(i, x, delta, self.k)
+        self.ids.copy_(r.ids.to(torch.int32), non_blocking=True)
+        self.weights.copy_(r.weights, non_blocking=True)
+        self.h.copy_(r.h32.float(), non_blocking=True)
+        self.router_logits.copy_(r.logits, non_blocking=True)
+        predicted = self.predict(i, r)
+        if predicted is not None:
+            self.predicted.copy_(predicted, non_blocking=True)
+        return r
