@@ -124,17 +124,22 @@ class CudaDriver:
     context current (pushed when the calling thread has none: a finalizer may run anywhere)."""
 
     def __init__(self, device_index: int = 0) -> None:
-        self._lib = ctypes.CDLL("libcuda.so.1")
-        self._device = device_index
-        lib = self._lib
+        self._lib = lib = ctypes.CDLL("libcuda.so.1")
         lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
         lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
         lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
         lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
         lib.cuDevicePrimaryCtxRelease_v2.argtypes = [ctypes.c_int]
         lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
         lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        device = ctypes.c_int()
+        lib.cuInit(0)
+        status = lib.cuDeviceGet(ctypes.byref(device), device_index)
+        if status != 0:
+            raise OSError(f"cuDeviceGet({device_index}): {self._error(status)}")
+        self._device = device.value
 
     def _error(self, status: int) -> str:
         text = ctypes.c_char_p()
