@@ -244,6 +244,13 @@ def main(argv: list[str] | None = None) -> int:
         help="stage the next MoE layer's likely experts during a decode step (its router on "
         "this layer's residual stream)",
     )
+    p.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a C core execution parameter (pyrt_params), e.g. spin_us=2000; repeatable",
+    )
     p.add_argument("-p", "--n-prompt", type=int, default=512)
     p.add_argument("-n", "--n-gen", type=int, default=128)
     p.add_argument("-r", "--repetitions", type=int, default=2)
@@ -281,14 +288,21 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ModelConfig.from_gguf(f)
     host = HostWeights.from_gguf(f, cfg)
     n_experts = sum(cfg.n_expert for b in host.blocks if b.experts is not None)
-    core = cpu_core.CpuCore(args.threads)
+    params = {}
+    for item in args.param:
+        name, _, value = item.partition("=")
+        if not value.lstrip("-").isdigit():
+            p.error(f"--param takes NAME=INTEGER, got {item!r}")
+        params[name] = int(value)
+    core = cpu_core.CpuCore(args.threads, params or None)
     ceilings = measure_ceilings(core, device, args.ceiling_gib)
     both = "-" if ceilings.both is None else f"{ceilings.both:.1f}"
     share = "on a worker thread" if args.cpu_thread else "inline"
     share += ", lookahead" if args.lookahead else ""
     print(f"{path.name}: {n_experts} routed experts of {host.blocks[0].experts.expert_bytes:,} "
           f"bytes; {args.device}, {core.threads} CPU threads, staging {args.staging}, policy "
-          f"{args.policy}, CPU share {share}\nceilings (GB/s): DRAM read {ceilings.read:.1f}, "
+          f"{args.policy}, CPU share {share}, C core params {params or 'default'}\n"
+          f"ceilings (GB/s): DRAM read {ceilings.read:.1f}, "
           f"host->GPU copy {ceilings.copy:.1f}, both at once {both}\n")  # fmt: skip
     if args.staging_rates:
         n_slots = 4 * cfg.n_expert_used

@@ -31,6 +31,10 @@ from pyruntime.offload.executor import HybridExecutor
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "cuda"
 LOGPROB_TOL = 1e-3
+# Where only the GPU computes, the hybrid runs the resident model's kernels: bit for bit under
+# the interpreter; on a GPU the expert kernels add their partial sums with relaxed atomics, whose
+# order (and so the last bits of an f32 sum) changes from run to run.
+SAME_KERNELS_TOL = 0.0 if DEVICE == "cpu" else 1e-5
 N_PROMPT, N_DECODE = 7, 4
 
 
@@ -122,7 +126,7 @@ def test_logits_equal_the_whole_model_on_the_gpu(olmoe, core, whole, slots, miss
         assert st["staged_experts"] == 0 and st["slot_hits"] == 0 and st["cpu_experts"] > 0
     elif misses == "stage" and slots == n_routed(cfg, host):
         assert st["cpu_experts"] == 0 and st["evictions"] == 0
-        assert torch.equal(got, want)  # only the GPU's kernels, as resident
+        assert max_err(got, want) <= SAME_KERNELS_TOL  # only the GPU's kernels, as resident
     elif misses == "auto" and slots >= 3:
         assert st["cpu_experts"] > 0 and st["staged_experts"] > 0  # a split
     assert net.stats.pairs == (N_PROMPT + N_DECODE) * cfg.n_expert_used * 2  # 2 MoE layers
@@ -159,15 +163,15 @@ def test_sparse_experts_match_on_both_sides(olmoe, core, misses):
 
 def test_q8_0_experts_are_repacked_into_slots(tmp_path_factory, core):
     """Q8_0 experts are staged as GGUF blocks and repacked on the device: all staged, the
-    logits are the resident model's bit for bit; on the CPU (the C core's Q8 dots against
-    the GPU's bf16 activations), within bf16's tolerance."""
+    logits are the resident model's (bit for bit under the interpreter); on the CPU (the C
+    core's Q8 dots against the GPU's bf16 activations), within bf16's tolerance."""
     model = tiny(tmp_path_factory, "olmoe", "q8_0")
     _, cfg, host = model
     ids = ids_of(cfg, N_PROMPT + N_DECODE, seed=2)
     want = logprobs(GpuExecutor(cfg, host, DEVICE), ids)
     staged = hybrid(model, core, 5, "stage")
     assert staged.slots.format == "q8_0r"
-    assert torch.equal(logprobs(staged, ids), want)
+    assert max_err(logprobs(staged, ids), want) <= SAME_KERNELS_TOL
     on_cpu = logprobs(hybrid(model, core, 0, "cpu"), ids)
     assert max_err(on_cpu, want) <= 2e-2
     assert torch.equal(on_cpu.argmax(-1), want.argmax(-1))

@@ -168,7 +168,7 @@ def _staging_rate(hybrid, keys, cpu_call, reps: int) -> tuple[float, float | Non
         streams.host_waits()
         t = time.perf_counter()
         slots.fill(list(range(n)), hybrid.home.sources(batch))
-        done = streams.mark_copy()
+        done = slots.ready_mark(range(n))
         if done is not None:  # the copies run while the CPU computes
             while not done.event.query():
                 t0 = time.perf_counter()

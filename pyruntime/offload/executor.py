@@ -297,6 +297,7 @@ class HybridExecutor:
         seg = self._segments(state, cache, k)
         timer, streams = self.timer, self.streams
         for m, i in enumerate(self._moe):
+            seg.prepare(m)
             mark = timer.start()
             r = seg.run(m)
             timer.stop("dense", mark)
@@ -304,6 +305,7 @@ class HybridExecutor:
             streams.host_waits()
             self.offload.route_wait_seconds += time.perf_counter() - t
             self.experts.decode(i, r, seg, trace)
+        seg.prepare(len(self._moe))
         mark = timer.start()
         seg.run(len(self._moe))
         timer.stop("dense", mark)

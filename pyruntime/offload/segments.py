@@ -121,25 +121,26 @@ class DecodeSegments:
     def n_segments(self) -> int:
         return len(self.moe) + 1
 
-    def run(self, m: int) -> Routed | None:
-        """Queue segment m (capturing it first when it has no graph yet); MoE layer m's
-        Routed (None for the last segment). The host buffers hold its copies once the host
-        waited for the compute stream."""
-        if not self.capture:
-            out = self._segment(m)
-        else:
-            if self._graphs[m] is None:
-                graph, out = cache_state.capture(lambda: self._segment(m), self.device,
-                                                 pool=self._pool)  # fmt: skip
-                self._graphs[m] = graph
-                if m < len(self.moe):
-                    self.routed[m] = out
-            self._graphs[m].replay()
-        if m < len(self.moe):
-            if not self.capture:
+    def prepare(self, m: int) -> None:
+        """Capture segment m if it has no graph yet (before `run`, so that timing the run
+        leaves the capture out)."""
+        if self.capture and self._graphs[m] is None:
+            graph, out = cache_state.capture(lambda: self._segment(m), self.device,
+                                             pool=self._pool)  # fmt: skip
+            self._graphs[m] = graph
+            if m < len(self.moe):
                 self.routed[m] = out
-            return self.routed[m]
-        return None
+
+    def run(self, m: int) -> Routed | None:
+        """Queue segment m (prepared); MoE layer m's Routed (None for the last segment). The
+        host buffers hold its copies once the host waited for the compute stream."""
+        if self.capture:
+            self._graphs[m].replay()
+        else:
+            out = self._segment(m)
+            if m < len(self.moe):
+                self.routed[m] = out
+        return self.routed[m] if m < len(self.moe) else None
 
     def set_gpu_share(self, y: torch.Tensor | None) -> None:
         """y_gpu = the GPU's share of the layer's routed output (None: zero)."""

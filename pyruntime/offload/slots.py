@@ -7,13 +7,15 @@ the same bytes per expert as the GGUF's). An expert map (expert id -> slot, -1 =
 kernels.dispatch.moe_experts compute a layer's experts from it.
 
 `fill` copies a batch of experts into slots on the copy stream: float experts straight into
-their slots; GGUF blocks into a device staging buffer first, repacked there (kernels'
-repack_rows: pure byte moves, a few launches per batch) and scattered into their slots. A copy
-into a slot waits for the last kernel that read it (`mark_read`), and `wait_ready` makes the
-compute stream wait for the copies of the slots a kernel is about to read
-(pyruntime.offload.streams). Repacking on the device rather than keeping a repacked host copy
-keeps one layout on the host for every home, which the C core reads as well; it costs the
-device 2 x the staged bytes of its own bandwidth (~50x PCIe's) and those few launches.
+their slots; GGUF blocks into a device staging buffer first (a ring of two halves), repacked
+on the repack stream (kernels' repack_rows: pure byte moves) and scattered into their slots
+there, so the next batch's copy runs while this one is repacked. Whatever writes a slot waits
+for the last kernel that read it (`mark_read`); a copy into a staging half waits for the repack
+that last read it; `wait_ready` makes the compute stream wait for the copy (float) or repack
+(blocks) that filled the slots a kernel is about to read (pyruntime.offload.streams).
+Repacking on the device rather than keeping a repacked host copy keeps one layout on the host
+for every home, which the C core reads as well; it costs the device 2 x the staged bytes of
+its own bandwidth (~50x PCIe's) and a few launches per batch.
 """
 
 from __future__ import annotations
@@ -42,48 +44,77 @@ class ExpertSlots:
         self.tensor = torch.empty((n_slots, n_ff, 3, last), dtype=dtype, device=device)
         self._flat = self.tensor.view(torch.uint8).view(n_slots, self.expert_bytes)
         self._shape = (n_ff, 3, last)
-        self._buffer = None  # [staging_buffer, expert_bytes] uint8: GGUF blocks to repack
+        # GGUF blocks to repack: two halves of staging_buffer experts [rows, expert_bytes] uint8
+        # (one when there is room for one expert only), each free again after its repack
+        self._ring: list[torch.Tensor] = []
+        self._ring_free: list[Mark | None] = []
+        self._turn = 0
         if gguf_format in REPACKED and n_slots:
             rows = max(1, min(staging_buffer, n_slots))
-            self._buffer = torch.empty((rows, self.expert_bytes), dtype=torch.uint8,
-                                       device=device)  # fmt: skip
+            halves = 2 if rows >= 2 else 1
+            for _ in range(halves):
+                self._ring.append(torch.empty((rows // halves, self.expert_bytes),
+                                              dtype=torch.uint8, device=device))  # fmt: skip
+                self._ring_free.append(None)
         self._read: list[Mark | None] = [None] * n_slots  # after the last kernel reading it
-        self._ready: list[Mark | None] = [None] * n_slots  # after the copy that filled it
+        self._ready: list[Mark | None] = [None] * n_slots  # after the copy or repack filling it
 
     def fill(self, slots: Sequence[int], sources: Sequence[torch.Tensor]) -> None:
         """Copy sources[j] (the GGUF bytes of one expert, a flat uint8 host tensor) into slot
-        slots[j], asynchronously on the copy stream."""
+        slots[j], asynchronously (module doc)."""
         if not slots:
             return
         streams = self.streams
-        with streams.on_copy_stream():
-            streams.copy_waits(latest(self._read[s] for s in slots))
-            if self._buffer is None:
+        if not self._ring:
+            with streams.on_copy_stream():
+                streams.copy_waits(latest(self._read[s] for s in slots))
                 for s, src in zip(slots, sources, strict=True):
                     self._flat[s].copy_(src, non_blocking=True)
+                mark = streams.mark_copy()
+            for s in slots:
+                self._ready[s] = mark
+            return
+        step = self._ring[0].shape[0]
+        for j in range(0, len(slots), step):
+            self._repack_into(slots[j : j + step], sources[j : j + step])
+
+    def _repack_into(self, slots: Sequence[int], sources: Sequence[torch.Tensor]) -> None:
+        """GGUF blocks -> a staging half (copy stream) -> repacked into their slots (repack
+        stream)."""
+        streams, n = self.streams, len(slots)
+        half = self._turn
+        self._turn = (half + 1) % len(self._ring)
+        buf = self._ring[half]
+        with streams.on_copy_stream():
+            streams.copy_waits(self._ring_free[half])
+            for row, src in zip(buf, sources, strict=False):
+                row.copy_(src, non_blocking=True)
+            copied = streams.mark_copy()
+        with streams.on_repack_stream():
+            streams.repack_waits(copied)
+            streams.repack_waits(latest(self._read[s] for s in slots))
+            packed = repack_rows(buf[:n].view(n, *self._shape), self.gguf_format)
+            if _consecutive(slots):
+                self.tensor[slots[0] : slots[0] + n].copy_(packed)
             else:
-                step = self._buffer.shape[0]
-                for j in range(0, len(slots), step):
-                    self._repack_into(slots[j : j + step], sources[j : j + step])
-            mark = streams.mark_copy()
+                index = streams.host_tensor((n,), torch.int64)
+                index.numpy()[:] = slots
+                index = streams.to_device(index)
+                self.tensor.index_copy_(0, index, packed)
+            mark = streams.mark_repack()
+        self._ring_free[half] = mark
         for s in slots:
             self._ready[s] = mark
 
-    def _repack_into(self, slots: Sequence[int], sources: Sequence[torch.Tensor]) -> None:
-        """GGUF blocks -> the staging buffer -> repacked into their slots (copy stream)."""
-        n = len(slots)
-        for row, src in zip(self._buffer, sources, strict=False):
-            row.copy_(src, non_blocking=True)
-        packed = repack_rows(self._buffer[:n].view(n, *self._shape), self.gguf_format)
-        if _consecutive(slots):
-            self.tensor[slots[0] : slots[0] + n].copy_(packed)
-        else:
-            for j, s in enumerate(slots):
-                self.tensor[s].copy_(packed[j])
-
     def wait_ready(self, slots: Iterable[int]) -> None:
-        """The compute stream's next kernels start after the copies into `slots` landed."""
-        self.streams.compute_waits(latest(self._ready[s] for s in slots))
+        """The compute stream's next kernels start after the bytes of `slots` landed (their
+        marks are all of one stream: the copy stream's, or the repack stream's)."""
+        self.streams.compute_waits(self.ready_mark(slots))
+
+    def ready_mark(self, slots: Iterable[int]) -> Mark | None:
+        """The point of its stream after which the bytes of `slots` are in place (None on a
+        CPU device)."""
+        return latest(self._ready[s] for s in slots)
 
     def mark_read(self, slots: Iterable[int]) -> None:
         """Record that the kernels queued so far read `slots` (a later fill waits for them)."""

@@ -58,7 +58,9 @@ class _Ring:
 
 
 class DeviceStreams:
-    """The compute stream (the current one when made) and a copy stream of `device`."""
+    """The compute stream (the current one when made), a copy stream, and a repack stream of
+    `device` (GGUF blocks rearranged into the kernels' layout after their copy, beside the next
+    copy rather than in the copy stream's queue)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -66,11 +68,16 @@ class DeviceStreams:
         if self.cuda:
             self.compute = torch.cuda.current_stream(device)
             self.copy = torch.cuda.Stream(device)
-            self._compute_ring, self._copy_ring = _Ring(), _Ring()
+            self.repack = torch.cuda.Stream(device)
+            self._compute_ring, self._copy_ring, self._repack_ring = _Ring(), _Ring(), _Ring()
 
     def on_copy_stream(self):
         """Context in which torch ops are queued on the copy stream."""
         return torch.cuda.stream(self.copy) if self.cuda else contextlib.nullcontext()
+
+    def on_repack_stream(self):
+        """Context in which torch ops are queued on the repack stream."""
+        return torch.cuda.stream(self.repack) if self.cuda else contextlib.nullcontext()
 
     def mark_compute(self) -> Mark | None:
         return self._compute_ring.record(self.compute) if self.cuda else None
@@ -78,13 +85,22 @@ class DeviceStreams:
     def mark_copy(self) -> Mark | None:
         return self._copy_ring.record(self.copy) if self.cuda else None
 
+    def mark_repack(self) -> Mark | None:
+        return self._repack_ring.record(self.repack) if self.cuda else None
+
+    def repack_waits(self, mark: Mark | None) -> None:
+        """Work queued on the repack stream from now on starts after `mark`."""
+        if mark is not None:
+            self.repack.wait_event(mark.event)
+
     def compute_waits(self, mark: Mark | None) -> None:
-        """Work queued on the compute stream from now on starts after `mark` (a copy mark)."""
+        """Work queued on the compute stream from now on starts after `mark` (of another
+        stream)."""
         if mark is not None:
             self.compute.wait_event(mark.event)
 
     def copy_waits(self, mark: Mark | None) -> None:
-        """Work queued on the copy stream from now on starts after `mark` (a compute mark)."""
+        """Work queued on the copy stream from now on starts after `mark` (of another stream)."""
         if mark is not None:
             self.copy.wait_event(mark.event)
 
