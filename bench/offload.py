@@ -17,7 +17,10 @@ the copy alone, auto rows by both together. `% floor` = floor time / measured ti
 --stats times each row's parts (pyruntime.offload.stats: the decode step's dense graph segments,
 the GPU's experts, waits for copies, the host's wait for each layer's routing, the C core's
 calls) and prints them per token; --staging-rates register,bounce,pinned first measures how
-fast each expert home fills slots (the copies alone), beside the pinned copy ceiling.
+fast each expert home fills slots (the copies alone), beside the pinned copy ceiling;
+--host-memory how fast the CPU reads host memory the GPU wrote, by kind (plain, torch's pinned,
+page-locked from the driver, registered user memory), and the C core's read of a layer's
+experts before and after the mapping is registered (both GPU only).
 
 The costs are measured once (pyruntime.offload.costs, not cached here); --sparsity S takes the
 thresholds from the model's calibration (MODEL.sparsity.json), made first from random tokens if
@@ -40,6 +43,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pyruntime
@@ -58,7 +62,8 @@ from pyruntime.model.config import ModelConfig  # noqa: E402
 from pyruntime.model.weights import HostWeights  # noqa: E402
 from pyruntime.offload.costs import measure_costs  # noqa: E402
 from pyruntime.offload.executor import HybridExecutor  # noqa: E402
-from pyruntime.offload.home import open_home  # noqa: E402
+from pyruntime.offload.home import PAGE, open_home, page_aligned, page_span  # noqa: E402
+from pyruntime.offload.host_register import cuda_pinning, page_locked  # noqa: E402
 from pyruntime.offload.slots import ExpertSlots  # noqa: E402
 from pyruntime.offload.stats import OffloadStats  # noqa: E402
 from pyruntime.offload.streams import DeviceStreams  # noqa: E402
@@ -183,6 +188,58 @@ def staging_rates(host: HostWeights, device: torch.device, modes: list[str], n_s
     return out
 
 
+def host_memory(core: cpu_core.CpuCore, host: HostWeights, device: torch.device,
+                nbytes: int = 1 << 18, reps: int = 20) -> str:  # fmt: skip
+    """How fast the CPU reads host memory the GPU wrote (a clone of nbytes, each kind: plain,
+    torch's pinned, page-locked from the driver, user memory registered with the driver), and
+    how fast the C core reads one layer's experts from the mapped file before and after it is
+    registered read-only (as the register home does)."""
+    n = nbytes // 4
+    src = torch.randn(n, device=device)
+    block = page_locked(nbytes)
+    registered = page_aligned(nbytes)
+    pinning = cuda_pinning()
+    why = pinning.pin(registered.ctypes.data, page_span(registered), read_only=False)
+    kinds = {
+        "plain": torch.empty(n),
+        "torch pinned": torch.empty(n, pin_memory=True),
+        "page-locked": None if block is None else torch.from_numpy(block.view(np.float32)),
+        "registered": None if why else torch.from_numpy(registered.view(np.float32)),
+    }
+    out = []
+    for name, t in kinds.items():
+        if t is None:
+            continue
+        times = []
+        for _ in range(reps):
+            t.copy_(src)
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            t.clone()
+            times.append(time.perf_counter() - t0)
+        out.append(f"{name} {1e6 * statistics.median(times):.0f} us")
+    if why is None:
+        pinning.unpin(registered.ctypes.data)
+    raw = next(b.experts for b in host.blocks if b.experts is not None).raw
+    rates = []
+    for register in (False, True, False):
+        span = (raw.ctypes.data // PAGE * PAGE, -(-(raw.ctypes.data + raw.nbytes) // PAGE) * PAGE)
+        if register and pinning.pin(span[0], span[1] - span[0], read_only=True) is not None:
+            continue
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            core.mem_read(raw)
+            times.append(time.perf_counter() - t0)
+        rates.append(f"{'registered' if register else 'plain'} "
+                     f"{raw.nbytes / statistics.median(times) / 1e9:.1f} GB/s")  # fmt: skip
+        if register:
+            pinning.unpin(span[0])
+    return (f"host memory the GPU wrote, read by the CPU ({nbytes >> 10} KiB, a clone): "
+            f"{', '.join(out)}\nthe C core reading a layer's experts from the mapped file: "
+            f"{', '.join(rates)}\n")  # fmt: skip
+
+
 def part_times(net: HybridExecutor, before: OffloadStats, timer: dict, tokens: int) -> str:
     """Milliseconds per token by part since `before` (--stats; the parts overlap)."""
     after = net.offload
@@ -261,6 +318,11 @@ def main(argv: list[str] | None = None) -> int:
         help="time the parts of each row (GPU events per layer) and print them per token",
     )
     p.add_argument(
+        "--host-memory",
+        action="store_true",
+        help="first measure how fast the CPU reads each kind of host memory the GPU writes",
+    )
+    p.add_argument(
         "--staging-rates",
         default="",
         help="homes whose staging rate to measure first (e.g. register,bounce,pinned)",
@@ -304,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.policy}, CPU share {share}, C core params {params or 'default'}\n"
           f"ceilings (GB/s): DRAM read {ceilings.read:.1f}, "
           f"host->GPU copy {ceilings.copy:.1f}, both at once {both}\n")  # fmt: skip
+    if args.host_memory:
+        print(host_memory(core, host, device), flush=True)
     if args.staging_rates:
         n_slots = 4 * cfg.n_expert_used
         rates = staging_rates(host, device, args.staging_rates.split(","), n_slots)

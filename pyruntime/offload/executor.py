@@ -329,7 +329,7 @@ class HybridExecutor:
 
             span = Span(state.token, state.position, state.cos, state.sin, seq_len=state.seq_len)
             seg = DecodeSegments(self.layers, self._moe, cache.kv, span, k, predict,
-                                 self._pinning, self.device)  # fmt: skip
+                                 self.device)  # fmt: skip
             state.segments[key] = seg
         return seg
 

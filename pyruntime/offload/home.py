@@ -60,15 +60,24 @@ class ExpertHome:
         self.layers = {i: blk.experts for i, blk in enumerate(host.blocks) if blk.experts}
         first = next(iter(self.layers.values()), None)
         self.expert_bytes = 0 if first is None else first.expert_bytes
+        self._views: dict[int, torch.Tensor] = {}
 
     def cpu_view(self, layer: int) -> np.ndarray:
         """Layer `layer`'s expert tensor as the C core reads it: [n_expert, n_ff, 3, row]."""
         return self.layers[layer].raw
 
+    def experts(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s experts as uint8 host tensor rows [n_expert, expert_bytes] (a view of
+        cpu_view, made once: a staged expert is then one index)."""
+        view = self._views.get(layer)
+        if view is None:
+            view = self._views[layer] = _as_tensor(self.cpu_view(layer)).view(-1, self.expert_bytes)
+        return view
+
     def sources(self, keys: Sequence[Key]) -> list[torch.Tensor]:
         """For each (layer, expert), its bytes as a flat uint8 host tensor that a copy to the
         device queued now may read (pinned, registered or plain)."""
-        return [_as_tensor(self.cpu_view(layer)[e]) for layer, e in keys]
+        return [self.experts(layer)[e] for layer, e in keys]
 
     def close(self) -> None:
         """Unlock what this home locked (idempotent)."""
@@ -150,6 +159,7 @@ class PinnedHome(ExpertHome):
             self._pinning.unpin(ptr)
         self._pinned.clear()
         self._copies.clear()
+        self._views.clear()
 
 
 class BounceHome(ExpertHome):
@@ -177,7 +187,7 @@ class BounceHome(ExpertHome):
             return []
         buf = torch.empty((len(keys), self.expert_bytes), dtype=torch.uint8,
                           pin_memory=self._pinned)  # fmt: skip
-        views = [_as_tensor(self.cpu_view(layer)[e]) for layer, e in keys]
+        views = [self.experts(layer)[e] for layer, e in keys]
         return _BounceBatch(buf, views, [False] * len(keys), range(len(keys)))
 
 

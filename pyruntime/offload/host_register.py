@@ -17,10 +17,14 @@ file, READ_ONLY (its pages are never written; the driver needs the flag for a re
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Protocol
+
+import numpy as np
 
 
 class Pinning(Protocol):
@@ -134,6 +138,9 @@ class CudaDriver:
         lib.cuDevicePrimaryCtxRelease_v2.argtypes = [ctypes.c_int]
         lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
         lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        lib.cuMemHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
+                                       ctypes.c_uint]  # fmt: skip
+        lib.cuMemFreeHost.argtypes = [ctypes.c_void_p]
         device = ctypes.c_int()
         lib.cuInit(0)
         status = lib.cuDeviceGet(ctypes.byref(device), device_index)
@@ -170,6 +177,18 @@ class CudaDriver:
     def unregister(self, ptr: int) -> None:
         self._in_context(lambda: self._lib.cuMemHostUnregister(ptr))
 
+    def alloc(self, nbytes: int) -> int | str:
+        """Page-locked host memory from the driver (as cudaHostAlloc), PORTABLE: its address,
+        or why not."""
+        ptr = ctypes.c_void_p()
+        flags = CU_MEMHOSTREGISTER_PORTABLE  # CU_MEMHOSTALLOC_PORTABLE has the same value
+        status = self._in_context(lambda: self._lib.cuMemHostAlloc(ctypes.byref(ptr), nbytes,
+                                                                   flags))  # fmt: skip
+        return ptr.value if status == 0 and ptr.value else self._error(status)
+
+    def free(self, ptr: int) -> None:
+        self._in_context(lambda: self._lib.cuMemFreeHost(ptr))
+
 
 class _Unavailable:
     """The driver library could not be loaded: every registration is refused, saying why."""
@@ -183,21 +202,58 @@ class _Unavailable:
     def unregister(self, ptr: int) -> None:
         pass
 
+    def alloc(self, nbytes: int) -> int | str:
+        return self.why
+
+    def free(self, ptr: int) -> None:
+        pass
+
 
 _shared: SharedRegistration | None = None
+_driver: CudaDriver | _Unavailable | None = None
 _shared_lock = threading.Lock()
+
+
+def cuda_driver() -> CudaDriver | _Unavailable:
+    """The CUDA driver's host-memory calls (an _Unavailable that refuses each one when the
+    driver library cannot be loaded)."""
+    global _driver
+    with _shared_lock:
+        if _driver is None:
+            import torch
+
+            try:
+                _driver = CudaDriver(torch.cuda.current_device())
+            except OSError as exc:
+                _driver = _Unavailable(f"the CUDA driver library cannot be loaded: {exc}")
+        return _driver
 
 
 def cuda_pinning() -> SharedRegistration:
     """The process's registrations with the CUDA driver (one set for every executor)."""
     global _shared
+    driver = cuda_driver()
     with _shared_lock:
         if _shared is None:
-            import torch
-
-            try:
-                driver: Driver = CudaDriver(torch.cuda.current_device())
-            except OSError as exc:
-                driver = _Unavailable(f"the CUDA driver library cannot be loaded: {exc}")
             _shared = SharedRegistration(driver)
         return _shared
+
+
+def page_locked(nbytes: int) -> np.ndarray | None:
+    """nbytes of page-locked host memory from the CUDA driver as a uint8 array, freed with its
+    last reference; None when the driver refuses. Memory the GPU writes by DMA and the CPU then
+    reads (or the other way round) belongs here, not in registered user memory: on the device
+    host (a VM), the CPU reads registered pages the GPU wrote at ~56 MB/s, as uncached memory
+    (bench/offload.py --host-memory measures it)."""
+    driver = cuda_driver()
+    ptr = driver.alloc(nbytes)
+    if isinstance(ptr, str):
+        return None
+    array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+    weakref.finalize(array, _free, driver, ptr)
+    return array
+
+
+def _free(driver, ptr: int) -> None:
+    with contextlib.suppress(Exception):  # at interpreter exit the driver may be gone
+        driver.free(ptr)

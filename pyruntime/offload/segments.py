@@ -10,13 +10,16 @@ launches cost more host time than its GPU time. With M MoE layers, a step is M +
                 expert); the dense-FFN layers between; attention + route of MoE layer m
     segment M   y, the FFN output of the last MoE layer, the layers after it, norm + lm_head
 
-Each segment but the last ends with copies of what the host needs into registered host memory
+Each segment but the last ends with copies of what the host needs into page-locked host memory
 (`StepBuffers`): the layer's top-k ids (int32) and weights, the experts' input h (f32), the
 router logits (routing traces) and, with the lookahead, the next MoE layer's predicted experts;
 the last one copies the logits. Between two segments the host places the layer's experts
 (pyruntime.offload.split.SplitExperts.decode): the GPU's share lands in y_gpu (device), the C
-core's in y_cpu (host), and the next segment adds the two. A step is then M + 1 replays, M host
-waits and M C calls.
+core's in y_cpu (host), and the next segment adds the two. The GPU's share is a graph too
+(`gpu_experts`: the expert map copied up from host memory, the expert kernel over the slots,
+the stats' counts), replayed once the slots' copies landed. A step is then M + 1 segment
+replays, M host waits, M C calls and a replay per layer with experts in slots: the Python of
+~10 launches a layer (~30 us each on the device host) is gone.
 
 Graphs are captured per (k, lookahead) on the first step that needs them, each right before its
 first replay (its inputs are then the real ones: the capture's warm-up run has a step's side
@@ -29,8 +32,6 @@ device (tests) every segment runs eagerly: the same code on the same buffers.
 
 from __future__ import annotations
 
-import contextlib
-import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -38,8 +39,7 @@ import torch
 
 from pyruntime.gpu import cache_state
 from pyruntime.gpu.layers import DecoderLayers, Routed, Span
-from pyruntime.offload.home import page_aligned, page_span
-from pyruntime.offload.host_register import Pinning
+from pyruntime.offload.host_register import page_locked
 
 ALIGN = 64  # bytes between the starts of two host buffers
 
@@ -47,37 +47,35 @@ _NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float3
 
 
 class StepBuffers:
-    """Host tensors of one decode step in one page-aligned block registered for DMA (copies into
-    it can be captured in a graph). A refused registration leaves `registered` False: the
-    buffers are then torch's pinned memory, and the segments run eagerly."""
+    """Host tensors of one decode step in one block of page-locked memory from the CUDA driver
+    (copies into it can be captured in a graph, and the CPU reads what the GPU wrote at the
+    speed of plain memory: pyruntime.offload.host_register.page_locked); plain memory on a CPU
+    device. A refused allocation leaves `capturable` False: the buffers are then torch's pinned
+    memory, and the segments run eagerly."""
 
     def __init__(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                 pinning: Pinning, cuda: bool) -> None:  # fmt: skip
+                 cuda: bool) -> None:  # fmt: skip
         offsets, total = {}, 0
         for name, (shape, dtype) in shapes.items():
             offsets[name] = total
             nbytes = int(np.prod(shape)) * torch.tensor([], dtype=dtype).element_size()
             total += -(-nbytes // ALIGN) * ALIGN
-        block = page_aligned(total)
-        block.fill(0)  # y_cpu is read before the C core first writes it
-        why = pinning.pin(block.ctypes.data, page_span(block), read_only=False)
-        self.registered = why is None
-        if self.registered:  # unpinned when the buffers go; the finalizer keeps the block
-            weakref.finalize(self, _unpin, pinning, block)
+        block = allocate_block(total) if cuda else np.empty(total, dtype=np.uint8)
+        self.capturable = block is not None
         self.tensors: dict[str, torch.Tensor] = {}
         for name, (shape, dtype) in shapes.items():
-            if self.registered:
-                n = int(np.prod(shape))
-                view = block[offsets[name] :].view(_NUMPY[dtype])[:n].reshape(shape)
-                self.tensors[name] = torch.from_numpy(view)
-            else:
-                self.tensors[name] = torch.zeros(shape, dtype=dtype, pin_memory=cuda)
-        self._block = block
+            if block is None:
+                self.tensors[name] = torch.zeros(shape, dtype=dtype, pin_memory=True)
+                continue
+            n = int(np.prod(shape))
+            view = block[offsets[name] :].view(_NUMPY[dtype])[:n].reshape(shape)
+            view.fill(0)  # y_cpu is read before the C core first writes it
+            self.tensors[name] = torch.from_numpy(view)
 
 
-def _unpin(pinning: Pinning, block: np.ndarray) -> None:
-    with contextlib.suppress(Exception):  # at interpreter exit the driver may be gone
-        pinning.unpin(block.ctypes.data)
+def allocate_block(nbytes: int) -> np.ndarray | None:
+    """The step buffers' memory on a GPU (None: refused)."""
+    return page_locked(nbytes)
 
 
 class DecodeSegments:
@@ -87,7 +85,7 @@ class DecodeSegments:
 
     def __init__(self, layers: DecoderLayers, moe: list[int], kv: list[torch.Tensor],
                  span: Span, k: int, predict: Callable[[int, Routed], torch.Tensor | None],
-                 pinning: Pinning, device: torch.device) -> None:  # fmt: skip
+                 device: torch.device) -> None:  # fmt: skip
         cfg = layers.config
         self.layers, self.moe, self.kv, self.span, self.k = layers, moe, kv, span, k
         self.predict, self.device = predict, device
@@ -101,18 +99,26 @@ class DecodeSegments:
                 "predicted": ((k,), torch.int64),
                 "y_cpu": ((1, cfg.n_embd), torch.float32),
                 "logits": ((1, cfg.n_vocab), torch.float32),
+                "emap": ((cfg.n_expert,), torch.int32),
             },
-            pinning,
             self.cuda,
         )  # fmt: skip
         self._buffers = buffers
         t = buffers.tensors
         self.ids, self.weights, self.h = t["ids"], t["weights"], t["h"]
         self.router_logits, self.predicted = t["router_logits"], t["predicted"]
-        self.y_cpu, self.logits = t["y_cpu"], t["logits"]
+        self.y_cpu, self.logits, self.emap = t["y_cpu"], t["logits"], t["emap"]
         self.y_gpu = torch.zeros(1, cfg.n_embd, device=device)
+        # the GPU's experts of a layer (gpu_experts): the expert map on the device, and per
+        # MoE layer its graph and where it leaves the stats' counts
+        self._dmap = torch.full((cfg.n_expert,), -1, dtype=torch.int32, device=device)
+        self._expert_graphs: list = [None] * len(moe)
+        self._expert_state: tuple | None = None  # the sparsity the graphs were captured with
+        self._active = [torch.zeros((1, k), dtype=torch.int32, device=device) for _ in moe]
+        self._gathered = [torch.zeros((1, k), dtype=torch.int32, device=device) for _ in moe]
+        self._has_active = [False] * len(moe)
         self.gpu_written = self.cpu_written = False  # y_gpu / y_cpu hold a layer's output
-        self.capture = self.cuda and buffers.registered
+        self.capture = self.cuda and buffers.capturable
         self.routed: list[Routed | None] = [None] * len(moe)
         self._graphs: list = [None] * (len(moe) + 1)
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
@@ -141,6 +147,39 @@ class DecodeSegments:
             if m < len(self.moe):
                 self.routed[m] = out
         return self.routed[m] if m < len(self.moe) else None
+
+    def gpu_experts(self, m: int, slots: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """y_gpu = MoE layer m's routed experts over `slots` through the expert map in
+        self.emap (host: expert -> slot, -1 elsewhere), as one graph replay (captured on first
+        use, again after the sparsity changed); returns the stats' (active counts [1, k] or
+        None where the dense path ran, the map applied to the routing [1, k]), rewritten by
+        this layer's next call. The caller orders the compute stream after the slots' copies."""
+        layers = self.layers
+        state = (layers.expert_threshold, layers.sparse_switch)
+        if self._expert_state is None or any(a is not b for a, b in zip(state, self._expert_state,
+                                                                        strict=True)):  # fmt: skip
+            self._expert_graphs = [None] * len(self.moe)
+            self._expert_state = state  # held: the graphs read its threshold tensors
+        if not self.capture:
+            self._experts(m, slots)
+        else:
+            if self._expert_graphs[m] is None:
+                self._expert_graphs[m], _ = cache_state.capture(
+                    lambda: self._experts(m, slots), self.device, pool=self._pool
+                )
+            self._expert_graphs[m].replay()
+        self.gpu_written = True
+        return (self._active[m] if self._has_active[m] else None), self._gathered[m]
+
+    def _experts(self, m: int, slots: torch.Tensor) -> None:
+        r = self.routed[m]
+        self._dmap.copy_(self.emap, non_blocking=True)
+        y, active = self.layers.routed_experts(self.moe[m], r, self._dmap, slots)
+        self.y_gpu.copy_(y)
+        self._has_active[m] = active is not None
+        if active is not None:
+            self._active[m].copy_(active)
+        self._gathered[m].copy_(self._dmap[r.ids])
 
     def set_gpu_share(self, y: torch.Tensor | None) -> None:
         """y_gpu = the GPU's share of the layer's routed output (None: zero)."""

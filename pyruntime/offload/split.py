@@ -49,6 +49,7 @@ from pyruntime.offload.stats import OffloadStats, PartTimer
 from pyruntime.offload.streams import DeviceStreams
 
 MISSES = ("auto", "cpu", "stage")
+IN_SEGMENT = object()  # _gpu's answer when a decode step's graph computed the GPU's share
 Key = tuple[int, int]  # (layer, expert)
 
 
@@ -110,18 +111,20 @@ class SplitExperts:
         ahead = self.next_moe.get(i) if self.lookahead else None
         predicted = seg.predicted.tolist() if ahead is not None else None
         y, y_cpu = self._layer(i, r, used, [1] * len(used), seg.h, seg.ids, seg.weights,
-                               ahead, predicted, seg.y_cpu)  # fmt: skip
-        seg.set_gpu_share(y)
+                               ahead, predicted, seg.y_cpu, seg)  # fmt: skip
+        if y is not IN_SEGMENT:
+            seg.set_gpu_share(y)
         seg.set_cpu_share(y_cpu is not None)
 
     def _layer(self, i: int, r: Routed, used: list[int], counts: list[int], h: torch.Tensor,
                ids: torch.Tensor, weights: torch.Tensor, ahead: int | None = None,
-               predicted: list[int] | None = None,
-               out: torch.Tensor | None = None):  # fmt: skip
-        """(the GPU's y on the device or None, the CPU's y on the host or None) of layer i's
-        experts `used`, counts[j] tokens routed to used[j]; h, ids, weights: the layer's
-        routing on the host; ahead, predicted: the lookahead's next layer and its likely
-        experts; out: where the C core writes its y."""
+               predicted: list[int] | None = None, out: torch.Tensor | None = None,
+               seg: DecodeSegments | None = None):  # fmt: skip
+        """(the GPU's y on the device, None, or IN_SEGMENT when it is in seg.y_gpu; the CPU's
+        y on the host or None) of layer i's experts `used`, counts[j] tokens routed to used[j];
+        h, ids, weights: the layer's routing on the host; ahead, predicted: the lookahead's
+        next layer and its likely experts; out: where the C core writes its y; seg: a decode
+        step's segments, whose graph computes the GPU's share when it is one round."""
         self.release({key for key in self.lookahead_holds if key[0] == i})
         missed = set(self.cache.lookup(i, used))
         hits = [e for e in used if e not in missed]
@@ -131,7 +134,7 @@ class SplitExperts:
         cpu += left
         job = self._start_cpu(i, cpu, h, ids, weights, out) if cpu else None
         try:
-            y = self._gpu(i, r, rounds)
+            y = self._gpu(i, r, rounds, seg)
             if ahead is not None:
                 self._look_ahead(i, ahead, predicted, used)
         except BaseException:
@@ -184,15 +187,19 @@ class SplitExperts:
             previous = [e for e, _ in placed]
         return rounds, left
 
-    def _gpu(self, i: int, r: Routed, rounds: list) -> torch.Tensor | None:
-        """y of the rounds' experts (None without any): each round's copies, then its kernel.
-        On a failure, the experts admitted for rounds whose copies never started leave their
-        slots (the bookkeeping must not claim bytes that are not there)."""
+    def _gpu(self, i: int, r: Routed, rounds: list, seg: DecodeSegments | None = None):
+        """y of the rounds' experts (None without any; IN_SEGMENT: one round, computed by
+        seg's graph into seg.y_gpu): each round's copies, then its kernel. On a failure, the
+        experts admitted for rounds whose copies never started leave their slots (the
+        bookkeeping must not claim bytes that are not there)."""
         y, filled = None, 0
         try:
             for experts, slots, placed in rounds:
                 self._fill(i, placed)
                 filled += 1
+                if seg is not None and len(rounds) == 1:
+                    self._round_in_segment(i, experts, slots, seg)
+                    return IN_SEGMENT
                 y_round = self._round(i, r, experts, slots)
                 y = y_round if y is None else y.add_(y_round)
         except BaseException:
@@ -217,6 +224,20 @@ class SplitExperts:
         self.slots.mark_read(slots)
         self.stats.add_device(active, dmap[r.ids], self.config.n_ff_exp)
         return y
+
+    def _round_in_segment(self, i: int, experts: list[int], slots: list[int],
+                          seg: DecodeSegments) -> None:  # fmt: skip
+        """_round as the decode step's graph (DecodeSegments.gpu_experts), into seg.y_gpu."""
+        view = seg.emap.numpy()
+        view.fill(-1)
+        view[experts] = slots
+        mark = self.timer.start()
+        self.slots.wait_ready(slots)
+        mark = self.timer.stop("copy_wait", mark)
+        active, mapped = seg.gpu_experts(seg.moe.index(i), self.slots.tensor)
+        self.timer.stop("gpu_experts", mark)
+        self.slots.mark_read(slots)
+        self.stats.add_device(active, mapped, self.config.n_ff_exp)
 
     def _admit(self, i: int, experts: Sequence[int], protect: Sequence[int] = (),
                hold: bool = False) -> list[tuple[int, int]]:  # fmt: skip
