@@ -188,6 +188,37 @@ def test_a_prefill_stages_in_rounds_when_its_experts_outnumber_the_slots(olmoe, 
     assert max_err(torch.log_softmax(torch.cat(got).double(), -1), want) <= LOGPROB_TOL
 
 
+def test_the_cpus_share_of_a_prefill_goes_to_the_c_core_without_the_other_tokens(
+    olmoe, core, monkeypatch
+):
+    """Tokens with no pair on the CPU are left out of the C core's call (it costs time per
+    token): y is the C core's over all tokens, 0 on the tokens left out."""
+    _, cfg, host = olmoe
+    net = hybrid(olmoe, core, 3)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(9, cfg.n_embd, generator=g)
+    ids = torch.stack([torch.randperm(cfg.n_expert, generator=g)[: cfg.n_expert_used]
+                       for _ in range(9)])  # fmt: skip
+    ids[2] = torch.tensor([e for e in range(cfg.n_expert) if e not in (1, 4)][:2])
+    w = torch.rand(9, cfg.n_expert_used, generator=g)
+    emap = torch.full((cfg.n_expert,), -1, dtype=torch.int32)
+    emap[[1, 4]] = torch.tensor([1, 4], dtype=torch.int32)
+    store = host.blocks[1].experts
+    want, want_active = core.moe_ffn(store.raw, int(store.qtype), store.n_expert, store.n_ff,
+                                     store.n_embd, x, ids, w, cfg.activation,
+                                     expert_map=emap)  # fmt: skip
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(args[5].shape[0])
+        return CpuCore.moe_ffn(core, *args, **kwargs)
+
+    monkeypatch.setattr(core, "moe_ffn", spy)
+    got, active = net.cpu_experts(1, [1, 4], x, ids, w)
+    assert torch.equal(got, want) and active == want_active
+    assert not got[2].any() and calls == [int((emap[ids] >= 0).any(1).sum())] and calls[0] < 9
+
+
 # -- prefetch, lookahead, routing -------------------------------------------------------------
 
 

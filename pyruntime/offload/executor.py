@@ -129,6 +129,10 @@ class HybridExecutor:
                                     self.timer)  # fmt: skip
         self.experts.lookahead = lookahead
         self.experts.worker = CpuWorker() if cpu_thread else None
+        # One CPU thread pool: the CPU's work is the C core's, and torch's few host ops (a
+        # step's logits copy, the sampler's) would wake its OpenMP threads, which spin after
+        # each op on the cores the C core's threads need (as the CPU executor does).
+        torch.set_num_threads(1)
         self.set_misses(misses, costs)
         self._last_decode_end: float | None = None
 

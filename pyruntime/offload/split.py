@@ -331,7 +331,9 @@ class SplitExperts:
                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:  # fmt: skip
         """(y [T, n_embd] f32 in a host tensor a copy to the device may read (`out` when
         given), neurons kept) of the pairs of ids [T, k] routed to `experts`, on the C core
-        from host memory."""
+        from host memory. Only the tokens with such a pair go to the C core: its call costs
+        time per token whether or not the token has a pair here (a prefill's CPU share is
+        mostly experts with few tokens each)."""
         cfg = self.config
         emap = np.full(cfg.n_expert, -1, dtype=np.int32)
         emap[list(experts)] = experts
@@ -339,11 +341,23 @@ class SplitExperts:
             out = self.streams.host_tensor((x.shape[0], cfg.n_embd), torch.float32)
         threshold = None if self.threshold is None else self.threshold[layer]
         store = self.host.blocks[layer].experts
-        return self.core.moe_ffn(
-            self.home.cpu_view(layer), self.fmt, store.n_expert, store.n_ff, store.n_embd,
-            x, ids, weights, cfg.activation, threshold, out=out,
-            expert_map=torch.from_numpy(emap),
-        )  # fmt: skip
+
+        def call(x, ids, weights, out):
+            return self.core.moe_ffn(
+                self.home.cpu_view(layer), self.fmt, store.n_expert, store.n_ff, store.n_embd,
+                x, ids, weights, cfg.activation, threshold, out=out,
+                expert_map=torch.from_numpy(emap),
+            )  # fmt: skip
+
+        if x.shape[0] > 1:
+            rows = np.flatnonzero((emap[ids.numpy()] >= 0).any(axis=1))
+            if len(rows) < x.shape[0]:
+                index = torch.from_numpy(rows)
+                y, n_active = call(x[index], ids[index], weights[index], None)
+                out.zero_()
+                out[index] = y
+                return out, n_active
+        return call(x, ids, weights, out)
 
     def _count_cpu(self, n_experts: int, n_pairs: int, n_active: int) -> None:
         neurons = n_pairs * self.config.n_ff_exp
