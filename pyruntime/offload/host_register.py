@@ -240,11 +240,11 @@ def cuda_pinning() -> SharedRegistration:
 
 
 def page_locked(nbytes: int) -> np.ndarray | None:
-    """nbytes of page-locked host memory from the CUDA driver as a uint8 array, freed with its
-    last reference; None when the driver refuses. Memory the GPU writes by DMA and the CPU then
-    reads (or the other way round) belongs here, not in registered user memory: on the device
-    host (a VM), the CPU reads registered pages the GPU wrote at ~56 MB/s, as uncached memory
-    (bench/offload.py --host-memory measures it)."""
+    """nbytes of page-locked host memory from the CUDA driver (as cudaHostAlloc) as a uint8
+    array, freed with its last reference; None when the driver refuses. Outside torch's caching
+    host allocator, so a copy into it captured in a graph involves no allocator bookkeeping; the
+    CPU reads what the GPU wrote into it as fast as plain memory (bench/offload.py
+    --host-memory: 22 us for 256 KiB on the device host, as torch's pinned memory)."""
     driver = cuda_driver()
     ptr = driver.alloc(nbytes)
     if isinstance(ptr, str):

@@ -48,10 +48,9 @@ _NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float3
 
 class StepBuffers:
     """Host tensors of one decode step in one block of page-locked memory from the CUDA driver
-    (copies into it can be captured in a graph, and the CPU reads what the GPU wrote at the
-    speed of plain memory: pyruntime.offload.host_register.page_locked); plain memory on a CPU
-    device. A refused allocation leaves `capturable` False: the buffers are then torch's pinned
-    memory, and the segments run eagerly."""
+    (pyruntime.offload.host_register.page_locked: copies into it are captured in the
+    segments' graphs); plain memory on a CPU device. A refused allocation leaves `capturable`
+    False: the buffers are then torch's pinned memory, and the segments run eagerly."""
 
     def __init__(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
                  cuda: bool) -> None:  # fmt: skip
