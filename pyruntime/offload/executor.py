@@ -7,8 +7,9 @@ route, the shared expert; dense-FFN layers whole), with each MoE layer's routed 
 between the GPU's expert slots and the CPU by pyruntime.offload.split. Its parts:
 
 - plan.py: the device budget (the dense part, the KV cache, the number of slots);
-- home.py: the experts' host memory (the mapped GGUF, registered or through bounce buffers, or
-  a pinned copy), which the CPU reads and the copies start from;
+- home.py + host_register.py: the experts' host memory (the mapped GGUF, registered or through
+  bounce buffers, or a pinned copy), which the CPU reads and the copies start from;
+- segments.py: a decode step as CUDA graph segments between the MoE layers' expert placements;
 - slots.py + streams.py: the slot tensor and its copies, ordered by events on a copy stream;
 - cache.py + policy.py: which expert each slot holds, LRU or LFRU eviction;
 - costs.py: where a miss is computed, from costs measured on this machine;
