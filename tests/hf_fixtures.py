@@ -9,6 +9,12 @@ Storage of the routed experts on disk:
   Granite `block_sparse_moe.input_linear.weight`, which is fused by design);
 - `fused_experts=True`: `save_file(model.state_dict())`, i.e. transformers 5's in-memory names
   (`mlp.experts.gate_up_proj` [E, 2*ff, hidden], `mlp.experts.down_proj` [E, hidden, ff]).
+GPT-OSS always stores its experts fused (`gate_up_proj` [E, hidden, 2*ff], gate and up
+interleaved); `mxfp4_experts=True` writes them as OpenAI's release does (`*_blocks`/`*_scales`,
+MXFP4), and the float weights of the model (and of a checkpoint saved without it) are the MXFP4
+values, so both conversions describe the same model. Its random weights are rescaled so that the
+features are exercised: sinks, biases and expert weights large enough that the SwiGLU clamp
+binds, and a sliding window (8) shorter than the parity tests' prompts.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 
 TOKENIZER_DIR = Path(__file__).resolve().parent / "data" / "tiny-tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
-ARCHS = ("olmoe", "qwen2moe", "qwen3moe", "mixtral", "granitemoe")
+ARCHS = ("olmoe", "qwen2moe", "qwen3moe", "mixtral", "granitemoe", "gptoss")
 
 # Shared by all: the tokenizer's special ids (<|endoftext|> = 0 is eos and pad, no bos).
 _COMMON: dict[str, Any] = dict(
@@ -68,6 +74,23 @@ _PER_ARCH: dict[str, dict[str, Any]] = {
         logits_scaling=6.0,
         tie_word_embeddings=True,
     ),
+    "gptoss": dict(
+        num_local_experts=4,
+        intermediate_size=32,
+        head_dim=16,
+        sliding_window=8,  # layer_types default: layer 0 sliding, layer 1 full
+        # YaRN as gpt-oss-20b has it, with an original context of 8 (x 32 = max positions), so
+        # that the prompts' positions reach where the scaled frequencies differ
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=150000.0,
+            factor=32.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+            original_max_position_embeddings=8,
+        ),
+    ),
 }
 
 
@@ -80,11 +103,17 @@ def _config_class(arch: str) -> type:
         "qwen3moe": transformers.Qwen3MoeConfig,
         "mixtral": transformers.MixtralConfig,
         "granitemoe": transformers.GraniteMoeConfig,
+        "gptoss": transformers.GptOssConfig,
     }[arch]
 
 
 def make_tiny_hf_model(
-    arch: str, path: Path, fused_experts: bool = False, seed: int = 0, **config_overrides: Any
+    arch: str,
+    path: Path,
+    fused_experts: bool = False,
+    seed: int = 0,
+    mxfp4_experts: bool = False,
+    **config_overrides: Any,
 ) -> Path:
     """Build and save a tiny random `arch` model in `path` (created); returns `path`."""
     import transformers
@@ -96,9 +125,13 @@ def make_tiny_hf_model(
     config = _config_class(arch)(**kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if arch == "gptoss":
+        _exercise_gptoss(model)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    if fused_experts:
+    if mxfp4_experts:
+        _save_mxfp4(model, path)
+    elif fused_experts:
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)  # shares storage with embed_tokens
@@ -110,3 +143,71 @@ def make_tiny_hf_model(
     for name in TOKENIZER_FILES:
         shutil.copyfile(TOKENIZER_DIR / name, path / name)
     return path
+
+
+@torch.no_grad()
+def _exercise_gptoss(model) -> None:
+    """Weights whose features show: sinks of a few units, nonzero biases, gate/up pre-activations
+    of std ~4 (so |gate|, |up| > limit = 7 for some neurons), experts exactly MXFP4-representable
+    (so an MXFP4 checkpoint of the same model decodes to these very floats)."""
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.sinks.normal_(0.0, 1.0)
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+            proj.bias.normal_(0.0, 0.1)
+        mlp.router.bias.normal_(0.0, 0.5)
+        ex = mlp.experts
+        ex.gate_up_proj.normal_(0.0, 0.5)
+        ex.gate_up_proj_bias.normal_(0.0, 1.0)
+        ex.down_proj.normal_(0.0, 0.05)
+        ex.down_proj_bias.normal_(0.0, 0.1)
+        # [E, n, 2ff] rows along n, [E, ff, n] rows along ff: MXFP4 blocks as the checkpoint has
+        ex.gate_up_proj.copy_(_mxfp4_round(ex.gate_up_proj.transpose(1, 2)).transpose(1, 2))
+        ex.down_proj.copy_(_mxfp4_round(ex.down_proj.transpose(1, 2)).transpose(1, 2))
+
+
+def _mxfp4_round(w: torch.Tensor) -> torch.Tensor:
+    """w [..., K] (K % 32 == 0) rounded to MXFP4 blocks of 32 along K (gguf-py's quantizer)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    q = quantize(w.contiguous().numpy(), GGMLQuantizationType.MXFP4)
+    return torch.from_numpy(dequantize(q, GGMLQuantizationType.MXFP4)).reshape(w.shape)
+
+
+_E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def _hf_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., rows, K] exactly MXFP4-representable -> (blocks uint8 [..., rows, K/32, 16],
+    scales uint8 [..., rows, K/32]) in OpenAI's encoding (element 2i low nibble of byte i)."""
+    g = w.reshape(*w.shape[:-1], -1, 32)
+    amax = g.abs().amax(-1)
+    # the largest e2m1 magnitude is 6 = 1.5 * 2^2: scale 2^(floor(log2 amax) - 2)
+    exp = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, torch.zeros_like(amax))
+    scaled = g / torch.exp2(exp)[..., None]
+    lut = torch.tensor(_E2M1)
+    codes = (scaled[..., None] - lut).abs().argmin(-1).to(torch.uint8)
+    codes = torch.where((scaled == 0) & (codes == 8), torch.zeros_like(codes), codes)
+    if not torch.equal(lut[codes.long()] * torch.exp2(exp)[..., None], g):
+        raise AssertionError("weights are not MXFP4-representable")
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), (exp + 127).to(torch.uint8).contiguous()
+
+
+def _save_mxfp4(model, path: Path) -> None:
+    """The checkpoint as OpenAI ships it: experts as MXFP4 blocks and scales."""
+    from safetensors.torch import save_file
+
+    state = {}
+    for name, t in model.state_dict().items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            # stored [E, out rows, in] (transposed from the module's x @ W)
+            blocks, scales = _hf_mxfp4(t.transpose(1, 2))
+            state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+        else:
+            state[name] = t.contiguous()
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    model.config.architectures = [type(model).__name__]
+    model.config.quantization_config = {"quant_method": "mxfp4"}
+    model.config.save_pretrained(path)

@@ -35,6 +35,7 @@ GGUF_ARCH = {
     "qwen3moe": "qwen3moe",
     "mixtral": "llama",
     "granitemoe": "granitemoe",
+    "gptoss": "gpt-oss",
 }
 W_TYPE = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
 FILE_TYPE = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2}
@@ -77,6 +78,9 @@ def _reference_tensors(arch: str, path: Path) -> dict[str, np.ndarray]:
         for norm in ("q_norm", "k_norm"):
             if f"{p}.self_attn.{norm}.weight" in sd:
                 out[f"{b}.attn_{norm}.weight"] = sd[f"{p}.self_attn.{norm}.weight"]
+        if arch == "gptoss":
+            out |= _gptoss_layer(sd, p, b)
+            continue
         gu = sd.get(f"{p}.{moe}.experts.gate_up_proj")  # [E, 2*ff, n], gate rows then up rows
         if gu is None:  # dense layer
             for proj in ("gate", "up", "down"):
@@ -100,9 +104,29 @@ def _reference_tensors(arch: str, path: Path) -> dict[str, np.ndarray]:
     return out
 
 
+def _gptoss_layer(sd: dict[str, np.ndarray], p: str, b: str) -> dict[str, np.ndarray]:
+    """GPT-OSS's sinks, router bias and experts: gate_up [E, n, 2ff] with gate/up interleaved
+    along the last axis (x @ gate_up), down [E, ff, n] (x @ down), biases interleaved too."""
+    gu = sd[f"{p}.mlp.experts.gate_up_proj"]
+    down = sd[f"{p}.mlp.experts.down_proj"]
+    E, n, ff = gu.shape[0], gu.shape[1], down.shape[1]
+    gud = np.empty((E, ff, 3, n), np.float32)
+    for e in range(E):
+        for j in range(ff):
+            gud[e, j] = gu[e, :, 2 * j], gu[e, :, 2 * j + 1], down[e, j]
+    return {
+        f"{b}.attn_sinks.weight": sd[f"{p}.self_attn.sinks"],
+        f"{b}.ffn_gate_inp.weight": sd[f"{p}.mlp.router.weight"],
+        f"{b}.ffn_gate_inp.bias": sd[f"{p}.mlp.router.bias"],
+        f"{b}.ffn_gud_exps.weight": gud,
+        f"{b}.ffn_gu_exps.bias": sd[f"{p}.mlp.experts.gate_up_proj_bias"].reshape(E, ff, 2),
+        f"{b}.ffn_down_exps.bias": sd[f"{p}.mlp.experts.down_proj_bias"],
+    }
+
+
 def _expected_type(name: str, ref: np.ndarray, outtype: str) -> GGMLQuantizationType:
-    if ref.ndim == 1 or "ffn_gate_inp" in name:
-        return Q.F32  # norms, biases, routers, shared-expert gate
+    if ref.ndim == 1 or "ffn_gate_inp" in name or name.endswith(".bias"):
+        return Q.F32  # norms, biases, sinks, routers, shared-expert gate
     w = W_TYPE[outtype]
     if w == Q.Q4_0 and name in ("token_embd.weight", "output.weight"):
         w = Q.Q8_0
@@ -176,7 +200,7 @@ def test_metadata(models_root: Path, tmp_path: Path, arch: str):
         "general.quantization_version": 2,
         "pyruntime.layout_version": 1,
         "pyruntime.hf_architecture": cfg["architectures"][0],
-        "pyruntime.expert_activation": "silu",
+        "pyruntime.expert_activation": "swiglu_oai" if arch == "gptoss" else "silu",
         f"{a}.vocab_size": 4096,
         f"{a}.context_length": 256,
         f"{a}.embedding_length": 64,
@@ -185,7 +209,7 @@ def test_metadata(models_root: Path, tmp_path: Path, arch: str):
         or cfg["intermediate_size"],
         f"{a}.expert_count": n_expert,
         f"{a}.expert_used_count": 2,
-        f"{a}.expert_weights_norm": arch in ("mixtral", "granitemoe"),
+        f"{a}.expert_weights_norm": arch in ("mixtral", "granitemoe", "gptoss"),
         f"{a}.attention.head_count": 4,
         f"{a}.attention.head_count_kv": 2,
         f"{a}.attention.key_length": head_dim,
@@ -210,6 +234,19 @@ def test_metadata(models_root: Path, tmp_path: Path, arch: str):
             f"{a}.residual_scale": pytest.approx(0.22),
             f"{a}.attention.scale": 0.0078125,
             f"{a}.logit_scale": 6.0,
+        }
+    if arch == "gptoss":
+        expect |= {
+            f"{a}.attention.sliding_window": 8,
+            f"{a}.attention.sliding_window_pattern": [True, False],
+            f"{a}.rope.scaling.type": "yarn",
+            f"{a}.rope.scaling.factor": 32.0,
+            f"{a}.rope.scaling.original_context_length": 8,
+            f"{a}.rope.scaling.yarn_beta_fast": 32.0,
+            f"{a}.rope.scaling.yarn_beta_slow": 1.0,
+            "pyruntime.rope_yarn_truncate": False,
+            "pyruntime.swiglu_alpha": pytest.approx(1.702),
+            "pyruntime.swiglu_limit": 7.0,
         }
     for key, value in expect.items():
         assert _field(r, key) == value, key

@@ -11,7 +11,7 @@ from pyruntime.kernels.decoder_ops import (
     qk_rope_store,
     qk_rope_store_ref,
 )
-from pyruntime.model.reference import rope_tables
+from pyruntime.model.rope import inv_frequencies, rope_tables
 
 # The interpreter runs on CPU tensors; compiled Triton (a GPU machine) needs CUDA tensors.
 DEV = "cpu" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "cuda"
@@ -70,7 +70,7 @@ def test_qk_rope_store(case, dtype, tol, n):
     qkv = torch.randn(n, (n_head + 2 * n_kv) * D, generator=g).to(dtype)
     kv = torch.randn(2, n_kv, S, D, generator=g).to(dtype)
     positions = torch.tensor([7, 2, 9][:n])
-    cos, sin = rope_tables(torch.arange(S), rope, 10000.0)
+    cos, sin = rope_tables(torch.arange(S), inv_frequencies(rope, 10000.0))
     q_norm = k_norm = None
     if norm == "all":
         q_norm = torch.rand(n_head * D, generator=g) + 0.5
@@ -93,7 +93,7 @@ def test_qk_rope_store_clamp():
     g = torch.Generator().manual_seed(5)
     qkv = torch.randn(2, (2 + 2) * 8, generator=g) * 10
     kv = torch.zeros(2, 1, 4, 8)
-    cos, sin = rope_tables(torch.arange(4), 8, 10000.0)
+    cos, sin = rope_tables(torch.arange(4), inv_frequencies(8, 10000.0))
     pos = torch.tensor([0, 3])
     ref_q, ref_kv = qk_rope_store_ref(qkv, kv, pos, cos, sin, 2, clamp=1.5)
     got_kv = kv.clone().to(DEV)

@@ -85,6 +85,8 @@ class MoeModel:
     fused_names: ClassVar[tuple[tuple[str, str], ...]] = (
         ("experts.gate_up_proj", "experts.down_proj"),
     )
+    rope_types: ClassVar[tuple[str, ...]] = ("default",)  # rope_parameters.rope_type accepted
+    attention_bias_ok: ClassVar[bool] = False  # config `attention_bias: true` accepted
 
     def __init__(self, hp: HParams, src: SourceTensors, hf_arch: str) -> None:
         self.hp, self.src, self.hf_arch = hp, src, hf_arch
@@ -99,13 +101,13 @@ class MoeModel:
         )
         self.n_expert_used = hp.int("num_experts_per_tok")
         self.n_ff_exp = hp.int(self.n_ff_exp_key)
-        self.rope_theta = hp.rope_theta()
+        self.rope_theta = hp.rope_theta(self.rope_types)
         self.activation = hp.activation()
         if self.n_head % self.n_head_kv:
             raise hp._bad("num_key_value_heads", f"must divide num_attention_heads {self.n_head}")
         if self.n_expert_used > self.n_expert:
             raise hp._bad("num_experts_per_tok", f"exceeds the expert count {self.n_expert}")
-        if hp.bool("attention_bias", False):
+        if hp.bool("attention_bias", False) and not self.attention_bias_ok:
             raise hp._bad("attention_bias", f"true is not supported for {hf_arch}")
         self.dense_layers = [i for i in range(self.n_layer) if not self.is_moe_layer(i)]
 
@@ -249,7 +251,7 @@ class MoeModel:
                     gu = self.src.claim(f"{base}.{gate_up}", (E, 2 * ff, n))
                     dn = self.src.claim(f"{base}.{down}", (E, n, ff))
                     return OutTensor(
-                        out_name, shape, "weight", lambda gu=gu, dn=dn: self._fused_chunks(gu, dn)
+                        out_name, shape, "experts", lambda gu=gu, dn=dn: self._fused_chunks(gu, dn)
                     )
         # Per-expert storage; if absent, the default names are claimed and reported missing.
         triples = [
@@ -266,7 +268,7 @@ class MoeModel:
             )
             for e in range(E)
         ]
-        return OutTensor(out_name, shape, "weight", lambda: self._per_expert_chunks(names))
+        return OutTensor(out_name, shape, "experts", lambda: self._per_expert_chunks(names))
 
     def _fused_chunks(self, gate_up: str, down: str) -> Iterator[np.ndarray]:
         ff = self.n_ff_exp

@@ -101,16 +101,22 @@ class HParams:
             raise self._bad("num_attention_heads", f"does not divide hidden_size {hidden}")
         return hidden // heads
 
-    def rope_theta(self) -> float:
-        """Rope base frequency from either config style; only plain (unscaled) rope is accepted."""
+    def rope_params(self) -> dict[str, Any]:
+        """The rope sub-config (`rope_parameters`, or the older `rope_scaling`), {} when absent."""
         params = self.config.get("rope_parameters") or self.config.get("rope_scaling") or {}
         if not isinstance(params, dict):
             raise self._bad("rope_parameters", f"must be an object, got {params!r}")
-        rope_type = params.get("rope_type", params.get("type"))
-        if rope_type not in (None, "default"):
+        return params
+
+    def rope_theta(self, rope_types: tuple[str, ...] = ("default",)) -> float:
+        """Rope base frequency from either config style; the rope type must be one of
+        `rope_types` (the family's), plain (unscaled) rope by default."""
+        params = self.rope_params()
+        rope_type = params.get("rope_type", params.get("type")) or "default"
+        if rope_type not in rope_types:
             raise ConversionError(
-                f"{self.path}: rope type '{rope_type}' is not supported (only default rope); "
-                "convert a checkpoint without rope scaling"
+                f"{self.path}: rope type '{rope_type}' is not supported for this architecture "
+                f"(supported: {', '.join(rope_types)}); convert a checkpoint without rope scaling"
             )
         partial = params.get("partial_rotary_factor", self.config.get("partial_rotary_factor"))
         if partial not in (None, 1, 1.0):
@@ -121,6 +127,17 @@ class HParams:
         if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
             raise self._bad("rope_theta", f"must be a positive number, got {theta!r}")
         return float(theta)
+
+    def rope_number(self, key: str, default: float | None = None) -> float:
+        """A positive number of the rope sub-config (`rope_parameters.{key}`)."""
+        value = self.rope_params().get(key)
+        if value is None:
+            if default is None:
+                raise self._bad(f"rope_parameters.{key}", "is missing")
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise self._bad(f"rope_parameters.{key}", f"must be a positive number, got {value!r}")
+        return float(value)
 
     def activation(self) -> str:
         act = self.config.get("hidden_act", "silu")

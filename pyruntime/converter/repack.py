@@ -214,7 +214,7 @@ class _Plan:
             best = max((gate.qtype, up.qtype, down.qtype), key=_PRECISION.index)
             qtype = _fits(best, n)
         else:
-            qtype = choose_qtype("weight", n, self.outtype)
+            qtype = choose_qtype("experts", n, self.outtype)
 
         def chunks() -> Iterator[np.ndarray]:
             g_rows, u_rows, d_rows = _rows(gate), _rows(up), _rows(down)

@@ -142,6 +142,18 @@ class SourceTensors:
         """`tensor[index]` (one expert of a fused 3-D tensor) as float32; reads only that slice."""
         return self._read(name, lambda s: s[index])
 
+    def load_bytes_index(self, name: str, index: int) -> np.ndarray:
+        """`tensor[index]` of a uint8 tensor (packed quantized data, e.g. MXFP4 blocks), as is."""
+        path = self._file_of[name]
+        dtype = self._open(path).get_slice(name).get_dtype()
+        if dtype != "U8":
+            raise ConversionError(f"{path}: tensor {name} has dtype {dtype}; expected U8 (bytes)")
+        return np.asarray(self._open(path).get_slice(name)[index], dtype=np.uint8)
+
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype of a tensor ("F32", "BF16", "U8", ...)."""
+        return self._open(self._file_of[name]).get_slice(name).get_dtype()
+
     def _read(self, name: str, take: Any) -> np.ndarray:
         path = self._file_of[name]
         dtype = self._open(path).get_slice(name).get_dtype()

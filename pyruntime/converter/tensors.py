@@ -26,11 +26,15 @@ OUTTYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
     "bf16": (Q.BF16, LlamaFileType.MOSTLY_BF16),
     "q8_0": (Q.Q8_0, LlamaFileType.MOSTLY_Q8_0),
     "q4_0": (Q.Q4_0, LlamaFileType.MOSTLY_Q4_0),
+    # the routed experts MXFP4, every other matrix Q8_0 (llama.cpp's MXFP4_MOE)
+    "mxfp4": (Q.Q8_0, LlamaFileType.MOSTLY_MXFP4_MOE),
 }
+EXPERT_TYPES = {"mxfp4": Q.MXFP4}  # outtypes whose routed experts differ from W
 
-# weight: type W; embd: W, but Q8_0 when W is Q4_0 (token_embd/output, as llama.cpp);
-# f32: norms, biases, routers, shared-expert gate.
-Kind = Literal["weight", "embd", "f32"]
+# weight: type W; experts (the routed experts): W, or EXPERT_TYPES[outtype]; embd: W, but Q8_0
+# when W is Q4_0 (token_embd/output, as llama.cpp); f32: norms, biases, routers, sinks,
+# shared-expert gate.
+Kind = Literal["weight", "experts", "embd", "f32"]
 
 
 @dataclass
@@ -46,6 +50,8 @@ def choose_qtype(kind: Kind, row_len: int, outtype: str) -> GGMLQuantizationType
     if kind == "f32":
         return Q.F32
     weight_type = OUTTYPES[outtype][0]
+    if kind == "experts":
+        weight_type = EXPERT_TYPES.get(outtype, weight_type)
     if kind == "embd" and weight_type == Q.Q4_0:
         weight_type = Q.Q8_0
     block = GGML_QUANT_SIZES[weight_type][0]

@@ -20,7 +20,7 @@ import torch
 
 from pyruntime.errors import ModelFileError, UsageError
 from pyruntime.experts.store import ExpertStore
-from pyruntime.model.reference import activation_fn
+from pyruntime.model.reference import expert_gate_act
 from pyruntime.output_files import atomic_output
 
 FORMAT = "pyruntime-sparsity/1"
@@ -45,11 +45,9 @@ class GateHistogram:
         self, layer: int, store: ExpertStore, x: torch.Tensor, ids: torch.Tensor, act: str
     ) -> None:
         """x: [T, n_embd]; ids: [T, K] routed experts. Adds T*K*n_ff values to layer's histogram."""
-        fn = activation_fn(act)
         for e in torch.unique(ids).tolist():
             tok = torch.nonzero((ids == e).any(dim=1), as_tuple=True)[0]
-            gate = store.expert_weights(e)[:, 0, :]  # [n_ff, n_embd]
-            a = fn(x[tok] @ gate.T).abs().reshape(-1)
+            a = expert_gate_act(store, e, x[tok], act).abs().reshape(-1)
             self.counts[layer] += _bin_counts(a)
 
     def thresholds(self, targets: Sequence[float]) -> list[list[float]]:

@@ -23,6 +23,14 @@ from pyruntime.gguf.file import TensorView
 from pyruntime.gguf.quant import SUPPORTED, dequantize, row_bytes
 
 
+@dataclass(frozen=True)
+class ExpertBias:
+    """Biases of a layer's routed experts (gpt-oss), float32, indexed by expert id."""
+
+    gate_up: torch.Tensor  # [n_expert, n_ff, 2]: neuron j's gate bias, then its up bias
+    down: torch.Tensor  # [n_expert, n_embd]: added to the expert's output (before its weight)
+
+
 @dataclass
 class ExpertStore:
     name: str
@@ -32,10 +40,19 @@ class ExpertStore:
     n_embd: int
     raw: np.ndarray  # the mmap view, [n_expert, n_ff, 3, n_embd] (float) or [..., 3, row_bytes]
     layer: int = -1  # the block it belongs to (-1: a store built outside a model)
+    bias: ExpertBias | None = None
+    swiglu: tuple[float, float] = (1.702, 7.0)  # (alpha, limit) of activation swiglu_oai
 
     @classmethod
     def from_tensor(
-        cls, t: TensorView, n_expert: int, n_ff: int, n_embd: int, layer: int = -1
+        cls,
+        t: TensorView,
+        n_expert: int,
+        n_ff: int,
+        n_embd: int,
+        layer: int = -1,
+        bias: ExpertBias | None = None,
+        swiglu: tuple[float, float] = (1.702, 7.0),
     ) -> ExpertStore:
         if t.shape != (n_expert, n_ff, 3, n_embd):
             raise ModelFileError(
@@ -44,7 +61,7 @@ class ExpertStore:
             )
         if t.qtype not in SUPPORTED:
             raise ModelFileError(f"tensor '{t.name}': type {t.qtype.name} is not supported")
-        return cls(t.name, t.qtype, n_expert, n_ff, n_embd, t.data, layer)
+        return cls(t.name, t.qtype, n_expert, n_ff, n_embd, t.data, layer, bias, swiglu)
 
     @property
     def row_bytes(self) -> int:

@@ -18,6 +18,7 @@ from pyruntime.gguf.header import FormatError, Signature, signature_name
 V = GGUFValueType
 U32, F32, BOOL, STR = (V.UINT32,), (V.FLOAT32,), (V.BOOL,), (V.STRING,)
 STRINGS, INT32S, F32S = (V.ARRAY, V.STRING), (V.ARRAY, V.INT32), (V.ARRAY, V.FLOAT32)
+BOOLS = (V.ARRAY, V.BOOL)
 # feed_forward_length and the head counts may also be per-layer arrays (gguf-py writes a list as
 # INT32, llama.cpp's get_key_or_arr reads either)
 PER_LAYER = (U32, INT32S, (V.ARRAY, V.UINT32))
@@ -47,8 +48,10 @@ STANDARD_KEYS: dict[str, tuple[Signature, ...]] = {
     **{f"{{arch}}.{k}": (F32,) for k in (
         "attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "attention.clamp_kqv",
         "attention.scale", "rope.freq_base", "rope.scaling.factor", "embedding_scale",
-        "residual_scale", "logit_scale", "expert_weights_scale",
+        "residual_scale", "logit_scale", "expert_weights_scale", "rope.scaling.attn_factor",
+        "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
     )},
+    "{arch}.attention.sliding_window_pattern": (BOOLS,),
     "{arch}.expert_weights_norm": (BOOL,),
     "{arch}.use_parallel_residual": (BOOL,),
     "{arch}.rope.scaling.type": (STR,),

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from pyruntime.model.config import ModelConfig
-from pyruntime.model.reference import rope_tables
+from pyruntime.model.reference import model_rope_tables
 
 STATE_KEY = "gpu"  # this executor's entry in KVCache.executor_state
 
@@ -37,7 +37,7 @@ class GpuCacheState:
     def __init__(self, owner: object, cfg: ModelConfig, max_tokens: int,
                  device: torch.device) -> None:  # fmt: skip
         self.owner_id = id(owner)  # the executor whose graphs these are
-        cos, sin = rope_tables(torch.arange(max_tokens), cfg.rope_dim, cfg.rope_theta)
+        cos, sin = model_rope_tables(cfg, torch.arange(max_tokens))
         self.cos, self.sin = cos.to(device), sin.to(device)  # [max_tokens, rope_dim] f32
         # (token, position, position + 1 = cached length after the step) in one device tensor
         self.step_inputs = torch.zeros(3, dtype=torch.long, device=device)

@@ -10,10 +10,13 @@ from pyruntime.errors import ModelFileError
 from pyruntime.gguf.file import GGUFFile
 from pyruntime.model.layout import check_layout_keys, check_tensors
 from pyruntime.model.llamacpp_layout import EXPERT_WEIGHTS_NORM
+from pyruntime.model.rope import Yarn
 
 _REQUIRED = object()  # the default of a key that must be present
-SUPPORTED_ARCHS = ("olmoe", "qwen2moe", "qwen3moe", "llama", "granitemoe")
-ACTIVATIONS = ("silu", "gelu", "gelu_exact")
+SUPPORTED_ARCHS = ("olmoe", "qwen2moe", "qwen3moe", "llama", "granitemoe", "gpt-oss")
+# swiglu_oai: gpt-oss's clamped SwiGLU (its own formula of gate and up: see model/reference.py)
+ACTIVATIONS = ("silu", "gelu", "gelu_exact", "swiglu_oai")
+ROPE_SCALINGS = ("none", "yarn")  # {arch}.rope.scaling.type
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,15 @@ class ModelConfig:
     attention_scale: float | None = None  # None: 1/sqrt(head_dim)
     logit_scale: float = 1.0
     clamp_kqv: float | None = None
+    rope_yarn: Yarn | None = None  # YaRN rope scaling (gpt-oss), None: plain rope
+    sliding_window: int = 0  # keys a sliding layer's query sees (itself included); 0: none
+    sliding_layers: tuple[bool, ...] = ()  # per layer, True: sliding-window attention
+    swiglu_alpha: float = 1.702  # swiglu_oai: g * sigmoid(alpha g)
+    swiglu_limit: float = 7.0  # swiglu_oai: gate clamped above, up to [-limit, limit]
+
+    def layer_window(self, layer: int) -> int:
+        """Keys a query of `layer` attends to, itself included (0: every earlier position)."""
+        return self.sliding_window if self.sliding_layers and self.sliding_layers[layer] else 0
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> ModelConfig:
@@ -72,8 +84,10 @@ class ModelConfig:
             rms_eps=g.float("attention.layer_norm_rms_epsilon", positive=True),
             rope_theta=g.float("rope.freq_base", 10000.0, positive=True),
             rope_dim=g.int("rope.dimension_count", head_dim, minimum=0),
-            # absent: what llama.cpp's graph does for the family
-            expert_weights_norm=bool(g.get("expert_weights_norm", EXPERT_WEIGHTS_NORM[f.arch])),
+            # absent: what llama.cpp's graph does for the family (our converter writes it)
+            expert_weights_norm=bool(
+                g.get("expert_weights_norm", EXPERT_WEIGHTS_NORM.get(f.arch, False))
+            ),
             activation=str(f.get("pyruntime.expert_activation", "silu")),
             n_ff_shexp=g.int("expert_shared_feed_forward_length", 0),
             embedding_scale=g.float("embedding_scale", 1.0),
@@ -81,6 +95,11 @@ class ModelConfig:
             attention_scale=g.float("attention.scale", None, positive=True),
             logit_scale=g.float("logit_scale", 1.0, positive=True),
             clamp_kqv=g.float("attention.clamp_kqv", None, positive=True),
+            rope_yarn=_yarn(f, g),
+            sliding_window=g.int("attention.sliding_window", 0, minimum=0),
+            sliding_layers=_sliding_layers(f, g),
+            swiglu_alpha=_layout_float(f, "pyruntime.swiglu_alpha", 1.702),
+            swiglu_limit=_layout_float(f, "pyruntime.swiglu_limit", 7.0, positive=True),
         )
         value_length = g.int("attention.value_length", head_dim)
         if value_length != head_dim:
@@ -106,6 +125,16 @@ class ModelConfig:
             )
         if self.rope_dim % 2 or self.rope_dim > self.head_dim:
             raise ModelFileError(f"{where}: bad rope.dimension_count {self.rope_dim}")
+        if self.sliding_layers and len(self.sliding_layers) != self.n_layer:
+            raise ModelFileError(
+                f"{where}: {self.arch}.attention.sliding_window_pattern has "
+                f"{len(self.sliding_layers)} entries, expected one per layer ({self.n_layer})"
+            )
+        if any(self.sliding_layers) and self.sliding_window < 1:
+            raise ModelFileError(
+                f"{where}: metadata key '{self.arch}.attention.sliding_window' is missing or 0, "
+                "but sliding_window_pattern marks sliding-window layers"
+            )
 
 
 class _Keys:
@@ -146,6 +175,43 @@ class _Keys:
             expected = "a finite float > 0" if positive else "a finite float"
             raise self._bad(suffix, f"is {_shown(value)}, expected {expected}")
         return value
+
+
+def _yarn(f: GGUFFile, g: _Keys) -> Yarn | None:
+    """The rope scaling keys: absent or 'none' (plain rope), or 'yarn' with its parameters."""
+    kind = g.get("rope.scaling.type", "none")
+    if kind not in ROPE_SCALINGS:
+        raise g._bad(
+            "rope.scaling.type", f"is {_shown(kind)}; supported: {', '.join(ROPE_SCALINGS)}"
+        )
+    if kind == "none":
+        return None
+    truncate = f.get("pyruntime.rope_yarn_truncate", True)
+    return Yarn(
+        factor=g.float("rope.scaling.factor", positive=True),
+        original_context_length=g.int("rope.scaling.original_context_length"),
+        beta_fast=g.float("rope.scaling.yarn_beta_fast", 32.0, positive=True),
+        beta_slow=g.float("rope.scaling.yarn_beta_slow", 1.0, positive=True),
+        truncate=bool(truncate),
+        attn_factor=g.float("rope.scaling.attn_factor", None, positive=True),
+    )
+
+
+def _sliding_layers(f: GGUFFile, g: _Keys) -> tuple[bool, ...]:
+    """{arch}.attention.sliding_window_pattern: per layer, True for sliding-window attention."""
+    pattern = g.get("attention.sliding_window_pattern", None)
+    return () if pattern is None else tuple(bool(v) for v in pattern)
+
+
+def _layout_float(f: GGUFFile, key: str, default: float, positive: bool = False) -> float:
+    """A finite float key of the layout (pyruntime.*), its type checked by layout.py."""
+    value = f.get(key, default)
+    if not math.isfinite(value) or (positive and value <= 0):
+        expected = "a finite float > 0" if positive else "a finite float"
+        raise ModelFileError(
+            f"{f.path}: metadata key '{key}' is {_shown(value)}, expected {expected}"
+        )
+    return value
 
 
 def _rows(f: GGUFFile, name: str) -> int | None:

@@ -17,7 +17,8 @@ from gguf import GGMLQuantizationType
 from pyruntime.errors import ModelFileError
 from pyruntime.gguf.file import GGUFFile
 from pyruntime.gguf.header import FormatError
-from pyruntime.gguf.keys import INT32S, STR, U32, check_key_types
+from pyruntime.gguf.keys import BOOL, INT32S, STR, U32, check_key_types
+from pyruntime.gguf.keys import F32 as F32_KEY
 
 LAYOUT_VERSION = 1
 
@@ -27,6 +28,9 @@ LAYOUT_KEYS = {
     "pyruntime.hf_architecture": (STR,),
     "pyruntime.expert_activation": (STR,),
     "pyruntime.stop_token_ids": (INT32S,),
+    "pyruntime.swiglu_alpha": (F32_KEY,),
+    "pyruntime.swiglu_limit": (F32_KEY,),
+    "pyruntime.rope_yarn_truncate": (BOOL,),
 }
 
 Q = GGMLQuantizationType
@@ -34,10 +38,13 @@ WEIGHT = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0)  # matrices: the formats the ker
 F32 = (Q.F32,)  # norms, biases, routers, the shared-expert gate
 
 # What differs by family: q/k RMSNorm over the whole projection or per head (required), q/k/v
-# biases (all three or none), a shared expert in every MoE layer (required).
+# biases (all three or none; with the output projection's for gpt-oss), a shared expert in every
+# MoE layer (required), attention sinks and router / expert biases (required: gpt-oss).
 QK_NORM = {"olmoe": "whole", "qwen3moe": "head"}
-QKV_BIAS = ("qwen2moe",)
+QKV_BIAS = ("qwen2moe", "gpt-oss")
+O_BIAS = ("gpt-oss",)
 SHARED_EXPERT = ("qwen2moe",)
+SINKS_AND_BIASED_EXPERTS = ("gpt-oss",)
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,10 @@ def expected_tensors(f: GGUFFile, cfg) -> dict[str, TensorSpec]:
         if cfg.arch in QKV_BIAS:
             for name, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
                 specs[f"{p}.attn_{name}.bias"] = TensorSpec((rows,), F32, group=f"{p} biases")
+            if cfg.arch in O_BIAS:
+                specs[f"{p}.attn_output.bias"] = TensorSpec((n,), F32, group=f"{p} biases")
+        if cfg.arch in SINKS_AND_BIASED_EXPERTS:
+            specs[f"{p}.attn_sinks.weight"] = TensorSpec((cfg.n_head,), F32)
         if qk_norm is not None:
             whole = qk_norm == "whole"  # else per head
             q_norm, k_norm = (q_rows, kv_rows) if whole else (cfg.head_dim, cfg.head_dim)
@@ -115,6 +126,12 @@ def _moe_layer(f: GGUFFile, cfg, p: str) -> dict[str, TensorSpec]:
         f"{p}.ffn_gate_inp.weight": TensorSpec((cfg.n_expert, n), F32),
         f"{p}.ffn_gud_exps.weight": TensorSpec((cfg.n_expert, cfg.n_ff_exp, 3, n), WEIGHT),
     }
+    if cfg.arch in SINKS_AND_BIASED_EXPERTS:
+        specs |= {
+            f"{p}.ffn_gate_inp.bias": TensorSpec((cfg.n_expert,), F32),
+            f"{p}.ffn_gu_exps.bias": TensorSpec((cfg.n_expert, cfg.n_ff_exp, 2), F32),
+            f"{p}.ffn_down_exps.bias": TensorSpec((cfg.n_expert, n), F32),
+        }
     if cfg.arch in SHARED_EXPERT:
         if not cfg.n_ff_shexp:
             raise ModelFileError(

@@ -1,10 +1,11 @@
 """The model's math in plain torch: the reference every executor is checked against.
 
 The MoE decoder shared by every supported family (OLMoE, Qwen2-MoE, Qwen3-MoE, Mixtral,
-Granite-MoE). Per block: RMSNorm -> attention (GQA, optional q/k norm, RoPE "rotate_half", KV
-cache) -> residual -> RMSNorm -> router (softmax, top-k) -> routed experts (+ shared expert) ->
-residual. Family differences are data, not code: optional tensors (biases, q/k norms, shared
-expert) and scalars from the GGUF metadata (scales, renormalization, activation).
+Granite-MoE, GPT-OSS). Per block: RMSNorm -> attention (GQA, optional q/k norm, RoPE
+"rotate_half" (plain or YaRN), KV cache, optional sliding window and per-head sinks) -> residual
+-> RMSNorm -> router (softmax, top-k) -> routed experts (+ shared expert) -> residual. Family
+differences are data, not code: optional tensors (biases, q/k norms, sinks, shared expert) and
+scalars from the GGUF metadata (scales, renormalization, activation, window, rope scaling).
 
 `ReferenceModel` runs it over HostWeights with two pluggable pieces: `linear` (a weight matrix
 times activations; default: dequantize and matmul in float32) and `experts` (a layer's routed
@@ -27,6 +28,7 @@ from pyruntime.gguf.quant import QuantMatrix
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.executor import RoutingTrace
 from pyruntime.model.kv_cache import KVCache
+from pyruntime.model.rope import attention_factor, inv_frequencies, rope_tables
 from pyruntime.model.stats import ExpertStats
 from pyruntime.model.tokens import token_ids
 from pyruntime.model.weights import BlockWeights, FFNWeights, HostWeights
@@ -39,14 +41,12 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def rope_tables(
-    positions: torch.Tensor, dim: int, theta: float
+def model_rope_tables(
+    cfg: ModelConfig, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [n, dim] for HF's rotate_half convention (frequencies repeated twice)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [n, dim/2]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+    """cos, sin [n, rope_dim] of the model's rope (plain or YaRN) at `positions`."""
+    inv_freq = inv_frequencies(cfg.rope_dim, cfg.rope_theta, cfg.rope_yarn)
+    return rope_tables(positions, inv_freq, attention_factor(cfg.rope_yarn))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -67,14 +67,31 @@ def dense_ffn(w: FFNWeights, x: torch.Tensor, act: str, linear=torch_linear) -> 
     return linear(activation_fn(act)(linear(x, w.gate)) * linear(x, w.up), w.down)
 
 
-def activation_fn(name: str):
+def activation_fn(name: str, swiglu: tuple[float, float] = (1.702, 7.0)):
+    """act(gate) of an FFN's activation; swiglu_oai's takes its (alpha, limit)."""
     if name == "silu":
         return F.silu
     if name == "gelu":  # tanh approximation (HF "gelu_pytorch_tanh", "gelu_new")
         return lambda x: F.gelu(x, approximate="tanh")
     if name == "gelu_exact":
         return F.gelu
+    if name == "swiglu_oai":  # gpt-oss: g * sigmoid(alpha g), g = min(gate, limit)
+        alpha, limit = swiglu
+
+        def clamped_swish(x: torch.Tensor) -> torch.Tensor:
+            g = x.clamp(max=limit)
+            return g * torch.sigmoid(g * alpha)
+
+        return clamped_swish
     raise ValueError(f"unknown activation '{name}'")
+
+
+def up_fn(name: str, swiglu: tuple[float, float] = (1.702, 7.0)):
+    """What multiplies act(gate): the up projection itself, or swiglu_oai's clamp(up) + 1."""
+    if name == "swiglu_oai":
+        limit = swiglu[1]
+        return lambda u: u.clamp(min=-limit, max=limit) + 1
+    return lambda u: u
 
 
 def route(
@@ -92,22 +109,46 @@ def route(
 
 
 def expert_ffn_torch(
-    w: torch.Tensor, x: torch.Tensor, act: str, threshold: float | None = None
+    w: torch.Tensor,
+    x: torch.Tensor,
+    act: str,
+    threshold: float | None = None,
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+    swiglu: tuple[float, float] = (1.702, 7.0),
 ) -> tuple[torch.Tensor, int]:
     """One expert: w [n_ff, 3, n_embd] (gate, up, down^T rows), x [T, n_embd] -> (y, active).
 
-    With `threshold`, neurons whose |act(gate . x)| < threshold contribute nothing (their up/down
+    bias: None, or the expert's (gate_up [n_ff, 2], down [n_embd]) (gpt-oss):
+    y = sum_j act(g_j . x + bg_j) * up(u_j . x + bu_j) d_j + bd.
+    With `threshold`, neurons whose |act(gate)| < threshold contribute nothing (their up/down
     rows are skipped by the fast kernels); `active` counts the (token, neuron) pairs kept.
     """
-    g = activation_fn(act)(x @ w[:, 0, :].T)  # [T, n_ff]
+    gate, up = x @ w[:, 0, :].T, x @ w[:, 1, :].T  # [T, n_ff]
+    if bias is not None:
+        gate, up = gate + bias[0][:, 0], up + bias[0][:, 1]
+    g = activation_fn(act, swiglu)(gate)
     if threshold is not None:
         keep = g.abs() >= threshold
         g = g * keep
         active = int(keep.sum())
     else:
         active = g.numel()
-    h = g * (x @ w[:, 1, :].T)  # [T, n_ff]
-    return h @ w[:, 2, :], active  # [T, n_embd]
+    h = g * up_fn(act, swiglu)(up)  # [T, n_ff]
+    y = h @ w[:, 2, :]  # [T, n_embd]
+    return (y if bias is None else y + bias[1]), active
+
+
+def expert_bias(store: ExpertStore, e: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Expert e's (gate_up [n_ff, 2], down [n_embd]) biases, or None."""
+    return None if store.bias is None else (store.bias.gate_up[e], store.bias.down[e])
+
+
+def expert_gate_act(store: ExpertStore, e: int, x: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) [T, n_ff] of expert e's neurons for x [T, n_embd] (what sparsity thresholds)."""
+    gate = x @ store.expert_weights(e)[:, 0, :].T
+    if store.bias is not None:
+        gate = gate + store.bias.gate_up[e][:, 0]
+    return activation_fn(act, store.swiglu)(gate)
 
 
 def moe_ffn_torch(
@@ -123,7 +164,9 @@ def moe_ffn_torch(
     n_active = 0
     for e in torch.unique(topk_ids).tolist():
         tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
-        out, active = expert_ffn_torch(store.expert_weights(e), x[tok], act, threshold)
+        out, active = expert_ffn_torch(
+            store.expert_weights(e), x[tok], act, threshold, expert_bias(store, e), store.swiglu
+        )
         y.index_add_(0, tok, out * topk_w[tok, slot].unsqueeze(1))
         n_active += active
     return y, n_active
@@ -136,6 +179,36 @@ def check_k(k: int | None, cfg: ModelConfig) -> int:
     if not 1 <= k <= cfg.n_expert:
         raise UsageError(f"experts per token must be in 1..{cfg.n_expert}, got {k}")
     return int(k)
+
+
+def attention_mask(start: int, end: int, window: int = 0) -> torch.Tensor:
+    """[end - start, end] bool: the query at absolute position start + a sees key p when
+    p <= start + a (causal) and, with a window, start + a - p < window."""
+    q_pos = torch.arange(start, end)[:, None]
+    k_pos = torch.arange(end)[None, :]
+    mask = k_pos <= q_pos
+    if window:
+        mask &= q_pos - k_pos < window
+    return mask
+
+
+def sink_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """Attention whose softmax denominator also holds exp(sink[h]) (gpt-oss): q [H, n, D],
+    keys/values [H, end, D], mask [n, end], sinks [H] -> [H, n, D]."""
+    scores = (q @ keys.transpose(1, 2)) * scale  # [H, n, end]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.reshape(-1, 1, 1).expand(-1, scores.shape[1], 1)
+    combined = torch.cat([scores, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1)[..., :-1]
+    return probs @ values
 
 
 # Routed experts of one layer: (store, x [T, n_embd], ids [T, K], weights [T, K], activation,
@@ -211,7 +284,7 @@ class ReferenceModel:
         n = ids.numel()
         cache.reserve(n)
         start = cache.n_tokens
-        cos, sin = rope_tables(torch.arange(start, start + n), cfg.rope_dim, cfg.rope_theta)
+        cos, sin = model_rope_tables(cfg, torch.arange(start, start + n))
         x = w.token_embd.rows(ids) * cfg.embedding_scale  # [n, n_embd]
         for i, blk in enumerate(w.blocks):
             h = self._attention(i, blk, rms_norm(x, blk.attn_norm, cfg.rms_eps), cache, cos, sin)
@@ -265,14 +338,16 @@ class ReferenceModel:
         if group > 1:
             keys = keys.repeat_interleave(group, dim=0)
             values = values.repeat_interleave(group, dim=0)
-        # Causal mask over absolute positions: query at start+a sees keys 0..start+a.
-        q_pos = torch.arange(start, end)[:, None]
-        mask = torch.arange(end)[None, :] <= q_pos  # [n, end] bool
+        mask = attention_mask(start, end, cfg.layer_window(i))
         scale = (
             cfg.attention_scale if cfg.attention_scale is not None else 1 / math.sqrt(cfg.head_dim)
         )
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-        return self.linear(out.transpose(0, 1).reshape(n, cfg.n_head * cfg.head_dim), blk.wo)
+        if blk.sinks is None:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        else:
+            out = sink_attention(q, keys, values, mask, scale, blk.sinks)
+        out = out.transpose(0, 1).reshape(n, cfg.n_head * cfg.head_dim)
+        return self.linear(out, blk.wo, blk.bo)
 
     def _ffn(
         self,
@@ -287,7 +362,7 @@ class ReferenceModel:
         cfg = self.config
         if blk.experts is None:
             return dense_ffn(blk.dense_ffn, x, cfg.activation, self.linear)
-        logits = self.linear(x, blk.router)
+        logits = self.linear(x, blk.router, blk.router_bias)
         ids, w = route(logits, k, cfg.expert_weights_norm)
         if trace is not None:
             trace.append((ids, logits.float()))

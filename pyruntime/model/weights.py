@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pyruntime.errors import ModelFileError
-from pyruntime.experts.store import ExpertHandle, ExpertStore
+from pyruntime.experts.store import ExpertBias, ExpertHandle, ExpertStore
 from pyruntime.gguf.file import GGUFFile
 from pyruntime.gguf.quant import QuantMatrix, dequantize
 from pyruntime.model.config import ModelConfig
@@ -38,10 +38,13 @@ class BlockWeights:
     bq: torch.Tensor | None
     bk: torch.Tensor | None
     bv: torch.Tensor | None
+    bo: torch.Tensor | None  # [n_embd] (gpt-oss)
+    sinks: torch.Tensor | None  # [n_head] per-head sink logits (gpt-oss)
     q_norm: torch.Tensor | None  # olmoe [n_head*head_dim]; qwen3moe [head_dim]
     k_norm: torch.Tensor | None
     ffn_norm: torch.Tensor  # [n_embd]
     router: QuantMatrix | None  # [n_expert, n_embd] (F32); None for a dense FFN layer
+    router_bias: torch.Tensor | None  # [n_expert] (gpt-oss)
     experts: ExpertStore | None
     shared: FFNWeights | None  # shared expert (qwen2moe)
     shared_gate: torch.Tensor | None  # [n_embd]: shared output *= sigmoid(x . shared_gate)
@@ -80,6 +83,9 @@ def _load_block(f: GGUFFile, cfg: ModelConfig, i: int) -> BlockWeights:
     p = f"blk.{i}"
     has_experts = f.has_tensor(f"{p}.ffn_gud_exps.weight")
     shared_gate = _load_opt(f, f"{p}.ffn_gate_inp_shexp.weight")
+    bias = None
+    if f.has_tensor(f"{p}.ffn_gu_exps.bias"):
+        bias = ExpertBias(_load(f, f"{p}.ffn_gu_exps.bias"), _load(f, f"{p}.ffn_down_exps.bias"))
     return BlockWeights(
         attn_norm=_load(f, f"{p}.attn_norm.weight"),
         wq=_matrix(f, f"{p}.attn_q.weight"),
@@ -89,12 +95,21 @@ def _load_block(f: GGUFFile, cfg: ModelConfig, i: int) -> BlockWeights:
         bq=_load_opt(f, f"{p}.attn_q.bias"),
         bk=_load_opt(f, f"{p}.attn_k.bias"),
         bv=_load_opt(f, f"{p}.attn_v.bias"),
+        bo=_load_opt(f, f"{p}.attn_output.bias"),
+        sinks=_load_opt(f, f"{p}.attn_sinks.weight"),
         q_norm=_load_opt(f, f"{p}.attn_q_norm.weight"),
         k_norm=_load_opt(f, f"{p}.attn_k_norm.weight"),
         ffn_norm=_load(f, f"{p}.ffn_norm.weight"),
         router=_matrix(f, f"{p}.ffn_gate_inp.weight") if has_experts else None,
+        router_bias=_load_opt(f, f"{p}.ffn_gate_inp.bias"),
         experts=ExpertStore.from_tensor(
-            f.tensor(f"{p}.ffn_gud_exps.weight"), cfg.n_expert, cfg.n_ff_exp, cfg.n_embd, i
+            f.tensor(f"{p}.ffn_gud_exps.weight"),
+            cfg.n_expert,
+            cfg.n_ff_exp,
+            cfg.n_embd,
+            i,
+            bias,
+            (cfg.swiglu_alpha, cfg.swiglu_limit),
         )
         if has_experts
         else None,

@@ -1,0 +1,73 @@
+"""Rotary position embedding: the frequencies (plain or YaRN-scaled) and the cos/sin tables.
+
+HF's "rotate_half" pairing (dimension i with i + d/2). YaRN (gpt-oss) follows transformers'
+_compute_yarn_parameters op for op in float32: each frequency blends its extrapolated (theta^-2i/d)
+and interpolated (that / factor) value by a linear ramp over the dimensions between the correction
+bounds of beta_fast and beta_slow rotations, and cos and sin are multiplied by the attention factor
+(0.1 ln(factor) + 1 unless the model gives one), which scales both q and k.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN scaling (GGUF `{arch}.rope.scaling.*`, docs/gguf-layout.md)."""
+
+    factor: float
+    original_context_length: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True  # round the correction bounds outward (floor / ceil)
+    attn_factor: float | None = None  # None: 0.1 ln(factor) + 1 (factor > 1), else 1
+
+
+def inv_frequencies(dim: int, theta: float, yarn: Yarn | None = None) -> torch.Tensor:
+    """float32 [dim / 2]: the rotation frequency of each pair of dimensions."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    if yarn is None:
+        return 1.0 / (theta**exponents)
+    pos_freqs = theta**exponents
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (yarn.factor * pos_freqs)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(yarn.original_context_length / (rotations * 2 * math.pi))) / (
+            2 * math.log(theta)
+        )
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no singularity
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+
+
+def attention_factor(yarn: Yarn | None) -> float:
+    """The factor cos and sin are multiplied by (1.0 without YaRN)."""
+    if yarn is None:
+        return 1.0
+    if yarn.attn_factor is not None:
+        return yarn.attn_factor
+    return 0.1 * math.log(yarn.factor) + 1.0 if yarn.factor > 1 else 1.0
+
+
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, factor: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [n, 2 * len(inv_freq)] float32 (frequencies repeated twice, rotate_half)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [n, dim/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return cos, sin
