@@ -6,7 +6,7 @@ threads, every SIMD level of this CPU. The reference uses exactly the numbers th
 as the kernel does), so what is left is f32 rounding of one dot product plus the bias add:
 |y - ref| <= (n_in + 2) u sum_i |w_i x_i| + u |ref|  (u = 2^-24), far below any real bug.
 
-The decode step vs the torch path, on tiny random models of all five families (tests/hf_fixtures)
+The decode step vs the torch path, on tiny random models of every family (tests/hf_fixtures)
 converted to every format, after a prefill (so the step reads a cache that prefill wrote):
 - float weights (F32, F16, BF16): step logits vs the torch reference decoding token by token;
 - every format: step logits vs the C-core prefill of the same tokens (which quantizes activations
@@ -29,7 +29,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from hf_fixtures import make_tiny_hf_model
+from hf_fixtures import ARCHS, make_tiny_hf_model
 
 from pyruntime.converter import convert
 from pyruntime.cpu import core as cpu_core
@@ -41,7 +41,6 @@ U = 2.0**-24
 Q = gguf.GGMLQuantizationType
 FORMATS = {"F32": Q.F32, "F16": Q.F16, "BF16": Q.BF16, "Q8_0": Q.Q8_0, "Q4_0": Q.Q4_0}
 QUANTIZED = {"Q8_0", "Q4_0"}
-ARCHS = ["olmoe", "qwen2moe", "qwen3moe", "mixtral", "granitemoe"]
 LOGPROB_TOL = 1e-5
 
 
@@ -256,6 +255,8 @@ def test_step_routing_is_the_reference_router(hf_model, tmp_path):
                 continue
             x, want_ids = seen[i]
             want = x.double() @ blk.router.dequantize().double().T
+            if blk.router_bias is not None:  # gpt-oss
+                want = want + blk.router_bias.double()
             assert (route_logits[i].double() - want).abs().max() <= 1e-4 * (1 + want.abs().max())
             assert route_ids[i].tolist() == want_ids.tolist(), (i, j)
         assert c._decoder.n_pairs == c._decoder.n_moe_layers * cfg.n_expert_used
@@ -340,7 +341,8 @@ def test_expert_maps_split_the_experts_between_two_devices(hf_model, tmp_path):
             store = blk.experts
             y_odd, _ = core.moe_ffn(
                 store.raw, int(store.qtype), store.n_expert, store.n_ff, store.n_embd, h,
-                chosen[None], w[None], cfg.activation, expert_map=odd,
+                chosen[None], w[None], cfg.activation, expert_map=odd, bias=store.bias_pair,
+                swiglu=store.swiglu,
             )  # fmt: skip
             pairs_odd += int((odd[chosen] >= 0).sum())
             dec.write_x(dec.read_x() + y_odd[0] * cfg.residual_scale)

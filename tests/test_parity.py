@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_fixtures import make_tiny_hf_model
+from hf_fixtures import ARCHS, make_tiny_hf_model
 
 from pyruntime.converter import convert
 from pyruntime.cpu.executor import CpuExecutor
 from pyruntime.gguf.file import open_gguf
 
-ARCHS = ["olmoe", "qwen2moe", "qwen3moe", "mixtral", "granitemoe"]
 N_TOKENS = 64
 LOGPROB_TOL = 1e-3  # issue #2: f32 GGUF vs transformers float32
 

@@ -28,7 +28,14 @@ FMT_F32, FMT_F16, FMT_Q4_0, FMT_Q8_0, FMT_BF16 = 0, 1, 2, 8, 30
 FORMATS = {FMT_F32: "F32", FMT_F16: "F16", FMT_Q4_0: "Q4_0", FMT_Q8_0: "Q8_0", FMT_BF16: "BF16"}
 
 # Activation names as in docs/gguf-layout.md (`pyruntime.expert_activation`) -> C enum.
-ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 1, "gelu_pytorch_tanh": 1, "gelu_exact": 2}
+ACTIVATIONS = {
+    "silu": 0,
+    "gelu": 1,
+    "gelu_tanh": 1,
+    "gelu_pytorch_tanh": 1,
+    "gelu_exact": 2,
+    "swiglu_oai": 3,
+}
 
 SIMD_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2}
 
@@ -238,6 +245,8 @@ class CpuCore:
         threshold: float | None = None,
         out: torch.Tensor | None = None,
         expert_map: torch.Tensor | None = None,
+        bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+        swiglu: tuple[float, float] = (1.702, 7.0),
     ) -> tuple[torch.Tensor, int]:
         """Routed experts of one layer: y[t] = sum_k topk_w[t, k] * expert_{topk_ids[t, k]}(x[t]).
 
@@ -252,6 +261,8 @@ class CpuCore:
         expert_map: None (gud holds every expert), or int [n_expert]: expert id -> its slot in
         gud, -1 = not held here: that id's (token, expert) pairs are skipped and add nothing to y
         (vLLM's fused_moe expert_map; a cache of slots, or one device's share of the experts).
+        bias: None, or float32 (gate_up [n_slots, n_ff, 2], down [n_slots, n_embd]) indexed like
+        gud (gpt-oss's expert biases); swiglu: (alpha, limit) of activation 'swiglu_oai'.
         Returns (y [T, n_embd] float32, n_active): n_active counts the neurons computed, summed over
         the (token, expert) pairs computed (their number * n_ff when dense); y is `out` when given.
         """
@@ -309,9 +320,33 @@ class CpuCore:
                 )
             n_slots = gud.nbytes // expert_bytes
             map_ptr = _ffi.cast(_P_CINT32, expert_map.data_ptr())
+        bias_gu = bias_down = _ffi.NULL
+        if bias is not None:
+            gate_up = _as_cpu(bias[0], torch.float32, "bias[0]", 3)
+            down = _as_cpu(bias[1], torch.float32, "bias[1]", 2)
+            if gate_up.shape != (n_slots, n_ff, 2) or down.shape != (n_slots, n_embd):
+                raise CoreError(
+                    f"expert biases have shapes {tuple(gate_up.shape)} and {tuple(down.shape)}, "
+                    f"expected ({n_slots}, {n_ff}, 2) and ({n_slots}, {n_embd})"
+                )
+            bias_gu = _ffi.cast(_P_CFLOAT, gate_up.data_ptr())
+            bias_down = _ffi.cast(_P_CFLOAT, down.data_ptr())
         experts = _ffi.new(
             "pyrt_experts *",
-            (_ffi.from_buffer(gud), gud.nbytes, fmt, n_expert, n_slots, n_ff, n_embd, map_ptr),
+            (
+                _ffi.from_buffer(gud),
+                gud.nbytes,
+                fmt,
+                n_expert,
+                n_slots,
+                n_ff,
+                n_embd,
+                map_ptr,
+                bias_gu,
+                bias_down,
+                float(swiglu[0]),
+                float(swiglu[1]),
+            ),
         )
         n_active = _ffi.new(_P_INT64)
         _check(

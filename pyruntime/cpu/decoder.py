@@ -33,6 +33,7 @@ from pyruntime.cpu import core as cpu_core
 from pyruntime.gguf.quant import QuantMatrix
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.kv_cache import KVCache
+from pyruntime.model.rope import attention_factor, inv_frequencies
 from pyruntime.model.weights import HostWeights
 
 
@@ -49,6 +50,7 @@ class CpuDecoder:
         self._keep.append(blocks)
         for i, blk in enumerate(weights.blocks):
             self._describe_block(blocks[i], blk)
+            blocks[i].window = cfg.layer_window(i)
         w = ffi.new("pyrt_model_weights *")
         w.n_vocab, w.n_embd, w.n_layer = cfg.n_vocab, cfg.n_embd, cfg.n_layer
         w.n_head, w.n_head_kv, w.head_dim, w.rope_dim = (
@@ -67,10 +69,10 @@ class CpuDecoder:
         w.attention_scale = 1 / math.sqrt(cfg.head_dim) if scale is None else scale
         w.logit_scale = cfg.logit_scale
         w.clamp_kqv = 0.0 if cfg.clamp_kqv is None else cfg.clamp_kqv
-        # theta^(-2i/d) exactly as rope_tables (model/reference.py) computes it, in float32
-        d = cfg.rope_dim
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-        w.rope_inv_freq = self._floats(inv_freq)
+        # the frequencies (and YaRN's cos/sin factor) exactly as the reference computes them
+        w.rope_inv_freq = self._floats(inv_frequencies(cfg.rope_dim, cfg.rope_theta, cfg.rope_yarn))
+        w.rope_scale = attention_factor(cfg.rope_yarn)
+        w.swiglu_alpha, w.swiglu_limit = cfg.swiglu_alpha, cfg.swiglu_limit
         self._set_matrix(w.token_embd, weights.token_embd)
         self._set_matrix(w.output, weights.output)
         w.output_norm = self._floats(weights.output_norm)
@@ -109,13 +111,18 @@ class CpuDecoder:
         b.attn_norm = self._floats(blk.attn_norm)
         for name in ("wq", "wk", "wv", "wo"):
             self._set_matrix(getattr(b, name), getattr(blk, name))
-        b.bq, b.bk, b.bv = (self._floats(t) for t in (blk.bq, blk.bk, blk.bv))
+        b.bq, b.bk, b.bv, b.bo = (self._floats(t) for t in (blk.bq, blk.bk, blk.bv, blk.bo))
+        b.sinks = self._floats(blk.sinks)
         b.q_norm, b.k_norm = self._floats(blk.q_norm), self._floats(blk.k_norm)
         b.q_norm_len = 0 if blk.q_norm is None else blk.q_norm.numel()
         b.k_norm_len = 0 if blk.k_norm is None else blk.k_norm.numel()
         b.ffn_norm = self._floats(blk.ffn_norm)
         if blk.experts is not None:
             self._set_matrix(b.router, blk.router)
+            b.router_bias = self._floats(blk.router_bias)
+            if blk.experts.bias is not None:
+                b.exp_bias_gu = self._floats(blk.experts.bias.gate_up)
+                b.exp_bias_down = self._floats(blk.experts.bias.down)
             gud = self._ffi.from_buffer(blk.experts.raw)
             self._keep.append(gud)
             b.gud, b.gud_bytes, b.gud_fmt = gud, blk.experts.raw.nbytes, int(blk.experts.qtype)

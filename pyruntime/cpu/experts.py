@@ -43,6 +43,8 @@ class CpuCoreBackend:
             topk_w,
             act,
             threshold,
+            bias=store.bias_pair,
+            swiglu=store.swiglu,
         )
 
 

@@ -64,6 +64,11 @@ class ExpertStore:
         return cls(t.name, t.qtype, n_expert, n_ff, n_embd, t.data, layer, bias, swiglu)
 
     @property
+    def bias_pair(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(gate_up [n_expert, n_ff, 2], down [n_expert, n_embd]) biases, or None."""
+        return None if self.bias is None else (self.bias.gate_up, self.bias.down)
+
+    @property
     def row_bytes(self) -> int:
         return row_bytes(self.qtype, self.n_embd)
 

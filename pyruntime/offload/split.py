@@ -346,7 +346,7 @@ class SplitExperts:
             return self.core.moe_ffn(
                 self.home.cpu_view(layer), self.fmt, store.n_expert, store.n_ff, store.n_embd,
                 x, ids, weights, cfg.activation, threshold, out=out,
-                expert_map=torch.from_numpy(emap),
+                expert_map=torch.from_numpy(emap), bias=store.bias_pair, swiglu=store.swiglu,
             )  # fmt: skip
 
         if x.shape[0] > 1:

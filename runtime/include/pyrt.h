@@ -26,7 +26,7 @@ extern "C" {
 /* PYRT_CDEF_BEGIN */
 /* This header's version of the API: raised whenever a declaration below changes, so that a
  * caller declared from one header refuses a library built from another (pyrt_api_version). */
-enum { PYRT_API_VERSION = 2 };
+enum { PYRT_API_VERSION = 3 };
 
 /* Status codes. */
 enum {
@@ -46,11 +46,13 @@ enum {
     PYRT_FMT_BF16 = 30
 };
 
-/* Expert activations: act(gate . x). */
+/* Expert activations: act(gate . x), times (up . x) except where said. */
 enum {
     PYRT_ACT_SILU = 0,      /* x * sigmoid(x) */
     PYRT_ACT_GELU_TANH = 1, /* 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
-    PYRT_ACT_GELU_ERF = 2   /* 0.5 x (1 + erf(x / sqrt(2))) */
+    PYRT_ACT_GELU_ERF = 2,  /* 0.5 x (1 + erf(x / sqrt(2))) */
+    PYRT_ACT_SWIGLU_OAI = 3 /* gpt-oss: g = min(x, limit), g * sigmoid(alpha g); times
+                               (clamp(up . x, -limit, limit) + 1) instead of (up . x) */
 };
 
 /* SIMD levels, chosen at run time from cpuid; a lower level can be forced (tests, benchmarks). */
@@ -132,11 +134,19 @@ typedef struct {
                                    here (its (token, expert) pairs are skipped and add nothing to
                                    y); NULL: the identity, n_slots == n_expert. As vLLM's fused_moe
                                    expert_map: a cache of slots, or one device's share */
+    const float *bias_gu;       /* NULL, or [n_slots, n_ff, 2]: the gate and up biases of neuron j
+                                   of the expert in each slot (added to g_j . x and u_j . x) */
+    const float *bias_down;     /* NULL, or [n_slots, n_embd]: added to each expert's output;
+                                   given with bias_gu (gpt-oss) */
+    float swiglu_alpha;         /* PYRT_ACT_SWIGLU_OAI's alpha and limit (limit > 0); */
+    float swiglu_limit;         /* unused by the other activations */
 } pyrt_experts;
 
 /* One MoE layer's routed experts, for n_tokens tokens:
  *   y[t, :] = sum_k topk_w[t, k] * expert_{topk_ids[t, k]}(x[t, :])   (k over the pairs held here)
  *   expert_e(x) = sum_j act(g_j . x) * (u_j . x) * d_j     (j over the n_ff neurons of e)
+ *   (with biases: act(g_j . x + bg_j) * (u_j . x + bu_j) * d_j summed, plus bd_e; PYRT_ACT_SWIGLU_OAI
+ *   clamps and shifts the up term as its comment says)
  *
  * x         [n_tokens, n_embd] f32;  y [n_tokens, n_embd] f32 (written, not accumulated into;
  *           0 where no pair is held here)
@@ -195,6 +205,15 @@ typedef struct {
     const float *sh_gate_inp;       /* [n_embd]: shared output *= sigmoid(x . it), or NULL */
     pyrt_matrix ffn_gate, ffn_up;   /* dense FFN layer (router.data == NULL): [n_ff, n_embd] */
     pyrt_matrix ffn_down;           /* [n_embd, n_ff] */
+    /* gpt-oss (NULL / 0 for the other families) */
+    const float *bo;                /* [n_embd] attn_output bias, or NULL */
+    const float *sinks;             /* [n_head] attn_sinks: a logit per head that joins the
+                                       softmax's denominator (attends to nothing), or NULL */
+    int window;                     /* > 0: a query attends to its last `window` positions, itself
+                                       included (sliding-window attention); 0: to all */
+    const float *router_bias;       /* [n_expert] ffn_gate_inp bias, or NULL */
+    const float *exp_bias_gu;       /* [n_expert, n_ff_exp, 2] ffn_gu_exps, or NULL */
+    const float *exp_bias_down;     /* [n_expert, n_embd] ffn_down_exps (with exp_bias_gu) */
 } pyrt_block_weights;
 
 /* The whole model. Borrowed: every pointer must stay valid for the decoder's life. */
@@ -206,7 +225,11 @@ typedef struct {
     float rms_eps;
     float embedding_scale, residual_scale, attention_scale, logit_scale;
     float clamp_kqv;                /* > 0: q, k, v clamped to [-clamp_kqv, clamp_kqv]; 0: none */
-    const float *rope_inv_freq;     /* [rope_dim / 2]: theta^(-2i/rope_dim), HF rotate_half */
+    const float *rope_inv_freq;     /* [rope_dim / 2]: theta^(-2i/rope_dim), HF rotate_half (or
+                                       YaRN's blend of it) */
+    float rope_scale;               /* cos and sin are multiplied by it (YaRN's attention factor);
+                                       0: 1 */
+    float swiglu_alpha, swiglu_limit; /* PYRT_ACT_SWIGLU_OAI's (limit > 0 with it) */
     pyrt_matrix token_embd;         /* [n_vocab, n_embd] */
     pyrt_matrix output;             /* [n_vocab, n_embd] (token_embd when tied) */
     const float *output_norm;       /* [n_embd] */

@@ -19,4 +19,21 @@ static inline float pyrt_activate(int kind, float g) {
     }
 }
 
+/* act(g) of a PYRT_ACT_* kind with its parameters (PYRT_ACT_SWIGLU_OAI's alpha and limit). A NaN
+ * stays NaN (the comparisons fail on it), as torch's clamp keeps it. */
+static inline float pyrt_activate_gate(int kind, float alpha, float limit, float g) {
+    if (kind != PYRT_ACT_SWIGLU_OAI)
+        return pyrt_activate(kind, g);
+    g = g > limit ? limit : g;
+    return g / (1.0f + expf(-(g * alpha)));
+}
+
+/* What multiplies act(gate): u itself, or PYRT_ACT_SWIGLU_OAI's clamp(u, -limit, limit) + 1. */
+static inline float pyrt_activate_up(int kind, float limit, float u) {
+    if (kind != PYRT_ACT_SWIGLU_OAI)
+        return u;
+    u = u > limit ? limit : (u < -limit ? -limit : u);
+    return u + 1.0f;
+}
+
 #endif /* PYRT_ACTIVATION_H */

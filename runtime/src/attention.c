@@ -3,8 +3,10 @@
  * output projection, with the model's math (pyruntime/model/reference.py), op for op:
  *
  *   q, k, v = xn Wq^T + bq, ... ; clamp to +-clamp_kqv ; q/k norm (all heads or per head) ;
- *   RoPE (rotate_half, first rope_dim dims of each head) ; k, v -> cache[pos]
- *   a = softmax(q k^T * scale) v over positions 0..pos ; y = a Wo^T
+ *   RoPE (rotate_half, first rope_dim dims of each head, cos/sin times rope_scale) ;
+ *   k, v -> cache[pos] ; a = softmax(q k^T * scale) v over positions 0..pos (the last `window`
+ *   of them on a sliding-window layer; with sinks, exp(sink[h]) joins the softmax's
+ *   denominator) ; y = a Wo^T + bo
  *
  * Where the q/k norms are per head or absent, all of it is one pool task (pyrt_attention_task);
  * otherwise three (q/k/v; heads; o) with the norms, RoPE and cache append on the calling thread
@@ -23,7 +25,9 @@ int pyrt_attention_init(pyrt_attention *a, const pyrt_model_weights *w, const ch
     *a = (pyrt_attention){.n_embd = w->n_embd, .n_head = w->n_head, .n_head_kv = w->n_head_kv,
                           .head_dim = w->head_dim, .rope_dim = w->rope_dim, .rms_eps = w->rms_eps,
                           .scale = w->attention_scale, .clamp_kqv = w->clamp_kqv,
-                          .rope_inv_freq = w->rope_inv_freq, .rope_pos = -1};
+                          .rope_inv_freq = w->rope_inv_freq,
+                          .rope_scale = w->rope_scale != 0.0f ? w->rope_scale : 1.0f,
+                          .rope_pos = -1};
     const size_t f = sizeof(float);
     a->q = malloc((size_t)nq * f);
     a->k = malloc((size_t)nkv * f);
@@ -67,8 +71,8 @@ int pyrt_attention_prepare(pyrt_attention *a, int pos, int cap, const char *fn) 
     if (a->rope_pos != pos) {
         for (int i = 0; i < a->rope_dim / 2; i++) {
             const float f = (float)pos * a->rope_inv_freq[i];
-            a->rope_cs[2 * i] = cosf(f);
-            a->rope_cs[2 * i + 1] = sinf(f);
+            a->rope_cs[2 * i] = cosf(f) * a->rope_scale;
+            a->rope_cs[2 * i + 1] = sinf(f) * a->rope_scale;
         }
         a->rope_pos = pos;
     }
@@ -124,14 +128,34 @@ static inline void prefetch_kv(const float *p, size_t bytes, int l2) {
     }
 }
 
-/* Query head h: scores over the cached positions, softmax, weighted sum of V. */
+/* softmax of p [n] with one more logit, `sink`, in the denominator (it attends to nothing):
+ * p[i] = exp(p[i] - m) / (sum_j exp(p[j] - m) + exp(sink - m)), m the largest of all. */
+static void softmax_with_sink(float *p, int n, float sink) {
+    float mx = sink;
+    for (int i = 0; i < n; i++)
+        mx = p[i] > mx ? p[i] : mx;
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) {
+        p[i] = expf(p[i] - mx);
+        sum += p[i];
+    }
+    sum += expf(sink - mx);
+    for (int i = 0; i < n; i++)
+        p[i] /= sum;
+}
+
+/* Query head h: scores over the cached positions (the window's on a sliding-window layer),
+ * softmax, weighted sum of V. */
 static void attend_head(const pyrt_attn_task *t, int h) {
     const pyrt_attention *a = t->a;
-    const int hd = a->head_dim, kvh = h / (a->n_head / a->n_head_kv), n_pos = t->l.pos + 1;
+    const pyrt_block_weights *b = t->l.b;
+    const int hd = a->head_dim, kvh = h / (a->n_head / a->n_head_kv);
+    const int first = b->window > 0 && t->l.pos + 1 > b->window ? t->l.pos + 1 - b->window : 0;
+    const int n_pos = t->l.pos + 1 - first;
     const pyrt_row_ops *f32 = t->f32;
     const float *q = a->q + (size_t)h * hd;
-    const float *keys = t->l.kc + (size_t)kvh * t->l.cap * hd;
-    const float *vals = t->l.vc + (size_t)kvh * t->l.cap * hd;
+    const float *keys = t->l.kc + ((size_t)kvh * t->l.cap + first) * hd;
+    const float *vals = t->l.vc + ((size_t)kvh * t->l.cap + first) * hd;
     float *s = a->scores + (size_t)h * a->scores_cap;
     float *out = a->att + (size_t)h * hd;
     const size_t row = (size_t)hd * sizeof(float);
@@ -144,7 +168,10 @@ static void attend_head(const pyrt_attn_task *t, int h) {
             prefetch_kv(vals + (size_t)p * hd, row, 1);
         s[p] = f32->dot(keys + (size_t)p * hd, q, hd) * a->scale;
     }
-    pyrt_softmax(s, n_pos);
+    if (b->sinks != NULL)
+        softmax_with_sink(s, n_pos, b->sinks[h]);
+    else
+        pyrt_softmax(s, n_pos);
     memset(out, 0, (size_t)hd * sizeof *out);
     for (int p = 0; p < n_pos; p++)
         f32->axpy(s[p], vals + (size_t)p * hd, out, hd);
@@ -238,7 +265,7 @@ void pyrt_attention_task_setup(pyrt_attn_task *t, pyrt_attention *a, pyrt_pool *
     /* o reads att, or its Q8 blocks made by the last head (not quantized here: att is not
      * computed yet) */
     const int nq = a->n_head * a->head_dim;
-    *o = (pyrt_mv_job){.out = {{&l->b->wo, NULL, y, 0}}, .n_mats = 1};
+    *o = (pyrt_mv_job){.out = {{&l->b->wo, l->b->bo, y, 0}}, .n_mats = 1};
     pyrt_mv_job_bind(o, pool, a->att, nq, a->att_q);
     for (int u = 0; u < a->n_head + 2 * a->n_head_kv; u++) /* pool_run publishes them */
         atomic_store_explicit(&a->rows_done[u], 0, memory_order_relaxed);
@@ -255,7 +282,7 @@ void pyrt_attention_run(pyrt_attention *a, pyrt_pool *pool, const pyrt_attn_laye
                         int fuse) {
     const pyrt_block_weights *b = l->b;
     const int hd = a->head_dim, nq = a->n_head * hd, nkv = a->n_head_kv * hd;
-    pyrt_mv_job qkv, o = {.out = {{&b->wo, NULL, y, 0}}, .n_mats = 1};
+    pyrt_mv_job qkv, o = {.out = {{&b->wo, b->bo, y, 0}}, .n_mats = 1};
     pyrt_attn_task t;
     pyrt_pool_plan_job(pool, &o);
     if (fuse && pyrt_attention_fusable(a, b)) {

@@ -17,6 +17,7 @@ typedef struct {
     int n_embd, n_head, n_head_kv, head_dim, rope_dim;
     float rms_eps, scale, clamp_kqv;
     const float *rope_inv_freq; /* [rope_dim / 2] (borrowed) */
+    float rope_scale;           /* cos and sin multiplied by it (1: plain rope) */
     float *q, *k, *v;           /* [n_head*hd], [n_kv*hd], [n_kv*hd]: the q/k/v outputs */
     float *att;                 /* [n_head*hd] attention output, o's input */
     pyrt_xq8 *att_q;            /* [n_head*hd / 32] Q8 blocks of att for a fused o projection

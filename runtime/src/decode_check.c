@@ -68,6 +68,10 @@ static int check_block(const pyrt_model_weights *w, const pyrt_block_weights *b,
         if (pyrt_check_weights_aligned("pyrt_decoder_create: ffn_gud_exps", b->gud, b->gud_fmt) !=
             PYRT_OK)
             return PYRT_E_INVALID;
+        if ((b->exp_bias_gu == NULL) != (b->exp_bias_down == NULL))
+            return fail_block(i, "exp_bias_gu and exp_bias_down go together (both or none)");
+        if (b->sh_gate.data != NULL && w->activation == PYRT_ACT_SWIGLU_OAI)
+            return fail_block(i, "a shared expert with the swiglu oai activation is not supported");
         if (b->sh_gate.data != NULL) {
             const int n_ff = b->sh_gate.n_out;
             CHECK(check_shape(&b->sh_gate, n_ff, n_embd, "ffn_gate_shexp", i));
@@ -78,12 +82,16 @@ static int check_block(const pyrt_model_weights *w, const pyrt_block_weights *b,
             return fail_block(i, "ffn_gate_inp_shexp without a shared expert");
         }
     } else {
+        if (w->activation == PYRT_ACT_SWIGLU_OAI)
+            return fail_block(i, "a dense FFN with the swiglu oai activation is not supported");
         const int n_ff = b->ffn_gate.n_out;
         CHECK(check_shape(&b->ffn_gate, n_ff, n_embd, "ffn_gate", i));
         CHECK(check_shape(&b->ffn_up, n_ff, n_embd, "ffn_up", i));
         CHECK(check_shape(&b->ffn_down, n_embd, n_ff, "ffn_down", i));
         *max_ff = n_ff > *max_ff ? n_ff : *max_ff;
     }
+    if (b->window < 0)
+        return fail_block(i, "window must be >= 0 (0: full attention)");
     return PYRT_OK;
 }
 
@@ -107,8 +115,9 @@ int pyrt_decoder_check_model(const pyrt_model_weights *w, int *max_ff) {
         return pyrt_fail(PYRT_E_INVALID,
                          "%s: rope_dim=%d must be even, <= head_dim=%d, with rope_inv_freq set", fn,
                          w->rope_dim, w->head_dim);
-    if (w->activation < PYRT_ACT_SILU || w->activation > PYRT_ACT_GELU_ERF)
-        return pyrt_fail(PYRT_E_INVALID, "%s: unknown activation %d", fn, w->activation);
+    CHECK(pyrt_check_activation(w->activation, w->swiglu_alpha, w->swiglu_limit, fn));
+    if (!(w->rope_scale >= 0.0f) || isinf(w->rope_scale))
+        return pyrt_fail(PYRT_E_INVALID, "%s: rope_scale must be finite and >= 0 (0: 1)", fn);
     if (w->blocks == NULL || w->output_norm == NULL)
         return pyrt_fail(PYRT_E_INVALID, "%s: blocks or output_norm is NULL", fn);
     if (!(w->logit_scale != 0.0f) || !(w->rms_eps >= 0.0f) || !(w->clamp_kqv >= 0.0f))

@@ -56,7 +56,9 @@ pyrt_experts pyrt_decode_experts(const pyrt_decoder *d, const pyrt_block_weights
     return (pyrt_experts){.data = b->gud, .bytes = b->gud_bytes, .fmt = b->gud_fmt,
                           .n_expert = d->w.n_expert, .n_slots = d->w.n_expert,
                           .n_ff = d->w.n_ff_exp, .n_embd = d->w.n_embd,
-                          .expert_map = io->expert_map};
+                          .expert_map = io->expert_map, .bias_gu = b->exp_bias_gu,
+                          .bias_down = b->exp_bias_down, .swiglu_alpha = d->w.swiglu_alpha,
+                          .swiglu_limit = d->w.swiglu_limit};
 }
 
 void pyrt_decode_route_begin(pyrt_decoder *d, const pyrt_ffn_io *io) {
@@ -89,7 +91,7 @@ pyrt_mv_job pyrt_decode_ffn_in_job(const pyrt_decoder *d, const pyrt_block_weigh
         return (pyrt_mv_job){
             .out = {{&b->ffn_gate, NULL, d->gate, 0}, {&b->ffn_up, NULL, d->up, 0}},
             .n_mats = 2};
-    return (pyrt_mv_job){.out = {{&b->router, NULL, d->router, 0},
+    return (pyrt_mv_job){.out = {{&b->router, b->router_bias, d->router, 0},
                                  {&b->sh_gate, NULL, d->gate, 0},
                                  {&b->sh_up, NULL, d->up, 0}},
                          .n_mats = b->sh_gate.data != NULL ? 3 : 1};

@@ -24,4 +24,8 @@ int pyrt_moe_ffn_routed(pyrt_pool *pool, pyrt_task_fn before, void *before_ctx,
                         const pyrt_xq8 *xq, int k, int activation, float threshold, float *y,
                         int64_t *n_active);
 
+/* PYRT_OK for a known PYRT_ACT_* (with SWIGLU_OAI: finite alpha, limit > 0), else
+ * PYRT_E_INVALID with a message naming fn. */
+int pyrt_check_activation(int activation, float alpha, float limit, const char *fn);
+
 #endif /* PYRT_MOE_H */

@@ -24,6 +24,9 @@ typedef struct {
     size_t row_bytes;
     const pyrt_row_ops *ops;
     int n_slots, n_ff, n_embd, activation;
+    float swiglu_alpha, swiglu_limit; /* PYRT_ACT_SWIGLU_OAI's */
+    const float *bias_gu;      /* [n_slots, n_ff, 2] gate and up biases per neuron, or NULL */
+    const float *bias_down;    /* [n_slots, n_embd] per expert, or NULL (with bias_gu) */
     const int32_t *expert_map; /* [n_expert]: id -> slot, -1: skipped; NULL: slot = id */
     float threshold;
     /* tokens */

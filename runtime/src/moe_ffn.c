@@ -112,6 +112,23 @@ static int check_experts(const pyrt_experts *e, const char *fn) {
         return PYRT_E_INVALID;
     if ((uintptr_t)e->expert_map % 4)
         return pyrt_fail(PYRT_E_INVALID, "%s: expert_map must be 4-byte aligned", fn);
+    if ((e->bias_gu == NULL) != (e->bias_down == NULL))
+        return pyrt_fail(PYRT_E_INVALID, "%s: bias_gu and bias_down go together (both or none)",
+                         fn);
+    if ((uintptr_t)e->bias_gu % 4 || (uintptr_t)e->bias_down % 4)
+        return pyrt_fail(PYRT_E_INVALID, "%s: bias_gu and bias_down must be 4-byte aligned", fn);
+    return PYRT_OK;
+}
+
+int pyrt_check_activation(int activation, float alpha, float limit, const char *fn) {
+    if (activation < PYRT_ACT_SILU || activation > PYRT_ACT_SWIGLU_OAI)
+        return pyrt_fail(PYRT_E_INVALID,
+                         "%s: unknown activation %d (0 silu, 1 gelu tanh, 2 gelu erf, 3 swiglu "
+                         "oai)", fn, activation);
+    if (activation == PYRT_ACT_SWIGLU_OAI && !(limit > 0.0f && isfinite(limit) && isfinite(alpha)))
+        return pyrt_fail(PYRT_E_INVALID,
+                         "%s: swiglu oai needs a finite alpha and limit > 0, got %g and %g", fn,
+                         (double)alpha, (double)limit);
     return PYRT_OK;
 }
 
@@ -136,10 +153,9 @@ static int check_args(const pyrt_pool *pool, const pyrt_experts *e, const float 
                          n_tokens);
     if ((uintptr_t)x % 4 || (uintptr_t)y % 4 || (uintptr_t)topk_w % 4 || (uintptr_t)topk_ids % 4)
         return pyrt_fail(PYRT_E_INVALID, "%s: x, y, topk_ids, topk_w must be 4-byte aligned", fn);
-    if (activation < PYRT_ACT_SILU || activation > PYRT_ACT_GELU_ERF)
-        return pyrt_fail(PYRT_E_INVALID,
-                         "%s: unknown activation %d (0 silu, 1 gelu tanh, 2 gelu erf)", fn,
-                         activation);
+    rc = pyrt_check_activation(activation, e->swiglu_alpha, e->swiglu_limit, fn);
+    if (rc != PYRT_OK)
+        return rc;
     if (!(threshold >= 0.0f) || isinf(threshold))
         return pyrt_fail(PYRT_E_INVALID,
                          "%s: threshold must be finite and >= 0 (0 = dense), got %g", fn,
@@ -209,6 +225,10 @@ static int moe_setup(moe_ctx *c, pyrt_pool *pool, const pyrt_experts *e, const f
         .n_ff = e->n_ff,
         .n_embd = n_embd,
         .activation = activation,
+        .swiglu_alpha = e->swiglu_alpha,
+        .swiglu_limit = e->swiglu_limit,
+        .bias_gu = e->bias_gu,
+        .bias_down = e->bias_down,
         .threshold = threshold,
         .x = x,
         .ids = topk_ids,

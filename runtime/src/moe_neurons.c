@@ -4,7 +4,9 @@
  * software prefetches that keep the weight stream ahead of the arithmetic.
  *
  * Per neuron j of expert e and route (t, w):  a = act(g_j . x_t); skip if |a| < threshold;
- * h = w * a * (u_j . x_t); y_t += h * d_j (an axpy: the down row is the transposed column). */
+ * h = w * a * (u_j . x_t); y_t += h * d_j (an axpy: the down row is the transposed column).
+ * With biases (gpt-oss): a = act(g_j . x_t + bg_j), the up term up(u_j . x_t + bu_j) (the
+ * activation's: itself, or swiglu oai's clamp + 1), and y_t += w * bd_e once per route. */
 #include <math.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -92,6 +94,20 @@ static inline const void *token_x(const moe_ctx *c, int route) {
     return c->xv + (size_t)(c->t0 + c->route_tok[route]) * c->xv_stride;
 }
 
+/* act(g . x + bg_j) of neuron j (bias: the expert's [n_ff, 2] gate/up biases, or NULL). */
+static inline float gate_act(const moe_ctx *c, const float *bias, int64_t j, float g) {
+    if (bias != NULL)
+        g += bias[2 * j];
+    return pyrt_activate_gate(c->activation, c->swiglu_alpha, c->swiglu_limit, g);
+}
+
+/* The up term of neuron j: up(u . x + bu_j). */
+static inline float up_term(const moe_ctx *c, const float *bias, int64_t j, float u) {
+    if (bias != NULL)
+        u += bias[2 * j + 1];
+    return pyrt_activate_up(c->activation, c->swiglu_limit, u);
+}
+
 /* ---- dense --------------------------------------------------------------------------------- */
 
 /* Down rows into one y with prefetches spread through the pass (or a burst, then axpy_rows). */
@@ -128,8 +144,8 @@ static inline void pf_cursor_take(pf_cursor *pc, size_t bytes, const void **line
  * a prefetch cursor `ahead` neurons on advances by 2 rows per dot2 phase of a neuron and by the
  * chunk's down rows per axpyn phase, its lines split across the routes' calls (with only the
  * dot2 calls prefetching, the memory idled through every axpyn pass). */
-static int64_t dense_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j0, int64_t j1,
-                             int r0, int r1, float *acc) {
+static int64_t dense_neurons(const moe_ctx *c, const uint8_t *expert, const float *bias,
+                             int64_t j0, int64_t j1, int r0, int r1, float *acc) {
     const size_t rb = c->row_bytes, nrb = 3 * rb; /* bytes of one row, of one neuron */
     const int ahead = c->prefetch_ahead;
     const void *pf[PF_MAX_LINES];
@@ -156,7 +172,8 @@ static int64_t dense_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j0
                     const int lo = n_pf * r / nr, hi = n_pf * (r + 1) / nr;
                     float gu[2];
                     dot2_pf(c, gate, token_x(c, rc + r), gu, pf + lo, hi - lo);
-                    h[r][i] = c->route_w[rc + r] * pyrt_activate(c->activation, gu[0]) * gu[1];
+                    h[r][i] = c->route_w[rc + r] * gate_act(c, bias, jc + i, gu[0]) *
+                              up_term(c, bias, jc + i, gu[1]);
                 }
                 down[i] = gate + 2 * rb;
             }
@@ -178,6 +195,7 @@ static int64_t dense_neurons(const moe_ctx *c, const uint8_t *expert, int64_t j0
  * where its results go (its expert's rows, its routes, its work item's partial y). */
 typedef struct {
     const uint8_t *expert;
+    const float *bias;                     /* the expert's [n_ff, 2] gate/up biases, or NULL */
     float *acc;
     int item, rc, nr;
     int64_t jc;
@@ -275,8 +293,8 @@ static int64_t sparse_gates(const moe_ctx *c, sparse_chunk *ch, int nj, gate_cur
         int n_on = 0;
         for (int r = 0; r < nr; r++) {
             const int lo = n_pf * r / nr, hi = n_pf * (r + 1) / nr;
-            const float a = pyrt_activate(c->activation,
-                                          dot_pf(c, gate, token_x(c, rc + r), pf + lo, hi - lo));
+            const float a = gate_act(c, ch->bias, ch->jc + i,
+                                     dot_pf(c, gate, token_x(c, rc + r), pf + lo, hi - lo));
             ch->h[i][r] = a;
             ch->on[i][r] = !(fabsf(a) < thr); /* NaN stays on, so it propagates */
             n_on += ch->on[i][r];
@@ -313,7 +331,7 @@ static void sparse_finish(const moe_ctx *c, sparse_chunk *ch, int prefetched, ga
             const float a = ch->h[i][r];
             const float u = dot_pf(c, up, token_x(c, rc + r), pf, first ? n_pf : 0);
             first = 0;
-            ch->h[i][r] = c->route_w[rc + r] * a * u;
+            ch->h[i][r] = c->route_w[rc + r] * a * up_term(c, ch->bias, ch->jc + i, u);
         }
     }
     /* down rows, per route, in neuron order, several per pass over that token's y */
@@ -362,7 +380,8 @@ static void sparse_pipe_flush(const moe_ctx *c, sparse_pipe *pp, int prefetched,
  * rows of the neurons whose |act| reaches the threshold. Down rows go into each y in neuron
  * order, as in dense, so a threshold that drops nothing gives dense's bits. */
 static int64_t sparse_neurons(const moe_ctx *c, sparse_pipe *pp, int item, const uint8_t *expert,
-                              int64_t j0, int64_t j1, int r0, int r1, float *acc) {
+                              const float *bias, int64_t j0, int64_t j1, int r0, int r1,
+                              float *acc) {
     const size_t rb = c->row_bytes;
     const int ahead = c->prefetch_ahead;
     int64_t active = 0;
@@ -375,8 +394,8 @@ static int64_t sparse_neurons(const moe_ctx *c, sparse_pipe *pp, int item, const
         for (int64_t jc = j0; jc < j1; jc += NEURON_CHUNK) {
             const int nj = j1 - jc < NEURON_CHUNK ? (int)(j1 - jc) : NEURON_CHUNK;
             sparse_chunk *ch = &pp->chunks[pp->cur];
-            *ch = (sparse_chunk){.expert = expert, .acc = acc, .item = item, .rc = rc, .nr = nr,
-                                 .jc = jc};
+            *ch = (sparse_chunk){.expert = expert, .bias = bias, .acc = acc, .item = item,
+                                 .rc = rc, .nr = nr, .jc = jc};
             active += sparse_gates(c, ch, nj, &gc, pp->prev);
             gc.limit = jc + nj + NEURON_CHUNK; /* at most the next chunk's gates */
             sparse_pipe_flush(c, pp, 1, item, &gc);
@@ -385,6 +404,16 @@ static int64_t sparse_neurons(const moe_ctx *c, sparse_pipe *pp, int item, const
         }
     }
     return active;
+}
+
+/* y_t += w * bd for the expert's routes [r0, r1) (bd: its [n_embd] down bias). */
+static void down_bias(const moe_ctx *c, const float *bd, int r0, int r1, float *acc) {
+    for (int r = r0; r < r1; r++) {
+        float *y = acc + (size_t)c->route_tok[r] * c->n_embd;
+        const float w = c->route_w[r];
+        for (int i = 0; i < c->n_embd; i++)
+            y[i] += w * bd[i];
+    }
 }
 
 /* One work item: the neurons whose estimated cost falls in [item_start[item],
@@ -408,10 +437,14 @@ static int64_t run_item(const moe_ctx *c, sparse_pipe *pp, int item) {
             j1 = c->n_ff;
         if (j1 <= j0)
             continue;
-        const uint8_t *expert = c->gud + (size_t)c->used[u] * c->n_ff * 3 * c->row_bytes;
+        const size_t slot = (size_t)c->used[u];
+        const uint8_t *expert = c->gud + slot * c->n_ff * 3 * c->row_bytes;
+        const float *bias = c->bias_gu != NULL ? c->bias_gu + slot * c->n_ff * 2 : NULL;
         const int r0 = c->route_start[u], r1 = c->route_start[u + 1];
-        active += sparse ? sparse_neurons(c, pp, item, expert, j0, j1, r0, r1, acc)
-                         : dense_neurons(c, expert, j0, j1, r0, r1, acc);
+        if (j0 == 0 && c->bias_down != NULL) /* the item holding neuron 0 adds w * bd once */
+            down_bias(c, c->bias_down + slot * c->n_embd, r0, r1, acc);
+        active += sparse ? sparse_neurons(c, pp, item, expert, bias, j0, j1, r0, r1, acc)
+                         : dense_neurons(c, expert, bias, j0, j1, r0, r1, acc);
     }
     if (pp->prev == NULL || pp->prev->item != item)
         mark_item_done(c, item);
