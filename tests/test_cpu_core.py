@@ -39,8 +39,15 @@ U = 2.0**-24  # f32 unit roundoff
 LIPSCHITZ = 1.13  # max |act'| over silu, gelu (tanh), gelu (erf)
 
 Q = gguf.GGMLQuantizationType
-FORMATS = {"F32": Q.F32, "F16": Q.F16, "BF16": Q.BF16, "Q8_0": Q.Q8_0, "Q4_0": Q.Q4_0}
-QUANTIZED = {"Q8_0", "Q4_0"}
+FORMATS = {
+    "F32": Q.F32,
+    "F16": Q.F16,
+    "BF16": Q.BF16,
+    "Q8_0": Q.Q8_0,
+    "Q4_0": Q.Q4_0,
+    "MXFP4": Q.MXFP4,
+}
+QUANTIZED = {"Q8_0", "Q4_0", "MXFP4"}
 ACTS = {
     "silu": F.silu,
     "gelu": lambda g: F.gelu(g, approximate="tanh"),

@@ -39,8 +39,15 @@ from pyruntime.kernels.expert_formats import quantize_x_q8_ref
 
 U = 2.0**-24
 Q = gguf.GGMLQuantizationType
-FORMATS = {"F32": Q.F32, "F16": Q.F16, "BF16": Q.BF16, "Q8_0": Q.Q8_0, "Q4_0": Q.Q4_0}
-QUANTIZED = {"Q8_0", "Q4_0"}
+FORMATS = {
+    "F32": Q.F32,
+    "F16": Q.F16,
+    "BF16": Q.BF16,
+    "Q8_0": Q.Q8_0,
+    "Q4_0": Q.Q4_0,
+    "MXFP4": Q.MXFP4,
+}
+QUANTIZED = {"Q8_0", "Q4_0", "MXFP4"}
 LOGPROB_TOL = 1e-5
 
 
@@ -122,7 +129,7 @@ def assert_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert err <= LOGPROB_TOL, f"{what}: max |d logprob| {err:.3g} > {LOGPROB_TOL}"
 
 
-@pytest.mark.parametrize("outtype", ["f32", "f16", "bf16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("outtype", ["f32", "f16", "bf16", "q8_0", "q4_0", "mxfp4"])
 def test_decode_step_matches_torch_path(hf_model, outtype, tmp_path):
     arch, hf_dir = hf_model
     path = convert(hf_dir, tmp_path / f"{arch}-{outtype}.gguf", outtype, progress=False)

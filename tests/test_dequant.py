@@ -8,7 +8,7 @@ from gguf import quants
 from pyruntime.gguf.quant import dequantize, row_bytes
 
 
-@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0])
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.MXFP4])
 @pytest.mark.parametrize("shape", [(7, 96), (3, 5, 64), (1, 32)])
 def test_dequantize_matches_gguf(qtype, shape):
     rng = np.random.default_rng(0)
@@ -27,3 +27,13 @@ def test_dequantize_rejects_wrong_size():
     raw = quants.quantize(np.zeros((2, 64), np.float32), Q.Q8_0)
     with pytest.raises(ValueError):
         dequantize(raw, Q.Q8_0, (3, 64))
+
+
+def test_mxfp4_scales_span_the_e8m0_range():
+    """Block scales from subnormal (e 0, 1) to huge, every e2m1 code: exactly gguf's values."""
+    rng = np.random.default_rng(1)
+    raw = rng.integers(0, 256, (253, 17), dtype=np.uint8)
+    raw[:, 0] = np.arange(253)  # E8M0 codes 0..252 (253 and up overflow f32 times 12)
+    ref = quants.dequantize(raw, Q.MXFP4)
+    got = dequantize(raw, Q.MXFP4, ref.shape).numpy()
+    assert np.array_equal(got, ref)

@@ -31,7 +31,8 @@ def test_yarn_is_transformers_yarn(truncate, head_dim, orig):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0,
-                  beta_slow=1.0, truncate=truncate, original_max_position_embeddings=orig)  # fmt: skip
+                  beta_slow=1.0, truncate=truncate,
+                  original_max_position_embeddings=orig)  # fmt: skip
     cfg = GptOssConfig(head_dim=head_dim, rope_parameters=params, max_position_embeddings=32 * orig)
     want, want_factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
     yarn = Yarn(32.0, orig, 32.0, 1.0, truncate)
@@ -43,8 +44,7 @@ def test_yarn_is_transformers_yarn(truncate, head_dim, orig):
 def test_sliding_window_mask():
     """Query at position q sees keys q - window < p <= q (transformers' sliding_window_overlay)."""
     m = attention_mask(3, 7, window=2)
-    assert m.tolist() == [[p in (2, 3) for p in range(7)], [p in (3, 4) for p in range(7)],
-                          [p in (4, 5) for p in range(7)], [p in (5, 6) for p in range(7)]]  # fmt: skip
+    assert m.tolist() == [[p in (q - 1, q) for p in range(7)] for q in range(3, 7)]
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +158,28 @@ def test_bad_keys_are_one_line(fm, tmp_path, key, vtype, value, fragments):
 )
 def test_missing_tensors_are_one_line(fm, tmp_path, name, fragment):
     refused(tmp_path, without_tensor(fm, name), fragment)
+
+
+def test_broken_mxfp4_scale_is_one_line(tiny, tmp_path):
+    """A 0xFF (NaN) E8M0 scale in an MXFP4 expert tensor: loading names the tensor and the block
+    (expert, neuron, row, block); nothing computes with it."""
+    from gguf import GGUFReader
+
+    path = convert(tiny[0], tmp_path / "mx.gguf", "mxfp4", progress=False)
+    t = next(t for t in GGUFReader(path).tensors if t.name == "blk.1.ffn_gud_exps.weight")
+    assert t.tensor_type.name == "MXFP4"
+    # expert 2, neuron 5, down row, block 1: rows of 64 elements = 2 blocks of 17 bytes
+    row = (2 * 32 + 5) * 3 + 2
+    data = bytearray(path.read_bytes())
+    data[int(t.data_offset) + (row * 2 + 1) * 17] = 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelFileError) as info:
+        CpuExecutor.from_gguf(open_gguf(path))
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(str(path)), message
+    for fragment in (
+        "'blk.1.ffn_gud_exps.weight'",
+        "0xFF",
+        "expert 2, neuron 5, down row, block 1",
+    ):
+        assert fragment in message, message

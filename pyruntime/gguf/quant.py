@@ -4,6 +4,8 @@ Formats (docs/gguf-layout.md): F32, F16, BF16, and 32-element blocks along each 
 - Q8_0: f16 d, int8 q[32]            -> x = d * q                    (34 bytes / block)
 - Q4_0: f16 d, uint8 qs[16]          -> x[k] = d * ((qs[k] & 15) - 8),
                                          x[k+16] = d * ((qs[k] >> 4) - 8) (18 bytes / block)
+- MXFP4: uint8 e (E8M0), uint8 qs[16] -> x[k] = e2m1(qs[k] & 15) * 2^(e - 127),
+                                         x[k+16] = e2m1(qs[k] >> 4) * 2^(e - 127) (17 bytes)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ SUPPORTED = (
     GGMLQuantizationType.BF16,
     GGMLQuantizationType.Q8_0,
     GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.MXFP4,
 )
 # The supported formats by the names the GPU kernels use (pyruntime.kernels.expert_formats).
 FORMAT_NAMES = {
@@ -29,7 +32,14 @@ FORMAT_NAMES = {
     GGMLQuantizationType.BF16: "bf16",
     GGMLQuantizationType.Q8_0: "q8_0",
     GGMLQuantizationType.Q4_0: "q4_0",
+    GGMLQuantizationType.MXFP4: "mxfp4",
 }
+MXFP4_BLOCK_BYTES = 17  # uint8 e (E8M0 scale), uint8 qs[16]
+E8M0_NAN = 0xFF  # the scale code that is no power of two: a broken block
+# e2m1 code -> value doubled (ggml's kvalues_mxfp4); the block scale is then 2^(e - 128)
+_E2M1_X2 = torch.tensor(
+    [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.float32
+)
 
 
 def row_bytes(qtype: GGMLQuantizationType, n: int) -> int:
@@ -71,11 +81,28 @@ def dequantize(
         lo = (qs & 0x0F) - 8
         hi = (qs >> 4) - 8
         out = (d * torch.cat([lo, hi], dim=1).float()).reshape(-1)
+    elif qtype == GGMLQuantizationType.MXFP4:
+        blocks = b.view(-1, MXFP4_BLOCK_BYTES)
+        e = blocks[:, :1].to(torch.int32)  # [nb, 1]
+        # 2^(e - 128) from its bits, as ggml_e8m0_to_fp32_half (e < 2: subnormal)
+        bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+        scale = bits.view(torch.float32)
+        qs = blocks[:, 1:].long()  # [nb, 16]
+        values = torch.cat([_E2M1_X2[qs & 0x0F], _E2M1_X2[qs >> 4]], dim=1)
+        out = (values * scale).reshape(-1)
     else:
         raise NotImplementedError(f"dequantization of {qtype.name} is not supported")
     if out.numel() != n:
         raise ValueError(f"{qtype.name}: {out.numel()} elements stored, shape {shape} needs {n}")
     return out.reshape(shape)
+
+
+def first_broken_mxfp4_block(raw: np.ndarray) -> int | None:
+    """Index of the first MXFP4 block of `raw` (the tensor's bytes) whose scale is 0xFF, or None.
+    Reads one byte in 17 (every page of the tensor, once)."""
+    scales = np.asarray(raw).reshape(-1).view(np.uint8).reshape(-1, MXFP4_BLOCK_BYTES)[:, 0]
+    broken = np.flatnonzero(scales == E8M0_NAN)
+    return int(broken[0]) if len(broken) else None
 
 
 @dataclass(frozen=True)

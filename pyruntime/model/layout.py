@@ -35,6 +35,7 @@ LAYOUT_KEYS = {
 
 Q = GGMLQuantizationType
 WEIGHT = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0)  # matrices: the formats the kernels read
+EXPERTS = (*WEIGHT, Q.MXFP4)  # the routed experts: also MXFP4 (the expert kernels read it)
 F32 = (Q.F32,)  # norms, biases, routers, the shared-expert gate
 
 # What differs by family: q/k RMSNorm over the whole projection or per head (required), q/k/v
@@ -124,7 +125,7 @@ def _moe_layer(f: GGUFFile, cfg, p: str) -> dict[str, TensorSpec]:
     n = cfg.n_embd
     specs = {
         f"{p}.ffn_gate_inp.weight": TensorSpec((cfg.n_expert, n), F32),
-        f"{p}.ffn_gud_exps.weight": TensorSpec((cfg.n_expert, cfg.n_ff_exp, 3, n), WEIGHT),
+        f"{p}.ffn_gud_exps.weight": TensorSpec((cfg.n_expert, cfg.n_ff_exp, 3, n), EXPERTS),
     }
     if cfg.arch in SINKS_AND_BIASED_EXPERTS:
         specs |= {

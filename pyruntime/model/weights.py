@@ -11,11 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from gguf import GGMLQuantizationType
 
 from pyruntime.errors import ModelFileError
 from pyruntime.experts.store import ExpertBias, ExpertHandle, ExpertStore
 from pyruntime.gguf.file import GGUFFile
-from pyruntime.gguf.quant import QuantMatrix, dequantize
+from pyruntime.gguf.quant import QuantMatrix, dequantize, first_broken_mxfp4_block, row_bytes
 from pyruntime.model.config import ModelConfig
 
 
@@ -65,6 +66,26 @@ def _matrix(f: GGUFFile, name: str) -> QuantMatrix:
     return QuantMatrix(name, t.qtype, (int(t.shape[0]), int(t.shape[1])), t.data)
 
 
+def _check_mxfp4(f: GGUFFile, name: str, cfg: ModelConfig) -> None:
+    """An MXFP4 expert tensor with a 0xFF (NaN) block scale: one ModelFileError naming the tensor
+    and where in it (read once at load: 1 byte in 17 of the tensor)."""
+    t = f.tensor(name)
+    if t.qtype != GGMLQuantizationType.MXFP4:
+        return
+    block = first_broken_mxfp4_block(t.data)
+    if block is None:
+        return
+    per_row = row_bytes(t.qtype, cfg.n_embd) // 17
+    row, b = divmod(block, per_row)
+    expert, rest = divmod(row, cfg.n_ff_exp * 3)
+    neuron, part = divmod(rest, 3)
+    raise ModelFileError(
+        f"{f.path}: tensor '{name}' has a broken MXFP4 block scale (E8M0 0xFF, not a number) in "
+        f"expert {expert}, neuron {neuron}, {('gate', 'up', 'down')[part]} row, block {b}; the "
+        "file is corrupt: convert the model again"
+    )
+
+
 def _load_opt(f: GGUFFile, name: str) -> torch.Tensor | None:
     return _load(f, name) if f.has_tensor(name) else None
 
@@ -83,6 +104,8 @@ def _load_block(f: GGUFFile, cfg: ModelConfig, i: int) -> BlockWeights:
     p = f"blk.{i}"
     has_experts = f.has_tensor(f"{p}.ffn_gud_exps.weight")
     shared_gate = _load_opt(f, f"{p}.ffn_gate_inp_shexp.weight")
+    if has_experts:
+        _check_mxfp4(f, f"{p}.ffn_gud_exps.weight", cfg)
     bias = None
     if f.has_tensor(f"{p}.ffn_gu_exps.bias"):
         bias = ExpertBias(_load(f, f"{p}.ffn_gu_exps.bias"), _load(f, f"{p}.ffn_down_exps.bias"))

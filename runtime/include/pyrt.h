@@ -43,7 +43,8 @@ enum {
     PYRT_FMT_F16 = 1,
     PYRT_FMT_Q4_0 = 2,
     PYRT_FMT_Q8_0 = 8,
-    PYRT_FMT_BF16 = 30
+    PYRT_FMT_BF16 = 30,
+    PYRT_FMT_MXFP4 = 39  /* gpt-oss's experts: 32-element blocks of e2m1 with an E8M0 scale */
 };
 
 /* Expert activations: act(gate . x), times (up . x) except where said. */

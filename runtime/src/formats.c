@@ -16,6 +16,8 @@ size_t pyrt_row_bytes(int fmt, int64_t n) {
         return n % PYRT_QK ? 0 : (size_t)(n / PYRT_QK) * PYRT_Q8_0_BYTES;
     case PYRT_FMT_Q4_0:
         return n % PYRT_QK ? 0 : (size_t)(n / PYRT_QK) * PYRT_Q4_0_BYTES;
+    case PYRT_FMT_MXFP4:
+        return n % PYRT_QK ? 0 : (size_t)(n / PYRT_QK) * PYRT_MXFP4_BYTES;
     default:
         return 0;
     }

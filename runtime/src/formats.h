@@ -12,13 +12,14 @@
 #define PYRT_QK 32 /* elements per Q8_0 / Q4_0 block */
 #define PYRT_Q8_0_BYTES 34 /* f16 d; int8 q[32] */
 #define PYRT_Q4_0_BYTES 18 /* f16 d; uint8 qs[16] (low nibbles: elements 0..15, high: 16..31) */
+#define PYRT_MXFP4_BYTES 17 /* uint8 e (E8M0); uint8 qs[16] (e2m1 codes, nibbles as Q4_0's) */
 
-/* Q8_0 / Q4_0: the activations are quantized to Q8 blocks and the dots are integer. */
+/* Q8_0 / Q4_0 / MXFP4: the activations are quantized to Q8 blocks and the dots are integer. */
 static inline int pyrt_fmt_is_blocked(int fmt) {
-    return fmt == PYRT_FMT_Q8_0 || fmt == PYRT_FMT_Q4_0;
+    return fmt == PYRT_FMT_Q8_0 || fmt == PYRT_FMT_Q4_0 || fmt == PYRT_FMT_MXFP4;
 }
 
-/* 1 for the formats the row kernels read (F32, F16, BF16, Q8_0, Q4_0). */
+/* 1 for the formats the row kernels read (F32, F16, BF16, Q8_0, Q4_0, MXFP4). */
 static inline int pyrt_fmt_known(int fmt) {
     return fmt == PYRT_FMT_F32 || fmt == PYRT_FMT_F16 || fmt == PYRT_FMT_BF16 ||
            pyrt_fmt_is_blocked(fmt);
@@ -68,6 +69,15 @@ static inline float pyrt_fp16_to_fp32(uint16_t h) {
 static inline float pyrt_bf16_to_fp32(uint16_t h) {
     return pyrt_fp32_from_bits((uint32_t)h << 16);
 }
+
+/* An MXFP4 block's scale for the doubled e2m1 values (rows_mxfp4.c): 2^(e - 128) as f32, exactly
+ * (ggml's ggml_e8m0_to_fp32_half; e < 2 gives the subnormals 2^-128, 2^-127). */
+static inline float pyrt_e8m0_half(uint8_t e) {
+    return pyrt_fp32_from_bits(e < 2 ? UINT32_C(0x00200000) << e : (uint32_t)(e - 1) << 23);
+}
+
+/* The e2m1 values doubled, by 4-bit code (rows_mxfp4.c). */
+extern const int8_t pyrt_mxfp4_values[16];
 
 /* Little-endian u16 at any alignment (block scales sit at odd offsets inside a row). */
 static inline uint16_t pyrt_load_u16(const void *p) {

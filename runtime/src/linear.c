@@ -27,7 +27,7 @@ int pyrt_matrix_check(const pyrt_matrix *m, const char *fn, const char *what) {
     if (!pyrt_fmt_known(m->fmt))
         return pyrt_fail(PYRT_E_INVALID,
                          "%s: %s has unknown weight format %d (supported: 0 F32, 1 F16, 30 BF16, "
-                         "8 Q8_0, 2 Q4_0)", fn, what, m->fmt);
+                         "8 Q8_0, 2 Q4_0, 39 MXFP4)", fn, what, m->fmt);
     if (m->n_out < 1 || m->n_in < 1)
         return pyrt_fail(PYRT_E_INVALID, "%s: %s has shape [%d, %d]; both must be positive", fn,
                          what, m->n_out, m->n_in);

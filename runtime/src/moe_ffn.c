@@ -88,7 +88,7 @@ static int check_experts(const pyrt_experts *e, const char *fn) {
     if (!pyrt_fmt_known(e->fmt))
         return pyrt_fail(PYRT_E_INVALID,
                          "%s: unknown weight format %d (supported: 0 F32, 1 F16, 30 BF16, 8 Q8_0, "
-                         "2 Q4_0)", fn, e->fmt);
+                         "2 Q4_0, 39 MXFP4)", fn, e->fmt);
     if (e->n_expert < 1 || e->n_slots < 0 || e->n_ff < 1 || e->n_embd < 1)
         return pyrt_fail(PYRT_E_INVALID,
                          "%s: sizes must be positive (n_slots >= 0): n_expert=%d n_slots=%d "

@@ -103,6 +103,11 @@ static inline void pyrt_pf_end(pyrt_pf_spread *s) {
         __builtin_prefetch(s->lines[s->i], 0, 3);
 }
 
+/* MXFP4's kernels (rows_mxfp4.c), which each level's table returns for PYRT_FMT_MXFP4: scalar,
+ * and AVX2 (also the AVX-512 level's). */
+const pyrt_row_ops *pyrt_row_ops_mxfp4_scalar(void);
+const pyrt_row_ops *pyrt_row_ops_mxfp4_avx2(void);
+
 /* Row kernels of one SIMD level for fmt; NULL when the level has none for fmt (unknown format). */
 const pyrt_row_ops *pyrt_row_ops_scalar(int fmt);
 const pyrt_row_ops *pyrt_row_ops_avx2(int fmt);

@@ -421,6 +421,8 @@ const pyrt_row_ops *pyrt_row_ops_avx512(int fmt) {
         return &ops_q8_0;
     case PYRT_FMT_Q4_0:
         return &ops_q4_0;
+    case PYRT_FMT_MXFP4: /* 16 bytes of nibbles a block: the AVX2 kernels' 256-bit steps */
+        return pyrt_row_ops_mxfp4_avx2();
     default:
         return NULL;
     }

@@ -153,6 +153,8 @@ const pyrt_row_ops *pyrt_row_ops_scalar(int fmt) {
         return &ops_q8_0;
     case PYRT_FMT_Q4_0:
         return &ops_q4_0;
+    case PYRT_FMT_MXFP4:
+        return pyrt_row_ops_mxfp4_scalar();
     default:
         return NULL;
     }
