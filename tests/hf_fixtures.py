@@ -211,3 +211,106 @@ def _save_mxfp4(model, path: Path) -> None:
     model.config.architectures = [type(model).__name__]
     model.config.quantization_config = {"quant_method": "mxfp4"}
     model.config.save_pretrained(path)
+
+
+# A harmony-format chat template (OpenAI's format for gpt-oss: a system header, the developer's
+# instructions and tools, channels, tool calls), written for these tests with the jinja features
+# gpt-oss's own template uses: recursive macros, namespace(), loop.index slicing, `is defined` on
+# kwargs never passed, tojson, strftime_now, raise_exception.
+HARMONY_TEMPLATE = """\
+{%- macro type_of(spec) -%}
+    {%- if spec.type == "array" -%}{{ type_of(spec["items"]) ~ "[]" }}
+    {%- elif spec.type == "integer" -%}number
+    {%- elif spec.enum is defined -%}{{ '"' ~ spec.enum | join('" | "') ~ '"' }}
+    {%- else -%}{{ spec.type | default("any") }}{%- endif -%}
+{%- endmacro -%}
+{%- if reasoning_effort is not defined %}{%- set reasoning_effort = "medium" %}{%- endif %}
+{{- "<|start|>system<|message|>You are a test model.\\nCurrent date: " + strftime_now("%Y-%m-%d")
+    + "\\n\\nReasoning: " + reasoning_effort + "\\n\\n# Valid channels: analysis, commentary,"
+    + " final.<|end|>" }}
+{%- if messages[0].role in ("system", "developer") %}
+    {%- set developer = messages[0].content %}{%- set turns = messages[1:] %}
+{%- else %}
+    {%- set developer = "" %}{%- set turns = messages %}
+{%- endif %}
+{%- if developer or tools %}
+    {{- "<|start|>developer<|message|>" }}
+    {%- if developer %}{{- "# Instructions\\n\\n" + developer + "\\n\\n" }}{%- endif %}
+    {%- if tools %}
+        {{- "# Tools\\n\\nnamespace functions {\\n" }}
+        {%- for tool in tools %}
+            {%- set f = tool.function %}
+            {{- "type " + f.name + " = (_: {" }}
+            {%- for name, spec in f.parameters.properties.items() %}
+                {{- name ~ ": " ~ type_of(spec) }}{{- ", " if not loop.last }}
+            {%- endfor %}
+            {{- "}) => any;\\n" }}
+        {%- endfor %}
+        {{- "} // namespace functions" }}
+    {%- endif %}
+    {{- "<|end|>" }}
+{%- endif %}
+{%- set last_call = namespace(name=none) %}
+{%- for m in turns %}
+    {%- if m.role == "assistant" %}
+        {%- if "<|channel|>" in m.content %}
+            {{- raise_exception("put the analysis in 'thinking', not in 'content'") }}
+        {%- endif %}
+        {%- if m.tool_calls is defined %}
+            {%- set later = namespace(final=false) %}
+            {%- for n in turns[loop.index:] %}
+                {%- if n.role == "assistant" and n.tool_calls is not defined %}
+                    {%- set later.final = true %}
+                {%- endif %}
+            {%- endfor %}
+            {%- set call = m.tool_calls[0].function %}
+            {%- if m.thinking is defined and not later.final %}
+                {{- "<|start|>assistant<|channel|>analysis<|message|>" + m.thinking + "<|end|>" }}
+            {%- endif %}
+            {{- "<|start|>assistant to=functions." + call.name
+                + "<|channel|>commentary json<|message|>" + call.arguments | tojson + "<|call|>" }}
+            {%- set last_call.name = call.name %}
+        {%- elif loop.last and not add_generation_prompt %}
+            {{- "<|start|>assistant<|channel|>final<|message|>" + m.content + "<|return|>" }}
+        {%- else %}
+            {{- "<|start|>assistant<|channel|>final<|message|>" + m.content + "<|end|>" }}
+        {%- endif %}
+    {%- elif m.role == "tool" %}
+        {%- if last_call.name is none %}
+            {{- raise_exception("a tool message without a tool call before it") }}
+        {%- endif %}
+        {{- "<|start|>functions." + last_call.name + " to=assistant<|channel|>commentary<|message|>"
+            + m.content | tojson + "<|end|>" }}
+    {%- else %}
+        {{- "<|start|>user<|message|>" + m.content + "<|end|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- "<|start|>assistant" }}{%- endif %}
+"""
+# harmony's special tokens (gpt-oss's o200k_harmony has them at ids 199998..200018), here after
+# the tiny tokenizer's 4096
+HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>")
+
+
+def make_harmony_model(path: Path) -> Path:
+    """A tiny gpt-oss whose tokenizer is harmony's like the real one: its special tokens added
+    (ids 4096..4101, vocab 4104), eos <|return|>, generation stopping at <|return|>,
+    <|endoftext|> and <|call|> (gpt-oss-20b's generation_config.json), HARMONY_TEMPLATE."""
+    import json
+
+    make_tiny_hf_model("gptoss", path, vocab_size=4104)
+    tok = json.loads((path / "tokenizer.json").read_text())
+    ids = {text: 4096 + i for i, text in enumerate(HARMONY_TOKENS)}
+    tok["added_tokens"] += [
+        dict(id=i, content=text, single_word=False, lstrip=False, rstrip=False,
+             normalized=False, special=True)
+        for text, i in ids.items()
+    ]  # fmt: skip
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.update(eos_token="<|return|>", chat_template=HARMONY_TEMPLATE)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    gen = json.loads((path / "generation_config.json").read_text())
+    gen["eos_token_id"] = [ids["<|return|>"], 0, ids["<|call|>"]]
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    return path

@@ -183,3 +183,111 @@ def test_broken_mxfp4_scale_is_one_line(tiny, tmp_path):
         "expert 2, neuron 5, down row, block 1",
     ):
         assert fragment in message, message
+
+
+def test_calibrate_and_sparsity_hit_the_target(tiny, tmp_path):
+    """`pyruntime calibrate` then --sparsity on gpt-oss: thresholds on |act(gate + bias)| of the
+    clamped SwiGLU, measured on one text and applied to another, drop the target fraction of
+    routed neurons within 3 points (512 tokens x 2 layers x 2 experts x 32 neurons = 65k
+    decisions per target), through the C core's prefill and decode step."""
+    from pyruntime.api import Model
+    from pyruntime.cli import main
+
+    repo = Path(__file__).resolve().parents[1]
+    path = convert(tiny[0], tmp_path / "m.gguf", "q8_0", progress=False)
+    assert main(["calibrate", str(path), "-f", str(repo / "docs" / "gguf-layout.md")]) == 0
+    dense = Model(path)
+    ids = dense.tokenize((repo / "README.md").read_text())[:512]
+    dense_logits = dense.logits(ids)
+    for target in (0.3, 0.5, 0.7, 0.9):
+        model = Model(path, sparsity=target)
+        logits = model.logits(ids)
+        assert abs(model.achieved_sparsity - target) <= 0.03, (target, model.achieved_sparsity)
+        assert (logits != dense_logits).any()
+        step = Model(path, sparsity=target).net  # the C decode step, one token at a time
+        cache = step.new_cache(256)
+        for token in ids[:256]:
+            step.forward([token], cache)
+        assert abs(step.stats.sparsity - target) <= 0.03, (target, step.stats.sparsity)
+
+
+HARMONY_CHATS = [
+    [{"role": "user", "content": "Hi there"}],
+    [
+        {"role": "developer", "content": "Answer in one word."},
+        {"role": "user", "content": "Capital of France?"},
+        {"role": "assistant", "content": "Paris.", "thinking": "Easy."},
+        {"role": "user", "content": "And of Italy?"},
+    ],
+    [
+        {"role": "system", "content": "Use the tools."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "thinking": "Call it.",
+         "tool_calls": [{"type": "function",
+                         "function": {"name": "weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": "-3 C, snow"},
+        {"role": "assistant", "content": "Cold and snowy."},
+        {"role": "user", "content": "Thanks!"},
+    ],
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def harmony(tmp_path_factory) -> tuple[Path, Path]:
+    from hf_fixtures import make_harmony_model
+
+    tmp = tmp_path_factory.mktemp("harmony")
+    hf = make_harmony_model(tmp / "hf")
+    return hf, convert(hf, tmp / "m.gguf", "q8_0", progress=False)
+
+
+def test_harmony_turns_end_at_return_or_call_not_end(harmony):
+    """harmony closes every message with <|end|> (the analysis channel's too): a turn ends at
+    <|return|> (eot) or a tool call's <|call|>, which generation stops on; never at <|end|>."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(harmony[1]).fields
+    ret, end, call = 4100, 4097, 4101
+    assert fields["tokenizer.ggml.eot_token_id"].contents() == ret
+    assert fields["tokenizer.ggml.eos_token_id"].contents() == ret
+    stops = fields["pyruntime.stop_token_ids"].contents()
+    assert set(stops) == {ret, 0, call} and end not in stops
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("chat", range(len(HARMONY_CHATS)))
+def test_harmony_chat_template_renders_and_tokenizes_as_transformers(
+    harmony, chat, add_generation_prompt
+):
+    """The GGUF's chat template (the checkpoint's tokenizer_config.json jinja), rendered by our
+    sandboxed renderer, is transformers' apply_chat_template text; its special tokens tokenize
+    to their ids as the HF tokenizer does."""
+    from transformers import AutoTokenizer
+
+    from pyruntime.api import Model
+
+    messages = HARMONY_CHATS[chat]
+    hf = AutoTokenizer.from_pretrained(harmony[0])
+    want = hf.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    model = Model(harmony[1])
+    text = model.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    assert text == want
+    assert "<|start|>assistant<|channel|>final<|message|>" in text or chat == 0
+    ids = model.tokenize(text)
+    assert ids == hf(text, add_special_tokens=True)["input_ids"]
+    assert 4096 in ids and 4098 in ids  # <|start|>, <|message|> are single special tokens
+
+
+def test_harmony_template_refusals_are_one_line(harmony):
+    from pyruntime.api import Model
+    from pyruntime.text.chat_template import ChatTemplateError
+
+    model = Model(harmony[1])
+    bad = [{"role": "user", "content": "hi"},
+           {"role": "assistant", "content": "<|channel|>analysis<|message|>hmm"}]  # fmt: skip
+    with pytest.raises(ChatTemplateError, match="put the analysis in 'thinking'"):
+        model.apply_chat_template(bad)
+    with pytest.raises(ChatTemplateError, match="without a tool call"):
+        model.apply_chat_template([{"role": "tool", "content": "x"}])

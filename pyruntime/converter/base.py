@@ -25,6 +25,7 @@ from gguf import GGUFWriter
 from pyruntime.converter.hparams import HParams
 from pyruntime.converter.sources import SourceTensors
 from pyruntime.converter.tensors import Kind, OutTensor
+from pyruntime.converter.vocab import END_OF_TURN_TOKENS
 from pyruntime.errors import ConversionError
 
 _REGISTRY: dict[str, type[MoeModel]] = {}
@@ -87,6 +88,8 @@ class MoeModel:
     )
     rope_types: ClassVar[tuple[str, ...]] = ("default",)  # rope_parameters.rope_type accepted
     attention_bias_ok: ClassVar[bool] = False  # config `attention_bias: true` accepted
+    # tokens that end an assistant turn (tokenizer.ggml.eot_token_id), first present wins
+    end_of_turn_tokens: ClassVar[tuple[str, ...]] = END_OF_TURN_TOKENS
 
     def __init__(self, hp: HParams, src: SourceTensors, hf_arch: str) -> None:
         self.hp, self.src, self.hf_arch = hp, src, hf_arch

@@ -62,7 +62,7 @@ def convert(
     hf_arch, model_cls = model_class_for(hp)
     src = SourceTensors(model_dir)
     arch = model_cls(hp, src, hf_arch)
-    vocab = load_vocab(model_dir, hp.config, arch.n_vocab)
+    vocab = load_vocab(model_dir, hp.config, arch.n_vocab, arch.end_of_turn_tokens)
     plan = arch.tensor_plan()
     src.check_complete()
     qtypes = [choose_qtype(t.kind, t.shape[-1], outtype) for t in plan]

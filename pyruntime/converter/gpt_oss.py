@@ -11,7 +11,9 @@ What differs from the shared MoeModel mapping (transformers' modeling_gpt_oss.py
   `down_proj_bias` [E, n_embd]; in OpenAI's release the two matrices are MXFP4
   (`*_blocks`/`*_scales`, decoded on read: pyruntime.converter.mxfp4_source);
 - the experts' activation is the clamped SwiGLU `(clamp(up, ±limit) + 1) * g * sigmoid(alpha g)`
-  with g = clamp(gate, max=limit) (`pyruntime.expert_activation` = swiglu_oai).
+  with g = clamp(gate, max=limit) (`pyruntime.expert_activation` = swiglu_oai);
+- the chat format is harmony: a turn ends with <|return|> (or <|call|>, a tool call, which
+  generation_config.json lists), never with <|end|>, which ends each message of a turn.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class GptOssModel(MoeModel):
     n_expert_keys = ("num_local_experts",)
     rope_types = ("default", "yarn")
     attention_bias_ok = True
+    # harmony: <|end|> closes each message (the analysis channel too), <|return|> the turn
+    end_of_turn_tokens = ("<|return|>",)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -63,9 +63,15 @@ def _chat_template(model_dir: Path, tok_config: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def load_vocab(model_dir: Path, config: dict[str, Any], vocab_size: int) -> Vocab:
+def load_vocab(
+    model_dir: Path,
+    config: dict[str, Any],
+    vocab_size: int,
+    end_of_turn: tuple[str, ...] = END_OF_TURN_TOKENS,
+) -> Vocab:
     """Read tokenizer.json (+ tokenizer_config.json, generation_config.json, chat_template.jinja
-    when present)."""
+    when present). end_of_turn: the tokens that may end a turn, first present wins (the
+    family's: gpt-oss's harmony format ends a message with <|end|> but a turn with <|return|>)."""
     tok_path = model_dir / "tokenizer.json"
     tok = read_json(tok_path, "tokenizer.json")
     model = tok.get("model") or {}
@@ -106,7 +112,7 @@ def load_vocab(model_dir: Path, config: dict[str, Any], vocab_size: int) -> Voca
         pre=pre_tokenizer_name(tok),
         bos_id=special_id("bos_token"),
         eos_id=special_id("eos_token"),
-        eot_id=next((id_of[t] for t in END_OF_TURN_TOKENS if t in id_of), None),
+        eot_id=next((id_of[t] for t in end_of_turn if t in id_of), None),
         pad_id=special_id("pad_token"),
         chat_template=_chat_template(model_dir, tok_config),
     )

@@ -20,7 +20,7 @@ import jinja2
 from pyruntime.errors import ModelFileError, UsageError
 from pyruntime.text.template_limits import LimitedSandbox, TemplateLimitError, render_limited
 
-_ROLES = ("system", "user", "assistant", "tool")
+_ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's (harmony)
 
 
 class ChatTemplateError(UsageError):
