@@ -10,11 +10,14 @@ size as the layout says, so prompts tokenize and the runtime can decode.
 
 `--layout llama.cpp` writes the same shapes in llama.cpp's layout instead, for llama-bench
 (bench/peers.py): the routed experts as ffn_gate_exps / ffn_up_exps [n_expert, n_ff, n_embd] and
-ffn_down_exps [n_expert, n_embd, n_ff], `{arch}.feed_forward_length` set as llama.cpp's converter
-sets it, and no pyruntime.* keys (pyruntime repacks it on first use, as any llama.cpp GGUF).
+ffn_down_exps [n_expert, n_embd, n_ff] (gpt-oss: their biases ffn_gate_exps.bias /
+ffn_up_exps.bias [n_expert, n_ff] too, and ffn_norm named post_attention_norm),
+`{arch}.feed_forward_length` set as llama.cpp's converter sets it, and no pyruntime.* keys
+(pyruntime repacks it on first use, as any llama.cpp GGUF of a family its repack knows).
 
     python bench/make_random_gguf.py olmoe-1b-7b --outtype q8_0 -o /tmp/olmoe-q8_0.gguf
     python bench/make_random_gguf.py olmoe-1b-7b --layout llama.cpp -o /tmp/olmoe-lcpp.gguf
+    python bench/make_random_gguf.py gpt-oss-20b --outtype mxfp4 -o /tmp/gpt-oss-20b-mxfp4.gguf
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pyruntime
-from pyruntime.converter import architectures  # noqa: E402, F401  (registers the architectures)
+from pyruntime.converter import architectures, gpt_oss  # noqa: E402, F401  (register classes)
 from pyruntime.converter.base import model_class_for  # noqa: E402
 from pyruntime.converter.convert import _write_metadata  # noqa: E402
 from pyruntime.converter.hparams import HParams  # noqa: E402
@@ -136,6 +139,64 @@ CONFIGS: dict[str, dict] = {
     },
 }
 
+GPT_OSS_LAYERS = ["sliding_attention", "full_attention"]
+CONFIGS |= {
+    "gpt-oss-20b": {  # openai/gpt-oss-20b
+        "architectures": ["GptOssForCausalLM"],
+        "vocab_size": 201088,
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "num_local_experts": 32,
+        "num_experts_per_tok": 4,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 150000.0,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        "sliding_window": 128,
+        "layer_types": GPT_OSS_LAYERS * 12,
+        "attention_bias": True,
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+    },
+    "tiny-gpt-oss": {  # gpt-oss's features at a quick size (tests)
+        "architectures": ["GptOssForCausalLM"],
+        "vocab_size": 4096,
+        "hidden_size": 128,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 150000.0,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "original_max_position_embeddings": 128,
+        },
+        "sliding_window": 16,
+        "layer_types": GPT_OSS_LAYERS,
+        "attention_bias": True,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+    },
+}
+
 WEIGHT_STD = 0.02
 CHUNK_BYTES = 64 << 20
 
@@ -196,6 +257,11 @@ class RandomTensor:
             d = WEIGHT_STD / (73.3 if q == Q.Q8_0 else 4.61)
             raw[:, :, 0:2] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
             return raw
+        if q == Q.MXFP4:
+            raw = rng.integers(0, 256, size=(rows, n // 32, 17), dtype=np.uint8)
+            # uniform e2m1 codes have std ~2.93; scale 2^(120 - 127) gives ~0.023
+            raw[:, :, 0] = 120
+            return raw
         raise ValueError(f"{self.name}: no random generator for {q.name}")
 
 
@@ -203,12 +269,23 @@ TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "tiny-t
 LAYOUTS = ("pyruntime", "llama.cpp")
 
 
-def llama_cpp_plan(plan: list) -> list[tuple[str, tuple[int, ...], str]]:
+def llama_cpp_plan(plan: list, arch_name: str) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, kind) of every tensor in llama.cpp's layout: each routed-expert tensor
     blk.N.ffn_gud_exps.weight [E, n_ff, 3, n_embd] becomes ffn_gate_exps and ffn_up_exps
-    [E, n_ff, n_embd] and ffn_down_exps [E, n_embd, n_ff]; every other tensor is the same."""
+    [E, n_ff, n_embd] and ffn_down_exps [E, n_embd, n_ff]; gpt-oss's per-neuron expert biases
+    ffn_gu_exps.bias [E, n_ff, 2] become ffn_gate_exps.bias and ffn_up_exps.bias [E, n_ff], its
+    ffn_norm post_attention_norm; every other tensor is the same."""
     out = []
     for t in plan:
+        if t.name.endswith(".ffn_gu_exps.bias"):
+            blk = t.name.removesuffix(".ffn_gu_exps.bias")
+            out.append((f"{blk}.ffn_gate_exps.bias", t.shape[:2], t.kind))
+            out.append((f"{blk}.ffn_up_exps.bias", t.shape[:2], t.kind))
+            continue
+        if arch_name == "gpt-oss" and t.name.endswith(".ffn_norm.weight"):
+            blk = t.name.removesuffix(".ffn_norm.weight")
+            out.append((f"{blk}.post_attention_norm.weight", t.shape, t.kind))
+            continue
         if not t.name.endswith(".ffn_gud_exps.weight"):
             out.append((t.name, t.shape, t.kind))
             continue
@@ -253,10 +330,10 @@ def make_random_gguf(
         hf_arch, model_cls = model_class_for(hp)
         arch = model_cls(hp, PlanOnlySource(), hf_arch)
         plan = arch.tensor_plan()
-    vocab = load_vocab(tok_dir, config, arch.n_vocab)
+    vocab = load_vocab(tok_dir, config, arch.n_vocab, arch.end_of_turn_tokens)
     specs = [(t.name, t.shape, t.kind) for t in plan]
     if layout == "llama.cpp":
-        specs = llama_cpp_plan(plan)
+        specs = llama_cpp_plan(plan, arch.gguf_arch)
     tensors = [
         RandomTensor(name, shape_, choose_qtype(kind, shape_[-1], outtype), seed=i)
         for i, (name, shape_, kind) in enumerate(specs)

@@ -221,3 +221,35 @@ def test_compare_trees_without_git(tmp_path, monkeypatch):
         tool.resolve_tree(str(fake_tree(tmp_path / "t", 1.0)), "old", tmp_path, tmp_path).rev
         is None
     )
+
+
+def test_random_gpt_oss_gguf_and_its_llama_cpp_twin(tmp_path, capsys):
+    """gpt-oss's shape: our layout (MXFP4 experts) loads and decodes, `info` shows its fields;
+    the llama.cpp twin splits the experts and their biases and names ffn_norm as llama.cpp."""
+    import torch
+    from gguf import GGUFReader
+
+    from pyruntime.cli import main
+    from pyruntime.cpu.executor import CpuExecutor
+    from pyruntime.gguf.file import open_gguf
+
+    maker = load("make_random_gguf")
+    assert maker.CONFIGS["gpt-oss-20b"]["num_local_experts"] == 32
+    ours = maker.make_random_gguf("tiny-gpt-oss", tmp_path / "o.gguf", "mxfp4", progress=False)
+    model = CpuExecutor.from_gguf(open_gguf(ours))
+    cache = model.new_cache(40)
+    logits = model.forward(list(range(20)), cache)
+    logits = torch.cat([logits, model.forward([7], cache)])
+    assert logits.shape == (21, 4096) and torch.isfinite(logits).all()
+    assert main(["info", str(ours)]) == 0
+    out = capsys.readouterr().out
+    for row in ("swiglu_oai", "yarn x32.0", "16 on 1 of 2 layers", "attention sinks : yes"):
+        assert row in out, out
+    lcpp = tmp_path / "l.gguf"
+    maker.make_random_gguf("tiny-gpt-oss", lcpp, "mxfp4", progress=False, layout="llama.cpp")
+    shapes = {t.name: [int(n) for n in t.shape] for t in GGUFReader(lcpp).tensors}
+    assert shapes["blk.1.ffn_gate_exps.bias"] == [96, 8]
+    assert shapes["blk.1.ffn_down_exps.bias"] == [128, 8]
+    assert shapes["blk.1.ffn_down_exps.weight"] == [96, 128, 8]
+    assert "blk.1.post_attention_norm.weight" in shapes and "blk.1.ffn_norm.weight" not in shapes
+    assert "blk.1.attn_sinks.weight" in shapes and "blk.1.ffn_gu_exps.bias" not in shapes

@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         ("vocab", str(f.arch_get("vocab_size", len(tokens)))),
         ("chat template", "yes" if f.get("tokenizer.chat_template", None) else "no"),
     ]
+    rows += _family_rows(f)
     if kind == "llama.cpp":
         rows += _repacked_plan_rows(f, args)
     else:
@@ -73,6 +74,28 @@ def run(args: argparse.Namespace) -> int:
     for key, value in rows:
         print(f"{key:<{width}} : {value}")
     return 0
+
+
+def _family_rows(f: Any) -> list[tuple[str, str]]:
+    """What only some families have (the expert activation always): rope scaling, sliding
+    windows, attention sinks (gpt-oss)."""
+    rows = [("activation", str(f.get("pyruntime.expert_activation", "silu")))]
+    if f.arch_get("rope.scaling.type", "none") != "none":
+        rows.append((
+            "rope scaling",
+            f"{f.arch_get('rope.scaling.type')} x{f.arch_get('rope.scaling.factor', '?')} "
+            f"(original context {f.arch_get('rope.scaling.original_context_length', '?')})",
+        ))  # fmt: skip
+    pattern = f.arch_get("attention.sliding_window_pattern", None)
+    if pattern is not None:
+        rows.append((
+            "sliding window",
+            f"{f.arch_get('attention.sliding_window', '?')} on {sum(map(bool, pattern))} of "
+            f"{len(pattern)} layers",
+        ))  # fmt: skip
+    if f.has_tensor("blk.0.attn_sinks.weight"):
+        rows.append(("attention sinks", "yes"))
+    return rows
 
 
 def _family_class(f: Any) -> str:
