@@ -37,14 +37,17 @@ DECODE_BLOCK_S, DECODE_PROGRAMS, DECODE_WARPS = 16, 512, 1
 
 @triton.jit
 def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr, out_ptr,
-                        stride_kvh, GROUP, scale_log2, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                        BLOCK_S: tl.constexpr, N_SPLIT: tl.constexpr):  # fmt: skip
+                        sink_ptr, stride_kvh, GROUP, scale_log2, window, D: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, N_SPLIT: tl.constexpr,
+                        HAS_SINKS: tl.constexpr):  # fmt: skip
     h = tl.program_id(0)
     sp = tl.program_id(1)
     kvh = h // GROUP
     n = tl.load(len_ptr).to(tl.int32)
-    chunk = tl.cdiv(n, N_SPLIT)
-    start = sp * chunk
+    # a sliding window (window > 0) attends to the last `window` positions only
+    first = tl.where(window > 0, tl.maximum(n - window, 0), 0)
+    chunk = tl.cdiv(n - first, N_SPLIT)
+    start = first + sp * chunk
     end = tl.minimum(start + chunk, n)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
@@ -77,8 +80,14 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, cnt
     if last_arrival(cnt_ptr + h, N_SPLIT):
         sps = tl.arange(0, N_SPLIT)
         m = tl.load(m_ptr + h * N_SPLIT + sps, cache_modifier=".cg")  # [N_SPLIT]
-        w = tl.exp2(m - tl.max(m, axis=0))  # 0 for empty splits (m = -inf)
+        m_max = tl.max(m, axis=0)
+        if HAS_SINKS:  # the sink's logit joins the denominator (log2 units, as the scores)
+            sink = tl.load(sink_ptr + h).to(tl.float32) * 1.4426950408889634
+            m_max = tl.maximum(m_max, sink)
+        w = tl.exp2(m - m_max)  # 0 for empty splits (m = -inf)
         l_sum = tl.sum(tl.load(l_ptr + h * N_SPLIT + sps, cache_modifier=".cg") * w, axis=0)
+        if HAS_SINKS:
+            l_sum += tl.exp2(sink - m_max)
         part = tl.load(acc_ptr + (h * N_SPLIT + sps)[:, None] * D + d[None, :],
                        mask=dm[None, :], other=0.0, cache_modifier=".cg")  # fmt: skip
         out = tl.sum(part * w[:, None], axis=0) / l_sum
@@ -103,10 +112,14 @@ def decode_attention(
     n_split: int | None = None,
     block_s: int | None = None,
     num_warps: int | None = None,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [n_head, D]; k_cache, v_cache [n_kv, max_tokens, D] (contiguous rows); seq_len [1]
     int32/int64 device tensor (1 <= n <= max_tokens positions to attend). Returns [n_head, D]
-    in q's dtype. No host synchronization (graph-capturable). n_split, block_s, num_warps:
+    in q's dtype. window > 0: only the last `window` of the n positions (sliding-window
+    attention); sinks: None or [n_head] f32 logits that join each head's softmax denominator
+    (gpt-oss). No host synchronization (graph-capturable). n_split, block_s, num_warps:
     default from decode_splits, DECODE_BLOCK_S, DECODE_PROGRAMS, DECODE_WARPS (or the
     kernels.tuning overrides)."""
     n_head, D = q.shape
@@ -133,22 +146,36 @@ def decode_attention(
     l_sum = torch.empty(n_head * n_split, **f32)
     acc = torch.empty(n_head * n_split, D, **f32)
     out = torch.empty_like(q)
+    if sinks is not None and (sinks.shape != (n_head,) or sinks.dtype != torch.float32):
+        raise ValueError(f"sinks must be float32 [{n_head}], got {sinks.dtype} {list(sinks.shape)}")
     _decode_attn_kernel[(n_head, n_split)](
         q, k_cache, v_cache, seq_len, m, l_sum, acc, counters(q.device, n_head), out,
-        k_cache.stride(0), n_head // n_kv, scale * LOG2E, D=D, BLOCK_D=triton.next_power_of_2(D),
-        BLOCK_S=block_s, N_SPLIT=n_split, num_warps=1 if interpreting() else num_warps,
+        m if sinks is None else sinks, k_cache.stride(0), n_head // n_kv, scale * LOG2E,
+        int(window), D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_S=block_s, N_SPLIT=n_split,
+        HAS_SINKS=sinks is not None, num_warps=1 if interpreting() else num_warps,
     )  # fmt: skip
     return out
 
 
 def decode_attention_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, n: int, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    n: int,
+    scale: float,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain torch: softmax attention of each head over the first n cached positions, fp32."""
+    """Plain torch: softmax attention of each head over the first n cached positions (the last
+    `window` of them when window > 0), with sinks[h] in the denominator when given, fp32."""
     group = q.shape[0] // k_cache.shape[0]
-    k = k_cache[:, :n].float().repeat_interleave(group, dim=0)  # [n_head, n, D]
-    v = v_cache[:, :n].float().repeat_interleave(group, dim=0)
-    p = torch.softmax(torch.einsum("hd,hnd->hn", q.float(), k) * scale, dim=-1)
+    first = max(0, n - window) if window > 0 else 0
+    k = k_cache[:, first:n].float().repeat_interleave(group, dim=0)  # [n_head, n', D]
+    v = v_cache[:, first:n].float().repeat_interleave(group, dim=0)
+    scores = torch.einsum("hd,hnd->hn", q.float(), k) * scale
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.float()[:, None]], dim=1)
+    p = torch.softmax(scores, dim=-1)[:, : k.shape[1]]
     return torch.einsum("hn,hnd->hd", p, v)
 
 

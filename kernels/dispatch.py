@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .expert_formats import REPACKED, check_expert_tensor, repack_rows
+from .expert_formats import GENERIC_ONLY, REPACKED, check_expert_tensor, repack_rows
 from .expert_paths import SPARSE_PATHS, SparseSwitch, expert_path
 from .moe_dense import moe_dense
 from .moe_sparse import moe_sparse
@@ -47,6 +47,7 @@ def moe_experts(
     threshold: float | torch.Tensor | None = None,
     switch: SparseSwitch | None = None,
     expert_map: torch.Tensor | None = None,
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Routed experts: (y [T, n_embd] f32, active [T, K] int32 neuron counts or None if dense).
 
@@ -56,9 +57,14 @@ def moe_experts(
     share the experts' rows, and can lose to a fast dense kernel at one token).
     expert_map: int32 [n_expert] global expert id -> slot of w (-1: not on this device, the pair
     is skipped and counts 0 active neurons); None: w holds every expert.
+    bias: the experts' biases by global id (kernels.moe_args); with them, or a GENERIC_ONLY
+    activation, the generic kernels run (kernels.expert_paths.GENERIC_PATHS).
     """
-    path = expert_path(fmt, x.shape[1], x.shape[0], None if threshold is None else switch)
+    generic = bias is not None or activation in GENERIC_ONLY
+    path = expert_path(fmt, x.shape[1], x.shape[0], None if threshold is None else switch,
+                       generic)  # fmt: skip
     if path in SPARSE_PATHS:
         return moe_sparse(x, w, fmt, topk_ids, topk_w, threshold, activation, path,
-                          expert_map=expert_map)  # fmt: skip
-    return moe_dense(x, w, fmt, topk_ids, topk_w, activation, path, expert_map=expert_map), None
+                          expert_map=expert_map, bias=bias)  # fmt: skip
+    y = moe_dense(x, w, fmt, topk_ids, topk_w, activation, path, expert_map=expert_map, bias=bias)
+    return y, None

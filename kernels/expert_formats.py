@@ -4,7 +4,9 @@ The tensor is `[n_expert, n_ff, 3, n_embd]` row-major (docs/gguf-layout.md): for
 neuron j the rows (gate, up, down^T) are adjacent, each quantized along n_embd. The kernels take
 it as a torch tensor:
 - float formats (f32, f16, bf16): that dtype, shape `[n_expert, n_ff, 3, n_embd]`;
-- block formats (q8_0, q4_0): uint8, shape `[n_expert, n_ff, 3, row_bytes]` (the GGUF bytes);
+- block formats (q8_0, q4_0, mxfp4): uint8, shape `[n_expert, n_ff, 3, row_bytes]` (the GGUF
+  bytes; mxfp4: 17-byte blocks of an E8M0 scale byte and 16 bytes of e2m1 nibbles, read as they
+  are);
 - repacked block formats (q8_0r, q4_0r): the same bytes per row, regrouped once on the GPU by
   `repack_rows` (kernels.dispatch.prepare_experts) so the kernels load them with wide aligned
   loads: per row [all quants of the row][all f16 scales of the row]:
@@ -24,10 +26,18 @@ from __future__ import annotations
 import torch
 
 # Format name -> integer code passed to the kernels as a tl.constexpr.
-FMT_CODES = {"f32": 0, "f16": 0, "bf16": 0, "q8_0": 1, "q4_0": 2, "q8_0r": 3, "q4_0r": 4}
+# Odd codes: the Q8_0 family (one int8 per element); even non-zero: 4-bit elements in Q4_0's
+# nibble order (kernels.expert_rows.q4_blocks).
+FMT_CODES = {
+    "f32": 0, "f16": 0, "bf16": 0, "q8_0": 1, "q4_0": 2, "q8_0r": 3, "q4_0r": 4, "mxfp4": 6,
+}  # fmt: skip
 FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 # Block formats: (elements per block, bytes per block).
-BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q8_0r": (32, 34), "q4_0r": (32, 18)}
+BLOCKS = {
+    "q8_0": (32, 34), "q4_0": (32, 18), "q8_0r": (32, 34), "q4_0r": (32, 18), "mxfp4": (32, 17),
+}  # fmt: skip
+# e2m1 code -> value doubled (ggml's kvalues_mxfp4); an MXFP4 block's scale is then 2^(e - 128)
+E2M1_X2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 # GGUF block format -> its repacked form (same bytes, regrouped per row).
 REPACKED = {"q8_0": "q8_0r", "q4_0": "q4_0r"}
 
@@ -94,7 +104,9 @@ def quantize_rows(w: torch.Tensor, fmt: str) -> torch.Tensor:
     row_bytes(fmt, n)  # validates n
     lead = w.shape[:-1]
     blk = w.float().reshape(-1, 32)  # [n_blocks, 32]
-    if fmt == "q8_0":
+    if fmt == "mxfp4":
+        out = _quantize_mxfp4(blk)
+    elif fmt == "q8_0":
         # ggml quantize_row_q8_0_ref: d = amax / 127, q = roundf(x / d) (half away from zero)
         d = blk.abs().amax(dim=1, keepdim=True) / 127.0
         inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
@@ -125,6 +137,11 @@ def dequantize_rows(data: torch.Tensor, fmt: str, n: int) -> torch.Tensor:
         return _dequantize_repacked(data, fmt, n)
     size = BLOCKS[fmt][1]
     b = data.reshape(-1, size)
+    if fmt == "mxfp4":
+        values = torch.tensor(E2M1_X2, dtype=torch.float32, device=data.device)
+        qs = b[:, 1:].long()
+        q = torch.cat([values[qs & 0xF], values[qs >> 4]], dim=1)
+        return (q * _e8m0_half(b[:, :1])).reshape(*lead, n)
     d = b[:, :2].contiguous().view(torch.float16).float()  # [nb, 1]
     if fmt == "q8_0":
         q = b[:, 2:].contiguous().view(torch.int8).float()  # [nb, 32]
@@ -132,6 +149,25 @@ def dequantize_rows(data: torch.Tensor, fmt: str, n: int) -> torch.Tensor:
         qs = b[:, 2:].to(torch.int16)  # [nb, 16]
         q = torch.cat([(qs & 0xF) - 8, (qs >> 4) - 8], dim=1).float()
     return (d * q).reshape(*lead, n)
+
+
+def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """2^(e - 128) as float32 of uint8 E8M0 codes, from its bits (ggml_e8m0_to_fp32_half)."""
+    e = e.to(torch.int32)
+    return torch.where(e < 2, 0x00200000 << e, (e - 1) << 23).view(torch.float32)
+
+
+def _quantize_mxfp4(blk: torch.Tensor) -> torch.Tensor:
+    """[nb, 32] f32 -> [nb, 17] uint8 MXFP4 blocks as gguf-py's quantizer makes them: e =
+    floor(log2(amax)) - 2 + 127 (0 for an all-zero block), each element the nearest doubled
+    e2m1 value times 2^(e - 128), the lower code on a tie."""
+    amax = blk.abs().amax(dim=1, keepdim=True)
+    e = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2 + 127, torch.zeros_like(amax))
+    e = e.to(torch.int32).to(torch.uint8)
+    values = torch.tensor(E2M1_X2, dtype=torch.float32, device=blk.device)
+    err = (_e8m0_half(e)[:, :, None] * values - blk[:, :, None]).abs()  # [nb, 32, 16]
+    q = err.argmin(dim=2).to(torch.uint8)
+    return torch.cat([e, q[:, :16] | (q[:, 16:] << 4)], dim=1)
 
 
 def repack_rows(data: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -181,9 +217,25 @@ def quantize_x_q8_ref(x: torch.Tensor) -> torch.Tensor:
 # activations (torch references of the in-kernel ones)
 
 # Activation name -> the code the kernels take as their ACT constexpr (kernels.expert_rows.act_fn);
-# gelu is the tanh approximation (gelu_pytorch_tanh). A model activation missing here has no
-# GPU kernel.
-ACT_CODES = {"silu": 0, "gelu": 1}
+# gelu is the tanh approximation (gelu_pytorch_tanh); swiglu_oai is gpt-oss's clamped SwiGLU
+# with its alpha and limit (SWIGLU_OAI): act(g) = min(g, limit) * sigmoid(alpha min(g, limit)),
+# times clamp(up, -limit, limit) + 1 instead of up (up_ref). A model activation missing here has
+# no GPU kernel; swiglu_oai runs on the generic kernels only (GENERIC_ONLY).
+ACT_CODES = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
+GENERIC_ONLY = ("swiglu_oai",)
+SWIGLU_OAI = (1.702, 7.0)  # (alpha, limit): gpt-oss's, built into the kernels
+
+
+def activation_issue(activation: str, swiglu: tuple[float, float]) -> str | None:
+    """Why a model's expert activation has no GPU kernel (None: it has one); swiglu: the
+    model's (alpha, limit), which the kernels build in (SWIGLU_OAI)."""
+    if activation not in ACT_CODES:
+        return f"expert activation '{activation}' has no GPU kernel (GPU: {', '.join(ACT_CODES)})"
+    as_f32 = torch.tensor(swiglu, dtype=torch.float32)  # the GGUF stores them as f32
+    if activation == "swiglu_oai" and not torch.equal(as_f32, torch.tensor(SWIGLU_OAI)):
+        return (f"swiglu_oai with alpha, limit = {as_f32.tolist()} has no GPU kernel (the kernels "
+                f"build in gpt-oss's {SWIGLU_OAI})")  # fmt: skip
+    return None
 
 
 def act_ref(g: torch.Tensor, activation: str) -> torch.Tensor:
@@ -191,4 +243,16 @@ def act_ref(g: torch.Tensor, activation: str) -> torch.Tensor:
         return torch.nn.functional.silu(g)
     if activation == "gelu":
         return torch.nn.functional.gelu(g, approximate="tanh")
+    if activation == "swiglu_oai":
+        alpha, limit = SWIGLU_OAI
+        g = g.clamp(max=limit)
+        return g * torch.sigmoid(alpha * g)
     raise ValueError(f"unknown activation {activation!r}; expected one of {sorted(ACT_CODES)}")
+
+
+def up_ref(u: torch.Tensor, activation: str) -> torch.Tensor:
+    """What multiplies act(gate): up itself, or swiglu_oai's clamp(up, -limit, limit) + 1."""
+    if activation == "swiglu_oai":
+        limit = SWIGLU_OAI[1]
+        return u.clamp(-limit, limit) + 1
+    return u

@@ -81,17 +81,23 @@ def path_family(fmt: str, n_embd: int) -> str:
     return "q8r" if q8r_supported(fmt, n_embd) else format_family(fmt)
 
 
-def table_path(fmt: str, n_embd: int, n_tok: int, sparse: bool) -> str:
-    """PATHS' kernel for n_tok tokens of experts in `fmt` (rows of n_embd), dense or sparse."""
-    rows = PATHS[(path_family(fmt, n_embd), sparse)]
+# Layers with expert biases or a GENERIC_ONLY activation (gpt-oss): the generic kernels only.
+GENERIC_PATHS = {False: ((8, "gemv"), (ANY, "gemm")), True: ((ANY, "fused"),)}
+
+
+def table_path(fmt: str, n_embd: int, n_tok: int, sparse: bool, generic: bool = False) -> str:
+    """PATHS' kernel for n_tok tokens of experts in `fmt` (rows of n_embd), dense or sparse;
+    generic: GENERIC_PATHS' (kernels.moe_args: biases, swiglu_oai)."""
+    rows = GENERIC_PATHS[sparse] if generic else PATHS[(path_family(fmt, n_embd), sparse)]
     return next(path for max_tok, path in rows if n_tok <= max_tok)
 
 
-def expert_path(fmt: str, n_embd: int, n_tok: int, switch: SparseSwitch | None = None) -> str:
+def expert_path(fmt: str, n_embd: int, n_tok: int, switch: SparseSwitch | None = None,
+                generic: bool = False) -> str:  # fmt: skip
     """The kernel moe_experts runs for n_tok tokens: sparse where the layer's switch (None: no
-    threshold, dense) says so at n_tok, then the table's choice."""
+    threshold, dense) says so at n_tok, then the table's choice (generic: GENERIC_PATHS')."""
     sparse = switch is not None and switch.use_sparse(n_tok)
-    return table_path(fmt, n_embd, n_tok, sparse)
+    return table_path(fmt, n_embd, n_tok, sparse, generic)
 
 
 def quantizes_x(path: str) -> bool:

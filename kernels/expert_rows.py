@@ -3,7 +3,8 @@
 A "row" is one gate, up or down^T row of `ffn_gud_exps` (docs/gguf-layout.md), n_embd = H
 elements along the hidden dimension. `row_off` locates each row of a tile of BLOCK_N rows:
 an element offset for float formats (FMT 0: f32/f16/bf16, the pointer is typed) or a byte offset
-for block formats (FMT 1: Q8_0, 34-byte blocks; FMT 2: Q4_0, 18-byte blocks; uint8 pointer).
+for block formats (FMT 1: Q8_0, 34-byte blocks; FMT 2: Q4_0, 18-byte blocks; FMT 6: MXFP4,
+17-byte blocks, read through Q4_0's code path; uint8 pointer).
 Rows are never dequantized to memory: each helper loads raw bytes and works in fp32 registers.
 
 Two access shapes:
@@ -16,21 +17,50 @@ Two access shapes:
 import triton
 import triton.language as tl
 
+from .expert_formats import SWIGLU_OAI
+
+OAI_ALPHA = tl.constexpr(SWIGLU_OAI[0])
+OAI_LIMIT = tl.constexpr(SWIGLU_OAI[1])
+
 
 @triton.jit
 def act_fn(g, ACT: tl.constexpr):
-    """ACT 0: silu(g) = g * sigmoid(g); ACT 1: gelu, tanh approximation (gelu_pytorch_tanh).
+    """ACT 0: silu(g) = g * sigmoid(g); ACT 1: gelu, tanh approximation (gelu_pytorch_tanh);
+    ACT 2: swiglu oai's gate, g' * sigmoid(alpha g') with g' = min(g, limit) (its up: up_fn).
 
     Written from tl.exp (no libdevice; the interpreter lacks it). Overflow of exp saturates to
     the right limits: silu(-inf side) -> -0, tanh(+-inf side) -> +-1.
     """
     if ACT == 0:
         out = g / (1.0 + tl.exp(-g))
-    else:
+    elif ACT == 1:
         z = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2/pi) * (...)
         th = 1.0 - 2.0 / (1.0 + tl.exp(2.0 * z))  # tanh(z)
         out = 0.5 * g * (1.0 + th)
+    else:
+        gc = tl.minimum(g, OAI_LIMIT)
+        out = gc / (1.0 + tl.exp(gc * (-OAI_ALPHA)))
     return out
+
+
+@triton.jit
+def up_fn(u, ACT: tl.constexpr):
+    """What multiplies act(gate): u, or (ACT 2) swiglu oai's clamp(u, -limit, limit) + 1."""
+    if ACT == 2:
+        out = tl.minimum(tl.maximum(u, -OAI_LIMIT), OAI_LIMIT) + 1.0
+    else:
+        out = u
+    return out
+
+
+@triton.jit
+def gate_up_bias(bias_ptr, ids_ptr, p, n, n_mask, F):
+    """(bg, bu) [BLOCK_N] f32: the gate and up biases of neurons n of pair p's expert, from the
+    biases [n_expert, F, 2] indexed by the global expert id (not the slot: the biases stay whole
+    on the device when the weights are a cache of slots)."""
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    b = bias_ptr + (e * F + n) * 2
+    return tl.load(b, mask=n_mask, other=0.0), tl.load(b + 1, mask=n_mask, other=0.0)
 
 
 @triton.jit
@@ -82,11 +112,31 @@ def q8_blocks(w_ptr, row_off, m, h0, H, FMT: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
+def e2m1_x2(code):
+    """Doubled e2m1 value of 4-bit codes (int32): sign bit 3; magnitudes 0, 1, 2, 3, 4, 6, 8, 12
+    = m for m < 2, else (2 + (m & 1)) << (m // 2 - 1)."""
+    m = code & 7
+    mag = tl.where(m < 2, m, (2 + (m & 1)) << tl.maximum((m >> 1) - 1, 0))
+    return tl.where((code & 8) != 0, -mag, mag).to(tl.float32)
+
+
+@triton.jit
 def q4_blocks(w_ptr, row_off, m, h0, H, FMT: tl.constexpr, NB: tl.constexpr):
     """(d [BLOCK_N, NB] fp32, lo, hi [BLOCK_N, NB, 16] fp32 quants - 8 of elements 0..15 and
-    16..31) of the Q4_0 blocks covering [h0, h0 + 32 * NB) of each row; m as in q8_blocks."""
+    16..31) of the Q4_0 blocks covering [h0, h0 + 32 * NB) of each row; m as in q8_blocks.
+    MXFP4 (FMT 6) the same way: lo, hi its doubled e2m1 values, d = 2^(e - 128)."""
     k = tl.arange(0, 16)
-    if FMT == 2:  # GGUF: block b at byte 18 b = f16 d, uint8 qs[16]
+    if FMT == 6:  # GGUF MXFP4: block b at byte 17 b = uint8 e (E8M0), uint8 qs[16]
+        b = h0 // 32 + tl.arange(0, NB)
+        blk = w_ptr + row_off[:, None] + b[None, :] * 17
+        e = tl.load(blk, mask=m, other=0).to(tl.int32)
+        bits = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+        d = bits.to(tl.float32, bitcast=True)
+        qs = tl.load(blk[:, :, None] + 1 + k[None, None, :], mask=m[:, :, None], other=0)
+        qs = qs.to(tl.int32)
+        lo = e2m1_x2(qs & 15)
+        hi = e2m1_x2(qs >> 4)
+    elif FMT == 2:  # GGUF: block b at byte 18 b = f16 d, uint8 qs[16]
         b = h0 // 32 + tl.arange(0, NB)
         blk = w_ptr + row_off[:, None] + b[None, :] * 18
         d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)

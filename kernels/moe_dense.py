@@ -28,10 +28,12 @@ import triton.language as tl
 from .expert_formats import (
     ACT_CODES,
     FMT_CODES,
+    GENERIC_ONLY,
     act_ref,
     dequantize_rows,
     format_family,
     quantize_x_q8_ref,
+    up_ref,
 )
 from .expert_paths import table_path
 from .expert_rows import (
@@ -39,13 +41,15 @@ from .expert_rows import (
     dot_acc_sum,
     dot_acc_zeros,
     expert_slot,
+    gate_up_bias,
     rows_axpy,
     rows_dot,
     rows_dot_acc,
     rows_tile,
+    up_fn,
 )
 from .launch import interpreting
-from .moe_args import check_moe_args, flat_routing, map_args, n_expert_of
+from .moe_args import add_down_bias, bias_args, check_moe_args, flat_routing, map_args, n_expert_of
 from .moe_q8r import moe_q8r_pipe, moe_q8r_stream
 
 # ----------------------------------------------------------------------------------------------
@@ -94,6 +98,7 @@ def _moe_gemv_kernel(
     K,
     stride_x,
     map_ptr,  # HAS_MAP: [n_expert] int32 expert map (kernels.moe_args)
+    bias_ptr,  # HAS_BIAS: [n_expert, F, 2] f32 gate / up biases by global expert id
     FMT: tl.constexpr,
     ACT: tl.constexpr,
     MODE: tl.constexpr,  # 0 dense FFN, 1 gate dots only, 2 sparse FFN (masked up/down rows),
@@ -102,6 +107,7 @@ def _moe_gemv_kernel(
     BLOCK_H: tl.constexpr,
     ACC2D: tl.constexpr,  # MODE 1/2/3: elementwise accumulation over H chunks (rows_dot_acc)
     HAS_MAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     p = tl.program_id(0)
     tile = tl.program_id(1)
@@ -130,24 +136,40 @@ def _moe_gemv_kernel(
             for h0 in range(0, H, BLOCK_H):  # gate and up rows are adjacent: one pass
                 acc_g += rows_dot(w_ptr, gate_off, nm, x_row, h0, H, FMT, BLOCK_H)
                 acc_u += rows_dot(w_ptr, gate_off + RB, nm, x_row, h0, H, FMT, BLOCK_H)
-        coef = act_fn(acc_g, ACT) * acc_u * tl.load(tw_ptr + p).to(tl.float32)
+        if HAS_BIAS:
+            bg, bu = gate_up_bias(bias_ptr, ids_ptr, p, n, nm, F)
+            acc_g += bg
+            acc_u += bu
+        coef = act_fn(acc_g, ACT) * up_fn(acc_u, ACT) * tl.load(tw_ptr + p).to(tl.float32)
         coef = tl.where(nm, coef, 0.0)
         _rows_axpy_all(w_ptr, gate_off + 2 * RB, nm, coef, y_row, H, rot, FMT, BLOCK_H)
     elif MODE == 1:
         acc_g = _row_dots(w_ptr, gate_off, nm, x_row, H, FMT, BLOCK_N, BLOCK_H, ACC2D)
+        if HAS_BIAS:
+            acc_g += gate_up_bias(bias_ptr, ids_ptr, p, n, nm, F)[0]
         tl.store(out_ptr + p.to(tl.int64) * F + n, acc_g, mask=nm)
     else:
-        a = act_fn(_row_dots(w_ptr, gate_off, nm, x_row, H, FMT, BLOCK_N, BLOCK_H, ACC2D), ACT)
+        g = _row_dots(w_ptr, gate_off, nm, x_row, H, FMT, BLOCK_N, BLOCK_H, ACC2D)
+        if HAS_BIAS:
+            bg, bu = gate_up_bias(bias_ptr, ids_ptr, p, n, nm, F)
+            g += bg
+        a = act_fn(g, ACT)
         keep = (tl.abs(a) >= tl.load(thr_ptr)) & nm
         n_keep = tl.sum(keep.to(tl.int32), axis=0)
         tl.atomic_add(cnt_ptr + p, n_keep, sem="relaxed")
         if MODE == 2:
             if n_keep > 0:  # masked-off rows are never read: only active up/down rows cost bytes
                 u = _row_dots(w_ptr, gate_off + RB, keep, x_row, H, FMT, BLOCK_N, BLOCK_H, ACC2D)
+                if HAS_BIAS:
+                    u += bu
+                u = up_fn(u, ACT)
                 coef = tl.where(keep, a * u * tl.load(tw_ptr + p).to(tl.float32), 0.0)
                 _rows_axpy_all(w_ptr, gate_off + 2 * RB, keep, coef, y_row, H, rot, FMT, BLOCK_H)
         else:
             u = _row_dots(w_ptr, gate_off + RB, keep, x_row, H, FMT, BLOCK_N, BLOCK_H, ACC2D)
+            if HAS_BIAS:
+                u += bu
+            u = up_fn(u, ACT)
             coef = tl.where(keep, a * u * tl.load(tw_ptr + p).to(tl.float32), 0.0)
             tl.store(out_ptr + p.to(tl.int64) * F + n, coef, mask=nm)
 
@@ -188,10 +210,11 @@ def gemv_blocks(fmt: str, mode: int, n_pairs: int = 0) -> tuple[int, int, int, b
 
 
 def moe_dense_gemv(x, w, fmt, topk_ids, topk_w, activation="silu", *, expert_map=None,
-                   blocks=None) -> torch.Tensor:  # fmt: skip
+                   blocks=None, bias=None) -> torch.Tensor:  # fmt: skip
     """The "gemv" path (any T; best for small T): y [T, n_embd] fp32. blocks: (BLOCK_N,
-    BLOCK_H, num_warps, ACC2D), default gemv_blocks(fmt, 0)."""
-    H, E, F, rb, T, K = check_moe_args(x, w, fmt, topk_ids, topk_w, activation, expert_map)
+    BLOCK_H, num_warps, ACC2D), default gemv_blocks(fmt, 0). bias: kernels.moe_args."""
+    H, E, F, rb, T, K = check_moe_args(x, w, fmt, topk_ids, topk_w, activation, expert_map,
+                                       bias, generic=True)  # fmt: skip
     bn, bh, nw, acc2d = blocks or gemv_blocks(fmt, 0)
     y = torch.zeros(T, H, device=x.device, dtype=torch.float32)
     ids, tw = flat_routing(topk_ids, topk_w)
@@ -199,8 +222,9 @@ def moe_dense_gemv(x, w, fmt, topk_ids, topk_w, activation="silu", *, expert_map
         x, w, ids, tw, y, tw, ids, H, F, rb, K, x.stride(0),
         FMT=FMT_CODES[fmt], ACT=ACT_CODES[activation], MODE=0,
         BLOCK_N=bn, BLOCK_H=bh, ACC2D=acc2d, num_warps=nw, **map_args(expert_map, ids),
+        **bias_args(bias, tw),
     )  # fmt: skip
-    return y
+    return add_down_bias(y, topk_ids, topk_w, bias, expert_map)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -261,6 +285,7 @@ def _moe_gemm_gate_up_kernel(
     P,
     stride_x,
     map_ptr,  # HAS_MAP: [n_expert] int32 expert map (kernels.moe_args)
+    bias_ptr,  # HAS_BIAS: [n_expert, F, 2] f32 gate / up biases by global expert id
     FMT: tl.constexpr,
     ACT: tl.constexpr,
     GATE_ONLY: tl.constexpr,
@@ -269,6 +294,7 @@ def _moe_gemm_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_MAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -299,10 +325,14 @@ def _moe_gemm_gate_up_kernel(
         if not GATE_ONLY:
             wu = rows_tile(w_ptr, gate_off + RB, nm, h0, H, FMT, BLOCK_K)
             acc_u = _dot(a, wu, acc_u, DOT_BF16)
+    if HAS_BIAS:  # the block's experts are one: its biases, by global id
+        bg, bu = gate_up_bias(bias_ptr, blk_expert_ptr, pid_m, n, nm, F)
+        acc_g += bg[None, :]
+        acc_u += bu[None, :]
     if GATE_ONLY:
         out = acc_g
     else:
-        out = act_fn(acc_g, ACT) * acc_u
+        out = act_fn(acc_g, ACT) * up_fn(acc_u, ACT)
     o = out_ptr + pairs.to(tl.int64)[:, None] * F + n[None, :]
     tl.store(o, out, mask=pm[:, None] & nm[None, :])
 
@@ -365,10 +395,11 @@ def gemm_blocks(n_pairs: int, n_expert: int) -> tuple[int, tuple, tuple]:
 
 
 def moe_dense_gemm(x, w, fmt, topk_ids, topk_w, activation="silu", *, expert_map=None,
-                   blocks=None) -> torch.Tensor:  # fmt: skip
+                   blocks=None, bias=None) -> torch.Tensor:  # fmt: skip
     """The "gemm" path (grouped GEMMs; best for larger T): y [T, n_embd] fp32. blocks:
-    (BLOCK_M, gate-up config, down config) as gemm_blocks returns them."""
-    H, _, F, rb, T, K = check_moe_args(x, w, fmt, topk_ids, topk_w, activation, expert_map)
+    (BLOCK_M, gate-up config, down config) as gemm_blocks returns them. bias: kernels.moe_args."""
+    H, _, F, rb, T, K = check_moe_args(x, w, fmt, topk_ids, topk_w, activation, expert_map,
+                                       bias, generic=True)  # fmt: skip
     P, E = T * K, n_expert_of(w, expert_map)
     bm, (bn, bk, nw, ns), (bn2, bk2, nw2, ns2) = blocks or gemm_blocks(P, E)
     sorted_pairs, block_expert, total = moe_align(topk_ids, E, bm)
@@ -379,7 +410,7 @@ def moe_dense_gemm(x, w, fmt, topk_ids, topk_w, activation="silu", *, expert_map
         x, w, sorted_pairs, block_expert, total, inter, H, F, rb, K, P, x.stride(0),
         FMT=FMT_CODES[fmt], ACT=ACT_CODES[activation], GATE_ONLY=False, DOT_BF16=dot_bf16,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns,
-        **map_args(expert_map, total),
+        **map_args(expert_map, total), **bias_args(bias, inter),
     )  # fmt: skip
     y = torch.zeros(T, H, device=x.device, dtype=torch.float32)
     tw = topk_w.reshape(-1).float().contiguous()
@@ -388,7 +419,7 @@ def moe_dense_gemm(x, w, fmt, topk_ids, topk_w, activation="silu", *, expert_map
         FMT=FMT_CODES[fmt], DOT_BF16=dot_bf16, BLOCK_M=bm, BLOCK_N=bn2, BLOCK_H=bk2,
         num_warps=nw2, num_stages=ns2, **map_args(expert_map, total),
     )  # fmt: skip
-    return y
+    return add_down_bias(y, topk_ids, topk_w, bias, expert_map)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -402,20 +433,29 @@ DENSE_LAUNCHERS = {
 }
 
 
-def moe_dense(x, w, fmt, topk_ids, topk_w, activation="silu", path="auto", *, expert_map=None):
+def moe_dense(x, w, fmt, topk_ids, topk_w, activation="silu", path="auto", *, expert_map=None,
+              bias=None):  # fmt: skip
     """Dense routed-expert FFN: y [T, n_embd] fp32 = sum_k topk_w * expert_{topk_ids}(x).
 
     x [T, n_embd] f32/bf16; w the expert tensor in `fmt` (kernels.expert_formats);
     topk_ids [T, K] int; topk_w [T, K] float; activation "silu" or "gelu" (tanh approximation);
     path: one of DENSE_LAUNCHERS (kernels.expert_paths; the q8r ones need q8_0r experts with
     n_embd % 64 == 0 and take the dots on Q8-quantized x, as the C core does) or "auto" (the
-    table's choice for T tokens). expert_map: kernels.moe_args.
+    table's choice for T tokens). expert_map, bias: kernels.moe_args (bias: the generic paths,
+    "gemv" and "gemm", only).
     """
     if path == "auto":
-        path = table_path(fmt, x.shape[1], x.shape[0], sparse=False)
+        path = table_path(fmt, x.shape[1], x.shape[0], sparse=False,
+                          generic=bias is not None or activation in GENERIC_ONLY)  # fmt: skip
     if path not in DENSE_LAUNCHERS:
         raise ValueError(f"path must be 'auto' or one of {sorted(DENSE_LAUNCHERS)}, got {path!r}")
-    return DENSE_LAUNCHERS[path](x, w, fmt, topk_ids, topk_w, activation, expert_map=expert_map)
+    if bias is None:
+        return DENSE_LAUNCHERS[path](x, w, fmt, topk_ids, topk_w, activation,
+                                     expert_map=expert_map)  # fmt: skip
+    if path not in ("gemv", "gemm"):
+        raise ValueError(f"expert biases run on the generic kernels only (gemv, gemm), not {path}")
+    return DENSE_LAUNCHERS[path](x, w, fmt, topk_ids, topk_w, activation, expert_map=expert_map,
+                                 bias=bias)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -433,10 +473,13 @@ def ref_slot(topk_ids, expert_map, t: int, k: int) -> int:
     return e if expert_map is None else int(expert_map[e])
 
 
-def moe_dense_ref(x, w, fmt, topk_ids, topk_w, activation="silu", q8_x=False, expert_map=None):
+def moe_dense_ref(x, w, fmt, topk_ids, topk_w, activation="silu", q8_x=False, expert_map=None,
+                  bias=None):  # fmt: skip
     """Plain torch: dequantize the experts, y = sum_k w_k * down(act(gate x) * up x), fp32.
     q8_x: the gate/up dots take x quantized to Q8 blocks (quantize_x_q8_ref), as the dp4a
-    kernels and the C core do. expert_map: w holds slots (kernels.moe_args)."""
+    kernels and the C core do. expert_map: w holds slots (kernels.moe_args). bias: (gate_up
+    [n_expert, F, 2], down [n_expert, H]) by global id: act(gate x + bg) * up(up x + bu) and
+    + bd (up: kernels.expert_formats.up_ref)."""
     T, H = x.shape
     wf = dequantize_experts(w, fmt, H)
     xf = quantize_x_q8_ref(x).float() if q8_x else x.float()
@@ -449,5 +492,11 @@ def moe_dense_ref(x, w, fmt, topk_ids, topk_w, activation="silu", q8_x=False, ex
             rows = wf[slot]  # [F, 3, H]
             g = rows[:, 0] @ xf[t]
             u = rows[:, 1] @ xf[t]
-            y[t] += float(topk_w[t, k]) * ((act_ref(g, activation) * u) @ rows[:, 2])
+            e = int(topk_ids[t, k])
+            if bias is not None:
+                g, u = g + bias[0][e, :, 0], u + bias[0][e, :, 1]
+            out = (act_ref(g, activation) * up_ref(u, activation)) @ rows[:, 2]
+            if bias is not None:
+                out = out + bias[1][e]
+            y[t] += float(topk_w[t, k]) * out
     return y

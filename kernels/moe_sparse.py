@@ -30,11 +30,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .expert_formats import ACT_CODES, FMT_CODES, act_ref, format_family, quantize_x_q8_ref
+from .expert_formats import (
+    ACT_CODES,
+    FMT_CODES,
+    GENERIC_ONLY,
+    act_ref,
+    format_family,
+    quantize_x_q8_ref,
+    up_ref,
+)
 from .expert_paths import table_path
 from .expert_rows import dot_acc_sum, dot_acc_zeros, expert_slot, rows_dot_acc, rows_tile
 from .launch import interpreting
 from .moe_args import (
+    add_down_bias,
+    bias_args,
     check_moe_args,
     flat_routing,
     map_args,
@@ -71,7 +81,7 @@ def moe_gate(x, w, fmt, topk_ids, path="auto", *, expert_map=None):
         _moe_gemv_kernel[(P, triton.cdiv(F, bn))](
             x, w, ids, gate, gate, gate, ids, H, F, rb, K, x.stride(0), FMT=FMT_CODES[fmt],
             ACT=0, MODE=1, BLOCK_N=bn, BLOCK_H=bh, ACC2D=acc2d, num_warps=nw,
-            **map_args(expert_map, ids),
+            **map_args(expert_map, ids), **bias_args(None, gate),
         )  # fmt: skip
     elif path == "gemm":
         E = n_expert_of(w, expert_map)
@@ -82,7 +92,7 @@ def moe_gate(x, w, fmt, topk_ids, path="auto", *, expert_map=None):
             x, w, sorted_pairs, block_expert, total, gate, H, F, rb, K, P, x.stride(0),
             FMT=FMT_CODES[fmt], ACT=0, GATE_ONLY=True, DOT_BF16=dot_bf16,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns,
-            **map_args(expert_map, total),
+            **map_args(expert_map, total), **bias_args(None, gate),
         )  # fmt: skip
     else:
         raise ValueError(f"path must be 'auto', 'gemv' or 'gemm', got {path!r}")
@@ -177,11 +187,13 @@ def moe_sparse_masked(x, w, fmt, topk_ids, topk_w, threshold, activation="silu",
 
 
 def moe_sparse_fused(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", *,
-                     expert_map=None, blocks=None):  # fmt: skip
+                     expert_map=None, blocks=None, bias=None):  # fmt: skip
     """The "fused" path: each (pair, neuron tile) program computes its gate dots, masks, then
     reads only the active neurons' up and down rows (masked loads) and adds into y.
-    Returns (y [T, n_embd] f32, active count [P] int32)."""
-    H, _, F, rb, T, K = check_moe_args(x, w, fmt, topk_ids, topk_w, activation, expert_map)
+    Returns (y [T, n_embd] f32, active count [P] int32). bias: kernels.moe_args (the
+    threshold applies to |act(gate + gate bias)|)."""
+    H, _, F, rb, T, K = check_moe_args(x, w, fmt, topk_ids, topk_w, activation, expert_map,
+                                       bias, generic=True)  # fmt: skip
     P = T * K
     bn, bh, nw, acc2d = blocks or gemv_blocks(fmt, 2, P)
     y, count = zeroed_out_and_count(T, H, P, x.device)
@@ -189,9 +201,9 @@ def moe_sparse_fused(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", 
     _moe_gemv_kernel[(P, triton.cdiv(F, bn))](
         x, w, ids, tw, y, as_threshold(threshold, x.device), count, H, F, rb, K, x.stride(0),
         FMT=FMT_CODES[fmt], ACT=ACT_CODES[activation], MODE=2, BLOCK_N=bn, BLOCK_H=bh,
-        ACC2D=acc2d, num_warps=nw, **map_args(expert_map, ids),
+        ACC2D=acc2d, num_warps=nw, **map_args(expert_map, ids), **bias_args(bias, tw),
     )  # fmt: skip
-    return y, count
+    return add_down_bias(y, topk_ids, topk_w, bias, expert_map), count
 
 
 @triton.jit
@@ -260,7 +272,7 @@ def moe_sparse_split(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", 
     _moe_gemv_kernel[(P, triton.cdiv(F, bn))](
         x, w, ids, tw, hbuf, as_threshold(threshold, x.device), count, H, F, rb, K, x.stride(0),
         FMT=FMT_CODES[fmt], ACT=ACT_CODES[activation], MODE=3, BLOCK_N=bn, BLOCK_H=bh,
-        ACC2D=acc2d, num_warps=nw, **map_args(expert_map, ids),
+        ACC2D=acc2d, num_warps=nw, **map_args(expert_map, ids), **bias_args(None, tw),
     )  # fmt: skip
     _moe_sparse_down_kernel[(T, triton.cdiv(H, dbh), triton.cdiv(K * F, split))](
         hbuf, w, ids, y, H, F, rb, K, FMT=FMT_CODES[fmt], BLOCK_N=dbn, BLOCK_H=dbh,
@@ -280,30 +292,34 @@ SPARSE_LAUNCHERS = {
 
 
 def moe_sparse(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", path="auto", *,
-               expert_map=None):  # fmt: skip
+               expert_map=None, bias=None):  # fmt: skip
     """Sparse routed-expert FFN. Returns (y [T, n_embd] f32, active [T, K] int32 neuron counts;
     0 for pairs whose expert is not on the device).
 
     threshold: float or [1] device tensor on |act(gate)|; 0 keeps every neuron (= moe_dense).
     path: one of SPARSE_LAUNCHERS (kernels.expert_paths; the q8r ones need q8_0r experts with
     n_embd % 64 == 0 and take the dots on Q8-quantized x) or "auto" (the table's choice for
-    T tokens). expert_map: kernels.moe_args.
+    T tokens). expert_map, bias: kernels.moe_args (bias: the "fused" path only).
     """
     T, K = topk_ids.shape
     if path == "auto":
-        path = table_path(fmt, x.shape[1], T, sparse=True)
+        path = table_path(fmt, x.shape[1], T, sparse=True,
+                          generic=bias is not None or activation in GENERIC_ONLY)  # fmt: skip
     if path not in SPARSE_LAUNCHERS:
         raise ValueError(f"path must be 'auto' or one of {sorted(SPARSE_LAUNCHERS)}, got {path!r}")
+    if bias is not None and path != "fused":
+        raise ValueError(f"expert biases run on the generic kernels only (fused), not {path}")
+    extra = {} if bias is None else {"bias": bias}
     y, count = SPARSE_LAUNCHERS[path](x, w, fmt, topk_ids, topk_w, threshold, activation,
-                                      expert_map=expert_map)  # fmt: skip
+                                      expert_map=expert_map, **extra)  # fmt: skip
     return y, count.view(T, K)
 
 
 def moe_sparse_ref(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", q8_x=False,
-                   expert_map=None):  # fmt: skip
+                   expert_map=None, bias=None):  # fmt: skip
     """Torch reference of moe_sparse: (y [T, n_embd] f32, active [T, K] int32). q8_x: the
     gate/up dots take x quantized to Q8 blocks (quantize_x_q8_ref), as the dp4a path does.
-    expert_map: w holds slots (kernels.moe_args)."""
+    expert_map: w holds slots; bias: by global id (kernels.moe_args)."""
     T, H = x.shape
     wf = dequantize_experts(w, fmt, H)
     xf = quantize_x_q8_ref(x).float() if q8_x else x.float()
@@ -315,11 +331,18 @@ def moe_sparse_ref(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", q8
             if slot < 0:
                 continue
             rows = wf[slot]  # [F, 3, H]
-            a = act_ref(rows[:, 0] @ xf[t], activation)
+            e = int(topk_ids[t, k])
+            g, u = rows[:, 0] @ xf[t], rows[:, 1] @ xf[t]
+            if bias is not None:
+                g, u = g + bias[0][e, :, 0], u + bias[0][e, :, 1]
+            a = act_ref(g, activation)
             keep = a.abs() >= threshold
             active[t, k] = int(keep.sum())
-            h = torch.where(keep, a * (rows[:, 1] @ xf[t]), 0.0)
-            y[t] += float(topk_w[t, k]) * (h @ rows[:, 2])
+            h = torch.where(keep, a * up_ref(u, activation), 0.0)
+            out = h @ rows[:, 2]
+            if bias is not None:
+                out = out + bias[1][e]
+            y[t] += float(topk_w[t, k]) * out
     return y, active
 
 

@@ -88,9 +88,10 @@ def router_topk(
 
 
 @triton.jit
-def _norm_router_kernel(x_ptr, d_ptr, nw_ptr, r_ptr, xo_ptr, h_ptr, h32_ptr, logit_ptr, cnt_ptr,
-                        ids_ptr, w_ptr, E, H, alpha, eps, HAS_DELTA: tl.constexpr,
-                        HAS_F32: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+def _norm_router_kernel(x_ptr, d_ptr, nw_ptr, r_ptr, rb_ptr, xo_ptr, h_ptr, h32_ptr, logit_ptr,
+                        cnt_ptr, ids_ptr, w_ptr, E, H, alpha, eps, HAS_DELTA: tl.constexpr,
+                        HAS_F32: tl.constexpr, HAS_BIAS: tl.constexpr, K: tl.constexpr,
+                        KP: tl.constexpr,
                         RENORM: tl.constexpr,
                         BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
                         BLOCK_ALL: tl.constexpr):  # fmt: skip
@@ -109,6 +110,8 @@ def _norm_router_kernel(x_ptr, d_ptr, nw_ptr, r_ptr, xo_ptr, h_ptr, h32_ptr, log
     em = e < E
     wr = tl.load(r_ptr + e[:, None] * H + c[None, :], mask=em[:, None] & cm[None, :], other=0.0)
     logit = tl.sum(wr * h[None, :], axis=1)  # [BLOCK_E] f32
+    if HAS_BIAS:
+        logit += tl.load(rb_ptr + e, mask=em, other=0.0)
     tl.store(logit_ptr + t * E + e, logit, mask=em)
     if last_arrival(cnt_ptr + t, tl.num_programs(0)):
         ea = tl.arange(0, BLOCK_ALL)
@@ -132,12 +135,13 @@ def add_norm_router(
     want_f32: bool = False,
     block_e: int | None = None,
     num_warps: int | None = None,
+    router_bias: torch.Tensor | None = None,
 ) -> tuple[
     torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor
 ]:
     """The FFN sub-block's head for a few tokens (decode), in one launch:
-    x1 = x + alpha * delta; h = rms_norm(x1) * norm_w; logits = h @ router_w^T (fp32);
-    softmax, top-k, optional renormalization (as router_topk).
+    x1 = x + alpha * delta; h = rms_norm(x1) * norm_w; logits = h @ router_w^T (fp32)
+    (+ router_bias [E] f32, gpt-oss); softmax, top-k, optional renormalization (as router_topk).
 
     x [T, H] f32 contiguous (not modified); delta [T, H] or None; norm_w [H] f32; router_w
     [E, H] f32. Returns (x1 [T, H] f32 (a new tensor), h [T, H] out_dtype, h f32 or None,
@@ -156,6 +160,11 @@ def add_norm_router(
         raise ValueError(f"delta must be contiguous {list(x.shape)}, got {list(delta.shape)}")
     if not 0 < k <= E:
         raise ValueError(f"k must be in 1..{E}, got {k}")
+    bias_ok = router_bias is None or (
+        router_bias.shape == (E,) and router_bias.dtype == torch.float32
+    )
+    if not bias_ok:
+        raise ValueError(f"router_bias must be float32 [{E}]")
     dev = x.device
     x1 = torch.empty_like(x)
     h = torch.empty(T, H, device=dev, dtype=out_dtype)
@@ -166,9 +175,11 @@ def add_norm_router(
     block_e = 16 if interpreting() else (block_e or lookup("router_block_e") or ROUTER_BLOCK_E)
     num_warps = 1 if interpreting() else (num_warps or lookup("router_warps") or ROUTER_WARPS)
     _norm_router_kernel[(triton.cdiv(E, block_e), T)](
-        x, x if delta is None else delta, norm_w, router_w, x1, h, h if h32 is None else h32,
+        x, x if delta is None else delta, norm_w, router_w,
+        norm_w if router_bias is None else router_bias, x1, h, h if h32 is None else h32,
         logits, counters(dev, T), ids, w, E, H, alpha, eps, HAS_DELTA=delta is not None,
-        HAS_F32=want_f32, K=k, KP=triton.next_power_of_2(k), RENORM=renormalize,
+        HAS_F32=want_f32, HAS_BIAS=router_bias is not None, K=k, KP=triton.next_power_of_2(k),
+        RENORM=renormalize,
         BLOCK_E=block_e,
         BLOCK_H=triton.next_power_of_2(H), BLOCK_ALL=triton.next_power_of_2(E),
         num_warps=num_warps,
@@ -176,12 +187,15 @@ def add_norm_router(
     return x1, h, h32, ids, w, logits
 
 
-def add_norm_router_ref(x, delta, norm_w, router_w, eps, k, renormalize, out_dtype, alpha=1.0):
+def add_norm_router_ref(x, delta, norm_w, router_w, eps, k, renormalize, out_dtype, alpha=1.0,
+                        router_bias=None):  # fmt: skip
     """Plain torch: (x1, h in out_dtype, h f32, ids, weights, logits) as the unfused CPU
     model."""
     x1 = x if delta is None else x + alpha * delta.float()
     h32 = x1 * torch.rsqrt(x1.pow(2).mean(-1, keepdim=True) + eps) * norm_w
     logits = h32 @ router_w.T
+    if router_bias is not None:
+        logits = logits + router_bias
     ids, w = router_topk_ref(logits, k, renormalize)
     return x1, h32.to(out_dtype), h32, ids, w, logits
 

@@ -34,6 +34,15 @@ def make_case(fmt: str, n_tok: int, x_dtype=torch.float32, seed: int = 0, n_embd
     return x.to(DEVICE), w.to(DEVICE), ids.to(torch.int32).to(DEVICE), tw.to(DEVICE)
 
 
+def make_bias(H: int, seed: int = 0, n_expert: int = N_EXPERT):
+    """gpt-oss-style expert biases (gate_up [n_expert, N_FF, 2], down [n_expert, H]) on DEVICE,
+    large enough that the swiglu_oai clamps bind for a share of the neurons."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    gate_up = torch.randn(n_expert, N_FF, 2, generator=g) * 2
+    down = torch.randn(n_expert, H, generator=g) * 0.1
+    return gate_up.to(DEVICE), down.to(DEVICE)
+
+
 def rtol_for(x_dtype) -> float:
     """Relative tolerance (to max |ref|) of a kernel result vs the fp32 torch reference.
 

@@ -89,10 +89,10 @@ def choose_device(requested: str, f: GGUFFile, cfg: ModelConfig, n_ctx: int,
             f"--device {requested}: no CUDA GPU is available to torch (torch "
             f"{torch.__version__}); use --device cpu or auto"
         )
-    from pyruntime.kernels.expert_formats import ACT_CODES
+    from pyruntime.kernels.expert_formats import activation_issue
 
-    if cfg.activation not in ACT_CODES:
-        why = f"expert activation '{cfg.activation}' has no GPU kernel"
+    why = activation_issue(cfg.activation, (cfg.swiglu_alpha, cfg.swiglu_limit))
+    if why is not None:
         if req == "auto":
             return DeviceChoice("cpu", f"running on the CPU: {why}")
         raise UsageError(f"--device {requested}: {why}; use --device cpu")

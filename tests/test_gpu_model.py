@@ -17,14 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 from eager_graph import use_eager_graphs
-from hf_fixtures import make_tiny_hf_model
+from hf_fixtures import ARCHS, make_tiny_hf_model
 
 from pyruntime.converter import convert
 from pyruntime.cpu.executor import CpuExecutor
 from pyruntime.gguf.file import open_gguf
 from pyruntime.gpu.executor import GpuExecutor
 
-ARCHS = ["olmoe", "qwen2moe", "qwen3moe", "mixtral", "granitemoe"]
 N_PREFILL, N_DECODE = 12, 4  # prefill > 8 tokens: the grouped-GEMM expert path
 LOGPROB_TOL = 1e-3
 # The Triton interpreter (CPU tensors) or compiled Triton on a GPU: one per process.
@@ -96,9 +95,10 @@ def test_q8_0_argmax_agrees_with_cpu_path(tiny_ggufs, device):
 
 def test_sparse_threshold_matches_cpu_path(tiny_ggufs):
     """Per-layer thresholds: the kernels' sparse path vs the CPU reference's, and the achieved
-    sparsity counted the same way. One family (the kernels do not depend on it)."""
-    if tiny_ggufs["arch"] != "olmoe":
-        pytest.skip("sparse path checked on olmoe only (interpreter time)")
+    sparsity counted the same way. Two families: olmoe, and gpt-oss (its thresholds on the
+    biased, clamped gate: the "fused" kernel's bias path)."""
+    if tiny_ggufs["arch"] not in ("olmoe", "gptoss"):
+        pytest.skip("sparse path checked on olmoe and gpt-oss only (interpreter time)")
     cpu, dev = _models(tiny_ggufs["f32"], DEVICE)
     thresholds = [0.05] * cpu.config.n_layer
     cpu.expert_threshold = thresholds

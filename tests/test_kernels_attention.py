@@ -73,3 +73,28 @@ def test_decode_attention_split_counts(n_split, block_s, n):
         ref = decode_attention_ref(q, k, v, n, 0.3)
         assert (out.cpu() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
         assert not counters(DEV).any()
+
+
+@pytest.mark.parametrize("window", [0, 1, 8, 36, 100])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_decode_attention_window_and_sinks(window, with_sinks):
+    """gpt-oss: a sliding window (the last `window` positions; positions before it hold
+    garbage that must not leak) and per-head sink logits in the softmax's denominator."""
+    n_head, n_kv, max_tokens, d, n = 4, 2, 40, 24, 37
+    q, k, v = _case(n_head, n_kv, max_tokens, d, torch.float32, seed=window)
+    if 0 < window < n:
+        k[:, : n - window] = 1e4
+        v[:, : n - window] = float("nan")
+    sinks = None
+    if with_sinks:
+        sinks = torch.randn(n_head, generator=torch.Generator().manual_seed(3)) * 2
+    seq_len = torch.tensor([n], dtype=torch.int32, device=DEV)
+    dev_sinks = None if sinks is None else sinks.to(DEV)
+    out = decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), seq_len, 0.3, n_split=4, block_s=8,
+                           window=window, sinks=dev_sinks).cpu()  # fmt: skip
+    ref = decode_attention_ref(q, k, v, n, 0.3, window, sinks)
+    assert torch.isfinite(out).all()
+    assert (out - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    if with_sinks:  # the sinks took probability mass: not the plain attention
+        plain = decode_attention_ref(q, k, v, n, 0.3, window)
+        assert (plain - ref).abs().max().item() > 1e-3

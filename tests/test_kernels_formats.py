@@ -9,10 +9,14 @@ from gguf.quants import dequantize, quantize
 from pyruntime.kernels.dispatch import prepare_experts
 from pyruntime.kernels.expert_formats import dequantize_rows, quantize_rows, repack_rows, row_bytes
 
-QTYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
+QTYPES = {
+    "q8_0": GGMLQuantizationType.Q8_0,
+    "q4_0": GGMLQuantizationType.Q4_0,
+    "mxfp4": GGMLQuantizationType.MXFP4,
+}
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "mxfp4"])
 def test_quantize_matches_gguf(fmt):
     torch.manual_seed(0)
     w = torch.randn(7, 3, 96) * torch.rand(7, 3, 1) * 3  # rows of different scales

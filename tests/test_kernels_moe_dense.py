@@ -10,11 +10,12 @@ from pyruntime.kernels.testing import (
     N_EXPERT,
     Q8R_N_EMBD,
     assert_close_rel,
+    make_bias,
     make_case,
     rtol_for,
 )
 
-FORMATS = ["f32", "f16", "bf16", "q8_0", "q4_0", "q8_0r", "q4_0r"]
+FORMATS = ["f32", "f16", "bf16", "q8_0", "q4_0", "q8_0r", "q4_0r", "mxfp4"]
 
 
 @pytest.mark.parametrize("path", ["gemv", "gemm"])
@@ -36,8 +37,40 @@ def test_moe_dense_gelu(fmt, path):
     assert_close_rel(y, moe_dense_ref(x, w, fmt, ids, tw, activation="gelu"), 1e-5)
 
 
+@pytest.mark.parametrize("mapped", [False, True])
+@pytest.mark.parametrize("path", ["gemv", "gemm", "auto"])
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "q8_0", "q8_0r", "mxfp4"])
+def test_moe_dense_biased_swiglu_oai(fmt, path, mapped):
+    """gpt-oss's experts: gate/up biases inside the kernels, the down bias after them, the
+    clamped SwiGLU; biases by global expert id, also through an expert map (w a cache of two
+    slots holding experts 4 and 1; the other experts' pairs add nothing, not even a bias)."""
+    x, w, ids, tw = make_case(fmt, 3, seed=11)
+    bias = make_bias(x.shape[1], seed=11)
+    emap = None
+    if mapped:
+        emap = torch.full((w.shape[0],), -1, dtype=torch.int32, device=w.device)
+        emap[4], emap[1] = 0, 1
+        w = w[[4, 1]].contiguous()
+    y = moe_dense(x, w, fmt, ids, tw, "swiglu_oai", path=path, expert_map=emap, bias=bias)
+    ref = moe_dense_ref(x, w, fmt, ids, tw, "swiglu_oai", expert_map=emap, bias=bias)
+    assert_close_rel(y, ref, 1e-5)
+
+
+def test_biases_and_swiglu_oai_need_the_generic_kernels():
+    from pyruntime.kernels.moe_q8r import moe_q8r_pipe
+
+    x, w, ids, tw = make_case("q8_0r", 1, n_embd=Q8R_N_EMBD, seed=2)
+    with pytest.raises(ValueError, match="generic kernels only"):
+        moe_q8r_pipe(x, w, "q8_0r", ids, tw, "swiglu_oai")
+    with pytest.raises(ValueError, match="generic kernels only .gemv, gemm., not q8r_pipe"):
+        moe_dense(x, w, "q8_0r", ids, tw, "silu", path="q8r_pipe", bias=make_bias(Q8R_N_EMBD))
+    bad = (make_bias(Q8R_N_EMBD)[0][:, :7], make_bias(Q8R_N_EMBD)[1])
+    with pytest.raises(ValueError, match="bias gate_up must be contiguous float32"):
+        moe_dense(x, w, "q8_0r", ids, tw, "silu", path="gemv", bias=bad)
+
+
 @pytest.mark.parametrize("acc2d", [False, True])
-@pytest.mark.parametrize("fmt", ["bf16", "q8_0", "q8_0r", "q4_0r"])
+@pytest.mark.parametrize("fmt", ["bf16", "q8_0", "q8_0r", "q4_0r", "mxfp4"])
 def test_moe_dense_small_blocks_decode(fmt, acc2d):
     """Several neuron tiles and H chunks per program (the GPU block sizes, not the big ones),
     with per-chunk reductions or elementwise accumulation (ACC2D)."""

@@ -62,3 +62,22 @@ def test_add_norm_router_without_f32_copy():
                                         torch.randn(4, 32, device=DEV), 1e-6, 2, True,
                                         torch.float32)  # fmt: skip
     assert h32 is None and h.dtype == torch.float32 and ids.shape == (1, 2)
+
+
+def test_add_norm_router_with_a_router_bias():
+    """gpt-oss's router bias joins the logits before the softmax and top-k."""
+    g = torch.Generator().manual_seed(9)
+    T, H, E, k = 2, 40, 9, 3
+    x = torch.randn(T, H, generator=g)
+    norm_w = torch.rand(H, generator=g) + 0.5
+    router_w = torch.randn(E, H, generator=g) * H**-0.5
+    bias = torch.randn(E, generator=g) * 2
+    out = add_norm_router(x.to(DEV), None, norm_w.to(DEV), router_w.to(DEV), 1e-6, k, True,
+                          torch.float32, router_bias=bias.to(DEV))  # fmt: skip
+    ids, w, logits = (t.cpu() for t in out[3:])
+    _, _, _, rids, rw, rlogits = add_norm_router_ref(x, None, norm_w, router_w, 1e-6, k, True,
+                                                     torch.float32, router_bias=bias)  # fmt: skip
+    assert torch.allclose(logits, rlogits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ids, rids) and torch.allclose(w, rw, rtol=1e-5, atol=1e-7)
+    unbiased = add_norm_router_ref(x, None, norm_w, router_w, 1e-6, k, True, torch.float32)[3]
+    assert not torch.equal(unbiased, rids)  # the bias changed the choice

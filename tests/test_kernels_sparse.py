@@ -23,12 +23,13 @@ from pyruntime.kernels.testing import (
     Q8R_N_EMBD,
     assert_close_rel,
     gap_threshold,
+    make_bias,
     make_case,
     rtol_for,
     spy_tokens,
 )
 
-FORMATS = ["f16", "bf16", "q8_0", "q4_0", "q8_0r", "q4_0r"]
+FORMATS = ["f16", "bf16", "q8_0", "q4_0", "q8_0r", "q4_0r", "mxfp4"]
 
 
 def gate_away_from(threshold: float, shape, activation: str, margin: float = 1e-3, seed=0):
@@ -243,4 +244,26 @@ def test_moe_sparse_takes_the_sparse2_kernel_at_one_token(n_tok, monkeypatch):
     assert calls == ([1] if n_tok == 1 else [])
     ref, ref_active = moe_sparse_ref(x, w, "q8_0r", ids, tw, thr, q8_x=True)
     assert torch.equal(active.view(ref_active.shape), ref_active)
+    assert_close_rel(y, ref, 1e-5)
+
+
+@pytest.mark.parametrize("n_tok", [1, 17])
+@pytest.mark.parametrize("fmt", ["bf16", "q8_0r", "mxfp4"])
+def test_moe_sparse_biased_swiglu_oai(fmt, n_tok):
+    """gpt-oss's experts on the "fused" sparse path ("auto" takes it for biased layers): the
+    threshold applies to |act(gate + gate bias)|; kept neurons and y as the reference."""
+    x, w, ids, tw = make_case(fmt, n_tok, seed=13)
+    bias = make_bias(x.shape[1], seed=13)
+    H = x.shape[1]
+    from pyruntime.kernels.moe_dense import dequantize_experts
+
+    wf = dequantize_experts(w, fmt, H)
+    gates = torch.einsum("tkfh,th->tkf", wf[ids.long(), :, 0], x.float())
+    gates = gates + bias[0][ids.long(), :, 0]
+    threshold = gap_threshold(gates, "swiglu_oai", 0.6)
+    assert table_path(fmt, H, n_tok, sparse=True, generic=True) == "fused"
+    y, count = moe_sparse(x, w, fmt, ids, tw, threshold, "swiglu_oai", bias=bias)
+    ref, ref_count = moe_sparse_ref(x, w, fmt, ids, tw, threshold, "swiglu_oai", bias=bias)
+    assert torch.equal(count.cpu(), ref_count.cpu())
+    assert 0 < int(ref_count.sum()) < ids.numel() * wf.shape[1]
     assert_close_rel(y, ref, 1e-5)

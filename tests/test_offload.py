@@ -58,6 +58,12 @@ def qwen2moe(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def gptoss(tmp_path_factory):
+    """Expert biases by global id, the clamped SwiGLU, sinks and a sliding window."""
+    return tiny(tmp_path_factory, "gptoss")
+
+
+@pytest.fixture(scope="module")
 def core(cc):
     with CpuCore(2) as c:
         yield c
@@ -138,6 +144,18 @@ def test_shared_expert_and_dense_layers(qwen2moe, core, whole, slots):
     ids, want = whole["qwen2moe"]
     assert max_err(logprobs(net, ids), want) <= LOGPROB_TOL
     assert net.moe_layers() == [0]
+
+
+@pytest.mark.parametrize("misses", ["cpu", "stage", "auto"])
+@pytest.mark.parametrize("slots", [0, 3, "all"])
+def test_gpt_oss_expert_biases_on_both_sides(gptoss, core, slots, misses):
+    """gpt-oss: the experts' biases (by global id) and clamped SwiGLU on the GPU's slots and on
+    the CPU's share alike: the whole model's log-probs at every budget and placement."""
+    _, cfg, host = model = gptoss
+    ids = ids_of(cfg, N_PROMPT + N_DECODE)
+    want = logprobs(GpuExecutor(cfg, host, DEVICE), ids)
+    slots = n_routed(cfg, host) if slots == "all" else slots
+    assert max_err(logprobs(hybrid(model, core, slots, misses), ids), want) <= LOGPROB_TOL
 
 
 @pytest.mark.parametrize("misses", ["cpu", "stage", "auto"])

@@ -36,7 +36,7 @@ from pyruntime.gpu.cache_state import STATE_KEY, CapturedStep, GpuCacheState
 from pyruntime.gpu.layers import DecoderLayers, Routed, Span
 from pyruntime.gpu.weights import DeviceBlock, Linear, dense_dtype_for, upload_weights
 from pyruntime.kernels import tuning
-from pyruntime.kernels.expert_formats import ACT_CODES
+from pyruntime.kernels.expert_formats import activation_issue
 from pyruntime.kernels.expert_paths import SPARSE_PATHS, expert_path
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.executor import RoutingTrace
@@ -69,11 +69,9 @@ class GpuExecutor:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        if cfg.activation not in ACT_CODES:
-            raise UsageError(
-                f"expert activation '{cfg.activation}' has no GPU kernel (GPU: "
-                f"{', '.join(ACT_CODES)}); use --device cpu"
-            )
+        issue = activation_issue(cfg.activation, (cfg.swiglu_alpha, cfg.swiglu_limit))
+        if issue is not None:
+            raise UsageError(f"{issue}; use --device cpu")
         try:  # a bad tuning file: one line now, not a traceback mid-decode
             tuning.set_overrides(None if kernel_tuning is None else tuning.load(kernel_tuning))
         except ValueError as exc:

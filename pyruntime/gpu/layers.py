@@ -40,7 +40,7 @@ from pyruntime.kernels.expert_paths import SparseSwitch
 from pyruntime.kernels.router import add_norm_router, router_topk
 from pyruntime.kernels.switch import sparse_switch
 from pyruntime.model.config import ModelConfig
-from pyruntime.model.reference import activation_fn
+from pyruntime.model.reference import activation_fn, attention_mask, sink_attention
 
 # Up to this many tokens (decode) the residual add + FFN RMSNorm + router + top-k run in one
 # launch (kernels.router.add_norm_router): per layer 5.3 us against 7.7 us for the separate
@@ -194,15 +194,16 @@ class DecoderLayers:
             )  # fmt: skip
         with self.part("attention"):
             if span.seq_len is not None:  # one token: split-K kernel, length on the device
-                a = decode_attention(q[:, 0], kv[0], kv[1], span.seq_len, self.scale)
+                a = decode_attention(q[:, 0], kv[0], kv[1], span.seq_len, self.scale,
+                                     window=blk.window, sinks=blk.sinks)  # fmt: skip
                 a = a.reshape(1, -1)
             else:
                 end = span.start + span.n
-                a = self._prefill_attention(q, kv[0, :, :end], kv[1, :, :end], span.start)
+                a = self._prefill_attention(q, kv[0, :, :end], kv[1, :, :end], span.start, blk)
         with self.part("o_proj"):
             return x, blk.wo(a)
 
-    def _prefill_attention(self, q, keys, values, start: int) -> torch.Tensor:
+    def _prefill_attention(self, q, keys, values, start: int, blk: DeviceBlock) -> torch.Tensor:
         """q [n_head, n, D]; keys, values [n_head_kv, start + n, D] -> [n, n_head * D]."""
         cfg = self.config
         n, end = q.shape[1], keys.shape[1]
@@ -210,10 +211,13 @@ class DecoderLayers:
         if group > 1:
             keys = keys.repeat_interleave(group, dim=0)
             values = values.repeat_interleave(group, dim=0)
-        # Causal over absolute positions: query at start+a sees keys 0..start+a.
-        q_pos = torch.arange(start, end, device=q.device)[:, None]
-        mask = torch.arange(end, device=q.device)[None, :] <= q_pos  # [n, end]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+        # Causal over absolute positions (query at start+a sees keys 0..start+a), windowed
+        mask = attention_mask(start, end, blk.window, q.device)  # [n, end]
+        if blk.sinks is None:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+        else:
+            out = sink_attention(q.float(), keys.float(), values.float(), mask, self.scale,
+                                 blk.sinks).to(q.dtype)  # fmt: skip
         return out.transpose(0, 1).reshape(n, cfg.n_head * cfg.head_dim)
 
     # -- FFN sub-block ------------------------------------------------------------------------
@@ -228,12 +232,14 @@ class DecoderLayers:
                 want_f32 = blk.shared_gate is not None and self.dtype != torch.float32
                 x, h, h32, ids, w, logits = add_norm_router(
                     x, delta, blk.ffn_norm, blk.router, eps, k, cfg.expert_weights_norm,
-                    self.dtype, alpha, want_f32,
+                    self.dtype, alpha, want_f32, router_bias=blk.router_bias,
                 )  # fmt: skip
             return Routed(x, h, h if h32 is None else h32, ids, w, logits)
         x, h, h32 = self.ffn_norm(i, x, delta, want_f32=True)
         with self.part("router"):
             logits = h32 @ blk.router.T  # [n, n_expert] f32
+            if blk.router_bias is not None:
+                logits = logits + blk.router_bias
             ids, w = router_topk(logits, k, cfg.expert_weights_norm)
         return Routed(x, h, h32, ids, w, logits)
 
@@ -250,6 +256,7 @@ class DecoderLayers:
             return moe_experts(
                 r.h, blk.experts if slots is None else slots, blk.experts_fmt, r.ids, r.weights,
                 self.config.activation, threshold, self.sparse_switch[i], expert_map,
+                blk.expert_bias,
             )  # fmt: skip
 
     def ffn_output(self, i: int, r: Routed, y: torch.Tensor) -> torch.Tensor:

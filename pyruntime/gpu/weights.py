@@ -88,7 +88,7 @@ class DeviceBlock:
     wqkv: Linear  # [(n_head + 2 n_head_kv) * head_dim, n_embd]: q, k, v rows (and biases)
     q_norm: torch.Tensor | None  # olmoe [n_head * head_dim]; qwen3moe [head_dim]
     k_norm: torch.Tensor | None
-    wo: Linear  # [n_embd, n_head * head_dim]
+    wo: Linear  # [n_embd, n_head * head_dim] (and its bias: gpt-oss)
     ffn_norm: torch.Tensor  # [n_embd] f32
     router: torch.Tensor | None  # [n_expert, n_embd] f32; None for a dense FFN layer
     experts: torch.Tensor | None  # expert tensor as the kernels take it (kernels.expert_formats)
@@ -96,6 +96,11 @@ class DeviceBlock:
     shared: GatedFFN | None
     shared_gate: torch.Tensor | None  # [n_embd] f32
     dense_ffn: GatedFFN | None
+    # gpt-oss (None / 0 for the other families)
+    sinks: torch.Tensor | None = None  # [n_head] f32 sink logits
+    window: int = 0  # sliding-window attention: keys a query sees (0: all)
+    router_bias: torch.Tensor | None = None  # [n_expert] f32
+    expert_bias: tuple[torch.Tensor, torch.Tensor] | None = None  # kernels.moe_args: by id
 
 
 @dataclass
@@ -154,11 +159,12 @@ def _ffn(w: FFNWeights | None, device: torch.device, dtype: torch.dtype) -> Gate
 
 
 def upload_block(
-    blk: BlockWeights, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+    blk: BlockWeights, index: int, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
     routed_experts: bool = True,
 ) -> DeviceBlock:  # fmt: skip
-    """routed_experts=False: a MoE block's `experts` stays None (a hybrid executor keeps them
-    in slots of its own) and `experts_fmt` names the format its slots hold."""
+    """Block `index` of the model on the device. routed_experts=False: a MoE block's `experts`
+    stays None (a hybrid executor keeps them in slots of its own) and `experts_fmt` names the
+    format its slots hold."""
 
     def f32(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(device=device, dtype=torch.float32)
@@ -170,6 +176,12 @@ def upload_block(
         biases = [b if b is not None else torch.zeros(r * cfg.head_dim)
                   for b, r in zip(biases, rows, strict=True)]  # fmt: skip
         wqkv.bias = torch.cat(biases).to(device=device, dtype=dtype)
+    wo = upload_linear(blk.wo, device, dtype)
+    if blk.bo is not None:
+        wo.bias = blk.bo.to(device=device, dtype=dtype)
+    expert_bias = None
+    if blk.experts is not None and blk.experts.bias is not None:
+        expert_bias = tuple(f32(t).contiguous() for t in blk.experts.bias_pair)
     if blk.experts is None:
         experts, fmt = None, ""
     elif routed_experts:
@@ -181,7 +193,7 @@ def upload_block(
         wqkv=wqkv,
         q_norm=f32(blk.q_norm),
         k_norm=f32(blk.k_norm),
-        wo=upload_linear(blk.wo, device, dtype),
+        wo=wo,
         ffn_norm=f32(blk.ffn_norm),
         router=None if blk.router is None else upload_dense(blk.router, device, torch.float32),
         experts=experts,
@@ -189,6 +201,10 @@ def upload_block(
         shared=_ffn(blk.shared, device, dtype),
         shared_gate=f32(blk.shared_gate),
         dense_ffn=_ffn(blk.dense_ffn, device, dtype),
+        sinks=f32(blk.sinks),
+        window=cfg.layer_window(index),
+        router_bias=f32(blk.router_bias),
+        expert_bias=expert_bias,
     )
 
 
@@ -212,7 +228,10 @@ def upload_weights(
         token_embd=token_embd,
         output_norm=host.output_norm.to(device=device, dtype=torch.float32),
         output=output,
-        blocks=[upload_block(b, cfg, device, dtype, routed_experts) for b in host.blocks],
+        blocks=[
+            upload_block(b, i, cfg, device, dtype, routed_experts)
+            for i, b in enumerate(host.blocks)
+        ],  # fmt: skip
     )
 
 

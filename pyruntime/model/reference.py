@@ -181,11 +181,13 @@ def check_k(k: int | None, cfg: ModelConfig) -> int:
     return int(k)
 
 
-def attention_mask(start: int, end: int, window: int = 0) -> torch.Tensor:
+def attention_mask(
+    start: int, end: int, window: int = 0, device: torch.device | None = None
+) -> torch.Tensor:
     """[end - start, end] bool: the query at absolute position start + a sees key p when
     p <= start + a (causal) and, with a window, start + a - p < window."""
-    q_pos = torch.arange(start, end)[:, None]
-    k_pos = torch.arange(end)[None, :]
+    q_pos = torch.arange(start, end, device=device)[:, None]
+    k_pos = torch.arange(end, device=device)[None, :]
     mask = k_pos <= q_pos
     if window:
         mask &= q_pos - k_pos < window

@@ -37,7 +37,7 @@ from pyruntime.gpu.cache_state import GpuCacheState
 from pyruntime.gpu.layers import DecoderLayers, Routed, Span
 from pyruntime.gpu.weights import dense_dtype_for, upload_weights
 from pyruntime.kernels import tuning
-from pyruntime.kernels.expert_formats import ACT_CODES
+from pyruntime.kernels.expert_formats import activation_issue
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.executor import RoutingTrace
 from pyruntime.model.kv_cache import KVCache
@@ -95,9 +95,9 @@ class HybridExecutor:
         self._moe = [i for i, b in enumerate(weights.blocks) if b.experts is not None]
         if not self._moe:
             raise UsageError("the hybrid executor needs a model with routed experts")
-        if cfg.activation not in ACT_CODES:
-            raise UsageError(f"expert activation '{cfg.activation}' has no GPU kernel (GPU: "
-                             f"{', '.join(ACT_CODES)}); use --device cpu")  # fmt: skip
+        issue = activation_issue(cfg.activation, (cfg.swiglu_alpha, cfg.swiglu_limit))
+        if issue is not None:
+            raise UsageError(f"{issue}; use --device cpu")
         stores = [weights.blocks[i].experts for i in self._moe]
         first = stores[0]
         if any((s.qtype, s.n_ff, s.n_embd) != (first.qtype, first.n_ff, first.n_embd)
