@@ -31,6 +31,10 @@ OUTTYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
 }
 EXPERT_TYPES = {"mxfp4": Q.MXFP4}  # outtypes whose routed experts differ from W
 
+# Elements quantized at once: gguf-py's MXFP4 quantizer holds 16 candidates per element (64
+# bytes), so one gpt-oss-20b expert (25M elements) at once would take 1.6 GB.
+QUANTIZE_ELEMENTS = 1 << 20
+
 # weight: type W; experts (the routed experts): W, or EXPERT_TYPES[outtype]; embd: W, but Q8_0
 # when W is Q4_0 (token_embd/output, as llama.cpp); f32: norms, biases, routers, sinks,
 # shared-expert gate.
@@ -80,8 +84,11 @@ class StreamedTensor:
         for chunk in self.out.chunks():
             if chunk.shape[-1] != row_len:
                 raise AssertionError(f"{self.out.name}: chunk rows {chunk.shape} != {row_len}")
-            data = quantize(np.ascontiguousarray(chunk, dtype=np.float32), self.qtype)
-            data.tofile(fout)
-            written += data.nbytes
+            rows = np.ascontiguousarray(chunk, dtype=np.float32).reshape(-1, row_len)
+            step = max(1, QUANTIZE_ELEMENTS // row_len)
+            for r0 in range(0, rows.shape[0], step):  # whole rows at a time: the same bytes
+                data = quantize(rows[r0 : r0 + step], self.qtype)
+                data.tofile(fout)
+                written += data.nbytes
         if written != self.nbytes:  # a recipe bug, not a user error
             raise AssertionError(f"{self.out.name}: wrote {written} bytes, expected {self.nbytes}")
