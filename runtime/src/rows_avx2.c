@@ -9,13 +9,6 @@
 
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
-AVX2 static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* 8 weights of each float format, widened to f32. */
 AVX2 static inline __m256 load8_f32(const void *p, int i) {
     return _mm256_loadu_ps((const float *)p + i);
@@ -73,15 +66,6 @@ AVX2 static inline __m256i unpack_q4_0(const uint8_t *qs) {
     const __m128i lo = _mm_and_si128(raw, m4);
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
     return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
-}
-
-/* 8 int32 lanes summing to sum_i w[i] * x[i] over 32 int8 pairs.
- * maddubs needs an unsigned operand: |w| (|-128| = 128 reads as unsigned 128) times x with w's
- * sign (x is in [-127, 127], so negating it cannot overflow). Pairs sum to <= 2*128*127 < 2^15. */
-AVX2 static inline __m256i dot32_i8(__m256i w, __m256i x) {
-    const __m256i aw = _mm256_sign_epi8(w, w);
-    const __m256i sx = _mm256_sign_epi8(x, w);
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1));
 }
 
 /* ---- quantized dots --------------------------------------------------------------------------

@@ -108,13 +108,6 @@ AVX512 static inline __m512i pair_index(int p) {
                             _mm512_set1_epi32(2 * p));
 }
 
-AVX512 static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* One trailing block with 256-bit registers (odd block counts); w is the block's int8 weights. */
 AVX512 static inline float dot_one_block(__m256i w, const pyrt_xq8 *xq, float dw) {
     const __m256i x = _mm256_loadu_si256((const __m256i *)xq->q);

@@ -51,14 +51,9 @@ const pyrt_row_ops *pyrt_row_ops_mxfp4_scalar(void) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#include "rows_x86.h"
 
-AVX2 static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
 
 /* The 32 int8 weights of a block (elements 0..15: low nibbles, 16..31: high), looked up in the
  * doubled e2m1 table with one pshufb per half. */
@@ -69,13 +64,6 @@ AVX2 static inline __m256i unpack_mxfp4(const uint8_t *qs) {
     const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(raw, m4));
     const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
     return _mm256_set_m128i(hi, lo);
-}
-
-/* 8 int32 lanes summing to w . x over 32 int8 pairs (|w| <= 12: no maddubs saturation). */
-AVX2 static inline __m256i dot32_i8(__m256i w, __m256i x) {
-    const __m256i aw = _mm256_sign_epi8(w, w);
-    const __m256i sx = _mm256_sign_epi8(x, w);
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1));
 }
 
 #define BLOCK_FMA(acc, s, wq, x)                                                                  \
