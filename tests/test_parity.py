@@ -4,9 +4,12 @@ For every architecture, on tiny random configs and on the trained checkpoints in
 - f32 GGUF: max |Δ log-prob| <= 1e-3 over a 64-token prompt (all positions, all vocab), both for a
   single prefill and for prefill + token-by-token decode through the KV cache;
 - q8_0 GGUF: argmax agreement >= 98% with f32, perplexity within 1% of f32;
-- mxfp4 GGUF (routed experts MXFP4, the rest Q8_0): perplexity within 2% of f32 (a 4-bit format;
-  argmax agreement is not asserted: the tiny random gpt-oss's top logits are near-tied, so 4-bit
-  experts flip ~1 argmax in 5 while moving its perplexity by ~0.02%).
+- mxfp4 GGUF (routed experts MXFP4, the rest Q8_0): mean KL(f32 || mxfp4) per token <= 0.06 nats.
+  A 4-bit format moves a 64-token perplexity by several percent either way on the trained tiny
+  models (over 1,024 tokens: -2.9% to +1.1%; Q4_0 +0.6% to +3.3%), so perplexity there measures
+  noise; the KL does not. Measured at 64 tokens: 0.030-0.041 on the three trained checkpoints
+  (Q4_0 everywhere: 0.042-0.047); a decoder that swaps two of the e2m1 codes gives 0.099-0.109.
+  Argmax agreement is not asserted: the tiny random gpt-oss's top logits are near-tied.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pyruntime.gguf.file import open_gguf
 
 N_TOKENS = 64
 LOGPROB_TOL = 1e-3  # issue #2: f32 GGUF vs transformers float32
+MXFP4_KL_TOL = 0.06  # nats per token; fitted in the module docstring
 
 
 def hf_logprobs(hf_dir: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -59,6 +63,11 @@ def ppl(logprobs: torch.Tensor, ids: torch.Tensor) -> float:
     return float(torch.exp(nll))
 
 
+def mean_kl(ref: torch.Tensor, other: torch.Tensor) -> float:
+    """Mean over positions of KL(ref || other), both log-probs [T, V]; nats."""
+    return float((ref.exp() * (ref - other)).sum(-1).mean())
+
+
 def prompt_ids(n_vocab: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, n_vocab, (N_TOKENS,), generator=g)
@@ -93,7 +102,8 @@ def _check_pair(hf_dir: Path, ids: torch.Tensor, tmp: Path, backend: str) -> Non
     assert abs(ppl(lq, ids) / ppl(lp, ids) - 1) <= 0.01
 
     mx = load_runtime(convert(hf_dir, tmp / "m-mxfp4.gguf", "mxfp4", progress=False), backend)
-    assert abs(ppl(runtime_logprobs(mx, ids), ids) / ppl(lp, ids) - 1) <= 0.02
+    kl = mean_kl(lp, runtime_logprobs(mx, ids))
+    assert kl <= MXFP4_KL_TOL, f"mxfp4 mean KL from f32 {kl:.4f} nats"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
