@@ -5,7 +5,11 @@ runs, minus the CUDA graph); on a GPU machine the same tests also run on device=
 decode step captured in a CUDA graph. Tolerances are the foundation's (tests/test_parity.py):
 - f32 GGUF: max |d log-prob| <= 1e-3 against the CPU path, for a prefill and for prefill +
   token-by-token decode through the KV cache (decode: the split-K attention kernel);
-- q8_0 GGUF (dense weights in bf16 on the device): argmax agreement >= 98% with the CPU path.
+- q8_0 GGUF (dense weights in bf16 on the device): argmax agreement >= 98% with the CPU path at
+  the positions where the CPU path's top token leads the runner-up by >= 0.05 nats. bf16 moves a
+  log-prob by <= 0.009 here (interpreter, every family), so a flip where the lead is under ~0.02
+  measures a tie, not the kernels: the tiny random gpt-oss leads by under 0.05 nats at 52 of 64
+  positions (median 0.022; on an H100 more than one of them flipped), the other families at 0-5.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pyruntime.gpu.executor import GpuExecutor
 
 N_PREFILL, N_DECODE = 12, 4  # prefill > 8 tokens: the grouped-GEMM expert path
 LOGPROB_TOL = 1e-3
+ARGMAX_MARGIN = 0.05  # nats: a lead bf16 cannot overturn (module docstring)
 # The Triton interpreter (CPU tensors) or compiled Triton on a GPU: one per process.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICES = ["cpu"] if INTERPRET else (["cuda"] if torch.cuda.is_available() else [])
@@ -89,8 +94,11 @@ def test_q8_0_argmax_agrees_with_cpu_path(tiny_ggufs, device):
     ids = _ids(cpu.config.n_vocab, 64, seed=1)
     ref = _logprobs(cpu, ids, 64 - N_DECODE)
     got = _logprobs(dev, ids, 64 - N_DECODE)
-    agree = (got.argmax(-1) == ref.argmax(-1)).double().mean().item()
-    assert agree >= 0.98, f"argmax agreement {agree:.3f}"
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) >= ARGMAX_MARGIN  # [64] positions that are no tie
+    assert clear.sum() >= 10, "too few positions with a clear top token to judge agreement"
+    agree = (got.argmax(-1) == ref.argmax(-1))[clear].double().mean().item()
+    assert agree >= 0.98, f"argmax agreement {agree:.3f} over {int(clear.sum())} clear positions"
 
 
 def test_sparse_threshold_matches_cpu_path(tiny_ggufs):
