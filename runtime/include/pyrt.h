@@ -103,6 +103,9 @@ const char *pyrt_last_error(void);
 
 /* Physical cores usable by this process (affinity mask, SMT siblings counted once); >= 1. */
 int pyrt_physical_cores(void);
+/* Logical CPUs usable by this process (its affinity mask); >= 1. More threads than these
+ * can never all run at once. */
+int pyrt_logical_cpus(void);
 
 /* Best SIMD level this CPU supports, and the level in use (process-wide). */
 int pyrt_simd_best(void);
@@ -185,36 +188,42 @@ typedef struct {
 int pyrt_linear(pyrt_pool *pool, const pyrt_matrix *w, const float *x, int n_tokens,
                 const float *bias, float *y);
 
-/* One transformer block's weights (docs/gguf-layout.md names in brackets). Optional pointers are
- * NULL / matrices with data == NULL when the model has no such tensor. All f32 vectors are
- * contiguous float32. */
+/* A float32 vector read in place, with its length: the decoder checks every length against the
+ * model's shape at creation and never reads past n. data == NULL (n 0) means "absent" where that
+ * is allowed. */
 typedef struct {
-    const float *attn_norm;         /* [n_embd] attn_norm */
+    const float *data;
+    int64_t n;                      /* elements data holds */
+} pyrt_vector;
+
+/* One transformer block's weights (docs/gguf-layout.md names in brackets). Optional tensors are
+ * vectors / matrices with data == NULL when the model has no such tensor. */
+typedef struct {
+    pyrt_vector attn_norm;          /* [n_embd] attn_norm */
     pyrt_matrix wq, wk, wv;         /* [n_head*head_dim | n_head_kv*head_dim, n_embd] attn_q/k/v */
     pyrt_matrix wo;                 /* [n_embd, n_head*head_dim] attn_output */
-    const float *bq, *bk, *bv;      /* q/k/v biases (qwen2moe) or NULL */
-    const float *q_norm, *k_norm;   /* NULL; [n_head*head_dim] / [n_head_kv*head_dim] (olmoe,
-                                       over all heads); or [head_dim] (qwen3moe, per head) */
-    int q_norm_len, k_norm_len;     /* elements of q_norm / k_norm (0 when NULL) */
-    const float *ffn_norm;          /* [n_embd] ffn_norm */
+    pyrt_vector bq, bk, bv;         /* q/k/v biases [n_out of wq/wk/wv] (qwen2moe), or absent */
+    pyrt_vector q_norm, k_norm;     /* absent; [n_head*head_dim] / [n_head_kv*head_dim] (olmoe,
+                                       over all heads); or [head_dim] each (qwen3moe, per head) */
+    pyrt_vector ffn_norm;           /* [n_embd] ffn_norm */
     pyrt_matrix router;             /* [n_expert, n_embd] ffn_gate_inp; data NULL: dense layer */
     const void *gud;                /* [n_expert, n_ff_exp, 3, n_embd] ffn_gud_exps */
     size_t gud_bytes;
     int gud_fmt;
     pyrt_matrix sh_gate, sh_up;     /* [n_ff_shexp, n_embd] shared expert, or data NULL */
     pyrt_matrix sh_down;            /* [n_embd, n_ff_shexp] */
-    const float *sh_gate_inp;       /* [n_embd]: shared output *= sigmoid(x . it), or NULL */
+    pyrt_vector sh_gate_inp;        /* [n_embd]: shared output *= sigmoid(x . it), or absent */
     pyrt_matrix ffn_gate, ffn_up;   /* dense FFN layer (router.data == NULL): [n_ff, n_embd] */
     pyrt_matrix ffn_down;           /* [n_embd, n_ff] */
-    /* gpt-oss (NULL / 0 for the other families) */
-    const float *bo;                /* [n_embd] attn_output bias, or NULL */
-    const float *sinks;             /* [n_head] attn_sinks: a logit per head that joins the
-                                       softmax's denominator (attends to nothing), or NULL */
+    /* gpt-oss (absent / 0 for the other families) */
+    pyrt_vector bo;                 /* [n_embd] attn_output bias, or absent */
+    pyrt_vector sinks;              /* [n_head] attn_sinks: a logit per head that joins the
+                                       softmax's denominator (attends to nothing), or absent */
     int window;                     /* > 0: a query attends to its last `window` positions, itself
                                        included (sliding-window attention); 0: to all */
-    const float *router_bias;       /* [n_expert] ffn_gate_inp bias, or NULL */
-    const float *exp_bias_gu;       /* [n_expert, n_ff_exp, 2] ffn_gu_exps, or NULL */
-    const float *exp_bias_down;     /* [n_expert, n_embd] ffn_down_exps (with exp_bias_gu) */
+    pyrt_vector router_bias;        /* [n_expert] ffn_gate_inp bias, or absent */
+    pyrt_vector exp_bias_gu;        /* [n_expert * n_ff_exp * 2] ffn_gu_exps, or absent */
+    pyrt_vector exp_bias_down;      /* [n_expert * n_embd] ffn_down_exps (with exp_bias_gu) */
 } pyrt_block_weights;
 
 /* The whole model. Borrowed: every pointer must stay valid for the decoder's life. */
@@ -226,49 +235,70 @@ typedef struct {
     float rms_eps;
     float embedding_scale, residual_scale, attention_scale, logit_scale;
     float clamp_kqv;                /* > 0: q, k, v clamped to [-clamp_kqv, clamp_kqv]; 0: none */
-    const float *rope_inv_freq;     /* [rope_dim / 2]: theta^(-2i/rope_dim), HF rotate_half (or
+    pyrt_vector rope_inv_freq;      /* [rope_dim / 2]: theta^(-2i/rope_dim), HF rotate_half (or
                                        YaRN's blend of it) */
     float rope_scale;               /* cos and sin are multiplied by it (YaRN's attention factor);
                                        0: 1 */
     float swiglu_alpha, swiglu_limit; /* PYRT_ACT_SWIGLU_OAI's (limit > 0 with it) */
     pyrt_matrix token_embd;         /* [n_vocab, n_embd] */
     pyrt_matrix output;             /* [n_vocab, n_embd] (token_embd when tied) */
-    const float *output_norm;       /* [n_embd] */
-    const pyrt_block_weights *blocks; /* [n_layer] */
+    pyrt_vector output_norm;        /* [n_embd] */
+    const pyrt_block_weights *blocks; /* [n_blocks] */
+    int n_blocks;                   /* entries of blocks: n_layer */
 } pyrt_model_weights;
 
 typedef struct pyrt_decoder pyrt_decoder;
 
-/* Checks every shape and format once and allocates the step's scratch (for up to n_expert
- * experts per token); the weights are borrowed. */
+/* Checks every shape, length and format once and allocates the step's scratch (for up to
+ * n_expert experts per token); the weights are borrowed. */
 int pyrt_decoder_create(const pyrt_model_weights *w, pyrt_decoder **out);
 void pyrt_decoder_free(pyrt_decoder *dec);
 
-/* What one decode step takes and gives. Zero-initialize, then set the inputs; NULL pointers and
- * 0 are the defaults. */
+/* The KV cache a step or a prefill reads and writes: per layer, the keys and the values of every
+ * position, [n_head_kv, cap, head_dim] f32 each. Positions < the call's pos hold earlier tokens;
+ * the call writes its own. */
 typedef struct {
-    /* in */
-    int token;                   /* [0, n_vocab) */
-    int pos;                     /* its position, [0, cache_cap) */
-    float *const *k_cache;       /* [n_layer]: layer i's keys [n_head_kv, cache_cap, head_dim] f32;
-                                    positions < pos hold earlier tokens, the step writes pos */
-    float *const *v_cache;       /* [n_layer]: values, the same layout */
-    int cache_cap;
-    const float *thresholds;     /* [n_layer] routed-expert sparsity thresholds (0 = dense), or
-                                    NULL: all dense */
+    float *const *k;             /* [n_layer]: layer i's keys */
+    float *const *v;             /* [n_layer]: layer i's values */
+    int n_layer;                 /* entries of k and v: the model's n_layer */
+    int cap;                     /* positions each layer is laid out for */
+    int64_t layer_floats;        /* floats each k[i] and v[i] holds: >= n_head_kv * cap * head_dim */
+} pyrt_kv_cache;
+
+/* How a call's routed experts run. Zero-initialized: dense, the model's k, every expert here. */
+typedef struct {
+    const float *thresholds;     /* [n_thresholds] per-layer sparsity thresholds (0 = dense): a
+                                    neuron whose |act(gate . x)| is under it is skipped; or NULL:
+                                    all dense */
+    int n_thresholds;            /* the model's n_layer when thresholds is set */
     int k;                       /* experts per token, [1, n_expert]; 0: the model's n_expert_used.
                                     The k chosen are renormalized as the model says
                                     (expert_weights_norm), whatever k is */
-    const int32_t *const *expert_maps; /* NULL, or [n_layer] maps [n_expert] as in pyrt_experts
+    const int32_t *const *maps;  /* NULL, or [n_maps] maps of map_len entries as in pyrt_experts
                                     over the layer's own experts (slots = ids): -1 = computed
                                     elsewhere, skipped here; a NULL entry: all computed here */
+    int n_maps;                  /* the model's n_layer when maps is set */
+    int map_len;                 /* entries of every map: the model's n_expert */
+} pyrt_expert_args;
+
+/* What one decode step takes and gives. Zero-initialize, then set the inputs; NULL pointers and
+ * 0 are the defaults. Every pointer comes with the length of what it points at. */
+typedef struct {
+    /* in */
+    int token;                   /* [0, n_vocab) */
+    int pos;                     /* its position, [0, cache.cap) */
+    pyrt_kv_cache cache;
+    pyrt_expert_args experts;
     /* out (pointers NULL: not wanted, no work done for them) */
-    float *logits;               /* [n_vocab] the next token's logits (required for a step) */
+    float *logits;               /* [n_vocab] the next token's logits (required) */
+    int64_t logits_len;          /* floats logits holds: >= n_vocab */
     int32_t *route_ids;          /* [n_layer, k] (k as resolved: n_expert_used when 0): each MoE
                                     layer's chosen experts in order of routing weight, every one
                                     chosen (computed here or not); -1 rows for dense-FFN layers */
+    int64_t route_ids_len;       /* >= n_layer * k */
     float *route_logits;         /* [n_layer, n_expert]: the router's logits before the softmax;
                                     NaN rows for dense-FFN layers (no router) */
+    int64_t route_logits_len;    /* >= n_layer * n_expert */
     int64_t n_active;            /* routed neurons computed, summed over layers and pairs */
     int64_t n_pairs;             /* (token, expert) pairs computed: k per MoE layer, less those a
                                     map sends elsewhere */

@@ -25,7 +25,7 @@ int pyrt_attention_init(pyrt_attention *a, const pyrt_model_weights *w, const ch
     *a = (pyrt_attention){.n_embd = w->n_embd, .n_head = w->n_head, .n_head_kv = w->n_head_kv,
                           .head_dim = w->head_dim, .rope_dim = w->rope_dim, .rms_eps = w->rms_eps,
                           .scale = w->attention_scale, .clamp_kqv = w->clamp_kqv,
-                          .rope_inv_freq = w->rope_inv_freq,
+                          .rope_inv_freq = w->rope_inv_freq.data,
                           .rope_scale = w->rope_scale != 0.0f ? w->rope_scale : 1.0f,
                           .rope_pos = -1};
     const size_t f = sizeof(float);
@@ -96,14 +96,14 @@ static void rope(float *x, int n_heads, int hd, int rope_dim, const float *cs) {
 
 pyrt_mv_job pyrt_attention_qkv_job(const pyrt_attention *a, const pyrt_block_weights *b) {
     return (pyrt_mv_job){
-        .out = {{&b->wq, b->bq, a->q, 0}, {&b->wk, b->bk, a->k, 0}, {&b->wv, b->bv, a->v, 0}},
+        .out = {{&b->wq, b->bq.data, a->q, 0}, {&b->wk, b->bk.data, a->k, 0}, {&b->wv, b->bv.data, a->v, 0}},
         .n_mats = 3,
         .clamp = a->clamp_kqv,
     };
 }
 
 static int all_heads_norm(const pyrt_attention *a, const pyrt_block_weights *b) {
-    return b->q_norm != NULL && b->q_norm_len == a->n_head * a->head_dim;
+    return b->q_norm.data != NULL && b->q_norm.n == (int64_t)a->n_head * a->head_dim;
 }
 
 int pyrt_attention_fusable(const pyrt_attention *a, const pyrt_block_weights *b) {
@@ -168,8 +168,8 @@ static void attend_head(const pyrt_attn_task *t, int h) {
             prefetch_kv(vals + (size_t)p * hd, row, 1);
         s[p] = f32->dot(keys + (size_t)p * hd, q, hd) * a->scale;
     }
-    if (b->sinks != NULL)
-        softmax_with_sink(s, n_pos, b->sinks[h]);
+    if (b->sinks.data != NULL)
+        softmax_with_sink(s, n_pos, b->sinks.data[h]);
     else
         pyrt_softmax(s, n_pos);
     memset(out, 0, (size_t)hd * sizeof *out);
@@ -226,8 +226,8 @@ void pyrt_attention_task(void *p, int ith, int nth) {
             const float *v = a->v + (size_t)kvh * hd;
             pyrt_pool_wait_flag(t->pool, &a->rows_done[a->n_head + kvh], hd, ith);
             pyrt_pool_wait_flag(t->pool, &a->rows_done[a->n_head + a->n_head_kv + kvh], hd, ith);
-            if (b->k_norm != NULL)
-                pyrt_rms_norm(k, b->k_norm, a->rms_eps, hd, k);
+            if (b->k_norm.data != NULL)
+                pyrt_rms_norm(k, b->k_norm.data, a->rms_eps, hd, k);
             rope(k, 1, hd, a->rope_dim, a->rope_cs);
             const size_t at = ((size_t)kvh * t->l.cap + t->l.pos) * hd;
             memcpy(t->l.kc + at, k, (size_t)hd * sizeof(float));
@@ -236,8 +236,8 @@ void pyrt_attention_task(void *p, int ith, int nth) {
         } else {
             pyrt_pool_wait_flag(t->pool, &a->kv_ready[kvh], 1, ith);
         }
-        if (b->q_norm != NULL)
-            pyrt_rms_norm(q, b->q_norm, a->rms_eps, hd, q);
+        if (b->q_norm.data != NULL)
+            pyrt_rms_norm(q, b->q_norm.data, a->rms_eps, hd, q);
         rope(q, 1, hd, a->rope_dim, a->rope_cs);
         attend_head(t, h);
         /* the last head done quantizes att for o (one vector of n_head * head_dim) */
@@ -265,7 +265,7 @@ void pyrt_attention_task_setup(pyrt_attn_task *t, pyrt_attention *a, pyrt_pool *
     /* o reads att, or its Q8 blocks made by the last head (not quantized here: att is not
      * computed yet) */
     const int nq = a->n_head * a->head_dim;
-    *o = (pyrt_mv_job){.out = {{&l->b->wo, l->b->bo, y, 0}}, .n_mats = 1};
+    *o = (pyrt_mv_job){.out = {{&l->b->wo, l->b->bo.data, y, 0}}, .n_mats = 1};
     pyrt_mv_job_bind(o, pool, a->att, nq, a->att_q);
     for (int u = 0; u < a->n_head + 2 * a->n_head_kv; u++) /* pool_run publishes them */
         atomic_store_explicit(&a->rows_done[u], 0, memory_order_relaxed);
@@ -282,7 +282,7 @@ void pyrt_attention_run(pyrt_attention *a, pyrt_pool *pool, const pyrt_attn_laye
                         int fuse) {
     const pyrt_block_weights *b = l->b;
     const int hd = a->head_dim, nq = a->n_head * hd, nkv = a->n_head_kv * hd;
-    pyrt_mv_job qkv, o = {.out = {{&b->wo, b->bo, y, 0}}, .n_mats = 1};
+    pyrt_mv_job qkv, o = {.out = {{&b->wo, b->bo.data, y, 0}}, .n_mats = 1};
     pyrt_attn_task t;
     pyrt_pool_plan_job(pool, &o);
     if (fuse && pyrt_attention_fusable(a, b)) {
@@ -293,13 +293,13 @@ void pyrt_attention_run(pyrt_attention *a, pyrt_pool *pool, const pyrt_attn_laye
     qkv = pyrt_attention_qkv_job(a, b);
     pyrt_mv_run(&qkv, pool, xn, a->n_embd, xq);
     if (all_heads_norm(a, b)) { /* olmoe: over all heads */
-        pyrt_rms_norm(a->q, b->q_norm, a->rms_eps, nq, a->q);
-        pyrt_rms_norm(a->k, b->k_norm, a->rms_eps, nkv, a->k);
-    } else if (b->q_norm != NULL) { /* qwen3moe: per head */
+        pyrt_rms_norm(a->q, b->q_norm.data, a->rms_eps, nq, a->q);
+        pyrt_rms_norm(a->k, b->k_norm.data, a->rms_eps, nkv, a->k);
+    } else if (b->q_norm.data != NULL) { /* qwen3moe: per head */
         for (int h = 0; h < a->n_head; h++)
-            pyrt_rms_norm(a->q + (size_t)h * hd, b->q_norm, a->rms_eps, hd, a->q + (size_t)h * hd);
+            pyrt_rms_norm(a->q + (size_t)h * hd, b->q_norm.data, a->rms_eps, hd, a->q + (size_t)h * hd);
         for (int h = 0; h < a->n_head_kv; h++)
-            pyrt_rms_norm(a->k + (size_t)h * hd, b->k_norm, a->rms_eps, hd, a->k + (size_t)h * hd);
+            pyrt_rms_norm(a->k + (size_t)h * hd, b->k_norm.data, a->rms_eps, hd, a->k + (size_t)h * hd);
     }
     rope(a->q, a->n_head, hd, a->rope_dim, a->rope_cs);
     rope(a->k, a->n_head_kv, hd, a->rope_dim, a->rope_cs);

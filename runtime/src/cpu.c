@@ -64,6 +64,16 @@ int pyrt_physical_cores(void) {
 #endif
 }
 
+int pyrt_logical_cpus(void) {
+#ifdef __linux__
+    cpu_set_t mask;
+    if (sched_getaffinity(0, sizeof mask, &mask) == 0 && CPU_COUNT(&mask) > 0)
+        return CPU_COUNT(&mask);
+#endif
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    return online > 0 ? (int)online : 1;
+}
+
 /* ---- SIMD dispatch ------------------------------------------------------------------------- */
 
 int pyrt_simd_best(void) {

@@ -36,7 +36,7 @@ static pyrt_mv_job output_job(const pyrt_decoder *d, float *logits) {
 /* x += attention(rms_norm(x) * attn_norm) * residual_scale. */
 static void attention_half(pyrt_decoder *d, pyrt_pool *pool, const pyrt_attn_layer *l) {
     const pyrt_model_weights *w = &d->w;
-    pyrt_rms_norm(d->x, l->b->attn_norm, w->rms_eps, w->n_embd, d->xn);
+    pyrt_rms_norm(d->x, l->b->attn_norm.data, w->rms_eps, w->n_embd, d->xn);
     const pyrt_mv_job ffn_in = pyrt_decode_ffn_in_job(d, l->b);
     pyrt_attention_run(&d->att, pool, l, d->xn, d->xq, d->y, &ffn_in, d->fuse_attention);
     for (int i = 0; i < w->n_embd; i++)
@@ -69,7 +69,7 @@ static void o_rows_done(void *p, int64_t lo, int64_t hi) {
         return;
     for (int i = 0; i < w->n_embd; i++)
         d->x[i] = d->x[i] + d->y[i] * w->residual_scale;
-    pyrt_rms_norm(d->x, c->b->ffn_norm, w->rms_eps, w->n_embd, d->xn);
+    pyrt_rms_norm(d->x, c->b->ffn_norm.data, w->rms_eps, w->n_embd, d->xn);
     if (c->quantize)
         pyrt_quantize_x_q8(d->xn, d->xq, w->n_embd);
     pyrt_pool_plan_switch(c->at.pool, &c->after);
@@ -94,7 +94,7 @@ static int layer_fused(pyrt_decoder *d, pyrt_pool *pool, const pyrt_attn_layer *
     const pyrt_model_weights *w = &d->w;
     const pyrt_block_weights *b = l->b;
     const int n_embd = w->n_embd;
-    pyrt_rms_norm(d->x, b->attn_norm, w->rms_eps, n_embd, d->xn);
+    pyrt_rms_norm(d->x, b->attn_norm.data, w->rms_eps, n_embd, d->xn);
     pyrt_mv_job qkv, o;
     pyrt_mv_job in = pyrt_decode_ffn_in_job(d, b);
     const pyrt_experts experts = pyrt_decode_experts(d, b, io);
@@ -151,14 +151,18 @@ static pyrt_mv_job after_layer(const pyrt_decoder *d, int layer, const pyrt_mv_j
 }
 
 static pyrt_attn_layer attn_layer(const pyrt_decoder *d, int layer, const pyrt_step_args *a) {
-    return (pyrt_attn_layer){&d->blocks[layer], a->k_cache[layer], a->v_cache[layer],
-                             (size_t)a->cache_cap, a->pos};
+    return (pyrt_attn_layer){&d->blocks[layer], a->cache.k[layer], a->cache.v[layer],
+                             (size_t)a->cache.cap, a->pos};
+}
+
+static pyrt_ffn_io ffn_io(const pyrt_decoder *d, const pyrt_step_args *a, int layer) {
+    return pyrt_decode_ffn_io(d, &a->experts, a->route_ids, a->route_logits, layer);
 }
 
 /* logits = (rms_norm(x) * output_norm) Wout^T / logit_scale; plans block 0's q/k/v next. */
 static void output(pyrt_decoder *d, pyrt_pool *pool, pyrt_mv_job *out) {
     const pyrt_model_weights *w = &d->w;
-    pyrt_rms_norm(d->x, w->output_norm, w->rms_eps, w->n_embd, d->xn);
+    pyrt_rms_norm(d->x, w->output_norm.data, w->rms_eps, w->n_embd, d->xn);
     const pyrt_mv_job first = pyrt_attention_qkv_job(&d->att, &d->blocks[0]); /* next step */
     pyrt_pool_plan_job(pool, &first);
     pyrt_mv_run(out, pool, d->xn, w->n_embd, d->xq);
@@ -166,7 +170,7 @@ static void output(pyrt_decoder *d, pyrt_pool *pool, pyrt_mv_job *out) {
 
 static int decoder_step(pyrt_decoder *d, pyrt_pool *pool, pyrt_step_args *a) {
     const pyrt_model_weights *w = &d->w;
-    int rc = pyrt_attention_prepare(&d->att, a->pos, a->cache_cap, "pyrt_decoder_step");
+    int rc = pyrt_attention_prepare(&d->att, a->pos, a->cache.cap, "pyrt_decoder_step");
     if (rc != PYRT_OK)
         return rc;
     use_pool(d, pool);
@@ -179,7 +183,7 @@ static int decoder_step(pyrt_decoder *d, pyrt_pool *pool, pyrt_step_args *a) {
         const pyrt_block_weights *b = &d->blocks[i];
         const pyrt_attn_layer l = attn_layer(d, i, a);
         const pyrt_mv_job next = after_layer(d, i, &out);
-        pyrt_ffn_io io = pyrt_decode_ffn_io(d, a, i);
+        pyrt_ffn_io io = ffn_io(d, a, i);
         int64_t t1 = t0;
         if (layer_fusable(d, b)) { /* one task: split where the FFN's input was ready */
             rc = layer_fused(d, pool, &l, &io, &next, &t1);
@@ -212,18 +216,40 @@ static int enter(pyrt_decoder *d, const char *fn) {
     return PYRT_OK;
 }
 
+/* The outputs of a step and their lengths (logits_need: n_vocab when `logits` is written). */
+static pyrt_outputs step_outputs(const pyrt_decoder *d, const pyrt_step_args *a, int logits) {
+    return (pyrt_outputs){.logits = a->logits, .logits_len = a->logits_len,
+                          .logits_need = logits ? d->w.n_vocab : 0, .route_ids = a->route_ids,
+                          .route_ids_len = a->route_ids_len, .route_logits = a->route_logits,
+                          .route_logits_len = a->route_logits_len};
+}
+
+/* What every call of a step checks: its args, the expert arguments and the outputs it writes
+ * (`logits`: whether it writes the logits). */
+static int check_step_call(const pyrt_decoder *d, const pyrt_pool *pool, const pyrt_step_args *a,
+                           int logits, const char *fn) {
+    int rc = pyrt_decoder_check_call(d, pool, a, fn);
+    if (rc == PYRT_OK)
+        rc = pyrt_decoder_check_experts(d, &a->experts, fn);
+    if (rc == PYRT_OK) {
+        const pyrt_outputs o = step_outputs(d, a, logits);
+        rc = pyrt_decoder_check_outputs(d, &a->experts, &o, fn);
+    }
+    return rc;
+}
+
 int pyrt_decoder_step(pyrt_decoder *d, pyrt_pool *pool, pyrt_step_args *a) {
     const char *fn = "pyrt_decoder_step";
     pyrt_clear_error();
-    int rc = pyrt_decoder_check_call(d, pool, a, fn);
+    int rc = check_step_call(d, pool, a, 1, fn);
     if (rc == PYRT_OK)
-        rc = pyrt_decoder_check_token(d, a, fn);
-    if (rc == PYRT_OK && a->logits == NULL)
-        rc = pyrt_fail(PYRT_E_INVALID, "%s: logits is NULL", fn);
+        rc = pyrt_decoder_check_token(d, a->token, fn);
+    if (rc == PYRT_OK)
+        rc = pyrt_decoder_check_cache(d, &a->cache, fn);
     for (int i = 0; rc == PYRT_OK && i < d->w.n_layer; i++) {
-        rc = pyrt_decoder_check_attention(i, a, fn);
+        rc = pyrt_decoder_check_attention(&a->cache, i, a->pos, 1, fn);
         if (rc == PYRT_OK)
-            rc = pyrt_decoder_check_ffn(d, i, a, fn);
+            rc = pyrt_decoder_check_ffn(d, &a->experts, i, fn);
     }
     if (rc != PYRT_OK)
         return rc;
@@ -243,9 +269,9 @@ int pyrt_decoder_step(pyrt_decoder *d, pyrt_pool *pool, pyrt_step_args *a) {
 int pyrt_decoder_begin(pyrt_decoder *d, pyrt_pool *pool, pyrt_step_args *a) {
     const char *fn = "pyrt_decoder_begin";
     pyrt_clear_error();
-    int rc = pyrt_decoder_check_call(d, pool, a, fn);
+    int rc = check_step_call(d, pool, a, 0, fn);
     if (rc == PYRT_OK)
-        rc = pyrt_decoder_check_token(d, a, fn);
+        rc = pyrt_decoder_check_token(d, a->token, fn);
     if (rc != PYRT_OK || (rc = enter(d, fn)) != PYRT_OK)
         return rc;
     const int64_t t0 = pyrt_now_ns();
@@ -259,15 +285,17 @@ int pyrt_decoder_begin(pyrt_decoder *d, pyrt_pool *pool, pyrt_step_args *a) {
 int pyrt_decoder_attention(pyrt_decoder *d, pyrt_pool *pool, int layer, pyrt_step_args *a) {
     const char *fn = "pyrt_decoder_attention";
     pyrt_clear_error();
-    int rc = pyrt_decoder_check_call(d, pool, a, fn);
+    int rc = check_step_call(d, pool, a, 0, fn);
     if (rc == PYRT_OK)
         rc = pyrt_decoder_check_layer(d, layer, fn);
     if (rc == PYRT_OK)
-        rc = pyrt_decoder_check_attention(layer, a, fn);
+        rc = pyrt_decoder_check_cache(d, &a->cache, fn);
+    if (rc == PYRT_OK)
+        rc = pyrt_decoder_check_attention(&a->cache, layer, a->pos, 1, fn);
     if (rc != PYRT_OK || (rc = enter(d, fn)) != PYRT_OK)
         return rc;
     const int64_t t0 = pyrt_now_ns();
-    rc = pyrt_attention_prepare(&d->att, a->pos, a->cache_cap, fn);
+    rc = pyrt_attention_prepare(&d->att, a->pos, a->cache.cap, fn);
     if (rc == PYRT_OK) {
         use_pool(d, pool);
         const pyrt_attn_layer l = attn_layer(d, layer, a);
@@ -283,18 +311,18 @@ int pyrt_decoder_attention(pyrt_decoder *d, pyrt_pool *pool, int layer, pyrt_ste
 int pyrt_decoder_ffn(pyrt_decoder *d, pyrt_pool *pool, int layer, pyrt_step_args *a) {
     const char *fn = "pyrt_decoder_ffn";
     pyrt_clear_error();
-    int rc = pyrt_decoder_check_call(d, pool, a, fn);
+    int rc = check_step_call(d, pool, a, 0, fn);
     if (rc == PYRT_OK)
         rc = pyrt_decoder_check_layer(d, layer, fn);
     if (rc == PYRT_OK)
-        rc = pyrt_decoder_check_ffn(d, layer, a, fn);
+        rc = pyrt_decoder_check_ffn(d, &a->experts, layer, fn);
     if (rc != PYRT_OK || (rc = enter(d, fn)) != PYRT_OK)
         return rc;
     const int64_t t0 = pyrt_now_ns();
     use_pool(d, pool);
     const pyrt_mv_job out = output_job(d, a->logits); /* its rows: the plan after the last */
     const pyrt_mv_job next = after_layer(d, layer, &out);
-    pyrt_ffn_io io = pyrt_decode_ffn_io(d, a, layer);
+    pyrt_ffn_io io = ffn_io(d, a, layer);
     pyrt_pool_acquire(pool);
     rc = pyrt_decode_ffn(d, pool, &d->blocks[layer], &io, &next);
     pyrt_pool_release(pool);
@@ -308,9 +336,7 @@ int pyrt_decoder_ffn(pyrt_decoder *d, pyrt_pool *pool, int layer, pyrt_step_args
 int pyrt_decoder_end(pyrt_decoder *d, pyrt_pool *pool, pyrt_step_args *a) {
     const char *fn = "pyrt_decoder_end";
     pyrt_clear_error();
-    int rc = pyrt_decoder_check_call(d, pool, a, fn);
-    if (rc == PYRT_OK && a->logits == NULL)
-        rc = pyrt_fail(PYRT_E_INVALID, "%s: logits is NULL", fn);
+    int rc = check_step_call(d, pool, a, 1, fn);
     if (rc != PYRT_OK || (rc = enter(d, fn)) != PYRT_OK)
         return rc;
     const int64_t t0 = pyrt_now_ns();

@@ -34,26 +34,58 @@ static int fail_block(int i, const char *msg) {
     return pyrt_fail(PYRT_E_INVALID, "pyrt_decoder_create: blk.%d: %s", i, msg);
 }
 
+/* A float32 vector of the model: present with exactly n elements (4-byte aligned), or, where
+ * `optional`, absent (data NULL, n 0). */
+static int check_vector(const pyrt_vector *v, int64_t n, int optional, const char *what,
+                        int layer) {
+    char name[64];
+    if (layer >= 0)
+        snprintf(name, sizeof name, "blk.%d.%s", layer, what);
+    else
+        snprintf(name, sizeof name, "%s", what);
+    if (v->data == NULL) {
+        if (optional && v->n == 0)
+            return PYRT_OK;
+        return pyrt_fail(PYRT_E_INVALID, "pyrt_decoder_create: %s is NULL%s", name,
+                         optional ? " with a length" : "");
+    }
+    if (v->n != n)
+        return pyrt_fail(PYRT_E_INVALID,
+                         "pyrt_decoder_create: %s has %lld elements, the model needs %lld", name,
+                         (long long)v->n, (long long)n);
+    if ((uintptr_t)v->data % 4)
+        return pyrt_fail(PYRT_E_INVALID, "pyrt_decoder_create: %s is not 4-byte aligned", name);
+    return PYRT_OK;
+}
+
+static int check_qk_norms(const pyrt_model_weights *w, const pyrt_block_weights *b, int i) {
+    const int64_t nq = (int64_t)w->n_head * w->head_dim, nkv = (int64_t)w->n_head_kv * w->head_dim;
+    if ((b->q_norm.data == NULL) != (b->k_norm.data == NULL))
+        return fail_block(i, "q_norm and k_norm must be both present or both absent");
+    if (b->q_norm.data == NULL)
+        return PYRT_OK;
+    /* over all heads (olmoe) or per head (qwen3moe): the lengths say which */
+    const int per_head = b->q_norm.n == w->head_dim && b->k_norm.n == w->head_dim;
+    CHECK(check_vector(&b->q_norm, per_head ? w->head_dim : nq, 0, "attn_q_norm", i));
+    CHECK(check_vector(&b->k_norm, per_head ? w->head_dim : nkv, 0, "attn_k_norm", i));
+    return PYRT_OK;
+}
+
 static int check_block(const pyrt_model_weights *w, const pyrt_block_weights *b, int i,
                        int *max_ff) {
     const int n_embd = w->n_embd, nq = w->n_head * w->head_dim, nkv = w->n_head_kv * w->head_dim;
-    if (b->attn_norm == NULL || b->ffn_norm == NULL)
-        return fail_block(i, "attn_norm or ffn_norm is NULL");
+    CHECK(check_vector(&b->attn_norm, n_embd, 0, "attn_norm", i));
+    CHECK(check_vector(&b->ffn_norm, n_embd, 0, "ffn_norm", i));
     CHECK(check_shape(&b->wq, nq, n_embd, "attn_q", i));
     CHECK(check_shape(&b->wk, nkv, n_embd, "attn_k", i));
     CHECK(check_shape(&b->wv, nkv, n_embd, "attn_v", i));
     CHECK(check_shape(&b->wo, n_embd, nq, "attn_output", i));
-    if ((b->q_norm == NULL) != (b->k_norm == NULL))
-        return fail_block(i, "q_norm and k_norm must be both present or both absent");
-    if (b->q_norm != NULL) {
-        const int all = b->q_norm_len == nq && b->k_norm_len == nkv;
-        const int per_head = b->q_norm_len == w->head_dim && b->k_norm_len == w->head_dim;
-        if (!all && !per_head)
-            return pyrt_fail(PYRT_E_INVALID,
-                             "pyrt_decoder_create: blk.%d: q/k norms have %d/%d elements; expected "
-                             "%d/%d (over all heads) or %d/%d (per head)", i, b->q_norm_len,
-                             b->k_norm_len, nq, nkv, w->head_dim, w->head_dim);
-    }
+    CHECK(check_vector(&b->bq, nq, 1, "attn_q.bias", i));
+    CHECK(check_vector(&b->bk, nkv, 1, "attn_k.bias", i));
+    CHECK(check_vector(&b->bv, nkv, 1, "attn_v.bias", i));
+    CHECK(check_qk_norms(w, b, i));
+    CHECK(check_vector(&b->bo, n_embd, 1, "attn_output.bias", i));
+    CHECK(check_vector(&b->sinks, w->n_head, 1, "attn_sinks", i));
     if (b->router.data != NULL) {
         CHECK(check_shape(&b->router, w->n_expert, n_embd, "ffn_gate_inp", i));
         const size_t rb = pyrt_row_bytes(b->gud_fmt, n_embd);
@@ -68,8 +100,13 @@ static int check_block(const pyrt_model_weights *w, const pyrt_block_weights *b,
         if (pyrt_check_weights_aligned("pyrt_decoder_create: ffn_gud_exps", b->gud, b->gud_fmt) !=
             PYRT_OK)
             return PYRT_E_INVALID;
-        if ((b->exp_bias_gu == NULL) != (b->exp_bias_down == NULL))
+        CHECK(check_vector(&b->router_bias, w->n_expert, 1, "ffn_gate_inp.bias", i));
+        if ((b->exp_bias_gu.data == NULL) != (b->exp_bias_down.data == NULL))
             return fail_block(i, "exp_bias_gu and exp_bias_down go together (both or none)");
+        CHECK(check_vector(&b->exp_bias_gu, (int64_t)w->n_expert * w->n_ff_exp * 2, 1,
+                           "ffn_gu_exps.bias", i));
+        CHECK(check_vector(&b->exp_bias_down, (int64_t)w->n_expert * n_embd, 1,
+                           "ffn_down_exps.bias", i));
         if (b->sh_gate.data != NULL && w->activation == PYRT_ACT_SWIGLU_OAI)
             return fail_block(i, "a shared expert with the swiglu oai activation is not supported");
         if (b->sh_gate.data != NULL) {
@@ -77,11 +114,14 @@ static int check_block(const pyrt_model_weights *w, const pyrt_block_weights *b,
             CHECK(check_shape(&b->sh_gate, n_ff, n_embd, "ffn_gate_shexp", i));
             CHECK(check_shape(&b->sh_up, n_ff, n_embd, "ffn_up_shexp", i));
             CHECK(check_shape(&b->sh_down, n_embd, n_ff, "ffn_down_shexp", i));
+            CHECK(check_vector(&b->sh_gate_inp, n_embd, 1, "ffn_gate_inp_shexp", i));
             *max_ff = n_ff > *max_ff ? n_ff : *max_ff;
-        } else if (b->sh_gate_inp != NULL) {
+        } else if (b->sh_gate_inp.data != NULL) {
             return fail_block(i, "ffn_gate_inp_shexp without a shared expert");
         }
     } else {
+        if (b->router_bias.data != NULL || b->exp_bias_gu.data != NULL)
+            return fail_block(i, "router or expert biases in a dense FFN layer");
         if (w->activation == PYRT_ACT_SWIGLU_OAI)
             return fail_block(i, "a dense FFN with the swiglu oai activation is not supported");
         const int n_ff = b->ffn_gate.n_out;
@@ -110,16 +150,17 @@ int pyrt_decoder_check_model(const pyrt_model_weights *w, int *max_ff) {
     if (w->n_expert_used > w->n_expert)
         return pyrt_fail(PYRT_E_INVALID, "%s: n_expert_used=%d > n_expert=%d", fn,
                          w->n_expert_used, w->n_expert);
-    if (w->rope_dim < 0 || w->rope_dim % 2 || w->rope_dim > w->head_dim ||
-        (w->rope_dim > 0 && w->rope_inv_freq == NULL))
-        return pyrt_fail(PYRT_E_INVALID,
-                         "%s: rope_dim=%d must be even, <= head_dim=%d, with rope_inv_freq set", fn,
+    if (w->rope_dim < 0 || w->rope_dim % 2 || w->rope_dim > w->head_dim)
+        return pyrt_fail(PYRT_E_INVALID, "%s: rope_dim=%d must be even and <= head_dim=%d", fn,
                          w->rope_dim, w->head_dim);
+    CHECK(check_vector(&w->rope_inv_freq, w->rope_dim / 2, w->rope_dim == 0, "rope_inv_freq", -1));
     CHECK(pyrt_check_activation(w->activation, w->swiglu_alpha, w->swiglu_limit, fn));
     if (!(w->rope_scale >= 0.0f) || isinf(w->rope_scale))
         return pyrt_fail(PYRT_E_INVALID, "%s: rope_scale must be finite and >= 0 (0: 1)", fn);
-    if (w->blocks == NULL || w->output_norm == NULL)
-        return pyrt_fail(PYRT_E_INVALID, "%s: blocks or output_norm is NULL", fn);
+    if (w->blocks == NULL || w->n_blocks != w->n_layer)
+        return pyrt_fail(PYRT_E_INVALID, "%s: blocks holds %d entries (%s), the model has n_layer=%d",
+                         fn, w->n_blocks, w->blocks == NULL ? "NULL" : "set", w->n_layer);
+    CHECK(check_vector(&w->output_norm, w->n_embd, 0, "output_norm", -1));
     if (!(w->logit_scale != 0.0f) || !(w->rms_eps >= 0.0f) || !(w->clamp_kqv >= 0.0f))
         return pyrt_fail(PYRT_E_INVALID, "%s: logit_scale must be non-zero, rms_eps and clamp_kqv "
                          ">= 0", fn);
@@ -130,21 +171,66 @@ int pyrt_decoder_check_model(const pyrt_model_weights *w, int *max_ff) {
     return PYRT_OK;
 }
 
-int pyrt_decoder_check_call(const pyrt_decoder *d, const pyrt_pool *pool, const pyrt_step_args *a,
+int pyrt_decoder_check_call(const pyrt_decoder *d, const pyrt_pool *pool, const void *args,
                             const char *fn) {
-    if (d == NULL || pool == NULL || a == NULL)
+    if (d == NULL || pool == NULL || args == NULL)
         return pyrt_fail(PYRT_E_INVALID, "%s: %s is NULL", fn,
                          d == NULL ? "dec" : pool == NULL ? "pool" : "args");
-    if (a->k < 0 || a->k > d->w.n_expert)
-        return pyrt_fail(PYRT_E_INVALID,
-                         "%s: k=%d experts per token is outside [1, n_expert=%d] (0: the model's "
-                         "%d)", fn, a->k, d->w.n_expert, d->w.n_expert_used);
     return PYRT_OK;
 }
 
-int pyrt_decoder_check_token(const pyrt_decoder *d, const pyrt_step_args *a, const char *fn) {
-    if (a->token < 0 || a->token >= d->w.n_vocab)
-        return pyrt_fail(PYRT_E_INVALID, "%s: token %d is outside [0, n_vocab=%d)", fn, a->token,
+int pyrt_decoder_check_experts(const pyrt_decoder *d, const pyrt_expert_args *e, const char *fn) {
+    const int n_layer = d->w.n_layer;
+    if (e->k < 0 || e->k > d->w.n_expert)
+        return pyrt_fail(PYRT_E_INVALID,
+                         "%s: k=%d experts per token is outside [1, n_expert=%d] (0: the model's "
+                         "%d)", fn, e->k, d->w.n_expert, d->w.n_expert_used);
+    if (e->thresholds != NULL && e->n_thresholds != n_layer)
+        return pyrt_fail(PYRT_E_INVALID, "%s: thresholds holds %d entries, the model has "
+                         "n_layer=%d", fn, e->n_thresholds, n_layer);
+    if (e->maps != NULL && (e->n_maps != n_layer || e->map_len != d->w.n_expert))
+        return pyrt_fail(PYRT_E_INVALID, "%s: expert maps: %d maps of %d entries, the model needs "
+                         "n_layer=%d maps of n_expert=%d", fn, e->n_maps, e->map_len, n_layer,
+                         d->w.n_expert);
+    return PYRT_OK;
+}
+
+int pyrt_decoder_check_cache(const pyrt_decoder *d, const pyrt_kv_cache *c, const char *fn) {
+    const pyrt_model_weights *w = &d->w;
+    if (c->k == NULL || c->v == NULL || c->n_layer != w->n_layer)
+        return pyrt_fail(PYRT_E_INVALID, "%s: kv cache: k and v must hold n_layer=%d layers, got "
+                         "%d (%s)", fn, w->n_layer, c->n_layer,
+                         c->k == NULL || c->v == NULL ? "NULL" : "set");
+    /* one layer's floats, in int64: cap and the heads are ints, their product need not be */
+    const int64_t need = (int64_t)w->n_head_kv * w->head_dim * (c->cap > 0 ? c->cap : 0);
+    if (c->cap < 1 || c->layer_floats < need)
+        return pyrt_fail(PYRT_E_INVALID, "%s: kv cache of %d positions needs %lld floats per layer "
+                         "([n_head_kv=%d, cap, head_dim=%d]), holds %lld", fn, c->cap,
+                         (long long)need, w->n_head_kv, w->head_dim, (long long)c->layer_floats);
+    return PYRT_OK;
+}
+
+int pyrt_decoder_check_outputs(const pyrt_decoder *d, const pyrt_expert_args *e,
+                               const pyrt_outputs *o, const char *fn) {
+    const pyrt_model_weights *w = &d->w;
+    const int64_t k = e->k > 0 ? e->k : w->n_expert_used;
+    if (o->logits_need > 0 && (o->logits == NULL || o->logits_len < o->logits_need))
+        return pyrt_fail(PYRT_E_INVALID, "%s: logits %s; it needs room for %lld floats", fn,
+                         o->logits == NULL ? "is NULL" : "is too short", (long long)o->logits_need);
+    if (o->route_ids != NULL && o->route_ids_len < (int64_t)w->n_layer * k)
+        return pyrt_fail(PYRT_E_INVALID, "%s: route_ids holds %lld entries, [n_layer=%d, k=%lld] "
+                         "needs %lld", fn, (long long)o->route_ids_len, w->n_layer, (long long)k,
+                         (long long)w->n_layer * k);
+    if (o->route_logits != NULL && o->route_logits_len < (int64_t)w->n_layer * w->n_expert)
+        return pyrt_fail(PYRT_E_INVALID, "%s: route_logits holds %lld floats, [n_layer=%d, "
+                         "n_expert=%d] needs %lld", fn, (long long)o->route_logits_len, w->n_layer,
+                         w->n_expert, (long long)w->n_layer * w->n_expert);
+    return PYRT_OK;
+}
+
+int pyrt_decoder_check_token(const pyrt_decoder *d, int token, const char *fn) {
+    if (token < 0 || token >= d->w.n_vocab)
+        return pyrt_fail(PYRT_E_INVALID, "%s: token %d is outside [0, n_vocab=%d)", fn, token,
                          d->w.n_vocab);
     return PYRT_OK;
 }
@@ -156,32 +242,33 @@ int pyrt_decoder_check_layer(const pyrt_decoder *d, int layer, const char *fn) {
     return PYRT_OK;
 }
 
-int pyrt_decoder_check_attention(int layer, const pyrt_step_args *a, const char *fn) {
-    if (a->pos < 0 || a->pos >= a->cache_cap)
-        return pyrt_fail(PYRT_E_INVALID, "%s: position %d is outside the cache [0, %d)", fn, a->pos,
-                         a->cache_cap);
-    if (a->k_cache == NULL || a->v_cache == NULL || a->k_cache[layer] == NULL ||
-        a->v_cache[layer] == NULL)
+int pyrt_decoder_check_attention(const pyrt_kv_cache *c, int layer, int pos, int n,
+                                 const char *fn) {
+    if (pos < 0 || pos > c->cap - n)
+        return pyrt_fail(PYRT_E_INVALID, "%s: position%s %d%s%d %s outside the cache [0, %d)", fn,
+                         n > 1 ? "s" : "", pos, n > 1 ? ".." : "", n > 1 ? pos + n - 1 : pos,
+                         n > 1 ? "are" : "is", c->cap);
+    if (c->k[layer] == NULL || c->v[layer] == NULL)
         return pyrt_fail(PYRT_E_INVALID, "%s: kv cache of layer %d is NULL", fn, layer);
     return PYRT_OK;
 }
 
-int pyrt_decoder_check_ffn(const pyrt_decoder *d, int layer, const pyrt_step_args *a,
+int pyrt_decoder_check_ffn(const pyrt_decoder *d, const pyrt_expert_args *e, int layer,
                            const char *fn) {
-    const float *thr = a->thresholds;
+    const float *thr = e->thresholds;
     if (thr != NULL && (!(thr[layer] >= 0.0f) || isinf(thr[layer])))
         return pyrt_fail(PYRT_E_INVALID, "%s: threshold of layer %d must be finite and >= 0", fn,
                          layer);
-    const int32_t *map = a->expert_maps != NULL ? a->expert_maps[layer] : NULL;
+    const int32_t *map = e->maps != NULL ? e->maps[layer] : NULL;
     if (map == NULL || d->blocks[layer].router.data == NULL)
         return PYRT_OK;
     if ((uintptr_t)map % 4)
         return pyrt_fail(PYRT_E_INVALID, "%s: expert map of layer %d is not 4-byte aligned", fn,
                          layer);
-    for (int e = 0; e < d->w.n_expert; e++)
-        if (map[e] < -1 || map[e] >= d->w.n_expert)
+    for (int e_ = 0; e_ < d->w.n_expert; e_++)
+        if (map[e_] < -1 || map[e_] >= d->w.n_expert)
             return pyrt_fail(PYRT_E_INVALID,
                              "%s: expert map of layer %d: [%d] = %d is outside [-1, n_expert=%d)",
-                             fn, layer, e, (int)map[e], d->w.n_expert);
+                             fn, layer, e_, (int)map[e_], d->w.n_expert);
     return PYRT_OK;
 }

@@ -39,15 +39,15 @@ void pyrt_decode_route(void *ctx, int32_t *ids, float *w) {
     route(d->router, d->w.n_expert, d->route_k, d->w.expert_weights_norm, ids, w, d->taken);
 }
 
-pyrt_ffn_io pyrt_decode_ffn_io(const pyrt_decoder *d, const pyrt_step_args *a, int layer) {
-    const int k = a->k > 0 ? a->k : d->w.n_expert_used;
+pyrt_ffn_io pyrt_decode_ffn_io(const pyrt_decoder *d, const pyrt_expert_args *e,
+                               int32_t *route_ids, float *route_logits, int layer) {
+    const int k = e->k > 0 ? e->k : d->w.n_expert_used;
     return (pyrt_ffn_io){
-        .threshold = a->thresholds != NULL ? a->thresholds[layer] : 0.0f,
+        .threshold = e->thresholds != NULL ? e->thresholds[layer] : 0.0f,
         .k = k,
-        .expert_map = a->expert_maps != NULL ? a->expert_maps[layer] : NULL,
-        .route_ids = a->route_ids != NULL ? a->route_ids + (size_t)layer * k : NULL,
-        .route_logits =
-            a->route_logits != NULL ? a->route_logits + (size_t)layer * d->w.n_expert : NULL,
+        .expert_map = e->maps != NULL ? e->maps[layer] : NULL,
+        .route_ids = route_ids != NULL ? route_ids + (size_t)layer * k : NULL,
+        .route_logits = route_logits != NULL ? route_logits + (size_t)layer * d->w.n_expert : NULL,
     };
 }
 
@@ -56,8 +56,8 @@ pyrt_experts pyrt_decode_experts(const pyrt_decoder *d, const pyrt_block_weights
     return (pyrt_experts){.data = b->gud, .bytes = b->gud_bytes, .fmt = b->gud_fmt,
                           .n_expert = d->w.n_expert, .n_slots = d->w.n_expert,
                           .n_ff = d->w.n_ff_exp, .n_embd = d->w.n_embd,
-                          .expert_map = io->expert_map, .bias_gu = b->exp_bias_gu,
-                          .bias_down = b->exp_bias_down, .swiglu_alpha = d->w.swiglu_alpha,
+                          .expert_map = io->expert_map, .bias_gu = b->exp_bias_gu.data,
+                          .bias_down = b->exp_bias_down.data, .swiglu_alpha = d->w.swiglu_alpha,
                           .swiglu_limit = d->w.swiglu_limit};
 }
 
@@ -91,7 +91,7 @@ pyrt_mv_job pyrt_decode_ffn_in_job(const pyrt_decoder *d, const pyrt_block_weigh
         return (pyrt_mv_job){
             .out = {{&b->ffn_gate, NULL, d->gate, 0}, {&b->ffn_up, NULL, d->up, 0}},
             .n_mats = 2};
-    return (pyrt_mv_job){.out = {{&b->router, b->router_bias, d->router, 0},
+    return (pyrt_mv_job){.out = {{&b->router, b->router_bias.data, d->router, 0},
                                  {&b->sh_gate, NULL, d->gate, 0},
                                  {&b->sh_up, NULL, d->up, 0}},
                          .n_mats = b->sh_gate.data != NULL ? 3 : 1};
@@ -114,8 +114,8 @@ void pyrt_decode_moe_tail(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_wei
     const int n_embd = w->n_embd;
     if (b->sh_gate.data != NULL) {
         float gs = 1.0f;
-        if (b->sh_gate_inp != NULL) {
-            const float z = pyrt_pool_row_ops(pool, PYRT_FMT_F32)->dot(b->sh_gate_inp, d->xn,
+        if (b->sh_gate_inp.data != NULL) {
+            const float z = pyrt_pool_row_ops(pool, PYRT_FMT_F32)->dot(b->sh_gate_inp.data, d->xn,
                                                                        n_embd);
             gs = 1.0f / (1.0f + expf(-z));
         }
@@ -131,7 +131,7 @@ int pyrt_decode_ffn(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weights *
                     pyrt_ffn_io *io, const pyrt_mv_job *next) {
     const pyrt_model_weights *w = &d->w;
     const int n_embd = w->n_embd;
-    pyrt_rms_norm(d->x, b->ffn_norm, w->rms_eps, n_embd, d->xn);
+    pyrt_rms_norm(d->x, b->ffn_norm.data, w->rms_eps, n_embd, d->xn);
     pyrt_mv_job in = pyrt_decode_ffn_in_job(d, b);
     if (b->router.data == NULL) { /* dense FFN layer */
         no_routing(d, io);

@@ -58,6 +58,7 @@ int pyrt_decoder_create(const pyrt_model_weights *w, pyrt_decoder **out) {
     }
     memcpy(d->blocks, w->blocks, (size_t)w->n_layer * sizeof *d->blocks);
     d->w.blocks = d->blocks;
+    d->w.n_blocks = w->n_layer;
     atomic_flag_clear(&d->busy);
     *out = d;
     return PYRT_OK;

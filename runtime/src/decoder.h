@@ -47,15 +47,35 @@ int64_t pyrt_now_ns(void);
 
 /* Every shape and format of the model once; *max_ff gets the widest shared expert / dense FFN. */
 int pyrt_decoder_check_model(const pyrt_model_weights *w, int *max_ff);
-/* What every step call needs: dec, pool, args non-NULL; args->k in [0, n_expert]. */
-int pyrt_decoder_check_call(const pyrt_decoder *d, const pyrt_pool *pool, const pyrt_step_args *a,
+/* The outputs of a step or a prefill and their lengths, checked together. */
+typedef struct {
+    float *logits;
+    int64_t logits_len;
+    int64_t logits_need;         /* floats the call writes into logits (0: none) */
+    int32_t *route_ids;
+    int64_t route_ids_len;
+    float *route_logits;
+    int64_t route_logits_len;
+} pyrt_outputs;
+
+/* dec, pool, args non-NULL. */
+int pyrt_decoder_check_call(const pyrt_decoder *d, const pyrt_pool *pool, const void *args,
                             const char *fn);
-/* args->token in [0, n_vocab). */
-int pyrt_decoder_check_token(const pyrt_decoder *d, const pyrt_step_args *a, const char *fn);
-/* Layer `layer`'s attention inputs: pos in the cache, the layer's k/v cache pointers. */
-int pyrt_decoder_check_attention(int layer, const pyrt_step_args *a, const char *fn);
-/* Layer `layer`'s FFN inputs: its threshold, its expert map's values. */
-int pyrt_decoder_check_ffn(const pyrt_decoder *d, int layer, const pyrt_step_args *a,
+/* k in [0, n_expert]; thresholds and maps (when set) of n_layer entries, maps of n_expert. */
+int pyrt_decoder_check_experts(const pyrt_decoder *d, const pyrt_expert_args *e, const char *fn);
+/* k and v of n_layer layers, each holding [n_head_kv, cap, head_dim] floats. */
+int pyrt_decoder_check_cache(const pyrt_decoder *d, const pyrt_kv_cache *c, const char *fn);
+/* logits (when the call writes any), route_ids and route_logits (when set) long enough. */
+int pyrt_decoder_check_outputs(const pyrt_decoder *d, const pyrt_expert_args *e,
+                               const pyrt_outputs *o, const char *fn);
+/* token in [0, n_vocab). */
+int pyrt_decoder_check_token(const pyrt_decoder *d, int token, const char *fn);
+/* Layer `layer`'s attention inputs for n tokens from pos: [pos, pos + n) in the cache (checked
+ * by pyrt_decoder_check_cache), the layer's k/v cache pointers. */
+int pyrt_decoder_check_attention(const pyrt_kv_cache *c, int layer, int pos, int n,
+                                 const char *fn);
+/* Layer `layer`'s FFN inputs: its threshold, its expert map's values (e checked). */
+int pyrt_decoder_check_ffn(const pyrt_decoder *d, const pyrt_expert_args *e, int layer,
                            const char *fn);
 /* A layer index in [0, n_layer). */
 int pyrt_decoder_check_layer(const pyrt_decoder *d, int layer, const char *fn);
@@ -73,8 +93,9 @@ typedef struct {
     int64_t n_pairs;             /* out: (token, expert) pairs computed here */
 } pyrt_ffn_io;
 
-/* The layer's pyrt_ffn_io from the step's arguments. */
-pyrt_ffn_io pyrt_decode_ffn_io(const pyrt_decoder *d, const pyrt_step_args *a, int layer);
+/* The layer's pyrt_ffn_io from a call's expert arguments and routing outputs (NULL: none). */
+pyrt_ffn_io pyrt_decode_ffn_io(const pyrt_decoder *d, const pyrt_expert_args *e,
+                               int32_t *route_ids, float *route_logits, int layer);
 /* The FFN's first matvec: router (+ shared gate and up), or the dense FFN's gate and up. */
 pyrt_mv_job pyrt_decode_ffn_in_job(const pyrt_decoder *d, const pyrt_block_weights *b);
 /* The layer's routed experts as pyrt_moe_ffn reads them (all n_expert, io's map). */

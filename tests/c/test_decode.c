@@ -122,14 +122,18 @@ static const void *own(tiny_model *t, const void *p) {
     return p;
 }
 
+static pyrt_vector vec(const float *data, int n) {
+    return (pyrt_vector){.data = data, .n = n};
+}
+
 static pyrt_matrix own_matrix(tiny_model *t, int fmt, int n_out, int n_in, float s) {
     pyrt_matrix m = make_matrix(fmt, n_out, n_in, s);
     own(t, m.data);
     return m;
 }
 
-static const float *own_vec(tiny_model *t, int n, float base, float s) {
-    return own(t, make_vec(n, base, s));
+static pyrt_vector own_vec(tiny_model *t, int n, float base, float s) {
+    return vec(own(t, make_vec(n, base, s)), n);
 }
 
 static void build_tiny(tiny_model *t) {
@@ -149,7 +153,6 @@ static void build_tiny(tiny_model *t) {
             b->bv = own_vec(t, nkv, 0.0f, 0.5f);
             b->q_norm = own_vec(t, HD, 1.0f, 0.1f);
             b->k_norm = own_vec(t, HD, 1.0f, 0.1f);
-            b->q_norm_len = b->k_norm_len = HD;
             b->sh_gate = own_matrix(t, q8, SH_FF, N_EMBD, 0.1f);
             b->sh_up = own_matrix(t, q8, SH_FF, N_EMBD, 0.1f);
             b->sh_down = own_matrix(t, q8, N_EMBD, SH_FF, 0.1f);
@@ -158,8 +161,6 @@ static void build_tiny(tiny_model *t) {
         if (l == 1) { /* olmoe-like norms over all heads; a dense FFN layer */
             b->q_norm = own_vec(t, nq, 1.0f, 0.1f);
             b->k_norm = own_vec(t, nkv, 1.0f, 0.1f);
-            b->q_norm_len = nq;
-            b->k_norm_len = nkv;
             b->ffn_gate = own_matrix(t, q8, DENSE_FF, N_EMBD, 0.1f);
             b->ffn_up = own_matrix(t, q8, DENSE_FF, N_EMBD, 0.1f);
             b->ffn_down = own_matrix(t, q8, N_EMBD, DENSE_FF, 0.1f);
@@ -180,8 +181,8 @@ static void build_tiny(tiny_model *t) {
         .n_expert_used = TOP_K, .n_ff_exp = N_FF, .expert_weights_norm = 1,
         .activation = PYRT_ACT_SILU, .rms_eps = 1e-6f, .embedding_scale = 2.0f,
         .residual_scale = 0.5f, .attention_scale = 0.25f, .logit_scale = 3.0f,
-        .clamp_kqv = 4.0f, .rope_inv_freq = inv_freq,
-        .output_norm = own_vec(t, N_EMBD, 1.0f, 0.1f), .blocks = t->blocks};
+        .clamp_kqv = 4.0f, .rope_inv_freq = vec(inv_freq, 4),
+        .output_norm = own_vec(t, N_EMBD, 1.0f, 0.1f), .blocks = t->blocks, .n_blocks = N_LAYER};
     t->w.token_embd = own_matrix(t, q8, N_VOCAB, N_EMBD, 1.0f);
     t->w.output = own_matrix(t, PYRT_FMT_F32, N_VOCAB, N_EMBD, 0.2f);
 }
@@ -210,6 +211,20 @@ static const float THRESHOLDS[N_LAYER] = {0.0f, 0.0f, 0.05f};
 typedef struct {
     float *kc[N_LAYER], *vc[N_LAYER];
 } tiny_cache;
+
+static const int64_t LAYER_FLOATS = (int64_t)N_KV * CAP * HD;
+
+static pyrt_kv_cache kv(tiny_cache *c) {
+    return (pyrt_kv_cache){.k = c->kc, .v = c->vc, .n_layer = N_LAYER, .cap = CAP,
+                           .layer_floats = LAYER_FLOATS};
+}
+
+/* expert arguments: thresholds [N_LAYER] or NULL, k, maps [N_LAYER] or NULL */
+static pyrt_expert_args experts_args(const float *thresholds, int k, const int32_t *const *maps) {
+    return (pyrt_expert_args){.thresholds = thresholds, .n_thresholds = thresholds ? N_LAYER : 0,
+                              .k = k, .maps = maps, .n_maps = maps ? N_LAYER : 0,
+                              .map_len = N_EXP};
+}
 
 static void cache_alloc(tiny_cache *c) {
     for (int l = 0; l < N_LAYER; l++) {
@@ -247,14 +262,17 @@ static void decode_tiny_opts(const tiny_model *t, const decode_opts *o, float *o
     cache_alloc(&c);
     const int k = o->k > 0 ? o->k : TOP_K;
     for (int pos = 0; pos < CAP && dec != NULL; pos++) {
-        pyrt_step_args a = {.token = (pos * 7 + 3) % N_VOCAB, .pos = pos, .k_cache = c.kc,
-                            .v_cache = c.vc, .cache_cap = CAP, .thresholds = o->thresholds,
-                            .k = o->k, .expert_maps = o->maps,
-                            .logits = out + (size_t)pos * N_VOCAB};
-        if (o->route_ids != NULL)
+        pyrt_step_args a = {.token = (pos * 7 + 3) % N_VOCAB, .pos = pos, .cache = kv(&c),
+                            .experts = experts_args(o->thresholds, o->k, o->maps),
+                            .logits = out + (size_t)pos * N_VOCAB, .logits_len = N_VOCAB};
+        if (o->route_ids != NULL) {
             a.route_ids = o->route_ids + (size_t)pos * N_LAYER * k;
-        if (o->route_logits != NULL)
+            a.route_ids_len = (int64_t)N_LAYER * k;
+        }
+        if (o->route_logits != NULL) {
             a.route_logits = o->route_logits + (size_t)pos * N_LAYER * N_EXP;
+            a.route_logits_len = (int64_t)N_LAYER * N_EXP;
+        }
         const int rc = o->pieces ? step_in_pieces(dec, pool, &a) : pyrt_decoder_step(dec, pool, &a);
         CHECK(rc == PYRT_OK, "step %d: %s", pos, pyrt_last_error());
         CHECK(a.n_active >= 0 && a.n_active <= 2 * (int64_t)k * N_FF, "n_active %lld",
@@ -397,8 +415,8 @@ static void test_step_errors(const tiny_model *t) {
     tiny_cache c;
     cache_alloc(&c);
     float logits[N_VOCAB];
-    const pyrt_step_args good = {.token = 1, .pos = 0, .k_cache = c.kc, .v_cache = c.vc,
-                                 .cache_cap = CAP, .logits = logits};
+    const pyrt_step_args good = {.token = 1, .pos = 0, .cache = kv(&c),
+                                 .logits = logits, .logits_len = N_VOCAB};
     pyrt_step_args a = good;
     a.token = N_VOCAB;
     CHECK(pyrt_decoder_step(dec, pool, &a) == PYRT_E_INVALID &&
@@ -417,21 +435,21 @@ static void test_step_errors(const tiny_model *t) {
     CHECK(pyrt_decoder_step(dec, pool, &a) == PYRT_E_INVALID, "NULL cache accepted");
     c.kc[1] = saved;
     const float bad_thr[N_LAYER] = {0.0f, -1.0f, 0.0f};
-    a.thresholds = bad_thr;
+    a.experts = experts_args(bad_thr, 0, NULL);
     CHECK(pyrt_decoder_step(dec, pool, &a) == PYRT_E_INVALID, "negative threshold accepted");
     CHECK(pyrt_decoder_ffn(dec, pool, 1, &a) == PYRT_E_INVALID, "ffn: negative threshold");
     a = good;
-    a.k = N_EXP + 1;
+    a.experts.k = N_EXP + 1;
     CHECK(pyrt_decoder_step(dec, pool, &a) == PYRT_E_INVALID &&
               strstr(pyrt_last_error(), "k=5 experts per token is outside [1, n_expert=4]") !=
                   NULL,
           "k 5 of 4: %s", pyrt_last_error());
-    a.k = -1;
+    a.experts.k = -1;
     CHECK(pyrt_decoder_step(dec, pool, &a) == PYRT_E_INVALID, "k -1 accepted");
     a = good;
     const int32_t bad_map[N_EXP] = {0, 1, 4, -1};
     const int32_t *maps[N_LAYER] = {NULL, NULL, bad_map};
-    a.expert_maps = maps;
+    a.experts = experts_args(NULL, 0, maps);
     CHECK(pyrt_decoder_step(dec, pool, &a) == PYRT_E_INVALID &&
               strstr(pyrt_last_error(), "expert map of layer 2: [2] = 4 is outside") != NULL,
           "map value 4 of 4 experts: %s", pyrt_last_error());
@@ -559,8 +577,9 @@ static void test_complementary_maps(const tiny_model *t) {
     const int32_t map_a[N_EXP] = {0, -1, 2, -1}, map_b[N_EXP] = {-1, 1, -1, 3};
     const int32_t *maps_a[N_LAYER] = {NULL, NULL, map_a}, *maps_b[N_LAYER] = {NULL, NULL, map_b};
     for (int pos = 0; pos < 3; pos++) {
-        pyrt_step_args a = {.token = 5 + pos, .pos = pos, .k_cache = c.kc, .v_cache = c.vc,
-                            .cache_cap = CAP, .thresholds = THRESHOLDS, .logits = logits};
+        pyrt_step_args a = {.token = 5 + pos, .pos = pos, .cache = kv(&c),
+                            .experts = experts_args(THRESHOLDS, 0, NULL), .logits = logits,
+                            .logits_len = N_VOCAB};
         int rc = pyrt_decoder_begin(dec, pool, &a);
         for (int l = 0; l < 2 && rc == PYRT_OK; l++) {
             rc = pyrt_decoder_attention(dec, pool, l, &a);
@@ -569,19 +588,22 @@ static void test_complementary_maps(const tiny_model *t) {
         rc = rc == PYRT_OK ? pyrt_decoder_attention(dec, pool, 2, &a) : rc;
         rc = rc == PYRT_OK ? pyrt_decoder_read_x(dec, x0) : rc;
         const int64_t before = a.n_pairs;
-        a.expert_maps = maps_a;
+        a.experts.maps = maps_a;
+        a.experts.n_maps = N_LAYER;
+        a.experts.map_len = N_EXP;
         rc = rc == PYRT_OK ? pyrt_decoder_ffn(dec, pool, 2, &a) : rc;
         rc = rc == PYRT_OK ? pyrt_decoder_read_x(dec, xa) : rc;
         const int64_t pairs_a = a.n_pairs - before;
         rc = rc == PYRT_OK ? pyrt_decoder_write_x(dec, x0) : rc;
-        a.expert_maps = maps_b;
+        a.experts.maps = maps_b;
         rc = rc == PYRT_OK ? pyrt_decoder_ffn(dec, pool, 2, &a) : rc;
         rc = rc == PYRT_OK ? pyrt_decoder_read_x(dec, xb) : rc;
         const int64_t pairs_b = a.n_pairs - before - pairs_a;
         rc = rc == PYRT_OK ? pyrt_decoder_write_x(dec, x0) : rc;
-        a.expert_maps = NULL;
+        a.experts.maps = NULL;
         float route_logits[N_LAYER * N_EXP];
         a.route_logits = route_logits;
+        a.route_logits_len = N_LAYER * N_EXP;
         rc = rc == PYRT_OK ? pyrt_decoder_ffn(dec, pool, 2, &a) : rc;
         rc = rc == PYRT_OK ? pyrt_decoder_read_x(dec, xf) : rc;
         /* route_logits: the router's (F32) logits of rms_norm(x0) * ffn_norm, before softmax */
@@ -594,8 +616,8 @@ static void test_complementary_maps(const tiny_model *t) {
             const float *row = (const float *)b->router.data + (size_t)e * N_EMBD;
             double z = 0.0, zabs = 0.0;
             for (int i = 0; i < N_EMBD; i++) {
-                z += row[i] * (x0[i] * r * b->ffn_norm[i]);
-                zabs += fabs(row[i] * (x0[i] * r * b->ffn_norm[i]));
+                z += row[i] * (x0[i] * r * b->ffn_norm.data[i]);
+                zabs += fabs(row[i] * (x0[i] * r * b->ffn_norm.data[i]));
             }
             CHECK(fabs(route_logits[2 * N_EXP + e] - z) <= 1e-5 * zabs + 1e-7,
                   "pos %d: router logit %d is %g, want %g", pos, e, route_logits[2 * N_EXP + e],
@@ -672,6 +694,169 @@ static void test_unaligned_experts(void) {
     free_tiny(&t);
 }
 
+/* ---- 5. every length the decoder reads ---------------------------------------------------
+ * Each case hands the decoder a buffer that is exactly as long as the length it declares, and
+ * shorter than the model needs: the check must refuse it, naming it. Without the check the call
+ * goes on and reads (or writes) past the buffer, which ASan reports (a step runs when a create
+ * is wrongly accepted, so the overflow happens inside this program). */
+
+/* One decode step on dec (3 threads), arguments `a` (NULL: a plain step on a fresh cache). */
+static int one_step(pyrt_decoder *dec, pyrt_step_args *a) {
+    pyrt_pool *pool = NULL;
+    CHECK(pyrt_pool_create(3, NULL, &pool) == PYRT_OK, "pool");
+    tiny_cache c;
+    cache_alloc(&c);
+    float logits[N_VOCAB];
+    pyrt_step_args plain = {.token = 3, .pos = 0, .cache = kv(&c), .logits = logits,
+                            .logits_len = N_VOCAB};
+    const int rc = pyrt_decoder_step(dec, pool, a != NULL ? a : &plain);
+    cache_free(&c);
+    pyrt_pool_free(pool);
+    return rc;
+}
+
+/* pyrt_decoder_create(w) must fail with `name` in the message; a decoder it wrongly made runs a
+ * step (the overflow ASan reports). */
+static void expect_create_refused(const pyrt_model_weights *w, const char *name) {
+    pyrt_decoder *dec = NULL;
+    const int rc = pyrt_decoder_create(w, &dec);
+    CHECK(rc == PYRT_E_INVALID && dec == NULL && strstr(pyrt_last_error(), name) != NULL,
+          "%s: create gave %d: %s", name, rc, pyrt_last_error());
+    if (dec != NULL) {
+        one_step(dec, NULL);
+        pyrt_decoder_free(dec);
+    }
+}
+
+/* A vector field of the tiny model replaced by a buffer of n elements declared as n. */
+static void short_vector(tiny_model *t, pyrt_vector *field, int n, const char *name) {
+    const pyrt_vector saved = *field;
+    float *buf = make_vec(n, 1.0f, 0.1f);
+    *field = vec(buf, n);
+    expect_create_refused(&t->w, name);
+    *field = saved;
+    free(buf);
+}
+
+static void test_weight_lengths(void) {
+    tiny_model t;
+    build_tiny(&t);
+    const int nq = N_HEAD * HD;
+    short_vector(&t, &t.blocks[2].attn_norm, 1, "blk.2.attn_norm has 1 elements");
+    short_vector(&t, &t.blocks[1].ffn_norm, N_EMBD - 1, "blk.1.ffn_norm");
+    short_vector(&t, &t.w.output_norm, 1, "output_norm has 1 elements, the model needs 64");
+    short_vector(&t, &t.blocks[0].bq, nq - 1, "blk.0.attn_q.bias");
+    short_vector(&t, &t.blocks[0].bk, 1, "blk.0.attn_k.bias");
+    short_vector(&t, &t.blocks[0].bv, 1, "blk.0.attn_v.bias");
+    short_vector(&t, &t.blocks[0].q_norm, HD - 1, "blk.0.attn_q_norm");     /* per head */
+    short_vector(&t, &t.blocks[1].k_norm, N_KV * HD - 1, "blk.1.attn_k_norm"); /* all heads */
+    short_vector(&t, &t.blocks[0].sh_gate_inp, 1, "blk.0.ffn_gate_inp_shexp");
+    short_vector(&t, &t.w.rope_inv_freq, 3, "rope_inv_freq has 3 elements, the model needs 4");
+    /* a norm's pointer without its length is refused too (a length of 0 would read nothing) */
+    const pyrt_vector saved = t.blocks[0].attn_norm;
+    t.blocks[0].attn_norm.n = 0;
+    expect_create_refused(&t.w, "blk.0.attn_norm has 0 elements");
+    t.blocks[0].attn_norm.n = N_EMBD; /* and a length without its pointer */
+    t.blocks[0].attn_norm.data = NULL;
+    expect_create_refused(&t.w, "blk.0.attn_norm is NULL");
+    t.blocks[0].attn_norm = saved;
+    /* the blocks array: as long as it says, shorter than n_layer */
+    pyrt_block_weights *two = malloc(2 * sizeof *two);
+    memcpy(two, t.blocks, 2 * sizeof *two);
+    t.w.blocks = two;
+    t.w.n_blocks = 2;
+    expect_create_refused(&t.w, "blocks holds 2 entries");
+    t.w.blocks = t.blocks;
+    t.w.n_blocks = N_LAYER;
+    free(two);
+    pyrt_decoder *dec = NULL;
+    CHECK(pyrt_decoder_create(&t.w, &dec) == PYRT_OK, "restored: %s", pyrt_last_error());
+    pyrt_decoder_free(dec);
+    free_tiny(&t);
+}
+
+/* A step with argument `a`, which holds a buffer declared as long as it is and too short:
+ * refused with `name` in the message (else the step writes or reads past it). */
+static void expect_step_refused(pyrt_decoder *dec, pyrt_step_args *a, const char *name) {
+    const int rc = one_step(dec, a);
+    CHECK(rc == PYRT_E_INVALID && strstr(pyrt_last_error(), name) != NULL, "%s: step gave %d: %s",
+          name, rc, pyrt_last_error());
+}
+
+static void test_call_lengths(void) {
+    tiny_model t;
+    build_tiny(&t);
+    pyrt_decoder *dec = NULL;
+    CHECK(pyrt_decoder_create(&t.w, &dec) == PYRT_OK, "create: %s", pyrt_last_error());
+    /* the KV cache: each layer one position short of the capacity it declares */
+    const int64_t short_floats = LAYER_FLOATS - HD;
+    float *kc[N_LAYER], *vc[N_LAYER];
+    for (int l = 0; l < N_LAYER; l++) {
+        kc[l] = calloc((size_t)short_floats, sizeof(float));
+        vc[l] = calloc((size_t)short_floats, sizeof(float));
+    }
+    float logits[N_VOCAB];
+    pyrt_step_args a = {.token = 3, .pos = CAP - 1, .logits = logits, .logits_len = N_VOCAB,
+                        .cache = {.k = kc, .v = vc, .n_layer = N_LAYER, .cap = CAP,
+                                  .layer_floats = short_floats}};
+    expect_step_refused(dec, &a, "needs 224 floats per layer");
+    a.cache.n_layer = N_LAYER - 1; /* k and v arrays of fewer layers than the model */
+    a.cache.layer_floats = LAYER_FLOATS;
+    expect_step_refused(dec, &a, "must hold n_layer=3 layers, got 2");
+    for (int l = 0; l < N_LAYER; l++) {
+        free(kc[l]);
+        free(vc[l]);
+    }
+    tiny_cache c;
+    cache_alloc(&c);
+    const pyrt_step_args good = {.token = 3, .pos = 0, .cache = kv(&c), .logits = logits,
+                                 .logits_len = N_VOCAB};
+    /* per-layer inputs shorter than n_layer */
+    float *thr = calloc(N_LAYER - 1, sizeof(float));
+    a = good;
+    a.experts = (pyrt_expert_args){.thresholds = thr, .n_thresholds = N_LAYER - 1};
+    expect_step_refused(dec, &a, "thresholds holds 2 entries");
+    free(thr);
+    const int32_t **maps = malloc((N_LAYER - 1) * sizeof *maps);
+    int32_t *short_map = malloc((N_EXP - 1) * sizeof *short_map);
+    for (int e = 0; e < N_EXP - 1; e++)
+        short_map[e] = e;
+    for (int l = 0; l < N_LAYER - 1; l++)
+        maps[l] = NULL;
+    a = good;
+    a.experts = (pyrt_expert_args){.maps = maps, .n_maps = N_LAYER - 1, .map_len = N_EXP};
+    expect_step_refused(dec, &a, "2 maps of 4 entries");
+    free(maps);
+    const int32_t *full[N_LAYER] = {short_map, NULL, short_map};
+    a.experts = (pyrt_expert_args){.maps = full, .n_maps = N_LAYER, .map_len = N_EXP - 1};
+    expect_step_refused(dec, &a, "3 maps of 3 entries");
+    free(short_map);
+    /* outputs shorter than the model's */
+    float *short_logits = malloc((N_VOCAB - 1) * sizeof(float));
+    a = good;
+    a.logits = short_logits;
+    a.logits_len = N_VOCAB - 1;
+    expect_step_refused(dec, &a, "logits is too short");
+    free(short_logits);
+    int32_t *ids = malloc(((size_t)N_LAYER * TOP_K - 1) * sizeof *ids);
+    a = good;
+    a.route_ids = ids;
+    a.route_ids_len = N_LAYER * TOP_K - 1;
+    expect_step_refused(dec, &a, "route_ids holds 5 entries");
+    free(ids);
+    float *rl = malloc(((size_t)N_LAYER * N_EXP - 1) * sizeof *rl);
+    a = good;
+    a.route_logits = rl;
+    a.route_logits_len = N_LAYER * N_EXP - 1;
+    expect_step_refused(dec, &a, "route_logits holds 11 floats");
+    free(rl);
+    a = good;
+    CHECK(one_step(dec, &a) == PYRT_OK, "after the refusals: %s", pyrt_last_error());
+    cache_free(&c);
+    pyrt_decoder_free(dec);
+    free_tiny(&t);
+}
+
 int main(void) {
     for (int fmt = 0; fmt < 2; fmt++)
         for (int threads = 1; threads <= 3; threads += 2)
@@ -686,6 +871,8 @@ int main(void) {
     free_tiny(&t);
     test_linear_errors();
     test_unaligned_experts();
+    test_weight_lengths();
+    test_call_lengths();
     if (failures) {
         printf("%d C decode test(s) failed\n", failures);
         return 1;
