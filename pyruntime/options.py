@@ -110,7 +110,8 @@ OPTIONS: tuple[Option, ...] = (
         "cuda or cuda:N", ("--device",), DECODING, metavar="D",
     ),
     Option(
-        "threads", None, "CPU threads (default: physical cores)", ("-t", "--threads"),
+        "threads", None, "CPU threads (default: physical cores; more than the CPUs this process "
+        "may use are capped to them, with a warning)", ("-t", "--threads"),
         DECODING + ("calibrate",), parse=int, bounds=_ints(1),
     ),
     Option(

@@ -143,6 +143,11 @@ def physical_cores() -> int:
     return int(_lib().pyrt_physical_cores())
 
 
+def logical_cpus() -> int:
+    """Logical CPUs this process may run on (its affinity mask)."""
+    return int(_lib().pyrt_logical_cpus())
+
+
 def simd_level() -> str:
     """The SIMD level the kernels use now: 'scalar', 'avx2' or 'avx512'."""
     level = int(_lib().pyrt_simd_active())

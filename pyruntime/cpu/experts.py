@@ -12,6 +12,7 @@ import sys
 import torch
 
 from pyruntime.cpu.core import CoreError, CpuCore
+from pyruntime.cpu.threads import resolve_threads
 from pyruntime.experts.store import ExpertStore
 from pyruntime.model.reference import moe_ffn_torch
 
@@ -49,13 +50,14 @@ class CpuCoreBackend:
 
 
 def make_expert_backend(kind: str = "auto", threads: int | None = None):
-    """'c' (the C core), 'torch' (reference), or 'auto' (C core when it is built, else torch)."""
+    """'c' (the C core), 'torch' (reference), or 'auto' (C core when it is built, else torch).
+    threads: the C core's (None: the physical cores; checked by resolve_threads)."""
     if kind == "torch":
         return moe_ffn_torch
     if kind not in ("c", "auto"):
         raise ValueError(f"unknown expert backend '{kind}' (use auto, c or torch)")
     try:
-        return CpuCoreBackend(threads)
+        return CpuCoreBackend(resolve_threads(threads))
     except CoreError as exc:
         if kind == "c" or "not found" not in str(exc):
             raise

@@ -69,9 +69,15 @@ typedef struct pyrt_pool pyrt_pool;
  * call on that pool. Every setting gives the same results bit for bit (tests/c compares them);
  * they trade speed only. Fill the defaults with pyrt_params_default, then change fields. */
 typedef struct {
-    int spin_us;                 /* microseconds an idle worker (or the caller waiting for one)
-                                    spins before sleeping; default 300. Longer: cheaper hand-offs
-                                    after longer gaps, more CPU burnt between calls. 0..1000000 */
+    int spin_us;                 /* microseconds a thread waiting inside the pool (an idle worker,
+                                    the caller waiting for the workers, a task's thread waiting
+                                    for another's result) spins before it sleeps; default 300.
+                                    Longer: cheaper hand-offs after longer gaps, more CPU burnt
+                                    that another process may need. 0..1000000 */
+    int adapt_to_load;           /* 1 (default): when a task had to wait for a worker that the OS
+                                    preempted (another process holds its core), the caller runs
+                                    the tasks alone for a while (2 ms, doubling while it lasts, up
+                                    to 128 ms), then tries the workers again; 0: never */
     int idle_prefetch;           /* 1 (default): threads waiting for a task, or for the others at
                                     its end, prefetch the next task's weight rows into their L2
                                     (the decode step names them); 0: they only spin */
@@ -115,7 +121,10 @@ int pyrt_simd_force(int level);
 
 /* Thread pool of n_threads workers in all (the calling thread is one of them, so n_threads - 1
  * threads are started). Create once and reuse: kernels split their work across it. Calls on one
- * pool are serialized (a mutex), so one pool may be shared by several Python threads.
+ * pool are serialized (a mutex), so one pool may be shared by several Python threads. Its threads
+ * spin for a bounded time (params.spin_us), then sleep; a worker another process holds off its
+ * core is not waited for unless it holds a share of the work, and under such load the calling
+ * thread runs alone for a while (params.adapt_to_load). Results never depend on either.
  * params: copied; NULL = pyrt_params_default's. */
 int pyrt_pool_create(int n_threads, const pyrt_params *params, pyrt_pool **out);
 void pyrt_pool_free(pyrt_pool *pool);
@@ -262,7 +271,8 @@ typedef struct {
     float *const *v;             /* [n_layer]: layer i's values */
     int n_layer;                 /* entries of k and v: the model's n_layer */
     int cap;                     /* positions each layer is laid out for */
-    int64_t layer_floats;        /* floats each k[i] and v[i] holds: >= n_head_kv * cap * head_dim */
+    int64_t layer_floats;        /* floats each k[i] and v[i] holds (>= n_head_kv * cap *
+                                    head_dim) */
 } pyrt_kv_cache;
 
 /* How a call's routed experts run. Zero-initialized: dense, the model's k, every expert here. */

@@ -96,7 +96,9 @@ static void rope(float *x, int n_heads, int hd, int rope_dim, const float *cs) {
 
 pyrt_mv_job pyrt_attention_qkv_job(const pyrt_attention *a, const pyrt_block_weights *b) {
     return (pyrt_mv_job){
-        .out = {{&b->wq, b->bq.data, a->q, 0}, {&b->wk, b->bk.data, a->k, 0}, {&b->wv, b->bv.data, a->v, 0}},
+        .out = {{&b->wq, b->bq.data, a->q, 0},
+                {&b->wk, b->bk.data, a->k, 0},
+                {&b->wv, b->bv.data, a->v, 0}},
         .n_mats = 3,
         .clamp = a->clamp_kqv,
     };
@@ -206,7 +208,7 @@ static void qkv_rows_done(void *p, int64_t lo, int64_t hi) {
     const int hd = t->a->head_dim;
     for (int64_t u = lo / hd; u * hd < hi; u++) {
         const int64_t a = lo > u * hd ? lo : u * hd, e = hi < (u + 1) * hd ? hi : (u + 1) * hd;
-        atomic_fetch_add_explicit(&t->a->rows_done[u], (int)(e - a), memory_order_release);
+        pyrt_pool_flag_add(t->pool, &t->a->rows_done[u], (int)(e - a));
     }
 }
 
@@ -232,7 +234,7 @@ void pyrt_attention_task(void *p, int ith, int nth) {
             const size_t at = ((size_t)kvh * t->l.cap + t->l.pos) * hd;
             memcpy(t->l.kc + at, k, (size_t)hd * sizeof(float));
             memcpy(t->l.vc + at, v, (size_t)hd * sizeof(float));
-            atomic_store_explicit(&a->kv_ready[kvh], 1, memory_order_release);
+            pyrt_pool_flag_store(t->pool, &a->kv_ready[kvh], 1);
         } else {
             pyrt_pool_wait_flag(t->pool, &a->kv_ready[kvh], 1, ith);
         }
@@ -244,7 +246,7 @@ void pyrt_attention_task(void *p, int ith, int nth) {
         if (atomic_fetch_add_explicit(&a->heads_done, 1, memory_order_acq_rel) == a->n_head - 1) {
             if (t->o_blocked)
                 pyrt_quantize_x_q8(a->att, a->att_q, a->n_head * hd);
-            atomic_store_explicit(&a->att_ready, 1, memory_order_release);
+            pyrt_pool_flag_store(t->pool, &a->att_ready, 1);
         }
     }
     pyrt_pool_wait_flag(t->pool, &a->att_ready, 1, ith);
@@ -296,10 +298,14 @@ void pyrt_attention_run(pyrt_attention *a, pyrt_pool *pool, const pyrt_attn_laye
         pyrt_rms_norm(a->q, b->q_norm.data, a->rms_eps, nq, a->q);
         pyrt_rms_norm(a->k, b->k_norm.data, a->rms_eps, nkv, a->k);
     } else if (b->q_norm.data != NULL) { /* qwen3moe: per head */
-        for (int h = 0; h < a->n_head; h++)
-            pyrt_rms_norm(a->q + (size_t)h * hd, b->q_norm.data, a->rms_eps, hd, a->q + (size_t)h * hd);
-        for (int h = 0; h < a->n_head_kv; h++)
-            pyrt_rms_norm(a->k + (size_t)h * hd, b->k_norm.data, a->rms_eps, hd, a->k + (size_t)h * hd);
+        for (int h = 0; h < a->n_head; h++) {
+            float *q = a->q + (size_t)h * hd;
+            pyrt_rms_norm(q, b->q_norm.data, a->rms_eps, hd, q);
+        }
+        for (int h = 0; h < a->n_head_kv; h++) {
+            float *k = a->k + (size_t)h * hd;
+            pyrt_rms_norm(k, b->k_norm.data, a->rms_eps, hd, k);
+        }
     }
     rope(a->q, a->n_head, hd, a->rope_dim, a->rope_cs);
     rope(a->k, a->n_head_kv, hd, a->rope_dim, a->rope_cs);

@@ -74,7 +74,7 @@ static void o_rows_done(void *p, int64_t lo, int64_t hi) {
         pyrt_quantize_x_q8(d->xn, d->xq, w->n_embd);
     pyrt_pool_plan_switch(c->at.pool, &c->after);
     c->t_ffn = pyrt_now_ns(); /* read by the caller after the run */
-    atomic_store_explicit(&d->ffn_ready, 1, memory_order_release);
+    pyrt_pool_flag_store(c->at.pool, &d->ffn_ready, 1);
 }
 
 static void task_attention_then_ffn_in(void *p, int ith, int nth) {

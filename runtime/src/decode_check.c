@@ -158,8 +158,9 @@ int pyrt_decoder_check_model(const pyrt_model_weights *w, int *max_ff) {
     if (!(w->rope_scale >= 0.0f) || isinf(w->rope_scale))
         return pyrt_fail(PYRT_E_INVALID, "%s: rope_scale must be finite and >= 0 (0: 1)", fn);
     if (w->blocks == NULL || w->n_blocks != w->n_layer)
-        return pyrt_fail(PYRT_E_INVALID, "%s: blocks holds %d entries (%s), the model has n_layer=%d",
-                         fn, w->n_blocks, w->blocks == NULL ? "NULL" : "set", w->n_layer);
+        return pyrt_fail(PYRT_E_INVALID,
+                         "%s: blocks holds %d entries (%s), the model has n_layer=%d", fn,
+                         w->n_blocks, w->blocks == NULL ? "NULL" : "set", w->n_layer);
     CHECK(check_vector(&w->output_norm, w->n_embd, 0, "output_norm", -1));
     if (!(w->logit_scale != 0.0f) || !(w->rms_eps >= 0.0f) || !(w->clamp_kqv >= 0.0f))
         return pyrt_fail(PYRT_E_INVALID, "%s: logit_scale must be non-zero, rms_eps and clamp_kqv "

@@ -149,7 +149,7 @@ int pyrt_decode_ffn(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weights *
     /* The routed experts' rows are known only after the router. Its run gets the plan of the
      * experts' run (the shared down or the next block's q/k/v): the threads' wait at its end and
      * through top-k and pyrt_moe_ffn's set-up (the DRAM idled there) start on it, and the
-     * experts' run goes on from where they stopped (same plan: pool.c). */
+     * experts' run goes on from where they stopped (same plan: pool_prefetch.c). */
     const pyrt_mv_job sh_down = {.out = {{&b->sh_down, NULL, d->ys, 0}}, .n_mats = 1};
     const pyrt_mv_job *after = shared ? &sh_down : next;
     pyrt_pool_plan_job(pool, after);

@@ -243,19 +243,26 @@ void pyrt_pool_plan_job(pyrt_pool *pool, const pyrt_mv_job *next) {
 
 /* ---- pyrt_linear --------------------------------------------------------------------------- */
 
+enum { QUANTIZE_TOKENS = 8 }; /* tokens a thread quantizes per claim */
+
 typedef struct {
     const float *x;
     pyrt_xq8 *xq;
     int n_tokens, n_in;
+    atomic_int next; /* next token to claim */
 } quantize_ctx;
 
 static void task_quantize(void *p, int ith, int nth) {
+    (void)ith;
+    (void)nth;
     quantize_ctx *c = p;
-    const int t_lo = (int)((int64_t)c->n_tokens * ith / nth);
-    const int t_hi = (int)((int64_t)c->n_tokens * (ith + 1) / nth);
     const size_t nb = (size_t)c->n_in / PYRT_QK;
-    for (int t = t_lo; t < t_hi; t++)
-        pyrt_quantize_x_q8(c->x + (size_t)t * c->n_in, c->xq + (size_t)t * nb, c->n_in);
+    for (int t0; (t0 = atomic_fetch_add_explicit(&c->next, QUANTIZE_TOKENS,
+                                                 memory_order_relaxed)) < c->n_tokens;) {
+        const int t1 = c->n_tokens - t0 < QUANTIZE_TOKENS ? c->n_tokens : t0 + QUANTIZE_TOKENS;
+        for (int t = t0; t < t1; t++)
+            pyrt_quantize_x_q8(c->x + (size_t)t * c->n_in, c->xq + (size_t)t * nb, c->n_in);
+    }
 }
 
 int pyrt_linear(pyrt_pool *pool, const pyrt_matrix *w, const float *x, int n_tokens,
@@ -290,6 +297,7 @@ int pyrt_linear(pyrt_pool *pool, const pyrt_matrix *w, const float *x, int n_tok
                              (size_t)n_tokens * nb * sizeof(pyrt_xq8));
         }
         quantize_ctx qc = {.x = x, .xq = xq, .n_tokens = n_tokens, .n_in = w->n_in};
+        atomic_init(&qc.next, 0);
         if ((int64_t)n_tokens * w->n_in <= SERIAL_QUANTIZE_MAX)
             task_quantize(&qc, 0, 1);
         else

@@ -1,7 +1,10 @@
 /* pyrt_mem_read: a stream-like DRAM read test on the same thread pool the kernels use, so the
- * benchmark can put the kernels' bytes/s next to what this machine's memory delivers. Each thread
- * sums the 64-bit words of its contiguous slice (the sum is returned so nothing is optimized away).
- */
+ * benchmark can put the kernels' bytes/s next to what this machine's memory delivers. The threads
+ * sum the 64-bit words of contiguous 1 MiB pieces they claim in order (the sum is returned so
+ * nothing is optimized away). */
+#include <stdatomic.h>
+#include <string.h>
+
 #include "error.h"
 #include "pool.h"
 
@@ -42,22 +45,33 @@ static uint64_t sum_scalar(const uint8_t *p, size_t n) {
     return sum;
 }
 
+enum { READ_PIECE = 1 << 20 }; /* bytes a thread claims at a time (a multiple of 128) */
+
 typedef struct {
     const uint8_t *buf;
     size_t bytes;
+    atomic_size_t next;      /* the next piece's offset */
     uint64_t sums[1024 * 8]; /* one per thread, a cache line apart */
 } read_ctx;
 
-static void task_read(void *p, int ith, int nth) {
-    read_ctx *c = p;
-    const size_t lo = c->bytes * ith / nth, hi = c->bytes * (ith + 1) / nth;
+static uint64_t sum_bytes(const uint8_t *p, size_t n) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    if (pyrt_simd_active() >= PYRT_SIMD_AVX2) {
-        c->sums[ith * 8] = sum_avx2(c->buf + lo, hi - lo);
-        return;
-    }
+    if (pyrt_simd_active() >= PYRT_SIMD_AVX2)
+        return sum_avx2(p, n);
 #endif
-    c->sums[ith * 8] = sum_scalar(c->buf + lo, hi - lo);
+    return sum_scalar(p, n);
+}
+
+/* Pieces of READ_PIECE bytes claimed in order: each thread streams its pieces, and one that
+ * starts late reads fewer. */
+static void task_read(void *p, int ith, int nth) {
+    (void)nth;
+    read_ctx *c = p;
+    uint64_t sum = 0;
+    for (size_t lo; (lo = atomic_fetch_add_explicit(&c->next, READ_PIECE,
+                                                    memory_order_relaxed)) < c->bytes;)
+        sum += sum_bytes(c->buf + lo, c->bytes - lo < READ_PIECE ? c->bytes - lo : READ_PIECE);
+    c->sums[ith * 8] = sum;
 }
 
 int pyrt_mem_read(pyrt_pool *pool, const void *buf, size_t bytes, uint64_t *checksum) {
@@ -67,6 +81,8 @@ int pyrt_mem_read(pyrt_pool *pool, const void *buf, size_t bytes, uint64_t *chec
     static _Thread_local read_ctx c; /* 64 KiB: off the stack */
     c.buf = buf;
     c.bytes = bytes;
+    atomic_init(&c.next, 0);
+    memset(c.sums, 0, sizeof c.sums);
     pyrt_pool_acquire(pool);
     pyrt_pool_run(pool, task_read, &c);
     uint64_t sum = 0;

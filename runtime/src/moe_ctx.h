@@ -14,7 +14,8 @@ enum {
     TOKEN_BLOCK = 64,         /* tokens whose routes are planned together (one pool hand-off) */
     MAX_ITEMS_PER_THREAD = 8, /* guided items come to ~6.2 per thread */
     ITEMS_ACC_BYTES = 16 << 20, /* cap on the work items' partial ys together */
-    SERIAL_QUANTIZE_MAX = 1 << 15 /* activations (tokens * n_embd) quantized without the pool */
+    SERIAL_QUANTIZE_MAX = 1 << 15, /* activations (tokens * n_embd) quantized without the pool */
+    QUANTIZE_TOKENS = 8            /* tokens a thread quantizes per claim */
 };
 
 typedef struct {

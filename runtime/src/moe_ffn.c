@@ -24,39 +24,41 @@
 
 /* ---- tasks --------------------------------------------------------------------------------- */
 
+/* The activations' Q8 blocks, QUANTIZE_TOKENS tokens per claim (next_item: reset before). */
 static void task_quantize(void *p, int ith, int nth) {
+    (void)ith;
+    (void)nth;
     moe_ctx *c = p;
     const int nb = c->n_embd / PYRT_QK;
-    const int t_lo = (int)((int64_t)c->n_tokens * ith / nth);
-    const int t_hi = (int)((int64_t)c->n_tokens * (ith + 1) / nth);
-    for (int t = t_lo; t < t_hi; t++)
-        pyrt_quantize_x_q8(c->x + (size_t)t * c->n_embd, c->xq + (size_t)t * nb, c->n_embd);
+    for (int t0; (t0 = atomic_fetch_add_explicit(c->next_item, QUANTIZE_TOKENS,
+                                                 memory_order_relaxed)) < c->n_tokens;) {
+        const int t1 = c->n_tokens - t0 < QUANTIZE_TOKENS ? c->n_tokens : t0 + QUANTIZE_TOKENS;
+        for (int t = t0; t < t1; t++)
+            pyrt_quantize_x_q8(c->x + (size_t)t * c->n_embd, c->xq + (size_t)t * nb, c->n_embd);
+    }
 }
 
 /* One token block in one hand-off to the pool. (1) Threads take work items from a shared
  * counter: a thread that the OS preempts or that runs on a busier core delays the block by one
- * item, not by its whole share. (2) A thread out of items takes one of nth - 1 ranges of y (if
- * one is left) and sums the items' partial ys there in item order, each item as soon as it is
- * done: the sums run while the last items are computed, and the result does not depend on
- * which thread ran which item. */
+ * item, not by its whole share. (2) A thread out of items takes one of nth - 1 ranges of y at a
+ * time (while some are left) and sums the items' partial ys there in item order, each item as
+ * soon as it is done: the sums run while the last items are computed, and the result does not
+ * depend on which thread ran which item. */
 static void task_block(void *p, int ith, int nth) {
     moe_ctx *c = p;
     c->active[(size_t)ith * 8] += pyrt_moe_run_items(c);
     const int n_ranges = nth > 1 ? nth - 1 : 1;
-    const int range = atomic_fetch_add_explicit(c->next_slice, 1, memory_order_relaxed);
-    if (range < n_ranges) {
+    for (int range; (range = atomic_fetch_add_explicit(c->next_slice, 1, memory_order_relaxed)) <
+                    n_ranges;) {
         /* whole cache lines (16 floats) per range */
         const size_t n = (size_t)c->tb * c->n_embd, lines = (n + 15) / 16;
         const size_t lo = lines * range / n_ranges * 16;
         const size_t end = lines * (range + 1) / n_ranges * 16;
         const size_t hi = end < n ? end : n;
         float *y = c->y + (size_t)c->t0 * c->n_embd;
-        int pf_more = 1; /* while waiting, prefetch this thread's home of the pool's plan */
         int pf_next = 0; /* the next item whose part of the range is not prefetched */
         for (int item = 0; item < c->n_items; item++) {
-            for (int spins = 0; !atomic_load_explicit(&c->item_done[item], memory_order_acquire);)
-                if (!pf_more || !(pf_more = pyrt_pool_idle_prefetch(c->pool, ith)))
-                    pyrt_spin_pause(++spins);
+            pyrt_pool_wait_flag(c->pool, &c->item_done[item], 1, ith);
             /* The partial ys sit in the caches of the cores that made them: ask for the ranges
              * of the done items up to reduce_pf on, so the remote reads overlap (at the end of a
              * call every item is done and the sums are a chain of ~100 such reads). */
@@ -289,6 +291,7 @@ int pyrt_moe_ffn(pyrt_pool *pool, const pyrt_experts *experts, const float *x, i
     }
     if (c.xq != NULL) {
         /* A few tokens take microseconds: cheaper on this thread than a hand-off to the pool. */
+        atomic_store_explicit(c.next_item, 0, memory_order_relaxed);
         if ((int64_t)n_tokens * c.n_embd <= SERIAL_QUANTIZE_MAX)
             task_quantize(&c, 0, 1);
         else
@@ -328,7 +331,7 @@ static void router_rows_done(void *p, int64_t lo, int64_t hi) {
         return;
     c->route(c->route_ctx, c->route_ids, c->route_wts);
     pyrt_moe_plan_token_block(c);
-    atomic_store_explicit(&c->planned, 1, memory_order_release);
+    pyrt_pool_flag_store(c->pool, &c->planned, 1);
 }
 
 static void task_routed(void *p, int ith, int nth) {
@@ -336,10 +339,7 @@ static void task_routed(void *p, int ith, int nth) {
     if (c->before != NULL)
         c->before(c->before_ctx, ith, nth);
     pyrt_mv_task(c->router, ith, nth);
-    int pf_more = 1;
-    for (int spins = 0; !atomic_load_explicit(&c->planned, memory_order_acquire);)
-        if (!pf_more || !(pf_more = pyrt_pool_idle_prefetch(c->pool, ith)))
-            pyrt_spin_pause(++spins);
+    pyrt_pool_wait_flag(c->pool, &c->planned, 1, ith);
     task_block(c, ith, nth);
 }
 
@@ -357,6 +357,7 @@ int pyrt_moe_ffn_routed(pyrt_pool *pool, pyrt_task_fn before, void *before_ctx,
         if (xq != NULL) /* the router's job quantized x the same way */
             c.xv = (const uint8_t *)xq;
         else {
+            atomic_store_explicit(c.next_item, 0, memory_order_relaxed);
             task_quantize(&c, 0, 1);
             c.xv = (const uint8_t *)c.xq;
         }

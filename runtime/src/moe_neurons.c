@@ -359,7 +359,7 @@ static void sparse_finish(const moe_ctx *c, sparse_chunk *ch, int prefetched, ga
 }
 
 static inline void mark_item_done(const moe_ctx *c, int item) {
-    atomic_store_explicit(&c->item_done[item], 1, memory_order_release);
+    pyrt_pool_flag_store(c->pool, &c->item_done[item], 1);
 }
 
 /* Finishes the pipeline's pending chunk; marks its item done when the thread has moved on to

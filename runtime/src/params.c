@@ -9,6 +9,7 @@
 void pyrt_params_default(pyrt_params *p) {
     *p = (pyrt_params){
         .spin_us = 300,
+        .adapt_to_load = 1,
         .idle_prefetch = 1,
         .vnni = 1,
         .matvec_prefetch_rows = 2,    /* 2 streamed a 650 MB Q8_0 matrix 12-14% faster than 4 on
@@ -28,6 +29,7 @@ int pyrt_params_check(const pyrt_params *p, const char *fn) {
         int value, lo, hi;
     } fields[] = {
         {"spin_us", p->spin_us, 0, 1000000},
+        {"adapt_to_load", p->adapt_to_load, 0, 1},
         {"idle_prefetch", p->idle_prefetch, 0, 1},
         {"vnni", p->vnni, 0, 1},
         {"matvec_prefetch_rows", p->matvec_prefetch_rows, 0, 64},

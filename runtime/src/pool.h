@@ -1,6 +1,6 @@
-/* The thread pool (pool.c): n_threads - 1 workers plus the calling thread, running one task at a
- * time on all of them; what its threads prefetch while they wait; its params, row kernels and
- * scratch memory. */
+/* The thread pool (pool_threads.c, pool_wait.c, pool_prefetch.c): n_threads - 1 workers plus the
+ * calling thread, running one task at a time; what its threads prefetch while they wait; its
+ * params, row kernels and scratch memory. */
 #ifndef PYRT_POOL_H
 #define PYRT_POOL_H
 
@@ -11,18 +11,19 @@
 #include "pyrt.h"
 #include "rows.h"
 
-/* A task runs once on every thread of the pool: ith in [0, nth), ith 0 being the caller. */
+/* A task: run by the calling thread (ith 0) and by every worker that joins the run in time,
+ * ith in [0, nth). A task must be work-conserving: its threads claim its work from shared
+ * counters (never by thread index), so that the caller alone, or any set of threads with it,
+ * completes it; and its results must not depend on which thread did which part. A worker that
+ * comes late (preempted, asleep) is not waited for (pool_threads.c). */
 typedef void (*pyrt_task_fn)(void *ctx, int ith, int nth);
 
-/* Run fn on all threads and return when all are done. The caller holds the pool (pool_acquire). */
+/* Run fn on the pool and return when all its work is done. The caller holds the pool
+ * (pool_acquire). */
 void pyrt_pool_run(pyrt_pool *pool, pyrt_task_fn fn, void *ctx);
 /* Serialize users of one pool: a kernel call holds the pool from its start to its end. */
 void pyrt_pool_acquire(pyrt_pool *pool);
 void pyrt_pool_release(pyrt_pool *pool);
-/* One step of a spin wait inside a task (spins: steps so far): a pause instruction, and from
- * time to time a sched_yield, so that a waiter does not starve the preempted thread it waits
- * for on an oversubscribed machine. */
-void pyrt_spin_pause(int spins);
 
 /* ---- prefetch while idle -------------------------------------------------------------------
  * Between pool tasks the DRAM idles: the caller runs serial pieces (norms, RoPE, top-k), threads
@@ -64,15 +65,20 @@ int pyrt_pool_idle_prefetch(pyrt_pool *pool, int ith);
  * (and the idle time after it) prefetches `plan` instead of the run's own plan. */
 void pyrt_pool_plan_switch(pyrt_pool *pool, const pyrt_pf_plan *plan);
 
-/* Inside a task (thread ith): waits until *flag >= value, prefetching ith's home of the plan
- * while there is some left, then pausing (pyrt_spin_pause). */
+/* Inside a task (thread ith): waits until *flag >= value, where another thread of the task sets
+ * the flag with pyrt_pool_flag_store / _add: spins up to params.spin_us (prefetching ith's home
+ * of the plan while there is some left), then sleeps until woken (pool_wait.c). */
+void pyrt_pool_wait_slow(pyrt_pool *pool, const atomic_int *flag, int value, int ith);
 static inline void pyrt_pool_wait_flag(pyrt_pool *pool, const atomic_int *flag, int value,
                                        int ith) {
-    int pf_more = 1;
-    for (int spins = 0; atomic_load_explicit(flag, memory_order_acquire) < value;)
-        if (!pf_more || !(pf_more = pyrt_pool_idle_prefetch(pool, ith)))
-            pyrt_spin_pause(++spins);
+    if (atomic_load_explicit(flag, memory_order_acquire) < value)
+        pyrt_pool_wait_slow(pool, flag, value, ith);
 }
+/* *flag = value / *flag += n (returning the value before), sequentially consistent, waking the
+ * threads asleep in pyrt_pool_wait_flag (a load of a counter when none sleeps). Flags reset
+ * before a run (no thread waits yet) are plain atomic stores. */
+void pyrt_pool_flag_store(pyrt_pool *pool, atomic_int *flag, int value);
+int pyrt_pool_flag_add(pyrt_pool *pool, atomic_int *flag, int n);
 
 /* ---- the pool's settings and scratch -------------------------------------------------------- */
 

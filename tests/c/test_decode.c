@@ -345,6 +345,19 @@ static void test_decode(void) {
     for (int i = 0; i < CAP * N_VOCAB; i++)
         worst = fmax(worst, fabs((double)a[i] - c[i]));
     CHECK(worst <= 1e-4, "1 vs 16 threads differ by %g", worst);
+    /* which threads join which run never moves a bit: a second 16-thread decode (on a
+     * machine with fewer cores many runs go without some workers), workers that sleep at once
+     * (spin_us 0: they join late or not at all), the caller never going solo */
+    decode_tiny(&t, 16, a);
+    CHECK(same_logits(a, c), "two 16-thread decodes differ");
+    pyrt_params no_spin;
+    pyrt_params_default(&no_spin);
+    no_spin.spin_us = 0;
+    decode_tiny_with(&t, 3, &no_spin, c);
+    CHECK(same_logits(b, c), "spin_us 0 changed the logits");
+    decode_tiny_off(&t, 3, SWITCH(adapt_to_load), c);
+    CHECK(same_logits(b, c), "adapt_to_load 0 changed the logits");
+    decode_tiny(&t, 1, a); /* a: 1 thread again, for the tests below */
     /* prefetching while idle (on by default) moves no bit */
     decode_tiny_off(&t, 3, SWITCH(idle_prefetch), c);
     CHECK(same_logits(b, c), "idle prefetch changed the logits");
