@@ -52,6 +52,7 @@ class CpuDecoder:
         self.n_moe_layers = sum(blk.experts is not None for blk in weights.blocks)
         self._step = CallArgs(cfg, "pyrt_step_args")  # one step's arguments, reused
         self._args = self._step.args
+        self._prefill = CallArgs(cfg, "pyrt_prefill_args")
         self.n_pairs = 0  # (token, expert) pairs the last call computed
 
     # ---- the step ----------------------------------------------------------------------------
@@ -108,6 +109,46 @@ class CpuDecoder:
         cache.n_tokens += 1
         self.n_pairs = int(self._args.n_pairs)
         return logits, int(self._args.n_active)
+
+    # ---- prefill -----------------------------------------------------------------------------
+
+    def prefill(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        thresholds: list[float] | None = None,
+        *,
+        all_logits: bool = False,
+        ubatch: int | None = None,
+        k: int | None = None,
+        route_ids: torch.Tensor | None = None,
+        route_logits: torch.Tensor | None = None,
+        expert_maps: Sequence[torch.Tensor | None] | None = None,
+    ) -> tuple[torch.Tensor, int]:
+        """(logits, routed neurons computed) of `tokens` (int, 1-D, in range) at positions
+        cache.n_tokens.., in one C call: [n, n_vocab] with all_logits, else the last token's
+        [1, n_vocab]; advances the cache by n positions (room reserved by the caller).
+
+        ubatch: tokens per chunk (None: the C core's default). thresholds, k, expert_maps: as
+        step(), for every token; route_ids / route_logits: as step(), of the last token.
+        After the call, self.n_pairs holds the (token, expert) pairs it computed."""
+        cfg = self.config
+        ids = cpu_core._as_cpu(tokens, torch.int32, "tokens", 1)
+        n = ids.shape[0]
+        self._prefill.bind(cache, thresholds, k, route_ids, route_logits, expert_maps)
+        logits = torch.empty((n if all_logits else 1, cfg.n_vocab), dtype=torch.float32)
+        a = self._prefill.args
+        a.tokens = self._ffi.cast("const int32_t *", ids.data_ptr())
+        a.n_tokens, a.pos = n, cache.n_tokens
+        a.ubatch = 0 if ubatch is None else ubatch
+        a.all_logits = int(all_logits)
+        self._prefill.set_logits(logits)
+        cpu_core._check(
+            self._lib.pyrt_decoder_prefill(self._dec, self.core._pool, a), "pyrt_decoder_prefill"
+        )
+        cache.n_tokens += n
+        self.n_pairs = int(a.n_pairs)
+        return logits, int(a.n_active)
 
     # ---- the step in pieces ------------------------------------------------------------------
 

@@ -337,6 +337,43 @@ int pyrt_decoder_end(pyrt_decoder *dec, pyrt_pool *pool, pyrt_step_args *args);
 int pyrt_decoder_read_x(pyrt_decoder *dec, float *x);
 int pyrt_decoder_write_x(pyrt_decoder *dec, const float *x);
 
+/* ---- prefill: many tokens per call (prefill.c) ---- */
+
+/* Tokens per chunk of a prefill when its args leave ubatch 0. */
+enum { PYRT_UBATCH_DEFAULT = 256 };
+
+/* What one prefill takes and gives. Zero-initialize, then set the inputs. */
+typedef struct {
+    /* in */
+    const int32_t *tokens;       /* [n_tokens] in [0, n_vocab) */
+    int n_tokens;                /* >= 1 */
+    int pos;                     /* position of tokens[0]: the cache holds positions < pos, the
+                                    call writes [pos, pos + n_tokens) (<= cache.cap) */
+    int ubatch;                  /* tokens per chunk, >= 1 (0: PYRT_UBATCH_DEFAULT): the prompt is
+                                    processed chunk by chunk, each chunk's tokens through every
+                                    layer together; the scratch grows with it, not with n_tokens */
+    pyrt_kv_cache cache;
+    pyrt_expert_args experts;    /* as a step's, for every token */
+    int all_logits;              /* 0: the last token's logits [n_vocab]; 1: every token's
+                                    [n_tokens, n_vocab], row i the logits of the token after
+                                    tokens[i] */
+    /* out */
+    float *logits;               /* required */
+    int64_t logits_len;          /* >= n_vocab, or n_tokens * n_vocab with all_logits */
+    int32_t *route_ids;          /* [n_layer, k] of the last token, as a step's; or NULL */
+    int64_t route_ids_len;
+    float *route_logits;         /* [n_layer, n_expert] of the last token, as a step's; or NULL */
+    int64_t route_logits_len;
+    int64_t n_active;            /* routed neurons computed, over every token */
+    int64_t n_pairs;             /* (token, expert) pairs computed, over every token */
+} pyrt_prefill_args;
+
+/* Runs args->n_tokens tokens through the model, writing their keys and values into the cache at
+ * [pos, pos + n_tokens) and the logits asked for; the same math as that many steps (dense
+ * matrices on all of a chunk's tokens at once, each routed expert once per chunk for the tokens
+ * routed to it, the chunk's attention over the cache). */
+int pyrt_decoder_prefill(pyrt_decoder *dec, pyrt_pool *pool, pyrt_prefill_args *args);
+
 /* Time spent by the decoder's steps since the last reset, in ns: [0] embedding + attention
  * (norm, q/k/v, RoPE, attention, output projection), [1] FFN (norm, router, routed experts, shared
  * expert or dense FFN), [2] output (final norm, output matrix); [3] steps. reset != 0 zeroes it. */

@@ -10,10 +10,8 @@
 #include "decoder.h"
 #include "vec.h"
 
-/* p = softmax(logits) over the experts; ids/w = the k largest (ties: lower id first), renormalized
- * to sum 1 when asked (docs/gguf-layout.md, "Routing"). taken: [n_expert] scratch. */
-static void route(float *p, int n_expert, int k, int renorm, int32_t *ids, float *w,
-                  uint8_t *taken) {
+void pyrt_route_topk(float *p, int n_expert, int k, int renorm, int32_t *ids, float *w,
+                     uint8_t *taken) {
     pyrt_softmax(p, n_expert);
     memset(taken, 0, (size_t)n_expert);
     float sum = 0.0f;
@@ -36,7 +34,8 @@ void pyrt_decode_route(void *ctx, int32_t *ids, float *w) {
     pyrt_decoder *d = ctx;
     if (d->route_logits != NULL)
         memcpy(d->route_logits, d->router, (size_t)d->w.n_expert * sizeof(float));
-    route(d->router, d->w.n_expert, d->route_k, d->w.expert_weights_norm, ids, w, d->taken);
+    pyrt_route_topk(d->router, d->w.n_expert, d->route_k, d->w.expert_weights_norm, ids, w,
+                    d->taken);
 }
 
 pyrt_ffn_io pyrt_decode_ffn_io(const pyrt_decoder *d, const pyrt_expert_args *e,

@@ -68,6 +68,7 @@ void pyrt_decoder_free(pyrt_decoder *d) {
     if (d == NULL)
         return;
     pyrt_attention_free(&d->att);
+    pyrt_prefill_free(d);
     free(d->blocks);
     free(d->x);
     free(d->xn);

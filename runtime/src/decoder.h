@@ -13,6 +13,9 @@
 #include "moe.h"
 #include "pool.h"
 
+/* A prefill's chunk buffers (prefill.h), made by the first prefill. */
+typedef struct pyrt_prefill_buf pyrt_prefill_buf;
+
 struct pyrt_decoder {
     pyrt_model_weights w;        /* copy; w.blocks points at `blocks` */
     pyrt_block_weights *blocks;  /* [n_layer] copy */
@@ -37,8 +40,12 @@ struct pyrt_decoder {
     int fuse_router;             /* fuse_layer (pyrt.h), read at the start of the step */
     int fuse_layer;
     int64_t times[4];            /* see pyrt_decoder_times */
+    pyrt_prefill_buf *prefill;   /* NULL until the first prefill */
     atomic_flag busy;            /* set during a step: the scratch above is not shareable */
 };
+
+/* Frees d->prefill (prefill.c). */
+void pyrt_prefill_free(pyrt_decoder *d);
 
 /* CLOCK_MONOTONIC in ns (decoder.c). */
 int64_t pyrt_now_ns(void);
@@ -114,6 +121,11 @@ int pyrt_decode_ffn(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weights *
 /* After the routed experts (in d->y): the shared expert, if any, then the residual. */
 void pyrt_decode_moe_tail(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weights *b,
                           const pyrt_mv_job *next);
+/* p = softmax(logits) over the experts, in place; ids/w [k] = the k largest (ties: lower id
+ * first), renormalized to sum 1 when asked (docs/gguf-layout.md, "Routing"). taken: [n_expert]
+ * scratch. */
+void pyrt_route_topk(float *p, int n_expert, int k, int renorm, int32_t *ids, float *w,
+                     uint8_t *taken);
 /* The routing of the router + experts task (pyrt_moe_ffn_routed) from d->router (ctx: the
  * decoder): the router's logits to d->route_logits when asked, then softmax, top d->route_k. */
 void pyrt_decode_route(void *ctx, int32_t *ids, float *w);

@@ -111,6 +111,36 @@ static int pair_lines(const uint8_t *p, size_t bytes, const void **lines) {
     return n;
 }
 
+/* Rows [r0, r1) of matrix i for many tokens (prefill): PYRT_TILE_ROWS rows at a time against
+ * every token of a TOKEN_TILE, in tiles (rows.h); the same bits as the row-pair loop below. */
+static void mv_rows_tiled(const pyrt_mv_job *job, int i, int r0, int r1) {
+    const pyrt_mv_out *o = &job->out[i];
+    const pyrt_matrix *m = o->m;
+    const pyrt_row_ops *ops = job->ops[i];
+    const mv_finish fin = {o->bias, job->clamp, job->div};
+    const size_t rb = pyrt_row_bytes(m->fmt, m->n_in);
+    const int blocked = pyrt_fmt_is_blocked(m->fmt);
+    const uint8_t *xv = blocked ? (const uint8_t *)job->xq : (const uint8_t *)job->x;
+    const size_t xs = blocked ? job->xq_stride * sizeof(pyrt_xq8) : job->x_stride * sizeof(float);
+    float out[TOKEN_TILE * PYRT_TILE_ROWS];
+    const void *xp[TOKEN_TILE], *rp[PYRT_TILE_ROWS];
+    for (int t0 = 0; t0 < job->n_tokens; t0 += TOKEN_TILE) {
+        const int nt = job->n_tokens - t0 < TOKEN_TILE ? job->n_tokens - t0 : TOKEN_TILE;
+        for (int t = 0; t < nt; t++)
+            xp[t] = xv + (size_t)(t0 + t) * xs;
+        for (int r = r0; r < r1; r += PYRT_TILE_ROWS) {
+            const int nr = r1 - r < PYRT_TILE_ROWS ? r1 - r : PYRT_TILE_ROWS;
+            for (int k = 0; k < nr; k++)
+                rp[k] = (const uint8_t *)m->data + (size_t)(r + k) * rb;
+            pyrt_dot_tile(ops, nr, rp, nt, xp, m->n_in, out, PYRT_TILE_ROWS, 1);
+            for (int t = 0; t < nt; t++)
+                for (int k = 0; k < nr; k++)
+                    o->y[(size_t)(t0 + t) * o->y_stride + r + k] =
+                        finish(&fin, r + k, out[t * PYRT_TILE_ROWS + k]);
+        }
+    }
+}
+
 /* Rows [r0, r1) of matrix i of the job, every token of the job. */
 static void mv_rows(const pyrt_mv_job *job, int i, int r0, int r1) {
     const int ahead = job->prefetch_rows;
@@ -118,6 +148,10 @@ static void mv_rows(const pyrt_mv_job *job, int i, int r0, int r1) {
     const pyrt_mv_out *o = &job->out[i];
     const pyrt_matrix *m = o->m;
     const pyrt_row_ops *ops = job->ops[i];
+    if (job->n_tokens > 1 && ops->dot_tile != NULL) {
+        mv_rows_tiled(job, i, r0, r1);
+        return;
+    }
     const mv_finish fin = {o->bias, job->clamp, job->div};
     float *y = o->y;
     const size_t ys = o->y_stride;

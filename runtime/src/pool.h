@@ -25,6 +25,11 @@ void pyrt_pool_run(pyrt_pool *pool, pyrt_task_fn fn, void *ctx);
 void pyrt_pool_acquire(pyrt_pool *pool);
 void pyrt_pool_release(pyrt_pool *pool);
 
+/* fn(ctx, i, ith) for every i in [0, n), as one pool task whose threads claim `grain`
+ * consecutive i at a time (pool_for.c). The caller holds the pool. */
+typedef void (*pyrt_index_fn)(void *ctx, int64_t i, int ith);
+void pyrt_pool_for(pyrt_pool *pool, int64_t n, int grain, pyrt_index_fn fn, void *ctx);
+
 /* ---- prefetch while idle -------------------------------------------------------------------
  * Between pool tasks the DRAM idles: the caller runs serial pieces (norms, RoPE, top-k), threads
  * wait for the slowest one, and each task's first rows arrive a memory latency late. A plan names

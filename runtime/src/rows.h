@@ -65,6 +65,25 @@ typedef void (*pyrt_dot2_pf_fn)(const void *row0, const void *row1, const void *
 typedef void (*pyrt_axpyn_pf_fn)(int nr, const float *a, const void *const *rows, float *y, int n,
                                  const void *const *pf, int n_pf);
 
+/* ---- tiles: several rows against several tokens (prefill) -----------------------------------
+ * A tile keeps a block of results in registers while the rows and tokens stream through it, so
+ * each weight block loaded serves several tokens and each activation block several rows (a
+ * dot per row and token reloads both). Every result is bit for bit what the row kernels give. */
+enum {
+    PYRT_TILE_ROWS = 4,  /* rows of a dot tile */
+    PYRT_TILE_TOKENS = 4, /* tokens of a dot tile, at most */
+    PYRT_AXPY_TOKENS = 8  /* tokens of an axpy tile, at most */
+};
+
+/* dot_tile: out[t * ts + r * rs] = rows[r] . xs[t] for r < PYRT_TILE_ROWS, t < nt
+ *       (1 <= nt <= PYRT_TILE_TOKENS), each bit for bit what dot gives; x as for dot. */
+typedef void (*pyrt_dot_tile_fn)(const void *const *rows, int nt, const void *const *xs, int n,
+                                 float *out, size_t ts, size_t rs);
+/* axpy_tile: ys[t][0:n) += sum_r a[r][t] * rows[r][0:n) for t < nt (1 <= nt <=
+ *       PYRT_AXPY_TOKENS), r < nr in order: per token bit for bit nr axpy calls. */
+typedef void (*pyrt_axpy_tile_fn)(int nr, const void *const *rows, const float *const *a, int nt,
+                                  float *const *ys, int n);
+
 typedef struct {
     pyrt_dot_fn dot;
     pyrt_axpy_fn axpy;
@@ -73,7 +92,19 @@ typedef struct {
     pyrt_dot_pf_fn dot_pf;   /* NULL: the caller prefetches, then calls dot */
     pyrt_dot2_pf_fn dot2_pf; /* NULL: the caller prefetches, then calls dot2 (or two dots) */
     pyrt_axpyn_pf_fn axpyn_pf; /* axpyn with spread prefetches; NULL: as for dot_pf */
+    pyrt_dot_tile_fn dot_tile;   /* NULL: pyrt_dot_tile makes dot calls */
+    pyrt_axpy_tile_fn axpy_tile; /* NULL: pyrt_axpy_tile makes axpy calls */
 } pyrt_row_ops;
+
+/* Any rows against any tokens with a level's kernels (tile.c): out[t * ts + r * rs] = rows[r] .
+ * xs[t] for r < nr, t < nt, in PYRT_TILE_ROWS x PYRT_TILE_TOKENS tiles where the level has them,
+ * else dot2 / dot calls; the same bits either way. */
+void pyrt_dot_tile(const pyrt_row_ops *ops, int nr, const void *const *rows, int nt,
+                   const void *const *xs, int n, float *out, size_t ts, size_t rs);
+/* ys[t][0:n) += sum_r a[r][t] * rows[r][0:n) for t < nt, r < nr in order, in tiles of
+ * PYRT_AXPY_TOKENS tokens where the level has them, else axpy calls; the same bits either way. */
+void pyrt_axpy_tile(const pyrt_row_ops *ops, int nr, const void *const *rows,
+                    const float *const *a, int nt, float *const *ys, int n);
 
 /* Spreads n prefetches over a loop of n_it iterations: pyrt_pf_tick after each iteration issues
  * the lines due so far (16.16 fixed point, no division in the loop; n < 65536), pyrt_pf_end the

@@ -346,9 +346,9 @@ AVX2 static void axpy_q4_0(float a, const void *row, float *y, int n) {
     }
 }
 
-static const pyrt_row_ops ops_f32 = {dot_f32, axpy_f32, NULL, NULL, NULL, NULL, NULL};
-static const pyrt_row_ops ops_f16 = {dot_f16, axpy_f16, NULL, NULL, NULL, NULL, NULL};
-static const pyrt_row_ops ops_bf16 = {dot_bf16, axpy_bf16, NULL, NULL, NULL, NULL, NULL};
+static const pyrt_row_ops ops_f32 = {.dot = dot_f32, .axpy = axpy_f32};
+static const pyrt_row_ops ops_f16 = {.dot = dot_f16, .axpy = axpy_f16};
+static const pyrt_row_ops ops_bf16 = {.dot = dot_bf16, .axpy = axpy_bf16};
 AVX2 void pyrt_add_f32_avx2(float *y, const float *x, size_t n) {
     size_t i = 0;
     for (; i + 8 <= n; i += 8)
@@ -394,10 +394,14 @@ AVX2 void pyrt_quantize_x_q8_avx2(const float *x, pyrt_xq8 *out, int n) {
     }
 }
 
-static const pyrt_row_ops ops_q8_0 = {dot_q8_0,    axpy_q8_0,    dot2_q8_0,    axpyn_q8_0,
-                                      dot_pf_q8_0, dot2_pf_q8_0, axpyn_pf_q8_0};
-static const pyrt_row_ops ops_q4_0 = {dot_q4_0,    axpy_q4_0,    dot2_q4_0,    axpyn_q4_0,
-                                      dot_pf_q4_0, dot2_pf_q4_0, axpyn_pf_q4_0};
+static const pyrt_row_ops ops_q8_0 = {.dot = dot_q8_0,       .axpy = axpy_q8_0,
+                                      .dot2 = dot2_q8_0,     .axpyn = axpyn_q8_0,
+                                      .dot_pf = dot_pf_q8_0, .dot2_pf = dot2_pf_q8_0,
+                                      .axpyn_pf = axpyn_pf_q8_0};
+static const pyrt_row_ops ops_q4_0 = {.dot = dot_q4_0,       .axpy = axpy_q4_0,
+                                      .dot2 = dot2_q4_0,     .axpyn = axpyn_q4_0,
+                                      .dot_pf = dot_pf_q4_0, .dot2_pf = dot2_pf_q4_0,
+                                      .axpyn_pf = axpyn_pf_q4_0};
 
 const pyrt_row_ops *pyrt_row_ops_avx2(int fmt) {
     switch (fmt) {

@@ -40,7 +40,7 @@ static void axpy_mxfp4(float a, const void *row, float *y, int n) {
     }
 }
 
-static const pyrt_row_ops ops_scalar = {dot_mxfp4, axpy_mxfp4, NULL, NULL, NULL, NULL, NULL};
+static const pyrt_row_ops ops_scalar = {.dot = dot_mxfp4, .axpy = axpy_mxfp4};
 
 const pyrt_row_ops *pyrt_row_ops_mxfp4_scalar(void) {
     return &ops_scalar;
@@ -177,8 +177,10 @@ AVX2 static void axpy_avx2(float a, const void *row, float *y, int n) {
     axpyn_pf_avx2(1, &a, &row, y, n, NULL, 0);
 }
 
-static const pyrt_row_ops ops_avx2 = {dot_avx2,    axpy_avx2,    dot2_avx2,    axpyn_avx2,
-                                      dot_pf_avx2, dot2_pf_avx2, axpyn_pf_avx2};
+static const pyrt_row_ops ops_avx2 = {.dot = dot_avx2,       .axpy = axpy_avx2,
+                                      .dot2 = dot2_avx2,     .axpyn = axpyn_avx2,
+                                      .dot_pf = dot_pf_avx2, .dot2_pf = dot2_pf_avx2,
+                                      .axpyn_pf = axpyn_pf_avx2};
 
 const pyrt_row_ops *pyrt_row_ops_mxfp4_avx2(void) {
     return &ops_avx2;

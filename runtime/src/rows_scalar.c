@@ -135,11 +135,11 @@ static void axpy_q4_0(float a, const void *row, float *y, int n) {
     }
 }
 
-static const pyrt_row_ops ops_f32 = {dot_f32, axpy_f32, NULL, NULL, NULL, NULL, NULL};
-static const pyrt_row_ops ops_f16 = {dot_f16, axpy_f16, NULL, NULL, NULL, NULL, NULL};
-static const pyrt_row_ops ops_bf16 = {dot_bf16, axpy_bf16, NULL, NULL, NULL, NULL, NULL};
-static const pyrt_row_ops ops_q8_0 = {dot_q8_0, axpy_q8_0, NULL, NULL, NULL, NULL, NULL};
-static const pyrt_row_ops ops_q4_0 = {dot_q4_0, axpy_q4_0, NULL, NULL, NULL, NULL, NULL};
+static const pyrt_row_ops ops_f32 = {.dot = dot_f32, .axpy = axpy_f32};
+static const pyrt_row_ops ops_f16 = {.dot = dot_f16, .axpy = axpy_f16};
+static const pyrt_row_ops ops_bf16 = {.dot = dot_bf16, .axpy = axpy_bf16};
+static const pyrt_row_ops ops_q8_0 = {.dot = dot_q8_0, .axpy = axpy_q8_0};
+static const pyrt_row_ops ops_q4_0 = {.dot = dot_q4_0, .axpy = axpy_q4_0};
 
 const pyrt_row_ops *pyrt_row_ops_scalar(int fmt) {
     switch (fmt) {

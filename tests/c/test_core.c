@@ -712,6 +712,93 @@ static void test_errors(void) {
     CHECK(pyrt_physical_cores() >= 1, "physical cores");
 }
 
+/* Tiles (rows x tokens in registers, the prefill's kernels) give every result bit for bit as a
+ * dot or an axpy would: each level, format and VNNI setting, nr and nt across the tile sizes and
+ * their remainders, lengths with every tail (odd block counts, groups of 8 and their rest). */
+static void test_tiles_match_rows(void) {
+    const int lengths_quant[] = {32, 64, 96, 288, 608};
+    const int lengths_float[] = {16, 45, 96, 608};
+    enum { NR = 9, NT = 11 };
+    for (int level = PYRT_SIMD_SCALAR; level <= pyrt_simd_best(); level++) {
+        for (int vnni = 0; vnni < 2; vnni++) {
+            for (int f = 0; f < COUNT_OF(FORMATS); f++) {
+                const int fmt = FORMATS[f];
+                const pyrt_row_ops *ops = pyrt_row_ops_at(level, fmt, vnni);
+                if (ops == NULL)
+                    continue;
+                const int *lengths = is_quant(fmt) ? lengths_quant : lengths_float;
+                const int n_len = is_quant(fmt) ? COUNT_OF(lengths_quant) : COUNT_OF(lengths_float);
+                for (int li = 0; li < n_len; li++) {
+                    const int n = lengths[li];
+                    const size_t rb = pyrt_row_bytes(fmt, n);
+                    uint8_t *rows = malloc(rb * NR);
+                    double *wv = malloc(sizeof(double) * n);
+                    float *x = malloc(sizeof(float) * n * NT);
+                    pyrt_xq8 *xq = malloc(sizeof(pyrt_xq8) * (n / 32 + 1) * NT);
+                    const void *rp[NR], *xp[NT];
+                    for (int r = 0; r < NR; r++) {
+                        make_row(fmt, n, rows + r * rb, wv, r % 3 == 0);
+                        rp[r] = rows + r * rb;
+                    }
+                    for (int i = 0; i < n * NT; i++)
+                        x[i] = rng_normalish();
+                    for (int t = 0; t < NT; t++) {
+                        xp[t] = x + (size_t)t * n;
+                        if (is_quant(fmt)) {
+                            pyrt_quantize_x_q8(x + (size_t)t * n, xq + (size_t)t * (n / 32), n);
+                            xp[t] = xq + (size_t)t * (n / 32);
+                        }
+                    }
+                    /* dot tiles: out[t][r] (ts NR, rs 1) and transposed out[r][t] */
+                    for (int nr = 1; nr <= NR; nr += 2)
+                        for (int nt = 1; nt <= NT; nt += 3) {
+                            float out[NT * NR], outt[NR * NT];
+                            pyrt_dot_tile(ops, nr, rp, nt, xp, n, out, NR, 1);
+                            pyrt_dot_tile(ops, nr, rp, nt, xp, n, outt, 1, NT);
+                            for (int t = 0; t < nt; t++)
+                                for (int r = 0; r < nr; r++) {
+                                    const float d = ops->dot(rp[r], xp[t], n);
+                                    CHECK(memcmp(&out[t * NR + r], &d, 4) == 0 &&
+                                              memcmp(&outt[r * NT + t], &d, 4) == 0,
+                                          "dot tile level %d vnni %d fmt %d n %d (%d x %d) at "
+                                          "(%d, %d): %.9g vs dot %.9g", level, vnni, fmt, n, nr,
+                                          nt, r, t, out[t * NR + r], d);
+                                }
+                        }
+                    /* axpy tiles: the same bits as axpy calls per token, rows in order */
+                    for (int nr = 1; nr <= NR; nr += 4)
+                        for (int nt = 1; nt <= NT; nt += 2) {
+                            float *ya = malloc(sizeof(float) * n * NT);
+                            float *yb = malloc(sizeof(float) * n * NT);
+                            float coef[NR][NT];
+                            const float *ap[NR];
+                            float *yap[NT];
+                            for (int r = 0; r < nr; r++) {
+                                for (int t = 0; t < nt; t++)
+                                    coef[r][t] = rng_normalish();
+                                ap[r] = coef[r];
+                            }
+                            for (int i = 0; i < n * nt; i++)
+                                ya[i] = yb[i] = rng_normalish();
+                            for (int t = 0; t < nt; t++)
+                                yap[t] = ya + (size_t)t * n;
+                            pyrt_axpy_tile(ops, nr, rp, ap, nt, yap, n);
+                            for (int t = 0; t < nt; t++)
+                                for (int r = 0; r < nr; r++)
+                                    ops->axpy(coef[r][t], rp[r], yb + (size_t)t * n, n);
+                            CHECK(memcmp(ya, yb, sizeof(float) * n * nt) == 0,
+                                  "axpy tile level %d vnni %d fmt %d n %d (%d x %d) differs from "
+                                  "axpy", level, vnni, fmt, n, nr, nt);
+                            free(ya);
+                            free(yb);
+                        }
+                    free(rows), free(wv), free(x), free(xq);
+                }
+            }
+        }
+    }
+}
+
 int main(void) {
     test_quantize_x();
     test_quantize_x_levels();
@@ -719,6 +806,7 @@ int main(void) {
     test_row_kernels();
     test_fused_kernels_match_plain();
     test_vnni_dots_match_avx512();
+    test_tiles_match_rows();
     test_moe_ffn_case(13);
     test_moe_ffn_case(197);
     test_errors();
