@@ -60,6 +60,7 @@ class Model:
 
     n_ctx: context size in tokens of the generation cache (0 = the model's trained context).
     threads: CPU threads for torch and the C core (None = physical cores for the C core).
+    ubatch: CPU prefill tokens per chunk (None: the C core's default).
     sparsity: target fraction of routed-expert neurons to skip, in [0, 1); needs the model's
     calibration table (`pyruntime calibrate`); 0 = dense. `achieved_sparsity` reports the result.
     sparsity_table: that table's file (None: MODEL.sparsity.json beside the model).
@@ -93,6 +94,7 @@ class Model:
         n_ctx: int = DEFAULTS.n_ctx,
         threads: int | None = None,
         seed: int | None = None,
+        ubatch: int | None = None,
         sparsity: float = DEFAULTS.sparsity,
         sparsity_table: str | Path | None = None,
         expert_backend: str = DEFAULTS.expert_backend,
@@ -114,7 +116,7 @@ class Model:
         check_sparsity(sparsity)
         gpu_bytes = _size(gpu_mem)
         for name, value in (("n_ctx", n_ctx), ("threads", threads), ("seed", seed),
-                            ("gpu_mem", gpu_bytes)):  # fmt: skip
+                            ("ubatch", ubatch), ("gpu_mem", gpu_bytes)):  # fmt: skip
             options.check(name, value)
         # a llama.cpp file runs from its repacked copy (made once, in the cache folder)
         self.file: GGUFFile = open_model_file(path)
@@ -142,7 +144,7 @@ class Model:
                 )  # fmt: skip
         elif self.device == "cpu":
             self.net = CpuExecutor.from_gguf(
-                self.file, threads=threads, expert_backend=expert_backend
+                self.file, threads=threads, expert_backend=expert_backend, ubatch=ubatch
             )
             self.net.expert_threshold = thresholds
         else:

@@ -115,6 +115,11 @@ OPTIONS: tuple[Option, ...] = (
         DECODING + ("calibrate",), parse=int, bounds=_ints(1),
     ),
     Option(
+        "ubatch", None, "CPU prefill: prompt tokens per chunk, each chunk through every layer "
+        "together (default: the C core's, chosen by measurement); memory grows with it, not "
+        "with the prompt", ("--ubatch",), DECODING, parse=int, metavar="N", bounds=_ints(1),
+    ),
+    Option(
         "n_ctx", 2048, "context size in tokens (0 = the model's trained context)",
         ("-c", "--ctx-size"), SAMPLING + ("info", "serve"), parse=int, bounds=_ints(0),
     ),

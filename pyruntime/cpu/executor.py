@@ -1,10 +1,12 @@
 """The CPU executor: the reference model's math with the C core doing the heavy parts.
 
-Prefill (several tokens) runs the reference forward (pyruntime.model.reference) with the C core's
-`linear` for every weight matrix (read in place, in its stored format) and its routed-expert
-kernel; a one-token decode step is one C call (pyruntime.cpu.decoder: embedding, every block and
-the output matrix on the core's thread pool, no torch op in between). Without the C core (or with
-expert_backend='torch') it is the plain torch reference.
+With the C core, every forward pass is one C call (pyruntime.cpu.decoder): a one-token decode
+step, or a prefill of several tokens, chunk by chunk (`ubatch` tokens each: batched matrix
+products, each routed expert once per chunk for its tokens, the chunk's attention over the cache),
+with no torch op in between. Without the C core (expert_backend='torch'), or while a calibration
+observer watches the experts' inputs (gate_observer), it is the reference forward
+(pyruntime.model.reference), the first with the C core's `linear` for every weight matrix (read
+in place, in its stored format) and its routed-expert kernel.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pyruntime.model.config import ModelConfig
 from pyruntime.model.executor import RoutingTrace
 from pyruntime.model.kv_cache import KVCache
 from pyruntime.model.reference import ReferenceModel, check_k
-from pyruntime.model.tokens import single_token
+from pyruntime.model.tokens import single_token, token_ids
 from pyruntime.model.weights import HostWeights
 
 
@@ -37,6 +39,7 @@ class CpuExecutor(ReferenceModel):
         self.core: CpuCore | None = None
         self._decoder: CpuDecoder | None = None
         self.file: GGUFFile | None = None  # the mapped file, for prefetch hints
+        self.ubatch: int | None = None  # prefill tokens per chunk (None: the C core's default)
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         """Start paging the experts' bytes in from the file (readahead), without waiting."""
@@ -46,9 +49,16 @@ class CpuExecutor(ReferenceModel):
 
     @classmethod
     def from_gguf(
-        cls, f: GGUFFile, threads: int | None = None, expert_backend: str = "auto"
+        cls,
+        f: GGUFFile,
+        threads: int | None = None,
+        expert_backend: str = "auto",
+        ubatch: int | None = None,
     ) -> CpuExecutor:
-        """expert_backend: 'auto' (C core when built), 'c' or 'torch' (the reference)."""
+        """expert_backend: 'auto' (C core when built), 'c' or 'torch' (the reference); ubatch:
+        prefill tokens per chunk on the C core (None: its default)."""
+        if ubatch is not None and ubatch < 1:
+            raise UsageError(f"--ubatch must be >= 1, got {ubatch}")
         if threads is not None:
             if threads < 1:
                 raise UsageError(f"--threads must be >= 1, got {threads}")
@@ -56,6 +66,7 @@ class CpuExecutor(ReferenceModel):
         cfg = ModelConfig.from_gguf(f)
         model = cls(cfg, HostWeights.from_gguf(f, cfg))
         model.file = f
+        model.ubatch = ubatch
         model.expert_backend = make_expert_backend(expert_backend, threads)
         core = getattr(model.expert_backend, "core", None)
         if core is not None:
@@ -63,7 +74,7 @@ class CpuExecutor(ReferenceModel):
         return model
 
     def use_core(self, core: CpuCore) -> None:
-        """Compute dense matrices and one-token decode steps on `core`."""
+        """Run forward passes (and the reference path's dense matrices) on `core`."""
         self.core = core
         self.linear = self._core_linear
         self._decoder = CpuDecoder(self.config, self.weights, core)
@@ -87,10 +98,58 @@ class CpuExecutor(ReferenceModel):
         """Logits [n_tokens, n_vocab] (or [1, n_vocab] with last_only) float32 (the Executor
         protocol: pyruntime.model.executor)."""
         if self._decoder is not None and self.gate_observer is None:
+            k = check_k(k, self.config)
             token = single_token(tokens, self.config.n_vocab)
             if token is not None:  # decode: one C call, no torch op (~15 us of Python)
-                return self._decode(token, cache, check_k(k, self.config), routing)
+                return self._decode(token, cache, k, routing)
+            return self._prefill(token_ids(tokens, self.config.n_vocab), cache, last_only, k,
+                                 routing)  # fmt: skip
         return self._forward_torch(tokens, cache, last_only, k, routing)
+
+    def _decoder_k(self, k: int) -> int | None:
+        """k for a C call: None (the plain call) when it is the decoder's own model's top-k."""
+        return None if k == self._decoder.config.n_expert_used else k
+
+    def _routing_outputs(self, k: int, routing: RoutingTrace | None):
+        """(route_ids, route_logits) tensors for a C call to fill, or (None, None)."""
+        if routing is None:
+            return None, None
+        cfg = self.config
+        return (torch.empty((cfg.n_layer, k), dtype=torch.int32),
+                torch.empty((cfg.n_layer, cfg.n_expert), dtype=torch.float32))  # fmt: skip
+
+    def _fill_routing(self, routing: RoutingTrace | None, ids, logits) -> None:
+        if routing is not None:
+            layers = self.moe_layers()
+            routing.layers = layers
+            routing.ids = ids[layers].long() if layers else None
+            routing.logits = logits[layers] if layers else None
+
+    def _prefill(
+        self,
+        ids: torch.Tensor,
+        cache: KVCache,
+        last_only: bool,
+        k: int,
+        routing: RoutingTrace | None,
+    ) -> torch.Tensor:
+        """Several tokens through the C prefill; logits [n, n_vocab] ([1, n_vocab] last_only)."""
+        cache.reserve(ids.numel())
+        cfg = self.config
+        route_ids, route_logits = self._routing_outputs(k, routing)
+        out, n_active = self._decoder.prefill(
+            ids,
+            cache,
+            self.expert_threshold,
+            all_logits=not last_only,
+            ubatch=self.ubatch,
+            k=self._decoder_k(k),
+            route_ids=route_ids,
+            route_logits=route_logits,
+        )
+        self.stats.add(n_pairs=self._decoder.n_pairs, n_active=n_active, n_ff=cfg.n_ff_exp)
+        self._fill_routing(routing, route_ids, route_logits)
+        return out
 
     def _decode(
         self, token: int, cache: KVCache, k: int, routing: RoutingTrace | None
@@ -98,24 +157,17 @@ class CpuExecutor(ReferenceModel):
         """One token through the C decode step; logits [1, n_vocab]."""
         cache.reserve(1)
         cfg = self.config
-        ids = logits = None
-        if routing is not None:
-            ids = torch.empty((cfg.n_layer, k), dtype=torch.int32)
-            logits = torch.empty((cfg.n_layer, cfg.n_expert), dtype=torch.float32)
+        ids, logits = self._routing_outputs(k, routing)
         out, n_active = self._decoder.step(
             token,
             cache,
             self.expert_threshold,
-            k=None if k == cfg.n_expert_used else k,
+            k=self._decoder_k(k),
             route_ids=ids,
             route_logits=logits,
         )
         self.stats.add(n_pairs=self._decoder.n_pairs, n_active=n_active, n_ff=cfg.n_ff_exp)
-        if routing is not None:
-            layers = self.moe_layers()
-            routing.layers = layers
-            routing.ids = ids[layers].long() if layers else None
-            routing.logits = logits[layers] if layers else None
+        self._fill_routing(routing, ids, logits)
         return out
 
     def decode_times(self, reset: bool = False) -> dict[str, float]:
