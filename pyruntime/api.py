@@ -47,6 +47,7 @@ from pyruntime.errors import PyruntimeWarning, UsageError
 from pyruntime.experts.sparsity import SparsityTable, check_sparsity
 from pyruntime.gguf.file import GGUFFile
 from pyruntime.model.config import ModelConfig
+from pyruntime.model.stats import PHASES
 from pyruntime.options import DEFAULTS
 from pyruntime.placement import choose_device
 from pyruntime.text.chat_template import render_chat
@@ -186,6 +187,13 @@ class Model:
         """Fraction of routed-expert neurons skipped so far (0.0 when dense)."""
         return self.net.stats.sparsity
 
+    def sparsity_by_phase(self) -> dict[str, float]:
+        """The fraction skipped in forward passes of several tokens ('prefill': prompts,
+        verified drafts) and of one ('decode'), for each phase that ran."""
+        stats = self.net.stats
+        values = {phase: stats.phase_sparsity(phase) for phase in PHASES}
+        return {phase: v for phase, v in values.items() if v is not None}
+
     @property
     def config(self) -> Any:
         return self.net.config
@@ -229,13 +237,16 @@ class Model:
             return self.decoding.score(self.net, ids).float().numpy()
 
     def stats(self) -> dict[str, Any]:
-        """What the model has done so far: achieved expert sparsity, big/little decoding's
+        """What the model has done so far: achieved expert sparsity (in all, in prefill and in
+        decode), big/little decoding's
         fallback ratio, pass times, prefetch hit rate and verify acceptance length, and a hybrid
         run's slot hits, bytes staged and read by the CPU, and time per token by part."""
         out: dict[str, Any] = {"decoding": self.decoding.describe()}
         if self.sparsity:
             out["sparsity_target"] = self.sparsity
             out["sparsity_achieved"] = self.achieved_sparsity
+            for phase, v in self.sparsity_by_phase().items():
+                out[f"sparsity_achieved_{phase}"] = v
         if self.decoding.big_little:
             out.update(self.big_little_stats.as_dict())
         offload = getattr(self.net, "offload_stats", None)

@@ -63,11 +63,14 @@ def print_stats(model: Any, args: argparse.Namespace) -> None:
 
 
 def sparsity_report(model: Any) -> str:
-    """'' when dense; else the target and the measured fraction of skipped expert neurons."""
+    """'' when dense; else the target and the measured fraction of skipped expert neurons, in
+    all and per phase (prefill: forward passes of several tokens; decode: of one)."""
     if not model.sparsity:
         return ""
+    phases = ", ".join(f"{p} {v:.3f}" for p, v in model.sparsity_by_phase().items())
     return (
         f" | expert sparsity: target {model.sparsity:.2f}, achieved {model.achieved_sparsity:.3f}"
+        + (f" ({phases})" if phases else "")
     )
 
 

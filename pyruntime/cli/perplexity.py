@@ -30,7 +30,7 @@ def add_parser(sub: Any) -> None:
         "--json",
         action="store_true",
         help='print {"ppl", "nll", "tokens_scored", "windows", "ctx", "sparsity_target", '
-        '"sparsity_achieved"} as JSON instead',
+        '"sparsity_achieved"; with --sparsity also "sparsity_achieved_prefill"} as JSON instead',
     )
     options.add_arguments(p, "perplexity")
     p.set_defaults(func=run)
@@ -56,6 +56,9 @@ def run(args: argparse.Namespace) -> int:
         out = result.as_dict()
         out["sparsity_target"] = model.sparsity
         out["sparsity_achieved"] = model.achieved_sparsity
+        if model.sparsity:
+            for phase, v in model.sparsity_by_phase().items():
+                out[f"sparsity_achieved_{phase}"] = v
         print(json.dumps(out))
     else:
         print(f"tokens scored = {result.tokens_scored}, windows = {result.windows}")

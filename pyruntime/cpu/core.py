@@ -148,6 +148,11 @@ def logical_cpus() -> int:
     return int(_lib().pyrt_logical_cpus())
 
 
+def ubatch_default() -> int:
+    """Prefill tokens per chunk when none is given (PYRT_UBATCH_DEFAULT)."""
+    return int(_lib().PYRT_UBATCH_DEFAULT)
+
+
 def simd_level() -> str:
     """The SIMD level the kernels use now: 'scalar', 'avx2' or 'avx512'."""
     level = int(_lib().pyrt_simd_active())

@@ -134,6 +134,7 @@ class CpuExecutor(ReferenceModel):
         routing: RoutingTrace | None,
     ) -> torch.Tensor:
         """Several tokens through the C prefill; logits [n, n_vocab] ([1, n_vocab] last_only)."""
+        self.stats.begin("prefill")
         cache.reserve(ids.numel())
         cfg = self.config
         route_ids, route_logits = self._routing_outputs(k, routing)
@@ -155,6 +156,7 @@ class CpuExecutor(ReferenceModel):
         self, token: int, cache: KVCache, k: int, routing: RoutingTrace | None
     ) -> torch.Tensor:
         """One token through the C decode step; logits [1, n_vocab]."""
+        self.stats.begin("decode")
         cache.reserve(1)
         cfg = self.config
         ids, logits = self._routing_outputs(k, routing)

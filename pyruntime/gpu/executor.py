@@ -167,6 +167,7 @@ class GpuExecutor:
         k = check_k(k, self.config)
         maps = self._check_maps(expert_maps)
         token = single_token(tokens, self.config.n_vocab)
+        self.stats.begin("decode" if token is not None else "prefill")
         if token is not None:
             return self._decode(token, cache, k, routing, maps)
         return self._prefill(tokens, cache, last_only, k, routing, maps)

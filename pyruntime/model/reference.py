@@ -284,6 +284,7 @@ class ReferenceModel:
         trace: list[tuple[torch.Tensor, torch.Tensor]] | None = None if routing is None else []
         ids = token_ids(tokens, cfg.n_vocab)
         n = ids.numel()
+        self.stats.begin("prefill" if n > 1 else "decode")
         cache.reserve(n)
         start = cache.n_tokens
         cos, sin = model_rope_tables(cfg, torch.arange(start, start + n))

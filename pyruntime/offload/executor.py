@@ -205,6 +205,7 @@ class HybridExecutor:
         protocol: pyruntime.model.executor)."""
         k = check_k(k, self.config)
         decode = single_token(tokens, self.config.n_vocab) is not None
+        self.stats.begin("decode" if decode else "prefill")
         start = time.perf_counter()
         if decode and self._last_decode_end is not None:
             self.offload.between_seconds += start - self._last_decode_end
