@@ -269,39 +269,60 @@ static void gate_cursor_take(const moe_ctx *c, gate_cursor *gc, int64_t upto, co
         add_lines(lines, n, gc->expert + (size_t)gc->next * 3 * c->row_bytes, c->row_bytes);
 }
 
-/* Gates of the chunk's nj neurons. While they run, the kernels prefetch the gate row `ahead`
- * neurons on (within [.., j1)) and an even share of `prev`'s active up/down rows (a gather the
- * hardware prefetcher cannot follow), so those are in cache when `prev` is finished. */
+/* Gates of the chunk's nj neurons, two neurons' gate rows per pass over each route's x where the
+ * level has dot2 (the same bits as two dots; half the x loads and reductions). While they run,
+ * the kernels prefetch the gate rows `ahead` neurons on (within [.., j1)) and an even share of
+ * `prev`'s active up/down rows (a gather the hardware prefetcher cannot follow), so those are in
+ * cache when `prev` is finished. */
 static int64_t sparse_gates(const moe_ctx *c, sparse_chunk *ch, int nj, gate_cursor *gc,
                             const sparse_chunk *prev) {
     const size_t rb = c->row_bytes;
+    const pyrt_row_ops *ops = c->ops;
     const int ahead = c->prefetch_ahead, nr = ch->nr, rc = ch->rc;
     const float thr = c->threshold;
     const int prev_lines = prev == NULL ? 0 : prev->n_list * (int)((2 * rb + 63) / 64 + 1);
     const int share = (prev_lines + nj - 1) / nj;
+    const int paired = ops->dot2 != NULL;
     const void *pf[PF_MAX_LINES];
     gather_lines g;
     gather_begin(&g, c, prev);
     int64_t active = 0;
     ch->n_list = 0;
-    for (int i = 0; i < nj; i++) {
+    for (int i = 0; i < nj;) {
+        const int m = paired && i + 1 < nj ? 2 : 1; /* neurons of this pass */
         const uint8_t *gate = ch->expert + (size_t)(ch->jc + i) * 3 * rb;
         int n_pf = 0;
         if (ahead > 0)
-            gate_cursor_take(c, gc, ch->jc + i + ahead + 1, pf, &n_pf);
-        gather_take(&g, c, share, pf, &n_pf);
-        int n_on = 0;
+            gate_cursor_take(c, gc, ch->jc + i + m + ahead, pf, &n_pf);
+        gather_take(&g, c, share * m, pf, &n_pf);
+        int n_on[2] = {0, 0};
         for (int r = 0; r < nr; r++) {
             const int lo = n_pf * r / nr, hi = n_pf * (r + 1) / nr;
-            const float a = gate_act(c, ch->bias, ch->jc + i,
-                                     dot_pf(c, gate, token_x(c, rc + r), pf + lo, hi - lo));
-            ch->h[i][r] = a;
-            ch->on[i][r] = !(fabsf(a) < thr); /* NaN stays on, so it propagates */
-            n_on += ch->on[i][r];
+            const void *xt = token_x(c, rc + r);
+            float d[2];
+            if (m == 2) {
+                if (ops->dot2_pf != NULL) {
+                    ops->dot2_pf(gate, gate + 3 * rb, xt, c->n_embd, d, pf + lo, hi - lo);
+                } else {
+                    prefetch_lines(pf + lo, hi - lo);
+                    ops->dot2(gate, gate + 3 * rb, xt, c->n_embd, d);
+                }
+            } else {
+                d[0] = dot_pf(c, gate, xt, pf + lo, hi - lo);
+            }
+            for (int q = 0; q < m; q++) {
+                const float a = gate_act(c, ch->bias, ch->jc + i + q, d[q]);
+                ch->h[i + q][r] = a;
+                ch->on[i + q][r] = !(fabsf(a) < thr); /* NaN stays on, so it propagates */
+                n_on[q] += ch->on[i + q][r];
+            }
         }
-        if (n_on > 0)
-            ch->list[ch->n_list++] = i;
-        active += n_on;
+        for (int q = 0; q < m; q++) {
+            if (n_on[q] > 0)
+                ch->list[ch->n_list++] = i + q;
+            active += n_on[q];
+        }
+        i += m;
     }
     return active;
 }
