@@ -110,6 +110,8 @@ CASES = {
     "gpu-sparse": Case((*BENCH, "-p", "512", "-n", "128", "-r", "3", "--device", "cuda",
                         "--sparsity", "0.85"), bench_json, "-t", calibrate=True),
     "cpu": Case((*BENCH, "-p", "0", "-n", "32", "-r", "3", "--device", "cpu"), bench_json, "-t"),
+    "cpu-prefill": Case((*BENCH, "-p", "512", "-n", "0", "-r", "3", "--device", "cpu"), bench_json,
+                        "-t"),
     "cpu-decode": Case(("bench/cpu_decode.py", "{shape}", "--gguf", "{model}", "--tokens", "64"),
                        cpu_decode_text, "--threads"),
 }  # fmt: skip
@@ -117,6 +119,7 @@ CASE_HELP = {
     "gpu": "pyruntime bench -p 512 -n 128 -r 3 --device cuda: pp512, tg128",
     "gpu-sparse": "the same with --sparsity 0.85, after pyruntime calibrate",
     "cpu": "pyruntime bench -p 0 -n 32 -r 3 --device cpu: tg32",
+    "cpu-prefill": "pyruntime bench -p 512 -n 0 -r 3 --device cpu: pp512",
     "cpu-decode": "bench/cpu_decode.py SHAPE --gguf MODEL --tokens 64: median step",
 }
 

@@ -8,7 +8,9 @@ with the C core. Per cell, a prompt of P random tokens is prefilled into an empt
 math of pyruntime/model/reference.py with the C core's pyrt_linear and pyrt_moe_ffn, torch for
 attention and norms). Cells run in turn within each round (interleaved, never sequential), each
 after one untimed run; the table gives tokens/s as the median (min-max) over rounds and each
-cell against the first U of its P as the median of the per-round ratios.
+cell against the first U of its P as the median of the per-round ratios, by the wall clock and
+by this process's CPU time (steadier on a shared machine at -t 1; at more threads it counts the
+pool's spinning too).
 
 The floor: FLOPs per token / the peak of a plain f32 matmul (torch.mm, 1024^3, the same thread
 count) measured in the same run, between rounds. FLOPs per token: 2 per weight element a token
@@ -82,14 +84,17 @@ def matmul_peak(threads: int, n: int = 1024, reps: int = 5) -> float:
     return 2 * n**3 / best / 1e9
 
 
-def prefill_seconds(model: CpuExecutor, prompt: torch.Tensor, reference: bool) -> float:
+def prefill_seconds(
+    model: CpuExecutor, prompt: torch.Tensor, reference: bool
+) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one prefill into an empty cache."""
     cache = model.new_cache(len(prompt))
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     if reference:
         model._forward_torch(prompt, cache, True)
     else:
         model.forward(prompt, cache, last_only=True)
-    return time.perf_counter() - t
+    return time.perf_counter() - t, time.process_time() - c
 
 
 def span(values: list[float], fmt: str) -> str:
@@ -134,7 +139,7 @@ def main() -> None:
     cells = [(p, u, False) for p in args.prompt for u in ubatches]
     if args.reference:
         cells += [(p, None, True) for p in args.prompt]
-    times: dict[tuple, list[float]] = {}
+    times: dict[tuple, list[tuple[float, float]]] = {}
     peaks = [matmul_peak(threads)]
     for rnd in range(args.rounds):
         for p, u, ref in cells:
@@ -147,20 +152,24 @@ def main() -> None:
     print(f"{path.name}: {platform.processor() or platform.machine()}, {threads} threads, simd "
           f"{cpu_core.simd_level()}, load average {os.getloadavg()[0]:.2f}; f32 matmul peak "
           f"{span(peaks, '.0f')} GFLOP/s; threshold {args.sparsity_threshold}")  # fmt: skip
-    print("\n| pp | path | ubatch | tokens/s | vs first | floor tokens/s | % of f32 peak |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    print("\n| pp | path | ubatch | tokens/s | vs first | tokens per CPU-s | vs first | floor "
+          "tokens/s | % of f32 peak |")  # fmt: skip
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for p in args.prompt:
         first = times[cells[[c[0] for c in cells].index(p)]]
         floor = peak * 1e9 / flops_per_token(model, p)
         for (cp, u, ref), ts in times.items():
             if cp != p:
                 continue
-            rates = [p / s for s in ts]
-            ratio = [a / b for a, b in zip(first, ts, strict=True)]
+            rates = [p / w for w, _ in ts]
+            cpu_rates = [p / c for _, c in ts]
+            ratio = [a[0] / b[0] for a, b in zip(first, ts, strict=True)]
+            cpu_ratio = [a[1] / b[1] for a, b in zip(first, ts, strict=True)]
             path_name = "reference" if ref else "C prefill"
             shown = "-" if ref else (u or f"default ({cpu_core.ubatch_default()})")
             print(f"| {p} | {path_name} | {shown} | {span(rates, '.1f')} | "
-                  f"{statistics.median(ratio):.2f}x | {floor:.1f} | "
+                  f"{statistics.median(ratio):.2f}x | {span(cpu_rates, '.1f')} | "
+                  f"{statistics.median(cpu_ratio):.2f}x | {floor:.1f} | "
                   f"{statistics.median(rates) / floor * 100:.0f}% |")  # fmt: skip
 
 

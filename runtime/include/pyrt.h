@@ -339,8 +339,11 @@ int pyrt_decoder_write_x(pyrt_decoder *dec, const float *x);
 
 /* ---- prefill: many tokens per call (prefill.c) ---- */
 
-/* Tokens per chunk of a prefill when its args leave ubatch 0. */
-enum { PYRT_UBATCH_DEFAULT = 256 };
+/* Tokens per chunk of a prefill when its args leave ubatch 0. Measured on granite-1b-a400m Q8_0
+ * (bench/cpu_prefill.py, 1 thread, CPU time): 64 is 10-15% slower than 128-512, which are level
+ * within the noise; the largest of the level ones serves each routed expert's rows to the most
+ * tokens per read, which counts where DRAM, not arithmetic, is the limit (many threads). */
+enum { PYRT_UBATCH_DEFAULT = 512 };
 
 /* What one prefill takes and gives. Zero-initialize, then set the inputs. */
 typedef struct {
