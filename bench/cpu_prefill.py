@@ -4,7 +4,8 @@ and against the reference path it replaced?
 A random-weight GGUF of a real model's shape (bench/make_random_gguf.py, made once) is loaded
 with the C core. Per cell, a prompt of P random tokens is prefilled into an empty cache with
 `forward(prompt, last_only=True)`: one pyrt_decoder_prefill call in chunks of U tokens
-(--ubatch; 'default' is the C core's), or with --reference the path it replaced (the reference
+(--ubatch; 'default' is the C core's), dense or with neuron thresholds (--thresholds: the
+skipped fraction is the C prefill's), or with --reference the path it replaced (the reference
 math of pyruntime/model/reference.py with the C core's pyrt_linear and pyrt_moe_ffn, torch for
 attention and norms). Cells run in turn within each round (interleaved, never sequential), each
 after one untimed run; the table gives tokens/s as the median (min-max) over rounds and each
@@ -21,6 +22,9 @@ run on int8 units whose peak is higher than f32's, so % of the f32 peak can pass
 
     python bench/cpu_prefill.py granite-1b-a400m --outtype q8_0 -p 128 512 --ubatch 64 128 256 512
     python bench/cpu_prefill.py tiny-olmoe --gguf DEMO.gguf -p 128 512 --reference
+    python bench/cpu_prefill.py granite-1b-a400m -t 1 -p 512 --thresholds 0 0.2 0.5
+    python bench/cpu_prefill.py granite-1b-a400m -t 1 -p 512 --thresholds 0.2 0.5 \
+        --param prefill_union_pct=90,101
     python bench/cpu_prefill.py olmoe-1b-7b -t 16 -p 512 2048 --rounds 3
 """
 
@@ -42,6 +46,7 @@ from make_random_gguf import CONFIGS, make_random_gguf  # noqa: E402
 
 from pyruntime.cpu import core as cpu_core  # noqa: E402
 from pyruntime.cpu.executor import CpuExecutor  # noqa: E402
+from pyruntime.cpu.experts import CpuCoreBackend  # noqa: E402
 from pyruntime.gguf.file import open_gguf  # noqa: E402
 
 
@@ -115,11 +120,22 @@ def main() -> None:
                     help="chunk sizes (tokens), or 'default'")  # fmt: skip
     ap.add_argument("--reference", action="store_true",
                     help="also time the reference path (slow on big prompts)")  # fmt: skip
-    ap.add_argument("--sparsity-threshold", type=float, default=0.0, metavar="T",
-                    help="a neuron threshold for every layer (0: dense)")  # fmt: skip
+    ap.add_argument("--thresholds", type=float, nargs="+", default=[0.0], metavar="T",
+                    help="neuron thresholds (the same for every layer; 0: dense), each its own "
+                    "cells")  # fmt: skip
+    ap.add_argument("--param", metavar="NAME=V1[,V2...]",
+                    help="a C core execution parameter (pyrt_params), each value its own pool and "
+                    "cells, e.g. prefill_union_pct=90,101")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     ubatches = [None if u == "default" else int(u) for u in args.ubatch]
+    knob, values = None, [None]
+    if args.param:
+        knob, _, text = args.param.partition("=")
+        try:
+            values = [int(v) for v in text.split(",")]
+        except ValueError:
+            ap.error(f"--param takes NAME=INTEGER[,INTEGER...], got {args.param!r}")
 
     path = args.gguf or Path(f"/tmp/{args.shape}-{args.outtype}.gguf")
     if not path.exists():
@@ -128,37 +144,47 @@ def main() -> None:
         print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB) in "
               f"{time.perf_counter() - t:.0f} s")  # fmt: skip
     f = open_gguf(path)
-    model = CpuExecutor.from_gguf(f, threads=args.threads, expert_backend="c")
-    if args.sparsity_threshold > 0:
-        model.expert_threshold = [args.sparsity_threshold] * model.config.n_layer
-    core = model.core
-    core.mem_read(f._map)  # every page mapped once: no first-touch faults in the timings
-    threads = core.threads
+    models = {}
+    for v in values:
+        model = models[v] = CpuExecutor.from_gguf(f, expert_backend="torch")
+        model.expert_backend = CpuCoreBackend(args.threads, None if knob is None else {knob: v})
+        model.use_core(model.expert_backend.core)
+    model.core.mem_read(f._map)  # every page mapped once: no first-touch faults in the timings
+    threads = model.core.threads
     gen = torch.Generator().manual_seed(0)
     prompts = {p: torch.randint(0, model.config.n_vocab, (p,), generator=gen) for p in args.prompt}
-    cells = [(p, u, False) for p in args.prompt for u in ubatches]
+    cells = [(p, u, False, t, v) for p in args.prompt for t in args.thresholds for u in ubatches
+             for v in values]  # fmt: skip
     if args.reference:
-        cells += [(p, None, True) for p in args.prompt]
+        cells += [(p, None, True, t, values[0]) for p in args.prompt for t in args.thresholds]
+    cells.sort(key=lambda c: c[0])
     times: dict[tuple, list[tuple[float, float]]] = {}
+    skipped: dict[float, float] = {}  # threshold -> fraction of neurons skipped (C prefill)
     peaks = [matmul_peak(threads)]
     for rnd in range(args.rounds):
-        for p, u, ref in cells:
+        for p, u, ref, thr, v in cells:
+            model = models[v]
             model.ubatch = u
+            model.expert_threshold = [thr] * model.config.n_layer if thr > 0 else None
             prefill_seconds(model, prompts[p], ref)  # warm: this chunk size's buffers
-            times.setdefault((p, u, ref), []).append(prefill_seconds(model, prompts[p], ref))
+            model.stats.reset()
+            times.setdefault((p, u, ref, thr, v), []).append(
+                prefill_seconds(model, prompts[p], ref)
+            )
+            skipped[thr] = model.stats.phase_sparsity("prefill") or 0.0
         peaks.append(matmul_peak(threads))
         print(f"round {rnd + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     peak = statistics.median(peaks)
     print(f"{path.name}: {platform.processor() or platform.machine()}, {threads} threads, simd "
           f"{cpu_core.simd_level()}, load average {os.getloadavg()[0]:.2f}; f32 matmul peak "
-          f"{span(peaks, '.0f')} GFLOP/s; threshold {args.sparsity_threshold}")  # fmt: skip
-    print("\n| pp | path | ubatch | tokens/s | vs first | tokens per CPU-s | vs first | floor "
-          "tokens/s | % of f32 peak |")  # fmt: skip
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+          f"{span(peaks, '.0f')} GFLOP/s")  # fmt: skip
+    print(f"\n| pp | path | threshold (skipped) | ubatch | {knob or 'params'} | tokens/s | vs "
+          "first | tokens per CPU-s | vs first | floor tokens/s | % of f32 peak |")  # fmt: skip
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for p in args.prompt:
         first = times[cells[[c[0] for c in cells].index(p)]]
         floor = peak * 1e9 / flops_per_token(model, p)
-        for (cp, u, ref), ts in times.items():
+        for (cp, u, ref, thr, v), ts in times.items():
             if cp != p:
                 continue
             rates = [p / w for w, _ in ts]
@@ -167,7 +193,9 @@ def main() -> None:
             cpu_ratio = [a[1] / b[1] for a, b in zip(first, ts, strict=True)]
             path_name = "reference" if ref else "C prefill"
             shown = "-" if ref else (u or f"default ({cpu_core.ubatch_default()})")
-            print(f"| {p} | {path_name} | {shown} | {span(rates, '.1f')} | "
+            print(f"| {p} | {path_name} | {thr} ({skipped[thr]:.2f}) | {shown} | "
+                  f"{'default' if v is None else v} | "
+                  f"{span(rates, '.1f')} | "
                   f"{statistics.median(ratio):.2f}x | {span(cpu_rates, '.1f')} | "
                   f"{statistics.median(cpu_ratio):.2f}x | {floor:.1f} | "
                   f"{statistics.median(rates) / floor * 100:.0f}% |")  # fmt: skip

@@ -96,6 +96,12 @@ typedef struct {
                                     task (1, default), or the router's own task first (0) */
     int fuse_layer;              /* decode step: where both fusions apply, a whole MoE block in
                                     one pool task (1, default), or attention and FFN in two (0) */
+    int prefill_union_pct;       /* prefill with a sparsity threshold: once the union of the
+                                    neurons a pass's tokens keep has been at least this % of the
+                                    neurons (over the call's passes so far), gate and up rows are
+                                    read together as dense does, the drops applied after; below,
+                                    the gates first and the up rows of that union only. Default
+                                    90; 0: always together; 101: never. 0..101 */
 } pyrt_params;
 
 /* The defaults of every field. */

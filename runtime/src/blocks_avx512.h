@@ -90,7 +90,8 @@ AVX512 static inline float dot_one_block(__m256i w, const pyrt_xq8 *xq, float dw
 
 
 AVX512VNNI static inline __m512i neg_x128(__m512i x) {
-    const __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), x);
+    const __m512i sum =
+        _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), x);
     return _mm512_sub_epi32(_mm512_setzero_si512(), sum);
 }
 

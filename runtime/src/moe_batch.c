@@ -6,7 +6,8 @@
  *     tiles (rows.h): h[n][i] = w_i * act(g_n . x_i) * (u_n . x_i), the expert's h kept as
  *     [n_ff][its routes]. With a threshold, the gates first; then the up rows of the union of the
  *     neurons some token of the pass keeps (h = 0 for a token that drops it), so a row no token
- *     needs is not read;
+ *     needs is not read; or, where that union is nearly everything, gate and up together and
+ *     the drops after (dense_union);
  *  2. down: items of (expert, up to PYRT_AXPY_TOKENS routes, DOWN_COLS columns of y): each route's
  *     yr = sum_n h[n][i] d_n over the neurons with a nonzero h in the group (a zero adds nothing),
  *     in tiles, each down row's block loaded once for the group;
@@ -119,10 +120,22 @@ typedef struct {
     float *y;
     pyrt_add_fn add;
     int gu_items;         /* gate/up items per expert */
+    int union_pct;        /* params.prefill_union_pct (dense_union) */
     int col_blocks;       /* down items per group of routes */
     atomic_int next;      /* the next item to claim */
     atomic_llong active;  /* neurons computed */
+    atomic_llong union_kept, union_total; /* neurons some token of a pass kept; neurons passed */
 } batch_ctx;
+
+/* v where on, else +0: a mask, not a branch (a token keeps or drops a neuron at random: a branch
+ * on it mispredicts; at 50% skipped the branches cost 9% of a granite-1b-a400m prefill). */
+static inline float kept_or_zero(int on, float v) {
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    u &= 0u - (uint32_t)on;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
 
 /* Row r (0 gate, 1 up, 2 down) of neuron n of used expert u. */
 static inline const uint8_t *row_of(const batch_ctx *c, int u, int n, int r) {
@@ -130,6 +143,25 @@ static inline const uint8_t *row_of(const batch_ctx *c, int u, int n, int r) {
 }
 
 /* ---- 1. gate and up -------------------------------------------------------------------------- */
+
+/* With a threshold, a pass reads the up rows of the union of the neurons its tokens keep. Over
+ * many tokens that union is nearly every neuron, and reading the gates apart from the up rows
+ * then costs (granite-1b-a400m, 1 thread, pp512, 50% skipped: 0.97x dense apart, 1.03x
+ * together; params.c). So once the call's passes so far needed at least
+ * params.prefill_union_pct % of their neurons, the next ones run gate and up together as dense
+ * does and drop per token after. Either way the same dots, the same h: the choice moves no bit,
+ * whichever threads saw which counts. */
+static int dense_union(batch_ctx *c) {
+    const long long total = atomic_load_explicit(&c->union_total, memory_order_relaxed);
+    const long long kept = atomic_load_explicit(&c->union_kept, memory_order_relaxed);
+    return c->union_pct == 0 ||
+           (total >= 4 * GU_NEURONS && kept * 100 >= total * (long long)c->union_pct);
+}
+
+static void count_union(batch_ctx *c, int kept, int total) {
+    atomic_fetch_add_explicit(&c->union_kept, kept, memory_order_relaxed);
+    atomic_fetch_add_explicit(&c->union_total, total, memory_order_relaxed);
+}
 
 /* Neurons [j0, j0 + nj) of used expert u for its routes [i0, i0 + nt) (nt <= GU_TOKENS). */
 static int64_t gate_up_pass(batch_ctx *c, int u, int j0, int nj, int i0, int nt) {
@@ -143,25 +175,38 @@ static int64_t gate_up_pass(batch_ctx *c, int u, int j0, int nj, int i0, int nt)
     float g[GU_TOKENS * 2 * GU_NEURONS]; /* [token][2 * neuron] */
     const void *rp[2 * GU_NEURONS] = {0};
     int64_t active = 0;
-    if (c->threshold <= 0.0f) { /* dense: gate and up rows together */
+    const int sparse = c->threshold > 0.0f;
+    if (!sparse || dense_union(c)) { /* gate and up rows together */
         for (int j = 0; j < nj; j++) {
             rp[2 * j] = row_of(c, u, j0 + j, 0);
             rp[2 * j + 1] = row_of(c, u, j0 + j, 1);
         }
         pyrt_dot_tile(c->ops, 2 * nj, rp, nt, xp, c->n_embd, g, 2 * GU_NEURONS, 1);
-        for (int j = 0; j < nj; j++)
-            for (int i = 0; i < nt; i++) {
+        int n_union = 0;
+        for (int j = 0; j < nj; j++) {
+            int any = 0;
+            float *hj = h + (size_t)(j0 + j) * n_routes + i0;
+            for (int i = 0; i < nt; i++) { /* no branch on the data: a drop is a select */
                 const float *gu = g + (size_t)i * 2 * GU_NEURONS + 2 * j;
-                h[(size_t)(j0 + j) * n_routes + i0 + i] =
-                    rw[i] * pyrt_activate(c->activation, gu[0]) * gu[1];
+                const float a = pyrt_activate(c->activation, gu[0]);
+                const float v = rw[i] * a * gu[1];
+                const int on = !(fabsf(a) < c->threshold); /* always on when dense; NaN too */
+                hj[i] = kept_or_zero(on, v);
+                any |= on;
+                active += on;
             }
-        return (int64_t)nj * nt;
+            n_union += any;
+        }
+        if (sparse)
+            count_union(c, n_union, nj);
+        return active;
     }
     /* sparse: the gates, then the up rows of the neurons some token keeps */
     for (int j = 0; j < nj; j++)
         rp[j] = row_of(c, u, j0 + j, 0);
     pyrt_dot_tile(c->ops, nj, rp, nt, xp, c->n_embd, g, GU_NEURONS, 1);
     int keep[GU_NEURONS], n_keep = 0;
+    uint8_t kept[GU_NEURONS] = {0};
     for (int j = 0; j < nj; j++) {
         int any = 0;
         for (int i = 0; i < nt; i++) {
@@ -174,10 +219,19 @@ static int64_t gate_up_pass(batch_ctx *c, int u, int j0, int nj, int i0, int nt)
         if (any) {
             rp[n_keep] = row_of(c, u, j0 + j, 1);
             keep[n_keep++] = j;
+            kept[j] = 1;
         }
     }
-    float *up = g + (size_t)GU_TOKENS * GU_NEURONS; /* [token][kept neuron] */
-    pyrt_dot_tile(c->ops, n_keep, rp, nt, xp, c->n_embd, up, GU_NEURONS, 1);
+    count_union(c, n_keep, nj);
+    /* Whole tiles: the rows of a last partial tile would go through per-token dot2 / dot calls,
+     * slower than a tile's wasted rows; so dropped neurons' up rows fill it (their products
+     * are made and not used: h stays 0 where no token keeps the neuron). */
+    int n_up = n_keep;
+    for (int j = 0; j < nj && n_up % PYRT_TILE_ROWS != 0; j++)
+        if (!kept[j])
+            rp[n_up++] = row_of(c, u, j0 + j, 1);
+    float *up = g + (size_t)GU_TOKENS * GU_NEURONS; /* [token][kept neuron, then padding] */
+    pyrt_dot_tile(c->ops, n_up, rp, nt, xp, c->n_embd, up, GU_NEURONS, 1);
     for (int j = 0; j < nj; j++)
         for (int i = 0; i < nt; i++)
             h[(size_t)(j0 + j) * n_routes + i0 + i] = 0.0f;
@@ -185,8 +239,8 @@ static int64_t gate_up_pass(batch_ctx *c, int u, int j0, int nj, int i0, int nt)
         const int j = keep[l];
         for (int i = 0; i < nt; i++) {
             const float a = g[(size_t)i * GU_NEURONS + j];
-            if (!(fabsf(a) < c->threshold))
-                h[(size_t)(j0 + j) * n_routes + i0 + i] = rw[i] * a * up[(size_t)i * GU_NEURONS + l];
+            const float v = rw[i] * a * up[(size_t)i * GU_NEURONS + l];
+            h[(size_t)(j0 + j) * n_routes + i0 + i] = kept_or_zero(!(fabsf(a) < c->threshold), v);
         }
     }
     return active;
@@ -262,7 +316,7 @@ static void task_down(void *p, int ith, int nth) {
     }
 }
 
-/* ---- 3. each token's sum ----------------------------------------------------------------------- */
+/* ---- 3. each token's sum --------------------------------------------------------------------- */
 
 static void token_sum(void *p, int64_t t, int ith) {
     (void)ith;
@@ -301,6 +355,7 @@ int pyrt_moe_batch(pyrt_pool *pool, pyrt_moe_batch_buf *buf, const pyrt_experts 
                    .n_used = n_used, .threshold = threshold, .xv = xv, .y = y,
                    .add = pyrt_add_f32_active(),
                    .gu_items = (e->n_ff + GU_NEURONS - 1) / GU_NEURONS,
+                   .union_pct = pyrt_pool_params(pool)->prefill_union_pct,
                    .col_blocks = (e->n_embd + DOWN_COLS - 1) / DOWN_COLS};
     buf->down_start[0] = 0;
     for (int u = 0; u < n_used; u++) {
@@ -309,6 +364,8 @@ int pyrt_moe_batch(pyrt_pool *pool, pyrt_moe_batch_buf *buf, const pyrt_experts 
         buf->down_start[u + 1] = buf->down_start[u] + groups * c.col_blocks;
     }
     atomic_init(&c.active, 0);
+    atomic_init(&c.union_kept, 0);
+    atomic_init(&c.union_total, 0);
     atomic_init(&c.next, 0);
     pyrt_pool_run(pool, task_gate_up, &c);
     atomic_store_explicit(&c.next, 0, memory_order_relaxed);

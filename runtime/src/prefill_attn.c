@@ -44,8 +44,9 @@ void pyrt_prefill_norm(const pyrt_chunk *c, const float *src, const float *norm,
 static void quantize_row(void *p, int64_t t, int ith) {
     (void)ith;
     const rows_ctx *r = p;
-    pyrt_quantize_x_q8(r->src + (size_t)t * r->src_stride, r->c->b->xq + (size_t)t * r->c->b->q_stride,
-                       r->n_in);
+    const pyrt_prefill_buf *b = r->c->b;
+    pyrt_xq8 *out = b->xq + (size_t)t * b->q_stride;
+    pyrt_quantize_x_q8(r->src + (size_t)t * r->src_stride, out, r->n_in);
 }
 
 void pyrt_prefill_quantize(const pyrt_chunk *c, const float *src, size_t stride, int n_in) {
@@ -112,8 +113,9 @@ static void qk_token(void *p, int64_t t, int ith) {
     rope(k, w->n_head_kv, hd, w->rope_dim, cs);
     const size_t cap = (size_t)a->c->cache->cap, pos = (size_t)a->c->pos + (size_t)t;
     for (int h = 0; h < w->n_head_kv; h++) {
-        memcpy(a->kc + ((size_t)h * cap + pos) * hd, k + (size_t)h * hd, (size_t)hd * sizeof(float));
-        memcpy(a->vc + ((size_t)h * cap + pos) * hd, v + (size_t)h * hd, (size_t)hd * sizeof(float));
+        const size_t at = ((size_t)h * cap + pos) * hd, bytes = (size_t)hd * sizeof(float);
+        memcpy(a->kc + at, k + (size_t)h * hd, bytes);
+        memcpy(a->vc + at, v + (size_t)h * hd, bytes);
     }
 }
 

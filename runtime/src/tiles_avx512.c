@@ -60,8 +60,9 @@ AVX512 static inline __m512 xscales8(const pyrt_xq8 *xq) {
                     swp[r] = _mm512_permutexvar_ps(pi, sw8[r]);                                   \
                 }                                                                                 \
                 for (int t = 0; t < nt; t++) {                                                    \
-                    const __m512i xv = join256(_mm256_loadu_si256((const __m256i *)x[t][bp].q),   \
-                                               _mm256_loadu_si256((const __m256i *)x[t][bp + 1].q)); \
+                    const __m256i x0 = _mm256_loadu_si256((const __m256i *)x[t][bp].q);          \
+                    const __m256i x1 = _mm256_loadu_si256((const __m256i *)x[t][bp + 1].q);      \
+                    const __m512i xv = join256(x0, x1);                                           \
                     const __m512i nx = PREP(xv);                                                  \
                     const __m512 sxp = _mm512_permutexvar_ps(pi, sx8[t]);                         \
                     for (int r = 0; r < R; r++)                                                   \
@@ -158,7 +159,8 @@ QUANT_TILE(q8_0_vnni, PYRT_Q8_0_BYTES, LOAD_Q8_0, AVX512VNNI, neg_x128, dot64_vn
 /* The 32 weights of a block as f32 (as axpy_q8_0 / axpy_q4_0 widen them). */
 #define DEQUANT_Q8_0(w, q0, q1)                                                                   \
     do {                                                                                          \
-        q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((w) + 2)))); \
+        q0 = _mm512_cvtepi32_ps(                                                                  \
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((w) + 2))));                   \
         q1 = _mm512_cvtepi32_ps(                                                                  \
             _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((w) + 18))));                  \
     } while (0)

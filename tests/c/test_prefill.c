@@ -7,7 +7,8 @@
  *    (the routed experts' sums run in another order), dense and sparse; from an empty cache and
  *    after steps (pos > 0).
  * 2. Its bits do not depend on the chunk size (ubatch 1, 3, 16, the default), the threads
- *    (1, 3, 16) or whether every token's logits are asked for (the last row is the last-token
+ *    (1, 3, 16), whether sparse passes read gate and up rows together (params.prefill_union_pct
+ *    0, 101) or whether every token's logits are asked for (the last row is the last-token
  *    call's); the routing of the last token and the counts (pairs, neurons) agree with the step.
  * 3. Expert maps: identity maps are the plain prefill bit for bit; a map that sends a layer's
  *    experts elsewhere computes none of its pairs there.
@@ -39,6 +40,7 @@ typedef struct {
     int threads, n_steps, n_pre, ubatch, all_logits;
     const float *thresholds;
     const int32_t *const *maps;
+    const pyrt_params *params; /* NULL: the defaults */
 } run_opts;
 
 /* What a run gives: the logits of every token ([n_steps + n_pre, N_VOCAB]; with all_logits 0
@@ -54,7 +56,8 @@ typedef struct {
 static void run(const tiny_model *t, const run_opts *o, run_out *out) {
     pyrt_pool *pool = NULL;
     pyrt_decoder *dec = NULL;
-    CHECK(pyrt_pool_create(o->threads, NULL, &pool) == PYRT_OK, "pool: %s", pyrt_last_error());
+    CHECK(pyrt_pool_create(o->threads, o->params, &pool) == PYRT_OK, "pool: %s",
+          pyrt_last_error());
     CHECK(pyrt_decoder_create(&t->w, &dec) == PYRT_OK, "create: %s", pyrt_last_error());
     memset(out->logits, 0, sizeof out->logits);
     cache_alloc_cap(&out->cache, P_CAP);
@@ -118,7 +121,8 @@ static int same_bits(const run_out *a, const run_out *b, int n) {
 
 /* 1 and 2: against steps, and across chunk sizes, threads and logits asked for. */
 static void test_prefill_is_the_steps(const tiny_model *t) {
-    run_out *steps = malloc(sizeof *steps), *pre = malloc(sizeof *pre), *other = malloc(sizeof *other);
+    run_out *steps = malloc(sizeof *steps), *pre = malloc(sizeof *pre);
+    run_out *other = malloc(sizeof *other);
     const int lengths[] = {1, 7, MAX_N};
     for (int sparse = 0; sparse < 2; sparse++)
         for (int li = 0; li < COUNT_OF(lengths); li++)
@@ -172,6 +176,19 @@ static void test_prefill_is_the_steps(const tiny_model *t) {
                               n, first, p.ubatch, p.threads);
                         cache_free(&other->cache);
                     }
+                /* the routed experts' gate and up rows together or apart (sparse) */
+                for (int pct = 0; pct <= 101; pct += 101) {
+                    pyrt_params params;
+                    pyrt_params_default(&params);
+                    params.prefill_union_pct = pct;
+                    run_opts p = o;
+                    p.params = &params;
+                    run(t, &p, other);
+                    CHECK(same_bits(pre, other, first + n),
+                          "sparse %d n %d after %d: prefill_union_pct %d moved bits", sparse, n,
+                          first, pct);
+                    cache_free(&other->cache);
+                }
                 run_opts last = o;
                 last.all_logits = 0;
                 run(t, &last, other);

@@ -147,7 +147,8 @@ static inline pyrt_kv_cache kv(tiny_cache *c) {
 }
 
 /* expert arguments: thresholds [N_LAYER] or NULL, k, maps [N_LAYER] or NULL */
-static inline pyrt_expert_args experts_args(const float *thresholds, int k, const int32_t *const *maps) {
+static inline pyrt_expert_args experts_args(const float *thresholds, int k,
+                                            const int32_t *const *maps) {
     return (pyrt_expert_args){.thresholds = thresholds, .n_thresholds = thresholds ? N_LAYER : 0,
                               .k = k, .maps = maps, .n_maps = maps ? N_LAYER : 0,
                               .map_len = N_EXP};
