@@ -148,6 +148,9 @@ class Model:
                 self.file, threads=threads, expert_backend=expert_backend, ubatch=ubatch
             )
             self.net.expert_threshold = thresholds
+            if thresholds is not None:  # decode dense where sparse loses on this machine
+                key = f"{self.path.name}:{self.file.file_size}:s{sparsity}"
+                self.net.choose_decode_sparsity(key, options.writable_cache_dir() / "cpu_switch")
         else:
             from pyruntime.gpu.executor import GpuExecutor  # imports triton: GPU runs only
 

@@ -11,10 +11,13 @@ in place, in its stored format) and its routed-expert kernel.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
+from pyruntime.cpu import sparse_switch
 from pyruntime.cpu.core import CpuCore
 from pyruntime.cpu.decoder import CpuDecoder
 from pyruntime.cpu.experts import make_expert_backend
@@ -40,6 +43,7 @@ class CpuExecutor(ReferenceModel):
         self._decoder: CpuDecoder | None = None
         self.file: GGUFFile | None = None  # the mapped file, for prefetch hints
         self.ubatch: int | None = None  # prefill tokens per chunk (None: the C core's default)
+        self.sparse_decode = True  # decode steps skip neurons as expert_threshold says
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         """Start paging the experts' bytes in from the file (readahead), without waiting."""
@@ -81,6 +85,27 @@ class CpuExecutor(ReferenceModel):
         # One thread pool for everything: torch only runs the few ops left on the prefill path
         # (attention, norms), and its threads would otherwise compete with the pool's.
         torch.set_num_threads(1)
+
+    def choose_decode_sparsity(self, key: str, cache_dir: Path, timer=None) -> None:
+        """Whether decode steps skip neurons (expert_threshold) or run dense: whichever decoded
+        faster on this machine and pool (pyruntime.cpu.sparse_switch; measured once per key,
+        thresholds and thread count, cached in cache_dir; one line on stderr before a
+        measurement). Prefill keeps the thresholds. Without the C core or thresholds: sparse
+        as expert_threshold says."""
+        self.sparse_decode = True
+        if self._decoder is None or self.expert_threshold is None:
+            return
+
+        def tell(path: Path) -> None:
+            print(f"pyruntime: timing dense vs sparse decode steps on {self.core.threads} CPU "
+                  f"threads (once per model, sparsity and thread count; cached in "
+                  f"{path.parent})", file=sys.stderr, flush=True)  # fmt: skip
+
+        self.sparse_decode = sparse_switch.sparse_wins(
+            self, self.expert_threshold, key, cache_dir, on_measure=tell,
+            **({} if timer is None else {"timer": timer}),
+        )  # fmt: skip
+        self.stats.reset()  # the measurement's own steps
 
     def _core_linear(self, x: torch.Tensor, w: QuantMatrix, bias: torch.Tensor | None = None):
         """x [T, n_in] -> [T, n_out] on the C core, w in its own format."""
@@ -163,7 +188,7 @@ class CpuExecutor(ReferenceModel):
         out, n_active = self._decoder.step(
             token,
             cache,
-            self.expert_threshold,
+            self.expert_threshold if self.sparse_decode else None,
             k=self._decoder_k(k),
             route_ids=ids,
             route_logits=logits,
