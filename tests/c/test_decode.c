@@ -617,6 +617,18 @@ static void test_weight_lengths(void) {
     short_vector(&t, &t.blocks[1].k_norm, N_KV * HD - 1, "blk.1.attn_k_norm"); /* all heads */
     short_vector(&t, &t.blocks[0].sh_gate_inp, 1, "blk.0.ffn_gate_inp_shexp");
     short_vector(&t, &t.w.rope_inv_freq, 3, "rope_inv_freq has 3 elements, the model needs 4");
+    /* gpt-oss's vectors */
+    short_vector(&t, &t.blocks[1].bo, N_EMBD - 1, "blk.1.attn_output.bias");
+    short_vector(&t, &t.blocks[2].sinks, N_HEAD - 1, "blk.2.attn_sinks");
+    short_vector(&t, &t.blocks[0].router_bias, N_EXP - 1, "blk.0.ffn_gate_inp.bias");
+    float *down = make_vec(N_EXP * N_EMBD, 0.0f, 0.1f), *gu = make_vec(N_EXP * N_FF * 2, 0.f, .1f);
+    t.blocks[2].exp_bias_down = vec(down, N_EXP * N_EMBD);
+    short_vector(&t, &t.blocks[2].exp_bias_gu, N_EXP * N_FF * 2 - 1, "blk.2.ffn_gu_exps.bias");
+    t.blocks[2].exp_bias_gu = vec(gu, N_EXP * N_FF * 2);
+    short_vector(&t, &t.blocks[2].exp_bias_down, N_EXP * N_EMBD - 1, "blk.2.ffn_down_exps.bias");
+    t.blocks[2].exp_bias_gu = t.blocks[2].exp_bias_down = (pyrt_vector){0};
+    free(down);
+    free(gu);
     /* a norm's pointer without its length is refused too (a length of 0 would read nothing) */
     const pyrt_vector saved = t.blocks[0].attn_norm;
     t.blocks[0].attn_norm.n = 0;

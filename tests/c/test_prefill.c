@@ -307,12 +307,39 @@ static void test_prefill_errors(const tiny_model *t) {
     pyrt_pool_free(pool);
 }
 
+/* gpt-oss's pieces: refused (PYRT_E_UNSUPPORTED) with what, the step still runs the model. */
+static void test_prefill_refuses_what_it_lacks(tiny_model *t) {
+    float *sinks = make_vec(N_HEAD, 0.0f, 1.0f);
+    t->blocks[2].sinks = vec(sinks, N_HEAD);
+    pyrt_pool *pool = NULL;
+    pyrt_decoder *dec = NULL;
+    CHECK(pyrt_pool_create(1, NULL, &pool) == PYRT_OK, "pool");
+    CHECK(pyrt_decoder_create(&t->w, &dec) == PYRT_OK, "create: %s", pyrt_last_error());
+    tiny_cache c;
+    cache_alloc_cap(&c, 4);
+    int32_t tokens[2] = {1, 2};
+    float logits[N_VOCAB];
+    pyrt_prefill_args a = {.tokens = tokens, .n_tokens = 2, .cache = kv(&c), .logits = logits,
+                           .logits_len = N_VOCAB};
+    CHECK(pyrt_decoder_prefill(dec, pool, &a) == PYRT_E_UNSUPPORTED &&
+              strstr(pyrt_last_error(), "attention sinks or a sliding window is not in") != NULL,
+          "sinks: %s", pyrt_last_error());
+    pyrt_step_args s = {.token = 1, .cache = kv(&c), .logits = logits, .logits_len = N_VOCAB};
+    CHECK(pyrt_decoder_step(dec, pool, &s) == PYRT_OK, "the step: %s", pyrt_last_error());
+    cache_free(&c);
+    pyrt_decoder_free(dec);
+    pyrt_pool_free(pool);
+    t->blocks[2].sinks = (pyrt_vector){0};
+    free(sinks);
+}
+
 int main(void) {
     tiny_model t;
     build_tiny(&t);
     test_prefill_is_the_steps(&t);
     test_prefill_maps(&t);
     test_prefill_errors(&t);
+    test_prefill_refuses_what_it_lacks(&t);
     free_tiny(&t);
     if (failures) {
         printf("%d C prefill test(s) failed\n", failures);
