@@ -71,6 +71,13 @@ def gpu_budget(dev: torch.device, gpu_mem: int | None) -> tuple[int, str]:
     return lowered, source
 
 
+def gpu_layers_issue(cfg: ModelConfig) -> str | None:
+    """Why the GPU executor cannot run this model's layers, or None."""
+    if any(cfg.recurrent_layers):
+        return f"{cfg.arch}'s Gated DeltaNet layers have no GPU path yet"
+    return None
+
+
 def choose_device(requested: str, f: GGUFFile, cfg: ModelConfig, n_ctx: int,
                   gpu_mem: int | None = None) -> DeviceChoice:  # fmt: skip
     """Resolve `requested` for this model at a context of n_ctx tokens under a GPU budget of
@@ -92,6 +99,7 @@ def choose_device(requested: str, f: GGUFFile, cfg: ModelConfig, n_ctx: int,
     from pyruntime.kernels.expert_formats import activation_issue
 
     why = activation_issue(cfg.activation, (cfg.swiglu_alpha, cfg.swiglu_limit))
+    why = why or gpu_layers_issue(cfg)
     if why is not None:
         if req == "auto":
             return DeviceChoice("cpu", f"running on the CPU: {why}")

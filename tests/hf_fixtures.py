@@ -15,6 +15,8 @@ MXFP4), and the float weights of the model (and of a checkpoint saved without it
 values, so both conversions describe the same model. Its random weights are rescaled so that the
 features are exercised: sinks, biases and expert weights large enough that the SwiGLU clamp
 binds, and a sliding window (8) shorter than the parity tests' prompts.
+Qwen3.5-MoE: three Gated DeltaNet layers and one full-attention layer (its default pattern),
+with its zero-centred norms, decay rates and gates drawn so that each shows (_exercise_qwen35).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 
 TOKENIZER_DIR = Path(__file__).resolve().parent / "data" / "tiny-tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
-ARCHS = ("olmoe", "qwen2moe", "qwen3moe", "mixtral", "granitemoe", "gptoss")
+ARCHS = ("olmoe", "qwen2moe", "qwen3moe", "mixtral", "granitemoe", "gptoss", "qwen35moe")
 
 # Shared by all: the tokenizer's special ids (<|endoftext|> = 0 is eos and pad, no bos).
 _COMMON: dict[str, Any] = dict(
@@ -91,6 +93,20 @@ _PER_ARCH: dict[str, dict[str, Any]] = {
             original_max_position_embeddings=8,
         ),
     ),
+    "qwen35moe": dict(
+        num_hidden_layers=4,  # layer_types default: 3 Gated DeltaNet layers, then full attention
+        num_experts=8,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        head_dim=32,
+        # DeltaNet heads: 2 key heads of 16, 4 value heads of 24 (each key head read by two)
+        linear_conv_kernel_dim=4,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=24,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+    ),
 }
 
 
@@ -104,6 +120,7 @@ def _config_class(arch: str) -> type:
         "mixtral": transformers.MixtralConfig,
         "granitemoe": transformers.GraniteMoeConfig,
         "gptoss": transformers.GptOssConfig,
+        "qwen35moe": transformers.Qwen3_5MoeTextConfig,
     }[arch]
 
 
@@ -127,6 +144,8 @@ def make_tiny_hf_model(
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     if arch == "gptoss":
         _exercise_gptoss(model)
+    if arch == "qwen35moe":
+        _exercise_qwen35(model)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if mxfp4_experts:
@@ -164,6 +183,24 @@ def _exercise_gptoss(model) -> None:
         # [E, n, 2ff] rows along n, [E, ff, n] rows along ff: MXFP4 blocks as the checkpoint has
         ex.gate_up_proj.copy_(_mxfp4_round(ex.gate_up_proj.transpose(1, 2)).transpose(1, 2))
         ex.down_proj.copy_(_mxfp4_round(ex.down_proj.transpose(1, 2)).transpose(1, 2))
+
+
+@torch.no_grad()
+def _exercise_qwen35(model) -> None:
+    """Zero-centred norm weights away from 0 (so the written 1 + w differs from w), decay rates
+    and step biases that make exp(g) range over (0, 1), conv and gate weights of unit scale."""
+    for p in model.parameters():
+        if p.ndim == 1:
+            p.normal_(0.0, 0.3)
+    for layer in model.model.layers:
+        if layer.block_type == "linear_attention":
+            la = layer.linear_attn
+            la.A_log.uniform_(-2.0, 1.5)
+            la.dt_bias.normal_(0.0, 1.0)
+            la.conv1d.weight.normal_(0.0, 0.5)
+            la.norm.weight.normal_(1.0, 0.3)
+        layer.mlp.shared_expert_gate.weight.normal_(0.0, 0.5)
+    model.model.norm.weight.normal_(1.0, 0.3)  # written ~2: logits of unit scale, as the others'
 
 
 def _mxfp4_round(w: torch.Tensor) -> torch.Tensor:

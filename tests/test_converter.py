@@ -33,6 +33,7 @@ GGUF_ARCH = {
     "olmoe": "olmoe",
     "qwen2moe": "qwen2moe",
     "qwen3moe": "qwen3moe",
+    "qwen35moe": "qwen35moe",
     "mixtral": "llama",
     "granitemoe": "granitemoe",
     "gptoss": "gpt-oss",
@@ -67,8 +68,14 @@ def _reference_tensors(arch: str, path: Path) -> dict[str, np.ndarray]:
     if not cfg.tie_word_embeddings:
         out["output.weight"] = sd["lm_head.weight"]
     moe = "block_sparse_moe" if arch == "granitemoe" else "mlp"
+    if arch == "qwen35moe":
+        out["output_norm.weight"] = out["output_norm.weight"] + 1
     for i in range(cfg.num_hidden_layers):
         p, b = f"model.layers.{i}", f"blk.{i}"
+        if arch == "qwen35moe":
+            out |= _qwen35_attention(sd, cfg, p, b)
+            out |= _qwen35_ffn(sd, p, b)
+            continue
         out[f"{b}.attn_norm.weight"] = sd[f"{p}.input_layernorm.weight"]
         out[f"{b}.ffn_norm.weight"] = sd[f"{p}.post_attention_layernorm.weight"]
         for proj, name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
@@ -104,6 +111,54 @@ def _reference_tensors(arch: str, path: Path) -> dict[str, np.ndarray]:
     return out
 
 
+def _qwen35_attention(sd: dict[str, np.ndarray], cfg, p: str, b: str) -> dict[str, np.ndarray]:
+    """Qwen3.5-MoE: zero-centred norms written as 1 + w (not the DeltaNet's gated norm); a
+    DeltaNet layer's projections, conv [C, 1, K] as [C, K], A = -exp(A_log); a full-attention
+    layer's q_proj split per head into the query and its output gate."""
+    out = {
+        f"{b}.attn_norm.weight": sd[f"{p}.input_layernorm.weight"] + 1,
+        f"{b}.ffn_norm.weight": sd[f"{p}.post_attention_layernorm.weight"] + 1,
+    }
+    la = f"{p}.linear_attn"
+    if f"{la}.A_log" in sd:
+        return out | {
+            f"{b}.attn_qkv.weight": sd[f"{la}.in_proj_qkv.weight"],
+            f"{b}.attn_gate.weight": sd[f"{la}.in_proj_z.weight"],
+            f"{b}.ssm_beta.weight": sd[f"{la}.in_proj_b.weight"],
+            f"{b}.ssm_alpha.weight": sd[f"{la}.in_proj_a.weight"],
+            f"{b}.ssm_conv1d.weight": sd[f"{la}.conv1d.weight"][:, 0, :],
+            f"{b}.ssm_dt.bias": sd[f"{la}.dt_bias"],
+            f"{b}.ssm_a": -np.exp(sd[f"{la}.A_log"]),
+            f"{b}.ssm_norm.weight": sd[f"{la}.norm.weight"],
+            f"{b}.ssm_out.weight": sd[f"{la}.out_proj.weight"],
+        }
+    sa, hd = f"{p}.self_attn", cfg.head_dim
+    q = sd[f"{sa}.q_proj.weight"].reshape(cfg.num_attention_heads, 2, hd, -1)
+    return out | {
+        f"{b}.attn_q.weight": q[:, 0].reshape(-1, q.shape[-1]),
+        f"{b}.attn_gate.weight": q[:, 1].reshape(-1, q.shape[-1]),
+        f"{b}.attn_k.weight": sd[f"{sa}.k_proj.weight"],
+        f"{b}.attn_v.weight": sd[f"{sa}.v_proj.weight"],
+        f"{b}.attn_output.weight": sd[f"{sa}.o_proj.weight"],
+        f"{b}.attn_q_norm.weight": sd[f"{sa}.q_norm.weight"] + 1,
+        f"{b}.attn_k_norm.weight": sd[f"{sa}.k_norm.weight"] + 1,
+    }
+
+
+def _qwen35_ffn(sd: dict[str, np.ndarray], p: str, b: str) -> dict[str, np.ndarray]:
+    gu, down = sd[f"{p}.mlp.experts.gate_up_proj"], sd[f"{p}.mlp.experts.down_proj"]
+    ff = down.shape[2]
+    gud = np.stack([gu[:, :ff], gu[:, ff:], down.transpose(0, 2, 1)], axis=2)
+    out = {
+        f"{b}.ffn_gud_exps.weight": gud,
+        f"{b}.ffn_gate_inp.weight": sd[f"{p}.mlp.gate.weight"],
+        f"{b}.ffn_gate_inp_shexp.weight": sd[f"{p}.mlp.shared_expert_gate.weight"][0],
+    }
+    for proj in ("gate", "up", "down"):
+        out[f"{b}.ffn_{proj}_shexp.weight"] = sd[f"{p}.mlp.shared_expert.{proj}_proj.weight"]
+    return out
+
+
 def _gptoss_layer(sd: dict[str, np.ndarray], p: str, b: str) -> dict[str, np.ndarray]:
     """GPT-OSS's sinks, router bias and experts: gate_up [E, n, 2ff] with gate/up interleaved
     along the last axis (x @ gate_up), down [E, ff, n] (x @ down), biases interleaved too."""
@@ -125,8 +180,8 @@ def _gptoss_layer(sd: dict[str, np.ndarray], p: str, b: str) -> dict[str, np.nda
 
 
 def _expected_type(name: str, ref: np.ndarray, outtype: str) -> GGMLQuantizationType:
-    if ref.ndim == 1 or "ffn_gate_inp" in name or name.endswith(".bias"):
-        return Q.F32  # norms, biases, sinks, routers, shared-expert gate
+    if ref.ndim == 1 or "ffn_gate_inp" in name or name.endswith(".bias") or "ssm_conv1d" in name:
+        return Q.F32  # norms, biases, sinks, routers, shared-expert gate, DeltaNet conv, A
     w = W_TYPE[outtype]
     if w == Q.Q4_0 and name in ("token_embd.weight", "output.weight"):
         w = Q.Q8_0
@@ -204,12 +259,12 @@ def test_metadata(models_root: Path, tmp_path: Path, arch: str):
         f"{a}.vocab_size": 4096,
         f"{a}.context_length": 256,
         f"{a}.embedding_length": 64,
-        f"{a}.block_count": 2,
+        f"{a}.block_count": cfg["num_hidden_layers"],
         f"{a}.expert_feed_forward_length": cfg.get("moe_intermediate_size")
         or cfg["intermediate_size"],
         f"{a}.expert_count": n_expert,
         f"{a}.expert_used_count": 2,
-        f"{a}.expert_weights_norm": arch in ("mixtral", "granitemoe", "gptoss"),
+        f"{a}.expert_weights_norm": arch in ("mixtral", "granitemoe", "gptoss", "qwen35moe"),
         f"{a}.attention.head_count": 4,
         f"{a}.attention.head_count_kv": 2,
         f"{a}.attention.key_length": head_dim,
@@ -224,10 +279,23 @@ def test_metadata(models_root: Path, tmp_path: Path, arch: str):
         "pyruntime.stop_token_ids": [0, 2],
     }
     # where llama.cpp's converter writes it: the experts' n_ff, or qwen's dense layers' n_ff
-    expect[f"{a}.feed_forward_length"] = cfg["intermediate_size"]
+    if arch != "qwen35moe":  # no dense FFN and no intermediate_size
+        expect[f"{a}.feed_forward_length"] = cfg["intermediate_size"]
     expect["tokenizer.ggml.pre"] = "gpt-2"  # tokenizer.json: ByteLevel with GPT-2's regex
     if arch == "qwen2moe":
         expect[f"{a}.expert_shared_feed_forward_length"] = 64
+    if arch == "qwen35moe":
+        expect |= {
+            f"{a}.rope.dimension_count": 8,  # 0.25 of head_dim 32
+            f"{a}.expert_shared_feed_forward_length": 48,
+            f"{a}.attention.recurrent_layers": [True, True, True, False],
+            f"{a}.full_attention_interval": 4,
+            f"{a}.ssm.conv_kernel": 4,
+            f"{a}.ssm.state_size": 16,
+            f"{a}.ssm.group_count": 2,
+            f"{a}.ssm.time_step_rank": 4,
+            f"{a}.ssm.inner_size": 96,
+        }
     if arch == "granitemoe":
         expect |= {
             f"{a}.embedding_scale": 12.0,

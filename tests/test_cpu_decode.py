@@ -102,7 +102,12 @@ def test_linear_invalid_arguments_raise_with_the_c_message():
 # ---- decode step ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+# The families the C decode step runs: qwen35moe's Gated DeltaNet layers are not in the C core,
+# so its forward passes take the reference path (CpuExecutor.c_decoder_runs; tests/test_qwen35.py)
+C_DECODER_ARCHS = [a for a in ARCHS if a != "qwen35moe"]
+
+
+@pytest.fixture(scope="module", params=C_DECODER_ARCHS)
 def hf_model(request, tmp_path_factory) -> tuple[str, Path]:
     arch = request.param
     return arch, make_tiny_hf_model(arch, tmp_path_factory.mktemp(f"hf-{arch}"))

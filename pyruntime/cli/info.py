@@ -95,7 +95,29 @@ def _family_rows(f: Any) -> list[tuple[str, str]]:
         ))  # fmt: skip
     if f.has_tensor("blk.0.attn_sinks.weight"):
         rows.append(("attention sinks", "yes"))
+    rows += _deltanet_rows(f)
     return rows
+
+
+def _deltanet_rows(f: Any) -> list[tuple[str, str]]:
+    """Gated DeltaNet (qwen35moe): which layers, their heads and conv; partial rope, the
+    shared expert."""
+    recurrent = f.arch_get("attention.recurrent_layers", None)
+    if recurrent is None:
+        return []
+    n_v = f.arch_get("ssm.time_step_rank", 0)
+    v_dim = f.arch_get("ssm.inner_size", 0) // n_v if n_v else "?"
+    full = [i for i, r in enumerate(recurrent) if not r]
+    return [
+        ("linear attention", f"Gated DeltaNet on {sum(map(bool, recurrent))} of "
+         f"{len(recurrent)} layers (full attention: {', '.join(map(str, full)) or 'none'})"),
+        ("deltanet heads", f"{f.arch_get('ssm.group_count', '?')} key x "
+         f"{f.arch_get('ssm.state_size', '?')}, {n_v} value x {v_dim}; conv kernel "
+         f"{f.arch_get('ssm.conv_kernel', '?')}"),
+        ("rope dims", f"{f.arch_get('rope.dimension_count', '?')} of "
+         f"{f.arch_get('attention.key_length', '?')} per head"),
+        ("shared expert ffn", str(f.arch_get("expert_shared_feed_forward_length", "?"))),
+    ]  # fmt: skip
 
 
 def _family_class(f: Any) -> str:

@@ -88,6 +88,7 @@ class MoeModel:
     )
     rope_types: ClassVar[tuple[str, ...]] = ("default",)  # rope_parameters.rope_type accepted
     attention_bias_ok: ClassVar[bool] = False  # config `attention_bias: true` accepted
+    partial_rotary_ok: ClassVar[bool] = False  # a partial_rotary_factor < 1 accepted
     # tokens that end an assistant turn (tokenizer.ggml.eot_token_id), first present wins
     end_of_turn_tokens: ClassVar[tuple[str, ...]] = END_OF_TURN_TOKENS
 
@@ -99,12 +100,13 @@ class MoeModel:
         self.n_head = hp.int("num_attention_heads")
         self.n_head_kv = hp.int("num_key_value_heads", default=self.n_head)
         self.head_dim = hp.head_dim()
+        self.rope_dim = self.head_dim  # dims of a head that rope rotates
         self.n_expert = hp.int(
             next((k for k in self.n_expert_keys if hp.has(k)), self.n_expert_keys[0])
         )
         self.n_expert_used = hp.int("num_experts_per_tok")
         self.n_ff_exp = hp.int(self.n_ff_exp_key)
-        self.rope_theta = hp.rope_theta(self.rope_types)
+        self.rope_theta = hp.rope_theta(self.rope_types, self.partial_rotary_ok)
         self.activation = hp.activation()
         if self.n_head % self.n_head_kv:
             raise hp._bad("num_key_value_heads", f"must divide num_attention_heads {self.n_head}")
@@ -149,7 +151,7 @@ class MoeModel:
         w.add_uint32(f"{a}.attention.value_length", self.head_dim)
         w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", self.hp.float("rms_norm_eps"))
         w.add_float32(f"{a}.rope.freq_base", self.rope_theta)
-        w.add_uint32(f"{a}.rope.dimension_count", self.head_dim)
+        w.add_uint32(f"{a}.rope.dimension_count", self.rope_dim)
         w.add_string("pyruntime.expert_activation", self.activation)
 
     # ---- the tensor mapping ----

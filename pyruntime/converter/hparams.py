@@ -108,9 +108,12 @@ class HParams:
             raise self._bad("rope_parameters", f"must be an object, got {params!r}")
         return params
 
-    def rope_theta(self, rope_types: tuple[str, ...] = ("default",)) -> float:
+    def rope_theta(
+        self, rope_types: tuple[str, ...] = ("default",), partial_ok: bool = False
+    ) -> float:
         """Rope base frequency from either config style; the rope type must be one of
-        `rope_types` (the family's), plain (unscaled) rope by default."""
+        `rope_types` (the family's), plain (unscaled) rope by default; a partial rotary factor
+        other than 1 only where the family has one (`partial_ok`: see partial_rotary_factor)."""
         params = self.rope_params()
         rope_type = params.get("rope_type", params.get("type")) or "default"
         if rope_type not in rope_types:
@@ -119,7 +122,7 @@ class HParams:
                 f"(supported: {', '.join(rope_types)}); convert a checkpoint without rope scaling"
             )
         partial = params.get("partial_rotary_factor", self.config.get("partial_rotary_factor"))
-        if partial not in (None, 1, 1.0):
+        if partial not in (None, 1, 1.0) and not partial_ok:
             raise self._bad("partial_rotary_factor", f"must be 1 (full rotary), got {partial!r}")
         theta = params.get("rope_theta", self.config.get("rope_theta"))
         if theta is None:
@@ -127,6 +130,16 @@ class HParams:
         if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
             raise self._bad("rope_theta", f"must be a positive number, got {theta!r}")
         return float(theta)
+
+    def partial_rotary_factor(self) -> float:
+        """The share of each head's dims that rope rotates (rope_parameters or top level), 1 when
+        absent; in (0, 1]."""
+        value = self.rope_params().get(
+            "partial_rotary_factor", self.config.get("partial_rotary_factor", 1.0)
+        )
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise self._bad("partial_rotary_factor", f"must be a number in (0, 1], got {value!r}")
+        return float(value)
 
     def rope_number(self, key: str, default: float | None = None) -> float:
         """A positive number of the rope sub-config (`rope_parameters.{key}`)."""

@@ -40,6 +40,7 @@ class SourceTensors:
         self._torch_handles: dict[Path, Any] = {}  # only for bf16 data, which numpy cannot hold
         self.claimed: set[str] = set()
         self.missing: list[str] = []
+        self._disk_name: dict[str, str] = {}  # a renamed tensor's name in the safetensors file
         index = model_dir / "model.safetensors.index.json"
         if index.is_file():
             files = self._files_from_index(index)
@@ -80,15 +81,32 @@ class SourceTensors:
 
     # ---- plan-time bookkeeping (no data read) ----
 
+    def rename_prefix(self, disk_prefix: str, prefix: str) -> None:
+        """Know every tensor stored as `disk_prefix + rest` as `prefix + rest` (the text model
+        inside a multimodal checkpoint, `model.language_model.` -> `model.`)."""
+        for disk in [n for n in self._file_of if n.startswith(disk_prefix)]:
+            name = prefix + disk[len(disk_prefix) :]
+            if name in self._file_of:
+                raise ConversionError(f"{self.model_dir}: tensors {disk} and {name} both exist")
+            self._file_of[name] = self._file_of.pop(disk)
+            self._disk_name[name] = self._disk_name.pop(disk, disk)
+
+    def skip_prefix(self, prefix: str) -> None:
+        """Claim every tensor under `prefix`: parts of the checkpoint the conversion leaves out
+        (a vision tower, a multi-token-prediction head)."""
+        self.claimed.update(n for n in self._file_of if n.startswith(prefix))
+
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
 
     def names(self) -> set[str]:
         return set(self._file_of)
 
+    def _slice(self, name: str, framework: str = "np") -> Any:
+        return self._open(self._file_of[name], framework).get_slice(self._disk_name.get(name, name))
+
     def shape(self, name: str) -> tuple[int, ...]:
-        handle = self._open(self._file_of[name])
-        return tuple(int(d) for d in handle.get_slice(name).get_shape())
+        return tuple(int(d) for d in self._slice(name).get_shape())
 
     def claim(self, name: str, shape: tuple[int, ...] | None = None) -> str:
         """Mark `name` as used; record it as missing if absent; check its shape when given."""
@@ -145,22 +163,22 @@ class SourceTensors:
     def load_bytes_index(self, name: str, index: int) -> np.ndarray:
         """`tensor[index]` of a uint8 tensor (packed quantized data, e.g. MXFP4 blocks), as is."""
         path = self._file_of[name]
-        dtype = self._open(path).get_slice(name).get_dtype()
+        dtype = self._slice(name).get_dtype()
         if dtype != "U8":
             raise ConversionError(f"{path}: tensor {name} has dtype {dtype}; expected U8 (bytes)")
-        return np.asarray(self._open(path).get_slice(name)[index], dtype=np.uint8)
+        return np.asarray(self._slice(name)[index], dtype=np.uint8)
 
     def dtype(self, name: str) -> str:
         """The safetensors dtype of a tensor ("F32", "BF16", "U8", ...)."""
-        return self._open(self._file_of[name]).get_slice(name).get_dtype()
+        return self._slice(name).get_dtype()
 
     def _read(self, name: str, take: Any) -> np.ndarray:
         path = self._file_of[name]
-        dtype = self._open(path).get_slice(name).get_dtype()
+        dtype = self._slice(name).get_dtype()
         if dtype not in ("F32", "F16", "BF16", "F64"):
             raise ConversionError(f"{path}: tensor {name} has dtype {dtype}; expected a float type")
         if dtype != "BF16":
-            return np.asarray(take(self._open(path).get_slice(name)), dtype=np.float32)
+            return np.asarray(take(self._slice(name)), dtype=np.float32)
         import torch  # imported lazily: only bf16 checkpoints need it
 
-        return take(self._open(path, "pt").get_slice(name)).to(torch.float32).numpy()
+        return take(self._slice(name, "pt")).to(torch.float32).numpy()

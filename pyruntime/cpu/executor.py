@@ -7,7 +7,8 @@ cache), with no torch op in between. Without the C core (expert_backend='torch')
 calibration observer watches the experts' inputs (gate_observer), or for a prompt of a model with
 gpt-oss's pieces (batched_prefill_runs), it is the reference forward (pyruntime.model.reference),
 with the C core's `linear` for every weight matrix (read in place, in its stored format) and its
-routed-expert kernel where the core is there.
+routed-expert kernel where the core is there; so is every forward pass of a model with Gated
+DeltaNet layers (c_decoder_runs).
 """
 
 from __future__ import annotations
@@ -47,6 +48,15 @@ def batched_prefill_runs(cfg: ModelConfig, weights: HostWeights) -> bool:
         if blk.experts is not None and blk.experts.bias is not None:
             return False
     return True
+
+
+def c_decoder_runs(cfg: ModelConfig) -> bool:
+    """Whether the C decoder (decode step and prefill) runs this model: not a model with Gated
+    DeltaNet layers (qwen35moe), whose layers the C core does not implement. Such a model runs
+    the reference forward with the C core's `linear` for every matrix and its routed-expert
+    kernel (the DeltaNet recurrence, conv, norms and attention in torch: per token a few small
+    ops per layer against the experts' and matrices' memory reads)."""
+    return not any(cfg.recurrent_layers)
 
 
 class CpuExecutor(ReferenceModel):
@@ -99,6 +109,9 @@ class CpuExecutor(ReferenceModel):
         """Run forward passes (and the reference path's dense matrices) on `core`."""
         self.core = core
         self.linear = self._core_linear
+        if not c_decoder_runs(self.config):
+            torch.set_num_threads(1)  # as below: the pool's threads do the heavy parts
+            return
         self._decoder = CpuDecoder(self.config, self.weights, core)
         self._prefill_in_c = batched_prefill_runs(self.config, self.weights)
         # One thread pool for everything: torch only runs the few ops left on the prefill path

@@ -48,8 +48,14 @@ class Session:
         sequence as it was n tokens ago, and the next feed continues from there."""
         if not 0 <= n <= len(self.ids):
             raise UsageError(f"cannot rewind {n} tokens of a session holding {len(self.ids)}")
-        self.cache.truncate(len(self.ids) - n)
-        del self.ids[len(self.ids) - n :]
+        target = len(self.ids) - n
+        self.cache.truncate(target)
+        del self.ids[self.cache.n_tokens :]
+        if self.cache.n_tokens != target:  # a recurrent state without a snapshot there
+            raise UsageError(
+                f"cannot rewind {n} tokens: this model's recurrent (DeltaNet) state only goes "
+                "back to the end of a prompt; the session starts over"
+            )
 
     def prefill(
         self,
@@ -73,8 +79,10 @@ class Session:
                 "shorter prompt"
             )
         n_keep = min(common_prefix_length(self.ids, prompt_ids), len(prompt_ids) - 1)
-        # Also repairs a cache left ahead of self.ids by an interrupted forward pass.
+        # Also repairs a cache left ahead of self.ids by an interrupted forward pass. A recurrent
+        # state may go back further than asked (to 0): the cache says what it kept.
         self.cache.truncate(n_keep)
+        n_keep = self.cache.n_tokens
         self.ids = self.ids[:n_keep]
         logits = self.net.forward(
             list(prompt_ids[n_keep:]), self.cache, last_only=True, k=k, routing=routing

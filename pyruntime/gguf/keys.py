@@ -40,7 +40,8 @@ STANDARD_KEYS: dict[str, tuple[Signature, ...]] = {
         "expert_shared_feed_forward_length", "expert_count", "expert_used_count",
         "expert_shared_count", "expert_gating_func", "attention.key_length",
         "attention.value_length", "attention.sliding_window", "rope.dimension_count",
-        "rope.scaling.original_context_length",
+        "rope.scaling.original_context_length", "full_attention_interval", "ssm.conv_kernel",
+        "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size",
     )},
     **{f"{{arch}}.{k}": PER_LAYER for k in (
         "feed_forward_length", "attention.head_count", "attention.head_count_kv",
@@ -52,6 +53,7 @@ STANDARD_KEYS: dict[str, tuple[Signature, ...]] = {
         "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
     )},
     "{arch}.attention.sliding_window_pattern": (BOOLS,),
+    "{arch}.attention.recurrent_layers": (BOOLS,),
     "{arch}.expert_weights_norm": (BOOL,),
     "{arch}.use_parallel_residual": (BOOL,),
     "{arch}.rope.scaling.type": (STR,),

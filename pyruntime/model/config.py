@@ -13,7 +13,7 @@ from pyruntime.model.llamacpp_layout import EXPERT_WEIGHTS_NORM
 from pyruntime.model.rope import Yarn
 
 _REQUIRED = object()  # the default of a key that must be present
-SUPPORTED_ARCHS = ("olmoe", "qwen2moe", "qwen3moe", "llama", "granitemoe", "gpt-oss")
+SUPPORTED_ARCHS = ("olmoe", "qwen2moe", "qwen3moe", "llama", "granitemoe", "gpt-oss", "qwen35moe")
 # swiglu_oai: gpt-oss's clamped SwiGLU (its own formula of gate and up: see model/reference.py)
 ACTIVATIONS = ("silu", "gelu", "gelu_exact", "swiglu_oai")
 ROPE_SCALINGS = ("none", "yarn")  # {arch}.rope.scaling.type
@@ -48,6 +48,25 @@ class ModelConfig:
     sliding_layers: tuple[bool, ...] = ()  # per layer, True: sliding-window attention
     swiglu_alpha: float = 1.702  # swiglu_oai: g * sigmoid(alpha g)
     swiglu_limit: float = 7.0  # swiglu_oai: gate clamped above, up to [-limit, limit]
+    # Gated DeltaNet (qwen35moe): per layer, True for linear attention (no KV cache: a conv
+    # state and a recurrent state per sequence); its head counts and sizes, conv kernel length
+    recurrent_layers: tuple[bool, ...] = ()
+    ssm_conv_kernel: int = 0
+    ssm_n_k_heads: int = 0
+    ssm_n_v_heads: int = 0
+    ssm_head_k_dim: int = 0
+    ssm_head_v_dim: int = 0
+
+    def is_recurrent(self, layer: int) -> bool:
+        """Whether `layer` is a Gated DeltaNet (linear attention) layer."""
+        return bool(self.recurrent_layers) and self.recurrent_layers[layer]
+
+    @property
+    def ssm_conv_channels(self) -> int:
+        """Channels of a DeltaNet layer's conv: its queries, keys and values."""
+        return (
+            2 * self.ssm_n_k_heads * self.ssm_head_k_dim + self.ssm_n_v_heads * self.ssm_head_v_dim
+        )
 
     def layer_window(self, layer: int) -> int:
         """Keys a query of `layer` attends to, itself included (0: every earlier position)."""
@@ -100,6 +119,7 @@ class ModelConfig:
             sliding_layers=_sliding_layers(f, g),
             swiglu_alpha=_layout_float(f, "pyruntime.swiglu_alpha", 1.702),
             swiglu_limit=_layout_float(f, "pyruntime.swiglu_limit", 7.0, positive=True),
+            **_deltanet(f, g),
         )
         value_length = g.int("attention.value_length", head_dim)
         if value_length != head_dim:
@@ -129,6 +149,11 @@ class ModelConfig:
             raise ModelFileError(
                 f"{where}: {self.arch}.attention.sliding_window_pattern has "
                 f"{len(self.sliding_layers)} entries, expected one per layer ({self.n_layer})"
+            )
+        if self.recurrent_layers and len(self.recurrent_layers) != self.n_layer:
+            raise ModelFileError(
+                f"{where}: {self.arch}.attention.recurrent_layers has "
+                f"{len(self.recurrent_layers)} entries, expected one per layer ({self.n_layer})"
             )
         if any(self.sliding_layers) and self.sliding_window < 1:
             raise ModelFileError(
@@ -194,6 +219,36 @@ def _yarn(f: GGUFFile, g: _Keys) -> Yarn | None:
         beta_slow=g.float("rope.scaling.yarn_beta_slow", 1.0, positive=True),
         truncate=bool(truncate),
         attn_factor=g.float("rope.scaling.attn_factor", None, positive=True),
+    )
+
+
+def _deltanet(f: GGUFFile, g: _Keys) -> dict[str, Any]:
+    """The Gated DeltaNet keys of a qwen35moe file (llama.cpp's names): which layers are linear
+    attention (attention.recurrent_layers, else every full_attention_interval-th layer is full),
+    conv kernel, key heads (group_count) of state_size dims, value heads (time_step_rank) of
+    inner_size / time_step_rank dims. {} for the other families."""
+    if f.arch != "qwen35moe":
+        return {}
+    n_layer = g.int("block_count")
+    pattern = g.get("attention.recurrent_layers", None)
+    if pattern is None:
+        interval = g.int("full_attention_interval", 4)
+        pattern = [bool((i + 1) % interval) for i in range(n_layer)]
+    n_k, n_v = g.int("ssm.group_count"), g.int("ssm.time_step_rank")
+    inner = g.int("ssm.inner_size")
+    if n_v % n_k or inner % n_v:
+        raise g._bad(
+            "ssm.time_step_rank",
+            f"is {n_v}: it must be a multiple of ssm.group_count {n_k} and divide "
+            f"ssm.inner_size {inner}",
+        )
+    return dict(
+        recurrent_layers=tuple(bool(v) for v in pattern),
+        ssm_conv_kernel=g.int("ssm.conv_kernel", minimum=2),
+        ssm_n_k_heads=n_k,
+        ssm_n_v_heads=n_v,
+        ssm_head_k_dim=g.int("ssm.state_size"),
+        ssm_head_v_dim=inner // n_v,
     )
 
 

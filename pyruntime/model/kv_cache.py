@@ -12,6 +12,11 @@ the C decode step and the GPU kernels read). Positions [0, n_tokens) hold valid 
 `executor_state` is where an executor keeps what it derived from this storage (the C core's
 pointers, captured CUDA graphs and their input buffers); it is cleared whenever the storage moves.
 Rewinding (dropping the newest positions) only moves n_tokens: the next tokens overwrite them.
+
+A model with Gated DeltaNet layers (qwen35moe) keeps no keys or values for them (their storage
+has no positions) but a recurrent state (`recurrent`, pyruntime.model.recurrent_state), which
+cannot be cut back: going back to a position without a snapshot of it empties the cache
+(n_tokens 0), so check n_tokens after truncate().
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 
 from pyruntime.errors import UsageError
 from pyruntime.model.config import ModelConfig
+from pyruntime.model.recurrent_state import RecurrentState
 
 
 class KVCache:
@@ -43,21 +49,27 @@ class KVCache:
         self.dtype = dtype
         self.growable = growable
         self._n_layer, self._n_head_kv, self._head_dim = cfg.n_layer, cfg.n_head_kv, cfg.head_dim
+        self._keyless = [cfg.is_recurrent(i) for i in range(cfg.n_layer)]
+        self.recurrent = (
+            RecurrentState(cfg, self.device) if any(self._keyless) else None
+        )  # the DeltaNet layers' conv and ssm states
         self.executor_state: dict[str, Any] = {}
+        self._capacity = 0
         self._allocate(0 if growable else max_tokens)
 
     @property
     def capacity(self) -> int:
         """Positions the storage holds now (<= max_tokens)."""
-        return int(self.kv[0].shape[2])
+        return self._capacity
 
     def _allocate(self, capacity: int) -> None:
         """New storage of `capacity` positions holding the first n_tokens of the old one, made
         layer by layer (a growth holds one extra layer at a time, not a second cache)."""
         old = getattr(self, "kv", None)
-        shape = (2, self._n_head_kv, capacity, self._head_dim)
         kv = []
         for layer in range(self._n_layer):
+            positions = 0 if self._keyless[layer] else capacity
+            shape = (2, self._n_head_kv, positions, self._head_dim)
             t = torch.zeros(shape, device=self.device, dtype=self.dtype)
             if old is not None and self.n_tokens:
                 t[:, :, : self.n_tokens] = old[layer][:, :, : self.n_tokens]
@@ -66,6 +78,7 @@ class KVCache:
         self.kv = kv  # per layer [2, n_head_kv, capacity, head_dim]
         self.k = [t[0] for t in kv]  # per layer [n_head_kv, capacity, head_dim]
         self.v = [t[1] for t in kv]
+        self._capacity = capacity
         self.executor_state.clear()
 
     def reserve(self, n_new: int) -> None:
@@ -80,11 +93,29 @@ class KVCache:
             self._allocate(min(self.max_tokens, max(need, self.capacity + self._CHUNK)))
 
     def truncate(self, n: int) -> None:
-        """Keep the first n positions, forget the rest (a common prefix kept for reuse)."""
-        self.n_tokens = max(0, min(n, self.n_tokens))
+        """Keep the first n positions, forget the rest (a common prefix kept for reuse); with a
+        recurrent state, all of them unless it has a snapshot at n (see the module's doc)."""
+        n = max(0, min(n, self.n_tokens))
+        if self.recurrent is not None and n < self.n_tokens:
+            if n == 0 or not self.recurrent.restore(n):
+                self.recurrent.reset()
+                n = 0
+        self.n_tokens = n
+
+    def end_pass(self, n_tokens: int, n_new: int) -> None:
+        """A forward pass of n_new tokens left the cache holding n_tokens; a prompt's recurrent
+        state is kept as a snapshot (a later prompt sharing it goes back to it)."""
+        self.n_tokens = n_tokens
+        if self.recurrent is not None and n_new > 1:
+            self.recurrent.snapshot(n_tokens)
 
     def rewind(self, n: int) -> None:
         """Forget the newest n positions (0 <= n <= n_tokens)."""
         if not 0 <= n <= self.n_tokens:
             raise UsageError(f"cannot rewind {n} positions of a cache holding {self.n_tokens}")
+        if self.recurrent is not None and n and not self.recurrent.restore(self.n_tokens - n):
+            raise UsageError(
+                f"cannot rewind {n} positions: the model's recurrent (DeltaNet) state has no "
+                "snapshot there; a recurrent model only goes back to the end of a prompt"
+            )
         self.n_tokens -= n

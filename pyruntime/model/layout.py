@@ -41,10 +41,12 @@ F32 = (Q.F32,)  # norms, biases, routers, the shared-expert gate
 # What differs by family: q/k RMSNorm over the whole projection or per head (required), q/k/v
 # biases (all three or none; with the output projection's for gpt-oss), a shared expert in every
 # MoE layer (required), attention sinks and router / expert biases (required: gpt-oss).
-QK_NORM = {"olmoe": "whole", "qwen3moe": "head"}
+QK_NORM = {"olmoe": "whole", "qwen3moe": "head", "qwen35moe": "head"}
 QKV_BIAS = ("qwen2moe", "gpt-oss")
 O_BIAS = ("gpt-oss",)
-SHARED_EXPERT = ("qwen2moe",)
+SHARED_EXPERT = ("qwen2moe", "qwen35moe")
+# an output gate on full attention (attn_gate: out *= sigmoid(x W_gate^T)) (qwen35moe)
+ATTN_GATE = ("qwen35moe",)
 SINKS_AND_BIASED_EXPERTS = ("gpt-oss",)
 
 
@@ -85,7 +87,6 @@ def expected_tensors(f: GGUFFile, cfg) -> dict[str, TensorSpec]:
     """Every tensor a model of `cfg` (a ModelConfig) may hold in this layout, by name. A layer
     is a MoE layer when the file holds its routed experts, else a dense FFN layer."""
     n, v = cfg.n_embd, cfg.n_vocab
-    q_rows, kv_rows = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
     specs = {
         "token_embd.weight": TensorSpec((v, n), WEIGHT),
         "output_norm.weight": TensorSpec((n,), F32),
@@ -94,30 +95,62 @@ def expected_tensors(f: GGUFFile, cfg) -> dict[str, TensorSpec]:
     qk_norm = QK_NORM.get(cfg.arch)
     for i in range(cfg.n_layer):
         p = f"blk.{i}"
-        specs |= {
-            f"{p}.attn_norm.weight": TensorSpec((n,), F32),
-            f"{p}.attn_q.weight": TensorSpec((q_rows, n), WEIGHT),
-            f"{p}.attn_k.weight": TensorSpec((kv_rows, n), WEIGHT),
-            f"{p}.attn_v.weight": TensorSpec((kv_rows, n), WEIGHT),
-            f"{p}.attn_output.weight": TensorSpec((n, q_rows), WEIGHT),
-            f"{p}.ffn_norm.weight": TensorSpec((n,), F32),
-        }
-        if cfg.arch in QKV_BIAS:
-            for name, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
-                specs[f"{p}.attn_{name}.bias"] = TensorSpec((rows,), F32, group=f"{p} biases")
-            if cfg.arch in O_BIAS:
-                specs[f"{p}.attn_output.bias"] = TensorSpec((n,), F32, group=f"{p} biases")
-        if cfg.arch in SINKS_AND_BIASED_EXPERTS:
-            specs[f"{p}.attn_sinks.weight"] = TensorSpec((cfg.n_head,), F32)
-        if qk_norm is not None:
-            whole = qk_norm == "whole"  # else per head
-            q_norm, k_norm = (q_rows, kv_rows) if whole else (cfg.head_dim, cfg.head_dim)
-            specs[f"{p}.attn_q_norm.weight"] = TensorSpec((q_norm,), F32)
-            specs[f"{p}.attn_k_norm.weight"] = TensorSpec((k_norm,), F32)
+        if cfg.is_recurrent(i):
+            specs |= _deltanet_layer(cfg, p)
+        else:
+            specs |= _attention_layer(cfg, p, qk_norm)
         if f.has_tensor(f"{p}.ffn_gud_exps.weight"):
             specs |= _moe_layer(f, cfg, p)
         else:
             specs |= _dense_layer(f, cfg, p)
+    return specs
+
+
+def _deltanet_layer(cfg, p: str) -> dict[str, TensorSpec]:
+    """A Gated DeltaNet layer (qwen35moe): the qkv, gate (z), beta and alpha projections, the
+    conv over qkv's channels, per value head A and dt bias, the gated norm, the output."""
+    n, C, K = cfg.n_embd, cfg.ssm_conv_channels, cfg.ssm_conv_kernel
+    hv, v_dim = cfg.ssm_n_v_heads, cfg.ssm_n_v_heads * cfg.ssm_head_v_dim
+    return {
+        f"{p}.attn_norm.weight": TensorSpec((n,), F32),
+        f"{p}.attn_qkv.weight": TensorSpec((C, n), WEIGHT),
+        f"{p}.attn_gate.weight": TensorSpec((v_dim, n), WEIGHT),
+        f"{p}.ssm_beta.weight": TensorSpec((hv, n), WEIGHT),
+        f"{p}.ssm_alpha.weight": TensorSpec((hv, n), WEIGHT),
+        f"{p}.ssm_conv1d.weight": TensorSpec((C, K), F32),
+        f"{p}.ssm_dt.bias": TensorSpec((hv,), F32),
+        f"{p}.ssm_a": TensorSpec((hv,), F32),
+        f"{p}.ssm_norm.weight": TensorSpec((cfg.ssm_head_v_dim,), F32),
+        f"{p}.ssm_out.weight": TensorSpec((n, v_dim), WEIGHT),
+        f"{p}.ffn_norm.weight": TensorSpec((n,), F32),
+    }
+
+
+def _attention_layer(cfg, p: str, qk_norm: str | None) -> dict[str, TensorSpec]:
+    n = cfg.n_embd
+    q_rows, kv_rows = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+    specs = {
+        f"{p}.attn_norm.weight": TensorSpec((n,), F32),
+        f"{p}.attn_q.weight": TensorSpec((q_rows, n), WEIGHT),
+        f"{p}.attn_k.weight": TensorSpec((kv_rows, n), WEIGHT),
+        f"{p}.attn_v.weight": TensorSpec((kv_rows, n), WEIGHT),
+        f"{p}.attn_output.weight": TensorSpec((n, q_rows), WEIGHT),
+        f"{p}.ffn_norm.weight": TensorSpec((n,), F32),
+    }
+    if cfg.arch in QKV_BIAS:
+        for name, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
+            specs[f"{p}.attn_{name}.bias"] = TensorSpec((rows,), F32, group=f"{p} biases")
+        if cfg.arch in O_BIAS:
+            specs[f"{p}.attn_output.bias"] = TensorSpec((n,), F32, group=f"{p} biases")
+    if cfg.arch in SINKS_AND_BIASED_EXPERTS:
+        specs[f"{p}.attn_sinks.weight"] = TensorSpec((cfg.n_head,), F32)
+    if qk_norm is not None:
+        whole = qk_norm == "whole"  # else per head
+        q_norm, k_norm = (q_rows, kv_rows) if whole else (cfg.head_dim, cfg.head_dim)
+        specs[f"{p}.attn_q_norm.weight"] = TensorSpec((q_norm,), F32)
+        specs[f"{p}.attn_k_norm.weight"] = TensorSpec((k_norm,), F32)
+    if cfg.arch in ATTN_GATE:
+        specs[f"{p}.attn_gate.weight"] = TensorSpec((q_rows, n), WEIGHT)
     return specs
 
 

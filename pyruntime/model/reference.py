@@ -1,8 +1,10 @@
 """The model's math in plain torch: the reference every executor is checked against.
 
 The MoE decoder shared by every supported family (OLMoE, Qwen2-MoE, Qwen3-MoE, Mixtral,
-Granite-MoE, GPT-OSS). Per block: RMSNorm -> attention (GQA, optional q/k norm, RoPE
-"rotate_half" (plain or YaRN), KV cache, optional sliding window and per-head sinks) -> residual
+Granite-MoE, GPT-OSS, Qwen3.5-MoE). Per block: RMSNorm -> attention (GQA, optional q/k norm, RoPE
+"rotate_half" (plain or YaRN, over all or the first rope_dim dims of a head), KV cache, optional
+sliding window, per-head sinks and sigmoid output gate; or a Gated DeltaNet layer on the cache's
+recurrent state: pyruntime.model.deltanet) -> residual
 -> RMSNorm -> router (softmax, top-k) -> routed experts (+ shared expert) -> residual. Family
 differences are data, not code: optional tensors (biases, q/k norms, sinks, shared expert) and
 scalars from the GGUF metadata (scales, renormalization, activation, window, rope scaling).
@@ -26,6 +28,7 @@ from pyruntime.errors import UsageError
 from pyruntime.experts.store import ExpertStore
 from pyruntime.gguf.quant import QuantMatrix
 from pyruntime.model.config import ModelConfig
+from pyruntime.model.deltanet import deltanet_layer
 from pyruntime.model.executor import RoutingTrace
 from pyruntime.model.kv_cache import KVCache
 from pyruntime.model.rope import attention_factor, inv_frequencies, rope_tables
@@ -290,11 +293,15 @@ class ReferenceModel:
         cos, sin = model_rope_tables(cfg, torch.arange(start, start + n))
         x = w.token_embd.rows(ids) * cfg.embedding_scale  # [n, n_embd]
         for i, blk in enumerate(w.blocks):
-            h = self._attention(i, blk, rms_norm(x, blk.attn_norm, cfg.rms_eps), cache, cos, sin)
+            normed = rms_norm(x, blk.attn_norm, cfg.rms_eps)
+            if blk.deltanet is not None:
+                h = self._deltanet(i, blk, normed, cache)
+            else:
+                h = self._attention(i, blk, normed, cache, cos, sin)
             x = x + h * cfg.residual_scale
             h = self._ffn(i, blk, rms_norm(x, blk.ffn_norm, cfg.rms_eps), k, trace)
             x = x + h * cfg.residual_scale
-        cache.n_tokens = start + n
+        cache.end_pass(start + n, n)
         if routing is not None:
             routing.layers = self.moe_layers()
             routing.ids = torch.stack([ids[-1] for ids, _ in trace]) if trace else None
@@ -350,7 +357,16 @@ class ReferenceModel:
         else:
             out = sink_attention(q, keys, values, mask, scale, blk.sinks)
         out = out.transpose(0, 1).reshape(n, cfg.n_head * cfg.head_dim)
+        if blk.attn_gate is not None:  # qwen35moe: a sigmoid gate per output
+            out = out * torch.sigmoid(self.linear(x, blk.attn_gate))
         return self.linear(out, blk.wo, blk.bo)
+
+    def _deltanet(self, i: int, blk: BlockWeights, x: torch.Tensor, cache: KVCache):
+        """A Gated DeltaNet layer (pyruntime.model.deltanet) on the cache's recurrent state."""
+        state = cache.recurrent
+        return deltanet_layer(
+            self.config, blk.deltanet, x, state.conv[i], state.ssm[i], self.linear
+        )
 
     def _ffn(
         self,

@@ -18,6 +18,7 @@ from pyruntime.experts.store import ExpertBias, ExpertHandle, ExpertStore
 from pyruntime.gguf.file import GGUFFile
 from pyruntime.gguf.quant import QuantMatrix, dequantize, first_broken_mxfp4_block, row_bytes
 from pyruntime.model.config import ModelConfig
+from pyruntime.model.deltanet import DeltaNetWeights
 
 
 @dataclass
@@ -32,10 +33,11 @@ class FFNWeights:
 @dataclass
 class BlockWeights:
     attn_norm: torch.Tensor  # [n_embd]
-    wq: QuantMatrix  # [n_head*head_dim, n_embd]
-    wk: QuantMatrix  # [n_head_kv*head_dim, n_embd]
-    wv: QuantMatrix  # [n_head_kv*head_dim, n_embd]
-    wo: QuantMatrix  # [n_embd, n_head*head_dim]
+    # q/k/v/o: None on a Gated DeltaNet layer (qwen35moe), which has `deltanet` instead
+    wq: QuantMatrix | None  # [n_head*head_dim, n_embd]
+    wk: QuantMatrix | None  # [n_head_kv*head_dim, n_embd]
+    wv: QuantMatrix | None  # [n_head_kv*head_dim, n_embd]
+    wo: QuantMatrix | None  # [n_embd, n_head*head_dim]
     bq: torch.Tensor | None
     bk: torch.Tensor | None
     bv: torch.Tensor | None
@@ -50,6 +52,8 @@ class BlockWeights:
     shared: FFNWeights | None  # shared expert (qwen2moe)
     shared_gate: torch.Tensor | None  # [n_embd]: shared output *= sigmoid(x . shared_gate)
     dense_ffn: FFNWeights | None  # dense FFN layer (qwen mlp_only_layers)
+    attn_gate: QuantMatrix | None = None  # [n_head*head_dim, n_embd]: out *= sigmoid(x Wg^T)
+    deltanet: DeltaNetWeights | None = None  # a Gated DeltaNet layer's weights (qwen35moe)
 
 
 def _load(f: GGUFFile, name: str) -> torch.Tensor:
@@ -100,8 +104,27 @@ def _load_ffn(f: GGUFFile, prefix: str, suffix: str) -> FFNWeights | None:
     )
 
 
+def _load_deltanet(f: GGUFFile, p: str) -> DeltaNetWeights:
+    return DeltaNetWeights(
+        qkv=_matrix(f, f"{p}.attn_qkv.weight"),
+        gate=_matrix(f, f"{p}.attn_gate.weight"),
+        beta=_matrix(f, f"{p}.ssm_beta.weight"),
+        alpha=_matrix(f, f"{p}.ssm_alpha.weight"),
+        conv=_load(f, f"{p}.ssm_conv1d.weight"),
+        dt_bias=_load(f, f"{p}.ssm_dt.bias"),
+        a=_load(f, f"{p}.ssm_a"),
+        norm=_load(f, f"{p}.ssm_norm.weight"),
+        out=_matrix(f, f"{p}.ssm_out.weight"),
+    )
+
+
+def _matrix_opt(f: GGUFFile, name: str) -> QuantMatrix | None:
+    return _matrix(f, name) if f.has_tensor(name) else None
+
+
 def _load_block(f: GGUFFile, cfg: ModelConfig, i: int) -> BlockWeights:
     p = f"blk.{i}"
+    recurrent = cfg.is_recurrent(i)
     has_experts = f.has_tensor(f"{p}.ffn_gud_exps.weight")
     shared_gate = _load_opt(f, f"{p}.ffn_gate_inp_shexp.weight")
     if has_experts:
@@ -111,10 +134,10 @@ def _load_block(f: GGUFFile, cfg: ModelConfig, i: int) -> BlockWeights:
         bias = ExpertBias(_load(f, f"{p}.ffn_gu_exps.bias"), _load(f, f"{p}.ffn_down_exps.bias"))
     return BlockWeights(
         attn_norm=_load(f, f"{p}.attn_norm.weight"),
-        wq=_matrix(f, f"{p}.attn_q.weight"),
-        wk=_matrix(f, f"{p}.attn_k.weight"),
-        wv=_matrix(f, f"{p}.attn_v.weight"),
-        wo=_matrix(f, f"{p}.attn_output.weight"),
+        wq=_matrix_opt(f, f"{p}.attn_q.weight"),
+        wk=_matrix_opt(f, f"{p}.attn_k.weight"),
+        wv=_matrix_opt(f, f"{p}.attn_v.weight"),
+        wo=_matrix_opt(f, f"{p}.attn_output.weight"),
         bq=_load_opt(f, f"{p}.attn_q.bias"),
         bk=_load_opt(f, f"{p}.attn_k.bias"),
         bv=_load_opt(f, f"{p}.attn_v.bias"),
@@ -139,6 +162,8 @@ def _load_block(f: GGUFFile, cfg: ModelConfig, i: int) -> BlockWeights:
         shared=_load_ffn(f, p, "_shexp"),
         shared_gate=None if shared_gate is None else shared_gate.reshape(-1),
         dense_ffn=None if has_experts else _load_ffn(f, p, ""),
+        attn_gate=None if recurrent else _matrix_opt(f, f"{p}.attn_gate.weight"),
+        deltanet=_load_deltanet(f, p) if recurrent else None,
     )
 
 

@@ -1,0 +1,255 @@
+"""Qwen3.5-MoE: the Gated DeltaNet math, its recurrent state in the cache, the converter's
+multimodal layout and its one-line refusals. Logits vs transformers (prefill and token-by-token
+decode, f32 / q8_0 / mxfp4, both expert backends) are in tests/test_parity.py (ARCHS).
+
+The chunked form (prefill) and the recurrent form (decode) of the delta rule are compared at odd
+shapes in float64, where both are exact up to rounding (<= 1e-10 measured ~1e-13): a wrong decay
+index, a missing beta or a chunk boundary dropping the state is O(1).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_fixtures import make_tiny_hf_model
+
+from pyruntime.converter import convert
+from pyruntime.cpu.executor import CpuExecutor, c_decoder_runs
+from pyruntime.decoding.session import Session
+from pyruntime.errors import ConversionError, ModelFileError, UsageError
+from pyruntime.gguf.file import open_gguf
+from pyruntime.model import deltanet
+
+
+def _inputs(T: int, H: int, dk: int, dv: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    d = dict(generator=g, dtype=torch.float64)
+    q = deltanet.l2norm(torch.randn(T, H, dk, **d)) * dk**-0.5
+    k = deltanet.l2norm(torch.randn(T, H, dk, **d))
+    v = torch.randn(T, H, dv, **d)
+    gate = -torch.rand(T, H, **d) * 2  # log decay in (-2, 0]
+    beta = torch.rand(T, H, **d)
+    state = torch.randn(H, dk, dv, **d)
+    return q, k, v, gate, beta, state
+
+
+@pytest.mark.parametrize("T", [1, 5, 16, 17, 130])
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_chunked_form_is_the_recurrence(T, chunk):
+    q, k, v, g, beta, state = _inputs(T, 3, 5, 7, seed=T * 100 + chunk)
+    o_rec, s_rec = deltanet.recurrent(q, k, v, g, beta, state)
+    o_chk, s_chk = deltanet.chunked(q, k, v, g, beta, state, chunk=chunk)
+    assert (o_rec - o_chk).abs().max() <= 1e-10
+    assert (s_rec - s_chk).abs().max() <= 1e-10
+
+
+def test_recurrence_is_the_delta_rule():
+    """One step by hand: S' = e^g S + k (beta (v - e^g S^T k))^T, o = S'^T q."""
+    q, k, v, g, beta, state = _inputs(1, 2, 4, 3, seed=7)
+    o, s = deltanet.recurrent(q, k, v, g, beta, state)
+    for h in range(2):
+        decayed = state[h] * g[0, h].exp()
+        u = beta[0, h] * (v[0, h] - decayed.T @ k[0, h])
+        want = decayed + torch.outer(k[0, h], u)
+        assert torch.allclose(s[h], want) and torch.allclose(o[0, h], want.T @ q[0, h])
+
+
+def test_causal_conv_is_conv1d_and_carries_its_state():
+    C, K, T = 6, 4, 11
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(T, C, generator=g), torch.randn(C, K, generator=g)
+    want = F.silu(F.conv1d(x.T[None], w[:, None], padding=K - 1, groups=C)[0, :, :T].T)
+    y, _ = deltanet.causal_conv(x, torch.zeros(C, K - 1), w)
+    assert torch.allclose(y, want, atol=1e-6)
+    y1, state = deltanet.causal_conv(x[:7], torch.zeros(C, K - 1), w)  # then token by token
+    parts = [y1]
+    for t in range(7, T):
+        yt, state = deltanet.causal_conv(x[t : t + 1], state, w)
+        parts.append(yt)
+    assert torch.allclose(torch.cat(parts), want, atol=1e-6)
+
+
+# ---- the model ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    return make_tiny_hf_model("qwen35moe", tmp_path_factory.mktemp("q35") / "hf")
+
+
+@pytest.fixture(scope="module")
+def f32_path(hf_dir, tmp_path_factory) -> Path:
+    return convert(hf_dir, tmp_path_factory.mktemp("q35g") / "m.gguf", "f32", progress=False)
+
+
+def test_cpu_path_runs_the_deltanet_layers_in_torch_and_the_experts_in_c(f32_path):
+    model = CpuExecutor.from_gguf(open_gguf(f32_path), expert_backend="c")
+    assert not c_decoder_runs(model.config) and model._decoder is None
+    assert model.core is not None and model.linear == model._core_linear
+    assert model.config.recurrent_layers == (True, True, True, False)
+
+
+def test_session_reuses_a_prompt_snapshot_and_restarts_without_one(f32_path):
+    model = CpuExecutor.from_gguf(open_gguf(f32_path), expert_backend="torch")
+    ids = torch.randint(0, 4096, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    fresh = Session(model, 64).prefill(ids)[0]
+
+    s = Session(model, 64)
+    s.prefill(ids[:20])  # a prompt: its state is kept at position 20
+    for t in ids[20:24]:
+        s.feed(t)
+    logits, evaluated = s.prefill(ids)  # the cache's 24 tokens are a prefix: it goes on
+    assert evaluated == 6 and torch.allclose(logits, fresh, atol=1e-5)
+
+    s = Session(model, 64)
+    s.prefill(ids[:20] + [7, 8])  # diverges after 20: its snapshot at 22, the one at 20 absent
+    logits, evaluated = s.prefill(ids)
+    assert evaluated == 30 and torch.allclose(logits, fresh, atol=1e-5)
+
+    s = Session(model, 64)
+    s.prefill(ids[:20])
+    s.prefill(ids[:20] + [7])  # snapshot at 20 kept (prefill of one more token)
+    s.prefill(ids[:20] + [5, 6])  # back to 20, then 2 new tokens
+    logits, evaluated = s.prefill(ids)
+    assert evaluated == 10 and torch.allclose(logits, fresh, atol=1e-5)
+
+    s.feed(ids[0])
+    s.rewind(1)  # back to the prompt's end: its snapshot
+    assert s.cache.n_tokens == len(s.ids) == 30
+    s.feed(ids[0])
+    s.feed(ids[1])
+    with pytest.raises(UsageError, match="recurrent .DeltaNet. state"):
+        s.rewind(1)  # position 31: no snapshot, the session starts over
+    assert s.cache.n_tokens == len(s.ids) == 0
+
+
+def test_gpu_executor_refuses_in_one_line(f32_path):
+    pytest.importorskip("triton")
+    from pyruntime.gpu.executor import GpuExecutor
+
+    with pytest.raises(UsageError) as info:
+        GpuExecutor.from_gguf(open_gguf(f32_path), "cpu")
+    assert "Gated DeltaNet layers have no GPU path" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_info_shows_the_deltanet_fields(f32_path, capsys):
+    from pyruntime.cli import main
+
+    assert main(["info", str(f32_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Gated DeltaNet on 3 of 4 layers (full attention: 3)" in out
+    assert "2 key x 16, 4 value x 24; conv kernel 4" in out
+    assert "8 of 32 per head" in out
+
+
+def test_a_file_missing_a_deltanet_tensor_is_refused(f32_path, tmp_path):
+    from gguf import GGUFReader, GGUFWriter
+
+    r = GGUFReader(f32_path)
+    path = tmp_path / "broken.gguf"
+    w = GGUFWriter(path, "qwen35moe")
+    for field in r.fields.values():
+        if field.name.startswith(("GGUF.", "general.architecture")):
+            continue
+        value = field.contents()
+        vtype = field.types[0]
+        if vtype.name == "ARRAY":
+            w.add_key_value(field.name, value, vtype, sub_type=field.types[-1])
+        else:
+            w.add_key_value(field.name, value, vtype)
+    for t in r.tensors:
+        if t.name != "blk.1.ssm_a":
+            w.add_tensor(t.name, t.data, raw_shape=list(reversed(t.shape.tolist())))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelFileError, match="tensor 'blk.1.ssm_a' is missing"):
+        CpuExecutor.from_gguf(open_gguf(path), expert_backend="torch")
+
+
+# ---- the converter --------------------------------------------------------------------------
+
+
+def _multimodal(hf_dir: Path, out: Path) -> Path:
+    """The same text model as Qwen3_5MoeForConditionalGeneration stores it: tensors under
+    model.language_model., a vision tower and an MTP head beside it, the config nested."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    state = load_file(str(hf_dir / "model.safetensors"))
+    renamed = {
+        (f"model.language_model.{k[6:]}" if k.startswith("model.") else k): v
+        for k, v in state.items()
+    }
+    renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3, 2, 2)
+    renamed["mtp.fc.weight"] = torch.zeros(64, 128)
+    save_file(renamed, str(out / "model.safetensors"), metadata={"format": "pt"})
+    text = json.loads((hf_dir / "config.json").read_text())
+    text.pop("architectures")
+    config = {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "text_config": text,
+        "vision_config": {"depth": 1},
+        "tie_word_embeddings": False,
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(hf_dir / name, out / name)
+    return out
+
+
+def test_multimodal_checkpoint_converts_its_text_model(hf_dir, f32_path, tmp_path):
+    mm = convert(_multimodal(hf_dir, tmp_path / "mm"), tmp_path / "mm.gguf", "f32", False)
+    a, b = open_gguf(f32_path), open_gguf(mm)
+    assert list(a.tensors) == list(b.tensors)
+    for name, t in a.tensors.items():
+        assert bytes(t.data) == bytes(b.tensors[name].data), name
+    assert b.get("pyruntime.hf_architecture") == "Qwen3_5MoeForConditionalGeneration"
+
+
+def _edited(hf_dir: Path, tmp_path: Path, **config) -> Path:
+    out = tmp_path / "edited"
+    shutil.copytree(hf_dir, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(config)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (dict(layer_types=["linear_attention"] * 3 + ["sliding_attention"]), "'layer_types'"),
+        (dict(linear_num_value_heads=3), "'linear_num_value_heads' must be a multiple of"),
+        (dict(hidden_act="gelu"), "'hidden_act' must be silu"),
+        (dict(rope_parameters=dict(rope_theta=1e4, partial_rotary_factor=0.01)), "must be even"),
+        (dict(rope_parameters=dict(rope_theta=1e4, rope_type="yarn", factor=2.0)), "yarn"),
+    ],
+)
+def test_unsupported_config_values_are_one_line(hf_dir, tmp_path, config, message):
+    src = _edited(hf_dir, tmp_path, **config)
+    with pytest.raises(ConversionError) as info:
+        convert(src, tmp_path / "out.gguf", "f32", progress=False)
+    assert message in str(info.value) and "\n" not in str(info.value)
+    assert not (tmp_path / "out.gguf").exists()
+
+
+def test_a_missing_tensor_is_one_line_and_no_file(hf_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = _edited(hf_dir, tmp_path)
+    state = load_file(str(src / "model.safetensors"))
+    del state["model.layers.1.linear_attn.A_log"]
+    save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConversionError) as info:
+        convert(src, tmp_path / "out.gguf", "f32", progress=False)
+    assert "missing tensors: model.layers.1.linear_attn.A_log" in str(info.value)
+    assert "\n" not in str(info.value) and list(tmp_path.glob("out.gguf*")) == []
