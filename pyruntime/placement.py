@@ -71,10 +71,10 @@ def gpu_budget(dev: torch.device, gpu_mem: int | None) -> tuple[int, str]:
     return lowered, source
 
 
-def gpu_layers_issue(cfg: ModelConfig) -> str | None:
-    """Why the GPU executor cannot run this model's layers, or None."""
+def hybrid_issue(cfg: ModelConfig) -> str | None:
+    """Why the hybrid executor (offload) cannot run this model, or None."""
     if any(cfg.recurrent_layers):
-        return f"{cfg.arch}'s Gated DeltaNet layers have no GPU path yet"
+        return f"{cfg.arch}'s Gated DeltaNet layers have no hybrid (offload) path yet"
     return None
 
 
@@ -99,7 +99,6 @@ def choose_device(requested: str, f: GGUFFile, cfg: ModelConfig, n_ctx: int,
     from pyruntime.kernels.expert_formats import activation_issue
 
     why = activation_issue(cfg.activation, (cfg.swiglu_alpha, cfg.swiglu_limit))
-    why = why or gpu_layers_issue(cfg)
     if why is not None:
         if req == "auto":
             return DeviceChoice("cpu", f"running on the CPU: {why}")
@@ -115,4 +114,11 @@ def choose_device(requested: str, f: GGUFFile, cfg: ModelConfig, n_ctx: int,
         if req == "auto":
             return DeviceChoice("cpu", f"running on the CPU: {exc}")
         raise DeviceMemoryError(f"--device {requested}: {exc}") from None
+    why = None if plan.whole_model else hybrid_issue(cfg)
+    if why is not None:
+        if req == "auto":
+            return DeviceChoice(
+                "cpu", f"running on the CPU: {why} (the model does not fit the GPU)"
+            )
+        raise UsageError(f"--device {requested}: the model does not fit the GPU and {why}")
     return DeviceChoice(str(dev), None, None if plan.whole_model else plan)

@@ -37,11 +37,7 @@ DEVICES = ["cpu"] if INTERPRET else (["cuda"] if torch.cuda.is_available() else 
 DEVICE = DEVICES[0] if DEVICES else "cpu"
 
 
-# qwen35moe's Gated DeltaNet layers have no GPU path yet (GpuExecutor refuses the model)
-GPU_ARCHS = [a for a in ARCHS if a != "qwen35moe"]
-
-
-@pytest.fixture(scope="module", params=GPU_ARCHS)
+@pytest.fixture(scope="module", params=ARCHS)
 def tiny_ggufs(request, tmp_path_factory) -> dict[str, Path | str]:
     arch = request.param
     tmp = tmp_path_factory.mktemp(f"gpu-{arch}")

@@ -128,14 +128,25 @@ def test_session_reuses_a_prompt_snapshot_and_restarts_without_one(f32_path):
     assert s.cache.n_tokens == len(s.ids) == 0
 
 
-def test_gpu_executor_refuses_in_one_line(f32_path):
-    pytest.importorskip("triton")
-    from pyruntime.gpu.executor import GpuExecutor
+def test_gpu_whole_model_but_no_hybrid(f32_path, monkeypatch):
+    """The GPU executor runs the model (tests/test_gpu_model.py); a budget that only fits the
+    hybrid takes the CPU under auto and is one line under --device cuda."""
+    from pyruntime.model.config import ModelConfig
+    from pyruntime.offload.plan import device_bytes
+    from pyruntime.placement import choose_device
 
-    with pytest.raises(UsageError) as info:
-        GpuExecutor.from_gguf(open_gguf(f32_path), "cpu")
-    assert "Gated DeltaNet layers have no GPU path" in str(info.value)
-    assert "\n" not in str(info.value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (80 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "Tiny GPU")
+    f = open_gguf(f32_path)
+    cfg = ModelConfig.from_gguf(f)
+    need = device_bytes(f, cfg, 64)
+    assert choose_device("auto", f, cfg, 64).plan is None  # the whole model on the GPU
+    small = need.fixed + 4 * need.expert_bytes
+    choice = choose_device("auto", f, cfg, 64, gpu_mem=small)
+    assert choice.device == "cpu" and "no hybrid (offload) path yet" in choice.note
+    with pytest.raises(UsageError, match="^--device cuda: the model does not fit the GPU and"):
+        choose_device("cuda", f, cfg, 64, gpu_mem=small)
 
 
 def test_info_shows_the_deltanet_fields(f32_path, capsys):
@@ -278,3 +289,28 @@ def test_calibrate_and_sparsity_hit_the_target(hf_dir, tmp_path):
         for token in ids[:256]:
             step.forward([token], cache)
         assert abs(step.stats.sparsity - target) <= 0.03, (target, step.stats.sparsity)
+
+
+def test_gpu_decode_graph_advances_the_state_once(f32_path, monkeypatch):
+    """The GPU executor's decode kernels (kernels.deltanet) in a captured step: the capture's
+    warm-up run must not advance the recurrent state (stood in on the CPU by eager_graph, whose
+    replay reruns the step as a graph would); the replayed logits equal eager decoding's and
+    the CPU path's."""
+    pytest.importorskip("triton")
+    from eager_graph import use_eager_graphs
+
+    from pyruntime.gpu.executor import GpuExecutor
+
+    eager = GpuExecutor.from_gguf(open_gguf(f32_path), "cpu")
+    graphs = GpuExecutor.from_gguf(open_gguf(f32_path), "cpu")
+    captures = use_eager_graphs(monkeypatch, graphs)
+    cpu = CpuExecutor.from_gguf(open_gguf(f32_path), expert_backend="torch")
+    caches = [m.new_cache(16) for m in (eager, graphs, cpu)]
+    for m, c in zip((eager, graphs, cpu), caches, strict=True):
+        m.forward([1, 2, 3], c)
+    models = (eager, graphs, cpu)
+    for tok in (4, 5, 6):
+        want, got, host = (m.forward([tok], c) for m, c in zip(models, caches, strict=True))
+        assert torch.equal(got, want)
+        assert (torch.log_softmax(got, -1) - torch.log_softmax(host, -1)).abs().max() <= 1e-4
+    assert len(captures) == 1

@@ -9,6 +9,8 @@ Same math as pyruntime.model.reference, laid out for a GPU:
 - the shared KVCache, fixed-size on the device (new_cache); what the GPU derives from it
   (step inputs, rope tables, captured graphs) lives in its executor_state
   (pyruntime.gpu.cache_state);
+- Gated DeltaNet layers (qwen35moe) read and write the cache's recurrent state in place
+  (kernels.deltanet: two decode kernels; gpu/deltanet.py: the chunked form for a prompt);
 - a step is the per-layer pieces of pyruntime.gpu.layers in a loop. Prefill (n > 1 tokens) runs
   eagerly with torch SDPA; decode (1 token) reads its inputs (token id, position, cached length)
   from device tensors, so on CUDA it is captured once per (cache, k, expert maps) in a CUDA graph
@@ -34,7 +36,13 @@ from pyruntime.gguf.file import GGUFFile
 from pyruntime.gpu import cache_state
 from pyruntime.gpu.cache_state import STATE_KEY, CapturedStep, GpuCacheState
 from pyruntime.gpu.layers import DecoderLayers, Routed, Span
-from pyruntime.gpu.weights import DeviceBlock, Linear, dense_dtype_for, upload_weights
+from pyruntime.gpu.weights import (
+    DeviceBlock,
+    Linear,
+    dense_dtype_for,
+    first_matrix_type,
+    upload_weights,
+)
 from pyruntime.kernels import tuning
 from pyruntime.kernels.expert_formats import activation_issue
 from pyruntime.kernels.expert_paths import SPARSE_PATHS, expert_path
@@ -45,7 +53,6 @@ from pyruntime.model.reference import check_k
 from pyruntime.model.stats import ExpertStats
 from pyruntime.model.tokens import single_token, token_ids
 from pyruntime.model.weights import HostWeights
-from pyruntime.placement import gpu_layers_issue
 
 ExpertMaps = Sequence[torch.Tensor | None]  # per layer: int32 [n_expert] expert -> slot, or None
 
@@ -71,14 +78,13 @@ class GpuExecutor:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         issue = activation_issue(cfg.activation, (cfg.swiglu_alpha, cfg.swiglu_limit))
-        issue = issue or gpu_layers_issue(cfg)
         if issue is not None:
             raise UsageError(f"{issue}; use --device cpu")
         try:  # a bad tuning file: one line now, not a traceback mid-decode
             tuning.set_overrides(None if kernel_tuning is None else tuning.load(kernel_tuning))
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-        self.dtype = dense_dtype_for(weights.blocks[0].wq.qtype)
+        self.dtype = dense_dtype_for(first_matrix_type(weights))
         self.weights = upload_weights(weights, cfg, self.device, self.dtype)
         self.layers = DecoderLayers(cfg, self.weights, self.dtype)
         self.stats = ExpertStats(self.device)
@@ -234,7 +240,7 @@ class GpuExecutor:
                  routing: RoutingTrace | None, maps: tuple | None) -> torch.Tensor:  # fmt: skip
         span = self.span(tokens, cache)
         logits, routes = self._step(span, cache, k, maps, count_host=True, last_only=last_only)
-        cache.n_tokens += span.n
+        cache.end_pass(cache.n_tokens + span.n, span.n)
         if routing is not None:
             self._trace(routing, routes, k)
         return logits.float().cpu()
@@ -277,12 +283,16 @@ class GpuExecutor:
         step = state.graphs.get(key)
         if step is None or step.version != self._version:
             saved = self.stats.device_snapshot()
+            # the warm-up run advances a recurrent state (DeltaNet layers): undone before replay
+            recurrent = None if cache.recurrent is None else cache.recurrent.copy()
             with torch.inference_mode():
                 graph, outputs = cache_state.capture(
                     lambda: self._step(self._decode_span(state), cache, k, maps, False),
                     self.device,
                 )
             self.stats.device_restore(saved)  # the warm-up run's counts; the replay adds them
+            if recurrent is not None:
+                cache.recurrent.load(recurrent)
             step = state.graphs[key] = CapturedStep(graph, outputs, self._version)
         step.graph.replay()
         return step.outputs
@@ -339,7 +349,10 @@ class GpuExecutor:
         delta = None
         routes = []
         for i, blk in enumerate(self.blocks):
-            x, delta = layers.attention(i, x, delta, cache.kv[i], span)
+            if blk.deltanet is not None:
+                x, delta = layers.deltanet(i, x, delta, cache.recurrent, span)
+            else:
+                x, delta = layers.attention(i, x, delta, cache.kv[i], span)
             if blk.experts is None:
                 x, h, _ = layers.ffn_norm(i, x, delta)
                 delta = layers.dense_ffn(i, h)

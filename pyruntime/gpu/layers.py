@@ -32,14 +32,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pyruntime.gpu.deltanet import deltanet_prefill
 from pyruntime.gpu.weights import DeviceBlock, DeviceWeights, GatedFFN
 from pyruntime.kernels.attention import decode_attention
 from pyruntime.kernels.decoder_ops import add_rms_norm, qk_rope_store
+from pyruntime.kernels.deltanet import conv_step, delta_step
 from pyruntime.kernels.dispatch import moe_experts
 from pyruntime.kernels.expert_paths import SparseSwitch
 from pyruntime.kernels.router import add_norm_router, router_topk
 from pyruntime.kernels.switch import sparse_switch
 from pyruntime.model.config import ModelConfig
+from pyruntime.model.recurrent_state import RecurrentState
 from pyruntime.model.reference import activation_fn, attention_mask, sink_attention
 
 # Up to this many tokens (decode) the residual add + FFN RMSNorm + router + top-k run in one
@@ -200,8 +203,34 @@ class DecoderLayers:
             else:
                 end = span.start + span.n
                 a = self._prefill_attention(q, kv[0, :, :end], kv[1, :, :end], span.start, blk)
+        if blk.attn_gate is not None:  # qwen35moe: a sigmoid gate per output
+            with self.part("attention gate"):
+                a = a * torch.sigmoid(blk.attn_gate(h, torch.float32)).to(a.dtype)
         with self.part("o_proj"):
             return x, blk.wo(a)
+
+    def deltanet(self, i: int, x: torch.Tensor, delta: torch.Tensor | None,
+                 state: RecurrentState, span: Span):  # fmt: skip
+        """Layer i's Gated DeltaNet sub-block (kernels.deltanet): (x + residual_scale * delta,
+        its output [n, n_embd]); the layer's conv and ssm states (in `state`) advance by the
+        span's tokens: one token through the decode kernels, several through the chunked form."""
+        cfg, blk = self.config, self.blocks[i]
+        d = blk.deltanet
+        with self.part("norm"):
+            h, _ = add_rms_norm(x, delta, blk.attn_norm, cfg.rms_eps, self.dtype,
+                                cfg.residual_scale)  # fmt: skip
+        with self.part("deltanet in_proj"):
+            proj = d.in_proj(h)  # [n, C + Hv dv + 2 Hv]
+        conv, ssm = state.conv[i], state.ssm[i]
+        with self.part("deltanet"):
+            if span.seq_len is not None:
+                mixed = conv_step(proj[0, : cfg.ssm_conv_channels], conv, d.conv)
+                o = delta_step(cfg, mixed, proj[0], ssm, d.a, d.dt_bias, d.norm, self.dtype)
+            else:
+                o = deltanet_prefill(cfg, proj, d.conv, conv, ssm, d.a, d.dt_bias, d.norm,
+                                     self.dtype)  # fmt: skip
+        with self.part("deltanet out_proj"):
+            return x, d.out(o)
 
     def _prefill_attention(self, q, keys, values, start: int, blk: DeviceBlock) -> torch.Tensor:
         """q [n_head, n, D]; keys, values [n_head_kv, start + n, D] -> [n, n_head * D]."""

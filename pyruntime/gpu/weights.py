@@ -27,6 +27,7 @@ from pyruntime.kernels.dispatch import prepare_experts
 from pyruntime.kernels.expert_formats import FLOAT_DTYPES, REPACKED, dequantize_rows
 from pyruntime.kernels.q8_linear import dequantize_q8, q8_gemv, split_q8_0
 from pyruntime.model.config import ModelConfig
+from pyruntime.model.deltanet import DeltaNetWeights
 from pyruntime.model.weights import BlockWeights, FFNWeights, HostWeights
 
 Q = GGMLQuantizationType
@@ -83,12 +84,25 @@ class GatedFFN:
 
 
 @dataclass
+class DeviceDeltaNet:
+    """A Gated DeltaNet layer (qwen35moe; kernels.deltanet)."""
+
+    in_proj: Linear  # [C + Hv dv + 2 Hv, n_embd]: qkv, z, b (beta), a (alpha) rows
+    conv: torch.Tensor  # [C, K] f32
+    a: torch.Tensor  # [Hv] f32: A = -exp(A_log)
+    dt_bias: torch.Tensor  # [Hv] f32
+    norm: torch.Tensor  # [dv] f32
+    out: Linear  # [n_embd, Hv dv]
+
+
+@dataclass
 class DeviceBlock:
     attn_norm: torch.Tensor  # [n_embd] f32
-    wqkv: Linear  # [(n_head + 2 n_head_kv) * head_dim, n_embd]: q, k, v rows (and biases)
+    # q/k/v/o: None on a Gated DeltaNet layer, which has `deltanet` instead
+    wqkv: Linear | None  # [(n_head + 2 n_head_kv) * head_dim, n_embd]: q, k, v rows (and biases)
     q_norm: torch.Tensor | None  # olmoe [n_head * head_dim]; qwen3moe [head_dim]
     k_norm: torch.Tensor | None
-    wo: Linear  # [n_embd, n_head * head_dim] (and its bias: gpt-oss)
+    wo: Linear | None  # [n_embd, n_head * head_dim] (and its bias: gpt-oss)
     ffn_norm: torch.Tensor  # [n_embd] f32
     router: torch.Tensor | None  # [n_expert, n_embd] f32; None for a dense FFN layer
     experts: torch.Tensor | None  # expert tensor as the kernels take it (kernels.expert_formats)
@@ -101,6 +115,9 @@ class DeviceBlock:
     window: int = 0  # sliding-window attention: keys a query sees (0: all)
     router_bias: torch.Tensor | None = None  # [n_expert] f32
     expert_bias: tuple[torch.Tensor, torch.Tensor] | None = None  # kernels.moe_args: by id
+    # qwen35moe
+    attn_gate: Linear | None = None  # [n_head * head_dim, n_embd]: out *= sigmoid(x Wg^T)
+    deltanet: DeviceDeltaNet | None = None
 
 
 @dataclass
@@ -167,18 +184,13 @@ def upload_block(
     format its slots hold."""
 
     def f32(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(device=device, dtype=torch.float32)
+        return None if t is None else t.to(device=device, dtype=torch.float32).contiguous()
 
-    wqkv = Linear.stack([upload_linear(m, device, dtype) for m in (blk.wq, blk.wk, blk.wv)])
-    biases = (blk.bq, blk.bk, blk.bv)
-    if any(b is not None for b in biases):
-        rows = (cfg.n_head, cfg.n_head_kv, cfg.n_head_kv)
-        biases = [b if b is not None else torch.zeros(r * cfg.head_dim)
-                  for b, r in zip(biases, rows, strict=True)]  # fmt: skip
-        wqkv.bias = torch.cat(biases).to(device=device, dtype=dtype)
-    wo = upload_linear(blk.wo, device, dtype)
-    if blk.bo is not None:
-        wo.bias = blk.bo.to(device=device, dtype=dtype)
+    deltanet = None if blk.deltanet is None else _deltanet(blk.deltanet, device, dtype, f32)
+    if deltanet is not None:
+        wqkv = wo = None
+    else:
+        wqkv, wo = _attention(blk, cfg, device, dtype)
     expert_bias = None
     if blk.experts is not None and blk.experts.bias is not None:
         expert_bias = tuple(f32(t).contiguous() for t in blk.experts.bias_pair)
@@ -205,7 +217,32 @@ def upload_block(
         window=cfg.layer_window(index),
         router_bias=f32(blk.router_bias),
         expert_bias=expert_bias,
+        attn_gate=None if blk.attn_gate is None else upload_linear(blk.attn_gate, device, dtype),
+        deltanet=deltanet,
     )
+
+
+def _attention(blk: BlockWeights, cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
+    """(wqkv, wo) of an attention layer: q, k, v stacked, their biases and o's."""
+    wqkv = Linear.stack([upload_linear(m, device, dtype) for m in (blk.wq, blk.wk, blk.wv)])
+    biases = (blk.bq, blk.bk, blk.bv)
+    if any(b is not None for b in biases):
+        rows = (cfg.n_head, cfg.n_head_kv, cfg.n_head_kv)
+        biases = [b if b is not None else torch.zeros(r * cfg.head_dim)
+                  for b, r in zip(biases, rows, strict=True)]  # fmt: skip
+        wqkv.bias = torch.cat(biases).to(device=device, dtype=dtype)
+    wo = upload_linear(blk.wo, device, dtype)
+    if blk.bo is not None:
+        wo.bias = blk.bo.to(device=device, dtype=dtype)
+    return wqkv, wo
+
+
+def _deltanet(w: DeltaNetWeights, device: torch.device, dtype: torch.dtype, f32):
+    parts = [upload_linear(m, device, dtype) for m in (w.qkv, w.gate, w.beta, w.alpha)]
+    return DeviceDeltaNet(
+        in_proj=Linear.stack(parts), conv=f32(w.conv), a=f32(w.a), dt_bias=f32(w.dt_bias),
+        norm=f32(w.norm), out=upload_linear(w.out, device, dtype),
+    )  # fmt: skip
 
 
 def slot_format(store: ExpertStore) -> str:
@@ -233,6 +270,13 @@ def upload_weights(
             for i, b in enumerate(host.blocks)
         ],  # fmt: skip
     )
+
+
+def first_matrix_type(host: HostWeights) -> Q:
+    """The type of the first layer's first projection (attention q, or a DeltaNet's qkv): what
+    the GGUF's dense weights are (dense_dtype_for)."""
+    blk = host.blocks[0]
+    return (blk.wq if blk.wq is not None else blk.deltanet.qkv).qtype
 
 
 def dense_dtype_for(attn_q_type: Q) -> torch.dtype:

@@ -33,12 +33,23 @@ class RecurrentState:
             self.ssm[i].zero_()
         self._snapshots.clear()
 
-    def snapshot(self, position: int) -> None:
-        """Keep the state as it is after `position` tokens."""
-        self._snapshots[position] = (
+    def copy(self) -> tuple[dict, dict]:
+        """A copy of the state (conv, ssm by layer)."""
+        return (
             {i: t.clone() for i, t in self.conv.items()},
             {i: t.clone() for i, t in self.ssm.items()},
         )
+
+    def load(self, saved: tuple[dict, dict]) -> None:
+        """The state of a copy(), written into this state's tensors (their addresses stay: a
+        captured decode step reads and writes them)."""
+        for i in self.layers:
+            self.conv[i].copy_(saved[0][i])
+            self.ssm[i].copy_(saved[1][i])
+
+    def snapshot(self, position: int) -> None:
+        """Keep the state as it is after `position` tokens."""
+        self._snapshots[position] = self.copy()
         for old in sorted(self._snapshots)[:-KEEP]:
             del self._snapshots[old]
 
@@ -47,9 +58,7 @@ class RecurrentState:
         saved = self._snapshots.get(position)
         if saved is None:
             return False
-        for i in self.layers:
-            self.conv[i].copy_(saved[0][i])
-            self.ssm[i].copy_(saved[1][i])
+        self.load(saved)
         for later in [p for p in self._snapshots if p > position]:
             del self._snapshots[later]
         return True

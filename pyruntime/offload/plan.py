@@ -69,7 +69,8 @@ class DeviceBytes:
 
 def device_bytes(f: GGUFFile, cfg: ModelConfig, n_ctx: int) -> DeviceBytes:
     """A model's GPU memory at a context of n_ctx tokens, by part (module doc)."""
-    itemsize = activation_itemsize(f.tensor("blk.0.attn_q.weight").qtype)
+    first = "blk.0.attn_qkv.weight" if cfg.is_recurrent(0) else "blk.0.attn_q.weight"
+    itemsize = activation_itemsize(f.tensor(first).qtype)
     dense = experts = n_experts = expert_bytes = 0
     biggest = 0  # elements of the largest tensor dequantized at load
     fmt = ""
@@ -89,7 +90,12 @@ def device_bytes(f: GGUFFile, cfg: ModelConfig, n_ctx: int) -> DeviceBytes:
             dense += t.n_elements * itemsize
     # token_embd twice: a float copy for the lookup, and the lm_head (tied) or its own bytes
     dense += f.tensor("token_embd.weight").n_elements * itemsize
-    kv = cfg.n_layer * 2 * cfg.n_head_kv * n_ctx * cfg.head_dim * itemsize
+    n_kv_layers = cfg.n_layer - sum(cfg.recurrent_layers)  # DeltaNet layers keep no K/V
+    kv = n_kv_layers * 2 * cfg.n_head_kv * n_ctx * cfg.head_dim * itemsize
+    if n_kv_layers < cfg.n_layer:  # their conv and ssm states (f32), one per sequence
+        per_layer = cfg.ssm_conv_channels * (cfg.ssm_conv_kernel - 1)
+        per_layer += cfg.ssm_n_v_heads * cfg.ssm_head_k_dim * cfg.ssm_head_v_dim
+        kv += (cfg.n_layer - n_kv_layers) * per_layer * 4
     return DeviceBytes(
         dense=dense, experts=experts, kv=kv, work=biggest * 4 + WORK_BYTES,
         expert_bytes=expert_bytes, n_experts=n_experts, expert_format=fmt,

@@ -1,0 +1,89 @@
+"""The Gated DeltaNet kernels (kernels/deltanet.py) and the GPU prompt path (gpu/deltanet.py) vs
+the torch reference (model/deltanet.py), at odd shapes (head dims and channel counts that are
+not powers of two, a key head serving several value heads, conv kernels of 3 and 4), over
+several consecutive decode steps (the conv and ssm states carried in place), and the prefill
+after a decode state. float32 throughout:
+the tolerance is f32 rounding of a few dot products (measured ~1e-7); a wrong decay, beta or
+state shift is O(0.1)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pyruntime.gpu.deltanet import deltanet_prefill
+from pyruntime.kernels import deltanet as dk_kernels
+from pyruntime.model import deltanet as ref
+
+TOL = 1e-5
+
+
+def _cfg(hk, hv, dk, dv, K):
+    return SimpleNamespace(ssm_n_k_heads=hk, ssm_n_v_heads=hv, ssm_head_k_dim=dk,
+                           ssm_head_v_dim=dv, ssm_conv_kernel=K, rms_eps=1e-6,
+                           ssm_conv_channels=2 * hk * dk + hv * dv)  # fmt: skip
+
+
+def _weights(cfg, gen):
+    C, hv = cfg.ssm_conv_channels, cfg.ssm_n_v_heads
+    return dict(
+        conv=torch.randn(C, cfg.ssm_conv_kernel, generator=gen) * 0.5,
+        a=-torch.rand(hv, generator=gen) * 3,
+        dt_bias=torch.randn(hv, generator=gen),
+        norm=torch.randn(cfg.ssm_head_v_dim, generator=gen),
+    )
+
+
+def _reference(cfg, w, proj, conv_state, ssm_state, form):
+    """The reference layer from the fused projection (model/deltanet.py's pieces)."""
+    hk, hv, dk, dv = cfg.ssm_n_k_heads, cfg.ssm_n_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim
+    C, T = cfg.ssm_conv_channels, proj.shape[0]
+    z, b, alpha = torch.split(proj[:, C:], [hv * dv, hv, hv], dim=-1)
+    mixed, conv_state = ref.causal_conv(proj[:, :C], conv_state, w["conv"])
+    q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
+    q = (ref.l2norm(q.reshape(T, hk, dk)) * dk**-0.5).repeat_interleave(hv // hk, dim=1)
+    k = ref.l2norm(k.reshape(T, hk, dk)).repeat_interleave(hv // hk, dim=1)
+    g = w["a"] * F.softplus(alpha + w["dt_bias"])
+    o, ssm_state = form(q, k, v.reshape(T, hv, dv), g, torch.sigmoid(b), ssm_state)
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + cfg.rms_eps) * w["norm"]
+    return (o * F.silu(z.reshape(T, hv, dv))).reshape(T, -1), conv_state, ssm_state
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 16, 16, 4), (3, 6, 12, 20, 4), (2, 4, 7, 9, 3)])
+def test_decode_steps_match_the_recurrence(shape):
+    cfg = _cfg(*shape)
+    gen = torch.Generator().manual_seed(sum(shape))
+    w = _weights(cfg, gen)
+    C, hv, dv = cfg.ssm_conv_channels, cfg.ssm_n_v_heads, cfg.ssm_head_v_dim
+    T = 6
+    proj = torch.randn(T, C + hv * dv + 2 * hv, generator=gen)
+    conv0 = torch.randn(C, cfg.ssm_conv_kernel - 1, generator=gen)
+    ssm0 = torch.randn(hv, cfg.ssm_head_k_dim, dv, generator=gen)
+    want, conv_want, ssm_want = _reference(cfg, w, proj, conv0, ssm0, ref.recurrent)
+    conv, ssm = conv0.clone(), ssm0.clone()
+    for t in range(T):
+        mixed = dk_kernels.conv_step(proj[t, :C].contiguous(), conv, w["conv"])
+        got = dk_kernels.delta_step(cfg, mixed, proj[t].contiguous(), ssm, w["a"],
+                                    w["dt_bias"], w["norm"], torch.float32)  # fmt: skip
+        assert (got[0] - want[t]).abs().max() <= TOL, t
+    assert (conv - conv_want).abs().max() <= TOL
+    assert (ssm - ssm_want).abs().max() <= TOL
+
+
+def test_prefill_is_the_chunked_form_from_a_state():
+    cfg = _cfg(2, 4, 12, 20, 4)
+    gen = torch.Generator().manual_seed(5)
+    w = _weights(cfg, gen)
+    C, hv, dv = cfg.ssm_conv_channels, cfg.ssm_n_v_heads, cfg.ssm_head_v_dim
+    proj = torch.randn(70, C + hv * dv + 2 * hv, generator=gen)  # two chunks
+    conv0 = torch.randn(C, 3, generator=gen)
+    ssm0 = torch.randn(hv, cfg.ssm_head_k_dim, dv, generator=gen)
+    want, conv_want, ssm_want = _reference(cfg, w, proj, conv0, ssm0, ref.recurrent)
+    conv, ssm = conv0.clone(), ssm0.clone()
+    got = deltanet_prefill(cfg, proj, w["conv"], conv, ssm, w["a"], w["dt_bias"],
+                                      w["norm"], torch.float32)  # fmt: skip
+    assert (got - want).abs().max() <= 1e-4  # 70 steps of f32 against the chunked solve
+    assert (conv - conv_want).abs().max() <= TOL and (ssm - ssm_want).abs().max() <= 1e-4
