@@ -351,3 +351,117 @@ def make_harmony_model(path: Path) -> Path:
     gen["eos_token_id"] = [ids["<|return|>"], 0, ids["<|call|>"]]
     (path / "generation_config.json").write_text(json.dumps(gen))
     return path
+
+
+# A Qwen3.5-style chat template (ChatML with thinking, tool calls as <tool_call> JSON, tool
+# responses folded into user turns, image/video items of multimodal content), written for these
+# tests with the jinja features Qwen3.5's own template uses: namespace(), a reversed slice,
+# `is string` / `is mapping` tests, str methods (startswith, split, rstrip, lstrip), a loop over
+# a mapping's items(), `is defined` on kwargs never passed, tojson, raise_exception.
+QWEN35_TEMPLATE = """\
+{%- macro render_content(content) -%}
+    {%- if content is string -%}{{ content }}
+    {%- else -%}
+        {%- for item in content -%}
+            {%- if item.type == "image" -%}<|vision_start|><|image_pad|><|vision_end|>
+            {%- elif item.type == "video" -%}<|vision_start|><|video_pad|><|vision_end|>
+            {%- elif item.type == "text" -%}{{ item.text }}
+            {%- else -%}{{ raise_exception("unknown content item type " ~ item.type) }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- endif -%}
+{%- endmacro -%}
+{%- if tools %}
+    {{- "<|im_start|>system\\n" }}
+    {%- if messages[0].role == "system" %}
+        {{- render_content(messages[0].content) + "\\n\\n" }}
+    {%- endif %}
+    {{- "# Tools\\n\\n<tools>" }}
+    {%- for tool in tools %}{{- "\\n" + tool | tojson }}{%- endfor %}
+    {{- "\\n</tools><|im_end|>\\n" }}
+{%- elif messages[0].role == "system" %}
+    {{- "<|im_start|>system\\n" + render_content(messages[0].content) + "<|im_end|>\\n" }}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string
+        and not (message.content.startswith("<tool_response>")) %}
+        {%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- set content = render_content(message.content) %}
+    {%- if message.role == "user" or (message.role == "system" and not loop.first) %}
+        {{- "<|im_start|>" + message.role + "\\n" + content + "<|im_end|>\\n" }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning = "" %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning = message.reasoning_content %}
+        {%- elif "</think>" in content %}
+            {%- set reasoning = content.split("</think>")[0].rstrip("\\n") %}
+            {%- set reasoning = reasoning.split("<think>")[-1].lstrip("\\n") %}
+            {%- set content = content.split("</think>")[-1].lstrip("\\n") %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index and reasoning %}
+            {{- "<|im_start|>assistant\\n<think>\\n" + reasoning.strip("\\n") + "\\n</think>\\n\\n"
+                + content.lstrip("\\n") }}
+        {%- else %}{{- "<|im_start|>assistant\\n" + content }}{%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- set call = tool_call.function if tool_call.function else tool_call %}
+                {{- "\\n" if (loop.first and content) or not loop.first }}
+                {{- "<tool_call>\\n{\\"name\\": \\"" + call.name + "\\", \\"arguments\\": " }}
+                {%- if call.arguments is string %}{{- call.arguments }}
+                {%- else %}{{- "{" }}
+                    {%- for key, value in call.arguments.items() %}
+                        {{- key | tojson + ": " + value | tojson }}{{- ", " if not loop.last }}
+                    {%- endfor %}{{- "}" }}
+                {%- endif %}
+                {{- "}\\n</tool_call>" }}
+            {%- endfor %}
+        {%- endif %}
+        {{- "<|im_end|>\\n" }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or messages[loop.index0 - 1].role != "tool" %}
+            {{- "<|im_start|>user" }}
+        {%- endif %}
+        {{- "\\n<tool_response>\\n" + content + "\\n</tool_response>" }}
+        {%- if loop.last or messages[loop.index0 + 1].role != "tool" %}
+            {{- "<|im_end|>\\n" }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- "<|im_start|>assistant\\n" }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- "<think>\\n\\n</think>\\n\\n" }}
+    {%- else %}{{- "<think>\\n" }}{%- endif %}
+{%- endif %}
+"""
+QWEN35_TOKENS = (
+    "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+    "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
+)  # fmt: skip
+
+
+def make_qwen35_chat_model(path: Path) -> Path:
+    """A tiny qwen35moe whose tokenizer has Qwen3.5's chat tokens (ids 4096..4105, vocab 4112),
+    eos <|im_end|> (its generation stops there and at <|endoftext|>), QWEN35_TEMPLATE."""
+    import json
+
+    make_tiny_hf_model("qwen35moe", path, vocab_size=4112)
+    tok = json.loads((path / "tokenizer.json").read_text())
+    tok["added_tokens"] += [
+        dict(id=4096 + i, content=text, single_word=False, lstrip=False, rstrip=False,
+             normalized=False, special=True)
+        for i, text in enumerate(QWEN35_TOKENS)
+    ]  # fmt: skip
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.update(eos_token="<|im_end|>", chat_template=QWEN35_TEMPLATE)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    gen = json.loads((path / "generation_config.json").read_text())
+    gen["eos_token_id"] = [2, 0]
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    return path
