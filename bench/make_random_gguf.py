@@ -18,6 +18,11 @@ ffn_up_exps.bias [n_expert, n_ff] too, and ffn_norm named post_attention_norm),
     python bench/make_random_gguf.py olmoe-1b-7b --outtype q8_0 -o /tmp/olmoe-q8_0.gguf
     python bench/make_random_gguf.py olmoe-1b-7b --layout llama.cpp -o /tmp/olmoe-lcpp.gguf
     python bench/make_random_gguf.py gpt-oss-20b --outtype mxfp4 -o /tmp/gpt-oss-20b-mxfp4.gguf
+    python bench/make_random_gguf.py qwen3.5-35b-a3b --outtype q4_0 -o /tmp/qwen3.5-35b-q4_0.gguf
+
+qwen35moe's llama.cpp twin also joins attn_q and attn_gate of a full-attention layer into one
+attn_q (llama.cpp's), names ffn_norm post_attention_norm and adds rope.dimension_sections;
+pyruntime's repack does not read that family (it refuses the file in one line).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pyruntime
-from pyruntime.converter import architectures, gpt_oss  # noqa: E402, F401  (register classes)
+from pyruntime.converter import architectures, gpt_oss, qwen35  # noqa: E402, F401  (register)
 from pyruntime.converter.base import model_class_for  # noqa: E402
 from pyruntime.converter.convert import _write_metadata  # noqa: E402
 from pyruntime.converter.hparams import HParams  # noqa: E402
@@ -197,6 +202,56 @@ CONFIGS |= {
     },
 }
 
+QWEN35_ROPE = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}
+CONFIGS |= {
+    "qwen3.5-35b-a3b": {  # Qwen/Qwen3.5-35B-A3B (its text_config)
+        "architectures": ["Qwen3_5MoeForCausalLM"],
+        "vocab_size": 248320,
+        "hidden_size": 2048,
+        "num_hidden_layers": 40,  # every 4th full attention, the rest Gated DeltaNet
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_conv_kernel_dim": 4,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": QWEN35_ROPE,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+    },
+    "tiny-qwen3.5": {  # qwen3.5's features at a quick size (tests)
+        "architectures": ["Qwen3_5MoeForCausalLM"],
+        "vocab_size": 4096,
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "linear_conv_kernel_dim": 4,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 64,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": QWEN35_ROPE,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+    },
+}
+
 WEIGHT_STD = 0.02
 CHUNK_BYTES = 64 << 20
 
@@ -216,6 +271,12 @@ class PlanOnlySource:
 
     def claim_if_present(self, name: str) -> bool:
         return False
+
+    def rename_prefix(self, disk_prefix: str, prefix: str) -> None:
+        """Nothing to rename: no checkpoint."""
+
+    def skip_prefix(self, prefix: str) -> None:
+        """Nothing to skip: no checkpoint."""
 
 
 class RandomTensor:
@@ -242,6 +303,8 @@ class RandomTensor:
         if q == Q.F32:
             if self.name.endswith("norm.weight"):
                 return np.ones((rows, n), np.float32)
+            if self.name.endswith(".ssm_a"):  # a DeltaNet's decay rate: negative (state decays)
+                return -np.ones((rows, n), np.float32)
             return rng.standard_normal((rows, n), dtype=np.float32) * WEIGHT_STD
         if q in (Q.F16, Q.BF16):
             v = rng.standard_normal((rows, n), dtype=np.float32) * WEIGHT_STD
@@ -274,15 +337,26 @@ def llama_cpp_plan(plan: list, arch_name: str) -> list[tuple[str, tuple[int, ...
     blk.N.ffn_gud_exps.weight [E, n_ff, 3, n_embd] becomes ffn_gate_exps and ffn_up_exps
     [E, n_ff, n_embd] and ffn_down_exps [E, n_embd, n_ff]; gpt-oss's per-neuron expert biases
     ffn_gu_exps.bias [E, n_ff, 2] become ffn_gate_exps.bias and ffn_up_exps.bias [E, n_ff], its
-    ffn_norm post_attention_norm; every other tensor is the same."""
+    ffn_norm post_attention_norm (qwen35moe's too); qwen35moe's full-attention attn_q and
+    attn_gate are one attn_q [2 q_rows, n_embd] (per head query rows then gate rows; random
+    data either way); every other tensor is the same."""
     out = []
+    full_attention = {t.name.removesuffix(".attn_q.weight") for t in plan
+                      if t.name.endswith(".attn_q.weight")}  # fmt: skip
     for t in plan:
+        if arch_name == "qwen35moe" and t.name.endswith(".attn_q.weight"):
+            out.append((t.name, (2 * t.shape[0], t.shape[1]), t.kind))
+            continue
+        if arch_name == "qwen35moe" and t.name.endswith(".attn_gate.weight"):
+            if t.name.removesuffix(".attn_gate.weight") in full_attention:
+                continue  # inside attn_q
+
         if t.name.endswith(".ffn_gu_exps.bias"):
             blk = t.name.removesuffix(".ffn_gu_exps.bias")
             out.append((f"{blk}.ffn_gate_exps.bias", t.shape[:2], t.kind))
             out.append((f"{blk}.ffn_up_exps.bias", t.shape[:2], t.kind))
             continue
-        if arch_name == "gpt-oss" and t.name.endswith(".ffn_norm.weight"):
+        if arch_name in ("gpt-oss", "qwen35moe") and t.name.endswith(".ffn_norm.weight"):
             blk = t.name.removesuffix(".ffn_norm.weight")
             out.append((f"{blk}.post_attention_norm.weight", t.shape, t.kind))
             continue
@@ -305,8 +379,10 @@ def to_llama_cpp_metadata(writer: GGUFWriter, arch_name: str, config: dict) -> N
         for key in [k for k in kv if k.startswith("pyruntime.")]:
             del kv[key]
     key = f"{arch_name}.feed_forward_length"
-    if not any(key in kv for kv in writer.kv_data):
+    if not any(key in kv for kv in writer.kv_data) and "intermediate_size" in config:
         writer.add_uint32(key, config["intermediate_size"])
+    if arch_name == "qwen35moe":  # llama.cpp's loader requires the MRoPE sections (text: unused)
+        writer.add_array(f"{arch_name}.rope.dimension_sections", [11, 11, 10, 0])
 
 
 def make_random_gguf(

@@ -253,3 +253,39 @@ def test_random_gpt_oss_gguf_and_its_llama_cpp_twin(tmp_path, capsys):
     assert shapes["blk.1.ffn_down_exps.weight"] == [96, 128, 8]
     assert "blk.1.post_attention_norm.weight" in shapes and "blk.1.ffn_norm.weight" not in shapes
     assert "blk.1.attn_sinks.weight" in shapes and "blk.1.ffn_gu_exps.bias" not in shapes
+
+
+def test_random_qwen35_gguf_and_its_llama_cpp_twin(tmp_path, capsys):
+    """qwen3.5's shape: our layout loads and decodes on the CPU (a prompt then a token), `info`
+    shows the DeltaNet rows; the llama.cpp twin joins a full-attention layer's query and gate,
+    names ffn_norm post_attention_norm and has the MRoPE sections llama.cpp requires."""
+    import torch
+    from gguf import GGUFReader
+
+    from pyruntime.cli import main
+    from pyruntime.cpu.executor import CpuExecutor
+    from pyruntime.gguf.file import open_gguf
+
+    maker = load("make_random_gguf")
+    real = maker.CONFIGS["qwen3.5-35b-a3b"]
+    assert (real["num_experts"], real["num_experts_per_tok"]) == (256, 8)
+    ours = maker.make_random_gguf("tiny-qwen3.5", tmp_path / "o.gguf", "q8_0", progress=False)
+    model = CpuExecutor.from_gguf(open_gguf(ours))
+    cache = model.new_cache(40)
+    logits = torch.cat([model.forward(list(range(20)), cache), model.forward([7], cache)])
+    assert logits.shape == (21, 4096) and torch.isfinite(logits).all()
+    assert main(["info", str(ours)]) == 0
+    out = capsys.readouterr().out
+    for row in ("Gated DeltaNet on 3 of 4 layers (full attention: 3)", "8 of 32 per head"):
+        assert row in out, out
+    lcpp = tmp_path / "l.gguf"
+    maker.make_random_gguf("tiny-qwen3.5", lcpp, "q8_0", progress=False, layout="llama.cpp")
+    r = GGUFReader(lcpp)
+    shapes = {t.name: [int(n) for n in t.shape] for t in r.tensors}
+    assert shapes["blk.3.attn_q.weight"] == [128, 256] and "blk.3.attn_gate.weight" not in shapes
+    assert shapes["blk.0.attn_gate.weight"] == [128, 128]  # the DeltaNet's z
+    assert shapes["blk.0.ssm_conv1d.weight"] == [4, 256] and "blk.0.ssm_a" in shapes
+    assert shapes["blk.0.ffn_down_exps.weight"] == [64, 128, 16]
+    assert "blk.0.post_attention_norm.weight" in shapes and "blk.0.ffn_norm.weight" not in shapes
+    sections = r.fields["qwen35moe.rope.dimension_sections"]
+    assert [int(sections.parts[i][0]) for i in sections.data] == [11, 11, 10, 0]
