@@ -73,6 +73,9 @@ def test_the_original_loads_and_rebuilds_byte_for_byte(demo, tmp_path):
         (f"{A}.block_count", gm.I32, -2, [f"'{A}.block_count' is stored as INT32"]),
         (f"{A}.block_count", gm.U32, 2, ["'blk.2.attn_norm.weight' is not part of"]),
         (f"{A}.block_count", gm.U32, 0, [f"'{A}.block_count' is 0, outside [1, 2^31)"]),
+        # 2^27 + 4 (a bit flip): refused at once, not after listing 2^27 layers' tensors
+        (f"{A}.block_count", gm.U32, 2**27 + 4, ["holds tensors of 4 layers (no blk.4.*"]),
+        (f"{A}.block_count", gm.U32, 5, ["is 5, but the file holds tensors of 4 layers"]),
         (f"{A}.block_count", gm.U32, 2**32 - 1, ["is 4294967295, outside"]),
         (f"{A}.attention.head_count", gm.U32, 0, [f"'{A}.attention.head_count' is 0"]),
         (f"{A}.attention.head_count", gm.ARRAY, (gm.I32, [4, 4]), ["expected one integer"]),

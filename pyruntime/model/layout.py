@@ -203,7 +203,20 @@ def check_tensors(f: GGUFFile, cfg) -> None:
     """ModelFileError for the first tensor that is unknown to the layout, of the wrong shape or
     type, or missing."""
     what = f"a {cfg.arch} model with {cfg.n_layer} layers in this layout (docs/gguf-layout.md)"
+    _check_layer_count(f, cfg)
     check_specs(f, expected_tensors(f, cfg), what)
+
+
+def _check_layer_count(f: GGUFFile, cfg) -> None:
+    """A layer count past the file's blk.N tensors is refused before the layers' specs are built:
+    a corrupt block_count (2^27 layers) would otherwise spend minutes listing tensors."""
+    present = {name.split(".")[1] for name in f.tensors if name.startswith("blk.")}
+    n_present = max((int(i) + 1 for i in present if i.isdecimal()), default=0)
+    if cfg.n_layer > n_present:
+        raise ModelFileError(
+            f"{f.path}: metadata key '{cfg.arch}.block_count' is {cfg.n_layer}, but the file "
+            f"holds tensors of {n_present} layers (no blk.{n_present}.* tensor)"
+        )
 
 
 def check_specs(f: GGUFFile, specs: dict[str, TensorSpec], what: str) -> None:
