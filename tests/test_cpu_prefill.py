@@ -1,8 +1,9 @@
 """The C core's prefill (pyrt_decoder_prefill through CpuExecutor.forward for several tokens)
 against token-by-token decoding with the C step.
 
-On tiny random models of every family but gpt-oss (tests/hf_fixtures; gpt-oss's prompts take
-the reference path, checked apart), converted to F32, Q8_0 and Q4_0:
+On tiny random models of every family but qwen35moe (tests/hf_fixtures; gpt-oss's with sinks, a
+sliding window of 8 on layer 0, YaRN, o, router and expert biases and the clamped SwiGLU),
+converted to F32, Q8_0 and Q4_0:
 prompts of 1, 7, 33 and 300 tokens, in chunks (--ubatch) that split them unevenly (and the
 default), from an empty cache and after earlier tokens, dense and with sparsity thresholds: the
 prefill's log-probabilities of every position vs those of one C step per token, max |difference|
@@ -33,12 +34,18 @@ from pyruntime.gguf.file import open_gguf
 from pyruntime.model.executor import RoutingTrace
 
 LOGPROB_TOL = 1e-5
+# gpt-oss's tiny model with quantized weights: its exercised weights (gate/up biases ~N(0, 1),
+# sinks of a few units) make |h| up to ~30, so where the f32 order of the sums moves an
+# activation across a Q8 rounding step, one position's log-probabilities move by ~1e-5 (measured
+# 1.05e-5, one position of 300, q4_0 sparse); a missing sink, window, YaRN factor or bias is
+# >= 1e-2.
+LOGPROB_TOL_GPTOSS_QUANT = 5e-5
 SPARSE = 0.02  # a threshold that skips part of the tiny models' neurons (checked below)
 
 
-# gpt-oss's pieces are the C step's only so far: its prompts take the reference path; so do
-# every forward pass of qwen35moe (its Gated DeltaNet layers are not in the C core)
-C_PREFILL_ARCHS = [a for a in ARCHS if a not in ("gptoss", "qwen35moe")]
+# every forward pass of qwen35moe takes the reference path (its Gated DeltaNet layers are not in
+# the C core: tests/test_qwen35.py)
+C_PREFILL_ARCHS = [a for a in ARCHS if a != "qwen35moe"]
 
 
 @pytest.fixture(scope="module", params=C_PREFILL_ARCHS)
@@ -80,9 +87,9 @@ def by_steps(c: CpuExecutor, ids: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(torch.cat(rows), dim=-1)
 
 
-def assert_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+def assert_close(a: torch.Tensor, b: torch.Tensor, what: str, tol: float = LOGPROB_TOL) -> None:
     err = (a - b).abs().max().item()
-    assert err <= LOGPROB_TOL, f"{what}: max |d logprob| {err:.3g} > {LOGPROB_TOL}"
+    assert err <= tol, f"{what}: max |d logprob| {err:.3g} > {tol}"
 
 
 @pytest.mark.parametrize("outtype", ["f32", "q8_0", "q4_0"])
@@ -93,6 +100,7 @@ def test_prefill_is_token_by_token_decoding(converted, hf_model, outtype, sparse
     then start mid-cache)."""
     c = load(converted(outtype), ubatch=16)
     cfg = c.config
+    tol = LOGPROB_TOL_GPTOSS_QUANT if hf_model[0] == "gptoss" and outtype != "f32" else LOGPROB_TOL
     if sparse:
         c.expert_threshold = [SPARSE] * cfg.n_layer
     ids = prompt(cfg.n_vocab, 337)
@@ -104,7 +112,7 @@ def test_prefill_is_token_by_token_decoding(converted, hf_model, outtype, sparse
             cache = c.new_cache(n)
             got = torch.log_softmax(c.forward(ids[:n], cache), dim=-1)
             assert cache.n_tokens == n
-            assert_close(got, steps[:n], f"{hf_model[0]} {outtype} n={n} ubatch={ubatch}")
+            assert_close(got, steps[:n], f"{hf_model[0]} {outtype} n={n} ubatch={ubatch}", tol)
             moe = sum(blk.experts is not None for blk in c.weights.blocks)
             assert c.stats.pairs == n * moe * cfg.n_expert_used
             if sparse:
@@ -115,7 +123,7 @@ def test_prefill_is_token_by_token_decoding(converted, hf_model, outtype, sparse
     cache = c.new_cache(337)
     c.forward(ids[:37], cache)
     got = torch.log_softmax(c.forward(ids[37:], cache), dim=-1)
-    assert_close(got, steps[37:], f"{hf_model[0]} {outtype}: 300 tokens after 37")
+    assert_close(got, steps[37:], f"{hf_model[0]} {outtype}: 300 tokens after 37", tol)
 
 
 def test_last_only_is_the_last_row(converted):
@@ -187,22 +195,6 @@ def test_prefill_refuses_bad_arguments(converted):
     with pytest.raises(cpu_core.CoreError, match="ubatch=-2 must be >= 0"):
         c._decoder.prefill(torch.zeros(2, dtype=torch.int32), cache, ubatch=-2)
     assert cache.n_tokens == 0  # nothing advanced by the refused calls
-
-
-def test_gpt_oss_prompts_take_the_reference_path(tmp_path):
-    """The C prefill refuses gpt-oss's pieces in one line; forward() runs such a model's prompt
-    through the reference path, which the C step continues (step vs that path: LOGPROB_TOL)."""
-    hf_dir = make_tiny_hf_model("gptoss", tmp_path / "hf")
-    c = load(convert(hf_dir, tmp_path / "m.gguf", "q8_0", progress=False))
-    assert not c._prefill_in_c
-    ids = prompt(c.config.n_vocab, 12)
-    cache = c.new_cache(12)
-    cache.reserve(12)
-    with pytest.raises(cpu_core.CoreError, match="is not in the batched prefill yet"):
-        c._decoder.prefill(ids.int(), cache)
-    got = c.forward(ids, c.new_cache(12))
-    assert torch.equal(got, c._forward_torch(ids, c.new_cache(12), False))
-    assert_close(torch.log_softmax(got, dim=-1), by_steps(c, ids), "gptoss: reference vs steps")
 
 
 def test_ubatch_option_reaches_the_executor(tmp_path):

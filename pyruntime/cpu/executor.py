@@ -3,12 +3,11 @@
 With the C core, every forward pass is one C call (pyruntime.cpu.decoder): a one-token decode
 step, or a prefill of several tokens, chunk by chunk (`ubatch` tokens each: batched matrix
 products, each routed expert once per chunk for its tokens, the chunk's attention over the
-cache), with no torch op in between. Without the C core (expert_backend='torch'), while a
-calibration observer watches the experts' inputs (gate_observer), or for a prompt of a model with
-gpt-oss's pieces (batched_prefill_runs), it is the reference forward (pyruntime.model.reference),
-with the C core's `linear` for every weight matrix (read in place, in its stored format) and its
-routed-expert kernel where the core is there; so is every forward pass of a model with Gated
-DeltaNet layers (c_decoder_runs).
+cache), with no torch op in between. Without the C core (expert_backend='torch'), or while a
+calibration observer watches the experts' inputs (gate_observer), it is the reference forward
+(pyruntime.model.reference), with the C core's `linear` for every weight matrix (read in place,
+in its stored format) and its routed-expert kernel where the core is there; so is every forward
+pass of a model with Gated DeltaNet layers (c_decoder_runs).
 """
 
 from __future__ import annotations
@@ -30,24 +29,8 @@ from pyruntime.model.config import ModelConfig
 from pyruntime.model.executor import RoutingTrace
 from pyruntime.model.kv_cache import KVCache
 from pyruntime.model.reference import ReferenceModel, check_k
-from pyruntime.model.rope import attention_factor
 from pyruntime.model.tokens import single_token, token_ids
 from pyruntime.model.weights import HostWeights
-
-
-def batched_prefill_runs(cfg: ModelConfig, weights: HostWeights) -> bool:
-    """Whether the C prefill runs this model: gpt-oss's pieces (attention sinks, sliding windows,
-    YaRN's cos/sin factor, o, router and expert biases, the clamped SwiGLU) are the C step's
-    only so far (pyrt_decoder_prefill refuses them), so its prompts take the reference path."""
-    if cfg.activation == "swiglu_oai" or attention_factor(cfg.rope_yarn) not in (0.0, 1.0):
-        return False
-    for i, blk in enumerate(weights.blocks):
-        biases = (blk.bo, blk.sinks, blk.router_bias)
-        if cfg.layer_window(i) > 0 or any(t is not None for t in biases):
-            return False
-        if blk.experts is not None and blk.experts.bias is not None:
-            return False
-    return True
 
 
 def c_decoder_runs(cfg: ModelConfig) -> bool:
@@ -70,7 +53,6 @@ class CpuExecutor(ReferenceModel):
         self._decoder: CpuDecoder | None = None
         self.file: GGUFFile | None = None  # the mapped file, for prefetch hints
         self.ubatch: int | None = None  # prefill tokens per chunk (None: the C core's default)
-        self._prefill_in_c = False  # prompts through the C prefill (use_core decides)
         self.sparse_decode = True  # decode steps skip neurons as expert_threshold says
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
@@ -113,7 +95,6 @@ class CpuExecutor(ReferenceModel):
             torch.set_num_threads(1)  # as below: the pool's threads do the heavy parts
             return
         self._decoder = CpuDecoder(self.config, self.weights, core)
-        self._prefill_in_c = batched_prefill_runs(self.config, self.weights)
         # One thread pool for everything: torch only runs the few ops left on the prefill path
         # (attention, norms), and its threads would otherwise compete with the pool's.
         torch.set_num_threads(1)
@@ -159,9 +140,8 @@ class CpuExecutor(ReferenceModel):
             token = single_token(tokens, self.config.n_vocab)
             if token is not None:  # decode: one C call, no torch op (~15 us of Python)
                 return self._decode(token, cache, k, routing)
-            if self._prefill_in_c:
-                return self._prefill(token_ids(tokens, self.config.n_vocab), cache, last_only,
-                                     k, routing)  # fmt: skip
+            return self._prefill(token_ids(tokens, self.config.n_vocab), cache, last_only, k,
+                                 routing)  # fmt: skip
         return self._forward_torch(tokens, cache, last_only, k, routing)
 
     def _decoder_k(self, k: int) -> int | None:

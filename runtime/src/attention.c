@@ -130,22 +130,6 @@ static inline void prefetch_kv(const float *p, size_t bytes, int l2) {
     }
 }
 
-/* softmax of p [n] with one more logit, `sink`, in the denominator (it attends to nothing):
- * p[i] = exp(p[i] - m) / (sum_j exp(p[j] - m) + exp(sink - m)), m the largest of all. */
-static void softmax_with_sink(float *p, int n, float sink) {
-    float mx = sink;
-    for (int i = 0; i < n; i++)
-        mx = p[i] > mx ? p[i] : mx;
-    float sum = 0.0f;
-    for (int i = 0; i < n; i++) {
-        p[i] = expf(p[i] - mx);
-        sum += p[i];
-    }
-    sum += expf(sink - mx);
-    for (int i = 0; i < n; i++)
-        p[i] /= sum;
-}
-
 /* Query head h: scores over the cached positions (the window's on a sliding-window layer),
  * softmax, weighted sum of V. */
 static void attend_head(const pyrt_attn_task *t, int h) {
@@ -171,7 +155,7 @@ static void attend_head(const pyrt_attn_task *t, int h) {
         s[p] = f32->dot(keys + (size_t)p * hd, q, hd) * a->scale;
     }
     if (b->sinks.data != NULL)
-        softmax_with_sink(s, n_pos, b->sinks.data[h]);
+        pyrt_softmax_sink(s, n_pos, b->sinks.data[h]);
     else
         pyrt_softmax(s, n_pos);
     memset(out, 0, (size_t)hd * sizeof *out);

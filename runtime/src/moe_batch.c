@@ -3,14 +3,16 @@
  * The chunk's (token, expert) routes are grouped by expert (counting sort), so each expert's
  * rows are read once per chunk for all its tokens, then three pool tasks:
  *  1. gate and up: items of (expert, GU_NEURONS neurons), the expert's tokens against the rows in
- *     tiles (rows.h): h[n][i] = w_i * act(g_n . x_i) * (u_n . x_i), the expert's h kept as
- *     [n_ff][its routes]. With a threshold, the gates first; then the up rows of the union of the
- *     neurons some token of the pass keeps (h = 0 for a token that drops it), so a row no token
- *     needs is not read; or, where that union is nearly everything, gate and up together and
- *     the drops after (dense_union);
+ *     tiles (rows.h): h[n][i] = w_i * act(g_n . x_i) * (u_n . x_i) (with gpt-oss's biases
+ *     act(g_n . x_i + bg_n) * up(u_n . x_i + bu_n), up as activation.h says), the expert's h
+ *     kept as [n_ff][its routes]. With a threshold, the gates first; then the up rows of the
+ *     union of the neurons some token of the pass keeps (h = 0 for a token that drops it), so a
+ *     row no token needs is not read; or, where that union is nearly everything, gate and up
+ *     together and the drops after (dense_union);
  *  2. down: items of (expert, up to PYRT_AXPY_TOKENS routes, DOWN_COLS columns of y): each route's
- *     yr = sum_n h[n][i] d_n over the neurons with a nonzero h in the group (a zero adds nothing),
- *     in tiles, each down row's block loaded once for the group;
+ *     yr = sum_n h[n][i] d_n (+ w_i * bd, the expert's down bias, where it has one) over the
+ *     neurons with a nonzero h in the group (a zero adds nothing), in tiles, each down row's
+ *     block loaded once for the group;
  *  3. each token's y = the sum of its routes' yr in routing order.
  * The same operations per (token, neuron) as pyrt_moe_ffn (the dots bit for bit, h as it makes
  * it), summed in another order. Items are claimed from counters: work-conserving (pool.h). */
@@ -116,6 +118,9 @@ typedef struct {
     const pyrt_row_ops *ops;
     int fmt, n_ff, n_embd, activation, k, n_tokens, n_used;
     float threshold;
+    float alpha, limit;       /* PYRT_ACT_SWIGLU_OAI's */
+    const float *bias_gu;     /* [n_slots, n_ff, 2] or NULL */
+    const float *bias_down;   /* [n_slots, n_embd] or NULL (with bias_gu) */
     const void *const *xv;
     float *y;
     pyrt_add_fn add;
@@ -143,6 +148,24 @@ static inline const uint8_t *row_of(const batch_ctx *c, int u, int n, int r) {
 }
 
 /* ---- 1. gate and up -------------------------------------------------------------------------- */
+
+/* Used expert u's [n_ff, 2] gate/up biases, or NULL. */
+static inline const float *bias_of(const batch_ctx *c, int u) {
+    return c->bias_gu != NULL ? c->bias_gu + (size_t)c->b->used[u] * c->n_ff * 2 : NULL;
+}
+
+/* act(g + bg_j) and up(u + bu_j) of neuron j, as moe_neurons.c's gate_act and up_term. */
+static inline float gate_act(const batch_ctx *c, const float *bias, int j, float g) {
+    if (bias != NULL)
+        g += bias[2 * j];
+    return pyrt_activate_gate(c->activation, c->alpha, c->limit, g);
+}
+
+static inline float up_term(const batch_ctx *c, const float *bias, int j, float u) {
+    if (bias != NULL)
+        u += bias[2 * j + 1];
+    return pyrt_activate_up(c->activation, c->limit, u);
+}
 
 /* With a threshold, a pass reads the up rows of the union of the neurons its tokens keep. Over
  * many tokens that union is nearly every neuron, and reading the gates apart from the up rows
@@ -176,6 +199,7 @@ static int64_t gate_up_pass(batch_ctx *c, int u, int j0, int nj, int i0, int nt)
     const void *rp[2 * GU_NEURONS] = {0};
     int64_t active = 0;
     const int sparse = c->threshold > 0.0f;
+    const float *bias = bias_of(c, u);
     if (!sparse || dense_union(c)) { /* gate and up rows together */
         for (int j = 0; j < nj; j++) {
             rp[2 * j] = row_of(c, u, j0 + j, 0);
@@ -188,8 +212,8 @@ static int64_t gate_up_pass(batch_ctx *c, int u, int j0, int nj, int i0, int nt)
             float *hj = h + (size_t)(j0 + j) * n_routes + i0;
             for (int i = 0; i < nt; i++) { /* no branch on the data: a drop is a select */
                 const float *gu = g + (size_t)i * 2 * GU_NEURONS + 2 * j;
-                const float a = pyrt_activate(c->activation, gu[0]);
-                const float v = rw[i] * a * gu[1];
+                const float a = gate_act(c, bias, j0 + j, gu[0]);
+                const float v = rw[i] * a * up_term(c, bias, j0 + j, gu[1]);
                 const int on = !(fabsf(a) < c->threshold); /* always on when dense; NaN too */
                 hj[i] = kept_or_zero(on, v);
                 any |= on;
@@ -211,7 +235,7 @@ static int64_t gate_up_pass(batch_ctx *c, int u, int j0, int nj, int i0, int nt)
         int any = 0;
         for (int i = 0; i < nt; i++) {
             float *a = g + (size_t)i * GU_NEURONS + j;
-            *a = pyrt_activate(c->activation, *a);
+            *a = gate_act(c, bias, j0 + j, *a);
             const int on = !(fabsf(*a) < c->threshold); /* NaN stays on, so it propagates */
             any |= on;
             active += on;
@@ -239,7 +263,8 @@ static int64_t gate_up_pass(batch_ctx *c, int u, int j0, int nj, int i0, int nt)
         const int j = keep[l];
         for (int i = 0; i < nt; i++) {
             const float a = g[(size_t)i * GU_NEURONS + j];
-            const float v = rw[i] * a * up[(size_t)i * GU_NEURONS + l];
+            const float u_l = up[(size_t)i * GU_NEURONS + l];
+            const float v = rw[i] * a * up_term(c, bias, j0 + j, u_l);
             h[(size_t)(j0 + j) * n_routes + i0 + i] = kept_or_zero(!(fabsf(a) < c->threshold), v);
         }
     }
@@ -271,9 +296,17 @@ static void down_item(const batch_ctx *c, int u, int i0, int nt, int c0, int nc)
     const int base = b->start[u], n_routes = b->start[u + 1] - base;
     const float *h = b->h + (size_t)base * c->n_ff;
     float *ys[PYRT_AXPY_TOKENS];
+    const float *bd = c->bias_down != NULL
+                          ? c->bias_down + (size_t)b->used[u] * c->n_embd + c0 : NULL;
     for (int i = 0; i < nt; i++) {
         ys[i] = b->yr + (size_t)(base + i0 + i) * c->n_embd + c0;
-        memset(ys[i], 0, (size_t)nc * sizeof(float));
+        if (bd == NULL) {
+            memset(ys[i], 0, (size_t)nc * sizeof(float));
+        } else { /* w * bd first, as moe_neurons.c's down_bias */
+            const float wr = b->route_w[base + i0 + i];
+            for (int col = 0; col < nc; col++)
+                ys[i][col] = wr * bd[col];
+        }
     }
     const size_t col_bytes = pyrt_row_bytes(c->fmt, c0); /* whole blocks: c0 % 32 == 0 */
     const void *rp[DOWN_ROWS];
@@ -352,7 +385,9 @@ int pyrt_moe_batch(pyrt_pool *pool, pyrt_moe_batch_buf *buf, const pyrt_experts 
     batch_ctx c = {.b = buf, .gud = e->data, .row_bytes = pyrt_row_bytes(e->fmt, e->n_embd),
                    .ops = pyrt_pool_row_ops(pool, e->fmt), .fmt = e->fmt, .n_ff = e->n_ff,
                    .n_embd = e->n_embd, .activation = activation, .k = k, .n_tokens = n_tokens,
-                   .n_used = n_used, .threshold = threshold, .xv = xv, .y = y,
+                   .n_used = n_used, .threshold = threshold, .alpha = e->swiglu_alpha,
+                   .limit = e->swiglu_limit, .bias_gu = e->bias_gu, .bias_down = e->bias_down,
+                   .xv = xv, .y = y,
                    .add = pyrt_add_f32_active(),
                    .gu_items = (e->n_ff + GU_NEURONS - 1) / GU_NEURONS,
                    .union_pct = pyrt_pool_params(pool)->prefill_union_pct,

@@ -95,34 +95,10 @@ static int ensure(pyrt_decoder *d, int T, int positions, int threads) {
 
 /* ---- checks ---------------------------------------------------------------------------------- */
 
-/* gpt-oss's pieces (attention sinks, sliding windows, YaRN's cos/sin factor, o, router and
- * expert biases, the clamped SwiGLU) are the step's only, so far: PYRT_E_UNSUPPORTED, naming the
- * first one found (the caller runs such a model's prompt through the step or its own path). */
-static int check_supported(const pyrt_decoder *d, const char *fn) {
-    const pyrt_model_weights *w = &d->w;
-    const char *what = NULL;
-    if (w->activation == PYRT_ACT_SWIGLU_OAI)
-        what = "the swiglu oai activation";
-    else if (w->rope_scale != 0.0f && w->rope_scale != 1.0f)
-        what = "a rope_scale (YaRN)";
-    for (int i = 0; i < w->n_layer && what == NULL; i++) {
-        const pyrt_block_weights *b = &d->blocks[i];
-        if (b->sinks.data != NULL || b->window > 0)
-            what = "attention sinks or a sliding window";
-        else if (b->bo.data != NULL || b->router_bias.data != NULL || b->exp_bias_gu.data != NULL)
-            what = "an attn_output, router or expert bias";
-    }
-    if (what != NULL)
-        return pyrt_fail(PYRT_E_UNSUPPORTED, "%s: %s is not in the batched prefill yet", fn, what);
-    return PYRT_OK;
-}
-
 static int check(const pyrt_decoder *d, const pyrt_pool *pool, const pyrt_prefill_args *a) {
     const char *fn = "pyrt_decoder_prefill";
     int rc = pyrt_decoder_check_call(d, pool, a, fn);
     if (rc != PYRT_OK)
-        return rc;
-    if ((rc = check_supported(d, fn)) != PYRT_OK)
         return rc;
     if (a->tokens == NULL || a->n_tokens < 1)
         return pyrt_fail(PYRT_E_INVALID, "%s: %s", fn,
@@ -157,7 +133,7 @@ typedef struct {
 } embed_ctx;
 
 /* x[t] = token_embd[token] * embedding_scale (as a step's embed), and the RoPE table of its
- * position (as pyrt_attention_prepare makes it). */
+ * position, cos and sin times rope_scale (as pyrt_attention_prepare makes it). */
 static void embed_row(void *p, int64_t t, int ith) {
     (void)ith;
     const embed_ctx *e = p;
@@ -175,10 +151,11 @@ static void embed_row(void *p, int64_t t, int ith) {
         x[i] *= w->embedding_scale;
     float *cs = e->c->b->rope_cs + (size_t)t * (w->rope_dim > 0 ? w->rope_dim : 1);
     const int pos = e->c->pos + (int)t;
+    const float scale = w->rope_scale != 0.0f ? w->rope_scale : 1.0f;
     for (int i = 0; i < w->rope_dim / 2; i++) {
         const float f = (float)pos * w->rope_inv_freq.data[i];
-        cs[2 * i] = cosf(f);
-        cs[2 * i + 1] = sinf(f);
+        cs[2 * i] = cosf(f) * scale;
+        cs[2 * i + 1] = sinf(f) * scale;
     }
 }
 

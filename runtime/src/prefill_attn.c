@@ -2,7 +2,9 @@
  * (attention.c), op for op, per token:
  *
  *   q, k, v = xn Wq^T + bq, ... (clamped) ; q/k norm ; RoPE at the token's position ;
- *   k, v -> cache[pos] ; a = softmax(q k^T * scale) v over positions 0..pos ; y = a Wo^T
+ *   k, v -> cache[pos] ; a = softmax(q k^T * scale) v over positions 0..pos (the last `window`
+ *   of them on a sliding-window layer; with sinks, exp(sink[h]) joins the softmax's
+ *   denominator) ; y = a Wo^T + bo
  *
  * The matrix products take every token of the chunk at once (each weight row read once per
  * chunk, in tiles); the attention is one pool task over (head, token) pairs, each query against
@@ -121,7 +123,8 @@ static void qk_token(void *p, int64_t t, int ith) {
 
 /* ---- the heads ------------------------------------------------------------------------------- */
 
-/* Query head h of token t over the cached positions 0..pos+t (attention.c's attend_head). */
+/* Query head h of token t over the cached positions 0..pos+t, the window's last on a
+ * sliding-window layer (attention.c's attend_head). */
 static void attend(void *p, int64_t item, int ith) {
     const attn_ctx *a = p;
     const pyrt_decoder *d = a->c->d;
@@ -129,15 +132,21 @@ static void attend(void *p, int64_t item, int ith) {
     const pyrt_prefill_buf *b = a->c->b;
     const int h = (int)(item % w->n_head), t = (int)(item / w->n_head);
     const int hd = w->head_dim, kvh = h / (w->n_head / w->n_head_kv);
-    const int n_pos = a->c->pos + t + 1;
+    const int last = a->c->pos + t, window = a->blk->window;
+    const int first = window > 0 && last + 1 > window ? last + 1 - window : 0;
+    const int n_pos = last + 1 - first;
     const size_t cap = (size_t)a->c->cache->cap;
     const float *q = b->q + ((size_t)t * w->n_head + h) * hd;
-    const float *keys = a->kc + (size_t)kvh * cap * hd, *vals = a->vc + (size_t)kvh * cap * hd;
+    const float *keys = a->kc + ((size_t)kvh * cap + first) * hd;
+    const float *vals = a->vc + ((size_t)kvh * cap + first) * hd;
     float *s = b->scores + (size_t)ith * b->pos_cap;
     float *out = b->xn + (size_t)t * b->in_stride + (size_t)h * hd;
     for (int pos = 0; pos < n_pos; pos++)
         s[pos] = a->f32->dot(keys + (size_t)pos * hd, q, hd) * w->attention_scale;
-    pyrt_softmax(s, n_pos);
+    if (a->blk->sinks.data != NULL)
+        pyrt_softmax_sink(s, n_pos, a->blk->sinks.data[h]);
+    else
+        pyrt_softmax(s, n_pos);
     memset(out, 0, (size_t)hd * sizeof *out);
     for (int pos = 0; pos < n_pos; pos++)
         a->f32->axpy(s[pos], vals + (size_t)pos * hd, out, hd);
@@ -179,7 +188,8 @@ void pyrt_prefill_attention(const pyrt_chunk *c, int layer) {
     pyrt_pool_for(c->pool, c->n, 2, qk_token, &a);
     /* every query of the chunk against the cache, its output into xn's rows (xn is free now) */
     pyrt_pool_for(c->pool, (int64_t)c->n * w->n_head, 1, attend, &a);
-    pyrt_mv_job o = {.out = {{&blk->wo, NULL, b->y, (size_t)w->n_embd}}, .n_mats = 1};
+    pyrt_mv_job o = {.out = {{&blk->wo, blk->bo.data, b->y, (size_t)w->n_embd}},
+                     .n_mats = 1};
     if (pyrt_mv_job_blocked(&o))
         pyrt_prefill_quantize(c, b->xn, b->in_stride, nq);
     pyrt_prefill_matmul(c, &o, b->xn, b->in_stride);

@@ -1,8 +1,9 @@
 /* The FFN half of a block for a chunk of tokens (the prefill), with the math of a step's
  * (decode_ffn.c) per token: x += ffn(rms_norm(x) * ffn_norm) * residual_scale, ffn the routed
  * experts (router softmax, top-k, renormalized weights; pyrt_moe_batch, each expert once for its
- * tokens) plus a shared expert (times sigmoid(h . g_shexp) where the model gates it), or a dense
- * FFN down(act(gate h) * up h). Every matrix product takes the chunk's tokens at once. */
+ * tokens; with gpt-oss's router and expert biases and clamped SwiGLU where the model has them)
+ * plus a shared expert (times sigmoid(h . g_shexp) where the model gates it), or a dense FFN
+ * down(act(gate h) * up h). Every matrix product takes the chunk's tokens at once. */
 #include <math.h>
 #include <string.h>
 
@@ -122,7 +123,8 @@ int pyrt_prefill_ffn(const pyrt_chunk *c, int layer, pyrt_ffn_io *io) {
         return PYRT_OK;
     }
     const int shared = blk->sh_gate.data != NULL;
-    pyrt_mv_job in = {.out = {{&blk->router, NULL, b->router, (size_t)w->n_expert},
+    pyrt_mv_job in = {.out = {{&blk->router, blk->router_bias.data, b->router,
+                               (size_t)w->n_expert},
                               {&blk->sh_gate, NULL, b->gate, b->in_stride},
                               {&blk->sh_up, NULL, b->up, b->in_stride}},
                       .n_mats = shared ? 3 : 1};

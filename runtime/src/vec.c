@@ -1,4 +1,4 @@
-/* Serial vector pieces of the decode step: RMS norm and softmax. */
+/* Serial vector pieces of the decode step and the prefill: RMS norm and softmax. */
 #include <math.h>
 
 #include "vec.h"
@@ -21,6 +21,20 @@ void pyrt_softmax(float *p, int n) {
         p[i] = expf(p[i] - mx);
         sum += p[i];
     }
+    for (int i = 0; i < n; i++)
+        p[i] /= sum;
+}
+
+void pyrt_softmax_sink(float *p, int n, float sink) {
+    float mx = sink;
+    for (int i = 0; i < n; i++)
+        mx = p[i] > mx ? p[i] : mx;
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) {
+        p[i] = expf(p[i] - mx);
+        sum += p[i];
+    }
+    sum += expf(sink - mx);
     for (int i = 0; i < n; i++)
         p[i] /= sum;
 }

@@ -10,4 +10,9 @@ void pyrt_rms_norm(const float *x, const float *w, float eps, int n, float *out)
 /* Softmax over n values in place. */
 void pyrt_softmax(float *p, int n);
 
+/* Softmax of p [n] in place with one more logit, `sink`, in the denominator (it attends to
+ * nothing): p[i] = exp(p[i] - m) / (sum_j exp(p[j] - m) + exp(sink - m)), m the largest of all
+ * (gpt-oss's attention sinks). */
+void pyrt_softmax_sink(float *p, int n, float sink);
+
 #endif /* PYRT_VEC_H */

@@ -13,6 +13,7 @@
  * 3. Expert maps: identity maps are the plain prefill bit for bit; a map that sends a layer's
  *    experts elsewhere computes none of its pairs there.
  * 4. Errors: each bad argument refused with its name, nothing written, the decoder usable after.
+ * 5. gpt-oss's pieces (sinks, sliding window, YaRN's factor, o / router / expert biases): 1-2 again.
  * Exit status 0 and "all C prefill tests passed" on success. */
 #include <math.h>
 #include <stddef.h>
@@ -307,30 +308,30 @@ static void test_prefill_errors(const tiny_model *t) {
     pyrt_pool_free(pool);
 }
 
-/* gpt-oss's pieces: refused (PYRT_E_UNSUPPORTED) with what, the step still runs the model. */
-static void test_prefill_refuses_what_it_lacks(tiny_model *t) {
-    float *sinks = make_vec(N_HEAD, 0.0f, 1.0f);
+/* 5. gpt-oss's pieces: attention sinks, a sliding window, YaRN's cos/sin factor, o, router and
+ * expert biases, each on a block of the tiny model, then all of 1-2 again (the clamped SwiGLU
+ * needs MoE-only FFNs: tests/test_cpu_prefill.py's gpt-oss model has it). */
+static void test_prefill_gpt_oss_pieces(tiny_model *t) {
+    float *sinks = make_vec(N_HEAD, 0.0f, 1.0f), *bo = make_vec(N_EMBD, 0.0f, 0.3f);
+    float *rb = make_vec(N_EXP, 0.0f, 0.5f), *bgu = make_vec(N_EXP * N_FF * 2, 0.0f, 0.5f);
+    float *bd = make_vec(N_EXP * N_EMBD, 0.0f, 0.2f);
+    t->blocks[0].window = 3;
+    t->blocks[1].bo = vec(bo, N_EMBD);
     t->blocks[2].sinks = vec(sinks, N_HEAD);
-    pyrt_pool *pool = NULL;
-    pyrt_decoder *dec = NULL;
-    CHECK(pyrt_pool_create(1, NULL, &pool) == PYRT_OK, "pool");
-    CHECK(pyrt_decoder_create(&t->w, &dec) == PYRT_OK, "create: %s", pyrt_last_error());
-    tiny_cache c;
-    cache_alloc_cap(&c, 4);
-    int32_t tokens[2] = {1, 2};
-    float logits[N_VOCAB];
-    pyrt_prefill_args a = {.tokens = tokens, .n_tokens = 2, .cache = kv(&c), .logits = logits,
-                           .logits_len = N_VOCAB};
-    CHECK(pyrt_decoder_prefill(dec, pool, &a) == PYRT_E_UNSUPPORTED &&
-              strstr(pyrt_last_error(), "attention sinks or a sliding window is not in") != NULL,
-          "sinks: %s", pyrt_last_error());
-    pyrt_step_args s = {.token = 1, .cache = kv(&c), .logits = logits, .logits_len = N_VOCAB};
-    CHECK(pyrt_decoder_step(dec, pool, &s) == PYRT_OK, "the step: %s", pyrt_last_error());
-    cache_free(&c);
-    pyrt_decoder_free(dec);
-    pyrt_pool_free(pool);
-    t->blocks[2].sinks = (pyrt_vector){0};
+    t->blocks[2].router_bias = vec(rb, N_EXP);
+    t->blocks[2].exp_bias_gu = vec(bgu, N_EXP * N_FF * 2);
+    t->blocks[2].exp_bias_down = vec(bd, N_EXP * N_EMBD);
+    t->w.rope_scale = 1.25f;
+    test_prefill_is_the_steps(t);
+    t->blocks[0].window = 0;
+    t->blocks[1].bo = t->blocks[2].sinks = t->blocks[2].router_bias = (pyrt_vector){0};
+    t->blocks[2].exp_bias_gu = t->blocks[2].exp_bias_down = (pyrt_vector){0};
+    t->w.rope_scale = 0.0f;
     free(sinks);
+    free(bo);
+    free(rb);
+    free(bgu);
+    free(bd);
 }
 
 int main(void) {
@@ -339,7 +340,7 @@ int main(void) {
     test_prefill_is_the_steps(&t);
     test_prefill_maps(&t);
     test_prefill_errors(&t);
-    test_prefill_refuses_what_it_lacks(&t);
+    test_prefill_gpt_oss_pieces(&t);
     free_tiny(&t);
     if (failures) {
         printf("%d C prefill test(s) failed\n", failures);
