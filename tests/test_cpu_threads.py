@@ -1,9 +1,10 @@
 """How many threads the C core runs (pyruntime.cpu.threads): the physical cores by default; a
 request above the logical CPUs capped to them, one above the physical cores allowed; each with
-one warning."""
+one warning. The offload tier's C core is resolved the same way."""
 
 from __future__ import annotations
 
+import types
 import warnings
 
 import pytest
@@ -46,3 +47,26 @@ def test_more_than_the_cpus_is_capped(machine):
 
 def test_this_machine_counts_are_sane():
     assert 1 <= cpu_core.physical_cores() <= cpu_core.logical_cpus()
+
+
+def test_the_offload_tiers_core_is_capped_and_warned(machine, monkeypatch):
+    """load_hybrid makes its C core from resolve_threads, as the CPU path does."""
+    from pyruntime.offload import loading
+
+    class Made(Exception):
+        pass
+
+    seen = {}
+
+    def executor(cfg, host, device, core, **kw):
+        seen["threads"] = core.threads
+        core.close()
+        raise Made
+
+    monkeypatch.setattr(loading, "HybridExecutor", executor)
+    monkeypatch.setattr(loading.HostWeights, "from_gguf", staticmethod(lambda f, cfg: None))
+    plan = types.SimpleNamespace(slots=1, staging_buffer=0)
+    with pytest.warns(PyruntimeWarning, match="1000 threads asked for, but this process may run"):
+        with pytest.raises(Made):
+            loading.load_hybrid(None, None, plan, "cpu", threads=1000)
+    assert seen["threads"] == 8

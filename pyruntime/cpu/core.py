@@ -331,6 +331,7 @@ class CpuCore:
             n_slots = gud.nbytes // expert_bytes
             map_ptr = _ffi.cast(_P_CINT32, expert_map.data_ptr())
         bias_gu = bias_down = _ffi.NULL
+        gu_len = down_len = 0  # floats each bias holds (the C core checks them)
         if bias is not None:
             gate_up = _as_cpu(bias[0], torch.float32, "bias[0]", 3)
             down = _as_cpu(bias[1], torch.float32, "bias[1]", 2)
@@ -341,6 +342,7 @@ class CpuCore:
                 )
             bias_gu = _ffi.cast(_P_CFLOAT, gate_up.data_ptr())
             bias_down = _ffi.cast(_P_CFLOAT, down.data_ptr())
+            gu_len, down_len = gate_up.numel(), down.numel()
         experts = _ffi.new(
             "pyrt_experts *",
             (
@@ -353,7 +355,9 @@ class CpuCore:
                 n_embd,
                 map_ptr,
                 bias_gu,
+                gu_len,
                 bias_down,
+                down_len,
                 float(swiglu[0]),
                 float(swiglu[1]),
             ),

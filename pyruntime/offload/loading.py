@@ -17,6 +17,7 @@ import torch
 
 from pyruntime import options
 from pyruntime.cpu import core as cpu_core
+from pyruntime.cpu.threads import resolve_threads
 from pyruntime.errors import DeviceMemoryError, UsageError
 from pyruntime.gguf.file import GGUFFile
 from pyruntime.gguf.quant import FORMAT_NAMES
@@ -63,7 +64,7 @@ def load_hybrid(f: GGUFFile, cfg: ModelConfig, plan: OffloadPlan, device: str, *
                 lookahead: bool = False, kernel_tuning: str | None = None,
                 thresholds: list[float] | None = None) -> HybridExecutor:  # fmt: skip
     """The hybrid executor of `plan` on `device`, its costs measured or read from the cache."""
-    core = cpu_core.CpuCore(threads)
+    core = cpu_core.CpuCore(resolve_threads(threads))  # capped and warned as the CPU path's
     net = HybridExecutor(
         cfg, HostWeights.from_gguf(f, cfg), device, core, slots=plan.slots,
         staging=staging_mode(staging, pin_experts), policy=cache_policy, misses="cpu",

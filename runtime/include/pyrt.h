@@ -26,7 +26,7 @@ extern "C" {
 /* PYRT_CDEF_BEGIN */
 /* This header's version of the API: raised whenever a declaration below changes, so that a
  * caller declared from one header refuses a library built from another (pyrt_api_version). */
-enum { PYRT_API_VERSION = 3 };
+enum { PYRT_API_VERSION = 4 };
 
 /* Status codes. */
 enum {
@@ -155,8 +155,10 @@ typedef struct {
                                    expert_map: a cache of slots, or one device's share */
     const float *bias_gu;       /* NULL, or [n_slots, n_ff, 2]: the gate and up biases of neuron j
                                    of the expert in each slot (added to g_j . x and u_j . x) */
+    int64_t bias_gu_len;        /* floats bias_gu holds: >= n_slots * n_ff * 2 (0 without it) */
     const float *bias_down;     /* NULL, or [n_slots, n_embd]: added to each expert's output;
                                    given with bias_gu (gpt-oss) */
+    int64_t bias_down_len;      /* floats bias_down holds: >= n_slots * n_embd (0 without) */
     float swiglu_alpha;         /* PYRT_ACT_SWIGLU_OAI's alpha and limit (limit > 0); */
     float swiglu_limit;         /* unused by the other activations */
 } pyrt_experts;

@@ -56,7 +56,8 @@ pyrt_experts pyrt_decode_experts(const pyrt_decoder *d, const pyrt_block_weights
                           .n_expert = d->w.n_expert, .n_slots = d->w.n_expert,
                           .n_ff = d->w.n_ff_exp, .n_embd = d->w.n_embd,
                           .expert_map = io->expert_map, .bias_gu = b->exp_bias_gu.data,
-                          .bias_down = b->exp_bias_down.data, .swiglu_alpha = d->w.swiglu_alpha,
+                          .bias_gu_len = b->exp_bias_gu.n, .bias_down = b->exp_bias_down.data,
+                          .bias_down_len = b->exp_bias_down.n, .swiglu_alpha = d->w.swiglu_alpha,
                           .swiglu_limit = d->w.swiglu_limit};
 }
 

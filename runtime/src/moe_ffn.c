@@ -119,6 +119,16 @@ static int check_experts(const pyrt_experts *e, const char *fn) {
                          fn);
     if ((uintptr_t)e->bias_gu % 4 || (uintptr_t)e->bias_down % 4)
         return pyrt_fail(PYRT_E_INVALID, "%s: bias_gu and bias_down must be 4-byte aligned", fn);
+    if (e->bias_gu != NULL) {
+        const int64_t gu = (int64_t)e->n_slots * e->n_ff * 2;
+        const int64_t down = (int64_t)e->n_slots * e->n_embd;
+        if (e->bias_gu_len < gu || e->bias_down_len < down)
+            return pyrt_fail(PYRT_E_INVALID,
+                             "%s: bias_gu holds %lld floats and bias_down %lld, but n_slots=%d x "
+                             "n_ff=%d x 2 = %lld and n_slots x n_embd=%d = %lld are read", fn,
+                             (long long)e->bias_gu_len, (long long)e->bias_down_len, e->n_slots,
+                             e->n_ff, (long long)gu, e->n_embd, (long long)down);
+    }
     return PYRT_OK;
 }
 

@@ -699,6 +699,26 @@ static void test_errors(void) {
           "negative threshold");
     CHECK(pyrt_moe_ffn(pool, &e, x, 1, ids, tw, 1, 0, 0.0f, y, NULL) == PYRT_OK,
           "valid call: %s", pyrt_last_error());
+    /* gpt-oss's expert biases: each read only within its length (heap buffers of exactly that
+     * length: without the check, ASan reports the read past the short one) */
+    float *bgu = calloc(2, sizeof(float)), *bd = calloc(64, sizeof(float));
+    e.bias_gu = bgu;
+    e.bias_down = bd;
+    e.bias_gu_len = 1;
+    e.bias_down_len = 64;
+    CHECK(pyrt_moe_ffn(pool, &e, x, 1, ids, tw, 1, 0, 0.0f, y, NULL) == PYRT_E_INVALID &&
+              strstr(pyrt_last_error(), "bias_gu holds 1 floats") != NULL,
+          "short bias_gu: %s", pyrt_last_error());
+    e.bias_gu_len = 2;
+    e.bias_down_len = 63;
+    CHECK(pyrt_moe_ffn(pool, &e, x, 1, ids, tw, 1, 0, 0.0f, y, NULL) == PYRT_E_INVALID &&
+              strstr(pyrt_last_error(), "bias_down 63") != NULL,
+          "short bias_down: %s", pyrt_last_error());
+    e.bias_down_len = 64;
+    CHECK(pyrt_moe_ffn(pool, &e, x, 1, ids, tw, 1, 0, 0.0f, y, NULL) == PYRT_OK,
+          "biases of the right lengths: %s", pyrt_last_error());
+    free(bgu);
+    free(bd);
     CHECK(pyrt_simd_force(pyrt_simd_best() + 1) != PYRT_OK || pyrt_simd_best() == PYRT_SIMD_AVX512,
           "cannot force a level the CPU lacks");
     CHECK(pyrt_simd_force(-1) == PYRT_E_INVALID, "unknown level");
