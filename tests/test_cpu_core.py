@@ -471,13 +471,14 @@ def test_params_change_speed_not_results(cc):
     value the C core does not take is refused with what and where."""
     raw, _, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case("Q8_0", 3, seed=4, n_ff=211)
     defaults = cc.default_params()
-    assert defaults["expert_prefetch_neurons"] == 2 and defaults["fuse_layer"] == 1
+    assert defaults["expert_prefetch_neurons"] == -1 and defaults["fuse_layer"] == 1  # -1: auto
     with cc.CpuCore(2) as core:
         assert core.params == defaults
         want, n_want = core.moe_ffn(
             raw, Q.Q8_0, n_expert, n_ff, n_embd, x, ids, topk_w, "silu", 0.1
         )
-    other = {"expert_prefetch_neurons": 0, "reduce_prefetch_items": 7, "vnni": 0, "spin_us": 0}
+    other = {"expert_prefetch_neurons": 0, "reduce_prefetch_items": 7, "vnni": 0, "spin_us": 0,
+             "prefetch_l2": 1, "matvec_prefetch_rows": 9}  # fmt: skip
     with cc.CpuCore(2, params=other) as core:
         assert core.params == {**defaults, **other}
         got, n_got = core.moe_ffn(raw, Q.Q8_0, n_expert, n_ff, n_embd, x, ids, topk_w, "silu", 0.1)

@@ -84,9 +84,16 @@ typedef struct {
     int vnni;                    /* 1 (default): Q8_0 dots on AVX512_VNNI where the CPU has it;
                                     0: the AVX-512 BW dots (same bits) */
     int matvec_prefetch_rows;    /* dense matvec: rows ahead of the current row pair that are
-                                    software-prefetched; default 2; 0: none. 0..64 */
+                                    software-prefetched; 0: none; -1 (default): 4 where the
+                                    prefetches go to L2, else 2. -1..64 */
     int expert_prefetch_neurons; /* routed experts: neurons ahead whose rows are
-                                    software-prefetched; default 2; 0: none. 0..64 */
+                                    software-prefetched; 0: none; -1 (default): 4 where the
+                                    prefetches go to L2, else 2. -1..64 */
+    int prefetch_l2;             /* weight rows are software-prefetched into L2 (prefetcht1, 1)
+                                    or L1 (prefetcht0, 0); -1 (default): L2 on pools of up to 2
+                                    threads, where one core must stream a large share of the
+                                    weights and its L1 miss buffers cap the lines in flight,
+                                    L1 on larger ones. -1..1 */
     int reduce_prefetch_items;   /* routed experts: while summing the work items' partial ys,
                                     done items ahead whose part is prefetched; default 2. 0..64 */
     int fuse_attention;          /* decode step: q/k/v, attention heads and o projection in one

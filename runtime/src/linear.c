@@ -94,11 +94,12 @@ static inline float finish(const mv_finish *f, int row, float v) {
     return v;
 }
 
-/* Software prefetch of a weight range into L1: the hardware prefetcher alone leaves a
- * one-stream-per-core matvec latency-bound (~3 GB/s per Zen 3 core, vs ~12 GB/s of compute). */
+/* Software prefetch of a weight range (into L1 or L2: pyrt_pf_line): the hardware prefetcher
+ * alone leaves a one-stream-per-core matvec latency-bound (~3 GB/s per Zen 3 core, vs ~12 GB/s
+ * of compute). */
 static inline void prefetch_bytes(const uint8_t *p, size_t bytes) {
     for (size_t off = 0; off < bytes; off += 64)
-        __builtin_prefetch(p + off, 0, 3);
+        pyrt_pf_line(p + off);
 }
 
 enum { PAIR_LINES = 1024 }; /* prefetch list of one row pair (64 KiB of rows; more: the rest not) */

@@ -83,10 +83,11 @@ void pyrt_moe_plan_token_block(moe_ctx *c);
  * (moe_neurons.c). */
 int64_t pyrt_moe_run_items(const moe_ctx *c);
 
-/* Prefetch [p, p + bytes) into L1 now, in a burst (where no spread is possible). */
+/* Prefetch [p, p + bytes) now (into L1 or L2: pyrt_pf_line), in a burst (where no spread is
+ * possible). */
 static inline void pyrt_moe_prefetch(const void *p, size_t bytes) {
     for (size_t off = 0; off < bytes; off += 64)
-        __builtin_prefetch((const uint8_t *)p + off, 0, 3);
+        pyrt_pf_line((const uint8_t *)p + off);
 }
 
 #endif /* PYRT_MOE_CTX_H */

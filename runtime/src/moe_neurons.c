@@ -47,7 +47,7 @@ static inline void add_lines(const void **lines, int *n, const uint8_t *p, size_
 
 static inline void prefetch_lines(const void *const *lines, int n) {
     for (int i = 0; i < n; i++)
-        __builtin_prefetch(lines[i], 0, 3);
+        pyrt_pf_line(lines[i]);
 }
 
 /* The row kernels with prefetches, or the plain ones after a burst where a level has none. */

@@ -12,10 +12,9 @@ void pyrt_params_default(pyrt_params *p) {
         .adapt_to_load = 1,
         .idle_prefetch = 1,
         .vnni = 1,
-        .matvec_prefetch_rows = 2,    /* 2 streamed a 650 MB Q8_0 matrix 12-14% faster than 4 on
-                                         1-2 Sapphire Rapids cores (8: prefetches stall on full
-                                         line-fill buffers) */
-        .expert_prefetch_neurons = 2, /* the best of 2, 4, 8 on 16 cores */
+        .matvec_prefetch_rows = -1,    /* pyrt_params_resolve */
+        .expert_prefetch_neurons = -1, /* pyrt_params_resolve */
+        .prefetch_l2 = -1,             /* pyrt_params_resolve */
         .reduce_prefetch_items = 2,   /* 6 measured no faster on 16 cores */
         .fuse_attention = 1,
         .fuse_router = 1,
@@ -35,8 +34,9 @@ int pyrt_params_check(const pyrt_params *p, const char *fn) {
         {"adapt_to_load", p->adapt_to_load, 0, 1},
         {"idle_prefetch", p->idle_prefetch, 0, 1},
         {"vnni", p->vnni, 0, 1},
-        {"matvec_prefetch_rows", p->matvec_prefetch_rows, 0, 64},
-        {"expert_prefetch_neurons", p->expert_prefetch_neurons, 0, 64},
+        {"matvec_prefetch_rows", p->matvec_prefetch_rows, -1, 64},
+        {"expert_prefetch_neurons", p->expert_prefetch_neurons, -1, 64},
+        {"prefetch_l2", p->prefetch_l2, -1, 1},
         {"reduce_prefetch_items", p->reduce_prefetch_items, 0, 64},
         {"fuse_attention", p->fuse_attention, 0, 1},
         {"fuse_router", p->fuse_router, 0, 1},
@@ -48,4 +48,20 @@ int pyrt_params_check(const pyrt_params *p, const char *fn) {
             return pyrt_fail(PYRT_E_INVALID, "%s: params.%s = %d is outside [%d, %d]", fn,
                              fields[i].name, fields[i].value, fields[i].lo, fields[i].hi);
     return PYRT_OK;
+}
+
+void pyrt_params_resolve(pyrt_params *p, int n_threads) {
+    /* L2 where few threads stream the weights: on the 2-core Zen 4 box, 1 thread, Q8_0, the
+     * routed experts of granite-1b-a400m's shape (n_embd 1024, n_ff 512, top-8 of 64) read at
+     * 16-21 GB/s with prefetcht1 4 neurons ahead against 11-12.5 with prefetcht0 2 ahead
+     * (prefetcht1 2 ahead: 11; burst instead of spread: 15); 2 threads 17-28 against 11.5. The
+     * L1 settings are those tuned on 16 Sapphire Rapids cores (matvec: 2 rows streamed a 650 MB
+     * Q8_0 matrix 12-14% faster than 4 on 1-2 cores there; experts: the best of 2, 4, 8). */
+    if (p->prefetch_l2 < 0)
+        p->prefetch_l2 = n_threads <= 2;
+    const int ahead = p->prefetch_l2 ? 4 : 2;
+    if (p->matvec_prefetch_rows < 0)
+        p->matvec_prefetch_rows = ahead;
+    if (p->expert_prefetch_neurons < 0)
+        p->expert_prefetch_neurons = ahead;
 }

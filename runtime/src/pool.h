@@ -89,7 +89,9 @@ int pyrt_pool_flag_add(pyrt_pool *pool, atomic_int *flag, int n);
 
 /* PYRT_OK, or PYRT_E_INVALID with "<fn>: params.<field> = <v> is outside [lo, hi]" (params.c). */
 int pyrt_params_check(const pyrt_params *params, const char *fn);
-/* The pool's params (as given at creation). */
+/* Replaces params' automatic (-1) fields by their values for a pool of n_threads. */
+void pyrt_params_resolve(pyrt_params *params, int n_threads);
+/* The pool's params (as given at creation, the automatic fields resolved). */
 const pyrt_params *pyrt_pool_params(const pyrt_pool *pool);
 /* The active SIMD level's row kernels for fmt, with the pool's vnni setting. */
 const pyrt_row_ops *pyrt_pool_row_ops(const pyrt_pool *pool, int fmt);

@@ -134,9 +134,12 @@ static void leave_run(pyrt_pool *pool) {
     }
 }
 
+_Thread_local int pyrt_pf_into_l2;
+
 static void *worker_main(void *p) {
     worker_arg *arg = p;
     pyrt_pool *pool = arg->pool;
+    pyrt_pf_into_l2 = pool->params.prefetch_l2;
     uint64_t seen = 0;
     for (;;) {
         uint64_t w = next_run(pool, seen, arg->ith);
@@ -193,6 +196,7 @@ static void adapt(pyrt_pool *pool, int64_t t_start, int64_t t_fn, int64_t t_end)
 
 void pyrt_pool_run(pyrt_pool *pool, pyrt_task_fn fn, void *ctx) {
     const int nth = pool->n_threads;
+    pyrt_pf_into_l2 = pool->params.prefetch_l2; /* the caller's kernels prefetch as the pool's */
     if (nth == 1) {
         fn(ctx, 0, 1);
         return;
@@ -259,6 +263,7 @@ int pyrt_pool_create(int n_threads, const pyrt_params *params, pyrt_pool **out) 
         return pyrt_fail(PYRT_E_NOMEM, "pyrt_pool_create: out of memory");
     memset(pool, 0, sizeof *pool);
     pool->n_threads = n_threads;
+    pyrt_params_resolve(&p, n_threads);
     pool->params = p;
     pool->threads = calloc((size_t)n_threads, sizeof *pool->threads);
     pool->args = calloc((size_t)n_threads, sizeof *pool->args);

@@ -106,6 +106,18 @@ void pyrt_dot_tile(const pyrt_row_ops *ops, int nr, const void *const *rows, int
 void pyrt_axpy_tile(const pyrt_row_ops *ops, int nr, const void *const *rows,
                     const float *const *a, int nt, float *const *ys, int n);
 
+/* Where the software prefetches of weight rows go: L2 (prefetcht1) when nonzero, else L1
+ * (prefetcht0). Set per thread from the pool's params.prefetch_l2 by the pool's workers and by
+ * pyrt_pool_run on its caller (pool_threads.c), so the kernels' signatures need not carry it. */
+extern _Thread_local int pyrt_pf_into_l2;
+
+static inline void pyrt_pf_line(const void *p) {
+    if (pyrt_pf_into_l2)
+        __builtin_prefetch(p, 0, 2);
+    else
+        __builtin_prefetch(p, 0, 3);
+}
+
 /* Spreads n prefetches over a loop of n_it iterations: pyrt_pf_tick after each iteration issues
  * the lines due so far (16.16 fixed point, no division in the loop; n < 65536), pyrt_pf_end the
  * rest. */
@@ -126,12 +138,12 @@ static inline void pyrt_pf_tick(pyrt_pf_spread *s) {
     s->acc += s->step;
     const int due = (int)(s->acc >> 16);
     for (; s->i < due; s->i++)
-        __builtin_prefetch(s->lines[s->i], 0, 3);
+        pyrt_pf_line(s->lines[s->i]);
 }
 
 static inline void pyrt_pf_end(pyrt_pf_spread *s) {
     for (; s->i < s->n; s->i++)
-        __builtin_prefetch(s->lines[s->i], 0, 3);
+        pyrt_pf_line(s->lines[s->i]);
 }
 
 /* MXFP4's kernels (rows_mxfp4.c), which each level's table returns for PYRT_FMT_MXFP4: scalar,
