@@ -36,7 +36,7 @@ import torch
 from pyruntime.cpu import core as cpu_core
 
 # Part of every cached choice's identity: bump it when the expert kernels change.
-SWITCH_VERSION = 1
+SWITCH_VERSION = 2
 PROMPT_TOKENS = 8  # a random prompt before the timed steps (they read its KV cache)
 STEPS = 8  # decode steps per timing, all at the prompt's next position
 ROUNDS = 5  # dense / sparse alternations; medians of their times
