@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from quant_blocks import K_QUANTS, random_blocks
 
 from pyruntime.kernels.expert_formats import quantize_x_q8_ref
 
@@ -46,8 +47,11 @@ FORMATS = {
     "Q8_0": Q.Q8_0,
     "Q4_0": Q.Q4_0,
     "MXFP4": Q.MXFP4,
+    "Q5_0": Q.Q5_0,
+    "Q5_1": Q.Q5_1,
+    **K_QUANTS,
 }
-QUANTIZED = {"Q8_0", "Q4_0", "MXFP4"}
+QUANTIZED = {"Q8_0", "Q4_0", "MXFP4", "Q5_0", "Q5_1", *K_QUANTS}
 ACTS = {
     "silu": F.silu,
     "gelu": lambda g: F.gelu(g, approximate="tanh"),
@@ -75,7 +79,11 @@ def make_weights(fmt: str, n_expert: int, n_ff: int, n_embd: int, gen: torch.Gen
     """Random experts in layout [n_expert, n_ff, 3, n_embd]: (raw bytes as stored, f64 values)."""
     w = torch.randn(n_expert, n_ff, 3, n_embd, generator=gen) * n_embd**-0.5
     rows = w.reshape(-1, n_embd).numpy().astype(np.float32)
-    raw = gguf.quants.quantize(rows, FORMATS[fmt])
+    if fmt in K_QUANTS:  # gguf-py has no K-quant quantizer: random blocks of that size
+        rng = np.random.default_rng(int(torch.randint(2**31, (1,), generator=gen)))
+        raw = random_blocks(FORMATS[fmt], rows.shape[0], n_embd, rng, scale=3 * n_embd**-0.5)
+    else:
+        raw = gguf.quants.quantize(rows, FORMATS[fmt])
     values = gguf.quants.dequantize(raw, FORMATS[fmt]).astype(np.float64)
     return np.ascontiguousarray(raw), torch.from_numpy(values).reshape(w.shape)
 
@@ -123,10 +131,15 @@ def reference(w, x, ids, topk_w, act, threshold=None, x_err=None, threads=1, her
     return y, int(keep.sum()), a.abs(), bound
 
 
+def default_n_embd(fmt: str) -> int:
+    """3 blocks (an odd count) of the format; 83 = 2*32 + 16 + 3 for the float formats."""
+    return 3 * 256 if fmt in K_QUANTS else 96 if fmt in QUANTIZED else 83
+
+
 def make_case(fmt, n_tokens, seed, n_expert=5, n_ff=37, n_embd=None, k=3):
     gen = torch.Generator().manual_seed(seed)
     if n_embd is None:
-        n_embd = 96 if fmt in QUANTIZED else 83  # 3 blocks (odd count); 83 = 2*32 + 16 + 3
+        n_embd = default_n_embd(fmt)
     raw, w = make_weights(fmt, n_expert, n_ff, n_embd, gen)
     x = torch.randn(n_tokens, n_embd, generator=gen)
     ids = torch.stack([torch.randperm(n_expert, generator=gen)[:k] for _ in range(n_tokens)])
@@ -216,8 +229,9 @@ def test_sparse_that_drops_nothing_equals_dense_bitwise(cc, fmt, n_ff):
 
 
 # 19 blocks: two groups of 8 (AVX-512: block scales converted 8 at a time), a pair step, the odd
-# last block; the other tests' n_embd of 96 (3 blocks) never reaches a group of 8.
-@pytest.mark.parametrize("fmt", sorted(QUANTIZED))
+# last block; the other tests' n_embd of 96 (3 blocks) never reaches a group of 8. (The K-quant
+# kernels walk super-blocks one at a time: 3 of them are every path.)
+@pytest.mark.parametrize("fmt", sorted(QUANTIZED - set(K_QUANTS)))
 def test_quantized_rows_of_19_blocks(cc, simd, fmt):
     raw, w, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case(
         fmt, 8, seed=13, n_ff=40, n_embd=19 * 32
@@ -496,7 +510,9 @@ def test_helpers(cc):
     assert cc.simd_level() in cc.SIMD_LEVELS
     assert cc.row_bytes(Q.Q8_0, 2048) == 2048 // 32 * 34
     assert cc.row_bytes(Q.Q4_0, 2048) == 2048 // 32 * 18
-    assert cc.row_bytes(Q.Q8_0, 40) == 0 and cc.row_bytes(7, 64) == 0
+    assert cc.row_bytes(Q.Q5_1, 64) == 2 * 24 and cc.row_bytes(Q.Q6_K, 512) == 2 * 210
+    assert cc.row_bytes(Q.Q8_0, 40) == 0 and cc.row_bytes(Q.Q4_K, 480) == 0
+    assert cc.row_bytes(3, 64) == 0  # Q4_1: not read
     with pytest.raises(cc.CoreError, match="unknown SIMD level"):
         cc.force_simd("neon")
     core = cc.CpuCore()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cpu_core import FORMATS, QUANTIZED, U, assert_within, kernel_x, make_weights
+from test_cpu_core import FORMATS, U, assert_within, default_n_embd, kernel_x, make_weights
 
 ALPHA, LIMIT = 1.702, 0.8
 LIPSCHITZ = 1.13
@@ -57,7 +57,7 @@ def reference(w, x, ids, topk_w, bias_gu, bias_down, threshold=None, threads=1, 
 
 def make_case(fmt, n_tokens, seed, n_expert=5, n_ff=37, k=3):
     gen = torch.Generator().manual_seed(seed)
-    n_embd = 96 if fmt in QUANTIZED else 83
+    n_embd = default_n_embd(fmt)
     raw, w = make_weights(fmt, n_expert, n_ff, n_embd, gen)
     x = torch.randn(n_tokens, n_embd, generator=gen)
     ids = torch.stack([torch.randperm(n_expert, generator=gen)[:k] for _ in range(n_tokens)])

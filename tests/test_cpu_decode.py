@@ -30,6 +30,8 @@ import numpy as np
 import pytest
 import torch
 from hf_fixtures import ARCHS, make_tiny_hf_model
+from quant_blocks import K_QUANTS, random_blocks
+from test_cpu_core import FORMATS, QUANTIZED, default_n_embd
 
 from pyruntime.converter import convert
 from pyruntime.cpu import core as cpu_core
@@ -39,15 +41,6 @@ from pyruntime.kernels.expert_formats import quantize_x_q8_ref
 
 U = 2.0**-24
 Q = gguf.GGMLQuantizationType
-FORMATS = {
-    "F32": Q.F32,
-    "F16": Q.F16,
-    "BF16": Q.BF16,
-    "Q8_0": Q.Q8_0,
-    "Q4_0": Q.Q4_0,
-    "MXFP4": Q.MXFP4,
-}
-QUANTIZED = {"Q8_0", "Q4_0", "MXFP4"}
 LOGPROB_TOL = 1e-5
 
 
@@ -57,7 +50,11 @@ LOGPROB_TOL = 1e-5
 def make_matrix(fmt: str, n_out: int, n_in: int, gen: torch.Generator):
     """(raw bytes as stored [n_out, row_bytes], float64 values [n_out, n_in])."""
     w = (torch.randn(n_out, n_in, generator=gen) * n_in**-0.5).numpy()
-    raw = gguf.quants.quantize(w, FORMATS[fmt])
+    if fmt in K_QUANTS:  # gguf-py has no K-quant quantizer: random blocks of that size
+        rng = np.random.default_rng(int(torch.randint(2**31, (1,), generator=gen)))
+        raw = random_blocks(FORMATS[fmt], n_out, n_in, rng, scale=3 * n_in**-0.5)
+    else:
+        raw = gguf.quants.quantize(w, FORMATS[fmt])
     values = gguf.quants.dequantize(raw, FORMATS[fmt]).astype(np.float64)
     return np.ascontiguousarray(raw), torch.from_numpy(values)
 
@@ -68,7 +65,7 @@ def make_matrix(fmt: str, n_out: int, n_in: int, gen: torch.Generator):
 def test_linear_matches_reference(simd, fmt, n_tokens, threads):
     gen = torch.Generator().manual_seed(hash((fmt, n_tokens, threads)) % 2**31)
     n_out = 37  # odd: one row left after the row pairs
-    n_in = 96 if fmt in QUANTIZED else 83  # 3 blocks; 83 = 2*32 + 16 + 3 (every tail path)
+    n_in = default_n_embd(fmt)  # 3 blocks; 83 = 2*32 + 16 + 3 (every tail path)
     raw, w = make_matrix(fmt, n_out, n_in, gen)
     x = torch.randn(n_tokens, n_in, generator=gen)
     bias = torch.randn(n_out, generator=gen)
@@ -89,8 +86,8 @@ def test_linear_invalid_arguments_raise_with_the_c_message():
     with cpu_core.CpuCore(2) as core:
         with pytest.raises(cpu_core.CoreError, match="holds 544 bytes but \\[9, 64\\]"):
             core.linear(raw, int(Q.Q8_0), 9, 64, x)
-        with pytest.raises(cpu_core.CoreError, match="unknown weight format 7"):
-            core.linear(raw, 7, 8, 64, x)
+        with pytest.raises(cpu_core.CoreError, match="unknown weight format 3"):
+            core.linear(raw, 3, 8, 64, x)  # Q4_1: not read
         f32 = np.zeros((8, 40), dtype=np.float32)
         with pytest.raises(cpu_core.CoreError, match="not a multiple of 32"):
             core.linear(f32.view(np.uint8), int(Q.Q8_0), 8, 40, torch.zeros(1, 40))

@@ -42,7 +42,12 @@ enum {
     PYRT_FMT_F32 = 0,
     PYRT_FMT_F16 = 1,
     PYRT_FMT_Q4_0 = 2,
+    PYRT_FMT_Q5_0 = 6, /* llama.cpp's fallback for Q4_K rows not a multiple of 256 */
+    PYRT_FMT_Q5_1 = 7, /* ... and for Q5_K */
     PYRT_FMT_Q8_0 = 8,
+    PYRT_FMT_Q4_K = 12, /* K-quants: 256-element super-blocks (rows a multiple of 256) */
+    PYRT_FMT_Q5_K = 13,
+    PYRT_FMT_Q6_K = 14,
     PYRT_FMT_BF16 = 30,
     PYRT_FMT_MXFP4 = 39  /* gpt-oss's experts: 32-element blocks of e2m1 with an E8M0 scale */
 };

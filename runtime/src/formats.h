@@ -13,13 +13,41 @@
 #define PYRT_Q8_0_BYTES 34 /* f16 d; int8 q[32] */
 #define PYRT_Q4_0_BYTES 18 /* f16 d; uint8 qs[16] (low nibbles: elements 0..15, high: 16..31) */
 #define PYRT_MXFP4_BYTES 17 /* uint8 e (E8M0); uint8 qs[16] (e2m1 codes, nibbles as Q4_0's) */
+#define PYRT_Q5_0_BYTES 22 /* f16 d; uint8 qh[4] (fifth bits); uint8 qs[16] (nibbles as Q4_0's) */
+#define PYRT_Q5_1_BYTES 24 /* f16 d; f16 m; uint8 qh[4]; uint8 qs[16] */
+#define PYRT_QK_K 256      /* elements per K-quant super-block */
+#define PYRT_Q4_K_BYTES 144 /* f16 d; f16 dmin; uint8 scales[12]; uint8 qs[128] */
+#define PYRT_Q5_K_BYTES 176 /* f16 d; f16 dmin; uint8 scales[12]; uint8 qh[32]; uint8 qs[128] */
+#define PYRT_Q6_K_BYTES 210 /* uint8 ql[128]; uint8 qh[64]; int8 scales[16]; f16 d */
 
-/* Q8_0 / Q4_0 / MXFP4: the activations are quantized to Q8 blocks and the dots are integer. */
-static inline int pyrt_fmt_is_blocked(int fmt) {
-    return fmt == PYRT_FMT_Q8_0 || fmt == PYRT_FMT_Q4_0 || fmt == PYRT_FMT_MXFP4;
+/* Elements per block of a blocked format (32, or 256 for the K-quants); 1 for the others. */
+static inline int pyrt_fmt_block(int fmt) {
+    switch (fmt) {
+    case PYRT_FMT_Q8_0:
+    case PYRT_FMT_Q4_0:
+    case PYRT_FMT_MXFP4:
+    case PYRT_FMT_Q5_0:
+    case PYRT_FMT_Q5_1:
+        return PYRT_QK;
+    case PYRT_FMT_Q4_K:
+    case PYRT_FMT_Q5_K:
+    case PYRT_FMT_Q6_K:
+        return PYRT_QK_K;
+    default:
+        return 1;
+    }
 }
 
-/* 1 for the formats the row kernels read (F32, F16, BF16, Q8_0, Q4_0, MXFP4). */
+/* The quantized formats: the activations are quantized to Q8 blocks and the dots are integer. */
+static inline int pyrt_fmt_is_blocked(int fmt) {
+    return pyrt_fmt_block(fmt) > 1;
+}
+
+/* The formats the row kernels read, for error messages. */
+#define PYRT_FMT_NAMES                                                                            \
+    "0 F32, 1 F16, 30 BF16, 8 Q8_0, 2 Q4_0, 39 MXFP4, 6 Q5_0, 7 Q5_1, 12 Q4_K, 13 Q5_K, 14 Q6_K"
+
+/* 1 for the formats the row kernels read (F32, F16, BF16 and the blocked ones). */
 static inline int pyrt_fmt_known(int fmt) {
     return fmt == PYRT_FMT_F32 || fmt == PYRT_FMT_F16 || fmt == PYRT_FMT_BF16 ||
            pyrt_fmt_is_blocked(fmt);

@@ -26,16 +26,17 @@ int pyrt_matrix_check(const pyrt_matrix *m, const char *fn, const char *what) {
         return pyrt_fail(PYRT_E_INVALID, "%s: %s weights are NULL", fn, what);
     if (!pyrt_fmt_known(m->fmt))
         return pyrt_fail(PYRT_E_INVALID,
-                         "%s: %s has unknown weight format %d (supported: 0 F32, 1 F16, 30 BF16, "
-                         "8 Q8_0, 2 Q4_0, 39 MXFP4)", fn, what, m->fmt);
+                         "%s: %s has unknown weight format %d (supported: %s)", fn, what, m->fmt,
+                         PYRT_FMT_NAMES);
     if (m->n_out < 1 || m->n_in < 1)
         return pyrt_fail(PYRT_E_INVALID, "%s: %s has shape [%d, %d]; both must be positive", fn,
                          what, m->n_out, m->n_in);
     const size_t rb = pyrt_row_bytes(m->fmt, m->n_in);
     if (rb == 0)
         return pyrt_fail(PYRT_E_INVALID,
-                         "%s: %s rows have %d elements, not a multiple of 32, which format %d "
-                         "(quantized in blocks of 32) needs", fn, what, m->n_in, m->fmt);
+                         "%s: %s rows have %d elements, not a multiple of %d, which format %d "
+                         "(quantized in blocks of %d) needs", fn, what, m->n_in,
+                         pyrt_fmt_block(m->fmt), m->fmt, pyrt_fmt_block(m->fmt));
     if ((double)rb * m->n_out != (double)m->bytes)
         return pyrt_fail(PYRT_E_INVALID,
                          "%s: %s holds %zu bytes but [%d, %d] in format %d needs %.0f: wrong shape "

@@ -89,8 +89,8 @@ static int check_experts(const pyrt_experts *e, const char *fn) {
         return pyrt_fail(PYRT_E_INVALID, "%s: experts->data (the expert weights) is NULL", fn);
     if (!pyrt_fmt_known(e->fmt))
         return pyrt_fail(PYRT_E_INVALID,
-                         "%s: unknown weight format %d (supported: 0 F32, 1 F16, 30 BF16, 8 Q8_0, "
-                         "2 Q4_0, 39 MXFP4)", fn, e->fmt);
+                         "%s: unknown weight format %d (supported: %s)", fn, e->fmt,
+                         PYRT_FMT_NAMES);
     if (e->n_expert < 1 || e->n_slots < 0 || e->n_ff < 1 || e->n_embd < 1)
         return pyrt_fail(PYRT_E_INVALID,
                          "%s: sizes must be positive (n_slots >= 0): n_expert=%d n_slots=%d "
@@ -102,8 +102,9 @@ static int check_experts(const pyrt_experts *e, const char *fn) {
     const size_t rb = pyrt_row_bytes(e->fmt, e->n_embd);
     if (rb == 0)
         return pyrt_fail(PYRT_E_INVALID,
-                         "%s: n_embd=%d is not a multiple of 32, which format %d (quantized in "
-                         "blocks of 32) needs", fn, e->n_embd, e->fmt);
+                         "%s: n_embd=%d is not a multiple of %d, which format %d (quantized in "
+                         "blocks of %d) needs", fn, e->n_embd, pyrt_fmt_block(e->fmt), e->fmt,
+                         pyrt_fmt_block(e->fmt));
     const double need = (double)e->n_slots * e->n_ff * 3.0 * (double)rb;
     if (need != (double)e->bytes)
         return pyrt_fail(PYRT_E_INVALID,

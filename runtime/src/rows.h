@@ -151,6 +151,13 @@ static inline void pyrt_pf_end(pyrt_pf_spread *s) {
 const pyrt_row_ops *pyrt_row_ops_mxfp4_scalar(void);
 const pyrt_row_ops *pyrt_row_ops_mxfp4_avx2(void);
 
+/* Q5_0 / Q5_1 (rows_q5.c) and the K-quants Q4_K / Q5_K / Q6_K (rows_kquant.c), fmt one of
+ * theirs: scalar, and AVX2 (also the AVX-512 level's). */
+const pyrt_row_ops *pyrt_row_ops_q5_scalar(int fmt);
+const pyrt_row_ops *pyrt_row_ops_q5_avx2(int fmt);
+const pyrt_row_ops *pyrt_row_ops_kquant_scalar(int fmt);
+const pyrt_row_ops *pyrt_row_ops_kquant_avx2(int fmt);
+
 /* Row kernels of one SIMD level for fmt; NULL when the level has none for fmt (unknown format). */
 const pyrt_row_ops *pyrt_row_ops_scalar(int fmt);
 const pyrt_row_ops *pyrt_row_ops_avx2(int fmt);

@@ -334,6 +334,13 @@ const pyrt_row_ops *pyrt_row_ops_avx512(int fmt) {
         return &ops_q4_0;
     case PYRT_FMT_MXFP4: /* 16 bytes of nibbles a block: the AVX2 kernels' 256-bit steps */
         return pyrt_row_ops_mxfp4_avx2();
+    case PYRT_FMT_Q5_0:
+    case PYRT_FMT_Q5_1:
+        return pyrt_row_ops_q5_avx2(fmt);
+    case PYRT_FMT_Q4_K:
+    case PYRT_FMT_Q5_K:
+    case PYRT_FMT_Q6_K:
+        return pyrt_row_ops_kquant_avx2(fmt);
     default:
         return NULL;
     }

@@ -155,6 +155,13 @@ const pyrt_row_ops *pyrt_row_ops_scalar(int fmt) {
         return &ops_q4_0;
     case PYRT_FMT_MXFP4:
         return pyrt_row_ops_mxfp4_scalar();
+    case PYRT_FMT_Q5_0:
+    case PYRT_FMT_Q5_1:
+        return pyrt_row_ops_q5_scalar(fmt);
+    case PYRT_FMT_Q4_K:
+    case PYRT_FMT_Q5_K:
+    case PYRT_FMT_Q6_K:
+        return pyrt_row_ops_kquant_scalar(fmt);
     default:
         return NULL;
     }

@@ -1,0 +1,270 @@
+/* K-quant row kernels (Q4_K, Q5_K, Q6_K: ggml's 256-element super-blocks), scalar and AVX2 (the
+ * AVX-512 level uses the AVX2 ones). Rows are a multiple of 256 elements.
+ *
+ * Super-block layouts (ggml's block_q4_K / block_q5_K / block_q6_K):
+ *   Q4_K: f16 d, f16 dmin, scales[12], qs[128]. Eight sub-blocks j of 32 elements, weight =
+ *         d * sc_j * q - dmin * m_j with six-bit sc_j, m_j packed in scales (scale_min) and q
+ *         in 0..15: element l of sub-block j is nibble j % 2 of qs[32 (j / 2) + l].
+ *   Q5_K: f16 d, f16 dmin, scales[12], qh[32], qs[128]: as Q4_K, plus bit j of qh[l] as q's
+ *         fifth bit (q in 0..31).
+ *   Q6_K: ql[128], qh[64], int8 scales[16], f16 d. Element e = 128 h + 32 p + l (half h,
+ *         quarter p, l < 32): low 4 bits in nibble p / 2 of ql[64 h + 32 (p % 2) + l], high 2
+ *         bits at bit 2 p of qh[32 h + l]; weight = d * scales[e / 16] * (q - 32).
+ * The sub-blocks of 32 (and Q6_K's pairs of 16) line up with the activation's Q8 blocks, so the
+ * activation is quantized as for every other blocked format (pyrt_xq8, 32 elements, f32 scale):
+ * the dot is integer within each Q8 block (Q6_K: the two scales of 16 applied to the integer
+ * partial sums), f32 across blocks; the mins add -dmin * m_j * xd * sum(xq) per block. */
+#include "rows.h"
+
+/* Sub-block j's six-bit scale and min of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4). */
+static inline void scale_min(int j, const uint8_t *s, int *sc, int *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0xF) | (s[j - 4] >> 6) << 4;
+        *m = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+    }
+}
+
+#define D(w) pyrt_fp16_to_fp32(pyrt_load_u16(w))
+
+/* Element l's code of sub-block j (of 32): Q4_K 0..15, Q5_K 0..31, Q6_K -32..31. */
+static inline int code_q4_k(const uint8_t *w, int j, int l) {
+    return (w[16 + 32 * (j / 2) + l] >> 4 * (j % 2)) & 0xF;
+}
+static inline int code_q5_k(const uint8_t *w, int j, int l) {
+    return ((w[48 + 32 * (j / 2) + l] >> 4 * (j % 2)) & 0xF) | ((w[16 + l] >> j) & 1) << 4;
+}
+static inline int code_q6_k(const uint8_t *w, int j, int l) {
+    const int h = j / 4, p = j % 4;
+    const int lo = (w[64 * h + 32 * (p % 2) + l] >> 4 * (p / 2)) & 0xF;
+    const int hi = (w[128 + 32 * h + l] >> 2 * p) & 3;
+    return (lo | hi << 4) - 32;
+}
+
+/* ---- scalar -------------------------------------------------------------------------------- */
+
+#define SCALAR_DOT_MIN(name, BYTES, CODE)                                                         \
+    static float dot_##name(const void *row, const void *x, int n) {                              \
+        const uint8_t *w = row;                                                                   \
+        const pyrt_xq8 *xq = x;                                                                   \
+        float sum = 0.0f;                                                                         \
+        for (int s = 0; s < n / PYRT_QK_K; s++, w += (BYTES), xq += 8) {                          \
+            const float d = D(w), dmin = D(w + 2);                                                \
+            for (int j = 0; j < 8; j++) {                                                         \
+                int sc, m;                                                                        \
+                scale_min(j, w + 4, &sc, &m);                                                     \
+                int32_t isum = 0, xsum = 0;                                                       \
+                for (int l = 0; l < PYRT_QK; l++) {                                               \
+                    isum += CODE(w, j, l) * xq[j].q[l];                                           \
+                    xsum += xq[j].q[l];                                                           \
+                }                                                                                 \
+                sum += d * (float)sc * xq[j].d * (float)isum -                                    \
+                       dmin * (float)m * xq[j].d * (float)xsum;                                   \
+            }                                                                                     \
+        }                                                                                         \
+        return sum;                                                                               \
+    }                                                                                             \
+    static void axpy_##name(float a, const void *row, float *y, int n) {                          \
+        const uint8_t *w = row;                                                                   \
+        for (int s = 0; s < n / PYRT_QK_K; s++, w += (BYTES)) {                                   \
+            const float d = D(w), dmin = D(w + 2);                                                \
+            for (int j = 0; j < 8; j++, y += PYRT_QK) {                                           \
+                int sc, m;                                                                        \
+                scale_min(j, w + 4, &sc, &m);                                                     \
+                const float vs = a * d * (float)sc, vm = a * dmin * (float)m;                     \
+                for (int l = 0; l < PYRT_QK; l++)                                                 \
+                    y[l] += vs * (float)CODE(w, j, l) - vm;                                       \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+SCALAR_DOT_MIN(q4_k, PYRT_Q4_K_BYTES, code_q4_k)
+SCALAR_DOT_MIN(q5_k, PYRT_Q5_K_BYTES, code_q5_k)
+
+static float dot_q6_k(const void *row, const void *x, int n) {
+    const uint8_t *w = row;
+    const pyrt_xq8 *xq = x;
+    float sum = 0.0f;
+    for (int s = 0; s < n / PYRT_QK_K; s++, w += PYRT_Q6_K_BYTES, xq += 8) {
+        const float d = D(w + 208);
+        const int8_t *sc = (const int8_t *)(w + 192);
+        for (int j = 0; j < 8; j++) {
+            int32_t lo = 0, hi = 0;
+            for (int l = 0; l < 16; l++) {
+                lo += code_q6_k(w, j, l) * xq[j].q[l];
+                hi += code_q6_k(w, j, l + 16) * xq[j].q[l + 16];
+            }
+            sum += d * xq[j].d * (float)(sc[2 * j] * lo + sc[2 * j + 1] * hi);
+        }
+    }
+    return sum;
+}
+
+static void axpy_q6_k(float a, const void *row, float *y, int n) {
+    const uint8_t *w = row;
+    for (int s = 0; s < n / PYRT_QK_K; s++, w += PYRT_Q6_K_BYTES) {
+        const float ad = a * D(w + 208);
+        const int8_t *sc = (const int8_t *)(w + 192);
+        for (int j = 0; j < 8; j++, y += PYRT_QK)
+            for (int l = 0; l < PYRT_QK; l++)
+                y[l] += ad * (float)sc[2 * j + l / 16] * (float)code_q6_k(w, j, l);
+    }
+}
+
+static const pyrt_row_ops ops_q4_k_scalar = {.dot = dot_q4_k, .axpy = axpy_q4_k};
+static const pyrt_row_ops ops_q5_k_scalar = {.dot = dot_q5_k, .axpy = axpy_q5_k};
+static const pyrt_row_ops ops_q6_k_scalar = {.dot = dot_q6_k, .axpy = axpy_q6_k};
+
+const pyrt_row_ops *pyrt_row_ops_kquant_scalar(int fmt) {
+    return fmt == PYRT_FMT_Q4_K   ? &ops_q4_k_scalar
+           : fmt == PYRT_FMT_Q5_K ? &ops_q5_k_scalar
+                                  : &ops_q6_k_scalar;
+}
+
+/* ---- AVX2 ---------------------------------------------------------------------------------- */
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+
+#include "rows_x86.h"
+
+#define AVX2 PYRT_X86_AVX2
+
+/* Sub-block j's 32 codes (uint8 0..15 / 0..31; Q6_K: int8 -32..31) in one register. */
+AVX2 static inline __m256i codes_q4_k(const uint8_t *w, int j) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * (j / 2)));
+    return _mm256_and_si256(_mm256_srli_epi16(raw, 4 * (j % 2)), _mm256_set1_epi8(0x0F));
+}
+AVX2 static inline __m256i codes_q5_k(const uint8_t *w, int j) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + 48 + 32 * (j / 2)));
+    const __m256i lo =
+        _mm256_and_si256(_mm256_srli_epi16(raw, 4 * (j % 2)), _mm256_set1_epi8(0x0F));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 16));
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1));
+    return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+}
+AVX2 static inline __m256i codes_q6_k(const uint8_t *w, int j) {
+    const int h = j / 4, p = j % 4;
+    const __m256i ql = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32 * (p % 2)));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+    const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (p / 2)), _mm256_set1_epi8(0x0F));
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * p), _mm256_set1_epi8(3));
+    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+}
+
+/* 8 int32 lanes summing to u . x for 32 uint8 u <= 31 and int8 x (pairs <= 2*31*127: no
+ * saturation of maddubs). */
+AVX2 static inline __m256i dot32_u8(__m256i u, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+}
+
+/* 8 int32 lanes summing to the 32 int8 values of x. */
+AVX2 static inline __m256i sum32(__m256i x) {
+    return dot32_u8(_mm256_set1_epi8(1), x);
+}
+
+#define AVX2_DOT_MIN(name, BYTES, CODES)                                                          \
+    AVX2 static float dot_##name##_avx2(const void *row, const void *x, int n) {                  \
+        const uint8_t *w = row;                                                                   \
+        const pyrt_xq8 *xq = x;                                                                   \
+        __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();                             \
+        for (int s = 0; s < n / PYRT_QK_K; s++, w += (BYTES), xq += 8) {                          \
+            const float d = D(w), dmin = D(w + 2);                                                \
+            for (int j = 0; j < 8; j++) {                                                         \
+                int sc, m;                                                                        \
+                scale_min(j, w + 4, &sc, &m);                                                     \
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)xq[j].q);                  \
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc * xq[j].d),                    \
+                                      _mm256_cvtepi32_ps(dot32_u8(CODES(w, j), xv)), acc);        \
+                accm = _mm256_fmadd_ps(_mm256_set1_ps(dmin * (float)m * xq[j].d),                 \
+                                       _mm256_cvtepi32_ps(sum32(xv)), accm);                      \
+            }                                                                                     \
+        }                                                                                         \
+        return hsum8(_mm256_sub_ps(acc, accm));                                                   \
+    }                                                                                             \
+    AVX2 static void axpy_##name##_avx2(float a, const void *row, float *y, int n) {              \
+        const uint8_t *w = row;                                                                   \
+        for (int s = 0; s < n / PYRT_QK_K; s++, w += (BYTES)) {                                   \
+            const float d = D(w), dmin = D(w + 2);                                                \
+            for (int j = 0; j < 8; j++, y += PYRT_QK) {                                           \
+                int sc, m;                                                                        \
+                scale_min(j, w + 4, &sc, &m);                                                     \
+                const __m256 vs = _mm256_set1_ps(a * d * (float)sc);                              \
+                const __m256 vm = _mm256_set1_ps(a * dmin * (float)m);                            \
+                __m256 f[4];                                                                      \
+                widen32(CODES(w, j), f);                                                          \
+                for (int p = 0; p < 4; p++) {                                                     \
+                    const __m256 yp = _mm256_loadu_ps(y + 8 * p);                                 \
+                    _mm256_storeu_ps(y + 8 * p, _mm256_sub_ps(_mm256_fmadd_ps(vs, f[p], yp), vm)); \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+/* 32 int8 codes as f32 in four registers (elements 0..7, 8..15, 16..23, 24..31). */
+AVX2 static inline void widen32(__m256i q, __m256 f[4]) {
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+AVX2_DOT_MIN(q4_k, PYRT_Q4_K_BYTES, codes_q4_k)
+AVX2_DOT_MIN(q5_k, PYRT_Q5_K_BYTES, codes_q5_k)
+
+/* Lanes 0..3 of dot32_i8 sum elements 0..15, lanes 4..7 elements 16..31: each half times its
+ * own scale (integer: |partial| <= 4*32*127, times |scale| <= 128), then d * xd in f32. */
+AVX2 static float dot_q6_k_avx2(const void *row, const void *x, int n) {
+    const uint8_t *w = row;
+    const pyrt_xq8 *xq = x;
+    __m256 acc = _mm256_setzero_ps();
+    for (int s = 0; s < n / PYRT_QK_K; s++, w += PYRT_Q6_K_BYTES, xq += 8) {
+        const float d = D(w + 208);
+        const int8_t *sc = (const int8_t *)(w + 192);
+        for (int j = 0; j < 8; j++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)xq[j].q);
+            const __m256i scv = _mm256_set_m128i(_mm_set1_epi32(sc[2 * j + 1]),
+                                                 _mm_set1_epi32(sc[2 * j]));
+            const __m256i isum = _mm256_mullo_epi32(dot32_i8(codes_q6_k(w, j), xv), scv);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * xq[j].d), _mm256_cvtepi32_ps(isum), acc);
+        }
+    }
+    return hsum8(acc);
+}
+
+AVX2 static void axpy_q6_k_avx2(float a, const void *row, float *y, int n) {
+    const uint8_t *w = row;
+    for (int s = 0; s < n / PYRT_QK_K; s++, w += PYRT_Q6_K_BYTES) {
+        const float ad = a * D(w + 208);
+        const int8_t *sc = (const int8_t *)(w + 192);
+        for (int j = 0; j < 8; j++, y += PYRT_QK) {
+            __m256 f[4];
+            widen32(codes_q6_k(w, j), f);
+            for (int p = 0; p < 4; p++) {
+                const __m256 vs = _mm256_set1_ps(ad * (float)sc[2 * j + p / 2]);
+                _mm256_storeu_ps(y + 8 * p, _mm256_fmadd_ps(vs, f[p], _mm256_loadu_ps(y + 8 * p)));
+            }
+        }
+    }
+}
+
+static const pyrt_row_ops ops_q4_k_avx2 = {.dot = dot_q4_k_avx2, .axpy = axpy_q4_k_avx2};
+static const pyrt_row_ops ops_q5_k_avx2 = {.dot = dot_q5_k_avx2, .axpy = axpy_q5_k_avx2};
+static const pyrt_row_ops ops_q6_k_avx2 = {.dot = dot_q6_k_avx2, .axpy = axpy_q6_k_avx2};
+
+const pyrt_row_ops *pyrt_row_ops_kquant_avx2(int fmt) {
+    return fmt == PYRT_FMT_Q4_K   ? &ops_q4_k_avx2
+           : fmt == PYRT_FMT_Q5_K ? &ops_q5_k_avx2
+                                  : &ops_q6_k_avx2;
+}
+
+#else /* not x86-64: the scalar kernels stand in (cpu.c never selects an x86 level) */
+
+const pyrt_row_ops *pyrt_row_ops_kquant_avx2(int fmt) {
+    return pyrt_row_ops_kquant_scalar(fmt);
+}
+
+#endif
