@@ -95,3 +95,66 @@ def to_llamacpp(src: Path, dest: Path, drop: tuple[str, ...] = ()) -> Path:
     w.write_tensors_to_file()
     w.close()
     return dest
+
+
+# ---- llama-quantize's type mix ------------------------------------------------------------------
+
+# ftype -> (the default type, the type of the tensors llama.cpp gives more bits: output.weight,
+# and attn_v / ffn_down* in the layers `use_more_bits` picks); Q6_K has one type throughout
+# (output.weight too). llama-quantize's choice for these ftypes (src/llama-quant.cpp).
+KQUANT_MIXES = {"Q4_K_M": (Q.Q4_K, Q.Q6_K), "Q5_K_M": (Q.Q5_K, Q.Q6_K), "Q6_K": (Q.Q6_K, Q.Q6_K)}
+# Where a row is not a multiple of 256 (tensor_type_fallback)
+KQUANT_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+
+
+def use_more_bits(i_layer: int, n_layer: int) -> bool:
+    """llama.cpp's use_more_bits: the first and last eighth of the layers and every third."""
+    return (
+        i_layer < n_layer // 8 or i_layer >= 7 * n_layer // 8 or (i_layer - n_layer // 8) % 3 == 2
+    )
+
+
+def kquant_type(name: str, row_len: int, n_layer: int, ftype: str) -> Q | None:
+    """The type llama-quantize `ftype` gives tensor `name` (rows of `row_len`), or None for the
+    tensors it leaves in F32 (norms, routers, vectors)."""
+    if name.endswith(("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")):
+        return None
+    base, more = KQUANT_MIXES[ftype]
+    qtype = base
+    if name == "output.weight":
+        qtype = more
+    elif name.startswith("blk.") and name.endswith(
+        ("attn_v.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight", "ffn_down.weight")
+    ):
+        qtype = more if use_more_bits(int(name.split(".")[1]), n_layer) else base
+    return KQUANT_FALLBACK[qtype] if row_len % 256 else qtype
+
+
+def llama_quantize(src: Path, dest: Path, ftype: str, k_quantize) -> Path:
+    """What `llama-quantize src dest ftype` writes for `src` (a llama.cpp-layout F32 file): each
+    matrix in kquant_type's format. The legacy formats by gguf-py's quantizer; the K-quants (which
+    gguf-py cannot make) by `k_quantize(values [rows, n] f32, qtype) -> bytes`."""
+    r = GGUFReader(src)
+    arch = _value(r.fields["general.architecture"])
+    n_layer = _value(r.fields[f"{arch}.block_count"])
+    w = GGUFWriter(dest, arch)
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
+        w.add_key_value(key, _value(field), field.types[0], sub)
+    for t in r.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape))  # row-major
+        values = np.asarray(t.data, dtype=np.float32).reshape(shape)
+        qtype = kquant_type(t.name, shape[-1], n_layer, ftype) if len(shape) > 1 else None
+        if qtype is None:
+            _add(w, t.name, values, shape, Q.F32)
+            continue
+        rows = np.ascontiguousarray(values.reshape(-1, shape[-1]))
+        raw = k_quantize(rows, qtype) if qtype.name.endswith("_K") else quantize(rows, qtype)
+        _add(w, t.name, raw, shape, qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dest

@@ -1,5 +1,5 @@
 """llama.cpp's GGUFs: layout detection, the repack into ours, its cache, `pyruntime repack`, and
-one-line errors for what cannot run (K-quants, missing keys and tensors)."""
+one-line errors for what cannot run (i-quants, missing keys and tensors)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 from hf_fixtures import ARCHS, make_tiny_hf_model
-from llamacpp_fixtures import permute, to_llamacpp
+from llamacpp_fixtures import kquant_type, llama_quantize, permute, to_llamacpp
 
 from pyruntime.converter import convert
 from pyruntime.converter.repack import repack
@@ -157,6 +158,42 @@ def test_model_opens_a_llamacpp_file_once(files):
     assert m.tokenize("Hello world") == Model(files["qwen2moe", "q8_0"][0]).tokenize("Hello world")
 
 
+def _mean_kl(ref: np.ndarray, other: np.ndarray) -> float:
+    """Mean over positions of KL(softmax(ref) || softmax(other)) of logits [T, V]; nats."""
+    lp = torch.log_softmax(torch.from_numpy(ref).double(), -1)
+    lq = torch.log_softmax(torch.from_numpy(other).double(), -1)
+    return float((lp.exp() * (lp - lq)).sum(-1).mean())
+
+
+# Mean KL from F32 (nats) of llama-quantize's Q4_K_M / Q5_K_M mixes at rows of 64 and 32 (every
+# K-quant falls back to Q5_0 / Q5_1 / Q8_0) over IDS: measured 3.8e-5 .. 6.0e-5 on olmoe and
+# qwen2moe; a Q5 decoder that drops the fifth bit gives 0.022 .. 0.026.
+MIX_KL_TOL = {"Q4_K_M": 3e-4, "Q5_K_M": 3e-4}
+
+
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q5_K_M"])
+@pytest.mark.parametrize("arch", ["olmoe", "qwen2moe"])
+def test_llama_quantize_mix_at_small_rows(files, arch, ftype, tmp_path):
+    """What llama-quantize writes for rows that are not a multiple of 256 (the trained
+    checkpoints' 192, 128, 96, 64: Q5_0 or Q5_1 with Q8_0 for attn_v, ffn_down and output in
+    the layers llama.cpp gives more bits): it opens and runs at its own size (the repacked
+    experts keep the source's formats) and close to F32."""
+    from pyruntime.api import Model
+
+    ours, lcpp = files[arch, "f32"]
+    src = llama_quantize(lcpp, tmp_path / f"{arch}-{ftype}.gguf", ftype, k_quantize=None)
+    fallback = {"Q4_K_M": Q.Q5_0, "Q5_K_M": Q.Q5_1}[ftype]
+    m = Model(src, device="cpu")
+    got = m.file.tensors
+    for i in range(2):
+        down = kquant_type(f"blk.{i}.ffn_down_exps.weight", 32, 2, ftype)  # Q8_0 in layer 1
+        assert got[f"blk.{i}.ffn_gud_exps.weight"].qtype == (fallback if i == 0 else Q.Q8_0)
+        assert down == (fallback if i == 0 else Q.Q8_0)
+        assert got[f"blk.{i}.attn_q.weight"].qtype == fallback
+    kl = _mean_kl(_logits(ours), m.logits(IDS))
+    assert kl <= MIX_KL_TOL[ftype], f"{arch} {ftype}: mean KL from f32 {kl:.4g}"
+
+
 def _write(path: Path, arch: str, tensors: dict, keys: dict) -> Path:
     w = GGUFWriter(path, arch)
     for k, v in keys.items():
@@ -194,12 +231,12 @@ def _copy(src: Path, dest: Path, add: dict | None = None, drop_tensor: str = "")
     return dest
 
 
-def test_kquant_file_is_one_line(tmp_path):
-    q4k = np.zeros((2, 8, 144), np.uint8)  # 2 experts x 8 rows of 256 elements, Q4_K blocks
+def test_iquant_file_is_one_line(tmp_path):
+    iq4 = np.zeros((2, 8, 144), np.uint8)  # 2 experts x 8 rows of 256 elements, IQ4_NL blocks
     path = _write(tmp_path / "k.gguf", "olmoe", {
-        "blk.0.ffn_gate_exps.weight": (q4k, Q.Q4_K),
+        "blk.0.ffn_gate_exps.weight": (iq4, Q.IQ4_NL),
     }, {})  # fmt: skip
-    with pytest.raises(ModelFileError, match=r"is Q4_K: K-quants and i-quants are not supported"):
+    with pytest.raises(ModelFileError, match=r"is IQ4_NL, a format pyruntime does not read"):
         open_model_file(path)
 
 
@@ -267,8 +304,8 @@ def _umask() -> int:
 
 
 def test_errors_of_the_commands_are_one_line(files, tmp_path):
-    q6k = np.zeros((2, 8, 210), np.uint8)  # Q6_K blocks of 256 elements
-    path = _write(tmp_path / "k.gguf", "olmoe", {"blk.0.ffn_up_exps.weight": (q6k, Q.Q6_K)}, {})
+    iq4 = np.zeros((2, 8, 144), np.uint8)  # IQ4_NL blocks: 256 elements a row
+    path = _write(tmp_path / "k.gguf", "olmoe", {"blk.0.ffn_up_exps.weight": (iq4, Q.IQ4_NL)}, {})
     for command in ("info", "generate", "repack"):
         args = [command, str(path)] + (["-p", "hi"] if command == "generate" else [])
         r = _cli(*args, env_cache=tmp_path / "c")
@@ -276,7 +313,7 @@ def test_errors_of_the_commands_are_one_line(files, tmp_path):
             assert r.returncode == 0 and "llama.cpp" in r.stdout
             continue
         assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
-        assert "Q6_K: K-quants" in r.stderr and "Traceback" not in r.stderr
+        assert "IQ4_NL, a format" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_llamacpp_file_with_our_layout_key_is_one_line(files, tmp_path):

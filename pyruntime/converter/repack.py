@@ -8,7 +8,9 @@ at one expert's rows, whatever the model's size), atomically (pyruntime.output_f
   ffn_gud_exps, neuron j's rows (gate[j], up[j], down[:, j]) side by side. Gate and up rows are
   copied byte for byte; down is stored along n_ff_exp in llama.cpp and along n_embd in ours, so
   it is dequantized, transposed and quantized again in the same format (exact for F32, F16 and
-  BF16; for Q8_0 and Q4_0 one more rounding: pass `outtype` f32 for a lossless copy);
+  BF16; for the quantized formats one more rounding: pass `outtype` f32 for a lossless copy);
+  the three take one format, the most precise of theirs (llama-quantize's _M mixes give ffn_down
+  more bits in some layers: there gate and up are converted to down's format);
 - llama and granitemoe (llama.cpp's NORM rope): the rows of attn_q and attn_k put back in
   Hugging Face's order (llama.cpp's converter permutes them per head; our runtime ropes as HF);
 - small tensors (norms, biases, routers, the shared-expert gate) stored as F32, as our layout
@@ -59,7 +61,8 @@ REPACK_VERSION = 1
 SOURCE_KEYS = ("pyruntime.source.size", "pyruntime.source.mtime_ns",
                "pyruntime.source.header_sha256", "pyruntime.repack_version")  # fmt: skip
 # Precision order for a layer whose three expert tensors differ in format: the best one wins.
-_PRECISION = (Q.Q4_0, Q.Q8_0, Q.BF16, Q.F16, Q.F32)
+# (By bits per weight: 4.5, 4.5, 5.5, 5.5, 6, 6.6, 8.5, 16, 16, 32.)
+_PRECISION = (Q.Q4_0, Q.Q4_K, Q.Q5_0, Q.Q5_K, Q.Q5_1, Q.Q6_K, Q.Q8_0, Q.BF16, Q.F16, Q.F32)
 _SMALL_SUFFIXES = ("_norm.weight", ".bias", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 
 

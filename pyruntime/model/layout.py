@@ -34,7 +34,9 @@ LAYOUT_KEYS = {
 }
 
 Q = GGMLQuantizationType
-WEIGHT = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0)  # matrices: the formats the kernels read
+# matrices: the formats the kernels read (Q5_0 / Q5_1: llama.cpp's fallback for K-quant rows
+# that are not a multiple of 256)
+WEIGHT = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 EXPERTS = (*WEIGHT, Q.MXFP4)  # the routed experts: also MXFP4 (the expert kernels read it)
 F32 = (Q.F32,)  # norms, biases, routers, the shared-expert gate
 

@@ -90,19 +90,14 @@ def detect_layout(f: GGUFFile) -> str:
 
 def check_types(f: GGUFFile) -> None:
     """ModelFileError for the first tensor stored in a format pyruntime does not compute with,
-    saying what to do; K-quants (deliverable of a later release) get their own line."""
+    saying what to do."""
     for name, t in f.tensors.items():
         if t.qtype in WEIGHT:
             continue
-        if t.qtype.name.endswith("_K") or t.qtype.name.startswith(("IQ", "TQ")):
-            raise ModelFileError(
-                f"{f.path}: tensor {name!r} is {t.qtype.name}: K-quants and i-quants are not "
-                "supported yet; use a Q8_0, Q4_0 or F16 file (llama-quantize --allow-requantize "
-                "IN OUT Q8_0 makes one)"
-            )
         raise ModelFileError(
             f"{f.path}: tensor {name!r} is {t.qtype.name}, a format pyruntime does not read "
-            f"(it reads {', '.join(q.name for q in WEIGHT)})"
+            f"(it reads {', '.join(q.name for q in WEIGHT)}); llama-quantize --allow-requantize "
+            "IN OUT Q8_0 makes a file it reads"
         )
 
 
