@@ -13,7 +13,7 @@ from pyruntime.errors import UsageError
 
 # --outtype of `repack` (the converter's; pyruntime.converter.tensors.OUTTYPES, kept in sync by a
 # test: importing it here would load numpy and gguf for `--help`)
-OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "mxfp4")
+OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "mxfp4", "q4_k_m", "q5_k_m", "q6_k")
 
 
 def add_parser(sub: Any) -> None:

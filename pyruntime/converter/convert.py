@@ -65,7 +65,9 @@ def convert(
     vocab = load_vocab(model_dir, hp.config, arch.n_vocab, arch.end_of_turn_tokens)
     plan = arch.tensor_plan()
     src.check_complete()
-    qtypes = [choose_qtype(t.kind, t.shape[-1], outtype) for t in plan]
+    n_layer = 1 + max((int(t.name.split(".")[1]) for t in plan if t.name.startswith("blk.")),
+                      default=-1)  # fmt: skip
+    qtypes = [choose_qtype(t.kind, t.shape[-1], outtype, t.name, n_layer) for t in plan]
     streamed = [StreamedTensor(t, q) for t, q in zip(plan, qtypes, strict=True)]
     _check_space(dest, _planned_bytes(streamed, vocab))
 

@@ -36,10 +36,9 @@ from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
-from gguf.quants import quantize
 from tqdm import tqdm
 
-from pyruntime.converter.tensors import OUTTYPES, choose_qtype, tensor_nbytes
+from pyruntime.converter.tensors import OUTTYPES, choose_qtype, quantize_rows, tensor_nbytes
 from pyruntime.errors import ModelFileError, UsageError
 from pyruntime.gguf.file import GGUFFile, TensorView
 from pyruntime.gguf.header import LazyStrings, NumericArray
@@ -133,7 +132,7 @@ def _floats(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]
 def _encode(values: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """uint8 [rows, row_bytes] of float32 `values` [rows, n] in `qtype`."""
     values = np.ascontiguousarray(values, dtype=np.float32)
-    return quantize(values, qtype).view(np.uint8).reshape(values.shape[0], -1)
+    return quantize_rows(values, qtype).view(np.uint8).reshape(values.shape[0], -1)
 
 
 def _convert(raw: np.ndarray, src: GGMLQuantizationType, dst: GGMLQuantizationType,
@@ -160,7 +159,8 @@ class _Plan:
     def weight_type(self, t: TensorView, kind: str = "weight") -> GGMLQuantizationType:
         if self.outtype is None:
             return _fits(t.qtype, t.shape[-1])
-        return choose_qtype(kind, t.shape[-1], self.outtype)  # type: ignore[arg-type]
+        return choose_qtype(kind, t.shape[-1], self.outtype, t.name,  # type: ignore[arg-type]
+                            self.hp.n_layer)  # fmt: skip
 
     def tensors(self) -> list[OutTensor]:
         out: list[OutTensor] = []
@@ -217,7 +217,8 @@ class _Plan:
             best = max((gate.qtype, up.qtype, down.qtype), key=_PRECISION.index)
             qtype = _fits(best, n)
         else:
-            qtype = choose_qtype("experts", n, self.outtype)
+            qtype = choose_qtype("experts", n, self.outtype, f"{blk}.ffn_gud_exps.weight",
+                                 self.hp.n_layer)  # fmt: skip
 
         def chunks() -> Iterator[np.ndarray]:
             g_rows, u_rows, d_rows = _rows(gate), _rows(up), _rows(down)

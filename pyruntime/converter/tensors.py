@@ -14,8 +14,11 @@ from math import prod
 from typing import IO, Literal
 
 import numpy as np
+import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 from gguf.quants import quantize
+
+from pyruntime.kernels.block_codecs import encode
 
 Q = GGMLQuantizationType
 
@@ -28,8 +31,24 @@ OUTTYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
     "q4_0": (Q.Q4_0, LlamaFileType.MOSTLY_Q4_0),
     # the routed experts MXFP4, every other matrix Q8_0 (llama.cpp's MXFP4_MOE)
     "mxfp4": (Q.Q8_0, LlamaFileType.MOSTLY_MXFP4_MOE),
+    # llama-quantize's K-quant mixes (K_MIXES)
+    "q4_k_m": (Q.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),
+    "q5_k_m": (Q.Q5_K, LlamaFileType.MOSTLY_Q5_K_M),
+    "q6_k": (Q.Q6_K, LlamaFileType.MOSTLY_Q6_K),
 }
 EXPERT_TYPES = {"mxfp4": Q.MXFP4}  # outtypes whose routed experts differ from W
+
+# K-quant outtype -> (its type, the type of the tensors llama-quantize gives more bits: output,
+# and in the layers of use_more_bits attn_v and the FFN's down projection; ours keeps down in
+# ffn_gud_exps beside gate and up, so there the whole expert tensor takes it). llama.cpp's
+# extra rules for models of exactly 8 experts (attn_k / attn_v Q8_0, attn_output Q5_K) are not
+# followed.
+K_MIXES = {"q4_k_m": (Q.Q4_K, Q.Q6_K), "q5_k_m": (Q.Q5_K, Q.Q6_K), "q6_k": (Q.Q6_K, Q.Q6_K)}
+# Where a row is not a multiple of 256, llama-quantize's fallback (tensor_type_fallback)
+K_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+_MORE_BITS = ("attn_v.weight", "ffn_down.weight", "ffn_down_shexp.weight", "ffn_gud_exps.weight")
+# The formats gguf-py cannot quantize to (pyruntime.kernels.block_codecs does)
+_TORCH_CODECS = {Q.Q4_K: "q4_k", Q.Q5_K: "q5_k", Q.Q6_K: "q6_k"}
 
 # Elements quantized at once: gguf-py's MXFP4 quantizer holds 16 candidates per element (64
 # bytes), so one gpt-oss-20b expert (25M elements) at once would take 1.6 GB.
@@ -49,19 +68,48 @@ class OutTensor:
     chunks: Callable[[], Iterator[np.ndarray]]  # float32 pieces of whole rows, in C order
 
 
-def choose_qtype(kind: Kind, row_len: int, outtype: str) -> GGMLQuantizationType:
-    """The GGUF type of a tensor under `outtype` (rules of docs/gguf-layout.md, 'Tensors')."""
+def use_more_bits(i_layer: int, n_layer: int) -> bool:
+    """llama-quantize's choice of layers for more bits: the first and last eighth, every third."""
+    eighth = n_layer // 8
+    return i_layer < eighth or i_layer >= 7 * n_layer // 8 or (i_layer - eighth) % 3 == 2
+
+
+def _k_mix(outtype: str, name: str, n_layer: int) -> GGMLQuantizationType:
+    base, more = K_MIXES[outtype]
+    if name == "output.weight":
+        return more
+    if name.startswith("blk.") and name.endswith(_MORE_BITS):
+        return more if use_more_bits(int(name.split(".")[1]), n_layer) else base
+    return base
+
+
+def choose_qtype(kind: Kind, row_len: int, outtype: str, name: str = "",
+                 n_layer: int = 0) -> GGMLQuantizationType:  # fmt: skip
+    """The GGUF type of a tensor under `outtype` (rules of docs/gguf-layout.md, 'Tensors'); the
+    K-quant mixes also look at the tensor's `name` and the model's `n_layer`."""
     if kind == "f32":
         return Q.F32
     weight_type = OUTTYPES[outtype][0]
     if kind == "experts":
         weight_type = EXPERT_TYPES.get(outtype, weight_type)
+    if outtype in K_MIXES:
+        weight_type = _k_mix(outtype, name, n_layer)
     if kind == "embd" and weight_type == Q.Q4_0:
         weight_type = Q.Q8_0
     block = GGML_QUANT_SIZES[weight_type][0]
     if row_len % block:
+        fallback = K_FALLBACK.get(weight_type, Q.F16)
+        if row_len % GGML_QUANT_SIZES[fallback][0] == 0:
+            return fallback  # llama-quantize's, for a K-quant
         return Q.F16  # blocks must tile a row exactly; fall back as the layout doc says
     return weight_type
+
+
+def quantize_rows(rows: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """float32 rows [r, n] -> their bytes in `qtype` (gguf-py's quantizer; the K-quants ours)."""
+    if qtype in _TORCH_CODECS:
+        return encode(torch.from_numpy(np.ascontiguousarray(rows)), _TORCH_CODECS[qtype]).numpy()
+    return quantize(rows, qtype)
 
 
 def tensor_nbytes(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:
@@ -87,7 +135,7 @@ class StreamedTensor:
             rows = np.ascontiguousarray(chunk, dtype=np.float32).reshape(-1, row_len)
             step = max(1, QUANTIZE_ELEMENTS // row_len)
             for r0 in range(0, rows.shape[0], step):  # whole rows at a time: the same bytes
-                data = quantize(rows[r0 : r0 + step], self.qtype)
+                data = quantize_rows(rows[r0 : r0 + step], self.qtype)
                 data.tofile(fout)
                 written += data.nbytes
         if written != self.nbytes:  # a recipe bug, not a user error

@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from pyruntime.kernels.block_codecs import DECODERS
+
 SUPPORTED = (
     GGMLQuantizationType.F32,
     GGMLQuantizationType.F16,
@@ -113,80 +115,13 @@ def dequantize(
     return out.reshape(shape)
 
 
-def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
-    """The f16 at byte `at` of each block as f32: [nb, 1]."""
-    return blocks[:, at : at + 2].contiguous().view(torch.float16).float()
-
-
-def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
-    """Q5_0/Q5_1: qh [nb, 4] bytes (a little-endian u32) -> bit k of it for k < 32, [nb, 32]."""
-    bits = torch.arange(8, dtype=torch.int16)
-    return ((qh.to(torch.int16)[:, :, None] >> bits) & 1).reshape(-1, 32)
-
-
-def _q5_codes(blocks: torch.Tensor, qs_at: int) -> torch.Tensor:
-    """Q5_0/Q5_1 codes 0..31 [nb, 32]: nibbles of qs (low: 0..15, high: 16..31) | fifth bit."""
-    qs = blocks[:, qs_at : qs_at + 16].to(torch.int16)
-    nibbles = torch.cat([qs & 0x0F, qs >> 4], dim=1)
-    return nibbles | (_fifth_bits(blocks[:, qs_at - 4 : qs_at]) << 4)
-
-
-def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
-    return _f16(blocks, 0) * (_q5_codes(blocks, 6) - 16).float()
-
-
-def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
-    return _f16(blocks, 0) * _q5_codes(blocks, 8).float() + _f16(blocks, 2)
-
-
-def k_scales_mins(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K/Q5_K: the 12 packed bytes [nb, 12] -> six-bit (scales, mins), each [nb, 8] int32
-    (ggml's get_scale_min_k4: sub-blocks 0..3 in the low 6 bits of bytes 0..3 / 4..7; 4..7 from
-    the nibbles of bytes 8..11 and the top 2 bits of bytes 0..3 / 4..7)."""
-    s = scales.to(torch.int32)
-    lo_sc, lo_m, hi = s[:, 0:4], s[:, 4:8], s[:, 8:12]
-    sc = torch.cat([lo_sc & 63, (hi & 0x0F) | ((lo_sc >> 6) << 4)], dim=1)
-    m = torch.cat([lo_m & 63, (hi >> 4) | ((lo_m >> 6) << 4)], dim=1)
-    return sc, m
-
-
-def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
-    sc, m = k_scales_mins(blocks[:, 4:16])
-    qs = blocks[:, 16:144].to(torch.int32).reshape(-1, 4, 1, 32)
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(-1, 8, 32)  # sub-block 2k: low nibbles
-    return ((d * sc)[..., None] * q - (dmin * m)[..., None]).reshape(-1, 256)
-
-
-def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
-    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
-    sc, m = k_scales_mins(blocks[:, 4:16])
-    qh = blocks[:, 16:48].to(torch.int32)  # bit j of qh[l]: element l of sub-block j
-    qs = blocks[:, 48:176].to(torch.int32).reshape(-1, 4, 1, 32)
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(-1, 8, 32)
-    q = q | (((qh[:, None, :] >> torch.arange(8)[:, None]) & 1) << 4)
-    return ((d * sc)[..., None] * q - (dmin * m)[..., None]).reshape(-1, 256)
-
-
-def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
-    """Per half h of 128: quarter p of 32 elements (l < 32) has the low 4 bits in nibble p // 2
-    of ql[64h + 32 (p % 2) + l] and the high 2 bits at bit 2p of qh[32h + l]."""
-    ql = blocks[:, 0:128].to(torch.int32).reshape(-1, 2, 1, 2, 32)  # [nb, h, nibble, p % 2, l]
-    qh = blocks[:, 128:192].to(torch.int32).reshape(-1, 2, 1, 32)  # [nb, h, 1, l]
-    low = torch.cat([ql & 0x0F, ql >> 4], dim=2).reshape(-1, 2, 4, 32)  # quarter p = 2 nib + p%2
-    high = (qh >> (2 * torch.arange(4)[:, None])) & 3  # [nb, h, p, l]
-    q = (low | (high << 4)) - 32
-    sc = blocks[:, 192:208].contiguous().view(torch.int8).float()  # one per 16 elements
-    d = _f16(blocks, 208)
-    return ((d * sc)[..., None] * q.reshape(-1, 16, 16)).reshape(-1, 256)
-
-
+# The 5-bit and K-quant formats: torch decoders shared with the GPU path (pyruntime.kernels)
 _BLOCK_DECODERS = {
-    GGMLQuantizationType.Q5_0: _q5_0,
-    GGMLQuantizationType.Q5_1: _q5_1,
-    GGMLQuantizationType.Q4_K: _q4_k,
-    GGMLQuantizationType.Q5_K: _q5_k,
-    GGMLQuantizationType.Q6_K: _q6_k,
+    GGMLQuantizationType.Q5_0: DECODERS["q5_0"],
+    GGMLQuantizationType.Q5_1: DECODERS["q5_1"],
+    GGMLQuantizationType.Q4_K: DECODERS["q4_k"],
+    GGMLQuantizationType.Q5_K: DECODERS["q5_k"],
+    GGMLQuantizationType.Q6_K: DECODERS["q6_k"],
 }
 
 

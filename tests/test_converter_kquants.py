@@ -1,0 +1,80 @@
+"""--outtype q4_k_m / q5_k_m / q6_k: llama-quantize's per-tensor mix (which tensors get more bits,
+the fallback where a row is not a multiple of 256), and models of those files running on the C
+core close to F32, at rows of 256 (real K-quants) and of 64 (every K-quant falls back)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from hf_fixtures import make_tiny_hf_model
+from test_parity import load_runtime, mean_kl, prompt_ids, runtime_logprobs
+
+from pyruntime.converter import convert
+from pyruntime.converter.tensors import choose_qtype, use_more_bits
+from pyruntime.gguf.file import open_gguf
+
+# Mean KL from F32 per token (nats) over the 64 tokens of test_parity's prompt, tiny random olmoe /
+# qwen2moe with hidden 256: measured q4_k_m 0.0009 / 0.0014, q5_k_m 0.0003 / 0.0004, q6_k 0.0001;
+# a K-quant decoder taking the top bits of sub-blocks 4..7's mins from the wrong byte gives
+# 0.085 .. 0.093 (q4_k_m, q5_k_m).
+KL_TOL = {"q4_k_m": 0.004, "q5_k_m": 0.0015, "q6_k": 0.0005}
+
+
+def test_use_more_bits_is_llamas():
+    # llama.cpp's use_more_bits for 8 and 24 layers (the first and last eighth, every third)
+    assert [i for i in range(8) if use_more_bits(i, 8)] == [0, 3, 6, 7]
+    assert [i for i in range(24) if use_more_bits(i, 24)] == [0, 1, 2, 5, 8, 11, 14, 17, 20, 21,
+                                                               22, 23]  # fmt: skip
+
+
+def test_k_mix_rules():
+    c = choose_qtype
+    assert c("embd", 256, "q4_k_m", "output.weight", 8) == Q.Q6_K
+    assert c("embd", 256, "q4_k_m", "token_embd.weight", 8) == Q.Q4_K
+    assert c("weight", 256, "q4_k_m", "blk.0.attn_v.weight", 8) == Q.Q6_K
+    assert c("weight", 256, "q4_k_m", "blk.1.attn_v.weight", 8) == Q.Q4_K
+    assert c("weight", 256, "q4_k_m", "blk.1.attn_q.weight", 8) == Q.Q4_K
+    assert c("experts", 256, "q4_k_m", "blk.3.ffn_gud_exps.weight", 8) == Q.Q6_K
+    assert c("experts", 256, "q5_k_m", "blk.4.ffn_gud_exps.weight", 8) == Q.Q5_K
+    assert c("weight", 256, "q5_k_m", "blk.7.ffn_down_shexp.weight", 8) == Q.Q6_K
+    assert c("weight", 512, "q6_k", "blk.1.attn_q.weight", 8) == Q.Q6_K
+    assert c("f32", 256, "q4_k_m", "blk.1.attn_norm.weight", 8) == Q.F32
+    # rows not a multiple of 256: llama-quantize's fallbacks, F16 where those do not tile either
+    assert c("weight", 192, "q4_k_m", "blk.1.attn_q.weight", 8) == Q.Q5_0
+    assert c("weight", 192, "q4_k_m", "blk.0.attn_v.weight", 8) == Q.Q8_0
+    assert c("weight", 96, "q5_k_m", "blk.1.attn_q.weight", 8) == Q.Q5_1
+    assert c("weight", 48, "q4_k_m", "blk.1.attn_q.weight", 8) == Q.F16
+
+
+@pytest.fixture(scope="module", params=["olmoe", "qwen2moe"])
+def hf256(request, tmp_path_factory):
+    arch = request.param
+    sizes = dict(hidden_size=256, intermediate_size=256, num_attention_heads=4)
+    if arch == "qwen2moe":
+        sizes |= dict(moe_intermediate_size=64, shared_expert_intermediate_size=256,
+                      mlp_only_layers=[])  # fmt: skip
+    return arch, make_tiny_hf_model(arch, tmp_path_factory.mktemp(arch), **sizes)
+
+
+@pytest.mark.parametrize("outtype", ["q4_k_m", "q5_k_m", "q6_k"])
+def test_kquant_models_close_to_f32(hf256, outtype, tmp_path):
+    arch, hf = hf256
+    ref_path = convert(hf, tmp_path / "f32.gguf", "f32", progress=False)
+    path = convert(hf, tmp_path / f"{outtype}.gguf", outtype, progress=False)
+    f = open_gguf(path)
+    base = {"q4_k_m": Q.Q4_K, "q5_k_m": Q.Q5_K, "q6_k": Q.Q6_K}[outtype]
+    assert f.tensors["blk.0.attn_q.weight"].qtype == base
+    assert f.tensors["blk.0.ffn_gud_exps.weight"].qtype == base  # layer 0 of 2: no more bits
+    assert f.tensors["blk.1.ffn_gud_exps.weight"].qtype == Q.Q6_K  # the last eighth
+    assert f.tensors["output.weight"].qtype == Q.Q6_K
+    ids = prompt_ids(int(f.get(f"{f.arch}.vocab_size", 4096)))
+    lp = runtime_logprobs(load_runtime(ref_path, "auto"), ids)
+    lq = runtime_logprobs(load_runtime(path, "auto"), ids)
+    lq_dec = runtime_logprobs(load_runtime(path, "auto"), ids, split=len(ids) // 2)
+    kl = mean_kl(lp, lq)
+    assert kl <= KL_TOL[outtype], f"{arch} {outtype}: mean KL from f32 {kl:.3g}"
+    # prefill then token steps: the same model (an activation's Q8 code can flip where the two
+    # paths' f32 rounding differ: single positions off by ~3e-3 in log-prob, a KL of ~1e-7)
+    assert mean_kl(lq, lq_dec) <= 1e-6
+    assert torch.isfinite(lq).all()
