@@ -165,44 +165,6 @@ AVX2 static inline __m256i sum32(__m256i x) {
     return dot32_u8(_mm256_set1_epi8(1), x);
 }
 
-#define AVX2_DOT_MIN(name, BYTES, CODES)                                                          \
-    AVX2 static float dot_##name##_avx2(const void *row, const void *x, int n) {                  \
-        const uint8_t *w = row;                                                                   \
-        const pyrt_xq8 *xq = x;                                                                   \
-        __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();                             \
-        for (int s = 0; s < n / PYRT_QK_K; s++, w += (BYTES), xq += 8) {                          \
-            const float d = D(w), dmin = D(w + 2);                                                \
-            for (int j = 0; j < 8; j++) {                                                         \
-                int sc, m;                                                                        \
-                scale_min(j, w + 4, &sc, &m);                                                     \
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)xq[j].q);                  \
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc * xq[j].d),                    \
-                                      _mm256_cvtepi32_ps(dot32_u8(CODES(w, j), xv)), acc);        \
-                accm = _mm256_fmadd_ps(_mm256_set1_ps(dmin * (float)m * xq[j].d),                 \
-                                       _mm256_cvtepi32_ps(sum32(xv)), accm);                      \
-            }                                                                                     \
-        }                                                                                         \
-        return hsum8(_mm256_sub_ps(acc, accm));                                                   \
-    }                                                                                             \
-    AVX2 static void axpy_##name##_avx2(float a, const void *row, float *y, int n) {              \
-        const uint8_t *w = row;                                                                   \
-        for (int s = 0; s < n / PYRT_QK_K; s++, w += (BYTES)) {                                   \
-            const float d = D(w), dmin = D(w + 2);                                                \
-            for (int j = 0; j < 8; j++, y += PYRT_QK) {                                           \
-                int sc, m;                                                                        \
-                scale_min(j, w + 4, &sc, &m);                                                     \
-                const __m256 vs = _mm256_set1_ps(a * d * (float)sc);                              \
-                const __m256 vm = _mm256_set1_ps(a * dmin * (float)m);                            \
-                __m256 f[4];                                                                      \
-                widen32(CODES(w, j), f);                                                          \
-                for (int p = 0; p < 4; p++) {                                                     \
-                    const __m256 yp = _mm256_loadu_ps(y + 8 * p);                                 \
-                    _mm256_storeu_ps(y + 8 * p, _mm256_sub_ps(_mm256_fmadd_ps(vs, f[p], yp), vm)); \
-                }                                                                                 \
-            }                                                                                     \
-        }                                                                                         \
-    }
-
 /* 32 int8 codes as f32 in four registers (elements 0..7, 8..15, 16..23, 24..31). */
 AVX2 static inline void widen32(__m256i q, __m256 f[4]) {
     const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
@@ -212,48 +174,155 @@ AVX2 static inline void widen32(__m256i q, __m256 f[4]) {
     f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
 }
 
-AVX2_DOT_MIN(q4_k, PYRT_Q4_K_BYTES, codes_q4_k)
-AVX2_DOT_MIN(q5_k, PYRT_Q5_K_BYTES, codes_q5_k)
+/* The kernels of each format come from one function over nr rows (1 or 2 for the dots, up to
+ * PYRT_AXPY_ROWS for axpy): dot and axpy are its nr = 1 case, so dot2 / axpyn give exactly the
+ * bits of two dots / nr axpys in order. dotn: x's blocks (and their sums) loaded once for the
+ * rows; per row one chain of FMAs for d sc_j xd (q . xq) and one for dmin m_j xd sum(xq).
+ * axpyn: a block of y (4 registers) loaded once, each row's d sc_j q - dmin m_j added in row
+ * order, stored once. */
+#define AVX2_KMIN(name, BYTES, CODES)                                                             \
+    AVX2 static inline void dotn_##name(int nr, const void *const *rows, const void *x, int n,    \
+                                        float *out) {                                             \
+        const pyrt_xq8 *xq = x;                                                                   \
+        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                               \
+        __m256 accm[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                              \
+        for (int s = 0; s < n / PYRT_QK_K; s++, xq += 8) {                                        \
+            const uint8_t *w[2];                                                                  \
+            float d[2], dmin[2];                                                                  \
+            for (int r = 0; r < nr; r++) {                                                        \
+                w[r] = (const uint8_t *)rows[r] + (size_t)s * (BYTES);                            \
+                d[r] = D(w[r]);                                                                   \
+                dmin[r] = D(w[r] + 2);                                                            \
+            }                                                                                     \
+            for (int j = 0; j < 8; j++) {                                                         \
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)xq[j].q);                  \
+                const __m256 xs = _mm256_cvtepi32_ps(sum32(xv));                                  \
+                for (int r = 0; r < nr; r++) {                                                    \
+                    int sc, m;                                                                    \
+                    scale_min(j, w[r] + 4, &sc, &m);                                              \
+                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d[r] * (float)sc * xq[j].d),          \
+                                             _mm256_cvtepi32_ps(dot32_u8(CODES(w[r], j), xv)),    \
+                                             acc[r]);                                             \
+                    accm[r] = _mm256_fmadd_ps(_mm256_set1_ps(dmin[r] * (float)m * xq[j].d), xs,   \
+                                              accm[r]);                                           \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+        for (int r = 0; r < nr; r++)                                                              \
+            out[r] = hsum8(_mm256_sub_ps(acc[r], accm[r]));                                       \
+    }                                                                                             \
+    AVX2 static float dot_##name##_avx2(const void *row, const void *x, int n) {                  \
+        float out;                                                                                \
+        dotn_##name(1, &row, x, n, &out);                                                         \
+        return out;                                                                               \
+    }                                                                                             \
+    AVX2 static void dot2_##name##_avx2(const void *row0, const void *row1, const void *x, int n, \
+                                        float out[2]) {                                           \
+        const void *rows[2] = {row0, row1};                                                       \
+        dotn_##name(2, rows, x, n, out);                                                          \
+    }                                                                                             \
+    AVX2 static void axpyn_##name##_avx2(int nr, const float *a, const void *const *rows,         \
+                                         float *y, int n) {                                       \
+        for (int b = 0; b < n / PYRT_QK; b++, y += PYRT_QK) {                                     \
+            const int j = b % 8;                                                                  \
+            __m256 acc[4] = {_mm256_loadu_ps(y), _mm256_loadu_ps(y + 8), _mm256_loadu_ps(y + 16), \
+                             _mm256_loadu_ps(y + 24)};                                            \
+            for (int r = 0; r < nr; r++) {                                                        \
+                const uint8_t *w = (const uint8_t *)rows[r] + (size_t)(b / 8) * (BYTES);          \
+                int sc, m;                                                                        \
+                scale_min(j, w + 4, &sc, &m);                                                     \
+                const __m256 vs = _mm256_set1_ps(a[r] * D(w) * (float)sc);                       \
+                const __m256 vm = _mm256_set1_ps(a[r] * D(w + 2) * (float)m);                     \
+                __m256 f[4];                                                                      \
+                widen32(CODES(w, j), f);                                                          \
+                for (int p = 0; p < 4; p++)                                                       \
+                    acc[p] = _mm256_sub_ps(_mm256_fmadd_ps(vs, f[p], acc[p]), vm);                \
+            }                                                                                     \
+            for (int p = 0; p < 4; p++)                                                           \
+                _mm256_storeu_ps(y + 8 * p, acc[p]);                                              \
+        }                                                                                         \
+    }                                                                                             \
+    AVX2 static void axpy_##name##_avx2(float a, const void *row, float *y, int n) {              \
+        axpyn_##name##_avx2(1, &a, &row, y, n);                                                   \
+    }
 
-/* Lanes 0..3 of dot32_i8 sum elements 0..15, lanes 4..7 elements 16..31: each half times its
- * own scale (integer: |partial| <= 4*32*127, times |scale| <= 128), then d * xd in f32. */
-AVX2 static float dot_q6_k_avx2(const void *row, const void *x, int n) {
-    const uint8_t *w = row;
+AVX2_KMIN(q4_k, PYRT_Q4_K_BYTES, codes_q4_k)
+AVX2_KMIN(q5_k, PYRT_Q5_K_BYTES, codes_q5_k)
+
+/* Q6_K: lanes 0..3 of dot32_i8 sum elements 0..15, lanes 4..7 elements 16..31: each half times
+ * its own scale (integer: |partial| <= 4*32*127, times |scale| <= 128), then d * xd in f32. */
+AVX2 static inline void dotn_q6_k(int nr, const void *const *rows, const void *x, int n,
+                                  float *out) {
     const pyrt_xq8 *xq = x;
-    __m256 acc = _mm256_setzero_ps();
-    for (int s = 0; s < n / PYRT_QK_K; s++, w += PYRT_Q6_K_BYTES, xq += 8) {
-        const float d = D(w + 208);
-        const int8_t *sc = (const int8_t *)(w + 192);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int s = 0; s < n / PYRT_QK_K; s++, xq += 8) {
+        const uint8_t *w[2];
+        float d[2];
+        for (int r = 0; r < nr; r++) {
+            w[r] = (const uint8_t *)rows[r] + (size_t)s * PYRT_Q6_K_BYTES;
+            d[r] = D(w[r] + 208);
+        }
         for (int j = 0; j < 8; j++) {
             const __m256i xv = _mm256_loadu_si256((const __m256i *)xq[j].q);
-            const __m256i scv = _mm256_set_m128i(_mm_set1_epi32(sc[2 * j + 1]),
-                                                 _mm_set1_epi32(sc[2 * j]));
-            const __m256i isum = _mm256_mullo_epi32(dot32_i8(codes_q6_k(w, j), xv), scv);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * xq[j].d), _mm256_cvtepi32_ps(isum), acc);
-        }
-    }
-    return hsum8(acc);
-}
-
-AVX2 static void axpy_q6_k_avx2(float a, const void *row, float *y, int n) {
-    const uint8_t *w = row;
-    for (int s = 0; s < n / PYRT_QK_K; s++, w += PYRT_Q6_K_BYTES) {
-        const float ad = a * D(w + 208);
-        const int8_t *sc = (const int8_t *)(w + 192);
-        for (int j = 0; j < 8; j++, y += PYRT_QK) {
-            __m256 f[4];
-            widen32(codes_q6_k(w, j), f);
-            for (int p = 0; p < 4; p++) {
-                const __m256 vs = _mm256_set1_ps(ad * (float)sc[2 * j + p / 2]);
-                _mm256_storeu_ps(y + 8 * p, _mm256_fmadd_ps(vs, f[p], _mm256_loadu_ps(y + 8 * p)));
+            for (int r = 0; r < nr; r++) {
+                const int8_t *sc = (const int8_t *)(w[r] + 192);
+                const __m256i scv = _mm256_set_m128i(_mm_set1_epi32(sc[2 * j + 1]),
+                                                     _mm_set1_epi32(sc[2 * j]));
+                const __m256i isum = _mm256_mullo_epi32(dot32_i8(codes_q6_k(w[r], j), xv), scv);
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d[r] * xq[j].d),
+                                         _mm256_cvtepi32_ps(isum), acc[r]);
             }
         }
     }
+    for (int r = 0; r < nr; r++)
+        out[r] = hsum8(acc[r]);
 }
 
-static const pyrt_row_ops ops_q4_k_avx2 = {.dot = dot_q4_k_avx2, .axpy = axpy_q4_k_avx2};
-static const pyrt_row_ops ops_q5_k_avx2 = {.dot = dot_q5_k_avx2, .axpy = axpy_q5_k_avx2};
-static const pyrt_row_ops ops_q6_k_avx2 = {.dot = dot_q6_k_avx2, .axpy = axpy_q6_k_avx2};
+AVX2 static float dot_q6_k_avx2(const void *row, const void *x, int n) {
+    float out;
+    dotn_q6_k(1, &row, x, n, &out);
+    return out;
+}
+
+AVX2 static void dot2_q6_k_avx2(const void *row0, const void *row1, const void *x, int n,
+                                float out[2]) {
+    const void *rows[2] = {row0, row1};
+    dotn_q6_k(2, rows, x, n, out);
+}
+
+AVX2 static void axpyn_q6_k_avx2(int nr, const float *a, const void *const *rows, float *y,
+                                 int n) {
+    for (int b = 0; b < n / PYRT_QK; b++, y += PYRT_QK) {
+        const int j = b % 8;
+        __m256 acc[4] = {_mm256_loadu_ps(y), _mm256_loadu_ps(y + 8), _mm256_loadu_ps(y + 16),
+                         _mm256_loadu_ps(y + 24)};
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *w = (const uint8_t *)rows[r] + (size_t)(b / 8) * PYRT_Q6_K_BYTES;
+            const float ad = a[r] * D(w + 208);
+            const int8_t *sc = (const int8_t *)(w + 192);
+            __m256 f[4];
+            widen32(codes_q6_k(w, j), f);
+            for (int p = 0; p < 4; p++)
+                acc[p] = _mm256_fmadd_ps(_mm256_set1_ps(ad * (float)sc[2 * j + p / 2]), f[p],
+                                         acc[p]);
+        }
+        for (int p = 0; p < 4; p++)
+            _mm256_storeu_ps(y + 8 * p, acc[p]);
+    }
+}
+
+AVX2 static void axpy_q6_k_avx2(float a, const void *row, float *y, int n) {
+    axpyn_q6_k_avx2(1, &a, &row, y, n);
+}
+
+#define K_OPS(name)                                                                               \
+    static const pyrt_row_ops ops_##name##_avx2 = {.dot = dot_##name##_avx2,                      \
+                                                   .axpy = axpy_##name##_avx2,                    \
+                                                   .dot2 = dot2_##name##_avx2,                    \
+                                                   .axpyn = axpyn_##name##_avx2};
+K_OPS(q4_k)
+K_OPS(q5_k)
+K_OPS(q6_k)
 
 const pyrt_row_ops *pyrt_row_ops_kquant_avx2(int fmt) {
     return fmt == PYRT_FMT_Q4_K   ? &ops_q4_k_avx2
