@@ -4,9 +4,10 @@ The tensor is `[n_expert, n_ff, 3, n_embd]` row-major (docs/gguf-layout.md): for
 neuron j the rows (gate, up, down^T) are adjacent, each quantized along n_embd. The kernels take
 it as a torch tensor:
 - float formats (f32, f16, bf16): that dtype, shape `[n_expert, n_ff, 3, n_embd]`;
-- block formats (q8_0, q4_0, mxfp4): uint8, shape `[n_expert, n_ff, 3, row_bytes]` (the GGUF
-  bytes; mxfp4: 17-byte blocks of an E8M0 scale byte and 16 bytes of e2m1 nibbles, read as they
-  are);
+- block formats (q8_0, q4_0, mxfp4, q5_0, q5_1, q4_k, q5_k, q6_k): uint8, shape
+  `[n_expert, n_ff, 3, row_bytes]` (the GGUF bytes, read as they are; mxfp4: 17-byte blocks of an
+  E8M0 scale byte and 16 bytes of e2m1 nibbles; the 5-bit and K-quant layouts in
+  kernels.block_codecs);
 - repacked block formats (q8_0r, q4_0r): the same bytes per row, regrouped once on the GPU by
   `repack_rows` (kernels.dispatch.prepare_experts) so the kernels load them with wide aligned
   loads: per row [all quants of the row][all f16 scales of the row]:
@@ -25,16 +26,22 @@ from __future__ import annotations
 
 import torch
 
+from . import block_codecs
+
 # Format name -> integer code passed to the kernels as a tl.constexpr.
 # Odd codes: the Q8_0 family (one int8 per element); even non-zero: 4-bit elements in Q4_0's
 # nibble order (kernels.expert_rows.q4_blocks).
+# The 5-bit and K-quant formats take the Q8_0 family's path with their own block decode
+# (kernels.expert_rows.q8_blocks): 32 values per block of 32 (a K-quant sub-block).
 FMT_CODES = {
     "f32": 0, "f16": 0, "bf16": 0, "q8_0": 1, "q4_0": 2, "q8_0r": 3, "q4_0r": 4, "mxfp4": 6,
+    "q5_0": 7, "q5_1": 9, "q4_k": 11, "q5_k": 13, "q6_k": 15,
 }  # fmt: skip
 FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 # Block formats: (elements per block, bytes per block).
 BLOCKS = {
     "q8_0": (32, 34), "q4_0": (32, 18), "q8_0r": (32, 34), "q4_0r": (32, 18), "mxfp4": (32, 17),
+    **block_codecs.BLOCKS,  # q5_0, q5_1 (32 elements), q4_k, q5_k, q6_k (256)
 }  # fmt: skip
 # e2m1 code -> value doubled (ggml's kvalues_mxfp4); an MXFP4 block's scale is then 2^(e - 128)
 E2M1_X2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
@@ -102,6 +109,8 @@ def quantize_rows(w: torch.Tensor, fmt: str) -> torch.Tensor:
         return repack_rows(quantize_rows(w, gguf), gguf)
     n = w.shape[-1]
     row_bytes(fmt, n)  # validates n
+    if fmt in block_codecs.BLOCKS:
+        return block_codecs.encode(w, fmt).contiguous()
     lead = w.shape[:-1]
     blk = w.float().reshape(-1, 32)  # [n_blocks, 32]
     if fmt == "mxfp4":
@@ -135,6 +144,8 @@ def dequantize_rows(data: torch.Tensor, fmt: str, n: int) -> torch.Tensor:
         raise ValueError(f"{fmt} rows of {n} elements have {row_bytes(fmt, n)} bytes")
     if fmt in REPACKED.values():
         return _dequantize_repacked(data, fmt, n)
+    if fmt in block_codecs.BLOCKS:
+        return block_codecs.decode(data, fmt, n)
     size = BLOCKS[fmt][1]
     b = data.reshape(-1, size)
     if fmt == "mxfp4":

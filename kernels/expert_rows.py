@@ -4,7 +4,8 @@ A "row" is one gate, up or down^T row of `ffn_gud_exps` (docs/gguf-layout.md), n
 elements along the hidden dimension. `row_off` locates each row of a tile of BLOCK_N rows:
 an element offset for float formats (FMT 0: f32/f16/bf16, the pointer is typed) or a byte offset
 for block formats (FMT 1: Q8_0, 34-byte blocks; FMT 2: Q4_0, 18-byte blocks; FMT 6: MXFP4,
-17-byte blocks, read through Q4_0's code path; uint8 pointer).
+17-byte blocks, read through Q4_0's code path; FMT 7 / 9: Q5_0 / Q5_1 and 11 / 13 / 15: Q4_K /
+Q5_K / Q6_K, read through Q8_0's code path per block of 32; uint8 pointer).
 Rows are never dequantized to memory: each helper loads raw bytes and works in fp32 registers.
 
 Two access shapes:
@@ -89,11 +90,96 @@ def u4_to_f32(v):
 
 
 @triton.jit
+def f16_at(p, m):
+    """The f16 at byte pointers p (any shape), as fp32 (two byte loads: K-quant super-blocks
+    put their scales at offsets a typed load could not take)."""
+    lo = tl.load(p, mask=m, other=0).to(tl.uint16)
+    hi = tl.load(p + 1, mask=m, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def q5_block(w_ptr, row_off, m, h0, NB: tl.constexpr, FMT: tl.constexpr):
+    """Q5_0 (FMT 7) / Q5_1 (FMT 9) blocks of 32 as (d or 1, values) like q8_blocks: element i
+    has its low 4 bits in nibble i // 16 of qs[i % 16], its fifth in bit i of the u32 qh."""
+    i = tl.arange(0, 32)
+    BYTES: tl.constexpr = 22 if FMT == 7 else 24
+    QH: tl.constexpr = 2 if FMT == 7 else 4
+    b = h0 // 32 + tl.arange(0, NB)
+    blk = w_ptr + row_off[:, None] + b[None, :] * BYTES  # [BLOCK_N, NB]
+    m3 = m[:, :, None]
+    qs = tl.load(blk[:, :, None] + QH + 4 + (i % 16)[None, None, :], mask=m3, other=0)
+    qh = tl.load(blk[:, :, None] + QH + (i // 8)[None, None, :], mask=m3, other=0)
+    code = ((qs.to(tl.int32) >> (4 * (i // 16))[None, None, :]) & 15) | (
+        ((qh.to(tl.int32) >> (i % 8)[None, None, :]) & 1) << 4
+    )
+    d = f16_at(blk, m)
+    if FMT == 7:
+        out_d, q = d, (code - 16).to(tl.float32)
+    else:  # x = d q + m: the values themselves, scale 1
+        q = d[:, :, None] * code.to(tl.float32) + f16_at(blk + 2, m)[:, :, None]
+        out_d = tl.where(m, 1.0, 0.0)
+    return out_d, q
+
+
+@triton.jit
+def k_block(w_ptr, row_off, m, h0, NB: tl.constexpr, FMT: tl.constexpr):
+    """K-quant sub-blocks of 32 (Q4_K FMT 11, Q5_K 13, Q6_K 15; block b is sub-block b % 8 of
+    super-block b // 8) as (scale, codes) like q8_blocks: Q6_K d and sc * (q - 32); Q4_K /
+    Q5_K 1 and the values d sc_j q - dmin m_j (layouts: kernels.block_codecs)."""
+    i = tl.arange(0, 32)
+    BYTES: tl.constexpr = 144 if FMT == 11 else (176 if FMT == 13 else 210)
+    b = h0 // 32 + tl.arange(0, NB)
+    j = (b % 8)[None, :]  # [1, NB]
+    sb = w_ptr + row_off[:, None] + (b // 8)[None, :] * BYTES  # [BLOCK_N, NB] super-blocks
+    m3 = m[:, :, None]
+    if FMT == 15:
+        h, p = j // 4, j % 4
+        ql = tl.load(sb[:, :, None] + (64 * h + 32 * (p % 2))[:, :, None] + i[None, None, :],
+                     mask=m3, other=0).to(tl.int32)  # fmt: skip
+        qh = tl.load(sb[:, :, None] + (128 + 32 * h)[:, :, None] + i[None, None, :], mask=m3,
+                     other=0).to(tl.int32)  # fmt: skip
+        lo = (ql >> (4 * (p // 2))[:, :, None]) & 15
+        hi = (qh >> (2 * p)[:, :, None]) & 3
+        sc = tl.load((sb[:, :, None] + 192 + 2 * j[:, :, None] + (i // 16)[None, None, :]), mask=m3,
+                     other=0).to(tl.int8, bitcast=True).to(tl.float32)  # fmt: skip
+        out_d = f16_at(sb + 208, m)
+        q = sc * ((lo | (hi << 4)) - 32).to(tl.float32)
+    else:
+        # six-bit scale and min of sub-block j: bytes P = s[j % 4], R = s[j % 4 + 4],
+        # C = s[j % 4 + 8] (j >= 4) of the 12 at byte 4
+        jj = j % 4
+        s_p = tl.load(sb + 4 + jj, mask=m, other=0).to(tl.int32)
+        s_r = tl.load(sb + 8 + jj, mask=m, other=0).to(tl.int32)
+        s_c = tl.load(sb + 12 + jj, mask=m, other=0).to(tl.int32)
+        sc = tl.where(j < 4, s_p & 63, (s_c & 15) | ((s_p >> 6) << 4)).to(tl.float32)
+        mn = tl.where(j < 4, s_r & 63, (s_c >> 4) | ((s_r >> 6) << 4)).to(tl.float32)
+        QS: tl.constexpr = 16 if FMT == 11 else 48
+        qs = tl.load(sb[:, :, None] + QS + (32 * (j // 2))[:, :, None] + i[None, None, :],
+                     mask=m3, other=0).to(tl.int32)  # fmt: skip
+        code = (qs >> (4 * (j % 2))[:, :, None]) & 15
+        if FMT == 13:
+            qh = tl.load(sb[:, :, None] + 16 + i[None, None, :], mask=m3, other=0).to(tl.int32)
+            code = code | (((qh >> j[:, :, None]) & 1) << 4)
+        step = f16_at(sb, m) * sc
+        off = f16_at(sb + 2, m) * mn
+        q = step[:, :, None] * code.to(tl.float32) - off[:, :, None]
+        out_d = tl.where(m, 1.0, 0.0)
+    return out_d, q
+
+
+@triton.jit
 def q8_blocks(w_ptr, row_off, m, h0, H, FMT: tl.constexpr, NB: tl.constexpr):
     """(d [BLOCK_N, NB] fp32 scales, q [BLOCK_N, NB, 32] fp32 quants) of the Q8_0 blocks
-    covering elements [h0, h0 + 32 * NB) of each row; m [BLOCK_N, NB] masks (row, block)."""
+    covering elements [h0, h0 + 32 * NB) of each row; m [BLOCK_N, NB] masks (row, block).
+    The 5-bit and K-quant formats (FMT 7..15) the same way, per block of 32 (q5_block,
+    k_block)."""
     i = tl.arange(0, 32)
-    if FMT == 1:  # GGUF: block b at byte 34 b = f16 d, int8 q[32]
+    if FMT == 7 or FMT == 9:
+        d, q = q5_block(w_ptr, row_off, m, h0, NB, FMT)
+    elif FMT >= 11:
+        d, q = k_block(w_ptr, row_off, m, h0, NB, FMT)
+    elif FMT == 1:  # GGUF: block b at byte 34 b = f16 d, int8 q[32]
         b = h0 // 32 + tl.arange(0, NB)
         blk = w_ptr + row_off[:, None] + b[None, :] * 34
         d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)

@@ -11,9 +11,12 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() and not interpreting()
 
 
 def n_embd_for(fmt: str) -> int:
-    """A multiple of 32 but not a power of two for block formats; not even a multiple of 32
-    for float formats (partial H tiles)."""
-    return 96 if fmt in BLOCKS else 100
+    """A multiple of the block but not a power of two for block formats (3 blocks of 32; for
+    the K-quants 2 super-blocks of 256, 16 blocks of 32: the interpreter's time); not even a
+    multiple of 32 for float formats (partial H tiles)."""
+    if fmt in BLOCKS:
+        return 96 if BLOCKS[fmt][0] == 32 else 512
+    return 100
 
 
 # n_embd of the q8r kernel tests: a multiple of 64 (the kernel's alignment need) whose 6

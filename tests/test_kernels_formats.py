@@ -71,5 +71,8 @@ def test_row_bytes_and_errors():
     assert row_bytes("bf16", 100) == 200
     with pytest.raises(ValueError, match="n_embd % 32"):
         row_bytes("q8_0", 100)
+    assert row_bytes("q5_0", 96) == 66 and row_bytes("q4_k", 512) == 288
+    with pytest.raises(ValueError, match="n_embd % 256"):
+        row_bytes("q5_k", 64)  # K-quant rows are whole super-blocks
     with pytest.raises(ValueError, match="unknown expert weight format"):
-        row_bytes("q5_k", 64)
+        row_bytes("iq4_nl", 64)

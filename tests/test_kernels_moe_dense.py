@@ -15,7 +15,9 @@ from pyruntime.kernels.testing import (
     rtol_for,
 )
 
-FORMATS = ["f32", "f16", "bf16", "q8_0", "q4_0", "q8_0r", "q4_0r", "mxfp4"]
+# the 5-bit and K-quant formats (llama.cpp Q4_K_M / Q5_K_M / Q6_K files)
+NEW_FORMATS = ["q5_0", "q5_1", "q4_k", "q5_k", "q6_k"]
+FORMATS = ["f32", "f16", "bf16", "q8_0", "q4_0", "q8_0r", "q4_0r", "mxfp4", *NEW_FORMATS]
 
 
 @pytest.mark.parametrize("path", ["gemv", "gemm"])

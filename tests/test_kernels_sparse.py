@@ -30,6 +30,10 @@ from pyruntime.kernels.testing import (
 )
 
 FORMATS = ["f16", "bf16", "q8_0", "q4_0", "q8_0r", "q4_0r", "mxfp4"]
+# The 5-bit and K-quant formats (llama.cpp's Q4_K_M / Q5_K_M / Q6_K files) read through the Q8_0
+# family's block path (kernels.expert_rows.q8_blocks): each in the gate and up-down kernels, two
+# of them (an offset format, a K-quant) in every sparse path; moe_dense's tests take all five.
+NEW_FORMATS = ["q5_0", "q5_1", "q4_k", "q5_k", "q6_k"]
 
 
 def gate_away_from(threshold: float, shape, activation: str, margin: float = 1e-3, seed=0):
@@ -71,14 +75,14 @@ def test_sparse_mask_threshold_zero_keeps_all_and_huge_keeps_none():
 
 
 @pytest.mark.parametrize("path", ["gemv", "gemm"])
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + NEW_FORMATS)
 def test_moe_gate_matches_reference(fmt, path):
     x, w, ids, tw = make_case(fmt, 3, seed=11)
     gate = moe_gate(x, w, fmt, ids, path=path)
     assert_close_rel(gate, moe_gate_ref(x, w, fmt, ids), 1e-5)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + NEW_FORMATS)
 def test_sparse_up_down_matches_reference(fmt):
     """Up-down alone, on the reference mask: only the active neurons contribute."""
     x, w, ids, tw = make_case(fmt, 3, seed=12)
@@ -104,7 +108,11 @@ def test_moe_sparse_threshold_zero_equals_dense(fmt, n_tok, path):
 
 
 # every format with silu; gelu on one float and one block format
-FMT_ACT = [(f, "silu") for f in FORMATS] + [("bf16", "gelu"), ("q4_0", "gelu"), ("q4_0r", "gelu")]
+FMT_ACT = [(f, "silu") for f in [*FORMATS, "q5_1", "q4_k"]] + [
+    ("bf16", "gelu"),
+    ("q4_0", "gelu"),
+    ("q4_0r", "gelu"),
+]
 
 
 @pytest.mark.parametrize("path", ["fused", "split", "gemv_mask", "gemm_mask"])

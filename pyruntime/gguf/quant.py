@@ -49,6 +49,11 @@ FORMAT_NAMES = {
     GGMLQuantizationType.Q8_0: "q8_0",
     GGMLQuantizationType.Q4_0: "q4_0",
     GGMLQuantizationType.MXFP4: "mxfp4",
+    GGMLQuantizationType.Q5_0: "q5_0",
+    GGMLQuantizationType.Q5_1: "q5_1",
+    GGMLQuantizationType.Q4_K: "q4_k",
+    GGMLQuantizationType.Q5_K: "q5_k",
+    GGMLQuantizationType.Q6_K: "q6_k",
 }
 MXFP4_BLOCK_BYTES = 17  # uint8 e (E8M0 scale), uint8 qs[16]
 E8M0_NAN = 0xFF  # the scale code that is no power of two: a broken block
