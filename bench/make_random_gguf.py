@@ -320,6 +320,12 @@ class RandomTensor:
             d = WEIGHT_STD / (73.3 if q == Q.Q8_0 else 4.61)
             raw[:, :, 0:2] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
             return raw
+        if q in RANDOM_SCALES:  # 5-bit and K-quant blocks: random codes and packed scales
+            block, size = GGML_QUANT_SIZES[q]
+            raw = rng.integers(0, 256, size=(rows, n // block, size), dtype=np.uint8)
+            for at, d in RANDOM_SCALES[q]:
+                raw[:, :, at : at + 2] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
+            return raw
         if q == Q.MXFP4:
             raw = rng.integers(0, 256, size=(rows, n // 32, 17), dtype=np.uint8)
             # uniform e2m1 codes have std ~2.93; scale 2^(120 - 127) gives ~0.023
@@ -328,6 +334,16 @@ class RandomTensor:
         raise ValueError(f"{self.name}: no random generator for {q.name}")
 
 
+# (byte offset, f16 value) of the block scales of the 5-bit and K-quant formats, for weights of
+# std ~WEIGHT_STD: Q5 codes have std ~9.2; K-quant codes times six-bit sub-block scales
+# (mean 31.5) ~145 (Q4_K), ~290 (Q5_K); Q6_K codes times int8 scales ~1360.
+RANDOM_SCALES = {
+    Q.Q5_0: ((0, WEIGHT_STD / 9.2),),
+    Q.Q5_1: ((0, WEIGHT_STD / 9.2), (2, -16 * WEIGHT_STD / 9.2)),
+    Q.Q4_K: ((0, WEIGHT_STD / 145), (2, WEIGHT_STD / 250)),
+    Q.Q5_K: ((0, WEIGHT_STD / 290), (2, WEIGHT_STD / 250)),
+    Q.Q6_K: ((208, WEIGHT_STD / 1360),),
+}
 TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "tiny-tokenizer"
 LAYOUTS = ("pyruntime", "llama.cpp")
 
@@ -408,10 +424,11 @@ def make_random_gguf(
         plan = arch.tensor_plan()
     vocab = load_vocab(tok_dir, config, arch.n_vocab, arch.end_of_turn_tokens)
     specs = [(t.name, t.shape, t.kind) for t in plan]
+    n_layer = 1 + max(int(n.split(".")[1]) for n, _, _ in specs if n.startswith("blk."))
     if layout == "llama.cpp":
         specs = llama_cpp_plan(plan, arch.gguf_arch)
     tensors = [
-        RandomTensor(name, shape_, choose_qtype(kind, shape_[-1], outtype), seed=i)
+        RandomTensor(name, shape_, choose_qtype(kind, shape_[-1], outtype, name, n_layer), seed=i)
         for i, (name, shape_, kind) in enumerate(specs)
     ]
     tmp_out = outfile.with_name(f".{outfile.name}.tmp")

@@ -13,6 +13,7 @@ from test_parity import load_runtime, mean_kl, prompt_ids, runtime_logprobs
 from pyruntime.converter import convert
 from pyruntime.converter.tensors import choose_qtype, use_more_bits
 from pyruntime.gguf.file import open_gguf
+from pyruntime.kernels.block_codecs import encode
 
 # Mean KL from F32 per token (nats) over the 64 tokens of test_parity's prompt, tiny random olmoe /
 # qwen2moe with hidden 256: measured q4_k_m 0.0009 / 0.0014, q5_k_m 0.0003 / 0.0004, q6_k 0.0001;
@@ -78,3 +79,34 @@ def test_kquant_models_close_to_f32(hf256, outtype, tmp_path):
     # paths' f32 rounding differ: single positions off by ~3e-3 in log-prob, a KL of ~1e-7)
     assert mean_kl(lq, lq_dec) <= 1e-6
     assert torch.isfinite(lq).all()
+
+
+def test_llamacpp_kquant_file_runs_at_its_formats(hf256, tmp_path):
+    """llama-quantize's Q4_K_M mix of a llama.cpp-layout file with rows of 256 (K-quants written
+    by our quantizer, llama-quantize's stand-in here): the repacked copy keeps Q4_K where the
+    layer's three expert tensors are Q4_K and takes Q6_K where down is (the more-bits layer), and
+    the model stays as close to F32 as our own q4_k_m conversion."""
+    from llamacpp_fixtures import llama_quantize, to_llamacpp
+
+    from pyruntime.api import Model
+
+    arch, hf = hf256
+    if arch != "olmoe":
+        pytest.skip("qwen2moe's experts have rows of 64: no K-quant there")
+    ours = convert(hf, tmp_path / "f32.gguf", "f32", progress=False)
+    lcpp = to_llamacpp(ours, tmp_path / "lcpp-f32.gguf")
+
+    def k_quantize(rows, qtype):
+        return encode(torch.from_numpy(rows.copy()), qtype.name.lower()).numpy()
+
+    src = llama_quantize(lcpp, tmp_path / "lcpp-Q4_K_M.gguf", "Q4_K_M", k_quantize)
+    m = Model(src, device="cpu")
+    got = m.file.tensors
+    assert got["blk.0.ffn_gud_exps.weight"].qtype == Q.Q4_K
+    assert got["blk.1.ffn_gud_exps.weight"].qtype == Q.Q6_K
+    assert got["blk.0.attn_q.weight"].qtype == Q.Q4_K
+    ids = prompt_ids(4096)
+    lp = runtime_logprobs(load_runtime(ours, "auto"), ids)
+    lq = torch.log_softmax(torch.from_numpy(m.logits(ids.tolist())).double(), -1).float()
+    kl = mean_kl(lp, lq)
+    assert kl <= KL_TOL["q4_k_m"], f"llama.cpp-layout Q4_K_M: mean KL from f32 {kl:.3g}"

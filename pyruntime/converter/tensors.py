@@ -46,7 +46,13 @@ EXPERT_TYPES = {"mxfp4": Q.MXFP4}  # outtypes whose routed experts differ from W
 K_MIXES = {"q4_k_m": (Q.Q4_K, Q.Q6_K), "q5_k_m": (Q.Q5_K, Q.Q6_K), "q6_k": (Q.Q6_K, Q.Q6_K)}
 # Where a row is not a multiple of 256, llama-quantize's fallback (tensor_type_fallback)
 K_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
-_MORE_BITS = ("attn_v.weight", "ffn_down.weight", "ffn_down_shexp.weight", "ffn_gud_exps.weight")
+_MORE_BITS = (
+    "attn_v.weight",
+    "ffn_down.weight",
+    "ffn_down_shexp.weight",
+    "ffn_gud_exps.weight",
+    "ffn_down_exps.weight",
+)  # the last: llama.cpp's layout (bench files)
 # The formats gguf-py cannot quantize to (pyruntime.kernels.block_codecs does)
 _TORCH_CODECS = {Q.Q4_K: "q4_k", Q.Q5_K: "q5_k", Q.Q6_K: "q6_k"}
 
@@ -108,7 +114,7 @@ def choose_qtype(kind: Kind, row_len: int, outtype: str, name: str = "",
 def quantize_rows(rows: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """float32 rows [r, n] -> their bytes in `qtype` (gguf-py's quantizer; the K-quants ours)."""
     if qtype in _TORCH_CODECS:
-        return encode(torch.from_numpy(np.ascontiguousarray(rows)), _TORCH_CODECS[qtype]).numpy()
+        return encode(torch.from_numpy(np.array(rows, np.float32)), _TORCH_CODECS[qtype]).numpy()
     return quantize(rows, qtype)
 
 
