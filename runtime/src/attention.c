@@ -79,21 +79,6 @@ int pyrt_attention_prepare(pyrt_attention *a, int pos, int cap, const char *fn) 
     return PYRT_OK;
 }
 
-/* HF rotate_half on the first rope_dim dims of each of n_heads heads of x [n_heads, hd]:
- * with c = cos(pos f_i), s = sin(pos f_i), i < rope_dim/2:
- * x[i] <- x[i] c - x[i + d/2] s,  x[i + d/2] <- x[i + d/2] c + x[i] s. */
-static void rope(float *x, int n_heads, int hd, int rope_dim, const float *cs) {
-    const int half = rope_dim / 2;
-    for (int h = 0; h < n_heads; h++) {
-        float *xh = x + (size_t)h * hd;
-        for (int i = 0; i < half; i++) {
-            const float x1 = xh[i], x2 = xh[i + half], c = cs[2 * i], s = cs[2 * i + 1];
-            xh[i] = x1 * c + (-x2) * s;
-            xh[i + half] = x2 * c + x1 * s;
-        }
-    }
-}
-
 pyrt_mv_job pyrt_attention_qkv_job(const pyrt_attention *a, const pyrt_block_weights *b) {
     return (pyrt_mv_job){
         .out = {{&b->wq, b->bq.data, a->q, 0},
@@ -214,7 +199,7 @@ void pyrt_attention_task(void *p, int ith, int nth) {
             pyrt_pool_wait_flag(t->pool, &a->rows_done[a->n_head + a->n_head_kv + kvh], hd, ith);
             if (b->k_norm.data != NULL)
                 pyrt_rms_norm(k, b->k_norm.data, a->rms_eps, hd, k);
-            rope(k, 1, hd, a->rope_dim, a->rope_cs);
+            pyrt_rope(k, 1, hd, a->rope_dim, a->rope_cs);
             const size_t at = ((size_t)kvh * t->l.cap + t->l.pos) * hd;
             memcpy(t->l.kc + at, k, (size_t)hd * sizeof(float));
             memcpy(t->l.vc + at, v, (size_t)hd * sizeof(float));
@@ -224,7 +209,7 @@ void pyrt_attention_task(void *p, int ith, int nth) {
         }
         if (b->q_norm.data != NULL)
             pyrt_rms_norm(q, b->q_norm.data, a->rms_eps, hd, q);
-        rope(q, 1, hd, a->rope_dim, a->rope_cs);
+        pyrt_rope(q, 1, hd, a->rope_dim, a->rope_cs);
         attend_head(t, h);
         /* the last head done quantizes att for o (one vector of n_head * head_dim) */
         if (atomic_fetch_add_explicit(&a->heads_done, 1, memory_order_acq_rel) == a->n_head - 1) {
@@ -291,8 +276,8 @@ void pyrt_attention_run(pyrt_attention *a, pyrt_pool *pool, const pyrt_attn_laye
             pyrt_rms_norm(k, b->k_norm.data, a->rms_eps, hd, k);
         }
     }
-    rope(a->q, a->n_head, hd, a->rope_dim, a->rope_cs);
-    rope(a->k, a->n_head_kv, hd, a->rope_dim, a->rope_cs);
+    pyrt_rope(a->q, a->n_head, hd, a->rope_dim, a->rope_cs);
+    pyrt_rope(a->k, a->n_head_kv, hd, a->rope_dim, a->rope_cs);
     for (int h = 0; h < a->n_head_kv; h++) {
         memcpy(l->kc + ((size_t)h * l->cap + l->pos) * hd, a->k + (size_t)h * hd,
                (size_t)hd * sizeof(float));

@@ -78,19 +78,6 @@ typedef struct {
     const pyrt_row_ops *f32;
 } attn_ctx;
 
-/* HF rotate_half on the first rope_dim dims of each of n_heads heads of x (attention.c's rope). */
-static void rope(float *x, int n_heads, int hd, int rope_dim, const float *cs) {
-    const int half = rope_dim / 2;
-    for (int h = 0; h < n_heads; h++) {
-        float *xh = x + (size_t)h * hd;
-        for (int i = 0; i < half; i++) {
-            const float x1 = xh[i], x2 = xh[i + half], c = cs[2 * i], s = cs[2 * i + 1];
-            xh[i] = x1 * c + (-x2) * s;
-            xh[i + half] = x2 * c + x1 * s;
-        }
-    }
-}
-
 static void qk_token(void *p, int64_t t, int ith) {
     (void)ith;
     const attn_ctx *a = p;
@@ -111,8 +98,8 @@ static void qk_token(void *p, int64_t t, int ith) {
             pyrt_rms_norm(k + (size_t)h * hd, blk->k_norm.data, w->rms_eps, hd, k + (size_t)h * hd);
     }
     const float *cs = b->rope_cs + (size_t)t * (w->rope_dim > 0 ? w->rope_dim : 1);
-    rope(q, w->n_head, hd, w->rope_dim, cs);
-    rope(k, w->n_head_kv, hd, w->rope_dim, cs);
+    pyrt_rope(q, w->n_head, hd, w->rope_dim, cs);
+    pyrt_rope(k, w->n_head_kv, hd, w->rope_dim, cs);
     const size_t cap = (size_t)a->c->cache->cap, pos = (size_t)a->c->pos + (size_t)t;
     for (int h = 0; h < w->n_head_kv; h++) {
         const size_t at = ((size_t)h * cap + pos) * hd, bytes = (size_t)hd * sizeof(float);

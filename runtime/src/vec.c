@@ -1,5 +1,6 @@
-/* Serial vector pieces of the decode step and the prefill: RMS norm and softmax. */
+/* Serial vector pieces of the decode step and the prefill: RMS norm, softmax and RoPE. */
 #include <math.h>
+#include <stddef.h>
 
 #include "vec.h"
 
@@ -37,4 +38,19 @@ void pyrt_softmax_sink(float *p, int n, float sink) {
     sum += expf(sink - mx);
     for (int i = 0; i < n; i++)
         p[i] /= sum;
+}
+
+/* HF rotate_half on the first rope_dim dims of each of n_heads heads of x [n_heads, hd]:
+ * with c = cos(pos f_i), s = sin(pos f_i), i < rope_dim/2:
+ * x[i] <- x[i] c - x[i + d/2] s,  x[i + d/2] <- x[i + d/2] c + x[i] s. */
+void pyrt_rope(float *x, int n_heads, int hd, int rope_dim, const float *cs) {
+    const int half = rope_dim / 2;
+    for (int h = 0; h < n_heads; h++) {
+        float *xh = x + (size_t)h * hd;
+        for (int i = 0; i < half; i++) {
+            const float x1 = xh[i], x2 = xh[i + half], c = cs[2 * i], s = cs[2 * i + 1];
+            xh[i] = x1 * c + (-x2) * s;
+            xh[i + half] = x2 * c + x1 * s;
+        }
+    }
 }

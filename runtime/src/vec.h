@@ -15,4 +15,8 @@ void pyrt_softmax(float *p, int n);
  * (gpt-oss's attention sinks). */
 void pyrt_softmax_sink(float *p, int n, float sink);
 
+/* HF rotate_half on the first rope_dim dims of each of n_heads heads of x [n_heads, hd];
+ * cs [rope_dim]: (cos, sin) pairs. */
+void pyrt_rope(float *x, int n_heads, int hd, int rope_dim, const float *cs);
+
 #endif /* PYRT_VEC_H */
