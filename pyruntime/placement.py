@@ -44,11 +44,12 @@ class DeviceChoice:
 def allocatable_bytes(dev: torch.device) -> int:
     """Bytes torch can allocate on `dev` now: the driver's free memory, capped by torch's
     per-process limit, plus the free part of torch's cache."""
-    free, total = torch.cuda.mem_get_info(dev)
+    index = dev.index  # None: the current device (torch.device("cuda") is refused by some calls)
+    free, total = torch.cuda.mem_get_info(index)
     try:
-        reserved = torch.cuda.memory_reserved(dev)
-        allocated = torch.cuda.memory_allocated(dev)
-        fraction = torch.cuda.get_per_process_memory_fraction(dev)
+        reserved = torch.cuda.memory_reserved(index)
+        allocated = torch.cuda.memory_allocated(index)
+        fraction = torch.cuda.get_per_process_memory_fraction(index)
     except (RuntimeError, AssertionError, AttributeError):  # no allocator to ask
         return int(free)
     cap = int(fraction * total) - reserved  # what torch may still reserve

@@ -175,6 +175,7 @@ def test_decode_graph_captured_once_per_cache(tiny_ggufs, monkeypatch):
         pytest.skip("family-independent")
     _, eager = _models(tiny_ggufs["f32"], DEVICE)
     _, dev = _models(tiny_ggufs["f32"], DEVICE)
+    eager.cuda_graphs = False  # on CUDA both default to graphs; only dev's captures count
     captures = use_eager_graphs(monkeypatch, dev)
     cache, eager_cache = dev.new_cache(8), eager.new_cache(8)
     dev.forward([1, 2, 3], cache)

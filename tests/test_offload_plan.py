@@ -150,11 +150,21 @@ def test_the_budget_counts_torchs_own_cap_not_just_the_drivers_free_memory(monke
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (70 << 30, 80 << 30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 6 << 30)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 5 << 30)
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda dev=None: 0.25)
+
+    def fraction(value):  # torch's refuses torch.device("cuda"), without an index (ValueError)
+        def get(dev=None):
+            if isinstance(dev, torch.device) and dev.index is None:
+                raise ValueError(f"Expected a torch.device with a specified index, got {dev}")
+            return value
+
+        return get
+
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", fraction(0.25))
     # may still reserve 20 - 6 = 14 GiB, plus 1 GiB cached and free in torch's pool
     assert allocatable_bytes(torch.device("cuda")) == 15 << 30
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda dev=None: 1.0)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", fraction(1.0))
     assert allocatable_bytes(torch.device("cuda")) == 71 << 30
+    assert allocatable_bytes(torch.device("cuda", 0)) == 71 << 30
 
 
 # -- the command line ---------------------------------------------------------------------------
