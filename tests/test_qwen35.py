@@ -159,6 +159,16 @@ def test_info_shows_the_deltanet_fields(f32_path, capsys):
     assert "8 of 32 per head" in out
 
 
+def test_bench_runs_on_the_cpu_and_labels_the_file(f32_path, capsys):
+    """`pyruntime bench`'s table labels the model by the type holding most weights (a Gated
+    DeltaNet layer has no attn_q, which it once read: the run ended in an error)."""
+    from pyruntime.cli import main
+
+    assert main(["bench", str(f32_path), "--device", "cpu", "-p", "4", "-n", "2", "-r", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| qwen35moe " in out and " F32 |" in out and "| tg2 |" in out
+
+
 def test_a_file_missing_a_deltanet_tensor_is_refused(f32_path, tmp_path):
     from gguf import GGUFReader, GGUFWriter
 

@@ -134,7 +134,13 @@ def describe_model(model: Any) -> dict[str, Any]:
     """Model name, size and parameter count for the table (from the GGUF)."""
     f = model.file
     n_params = sum(t.n_elements for t in f.tensors.values())
-    qtype = f.tensor("blk.0.attn_q.weight").qtype.name
+    # the type holding most weights (llama-bench's label); a layer's attn_q is not in every
+    # architecture (Gated DeltaNet layers have none)
+    elements: dict[str, int] = {}
+    for t in f.tensors.values():
+        if len(t.shape) >= 2:
+            elements[t.qtype.name] = elements.get(t.qtype.name, 0) + t.n_elements
+    qtype = max(elements, key=elements.get)
     return {
         "model": f"{f.arch} {n_params / 1e9:.2f}B {qtype}",
         "model_size": f.file_size,
