@@ -109,6 +109,8 @@ CASES = {
                 "-t"),
     "gpu-sparse": Case((*BENCH, "-p", "512", "-n", "128", "-r", "3", "--device", "cuda",
                         "--sparsity", "0.85"), bench_json, "-t", calibrate=True),
+    **{f"gpu-pp{n}": Case((*BENCH, "-p", str(n), "-n", "0", "-r", "5", "--device", "cuda"),
+                          bench_json, "-t") for n in (128, 512, 2048)},
     "cpu": Case((*BENCH, "-p", "0", "-n", "32", "-r", "3", "--device", "cpu"), bench_json, "-t"),
     "cpu-prefill": Case((*BENCH, "-p", "512", "-n", "0", "-r", "3", "--device", "cpu"), bench_json,
                         "-t"),
@@ -118,6 +120,10 @@ CASES = {
 CASE_HELP = {
     "gpu": "pyruntime bench -p 512 -n 128 -r 3 --device cuda: pp512, tg128",
     "gpu-sparse": "the same with --sparsity 0.85, after pyruntime calibrate",
+    **{
+        f"gpu-pp{n}": f"pyruntime bench -p {n} -n 0 -r 5 --device cuda: pp{n} (prefill only)"
+        for n in (128, 512, 2048)
+    },
     "cpu": "pyruntime bench -p 0 -n 32 -r 3 --device cpu: tg32",
     "cpu-prefill": "pyruntime bench -p 512 -n 0 -r 3 --device cpu: pp512",
     "cpu-decode": "bench/cpu_decode.py SHAPE --gguf MODEL --tokens 64: median step",

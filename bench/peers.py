@@ -10,12 +10,17 @@ as llama.cpp stores them). Setups, each a llama-bench flag set and pyruntime's c
     cpu-moe   llama-bench -ngl 99 -fa 1 -ncmoe L -t T     (none yet: every layer's experts on
                                                           the CPU, the rest on the GPU)
 
-Both run pp P and tg N (-p, -n) with -r R repetitions after their own warm-up; per round and
-setup llama.cpp runs first, then pyruntime. The table gives each side's mean tokens/s (median
-over rounds when --rounds > 1) and pyruntime / llama.cpp.
+Both run pp P (one or more -p sizes) and tg N (-n) with -r R repetitions after their own
+warm-up; per round and setup llama.cpp runs first, then pyruntime (one `pyruntime bench` per
+prompt size, tg with the first). The table gives each side's mean tokens/s (median over rounds
+when --rounds > 1) and pyruntime / llama.cpp, and for the GPU's pp rows the compute floor:
+FLOPs per prompt token (bench/cpu_prefill.py's count, of the pyruntime GGUF) at the peak of a
+plain bf16 torch GEMM measured in the same run (bench/gpu_prefill.py --peak-only, in its own
+process after each round's GPU setup; median over rounds).
 
     bash bench/peers_build.sh /tmp/peers          # last line: the llama-bench binary
     python bench/peers.py olmoe-1b-7b --llama-bench /tmp/peers/llama.cpp/build-cuda/bin/llama-bench
+    python bench/peers.py olmoe-1b-7b --setups gpu -p 128 512 2048 -n 0 --llama-bench LLAMA_BENCH
     python bench/peers.py tiny-olmoe --setups cpu -p 64 -n 32 --llama-bench LLAMA_BENCH
 """
 
@@ -80,6 +85,22 @@ def models(shape: str, outtype: str, folder: Path) -> tuple[Path, Path]:
     return ours, theirs
 
 
+def gpu_floors(gguf: Path, prompts: list[int], peak_tflops: float) -> dict[str, float]:
+    """{ppN: tokens/s} at the compute floor: FLOPs per prompt token of N tokens at the peak."""
+    from types import SimpleNamespace
+
+    from cpu_prefill import flops_per_token
+
+    from pyruntime.gguf.file import open_gguf
+    from pyruntime.model.config import ModelConfig
+    from pyruntime.model.weights import HostWeights
+
+    f = open_gguf(gguf)
+    cfg = ModelConfig.from_gguf(f)
+    model = SimpleNamespace(config=cfg, weights=HostWeights.from_gguf(f, cfg))
+    return {f"pp{n}": peak_tflops * 1e12 / flops_per_token(model, n) for n in prompts}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -94,7 +115,7 @@ def main() -> None:
         default=None,
         help="default: gpu and cpu-moe where torch sees a GPU, and cpu",
     )
-    p.add_argument("-p", "--n-prompt", type=int, default=512)
+    p.add_argument("-p", "--n-prompt", type=int, nargs="+", default=[512])
     p.add_argument("-n", "--n-gen", type=int, default=128)
     p.add_argument("-r", "--repetitions", type=int, default=3)
     p.add_argument("-t", "--threads", type=int, default=None, help="default: physical cores")
@@ -114,12 +135,15 @@ def main() -> None:
         setups = ["gpu", "cpu-moe", "cpu"] if torch.cuda.is_available() else ["cpu"]
     ours, theirs = models(args.shape, args.outtype, args.gguf_dir)
     layers = CONFIGS[args.shape]["num_hidden_layers"]
-    tests = ["-p", str(args.n_prompt), "-n", str(args.n_gen), "-r", str(args.repetitions)]
+    prompts = ",".join(str(n) for n in args.n_prompt)
+    reps = ["-r", str(args.repetitions)]
     results: dict[tuple[str, str], dict[str, list[float]]] = {}
+    peaks: list[float] = []
     info = None
     for rnd in range(args.rounds):
         for setup in setups:
             lflags, pflags = SETUPS[setup]
+            tests = ["-p", prompts, "-n", str(args.n_gen), *reps]
             cmd = [str(args.llama_bench), "-m", str(theirs), *tests, "-o", "json"]
             rows = llama_rows(run(cmd + fill(lflags, threads, layers), "llama-bench", args.timeout))
             info = info or next(iter(rows.values()))
@@ -127,7 +151,8 @@ def main() -> None:
                 results.setdefault((setup, test), {}).setdefault("llama.cpp", []).append(
                     row["avg_ts"]
                 )
-            if pflags is not None:
+            for i, n_prompt in enumerate(args.n_prompt if pflags is not None else []):
+                tests = ["-p", str(n_prompt), "-n", str(args.n_gen if i == 0 else 0), *reps]
                 cmd = [sys.executable, "-c", LAUNCHER, str(ROOT), "-m", "pyruntime", "bench",
                        str(ours), *tests, "-o", "json", *fill(pflags, threads, layers)]  # fmt: skip
                 out = run(cmd, "pyruntime bench", args.timeout)
@@ -135,18 +160,28 @@ def main() -> None:
                     results.setdefault((setup, test), {}).setdefault("pyruntime", []).append(
                         row["avg_ts"]
                     )
+            if setup == "gpu":
+                peak = run([sys.executable, str(ROOT / "bench" / "gpu_prefill.py"), "--peak-only"],
+                           "bf16 GEMM peak", args.timeout)  # fmt: skip
+                peaks.append(float(peak.split()[-1]))
             print(f"round {rnd + 1}/{args.rounds} {setup} done", file=sys.stderr, flush=True)
+    floors = gpu_floors(ours, args.n_prompt, statistics.median(peaks)) if peaks else {}
     print(f"{args.shape} {args.outtype}, {threads} threads; llama.cpp {info['build_commit']} "
           f"({info['backends']}) on {info['cpu_info']}"
           + (f", {info['gpu_info']}" if info.get("gpu_info") else ""))  # fmt: skip
-    print("\n| setup | test | llama.cpp t/s | pyruntime t/s | pyruntime / llama.cpp |")
-    print("|---|---|---:|---:|---:|")
+    if peaks:
+        print(f"bf16 GEMM peak {statistics.median(peaks):.0f} TFLOP/s (torch.mm 8192^3, median "
+              f"of {len(peaks)})")  # fmt: skip
+    print("\n| setup | test | llama.cpp t/s | pyruntime t/s | pyruntime / llama.cpp | floor t/s |")
+    print("|---|---|---:|---:|---:|---:|")
     for (setup, test), sides in results.items():
         lc = statistics.median(sides["llama.cpp"])
         ours_ts = statistics.median(sides["pyruntime"]) if "pyruntime" in sides else None
         cell = f"{ours_ts:.2f}" if ours_ts else "-"
         ratio = f"{ours_ts / lc:.2f}x" if ours_ts else "-"
-        print(f"| {setup} | {test} | {lc:.2f} | {cell} | {ratio} |")
+        floor = floors.get(test) if setup == "gpu" else None
+        print(f"| {setup} | {test} | {lc:.2f} | {cell} | {ratio} | "
+              f"{f'{floor:.0f}' if floor else '-'} |")  # fmt: skip
 
 
 if __name__ == "__main__":

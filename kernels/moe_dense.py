@@ -8,10 +8,13 @@ weights) and `moe_dense`, which runs the dense path kernels.expert_paths picks:
   neurons): gate and up dots over n_embd, then the down axpy into y[t] with relaxed fp32 atomics.
   Every weight byte of the routed experts is read once per pair (memory bound). Its other modes
   are kernels.moe_sparse's gate-only and sparse kernels.
-- "gemm" (larger T): pairs are grouped by expert (`moe_align`, like vLLM's
-  moe_align_block_size, in torch, no host sync) and two grouped GEMMs run on tl.dot tiles:
-  `_moe_gemm_gate_up_kernel` (act(gate) * up -> inter [P, n_ff] fp32), then
+- "gemm" (larger T, prefill): pairs are grouped by expert (kernels.moe_align, like vLLM's
+  moe_align_block_size; no host sync) and two grouped GEMMs run on tensor-core tiles, one launch
+  each: `_moe_gemm_gate_up_kernel` (act(gate) * up -> inter [P, n_ff], in the dot dtype), then
   `_moe_gemm_down_kernel` (inter @ down, times the routing weight, atomically added into y).
+  Weight tiles are dequantized in registers from the stored format (expert_rows.rows_tile) to
+  the dot dtype: bf16 / f16 tensor cores with fp32 accumulation for bf16 / f16 x, exact fp32
+  dots for f32 x (and under the interpreter, whose bf16 dots are wrong).
 - "q8r_pipe", "q8r_stream" (q8_0r with n_embd % 64 == 0): kernels.moe_q8r.
 
 P = T * K token-expert pairs; pair p is token p // K, slot p % K. The output y is fp32. With an
@@ -48,7 +51,8 @@ from .expert_rows import (
     rows_tile,
     up_fn,
 )
-from .launch import interpreting
+from .launch import DOT_BF16, DOT_F16, dot_code, interpreting
+from .moe_align import moe_align
 from .moe_args import add_down_bias, bias_args, check_moe_args, flat_routing, map_args, n_expert_of
 from .moe_q8r import moe_q8r_pipe, moe_q8r_stream
 
@@ -231,42 +235,20 @@ def moe_dense_gemv(x, w, fmt, topk_ids, topk_w, activation="silu", *, expert_map
 # "gemm": pairs grouped by expert, grouped GEMMs on tl.dot tiles
 
 
-def moe_align(topk_ids: torch.Tensor, n_expert: int, block_m: int):
-    """Group the P = T*K pairs by expert into BLOCK_M-row blocks (vLLM moe_align_block_size).
-
-    Returns (sorted_pairs [max_padded] int32, with P marking padding; block_expert [n_blocks]
-    int32; total [1] int32 = padded rows actually used). Sizes depend only on (P, n_expert,
-    block_m), never on the routing, so there is no host sync and the launch is graph-safe:
-    blocks at or past `total` exit at once.
-    """
-    dev = topk_ids.device
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    P = flat.numel()
-    counts = torch.zeros(n_expert, dtype=torch.int64, device=dev)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    end = torch.cumsum(padded, 0)  # [E] end row of each expert's segment
-    start = end - padded
-    order = torch.argsort(flat, stable=True)  # pairs sorted by expert
-    first = torch.cumsum(counts, 0) - counts  # [E] rank of each expert's first pair in `order`
-    e_sorted = flat[order]
-    dest = start[e_sorted] + torch.arange(P, device=dev) - first[e_sorted]
-    max_padded = P + min(n_expert, P) * (block_m - 1)
-    n_blocks = triton.cdiv(max_padded, block_m)
-    sorted_pairs = torch.full((n_blocks * block_m,), P, dtype=torch.int32, device=dev)
-    sorted_pairs[dest] = order.to(torch.int32)
-    rows = torch.arange(n_blocks, device=dev) * block_m
-    block_expert = torch.searchsorted(end, rows, right=True).clamp_(max=n_expert - 1)
-    return sorted_pairs, block_expert.to(torch.int32), end[-1:].to(torch.int32)
+def inter_dtype(dot: int) -> torch.dtype:
+    """dtype of the act * up intermediate between the two GEMMs: the down GEMM's input type."""
+    return {DOT_BF16: torch.bfloat16, DOT_F16: torch.float16}.get(dot, torch.float32)
 
 
 @triton.jit
-def _dot(a, b_t, acc, DOT_BF16: tl.constexpr):
-    """acc + a @ b_t^T: bf16 tensor cores when DOT_BF16, else exact fp32 (ieee)."""
-    if DOT_BF16:
+def _dot(a, b_t, acc, DOT: tl.constexpr):
+    """acc + a @ b_t^T: bf16 (DOT 1) or f16 (DOT 2) tensor cores, else exact fp32 (ieee)."""
+    if DOT == 1:
         acc = tl.dot(a.to(tl.bfloat16), tl.trans(b_t.to(tl.bfloat16)), acc)
+    elif DOT == 2:
+        acc = tl.dot(a.to(tl.float16), tl.trans(b_t.to(tl.float16)), acc)
     else:
-        acc = tl.dot(a, tl.trans(b_t), acc, input_precision="ieee")
+        acc = tl.dot(a.to(tl.float32), tl.trans(b_t.to(tl.float32)), acc, input_precision="ieee")
     return acc
 
 
@@ -277,7 +259,7 @@ def _moe_gemm_gate_up_kernel(
     sorted_ptr,  # [n_blocks * BLOCK_M] int32 pair ids grouped by expert, P = padding
     blk_expert_ptr,  # [n_blocks] int32 expert id of each block
     total_ptr,  # [1] int32 padded rows in use
-    out_ptr,  # [P, F] f32: act(gate) * up, or gate (GATE_ONLY)
+    out_ptr,  # [P, F] act(gate) * up (inter_dtype), or gate (GATE_ONLY, f32)
     H,
     F,
     RB,
@@ -289,7 +271,7 @@ def _moe_gemm_gate_up_kernel(
     FMT: tl.constexpr,
     ACT: tl.constexpr,
     GATE_ONLY: tl.constexpr,
-    DOT_BF16: tl.constexpr,
+    DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -320,11 +302,10 @@ def _moe_gemm_gate_up_kernel(
         h = h0 + tl.arange(0, BLOCK_K)
         am = pm[:, None] & (h < H)[None, :]
         a = tl.load(x_ptr + tok[:, None] * stride_x + h[None, :], mask=am, other=0.0)
-        a = a.to(tl.float32)
-        acc_g = _dot(a, rows_tile(w_ptr, gate_off, nm, h0, H, FMT, BLOCK_K), acc_g, DOT_BF16)
+        acc_g = _dot(a, rows_tile(w_ptr, gate_off, nm, h0, H, FMT, BLOCK_K), acc_g, DOT)
         if not GATE_ONLY:
             wu = rows_tile(w_ptr, gate_off + RB, nm, h0, H, FMT, BLOCK_K)
-            acc_u = _dot(a, wu, acc_u, DOT_BF16)
+            acc_u = _dot(a, wu, acc_u, DOT)
     if HAS_BIAS:  # the block's experts are one: its biases, by global id
         bg, bu = gate_up_bias(bias_ptr, blk_expert_ptr, pid_m, n, nm, F)
         acc_g += bg[None, :]
@@ -334,12 +315,12 @@ def _moe_gemm_gate_up_kernel(
     else:
         out = act_fn(acc_g, ACT) * up_fn(acc_u, ACT)
     o = out_ptr + pairs.to(tl.int64)[:, None] * F + n[None, :]
-    tl.store(o, out, mask=pm[:, None] & nm[None, :])
+    tl.store(o, out.to(out_ptr.dtype.element_ty), mask=pm[:, None] & nm[None, :])
 
 
 @triton.jit
 def _moe_gemm_down_kernel(
-    inter_ptr,  # [P, F] f32: act(gate) * up
+    inter_ptr,  # [P, F] act(gate) * up (inter_dtype)
     w_ptr,
     sorted_ptr,
     blk_expert_ptr,
@@ -353,7 +334,7 @@ def _moe_gemm_down_kernel(
     P,
     map_ptr,  # HAS_MAP: [n_expert] int32 expert map (kernels.moe_args)
     FMT: tl.constexpr,
-    DOT_BF16: tl.constexpr,
+    DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # neurons per step (the reduction axis here)
     BLOCK_H: tl.constexpr,  # output columns per program
@@ -378,20 +359,42 @@ def _moe_gemm_down_kernel(
         nm = n < F
         a = tl.load(inter_ptr + pairs64[:, None] * F + n[None, :], mask=pm[:, None] & nm[None, :])
         wd = rows_tile(w_ptr, ((e * F + n) * 3 + 2) * RB, nm, h0, H, FMT, BLOCK_H)  # [BN, BH]
-        acc = _dot(a, tl.trans(wd), acc, DOT_BF16)
+        acc = _dot(a, tl.trans(wd), acc, DOT)
     acc = acc * tl.load(tw_ptr + pairs, mask=pm, other=0.0)[:, None]
     y = y_ptr + (pairs64 // K)[:, None] * H + h[None, :]
     tl.atomic_add(y, acc, mask=pm[:, None] & (h < H)[None, :], sem="relaxed")
 
 
+# (BLOCK_M, gate-up (BLOCK_N, BLOCK_K, num_warps, num_stages), down (BLOCK_N neurons per step,
+# BLOCK_H output columns, num_warps, num_stages)) of the grouped GEMMs by pairs per expert:
+# - "few" (<= 8) and "some" (<= 48): H100-measured at T = 16..256 of the qwen3-30b-a3b shape,
+#   memory bound in bf16 (~2.9 TB/s at T = 256);
+# - "many" (> 48, prefill of hundreds of tokens: olmoe pp512 has 64 per expert): tiles of 64
+#   pairs, so each dequantized weight tile (~4 CUDA-core instructions per weight) feeds twice
+#   the tensor-core work of a 32-row tile; at 32 rows the dequantization, not the MMA, bounds
+#   an SM (an H100 SM does ~1k bf16 MACs per clock against 128 fp32 lanes). 8 warps hold the
+#   two 64 x 64 fp32 accumulators of gate and up. Chosen by that count, not timed yet:
+#   bench/gpu_prefill.py times it against "some" at pp128 / pp512 / pp2048 shapes.
+GEMM_CONFIGS = {
+    "few": (16, (64, 128, 4, 3), (32, 128, 4, 3)),
+    "some": (32, (64, 128, 4, 3), (32, 128, 4, 3)),
+    "many": (64, (64, 64, 8, 3), (64, 128, 8, 3)),
+}
+GEMM_INTERPRET = (16, (64, 128, 4, 1), (64, 128, 4, 1))  # few programs for the interpreter
+
+
+def gemm_regime(n_pairs: int, n_expert: int) -> str:
+    """GEMM_CONFIGS' key for n_pairs token-expert pairs over n_expert experts."""
+    per_expert = n_pairs / n_expert
+    return "few" if per_expert <= 8 else "some" if per_expert <= 48 else "many"
+
+
 def gemm_blocks(n_pairs: int, n_expert: int) -> tuple[int, tuple, tuple]:
-    """BLOCK_M and the (BLOCK_N, BLOCK_K, num_warps, num_stages) of the gate-up and the down
-    GEMMs (down: BLOCK_N neurons per step, BLOCK_K output columns), H100-measured at
-    T = 16..256 of the qwen3-30b-a3b shape: memory bound in bf16 (~2.9 TB/s at T = 256)."""
+    """BLOCK_M and the gate-up and down configs of the grouped GEMMs (GEMM_CONFIGS): a fixed
+    rule of the batch shape, the same in every process."""
     if interpreting():
-        return 16, (64, 128, 4, 1), (64, 128, 4, 1)
-    block_m = 16 if n_pairs / n_expert <= 8 else 32
-    return block_m, (64, 128, 4, 3), (32, 128, 4, 3)
+        return GEMM_INTERPRET
+    return GEMM_CONFIGS[gemm_regime(n_pairs, n_expert)]
 
 
 def moe_dense_gemm(x, w, fmt, topk_ids, topk_w, activation="silu", *, expert_map=None,
@@ -404,11 +407,11 @@ def moe_dense_gemm(x, w, fmt, topk_ids, topk_w, activation="silu", *, expert_map
     bm, (bn, bk, nw, ns), (bn2, bk2, nw2, ns2) = blocks or gemm_blocks(P, E)
     sorted_pairs, block_expert, total = moe_align(topk_ids, E, bm)
     n_blocks = block_expert.numel()
-    dot_bf16 = x.dtype == torch.bfloat16 and not interpreting()
-    inter = torch.empty(P, F, device=x.device, dtype=torch.float32)
+    dot = dot_code(x.dtype)
+    inter = torch.empty(P, F, device=x.device, dtype=inter_dtype(dot))
     _moe_gemm_gate_up_kernel[(n_blocks, triton.cdiv(F, bn))](
         x, w, sorted_pairs, block_expert, total, inter, H, F, rb, K, P, x.stride(0),
-        FMT=FMT_CODES[fmt], ACT=ACT_CODES[activation], GATE_ONLY=False, DOT_BF16=dot_bf16,
+        FMT=FMT_CODES[fmt], ACT=ACT_CODES[activation], GATE_ONLY=False, DOT=dot,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns,
         **map_args(expert_map, total), **bias_args(bias, inter),
     )  # fmt: skip
@@ -416,7 +419,7 @@ def moe_dense_gemm(x, w, fmt, topk_ids, topk_w, activation="silu", *, expert_map
     tw = topk_w.reshape(-1).float().contiguous()
     _moe_gemm_down_kernel[(n_blocks, triton.cdiv(H, bk2))](
         inter, w, sorted_pairs, block_expert, total, tw, y, H, F, rb, K, P,
-        FMT=FMT_CODES[fmt], DOT_BF16=dot_bf16, BLOCK_M=bm, BLOCK_N=bn2, BLOCK_H=bk2,
+        FMT=FMT_CODES[fmt], DOT=dot, BLOCK_M=bm, BLOCK_N=bn2, BLOCK_H=bk2,
         num_warps=nw2, num_stages=ns2, **map_args(expert_map, total),
     )  # fmt: skip
     return add_down_bias(y, topk_ids, topk_w, bias, expert_map)

@@ -41,7 +41,7 @@ from .expert_formats import (
 )
 from .expert_paths import table_path
 from .expert_rows import dot_acc_sum, dot_acc_zeros, expert_slot, rows_dot_acc, rows_tile
-from .launch import interpreting
+from .launch import dot_code, interpreting
 from .moe_args import (
     add_down_bias,
     bias_args,
@@ -87,10 +87,9 @@ def moe_gate(x, w, fmt, topk_ids, path="auto", *, expert_map=None):
         E = n_expert_of(w, expert_map)
         bm, (bn, bk, nw, ns), _ = gemm_blocks(P, E)
         sorted_pairs, block_expert, total = moe_align(topk_ids, E, bm)
-        dot_bf16 = x.dtype == torch.bfloat16 and not interpreting()
         _moe_gemm_gate_up_kernel[(block_expert.numel(), triton.cdiv(F, bn))](
             x, w, sorted_pairs, block_expert, total, gate, H, F, rb, K, P, x.stride(0),
-            FMT=FMT_CODES[fmt], ACT=0, GATE_ONLY=True, DOT_BF16=dot_bf16,
+            FMT=FMT_CODES[fmt], ACT=0, GATE_ONLY=True, DOT=dot_code(x.dtype),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns,
             **map_args(expert_map, total), **bias_args(None, gate),
         )  # fmt: skip

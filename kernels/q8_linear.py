@@ -9,7 +9,10 @@ wide loads). A decode step reads 1.0625 bytes per weight instead of bf16's 2.
 the 32-element block sums of q * x (fp32, [BLOCK_N, BLOCK_K / 32, 32] tiles; the int8 quants
 are loaded as bytes and turned into floats by the mantissa trick of kernels.expert_rows, not by
 the quarter-rate I2F unit), times the block scales, accumulated in fp32.
-Larger batches (prefill) dequantize W to the matmul dtype for cuBLAS (`dequantize_q8`).
+`q8_gemm` (prefill, more tokens): a tiled GEMM whose W tiles are dequantized in registers
+(q * d in fp32, then the dot dtype) and fed to tensor cores (bf16 / f16 x; fp32 accumulation),
+never a dequantized copy of W; exact fp32 dots for f32 x and under the interpreter.
+`dequantize_q8` is the reference's and the "cublas" comparison's (bench/gpu_prefill.py).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .expert_rows import s8_to_f32
-from .launch import interpreting
+from .launch import dot_code, interpreting
 from .tuning import lookup
 
 
@@ -93,10 +96,106 @@ def gemv_config(N: int, K: int) -> tuple[int, int, int]:
     return 16, min(block_k, 1024), 4
 
 
-def _check(x, q, d):
+@triton.jit
+def _q8_gemm_kernel(x_ptr, q_ptr, d_ptr, b_ptr, y_ptr, M, N, K, KB, stride_x,
+                    HAS_BIAS: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_M: tl.constexpr):  # fmt: skip
+    """y [M, N] = x [M, K] @ W^T (+ b), W = q * d by 32-blocks. Programs walk GROUP_M row
+    tiles per column tile (the W tile is reused from L2 by GROUP_M programs in a row)."""
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(M, BLOCK_M)
+    n_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * n_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(n_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mm, nm = m < M, n < N
+    m64, n64 = m.to(tl.int64), n.to(tl.int64)
+    NB: tl.constexpr = BLOCK_K // 32
+    i = tl.arange(0, 32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kb = k0 // 32 + tl.arange(0, NB)  # [NB] block index
+        bm = kb < KB
+        k = kb[:, None] * 32 + i[None, :]  # [NB, 32]
+        kk = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(x_ptr + m64[:, None] * stride_x + kk[None, :],
+                    mask=mm[:, None] & (kk < K)[None, :], other=0.0)  # fmt: skip
+        qv = tl.load(q_ptr + n64[:, None, None] * K + k[None, :, :],
+                     mask=nm[:, None, None] & bm[None, :, None], other=0x80)  # fmt: skip
+        dv = tl.load(d_ptr + n64[:, None] * KB + kb[None, :], mask=nm[:, None] & bm[None, :],
+                     other=0.0).to(tl.float32)  # fmt: skip
+        w = tl.reshape(s8_to_f32(qv) * dv[:, :, None], [BLOCK_N, BLOCK_K])
+        if DOT == 1:
+            acc = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+        elif DOT == 2:
+            acc = tl.dot(a.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
+        else:
+            acc = tl.dot(a.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+    y = y_ptr + m64[:, None] * N + n64[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) of q8_gemm: the Triton matmul
+# tutorial's large-tile config for H100-class GPUs, BLOCK_M halved for short batches (fewer
+# padded rows). Not timed on a GPU yet: bench/gpu_prefill.py times it against dequantize +
+# cuBLAS at pp128 / pp512 / pp2048 shapes.
+GEMM_CONFIGS = {"short": (64, 128, 64, 8, 4, 4), "long": (128, 128, 64, 8, 8, 3)}
+
+
+def gemm_config(M: int) -> tuple[int, int, int, int, int, int]:
+    """q8_gemm's config for M rows (GEMM_CONFIGS; small tiles under the interpreter)."""
+    if interpreting():
+        return 16, 32, 64, 4, 4, 1
+    return GEMM_CONFIGS["short" if M <= 64 else "long"]
+
+
+def q8_gemm_max_tokens() -> int:
+    """Tokens up to which Q8_0 prefill matmuls take q8_gemm (above: dequantize + cuBLAS): the
+    tuning file's "q8_gemm": {"max_tokens": N}, else no limit."""
+    tuned = lookup("q8_gemm", "max_tokens")
+    return int(tuned) if tuned is not None else 1 << 62
+
+
+def q8_gemm(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    d: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: tuple[int, int, int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """x [M, K] (f32/bf16/f16, rows at any stride, unit column stride) -> y [M, N] in out_dtype
+    (default x's), fp32 accumulation; tensor cores for half x (kernels.moe_dense.dot_code).
+    config: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages), default gemm_config."""
+    _check(x, q, d, strided_rows=True)
+    M, K = x.shape
+    N = q.shape[0]
+    out_dtype = out_dtype or x.dtype
+    # The interpreter's cast to bf16 truncates (a GPU rounds to nearest): fp32 out, torch casts.
+    y_dtype = torch.float32 if interpreting() else out_dtype
+    y = torch.empty(M, N, device=x.device, dtype=y_dtype)
+    bm, bn, bk, group, warps, stages = config or gemm_config(M)
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+    _q8_gemm_kernel[grid](
+        x, q.view(torch.uint8), d, y if bias is None else bias, y, M, N, K, K // 32, x.stride(0),
+        HAS_BIAS=bias is not None, DOT=dot_code(x.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        GROUP_M=group, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return y.to(out_dtype)
+
+
+def _check(x, q, d, strided_rows=False):
     T, K = x.shape
     N = q.shape[0]
-    if q.shape != (N, K) or d.shape != (N, K // 32) or not x.is_contiguous():
+    dense = x.stride(1) == 1 if strided_rows else x.is_contiguous()
+    if q.shape != (N, K) or d.shape != (N, K // 32) or not dense:
         raise ValueError(f"x [T, K] contiguous, q [N, K], d [N, K/32]: got x {list(x.shape)}, "
                          f"q {list(q.shape)}, d {list(d.shape)}")  # fmt: skip
 

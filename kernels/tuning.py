@@ -4,7 +4,10 @@ A tuning file (written by `bench/gpu_kernels.py --write path.json`, which times 
 in CUDA graphs on that GPU) holds, all optional:
     {"q8_gemv": {"NxK": [BLOCK_N, BLOCK_K, num_warps], ...},
      "attention": {"block_s": 32, "programs": 512, "num_warps": 1},
-     "router_block_e": 2, "router_warps": 1, "norm_warps": 4, "rope_warps": 4}
+     "router_block_e": 2, "router_warps": 1, "norm_warps": 4, "rope_warps": 4,
+     "q8_gemm": {"max_tokens": M}}
+("q8_gemm": prompt lengths above M take dequantize + cuBLAS instead of kernels.q8_linear.q8_gemm;
+written by `bench/gpu_prefill.py --write path.json` where it measured cuBLAS faster.)
 The GPU executor reads the file it is given (`load`) and installs it for the process
 (`set_overrides`); the launchers read it through `lookup`. Without one they use their built-in
 tables (the values measured best on an H100).

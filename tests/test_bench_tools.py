@@ -289,3 +289,25 @@ def test_random_qwen35_gguf_and_its_llama_cpp_twin(tmp_path, capsys):
     assert "blk.0.post_attention_norm.weight" in shapes and "blk.0.ffn_norm.weight" not in shapes
     sections = r.fields["qwen35moe.rope.dimension_sections"]
     assert [int(sections.parts[i][0]) for i in sections.data] == [11, 11, 10, 0]
+
+
+def test_peers_gpu_floor_is_flops_per_token_at_the_peak(tmp_path):
+    """peers.py's floor of a pp row: the measured peak over FLOPs per prompt token (the
+    per-token weights, attention over the mean cached length, the lm_head's share), so longer
+    prompts have lower floors and the floor scales with the peak."""
+    from types import SimpleNamespace
+
+    from pyruntime.gguf.file import open_gguf
+    from pyruntime.model.config import ModelConfig
+    from pyruntime.model.weights import HostWeights
+
+    gguf = load("make_random_gguf").make_random_gguf("tiny-olmoe", tmp_path / "m.gguf",
+                                                      progress=False)  # fmt: skip
+    peers, cpu_prefill = load("peers"), load("cpu_prefill")
+    floors = peers.gpu_floors(gguf, [128, 512], 100.0)
+    f = open_gguf(gguf)
+    cfg = ModelConfig.from_gguf(f)
+    model = SimpleNamespace(config=cfg, weights=HostWeights.from_gguf(f, cfg))
+    assert floors["pp512"] == pytest.approx(100e12 / cpu_prefill.flops_per_token(model, 512))
+    assert floors["pp128"] > floors["pp512"] > 0
+    assert peers.gpu_floors(gguf, [512], 200.0)["pp512"] == pytest.approx(2 * floors["pp512"])

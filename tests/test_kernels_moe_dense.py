@@ -9,6 +9,7 @@ from pyruntime.kernels.testing import (
     DEVICE,
     N_EXPERT,
     Q8R_N_EMBD,
+    TOP_K,
     assert_close_rel,
     make_bias,
     make_case,
@@ -83,21 +84,64 @@ def test_moe_dense_small_blocks_decode(fmt, acc2d):
     assert_close_rel(y, moe_dense_ref(x, w, fmt, ids, tw), 1e-5)
 
 
-def test_moe_align_groups_pairs_by_expert():
-    torch.manual_seed(0)
-    ids = torch.randint(0, N_EXPERT, (17, 3), dtype=torch.int32).to(DEVICE)
-    bm = 4
-    sorted_pairs, block_expert, total = moe_align(ids, N_EXPERT, bm)
+@pytest.mark.parametrize("n_expert, n_tok, k, bm", [(6, 17, 3, 4), (6, 300, 3, 16),
+                                                    (64, 33, 8, 64), (5, 1, 2, 16)])  # fmt: skip
+def test_moe_align_groups_pairs_by_expert(n_expert, n_tok, k, bm):
+    """Every pair once, each expert's pairs in one segment padded to bm rows, in expert order
+    (the torch reference's segments: same rows, same block table; the order inside a segment
+    is the atomics'); experts without pairs (every other one here) take no rows."""
+    from pyruntime.kernels.moe_align import moe_align_ref
+
+    g = torch.Generator().manual_seed(n_tok)
+    used = torch.arange(0, n_expert, 2)  # odd experts get no pairs
+    ids = torch.stack([used[torch.randperm(len(used), generator=g)[:k]] for _ in range(n_tok)])
+    ids = ids.to(torch.int32).to(DEVICE)
+    sorted_pairs, block_expert, total = (t.cpu() for t in moe_align(ids, n_expert, bm))
+    ref_pairs, ref_experts, ref_total = moe_align_ref(ids, n_expert, bm)
+    assert int(total) == int(ref_total) and sorted_pairs.shape == ref_pairs.shape
+    assert torch.equal(block_expert, ref_experts)
     P = ids.numel()
-    used = sorted_pairs[: int(total)]
-    real = used[used < P].long()
-    assert sorted(real.tolist()) == list(range(P))  # every pair exactly once
     assert (sorted_pairs[int(total) :] == P).all()  # padding after the used rows
-    flat = ids.reshape(-1)
-    for b in range(int(total) // bm):
-        rows = sorted_pairs[b * bm : (b + 1) * bm]
-        rows = rows[rows < P].long()
-        assert (flat[rows] == block_expert[b]).all()  # a block holds one expert's pairs
+    flat = ids.reshape(-1).cpu()
+    for b in range(int(total) // bm):  # same pairs per block, a block holds one expert's pairs
+        rows, ref_rows = sorted_pairs[b * bm : (b + 1) * bm], ref_pairs[b * bm : (b + 1) * bm]
+        assert sorted(rows.tolist()) == sorted(ref_rows.tolist())
+        real = rows[rows < P].long()
+        assert (flat[real] == block_expert[b]).all()
+
+
+def _routing_without(n_tok: int, skip: tuple[int, ...], seed: int):
+    """topk_ids [n_tok, TOP_K] int32 on DEVICE that never pick the experts in `skip`."""
+    g = torch.Generator().manual_seed(seed)
+    used = torch.tensor([e for e in range(N_EXPERT) if e not in skip])
+    rows = [used[torch.randperm(len(used), generator=g)[:TOP_K]] for _ in range(n_tok)]
+    return torch.stack(rows).to(torch.int32).to(DEVICE)
+
+
+@pytest.mark.parametrize("regime", ["interpret", "many"])
+@pytest.mark.parametrize("n_tok", [1, 7, 33, 300])
+@pytest.mark.parametrize("fmt", ["f16", "bf16", "q8_0", "q4_0", "q8_0r", "q4_0r", "mxfp4"])
+def test_grouped_gemm_prefill_shapes(fmt, n_tok, regime):
+    """The prefill path (grouped GEMMs: gate+up with the activation, then down with the routing
+    weight and the scatter-add) at odd token counts, experts 0 and 4 routed no token, bf16 x,
+    against dequantize-then-matmul in fp32; with the interpreter's blocks and with the
+    "many" regime's (64-pair tiles, as pp512 takes on a GPU). Tolerance: bf16 tensor-core
+    tiles on a GPU (rtol_for), fp32 dots here."""
+    from pyruntime.kernels.moe_dense import GEMM_CONFIGS, GEMM_INTERPRET, moe_dense_gemm
+
+    x, w, _, tw = make_case(fmt, n_tok, torch.bfloat16, seed=40 + n_tok)
+    ids = _routing_without(n_tok, (0, 4), seed=n_tok)
+    blocks = GEMM_INTERPRET if regime == "interpret" else GEMM_CONFIGS[regime]
+    y = moe_dense_gemm(x, w, fmt, ids, tw, blocks=blocks)
+    assert_close_rel(y, moe_dense_ref(x, w, fmt, ids, tw), rtol_for(torch.bfloat16))
+
+
+def test_gemm_regime_is_a_rule_of_the_shape():
+    """The grouped GEMMs' tiles follow pairs per expert only (the same in every process):
+    decode-sized batches "few", hundreds of pairs per expert (olmoe pp512: 64) "many"."""
+    from pyruntime.kernels.moe_dense import gemm_regime
+
+    assert [gemm_regime(p, 64) for p in (17 * 8, 128 * 8, 512 * 8)] == ["few", "some", "many"]
 
 
 def test_moe_dense_rejects_bad_shapes():

@@ -36,3 +36,32 @@ def test_q8_gemv_matches_reference(T, N, K, x_dtype, with_bias):
     ref = q8_linear_ref(x, q, d, bias)
     # fp32 accumulation of exact products: summation order only.
     assert (y - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+# M not a multiple of the row tile (1, 7, 33, 300 tokens), N not of the column tile, K a
+# multiple of 32 but not of the K tile (96 = 64 + 32).
+@pytest.mark.parametrize("M", [1, 7, 33, 300])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("config", ["default", "gpu"])
+def test_q8_gemm_matches_reference(M, x_dtype, config):
+    """The prefill GEMM (W tiles dequantized in registers) vs x @ dequantize(W)^T in fp32, with
+    a bias, x rows at a stride (a slice of a wider tensor), bf16 out. On a GPU half x runs on
+    tensor cores: W rounded to the dot dtype (2^-9 relative for bf16) and the bf16 output
+    (2^-9): 1e-2 of max |ref|, as the grouped expert GEMMs; fp32 dots: summation order only
+    (and the bf16 output's rounding, 2^-8 relative). config "gpu": the GPU's tiles for M
+    (here under the interpreter too)."""
+    from pyruntime.kernels.q8_linear import GEMM_CONFIGS, q8_gemm
+
+    N, K = 70, 96
+    g = torch.Generator().manual_seed(M)
+    q, d = split_q8_0(quantize_rows(torch.randn(N, K, generator=g) * K**-0.5, "q8_0"), K)
+    wide = torch.randn(M, K + 32, generator=g).to(x_dtype)
+    bias = torch.randn(N, generator=g)
+    cfg = None if config == "default" else GEMM_CONFIGS["short" if M <= 64 else "long"]
+    x = wide.to(DEV)[:, :K]
+    y = q8_gemm(x, q.to(DEV), d.to(DEV), bias.to(DEV), out_dtype=torch.bfloat16, config=cfg)
+    assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+    ref = q8_linear_ref(wide[:, :K], q, d, bias)
+    half_dots = DEV == "cuda" and x_dtype != torch.float32
+    tol = 1e-2 if half_dots else 2**-8  # the bf16 output's rounding
+    assert (y.float().cpu() - ref).abs().max().item() <= tol * ref.abs().max().item()

@@ -12,9 +12,9 @@ Same math as pyruntime.model.reference, laid out for a GPU:
 - Gated DeltaNet layers (qwen35moe) read and write the cache's recurrent state in place
   (kernels.deltanet: two decode kernels; gpu/deltanet.py: the chunked form for a prompt);
 - a step is the per-layer pieces of pyruntime.gpu.layers in a loop. Prefill (n > 1 tokens) runs
-  eagerly with torch SDPA; decode (1 token) reads its inputs (token id, position, cached length)
-  from device tensors, so on CUDA it is captured once per (cache, k, expert maps) in a CUDA graph
-  and replayed for every token.
+  eagerly (GEMM kernels, torch SDPA; docs/architecture.md); decode (1 token) reads its inputs
+  (token id, position, cached length) from device tensors, so on CUDA it is captured once per
+  (cache, k, expert maps) in a CUDA graph and replayed for every token.
 
 The residual stream is float32 whatever the weight dtype; norm outputs are cast to the
 activation dtype (f32 or bf16) for the matmuls; routers and the shared-expert gate run in float32

@@ -233,20 +233,38 @@ class DecoderLayers:
             return x, d.out(o)
 
     def _prefill_attention(self, q, keys, values, start: int, blk: DeviceBlock) -> torch.Tensor:
-        """q [n_head, n, D]; keys, values [n_head_kv, start + n, D] -> [n, n_head * D]."""
+        """q [n_head, n, D]; keys, values [n_head_kv, start + n, D] -> [n, n_head * D].
+
+        torch SDPA on 4-D [1, heads, tokens, D] views (its fused kernels take no 3-D input: a
+        3-D call runs the unfused math path, scores materialized). A prompt from position 0
+        without a window is plain causal attention: is_causal and grouped heads by enable_gqa,
+        no mask, which CUDA runs in the flash kernel (bf16 / f16, head_dim <= 256). After
+        earlier tokens (start > 0) or with a window the causal mask is explicit (SDPA's
+        is_causal aligns the diagonal top-left) and the kv heads are repeated: the
+        memory-efficient kernel, which takes a mask but not enable_gqa."""
         cfg = self.config
         n, end = q.shape[1], keys.shape[1]
         group = cfg.n_head // cfg.n_head_kv
-        if group > 1:
-            keys = keys.repeat_interleave(group, dim=0)
-            values = values.repeat_interleave(group, dim=0)
-        # Causal over absolute positions (query at start+a sees keys 0..start+a), windowed
-        mask = attention_mask(start, end, blk.window, q.device)  # [n, end]
-        if blk.sinks is None:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
-        else:
+        if blk.sinks is not None:
+            if group > 1:
+                keys = keys.repeat_interleave(group, dim=0)
+                values = values.repeat_interleave(group, dim=0)
+            mask = attention_mask(start, end, blk.window, q.device)
             out = sink_attention(q.float(), keys.float(), values.float(), mask, self.scale,
                                  blk.sinks).to(q.dtype)  # fmt: skip
+        elif start == 0 and not blk.window:
+            out = F.scaled_dot_product_attention(
+                q[None], keys[None], values[None], is_causal=True, scale=self.scale,
+                enable_gqa=group > 1,
+            )[0]  # fmt: skip
+        else:
+            if group > 1:
+                keys = keys.repeat_interleave(group, dim=0)
+                values = values.repeat_interleave(group, dim=0)
+            # Causal over absolute positions (query at start+a sees keys 0..start+a), windowed
+            mask = attention_mask(start, end, blk.window, q.device)  # [n, end]
+            out = F.scaled_dot_product_attention(q[None], keys[None], values[None],
+                                                 attn_mask=mask, scale=self.scale)[0]  # fmt: skip
         return out.transpose(0, 1).reshape(n, cfg.n_head * cfg.head_dim)
 
     # -- FFN sub-block ------------------------------------------------------------------------

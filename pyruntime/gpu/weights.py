@@ -25,14 +25,23 @@ from pyruntime.experts.store import ExpertStore
 from pyruntime.gguf.quant import FORMAT_NAMES, QuantMatrix
 from pyruntime.kernels.dispatch import prepare_experts
 from pyruntime.kernels.expert_formats import FLOAT_DTYPES, REPACKED, dequantize_rows
-from pyruntime.kernels.q8_linear import dequantize_q8, q8_gemv, split_q8_0
+from pyruntime.kernels.q8_linear import (
+    dequantize_q8,
+    q8_gemm,
+    q8_gemm_max_tokens,
+    q8_gemv,
+    split_q8_0,
+)
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.deltanet import DeltaNetWeights
 from pyruntime.model.weights import BlockWeights, FFNWeights, HostWeights
 
 Q = GGMLQuantizationType
 
-# Decode (T <= this) reads Q8_0 dense weights with the GEMV kernel; prefill dequantizes per call.
+# Decode (T <= this) reads Q8_0 dense weights with the GEMV kernel; more tokens (prefill) take
+# the tiled GEMM that dequantizes W's tiles in registers (kernels.q8_linear.q8_gemm), or, past
+# the tuning file's "q8_gemm": {"max_tokens": N} (bench/gpu_prefill.py --write: where
+# dequantize + cuBLAS measured faster on that GPU), a dequantized copy of W per call for cuBLAS.
 Q8_GEMV_MAX_TOKENS = 4
 
 
@@ -52,6 +61,9 @@ class Linear:
             y = F.linear(x, self.w, self.bias)
         elif x.shape[0] <= Q8_GEMV_MAX_TOKENS:
             return q8_gemv(x.contiguous(), self.q, self.d, self.bias, out_dtype)
+        elif x.shape[0] <= q8_gemm_max_tokens():
+            return q8_gemm(x if x.stride(1) == 1 else x.contiguous(), self.q, self.d, self.bias,
+                           out_dtype)  # fmt: skip
         else:
             y = F.linear(x, dequantize_q8(self.q, self.d, x.dtype), self.bias)
         return y if out_dtype is None else y.to(out_dtype)
