@@ -156,11 +156,16 @@ def gemm_config(M: int) -> tuple[int, int, int, int, int, int]:
     return GEMM_CONFIGS["short" if M <= 64 else "long"]
 
 
+# Prompt lengths up to which q8_gemm beat dequantize + cuBLAS on an H100 (olmoe-1b-7b's q/k/v,
+# o and lm_head, bench/gpu_prefill.py: 1.12-6.1x at 128 and 512 tokens, 0.85-0.95x at 2048).
+Q8_GEMM_MAX_TOKENS = 512
+
+
 def q8_gemm_max_tokens() -> int:
     """Tokens up to which Q8_0 prefill matmuls take q8_gemm (above: dequantize + cuBLAS): the
-    tuning file's "q8_gemm": {"max_tokens": N}, else no limit."""
+    tuning file's "q8_gemm": {"max_tokens": N}, else Q8_GEMM_MAX_TOKENS."""
     tuned = lookup("q8_gemm", "max_tokens")
-    return int(tuned) if tuned is not None else 1 << 62
+    return int(tuned) if tuned is not None else Q8_GEMM_MAX_TOKENS
 
 
 def q8_gemm(
