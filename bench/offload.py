@@ -131,7 +131,8 @@ def slots_for(fraction: float, misses: str, n_experts: int, k: int) -> int:
 
 def decoding_modes(k: int, threshold: float, big_little: bool) -> dict[str, DecodingMode]:
     """plain (the model's top-k); with --big-little also little-only (k/2), big/little lossy at
-    `threshold` and verify, each timed as tg rows."""
+    `threshold`, verify and verify with drafts from the experts in slots (`--draft-experts
+    resident`), each timed as tg rows."""
     plain = DecodingMode(k_big=k)
     if not big_little:
         return {"plain": plain}
@@ -140,6 +141,13 @@ def decoding_modes(k: int, threshold: float, big_little: bool) -> dict[str, Deco
         "little": DecodingMode(k_big=k // 2),
         "lossy": DecodingMode(k_big=k, k_little=k // 2, threshold=threshold),
         "verify": DecodingMode(k_big=k, k_little=k // 2, threshold=threshold, fallback="verify"),
+        "verify-resident": DecodingMode(
+            k_big=k,
+            k_little=k // 2,
+            threshold=threshold,
+            fallback="verify",
+            draft_experts="resident",
+        ),
     }
 
 
@@ -330,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--big-little",
         action="store_true",
-        help="tg rows also for little-only (K/2), big/little lossy and verify, and the "
+        help="tg rows also for little-only (K/2), big/little lossy, verify (little and resident "
+        "drafts), and the "
         "combined T / (T_l + r·T_b) for each --fallback-ratio",
     )
     p.add_argument("--fallback-threshold", type=float, default=0.7, help="big/little's γ")
@@ -420,6 +429,11 @@ def main(argv: list[str] | None = None) -> int:
                                   f"| {row['staged_mb']:.2f} | {vs} |", flush=True)  # fmt: skip
                             if args.stats:
                                 print(f"  ms/token: {row['parts']}", flush=True)
+                            if name.startswith("verify"):
+                                st = row["stats"]
+                                print(f"  {name}: {st.acceptance_length:.2f} drafts kept per "
+                                      f"round; draft {st.little_seconds:.3f} s, verify "
+                                      f"{st.big_seconds:.3f} s", flush=True)  # fmt: skip
                         if "lossy" in rows:
                             print(combined_speedup(rows, ratios), flush=True)
             net.close()

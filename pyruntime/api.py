@@ -38,7 +38,7 @@ from pyruntime import options
 from pyruntime.call_lock import CallLock
 from pyruntime.converter.repack_cache import open_model_file
 from pyruntime.cpu.executor import CpuExecutor
-from pyruntime.decoding.big_little import BigLittleStats
+from pyruntime.decoding.big_little import BigLittleStats, resident_experts_only
 from pyruntime.decoding.mode import DecodingMode
 from pyruntime.decoding.sampling import Sampler, SamplingParams
 from pyruntime.decoding.session import Session
@@ -81,8 +81,9 @@ class Model:
     cache_policy ('lfru', 'lru'), misses ('auto', 'cpu', 'stage') and lookahead say how.
     experts_per_token: routed experts per token (None: the model's top-k).
     little_experts / big_little: big/little decoding with a little pass of that many experts (a
-    bare big_little: half the top-k); fallback_threshold, fallback ('lossy' or 'verify'), draft:
-    how (pyruntime.decoding.big_little). Each can also be given per generate() call.
+    bare big_little: half the top-k); fallback_threshold, fallback ('lossy' or 'verify'), draft,
+    draft_experts ('little', or 'resident': hybrid only): how (pyruntime.decoding.big_little).
+    Each can also be given per generate() call.
     Every option's default and help: pyruntime.options.
 
     Thread-safe by serialization (module doc): one generation, `logits` or `reset` at a time; a
@@ -113,6 +114,7 @@ class Model:
         fallback_threshold: float = DEFAULTS.fallback_threshold,
         fallback: str = DEFAULTS.fallback,
         draft: int = DEFAULTS.draft,
+        draft_experts: str = DEFAULTS.draft_experts,
     ) -> None:
         check_sparsity(sparsity)
         gpu_bytes = _size(gpu_mem)
@@ -173,8 +175,11 @@ class Model:
             fallback_threshold=fallback_threshold,
             fallback=fallback,
             draft=draft,
+            draft_experts=draft_experts,
         )
         self.decoding = DecodingMode.from_options(config, **self._decoding_options)
+        if self.decoding.resident_draft:
+            resident_experts_only(self.net)  # a one-line error unless the model runs hybrid
         self.big_little_stats = BigLittleStats()
         self.tokenizer = Tokenizer.from_gguf(self.file, config.n_vocab)
         self._rng = torch.Generator()
@@ -349,6 +354,8 @@ class Model:
         given = {k: v for k, v in overrides.items() if v is not None}
         if given:
             mode = DecodingMode.from_options(self.config, **{**self._decoding_options, **given})
+            if mode.resident_draft:
+                resident_experts_only(self.net)
         return mode.strategy(self.big_little_stats, self.config.n_expert_used)
 
     def apply_chat_template(

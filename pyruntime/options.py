@@ -209,6 +209,12 @@ OPTIONS: tuple[Option, ...] = (
         "draft", 4, "big/little verify: tokens drafted per round", ("--draft",), DECODING,
         parse=int, group="decoding", metavar="N", bounds=_ints(1),
     ),
+    Option(
+        "draft_experts", "little", "big/little verify: the draft's experts: little (the top "
+        "--little-experts) or resident (hybrid only: those of the top-K already in GPU slots; "
+        "no bytes staged, no CPU work)", ("--draft-experts",), DECODING, group="decoding",
+        extra={"choices": ["little", "resident"]},
+    ),
     # -- sampling: per generation call (llama.cpp's names and defaults) ------------------------
     Option(
         "max_tokens", 256, "tokens to generate", ("-n", "--max-tokens"), SAMPLING, parse=int,

@@ -20,7 +20,7 @@ from hf_fixtures import make_tiny_hf_model
 
 from pyruntime.converter import convert
 from pyruntime.cpu.core import CpuCore
-from pyruntime.errors import DeviceMemoryError, PyruntimeWarning
+from pyruntime.errors import DeviceMemoryError, PyruntimeWarning, UsageError
 from pyruntime.gguf.file import open_gguf
 from pyruntime.gpu.executor import GpuExecutor
 from pyruntime.model.config import ModelConfig
@@ -272,6 +272,39 @@ def test_lookahead_stages_the_next_layers_experts_early(olmoe, core, whole, miss
     assert net.cache.held == set()
 
 
+def test_resident_only_passes_drop_the_misses_and_move_no_bytes(olmoe, core, whole):
+    """Inside resident_experts_only a decode step computes the routed experts in slots and
+    drops the others: nothing staged, nothing on the CPU; with every expert in a slot it is the
+    plain step; with some missing, another result. Outside it, the step is whole again."""
+    _, cfg, host = olmoe
+    ids, want = whole["olmoe"]
+    every = hybrid(olmoe, core, n_routed(cfg, host), "stage")
+    cache = every.new_cache(len(ids))
+    every.forward(ids[:N_PROMPT], cache)  # stages every expert the prompt routes to
+    for e in range(cfg.n_expert):  # and the rest: every expert in a slot
+        for layer in every.experts.moe:
+            every.experts.stage(layer, [e])
+    with every.resident_experts_only():
+        got = every.forward(ids[N_PROMPT : N_PROMPT + 1], cache)
+    ref = torch.log_softmax(got.double(), -1)
+    assert max_err(ref, want[N_PROMPT : N_PROMPT + 1]) <= LOGPROB_TOL
+
+    few = hybrid(olmoe, core, 1, "auto")  # one slot: most of a step's experts miss
+    cache = few.new_cache(len(ids))
+    few.forward(ids[:N_PROMPT], cache)
+    before = few.offload_stats()
+    with few.resident_experts_only():
+        dropped = few.forward(ids[N_PROMPT : N_PROMPT + 1], cache)
+    after = few.offload_stats()
+    assert after["staged_experts"] == before["staged_experts"]
+    assert after["cpu_experts"] == before["cpu_experts"]
+    assert max_err(torch.log_softmax(dropped.double(), -1), want[N_PROMPT : N_PROMPT + 1]) > 1e-3
+    assert not few.experts.resident_only
+    cache.truncate(N_PROMPT)
+    whole_step = torch.log_softmax(few.forward(ids[N_PROMPT : N_PROMPT + 1], cache).double(), -1)
+    assert max_err(whole_step, want[N_PROMPT : N_PROMPT + 1]) <= LOGPROB_TOL
+
+
 def test_routing_trace_is_the_gpu_executors(olmoe, core):
     _, cfg, host = olmoe
     ref, net = GpuExecutor(cfg, host, DEVICE), hybrid(olmoe, core, 3)
@@ -338,6 +371,11 @@ def test_big_little_through_the_hybrid_equals_the_cpu_executor(tmp_path, core):
                      dict(little_experts=2, fallback="verify", draft=3)):  # fmt: skip
         assert tokens(nets["hybrid"], **decoding) == tokens(nets["cpu"], **decoding), decoding
     assert nets["hybrid"].offload.prefetched > 0  # the fallbacks' prefetches staged experts
+    # drafts from the experts in slots only: greedy verify is still big-only decoding
+    resident = dict(little_experts=2, fallback="verify", draft=3, draft_experts="resident")
+    assert tokens(nets["hybrid"], **resident) == tokens(nets["cpu"])
+    with pytest.raises(UsageError, match="--draft-experts resident .* running hybrid"):
+        tokens(nets["cpu"], **resident)
 
 
 # -- faults ----------------------------------------------------------------------------------

@@ -19,12 +19,17 @@ plain_decoding (decoding/plain.py):
   min(1, p_big / p_little), else resamples from the normalised residual max(0, p_big - p_little)
   and ends the round; when every draft is kept, one more token comes from the big model's last
   row. The output is distributed exactly as big-only decoding's; greedy output is big-only's.
+  With `resident` (hybrid executor only) the draft is instead the big model restricted to the
+  routed experts already in GPU slots (`resident_experts_only`: misses are dropped, not staged
+  or computed on the CPU), a draft that moves no bytes; the verify pass is unchanged, so the
+  output is still big-only's.
 
 Both fill a BigLittleStats.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -101,6 +106,15 @@ def falls_back(logits: torch.Tensor, threshold: float) -> bool:
     return float(torch.softmax(logits.float(), dim=-1).max()) < threshold
 
 
+def resident_experts_only(net):
+    """The executor's resident_experts_only (the hybrid's); a UsageError for any other."""
+    only = getattr(net, "resident_experts_only", None)
+    if only is None:
+        raise UsageError("--draft-experts resident drafts from the experts in GPU slots: it "
+                         "needs a model running hybrid (bigger than --gpu-mem)")  # fmt: skip
+    return only
+
+
 def top_experts(trace: RoutingTrace, k: int) -> list[tuple[int, list[int]]]:
     """(layer, the k experts its router logits rank highest) for each MoE layer of a trace."""
     if trace.logits is None:
@@ -173,12 +187,21 @@ class DraftVerify:
     """Lossless draft-and-verify decoding (see the module doc); a DecodingStrategy."""
 
     def __init__(
-        self, k_little: int, k_big: int, draft: int = 4, stats: BigLittleStats | None = None
-    ) -> None:
+        self, k_little: int, k_big: int, draft: int = 4, stats: BigLittleStats | None = None,
+        resident: bool = False,
+    ) -> None:  # fmt: skip
         if draft < 1:
             raise UsageError(f"--draft must be >= 1, got {draft}")
         self.k_little, self.k_big, self.draft = k_little, k_big, draft
         self.stats = stats if stats is not None else BigLittleStats()
+        self.resident = resident  # drafts from the GPU-resident experts of the top-k_big
+
+    def _draft_pass(self, session: Session):
+        """(context of a draft pass, its k): the little model, or the big model restricted to
+        the experts in GPU slots (the hybrid executor's resident_experts_only)."""
+        if not self.resident:
+            return contextlib.nullcontext(), self.k_little
+        return resident_experts_only(session.net)(), self.k_big
 
     def __call__(
         self, session: Session, prompt_ids: Sequence[int], sampler: Sampler, prompt: PromptStats
@@ -218,12 +241,14 @@ class DraftVerify:
         drafts: list[int] = []
         q: list[torch.Tensor] = []
         last = token
-        for _ in range(n):
-            logits = session.feed(last, k=self.k_little)
-            probs = sampler.distribution(logits, [*history, *drafts])
-            last = sampler.draw(probs)
-            drafts.append(last)
-            q.append(probs)
+        context, k = self._draft_pass(session)
+        with context:
+            for _ in range(n):
+                logits = session.feed(last, k=k)
+                probs = sampler.distribution(logits, [*history, *drafts])
+                last = sampler.draw(probs)
+                drafts.append(last)
+                q.append(probs)
         self.stats.little_seconds += time.perf_counter() - t0
         return drafts, q
 

@@ -1,7 +1,8 @@
 """Which decoding strategy a generation uses, from the user's options.
 
 `DecodingMode` holds the decoding options (pyruntime.options: --experts-per-token,
---little-experts / --big-little, --fallback-threshold, --fallback, --draft), checks them against
+--little-experts / --big-little, --fallback-threshold, --fallback, --draft, --draft-experts),
+checks them against
 the model once, and gives the strategy of a generation (`strategy`) and the logits a perplexity
 run scores (`score`).
 """
@@ -27,6 +28,7 @@ from pyruntime.model.executor import Executor
 from pyruntime.options import DEFAULTS
 
 FALLBACKS = ("lossy", "verify")
+DRAFT_EXPERTS = ("little", "resident")
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class DecodingMode:
     threshold: float = DEFAULTS.fallback_threshold
     fallback: str = DEFAULTS.fallback
     draft: int = DEFAULTS.draft
+    draft_experts: str = DEFAULTS.draft_experts  # verify's draft: little or resident (hybrid)
 
     @classmethod
     def from_options(
@@ -47,6 +50,7 @@ class DecodingMode:
         fallback_threshold: float = DEFAULTS.fallback_threshold,
         fallback: str = DEFAULTS.fallback,
         draft: int = DEFAULTS.draft,
+        draft_experts: str = DEFAULTS.draft_experts,
     ) -> DecodingMode:
         """Checked against the model; a bare big_little means k_little = k_big // 2."""
         k_big = cfg.n_expert_used if experts_per_token is None else int(experts_per_token)
@@ -62,15 +66,23 @@ class DecodingMode:
             raise UsageError(f"--fallback must be lossy or verify, got '{fallback}'")
         if draft < 1:
             raise UsageError(f"--draft must be >= 1, got {draft}")
+        if draft_experts not in DRAFT_EXPERTS:
+            raise UsageError(f"--draft-experts must be little or resident, got '{draft_experts}'")
         if k_little or big_little:
             check_big_little(k_little, k_big, cfg.n_expert, fallback_threshold)
         elif not 0.0 <= fallback_threshold <= 1.0:
             raise UsageError(f"--fallback-threshold must be in [0, 1], got {fallback_threshold}")
-        return cls(k_big, k_little, float(fallback_threshold), fallback, int(draft))
+        return cls(k_big, k_little, float(fallback_threshold), fallback, int(draft),
+                   draft_experts)  # fmt: skip
 
     @property
     def big_little(self) -> bool:
         return self.k_little > 0
+
+    @property
+    def resident_draft(self) -> bool:
+        """Verify mode drafting from the GPU-resident experts (hybrid executors only)."""
+        return self.big_little and self.fallback == "verify" and self.draft_experts == "resident"
 
     def describe(self) -> str:
         if not self.big_little:
@@ -79,6 +91,7 @@ class DecodingMode:
             f"fallback below p = {self.threshold:g}"
             if self.fallback == "lossy"
             else f"verify, {self.draft} draft tokens per round"
+            + (", drafts from GPU-resident experts" if self.draft_experts == "resident" else "")
         )
         return f"big/little {self.k_little}/{self.k_big} experts, {how}"
 
@@ -89,7 +102,8 @@ class DecodingMode:
             k = None if self.k_big == default_k else self.k_big
             return functools.partial(plain_decoding, k=k)
         if self.fallback == "verify":
-            return DraftVerify(self.k_little, self.k_big, self.draft, stats)
+            return DraftVerify(self.k_little, self.k_big, self.draft, stats,
+                               resident=self.draft_experts == "resident")  # fmt: skip
         return BigLittle(self.k_little, self.k_big, self.threshold, stats)
 
     @torch.inference_mode()

@@ -227,6 +227,19 @@ class HybridExecutor:
         self._last_decode_end = time.perf_counter() if decode else None
         return logits
 
+    @contextlib.contextmanager
+    def resident_experts_only(self):
+        """Passes inside compute each token's routed experts that sit in GPU slots and drop
+        the others (no copy, no CPU work; the lookahead stages nothing): a draft that moves no
+        bytes (pyruntime.decoding.big_little's resident draft). Not exact: the logits are the
+        model's with the missing experts' terms left out."""
+        previous = self.experts.resident_only
+        self.experts.resident_only = True
+        try:
+            yield
+        finally:
+            self.experts.resident_only = previous
+
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         """Stage `experts` of MoE layer `layer` into slots now (asynchronously), held there
         until the next forward pass ends; those no slot can take are read ahead from the file."""

@@ -72,6 +72,7 @@ class SplitExperts:
         self.lookahead_holds: set[Key] = set()  # until their layer's lookup
         self.cpu_active = [0, 0]  # neurons the CPU kept, of those it considered
         self.worker: CpuWorker | None = None  # runs the CPU's share beside this thread
+        self.resident_only = False  # misses dropped (HybridExecutor.resident_experts_only)
 
     def set_misses(self, misses: str, costs: Costs | None) -> None:
         if misses not in MISSES:
@@ -128,6 +129,8 @@ class SplitExperts:
         self.release({key for key in self.lookahead_holds if key[0] == i})
         missed = set(self.cache.lookup(i, used))
         hits = [e for e in used if e not in missed]
+        if self.resident_only:  # the misses are dropped: no copy, no CPU work
+            missed, ahead = set(), None
         cpu, stage = self.place([(e, n) for e, n in zip(used, counts, strict=True)
                                  if e in missed], len(hits))  # fmt: skip
         rounds, left = self._admit_rounds(i, hits, stage)
