@@ -1,5 +1,5 @@
 /* K-quant row kernels (Q4_K, Q5_K, Q6_K: ggml's 256-element super-blocks), scalar and AVX2 (the
- * AVX-512 level uses the AVX2 ones). Rows are a multiple of 256 elements.
+ * AVX-512 ones: rows_kquant_avx512.c). Rows are a multiple of 256 elements.
  *
  * Super-block layouts (ggml's block_q4_K / block_q5_K / block_q6_K):
  *   Q4_K: f16 d, f16 dmin, scales[12], qs[128]. Eight sub-blocks j of 32 elements, weight =
