@@ -21,6 +21,7 @@
 #include <immintrin.h>
 
 #include "blocks_avx512.h"
+#include "blocks_kquant_x86.h"
 
 #define D(w) _cvtsh_ss(pyrt_load_u16(w))
 #define INLINE __attribute__((always_inline)) inline
@@ -29,33 +30,10 @@ enum { KQ_ROWS = 4, KQ_TOKENS = 2 };
 
 /* ---- pieces -------------------------------------------------------------------------------- */
 
-/* The 8 Q8 block scales of one super-block of x (lanes 0..7). */
-AVX512 static INLINE __m256 xd8(const pyrt_xq8 *xq) {
-    return _mm256_setr_ps(xq[0].d, xq[1].d, xq[2].d, xq[3].d, xq[4].d, xq[5].d, xq[6].d, xq[7].d);
-}
-
 /* x's Q8 blocks 2k and 2k + 1 as one vector. */
 AVX512 static INLINE __m512i x_pair(const pyrt_xq8 *xq, int k) {
     return join256(_mm256_loadu_si256((const __m256i *)xq[2 * k].q),
                    _mm256_loadu_si256((const __m256i *)xq[2 * k + 1].q));
-}
-
-/* Q4_K / Q5_K: d * sc_j and dmin * m_j of the 8 sub-blocks (lanes 0..7), from the 12 bytes of
- * six-bit scales at s (ggml's get_scale_min_k4 on four bytes at a time). */
-AVX512 static INLINE void scales_mins(const uint8_t *w, __m256 *dsc, __m256 *dm) {
-    uint32_t a, b, c;
-    memcpy(&a, w + 4, 4);
-    memcpy(&b, w + 8, 4);
-    memcpy(&c, w + 12, 4);
-    const uint32_t sc_lo = a & 0x3F3F3F3Fu;
-    const uint32_t sc_hi = (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u);
-    const uint32_t m_lo = b & 0x3F3F3F3Fu;
-    const uint32_t m_hi = ((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u);
-    const __m128i sm = _mm_setr_epi32((int)sc_lo, (int)sc_hi, (int)m_lo, (int)m_hi);
-    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm));
-    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
-    *dsc = _mm256_mul_ps(_mm256_set1_ps(D(w)), sc);
-    *dm = _mm256_mul_ps(_mm256_set1_ps(D(w + 2)), m);
 }
 
 /* 32 bytes at p in both halves. */
@@ -135,7 +113,7 @@ AVX512 static INLINE __m512i quad_index(int k) {
             __m512 xd[KQ_TOKENS], rs8[KQ_ROWS], rm8[KQ_ROWS];                                     \
             for (int t = 0; t < nt; t++) {                                                        \
                 xq[t] = (const pyrt_xq8 *)xs[t] + 8 * s;                                          \
-                xd[t] = _mm512_castps256_ps512(xd8(xq[t]));                                       \
+                xd[t] = _mm512_castps256_ps512(pyrt_kq_xd8(xq[t]));                                \
             }                                                                                     \
             for (int r = 0; r < nr; r++) {                                                        \
                 w[r] = (const uint8_t *)rows[r] + (size_t)s * bb;                                 \
@@ -143,7 +121,7 @@ AVX512 static INLINE __m512i quad_index(int k) {
                     rs8[r] = scales_q6_k(w[r]);                                                   \
                 } else {                                                                          \
                     __m256 dsc, dm;                                                               \
-                    scales_mins(w[r], &dsc, &dm);                                                 \
+                    pyrt_kq_scales_mins(w[r], &dsc, &dm);                                          \
                     rs8[r] = _mm512_castps256_ps512(dsc);                                         \
                     rm8[r] = _mm512_castps256_ps512(dm);                                          \
                 }                                                                                 \
@@ -285,7 +263,7 @@ AVX512 static INLINE void axpyn_k(int fmt, int nr, const float *a, const void *c
                 _mm512_storeu_ps(vs[r], _mm512_mul_ps(va, scales_q6_k(w)));
             } else {
                 __m256 dsc, dm;
-                scales_mins(w, &dsc, &dm);
+                pyrt_kq_scales_mins(w, &dsc, &dm);
                 _mm256_storeu_ps(vs[r], _mm256_mul_ps(_mm512_castps512_ps256(va), dsc));
                 _mm256_storeu_ps(vm[r], _mm256_mul_ps(_mm512_castps512_ps256(va), dm));
             }
