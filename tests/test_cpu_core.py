@@ -521,6 +521,18 @@ def test_helpers(cc):
     core.close()  # idempotent
 
 
+def test_formats_table_is_the_headers_enum(cc):
+    """core.FORMATS names every PYRT_FMT_* of pyrt.h, each the gguf type number of that name."""
+    import re
+
+    header = (REPO / "runtime" / "include" / "pyrt.h").read_text()
+    enum = {int(v): k for k, v in re.findall(r"PYRT_FMT_(\w+) = (\d+)", header)}
+    assert enum and cc.FORMATS == enum
+    assert all(Q[name] == fmt for fmt, name in cc.FORMATS.items())
+    for fmt, name in cc.FORMATS.items():  # every one a format the row kernels read
+        assert cc.row_bytes(fmt, 256) > 0, name
+
+
 def test_binding_declarations_come_from_the_header(cc, tmp_path, monkeypatch):
     """The binding declares the library from pyrt.h's PYRT_CDEF section: the section parses as
     cffi takes it, every function it declares resolves in the loaded library, the header beside

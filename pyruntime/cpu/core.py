@@ -23,9 +23,23 @@ from cffi import FFI
 from pyruntime import options
 from pyruntime.errors import PyruntimeError
 
-# ggml type numbers of the weight formats the core reads (gguf.GGMLQuantizationType values).
+# ggml type numbers of the weight formats the core reads (gguf.GGMLQuantizationType values; the
+# PYRT_FMT_* enum of runtime/include/pyrt.h).
 FMT_F32, FMT_F16, FMT_Q4_0, FMT_Q8_0, FMT_BF16 = 0, 1, 2, 8, 30
-FORMATS = {FMT_F32: "F32", FMT_F16: "F16", FMT_Q4_0: "Q4_0", FMT_Q8_0: "Q8_0", FMT_BF16: "BF16"}
+FMT_Q5_0, FMT_Q5_1, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K, FMT_MXFP4 = 6, 7, 12, 13, 14, 39
+FORMATS = {
+    FMT_F32: "F32",
+    FMT_F16: "F16",
+    FMT_BF16: "BF16",
+    FMT_Q8_0: "Q8_0",
+    FMT_Q4_0: "Q4_0",
+    FMT_Q5_0: "Q5_0",
+    FMT_Q5_1: "Q5_1",
+    FMT_Q4_K: "Q4_K",
+    FMT_Q5_K: "Q5_K",
+    FMT_Q6_K: "Q6_K",
+    FMT_MXFP4: "MXFP4",
+}
 
 # Activation names as in docs/gguf-layout.md (`pyruntime.expert_activation`) -> C enum.
 ACTIVATIONS = {
@@ -392,8 +406,9 @@ class CpuCore:
     ) -> torch.Tensor:
         """y = x w^T (+ bias): w [n_out, n_in] in format fmt, read in place (the mmap view).
 
-        x: [T, n_in] float32 -> y [T, n_out] float32. For Q8_0/Q4_0, x is quantized to Q8_0
-        blocks per token (as llama.cpp and moe_ffn do); float formats use x as is.
+        x: [T, n_in] float32 -> y [T, n_out] float32. For the blocked formats (Q8_0, Q4_0, Q5_0,
+        Q5_1, the K-quants, MXFP4), x is quantized to Q8_0 blocks per token (as moe_ffn does);
+        float formats use x as is.
         """
         if self._pool is None:
             raise CoreError("CpuCore is closed: create a new one")

@@ -86,8 +86,8 @@ typedef struct {
     int idle_prefetch;           /* 1 (default): threads waiting for a task, or for the others at
                                     its end, prefetch the next task's weight rows into their L2
                                     (the decode step names them); 0: they only spin */
-    int vnni;                    /* 1 (default): Q8_0 dots on AVX512_VNNI where the CPU has it;
-                                    0: the AVX-512 BW dots (same bits) */
+    int vnni;                    /* 1 (default): Q8_0 and K-quant dots on AVX512_VNNI where the
+                                    CPU has it; 0: the AVX-512 BW dots (same bits) */
     int matvec_prefetch_rows;    /* dense matvec: rows ahead of the current row pair that are
                                     software-prefetched; 0: none; -1 (default): 4 where the
                                     prefetches go to L2, else 2. -1..64 */

@@ -151,18 +151,21 @@ static inline void pyrt_pf_end(pyrt_pf_spread *s) {
 const pyrt_row_ops *pyrt_row_ops_mxfp4_scalar(void);
 const pyrt_row_ops *pyrt_row_ops_mxfp4_avx2(void);
 
-/* Q5_0 / Q5_1 (rows_q5.c) and the K-quants Q4_K / Q5_K / Q6_K (rows_kquant.c), fmt one of
- * theirs: scalar, and AVX2 (also the AVX-512 level's). */
+/* Q5_0 / Q5_1 (rows_q5.c; scalar, and AVX2, also the AVX-512 level's) and the K-quants Q4_K /
+ * Q5_K / Q6_K (rows_kquant.c: scalar, AVX2), fmt one of theirs. */
 const pyrt_row_ops *pyrt_row_ops_q5_scalar(int fmt);
 const pyrt_row_ops *pyrt_row_ops_q5_avx2(int fmt);
 const pyrt_row_ops *pyrt_row_ops_kquant_scalar(int fmt);
 const pyrt_row_ops *pyrt_row_ops_kquant_avx2(int fmt);
+/* The K-quants' AVX-512 kernels (rows_kquant_avx512.c); vnni != 0: their int8 dots on
+ * AVX512_VNNI (the same bits; call only where the CPU has it). */
+const pyrt_row_ops *pyrt_row_ops_kquant_avx512(int fmt, int vnni);
 
 /* Row kernels of one SIMD level for fmt; NULL when the level has none for fmt (unknown format). */
 const pyrt_row_ops *pyrt_row_ops_scalar(int fmt);
 const pyrt_row_ops *pyrt_row_ops_avx2(int fmt);
 const pyrt_row_ops *pyrt_row_ops_avx512(int fmt);
-/* The AVX-512 level's kernels with the Q8_0 dots on AVX512_VNNI (the same bits as
+/* The AVX-512 level's kernels with the Q8_0 and K-quant dots on AVX512_VNNI (the same bits as
  * pyrt_row_ops_avx512); call only where the CPU has it (pyrt_cpu_has_vnni). */
 const pyrt_row_ops *pyrt_row_ops_avx512_vnni(int fmt);
 
@@ -171,7 +174,7 @@ const pyrt_row_ops *pyrt_row_ops_avx512_vnni(int fmt);
 /* 1 when the CPU has AVX512_VNNI. */
 int pyrt_cpu_has_vnni(void);
 /* Level `level`'s kernels; NULL for an unknown level or format. vnni != 0: the AVX-512 level's
- * Q8_0 dots are pyrt_row_ops_avx512_vnni's where the CPU has AVX512_VNNI. */
+ * Q8_0 and K-quant dots are pyrt_row_ops_avx512_vnni's where the CPU has AVX512_VNNI. */
 const pyrt_row_ops *pyrt_row_ops_at(int level, int fmt, int vnni);
 
 #endif /* PYRT_ROWS_H */

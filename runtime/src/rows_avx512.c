@@ -340,13 +340,15 @@ const pyrt_row_ops *pyrt_row_ops_avx512(int fmt) {
     case PYRT_FMT_Q4_K:
     case PYRT_FMT_Q5_K:
     case PYRT_FMT_Q6_K:
-        return pyrt_row_ops_kquant_avx2(fmt);
+        return pyrt_row_ops_kquant_avx512(fmt, 0);
     default:
         return NULL;
     }
 }
 
 const pyrt_row_ops *pyrt_row_ops_avx512_vnni(int fmt) {
+    if (fmt == PYRT_FMT_Q4_K || fmt == PYRT_FMT_Q5_K || fmt == PYRT_FMT_Q6_K)
+        return pyrt_row_ops_kquant_avx512(fmt, 1);
     return fmt == PYRT_FMT_Q8_0 ? &ops_q8_0_vnni : pyrt_row_ops_avx512(fmt);
 }
 

@@ -1,5 +1,5 @@
 /* K-quant row kernels (Q4_K, Q5_K, Q6_K: ggml's 256-element super-blocks), scalar and AVX2 (the
- * AVX-512 level uses the AVX2 ones). Rows are a multiple of 256 elements.
+ * AVX-512 ones: rows_kquant_avx512.c). Rows are a multiple of 256 elements.
  *
  * Super-block layouts (ggml's block_q4_K / block_q5_K / block_q6_K):
  *   Q4_K: f16 d, f16 dmin, scales[12], qs[128]. Eight sub-blocks j of 32 elements, weight =
@@ -129,6 +129,7 @@ const pyrt_row_ops *pyrt_row_ops_kquant_scalar(int fmt) {
 #include <immintrin.h>
 
 #include "rows_x86.h"
+#include "blocks_kquant_x86.h"
 
 #define AVX2 PYRT_X86_AVX2
 
@@ -176,10 +177,12 @@ AVX2 static inline void widen32(__m256i q, __m256 f[4]) {
 
 /* The kernels of each format come from one function over nr rows (1 or 2 for the dots, up to
  * PYRT_AXPY_ROWS for axpy): dot and axpy are its nr = 1 case, so dot2 / axpyn give exactly the
- * bits of two dots / nr axpys in order. dotn: x's blocks (and their sums) loaded once for the
- * rows; per row one chain of FMAs for d sc_j xd (q . xq) and one for dmin m_j xd sum(xq).
- * axpyn: a block of y (4 registers) loaded once, each row's d sc_j q - dmin m_j added in row
- * order, stored once. */
+ * bits of two dots / nr axpys in order. Per super-block and row the scales of its 8 sub-blocks
+ * are made once, 8 lanes at a time (pyrt_kq_scales_mins), kept in a small array and broadcast
+ * from it per sub-block. dotn: x's blocks (and their sums) loaded once for the rows; per row one
+ * chain of FMAs for (d sc_j xd_j) (q . xq) and one for (dmin m_j xd_j) sum(xq). axpyn: a block of
+ * y (4 registers) loaded once, each row's a (d sc_j) q - a (dmin m_j) added in row order, stored
+ * once. */
 #define AVX2_KMIN(name, BYTES, CODES)                                                             \
     AVX2 static inline void dotn_##name(int nr, const void *const *rows, const void *x, int n,    \
                                         float *out) {                                             \
@@ -188,23 +191,22 @@ AVX2 static inline void widen32(__m256i q, __m256 f[4]) {
         __m256 accm[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                              \
         for (int s = 0; s < n / PYRT_QK_K; s++, xq += 8) {                                        \
             const uint8_t *w[2];                                                                  \
-            float d[2], dmin[2];                                                                  \
+            float sc[2][8], m[2][8];                                                              \
+            const __m256 xd = pyrt_kq_xd8(xq);                                                    \
             for (int r = 0; r < nr; r++) {                                                        \
                 w[r] = (const uint8_t *)rows[r] + (size_t)s * (BYTES);                            \
-                d[r] = D(w[r]);                                                                   \
-                dmin[r] = D(w[r] + 2);                                                            \
+                __m256 dsc, dm;                                                                   \
+                pyrt_kq_scales_mins(w[r], &dsc, &dm);                                             \
+                _mm256_storeu_ps(sc[r], _mm256_mul_ps(dsc, xd));                                  \
+                _mm256_storeu_ps(m[r], _mm256_mul_ps(dm, xd));                                    \
             }                                                                                     \
-            for (int j = 0; j < 8; j++) {                                                         \
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                 \
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)xq[j].q);                  \
                 const __m256 xs = _mm256_cvtepi32_ps(sum32(xv));                                  \
                 for (int r = 0; r < nr; r++) {                                                    \
-                    int sc, m;                                                                    \
-                    scale_min(j, w[r] + 4, &sc, &m);                                              \
-                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d[r] * (float)sc * xq[j].d),          \
-                                             _mm256_cvtepi32_ps(dot32_u8(CODES(w[r], j), xv)),    \
-                                             acc[r]);                                             \
-                    accm[r] = _mm256_fmadd_ps(_mm256_set1_ps(dmin[r] * (float)m * xq[j].d), xs,   \
-                                              accm[r]);                                           \
+                    const __m256 l = _mm256_cvtepi32_ps(dot32_u8(CODES(w[r], j), xv));            \
+                    acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&sc[r][j]), l, acc[r]);          \
+                    accm[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&m[r][j]), xs, accm[r]);        \
                 }                                                                                 \
             }                                                                                     \
         }                                                                                         \
@@ -223,23 +225,30 @@ AVX2 static inline void widen32(__m256i q, __m256 f[4]) {
     }                                                                                             \
     AVX2 static void axpyn_##name##_avx2(int nr, const float *a, const void *const *rows,         \
                                          float *y, int n) {                                       \
-        for (int b = 0; b < n / PYRT_QK; b++, y += PYRT_QK) {                                     \
-            const int j = b % 8;                                                                  \
-            __m256 acc[4] = {_mm256_loadu_ps(y), _mm256_loadu_ps(y + 8), _mm256_loadu_ps(y + 16), \
-                             _mm256_loadu_ps(y + 24)};                                            \
+        float vs[PYRT_AXPY_ROWS][8], vm[PYRT_AXPY_ROWS][8];                                       \
+        for (int s = 0; s < n / PYRT_QK_K; s++) {                                                 \
             for (int r = 0; r < nr; r++) {                                                        \
-                const uint8_t *w = (const uint8_t *)rows[r] + (size_t)(b / 8) * (BYTES);          \
-                int sc, m;                                                                        \
-                scale_min(j, w + 4, &sc, &m);                                                     \
-                const __m256 vs = _mm256_set1_ps(a[r] * D(w) * (float)sc);                       \
-                const __m256 vm = _mm256_set1_ps(a[r] * D(w + 2) * (float)m);                     \
-                __m256 f[4];                                                                      \
-                widen32(CODES(w, j), f);                                                          \
-                for (int p = 0; p < 4; p++)                                                       \
-                    acc[p] = _mm256_sub_ps(_mm256_fmadd_ps(vs, f[p], acc[p]), vm);                \
+                __m256 dsc, dm;                                                                   \
+                pyrt_kq_scales_mins((const uint8_t *)rows[r] + (size_t)s * (BYTES), &dsc, &dm);   \
+                _mm256_storeu_ps(vs[r], _mm256_mul_ps(_mm256_set1_ps(a[r]), dsc));                \
+                _mm256_storeu_ps(vm[r], _mm256_mul_ps(_mm256_set1_ps(a[r]), dm));                 \
             }                                                                                     \
-            for (int p = 0; p < 4; p++)                                                           \
-                _mm256_storeu_ps(y + 8 * p, acc[p]);                                              \
+            for (int j = 0; j < 8; j++) {                                                         \
+                float *yj = y + (size_t)s * PYRT_QK_K + PYRT_QK * j;                              \
+                __m256 acc[4] = {_mm256_loadu_ps(yj), _mm256_loadu_ps(yj + 8),                    \
+                                 _mm256_loadu_ps(yj + 16), _mm256_loadu_ps(yj + 24)};             \
+                for (int r = 0; r < nr; r++) {                                                    \
+                    const uint8_t *w = (const uint8_t *)rows[r] + (size_t)s * (BYTES);            \
+                    const __m256 s_ = _mm256_broadcast_ss(&vs[r][j]);                             \
+                    const __m256 m_ = _mm256_broadcast_ss(&vm[r][j]);                             \
+                    __m256 f[4];                                                                  \
+                    widen32(CODES(w, j), f);                                                      \
+                    for (int p = 0; p < 4; p++)                                                   \
+                        acc[p] = _mm256_sub_ps(_mm256_fmadd_ps(s_, f[p], acc[p]), m_);            \
+                }                                                                                 \
+                for (int p = 0; p < 4; p++)                                                       \
+                    _mm256_storeu_ps(yj + 8 * p, acc[p]);                                         \
+            }                                                                                     \
         }                                                                                         \
     }                                                                                             \
     AVX2 static void axpy_##name##_avx2(float a, const void *row, float *y, int n) {              \
@@ -249,28 +258,40 @@ AVX2 static inline void widen32(__m256i q, __m256 f[4]) {
 AVX2_KMIN(q4_k, PYRT_Q4_K_BYTES, codes_q4_k)
 AVX2_KMIN(q5_k, PYRT_Q5_K_BYTES, codes_q5_k)
 
-/* Q6_K: lanes 0..3 of dot32_i8 sum elements 0..15, lanes 4..7 elements 16..31: each half times
- * its own scale (integer: |partial| <= 4*32*127, times |scale| <= 128), then d * xd in f32. */
+/* Q6_K's 16 scales times d, as f32 (one per 16 elements). */
+AVX2 static inline void scales_q6_k(const uint8_t *w, float out[16]) {
+    const __m128i sc = _mm_loadu_si128((const __m128i *)(w + 192));
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(pyrt_load_u16(w + 208)));
+    const __m256i lo = _mm256_cvtepi8_epi32(sc), hi = _mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8));
+    _mm256_storeu_ps(out, _mm256_mul_ps(d, _mm256_cvtepi32_ps(lo)));
+    _mm256_storeu_ps(out + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(hi)));
+}
+
+/* Q6_K: the codes read unsigned (q + 32, codes_q6_k's plus 32), each int32 lane starting at
+ * -32 sum(x) over its 4 elements (so it sums (q - 32) x exactly); lanes 0..3 sum elements 0..15
+ * of the sub-block, lanes 4..7 elements 16..31: each half times its own (d sc) xd in f32. */
 AVX2 static inline void dotn_q6_k(int nr, const void *const *rows, const void *x, int n,
                                   float *out) {
     const pyrt_xq8 *xq = x;
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int s = 0; s < n / PYRT_QK_K; s++, xq += 8) {
         const uint8_t *w[2];
-        float d[2];
+        float sc[2][16];
         for (int r = 0; r < nr; r++) {
             w[r] = (const uint8_t *)rows[r] + (size_t)s * PYRT_Q6_K_BYTES;
-            d[r] = D(w[r] + 208);
+            scales_q6_k(w[r], sc[r]);
         }
-        for (int j = 0; j < 8; j++) {
+        _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {
             const __m256i xv = _mm256_loadu_si256((const __m256i *)xq[j].q);
+            const __m256i nx = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                                dot32_u8(_mm256_set1_epi8(32), xv));
+            const __m256 xd = _mm256_set1_ps(xq[j].d);
             for (int r = 0; r < nr; r++) {
-                const int8_t *sc = (const int8_t *)(w[r] + 192);
-                const __m256i scv = _mm256_set_m128i(_mm_set1_epi32(sc[2 * j + 1]),
-                                                     _mm_set1_epi32(sc[2 * j]));
-                const __m256i isum = _mm256_mullo_epi32(dot32_i8(codes_q6_k(w[r], j), xv), scv);
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d[r] * xq[j].d),
-                                         _mm256_cvtepi32_ps(isum), acc[r]);
+                const __m256i u = _mm256_add_epi8(codes_q6_k(w[r], j), _mm256_set1_epi8(32));
+                const __m256i l = _mm256_add_epi32(nx, dot32_u8(u, xv));
+                const __m256 sj = _mm256_set_m128(_mm_broadcast_ss(&sc[r][2 * j + 1]),
+                                                  _mm_broadcast_ss(&sc[r][2 * j]));
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(sj, xd), _mm256_cvtepi32_ps(l), acc[r]);
             }
         }
     }
@@ -292,22 +313,29 @@ AVX2 static void dot2_q6_k_avx2(const void *row0, const void *row1, const void *
 
 AVX2 static void axpyn_q6_k_avx2(int nr, const float *a, const void *const *rows, float *y,
                                  int n) {
-    for (int b = 0; b < n / PYRT_QK; b++, y += PYRT_QK) {
-        const int j = b % 8;
-        __m256 acc[4] = {_mm256_loadu_ps(y), _mm256_loadu_ps(y + 8), _mm256_loadu_ps(y + 16),
-                         _mm256_loadu_ps(y + 24)};
+    float vs[PYRT_AXPY_ROWS][16]; /* a (d sc) per 16 elements */
+    for (int s = 0; s < n / PYRT_QK_K; s++) {
         for (int r = 0; r < nr; r++) {
-            const uint8_t *w = (const uint8_t *)rows[r] + (size_t)(b / 8) * PYRT_Q6_K_BYTES;
-            const float ad = a[r] * D(w + 208);
-            const int8_t *sc = (const int8_t *)(w + 192);
-            __m256 f[4];
-            widen32(codes_q6_k(w, j), f);
-            for (int p = 0; p < 4; p++)
-                acc[p] = _mm256_fmadd_ps(_mm256_set1_ps(ad * (float)sc[2 * j + p / 2]), f[p],
-                                         acc[p]);
+            scales_q6_k((const uint8_t *)rows[r] + (size_t)s * PYRT_Q6_K_BYTES, vs[r]);
+            const __m256 va = _mm256_set1_ps(a[r]);
+            _mm256_storeu_ps(vs[r], _mm256_mul_ps(va, _mm256_loadu_ps(vs[r])));
+            _mm256_storeu_ps(vs[r] + 8, _mm256_mul_ps(va, _mm256_loadu_ps(vs[r] + 8)));
         }
-        for (int p = 0; p < 4; p++)
-            _mm256_storeu_ps(y + 8 * p, acc[p]);
+        for (int j = 0; j < 8; j++) {
+            float *yj = y + (size_t)s * PYRT_QK_K + PYRT_QK * j;
+            __m256 acc[4] = {_mm256_loadu_ps(yj), _mm256_loadu_ps(yj + 8), _mm256_loadu_ps(yj + 16),
+                             _mm256_loadu_ps(yj + 24)};
+            for (int r = 0; r < nr; r++) {
+                const uint8_t *w = (const uint8_t *)rows[r] + (size_t)s * PYRT_Q6_K_BYTES;
+                __m256 f[4];
+                widen32(codes_q6_k(w, j), f);
+                for (int p = 0; p < 4; p++)
+                    acc[p] = _mm256_fmadd_ps(_mm256_broadcast_ss(&vs[r][2 * j + p / 2]), f[p],
+                                             acc[p]);
+            }
+            for (int p = 0; p < 4; p++)
+                _mm256_storeu_ps(yj + 8 * p, acc[p]);
+        }
     }
 }
 

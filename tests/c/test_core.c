@@ -840,6 +840,127 @@ static void test_tiles_match_rows(void) {
     }
 }
 
+/* The K-quants' kernels of every level and VNNI setting: dot2, axpyn and the dot tiles give the
+ * bits of dot / axpy calls; the AVX-512 VNNI dots the plain AVX-512 ones' bits; every level's dot
+ * and axpy within f32 rounding of the scalar ones (their accuracy against a float64 reference is
+ * tests/test_cpu_core.py's). Random super-blocks: every code and six-bit scale, f16 scales kept
+ * small and finite. */
+static void make_kquant_row(int fmt, int n, uint8_t *row) {
+    const size_t bb = pyrt_row_bytes(fmt, PYRT_QK_K);
+    for (size_t i = 0; i < bb * (size_t)(n / PYRT_QK_K); i++)
+        row[i] = (uint8_t)(rng_u32() >> 5);
+    for (int s = 0; s < n / PYRT_QK_K; s++) {
+        uint8_t *w = row + (size_t)s * bb;
+        const uint16_t d = fp16_from_fp32(0.002f + 0.004f * (float)(rng_u32() % 100) / 100.0f);
+        const uint16_t dmin = fp16_from_fp32(0.001f * (float)(rng_u32() % 100) / 100.0f);
+        if (fmt == PYRT_FMT_Q6_K) {
+            memcpy(w + 208, &d, 2);
+        } else {
+            memcpy(w, &d, 2);
+            memcpy(w + 2, &dmin, 2);
+        }
+    }
+}
+
+static void test_kquant_kernels_agree(void) {
+    const int fmts[] = {PYRT_FMT_Q4_K, PYRT_FMT_Q5_K, PYRT_FMT_Q6_K};
+    const int lengths[] = {256, 768, 2048};
+    enum { NR = 9, NT = 5 };
+    const double u = ldexp(1.0, -24);
+    for (int f = 0; f < COUNT_OF(fmts); f++) {
+        const int fmt = fmts[f];
+        for (int li = 0; li < COUNT_OF(lengths); li++) {
+            const int n = lengths[li];
+            const size_t rb = pyrt_row_bytes(fmt, n);
+            uint8_t *rows = malloc(rb * NR);
+            float *x = malloc(sizeof(float) * n * NT), *y1 = malloc(sizeof(float) * n);
+            float *y2 = malloc(sizeof(float) * n), *y0 = malloc(sizeof(float) * n);
+            pyrt_xq8 *xq = malloc(sizeof(pyrt_xq8) * (n / 32) * NT);
+            const void *rp[NR], *xp[NT];
+            for (int r = 0; r < NR; r++) {
+                make_kquant_row(fmt, n, rows + r * rb);
+                rp[r] = rows + r * rb;
+            }
+            for (int i = 0; i < n * NT; i++)
+                x[i] = rng_normalish();
+            for (int t = 0; t < NT; t++) {
+                pyrt_quantize_x_q8(x + (size_t)t * n, xq + (size_t)t * (n / 32), n);
+                xp[t] = xq + (size_t)t * (n / 32);
+            }
+            const pyrt_row_ops *scalar = pyrt_row_ops_at(PYRT_SIMD_SCALAR, fmt, 0);
+            for (int level = PYRT_SIMD_SCALAR; level <= pyrt_simd_best(); level++)
+                for (int vnni = 0; vnni < 2; vnni++) {
+                    const pyrt_row_ops *ops = pyrt_row_ops_at(level, fmt, vnni);
+                    CHECK(ops != NULL, "level %d has no kernels for format %d", level, fmt);
+                    if (ops == NULL)
+                        continue;
+                    float d[NR][NT];
+                    for (int r = 0; r < NR; r++)
+                        for (int t = 0; t < NT; t++) {
+                            d[r][t] = ops->dot(rp[r], xp[t], n);
+                            const float s = scalar->dot(rp[r], xp[t], n);
+                            /* both within (n + 4) u sum|w x| of the exact dot: no worse apart */
+                            double absum = 0.0;
+                            for (int i = 0; i < n; i++)
+                                y0[i] = 0.0f;
+                            scalar->axpy(1.0f, rp[r], y0, n);
+                            for (int i = 0; i < n; i++)
+                                absum += fabs((double)y0[i] * xq[t * (n / 32) + i / 32].d *
+                                              xq[t * (n / 32) + i / 32].q[i % 32]);
+                            CHECK(fabs((double)d[r][t] - s) <= 2 * (n + 8) * u * absum + 1e-30,
+                                  "kquant dot level %d vnni %d fmt %d n %d: %.9g vs scalar %.9g",
+                                  level, vnni, fmt, n, d[r][t], s);
+                        }
+                    if (ops->dot2 != NULL) {
+                        float out[2];
+                        ops->dot2(rp[0], rp[1], xp[1], n, out);
+                        CHECK(memcmp(&out[0], &d[0][1], 4) == 0 &&
+                                  memcmp(&out[1], &d[1][1], 4) == 0,
+                              "kquant dot2 level %d vnni %d fmt %d n %d differs from dot", level,
+                              vnni, fmt, n);
+                    }
+                    for (int nr = 1; nr <= NR; nr += 4)
+                        for (int nt = 1; nt <= NT; nt += 2) {
+                            float out[NT * NR];
+                            pyrt_dot_tile(ops, nr, rp, nt, xp, n, out, NR, 1);
+                            for (int t = 0; t < nt; t++)
+                                for (int r = 0; r < nr; r++)
+                                    CHECK(memcmp(&out[t * NR + r], &d[r][t], 4) == 0,
+                                          "kquant dot tile level %d vnni %d fmt %d n %d (%d x %d) "
+                                          "at (%d, %d) differs from dot", level, vnni, fmt, n, nr,
+                                          nt, r, t);
+                        }
+                    for (int nr = 1; nr <= PYRT_AXPY_ROWS && ops->axpyn != NULL; nr += 3) {
+                        float a[PYRT_AXPY_ROWS];
+                        for (int r = 0; r < nr; r++)
+                            a[r] = rng_normalish();
+                        for (int i = 0; i < n; i++)
+                            y1[i] = y2[i] = y0[i] = x[i];
+                        ops->axpyn(nr, a, rp, y1, n);
+                        for (int r = 0; r < nr; r++) {
+                            ops->axpy(a[r], rp[r], y2, n);
+                            scalar->axpy(a[r], rp[r], y0, n);
+                        }
+                        CHECK(memcmp(y1, y2, sizeof(float) * n) == 0,
+                              "kquant axpyn level %d fmt %d n %d nr %d differs from axpy calls",
+                              level, fmt, n, nr);
+                        for (int i = 0; i < n; i++) { /* rounding: a few u of each term */
+                            double mag = fabs(x[i]);
+                            for (int r = 0; r < nr; r++)
+                                mag += 64.0 * fabs(a[r]);
+                            if (fabs((double)y1[i] - y0[i]) > 8 * nr * u * mag + 1e-30) {
+                                CHECK(0, "kquant axpy level %d fmt %d n %d nr %d at %d: %.9g vs "
+                                      "scalar %.9g", level, fmt, n, nr, i, y1[i], y0[i]);
+                                break;
+                            }
+                        }
+                    }
+                }
+            free(rows), free(x), free(y1), free(y2), free(y0), free(xq);
+        }
+    }
+}
+
 int main(void) {
     test_quantize_x();
     test_quantize_x_levels();
@@ -848,6 +969,7 @@ int main(void) {
     test_fused_kernels_match_plain();
     test_vnni_dots_match_avx512();
     test_tiles_match_rows();
+    test_kquant_kernels_agree();
     test_moe_ffn_case(13);
     test_moe_ffn_case(197);
     test_errors();

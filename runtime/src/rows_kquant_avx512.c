@@ -1,0 +1,336 @@
+/* K-quant row kernels on AVX-512 (Q4_K, Q5_K, Q6_K; F + BW, and VNNI where the CPU has it):
+ * the super-block layouts are rows_kquant.c's. Rows are a multiple of 256 elements.
+ *
+ * Dots: two sub-blocks of 32 per 512-bit step ("pair" k: sub-blocks 2k and 2k + 1, against the
+ * activation's Q8 blocks 2k and 2k + 1), their codes unpacked as uint8 and multiplied with x's
+ * int8 by vpdpbusd (VNNI) or vpmaddubsw + vpmaddwd (the same exact int32 lanes: codes <= 63,
+ * pairs <= 2*63*127 < 2^15), lanes 0..7 summing sub-block 2k, 8..15 sub-block 2k + 1.
+ *   Q4_K / Q5_K: acc += (d sc_j xd_j) lanes; the mins in a second chain,
+ *                accm += (dmin m_j) (xd_j sum(xq_j)), the sums of x made once per token.
+ *   Q6_K:        the codes read unsigned (q + 32); each lane's int32 starts at -32 sum(x) over
+ *                its 4 elements, so it sums (q - 32) x exactly; lanes 0..3 / 4..7 are one scale
+ *                of 16's elements: acc += (d sc) xd lanes.
+ * One function computes a block of rows x tokens (1 x 1: dot, 2 x 1: dot2, 4 x 2: the prefill
+ * tiles), each result with the same operations in the same order: a tile's results are the
+ * dots' bits.
+ * axpy: 16 codes widened to int32 per step (from the bytes, no cross-lane shuffles), y held in
+ * registers across up to PYRT_AXPY_ROWS rows (axpyn), each row's operations those of axpy. */
+#include "rows.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+
+#include "blocks_avx512.h"
+#include "blocks_kquant_x86.h"
+
+#define D(w) _cvtsh_ss(pyrt_load_u16(w))
+#define INLINE __attribute__((always_inline)) inline
+
+enum { KQ_ROWS = 4, KQ_TOKENS = 2 };
+
+/* ---- pieces -------------------------------------------------------------------------------- */
+
+/* x's Q8 blocks 2k and 2k + 1 as one vector. */
+AVX512 static INLINE __m512i x_pair(const pyrt_xq8 *xq, int k) {
+    return join256(_mm256_loadu_si256((const __m256i *)xq[2 * k].q),
+                   _mm256_loadu_si256((const __m256i *)xq[2 * k + 1].q));
+}
+
+/* 32 bytes at p in both halves. */
+AVX512 static INLINE __m512i bcast32(const uint8_t *p) {
+    return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* Shift counts per 16-bit lane: lo for the low 256 bits, hi for the high. */
+AVX512 static INLINE __m512i counts16(short lo, short hi) {
+    return join256(_mm256_set1_epi16(lo), _mm256_set1_epi16(hi));
+}
+
+/* Pair k's 64 codes (uint8; bytes 0..31: sub-block 2k, 32..63: 2k + 1). */
+AVX512 static INLINE __m512i codes_q4_k(const uint8_t *w, int k) {
+    const __m512i raw = bcast32(w + 16 + 32 * k);
+    const __m512i nib = _mm512_srlv_epi16(raw, counts16(0, 4));
+    return _mm512_and_si512(nib, _mm512_set1_epi8(0x0F));
+}
+AVX512 static INLINE __m512i codes_q5_k(const uint8_t *w, int k) {
+    const __m512i raw = bcast32(w + 48 + 32 * k);
+    const __m512i lo = _mm512_and_si512(
+        _mm512_srlv_epi16(raw, counts16(0, 4)), _mm512_set1_epi8(0x0F));
+    const __m512i qh = bcast32(w + 16);
+    const __m512i bit = join256(_mm256_set1_epi8((char)(1 << 2 * k)),
+                                _mm256_set1_epi8((char)(1 << (2 * k + 1))));
+    return _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(qh, bit), lo, _mm512_set1_epi8(16));
+}
+/* Q6_K: q + 32 (0..63). Pair k = 2h + half holds quarters p = 2 half (ql's first 32 bytes of
+ * half h) and 2 half + 1 (its next 32), nibble `half`; their high bits are bits 2p, 2p + 1 of qh,
+ * moved to bits 4, 5 (16-bit shifts: the bits that cross into the next byte are masked off). */
+AVX512 static INLINE __m512i codes_q6_k(const uint8_t *w, int k) {
+    const int h = k / 2, half = k % 2;
+    const __m512i ql = _mm512_loadu_si512((const void *)(w + 64 * h));
+    const __m512i nib = half ? _mm512_srli_epi16(ql, 4) : ql;
+    const __m512i lo = _mm512_and_si512(nib, _mm512_set1_epi8(0x0F));
+    const __m512i qh = bcast32(w + 128 + 32 * h);
+    const __m512i hi =
+        half ? _mm512_srlv_epi16(qh, counts16(0, 2))
+             : _mm512_sllv_epi16(qh, counts16(4, 2));
+    return _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(0x30), 0xF8); /* lo | (hi & 0x30) */
+}
+
+/* Q6_K's 16 scales times d (lanes 0..15, one per 16 elements). */
+AVX512 static INLINE __m512 scales_q6_k(const uint8_t *w) {
+    const __m128i sc = _mm_loadu_si128((const __m128i *)(w + 192));
+    return _mm512_mul_ps(_mm512_set1_ps(D(w + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+}
+
+/* Permute indices that spread Q6_K's scales 4k .. 4k + 3 over lanes 0..3, 4..7, 8..11, 12..15. */
+AVX512 static INLINE __m512i quad_index(int k) {
+    return _mm512_add_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                            _mm512_set1_epi32(4 * k));
+}
+
+#define KQ_LANES_BW(u, x, init)                                                                   \
+    _mm512_add_epi32((init),                                                                      \
+                     _mm512_madd_epi16(_mm512_maddubs_epi16((u), (x)), _mm512_set1_epi16(1)))
+#define KQ_LANES_VNNI(u, x, init) _mm512_dpbusd_epi32((init), (u), (x))
+
+/* ---- dots ----------------------------------------------------------------------------------
+ * out[t * ts + r * rs] = rows[r] . xs[t] for r < nr <= KQ_ROWS, t < nt <= KQ_TOKENS; fmt and the
+ * counts are constants where it is inlined, so the loops unroll. */
+#define KQ_DOTS(SUF, TGT, LANES)                                                                  \
+    TGT static INLINE void dots_##SUF(int fmt, int nr, const void *const *rows, int nt,            \
+                                      const void *const *xs, int n, float *out, size_t ts,        \
+                                      size_t rs) {                                                \
+        const size_t bb = fmt == PYRT_FMT_Q4_K   ? PYRT_Q4_K_BYTES                                \
+                          : fmt == PYRT_FMT_Q5_K ? PYRT_Q5_K_BYTES                                \
+                                                 : PYRT_Q6_K_BYTES;                               \
+        __m512 acc[KQ_ROWS][KQ_TOKENS], accm[KQ_ROWS][KQ_TOKENS];                                 \
+        for (int r = 0; r < nr; r++)                                                              \
+            for (int t = 0; t < nt; t++)                                                          \
+                acc[r][t] = accm[r][t] = _mm512_setzero_ps();                                     \
+        for (int s = 0; s < n / PYRT_QK_K; s++) {                                                 \
+            const uint8_t *w[KQ_ROWS];                                                            \
+            const pyrt_xq8 *xq[KQ_TOKENS];                                                        \
+            __m512 xd[KQ_TOKENS], rs8[KQ_ROWS], rm8[KQ_ROWS];                                     \
+            for (int t = 0; t < nt; t++) {                                                        \
+                xq[t] = (const pyrt_xq8 *)xs[t] + 8 * s;                                          \
+                xd[t] = _mm512_castps256_ps512(pyrt_kq_xd8(xq[t]));                                \
+            }                                                                                     \
+            for (int r = 0; r < nr; r++) {                                                        \
+                w[r] = (const uint8_t *)rows[r] + (size_t)s * bb;                                 \
+                if (fmt == PYRT_FMT_Q6_K) {                                                       \
+                    rs8[r] = scales_q6_k(w[r]);                                                   \
+                } else {                                                                          \
+                    __m256 dsc, dm;                                                               \
+                    pyrt_kq_scales_mins(w[r], &dsc, &dm);                                          \
+                    rs8[r] = _mm512_castps256_ps512(dsc);                                         \
+                    rm8[r] = _mm512_castps256_ps512(dm);                                          \
+                }                                                                                 \
+            }                                                                                     \
+            _Pragma("GCC unroll 4") for (int k = 0; k < 4; k++) {                                 \
+                __m512i xv[KQ_TOKENS], xi[KQ_TOKENS] = {0};                                        \
+                __m512 xdp[KQ_TOKENS], xsx[KQ_TOKENS] = {0};                                       \
+                for (int t = 0; t < nt; t++) {                                                    \
+                    xv[t] = x_pair(xq[t], k);                                                     \
+                    xdp[t] = _mm512_permutexvar_ps(pair_index(k), xd[t]);                         \
+                    if (fmt == PYRT_FMT_Q6_K) { /* -32 sum(x) per lane */                         \
+                        const __m512i z = _mm512_setzero_si512();                                 \
+                        xi[t] = _mm512_sub_epi32(z, LANES(_mm512_set1_epi8(32), xv[t], z));       \
+                    } else { /* xd_j sum(xq_j) per lane */                                        \
+                        const __m512i z = _mm512_setzero_si512();                                 \
+                        xsx[t] = _mm512_mul_ps(                                                   \
+                            xdp[t], _mm512_cvtepi32_ps(LANES(_mm512_set1_epi8(1), xv[t], z)));    \
+                    }                                                                             \
+                }                                                                                 \
+                for (int r = 0; r < nr; r++) {                                                    \
+                    if (fmt == PYRT_FMT_Q6_K) {                                                   \
+                        const __m512i u = codes_q6_k(w[r], k);                                    \
+                        const __m512 sp = _mm512_permutexvar_ps(quad_index(k), rs8[r]);           \
+                        for (int t = 0; t < nt; t++) {                                            \
+                            const __m512 l = _mm512_cvtepi32_ps(LANES(u, xv[t], xi[t]));          \
+                            acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(sp, xdp[t]), l, acc[r][t]); \
+                        }                                                                         \
+                    } else {                                                                      \
+                        const __m512i u =                                                         \
+                            fmt == PYRT_FMT_Q4_K ? codes_q4_k(w[r], k) : codes_q5_k(w[r], k);     \
+                        const __m512 sp = _mm512_permutexvar_ps(pair_index(k), rs8[r]);           \
+                        const __m512 mp = _mm512_permutexvar_ps(pair_index(k), rm8[r]);           \
+                        const __m512i z = _mm512_setzero_si512();                                 \
+                        for (int t = 0; t < nt; t++) {                                            \
+                            const __m512 l = _mm512_cvtepi32_ps(LANES(u, xv[t], z));              \
+                            acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(sp, xdp[t]), l, acc[r][t]); \
+                            accm[r][t] = _mm512_fmadd_ps(mp, xsx[t], accm[r][t]);                 \
+                        }                                                                         \
+                    }                                                                             \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+        for (int r = 0; r < nr; r++)                                                              \
+            for (int t = 0; t < nt; t++)                                                          \
+                out[(size_t)t * ts + (size_t)r * rs] =                                            \
+                    _mm512_reduce_add_ps(_mm512_sub_ps(acc[r][t], accm[r][t]));                   \
+    }
+
+KQ_DOTS(bw, AVX512, KQ_LANES_BW)
+KQ_DOTS(vnni, AVX512VNNI, KQ_LANES_VNNI)
+
+/* dot, dot2 and the dot tile of one format and one kind of lanes. */
+#define KQ_DOT_ENTRIES(name, FMT, SUF, TGT)                                                       \
+    TGT static float dot_##name##_##SUF(const void *row, const void *x, int n) {                  \
+        float out;                                                                                \
+        dots_##SUF(FMT, 1, &row, 1, &x, n, &out, 0, 0);                                           \
+        return out;                                                                               \
+    }                                                                                             \
+    TGT static void dot2_##name##_##SUF(const void *row0, const void *row1, const void *x, int n, \
+                                        float out[2]) {                                           \
+        const void *rows[2] = {row0, row1};                                                       \
+        dots_##SUF(FMT, 2, rows, 1, &x, n, out, 0, 1);                                            \
+    }                                                                                             \
+    TGT static void dot_tile_##name##_##SUF(const void *const *rows, int nt,                      \
+                                            const void *const *xs, int n, float *out, size_t ts,  \
+                                            size_t rs) {                                          \
+        int t = 0;                                                                                \
+        for (; t + KQ_TOKENS <= nt; t += KQ_TOKENS)                                               \
+            dots_##SUF(FMT, PYRT_TILE_ROWS, rows, KQ_TOKENS, xs + t, n, out + (size_t)t * ts, ts, \
+                       rs);                                                                       \
+        if (t < nt)                                                                               \
+            dots_##SUF(FMT, PYRT_TILE_ROWS, rows, 1, xs + t, n, out + (size_t)t * ts, ts, rs);    \
+    }
+
+KQ_DOT_ENTRIES(q4_k, PYRT_FMT_Q4_K, bw, AVX512)
+KQ_DOT_ENTRIES(q5_k, PYRT_FMT_Q5_K, bw, AVX512)
+KQ_DOT_ENTRIES(q6_k, PYRT_FMT_Q6_K, bw, AVX512)
+KQ_DOT_ENTRIES(q4_k, PYRT_FMT_Q4_K, vnni, AVX512VNNI)
+KQ_DOT_ENTRIES(q5_k, PYRT_FMT_Q5_K, vnni, AVX512VNNI)
+KQ_DOT_ENTRIES(q6_k, PYRT_FMT_Q6_K, vnni, AVX512VNNI)
+
+/* ---- axpy ----------------------------------------------------------------------------------
+ * Per sub-block pair k of each super-block, y's 64 floats (4 registers) are loaded once, each
+ * row's 64 weights added in row order (16 codes widened from 16 bytes per step), stored once. */
+
+/* Bit j of each int32 lane as 16 (j in 0..7). */
+AVX512 static INLINE __m512i bit_as_16(__m512i v, int j) {
+    const __m512i moved = j <= 4 ? _mm512_slli_epi32(v, 4 - j) : _mm512_srli_epi32(v, j - 4);
+    return _mm512_and_si512(moved, _mm512_set1_epi32(16));
+}
+
+/* The 64 codes of pair k as int32 in 4 registers, q[i] for y[64 k + 16 i ..]: elements 0..15,
+ * 16..31 of sub-block 2k, then of 2k + 1 (Q6_K: q - 32). */
+AVX512 static INLINE void wide_codes(int fmt, const uint8_t *w, int k, __m512i q[4]) {
+    const __m512i m4 = _mm512_set1_epi32(0x0F);
+    if (fmt == PYRT_FMT_Q6_K) {
+        const int h = k / 2, half = k % 2;
+        for (int i = 0; i < 4; i++) { /* quarter p, elements l0 .. l0 + 15 */
+            const int p = 2 * half + i / 2, l0 = 16 * (i % 2);
+            const __m512i ql = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(w + 64 * h + 32 * (i / 2) + l0)));
+            const __m512i qh = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(w + 128 + 32 * h + l0)));
+            const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(ql, 4 * half), m4);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(qh, 2 * p), _mm512_set1_epi32(3));
+            q[i] = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)),
+                                    _mm512_set1_epi32(32));
+        }
+        return;
+    }
+    const uint8_t *qs = w + (fmt == PYRT_FMT_Q4_K ? 16 : 48) + 32 * k;
+    for (int i = 0; i < 2; i++) { /* elements 16 i .. 16 i + 15 of both sub-blocks */
+        const __m512i raw = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16 * i)));
+        q[i] = _mm512_and_si512(raw, m4);
+        q[2 + i] = _mm512_srli_epi32(raw, 4);
+        if (fmt == PYRT_FMT_Q5_K) { /* bit j of qh[l] as 16 */
+            const __m512i qh =
+                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 16 + 16 * i)));
+            q[i] = _mm512_or_si512(q[i], bit_as_16(qh, 2 * k));
+            q[2 + i] = _mm512_or_si512(q[2 + i], bit_as_16(qh, 2 * k + 1));
+        }
+    }
+}
+
+/* y[0:n) += a[r] rows[r] for r < nr in order; nr = 1: axpy. Per row and sub-block j the weight
+ * times a is vs q - vm (vs = a (d sc_j), vm = a (dmin m_j); Q6_K: vs = a (d sc), vm = 0), added as
+ * y = fma(vs, q, y) - vm; the scales of a super-block's rows made once, 8 (16) at a time. */
+AVX512 static INLINE void axpyn_k(int fmt, int nr, const float *a, const void *const *rows,
+                                  float *y, int n) {
+    const size_t bb = fmt == PYRT_FMT_Q4_K   ? PYRT_Q4_K_BYTES
+                      : fmt == PYRT_FMT_Q5_K ? PYRT_Q5_K_BYTES
+                                             : PYRT_Q6_K_BYTES;
+    float vs[PYRT_AXPY_ROWS][16], vm[PYRT_AXPY_ROWS][8]; /* a vs_j (Q6_K: per 16), a vm_j */
+    for (int s = 0; s < n / PYRT_QK_K; s++) {
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *w = (const uint8_t *)rows[r] + (size_t)s * bb;
+            const __m512 va = _mm512_set1_ps(a[r]);
+            if (fmt == PYRT_FMT_Q6_K) {
+                _mm512_storeu_ps(vs[r], _mm512_mul_ps(va, scales_q6_k(w)));
+            } else {
+                __m256 dsc, dm;
+                pyrt_kq_scales_mins(w, &dsc, &dm);
+                _mm256_storeu_ps(vs[r], _mm256_mul_ps(_mm512_castps512_ps256(va), dsc));
+                _mm256_storeu_ps(vm[r], _mm256_mul_ps(_mm512_castps512_ps256(va), dm));
+            }
+        }
+        _Pragma("GCC unroll 4") for (int k = 0; k < 4; k++) {
+            float *yk = y + (size_t)s * PYRT_QK_K + 64 * k;
+            __m512 acc[4];
+            for (int i = 0; i < 4; i++)
+                acc[i] = _mm512_loadu_ps(yk + 16 * i);
+            for (int r = 0; r < nr; r++) {
+                const uint8_t *w = (const uint8_t *)rows[r] + (size_t)s * bb;
+                __m512i q[4];
+                wide_codes(fmt, w, k, q);
+                for (int i = 0; i < 4; i++) { /* y[16 i ..]: sub-block 2k + i / 2 */
+                    const float si = fmt == PYRT_FMT_Q6_K ? vs[r][4 * k + i] : vs[r][2 * k + i / 2];
+                    acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(si), _mm512_cvtepi32_ps(q[i]), acc[i]);
+                    if (fmt != PYRT_FMT_Q6_K)
+                        acc[i] = _mm512_sub_ps(acc[i], _mm512_set1_ps(vm[r][2 * k + i / 2]));
+                }
+            }
+            for (int i = 0; i < 4; i++)
+                _mm512_storeu_ps(yk + 16 * i, acc[i]);
+        }
+    }
+}
+
+#define KQ_AXPY_ENTRIES(name, FMT)                                                                \
+    AVX512 static void axpyn_##name(int nr, const float *a, const void *const *rows, float *y,    \
+                                    int n) {                                                      \
+        axpyn_k(FMT, nr, a, rows, y, n);                                                          \
+    }                                                                                             \
+    AVX512 static void axpy_##name(float a, const void *row, float *y, int n) {                   \
+        axpyn_k(FMT, 1, &a, &row, y, n);                                                          \
+    }
+
+KQ_AXPY_ENTRIES(q4_k, PYRT_FMT_Q4_K)
+KQ_AXPY_ENTRIES(q5_k, PYRT_FMT_Q5_K)
+KQ_AXPY_ENTRIES(q6_k, PYRT_FMT_Q6_K)
+
+#define KQ_OPS(name, SUF)                                                                         \
+    static const pyrt_row_ops ops_##name##_##SUF = {.dot = dot_##name##_##SUF,                     \
+                                                    .axpy = axpy_##name,                          \
+                                                    .dot2 = dot2_##name##_##SUF,                  \
+                                                    .axpyn = axpyn_##name,                        \
+                                                    .dot_tile = dot_tile_##name##_##SUF};
+KQ_OPS(q4_k, bw)
+KQ_OPS(q5_k, bw)
+KQ_OPS(q6_k, bw)
+KQ_OPS(q4_k, vnni)
+KQ_OPS(q5_k, vnni)
+KQ_OPS(q6_k, vnni)
+
+const pyrt_row_ops *pyrt_row_ops_kquant_avx512(int fmt, int vnni) {
+    if (vnni)
+        return fmt == PYRT_FMT_Q4_K   ? &ops_q4_k_vnni
+               : fmt == PYRT_FMT_Q5_K ? &ops_q5_k_vnni
+                                      : &ops_q6_k_vnni;
+    return fmt == PYRT_FMT_Q4_K   ? &ops_q4_k_bw
+           : fmt == PYRT_FMT_Q5_K ? &ops_q5_k_bw
+                                  : &ops_q6_k_bw;
+}
+
+#else /* not x86-64: the scalar kernels stand in (cpu.c never selects an x86 level) */
+
+const pyrt_row_ops *pyrt_row_ops_kquant_avx512(int fmt, int vnni) {
+    (void)vnni;
+    return pyrt_row_ops_kquant_scalar(fmt);
+}
+
+#endif
