@@ -128,9 +128,9 @@ def test_session_reuses_a_prompt_snapshot_and_restarts_without_one(f32_path):
     assert s.cache.n_tokens == len(s.ids) == 0
 
 
-def test_gpu_whole_model_but_no_hybrid(f32_path, monkeypatch):
+def test_gpu_whole_model_or_the_hybrid(f32_path, monkeypatch):
     """The GPU executor runs the model (tests/test_gpu_model.py); a budget that only fits the
-    hybrid takes the CPU under auto and is one line under --device cuda."""
+    hybrid takes it (tests/test_offload_qwen35.py), under auto and --device cuda alike."""
     from pyruntime.model.config import ModelConfig
     from pyruntime.offload.plan import device_bytes
     from pyruntime.placement import choose_device
@@ -143,10 +143,10 @@ def test_gpu_whole_model_but_no_hybrid(f32_path, monkeypatch):
     need = device_bytes(f, cfg, 64)
     assert choose_device("auto", f, cfg, 64).plan is None  # the whole model on the GPU
     small = need.fixed + 4 * need.expert_bytes
-    choice = choose_device("auto", f, cfg, 64, gpu_mem=small)
-    assert choice.device == "cpu" and "no hybrid (offload) path yet" in choice.note
-    with pytest.raises(UsageError, match="^--device cuda: the model does not fit the GPU and"):
-        choose_device("cuda", f, cfg, 64, gpu_mem=small)
+    for device in ("auto", "cuda"):
+        choice = choose_device(device, f, cfg, 64, gpu_mem=small)
+        assert choice.hybrid and choice.device == "cuda" and choice.note is None
+        assert choice.plan.slots == 4
 
 
 def test_info_shows_the_deltanet_fields(f32_path, capsys):

@@ -7,7 +7,8 @@ cache), with no torch op in between. Without the C core (expert_backend='torch')
 calibration observer watches the experts' inputs (gate_observer), it is the reference forward
 (pyruntime.model.reference), with the C core's `linear` for every weight matrix (read in place,
 in its stored format) and its routed-expert kernel where the core is there; so is every forward
-pass of a model with Gated DeltaNet layers (c_decoder_runs).
+pass of a model with Gated DeltaNet layers (c_decoder_runs), whose DeltaNet layers' decode steps
+are each one C call (pyruntime.cpu.deltanet).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from pyruntime.cpu import sparse_switch
 from pyruntime.cpu.core import CpuCore
 from pyruntime.cpu.decoder import CpuDecoder
+from pyruntime.cpu.deltanet import CDeltaNet
 from pyruntime.cpu.experts import make_expert_backend
 from pyruntime.errors import UsageError
 from pyruntime.gguf.file import GGUFFile
@@ -54,6 +56,7 @@ class CpuExecutor(ReferenceModel):
         self.file: GGUFFile | None = None  # the mapped file, for prefetch hints
         self.ubatch: int | None = None  # prefill tokens per chunk (None: the C core's default)
         self.sparse_decode = True  # decode steps skip neurons as expert_threshold says
+        self._deltanet_c: CDeltaNet | None = None  # DeltaNet decode steps on the C core
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         """Start paging the experts' bytes in from the file (readahead), without waiting."""
@@ -92,6 +95,8 @@ class CpuExecutor(ReferenceModel):
         self.core = core
         self.linear = self._core_linear
         if not c_decoder_runs(self.config):
+            # a DeltaNet layer's decode step as one C call (the prompt: the chunked torch form)
+            self._deltanet_c = CDeltaNet(self.config, self.weights, core)
             torch.set_num_threads(1)  # as below: the pool's threads do the heavy parts
             return
         self._decoder = CpuDecoder(self.config, self.weights, core)
@@ -119,6 +124,14 @@ class CpuExecutor(ReferenceModel):
             **({} if timer is None else {"timer": timer}),
         )  # fmt: skip
         self.stats.reset()  # the measurement's own steps
+
+    def _deltanet(self, i: int, blk, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """A Gated DeltaNet layer: one token on the C core (pyrt_deltanet_step), else the
+        reference's torch forms."""
+        if self._deltanet_c is None or x.shape[0] != 1:
+            return super()._deltanet(i, blk, x, cache)
+        state = cache.recurrent
+        return self._deltanet_c.step(i, x, state.conv[i], state.ssm[i])
 
     def _core_linear(self, x: torch.Tensor, w: QuantMatrix, bias: torch.Tensor | None = None):
         """x [T, n_in] -> [T, n_out] on the C core, w in its own format."""

@@ -35,7 +35,7 @@ from pyruntime.gguf.file import GGUFFile
 from pyruntime.gguf.quant import FORMAT_NAMES
 from pyruntime.gpu.cache_state import GpuCacheState
 from pyruntime.gpu.layers import DecoderLayers, Routed, Span
-from pyruntime.gpu.weights import dense_dtype_for, upload_weights
+from pyruntime.gpu.weights import dense_dtype_for, first_matrix_type, upload_weights
 from pyruntime.kernels import tuning
 from pyruntime.kernels.expert_formats import activation_issue
 from pyruntime.model.config import ModelConfig
@@ -51,7 +51,7 @@ from pyruntime.offload.home import default_pinning, open_home
 from pyruntime.offload.host_register import Pinning
 from pyruntime.offload.plan import gib
 from pyruntime.offload.policy import make_policy
-from pyruntime.offload.segments import DecodeSegments
+from pyruntime.offload.segments import DecodeSegments, mixer
 from pyruntime.offload.slots import ExpertSlots
 from pyruntime.offload.split import CpuWorker, SplitExperts
 from pyruntime.offload.stats import OffloadStats, PartTimer
@@ -108,7 +108,7 @@ class HybridExecutor:
             tuning.set_overrides(None if kernel_tuning is None else tuning.load(kernel_tuning))
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-        self.dtype = dense_dtype_for(weights.blocks[0].wq.qtype)
+        self.dtype = dense_dtype_for(first_matrix_type(weights))
         self.weights = upload_weights(weights, cfg, self.device, self.dtype, routed_experts=False)
         self.layers = DecoderLayers(cfg, self.weights, self.dtype)
         self.streams = DeviceStreams(self.device)
@@ -287,7 +287,7 @@ class HybridExecutor:
         x, delta = layers.embed(span.ids), None
         for i, blk in enumerate(self.host.blocks):
             mark = timer.start()
-            x, delta = layers.attention(i, x, delta, cache.kv[i], span)
+            x, delta = mixer(layers, i, x, delta, cache, span)
             mark = timer.stop("attention", mark)
             if blk.experts is None:
                 x, h, _ = layers.ffn_norm(i, x, delta)
@@ -304,7 +304,7 @@ class HybridExecutor:
         logits = self.streams.to_host(layers.output(x, delta).float())
         self.streams.host_waits()
         timer.collect()
-        cache.n_tokens += span.n
+        cache.end_pass(cache.n_tokens + span.n, span.n)  # a recurrent state's snapshot
         return logits, span.n
 
     def _decode(self, state: GpuCacheState, token: int, cache: KVCache, k: int,
@@ -347,7 +347,7 @@ class HybridExecutor:
                 return None if ahead is None else experts._predict(ahead, r, k)
 
             span = Span(state.token, state.position, state.cos, state.sin, seq_len=state.seq_len)
-            seg = DecodeSegments(self.layers, self._moe, cache.kv, span, k, predict,
+            seg = DecodeSegments(self.layers, self._moe, cache, span, k, predict,
                                  self.device)  # fmt: skip
             state.segments[key] = seg
         return seg

@@ -23,7 +23,8 @@ replays, M host waits, M C calls and a replay per layer with experts in slots: t
 
 Graphs are captured per (k, lookahead) on the first step that needs them, each right before its
 first replay (its inputs are then the real ones: the capture's warm-up run has a step's side
-effects, rewritten by the replay), in one memory pool: they replay in the order they were
+effects, rewritten by the replay, but for a Gated DeltaNet layer's recurrent state, which the
+warm-up advances and `prepare` puts back), in one memory pool: they replay in the order they were
 captured, never at once. Their inputs and outputs stay at fixed addresses for the life of the
 KV cache they belong to (in its GpuCacheState). A segment clones the residual stream it starts
 from: the first norm adds to it in place, and the warm-up run must not add twice. On a CPU
@@ -39,6 +40,7 @@ import torch
 
 from pyruntime.gpu import cache_state
 from pyruntime.gpu.layers import DecoderLayers, Routed, Span
+from pyruntime.model.kv_cache import KVCache
 from pyruntime.offload.host_register import page_locked
 
 ALIGN = 64  # bytes between the starts of two host buffers
@@ -77,16 +79,25 @@ def allocate_block(nbytes: int) -> np.ndarray | None:
     return page_locked(nbytes)
 
 
+def mixer(layers: DecoderLayers, i: int, x: torch.Tensor, delta: torch.Tensor | None,
+          cache: KVCache, span: Span) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Layer i's token mixer: attention over cache.kv[i], or a Gated DeltaNet layer on the
+    cache's recurrent state (qwen35moe), which advances by span's tokens."""
+    if layers.blocks[i].deltanet is not None:
+        return layers.deltanet(i, x, delta, cache.recurrent, span)
+    return layers.attention(i, x, delta, cache.kv[i], span)
+
+
 class DecodeSegments:
     """The segments of a decode step at k experts per token (module doc) on one KV cache.
     predict(i, r): MoE layer i's lookahead (the next MoE layer's likely experts [k] int64 on
     the device) or None (no lookahead, or no next layer)."""
 
-    def __init__(self, layers: DecoderLayers, moe: list[int], kv: list[torch.Tensor],
+    def __init__(self, layers: DecoderLayers, moe: list[int], cache: KVCache,
                  span: Span, k: int, predict: Callable[[int, Routed], torch.Tensor | None],
                  device: torch.device) -> None:  # fmt: skip
         cfg = layers.config
-        self.layers, self.moe, self.kv, self.span, self.k = layers, moe, kv, span, k
+        self.layers, self.moe, self.cache, self.span, self.k = layers, moe, cache, span, k
         self.predict, self.device = predict, device
         self.cuda = device.type == "cuda"
         buffers = StepBuffers(
@@ -130,8 +141,12 @@ class DecodeSegments:
         """Capture segment m if it has no graph yet (before `run`, so that timing the run
         leaves the capture out)."""
         if self.capture and self._graphs[m] is None:
+            recurrent = self.cache.recurrent
+            saved = None if recurrent is None else recurrent.copy()
             graph, out = cache_state.capture(lambda: self._segment(m), self.device,
                                              pool=self._pool)  # fmt: skip
+            if saved is not None:  # the warm-up run advanced it; the replay does
+                recurrent.load(saved)
             self._graphs[m] = graph
             if m < len(self.moe):
                 self.routed[m] = out
@@ -208,14 +223,14 @@ class DecodeSegments:
             x, first = r.x.clone(), prev + 1
         last = moe[m] if m < len(moe) else layers.config.n_layer
         for i in range(first, last):  # dense-FFN layers
-            x, delta = layers.attention(i, x, delta, self.kv[i], self.span)
+            x, delta = mixer(layers, i, x, delta, self.cache, self.span)
             x, h, _ = layers.ffn_norm(i, x, delta)
             delta = layers.dense_ffn(i, h)
         if m == len(moe):
             self.logits.copy_(layers.output(x, delta).float(), non_blocking=True)
             return None
         i = moe[m]
-        x, delta = layers.attention(i, x, delta, self.kv[i], self.span)
+        x, delta = mixer(layers, i, x, delta, self.cache, self.span)
         r = layers.route(i, x, delta, self.k)
         self.ids.copy_(r.ids.to(torch.int32), non_blocking=True)
         self.weights.copy_(r.weights, non_blocking=True)

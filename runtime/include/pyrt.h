@@ -26,7 +26,7 @@ extern "C" {
 /* PYRT_CDEF_BEGIN */
 /* This header's version of the API: raised whenever a declaration below changes, so that a
  * caller declared from one header refuses a library built from another (pyrt_api_version). */
-enum { PYRT_API_VERSION = 4 };
+enum { PYRT_API_VERSION = 5 };
 
 /* Status codes. */
 enum {
@@ -401,6 +401,38 @@ int pyrt_decoder_prefill(pyrt_decoder *dec, pyrt_pool *pool, pyrt_prefill_args *
  * (norm, q/k/v, RoPE, attention, output projection), [1] FFN (norm, router, routed experts, shared
  * expert or dense FFN), [2] output (final norm, output matrix); [3] steps. reset != 0 zeroes it. */
 int pyrt_decoder_times(pyrt_decoder *dec, int64_t *ns, int reset);
+
+/* ---- a Gated DeltaNet layer's decode step (deltanet.c; qwen35moe's linear attention) ---- */
+
+/* One Gated DeltaNet layer (pyruntime/model/deltanet.py): C = 2 Hk dk + Hv dv conv channels
+ * (queries, keys, values), Hv value heads of dv, each key head (of dk) read by Hv / Hk
+ * consecutive value heads; a conv kernel of K taps over time. Borrowed pointers. */
+typedef struct {
+    int n_embd, n_k_heads, n_v_heads, head_k_dim, head_v_dim, conv_kernel;
+    float rms_eps;                  /* of the gated RMSNorm of each head's output */
+    pyrt_matrix qkv;                /* [C, n_embd] attn_qkv */
+    pyrt_matrix gate;               /* [Hv dv, n_embd] attn_gate: z, the output gate */
+    pyrt_matrix beta;               /* [Hv, n_embd] ssm_beta */
+    pyrt_matrix alpha;              /* [Hv, n_embd] ssm_alpha */
+    pyrt_matrix out;                /* [n_embd, Hv dv] ssm_out */
+    pyrt_vector conv;               /* [C, K] ssm_conv1d: tap K - 1 multiplies the newest input */
+    pyrt_vector dt_bias;            /* [Hv] */
+    pyrt_vector a;                  /* [Hv] A = -exp(A_log): the decay rates, < 0 */
+    pyrt_vector norm;               /* [dv] ssm_norm */
+} pyrt_deltanet;
+
+/* One token through the layer: y [n_embd] (written) from x [n_embd] (the normed input), the
+ * state advanced in place: conv_state [C, K - 1] f32 (each channel's last K - 1 inputs, oldest
+ * first) and ssm_state [Hv, dk, dv] f32 (the delta rule's state per value head), their lengths
+ * in floats given (checked against the shape). Per value head h:
+ *   q, k = l2norm of the conv'd key head (q times dk^-1/2), v its value slice,
+ *   beta = sigmoid(x . beta_h), g = a_h softplus(x . alpha_h + dt_bias_h),
+ *   S = exp(g) S; u = beta (v - S^T k); S += k u^T; o = S^T q,
+ * then y = out . (RMSNorm(o) * norm * silu(z)). The in-projections are one pool task, the heads
+ * another, the out-projection a third. */
+int pyrt_deltanet_step(pyrt_pool *pool, const pyrt_deltanet *w, const float *x,
+                       float *conv_state, int64_t conv_n, float *ssm_state, int64_t ssm_n,
+                       float *y);
 /* PYRT_CDEF_END */
 
 #ifdef __cplusplus
