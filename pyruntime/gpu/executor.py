@@ -53,6 +53,7 @@ from pyruntime.model.reference import check_k
 from pyruntime.model.stats import ExpertStats
 from pyruntime.model.tokens import single_token, token_ids
 from pyruntime.model.weights import HostWeights
+from pyruntime.placement import gpu_layers_issue
 
 ExpertMaps = Sequence[torch.Tensor | None]  # per layer: int32 [n_expert] expert -> slot, or None
 
@@ -78,6 +79,7 @@ class GpuExecutor:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         issue = activation_issue(cfg.activation, (cfg.swiglu_alpha, cfg.swiglu_limit))
+        issue = issue or gpu_layers_issue(cfg)
         if issue is not None:
             raise UsageError(f"{issue}; use --device cpu")
         try:  # a bad tuning file: one line now, not a traceback mid-decode
