@@ -212,3 +212,28 @@ def test_a_missing_tensor_is_one_line_and_no_file(hf_dir, tmp_path):
         convert(src, tmp_path / "out.gguf", "f32", progress=False)
     assert "missing tensors: model.layers.2.self_attn.kv_b_proj.weight" in str(info.value)
     assert "\n" not in str(info.value) and list(tmp_path.glob("out.gguf*")) == []
+
+
+def test_calibrate_and_sparsity_hit_the_target(hf_dir, tmp_path):
+    """`pyruntime calibrate` then --sparsity: thresholds measured on one text, applied to another,
+    drop the target fraction of routed neurons within 3 points (512 tokens x 2 MoE layers x 2
+    experts x 32 neurons = 65k decisions per target), in a prompt and token by token."""
+    from pyruntime.api import Model
+    from pyruntime.cli import main
+
+    repo = Path(__file__).resolve().parents[1]
+    path = convert(hf_dir, tmp_path / "m.gguf", "q8_0", progress=False)
+    assert main(["calibrate", str(path), "-f", str(repo / "docs" / "gguf-layout.md")]) == 0
+    dense = Model(path)
+    ids = dense.tokenize((repo / "README.md").read_text())[:512]
+    dense_logits = dense.logits(ids)
+    for target in (0.3, 0.7):
+        model = Model(path, sparsity=target)
+        logits = model.logits(ids)
+        assert abs(model.achieved_sparsity - target) <= 0.03, (target, model.achieved_sparsity)
+        assert (logits != dense_logits).any()
+        step = Model(path, sparsity=target).net
+        cache = step.new_cache(256)
+        for token in ids[:256]:
+            step.forward([token], cache)
+        assert abs(step.stats.sparsity - target) <= 0.03, (target, step.stats.sparsity)
