@@ -518,3 +518,44 @@ def make_qwen35_chat_model(path: Path) -> Path:
     gen["eos_token_id"] = [2, 0]
     (path / "generation_config.json").write_text(json.dumps(gen))
     return path
+
+
+# deepseek-v2-lite-chat's chat template (its tokenizer_config.json, verbatim): the turns as
+# "User: ...\n\n" and "Assistant: ...<｜end▁of▁sentence｜>", a system prompt as a bare paragraph,
+# bos_token first
+DEEPSEEK2_TEMPLATE = (
+    "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}"
+    "{% endif %}{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ 'User: ' + message['content'] + '\\n\\n' }}{% elif message['role'] == 'assistant' %}"
+    "{{ 'Assistant: ' + message['content'] + eos_token }}{% elif message['role'] == 'system' %}"
+    "{{ message['content'] + '\\n\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "{{ 'Assistant:' }}{% endif %}"
+)
+DEEPSEEK2_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>")
+
+
+def make_deepseek2_chat_model(path: Path) -> Path:
+    """A tiny deepseek2 whose tokenizer has DeepSeek's bos and eos (ids 4096, 4097, vocab 4098),
+    added at the start of a prompt, eos ending a turn and the generation, DEEPSEEK2_TEMPLATE."""
+    import json
+
+    make_tiny_hf_model("deepseek2", path, vocab_size=4098)
+    tok = json.loads((path / "tokenizer.json").read_text())
+    tok["added_tokens"] += [
+        dict(id=4096 + i, content=text, single_word=False, lstrip=False, rstrip=False,
+             normalized=False, special=True)
+        for i, text in enumerate(DEEPSEEK2_TOKENS)
+    ]  # fmt: skip
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.update(
+        bos_token=DEEPSEEK2_TOKENS[0],
+        eos_token=DEEPSEEK2_TOKENS[1],
+        add_bos_token=True,
+        chat_template=DEEPSEEK2_TEMPLATE,
+    )
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    gen = json.loads((path / "generation_config.json").read_text())
+    gen.update(bos_token_id=4096, eos_token_id=4097)
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    return path

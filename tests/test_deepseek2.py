@@ -237,3 +237,58 @@ def test_calibrate_and_sparsity_hit_the_target(hf_dir, tmp_path):
         for token in ids[:256]:
             step.forward([token], cache)
         assert abs(step.stats.sparsity - target) <= 0.03, (target, step.stats.sparsity)
+
+
+# ---- chat -----------------------------------------------------------------------------------
+
+DEEPSEEK2_CHATS = [
+    [{"role": "user", "content": "Hi there"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is a cat?"},
+        {"role": "assistant", "content": "A small animal."},
+        {"role": "user", "content": "Its colour?"},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> tuple[Path, Path]:
+    from hf_fixtures import make_deepseek2_chat_model
+
+    tmp = tmp_path_factory.mktemp("ds2chat")
+    hf = make_deepseek2_chat_model(tmp / "hf")
+    return hf, convert(hf, tmp / "m.gguf", "q8_0", progress=False)
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("chat", range(len(DEEPSEEK2_CHATS)))
+def test_chat_template_renders_and_tokenizes_as_transformers(chat_model, chat,
+                                                            add_generation_prompt):  # fmt: skip
+    """deepseek-v2-lite-chat's template from the GGUF, rendered by our renderer, is
+    transformers' apply_chat_template text; it tokenizes as the HF tokenizer does, with one
+    bos (the template's: the tokenizer adds none before it) and an eos after each answer."""
+    from transformers import AutoTokenizer
+
+    from pyruntime.api import Model
+
+    hf = AutoTokenizer.from_pretrained(chat_model[0])
+    model = Model(chat_model[1])
+    messages = DEEPSEEK2_CHATS[chat]
+    want = hf.apply_chat_template(messages, tokenize=False,
+                                  add_generation_prompt=add_generation_prompt)  # fmt: skip
+    text = model.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    assert text == want and text.startswith("<｜begin▁of▁sentence｜>")
+    ids = model.tokenize(text)
+    assert ids == hf(text, add_special_tokens=False)["input_ids"]
+    assert ids.count(4096) == 1 and ids.count(4097) == (chat == 1)
+    assert model.tokenize("Hi")[0] == 4096  # a plain prompt gets its bos
+
+
+def test_chat_turns_end_at_eos(chat_model):
+    from gguf import GGUFReader
+
+    fields = GGUFReader(chat_model[1]).fields
+    assert fields["tokenizer.ggml.eos_token_id"].contents() == 4097
+    assert fields["tokenizer.ggml.bos_token_id"].contents() == 4096
+    assert 4097 in fields["pyruntime.stop_token_ids"].contents()
