@@ -72,17 +72,10 @@ def gpu_budget(dev: torch.device, gpu_mem: int | None) -> tuple[int, str]:
     return lowered, source
 
 
-def gpu_layers_issue(cfg: ModelConfig) -> str | None:
-    """Why the GPU executor cannot run this model's layers, or None."""
-    if cfg.is_mla:
-        return f"{cfg.arch}'s multi-head latent attention has no GPU path yet"
-    return None
-
-
 def hybrid_issue(cfg: ModelConfig) -> str | None:
     """Why the hybrid executor (offload) cannot run this model, or None."""
     if cfg.is_mla:
-        return gpu_layers_issue(cfg)
+        return f"{cfg.arch}'s multi-head latent attention has no hybrid (offload) path yet"
     if any(cfg.recurrent_layers):
         return f"{cfg.arch}'s Gated DeltaNet layers have no hybrid (offload) path yet"
     return None
@@ -109,7 +102,6 @@ def choose_device(requested: str, f: GGUFFile, cfg: ModelConfig, n_ctx: int,
     from pyruntime.kernels.expert_formats import activation_issue
 
     why = activation_issue(cfg.activation, (cfg.swiglu_alpha, cfg.swiglu_limit))
-    why = why or gpu_layers_issue(cfg)
     if why is not None:
         if req == "auto":
             return DeviceChoice("cpu", f"running on the CPU: {why}")

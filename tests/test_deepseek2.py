@@ -144,19 +144,51 @@ def test_full_form_matches_transformers(tmp_path, backend):
     assert (runtime_logprobs(model, ids, split=len(ids) // 2) - ref).abs().max() <= LOGPROB_TOL
 
 
-def test_gpu_is_refused_in_one_line(f32_path, monkeypatch):
-    from pyruntime.gpu.executor import GpuExecutor
+def test_gpu_whole_model_but_no_hybrid(f32_path, monkeypatch):
+    """The GPU executor runs the model (tests/test_gpu_model.py); a budget that only fits the
+    hybrid takes the CPU under auto and is one line under --device cuda."""
+    from pyruntime.offload.plan import device_bytes
     from pyruntime.placement import choose_device
 
-    f = open_gguf(f32_path)
-    with pytest.raises(UsageError, match="^deepseek2's multi-head latent attention has no GPU"):
-        GpuExecutor.from_gguf(f, "cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (80 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "Tiny GPU")
+    f = open_gguf(f32_path)
     cfg = ModelConfig.from_gguf(f)
-    choice = choose_device("auto", f, cfg, 64)
-    assert choice.device == "cpu" and "latent attention has no GPU path" in choice.note
-    with pytest.raises(UsageError, match="^--device cuda: deepseek2's multi-head latent"):
-        choose_device("cuda", f, cfg, 64)
+    need = device_bytes(f, cfg, 64)
+    assert need.kv == 3 * 64 * 48 * 4  # one plane of latents and rope keys per layer (f32)
+    assert choose_device("auto", f, cfg, 64).plan is None  # the whole model on the GPU
+    small = need.fixed + 4 * need.expert_bytes
+    choice = choose_device("auto", f, cfg, 64, gpu_mem=small)
+    assert choice.device == "cpu" and "latent attention has no hybrid" in choice.note
+    with pytest.raises(UsageError, match="^--device cuda: the model does not fit the GPU and"):
+        choose_device("cuda", f, cfg, 64, gpu_mem=small)
+
+
+def test_gpu_decode_graph_and_group_routing_match_the_cpu_path(tmp_path, monkeypatch):
+    """The full form (query LoRA, group-limited routing) on the GPU executor: prefill then
+    decode steps captured in a graph (stood in on the CPU by eager_graph) equal eager decoding,
+    and the CPU path's log-probs within 1e-4 (f32)."""
+    pytest.importorskip("triton")
+    from eager_graph import use_eager_graphs
+
+    from pyruntime.gpu.executor import GpuExecutor
+
+    hf = make_tiny_hf_model("deepseek2", tmp_path / "hf", **DEEPSEEK2_FULL)
+    path = convert(hf, tmp_path / "m.gguf", "f32", progress=False)
+    eager = GpuExecutor.from_gguf(open_gguf(path), "cpu")
+    graphs = GpuExecutor.from_gguf(open_gguf(path), "cpu")
+    captures = use_eager_graphs(monkeypatch, graphs)
+    cpu = CpuExecutor.from_gguf(open_gguf(path), expert_backend="torch")
+    models = (eager, graphs, cpu)
+    caches = [m.new_cache(16) for m in models]
+    for m, c in zip(models, caches, strict=True):
+        m.forward([1, 2, 3, 4, 5], c)
+    for tok in (6, 7, 8):
+        want, got, host = (m.forward([tok], c) for m, c in zip(models, caches, strict=True))
+        assert torch.equal(got, want)
+        assert (torch.log_softmax(got, -1) - torch.log_softmax(host, -1)).abs().max() <= 1e-4
+    assert len(captures) == 1
 
 
 def test_info_shows_the_mla_fields(f32_path, capsys):

@@ -37,12 +37,7 @@ DEVICES = ["cpu"] if INTERPRET else (["cuda"] if torch.cuda.is_available() else 
 DEVICE = DEVICES[0] if DEVICES else "cpu"
 
 
-# deepseek2's latent attention has no GPU path yet: the executor refuses it in one line
-# (tests/test_deepseek2.py)
-GPU_ARCHS = [a for a in ARCHS if a != "deepseek2"]
-
-
-@pytest.fixture(scope="module", params=GPU_ARCHS)
+@pytest.fixture(scope="module", params=ARCHS)
 def tiny_ggufs(request, tmp_path_factory) -> dict[str, Path | str]:
     arch = request.param
     tmp = tmp_path_factory.mktemp(f"gpu-{arch}")

@@ -11,6 +11,7 @@ Same math as pyruntime.model.reference, laid out for a GPU:
   (pyruntime.gpu.cache_state);
 - Gated DeltaNet layers (qwen35moe) read and write the cache's recurrent state in place
   (kernels.deltanet: two decode kernels; gpu/deltanet.py: the chunked form for a prompt);
+  multi-head latent attention layers (deepseek2) their cache's one plane of latents (gpu/mla.py);
 - a step is the per-layer pieces of pyruntime.gpu.layers in a loop. Prefill (n > 1 tokens) runs
   eagerly (GEMM kernels, torch SDPA; docs/architecture.md); decode (1 token) reads its inputs
   (token id, position, cached length) from device tensors, so on CUDA it is captured once per
@@ -53,7 +54,6 @@ from pyruntime.model.reference import check_k
 from pyruntime.model.stats import ExpertStats
 from pyruntime.model.tokens import single_token, token_ids
 from pyruntime.model.weights import HostWeights
-from pyruntime.placement import gpu_layers_issue
 
 ExpertMaps = Sequence[torch.Tensor | None]  # per layer: int32 [n_expert] expert -> slot, or None
 
@@ -79,7 +79,6 @@ class GpuExecutor:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         issue = activation_issue(cfg.activation, (cfg.swiglu_alpha, cfg.swiglu_limit))
-        issue = issue or gpu_layers_issue(cfg)
         if issue is not None:
             raise UsageError(f"{issue}; use --device cpu")
         try:  # a bad tuning file: one line now, not a traceback mid-decode
@@ -353,6 +352,8 @@ class GpuExecutor:
         for i, blk in enumerate(self.blocks):
             if blk.deltanet is not None:
                 x, delta = layers.deltanet(i, x, delta, cache.recurrent, span)
+            elif blk.mla is not None:
+                x, delta = layers.mla(i, x, delta, cache.kv[i], span)
             else:
                 x, delta = layers.attention(i, x, delta, cache.kv[i], span)
             if blk.experts is None:

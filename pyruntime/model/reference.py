@@ -118,7 +118,8 @@ def route(
         T, E = probs.shape
         by_group = probs.view(T, groups[0], E // groups[0])
         best = torch.topk(by_group.amax(-1), groups[1], dim=-1).indices  # [T, n_used]
-        keep = torch.zeros(T, groups[0], dtype=torch.bool).scatter_(1, best, True)
+        keep = torch.zeros(T, groups[0], dtype=torch.bool, device=probs.device)
+        keep = keep.scatter_(1, best, True)
         pick = (by_group * keep[..., None]).view(T, E)
     w, ids = torch.topk(pick, k, dim=-1)
     if renormalize:
