@@ -21,6 +21,7 @@ from hf_fixtures import DEEPSEEK2_FULL, make_tiny_hf_model
 from test_parity import LOGPROB_TOL, hf_logprobs, prompt_ids, runtime_logprobs
 
 from pyruntime.converter import convert
+from pyruntime.cpu.core import CoreError
 from pyruntime.cpu.executor import CpuExecutor, c_decoder_runs
 from pyruntime.errors import ConversionError, UsageError
 from pyruntime.gguf.file import open_gguf
@@ -67,7 +68,8 @@ def test_absorbed_attention_is_the_plain_one(H, rank, nope, rope, v, n, start):
     latents = torch.randn(end, rank + rope, **d)
     mask = attention_mask(start, end)
     plain = mla.attention_plain(cfg, w, q_nope, q_pe, latents, mask, 0.3)
-    absorbed = mla.attention_absorbed(cfg, w, q_nope, q_pe, latents, mask, 0.3, _linear64)
+    heads = mla.heads_linear(_linear64)
+    absorbed = mla.attention_absorbed(cfg, w, q_nope, q_pe, latents, mask, 0.3, heads)
     assert plain.shape == (n, H * v)
     assert (plain - absorbed).abs().max() <= 1e-10
     # by hand, the last query of head H-1: keys [k_b^T c; k_pe], values v_b c
@@ -120,6 +122,7 @@ def test_cache_keeps_one_latent_and_rope_key_per_position(f32_path):
     cfg = model.config
     assert not c_decoder_runs(cfg) and model._decoder is None
     assert model.core is not None and model.linear == model._core_linear
+    assert model.heads_linear == model._core_heads_linear
     assert (cfg.mla_kv_rank, cfg.mla_nope_dim, cfg.rope_dim, cfg.mla_v_dim) == (32, 32, 16, 32)
     cache = model.new_cache(16)
     model.forward([1, 2, 3], cache)
@@ -324,3 +327,57 @@ def test_chat_turns_end_at_eos(chat_model):
     assert fields["tokenizer.ggml.eos_token_id"].contents() == 4097
     assert fields["tokenizer.ggml.bos_token_id"].contents() == 4096
     assert 4097 in fields["pyruntime.stop_token_ids"].contents()
+
+
+# ---- the C core's per-head matvec -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("H, rows, n_in", [(1, 3, 32), (3, 37, 64), (16, 96, 128)])
+def test_linear_heads_is_one_linear_per_head(qtype, H, rows, n_in):
+    """pyrt_linear_heads (one pool task for all heads) gives, bit for bit, what pyrt_linear
+    gives head by head on the same rows (chunks of 32 rows: 37 and 96 rows split unevenly)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from pyruntime.cpu.core import CpuCore
+
+    q = GGMLQuantizationType[qtype]
+    g = torch.Generator().manual_seed(H * rows)
+    w = torch.randn(H * rows, n_in, generator=g).numpy()
+    raw = w.astype("float16") if qtype == "F16" else w if qtype == "F32" else quantize(w, q)
+    x = torch.randn(H, n_in, generator=g)
+    core = CpuCore(threads=2)
+    y = core.linear_heads(raw, int(q), H * rows, n_in, x)
+    want = torch.stack([
+        core.linear(raw[h * rows : (h + 1) * rows], int(q), rows, n_in, x[h : h + 1])[0]
+        for h in range(H)
+    ])  # fmt: skip
+    assert torch.equal(y, want)
+    with pytest.raises(CoreError, match="shape mismatch"):
+        core.linear_heads(raw, int(q), H * rows, n_in, x[:, :-1])
+
+
+def test_linear_heads_checks_its_lengths():
+    """The C entry refuses a head count that does not divide the rows and short x / y buffers,
+    each in one pyrt_last_error line."""
+    from gguf import GGMLQuantizationType
+
+    from pyruntime.cpu import core as core_mod
+
+    lib, ffi = core_mod._lib(), core_mod._ffi
+    c = core_mod.CpuCore(threads=1)
+    w = torch.zeros(6, 32).numpy()
+    m = ffi.new(
+        "pyrt_matrix *", (ffi.from_buffer(w), w.nbytes, int(GGMLQuantizationType.F32), 6, 32)
+    )
+    x, y = torch.zeros(3 * 32), torch.zeros(6)
+    px, py = ffi.cast("const float *", x.data_ptr()), ffi.cast("float *", y.data_ptr())
+    for heads, x_len, y_len, message in [
+        (4, 96, 6, "n_heads 4 does not divide w's 6 rows"),
+        (3, 95, 6, "x holds 95 floats, 3 heads of 32 need 96"),
+        (3, 96, 5, "y holds 5 floats, w's 6 rows need as many"),
+    ]:
+        assert lib.pyrt_linear_heads(c._pool, m, heads, px, x_len, py, y_len) != 0
+        assert ffi.string(lib.pyrt_last_error()).decode().endswith(message)
+    assert lib.pyrt_linear_heads(c._pool, m, 3, px, 96, py, 6) == 0

@@ -28,6 +28,7 @@ from pyruntime.gguf.quant import QuantMatrix
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.executor import RoutingTrace
 from pyruntime.model.kv_cache import KVCache
+from pyruntime.model.mla import heads_linear
 from pyruntime.model.reference import ReferenceModel, check_k
 from pyruntime.model.tokens import single_token, token_ids
 from pyruntime.model.weights import HostWeights
@@ -93,6 +94,7 @@ class CpuExecutor(ReferenceModel):
         """Run forward passes (and the reference path's dense matrices) on `core`."""
         self.core = core
         self.linear = self._core_linear
+        self.heads_linear = self._core_heads_linear
         if not c_decoder_runs(self.config):
             torch.set_num_threads(1)  # as below: the pool's threads do the heavy parts
             return
@@ -121,6 +123,14 @@ class CpuExecutor(ReferenceModel):
             **({} if timer is None else {"timer": timer}),
         )  # fmt: skip
         self.stats.reset()  # the measurement's own steps
+
+    def _core_heads_linear(self, x: torch.Tensor, w: QuantMatrix) -> torch.Tensor:
+        """x [H, 1, n_in] through w's H blocks of rows in one C call (pyrt_linear_heads); more
+        than one token per head: one call per head."""
+        if x.shape[1] != 1:
+            return heads_linear(self._core_linear)(x, w)
+        y = self.core.linear_heads(w.raw, int(w.qtype), w.shape[0], w.shape[1], x[:, 0])
+        return y[:, None]
 
     def _core_linear(self, x: torch.Tensor, w: QuantMatrix, bias: torch.Tensor | None = None):
         """x [T, n_in] -> [T, n_out] on the C core, w in its own format."""

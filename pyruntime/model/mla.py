@@ -104,18 +104,30 @@ def attention_plain(
     return out.transpose(0, 1).reshape(q.shape[1], H * v)
 
 
+def heads_linear(linear: Callable) -> Callable:
+    """A per-head matvec (x [H, n, n_in], m [H rows, n_in] -> [H, n, rows], head h through its
+    block of rows) made of `linear` calls, one per head."""
+
+    def per_head(x: torch.Tensor, m: QuantMatrix) -> torch.Tensor:
+        rows = m.shape[0] // x.shape[0]
+        return torch.stack([linear(x[h], head_rows(m, h, rows)) for h in range(x.shape[0])])
+
+    return per_head
+
+
 def attention_absorbed(
-    cfg: ModelConfig, w: MLAWeights, q_nope, q_pe, latents, mask, scale: float, linear: Callable
+    cfg: ModelConfig, w: MLAWeights, q_nope, q_pe, latents, mask, scale: float, heads: Callable
 ) -> torch.Tensor:
     """The same attention with Wk_b folded into the query and Wv_b applied after the weighted
-    sum of the latents (the cache is never expanded); same arguments and result."""
-    H, rank, v = cfg.n_head, cfg.mla_kv_rank, cfg.mla_v_dim
+    sum of the latents (the cache is never expanded); same arguments and result. heads: a
+    per-head matvec (heads_linear, or the C core's pyrt_linear_heads)."""
+    H, v = cfg.n_head, cfg.mla_v_dim
     n = q_nope.shape[1]
     # q_lat[h] = Wk_b[h] q_nope[h]: attn_k_b's rows of head h, [rank, nope], times q_nope
-    q_lat = torch.stack([linear(q_nope[h], head_rows(w.k_b, h, rank)) for h in range(H)])
+    q_lat = heads(q_nope, w.k_b)  # [H, n, rank]
     q = torch.cat([q_lat, q_pe], dim=-1)  # [H, n, rank + rope]
     scores = (q @ latents.T) * scale  # [H, n, end]
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    o_lat = probs @ latents[:, :rank]  # [H, n, rank]
-    out = torch.stack([linear(o_lat[h], head_rows(w.v_b, h, v)) for h in range(H)])
+    o_lat = probs @ latents[:, : cfg.mla_kv_rank]  # [H, n, rank]
+    out = heads(o_lat, w.v_b)  # [H, n, v]
     return out.transpose(0, 1).reshape(n, H * v)

@@ -31,7 +31,13 @@ from pyruntime.model.config import ModelConfig
 from pyruntime.model.deltanet import deltanet_layer
 from pyruntime.model.executor import RoutingTrace
 from pyruntime.model.kv_cache import KVCache
-from pyruntime.model.mla import attention_absorbed, attention_plain, mla_latent, mla_query
+from pyruntime.model.mla import (
+    attention_absorbed,
+    attention_plain,
+    heads_linear,
+    mla_latent,
+    mla_query,
+)
 from pyruntime.model.rope import attention_factor, inv_frequencies, rope_tables
 from pyruntime.model.stats import ExpertStats
 from pyruntime.model.tokens import token_ids
@@ -255,6 +261,9 @@ class ReferenceModel:
         self.config = cfg
         self.weights = weights
         self.linear = linear
+        # A per-head matvec (MLA's absorbed decode): x [H, n, n_in], m [H rows, n_in] ->
+        # [H, n, rows]; None: one `linear` call per head
+        self.heads_linear = None
         self.expert_backend = experts
         self.expert_threshold: list[float] | None = None  # per layer, for neuron sparsity
         # Calibration hook: (layer, store, x [T, n_embd], ids [T, K], activation) -> None.
@@ -389,8 +398,9 @@ class ReferenceModel:
         cache.k[i][0, start:end] = mla_latent(cfg, w, x, cos, sin, self.linear)
         latents, mask = cache.k[i][0, :end], attention_mask(start, end)
         if n == 1:
+            heads = self.heads_linear or heads_linear(self.linear)
             out = attention_absorbed(
-                cfg, w, q_nope, q_pe, latents, mask, cfg.attention_scale, self.linear
+                cfg, w, q_nope, q_pe, latents, mask, cfg.attention_scale, heads
             )
         else:
             out = attention_plain(cfg, w, q_nope, q_pe, latents, mask, cfg.attention_scale)
