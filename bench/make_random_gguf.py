@@ -19,10 +19,13 @@ ffn_up_exps.bias [n_expert, n_ff] too, and ffn_norm named post_attention_norm),
     python bench/make_random_gguf.py olmoe-1b-7b --layout llama.cpp -o /tmp/olmoe-lcpp.gguf
     python bench/make_random_gguf.py gpt-oss-20b --outtype mxfp4 -o /tmp/gpt-oss-20b-mxfp4.gguf
     python bench/make_random_gguf.py qwen3.5-35b-a3b --outtype q4_0 -o /tmp/qwen3.5-35b-q4_0.gguf
+    python bench/make_random_gguf.py deepseek-v2-lite --outtype q8_0 -o /tmp/dsv2-lite-q8_0.gguf
 
 qwen35moe's llama.cpp twin also joins attn_q and attn_gate of a full-attention layer into one
 attn_q (llama.cpp's), names ffn_norm post_attention_norm and adds rope.dimension_sections;
-pyruntime's repack does not read that family (it refuses the file in one line).
+pyruntime's repack does not read that family (it refuses the file in one line). deepseek2's twin
+has our names already (they are llama.cpp's: attn_kv_a_mqa, attn_k_b, attn_v_b, ...) but for the
+split experts; llama.cpp rotates its rope dims as interleaved pairs, random data either way.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pyruntime
-from pyruntime.converter import architectures, gpt_oss, qwen35  # noqa: E402, F401  (register)
+from pyruntime.converter import architectures, deepseek2, gpt_oss, qwen35  # noqa: E402, F401
 from pyruntime.converter.base import model_class_for  # noqa: E402
 from pyruntime.converter.convert import _write_metadata  # noqa: E402
 from pyruntime.converter.hparams import HParams  # noqa: E402
@@ -249,6 +252,70 @@ CONFIGS |= {
         "rope_parameters": QWEN35_ROPE,
         "tie_word_embeddings": False,
         "hidden_act": "silu",
+    },
+}
+
+DEEPSEEK_V2_LITE = {  # deepseek-ai/DeepSeek-V2-Lite (the chat model has the same shape)
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "vocab_size": 102400,
+    "hidden_size": 2048,
+    "intermediate_size": 10944,  # the first (dense) layer
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 6,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "norm_topk_prob": False,
+    "scoring_func": "softmax",
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+    },
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+}
+CONFIGS |= {
+    "deepseek-v2-lite": DEEPSEEK_V2_LITE,
+    # its features at a quick size (tests): a latent of 64 + a rope key of 32, 4 heads; a query
+    # LoRA (llama.cpp takes a model without one for Lite only by its 27 layers)
+    "tiny-deepseek-v2": DEEPSEEK_V2_LITE
+    | {
+        "q_lora_rank": 64,
+        "vocab_size": 4096,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 4,
+        "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 32,
+        "v_head_dim": 32,
+        "max_position_embeddings": 4096,
     },
 }
 

@@ -29,7 +29,9 @@ import torch
 
 TOKENIZER_DIR = Path(__file__).resolve().parent / "data" / "tiny-tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
-ARCHS = ("olmoe", "qwen2moe", "qwen3moe", "mixtral", "granitemoe", "gptoss", "qwen35moe")
+ARCHS = (
+    "olmoe", "qwen2moe", "qwen3moe", "mixtral", "granitemoe", "gptoss", "qwen35moe", "deepseek2"
+)  # fmt: skip
 
 # Shared by all: the tokenizer's special ids (<|endoftext|> = 0 is eos and pad, no bos).
 _COMMON: dict[str, Any] = dict(
@@ -107,7 +109,43 @@ _PER_ARCH: dict[str, dict[str, Any]] = {
         linear_value_head_dim=24,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
     ),
+    # deepseek-v2-lite's form: no q_lora_rank, greedy routing, the first layer dense, 2 shared
+    # experts, YaRN with mscale (an original context of 8 x 32, so the prompts reach the scaled
+    # frequencies, and mscale != mscale_all_dim so both of its factors show)
+    "deepseek2": dict(
+        num_hidden_layers=3,
+        num_key_value_heads=4,  # transformers repeats the expanded per-head k/v by H / this
+        n_routed_experts=8,
+        n_shared_experts=2,
+        moe_intermediate_size=32,
+        intermediate_size=96,
+        first_k_dense_replace=1,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        routed_scaling_factor=1.5,
+        topk_method="greedy",
+        norm_topk_prob=False,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=32.0,
+            mscale=1.0,
+            mscale_all_dim=0.7,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            original_max_position_embeddings=8,
+        ),
+    ),
 }
+# DeepSeek-V2's other form (make_tiny_hf_model("deepseek2", path, **DEEPSEEK2_FULL)): a query
+# LoRA and group-limited routing (deepseek-v2's own config), the top-2 within the best of 2
+# groups of 4 experts (with top-2 of 8 in 2 of 4 groups, the groups could never change the pick)
+DEEPSEEK2_FULL: dict[str, Any] = dict(
+    q_lora_rank=64, topk_method="group_limited_greedy", n_group=2, topk_group=1
+)
 
 
 def _config_class(arch: str) -> type:
@@ -121,6 +159,7 @@ def _config_class(arch: str) -> type:
         "granitemoe": transformers.GraniteMoeConfig,
         "gptoss": transformers.GptOssConfig,
         "qwen35moe": transformers.Qwen3_5MoeTextConfig,
+        "deepseek2": transformers.DeepseekV2Config,
     }[arch]
 
 
@@ -146,6 +185,8 @@ def make_tiny_hf_model(
         _exercise_gptoss(model)
     if arch == "qwen35moe":
         _exercise_qwen35(model)
+    if arch == "deepseek2":
+        _exercise_deepseek2(model)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if mxfp4_experts:
@@ -201,6 +242,18 @@ def _exercise_qwen35(model) -> None:
             la.norm.weight.normal_(1.0, 0.3)
         layer.mlp.shared_expert_gate.weight.normal_(0.0, 0.5)
     model.model.norm.weight.normal_(1.0, 0.3)  # written ~2: logits of unit scale, as the others'
+
+
+@torch.no_grad()
+def _exercise_deepseek2(model) -> None:
+    """Norm weights away from 1 (kv_a_layernorm and q_a_layernorm scale the latents) and
+    routers of unit-scale logits, so the groups and the top-k differ by token."""
+    for p in model.parameters():
+        if p.ndim == 1:
+            p.normal_(1.0, 0.3)
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "gate"):
+            layer.mlp.gate.weight.normal_(0.0, 0.3)
 
 
 def _mxfp4_round(w: torch.Tensor) -> torch.Tensor:
@@ -463,5 +516,46 @@ def make_qwen35_chat_model(path: Path) -> Path:
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     gen = json.loads((path / "generation_config.json").read_text())
     gen["eos_token_id"] = [2, 0]
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    return path
+
+
+# deepseek-v2-lite-chat's chat template (its tokenizer_config.json, verbatim): the turns as
+# "User: ...\n\n" and "Assistant: ...<｜end▁of▁sentence｜>", a system prompt as a bare paragraph,
+# bos_token first
+DEEPSEEK2_TEMPLATE = (
+    "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}"
+    "{% endif %}{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ 'User: ' + message['content'] + '\\n\\n' }}{% elif message['role'] == 'assistant' %}"
+    "{{ 'Assistant: ' + message['content'] + eos_token }}{% elif message['role'] == 'system' %}"
+    "{{ message['content'] + '\\n\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "{{ 'Assistant:' }}{% endif %}"
+)
+DEEPSEEK2_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>")
+
+
+def make_deepseek2_chat_model(path: Path) -> Path:
+    """A tiny deepseek2 whose tokenizer has DeepSeek's bos and eos (ids 4096, 4097, vocab 4098),
+    added at the start of a prompt, eos ending a turn and the generation, DEEPSEEK2_TEMPLATE."""
+    import json
+
+    make_tiny_hf_model("deepseek2", path, vocab_size=4098)
+    tok = json.loads((path / "tokenizer.json").read_text())
+    tok["added_tokens"] += [
+        dict(id=4096 + i, content=text, single_word=False, lstrip=False, rstrip=False,
+             normalized=False, special=True)
+        for i, text in enumerate(DEEPSEEK2_TOKENS)
+    ]  # fmt: skip
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.update(
+        bos_token=DEEPSEEK2_TOKENS[0],
+        eos_token=DEEPSEEK2_TOKENS[1],
+        add_bos_token=True,
+        chat_template=DEEPSEEK2_TEMPLATE,
+    )
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    gen = json.loads((path / "generation_config.json").read_text())
+    gen.update(bos_token_id=4096, eos_token_id=4097)
     (path / "generation_config.json").write_text(json.dumps(gen))
     return path

@@ -311,3 +311,41 @@ def test_peers_gpu_floor_is_flops_per_token_at_the_peak(tmp_path):
     assert floors["pp512"] == pytest.approx(100e12 / cpu_prefill.flops_per_token(model, 512))
     assert floors["pp128"] > floors["pp512"] > 0
     assert peers.gpu_floors(gguf, [512], 200.0)["pp512"] == pytest.approx(2 * floors["pp512"])
+
+
+def test_random_deepseek2_gguf_and_its_llama_cpp_twin(tmp_path, capsys):
+    """deepseek-v2-lite's shape: our layout loads and decodes on the CPU (a prompt then a
+    token), `info` shows the latent attention rows; the llama.cpp twin splits the experts and
+    keeps the MLA tensors under their (llama.cpp's) names and shapes."""
+    import torch
+    from gguf import GGUFReader
+
+    from pyruntime.cli import main
+    from pyruntime.cpu.executor import CpuExecutor
+    from pyruntime.gguf.file import open_gguf
+
+    maker = load("make_random_gguf")
+    real = maker.CONFIGS["deepseek-v2-lite"]
+    assert (real["num_hidden_layers"], real["hidden_size"], real["kv_lora_rank"]) == (27, 2048, 512)
+    assert (real["n_routed_experts"], real["num_experts_per_tok"], real["n_shared_experts"]) == (
+        64, 6, 2,
+    )  # fmt: skip
+    assert real["first_k_dense_replace"] == 1 and real["q_lora_rank"] is None
+    ours = maker.make_random_gguf("tiny-deepseek-v2", tmp_path / "o.gguf", "q8_0", progress=False)
+    model = CpuExecutor.from_gguf(open_gguf(ours))
+    cache = model.new_cache(40)
+    logits = torch.cat([model.forward(list(range(20)), cache), model.forward([7], cache)])
+    assert logits.shape == (21, 4096) and torch.isfinite(logits).all()
+    assert main(["info", str(ours)]) == 0
+    out = capsys.readouterr().out
+    assert "latent 64 + rope key 32 per token; per head 32 + 32 key, 32 value dims" in out, out
+    lcpp = tmp_path / "l.gguf"
+    maker.make_random_gguf("tiny-deepseek-v2", lcpp, "q8_0", progress=False, layout="llama.cpp")
+    r = GGUFReader(lcpp)
+    shapes = {t.name: [int(n) for n in t.shape] for t in r.tensors}
+    assert shapes["blk.1.attn_k_b.weight"] == [32, 64, 4]  # ggml order: nope, rank, heads
+    assert shapes["blk.1.attn_v_b.weight"] == [64, 32, 4]
+    assert shapes["blk.1.attn_kv_a_mqa.weight"] == [128, 96]
+    assert shapes["blk.1.ffn_down_exps.weight"] == [64, 128, 16]
+    assert "blk.1.ffn_gate_shexp.weight" in shapes and "blk.0.ffn_gate.weight" in shapes
+    assert int(r.fields["deepseek2.attention.q_lora_rank"].parts[-1][0]) == 64

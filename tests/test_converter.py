@@ -37,6 +37,7 @@ GGUF_ARCH = {
     "mixtral": "llama",
     "granitemoe": "granitemoe",
     "gptoss": "gpt-oss",
+    "deepseek2": "deepseek2",
 }
 W_TYPE = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
 FILE_TYPE = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2}
@@ -76,9 +77,13 @@ def _reference_tensors(arch: str, path: Path) -> dict[str, np.ndarray]:
             out |= _qwen35_attention(sd, cfg, p, b)
             out |= _qwen35_ffn(sd, p, b)
             continue
+        if arch == "deepseek2":
+            out |= _deepseek2_attention(sd, cfg, p, b)
         out[f"{b}.attn_norm.weight"] = sd[f"{p}.input_layernorm.weight"]
         out[f"{b}.ffn_norm.weight"] = sd[f"{p}.post_attention_layernorm.weight"]
         for proj, name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
+            if arch == "deepseek2":
+                break
             out[f"{b}.{name}.weight"] = sd[f"{p}.self_attn.{proj}_proj.weight"]
             if f"{p}.self_attn.{proj}_proj.bias" in sd:
                 out[f"{b}.{name}.bias"] = sd[f"{p}.self_attn.{proj}_proj.bias"]
@@ -107,6 +112,11 @@ def _reference_tensors(arch: str, path: Path) -> dict[str, np.ndarray]:
             for proj in ("gate", "up", "down"):
                 out[f"{b}.ffn_{proj}_shexp.weight"] = sd[
                     f"{p}.mlp.shared_expert.{proj}_proj.weight"
+                ]
+        if f"{p}.mlp.shared_experts.gate_proj.weight" in sd:  # deepseek2: no gate
+            for proj in ("gate", "up", "down"):
+                out[f"{b}.ffn_{proj}_shexp.weight"] = sd[
+                    f"{p}.mlp.shared_experts.{proj}_proj.weight"
                 ]
     return out
 
@@ -143,6 +153,45 @@ def _qwen35_attention(sd: dict[str, np.ndarray], cfg, p: str, b: str) -> dict[st
         f"{b}.attn_q_norm.weight": sd[f"{sa}.q_norm.weight"] + 1,
         f"{b}.attn_k_norm.weight": sd[f"{sa}.k_norm.weight"] + 1,
     }
+
+
+def _deepseek2_attention(sd: dict[str, np.ndarray], cfg, p: str, b: str) -> dict[str, np.ndarray]:
+    """DeepSeek-V2's MLA: the rope rows of each query head and of the rope key reordered from
+    interleaved pairs to halves (evens, then odds), kv_b_proj split per head into attn_k_b
+    [H, rank, nope] (transposed) and attn_v_b [H, v, rank]."""
+    sa, H = f"{p}.self_attn", cfg.num_attention_heads
+    nope, rope, v, rank = (
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.v_head_dim,
+        cfg.kv_lora_rank,
+    )
+
+    def halves(rows: np.ndarray) -> np.ndarray:  # [..., rope, n] -> evens then odds
+        lead, n = rows.shape[:-2], rows.shape[-1]
+        pairs = rows.reshape(*lead, rope // 2, 2, n)
+        return np.swapaxes(pairs, -3, -2).reshape(*lead, rope, n)
+
+    def query(w: np.ndarray) -> np.ndarray:
+        q = w.reshape(H, nope + rope, -1)
+        return np.concatenate([q[:, :nope], halves(q[:, nope:])], axis=1).reshape(w.shape)
+
+    kv_a = sd[f"{sa}.kv_a_proj_with_mqa.weight"]
+    kv_b = sd[f"{sa}.kv_b_proj.weight"].reshape(H, nope + v, rank)
+    out = {
+        f"{b}.attn_kv_a_mqa.weight": np.concatenate([kv_a[:rank], halves(kv_a[rank:])]),
+        f"{b}.attn_kv_a_norm.weight": sd[f"{sa}.kv_a_layernorm.weight"],
+        f"{b}.attn_k_b.weight": kv_b[:, :nope].transpose(0, 2, 1),
+        f"{b}.attn_v_b.weight": kv_b[:, nope:],
+        f"{b}.attn_output.weight": sd[f"{sa}.o_proj.weight"],
+    }
+    if cfg.q_lora_rank:
+        return out | {
+            f"{b}.attn_q_a.weight": sd[f"{sa}.q_a_proj.weight"],
+            f"{b}.attn_q_a_norm.weight": sd[f"{sa}.q_a_layernorm.weight"],
+            f"{b}.attn_q_b.weight": query(sd[f"{sa}.q_b_proj.weight"]),
+        }
+    return out | {f"{b}.attn_q.weight": query(sd[f"{sa}.q_proj.weight"])}
 
 
 def _qwen35_ffn(sd: dict[str, np.ndarray], p: str, b: str) -> dict[str, np.ndarray]:
@@ -303,6 +352,29 @@ def test_metadata(models_root: Path, tmp_path: Path, arch: str):
             f"{a}.attention.scale": 0.0078125,
             f"{a}.logit_scale": 6.0,
         }
+    if arch == "deepseek2":
+        expect |= {
+            f"{a}.expert_count": 8,
+            f"{a}.attention.head_count_kv": 1,
+            f"{a}.attention.key_length": 32 + 16,  # the cached latent and rope key
+            f"{a}.attention.value_length": 32,
+            f"{a}.attention.kv_lora_rank": 32,
+            f"{a}.attention.key_length_mla": 48,
+            f"{a}.attention.value_length_mla": 32,
+            f"{a}.rope.dimension_count": 16,
+            f"{a}.leading_dense_block_count": 1,
+            f"{a}.expert_shared_count": 2,
+            f"{a}.expert_shared_feed_forward_length": 64,
+            f"{a}.expert_weights_scale": 1.5,
+            f"{a}.rope.scaling.type": "yarn",
+            f"{a}.rope.scaling.factor": 32.0,
+            f"{a}.rope.scaling.original_context_length": 8,
+            # mscale(32, 1.0) / mscale(32, 0.7); 0.1 mscale_all_dim
+            f"{a}.rope.scaling.attn_factor": pytest.approx(1.3466 / 1.24260, rel=1e-4),
+            f"{a}.rope.scaling.yarn_log_multiplier": pytest.approx(0.07),
+        }
+        assert f"{a}.attention.q_lora_rank" not in r.fields
+        assert f"{a}.expert_group_count" not in r.fields
     if arch == "gptoss":
         expect |= {
             f"{a}.attention.sliding_window": 8,

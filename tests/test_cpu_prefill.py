@@ -1,9 +1,9 @@
 """The C core's prefill (pyrt_decoder_prefill through CpuExecutor.forward for several tokens)
 against token-by-token decoding with the C step.
 
-On tiny random models of every family but qwen35moe (tests/hf_fixtures; gpt-oss's with sinks, a
-sliding window of 8 on layer 0, YaRN, o, router and expert biases and the clamped SwiGLU),
-converted to F32, Q8_0 and Q4_0:
+On tiny random models of every family but qwen35moe and deepseek2 (tests/hf_fixtures; gpt-oss's
+with sinks, a sliding window of 8 on layer 0, YaRN, o, router and expert biases and the clamped
+SwiGLU), converted to F32, Q8_0 and Q4_0:
 prompts of 1, 7, 33 and 300 tokens, in chunks (--ubatch) that split them unevenly (and the
 default), from an empty cache and after earlier tokens, dense and with sparsity thresholds: the
 prefill's log-probabilities of every position vs those of one C step per token, max |difference|
@@ -43,9 +43,9 @@ LOGPROB_TOL_GPTOSS_QUANT = 5e-5
 SPARSE = 0.02  # a threshold that skips part of the tiny models' neurons (checked below)
 
 
-# every forward pass of qwen35moe takes the reference path (its Gated DeltaNet layers are not in
-# the C core: tests/test_qwen35.py)
-C_PREFILL_ARCHS = [a for a in ARCHS if a != "qwen35moe"]
+# every forward pass of qwen35moe and deepseek2 takes the reference path (their Gated DeltaNet
+# and latent attention layers are not in the C core: tests/test_qwen35.py, test_deepseek2.py)
+C_PREFILL_ARCHS = [a for a in ARCHS if a not in ("qwen35moe", "deepseek2")]
 
 
 @pytest.fixture(scope="module", params=C_PREFILL_ARCHS)

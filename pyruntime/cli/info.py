@@ -96,7 +96,42 @@ def _family_rows(f: Any) -> list[tuple[str, str]]:
     if f.has_tensor("blk.0.attn_sinks.weight"):
         rows.append(("attention sinks", "yes"))
     rows += _deltanet_rows(f)
+    rows += _mla_rows(f)
     return rows
+
+
+def _mla_rows(f: Any) -> list[tuple[str, str]]:
+    """Multi-head latent attention and DeepSeek's routing (deepseek2): what the cache keeps per
+    token, the per-head sizes, the query LoRA, the routing's scale and groups, shared experts
+    and leading dense layers."""
+    rank = f.arch_get("attention.kv_lora_rank", None)
+    if rank is None:
+        return []
+    rope = f.arch_get("rope.dimension_count", "?")
+    qk = f.arch_get("attention.key_length_mla", None)
+    nope = qk - rope if isinstance(qk, int) and isinstance(rope, int) else "?"
+    attn = (
+        f"latent {rank} + rope key {rope} per token; per head {nope} + {rope} key, "
+        f"{f.arch_get('attention.value_length_mla', '?')} value dims"
+    )
+    q_rank = f.arch_get("attention.q_lora_rank", None)
+    attn += f"; query LoRA rank {q_rank}" if q_rank else ""
+    routing = (
+        f"softmax, top-{f.arch_get('expert_used_count', '?')} of "
+        f"{f.arch_get('expert_count', '?')}, weights x{f.arch_get('expert_weights_scale', 1.0):g}"
+    )
+    groups = f.arch_get("expert_group_count", 0)
+    if groups:
+        routing += (
+            f", within the best {f.arch_get('expert_group_used_count', '?')} of {groups} groups"
+        )
+    n_dense = f.arch_get("leading_dense_block_count", 0)
+    shared = (
+        f"{f.arch_get('expert_shared_count', 0)} shared (ffn "
+        f"{f.arch_get('expert_shared_feed_forward_length', '?')}); "
+        + (f"layers 0..{n_dense - 1} dense" if n_dense else "no dense layers")
+    )
+    return [("latent attention", attn), ("routing", routing), ("experts", shared)]
 
 
 def _deltanet_rows(f: Any) -> list[tuple[str, str]]:

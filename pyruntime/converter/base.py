@@ -101,6 +101,7 @@ class MoeModel:
         self.n_head_kv = hp.int("num_key_value_heads", default=self.n_head)
         self.head_dim = hp.head_dim()
         self.rope_dim = self.head_dim  # dims of a head that rope rotates
+        self.value_dim = self.head_dim  # attention.value_length
         self.n_expert = hp.int(
             next((k for k in self.n_expert_keys if hp.has(k)), self.n_expert_keys[0])
         )
@@ -148,7 +149,7 @@ class MoeModel:
         w.add_uint32(f"{a}.attention.head_count", self.n_head)
         w.add_uint32(f"{a}.attention.head_count_kv", self.n_head_kv)
         w.add_uint32(f"{a}.attention.key_length", self.head_dim)
-        w.add_uint32(f"{a}.attention.value_length", self.head_dim)
+        w.add_uint32(f"{a}.attention.value_length", self.value_dim)
         w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", self.hp.float("rms_norm_eps"))
         w.add_float32(f"{a}.rope.freq_base", self.rope_theta)
         w.add_uint32(f"{a}.rope.dimension_count", self.rope_dim)

@@ -438,6 +438,36 @@ class CpuCore:
         )
         return y
 
+    def linear_heads(
+        self, w: np.ndarray, fmt: int, n_out: int, n_in: int, x: torch.Tensor
+    ) -> torch.Tensor:
+        """One matvec per head: w [n_out, n_in] (format fmt, read in place) is a stack of
+        n_heads = x.shape[0] matrices of n_out / n_heads rows; x [n_heads, n_in] float32 ->
+        y [n_heads, n_out / n_heads] float32, y[h] = w_h x[h] (pyrt_linear_heads)."""
+        if self._pool is None:
+            raise CoreError("CpuCore is closed: create a new one")
+        if not isinstance(w, np.ndarray) or not w.flags.c_contiguous:
+            raise CoreError("weights must be a C-contiguous numpy array (the mmap view)")
+        x = _as_cpu(x, torch.float32, "x", 2)
+        n_heads = x.shape[0]
+        if x.shape[1] != n_in or n_heads < 1 or n_out % n_heads:
+            raise CoreError(f"shape mismatch: x {tuple(x.shape)} for {n_out} rows of {n_in}")
+        y = torch.empty((n_heads, n_out // n_heads), dtype=torch.float32)
+        m = _ffi.new("pyrt_matrix *", (_ffi.from_buffer(w), w.nbytes, fmt, n_out, n_in))
+        _check(
+            self._lib.pyrt_linear_heads(
+                self._pool,
+                m,
+                n_heads,
+                _ffi.cast(_P_CFLOAT, x.data_ptr()),
+                x.numel(),
+                _ffi.cast(_P_FLOAT, y.data_ptr()),
+                y.numel(),
+            ),
+            "pyrt_linear_heads",
+        )
+        return y
+
     def mem_read(self, buf: np.ndarray) -> int:
         """Read buf once on the pool's threads (DRAM read test); returns the checksum."""
         if self._pool is None:

@@ -7,8 +7,8 @@ cache), with no torch op in between. Without the C core (expert_backend='torch')
 calibration observer watches the experts' inputs (gate_observer), it is the reference forward
 (pyruntime.model.reference), with the C core's `linear` for every weight matrix (read in place,
 in its stored format) and its routed-expert kernel where the core is there; so is every forward
-pass of a model with Gated DeltaNet layers (c_decoder_runs), whose DeltaNet layers' decode steps
-are each one C call (pyruntime.cpu.deltanet).
+pass of a model with Gated DeltaNet layers or multi-head latent attention (c_decoder_runs);
+a DeltaNet layer's decode step is one C call (pyruntime.cpu.deltanet).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pyruntime.gguf.quant import QuantMatrix
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.executor import RoutingTrace
 from pyruntime.model.kv_cache import KVCache
+from pyruntime.model.mla import heads_linear
 from pyruntime.model.reference import ReferenceModel, check_k
 from pyruntime.model.tokens import single_token, token_ids
 from pyruntime.model.weights import HostWeights
@@ -37,11 +38,13 @@ from pyruntime.model.weights import HostWeights
 
 def c_decoder_runs(cfg: ModelConfig) -> bool:
     """Whether the C decoder (decode step and prefill) runs this model: not a model with Gated
-    DeltaNet layers (qwen35moe), whose layers the C core does not implement. Such a model runs
-    the reference forward with the C core's `linear` for every matrix and its routed-expert
-    kernel (the DeltaNet recurrence, conv, norms and attention in torch: per token a few small
-    ops per layer against the experts' and matrices' memory reads)."""
-    return not any(cfg.recurrent_layers)
+    DeltaNet layers (qwen35moe) or multi-head latent attention (deepseek2), whose layers the C
+    core does not implement. Such a model runs the reference forward with the C core's `linear`
+    for every matrix (MLA's absorbed decode: its per-head k_b / v_b blocks too) and its
+    routed-expert kernel (the DeltaNet recurrence, conv, MLA's softmax over the latents, norms
+    and attention in torch: per token a few small ops per layer against the experts' and
+    matrices' memory reads)."""
+    return not any(cfg.recurrent_layers) and not cfg.is_mla
 
 
 class CpuExecutor(ReferenceModel):
@@ -94,6 +97,7 @@ class CpuExecutor(ReferenceModel):
         """Run forward passes (and the reference path's dense matrices) on `core`."""
         self.core = core
         self.linear = self._core_linear
+        self.heads_linear = self._core_heads_linear
         if not c_decoder_runs(self.config):
             # a DeltaNet layer's decode step as one C call (the prompt: the chunked torch form)
             self._deltanet_c = CDeltaNet(self.config, self.weights, core)
@@ -132,6 +136,14 @@ class CpuExecutor(ReferenceModel):
             return super()._deltanet(i, blk, x, cache)
         state = cache.recurrent
         return self._deltanet_c.step(i, x, state.conv[i], state.ssm[i])
+
+    def _core_heads_linear(self, x: torch.Tensor, w: QuantMatrix) -> torch.Tensor:
+        """x [H, 1, n_in] through w's H blocks of rows in one C call (pyrt_linear_heads); more
+        than one token per head: one call per head."""
+        if x.shape[1] != 1:
+            return heads_linear(self._core_linear)(x, w)
+        y = self.core.linear_heads(w.raw, int(w.qtype), w.shape[0], w.shape[1], x[:, 0])
+        return y[:, None]
 
     def _core_linear(self, x: torch.Tensor, w: QuantMatrix, bias: torch.Tensor | None = None):
         """x [T, n_in] -> [T, n_out] on the C core, w in its own format."""

@@ -42,6 +42,8 @@ STANDARD_KEYS: dict[str, tuple[Signature, ...]] = {
         "attention.value_length", "attention.sliding_window", "rope.dimension_count",
         "rope.scaling.original_context_length", "full_attention_interval", "ssm.conv_kernel",
         "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size",
+        "attention.q_lora_rank", "attention.kv_lora_rank", "attention.key_length_mla",
+        "attention.value_length_mla", "expert_group_count", "expert_group_used_count",
     )},
     **{f"{{arch}}.{k}": PER_LAYER for k in (
         "feed_forward_length", "attention.head_count", "attention.head_count_kv",
@@ -51,6 +53,7 @@ STANDARD_KEYS: dict[str, tuple[Signature, ...]] = {
         "attention.scale", "rope.freq_base", "rope.scaling.factor", "embedding_scale",
         "residual_scale", "logit_scale", "expert_weights_scale", "rope.scaling.attn_factor",
         "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
+        "rope.scaling.yarn_log_multiplier",
     )},
     "{arch}.attention.sliding_window_pattern": (BOOLS,),
     "{arch}.attention.recurrent_layers": (BOOLS,),

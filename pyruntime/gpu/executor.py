@@ -11,6 +11,7 @@ Same math as pyruntime.model.reference, laid out for a GPU:
   (pyruntime.gpu.cache_state);
 - Gated DeltaNet layers (qwen35moe) read and write the cache's recurrent state in place
   (kernels.deltanet: two decode kernels; gpu/deltanet.py: the chunked form for a prompt);
+  multi-head latent attention layers (deepseek2) their cache's one plane of latents (gpu/mla.py);
 - a step is the per-layer pieces of pyruntime.gpu.layers in a loop. Prefill (n > 1 tokens) runs
   eagerly (GEMM kernels, torch SDPA; docs/architecture.md); decode (1 token) reads its inputs
   (token id, position, cached length) from device tensors, so on CUDA it is captured once per
@@ -351,6 +352,8 @@ class GpuExecutor:
         for i, blk in enumerate(self.blocks):
             if blk.deltanet is not None:
                 x, delta = layers.deltanet(i, x, delta, cache.recurrent, span)
+            elif blk.mla is not None:
+                x, delta = layers.mla(i, x, delta, cache.kv[i], span)
             else:
                 x, delta = layers.attention(i, x, delta, cache.kv[i], span)
             if blk.experts is None:

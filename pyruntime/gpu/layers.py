@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from pyruntime.gpu.deltanet import deltanet_prefill
+from pyruntime.gpu.mla import mla_attention
 from pyruntime.gpu.weights import DeviceBlock, DeviceWeights, GatedFFN
 from pyruntime.kernels.attention import decode_attention
 from pyruntime.kernels.decoder_ops import add_rms_norm, qk_rope_store
@@ -43,7 +44,7 @@ from pyruntime.kernels.router import add_norm_router, router_topk
 from pyruntime.kernels.switch import sparse_switch
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.recurrent_state import RecurrentState
-from pyruntime.model.reference import activation_fn, attention_mask, sink_attention
+from pyruntime.model.reference import activation_fn, attention_mask, route, sink_attention
 
 # Up to this many tokens (decode) the residual add + FFN RMSNorm + router + top-k run in one
 # launch (kernels.router.add_norm_router): per layer 5.3 us against 7.7 us for the separate
@@ -209,6 +210,21 @@ class DecoderLayers:
         with self.part("o_proj"):
             return x, blk.wo(a)
 
+    def mla(self, i: int, x: torch.Tensor, delta: torch.Tensor | None, kv: torch.Tensor,
+            span: Span) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Layer i's multi-head latent attention sub-block (gpu.mla): (x + residual_scale *
+        delta, its output [n, n_embd]). kv: layer i's cache storage [1, 1, max_tokens, rank +
+        rope]; the tokens' latents are written at span.positions."""
+        cfg, blk = self.config, self.blocks[i]
+        with self.part("norm"):
+            h, _ = add_rms_norm(x, delta, blk.attn_norm, cfg.rms_eps, self.dtype,
+                                cfg.residual_scale)  # fmt: skip
+        with self.part("latent attention"):
+            a = mla_attention(cfg, blk.mla, h, kv[0, 0], span.positions, span.cos, span.sin,
+                              span.seq_len, span.start, self.scale)  # fmt: skip
+        with self.part("o_proj"):
+            return x, blk.wo(a)
+
     def deltanet(self, i: int, x: torch.Tensor, delta: torch.Tensor | None,
                  state: RecurrentState, span: Span):  # fmt: skip
         """Layer i's Gated DeltaNet sub-block (kernels.deltanet): (x + residual_scale * delta,
@@ -281,6 +297,7 @@ class DecoderLayers:
                     x, delta, blk.ffn_norm, blk.router, eps, k, cfg.expert_weights_norm,
                     self.dtype, alpha, want_f32, router_bias=blk.router_bias,
                 )  # fmt: skip
+            ids, w = self._deepseek_routing(logits, k, ids, w)
             return Routed(x, h, h if h32 is None else h32, ids, w, logits)
         x, h, h32 = self.ffn_norm(i, x, delta, want_f32=True)
         with self.part("router"):
@@ -288,7 +305,20 @@ class DecoderLayers:
             if blk.router_bias is not None:
                 logits = logits + blk.router_bias
             ids, w = router_topk(logits, k, cfg.expert_weights_norm)
+        ids, w = self._deepseek_routing(logits, k, ids, w)
         return Routed(x, h, h32, ids, w, logits)
+
+    def _deepseek_routing(self, logits, k: int, ids, w):
+        """deepseek2's routing over the router logits: the top-k within the best groups
+        (recomputed by the reference's route), weights times expert_weights_scale; else ids, w
+        as the router kernels chose them."""
+        cfg = self.config
+        if cfg.expert_groups:
+            groups = (cfg.expert_groups, cfg.expert_groups_used)
+            return route(logits, k, cfg.expert_weights_norm, cfg.expert_weights_scale, groups)
+        if cfg.expert_weights_scale != 1.0:
+            w = w * cfg.expert_weights_scale
+        return ids, w
 
     def routed_experts(self, i: int, r: Routed, expert_map: torch.Tensor | None = None,
                        slots: torch.Tensor | None = None):  # fmt: skip

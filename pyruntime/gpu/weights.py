@@ -34,6 +34,7 @@ from pyruntime.kernels.q8_linear import (
 )
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.deltanet import DeltaNetWeights
+from pyruntime.model.mla import MLAWeights
 from pyruntime.model.weights import BlockWeights, FFNWeights, HostWeights
 
 Q = GGMLQuantizationType
@@ -108,6 +109,20 @@ class DeviceDeltaNet:
 
 
 @dataclass
+class DeviceMLA:
+    """One MLA layer's attention weights on the device (model.mla.MLAWeights)."""
+
+    q: Linear | None  # [H (nope + rope), n_embd]; None with a query LoRA
+    q_a: Linear | None  # [q_rank, n_embd]
+    q_a_norm: torch.Tensor | None  # [q_rank] f32
+    q_b: Linear | None  # [H (nope + rope), q_rank]
+    kv_a: Linear  # [rank + rope, n_embd]
+    kv_a_norm: torch.Tensor  # [rank] f32
+    k_b: torch.Tensor  # [H, rank, nope], activation dtype
+    v_b: torch.Tensor  # [H, v, rank], activation dtype
+
+
+@dataclass
 class DeviceBlock:
     attn_norm: torch.Tensor  # [n_embd] f32
     # q/k/v/o: None on a Gated DeltaNet layer, which has `deltanet` instead
@@ -130,6 +145,7 @@ class DeviceBlock:
     # qwen35moe
     attn_gate: Linear | None = None  # [n_head * head_dim, n_embd]: out *= sigmoid(x Wg^T)
     deltanet: DeviceDeltaNet | None = None
+    mla: DeviceMLA | None = None  # deepseek2 (with wo, its output; no wqkv)
 
 
 @dataclass
@@ -199,8 +215,11 @@ def upload_block(
         return None if t is None else t.to(device=device, dtype=torch.float32).contiguous()
 
     deltanet = None if blk.deltanet is None else _deltanet(blk.deltanet, device, dtype, f32)
+    mla = None if blk.mla is None else _mla(blk.mla, cfg, device, dtype, f32)
     if deltanet is not None:
         wqkv = wo = None
+    elif mla is not None:
+        wqkv, wo = None, upload_linear(blk.wo, device, dtype)
     else:
         wqkv, wo = _attention(blk, cfg, device, dtype)
     expert_bias = None
@@ -231,6 +250,7 @@ def upload_block(
         expert_bias=expert_bias,
         attn_gate=None if blk.attn_gate is None else upload_linear(blk.attn_gate, device, dtype),
         deltanet=deltanet,
+        mla=mla,
     )
 
 
@@ -254,6 +274,19 @@ def _deltanet(w: DeltaNetWeights, device: torch.device, dtype: torch.dtype, f32)
     return DeviceDeltaNet(
         in_proj=Linear.stack(parts), conv=f32(w.conv), a=f32(w.a), dt_bias=f32(w.dt_bias),
         norm=f32(w.norm), out=upload_linear(w.out, device, dtype),
+    )  # fmt: skip
+
+
+def _mla(w: MLAWeights, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, f32):
+    def lin(m: QuantMatrix | None) -> Linear | None:
+        return None if m is None else upload_linear(m, device, dtype)
+
+    H, rank = cfg.n_head, cfg.mla_kv_rank
+    return DeviceMLA(
+        q=lin(w.q), q_a=lin(w.q_a), q_a_norm=f32(w.q_a_norm), q_b=lin(w.q_b),
+        kv_a=lin(w.kv_a), kv_a_norm=f32(w.kv_a_norm),
+        k_b=upload_dense(w.k_b, device, dtype).view(H, rank, cfg.mla_nope_dim),
+        v_b=upload_dense(w.v_b, device, dtype).view(H, cfg.mla_v_dim, rank),
     )  # fmt: skip
 
 
@@ -285,9 +318,11 @@ def upload_weights(
 
 
 def first_matrix_type(host: HostWeights) -> Q:
-    """The type of the first layer's first projection (attention q, or a DeltaNet's qkv): what
-    the GGUF's dense weights are (dense_dtype_for)."""
+    """The type of the first layer's first projection (attention q, a DeltaNet's qkv, MLA's
+    kv_a): what the GGUF's dense weights are (dense_dtype_for)."""
     blk = host.blocks[0]
+    if blk.mla is not None:
+        return blk.mla.kv_a.qtype
     return (blk.wq if blk.wq is not None else blk.deltanet.qkv).qtype
 
 

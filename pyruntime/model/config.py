@@ -13,7 +13,9 @@ from pyruntime.model.llamacpp_layout import EXPERT_WEIGHTS_NORM
 from pyruntime.model.rope import Yarn
 
 _REQUIRED = object()  # the default of a key that must be present
-SUPPORTED_ARCHS = ("olmoe", "qwen2moe", "qwen3moe", "llama", "granitemoe", "gpt-oss", "qwen35moe")
+SUPPORTED_ARCHS = (
+    "olmoe", "qwen2moe", "qwen3moe", "llama", "granitemoe", "gpt-oss", "qwen35moe", "deepseek2"
+)  # fmt: skip
 # swiglu_oai: gpt-oss's clamped SwiGLU (its own formula of gate and up: see model/reference.py)
 ACTIVATIONS = ("silu", "gelu", "gelu_exact", "swiglu_oai")
 ROPE_SCALINGS = ("none", "yarn")  # {arch}.rope.scaling.type
@@ -56,6 +58,23 @@ class ModelConfig:
     ssm_n_v_heads: int = 0
     ssm_head_k_dim: int = 0
     ssm_head_v_dim: int = 0
+    # Multi-head latent attention (deepseek2; pyruntime.model.mla): the latent's rank (0: not
+    # MLA), the query LoRA's rank (0: none), per head the key dims without and with rope and the
+    # value dims. head_dim is then the cached latent plus rope key (mla_kv_rank + rope_dim) of
+    # the one kv "head".
+    mla_kv_rank: int = 0
+    mla_q_rank: int = 0
+    mla_nope_dim: int = 0
+    mla_v_dim: int = 0
+    # routing (deepseek2): weights times expert_weights_scale; with expert_groups > 0 the top-k
+    # is taken within the expert_groups_used best of expert_groups groups of experts
+    expert_weights_scale: float = 1.0
+    expert_groups: int = 0
+    expert_groups_used: int = 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.mla_kv_rank > 0
 
     def is_recurrent(self, layer: int) -> bool:
         """Whether `layer` is a Gated DeltaNet (linear attention) layer."""
@@ -111,7 +130,7 @@ class ModelConfig:
             n_ff_shexp=g.int("expert_shared_feed_forward_length", 0),
             embedding_scale=g.float("embedding_scale", 1.0),
             residual_scale=g.float("residual_scale", 1.0),
-            attention_scale=g.float("attention.scale", None, positive=True),
+            attention_scale=_attention_scale(f, g),
             logit_scale=g.float("logit_scale", 1.0, positive=True),
             clamp_kqv=g.float("attention.clamp_kqv", None, positive=True),
             rope_yarn=_yarn(f, g),
@@ -120,8 +139,11 @@ class ModelConfig:
             swiglu_alpha=_layout_float(f, "pyruntime.swiglu_alpha", 1.702),
             swiglu_limit=_layout_float(f, "pyruntime.swiglu_limit", 7.0, positive=True),
             **_deltanet(f, g),
+            **_mla(f, g),
         )
         value_length = g.int("attention.value_length", head_dim)
+        if cfg.is_mla:
+            value_length += cfg.rope_dim  # the latent: the cached key's first kv_lora_rank dims
         if value_length != head_dim:
             raise ModelFileError(
                 f"{f.path}: {f.arch}.attention.value_length {value_length} differs from "
@@ -249,6 +271,60 @@ def _deltanet(f: GGUFFile, g: _Keys) -> dict[str, Any]:
         ssm_n_v_heads=n_v,
         ssm_head_k_dim=g.int("ssm.state_size"),
         ssm_head_v_dim=inner // n_v,
+    )
+
+
+def _attention_scale(f: GGUFFile, g: _Keys) -> float | None:
+    """attention.scale, None when absent (1/sqrt(head_dim)); for deepseek2, absent (llama.cpp's
+    files): key_length_mla^-0.5 times YaRN's (1 + yarn_log_multiplier ln(factor))^2."""
+    scale = g.float("attention.scale", None, positive=True)
+    if scale is not None or f.arch != "deepseek2":
+        return scale
+    scale = g.int("attention.key_length_mla") ** -0.5
+    yarn = _yarn(f, g)
+    log_mul = g.float("rope.scaling.yarn_log_multiplier", 0.0)
+    if yarn is not None and yarn.factor > 1:
+        scale *= (1 + log_mul * math.log(yarn.factor)) ** 2
+    return scale
+
+
+def _mla(f: GGUFFile, g: _Keys) -> dict[str, Any]:
+    """The multi-head latent attention and routing keys of a deepseek2 file (llama.cpp's names:
+    attention.kv_lora_rank, q_lora_rank, key_length_mla / value_length_mla, expert_weights_scale,
+    expert_group_count / expert_group_used_count). {} for the other families."""
+    if f.arch != "deepseek2":
+        return {}
+    rank = g.int("attention.kv_lora_rank")
+    rope = g.int("rope.dimension_count")
+    key_length = g.int("attention.key_length")
+    if key_length != rank + rope:
+        raise g._bad(
+            "attention.key_length",
+            f"is {key_length}; MLA caches kv_lora_rank {rank} + rope.dimension_count {rope} dims",
+        )
+    qk = g.int("attention.key_length_mla")
+    if qk <= rope:
+        raise g._bad("attention.key_length_mla", f"is {qk}, not more than its {rope} rope dims")
+    n_expert = g.int("expert_count")
+    groups = g.int("expert_group_count", 0, minimum=0)
+    used = g.int("expert_group_used_count", groups, minimum=0)
+    k = g.int("expert_used_count")
+    if groups > 1 and (
+        n_expert % groups or not 1 <= used <= groups or used * (n_expert // groups) < k
+    ):
+        raise g._bad(
+            "expert_group_count",
+            f"is {groups}: it must divide expert_count {n_expert} and be >= "
+            f"expert_group_used_count {used} >= 1, whose groups must hold {k} experts",
+        )
+    return dict(
+        mla_kv_rank=rank,
+        mla_q_rank=g.int("attention.q_lora_rank", 0, minimum=0),
+        mla_nope_dim=qk - rope,
+        mla_v_dim=g.int("attention.value_length_mla"),
+        expert_weights_scale=g.float("expert_weights_scale", 1.0, positive=True),
+        expert_groups=groups if groups > 1 else 0,
+        expert_groups_used=used if groups > 1 else 0,
     )
 
 

@@ -13,6 +13,10 @@ the C decode step and the GPU kernels read). Positions [0, n_tokens) hold valid 
 pointers, captured CUDA graphs and their input buffers); it is cleared whenever the storage moves.
 Rewinding (dropping the newest positions) only moves n_tokens: the next tokens overwrite them.
 
+A multi-head latent attention model (deepseek2) caches per position one latent and rope key
+(head_dim = kv_lora_rank + rope dims, one kv head) that serves as keys and values both: its
+storage is [1, 1, capacity, head_dim] per layer and k[i] and v[i] are the same view.
+
 A model with Gated DeltaNet layers (qwen35moe) keeps no keys or values for them (their storage
 has no positions) but a recurrent state (`recurrent`, pyruntime.model.recurrent_state), which
 cannot be cut back: going back to a position without a snapshot of it empties the cache
@@ -50,6 +54,7 @@ class KVCache:
         self.growable = growable
         self._n_layer, self._n_head_kv, self._head_dim = cfg.n_layer, cfg.n_head_kv, cfg.head_dim
         self._keyless = [cfg.is_recurrent(i) for i in range(cfg.n_layer)]
+        self._planes = 1 if cfg.is_mla else 2  # MLA: one latent for keys and values
         self.recurrent = (
             RecurrentState(cfg, self.device) if any(self._keyless) else None
         )  # the DeltaNet layers' conv and ssm states
@@ -69,15 +74,15 @@ class KVCache:
         kv = []
         for layer in range(self._n_layer):
             positions = 0 if self._keyless[layer] else capacity
-            shape = (2, self._n_head_kv, positions, self._head_dim)
+            shape = (self._planes, self._n_head_kv, positions, self._head_dim)
             t = torch.zeros(shape, device=self.device, dtype=self.dtype)
             if old is not None and self.n_tokens:
                 t[:, :, : self.n_tokens] = old[layer][:, :, : self.n_tokens]
                 old[layer] = self.k[layer] = self.v[layer] = None  # free the old layer now
             kv.append(t)
-        self.kv = kv  # per layer [2, n_head_kv, capacity, head_dim]
+        self.kv = kv  # per layer [2 (MLA: 1), n_head_kv, capacity, head_dim]
         self.k = [t[0] for t in kv]  # per layer [n_head_kv, capacity, head_dim]
-        self.v = [t[1] for t in kv]
+        self.v = [t[-1] for t in kv]
         self._capacity = capacity
         self.executor_state.clear()
 

@@ -46,7 +46,8 @@ F32 = (Q.F32,)  # norms, biases, routers, the shared-expert gate
 QK_NORM = {"olmoe": "whole", "qwen3moe": "head", "qwen35moe": "head"}
 QKV_BIAS = ("qwen2moe", "gpt-oss")
 O_BIAS = ("gpt-oss",)
-SHARED_EXPERT = ("qwen2moe", "qwen35moe")
+SHARED_EXPERT = ("qwen2moe", "qwen35moe", "deepseek2")
+SHARED_GATE = ("qwen2moe", "qwen35moe")  # the shared expert's output *= sigmoid(x . gate)
 # an output gate on full attention (attn_gate: out *= sigmoid(x W_gate^T)) (qwen35moe)
 ATTN_GATE = ("qwen35moe",)
 SINKS_AND_BIASED_EXPERTS = ("gpt-oss",)
@@ -99,6 +100,8 @@ def expected_tensors(f: GGUFFile, cfg) -> dict[str, TensorSpec]:
         p = f"blk.{i}"
         if cfg.is_recurrent(i):
             specs |= _deltanet_layer(cfg, p)
+        elif cfg.is_mla:
+            specs |= _mla_layer(cfg, p)
         else:
             specs |= _attention_layer(cfg, p, qk_norm)
         if f.has_tensor(f"{p}.ffn_gud_exps.weight"):
@@ -126,6 +129,34 @@ def _deltanet_layer(cfg, p: str) -> dict[str, TensorSpec]:
         f"{p}.ssm_out.weight": TensorSpec((n, v_dim), WEIGHT),
         f"{p}.ffn_norm.weight": TensorSpec((n,), F32),
     }
+
+
+def _mla_layer(cfg, p: str) -> dict[str, TensorSpec]:
+    """Multi-head latent attention (deepseek2; pyruntime.model.mla): the query (attn_q, or the
+    LoRA attn_q_a -> attn_q_a_norm -> attn_q_b), the latent and rope key (attn_kv_a_mqa), the
+    latent's norm, per head its key (attn_k_b [H, rank, nope]) and value (attn_v_b [H, v, rank])
+    expansions, the output."""
+    n, H, rank = cfg.n_embd, cfg.n_head, cfg.mla_kv_rank
+    q_rows = H * (cfg.mla_nope_dim + cfg.rope_dim)
+    specs = {
+        f"{p}.attn_norm.weight": TensorSpec((n,), F32),
+        f"{p}.attn_kv_a_mqa.weight": TensorSpec((rank + cfg.rope_dim, n), WEIGHT),
+        f"{p}.attn_kv_a_norm.weight": TensorSpec((rank,), F32),
+        f"{p}.attn_k_b.weight": TensorSpec((H, rank, cfg.mla_nope_dim), WEIGHT),
+        f"{p}.attn_v_b.weight": TensorSpec((H, cfg.mla_v_dim, rank), WEIGHT),
+        f"{p}.attn_output.weight": TensorSpec((n, H * cfg.mla_v_dim), WEIGHT),
+        f"{p}.ffn_norm.weight": TensorSpec((n,), F32),
+    }
+    if cfg.mla_q_rank:
+        r = cfg.mla_q_rank
+        specs |= {
+            f"{p}.attn_q_a.weight": TensorSpec((r, n), WEIGHT),
+            f"{p}.attn_q_a_norm.weight": TensorSpec((r,), F32),
+            f"{p}.attn_q_b.weight": TensorSpec((q_rows, r), WEIGHT),
+        }
+    else:
+        specs[f"{p}.attn_q.weight"] = TensorSpec((q_rows, n), WEIGHT)
+    return specs
 
 
 def _attention_layer(cfg, p: str, qk_norm: str | None) -> dict[str, TensorSpec]:
@@ -179,8 +210,9 @@ def _moe_layer(f: GGUFFile, cfg, p: str) -> dict[str, TensorSpec]:
             f"{p}.ffn_gate_shexp.weight": TensorSpec((ff, n), WEIGHT),
             f"{p}.ffn_up_shexp.weight": TensorSpec((ff, n), WEIGHT),
             f"{p}.ffn_down_shexp.weight": TensorSpec((n, ff), WEIGHT),
-            f"{p}.ffn_gate_inp_shexp.weight": TensorSpec((n,), F32),
         }
+        if cfg.arch in SHARED_GATE:
+            specs[f"{p}.ffn_gate_inp_shexp.weight"] = TensorSpec((n,), F32)
     return specs
 
 

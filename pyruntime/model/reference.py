@@ -31,6 +31,13 @@ from pyruntime.model.config import ModelConfig
 from pyruntime.model.deltanet import deltanet_layer
 from pyruntime.model.executor import RoutingTrace
 from pyruntime.model.kv_cache import KVCache
+from pyruntime.model.mla import (
+    attention_absorbed,
+    attention_plain,
+    heads_linear,
+    mla_latent,
+    mla_query,
+)
 from pyruntime.model.rope import attention_factor, inv_frequencies, rope_tables
 from pyruntime.model.stats import ExpertStats
 from pyruntime.model.tokens import token_ids
@@ -98,17 +105,32 @@ def up_fn(name: str, swiglu: tuple[float, float] = (1.702, 7.0)):
 
 
 def route(
-    router_logits: torch.Tensor, k: int, renormalize: bool
+    router_logits: torch.Tensor,
+    k: int,
+    renormalize: bool,
+    scale: float = 1.0,
+    groups: tuple[int, int] = (0, 0),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over all experts, top-k, optional renormalization (docs/gguf-layout.md).
+    """Softmax over all experts, top-k, optional renormalization, times `scale`
+    (docs/gguf-layout.md). groups (n_group, n_used), deepseek2's group-limited top-k: the
+    experts split into n_group equal groups, a group scored by its best expert, the top-k taken
+    within the n_used best groups only.
 
     router_logits: [T, n_expert] -> (ids [T, k] int64, weights [T, k] f32).
     """
     probs = torch.softmax(router_logits.float(), dim=-1)
-    w, ids = torch.topk(probs, k, dim=-1)
+    pick = probs
+    if groups[0]:
+        T, E = probs.shape
+        by_group = probs.view(T, groups[0], E // groups[0])
+        best = torch.topk(by_group.amax(-1), groups[1], dim=-1).indices  # [T, n_used]
+        keep = torch.zeros(T, groups[0], dtype=torch.bool, device=probs.device)
+        keep = keep.scatter_(1, best, True)
+        pick = (by_group * keep[..., None]).view(T, E)
+    w, ids = torch.topk(pick, k, dim=-1)
     if renormalize:
         w = w / w.sum(dim=-1, keepdim=True)
-    return ids, w
+    return ids, w * scale if scale != 1.0 else w
 
 
 def expert_ffn_torch(
@@ -239,6 +261,9 @@ class ReferenceModel:
         self.config = cfg
         self.weights = weights
         self.linear = linear
+        # A per-head matvec (MLA's absorbed decode): x [H, n, n_in], m [H rows, n_in] ->
+        # [H, n, rows]; None: one `linear` call per head
+        self.heads_linear = None
         self.expert_backend = experts
         self.expert_threshold: list[float] | None = None  # per layer, for neuron sparsity
         # Calibration hook: (layer, store, x [T, n_embd], ids [T, K], activation) -> None.
@@ -296,6 +321,8 @@ class ReferenceModel:
             normed = rms_norm(x, blk.attn_norm, cfg.rms_eps)
             if blk.deltanet is not None:
                 h = self._deltanet(i, blk, normed, cache)
+            elif blk.mla is not None:
+                h = self._mla(i, blk, normed, cache, cos, sin)
             else:
                 h = self._attention(i, blk, normed, cache, cos, sin)
             x = x + h * cfg.residual_scale
@@ -361,6 +388,24 @@ class ReferenceModel:
             out = out * torch.sigmoid(self.linear(x, blk.attn_gate))
         return self.linear(out, blk.wo, blk.bo)
 
+    def _mla(self, i, blk: BlockWeights, x, cache: KVCache, cos, sin) -> torch.Tensor:
+        """Multi-head latent attention (pyruntime.model.mla) over the cache's latents: a prompt
+        in the plain form, a decode step absorbed."""
+        cfg, w = self.config, blk.mla
+        n, start = x.shape[0], cache.n_tokens
+        end = start + n
+        q_nope, q_pe = mla_query(cfg, w, x, cos, sin, self.linear)
+        cache.k[i][0, start:end] = mla_latent(cfg, w, x, cos, sin, self.linear)
+        latents, mask = cache.k[i][0, :end], attention_mask(start, end)
+        if n == 1:
+            heads = self.heads_linear or heads_linear(self.linear)
+            out = attention_absorbed(
+                cfg, w, q_nope, q_pe, latents, mask, cfg.attention_scale, heads
+            )
+        else:
+            out = attention_plain(cfg, w, q_nope, q_pe, latents, mask, cfg.attention_scale)
+        return self.linear(out, blk.wo)
+
     def _deltanet(self, i: int, blk: BlockWeights, x: torch.Tensor, cache: KVCache):
         """A Gated DeltaNet layer (pyruntime.model.deltanet) on the cache's recurrent state."""
         state = cache.recurrent
@@ -382,7 +427,13 @@ class ReferenceModel:
         if blk.experts is None:
             return dense_ffn(blk.dense_ffn, x, cfg.activation, self.linear)
         logits = self.linear(x, blk.router, blk.router_bias)
-        ids, w = route(logits, k, cfg.expert_weights_norm)
+        ids, w = route(
+            logits,
+            k,
+            cfg.expert_weights_norm,
+            cfg.expert_weights_scale,
+            (cfg.expert_groups, cfg.expert_groups_used),
+        )
         if trace is not None:
             trace.append((ids, logits.float()))
         if self.gate_observer is not None:

@@ -19,6 +19,7 @@ from pyruntime.gguf.file import GGUFFile
 from pyruntime.gguf.quant import QuantMatrix, dequantize, first_broken_mxfp4_block, row_bytes
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.deltanet import DeltaNetWeights
+from pyruntime.model.mla import MLAWeights
 
 
 @dataclass
@@ -54,6 +55,7 @@ class BlockWeights:
     dense_ffn: FFNWeights | None  # dense FFN layer (qwen mlp_only_layers)
     attn_gate: QuantMatrix | None = None  # [n_head*head_dim, n_embd]: out *= sigmoid(x Wg^T)
     deltanet: DeltaNetWeights | None = None  # a Gated DeltaNet layer's weights (qwen35moe)
+    mla: MLAWeights | None = None  # multi-head latent attention (deepseek2); wo is its output
 
 
 def _load(f: GGUFFile, name: str) -> torch.Tensor:
@@ -118,6 +120,27 @@ def _load_deltanet(f: GGUFFile, p: str) -> DeltaNetWeights:
     )
 
 
+def _per_head(f: GGUFFile, name: str) -> QuantMatrix:
+    """A per-head stack of matrices [H, rows, cols] as one matrix [H rows, cols], in place."""
+    t = f.tensor(name)
+    H, rows, cols = (int(d) for d in t.shape)
+    return QuantMatrix(name, t.qtype, (H * rows, cols), t.data.reshape(H * rows, -1))
+
+
+def _load_mla(f: GGUFFile, p: str) -> MLAWeights:
+    lora = f.has_tensor(f"{p}.attn_q_a.weight")
+    return MLAWeights(
+        q=None if lora else _matrix(f, f"{p}.attn_q.weight"),
+        q_a=_matrix(f, f"{p}.attn_q_a.weight") if lora else None,
+        q_a_norm=_load(f, f"{p}.attn_q_a_norm.weight") if lora else None,
+        q_b=_matrix(f, f"{p}.attn_q_b.weight") if lora else None,
+        kv_a=_matrix(f, f"{p}.attn_kv_a_mqa.weight"),
+        kv_a_norm=_load(f, f"{p}.attn_kv_a_norm.weight"),
+        k_b=_per_head(f, f"{p}.attn_k_b.weight"),
+        v_b=_per_head(f, f"{p}.attn_v_b.weight"),
+    )
+
+
 def _matrix_opt(f: GGUFFile, name: str) -> QuantMatrix | None:
     return _matrix(f, name) if f.has_tensor(name) else None
 
@@ -164,6 +187,7 @@ def _load_block(f: GGUFFile, cfg: ModelConfig, i: int) -> BlockWeights:
         dense_ffn=None if has_experts else _load_ffn(f, p, ""),
         attn_gate=None if recurrent else _matrix_opt(f, f"{p}.attn_gate.weight"),
         deltanet=_load_deltanet(f, p) if recurrent else None,
+        mla=_load_mla(f, p) if cfg.is_mla else None,
     )
 
 

@@ -70,6 +70,8 @@ class DeviceBytes:
 def device_bytes(f: GGUFFile, cfg: ModelConfig, n_ctx: int) -> DeviceBytes:
     """A model's GPU memory at a context of n_ctx tokens, by part (module doc)."""
     first = "blk.0.attn_qkv.weight" if cfg.is_recurrent(0) else "blk.0.attn_q.weight"
+    if cfg.is_mla:
+        first = "blk.0.attn_kv_a_mqa.weight"
     itemsize = activation_itemsize(f.tensor(first).qtype)
     dense = experts = n_experts = expert_bytes = 0
     biggest = 0  # elements of the largest tensor dequantized at load
@@ -91,7 +93,8 @@ def device_bytes(f: GGUFFile, cfg: ModelConfig, n_ctx: int) -> DeviceBytes:
     # token_embd twice: a float copy for the lookup, and the lm_head (tied) or its own bytes
     dense += f.tensor("token_embd.weight").n_elements * itemsize
     n_kv_layers = cfg.n_layer - sum(cfg.recurrent_layers)  # DeltaNet layers keep no K/V
-    kv = n_kv_layers * 2 * cfg.n_head_kv * n_ctx * cfg.head_dim * itemsize
+    planes = 1 if cfg.is_mla else 2  # MLA: one latent serves as key and value
+    kv = n_kv_layers * planes * cfg.n_head_kv * n_ctx * cfg.head_dim * itemsize
     if n_kv_layers < cfg.n_layer:  # their conv and ssm states (f32), one per sequence
         per_layer = cfg.ssm_conv_channels * (cfg.ssm_conv_kernel - 1)
         per_layer += cfg.ssm_n_v_heads * cfg.ssm_head_k_dim * cfg.ssm_head_v_dim

@@ -217,6 +217,13 @@ typedef struct {
 int pyrt_linear(pyrt_pool *pool, const pyrt_matrix *w, const float *x, int n_tokens,
                 const float *bias, float *y);
 
+/* One matvec per head (mla.c): y[h, :] = w_h x[h, :] for h < n_heads, where w_h is rows
+ * [h r, (h + 1) r) of w (r = n_out / n_heads; a per-head stack [n_heads, r, n_in] such as
+ * deepseek2's attn_k_b / attn_v_b). x [n_heads, n_in] f32 (x_len floats), y [n_heads, r] f32
+ * (y_len floats, written). Q8_0/Q4_0 as pyrt_linear (x quantized per head). */
+int pyrt_linear_heads(pyrt_pool *pool, const pyrt_matrix *w, int n_heads, const float *x,
+                      int64_t x_len, float *y, int64_t y_len);
+
 /* A float32 vector read in place, with its length: the decoder checks every length against the
  * model's shape at creation and never reads past n. data == NULL (n 0) means "absent" where that
  * is allowed. */

@@ -1,0 +1,383 @@
+"""DeepSeek-V2: multi-head latent attention's two forms, its compressed cache, the group-limited
+routing, the full form (query LoRA, groups) against transformers, the converter's one-line
+refusals. Logits of the Lite form vs transformers (prefill and token-by-token decode, f32 / q8_0
+/ mxfp4, both expert backends) are in tests/test_parity.py (ARCHS).
+
+The absorbed form (decode) and the plain form (prompt) of the attention are compared in float64
+at odd shapes, where they are one computation in another order (<= 1e-10; measured ~1e-15): a
+head's k_b or v_b block taken from the wrong rows, or a missing rope key, is O(1).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import torch
+from hf_fixtures import DEEPSEEK2_FULL, make_tiny_hf_model
+from test_parity import LOGPROB_TOL, hf_logprobs, prompt_ids, runtime_logprobs
+
+from pyruntime.converter import convert
+from pyruntime.cpu.core import CoreError
+from pyruntime.cpu.executor import CpuExecutor, c_decoder_runs
+from pyruntime.errors import ConversionError, UsageError
+from pyruntime.gguf.file import open_gguf
+from pyruntime.gguf.quant import QuantMatrix
+from pyruntime.model import mla
+from pyruntime.model.config import ModelConfig
+from pyruntime.model.reference import attention_mask, route
+
+# ---- the math -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Matrix64(QuantMatrix):
+    """A float64 matrix standing in for a stored one (dequantize keeps float64)."""
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.from_numpy(self.raw)
+
+
+def _f64_matrix(name: str, t: torch.Tensor) -> QuantMatrix:
+    from gguf import GGMLQuantizationType
+
+    return _Matrix64(name, GGMLQuantizationType.F32, tuple(t.shape), t.numpy())
+
+
+def _linear64(x: torch.Tensor, w: QuantMatrix, bias=None) -> torch.Tensor:
+    return x @ torch.from_numpy(w.raw).T
+
+
+@pytest.mark.parametrize("H, rank, nope, rope, v, n, start", [
+    (3, 7, 5, 4, 6, 1, 0), (3, 7, 5, 4, 6, 1, 9), (2, 9, 3, 6, 5, 4, 5), (5, 4, 6, 2, 3, 7, 0),
+])  # fmt: skip
+def test_absorbed_attention_is_the_plain_one(H, rank, nope, rope, v, n, start):
+    g = torch.Generator().manual_seed(H * 1000 + n * 10 + start)
+    d = dict(generator=g, dtype=torch.float64)
+    end = start + n
+    cfg = replace(
+        _tiny_config(), n_head=H, mla_kv_rank=rank, mla_nope_dim=nope, rope_dim=rope, mla_v_dim=v
+    )
+    k_b, v_b = torch.randn(H * rank, nope, **d), torch.randn(H * v, rank, **d)
+    w = mla.MLAWeights(None, None, None, None, None, None, _f64_matrix("k_b", k_b),
+                       _f64_matrix("v_b", v_b))  # fmt: skip
+    q_nope, q_pe = torch.randn(H, n, nope, **d), torch.randn(H, n, rope, **d)
+    latents = torch.randn(end, rank + rope, **d)
+    mask = attention_mask(start, end)
+    plain = mla.attention_plain(cfg, w, q_nope, q_pe, latents, mask, 0.3)
+    heads = mla.heads_linear(_linear64)
+    absorbed = mla.attention_absorbed(cfg, w, q_nope, q_pe, latents, mask, 0.3, heads)
+    assert plain.shape == (n, H * v)
+    assert (plain - absorbed).abs().max() <= 1e-10
+    # by hand, the last query of head H-1: keys [k_b^T c; k_pe], values v_b c
+    h, c, k_pe = H - 1, latents[:, :rank], latents[:, rank:]
+    keys = torch.cat([c @ k_b[h * rank : (h + 1) * rank], k_pe], dim=-1)
+    values = c @ v_b[h * v : (h + 1) * v].T
+    probs = torch.softmax(keys @ torch.cat([q_nope[h, -1], q_pe[h, -1]]) * 0.3, dim=0)
+    assert torch.allclose(plain[-1, h * v :], probs @ values, atol=1e-12)
+
+
+def test_group_limited_routing_picks_within_the_best_groups():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 12, generator=g) * 2
+    ids, w = route(logits, 3, False, 2.5, (4, 2))
+    probs = torch.softmax(logits, dim=-1)
+    best_groups = probs.view(64, 4, 3).amax(-1).topk(2, dim=-1).indices
+    for t in range(64):
+        allowed = torch.cat([torch.arange(3) + 3 * int(b) for b in best_groups[t]])
+        want = allowed[probs[t, allowed].topk(3).indices]
+        assert set(ids[t].tolist()) == set(want.tolist())
+        assert torch.allclose(w[t], probs[t, ids[t]] * 2.5)
+    plain_ids, _ = route(logits, 3, False)
+    assert any(set(a.tolist()) != set(b.tolist()) for a, b in zip(ids, plain_ids, strict=True))
+
+
+def _tiny_config() -> ModelConfig:
+    return ModelConfig(
+        arch="deepseek2", n_vocab=16, n_embd=8, n_layer=1, n_head=2, n_head_kv=1, head_dim=8,
+        n_expert=4, n_expert_used=2, n_ff_exp=8, context_length=64, rms_eps=1e-6,
+        rope_theta=1e4, rope_dim=4, expert_weights_norm=False, mla_kv_rank=4, mla_nope_dim=4,
+        mla_v_dim=4,
+    )  # fmt: skip
+
+
+# ---- the model ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    return make_tiny_hf_model("deepseek2", tmp_path_factory.mktemp("ds2") / "hf")
+
+
+@pytest.fixture(scope="module")
+def f32_path(hf_dir, tmp_path_factory) -> Path:
+    return convert(hf_dir, tmp_path_factory.mktemp("ds2g") / "m.gguf", "f32", progress=False)
+
+
+def test_cache_keeps_one_latent_and_rope_key_per_position(f32_path):
+    model = CpuExecutor.from_gguf(open_gguf(f32_path), expert_backend="c")
+    cfg = model.config
+    assert not c_decoder_runs(cfg) and model._decoder is None
+    assert model.core is not None and model.linear == model._core_linear
+    assert model.heads_linear == model._core_heads_linear
+    assert (cfg.mla_kv_rank, cfg.mla_nope_dim, cfg.rope_dim, cfg.mla_v_dim) == (32, 32, 16, 32)
+    cache = model.new_cache(16)
+    model.forward([1, 2, 3], cache)
+    assert [tuple(t.shape) for t in cache.kv] == [(1, 1, 16, 48)] * 3
+    assert cache.k[0].data_ptr() == cache.v[0].data_ptr()
+    assert cache.k[0][0, 3:].abs().sum() == 0 and cache.k[0][0, :3].abs().min() > 0
+
+
+@pytest.mark.parametrize("backend", ["c", "torch"])
+def test_full_form_matches_transformers(tmp_path, backend):
+    """deepseek-v2's own form: a query LoRA, group-limited routing (the top-2 within the best of
+    2 groups of 4 experts), routed_scaling_factor; f32 prefill and prefill + decode <= 1e-3."""
+    hf = make_tiny_hf_model("deepseek2", tmp_path / "hf", **DEEPSEEK2_FULL)
+    path = convert(hf, tmp_path / "m.gguf", "f32", progress=False)
+    model = CpuExecutor.from_gguf(open_gguf(path), expert_backend=backend)
+    cfg = model.config
+    assert (cfg.mla_q_rank, cfg.expert_groups, cfg.expert_groups_used) == (64, 2, 1)
+    assert model.blocks[0].mla.q is None and model.blocks[0].mla.q_b is not None
+    ids = prompt_ids(cfg.n_vocab)
+    ref = hf_logprobs(hf, ids)
+    assert (runtime_logprobs(model, ids) - ref).abs().max() <= LOGPROB_TOL
+    assert (runtime_logprobs(model, ids, split=len(ids) // 2) - ref).abs().max() <= LOGPROB_TOL
+
+
+def test_gpu_whole_model_but_no_hybrid(f32_path, monkeypatch):
+    """The GPU executor runs the model (tests/test_gpu_model.py); a budget that only fits the
+    hybrid takes the CPU under auto and is one line under --device cuda."""
+    from pyruntime.offload.plan import device_bytes
+    from pyruntime.placement import choose_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (80 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "Tiny GPU")
+    f = open_gguf(f32_path)
+    cfg = ModelConfig.from_gguf(f)
+    need = device_bytes(f, cfg, 64)
+    assert need.kv == 3 * 64 * 48 * 4  # one plane of latents and rope keys per layer (f32)
+    assert choose_device("auto", f, cfg, 64).plan is None  # the whole model on the GPU
+    small = need.fixed + 4 * need.expert_bytes
+    choice = choose_device("auto", f, cfg, 64, gpu_mem=small)
+    assert choice.device == "cpu" and "latent attention has no hybrid" in choice.note
+    with pytest.raises(UsageError, match="^--device cuda: the model does not fit the GPU and"):
+        choose_device("cuda", f, cfg, 64, gpu_mem=small)
+
+
+def test_gpu_decode_graph_and_group_routing_match_the_cpu_path(tmp_path, monkeypatch):
+    """The full form (query LoRA, group-limited routing) on the GPU executor: prefill then
+    decode steps captured in a graph (stood in on the CPU by eager_graph) equal eager decoding,
+    and the CPU path's log-probs within 1e-4 (f32)."""
+    pytest.importorskip("triton")
+    from eager_graph import use_eager_graphs
+
+    from pyruntime.gpu.executor import GpuExecutor
+
+    hf = make_tiny_hf_model("deepseek2", tmp_path / "hf", **DEEPSEEK2_FULL)
+    path = convert(hf, tmp_path / "m.gguf", "f32", progress=False)
+    eager = GpuExecutor.from_gguf(open_gguf(path), "cpu")
+    graphs = GpuExecutor.from_gguf(open_gguf(path), "cpu")
+    captures = use_eager_graphs(monkeypatch, graphs)
+    cpu = CpuExecutor.from_gguf(open_gguf(path), expert_backend="torch")
+    models = (eager, graphs, cpu)
+    caches = [m.new_cache(16) for m in models]
+    for m, c in zip(models, caches, strict=True):
+        m.forward([1, 2, 3, 4, 5], c)
+    for tok in (6, 7, 8):
+        want, got, host = (m.forward([tok], c) for m, c in zip(models, caches, strict=True))
+        assert torch.equal(got, want)
+        assert (torch.log_softmax(got, -1) - torch.log_softmax(host, -1)).abs().max() <= 1e-4
+    assert len(captures) == 1
+
+
+def test_info_shows_the_mla_fields(f32_path, capsys):
+    from pyruntime.cli import main
+
+    assert main(["info", str(f32_path)]) == 0
+    out = capsys.readouterr().out
+    assert "latent 32 + rope key 16 per token; per head 32 + 16 key, 32 value dims" in out
+    assert "top-2 of 8, weights x1.5" in out
+    assert "2 shared (ffn 64); layers 0..0 dense" in out
+
+
+# ---- the converter --------------------------------------------------------------------------
+
+
+def _edited(hf_dir: Path, tmp_path: Path, **config) -> Path:
+    out = tmp_path / "edited"
+    shutil.copytree(hf_dir, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(config)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (dict(topk_method="noaux_tc"), "'topk_method' 'noaux_tc' is not supported"),
+        (dict(scoring_func="sigmoid"), "'scoring_func' 'sigmoid' is not supported"),
+        (dict(moe_layer_freq=2), "'moe_layer_freq' must be 1"),
+        (dict(topk_method="group_limited_greedy", n_group=3, topk_group=2), "must divide"),
+        (dict(topk_method="group_limited_greedy", n_group=8, topk_group=1), "fewer experts"),
+        (dict(qk_rope_head_dim=15), "'qk_rope_head_dim' must be even"),
+        (dict(hidden_act="gelu"), "'hidden_act' must be silu"),
+    ],
+)
+def test_unsupported_config_values_are_one_line(hf_dir, tmp_path, config, message):
+    src = _edited(hf_dir, tmp_path, **config)
+    with pytest.raises(ConversionError) as info:
+        convert(src, tmp_path / "out.gguf", "f32", progress=False)
+    assert message in str(info.value) and "\n" not in str(info.value)
+    assert not (tmp_path / "out.gguf").exists()
+
+
+def test_a_missing_tensor_is_one_line_and_no_file(hf_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = _edited(hf_dir, tmp_path)
+    state = load_file(str(src / "model.safetensors"))
+    del state["model.layers.2.self_attn.kv_b_proj.weight"]
+    save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConversionError) as info:
+        convert(src, tmp_path / "out.gguf", "f32", progress=False)
+    assert "missing tensors: model.layers.2.self_attn.kv_b_proj.weight" in str(info.value)
+    assert "\n" not in str(info.value) and list(tmp_path.glob("out.gguf*")) == []
+
+
+def test_calibrate_and_sparsity_hit_the_target(hf_dir, tmp_path):
+    """`pyruntime calibrate` then --sparsity: thresholds measured on one text, applied to another,
+    drop the target fraction of routed neurons within 3 points (512 tokens x 2 MoE layers x 2
+    experts x 32 neurons = 65k decisions per target), in a prompt and token by token."""
+    from pyruntime.api import Model
+    from pyruntime.cli import main
+
+    repo = Path(__file__).resolve().parents[1]
+    path = convert(hf_dir, tmp_path / "m.gguf", "q8_0", progress=False)
+    assert main(["calibrate", str(path), "-f", str(repo / "docs" / "gguf-layout.md")]) == 0
+    dense = Model(path)
+    ids = dense.tokenize((repo / "README.md").read_text())[:512]
+    dense_logits = dense.logits(ids)
+    for target in (0.3, 0.7):
+        model = Model(path, sparsity=target)
+        logits = model.logits(ids)
+        assert abs(model.achieved_sparsity - target) <= 0.03, (target, model.achieved_sparsity)
+        assert (logits != dense_logits).any()
+        step = Model(path, sparsity=target).net
+        cache = step.new_cache(256)
+        for token in ids[:256]:
+            step.forward([token], cache)
+        assert abs(step.stats.sparsity - target) <= 0.03, (target, step.stats.sparsity)
+
+
+# ---- chat -----------------------------------------------------------------------------------
+
+DEEPSEEK2_CHATS = [
+    [{"role": "user", "content": "Hi there"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is a cat?"},
+        {"role": "assistant", "content": "A small animal."},
+        {"role": "user", "content": "Its colour?"},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> tuple[Path, Path]:
+    from hf_fixtures import make_deepseek2_chat_model
+
+    tmp = tmp_path_factory.mktemp("ds2chat")
+    hf = make_deepseek2_chat_model(tmp / "hf")
+    return hf, convert(hf, tmp / "m.gguf", "q8_0", progress=False)
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("chat", range(len(DEEPSEEK2_CHATS)))
+def test_chat_template_renders_and_tokenizes_as_transformers(chat_model, chat,
+                                                            add_generation_prompt):  # fmt: skip
+    """deepseek-v2-lite-chat's template from the GGUF, rendered by our renderer, is
+    transformers' apply_chat_template text; it tokenizes as the HF tokenizer does, with one
+    bos (the template's: the tokenizer adds none before it) and an eos after each answer."""
+    from transformers import AutoTokenizer
+
+    from pyruntime.api import Model
+
+    hf = AutoTokenizer.from_pretrained(chat_model[0])
+    model = Model(chat_model[1])
+    messages = DEEPSEEK2_CHATS[chat]
+    want = hf.apply_chat_template(messages, tokenize=False,
+                                  add_generation_prompt=add_generation_prompt)  # fmt: skip
+    text = model.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    assert text == want and text.startswith("<｜begin▁of▁sentence｜>")
+    ids = model.tokenize(text)
+    assert ids == hf(text, add_special_tokens=False)["input_ids"]
+    assert ids.count(4096) == 1 and ids.count(4097) == (chat == 1)
+    assert model.tokenize("Hi")[0] == 4096  # a plain prompt gets its bos
+
+
+def test_chat_turns_end_at_eos(chat_model):
+    from gguf import GGUFReader
+
+    fields = GGUFReader(chat_model[1]).fields
+    assert fields["tokenizer.ggml.eos_token_id"].contents() == 4097
+    assert fields["tokenizer.ggml.bos_token_id"].contents() == 4096
+    assert 4097 in fields["pyruntime.stop_token_ids"].contents()
+
+
+# ---- the C core's per-head matvec -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("H, rows, n_in", [(1, 3, 32), (3, 37, 64), (16, 96, 128)])
+def test_linear_heads_is_one_linear_per_head(qtype, H, rows, n_in):
+    """pyrt_linear_heads (one pool task for all heads) gives, bit for bit, what pyrt_linear
+    gives head by head on the same rows (chunks of 32 rows: 37 and 96 rows split unevenly)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from pyruntime.cpu.core import CpuCore
+
+    q = GGMLQuantizationType[qtype]
+    g = torch.Generator().manual_seed(H * rows)
+    w = torch.randn(H * rows, n_in, generator=g).numpy()
+    raw = w.astype("float16") if qtype == "F16" else w if qtype == "F32" else quantize(w, q)
+    x = torch.randn(H, n_in, generator=g)
+    core = CpuCore(threads=2)
+    y = core.linear_heads(raw, int(q), H * rows, n_in, x)
+    want = torch.stack([
+        core.linear(raw[h * rows : (h + 1) * rows], int(q), rows, n_in, x[h : h + 1])[0]
+        for h in range(H)
+    ])  # fmt: skip
+    assert torch.equal(y, want)
+    with pytest.raises(CoreError, match="shape mismatch"):
+        core.linear_heads(raw, int(q), H * rows, n_in, x[:, :-1])
+
+
+def test_linear_heads_checks_its_lengths():
+    """The C entry refuses a head count that does not divide the rows and short x / y buffers,
+    each in one pyrt_last_error line."""
+    from gguf import GGMLQuantizationType
+
+    from pyruntime.cpu import core as core_mod
+
+    lib, ffi = core_mod._lib(), core_mod._ffi
+    c = core_mod.CpuCore(threads=1)
+    w = torch.zeros(6, 32).numpy()
+    m = ffi.new(
+        "pyrt_matrix *", (ffi.from_buffer(w), w.nbytes, int(GGMLQuantizationType.F32), 6, 32)
+    )
+    x, y = torch.zeros(3 * 32), torch.zeros(6)
+    px, py = ffi.cast("const float *", x.data_ptr()), ffi.cast("float *", y.data_ptr())
+    for heads, x_len, y_len, message in [
+        (4, 96, 6, "n_heads 4 does not divide w's 6 rows"),
+        (3, 95, 6, "x holds 95 floats, 3 heads of 32 need 96"),
+        (3, 96, 5, "y holds 5 floats, w's 6 rows need as many"),
+    ]:
+        assert lib.pyrt_linear_heads(c._pool, m, heads, px, x_len, py, y_len) != 0
+        assert ffi.string(lib.pyrt_last_error()).decode().endswith(message)
+    assert lib.pyrt_linear_heads(c._pool, m, 3, px, 96, py, 6) == 0
