@@ -258,7 +258,8 @@ def _deltanet(w: DeltaNetWeights, device: torch.device, dtype: torch.dtype, f32)
 
 
 def slot_format(store: ExpertStore) -> str:
-    """The format a layer's experts take on the device (upload_experts): q8_0 / q4_0 repacked."""
+    """The format a layer's experts take on the device (upload_experts): q8_0 / q4_0 / mxfp4
+    repacked (kernels.expert_formats.REPACKED)."""
     fmt = _format(store.name, store.qtype)
     return REPACKED.get(fmt, fmt)
 
