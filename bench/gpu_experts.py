@@ -2,10 +2,10 @@
 the HBM bytes they must read?
 
 Shapes are real models' MoE layers; weights and inputs are random (the kernels' speed does not
-depend on the values, only on the sparsity). Q8_0 experts are repacked to q8_0r by
-kernels.dispatch.prepare_experts, as the GPU model does. Per (shape, format, target sparsity)
-the threshold is calibrated once (quantile of |act(gate)| over 64 other random tokens) and the
-dense/sparse switch is profiled once by kernels.switch.sparse_switch; "auto" times
+depend on the values, only on the sparsity). Q8_0 experts are repacked to q8_0r (MXFP4 to
+mxfp4r) by kernels.dispatch.prepare_experts, as the GPU model does. Per (shape, format, target
+sparsity) the threshold is calibrated once (quantile of |act(gate)| over 64 other random
+tokens) and the dense/sparse switch is profiled once by kernels.switch.sparse_switch; "auto" times
 moe_experts with that switch, i.e. what the GPU model runs. Each case is captured in a CUDA
 graph (the decode step's real setting) and replayed with the L2 cache flushed before every
 timed replay, with a fresh routing each time, so weights come from HBM. Times are medians of
@@ -53,6 +53,7 @@ SHAPES = {
     "qwen3-30b-a3b": (2048, 128, 8, 768),
     "olmoe-1b-7b": (2048, 64, 8, 1024),
     "qwen3.5-35b-a3b-like": (2048, 256, 8, 512),
+    "gpt-oss-20b": (2880, 32, 4, 2880),  # its MXFP4 experts: --formats mxfp4 (-> mxfp4r)
 }
 SMOKE_SHAPE = {"smoke": (64, 6, 2, 40)}
 

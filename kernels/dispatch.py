@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .expert_formats import GENERIC_ONLY, REPACKED, check_expert_tensor, repack_rows
+from .expert_formats import GENERIC_ONLY, REPACKED, check_expert_tensor, repack_rows, row_bytes
 from .expert_paths import SPARSE_PATHS, SparseSwitch, expert_path
 from .moe_dense import moe_dense
 from .moe_sparse import moe_sparse
@@ -23,14 +23,15 @@ def prepare_experts(w: torch.Tensor, fmt: str, n_embd: int) -> tuple[torch.Tenso
 
     w: float formats [n_expert, n_ff, 3, n_embd] of that dtype; block formats uint8
     [n_expert, n_ff, 3, row_bytes] (kernels.expert_formats). Float formats are used as they
-    are; Q8_0 / Q4_0 are repacked on the device into q8_0r / q4_0r (same bytes, each row's
-    quants then its scales: 16-byte aligned loads), a few experts at a time so the temporary
-    is small. The caller drops its reference to the GGUF tensor afterwards.
+    are; Q8_0 / Q4_0 / MXFP4 are repacked on the device into q8_0r / q4_0r / mxfp4r (same
+    bytes, each row's quants then its scales: 16-byte aligned loads; mxfp4r rows padded to 16
+    bytes), a few experts at a time so the temporary is small. The caller drops its reference
+    to the GGUF tensor afterwards.
     """
     check_expert_tensor(w, fmt, n_embd)
     if fmt not in REPACKED:
         return w, fmt
-    out = torch.empty_like(w)
+    out = w.new_empty(*w.shape[:-1], row_bytes(REPACKED[fmt], n_embd))
     step = max(1, (64 << 20) // max(1, w[0].numel()))  # experts per chunk: <= ~64 MiB temporary
     for e0 in range(0, w.shape[0], step):
         out[e0 : e0 + step] = repack_rows(w[e0 : e0 + step], fmt)

@@ -8,15 +8,19 @@ it as a torch tensor:
   `[n_expert, n_ff, 3, row_bytes]` (the GGUF bytes, read as they are; mxfp4: 17-byte blocks of an
   E8M0 scale byte and 16 bytes of e2m1 nibbles; the 5-bit and K-quant layouts in
   kernels.block_codecs);
-- repacked block formats (q8_0r, q4_0r): the same bytes per row, regrouped once on the GPU by
-  `repack_rows` (kernels.dispatch.prepare_experts) so the kernels load them with wide aligned
-  loads: per row [all quants of the row][all f16 scales of the row]:
-      q8_0r: [n_embd int8 quants][n_embd / 32 f16 scales]              (34 bytes per 32 elements)
-      q4_0r: [n_embd / 2 bytes of nibbles][n_embd / 32 f16 scales]     (18 bytes per 32 elements)
-  (q4_0r keeps Q4_0's nibble order inside each 16-byte group: low nibble of byte k = element k,
-  high nibble = element k + 16). GGUF's 34- and 18-byte blocks leave quants only 2-byte
-  aligned, so a GPU reads them with byte loads and becomes instruction bound; here a row of
-  2048 elements (2176 or 1152 bytes) starts 16-byte aligned and its quants are contiguous.
+- repacked block formats (q8_0r, q4_0r, mxfp4r): the same bytes per row, regrouped once on the
+  GPU by `repack_rows` (kernels.dispatch.prepare_experts) so the kernels load them with wide
+  aligned loads: per row [all quants of the row][all scales of the row]:
+      q8_0r:  [n_embd int8 quants][n_embd / 32 f16 scales]             (34 bytes per 32 elements)
+      q4_0r:  [n_embd / 2 bytes of nibbles][n_embd / 32 f16 scales]    (18 bytes per 32 elements)
+      mxfp4r: [n_embd / 2 bytes of e2m1 nibbles][n_embd / 32 E8M0 bytes][0-15 zero bytes]
+              (17 bytes per 32 elements, the row padded to a multiple of 16 bytes: ROW_ALIGN)
+  (q4_0r and mxfp4r keep the GGUF nibble order inside each 16-byte group: low nibble of byte
+  k = element k, high nibble = element k + 16). GGUF's 34-, 18- and 17-byte blocks leave quants
+  2- or 1-byte aligned, so a GPU reads them with byte loads and becomes instruction bound; here
+  a row of 2048 elements (2176 or 1152 bytes) starts 16-byte aligned and its quants are
+  contiguous. mxfp4r pads its rows because gpt-oss's n_embd = 2880 makes 1530-byte rows, which
+  would leave most rows 2-byte aligned (1536 bytes: 0.4% more).
 
 The codecs here are plain torch (no gguf import) so the GPU benchmark can quantize on a machine
 without the gguf package; tests check them against gguf.quants, the reference codecs.
@@ -35,22 +39,26 @@ from . import block_codecs
 # (kernels.expert_rows.q8_blocks): 32 values per block of 32 (a K-quant sub-block).
 FMT_CODES = {
     "f32": 0, "f16": 0, "bf16": 0, "q8_0": 1, "q4_0": 2, "q8_0r": 3, "q4_0r": 4, "mxfp4": 6,
-    "q5_0": 7, "q5_1": 9, "q4_k": 11, "q5_k": 13, "q6_k": 15,
+    "mxfp4r": 8, "q5_0": 7, "q5_1": 9, "q4_k": 11, "q5_k": 13, "q6_k": 15,
 }  # fmt: skip
 FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 # Block formats: (elements per block, bytes per block).
 BLOCKS = {
     "q8_0": (32, 34), "q4_0": (32, 18), "q8_0r": (32, 34), "q4_0r": (32, 18), "mxfp4": (32, 17),
-    **block_codecs.BLOCKS,  # q5_0, q5_1 (32 elements), q4_k, q5_k, q6_k (256)
+    "mxfp4r": (32, 17), **block_codecs.BLOCKS,  # q5_0, q5_1 (32 elements), q4_k, q5_k, q6_k (256)
 }  # fmt: skip
 # e2m1 code -> value doubled (ggml's kvalues_mxfp4); an MXFP4 block's scale is then 2^(e - 128)
 E2M1_X2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 # GGUF block format -> its repacked form (same bytes, regrouped per row).
-REPACKED = {"q8_0": "q8_0r", "q4_0": "q4_0r"}
+REPACKED = {"q8_0": "q8_0r", "q4_0": "q4_0r", "mxfp4": "mxfp4r"}
+# Repacked formats whose rows are padded with zero bytes to a multiple of this many bytes.
+ROW_ALIGN = {"mxfp4r": 16}
+# Bytes of one block's scale in the GGUF block (first) and in the repacked row's tail.
+SCALE_BYTES = {"q8_0": 2, "q4_0": 2, "mxfp4": 1}
 
 
 def format_family(fmt: str) -> str:
-    """'float', 'block' (GGUF q8_0 / q4_0: byte loads) or 'packed' (q8_0r / q4_0r: wide loads):
+    """'float', 'block' (GGUF blocks: byte loads) or 'packed' (REPACKED's values: wide loads):
     what the launch configs of the generic kernels are keyed by."""
     if fmt in REPACKED.values():
         return "packed"
@@ -71,7 +79,8 @@ def row_bytes(fmt: str, n_embd: int) -> int:
         elems, size = BLOCKS[fmt]
         if n_embd % elems:
             raise ValueError(f"{fmt} rows need n_embd % {elems} == 0, got n_embd={n_embd}")
-        return n_embd // elems * size
+        align = ROW_ALIGN.get(fmt, 1)
+        return -(-n_embd // elems * size // align) * align
     raise ValueError(f"unknown expert weight format {fmt!r}; expected one of {sorted(FMT_CODES)}")
 
 
@@ -182,26 +191,39 @@ def _quantize_mxfp4(blk: torch.Tensor) -> torch.Tensor:
 
 
 def repack_rows(data: torch.Tensor, fmt: str) -> torch.Tensor:
-    """GGUF rows `[..., row_bytes]` of `fmt` (q8_0, q4_0) -> the same bytes in REPACKED[fmt]'s
-    layout [quants of the row][f16 scales of the row]; pure byte moves (no rounding)."""
+    """GGUF rows `[..., row_bytes]` of `fmt` (q8_0, q4_0, mxfp4) -> the same bytes in
+    REPACKED[fmt]'s layout [quants of the row][scales of the row][zero padding to ROW_ALIGN];
+    pure byte moves (no rounding)."""
     if fmt not in REPACKED:
         raise ValueError(f"only {sorted(REPACKED)} are repacked, got {fmt!r}")
     elems, size = BLOCKS[fmt]
     rb = data.shape[-1]
     if data.dtype != torch.uint8 or rb % size:
         raise ValueError(f"{fmt} rows must be uint8 [..., k * {size}], got {data.dtype} {rb}")
+    sb = SCALE_BYTES[fmt]
     blocks = data.reshape(-1, rb // size, size)  # [rows, blocks per row, size]
-    quants = blocks[:, :, 2:].reshape(blocks.shape[0], -1)  # [rows, nb * (size - 2)]
-    scales = blocks[:, :, :2].reshape(blocks.shape[0], -1)  # [rows, nb * 2]
-    return torch.cat([quants, scales], dim=1).reshape(data.shape)
+    quants = blocks[:, :, sb:].reshape(blocks.shape[0], -1)  # [rows, nb * (size - sb)]
+    scales = blocks[:, :, :sb].reshape(blocks.shape[0], -1)  # [rows, nb * sb]
+    parts = [quants, scales]
+    out_rb = row_bytes(REPACKED[fmt], rb // size * elems)
+    if out_rb > rb:
+        parts.append(data.new_zeros(blocks.shape[0], out_rb - rb))
+    return torch.cat(parts, dim=1).reshape(*data.shape[:-1], out_rb)
 
 
 def _dequantize_repacked(data: torch.Tensor, fmt: str, n: int) -> torch.Tensor:
-    """Reference dequantizer of q8_0r / q4_0r rows `[..., row_bytes]` -> float32 `[..., n]`."""
+    """Reference dequantizer of q8_0r / q4_0r / mxfp4r rows `[..., row_bytes]` -> float32
+    `[..., n]`."""
     lead = data.shape[:-1]
     rows = data.reshape(-1, data.shape[-1])
     nq = n if fmt == "q8_0r" else n // 2  # quant bytes per row
-    d = rows[:, nq:].contiguous().view(torch.float16).float()  # [rows, n / 32]
+    if fmt == "mxfp4r":
+        values = torch.tensor(E2M1_X2, dtype=torch.float32, device=data.device)
+        qs = rows[:, :nq].reshape(rows.shape[0], -1, 16).long()  # [rows, n / 32, 16]
+        q = torch.cat([values[qs & 0xF], values[qs >> 4]], dim=2)  # [rows, n / 32, 32]
+        d = _e8m0_half(rows[:, nq : nq + n // 32])[:, :, None]
+        return (q * d).reshape(*lead, n)
+    d = rows[:, nq : nq + n // 16].contiguous().view(torch.float16).float()  # [rows, n / 32]
     d = d.repeat_interleave(32, dim=1)  # [rows, n]: each block's scale on its 32 elements
     if fmt == "q8_0r":
         q = rows[:, :nq].contiguous().view(torch.int8).float()

@@ -4,7 +4,8 @@ A "row" is one gate, up or down^T row of `ffn_gud_exps` (docs/gguf-layout.md), n
 elements along the hidden dimension. `row_off` locates each row of a tile of BLOCK_N rows:
 an element offset for float formats (FMT 0: f32/f16/bf16, the pointer is typed) or a byte offset
 for block formats (FMT 1: Q8_0, 34-byte blocks; FMT 2: Q4_0, 18-byte blocks; FMT 6: MXFP4,
-17-byte blocks, read through Q4_0's code path; FMT 7 / 9: Q5_0 / Q5_1 and 11 / 13 / 15: Q4_K /
+17-byte blocks, read through Q4_0's code path; FMT 3 / 4 / 8: the repacked q8_0r / q4_0r /
+mxfp4r rows (kernels.expert_formats); FMT 7 / 9: Q5_0 / Q5_1 and 11 / 13 / 15: Q4_K /
 Q5_K / Q6_K, read through Q8_0's code path per block of 32; uint8 pointer).
 Rows are never dequantized to memory: each helper loads raw bytes and works in fp32 registers.
 
@@ -207,12 +208,32 @@ def e2m1_x2(code):
 
 
 @triton.jit
+def e2m1_x2_bits(code):
+    """e2m1_x2 of uint32 codes built as float bits (no int-to-float conversion, which runs at a
+    quarter of the FMA rate): magnitude m = code & 7 is 0 or 1.0 for m < 2, else the float
+    with exponent m // 2 and mantissa bit m & 1, i.e. bits (m << 22) + 1.0's; sign: bit 3."""
+    m = code & 7
+    mag = tl.where(m < 2, m * 0x3F800000, (m << 22) + 0x3F800000)
+    return (mag | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def q4_blocks(w_ptr, row_off, m, h0, H, FMT: tl.constexpr, NB: tl.constexpr):
     """(d [BLOCK_N, NB] fp32, lo, hi [BLOCK_N, NB, 16] fp32 quants - 8 of elements 0..15 and
     16..31) of the Q4_0 blocks covering [h0, h0 + 32 * NB) of each row; m as in q8_blocks.
-    MXFP4 (FMT 6) the same way: lo, hi its doubled e2m1 values, d = 2^(e - 128)."""
+    MXFP4 (FMT 6) and mxfp4r (FMT 8) the same way: lo, hi their doubled e2m1 values,
+    d = 2^(e - 128)."""
     k = tl.arange(0, 16)
-    if FMT == 6:  # GGUF MXFP4: block b at byte 17 b = uint8 e (E8M0), uint8 qs[16]
+    if FMT == 8:  # mxfp4r: block b's 16 nibble bytes at byte 16 b, its E8M0 at byte H / 2 + b
+        hb = h0 + tl.arange(0, NB) * 32
+        row = w_ptr + row_off[:, None]
+        qp = row[:, :, None] + (hb // 2)[None, :, None] + k[None, None, :]
+        qs = tl.load(qp, mask=m[:, :, None], other=0).to(tl.uint32)
+        lo = e2m1_x2_bits(qs & 15)
+        hi = e2m1_x2_bits(qs >> 4)
+        e = tl.load(row + H // 2 + (hb // 32)[None, :], mask=m, other=0).to(tl.int32)
+        d = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+    elif FMT == 6:  # GGUF MXFP4: block b at byte 17 b = uint8 e (E8M0), uint8 qs[16]
         b = h0 // 32 + tl.arange(0, NB)
         blk = w_ptr + row_off[:, None] + b[None, :] * 17
         e = tl.load(blk, mask=m, other=0).to(tl.int32)

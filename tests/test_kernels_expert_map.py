@@ -23,7 +23,7 @@ from pyruntime.kernels.testing import (
     rtol_for,
 )
 
-FORMATS = ["f32", "f16", "bf16", "q8_0", "q4_0", "q8_0r", "q4_0r"]
+FORMATS = ["f32", "f16", "bf16", "q8_0", "q4_0", "q8_0r", "q4_0r", "mxfp4r"]
 GENERIC_DENSE = [p for p in DENSE_PATHS if p not in Q8R_PATHS]
 GENERIC_SPARSE = [p for p in SPARSE_PATHS if p not in Q8R_PATHS]
 # experts on "this device" in the first map, in slot order (a permutation); the rest in the other

@@ -18,7 +18,7 @@ from pyruntime.kernels.testing import (
 
 # the 5-bit and K-quant formats (llama.cpp Q4_K_M / Q5_K_M / Q6_K files)
 NEW_FORMATS = ["q5_0", "q5_1", "q4_k", "q5_k", "q6_k"]
-FORMATS = ["f32", "f16", "bf16", "q8_0", "q4_0", "q8_0r", "q4_0r", "mxfp4", *NEW_FORMATS]
+FORMATS = ["f32", "f16", "bf16", "q8_0", "q4_0", "q8_0r", "q4_0r", "mxfp4", "mxfp4r", *NEW_FORMATS]
 
 
 @pytest.mark.parametrize("path", ["gemv", "gemm"])
@@ -42,7 +42,7 @@ def test_moe_dense_gelu(fmt, path):
 
 @pytest.mark.parametrize("mapped", [False, True])
 @pytest.mark.parametrize("path", ["gemv", "gemm", "auto"])
-@pytest.mark.parametrize("fmt", ["f32", "bf16", "q8_0", "q8_0r", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "q8_0", "q8_0r", "mxfp4", "mxfp4r"])
 def test_moe_dense_biased_swiglu_oai(fmt, path, mapped):
     """gpt-oss's experts: gate/up biases inside the kernels, the down bias after them, the
     clamped SwiGLU; biases by global expert id, also through an expert map (w a cache of two
@@ -73,7 +73,7 @@ def test_biases_and_swiglu_oai_need_the_generic_kernels():
 
 
 @pytest.mark.parametrize("acc2d", [False, True])
-@pytest.mark.parametrize("fmt", ["bf16", "q8_0", "q8_0r", "q4_0r", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["bf16", "q8_0", "q8_0r", "q4_0r", "mxfp4", "mxfp4r"])
 def test_moe_dense_small_blocks_decode(fmt, acc2d):
     """Several neuron tiles and H chunks per program (the GPU block sizes, not the big ones),
     with per-chunk reductions or elementwise accumulation (ACC2D)."""

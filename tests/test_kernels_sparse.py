@@ -29,7 +29,7 @@ from pyruntime.kernels.testing import (
     spy_tokens,
 )
 
-FORMATS = ["f16", "bf16", "q8_0", "q4_0", "q8_0r", "q4_0r", "mxfp4"]
+FORMATS = ["f16", "bf16", "q8_0", "q4_0", "q8_0r", "q4_0r", "mxfp4", "mxfp4r"]
 # The 5-bit and K-quant formats (llama.cpp's Q4_K_M / Q5_K_M / Q6_K files) read through the Q8_0
 # family's block path (kernels.expert_rows.q8_blocks): each in the gate and up-down kernels, two
 # of them (an offset format, a K-quant) in every sparse path; moe_dense's tests take all five.
@@ -256,7 +256,7 @@ def test_moe_sparse_takes_the_sparse2_kernel_at_one_token(n_tok, monkeypatch):
 
 
 @pytest.mark.parametrize("n_tok", [1, 17])
-@pytest.mark.parametrize("fmt", ["bf16", "q8_0r", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["bf16", "q8_0r", "mxfp4", "mxfp4r"])
 def test_moe_sparse_biased_swiglu_oai(fmt, n_tok):
     """gpt-oss's experts on the "fused" sparse path ("auto" takes it for biased layers): the
     threshold applies to |act(gate + gate bias)|; kept neurons and y as the reference."""

@@ -23,6 +23,7 @@ from pyruntime.cpu.core import CpuCore
 from pyruntime.errors import DeviceMemoryError, PyruntimeWarning, UsageError
 from pyruntime.gguf.file import open_gguf
 from pyruntime.gpu.executor import GpuExecutor
+from pyruntime.kernels.expert_formats import row_bytes
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.executor import RoutingTrace
 from pyruntime.model.weights import HostWeights
@@ -197,6 +198,23 @@ def test_q8_0_experts_are_repacked_into_slots(tmp_path_factory, core):
     on_cpu = logprobs(hybrid(model, core, 0, "cpu"), ids)
     assert max_err(on_cpu, want) <= 2e-2
     assert torch.equal(on_cpu.argmax(-1), want.argmax(-1))
+
+
+def test_mxfp4_experts_are_repacked_into_slots(tmp_path_factory, core):
+    """gpt-oss's MXFP4 experts are staged as GGUF blocks and repacked on the device into mxfp4r
+    slots (rows padded to 16 bytes): the resident model's logits (which read mxfp4r too), bit
+    for bit under the interpreter, with the experts' biases and the clamped SwiGLU."""
+    model = tiny(tmp_path_factory, "gptoss", "mxfp4")
+    _, cfg, host = model
+    ids = ids_of(cfg, N_PROMPT + N_DECODE, seed=3)
+    whole = GpuExecutor(cfg, host, DEVICE)
+    assert {b.experts_fmt for b in whole.weights.blocks if b.experts is not None} == {"mxfp4r"}
+    want = logprobs(whole, ids)
+    staged = hybrid(model, core, 5, "stage")
+    assert staged.slots.format == "mxfp4r"
+    assert staged.slots.tensor.shape[-1] == row_bytes("mxfp4r", cfg.n_embd)
+    assert max_err(logprobs(staged, ids), want) <= SAME_KERNELS_TOL
+    assert staged.offload.staged > 0
 
 
 def test_a_prefill_stages_in_rounds_when_its_experts_outnumber_the_slots(olmoe, core, whole):

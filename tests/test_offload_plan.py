@@ -18,6 +18,7 @@ from pyruntime.converter import convert
 from pyruntime.errors import DeviceMemoryError, PyruntimeWarning, UsageError
 from pyruntime.gguf.file import open_gguf
 from pyruntime.gpu.weights import dense_dtype_for
+from pyruntime.kernels.expert_formats import row_bytes
 from pyruntime.model.config import ModelConfig
 from pyruntime.offload.plan import (
     DeviceBytes,
@@ -49,6 +50,22 @@ def test_device_bytes_by_part(q8):
     assert need.kv == cfg.n_layer * 2 * cfg.n_head_kv * 100 * cfg.head_dim * 2  # bf16
     assert need.whole == need.fixed + need.experts
     assert device_bytes(f, cfg, 200).kv == 2 * need.kv
+
+
+def test_mxfp4_experts_count_their_padded_device_rows(tmp_path):
+    """MXFP4 experts take the device as mxfp4r, rows padded to 16 bytes: the slots and the
+    whole model count those bytes, not the GGUF's; and they are staged (a repack buffer)."""
+    hf = make_tiny_hf_model("gptoss", tmp_path / "hf", tie_word_embeddings=True)
+    f = open_gguf(convert(hf, tmp_path / "m.gguf", "mxfp4", progress=False))
+    cfg = ModelConfig.from_gguf(f)
+    need = device_bytes(f, cfg, 100)
+    experts = [t for t in f.tensors.values() if t.name.endswith("ffn_gud_exps.weight")]
+    n_ff = experts[0].n_bytes // experts[0].shape[0] // 3 // row_bytes("mxfp4", cfg.n_embd)
+    assert need.expert_format == "mxfp4" and row_bytes("mxfp4r", cfg.n_embd) % 16 == 0
+    assert need.expert_bytes == n_ff * 3 * row_bytes("mxfp4r", cfg.n_embd)
+    assert need.expert_bytes > experts[0].n_bytes // experts[0].shape[0]  # padded rows
+    assert need.experts == need.expert_bytes * need.n_experts
+    assert plan_budget(need, need.fixed + 4 * need.expert_bytes, 64).staging_buffer == 2
 
 
 @pytest.mark.parametrize("qtype", list(GGMLQuantizationType)[:12])

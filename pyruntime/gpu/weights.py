@@ -291,7 +291,8 @@ def _mla(w: MLAWeights, cfg: ModelConfig, device: torch.device, dtype: torch.dty
 
 
 def slot_format(store: ExpertStore) -> str:
-    """The format a layer's experts take on the device (upload_experts): q8_0 / q4_0 repacked."""
+    """The format a layer's experts take on the device (upload_experts): q8_0 / q4_0 / mxfp4
+    repacked (kernels.expert_formats.REPACKED)."""
     fmt = _format(store.name, store.qtype)
     return REPACKED.get(fmt, fmt)
 

@@ -20,6 +20,7 @@ from gguf import GGMLQuantizationType
 from pyruntime.errors import DeviceMemoryError
 from pyruntime.gguf.file import GGUFFile
 from pyruntime.gguf.quant import FORMAT_NAMES
+from pyruntime.kernels.expert_formats import REPACKED, row_bytes
 from pyruntime.model.config import ModelConfig
 
 Q = GGMLQuantizationType
@@ -29,7 +30,7 @@ EXPERTS_SUFFIX = "ffn_gud_exps.weight"
 WORK_BYTES = 256 << 20
 # GGUF block formats the kernels read repacked (kernels.expert_formats.REPACKED): staged through
 # a device buffer and repacked there, so they need that buffer beside the slots.
-REPACKED_FORMATS = ("q8_0", "q4_0")
+REPACKED_FORMATS = tuple(REPACKED)
 
 
 def gib(n: float) -> str:
@@ -78,10 +79,10 @@ def device_bytes(f: GGUFFile, cfg: ModelConfig, n_ctx: int) -> DeviceBytes:
     fmt = ""
     for t in f.tensors.values():
         if t.name.endswith(EXPERTS_SUFFIX):
-            experts += t.n_bytes  # kept in the GGUF format
-            n_experts += t.shape[0]
-            expert_bytes = t.n_bytes // t.shape[0]
             fmt = FORMAT_NAMES.get(t.qtype, t.qtype.name.lower())
+            expert_bytes = _device_expert_bytes(t.n_bytes // t.shape[0], fmt, cfg.n_embd)
+            experts += expert_bytes * t.shape[0]
+            n_experts += t.shape[0]
             continue
         biggest = max(biggest, t.n_elements)
         if t.qtype == Q.Q8_0 and t.data.ndim > 1:
@@ -104,6 +105,15 @@ def device_bytes(f: GGUFFile, cfg: ModelConfig, n_ctx: int) -> DeviceBytes:
         expert_bytes=expert_bytes, n_experts=n_experts, expert_format=fmt,
         n_expert_used=cfg.n_expert_used,
     )  # fmt: skip
+
+
+def _device_expert_bytes(gguf_bytes: int, fmt: str, n_embd: int) -> int:
+    """One expert's bytes on the device: its GGUF bytes, or its repacked rows' (mxfp4r pads
+    each row to 16 bytes: kernels.expert_formats.ROW_ALIGN)."""
+    if fmt not in REPACKED:
+        return gguf_bytes
+    rows = gguf_bytes // row_bytes(fmt, n_embd)
+    return rows * row_bytes(REPACKED[fmt], n_embd)
 
 
 @dataclass(frozen=True)

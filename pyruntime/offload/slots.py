@@ -2,9 +2,10 @@
 in the format the expert kernels read, and the copies that fill them.
 
 tensor: [n_slots, n_ff, 3, n_embd] of the float dtype for f32/f16/bf16 experts, or uint8
-[n_slots, n_ff, 3, row_bytes] of q8_0r / q4_0r for Q8_0 / Q4_0 experts (kernels.expert_formats;
-the same bytes per expert as the GGUF's). An expert map (expert id -> slot, -1 = not here) makes
-kernels.dispatch.moe_experts compute a layer's experts from it.
+[n_slots, n_ff, 3, row_bytes] of q8_0r / q4_0r / mxfp4r for Q8_0 / Q4_0 / MXFP4 experts
+(kernels.expert_formats; the same bytes per expert as the GGUF's, mxfp4r's rows padded to 16).
+An expert map (expert id -> slot, -1 = not here) makes kernels.dispatch.moe_experts compute a
+layer's experts from it.
 
 `fill` copies a batch of experts into slots on the copy stream: float experts straight into
 their slots; GGUF blocks into a device staging buffer first (a ring of two halves), repacked
@@ -33,17 +34,18 @@ class ExpertSlots:
                  device: torch.device, streams: DeviceStreams,
                  staging_buffer: int = 8) -> None:  # fmt: skip
         """gguf_format: the experts' kernel format name in the GGUF (f32, f16, bf16, q8_0,
-        q4_0); staging_buffer: experts per repack batch (block formats only)."""
+        q4_0, mxfp4); staging_buffer: experts per repack batch (block formats only)."""
         self.n_slots = n_slots
         self.gguf_format = gguf_format
         self.format = REPACKED.get(gguf_format, gguf_format)
-        self.expert_bytes = n_ff * 3 * row_bytes(gguf_format, n_embd)
+        self.expert_bytes = n_ff * 3 * row_bytes(gguf_format, n_embd)  # one GGUF expert
         self.streams = streams
         dtype = FLOAT_DTYPES.get(gguf_format, torch.uint8)
-        last = n_embd if gguf_format in FLOAT_DTYPES else row_bytes(gguf_format, n_embd)
+        last = n_embd if gguf_format in FLOAT_DTYPES else row_bytes(self.format, n_embd)
         self.tensor = torch.empty((n_slots, n_ff, 3, last), dtype=dtype, device=device)
-        self._flat = self.tensor.view(torch.uint8).view(n_slots, self.expert_bytes)
-        self._shape = (n_ff, 3, last)
+        # float slots take the GGUF bytes as they are (their bytes == expert_bytes)
+        self._flat = self.tensor.view(torch.uint8).view(n_slots, n_ff * 3 * last * dtype.itemsize)
+        self._shape = (n_ff, 3, row_bytes(gguf_format, n_embd))  # a staged GGUF expert
         # GGUF blocks to repack: two halves of staging_buffer experts [rows, expert_bytes] uint8
         # (one when there is room for one expert only), each free again after its repack
         self._ring: list[torch.Tensor] = []
