@@ -22,8 +22,8 @@ typedef struct {
     float *att;                 /* [n_head*hd] attention output, o's input */
     pyrt_xq8 *att_q;            /* [n_head*hd / 32] Q8 blocks of att for a fused o projection
                                    (the q/k/v input's blocks are still read meanwhile) */
-    float *scores;              /* [n_head, scores_cap] attention probabilities */
-    size_t scores_cap;          /* positions per head in scores */
+    float *scores;              /* [n_head, scores_cap] each head's tile scratch (attn_tile.h) */
+    size_t scores_cap;          /* floats per head in scores */
     float *rope_cs;             /* [rope_dim]: (cos, sin) of rope_pos * inv_freq[i] */
     int rope_pos;               /* the position rope_cs holds (-1: none yet) */
     atomic_int *rows_done;      /* [n_head + 2 n_kv] fused: rows of each q head, then k head,
@@ -38,8 +38,8 @@ typedef struct {
 int pyrt_attention_init(pyrt_attention *a, const pyrt_model_weights *w, const char *fn);
 void pyrt_attention_free(pyrt_attention *a);
 
-/* Ready for a token at position pos of caches of cap positions: room for the scores, the RoPE
- * table of pos. PYRT_E_NOMEM with a message naming fn. */
+/* Ready for a token at position pos of caches of cap positions: the RoPE table of pos (the
+ * heads' scratch is fixed at init: it does not grow with cap). PYRT_OK. */
 int pyrt_attention_prepare(pyrt_attention *a, int pos, int cap, const char *fn);
 
 /* One layer's weights and KV cache for this token. */
@@ -72,7 +72,6 @@ void pyrt_attention_run(pyrt_attention *a, pyrt_pool *pool, const pyrt_attn_laye
 typedef struct {
     pyrt_attention *a;
     pyrt_pool *pool;
-    const pyrt_row_ops *f32; /* the pool's F32 kernels (scores, weighted sum of V) */
     pyrt_attn_layer l;
     pyrt_mv_job *qkv;        /* prepared over the input; its on_rows publishes rows per head */
     pyrt_mv_job *o;          /* over att (x: att, xq: att_q), prepared; y its output */

@@ -1,0 +1,37 @@
+/* Attention of a tile of query rows over one kv head's cached keys and values, flash-style: the
+ * keys in blocks of PYRT_ATTN_KB positions, each block read once for all the tile's rows, an
+ * online softmax per row (running max m, denominator l, output o rescaled by exp(m_old - m_new)
+ * when m grows), so the scratch is fixed (no row of scores as long as the cache).
+ *
+ * Row r of the tile: o_r = softmax(q_r k^T * scale) v over positions [lo_r, pos_r] (lo_r =
+ * pos_r + 1 - window on a sliding-window layer, else 0); with a sink s, exp(s) joins the
+ * softmax's denominator (the online state starts at m = s, l = 1). Same math as a step's
+ * attend_head (attention.c) in another order of the f32 sums (~1e-7 relative). */
+#ifndef PYRT_ATTN_TILE_H
+#define PYRT_ATTN_TILE_H
+
+#include <stddef.h>
+
+#define PYRT_ATTN_ROWS 16 /* query rows a tile holds at most */
+#define PYRT_ATTN_KB 64   /* key positions per block */
+
+typedef struct {
+    const float *q[PYRT_ATTN_ROWS]; /* row r's query [hd] */
+    float *out[PYRT_ATTN_ROWS];     /* row r's output [hd] */
+    int pos[PYRT_ATTN_ROWS];        /* row r's position (its last key) */
+    int n_rows;
+    const float *k, *v; /* the kv head's cache: position p's key at k + p * hd */
+    int hd, window;     /* window 0: every earlier position */
+    float scale;
+    int has_sink;
+    float sink[PYRT_ATTN_ROWS]; /* row r's query head's sink logit, when has_sink */
+    float *scratch;    /* pyrt_attn_scratch_floats(hd) floats, the calling thread's own */
+} pyrt_attn_tile;
+
+/* Floats of scratch one thread needs for head_dim hd. */
+size_t pyrt_attn_scratch_floats(int hd);
+
+/* The tile's rows, with the active SIMD level's kernel (attn_tile.c). */
+void pyrt_attn_tile_run(const pyrt_attn_tile *t);
+
+#endif /* PYRT_ATTN_TILE_H */
