@@ -22,14 +22,49 @@ ATT_TARGET static inline ATT(vf) ATT(splat)(float x) {
     return v + x;
 }
 
-/* Sum of the lanes, pairwise. */
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define ATT_SHUFFLE 1
+#endif
+#endif
+#ifndef ATT_SHUFFLE
+#define ATT_SHUFFLE 0
+#endif
+
+typedef float ATT(v4) __attribute__((vector_size(16)));
+typedef float ATT(v8) __attribute__((vector_size(32)));
+
+/* Sum of the lanes, pairwise by halves (lane i + lane i + W/2, ...): in registers, and the same
+ * order for every row whatever its tile. */
 ATT_TARGET static inline float ATT(hsum)(ATT(vf) v) {
-    float t[ATT_W];
-    memcpy(t, &v, sizeof v);
-    for (int w = ATT_W / 2; w > 0; w /= 2)
-        for (int i = 0; i < w; i++)
-            t[i] += t[i + w];
-    return t[0];
+#if ATT_SHUFFLE && ATT_W == 16
+    const ATT(v8) h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                      __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const ATT(v4) s = __builtin_shufflevector(h, h, 0, 1, 2, 3) +
+                      __builtin_shufflevector(h, h, 4, 5, 6, 7);
+#elif ATT_SHUFFLE && ATT_W == 8
+    const ATT(v4) s = __builtin_shufflevector(v, v, 0, 1, 2, 3) +
+                      __builtin_shufflevector(v, v, 4, 5, 6, 7);
+#elif ATT_W == 16
+    const union {
+        ATT(vf) v;
+        ATT(v8) h[2];
+    } a = {v};
+    const union {
+        ATT(v8) v;
+        ATT(v4) h[2];
+    } b = {a.h[0] + a.h[1]};
+    const ATT(v4) s = b.h[0] + b.h[1];
+#elif ATT_W == 8
+    const union {
+        ATT(vf) v;
+        ATT(v4) h[2];
+    } b = {v};
+    const ATT(v4) s = b.h[0] + b.h[1];
+#else
+    const ATT(v4) s = v;
+#endif
+    return (s[0] + s[2]) + (s[1] + s[3]);
 }
 
 ATT_TARGET static inline float ATT(hmax)(ATT(vf) v) {
@@ -77,24 +112,34 @@ ATT_TARGET static inline void ATT(prefetch)(const pyrt_attn_tile *t, int j0, int
     }
 }
 
-/* s[r][j] = (q_r . k_{j0+j}) * scale for the rows r0 .. r0+NR-1 and nb keys. */
+/* s[r][j] = (q_r . k_{j0+j}) * scale for the rows r0 .. r0+NR-1 and nb keys, two keys per pass
+ * (each q chunk loaded once for both; 2 NR independent sums). */
 #define ATT_QK(NR)                                                                                \
-    for (int j = 0; j < nb; j++) {                                                                \
-        const float *kj = t->k + (size_t)(j0 + j) * hd;                                          \
-        ATT(vf) acc[NR];                                                                          \
+    for (int j = 0; j < nb; j += 2) {                                                             \
+        const int two = j + 1 < nb;                                                               \
+        const float *k0 = t->k + (size_t)(j0 + j) * hd, *k1 = two ? k0 + hd : k0;                \
+        ATT(vf) acc0[NR], acc1[NR];                                                               \
         for (int i = 0; i < NR; i++)                                                              \
-            acc[i] = ATT(splat)(0.0f);                                                            \
+            acc0[i] = acc1[i] = ATT(splat)(0.0f);                                                 \
         int c = 0;                                                                                \
         for (; c + ATT_W <= hd; c += ATT_W) {                                                     \
-            const ATT(vf) kv = ATT(ld)(kj + c);                                                   \
-            for (int i = 0; i < NR; i++)                                                          \
-                acc[i] += ATT(ld)(t->q[r0 + i] + c) * kv;                                         \
+            const ATT(vf) ka = ATT(ld)(k0 + c), kb = ATT(ld)(k1 + c);                             \
+            for (int i = 0; i < NR; i++) {                                                        \
+                const ATT(vf) qv = ATT(ld)(t->q[r0 + i] + c);                                     \
+                acc0[i] += qv * ka;                                                               \
+                acc1[i] += qv * kb;                                                               \
+            }                                                                                     \
         }                                                                                         \
         for (int i = 0; i < NR; i++) {                                                            \
-            float x = ATT(hsum)(acc[i]);                                                          \
-            for (int e = c; e < hd; e++)                                                          \
-                x += t->q[r0 + i][e] * kj[e];                                                     \
-            s[(size_t)(r0 + i) * PYRT_ATTN_KB + j] = x * t->scale;                                \
+            float x0 = ATT(hsum)(acc0[i]), x1 = ATT(hsum)(acc1[i]);                               \
+            for (int e = c; e < hd; e++) {                                                        \
+                x0 += t->q[r0 + i][e] * k0[e];                                                    \
+                x1 += t->q[r0 + i][e] * k1[e];                                                    \
+            }                                                                                     \
+            float *sr = s + (size_t)(r0 + i) * PYRT_ATTN_KB + j;                                  \
+            sr[0] = x0 * t->scale;                                                                \
+            if (two)                                                                              \
+                sr[1] = x1 * t->scale;                                                            \
         }                                                                                         \
     }
 
@@ -153,10 +198,9 @@ ATT_TARGET static void ATT(attn_tile)(const pyrt_attn_tile *t) {
         for (int r = 0; r < n; r++) {
             float *sr = s + (size_t)r * PYRT_ATTN_KB;
             const int a = lo[r] - j0, b = t->pos[r] + 1 - j0; /* row r's keys: [a, b) */
-            for (int j = 0; j < nb; j++)
-                if (j < a || j >= b)
-                    sr[j] = -INFINITY;
-            for (int j = nb; j < PYRT_ATTN_KB; j++)
+            for (int j = 0; j < a && j < nb; j++)
+                sr[j] = -INFINITY;
+            for (int j = b > 0 ? b : 0; j < PYRT_ATTN_KB; j++) /* past the row's position */
                 sr[j] = -INFINITY;
             ATT(vf) mx = ATT(ld)(sr);
             for (int j = ATT_W; j < PYRT_ATTN_KB; j += ATT_W) {
@@ -198,4 +242,5 @@ ATT_TARGET static void ATT(attn_tile)(const pyrt_attn_tile *t) {
 }
 
 #undef ATT_QK
+#undef ATT_SHUFFLE
 #undef ATT_PV
