@@ -36,12 +36,9 @@ int pyrt_attention_init(pyrt_attention *a, const pyrt_model_weights *w, const ch
     a->att = malloc((size_t)nq * f);
     a->att_q = malloc(((size_t)nq / PYRT_QK + 1) * sizeof(pyrt_xq8));
     a->rope_cs = malloc(((size_t)w->rope_dim + 1) * f);
-    a->scores_cap = pyrt_attn_scratch_floats(w->head_dim);
-    a->scores = malloc((size_t)w->n_head * a->scores_cap * f);
     a->rows_done = malloc(((size_t)w->n_head + 2 * (size_t)w->n_head_kv) * sizeof(atomic_int));
     a->kv_ready = malloc((size_t)w->n_head_kv * sizeof(atomic_int));
-    if (!a->q || !a->k || !a->v || !a->att || !a->att_q || !a->rope_cs || !a->scores ||
-        !a->rows_done ||
+    if (!a->q || !a->k || !a->v || !a->att || !a->att_q || !a->rope_cs || !a->rows_done ||
         !a->kv_ready) {
         pyrt_attention_free(a);
         return pyrt_fail(PYRT_E_NOMEM, "%s: out of memory", fn);
@@ -63,8 +60,15 @@ void pyrt_attention_free(pyrt_attention *a) {
 }
 
 int pyrt_attention_prepare(pyrt_attention *a, int pos, int cap, const char *fn) {
-    (void)cap;
-    (void)fn;
+    /* per head: a tile's scratch, then its stream scores over cap positions */
+    const size_t need = pyrt_attn_scratch_floats(a->head_dim) + pyrt_attn_stream_floats(cap);
+    if (a->scores_cap < need) {
+        float *s = realloc(a->scores, (size_t)a->n_head * need * sizeof(float));
+        if (s == NULL)
+            return pyrt_fail(PYRT_E_NOMEM, "%s: cannot allocate attention scores", fn);
+        a->scores = s;
+        a->scores_cap = need;
+    }
     /* RoPE table of this position: (cos, sin) of pos * inv_freq[i], pos * inv_freq in f32 as in
      * rope_tables (reference.py). */
     if (a->rope_pos != pos) {
@@ -99,8 +103,9 @@ int pyrt_attention_fusable(const pyrt_attention *a, const pyrt_block_weights *b)
 /* ---- the heads ------------------------------------------------------------------------------
  * Query head h over the cached positions (the window's on a sliding-window layer) as a tile of
  * one row (attn_tile.h): the prefill's kernel, so a step and a prefill give a query the same
- * bits; the tile fetches each key block's keys and values ahead (the cache has left every cache
- * since the previous step: a step streams the weights). */
+ * bits. With room for all its scores the row streams its keys first, fetched ahead into L1 and
+ * their values into L2 (the cache has left every cache since the previous step: a step streams
+ * the weights), then the values. */
 static void attend_head(const pyrt_attn_task *t, int h) {
     const pyrt_attention *a = t->a;
     const pyrt_block_weights *b = t->l.b;
@@ -112,7 +117,9 @@ static void attend_head(const pyrt_attn_task *t, int h) {
                            .hd = hd, .window = b->window, .scale = a->scale,
                            .has_sink = b->sinks.data != NULL,
                            .sink = {b->sinks.data != NULL ? b->sinks.data[h] : 0.0f},
-                           .scratch = a->scores + (size_t)h * a->scores_cap};
+                           .scratch = a->scores + (size_t)h * a->scores_cap,
+                           .stream = a->scores + (size_t)h * a->scores_cap +
+                                     pyrt_attn_scratch_floats(hd)};
     pyrt_attn_tile_run(&tile);
 }
 

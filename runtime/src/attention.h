@@ -22,7 +22,8 @@ typedef struct {
     float *att;                 /* [n_head*hd] attention output, o's input */
     pyrt_xq8 *att_q;            /* [n_head*hd / 32] Q8 blocks of att for a fused o projection
                                    (the q/k/v input's blocks are still read meanwhile) */
-    float *scores;              /* [n_head, scores_cap] each head's tile scratch (attn_tile.h) */
+    float *scores;              /* [n_head, scores_cap] each head's tile scratch and its scores
+                                   over the cache's positions (attn_tile.h) */
     size_t scores_cap;          /* floats per head in scores */
     float *rope_cs;             /* [rope_dim]: (cos, sin) of rope_pos * inv_freq[i] */
     int rope_pos;               /* the position rope_cs holds (-1: none yet) */
@@ -38,8 +39,8 @@ typedef struct {
 int pyrt_attention_init(pyrt_attention *a, const pyrt_model_weights *w, const char *fn);
 void pyrt_attention_free(pyrt_attention *a);
 
-/* Ready for a token at position pos of caches of cap positions: the RoPE table of pos (the
- * heads' scratch is fixed at init: it does not grow with cap). PYRT_OK. */
+/* Ready for a token at position pos of caches of cap positions: room for the scores, the RoPE
+ * table of pos. PYRT_E_NOMEM with a message naming fn. */
 int pyrt_attention_prepare(pyrt_attention *a, int pos, int cap, const char *fn);
 
 /* One layer's weights and KV cache for this token. */

@@ -11,6 +11,10 @@ size_t pyrt_attn_scratch_floats(int hd) {
     return (size_t)PYRT_ATTN_ROWS * PYRT_ATTN_KB + (size_t)PYRT_ATTN_ROWS * (size_t)hd;
 }
 
+size_t pyrt_attn_stream_floats(int n_pos) {
+    return ((size_t)n_pos / PYRT_ATTN_KB + 2) * PYRT_ATTN_KB;
+}
+
 #define ATT_W 4
 #define ATT_TARGET
 #define ATT(name) name##_base

@@ -26,10 +26,16 @@ typedef struct {
     int has_sink;
     float sink[PYRT_ATTN_ROWS]; /* row r's query head's sink logit, when has_sink */
     float *scratch;    /* pyrt_attn_scratch_floats(hd) floats, the calling thread's own */
+    float *stream;     /* NULL, or for a tile of one row pyrt_attn_stream_floats(pos + 1) floats:
+                          its keys are then read in one pass before the values (same bits) */
 } pyrt_attn_tile;
 
 /* Floats of scratch one thread needs for head_dim hd. */
 size_t pyrt_attn_scratch_floats(int hd);
+
+/* Floats of a one-row tile's stream scores over n_pos positions (block-aligned, with a block of
+ * slack for the mask). */
+size_t pyrt_attn_stream_floats(int n_pos);
 
 /* The tile's rows, with the active SIMD level's kernel (attn_tile.c). */
 void pyrt_attn_tile_run(const pyrt_attn_tile *t);

@@ -96,19 +96,36 @@ ATT_TARGET static inline ATT(vf) ATT(vexp)(ATT(vf) x) {
     return (ATT(vf))(((ATT(vi))p + (n << 23)) & keep);
 }
 
-/* The keys and values of block [j0, j0 + KB) (up to position last) toward L2: a decode step's
- * cache has left every cache since the previous step, and the block's rows are read once each
- * per tile while the next is fetched. */
-ATT_TARGET static inline void ATT(prefetch)(const pyrt_attn_tile *t, int j0, int last) {
-    if (j0 > last)
+/* Positions [j, j + n) (up to position last) of the keys and values toward L2: a decode step's
+ * cache has left every cache since the previous step (a step streams the weights). The QK pass
+ * of a block's first rows fetches the next block's rows as it goes, KB positions ahead. */
+ATT_TARGET static inline void ATT(prefetch)(const pyrt_attn_tile *t, int j, int n, int last) {
+    if (j + n > last + 1)
+        n = last + 1 - j;
+    if (n <= 0)
         return;
-    const int nb = last + 1 - j0 < PYRT_ATTN_KB ? last + 1 - j0 : PYRT_ATTN_KB;
-    const size_t bytes = (size_t)nb * t->hd * sizeof(float);
-    const char *k = (const char *)(t->k + (size_t)j0 * t->hd);
-    const char *v = (const char *)(t->v + (size_t)j0 * t->hd);
+    const size_t bytes = (size_t)n * t->hd * sizeof(float);
+    const char *k = (const char *)(t->k + (size_t)j * t->hd);
+    const char *v = (const char *)(t->v + (size_t)j * t->hd);
     for (size_t off = 0; off < bytes; off += 64) {
         __builtin_prefetch(k + off, 0, 2);
         __builtin_prefetch(v + off, 0, 2);
+    }
+}
+
+/* One row streaming its keys (ATT(attn_tile)'s stream pass): keys 16 positions ahead into L1,
+ * the values of the same positions into L2 (the first 2,048: a longer context's would not fit). */
+ATT_TARGET static inline void ATT(prefetch_stream)(const pyrt_attn_tile *t, int j, int start,
+                                                   int last) {
+    j += 16;
+    const int n = last + 1 - j < 2 ? last + 1 - j : 2;
+    const size_t bytes = n > 0 ? (size_t)n * t->hd * sizeof(float) : 0;
+    const char *k = (const char *)(t->k + (size_t)j * t->hd);
+    const char *v = (const char *)(t->v + (size_t)j * t->hd);
+    for (size_t off = 0; off < bytes; off += 64) {
+        __builtin_prefetch(k + off, 0, 3);
+        if (j - start < 2048)
+            __builtin_prefetch(v + off, 0, 2);
     }
 }
 
@@ -117,6 +134,10 @@ ATT_TARGET static inline void ATT(prefetch)(const pyrt_attn_tile *t, int j0, int
 #define ATT_QK(NR)                                                                                \
     for (int j = 0; j < nb; j += 2) {                                                             \
         const int two = j + 1 < nb;                                                               \
+        if (stream)                                                                               \
+            ATT(prefetch_stream)(t, j0 + j, start, last);                                         \
+        else if (r0 == 0)                                                                         \
+            ATT(prefetch)(t, j0 + PYRT_ATTN_KB + j, 2, last);                                     \
         const float *k0 = t->k + (size_t)(j0 + j) * hd, *k1 = two ? k0 + hd : k0;                \
         ATT(vf) acc0[NR], acc1[NR];                                                               \
         for (int i = 0; i < NR; i++)                                                              \
@@ -136,7 +157,7 @@ ATT_TARGET static inline void ATT(prefetch)(const pyrt_attn_tile *t, int j0, int
                 x0 += t->q[r0 + i][e] * k0[e];                                                    \
                 x1 += t->q[r0 + i][e] * k1[e];                                                    \
             }                                                                                     \
-            float *sr = s + (size_t)(r0 + i) * PYRT_ATTN_KB + j;                                  \
+            float *sr = sb + (size_t)(r0 + i) * PYRT_ATTN_KB + j;                                 \
             sr[0] = x0 * t->scale;                                                                \
             if (two)                                                                              \
                 sr[1] = x1 * t->scale;                                                            \
@@ -154,7 +175,7 @@ ATT_TARGET static inline void ATT(prefetch)(const pyrt_attn_tile *t, int j0, int
             for (int j = 0; j < nb; j++) {                                                        \
                 const ATT(vf) vv = ATT(ld)(t->v + (size_t)(j0 + j) * hd + c);                     \
                 for (int i = 0; i < NR; i++)                                                      \
-                    acc[i] += s[(size_t)(r0 + i) * PYRT_ATTN_KB + j] * vv;                        \
+                    acc[i] += sb[(size_t)(r0 + i) * PYRT_ATTN_KB + j] * vv;                       \
             }                                                                                     \
             for (int i = 0; i < NR; i++)                                                          \
                 ATT(st)(o + (size_t)(r0 + i) * hd + c, acc[i]);                                   \
@@ -163,7 +184,7 @@ ATT_TARGET static inline void ATT(prefetch)(const pyrt_attn_tile *t, int j0, int
             for (int i = 0; i < NR; i++) {                                                        \
                 float x = o[(size_t)(r0 + i) * hd + c];                                           \
                 for (int j = 0; j < nb; j++)                                                      \
-                    x += s[(size_t)(r0 + i) * PYRT_ATTN_KB + j] * t->v[(size_t)(j0 + j) * hd + c]; \
+                    x += sb[(size_t)(r0 + i) * PYRT_ATTN_KB + j] * t->v[(size_t)(j0 + j) * hd + c]; \
                 o[(size_t)(r0 + i) * hd + c] = x;                                                 \
             }                                                                                     \
     }
@@ -171,6 +192,7 @@ ATT_TARGET static inline void ATT(prefetch)(const pyrt_attn_tile *t, int j0, int
 ATT_TARGET static void ATT(attn_tile)(const pyrt_attn_tile *t) {
     const int hd = t->hd, n = t->n_rows;
     float *s = t->scratch, *o = t->scratch + (size_t)PYRT_ATTN_ROWS * PYRT_ATTN_KB;
+    (void)s;
     float m[PYRT_ATTN_ROWS], l[PYRT_ATTN_ROWS];
     int lo[PYRT_ATTN_ROWS];
     int first = t->pos[0], last = t->pos[0];
@@ -185,18 +207,35 @@ ATT_TARGET static void ATT(attn_tile)(const pyrt_attn_tile *t) {
     }
     /* blocks at multiples of KB whatever the tile: a row's bits do not depend on its tile */
     const int start = first - first % PYRT_ATTN_KB;
-    ATT(prefetch)(t, start, last);
+    /* one row with room for all its scores: every block's QK first, a stream over the keys (a
+     * decode step's cache comes from DRAM), then the blocks' softmax and PV in the same order:
+     * the same operations as the tiled path */
+    const int stream = n == 1 && t->stream != NULL;
+    int r0 = 0;
+    if (stream) {
+        for (int j = start - 16; j < start; j += 2) /* the first 16 keys */
+            ATT(prefetch_stream)(t, j, start, last);
+        for (int j0 = start; j0 <= last; j0 += PYRT_ATTN_KB) {
+            const int nb = last + 1 - j0 < PYRT_ATTN_KB ? last + 1 - j0 : PYRT_ATTN_KB;
+            float *sb = t->stream + (j0 - start);
+            ATT_QK(1)
+        }
+    } else {
+        ATT(prefetch)(t, start, PYRT_ATTN_KB, last);
+    }
     for (int j0 = start; j0 <= last; j0 += PYRT_ATTN_KB) {
         const int nb = last + 1 - j0 < PYRT_ATTN_KB ? last + 1 - j0 : PYRT_ATTN_KB;
-        ATT(prefetch)(t, j0 + PYRT_ATTN_KB, last);
-        int r0 = 0;
-        for (; r0 + 4 <= n; r0 += 4)
-            ATT_QK(4)
-        for (; r0 < n; r0++)
-            ATT_QK(1)
-        /* the mask, the online softmax's update; s becomes the block's probabilities */
+        float *sb = stream ? t->stream + (j0 - start) : s;
+        r0 = 0;
+        if (!stream) {
+            for (; r0 + 4 <= n; r0 += 4)
+                ATT_QK(4)
+            for (; r0 < n; r0++)
+                ATT_QK(1)
+        }
+        /* the mask, the online softmax's update; sb becomes the block's probabilities */
         for (int r = 0; r < n; r++) {
-            float *sr = s + (size_t)r * PYRT_ATTN_KB;
+            float *sr = sb + (size_t)r * PYRT_ATTN_KB;
             const int a = lo[r] - j0, b = t->pos[r] + 1 - j0; /* row r's keys: [a, b) */
             for (int j = 0; j < a && j < nb; j++)
                 sr[j] = -INFINITY;

@@ -337,8 +337,8 @@ static void test_prefill_gpt_oss_pieces(tiny_model *t) {
 
 /* The attention tile kernel (attn_tile.h) at every SIMD level this CPU has: each row against a
  * plain f64 softmax over its positions (window, sink), head_dim with and without a vector tail,
- * positions across key blocks; and each row's bits the same alone as in a tile (a step and a
- * prefill give a query the same output). */
+ * positions across key blocks; and each row's bits the same alone (a decode step's one-row tile,
+ * its keys streamed first) as in a tile (a step and a prefill give a query the same output). */
 static float rnd(void) { return (float)(rng_u32() % 2001) / 1000.0f - 1.0f; }
 
 static void attn_reference(const pyrt_attn_tile *t, int r, double *out) {
@@ -372,7 +372,8 @@ static void test_attn_tile(void) {
     float *k = malloc(sizeof(float) * N_POS * MAX_HD), *v = malloc(sizeof(float) * N_POS * MAX_HD);
     float q[PYRT_ATTN_ROWS][MAX_HD], o[PYRT_ATTN_ROWS][MAX_HD], alone[MAX_HD];
     float *scratch = malloc(sizeof(float) * pyrt_attn_scratch_floats(MAX_HD));
-    CHECK(k && v && scratch, "attn tile: out of memory");
+    float *stream = malloc(sizeof(float) * pyrt_attn_stream_floats(N_POS));
+    CHECK(k && v && scratch && stream, "attn tile: out of memory");
     for (int i = 0; i < N_POS * MAX_HD; i++) {
         k[i] = rnd();
         v[i] = rnd();
@@ -404,8 +405,9 @@ static void test_attn_tile(void) {
                             err = fmax(err, fabs(o[r][c] - ref[c]));
                         CHECK(err <= 2e-6, "attn tile simd %d hd %d window %d sink %d row %d: "
                               "|d| %g", level, hd, window, sink, r, err);
-                        pyrt_attn_tile one = t;
+                        pyrt_attn_tile one = t; /* a decode step's: one row, streamed */
                         one.n_rows = 1;
+                        one.stream = stream;
                         one.q[0] = q[r];
                         one.out[0] = alone;
                         one.pos[0] = t.pos[r];
@@ -420,6 +422,7 @@ static void test_attn_tile(void) {
     free(k);
     free(v);
     free(scratch);
+    free(stream);
 }
 
 int main(void) {
