@@ -189,6 +189,34 @@ ATT_TARGET static inline void ATT(prefetch_stream)(const pyrt_attn_tile *t, int 
             }                                                                                     \
     }
 
+/* ATT_PV(1) row by row over the values (a decode step's row: its values stream from L2 or
+ * DRAM), up to 8 vectors of o in registers: per element of o the same sums in the same order. */
+#define ATT_PV_ROW                                                                                \
+    {                                                                                             \
+        const float *pr = sb + (size_t)r0 * PYRT_ATTN_KB;                                         \
+        float *orow = o + (size_t)r0 * hd;                                                        \
+        int c0 = 0;                                                                               \
+        for (; c0 + ATT_W <= hd; c0 += 8 * ATT_W) {                                               \
+            const int nv = (hd - c0) / ATT_W < 8 ? (hd - c0) / ATT_W : 8;                         \
+            ATT(vf) acc[8];                                                                       \
+            for (int u = 0; u < nv; u++)                                                          \
+                acc[u] = ATT(ld)(orow + c0 + u * ATT_W);                                          \
+            for (int j = 0; j < nb; j++) {                                                        \
+                const float *vj = t->v + (size_t)(j0 + j) * hd + c0;                              \
+                for (int u = 0; u < nv; u++)                                                      \
+                    acc[u] += pr[j] * ATT(ld)(vj + u * ATT_W);                                    \
+            }                                                                                     \
+            for (int u = 0; u < nv; u++)                                                          \
+                ATT(st)(orow + c0 + u * ATT_W, acc[u]);                                           \
+        }                                                                                         \
+        for (int c = hd - hd % ATT_W; c < hd; c++) {                                              \
+            float x = orow[c];                                                                    \
+            for (int j = 0; j < nb; j++)                                                          \
+                x += pr[j] * t->v[(size_t)(j0 + j) * hd + c];                                     \
+            orow[c] = x;                                                                          \
+        }                                                                                         \
+    }
+
 ATT_TARGET static void ATT(attn_tile)(const pyrt_attn_tile *t) {
     const int hd = t->hd, n = t->n_rows;
     float *s = t->scratch, *o = t->scratch + (size_t)PYRT_ATTN_ROWS * PYRT_ATTN_KB;
@@ -271,7 +299,7 @@ ATT_TARGET static void ATT(attn_tile)(const pyrt_attn_tile *t) {
         for (; r0 + 4 <= n; r0 += 4)
             ATT_PV(4)
         for (; r0 < n; r0++)
-            ATT_PV(1)
+            ATT_PV_ROW
     }
     for (int r = 0; r < n; r++) {
         const float inv = 1.0f / l[r];
@@ -283,3 +311,4 @@ ATT_TARGET static void ATT(attn_tile)(const pyrt_attn_tile *t) {
 #undef ATT_QK
 #undef ATT_SHUFFLE
 #undef ATT_PV
+#undef ATT_PV_ROW
