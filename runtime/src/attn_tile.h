@@ -1,12 +1,15 @@
 /* Attention of a tile of query rows over one kv head's cached keys and values, flash-style: the
  * keys in blocks of PYRT_ATTN_KB positions, each block read once for all the tile's rows, an
  * online softmax per row (running max m, denominator l, output o rescaled by exp(m_old - m_new)
- * when m grows), so the scratch is fixed (no row of scores as long as the cache).
+ * when m grows), so a tile's scratch is fixed (no row of scores as long as the cache; only a
+ * one-row tile given `stream` keeps one, to read its keys in one pass).
  *
  * Row r of the tile: o_r = softmax(q_r k^T * scale) v over positions [lo_r, pos_r] (lo_r =
  * pos_r + 1 - window on a sliding-window layer, else 0); with a sink s, exp(s) joins the
- * softmax's denominator (the online state starts at m = s, l = 1). Same math as a step's
- * attend_head (attention.c) in another order of the f32 sums (~1e-7 relative). */
+ * softmax's denominator (the online state starts at m = s, l = 1). Blocks start at multiples of
+ * KB and every row's sums run in one order, so a row's output has the same bits in any tile:
+ * the decode step (attention.c) runs its heads as one-row tiles, and a step and a prefill give
+ * a query the same output. Against the softmax in f64: ~1e-7 relative. */
 #ifndef PYRT_ATTN_TILE_H
 #define PYRT_ATTN_TILE_H
 
