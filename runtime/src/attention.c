@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "attention.h"
+#include "attn_tile.h"
 #include "error.h"
 #include "vec.h"
 
@@ -59,12 +60,14 @@ void pyrt_attention_free(pyrt_attention *a) {
 }
 
 int pyrt_attention_prepare(pyrt_attention *a, int pos, int cap, const char *fn) {
-    if (a->scores_cap < (size_t)cap) {
-        float *s = realloc(a->scores, (size_t)a->n_head * cap * sizeof(float));
+    /* per head: a tile's scratch, then its stream scores over cap positions */
+    const size_t need = pyrt_attn_scratch_floats(a->head_dim) + pyrt_attn_stream_floats(cap);
+    if (a->scores_cap < need) {
+        float *s = realloc(a->scores, (size_t)a->n_head * need * sizeof(float));
         if (s == NULL)
             return pyrt_fail(PYRT_E_NOMEM, "%s: cannot allocate attention scores", fn);
         a->scores = s;
-        a->scores_cap = (size_t)cap;
+        a->scores_cap = need;
     }
     /* RoPE table of this position: (cos, sin) of pos * inv_freq[i], pos * inv_freq in f32 as in
      * rope_tables (reference.py). */
@@ -98,54 +101,26 @@ int pyrt_attention_fusable(const pyrt_attention *a, const pyrt_block_weights *b)
 }
 
 /* ---- the heads ------------------------------------------------------------------------------
- * The KV cache of a layer was written one position per step and has left every cache since
- * (a step streams ~460 MB of weights): a head's keys and values come from DRAM, and walked one
- * 256-byte row per dot they are latency-bound (the hardware prefetcher ramps up per head).
- * So the key pass prefetches keys KV_AHEAD rows ahead and, beside them, the values of the same
- * position into L2 (the first KV_V_MAX positions: a long context's values would not fit). */
-enum { KV_AHEAD = 16, KV_V_MAX = 2048 };
-
-static inline void prefetch_kv(const float *p, size_t bytes, int l2) {
-    const char *c = (const char *)p;
-    for (size_t off = 0; off < bytes; off += 64) {
-        if (l2)
-            __builtin_prefetch(c + off, 0, 2);
-        else
-            __builtin_prefetch(c + off, 0, 3);
-    }
-}
-
-/* Query head h: scores over the cached positions (the window's on a sliding-window layer),
- * softmax, weighted sum of V. */
+ * Query head h over the cached positions (the window's on a sliding-window layer) as a tile of
+ * one row (attn_tile.h): the prefill's kernel, so a step and a prefill give a query the same
+ * bits. With room for all its scores the row streams its keys first, fetched ahead into L1 and
+ * their values into L2 (the cache has left every cache since the previous step: a step streams
+ * the weights), then the values. */
 static void attend_head(const pyrt_attn_task *t, int h) {
     const pyrt_attention *a = t->a;
     const pyrt_block_weights *b = t->l.b;
     const int hd = a->head_dim, kvh = h / (a->n_head / a->n_head_kv);
-    const int first = b->window > 0 && t->l.pos + 1 > b->window ? t->l.pos + 1 - b->window : 0;
-    const int n_pos = t->l.pos + 1 - first;
-    const pyrt_row_ops *f32 = t->f32;
-    const float *q = a->q + (size_t)h * hd;
-    const float *keys = t->l.kc + ((size_t)kvh * t->l.cap + first) * hd;
-    const float *vals = t->l.vc + ((size_t)kvh * t->l.cap + first) * hd;
-    float *s = a->scores + (size_t)h * a->scores_cap;
-    float *out = a->att + (size_t)h * hd;
-    const size_t row = (size_t)hd * sizeof(float);
-    for (int p = 0; p < n_pos && p < KV_AHEAD; p++)
-        prefetch_kv(keys + (size_t)p * hd, row, 0);
-    for (int p = 0; p < n_pos; p++) {
-        if (p + KV_AHEAD < n_pos)
-            prefetch_kv(keys + (size_t)(p + KV_AHEAD) * hd, row, 0);
-        if (p < KV_V_MAX)
-            prefetch_kv(vals + (size_t)p * hd, row, 1);
-        s[p] = f32->dot(keys + (size_t)p * hd, q, hd) * a->scale;
-    }
-    if (b->sinks.data != NULL)
-        pyrt_softmax_sink(s, n_pos, b->sinks.data[h]);
-    else
-        pyrt_softmax(s, n_pos);
-    memset(out, 0, (size_t)hd * sizeof *out);
-    for (int p = 0; p < n_pos; p++)
-        f32->axpy(s[p], vals + (size_t)p * hd, out, hd);
+    pyrt_attn_tile tile = {.q = {a->q + (size_t)h * hd}, .out = {a->att + (size_t)h * hd},
+                           .pos = {t->l.pos}, .n_rows = 1,
+                           .k = t->l.kc + (size_t)kvh * t->l.cap * hd,
+                           .v = t->l.vc + (size_t)kvh * t->l.cap * hd,
+                           .hd = hd, .window = b->window, .scale = a->scale,
+                           .has_sink = b->sinks.data != NULL,
+                           .sink = {b->sinks.data != NULL ? b->sinks.data[h] : 0.0f},
+                           .scratch = a->scores + (size_t)h * a->scores_cap,
+                           .stream = a->scores + (size_t)h * a->scores_cap +
+                                     pyrt_attn_scratch_floats(hd)};
+    pyrt_attn_tile_run(&tile);
 }
 
 /* One query head per work item (q, k, v normed and roped, k and v in the cache). */
@@ -225,8 +200,7 @@ void pyrt_attention_task(void *p, int ith, int nth) {
 void pyrt_attention_task_setup(pyrt_attn_task *t, pyrt_attention *a, pyrt_pool *pool,
                                const pyrt_attn_layer *l, pyrt_mv_job *qkv, pyrt_mv_job *o,
                                const float *xn, pyrt_xq8 *xq, float *y) {
-    *t = (pyrt_attn_task){.a = a, .pool = pool, .f32 = pyrt_pool_row_ops(pool, PYRT_FMT_F32),
-                          .l = *l, .qkv = qkv, .o = o,
+    *t = (pyrt_attn_task){.a = a, .pool = pool, .l = *l, .qkv = qkv, .o = o,
                           .o_blocked = pyrt_fmt_is_blocked(l->b->wo.fmt)};
     atomic_init(&t->next_head, 0);
     *qkv = pyrt_attention_qkv_job(a, l->b);
@@ -284,8 +258,7 @@ void pyrt_attention_run(pyrt_attention *a, pyrt_pool *pool, const pyrt_attn_laye
         memcpy(l->vc + ((size_t)h * l->cap + l->pos) * hd, a->v + (size_t)h * hd,
                (size_t)hd * sizeof(float));
     }
-    t = (pyrt_attn_task){.a = a, .pool = pool, .f32 = pyrt_pool_row_ops(pool, PYRT_FMT_F32),
-                         .l = *l};
+    t = (pyrt_attn_task){.a = a, .pool = pool, .l = *l};
     atomic_init(&t.next_head, 0);
     pyrt_pool_plan_job(pool, &o);
     pyrt_pool_run(pool, task_heads, &t);

@@ -22,8 +22,9 @@ typedef struct {
     float *att;                 /* [n_head*hd] attention output, o's input */
     pyrt_xq8 *att_q;            /* [n_head*hd / 32] Q8 blocks of att for a fused o projection
                                    (the q/k/v input's blocks are still read meanwhile) */
-    float *scores;              /* [n_head, scores_cap] attention probabilities */
-    size_t scores_cap;          /* positions per head in scores */
+    float *scores;              /* [n_head, scores_cap] each head's tile scratch and its scores
+                                   over the cache's positions (attn_tile.h) */
+    size_t scores_cap;          /* floats per head in scores */
     float *rope_cs;             /* [rope_dim]: (cos, sin) of rope_pos * inv_freq[i] */
     int rope_pos;               /* the position rope_cs holds (-1: none yet) */
     atomic_int *rows_done;      /* [n_head + 2 n_kv] fused: rows of each q head, then k head,
@@ -72,7 +73,6 @@ void pyrt_attention_run(pyrt_attention *a, pyrt_pool *pool, const pyrt_attn_laye
 typedef struct {
     pyrt_attention *a;
     pyrt_pool *pool;
-    const pyrt_row_ops *f32; /* the pool's F32 kernels (scores, weighted sum of V) */
     pyrt_attn_layer l;
     pyrt_mv_job *qkv;        /* prepared over the input; its on_rows publishes rows per head */
     pyrt_mv_job *o;          /* over att (x: att, xq: att_q), prepared; y its output */

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attn_tile.h"
 #include "error.h"
 #include "prefill.h"
 #include "vec.h"
@@ -43,15 +44,15 @@ void pyrt_prefill_free(pyrt_decoder *d) {
     d->prefill = NULL;
 }
 
-/* Room for T tokens, attention over `positions` positions, `threads` threads. */
-static int ensure(pyrt_decoder *d, int T, int positions, int threads) {
+/* Room for T tokens and `threads` threads. */
+static int ensure(pyrt_decoder *d, int T, int threads) {
     pyrt_prefill_buf *b = d->prefill;
     if (b == NULL) {
         b = d->prefill = calloc(1, sizeof *b);
         if (b == NULL)
             return pyrt_fail(PYRT_E_NOMEM, "pyrt_decoder_prefill: out of memory");
     }
-    if (T <= b->tokens_cap && positions <= b->pos_cap && threads <= b->threads_cap)
+    if (T <= b->tokens_cap && threads <= b->threads_cap)
         return PYRT_OK;
     pyrt_moe_batch_buf moe = b->moe; /* kept: it grows on its own */
     b->moe = (pyrt_moe_batch_buf){0};
@@ -78,7 +79,8 @@ static int ensure(pyrt_decoder *d, int T, int positions, int threads) {
     b->ids = malloc(n * w->n_expert * sizeof(int32_t));
     b->w = malloc(n * w->n_expert * f);
     b->rope_cs = malloc(n * ((size_t)w->rope_dim + 1) * f);
-    b->scores = malloc((size_t)threads * positions * f);
+    b->scratch_floats = pyrt_attn_scratch_floats(w->head_dim);
+    b->scores = malloc((size_t)threads * b->scratch_floats * f);
     b->taken = malloc((size_t)threads * w->n_expert);
     if (!b->x || !b->xn || !b->xq || !b->xv || !b->q || !b->k || !b->v || !b->y || !b->ys ||
         !b->gate || !b->up || !b->gs || !b->router || !b->ids || !b->w || !b->rope_cs ||
@@ -88,7 +90,6 @@ static int ensure(pyrt_decoder *d, int T, int positions, int threads) {
                          "chunk of %d tokens", T);
     }
     b->tokens_cap = T;
-    b->pos_cap = positions;
     b->threads_cap = threads;
     return PYRT_OK;
 }
@@ -212,7 +213,7 @@ int pyrt_decoder_prefill(pyrt_decoder *d, pyrt_pool *pool, pyrt_prefill_args *a)
     const int T = a->n_tokens < ubatch ? a->n_tokens : ubatch;
     a->n_active = a->n_pairs = 0;
     pyrt_pool_acquire(pool);
-    rc = ensure(d, T, a->pos + a->n_tokens, pyrt_pool_threads(pool));
+    rc = ensure(d, T, pyrt_pool_threads(pool));
     if (rc == PYRT_OK)
         rc = prefill(d, pool, a, T);
     pyrt_pool_release(pool);

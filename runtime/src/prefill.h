@@ -12,11 +12,11 @@
 
 /* One chunk's activations, T tokens at most (the call's ubatch), grown on demand and kept in the
  * decoder between calls; row strides in floats (blocks for xq). Nothing here grows with the
- * prompt: only with the chunk and with the cache's positions (scores). */
+ * prompt or the cache: only with the chunk. */
 struct pyrt_prefill_buf {
     int tokens_cap;      /* T the buffers hold */
-    int pos_cap;         /* positions a thread's scores hold */
-    int threads_cap;     /* threads the scores and top-k scratch hold */
+    int threads_cap;     /* threads the attention and top-k scratch hold */
+    size_t scratch_floats; /* floats of a thread's attention scratch (attn_tile.h) */
     size_t in_stride;    /* floats per row of xn: max(n_embd, n_head * head_dim, widest FFN) */
     size_t q_stride;     /* blocks per row of xq: in_stride / 32, rounded up */
     float *x;            /* [T, n_embd] the residual stream */
@@ -31,7 +31,7 @@ struct pyrt_prefill_buf {
     int32_t *ids;        /* [T, n_expert] chosen experts (room for any k) */
     float *w;            /* [T, n_expert] their routing weights */
     float *rope_cs;      /* [T, rope_dim]: (cos, sin) per token's position, as a step makes them */
-    float *scores;       /* [threads, pos_cap] attention probabilities of one query */
+    float *scores;       /* [threads, scratch_floats] a thread's attention tile scratch */
     uint8_t *taken;      /* [threads, n_expert] top-k scratch */
     pyrt_moe_batch_buf moe;
 };

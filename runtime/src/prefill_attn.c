@@ -7,13 +7,15 @@
  *   denominator) ; y = a Wo^T + bo
  *
  * The matrix products take every token of the chunk at once (each weight row read once per
- * chunk, in tiles); the attention is one pool task over (head, token) pairs, each query against
- * the cached positions up to its own with a step's row kernels in a step's order (so a query's
- * output is the bits a step would give for it). The chunk's keys and values are in the cache
+ * chunk, in tiles); the attention is one pool task over tiles of (query heads of one kv head) x
+ * (consecutive tokens), each tile against its cached positions flash-style (attn_tile.h: every
+ * key block read once per tile, an online softmax, scratch of fixed size), so its cost is the
+ * arithmetic, not a re-read of the cache per query. The chunk's keys and values are in the cache
  * before any query reads them. Also the chunk's shared pieces: norm, quantize, matrix product. */
 #include <math.h>
 #include <string.h>
 
+#include "attn_tile.h"
 #include "error.h"
 #include "prefill.h"
 #include "vec.h"
@@ -75,7 +77,6 @@ typedef struct {
     const pyrt_chunk *c;
     const pyrt_block_weights *blk;
     float *kc, *vc; /* the layer's cache */
-    const pyrt_row_ops *f32;
 } attn_ctx;
 
 static void qk_token(void *p, int64_t t, int ith) {
@@ -110,33 +111,52 @@ static void qk_token(void *p, int64_t t, int ith) {
 
 /* ---- the heads ------------------------------------------------------------------------------- */
 
-/* Query head h of token t over the cached positions 0..pos+t, the window's last on a
- * sliding-window layer (attention.c's attend_head). */
-static void attend(void *p, int64_t item, int ith) {
-    const attn_ctx *a = p;
-    const pyrt_decoder *d = a->c->d;
-    const pyrt_model_weights *w = &d->w;
+/* Tiles of the chunk's queries: the query heads of one kv head (GQA: heads h with h / group =
+ * kvh), up to PYRT_ATTN_ROWS of them, times as many consecutive tokens as fill the rest of the
+ * rows; each tile reads its kv head's cached keys and values once per key block (attn_tile.h). */
+typedef struct {
+    const attn_ctx *a;
+    int group, heads, tokens; /* heads per kv head; per tile: heads, tokens */
+    int head_tiles, token_tiles;
+} tiles_ctx;
+
+static void attend_tile(void *p, int64_t item, int ith) {
+    const tiles_ctx *tc = p;
+    const attn_ctx *a = tc->a;
+    const pyrt_model_weights *w = &a->c->d->w;
     const pyrt_prefill_buf *b = a->c->b;
-    const int h = (int)(item % w->n_head), t = (int)(item / w->n_head);
-    const int hd = w->head_dim, kvh = h / (w->n_head / w->n_head_kv);
-    const int last = a->c->pos + t, window = a->blk->window;
-    const int first = window > 0 && last + 1 > window ? last + 1 - window : 0;
-    const int n_pos = last + 1 - first;
+    /* the longest tiles (last tokens) first: the pool's threads then end together */
+    const int tt = tc->token_tiles - 1 - (int)(item / ((int64_t)w->n_head_kv * tc->head_tiles));
+    const int rest = (int)(item % ((int64_t)w->n_head_kv * tc->head_tiles));
+    const int kvh = rest / tc->head_tiles, h0 = kvh * tc->group + (rest % tc->head_tiles) * tc->heads;
+    const int h1 = h0 + tc->heads < (kvh + 1) * tc->group ? h0 + tc->heads : (kvh + 1) * tc->group;
+    const int t0 = tt * tc->tokens, t1 = t0 + tc->tokens < a->c->n ? t0 + tc->tokens : a->c->n;
+    const int hd = w->head_dim;
     const size_t cap = (size_t)a->c->cache->cap;
-    const float *q = b->q + ((size_t)t * w->n_head + h) * hd;
-    const float *keys = a->kc + ((size_t)kvh * cap + first) * hd;
-    const float *vals = a->vc + ((size_t)kvh * cap + first) * hd;
-    float *s = b->scores + (size_t)ith * b->pos_cap;
-    float *out = b->xn + (size_t)t * b->in_stride + (size_t)h * hd;
-    for (int pos = 0; pos < n_pos; pos++)
-        s[pos] = a->f32->dot(keys + (size_t)pos * hd, q, hd) * w->attention_scale;
-    if (a->blk->sinks.data != NULL)
-        pyrt_softmax_sink(s, n_pos, a->blk->sinks.data[h]);
-    else
-        pyrt_softmax(s, n_pos);
-    memset(out, 0, (size_t)hd * sizeof *out);
-    for (int pos = 0; pos < n_pos; pos++)
-        a->f32->axpy(s[pos], vals + (size_t)pos * hd, out, hd);
+    pyrt_attn_tile tile = {.k = a->kc + (size_t)kvh * cap * hd, .v = a->vc + (size_t)kvh * cap * hd,
+                           .hd = hd, .window = a->blk->window, .scale = w->attention_scale,
+                           .has_sink = a->blk->sinks.data != NULL,
+                           .scratch = b->scores + (size_t)ith * b->scratch_floats};
+    for (int t = t0; t < t1; t++)
+        for (int h = h0; h < h1; h++) {
+            const int r = tile.n_rows++;
+            tile.q[r] = b->q + ((size_t)t * w->n_head + h) * hd;
+            tile.out[r] = b->xn + (size_t)t * b->in_stride + (size_t)h * hd;
+            tile.pos[r] = a->c->pos + t;
+            tile.sink[r] = tile.has_sink ? a->blk->sinks.data[h] : 0.0f;
+        }
+    pyrt_attn_tile_run(&tile);
+}
+
+static void attend(const attn_ctx *a) {
+    const pyrt_model_weights *w = &a->c->d->w;
+    tiles_ctx tc = {.a = a, .group = w->n_head / w->n_head_kv};
+    tc.heads = tc.group < PYRT_ATTN_ROWS ? tc.group : PYRT_ATTN_ROWS;
+    tc.tokens = PYRT_ATTN_ROWS / tc.heads;
+    tc.head_tiles = (tc.group + tc.heads - 1) / tc.heads;
+    tc.token_tiles = (a->c->n + tc.tokens - 1) / tc.tokens;
+    const int64_t n = (int64_t)tc.token_tiles * w->n_head_kv * tc.head_tiles;
+    pyrt_pool_for(a->c->pool, n, 1, attend_tile, &tc);
 }
 
 /* ---- the half -------------------------------------------------------------------------------- */
@@ -170,11 +190,10 @@ void pyrt_prefill_attention(const pyrt_chunk *c, int layer) {
                        .clamp = w->clamp_kqv};
     pyrt_prefill_norm(c, b->x, blk->attn_norm.data, pyrt_mv_job_blocked(&qkv));
     pyrt_prefill_matmul(c, &qkv, b->xn, b->in_stride);
-    attn_ctx a = {.c = c, .blk = blk, .kc = c->cache->k[layer], .vc = c->cache->v[layer],
-                  .f32 = pyrt_pool_row_ops(c->pool, PYRT_FMT_F32)};
+    attn_ctx a = {.c = c, .blk = blk, .kc = c->cache->k[layer], .vc = c->cache->v[layer]};
     pyrt_pool_for(c->pool, c->n, 2, qk_token, &a);
     /* every query of the chunk against the cache, its output into xn's rows (xn is free now) */
-    pyrt_pool_for(c->pool, (int64_t)c->n * w->n_head, 1, attend, &a);
+    attend(&a);
     pyrt_mv_job o = {.out = {{&blk->wo, blk->bo.data, b->y, (size_t)w->n_embd}},
                      .n_mats = 1};
     if (pyrt_mv_job_blocked(&o))

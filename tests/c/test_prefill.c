@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attn_tile.h"
 #include "pyrt.h"
 
 #define TEST_RNG_SEED 0x9E3779B97F4A7C15ull
@@ -334,6 +335,96 @@ static void test_prefill_gpt_oss_pieces(tiny_model *t) {
     free(bd);
 }
 
+/* The attention tile kernel (attn_tile.h) at every SIMD level this CPU has: each row against a
+ * plain f64 softmax over its positions (window, sink), head_dim with and without a vector tail,
+ * positions across key blocks; and each row's bits the same alone (a decode step's one-row tile,
+ * its keys streamed first) as in a tile (a step and a prefill give a query the same output). */
+static float rnd(void) { return (float)(rng_u32() % 2001) / 1000.0f - 1.0f; }
+
+static void attn_reference(const pyrt_attn_tile *t, int r, double *out) {
+    const int hd = t->hd, p = t->pos[r];
+    const int lo = t->window > 0 && p + 1 > t->window ? p + 1 - t->window : 0;
+    double mx = t->has_sink ? t->sink[r] : -INFINITY, sum = 0.0, s[256];
+    for (int j = lo; j <= p; j++) {
+        double x = 0.0;
+        for (int c = 0; c < hd; c++)
+            x += (double)t->q[r][c] * t->k[(size_t)j * hd + c];
+        s[j] = x * t->scale;
+        mx = s[j] > mx ? s[j] : mx;
+    }
+    for (int c = 0; c < hd; c++)
+        out[c] = 0.0;
+    for (int j = lo; j <= p; j++) {
+        const double e = exp(s[j] - mx);
+        sum += e;
+        for (int c = 0; c < hd; c++)
+            out[c] += e * t->v[(size_t)j * hd + c];
+    }
+    if (t->has_sink)
+        sum += exp(t->sink[r] - mx);
+    for (int c = 0; c < hd; c++)
+        out[c] /= sum;
+}
+
+static void test_attn_tile(void) {
+    enum { N_POS = 200, MAX_HD = 64 };
+    static const int hds[] = {5, 16, 20, 64};
+    float *k = malloc(sizeof(float) * N_POS * MAX_HD), *v = malloc(sizeof(float) * N_POS * MAX_HD);
+    float q[PYRT_ATTN_ROWS][MAX_HD], o[PYRT_ATTN_ROWS][MAX_HD], alone[MAX_HD];
+    float *scratch = malloc(sizeof(float) * pyrt_attn_scratch_floats(MAX_HD));
+    float *stream = malloc(sizeof(float) * pyrt_attn_stream_floats(N_POS));
+    CHECK(k && v && scratch && stream, "attn tile: out of memory");
+    for (int i = 0; i < N_POS * MAX_HD; i++) {
+        k[i] = rnd();
+        v[i] = rnd();
+    }
+    const int best = pyrt_simd_best();
+    for (int level = PYRT_SIMD_SCALAR; level <= best; level++) {
+        CHECK(pyrt_simd_force(level) == PYRT_OK, "simd %d", level);
+        for (int ih = 0; ih < COUNT_OF(hds); ih++)
+            for (int window = 0; window <= 70; window += 70)
+                for (int sink = 0; sink <= 1; sink++) {
+                    const int hd = hds[ih];
+                    pyrt_attn_tile t = {.n_rows = PYRT_ATTN_ROWS, .k = k, .v = v, .hd = hd,
+                                        .window = window, .scale = 0.7f, .has_sink = sink,
+                                        .scratch = scratch};
+                    for (int r = 0; r < t.n_rows; r++) {
+                        for (int c = 0; c < hd; c++)
+                            q[r][c] = 3.0f * rnd();
+                        t.q[r] = q[r];
+                        t.out[r] = o[r];
+                        t.pos[r] = (r * 37 + 60) % N_POS; /* 0 .. 199, blocks of 64 */
+                        t.sink[r] = 2.0f * rnd();
+                    }
+                    pyrt_attn_tile_run(&t);
+                    for (int r = 0; r < t.n_rows; r++) {
+                        double ref[MAX_HD];
+                        attn_reference(&t, r, ref);
+                        double err = 0.0;
+                        for (int c = 0; c < hd; c++)
+                            err = fmax(err, fabs(o[r][c] - ref[c]));
+                        CHECK(err <= 2e-6, "attn tile simd %d hd %d window %d sink %d row %d: "
+                              "|d| %g", level, hd, window, sink, r, err);
+                        pyrt_attn_tile one = t; /* a decode step's: one row, streamed */
+                        one.n_rows = 1;
+                        one.stream = stream;
+                        one.q[0] = q[r];
+                        one.out[0] = alone;
+                        one.pos[0] = t.pos[r];
+                        one.sink[0] = t.sink[r];
+                        pyrt_attn_tile_run(&one);
+                        CHECK(memcmp(alone, o[r], sizeof(float) * hd) == 0,
+                              "attn tile simd %d hd %d row %d: other bits alone", level, hd, r);
+                    }
+                }
+    }
+    CHECK(pyrt_simd_force(best) == PYRT_OK, "simd back to %d", best);
+    free(k);
+    free(v);
+    free(scratch);
+    free(stream);
+}
+
 int main(void) {
     tiny_model t;
     build_tiny(&t);
@@ -341,6 +432,7 @@ int main(void) {
     test_prefill_maps(&t);
     test_prefill_errors(&t);
     test_prefill_gpt_oss_pieces(&t);
+    test_attn_tile();
     free_tiny(&t);
     if (failures) {
         printf("%d C prefill test(s) failed\n", failures);
