@@ -58,6 +58,8 @@ def test_big_little_rows_and_their_combination(cc, tmp_path, capsys, monkeypatch
     assert done.value.code == 0
     out = capsys.readouterr().out
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ")][1:]
-    assert [r[5] for r in rows] == ["plain", "little", "lossy", "verify"]
+    assert [r[5] for r in rows] == ["plain", "little", "lossy", "verify", "verify-resident"]
+    kept = [line for line in out.splitlines() if "drafts kept per round" in line]
+    assert [line.split(":")[0].strip() for line in kept] == ["verify", "verify-resident"]
     [line] = [line for line in out.splitlines() if line.startswith("  big/little: ")]
     assert "x at r = 0.21, " in line and "x at r = 0.65 (combined)" in line
