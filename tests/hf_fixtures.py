@@ -608,3 +608,83 @@ def make_deepseek2_chat_model(path: Path) -> Path:
     gen.update(bos_token_id=4096, eos_token_id=4097)
     (path / "generation_config.json").write_text(json.dumps(gen))
     return path
+
+
+# A Llama-4-style chat template (headers, <|eot|> closing each message, tool calls as JSON
+# between <|python_start|> and <|python_end|>, tool results as ipython turns, images as
+# <|image|>), written for these tests with the jinja features Llama-4's own template uses:
+# bos_token, `is defined` on kwargs never passed, strftime_now, `is string` / `is mapping`,
+# trim, a sliced messages list, tojson.
+LLAMA4_TEMPLATE = """\
+{{- bos_token }}
+{%- if not tools is defined %}{%- set tools = none %}{%- endif %}
+{%- if not date_string is defined %}{%- set date_string = strftime_now("%d %b %Y") %}{%- endif %}
+{%- if messages[0].role == "system" %}
+    {%- if messages[0].content is string %}{%- set system_message = messages[0].content | trim %}
+    {%- else %}{%- set system_message = messages[0].content[0].text | trim %}{%- endif %}
+    {%- set messages = messages[1:] %}
+    {{- "<|header_start|>system<|header_end|>\\n\\n" }}
+    {%- if tools is not none %}{{- "Environment: ipython\\n" }}{%- endif %}
+    {{- system_message + "<|eot|>" }}
+{%- endif %}
+{%- if tools is not none %}
+    {{- "<|header_start|>user<|header_end|>\\n\\nToday is " + date_string
+        + ". Call a function by answering with its name and parameters as JSON.\\n\\n" }}
+    {%- for t in tools %}{{- t | tojson(indent=4) + "\\n\\n" }}{%- endfor %}
+    {{- "<|eot|>" }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == "tool" or message.role == "ipython" %}
+        {{- "<|header_start|>ipython<|header_end|>\\n\\n" }}
+        {%- if message.content is mapping %}{{- message.content | tojson }}
+        {%- else %}{{- message.content }}{%- endif %}
+        {{- "<|eot|>" }}
+    {%- elif message.tool_calls is defined and message.tool_calls %}
+        {{- "<|header_start|>assistant<|header_end|>\\n\\n<|python_start|>" }}
+        {%- for call in message.tool_calls %}
+            {{- '{"name": "' + call.function.name + '", "parameters": '
+                + call.function.arguments | tojson + "}" }}
+        {%- endfor %}
+        {{- "<|python_end|><|eot|>" }}
+    {%- else %}
+        {{- "<|header_start|>" + message.role + "<|header_end|>\\n\\n" }}
+        {%- if message.content is string %}{{- message.content }}
+        {%- else %}
+            {%- for item in message.content %}
+                {%- if item.type == "image" %}{{- "<|image|>" }}
+                {%- elif item.type == "text" %}{{- item.text }}{%- endif %}
+            {%- endfor %}
+        {%- endif %}
+        {{- "<|eot|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- "<|header_start|>assistant<|header_end|>\\n\\n" }}{%- endif %}
+"""
+LLAMA4_TOKENS = (
+    "<|begin_of_text|>", "<|header_start|>", "<|header_end|>", "<|eot|>", "<|eom|>",
+    "<|python_start|>", "<|python_end|>", "<|image|>",
+)  # fmt: skip
+
+
+def make_llama4_chat_model(path: Path) -> Path:
+    """A tiny llama4 whose tokenizer has Llama-4's chat tokens (ids 4096..4103, vocab 4104),
+    bos <|begin_of_text|> (the template writes it), eos <|eot|>, generation stopping at <|eot|>,
+    <|eom|> and <|endoftext|> (as Llama-4-Scout-Instruct's generation_config.json lists its
+    three), LLAMA4_TEMPLATE."""
+    import json
+
+    make_tiny_hf_model("llama4", path, vocab_size=4104)
+    tok = json.loads((path / "tokenizer.json").read_text())
+    tok["added_tokens"] += [
+        dict(id=4096 + i, content=text, single_word=False, lstrip=False, rstrip=False,
+             normalized=False, special=True)
+        for i, text in enumerate(LLAMA4_TOKENS)
+    ]  # fmt: skip
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.update(bos_token="<|begin_of_text|>", eos_token="<|eot|>", chat_template=LLAMA4_TEMPLATE)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    gen = json.loads((path / "generation_config.json").read_text())
+    gen["eos_token_id"] = [4099, 4100, 0]
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    return path

@@ -172,7 +172,7 @@ def _edited(hf_dir: Path, tmp_path: Path, **config) -> Path:
                     original_max_position_embeddings=16,
                 )
             ),
-            "'rope_parameters.high_freq_factor' must exceed low_freq_factor",
+            "'rope_parameters.high_freq_factor' must be >= low_freq_factor",
         ),  # fmt: skip
     ],
 )
@@ -221,3 +221,82 @@ def test_calibrate_and_sparsity_hit_the_target(hf_dir, tmp_path):
         for token in ids[:256]:
             step.forward([token], cache)
         assert abs(step.stats.sparsity - target) <= 0.03, (target, step.stats.sparsity)
+
+
+def test_llama3_frequencies_are_transformers():
+    """Both the blended band (high > low) and Llama-4's release values (high == low: none)."""
+    from transformers import Llama4TextConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from pyruntime.model.rope import Llama3, inv_frequencies
+
+    for low, high, orig in ((1.0, 4.0, 16), (1.0, 1.0, 8192)):
+        rope = dict(rope_type="llama3", rope_theta=500000.0, factor=16.0, low_freq_factor=low,
+                    high_freq_factor=high, original_max_position_embeddings=orig)  # fmt: skip
+        want, _ = ROPE_INIT_FUNCTIONS["llama3"](Llama4TextConfig(head_dim=64, rope_parameters=rope))
+        got = inv_frequencies(64, 500000.0, llama3=Llama3(16.0, low, high, orig))
+        assert torch.equal(got, want)
+        assert not torch.equal(got, inv_frequencies(64, 500000.0))
+
+
+# ---- chat -----------------------------------------------------------------------------------
+
+LLAMA4_CHATS = [
+    [{"role": "user", "content": "Hi there"}],
+    [
+        {"role": "system", "content": "  Be brief. "},
+        {"role": "user", "content": "What is a cat?"},
+        {"role": "assistant", "content": "A cat."},
+        {"role": "user", "content": "Its colour?"},
+    ],
+    [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"type": "function",
+                         "function": {"name": "weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": "-3 C, snow"},
+        {"role": "assistant", "content": "Cold and snowy."},
+    ],
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> tuple[Path, Path]:
+    from hf_fixtures import make_llama4_chat_model
+
+    tmp = tmp_path_factory.mktemp("l4chat")
+    hf = make_llama4_chat_model(tmp / "hf")
+    return hf, convert(hf, tmp / "m.gguf", "q8_0", progress=False)
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("chat", range(len(LLAMA4_CHATS)))
+def test_chat_template_renders_and_tokenizes_as_transformers(chat_model, chat,
+                                                            add_generation_prompt):  # fmt: skip
+    """The GGUF's chat template (the checkpoint's tokenizer_config.json jinja: the bos token,
+    headers, a trimmed system message, tool calls and results), rendered by our sandboxed
+    renderer, is transformers' apply_chat_template text; it tokenizes as the HF tokenizer
+    does."""
+    from transformers import AutoTokenizer
+
+    from pyruntime.api import Model
+
+    hf = AutoTokenizer.from_pretrained(chat_model[0])
+    model = Model(chat_model[1])
+    messages = LLAMA4_CHATS[chat]
+    want = hf.apply_chat_template(messages, tokenize=False,
+                                  add_generation_prompt=add_generation_prompt)  # fmt: skip
+    text = model.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    assert text == want and text.startswith("<|begin_of_text|>")
+    ids = model.tokenize(text)
+    assert ids == hf(text, add_special_tokens=True)["input_ids"]
+    assert ids[0] == 4096 and ids.count(4099) == len(messages)  # <|begin_of_text|>, <|eot|>
+    assert (4101 in ids) == (chat == 2)  # <|python_start|>
+
+
+def test_chat_turns_end_at_eot(chat_model):
+    from gguf import GGUFReader
+
+    fields = GGUFReader(chat_model[1]).fields
+    assert fields["tokenizer.ggml.eot_token_id"].contents() == 4099  # <|eot|>
+    assert set(fields["pyruntime.stop_token_ids"].contents()) == {4099, 4100, 0}

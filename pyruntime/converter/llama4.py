@@ -53,6 +53,8 @@ class Llama4Model(MoeModel):
     moe_prefixes = ("feed_forward",)
     router_names = ("router.weight",)
     rope_types = ("default", "llama3")
+    # <|eot|> ends a turn; <|eom|> ends a message that awaits a tool's result (a stop token)
+    end_of_turn_tokens = ("<|eot|>",)
 
     def __init__(self, hp: HParams, src: SourceTensors, hf_arch: str) -> None:
         for disk, ours in _TEXT_PREFIXES:
@@ -100,7 +102,10 @@ class Llama4Model(MoeModel):
                     "set) and full_attention on the others (other patterns are not supported)",
                 )
         self.qk_norm = hp.bool("use_qk_norm", True)
-        self.temperature = hp.bool("attn_temperature_tuning", True)
+        tuning = hp.config.get("attn_temperature_tuning", True)
+        if not isinstance(tuning, (bool, int)):  # Llama-4's first release wrote 4 (on)
+            raise hp._bad("attn_temperature_tuning", f"must be true or false, got {tuning!r}")
+        self.temperature = bool(tuning)
         self.floor_scale = hp.int("floor_scale", default=8192)
         self.attn_scale = hp.float("attn_scale", 0.1)
         self.n_ff_mlp = hp.int("intermediate_size_mlp", default=None if self.dense_layers else 0,
@@ -123,8 +128,8 @@ class Llama4Model(MoeModel):
                 f"must be an integer >= 1, got {orig!r}",
             )
         low, high = hp.rope_number("low_freq_factor"), hp.rope_number("high_freq_factor")
-        if high <= low:
-            raise hp._bad("rope_parameters.high_freq_factor", f"must exceed low_freq_factor {low}")
+        if high < low:  # equal in Llama-4's release: no blended band
+            raise hp._bad("rope_parameters.high_freq_factor", f"must be >= low_freq_factor {low}")
         return {
             "factor": hp.rope_number("factor"),
             "low_freq_factor": low,

@@ -279,8 +279,8 @@ def _llama3(g: _Keys) -> Llama3 | None:
         return None
     low = g.float("rope.scaling.low_freq_factor", positive=True)
     high = g.float("rope.scaling.high_freq_factor", positive=True)
-    if high <= low:
-        raise g._bad("rope.scaling.high_freq_factor", f"is {high}, not above low_freq_factor {low}")
+    if high < low:
+        raise g._bad("rope.scaling.high_freq_factor", f"is {high}, below low_freq_factor {low}")
     return Llama3(
         factor=g.float("rope.scaling.factor", positive=True),
         low_freq_factor=low,
