@@ -390,3 +390,5 @@ def test_random_llama4_gguf_and_its_llama_cpp_twin(tmp_path, capsys):
     assert r.fields["llama4.interleave_moe_layer_step"].contents() == 2
     assert r.fields["llama4.feed_forward_length"].contents() == 128
     assert not [k for k in r.fields if k.startswith(("llama4.rope.scaling.", "pyruntime."))]
+    assert main(["info", str(lcpp)]) == 0  # its MoE layers found by llama.cpp's expert names
+    assert "dense ffn layers  : 0, 2 (ffn 128; MoE every 2)" in capsys.readouterr().out

@@ -141,7 +141,13 @@ def _llama4_rows(f: Any) -> list[tuple[str, str]]:
     nope = f.arch_get("attention.nope_layers", None)
     if nope is None:
         return []
-    dense = [i for i in range(len(nope)) if not f.has_tensor(f"blk.{i}.ffn_gud_exps.weight")]
+    dense = [
+        i
+        for i in range(len(nope))
+        if not any(
+            f.has_tensor(f"blk.{i}.{name}.weight") for name in ("ffn_gud_exps", "ffn_gate_exps")
+        )
+    ]  # ours, llama.cpp's
     chunk = f.arch_get("attention.chunk_size", 0)
     length = f.arch_get("attention.temperature_length", 0)
     temperature = (
