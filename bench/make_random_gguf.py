@@ -20,12 +20,15 @@ ffn_up_exps.bias [n_expert, n_ff] too, and ffn_norm named post_attention_norm),
     python bench/make_random_gguf.py gpt-oss-20b --outtype mxfp4 -o /tmp/gpt-oss-20b-mxfp4.gguf
     python bench/make_random_gguf.py qwen3.5-35b-a3b --outtype q4_0 -o /tmp/qwen3.5-35b-q4_0.gguf
     python bench/make_random_gguf.py deepseek-v2-lite --outtype q8_0 -o /tmp/dsv2-lite-q8_0.gguf
+    python bench/make_random_gguf.py llama-4-scout --outtype q4_0 -o /tmp/llama-4-scout-q4_0.gguf
 
 qwen35moe's llama.cpp twin also joins attn_q and attn_gate of a full-attention layer into one
 attn_q (llama.cpp's), names ffn_norm post_attention_norm and adds rope.dimension_sections;
 pyruntime's repack does not read that family (it refuses the file in one line). deepseek2's twin
 has our names already (they are llama.cpp's: attn_kv_a_mqa, attn_k_b, attn_v_b, ...) but for the
 split experts; llama.cpp rotates its rope dims as interleaved pairs, random data either way.
+llama4's twin leaves out the llama3 rope scaling keys (llama.cpp reads the scaling as a rope_freqs
+tensor); llama.cpp hard-codes Llama-4's chunk (8192) and NoPE interval (4).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pyruntime
-from pyruntime.converter import architectures, deepseek2, gpt_oss, qwen35  # noqa: E402, F401
+from pyruntime.converter import architectures, deepseek2, gpt_oss, llama4, qwen35  # noqa: E402, F401
 from pyruntime.converter.base import model_class_for  # noqa: E402
 from pyruntime.converter.convert import _write_metadata  # noqa: E402
 from pyruntime.converter.hparams import HParams  # noqa: E402
@@ -319,6 +322,58 @@ CONFIGS |= {
     },
 }
 
+# Llama-4-Scout's text model (meta-llama/Llama-4-Scout-17B-16E-Instruct's text_config; the
+# values are transformers' Llama4TextConfig defaults): every layer MoE, 16 experts top-1 and a
+# shared expert of 8192, every 4th layer NoPE, chunks of 8192 on the others, llama3 rope x16
+LLAMA4_TEXT = {
+    "architectures": ["Llama4ForCausalLM"],
+    "num_key_value_heads": 8,
+    "num_experts_per_tok": 1,
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
+                        "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                        "original_max_position_embeddings": 8192},
+    "no_rope_layer_interval": 4,
+    "use_qk_norm": True,
+    "attn_temperature_tuning": True,
+    "floor_scale": 8192,
+    "attn_scale": 0.1,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+}  # fmt: skip
+CONFIGS |= {
+    "llama-4-scout": LLAMA4_TEXT
+    | {
+        "vocab_size": 202048,
+        "hidden_size": 5120,
+        "intermediate_size": 8192,  # the experts and the shared expert
+        "intermediate_size_mlp": 16384,  # dense layers (none in Scout)
+        "num_hidden_layers": 48,
+        "num_attention_heads": 40,
+        "head_dim": 128,
+        "num_local_experts": 16,
+        "interleave_moe_layer_step": 1,
+        "attention_chunk_size": 8192,
+        "max_position_embeddings": 10485760,
+    },
+    "tiny-llama4": LLAMA4_TEXT
+    | {  # llama4's features at a quick size (tests): dense layers too
+        "vocab_size": 4096,
+        "hidden_size": 128,
+        "intermediate_size": 64,
+        "intermediate_size_mlp": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "num_local_experts": 8,
+        "interleave_moe_layer_step": 2,
+        "no_rope_layer_interval": 2,
+        "attention_chunk_size": 8,
+        "max_position_embeddings": 4096,
+    },
+}
+
 WEIGHT_STD = 0.02
 CHUNK_BYTES = 64 << 20
 
@@ -466,6 +521,11 @@ def to_llama_cpp_metadata(writer: GGUFWriter, arch_name: str, config: dict) -> N
         writer.add_uint32(key, config["intermediate_size"])
     if arch_name == "qwen35moe":  # llama.cpp's loader requires the MRoPE sections (text: unused)
         writer.add_array(f"{arch_name}.rope.dimension_sections", [11, 11, 10, 0])
+    if arch_name == "llama4":  # llama.cpp takes llama3 scaling from a rope_freqs tensor (left
+        # out: random factors would be no rope at all; the plain rope costs the same)
+        for kv in writer.kv_data:
+            for key in [k for k in kv if k.startswith(f"{arch_name}.rope.scaling.")]:
+                del kv[key]
 
 
 def make_random_gguf(

@@ -98,8 +98,9 @@ def choose_device(requested: str, f: GGUFFile, cfg: ModelConfig, n_ctx: int,
             f"{torch.__version__}); use --device cpu or auto"
         )
     from pyruntime.kernels.expert_formats import activation_issue
+    from pyruntime.model.llama4 import gpu_issue
 
-    why = activation_issue(cfg.activation, (cfg.swiglu_alpha, cfg.swiglu_limit))
+    why = activation_issue(cfg.activation, (cfg.swiglu_alpha, cfg.swiglu_limit)) or gpu_issue(cfg)
     if why is not None:
         if req == "auto":
             return DeviceChoice("cpu", f"running on the CPU: {why}")

@@ -17,6 +17,9 @@ features are exercised: sinks, biases and expert weights large enough that the S
 binds, and a sliding window (8) shorter than the parity tests' prompts.
 Qwen3.5-MoE: three Gated DeltaNet layers and one full-attention layer (its default pattern),
 with its zero-centred norms, decay rates and gates drawn so that each shows (_exercise_qwen35).
+Llama-4: dense and MoE layers alternating, NoPE layers with temperature tuning, chunks of 8
+(shorter than the prompts), llama3 rope scaling reaching the prompts' positions, top-1 routing
+with experts strong enough that the sigmoid weight's place shows (_exercise_llama4).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import torch
 TOKENIZER_DIR = Path(__file__).resolve().parent / "data" / "tiny-tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 ARCHS = (
-    "olmoe", "qwen2moe", "qwen3moe", "mixtral", "granitemoe", "gptoss", "qwen35moe", "deepseek2"
+    "olmoe", "qwen2moe", "qwen3moe", "mixtral", "granitemoe", "gptoss", "qwen35moe", "deepseek2",
+    "llama4",
 )  # fmt: skip
 
 # Shared by all: the tokenizer's special ids (<|endoftext|> = 0 is eos and pad, no bos).
@@ -139,6 +143,31 @@ _PER_ARCH: dict[str, dict[str, Any]] = {
             original_max_position_embeddings=8,
         ),
     ),
+    "llama4": dict(
+        num_hidden_layers=4,  # layers 1 and 3 MoE, 0 and 2 dense; 1 and 3 NoPE
+        num_experts_per_tok=1,
+        num_local_experts=4,
+        intermediate_size=32,  # the experts and the shared expert
+        intermediate_size_mlp=96,  # the dense layers
+        interleave_moe_layer_step=2,
+        no_rope_layer_interval=2,
+        head_dim=16,
+        attention_chunk_size=8,  # shorter than the parity tests' prompts
+        use_qk_norm=True,
+        attn_temperature_tuning=True,
+        floor_scale=4,  # the NoPE layers' q scale grows over the prompt (x 2.4 at 64 tokens)
+        attn_scale=0.5,
+        # llama3 scaling with an original context of 16: the frequencies of wavelength past 16
+        # are divided by 8, those between 4 and 16 smoothed
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=16,
+        ),
+    ),
 }
 # DeepSeek-V2's other form (make_tiny_hf_model("deepseek2", path, **DEEPSEEK2_FULL)): a query
 # LoRA and group-limited routing (deepseek-v2's own config), the top-2 within the best of 2
@@ -160,6 +189,7 @@ def _config_class(arch: str) -> type:
         "gptoss": transformers.GptOssConfig,
         "qwen35moe": transformers.Qwen3_5MoeTextConfig,
         "deepseek2": transformers.DeepseekV2Config,
+        "llama4": transformers.Llama4TextConfig,
     }[arch]
 
 
@@ -187,6 +217,8 @@ def make_tiny_hf_model(
         _exercise_qwen35(model)
     if arch == "deepseek2":
         _exercise_deepseek2(model)
+    if arch == "llama4":
+        _exercise_llama4(model)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if mxfp4_experts:
@@ -254,6 +286,23 @@ def _exercise_deepseek2(model) -> None:
     for layer in model.model.layers:
         if hasattr(layer.mlp, "gate"):
             layer.mlp.gate.weight.normal_(0.0, 0.3)
+
+
+@torch.no_grad()
+def _exercise_llama4(model) -> None:
+    """Routed experts that matter: router logits of a few units (sigmoid weights spread over
+    (0, 1)) and expert pre-activations of unit scale, so that weighting an expert's input
+    differs clearly from weighting its output (SiLU is far from linear there); their outputs
+    small beside the token's embedding, so that top-1 gaps stay clear (q8_0 argmax agreement
+    measures quantization, not ties)."""
+    for layer in model.model.layers:
+        if layer.is_moe_layer:
+            ff = layer.feed_forward
+            ff.router.weight.normal_(0.0, 0.3)
+            ff.experts.gate_up_proj.normal_(0.0, 0.3)
+            ff.experts.down_proj.normal_(0.0, 0.01)
+    # the token's own embedding strong in the residual (tied embeddings: clear top-1 gaps)
+    model.model.embed_tokens.weight.normal_(0.0, 0.1)
 
 
 def _mxfp4_round(w: torch.Tensor) -> torch.Tensor:
@@ -557,5 +606,85 @@ def make_deepseek2_chat_model(path: Path) -> Path:
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     gen = json.loads((path / "generation_config.json").read_text())
     gen.update(bos_token_id=4096, eos_token_id=4097)
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    return path
+
+
+# A Llama-4-style chat template (headers, <|eot|> closing each message, tool calls as JSON
+# between <|python_start|> and <|python_end|>, tool results as ipython turns, images as
+# <|image|>), written for these tests with the jinja features Llama-4's own template uses:
+# bos_token, `is defined` on kwargs never passed, strftime_now, `is string` / `is mapping`,
+# trim, a sliced messages list, tojson.
+LLAMA4_TEMPLATE = """\
+{{- bos_token }}
+{%- if not tools is defined %}{%- set tools = none %}{%- endif %}
+{%- if not date_string is defined %}{%- set date_string = strftime_now("%d %b %Y") %}{%- endif %}
+{%- if messages[0].role == "system" %}
+    {%- if messages[0].content is string %}{%- set system_message = messages[0].content | trim %}
+    {%- else %}{%- set system_message = messages[0].content[0].text | trim %}{%- endif %}
+    {%- set messages = messages[1:] %}
+    {{- "<|header_start|>system<|header_end|>\\n\\n" }}
+    {%- if tools is not none %}{{- "Environment: ipython\\n" }}{%- endif %}
+    {{- system_message + "<|eot|>" }}
+{%- endif %}
+{%- if tools is not none %}
+    {{- "<|header_start|>user<|header_end|>\\n\\nToday is " + date_string
+        + ". Call a function by answering with its name and parameters as JSON.\\n\\n" }}
+    {%- for t in tools %}{{- t | tojson(indent=4) + "\\n\\n" }}{%- endfor %}
+    {{- "<|eot|>" }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == "tool" or message.role == "ipython" %}
+        {{- "<|header_start|>ipython<|header_end|>\\n\\n" }}
+        {%- if message.content is mapping %}{{- message.content | tojson }}
+        {%- else %}{{- message.content }}{%- endif %}
+        {{- "<|eot|>" }}
+    {%- elif message.tool_calls is defined and message.tool_calls %}
+        {{- "<|header_start|>assistant<|header_end|>\\n\\n<|python_start|>" }}
+        {%- for call in message.tool_calls %}
+            {{- '{"name": "' + call.function.name + '", "parameters": '
+                + call.function.arguments | tojson + "}" }}
+        {%- endfor %}
+        {{- "<|python_end|><|eot|>" }}
+    {%- else %}
+        {{- "<|header_start|>" + message.role + "<|header_end|>\\n\\n" }}
+        {%- if message.content is string %}{{- message.content }}
+        {%- else %}
+            {%- for item in message.content %}
+                {%- if item.type == "image" %}{{- "<|image|>" }}
+                {%- elif item.type == "text" %}{{- item.text }}{%- endif %}
+            {%- endfor %}
+        {%- endif %}
+        {{- "<|eot|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- "<|header_start|>assistant<|header_end|>\\n\\n" }}{%- endif %}
+"""
+LLAMA4_TOKENS = (
+    "<|begin_of_text|>", "<|header_start|>", "<|header_end|>", "<|eot|>", "<|eom|>",
+    "<|python_start|>", "<|python_end|>", "<|image|>",
+)  # fmt: skip
+
+
+def make_llama4_chat_model(path: Path) -> Path:
+    """A tiny llama4 whose tokenizer has Llama-4's chat tokens (ids 4096..4103, vocab 4104),
+    bos <|begin_of_text|> (the template writes it), eos <|eot|>, generation stopping at <|eot|>,
+    <|eom|> and <|endoftext|> (as Llama-4-Scout-Instruct's generation_config.json lists its
+    three), LLAMA4_TEMPLATE."""
+    import json
+
+    make_tiny_hf_model("llama4", path, vocab_size=4104)
+    tok = json.loads((path / "tokenizer.json").read_text())
+    tok["added_tokens"] += [
+        dict(id=4096 + i, content=text, single_word=False, lstrip=False, rstrip=False,
+             normalized=False, special=True)
+        for i, text in enumerate(LLAMA4_TOKENS)
+    ]  # fmt: skip
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.update(bos_token="<|begin_of_text|>", eos_token="<|eot|>", chat_template=LLAMA4_TEMPLATE)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    gen = json.loads((path / "generation_config.json").read_text())
+    gen["eos_token_id"] = [4099, 4100, 0]
     (path / "generation_config.json").write_text(json.dumps(gen))
     return path

@@ -349,3 +349,46 @@ def test_random_deepseek2_gguf_and_its_llama_cpp_twin(tmp_path, capsys):
     assert shapes["blk.1.ffn_down_exps.weight"] == [64, 128, 16]
     assert "blk.1.ffn_gate_shexp.weight" in shapes and "blk.0.ffn_gate.weight" in shapes
     assert int(r.fields["deepseek2.attention.q_lora_rank"].parts[-1][0]) == 64
+
+
+def test_random_llama4_gguf_and_its_llama_cpp_twin(tmp_path, capsys):
+    """llama-4-scout's shape: our layout loads and decodes on the CPU (a prompt longer than the
+    tiny shape's chunk, then a token), `info` shows its rows; the llama.cpp twin splits the
+    experts, keeps the shared expert and the dense layers, and drops the llama3 scaling keys."""
+    import torch
+    from gguf import GGUFReader
+
+    from pyruntime.cli import main
+    from pyruntime.cpu.executor import CpuExecutor
+    from pyruntime.gguf.file import open_gguf
+
+    maker = load("make_random_gguf")
+    real = maker.CONFIGS["llama-4-scout"]
+    assert (real["num_local_experts"], real["num_experts_per_tok"]) == (16, 1)
+    assert (real["num_hidden_layers"], real["hidden_size"], real["intermediate_size"]) == (
+        48, 5120, 8192)  # fmt: skip
+    ours = maker.make_random_gguf("tiny-llama4", tmp_path / "o.gguf", "q8_0", progress=False)
+    model = CpuExecutor.from_gguf(open_gguf(ours))
+    assert model.moe_layers() == [1, 3]
+    cache = model.new_cache(40)
+    logits = torch.cat([model.forward(list(range(20)), cache), model.forward([7], cache)])
+    assert logits.shape == (21, 4096) and torch.isfinite(logits).all()
+    assert main(["info", str(ours)]) == 0
+    out = capsys.readouterr().out
+    for row in ("llama3 x16.0 (original context 8192)", "nope layers       : 1, 3",
+                "attention chunk   : 8 tokens on the rope layers"):  # fmt: skip
+        assert row in out, out
+    lcpp = tmp_path / "l.gguf"
+    maker.make_random_gguf("tiny-llama4", lcpp, "q8_0", progress=False, layout="llama.cpp")
+    r = GGUFReader(lcpp)
+    shapes = {t.name: [int(n) for n in t.shape] for t in r.tensors}
+    assert shapes["blk.1.ffn_down_exps.weight"] == [64, 128, 8]
+    assert shapes["blk.1.ffn_up_shexp.weight"] == [128, 64]
+    assert (
+        shapes["blk.0.ffn_gate.weight"] == [128, 128] and "blk.0.ffn_gate_inp.weight" not in shapes
+    )
+    assert r.fields["llama4.interleave_moe_layer_step"].contents() == 2
+    assert r.fields["llama4.feed_forward_length"].contents() == 128
+    assert not [k for k in r.fields if k.startswith(("llama4.rope.scaling.", "pyruntime."))]
+    assert main(["info", str(lcpp)]) == 0  # its MoE layers found by llama.cpp's expert names
+    assert "dense ffn layers  : 0, 2 (ffn 128; MoE every 2)" in capsys.readouterr().out

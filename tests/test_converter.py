@@ -38,6 +38,7 @@ GGUF_ARCH = {
     "granitemoe": "granitemoe",
     "gptoss": "gpt-oss",
     "deepseek2": "deepseek2",
+    "llama4": "llama4",
 }
 W_TYPE = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
 FILE_TYPE = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2}
@@ -92,6 +93,9 @@ def _reference_tensors(arch: str, path: Path) -> dict[str, np.ndarray]:
                 out[f"{b}.attn_{norm}.weight"] = sd[f"{p}.self_attn.{norm}.weight"]
         if arch == "gptoss":
             out |= _gptoss_layer(sd, p, b)
+            continue
+        if arch == "llama4":
+            out |= _llama4_layer(sd, cfg, p, b)
             continue
         gu = sd.get(f"{p}.{moe}.experts.gate_up_proj")  # [E, 2*ff, n], gate rows then up rows
         if gu is None:  # dense layer
@@ -228,6 +232,31 @@ def _gptoss_layer(sd: dict[str, np.ndarray], p: str, b: str) -> dict[str, np.nda
     }
 
 
+def _llama4_layer(sd: dict[str, np.ndarray], cfg, p: str, b: str) -> dict[str, np.ndarray]:
+    """Llama-4: q/k rows per head from the interleaved rope pairs (2i, 2i + 1) to rotate_half's
+    (i, i + d/2); experts gate_up [E, n, 2ff] (x @ gate_up: gate columns, then up), down
+    [E, ff, n]; an ungated shared expert; dense layers under feed_forward."""
+    d = cfg.head_dim
+    order = np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])
+    out = {}
+    for proj in ("q", "k"):
+        w = sd[f"{p}.self_attn.{proj}_proj.weight"]
+        out[f"{b}.attn_{proj}.weight"] = w.reshape(-1, d, w.shape[-1])[:, order].reshape(w.shape)
+    ff_mod = f"{p}.feed_forward"
+    if f"{ff_mod}.experts.gate_up_proj" not in sd:
+        for proj in ("gate", "up", "down"):
+            out[f"{b}.ffn_{proj}.weight"] = sd[f"{ff_mod}.{proj}_proj.weight"]
+        return out
+    gu, down = sd[f"{ff_mod}.experts.gate_up_proj"], sd[f"{ff_mod}.experts.down_proj"]
+    ff = down.shape[1]
+    gud = np.stack([gu[:, :, :ff].transpose(0, 2, 1), gu[:, :, ff:].transpose(0, 2, 1), down], 2)
+    out[f"{b}.ffn_gud_exps.weight"] = gud
+    out[f"{b}.ffn_gate_inp.weight"] = sd[f"{ff_mod}.router.weight"]
+    for proj in ("gate", "up", "down"):
+        out[f"{b}.ffn_{proj}_shexp.weight"] = sd[f"{ff_mod}.shared_expert.{proj}_proj.weight"]
+    return out
+
+
 def _expected_type(name: str, ref: np.ndarray, outtype: str) -> GGMLQuantizationType:
     if ref.ndim == 1 or "ffn_gate_inp" in name or name.endswith(".bias") or "ssm_conv1d" in name:
         return Q.F32  # norms, biases, sinks, routers, shared-expert gate, DeltaNet conv, A
@@ -312,7 +341,7 @@ def test_metadata(models_root: Path, tmp_path: Path, arch: str):
         f"{a}.expert_feed_forward_length": cfg.get("moe_intermediate_size")
         or cfg["intermediate_size"],
         f"{a}.expert_count": n_expert,
-        f"{a}.expert_used_count": 2,
+        f"{a}.expert_used_count": 1 if arch == "llama4" else 2,
         f"{a}.expert_weights_norm": arch in ("mixtral", "granitemoe", "gptoss", "qwen35moe"),
         f"{a}.attention.head_count": 4,
         f"{a}.attention.head_count_kv": 2,
@@ -330,6 +359,22 @@ def test_metadata(models_root: Path, tmp_path: Path, arch: str):
     # where llama.cpp's converter writes it: the experts' n_ff, or qwen's dense layers' n_ff
     if arch != "qwen35moe":  # no dense FFN and no intermediate_size
         expect[f"{a}.feed_forward_length"] = cfg["intermediate_size"]
+    if arch == "llama4":
+        expect |= {
+            f"{a}.feed_forward_length": 96,  # intermediate_size_mlp: the dense layers
+            f"{a}.expert_shared_feed_forward_length": 32,
+            f"{a}.interleave_moe_layer_step": 2,
+            f"{a}.attention.nope_layers": [False, True, False, True],
+            f"{a}.attention.chunk_size": 8,
+            f"{a}.attention.qk_l2_norm": True,
+            f"{a}.attention.temperature_length": 4,
+            f"{a}.attention.temperature_scale": 0.5,
+            f"{a}.rope.scaling.type": "llama3",
+            f"{a}.rope.scaling.factor": 8.0,
+            f"{a}.rope.scaling.original_context_length": 16,
+            f"{a}.rope.scaling.low_freq_factor": 1.0,
+            f"{a}.rope.scaling.high_freq_factor": 4.0,
+        }
     expect["tokenizer.ggml.pre"] = "gpt-2"  # tokenizer.json: ByteLevel with GPT-2's regex
     if arch == "qwen2moe":
         expect[f"{a}.expert_shared_feed_forward_length"] = 64
@@ -389,6 +434,9 @@ def test_metadata(models_root: Path, tmp_path: Path, arch: str):
             "pyruntime.swiglu_limit": 7.0,
         }
         # harmony ends a turn at <|return|>, which this tokenizer lacks (test_gptoss.py has it)
+        del expect["tokenizer.ggml.eot_token_id"]
+        assert "tokenizer.ggml.eot_token_id" not in r.fields
+    if arch == "llama4":  # a turn ends at <|eot|>, which this tokenizer lacks (test_llama4.py)
         del expect["tokenizer.ggml.eot_token_id"]
         assert "tokenizer.ggml.eot_token_id" not in r.fields
     for key, value in expect.items():

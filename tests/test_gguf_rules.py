@@ -86,7 +86,7 @@ def test_the_original_loads_and_rebuilds_byte_for_byte(demo, tmp_path):
         (f"{A}.attention.value_length", gm.U32, 32, ["value_length 32 differs"]),
         ("general.alignment", gm.U32, 3, ["'general.alignment' is 3, not a power of two"]),
         ("general.alignment", gm.U64, 32, ["'general.alignment' is stored as UINT64"]),
-        ("general.architecture", gm.STRING, "llama4", ["architecture 'llama4' is not supported"]),
+        ("general.architecture", gm.STRING, "falcon", ["architecture 'falcon' is not supported"]),
         ("pyruntime.layout_version", gm.U32, 2, ["layout version 2 is not supported"]),
         ("pyruntime.layout_version", gm.STRING, "1", ["'pyruntime.layout_version' is stored as"]),
         ("pyruntime.expert_activation", gm.STRING, "relu", ["unknown expert activation 'relu'"]),

@@ -29,8 +29,8 @@ IDS = list(range(5, 60, 3))
 # The families the repack knows (llamacpp_layout.FAMILIES); llama.cpp's gpt-oss files are not
 # repacked yet (refused in one line: test_gpt_oss_file_is_refused_in_one_line), nor its qwen35moe
 # files (DeltaNet value heads tiled, the attention gate inside attn_q), nor its deepseek2 files
-# (interleaved rope rows)
-REPACKED_ARCHS = [a for a in ARCHS if a not in ("gptoss", "qwen35moe", "deepseek2")]
+# (interleaved rope rows), nor its llama4 files
+REPACKED_ARCHS = [a for a in ARCHS if a not in ("gptoss", "qwen35moe", "deepseek2", "llama4")]
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -97,6 +97,7 @@ def _family_rows(f: Any) -> list[tuple[str, str]]:
         rows.append(("attention sinks", "yes"))
     rows += _deltanet_rows(f)
     rows += _mla_rows(f)
+    rows += _llama4_rows(f)
     return rows
 
 
@@ -132,6 +133,39 @@ def _mla_rows(f: Any) -> list[tuple[str, str]]:
         + (f"layers 0..{n_dense - 1} dense" if n_dense else "no dense layers")
     )
     return [("latent attention", attn), ("routing", routing), ("experts", shared)]
+
+
+def _llama4_rows(f: Any) -> list[tuple[str, str]]:
+    """llama4: dense/MoE interleave, NoPE layers, attention chunks, q/k L2 norm, temperature
+    tuning, the shared expert."""
+    nope = f.arch_get("attention.nope_layers", None)
+    if nope is None:
+        return []
+    dense = [
+        i
+        for i in range(len(nope))
+        if not any(
+            f.has_tensor(f"blk.{i}.{name}.weight") for name in ("ffn_gud_exps", "ffn_gate_exps")
+        )
+    ]  # ours, llama.cpp's
+    chunk = f.arch_get("attention.chunk_size", 0)
+    length = f.arch_get("attention.temperature_length", 0)
+    temperature = (
+        f"1 + {f.arch_get('attention.temperature_scale', '?')} log(1 + floor((pos + 1) / {length}))"
+        if length
+        else "off"
+    )
+    return [
+        ("dense ffn layers", f"{', '.join(map(str, dense)) or 'none'} (ffn "
+         f"{f.arch_get('feed_forward_length', '?')}; MoE every "
+         f"{f.arch_get('interleave_moe_layer_step', '?')})"),
+        ("nope layers", ", ".join(str(i) for i, v in enumerate(nope) if v) or "none"),
+        ("attention chunk", f"{chunk} tokens on the rope layers" if chunk else "none"),
+        ("qk l2 norm", "yes" if f.arch_get("attention.qk_l2_norm", False) else "no"),
+        ("nope temperature", temperature),
+        ("shared expert ffn", str(f.arch_get("expert_shared_feed_forward_length", "?"))),
+        ("routing", "top-k, sigmoid weight on the expert's input"),
+    ]  # fmt: skip
 
 
 def _deltanet_rows(f: Any) -> list[tuple[str, str]]:

@@ -132,6 +132,10 @@ class MoeModel:
     def qk_norm_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         return None
 
+    def dense_ffn_length(self) -> int:
+        """The dense FFN layers' width ({arch}.feed_forward_length)."""
+        return self.hp.int("intermediate_size")
+
     def set_gguf_parameters(self, w: GGUFWriter) -> None:
         """Architecture metadata keys ({arch}.*) and pyruntime.expert_activation."""
         a = self.gguf_arch
@@ -141,7 +145,7 @@ class MoeModel:
         w.add_uint32(f"{a}.block_count", self.n_layer)
         if self.dense_layers or self.hp.has("intermediate_size"):  # as llama.cpp writes it: the
             # experts' size (olmoe, llama, granitemoe) or the dense layers' (qwen)
-            w.add_uint32(f"{a}.feed_forward_length", self.hp.int("intermediate_size"))
+            w.add_uint32(f"{a}.feed_forward_length", self.dense_ffn_length())
         w.add_uint32(f"{a}.expert_feed_forward_length", self.n_ff_exp)
         w.add_uint32(f"{a}.expert_count", self.n_expert)
         w.add_uint32(f"{a}.expert_used_count", self.n_expert_used)

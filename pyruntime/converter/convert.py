@@ -13,7 +13,7 @@ import numpy as np
 from gguf import GGUFWriter
 from tqdm import tqdm
 
-from pyruntime.converter import architectures, deepseek2, gpt_oss, qwen35  # noqa: F401  (register the classes)
+from pyruntime.converter import architectures, deepseek2, gpt_oss, llama4, qwen35  # noqa: F401  (register the classes)
 from pyruntime.converter.base import MoeModel, model_class_for
 from pyruntime.converter.hparams import HParams
 from pyruntime.converter.hub import model_name, resolve_model

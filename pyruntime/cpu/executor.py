@@ -38,13 +38,14 @@ from pyruntime.model.weights import HostWeights
 
 def c_decoder_runs(cfg: ModelConfig) -> bool:
     """Whether the C decoder (decode step and prefill) runs this model: not a model with Gated
-    DeltaNet layers (qwen35moe) or multi-head latent attention (deepseek2), whose layers the C
-    core does not implement. Such a model runs the reference forward with the C core's `linear`
-    for every matrix (MLA's absorbed decode: its per-head k_b / v_b blocks too) and its
-    routed-expert kernel (the DeltaNet recurrence, conv, MLA's softmax over the latents, norms
-    and attention in torch: per token a few small ops per layer against the experts' and
-    matrices' memory reads)."""
-    return not any(cfg.recurrent_layers) and not cfg.is_mla
+    DeltaNet layers (qwen35moe), multi-head latent attention (deepseek2) or llama4's layers
+    (input-weighted experts, NoPE layers, chunked attention), which the C core does not
+    implement. Such a model runs the reference forward with the C core's `linear` for every
+    matrix (MLA's absorbed decode: its per-head k_b / v_b blocks too) and its routed-expert
+    kernel (the DeltaNet recurrence, conv, MLA's softmax over the latents, norms and attention
+    in torch: per token a few small ops per layer against the experts' and matrices' memory
+    reads)."""
+    return not any(cfg.recurrent_layers) and not cfg.is_mla and not cfg.expert_input_weight
 
 
 class CpuExecutor(ReferenceModel):

@@ -47,7 +47,7 @@ class ModelDescription:
         w.logit_scale = cfg.logit_scale
         w.clamp_kqv = 0.0 if cfg.clamp_kqv is None else cfg.clamp_kqv
         # the frequencies (and YaRN's cos/sin factor) exactly as the reference computes them
-        inv_freq = inv_frequencies(cfg.rope_dim, cfg.rope_theta, cfg.rope_yarn)
+        inv_freq = inv_frequencies(cfg.rope_dim, cfg.rope_theta, cfg.rope_yarn, cfg.rope_llama3)
         self._set_vector(w.rope_inv_freq, inv_freq)
         w.rope_scale = attention_factor(cfg.rope_yarn)
         w.swiglu_alpha, w.swiglu_limit = cfg.swiglu_alpha, cfg.swiglu_limit

@@ -50,6 +50,7 @@ from pyruntime.kernels.expert_paths import SPARSE_PATHS, expert_path
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.executor import RoutingTrace
 from pyruntime.model.kv_cache import KVCache
+from pyruntime.model.llama4 import gpu_issue
 from pyruntime.model.reference import check_k
 from pyruntime.model.stats import ExpertStats
 from pyruntime.model.tokens import single_token, token_ids
@@ -79,6 +80,7 @@ class GpuExecutor:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         issue = activation_issue(cfg.activation, (cfg.swiglu_alpha, cfg.swiglu_limit))
+        issue = issue or gpu_issue(cfg)
         if issue is not None:
             raise UsageError(f"{issue}; use --device cpu")
         try:  # a bad tuning file: one line now, not a traceback mid-decode

@@ -10,15 +10,16 @@ from pyruntime.errors import ModelFileError
 from pyruntime.gguf.file import GGUFFile
 from pyruntime.model.layout import check_layout_keys, check_tensors
 from pyruntime.model.llamacpp_layout import EXPERT_WEIGHTS_NORM
-from pyruntime.model.rope import Yarn
+from pyruntime.model.rope import Llama3, Yarn
 
 _REQUIRED = object()  # the default of a key that must be present
 SUPPORTED_ARCHS = (
-    "olmoe", "qwen2moe", "qwen3moe", "llama", "granitemoe", "gpt-oss", "qwen35moe", "deepseek2"
+    "olmoe", "qwen2moe", "qwen3moe", "llama", "granitemoe", "gpt-oss", "qwen35moe", "deepseek2",
+    "llama4",
 )  # fmt: skip
 # swiglu_oai: gpt-oss's clamped SwiGLU (its own formula of gate and up: see model/reference.py)
 ACTIVATIONS = ("silu", "gelu", "gelu_exact", "swiglu_oai")
-ROPE_SCALINGS = ("none", "yarn")  # {arch}.rope.scaling.type
+ROPE_SCALINGS = ("none", "yarn", "llama3")  # {arch}.rope.scaling.type
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,18 @@ class ModelConfig:
     ssm_n_v_heads: int = 0
     ssm_head_k_dim: int = 0
     ssm_head_v_dim: int = 0
+    # llama4: per layer, True for a NoPE layer (no rope, global attention, temperature tuning);
+    # the rope layers attend within chunks of attention_chunk tokens (0: no chunking) and
+    # L2-normalize q and k per head after rope (qk_l2_norm); a NoPE layer's q is scaled by
+    # 1 + temperature_scale log(1 + floor((pos + 1) / temperature_length)) (0: no scaling);
+    # routing: top-k of the router logits, sigmoid(logit) multiplies the expert's input
+    rope_llama3: Llama3 | None = None
+    nope_layers: tuple[bool, ...] = ()
+    attention_chunk: int = 0
+    qk_l2_norm: bool = False
+    temperature_length: int = 0
+    temperature_scale: float = 0.0
+    expert_input_weight: bool = False
     # Multi-head latent attention (deepseek2; pyruntime.model.mla): the latent's rank (0: not
     # MLA), the query LoRA's rank (0: none), per head the key dims without and with rope and the
     # value dims. head_dim is then the cached latent plus rope key (mla_kv_rank + rope_dim) of
@@ -71,6 +84,15 @@ class ModelConfig:
     expert_weights_scale: float = 1.0
     expert_groups: int = 0
     expert_groups_used: int = 0
+
+    def is_nope(self, layer: int) -> bool:
+        """Whether `layer` is a NoPE layer (llama4): no rope, attends to every earlier token."""
+        return bool(self.nope_layers) and self.nope_layers[layer]
+
+    def layer_chunk(self, layer: int) -> int:
+        """Tokens per attention chunk of `layer` (a query sees the keys of its own chunk up to
+        itself), 0 when the layer does not chunk."""
+        return 0 if self.is_nope(layer) else self.attention_chunk
 
     @property
     def is_mla(self) -> bool:
@@ -134,12 +156,14 @@ class ModelConfig:
             logit_scale=g.float("logit_scale", 1.0, positive=True),
             clamp_kqv=g.float("attention.clamp_kqv", None, positive=True),
             rope_yarn=_yarn(f, g),
+            rope_llama3=_llama3(g),
             sliding_window=g.int("attention.sliding_window", 0, minimum=0),
             sliding_layers=_sliding_layers(f, g),
             swiglu_alpha=_layout_float(f, "pyruntime.swiglu_alpha", 1.702),
             swiglu_limit=_layout_float(f, "pyruntime.swiglu_limit", 7.0, positive=True),
             **_deltanet(f, g),
             **_mla(f, g),
+            **_llama4(f, g),
         )
         value_length = g.int("attention.value_length", head_dim)
         if cfg.is_mla:
@@ -176,6 +200,11 @@ class ModelConfig:
             raise ModelFileError(
                 f"{where}: {self.arch}.attention.recurrent_layers has "
                 f"{len(self.recurrent_layers)} entries, expected one per layer ({self.n_layer})"
+            )
+        if self.nope_layers and len(self.nope_layers) != self.n_layer:
+            raise ModelFileError(
+                f"{where}: {self.arch}.attention.nope_layers has {len(self.nope_layers)} "
+                f"entries, expected one per layer ({self.n_layer})"
             )
         if any(self.sliding_layers) and self.sliding_window < 1:
             raise ModelFileError(
@@ -231,7 +260,7 @@ def _yarn(f: GGUFFile, g: _Keys) -> Yarn | None:
         raise g._bad(
             "rope.scaling.type", f"is {_shown(kind)}; supported: {', '.join(ROPE_SCALINGS)}"
         )
-    if kind == "none":
+    if kind in ("none", "llama3"):
         return None
     truncate = f.get("pyruntime.rope_yarn_truncate", True)
     return Yarn(
@@ -241,6 +270,22 @@ def _yarn(f: GGUFFile, g: _Keys) -> Yarn | None:
         beta_slow=g.float("rope.scaling.yarn_beta_slow", 1.0, positive=True),
         truncate=bool(truncate),
         attn_factor=g.float("rope.scaling.attn_factor", None, positive=True),
+    )
+
+
+def _llama3(g: _Keys) -> Llama3 | None:
+    """Llama 3 rope scaling (rope.scaling.type 'llama3'), else None."""
+    if g.get("rope.scaling.type", "none") != "llama3":
+        return None
+    low = g.float("rope.scaling.low_freq_factor", positive=True)
+    high = g.float("rope.scaling.high_freq_factor", positive=True)
+    if high < low:
+        raise g._bad("rope.scaling.high_freq_factor", f"is {high}, below low_freq_factor {low}")
+    return Llama3(
+        factor=g.float("rope.scaling.factor", positive=True),
+        low_freq_factor=low,
+        high_freq_factor=high,
+        original_context_length=g.int("rope.scaling.original_context_length"),
     )
 
 
@@ -325,6 +370,23 @@ def _mla(f: GGUFFile, g: _Keys) -> dict[str, Any]:
         expert_weights_scale=g.float("expert_weights_scale", 1.0, positive=True),
         expert_groups=groups if groups > 1 else 0,
         expert_groups_used=used if groups > 1 else 0,
+    )
+
+
+def _llama4(f: GGUFFile, g: _Keys) -> dict[str, Any]:
+    """The llama4 keys: NoPE layers, attention chunk, q/k L2 norm, temperature tuning, routing
+    (docs/gguf-layout.md). {} for the other families."""
+    if f.arch != "llama4":
+        return {}
+    pattern = g.get("attention.nope_layers", None)
+    length = g.int("attention.temperature_length", 0, minimum=0)
+    return dict(
+        nope_layers=() if pattern is None else tuple(bool(v) for v in pattern),
+        attention_chunk=g.int("attention.chunk_size", 0, minimum=0),
+        qk_l2_norm=bool(g.get("attention.qk_l2_norm", False)),
+        temperature_length=length,
+        temperature_scale=g.float("attention.temperature_scale", 0.0) if length else 0.0,
+        expert_input_weight=True,
     )
 
 

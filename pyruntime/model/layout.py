@@ -46,7 +46,7 @@ F32 = (Q.F32,)  # norms, biases, routers, the shared-expert gate
 QK_NORM = {"olmoe": "whole", "qwen3moe": "head", "qwen35moe": "head"}
 QKV_BIAS = ("qwen2moe", "gpt-oss")
 O_BIAS = ("gpt-oss",)
-SHARED_EXPERT = ("qwen2moe", "qwen35moe", "deepseek2")
+SHARED_EXPERT = ("qwen2moe", "qwen35moe", "deepseek2", "llama4")
 SHARED_GATE = ("qwen2moe", "qwen35moe")  # the shared expert's output *= sigmoid(x . gate)
 # an output gate on full attention (attn_gate: out *= sigmoid(x W_gate^T)) (qwen35moe)
 ATTN_GATE = ("qwen35moe",)

@@ -31,6 +31,7 @@ from pyruntime.model.config import ModelConfig
 from pyruntime.model.deltanet import deltanet_layer
 from pyruntime.model.executor import RoutingTrace
 from pyruntime.model.kv_cache import KVCache
+from pyruntime.model.llama4 import input_weighted_experts, temperature_scales
 from pyruntime.model.mla import (
     attention_absorbed,
     attention_plain,
@@ -55,7 +56,7 @@ def model_rope_tables(
     cfg: ModelConfig, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [n, rope_dim] of the model's rope (plain or YaRN) at `positions`."""
-    inv_freq = inv_frequencies(cfg.rope_dim, cfg.rope_theta, cfg.rope_yarn)
+    inv_freq = inv_frequencies(cfg.rope_dim, cfg.rope_theta, cfg.rope_yarn, cfg.rope_llama3)
     return rope_tables(positions, inv_freq, attention_factor(cfg.rope_yarn))
 
 
@@ -110,14 +111,19 @@ def route(
     renormalize: bool,
     scale: float = 1.0,
     groups: tuple[int, int] = (0, 0),
+    sigmoid: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over all experts, top-k, optional renormalization, times `scale`
     (docs/gguf-layout.md). groups (n_group, n_used), deepseek2's group-limited top-k: the
     experts split into n_group equal groups, a group scored by its best expert, the top-k taken
-    within the n_used best groups only.
+    within the n_used best groups only. With `sigmoid` (llama4): top-k of the logits, weighted
+    sigmoid(logit).
 
     router_logits: [T, n_expert] -> (ids [T, k] int64, weights [T, k] f32).
     """
+    if sigmoid:
+        top, ids = torch.topk(router_logits.float(), k, dim=-1)
+        return ids, torch.sigmoid(top)
     probs = torch.softmax(router_logits.float(), dim=-1)
     pick = probs
     if groups[0]:
@@ -207,15 +213,18 @@ def check_k(k: int | None, cfg: ModelConfig) -> int:
 
 
 def attention_mask(
-    start: int, end: int, window: int = 0, device: torch.device | None = None
+    start: int, end: int, window: int = 0, device: torch.device | None = None, chunk: int = 0
 ) -> torch.Tensor:
     """[end - start, end] bool: the query at absolute position start + a sees key p when
-    p <= start + a (causal) and, with a window, start + a - p < window."""
+    p <= start + a (causal) and, with a window, start + a - p < window; with a chunk, when p is
+    in the query's chunk (p // chunk == (start + a) // chunk)."""
     q_pos = torch.arange(start, end, device=device)[:, None]
     k_pos = torch.arange(end, device=device)[None, :]
     mask = k_pos <= q_pos
     if window:
         mask &= q_pos - k_pos < window
+    if chunk:
+        mask &= q_pos // chunk == k_pos // chunk
     return mask
 
 
@@ -364,9 +373,14 @@ class ReferenceModel:
         if per_head_norm:  # qwen3moe: norm per head
             q = rms_norm(q, blk.q_norm, cfg.rms_eps)
             k = rms_norm(k, blk.k_norm, cfg.rms_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
         start = cache.n_tokens
+        if not cfg.is_nope(i):
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if cfg.qk_l2_norm:  # llama4: per head, no weight
+                q, k = rms_norm(q, 1.0, cfg.rms_eps), rms_norm(k, 1.0, cfg.rms_eps)
+        elif cfg.temperature_length:  # llama4's NoPE layers
+            q = q * temperature_scales(cfg, start, n)[None, :, None]
+
         end = start + n
         cache.k[i][:, start:end] = k
         cache.v[i][:, start:end] = v
@@ -375,7 +389,7 @@ class ReferenceModel:
         if group > 1:
             keys = keys.repeat_interleave(group, dim=0)
             values = values.repeat_interleave(group, dim=0)
-        mask = attention_mask(start, end, cfg.layer_window(i))
+        mask = attention_mask(start, end, cfg.layer_window(i), chunk=cfg.layer_chunk(i))
         scale = (
             cfg.attention_scale if cfg.attention_scale is not None else 1 / math.sqrt(cfg.head_dim)
         )
@@ -433,13 +447,25 @@ class ReferenceModel:
             cfg.expert_weights_norm,
             cfg.expert_weights_scale,
             (cfg.expert_groups, cfg.expert_groups_used),
+            cfg.expert_input_weight,
         )
         if trace is not None:
             trace.append((ids, logits.float()))
-        if self.gate_observer is not None:
-            self.gate_observer(i, blk.experts, x, ids, cfg.activation)
+        observe = self.gate_observer
         threshold = None if self.expert_threshold is None else self.expert_threshold[i]
-        y, n_active = self.expert_backend(blk.experts, x, ids, w, cfg.activation, threshold)
+        if cfg.expert_input_weight:  # llama4
+
+            def slot_observer(xs: torch.Tensor, ids_s: torch.Tensor) -> None:
+                observe(i, blk.experts, xs, ids_s, cfg.activation)
+
+            y, n_active = input_weighted_experts(
+                self.expert_backend, blk.experts, x, ids, w, cfg.activation, threshold,
+                None if observe is None else slot_observer,
+            )  # fmt: skip
+        else:
+            if observe is not None:
+                observe(i, blk.experts, x, ids, cfg.activation)
+            y, n_active = self.expert_backend(blk.experts, x, ids, w, cfg.activation, threshold)
         self.stats.add(n_pairs=ids.numel(), n_active=n_active, n_ff=cfg.n_ff_exp)
         if blk.shared is not None:
             s = dense_ffn(blk.shared, x, cfg.activation, self.linear)

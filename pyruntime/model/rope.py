@@ -4,7 +4,10 @@ HF's "rotate_half" pairing (dimension i with i + d/2). YaRN (gpt-oss) follows tr
 _compute_yarn_parameters op for op in float32: each frequency blends its extrapolated (theta^-2i/d)
 and interpolated (that / factor) value by a linear ramp over the dimensions between the correction
 bounds of beta_fast and beta_slow rotations, and cos and sin are multiplied by the attention factor
-(0.1 ln(factor) + 1 unless the model gives one), which scales both q and k.
+(0.1 ln(factor) + 1 unless the model gives one), which scales both q and k. Llama 3 scaling
+(llama4) follows transformers' _compute_llama3_parameters: frequencies of wavelength past
+original_context_length / low_freq_factor are divided by factor, those under
+original_context_length / high_freq_factor kept, those between blended.
 """
 
 from __future__ import annotations
@@ -27,9 +30,23 @@ class Yarn:
     attn_factor: float | None = None  # None: 0.1 ln(factor) + 1 (factor > 1), else 1
 
 
-def inv_frequencies(dim: int, theta: float, yarn: Yarn | None = None) -> torch.Tensor:
+@dataclass(frozen=True)
+class Llama3:
+    """Llama 3 rope scaling (GGUF `{arch}.rope.scaling.*`, docs/gguf-layout.md)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_context_length: int
+
+
+def inv_frequencies(
+    dim: int, theta: float, yarn: Yarn | None = None, llama3: Llama3 | None = None
+) -> torch.Tensor:
     """float32 [dim / 2]: the rotation frequency of each pair of dimensions."""
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    if llama3 is not None:
+        return _llama3_frequencies(1.0 / (theta**exponents), llama3)
     if yarn is None:
         return 1.0 / (theta**exponents)
     pos_freqs = theta**exponents
@@ -50,6 +67,17 @@ def inv_frequencies(dim: int, theta: float, yarn: Yarn | None = None) -> torch.T
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
     extrapolation_factor = 1 - ramp
     return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, s: Llama3) -> torch.Tensor:
+    old = s.original_context_length
+    low_wavelen, high_wavelen = old / s.low_freq_factor, old / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def attention_factor(yarn: Yarn | None) -> float:

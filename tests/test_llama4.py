@@ -1,0 +1,302 @@
+"""Llama-4: the converter's fields and refusals, its multimodal layout, the CPU path, sparsity,
+and the places it is refused (no GPU path yet; big/little needs top-k >= 2). Logits vs
+transformers (prefill and token-by-token decode, f32 / q8_0 / mxfp4, both expert backends) are
+in tests/test_parity.py (ARCHS); the tiny config (tests/hf_fixtures.py) makes every feature
+move the log-probs by more than the 1e-3 tolerance: without the chunk mask, the q/k L2 norm,
+the NoPE layers, llama3 scaling or with the sigmoid weight on the expert's output by 0.50-1.07,
+without temperature tuning by 0.006.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hf_fixtures import make_tiny_hf_model
+
+from pyruntime.converter import convert
+from pyruntime.cpu.executor import CpuExecutor, c_decoder_runs
+from pyruntime.errors import ConversionError, UsageError
+from pyruntime.gguf.file import open_gguf
+from pyruntime.model.config import ModelConfig
+from pyruntime.model.reference import attention_mask
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    return make_tiny_hf_model("llama4", tmp_path_factory.mktemp("l4") / "hf")
+
+
+@pytest.fixture(scope="module")
+def f32_path(hf_dir, tmp_path_factory) -> Path:
+    return convert(hf_dir, tmp_path_factory.mktemp("l4g") / "m.gguf", "f32", progress=False)
+
+
+def test_the_file_holds_the_llama4_fields(f32_path):
+    f = open_gguf(f32_path)
+    cfg = ModelConfig.from_gguf(f)
+    assert cfg.nope_layers == (False, True, False, True)
+    assert (cfg.layer_chunk(0), cfg.layer_chunk(1)) == (8, 0)  # NoPE layers attend globally
+    assert cfg.qk_l2_norm and cfg.expert_input_weight and not cfg.expert_weights_norm
+    assert (cfg.temperature_length, cfg.temperature_scale) == (4, 0.5)
+    llama3 = cfg.rope_llama3
+    assert (llama3.factor, llama3.low_freq_factor, llama3.high_freq_factor) == (8.0, 1.0, 4.0)
+    assert llama3.original_context_length == 16
+    # layers 0 and 2 dense (intermediate_size_mlp), 1 and 3 MoE with an ungated shared expert
+    model = CpuExecutor.from_gguf(f, expert_backend="torch")
+    assert model.moe_layers() == [1, 3]
+    assert model.blocks[0].dense_ffn.gate.shape == (96, 64)
+    assert model.blocks[1].shared is not None and model.blocks[1].shared_gate is None
+
+
+def test_chunk_mask():
+    """A query sees the earlier keys of its own chunk only (chunks of 3; queries 4..7)."""
+    mask = attention_mask(4, 8, chunk=3)
+    want = [[k <= q and k // 3 == q // 3 for k in range(8)] for q in range(4, 8)]
+    assert mask.tolist() == want
+
+
+def test_cpu_path_runs_the_reference_with_the_c_core(f32_path):
+    model = CpuExecutor.from_gguf(open_gguf(f32_path), expert_backend="c")
+    assert not c_decoder_runs(model.config) and model._decoder is None
+    assert model.core is not None and model.linear == model._core_linear
+
+
+def test_info_shows_the_llama4_fields(f32_path, capsys):
+    from pyruntime.cli import main
+
+    assert main(["info", str(f32_path)]) == 0
+    out = capsys.readouterr().out
+    assert "rope scaling      : llama3 x8.0 (original context 16)" in out
+    assert "dense ffn layers  : 0, 2 (ffn 96; MoE every 2)" in out
+    assert "nope layers       : 1, 3" in out
+    assert "attention chunk   : 8 tokens on the rope layers" in out
+    assert "qk l2 norm        : yes" in out
+    assert "1 + 0.5 log(1 + floor((pos + 1) / 4))" in out
+
+
+def test_big_little_refuses_top1(f32_path):
+    from pyruntime.decoding.mode import DecodingMode
+
+    cfg = ModelConfig.from_gguf(open_gguf(f32_path))
+    with pytest.raises(UsageError) as info:
+        DecodingMode.from_options(cfg, big_little=True)
+    assert "needs a model with top-k >= 2 (this one routes 1 expert" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_gpu_refuses_in_one_line_and_auto_takes_the_cpu(f32_path, monkeypatch):
+    from pyruntime.gpu.executor import GpuExecutor
+    from pyruntime.model.weights import HostWeights
+    from pyruntime.placement import choose_device
+
+    f = open_gguf(f32_path)
+    cfg = ModelConfig.from_gguf(f)
+    with pytest.raises(UsageError, match="llama4 models run on the CPU only .*; use --device cpu$"):
+        GpuExecutor(cfg, HostWeights.from_gguf(f, cfg), device="cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (80 << 30, 80 << 30))
+    choice = choose_device("auto", f, cfg, 64)
+    assert choice.device == "cpu" and "llama4 models run on the CPU only" in choice.note
+    with pytest.raises(UsageError, match="^--device cuda: llama4 models run on the CPU only"):
+        choose_device("cuda", f, cfg, 64)
+
+
+# ---- the converter --------------------------------------------------------------------------
+
+
+def _multimodal(hf_dir: Path, out: Path) -> Path:
+    """The same text model as Llama4ForConditionalGeneration stores it: tensors under
+    language_model.model. and language_model.lm_head, a vision tower and projector beside it,
+    the config nested."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    state = load_file(str(hf_dir / "model.safetensors"))
+    renamed = {f"language_model.{k}": v for k, v in state.items()}
+    renamed["vision_model.patch_embedding.linear.weight"] = torch.zeros(8, 12)
+    renamed["multi_modal_projector.linear_1.weight"] = torch.zeros(64, 8)
+    save_file(renamed, str(out / "model.safetensors"), metadata={"format": "pt"})
+    text = json.loads((hf_dir / "config.json").read_text())
+    text.pop("architectures")
+    config = {
+        "architectures": ["Llama4ForConditionalGeneration"],
+        "model_type": "llama4",
+        "text_config": text,
+        "vision_config": {"num_hidden_layers": 1},
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(hf_dir / name, out / name)
+    return out
+
+
+def test_multimodal_checkpoint_converts_its_text_model(hf_dir, f32_path, tmp_path):
+    mm = convert(_multimodal(hf_dir, tmp_path / "mm"), tmp_path / "mm.gguf", "f32", False)
+    a, b = open_gguf(f32_path), open_gguf(mm)
+    assert list(a.tensors) == list(b.tensors)
+    for name, t in a.tensors.items():
+        assert bytes(t.data) == bytes(b.tensors[name].data), name
+    assert b.get("pyruntime.hf_architecture") == "Llama4ForConditionalGeneration"
+
+
+def _edited(hf_dir: Path, tmp_path: Path, **config) -> Path:
+    out = tmp_path / "edited"
+    shutil.copytree(hf_dir, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(config)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (dict(hidden_act="gelu"), "'hidden_act' must be silu"),
+        (dict(layer_types=["full_attention"] * 4), "'layer_types' must be chunked_attention"),
+        (dict(no_rope_layers=[1, 0]), "'no_rope_layers' must list 0 or 1 for each of the 4"),
+        (dict(moe_layers=[1, 7]), "'moe_layers' must list layer indices in 0..3"),
+        (dict(router_jitter_noise=0.1), "'router_jitter_noise' must be 0"),
+        (dict(rope_parameters=dict(rope_theta=1e4, rope_type="yarn", factor=2.0)), "yarn"),
+        (
+            dict(
+                rope_parameters=dict(
+                    rope_type="llama3",
+                    rope_theta=1e4,
+                    factor=8.0,
+                    low_freq_factor=4.0,
+                    high_freq_factor=1.0,
+                    original_max_position_embeddings=16,
+                )
+            ),
+            "'rope_parameters.high_freq_factor' must be >= low_freq_factor",
+        ),  # fmt: skip
+    ],
+)
+def test_unsupported_config_values_are_one_line(hf_dir, tmp_path, config, message):
+    src = _edited(hf_dir, tmp_path, **config)
+    with pytest.raises(ConversionError) as info:
+        convert(src, tmp_path / "out.gguf", "f32", progress=False)
+    assert message in str(info.value) and "\n" not in str(info.value)
+    assert not (tmp_path / "out.gguf").exists()
+
+
+def test_a_missing_tensor_is_one_line_and_no_file(hf_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = _edited(hf_dir, tmp_path)
+    state = load_file(str(src / "model.safetensors"))
+    del state["model.layers.3.feed_forward.shared_expert.up_proj.weight"]
+    save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConversionError) as info:
+        convert(src, tmp_path / "out.gguf", "f32", progress=False)
+    assert "missing tensors: model.layers.3.feed_forward.shared_expert.up_proj" in str(info.value)
+    assert "\n" not in str(info.value) and list(tmp_path.glob("out.gguf*")) == []
+
+
+def test_calibrate_and_sparsity_hit_the_target(hf_dir, tmp_path):
+    """`pyruntime calibrate` then --sparsity: thresholds measured on one text (on each expert's
+    input as it runs: x * sigmoid(logit)), applied to another, drop the target fraction of
+    routed neurons within 3 points (512 tokens x 2 MoE layers x 1 expert x 32 neurons = 33k
+    decisions per target), in a prompt and token by token."""
+    from pyruntime.api import Model
+    from pyruntime.cli import main
+
+    repo = Path(__file__).resolve().parents[1]
+    path = convert(hf_dir, tmp_path / "m.gguf", "q8_0", progress=False)
+    assert main(["calibrate", str(path), "-f", str(repo / "docs" / "gguf-layout.md")]) == 0
+    dense = Model(path)
+    ids = dense.tokenize((repo / "README.md").read_text())[:512]
+    dense_logits = dense.logits(ids)
+    for target in (0.3, 0.7):
+        model = Model(path, sparsity=target)
+        logits = model.logits(ids)
+        assert abs(model.achieved_sparsity - target) <= 0.03, (target, model.achieved_sparsity)
+        assert (logits != dense_logits).any()
+        step = Model(path, sparsity=target).net
+        cache = step.new_cache(256)
+        for token in ids[:256]:
+            step.forward([token], cache)
+        assert abs(step.stats.sparsity - target) <= 0.03, (target, step.stats.sparsity)
+
+
+def test_llama3_frequencies_are_transformers():
+    """Both the blended band (high > low) and Llama-4's release values (high == low: none)."""
+    from transformers import Llama4TextConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from pyruntime.model.rope import Llama3, inv_frequencies
+
+    for low, high, orig in ((1.0, 4.0, 16), (1.0, 1.0, 8192)):
+        rope = dict(rope_type="llama3", rope_theta=500000.0, factor=16.0, low_freq_factor=low,
+                    high_freq_factor=high, original_max_position_embeddings=orig)  # fmt: skip
+        want, _ = ROPE_INIT_FUNCTIONS["llama3"](Llama4TextConfig(head_dim=64, rope_parameters=rope))
+        got = inv_frequencies(64, 500000.0, llama3=Llama3(16.0, low, high, orig))
+        assert torch.equal(got, want)
+        assert not torch.equal(got, inv_frequencies(64, 500000.0))
+
+
+# ---- chat -----------------------------------------------------------------------------------
+
+LLAMA4_CHATS = [
+    [{"role": "user", "content": "Hi there"}],
+    [
+        {"role": "system", "content": "  Be brief. "},
+        {"role": "user", "content": "What is a cat?"},
+        {"role": "assistant", "content": "A cat."},
+        {"role": "user", "content": "Its colour?"},
+    ],
+    [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"type": "function",
+                         "function": {"name": "weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": "-3 C, snow"},
+        {"role": "assistant", "content": "Cold and snowy."},
+    ],
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> tuple[Path, Path]:
+    from hf_fixtures import make_llama4_chat_model
+
+    tmp = tmp_path_factory.mktemp("l4chat")
+    hf = make_llama4_chat_model(tmp / "hf")
+    return hf, convert(hf, tmp / "m.gguf", "q8_0", progress=False)
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("chat", range(len(LLAMA4_CHATS)))
+def test_chat_template_renders_and_tokenizes_as_transformers(chat_model, chat,
+                                                            add_generation_prompt):  # fmt: skip
+    """The GGUF's chat template (the checkpoint's tokenizer_config.json jinja: the bos token,
+    headers, a trimmed system message, tool calls and results), rendered by our sandboxed
+    renderer, is transformers' apply_chat_template text; it tokenizes as the HF tokenizer
+    does."""
+    from transformers import AutoTokenizer
+
+    from pyruntime.api import Model
+
+    hf = AutoTokenizer.from_pretrained(chat_model[0])
+    model = Model(chat_model[1])
+    messages = LLAMA4_CHATS[chat]
+    want = hf.apply_chat_template(messages, tokenize=False,
+                                  add_generation_prompt=add_generation_prompt)  # fmt: skip
+    text = model.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    assert text == want and text.startswith("<|begin_of_text|>")
+    ids = model.tokenize(text)
+    assert ids == hf(text, add_special_tokens=True)["input_ids"]
+    assert ids[0] == 4096 and ids.count(4099) == len(messages)  # <|begin_of_text|>, <|eot|>
+    assert (4101 in ids) == (chat == 2)  # <|python_start|>
+
+
+def test_chat_turns_end_at_eot(chat_model):
+    from gguf import GGUFReader
+
+    fields = GGUFReader(chat_model[1]).fields
+    assert fields["tokenizer.ggml.eot_token_id"].contents() == 4099  # <|eot|>
+    assert set(fields["pyruntime.stop_token_ids"].contents()) == {4099, 4100, 0}
