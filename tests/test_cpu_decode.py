@@ -20,9 +20,6 @@ tests/c/test_decode.c runs every decode and error path of the C side under ASan 
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import gguf
@@ -31,6 +28,7 @@ import pytest
 import torch
 from hf_fixtures import ARCHS, make_tiny_hf_model
 from quant_blocks import K_QUANTS, random_blocks
+from sanitized_c import run_sanitized_c_test
 from test_cpu_core import FORMATS, QUANTIZED, default_n_embd
 
 from pyruntime.converter import convert
@@ -420,24 +418,7 @@ def test_step_seams_refuse_bad_arguments(tmp_path):
 
 def test_c_decode_tests_under_asan_ubsan(tmp_path):
     """tests/c/test_decode.c: every decode path and error path under ASan + UBSan + LSan."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        pytest.skip("no C compiler")
-    repo = Path(__file__).resolve().parents[1]
-    sources = [*sorted((repo / "runtime" / "src").glob("*.c")), repo / "tests/c/test_decode.c"]
-    exe = tmp_path / "test_decode"
-    cmd = [compiler, "-std=c11", "-O1", "-g", "-fno-omit-frame-pointer"]
-    cmd += ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
-    cmd += ["-Wall", "-Wextra", "-Werror", f"-I{repo / 'runtime/include'}"]
-    cmd += [f"-I{repo / 'runtime/src'}", *map(str, sources), "-o", str(exe), "-pthread", "-lm"]
-    build = subprocess.run(cmd, capture_output=True, text=True)
-    if build.returncode != 0 and "sanitize" in build.stderr and "unrecognized" in build.stderr:
-        pytest.skip(f"{compiler} has no ASan/UBSan")
-    assert build.returncode == 0, build.stderr
-    env = {**os.environ, "ASAN_OPTIONS": "detect_leaks=1"}
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, env=env)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "all C decode tests passed" in run.stdout
+    run_sanitized_c_test(tmp_path, "test_decode", "all C decode tests passed")
 
 
 def test_single_token_is_the_fast_paths_id_check():

@@ -11,14 +11,12 @@ quantized x), so the same tolerances hold.
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from hf_fixtures import make_tiny_hf_model
+from sanitized_c import run_sanitized_c_test
 
 from pyruntime.converter import convert
 from pyruntime.cpu.core import CoreError, CpuCore
@@ -149,21 +147,4 @@ def test_bad_calls_are_one_line_errors(model, core):
 def test_c_deltanet_tests_under_asan_ubsan(tmp_path):
     """tests/c/test_deltanet.c: the step against float64 and its error paths under ASan + UBSan
     + LSan."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        pytest.skip("no C compiler")
-    repo = Path(__file__).resolve().parents[1]
-    sources = [*sorted((repo / "runtime" / "src").glob("*.c")), repo / "tests/c/test_deltanet.c"]
-    exe = tmp_path / "test_deltanet"
-    cmd = [compiler, "-std=c11", "-O1", "-g", "-fno-omit-frame-pointer"]
-    cmd += ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
-    cmd += ["-Wall", "-Wextra", "-Werror", f"-I{repo / 'runtime/include'}"]
-    cmd += [f"-I{repo / 'runtime/src'}", *map(str, sources), "-o", str(exe), "-pthread", "-lm"]
-    build = subprocess.run(cmd, capture_output=True, text=True)
-    if build.returncode != 0 and "sanitize" in build.stderr and "unrecognized" in build.stderr:
-        pytest.skip(f"{compiler} has no ASan/UBSan")
-    assert build.returncode == 0, build.stderr
-    env = {**os.environ, "ASAN_OPTIONS": "detect_leaks=1"}
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, env=env)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "all C deltanet tests passed" in run.stdout
+    run_sanitized_c_test(tmp_path, "test_deltanet", "all C deltanet tests passed")

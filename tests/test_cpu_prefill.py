@@ -18,14 +18,12 @@ counts in stats, --ubatch through the options, and tests/c/test_prefill.c under 
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from hf_fixtures import ARCHS, make_tiny_hf_model
+from sanitized_c import run_sanitized_c_test
 
 from pyruntime.converter import convert
 from pyruntime.cpu import core as cpu_core
@@ -222,21 +220,4 @@ def test_ubatch_option_reaches_the_executor(tmp_path):
 
 def test_c_prefill_tests_under_asan_ubsan(tmp_path):
     """tests/c/test_prefill.c: the prefill's paths and errors under ASan + UBSan + LSan."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        pytest.skip("no C compiler")
-    repo = Path(__file__).resolve().parents[1]
-    sources = [*sorted((repo / "runtime" / "src").glob("*.c")), repo / "tests/c/test_prefill.c"]
-    exe = tmp_path / "test_prefill"
-    cmd = [compiler, "-std=c11", "-O1", "-g", "-fno-omit-frame-pointer"]
-    cmd += ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
-    cmd += ["-Wall", "-Wextra", "-Werror", f"-I{repo / 'runtime/include'}"]
-    cmd += [f"-I{repo / 'runtime/src'}", *map(str, sources), "-o", str(exe), "-pthread", "-lm"]
-    build = subprocess.run(cmd, capture_output=True, text=True)
-    if build.returncode != 0 and "sanitize" in build.stderr and "unrecognized" in build.stderr:
-        pytest.skip(f"{compiler} has no ASan/UBSan")
-    assert build.returncode == 0, build.stderr
-    env = {**os.environ, "ASAN_OPTIONS": "detect_leaks=1"}
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300, env=env)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "all C prefill tests passed" in run.stdout
+    run_sanitized_c_test(tmp_path, "test_prefill", "all C prefill tests passed")
