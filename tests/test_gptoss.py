@@ -220,15 +220,15 @@ def test_calibrate_and_sparsity_hit_the_target(tiny, tmp_path):
     repo = Path(__file__).resolve().parents[1]
     path = convert(tiny[0], tmp_path / "m.gguf", "q8_0", progress=False)
     assert main(["calibrate", str(path), "-f", str(repo / "docs" / "gguf-layout.md")]) == 0
-    dense = Model(path)
+    dense = Model(path, device="cpu")  # the C core, also where a GPU is present
     ids = dense.tokenize((repo / "README.md").read_text())[:512]
     dense_logits = dense.logits(ids)
     for target in (0.3, 0.5, 0.7, 0.9):
-        model = Model(path, sparsity=target)
+        model = Model(path, sparsity=target, device="cpu")
         logits = model.logits(ids)
         assert abs(model.achieved_sparsity - target) <= 0.03, (target, model.achieved_sparsity)
         assert (logits != dense_logits).any()
-        step = Model(path, sparsity=target).net  # the C decode step, one token at a time
+        step = Model(path, sparsity=target, device="cpu").net  # the C step, token by token
         step.sparse_decode = True  # even where dense steps measured faster (cpu/sparse_switch)
         cache = step.new_cache(256)
         for token in ids[:256]:

@@ -176,3 +176,32 @@ def test_a_refused_part_leaves_nothing_registered():
     assert "read-only" in shared.pin(0x11000, 0x1000, read_only=False)
     shared.unpin(0x10000)
     assert driver.live == {}
+
+
+def test_uploads_are_cut_where_a_registered_range_starts_or_ends(monkeypatch):
+    """CUDA refuses a copy from host memory that starts inside a registered range and runs past
+    its end ("invalid argument", seen on the H100 when a second executor uploaded a tensor
+    sharing a page with the experts' registered span): the upload of a mapped view is made in
+    pieces cut at every range edge inside it, and its bytes are those of the view."""
+    from pyruntime.gpu import weights as gpu_weights
+    from pyruntime.offload import host_register
+
+    data = np.arange(3 * PAGE, dtype=np.uint8)
+    base = data.ctypes.data
+    shared = SharedRegistration(RecordingDriver())
+    assert shared.pin(base + PAGE // 2, PAGE, read_only=True) is None
+    assert shared.cuts(base, data.nbytes) == [PAGE // 2, PAGE // 2 + PAGE]
+    assert shared.cuts(base + PAGE, PAGE) == [PAGE // 2]  # starts inside: cut at the end
+    assert shared.cuts(base + 2 * PAGE, PAGE) == []  # wholly outside
+    monkeypatch.setattr(host_register, "_shared", shared)
+    pieces: list[int] = []
+    copy = torch.Tensor.copy_
+
+    def recording_copy(dst, src, *a, **kw):
+        pieces.append(src.numel())
+        return copy(dst, src, *a, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", recording_copy)
+    out = gpu_weights._bytes_on(data[PAGE:], torch.device("cpu"))
+    assert pieces == [PAGE // 2, PAGE + PAGE // 2]
+    assert np.array_equal(out.numpy(), data[PAGE:])

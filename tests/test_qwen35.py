@@ -286,15 +286,15 @@ def test_calibrate_and_sparsity_hit_the_target(hf_dir, tmp_path):
     repo = Path(__file__).resolve().parents[1]
     path = convert(hf_dir, tmp_path / "m.gguf", "q8_0", progress=False)
     assert main(["calibrate", str(path), "-f", str(repo / "docs" / "gguf-layout.md")]) == 0
-    dense = Model(path)
+    dense = Model(path, device="cpu")  # the C core, also where a GPU is present
     ids = dense.tokenize((repo / "README.md").read_text())[:512]
     dense_logits = dense.logits(ids)
     for target in (0.3, 0.7):
-        model = Model(path, sparsity=target)
+        model = Model(path, sparsity=target, device="cpu")
         logits = model.logits(ids)
         assert abs(model.achieved_sparsity - target) <= 0.03, (target, model.achieved_sparsity)
         assert (logits != dense_logits).any()
-        step = Model(path, sparsity=target).net
+        step = Model(path, sparsity=target, device="cpu").net
         cache = step.new_cache(256)
         for token in ids[:256]:
             step.forward([token], cache)
@@ -308,11 +308,13 @@ def test_gpu_decode_graph_advances_the_state_once(f32_path, monkeypatch):
     the CPU path's."""
     pytest.importorskip("triton")
     from eager_graph import use_eager_graphs
+    from gpu_device import DEVICE, assert_same_run
 
     from pyruntime.gpu.executor import GpuExecutor
 
-    eager = GpuExecutor.from_gguf(open_gguf(f32_path), "cpu")
-    graphs = GpuExecutor.from_gguf(open_gguf(f32_path), "cpu")
+    eager = GpuExecutor.from_gguf(open_gguf(f32_path), DEVICE)
+    eager.cuda_graphs = False  # on CUDA both default to graphs; only the second's captures count
+    graphs = GpuExecutor.from_gguf(open_gguf(f32_path), DEVICE)
     captures = use_eager_graphs(monkeypatch, graphs)
     cpu = CpuExecutor.from_gguf(open_gguf(f32_path), expert_backend="torch")
     caches = [m.new_cache(16) for m in (eager, graphs, cpu)]
@@ -321,7 +323,7 @@ def test_gpu_decode_graph_advances_the_state_once(f32_path, monkeypatch):
     models = (eager, graphs, cpu)
     for tok in (4, 5, 6):
         want, got, host = (m.forward([tok], c) for m, c in zip(models, caches, strict=True))
-        assert torch.equal(got, want)
+        assert_same_run(got, want)
         assert (torch.log_softmax(got, -1) - torch.log_softmax(host, -1)).abs().max() <= 1e-4
     assert len(captures) == 1
 

@@ -12,6 +12,7 @@ The device memory each part takes is estimated without uploading, by pyruntime.o
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ from pyruntime.model.config import ModelConfig
 from pyruntime.model.deltanet import DeltaNetWeights
 from pyruntime.model.mla import MLAWeights
 from pyruntime.model.weights import BlockWeights, FFNWeights, HostWeights
+from pyruntime.offload.host_register import dma_cuts
 
 Q = GGMLQuantizationType
 
@@ -157,11 +159,20 @@ class DeviceWeights:
 
 
 def _bytes_on(raw: np.ndarray, device: torch.device) -> torch.Tensor:
-    """The stored bytes of an mmap view as a flat uint8 tensor on `device` (one copy)."""
+    """The stored bytes of an mmap view as a flat uint8 tensor on `device` (one copy; in
+    pieces where the view crosses the edge of a span an offloading executor registered for DMA:
+    pyruntime.offload.host_register.dma_cuts)."""
     flat = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only mmap; never written through
-        return torch.from_numpy(flat).to(device)
+        src = torch.from_numpy(flat)
+    cuts = dma_cuts(flat.ctypes.data, flat.nbytes)
+    if not cuts:
+        return src.to(device)
+    out = torch.empty(flat.nbytes, dtype=torch.uint8, device=device)
+    for a, b in itertools.pairwise([0, *cuts, flat.nbytes]):
+        out[a:b].copy_(src[a:b])
+    return out
 
 
 def _format(name: str, qtype: Q) -> str:

@@ -111,6 +111,15 @@ class SharedRegistration:
                     self._ranges.remove(r)
                     self.driver.unregister(r.start)
 
+    def cuts(self, ptr: int, nbytes: int) -> list[int]:
+        """The offsets in (0, nbytes) where a registered range starts or ends inside
+        [ptr, ptr + nbytes), ascending: a DMA copy from host memory that starts inside a
+        registered range and runs past its end is refused ("invalid argument"), so a copy of
+        such a span is made in pieces cut there (`dma_cuts`)."""
+        with self._lock:
+            edges = {e - ptr for r in self._ranges for e in (r.start, r.end)}
+        return sorted(e for e in edges if 0 < e < nbytes)
+
     def registered(self) -> list[tuple[int, int]]:
         """The (start, end) of every range registered now, in address order."""
         with self._lock:
@@ -237,6 +246,12 @@ def cuda_pinning() -> SharedRegistration:
         if _shared is None:
             _shared = SharedRegistration(driver)
         return _shared
+
+
+def dma_cuts(ptr: int, nbytes: int) -> list[int]:
+    """SharedRegistration.cuts of the process's registrations ([] before any was made)."""
+    shared = _shared
+    return [] if shared is None else shared.cuts(ptr, nbytes)
 
 
 def page_locked(nbytes: int) -> np.ndarray | None:
