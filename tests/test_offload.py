@@ -12,6 +12,7 @@ that a decode step's two misses go one to each side.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -288,6 +289,20 @@ def test_lookahead_stages_the_next_layers_experts_early(olmoe, core, whole, miss
     assert max_err(logprobs(net, ids), want) <= LOGPROB_TOL
     assert net.offload.prefetched > 0  # staged for layer 1 during layer 0's decode steps
     assert net.cache.held == set()
+
+
+def test_the_hosts_queueing_is_charged_only_to_transit_slots(olmoe, core):
+    """A staged expert outlives its token only when the slots hold a token's experts in every
+    MoE layer; below that the split charges each layer the host's queueing (costs.split_misses
+    reuse): with a queueing cost above what staging saves, transit slots stage nothing."""
+    _, cfg, host = olmoe
+    keep = len([b for b in host.blocks if b.experts is not None]) * cfg.n_expert_used
+    slow_host = dataclasses.replace(even_costs(host), host_round_s=1.0)
+    for slots, stages in ((keep - 1, False), (keep, True)):
+        net = hybrid(olmoe, core, slots, "auto", costs=slow_host)
+        assert net.experts.slots_keep == stages
+        logprobs(net, ids_of(cfg, N_PROMPT + N_DECODE))
+        assert (net.offload_stats()["staged_experts"] > 0) == stages, slots
 
 
 def test_resident_only_passes_drop_the_misses_and_move_no_bytes(olmoe, core, whole):

@@ -7,13 +7,21 @@ are split to finish together (docs/offloading.md has the model with its constant
 
     cpu(S)   = c_call + sum over e in S of r * (c_expert + n_e * c_pair)
     stage(S) = sum over e in S of (B / beta + g_expert + n_e * g_pair)
+    host(S)  = h_round + |S| * h_expert   (S staged; 0 when nothing is)
 
 n_e: tokens of the pass routed to e; B: an expert's bytes; beta: the staging rate (GB/s);
 r: the share of an expert's bytes the CPU reads, 1 dense, (1 + 2 (1 - s)) / 3 at neuron
-sparsity s (gate rows always, up and down rows of the kept neurons). `split_misses` orders the
-misses by cpu / stage time and stages the prefix of that order that makes the two sides finish
-soonest: decode (n_e = 1) splits in proportion to the two rates, and a prefill's experts with
-many tokens go to the GPU (their CPU cost grows with n_e, their staging cost hardly does).
+sparsity s (gate rows always, up and down rows of the kept neurons); host(S): the host's time
+queueing the staged experts (their copies, repack and kernel launches), which comes before the
+CPU's share starts when the C core runs on the calling thread (inline): then a split layer
+takes host(S) + max(cpu, stage); with the CPU's share on a worker thread, max(cpu, host(S) +
+stage). `split_misses` orders the misses by cpu / stage time and stages the prefix of that
+order that makes the layer finish soonest: decode (n_e = 1) splits in proportion to the two
+rates when the host's queueing is cheap beside them, and stays on the CPU when it is not; a
+prefill's experts with many tokens go to the GPU (their CPU cost grows with n_e, their staging
+cost hardly does). host(S) is charged only where the slots are transit (too few to keep a
+token's experts in every layer): in a cache, a staged expert's later hits repay its queueing
+(measured: with 25% of the experts in slots, charging it leaves the cache empty, hit rate 0).
 
 The constants are measured once per machine, model shape and staging mode (`measure_costs`,
 at start-up) and cached as JSON in options.cache_dir()/offload; tests give their own.
@@ -46,6 +54,12 @@ class Costs:
     cpu_pair_s: float  # c_pair: one (token, expert) pair's arithmetic on the CPU
     gpu_expert_s: float  # g_expert: one staged expert on the GPU, beyond its copy
     gpu_pair_s: float  # g_pair: one (token, expert) pair on the GPU
+    host_round_s: float = 0.0  # h_round: host time queueing a staged round (events, repack,
+    # the kernel's launch), beyond its experts'
+    host_expert_s: float = 0.0  # h_expert: host time queueing one staged expert's copy
+
+    def host_seconds(self, n_staged: int) -> float:
+        return self.host_round_s + n_staged * self.host_expert_s if n_staged else 0.0
 
     def cpu_seconds(self, n_tokens: Sequence[int], read: float = 1.0) -> float:
         if not n_tokens:
@@ -65,11 +79,15 @@ def read_share(sparsity: float) -> float:
 
 
 def split_misses(misses: Sequence[tuple[int, int]], costs: Costs, read: float = 1.0,
-                 capacity: int | None = None) -> tuple[list[int], list[int]]:  # fmt: skip
+                 capacity: int | None = None, inline: bool = True,
+                 reuse: bool = False) -> tuple[list[int], list[int]]:  # fmt: skip
     """(experts for the CPU, experts to stage) of one layer's misses [(expert, n_tokens)], the
     split that finishes first: the misses in order of how much more the CPU would take than
     staging (cpu / stage time), a prefix of that order staged and the rest on the CPU, the
-    prefix whose two sides finish soonest (ties: the shorter prefix, which evicts less); at
+    prefix whose layer finishes soonest (module doc; inline: the CPU's share runs on the
+    thread that queues the staging, after it; reuse: staged experts stay in slots for later
+    tokens, whose hits repay the host's queueing, so it is not charged to this layer)
+    (ties: the shorter prefix, which evicts less); at
     most `capacity` staged (None: no limit). Optimal when an expert may be split between the
     sides, within one expert's time of it otherwise. One token each (decode): the misses split
     in proportion to the two sides' rates; many (prefill): those with many tokens staged."""
@@ -87,7 +105,9 @@ def split_misses(misses: Sequence[tuple[int, int]], costs: Costs, read: float = 
         _, _, c, g = jobs[p - 1]
         t_cpu -= c
         t_stage += g
-        finish = max(t_stage, t_cpu + (costs.cpu_call_s if p < len(jobs) else 0.0))
+        cpu = t_cpu + (costs.cpu_call_s if p < len(jobs) else 0.0)
+        host = 0.0 if reuse else costs.host_seconds(p)
+        finish = host + max(t_stage, cpu) if inline else max(host + t_stage, cpu)
         if finish < best_time:
             best, best_time = p, finish
     return [e for _, e, _, _ in jobs[best:]], [e for _, e, _, _ in jobs[:best]]
@@ -151,8 +171,10 @@ def measure_costs(hybrid, reps: int = 5, tokens: int = 16) -> Costs:
     pcie, busy = _staging_rate(hybrid, keys, lambda: cpu_call(m, 1), reps)
     if busy is not None:  # the CPU's expert time while the copy engine also reads DRAM
         expert *= max(1.0, busy / b)
-    g_expert, g_pair = _gpu_expert_times(hybrid, m, tokens, reps)
-    return Costs(home.expert_bytes, pcie, call, expert, pair, g_expert, g_pair)
+    g_expert, g_pair, launch = _gpu_expert_times(hybrid, m, tokens, reps)
+    h_round, h_expert = _host_fill_times(hybrid, keys, reps)
+    return Costs(home.expert_bytes, pcie, call, expert, pair, g_expert, g_pair,
+                 h_round + launch, h_expert)  # fmt: skip
 
 
 def _staging_rate(hybrid, keys, cpu_call, reps: int) -> tuple[float, float | None]:
@@ -179,18 +201,40 @@ def _staging_rate(hybrid, keys, cpu_call, reps: int) -> tuple[float, float | Non
     return statistics.median(rates), (statistics.median(busy) if busy else None)
 
 
-def _gpu_expert_times(hybrid, m: int, tokens: int, reps: int) -> tuple[float, float]:
-    """(seconds per expert, per pair) of the GPU's expert kernel over slots 0..m-1."""
-    n = min(m, hybrid.slots.n_slots)
+def _host_fill_times(hybrid, keys, reps: int) -> tuple[float, float]:
+    """(seconds per round beyond its experts, per expert) the host takes to queue experts'
+    copies into slots (their sources, copies, repack: ExpertSlots.fill), from fills of 1 and
+    of up to 4 m experts, each started with the device idle."""
+    slots, streams = hybrid.slots, hybrid.streams
+    n = min(slots.n_slots, 4 * max(2, hybrid.config.n_expert_used))
     if n == 0:
         return 0.0, 0.0
 
-    def run(n_tok: int) -> float:
-        return hybrid.time_gpu_experts(n, n_tok, reps)
+    def fill(count: int, r: int) -> float:
+        batch = [keys[(r * n + j) % len(keys)] for j in range(count)]
+        streams.host_waits()
+        t = time.perf_counter()
+        slots.fill(list(range(count)), hybrid.home.sources(batch))
+        seconds = time.perf_counter() - t
+        streams.host_waits()
+        return seconds
 
-    one, many = run(1), run(tokens)
+    one = statistics.median(fill(1, r) for r in range(reps))
+    if n == 1:
+        return one, 0.0
+    per = max(0.0, (statistics.median(fill(n, r) for r in range(reps)) - one) / (n - 1))
+    return max(0.0, one - per), per
+
+
+def _gpu_expert_times(hybrid, m: int, tokens: int, reps: int) -> tuple[float, float, float]:
+    """(seconds per expert, per pair, the host's launch of one call) of the GPU's expert
+    kernel over slots 0..m-1."""
+    n = min(m, hybrid.slots.n_slots)
+    if n == 0:
+        return 0.0, 0.0, 0.0
+    (one, launch), (many, _) = (hybrid.time_gpu_experts(n, t, reps) for t in (1, tokens))
     pair = max(0.0, (many - one) / (n * (tokens - 1)))
-    return max(0.0, one / n - pair), pair
+    return max(0.0, one / n - pair), pair, launch
 
 
 # ---------------------------------------------------------------------------------------------

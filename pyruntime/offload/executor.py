@@ -367,9 +367,10 @@ class HybridExecutor:
             cache.executor_state[STATE_KEY] = state
         return state
 
-    def time_gpu_experts(self, n: int, n_tokens: int, reps: int) -> float:
+    def time_gpu_experts(self, n: int, n_tokens: int, reps: int) -> tuple[float, float]:
         """Median seconds of the GPU's expert kernel over slots 0..n-1 as experts 0..n-1 of the
-        first MoE layer, n_tokens tokens each routed to all n (costs.measure_costs)."""
+        first MoE layer, n_tokens tokens each routed to all n, and of the host's launch of it
+        (costs.measure_costs)."""
         layer, cfg = self._moe[0], self.config
         h = torch.randn(n_tokens, cfg.n_embd, device=self.device).to(self.dtype)
         ids = torch.arange(n, device=self.device).repeat(n_tokens, 1)
@@ -378,12 +379,13 @@ class HybridExecutor:
         emap = torch.full((cfg.n_expert,), -1, dtype=torch.int32)
         emap[:n] = torch.arange(n, dtype=torch.int32)
         emap = emap.to(self.device)
-        times = []
+        times, launches = [], []
         with torch.inference_mode():
             for _ in range(reps + 1):
                 self.streams.host_waits()
                 t = time.perf_counter()
                 self.layers.routed_experts(layer, r, emap, self.slots.tensor)
+                launches.append(time.perf_counter() - t)
                 self.streams.host_waits()
                 times.append(time.perf_counter() - t)
-        return float(np.median(times[1:]))
+        return float(np.median(times[1:])), float(np.median(launches[1:]))

@@ -11,6 +11,7 @@ import platform
 import sys
 import traceback
 from collections.abc import Iterator
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ from pyruntime.gguf.file import GGUFFile
 from pyruntime.gguf.quant import FORMAT_NAMES
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.weights import HostWeights
-from pyruntime.offload.costs import costs_key, load_or_measure, measure_costs
+from pyruntime.offload.costs import Costs, costs_key, load_or_measure, measure_costs
 from pyruntime.offload.executor import HybridExecutor
 from pyruntime.offload.plan import OffloadPlan, gib
 
@@ -84,13 +85,14 @@ def load_hybrid(f: GGUFFile, cfg: ModelConfig, plan: OffloadPlan, device: str, *
 
 def _key(net: HybridExecutor, core: cpu_core.CpuCore, cfg: ModelConfig, device: str) -> str:
     """What the costs depend on: the machine (GPU, CPU, threads), the experts' shape and
-    format, and the staging mode."""
+    format, the staging mode, and the cost model's fields (a file of an older model, without
+    the host's queueing times, is measured again)."""
     gpu = torch.cuda.get_device_name(torch.device(device)) if device != "cpu" else "cpu"
     first = net.host.blocks[net.moe_layers()[0]].experts
     return costs_key(
         gpu=gpu, cpu=platform.processor() or platform.machine(), threads=core.threads,
         simd=cpu_core.simd_level(), format=FORMAT_NAMES[first.qtype], n_embd=cfg.n_embd,
-        n_ff=cfg.n_ff_exp, k=cfg.n_expert_used, staging=net.home.mode,
+        n_ff=cfg.n_ff_exp, k=cfg.n_expert_used, staging=net.home.mode, fields=len(fields(Costs)),
     )  # fmt: skip
 
 

@@ -162,7 +162,14 @@ class SplitExperts:
         if self.misses == "stage":
             return [], [e for e, _ in misses]
         kept = self.cpu_active[0] / self.cpu_active[1] if self.cpu_active[1] else 1.0
-        return split_misses(misses, self.costs, read_share(1.0 - kept))
+        return split_misses(misses, self.costs, read_share(1.0 - kept),
+                            inline=self.worker is None, reuse=self.slots_keep)  # fmt: skip
+
+    @property
+    def slots_keep(self) -> bool:
+        """Whether a staged expert can stay for later tokens: the slots hold a token's experts
+        in every MoE layer (else they are transit slots, refilled layer after layer)."""
+        return self.slots.n_slots >= len(self.moe) * self.config.n_expert_used
 
     # -- the GPU's share --------------------------------------------------------------------------
 
