@@ -50,22 +50,29 @@ static inline void prefetch_lines(const void *const *lines, int n) {
         pyrt_pf_line(lines[i]);
 }
 
-/* The row kernels with prefetches, or the plain ones after a burst where a level has none. */
-static inline void dot2_pf(const moe_ctx *c, const uint8_t *gate, const void *xt, float gu[2],
-                           const void *const *pf, int n_pf) {
+/* The row kernels with prefetches, or the plain ones after a burst where a level has none.
+ * dot2_rows_pf: any two rows against one x (out[r] = row r . x). */
+static inline void dot2_rows_pf(const moe_ctx *c, const uint8_t *row0, const uint8_t *row1,
+                                const void *xt, float out[2], const void *const *pf, int n_pf) {
     const pyrt_row_ops *ops = c->ops;
     const int n = c->n_embd;
     if (ops->dot2_pf != NULL) {
-        ops->dot2_pf(gate, gate + c->row_bytes, xt, n, gu, pf, n_pf);
+        ops->dot2_pf(row0, row1, xt, n, out, pf, n_pf);
         return;
     }
     prefetch_lines(pf, n_pf);
     if (ops->dot2 != NULL) {
-        ops->dot2(gate, gate + c->row_bytes, xt, n, gu);
+        ops->dot2(row0, row1, xt, n, out);
     } else {
-        gu[0] = ops->dot(gate, xt, n);
-        gu[1] = ops->dot(gate + c->row_bytes, xt, n);
+        out[0] = ops->dot(row0, xt, n);
+        out[1] = ops->dot(row1, xt, n);
     }
+}
+
+/* A neuron's gate and up rows (contiguous) in one pass over x. */
+static inline void dot2_pf(const moe_ctx *c, const uint8_t *gate, const void *xt, float gu[2],
+                           const void *const *pf, int n_pf) {
+    dot2_rows_pf(c, gate, gate + c->row_bytes, xt, gu, pf, n_pf);
 }
 
 static inline float dot_pf(const moe_ctx *c, const uint8_t *row, const void *xt,
@@ -205,6 +212,18 @@ typedef struct {
     uint8_t on[NEURON_CHUNK][ROUTE_CHUNK]; /* 0: under the threshold, skipped */
 } sparse_chunk;
 
+/* Down rows of one-route chunks waiting for their axpyn pass: kept neurons of one expert into
+ * one y, in neuron order, gathered across chunks, so that a pass carries PYRT_AXPY_ROWS rows (y
+ * loaded and stored once per PYRT_AXPY_ROWS rows) where a chunk keeps 3 of its 32 neurons. The
+ * same bits as a pass per chunk (axpyn: bit for bit the axpy calls in order). */
+typedef struct {
+    float *y;
+    const uint8_t *expert;
+    int n;
+    float a[PYRT_AXPY_ROWS];
+    const void *rows[PYRT_AXPY_ROWS];
+} down_queue;
+
 /* One thread's software pipeline over its sparse chunks, carried across experts and work items:
  * the up/down rows of a chunk are read while the gates of the thread's next chunk (whatever
  * expert or item it belongs to) are computed, so that only the thread's very last chunk waits
@@ -213,6 +232,7 @@ typedef struct {
     sparse_chunk chunks[2];
     int cur;            /* the chunk to fill next */
     sparse_chunk *prev; /* gates done, up/down rows still to read; or NULL */
+    down_queue down;    /* rows of finished one-route chunks of prev's item, not yet summed */
 } sparse_pipe;
 
 /* Walks the up+down rows (2 * row_bytes, contiguous) of a chunk's active neurons line by line,
@@ -379,6 +399,66 @@ static void sparse_finish(const moe_ctx *c, sparse_chunk *ch, int prefetched, ga
     }
 }
 
+/* The queued down rows into their y in one pass; while it runs, the gate rows of the next
+ * neurons (one per row, up to gc->limit; gc NULL: none) are prefetched. */
+static void down_queue_flush(const moe_ctx *c, down_queue *q, gate_cursor *gc) {
+    if (q->n == 0)
+        return;
+    const void *pf[PF_MAX_LINES];
+    int n_pf = 0;
+    if (gc != NULL && gc->next < gc->limit)
+        gate_cursor_take(c, gc, gc->next + q->n < gc->limit ? gc->next + q->n : gc->limit, pf,
+                         &n_pf);
+    axpy_rows_pf(c, q->n, q->a, q->rows, q->y, pf, n_pf);
+    q->n = 0;
+}
+
+static void down_queue_add(const moe_ctx *c, down_queue *q, float *y, const uint8_t *expert,
+                           float a, const void *row, gate_cursor *gc) {
+    if (q->n > 0 && (q->y != y || q->expert != expert))
+        down_queue_flush(c, q, gc);
+    q->y = y;
+    q->expert = expert;
+    q->a[q->n] = a;
+    q->rows[q->n++] = row;
+    if (q->n == PYRT_AXPY_ROWS)
+        down_queue_flush(c, q, gc);
+}
+
+/* sparse_finish for a chunk of one route (the decode step's): its kept neurons' up rows two per
+ * pass over x (dot2: the same bits as two dots), their down rows through the pipe's queue. */
+static void sparse_finish_one(const moe_ctx *c, sparse_chunk *ch, int prefetched,
+                              gate_cursor *gc, down_queue *q) {
+    const size_t rb = c->row_bytes;
+    const void *xt = token_x(c, ch->rc);
+    const float w = c->route_w[ch->rc];
+    float *y = ch->acc + (size_t)c->route_tok[ch->rc] * c->n_embd;
+    const void *pf[PF_MAX_LINES];
+    if (!prefetched)
+        for (int l = 0; l < ch->n_list && l < 2; l++)
+            pyrt_moe_prefetch(up_row(c, ch, ch->list[l]), 2 * rb);
+    for (int l = 0; l < ch->n_list; l += 2) {
+        const int m = l + 1 < ch->n_list ? 2 : 1; /* kept neurons of this pass */
+        int n_pf = 0;
+        for (int k = l + 2; !prefetched && k < l + 2 + m && k < ch->n_list; k++)
+            add_lines(pf, &n_pf, up_row(c, ch, ch->list[k]), 2 * rb);
+        if (gc != NULL && gc->next < gc->limit)
+            gate_cursor_take(c, gc, gc->next + m < gc->limit ? gc->next + m : gc->limit, pf,
+                             &n_pf);
+        const uint8_t *up0 = up_row(c, ch, ch->list[l]);
+        float u[2];
+        if (m == 2)
+            dot2_rows_pf(c, up0, up_row(c, ch, ch->list[l + 1]), xt, u, pf, n_pf);
+        else
+            u[0] = dot_pf(c, up0, xt, pf, n_pf);
+        for (int k = 0; k < m; k++) {
+            const int i = ch->list[l + k];
+            const float h = w * ch->h[i][0] * up_term(c, ch->bias, ch->jc + i, u[k]);
+            down_queue_add(c, q, y, ch->expert, h, up_row(c, ch, i) + rb, gc);
+        }
+    }
+}
+
 static inline void mark_item_done(const moe_ctx *c, int item) {
     pyrt_pool_flag_store(c->pool, &c->item_done[item], 1);
 }
@@ -390,9 +470,16 @@ static void sparse_pipe_flush(const moe_ctx *c, sparse_pipe *pp, int prefetched,
     sparse_chunk *prev = pp->prev;
     if (prev == NULL)
         return;
-    sparse_finish(c, prev, prefetched, gc);
-    if (prev->item != item_now)
+    if (prev->nr == 1) {
+        sparse_finish_one(c, prev, prefetched, gc, &pp->down);
+    } else {
+        down_queue_flush(c, &pp->down, gc); /* the rows of earlier chunks go first */
+        sparse_finish(c, prev, prefetched, gc);
+    }
+    if (prev->item != item_now) {
+        down_queue_flush(c, &pp->down, NULL);
         mark_item_done(c, prev->item);
+    }
     pp->prev = NULL;
 }
 
@@ -478,6 +565,7 @@ int64_t pyrt_moe_run_items(const moe_ctx *c) {
     sparse_pipe pp;
     pp.cur = 0;
     pp.prev = NULL;
+    pp.down.n = 0;
     int64_t active = 0;
     for (int item; (item = atomic_fetch_add_explicit(c->next_item, 1, memory_order_relaxed)) <
                    c->n_items;)
