@@ -59,7 +59,7 @@ def perf_timer(thresholds: Thresholds | None, fn: Callable[[], object], layer: i
     return time.perf_counter() - t0
 
 
-class _Steps:
+class DecodeSteps:
     """Decode steps of `net` at one position after a random prompt: each reads the same cache."""
 
     def __init__(self, net) -> None:
@@ -97,7 +97,7 @@ class _Steps:
 def measure(net, thresholds: Thresholds, timer: Timer = perf_timer) -> dict:
     """{dense_s, sparse_s}: medians over ROUNDS of STEPS decode steps (the C step, one token,
     every layer) with no threshold and with `thresholds`, alternated, after a random prompt."""
-    steps = _Steps(net)
+    steps = DecodeSteps(net)
     thr = list(thresholds)
     steps.whole(None)
     steps.whole(thr)
@@ -111,7 +111,7 @@ def measure(net, thresholds: Thresholds, timer: Timer = perf_timer) -> dict:
 def measure_layers(net, thresholds: Thresholds, timer: Timer = perf_timer) -> dict:
     """{dense_s, sparse_s}: per layer, the median over LAYER_ROUNDS steps in pieces of its FFN's
     seconds, dense and with `thresholds` alternated (0.0 for layers without routed experts)."""
-    steps = _Steps(net)
+    steps = DecodeSteps(net)
     thr = list(thresholds)
     steps.in_pieces(None, perf_timer)  # warm-up, untimed
     steps.in_pieces(thr, perf_timer)
