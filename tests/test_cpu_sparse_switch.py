@@ -31,17 +31,31 @@ def load(path, threads: int = 1, thresholds: bool = True) -> CpuExecutor:
     return net
 
 
-def fake_timer(layer_wins, step_wins: bool, calls: list):
-    """A timer under which layer i's sparse FFN wins where layer_wins[i] and the whole sparse step
-    wins where step_wins (each call still runs its fn); calls gets (thresholds, layer) per call."""
+def kind(thresholds) -> str:
+    """dense (None), sparse (every layer's threshold) or mix (some layers None)."""
+    if thresholds is None:
+        return "dense"
+    return "mix" if None in thresholds else "sparse"
+
+
+def fake_timer(layer_wins, step_times: dict, calls: list):
+    """A timer under which layer i's sparse FFN wins where layer_wins[i], and a whole step takes
+    step_times[kind(thresholds)] seconds (each call still runs its fn); calls gets (thresholds,
+    layer) per call."""
 
     def timer(thresholds, fn, layer):
         calls.append((thresholds, layer))
         fn()
-        wins = step_wins if layer is None else layer_wins[layer]
-        return 1.0 if (thresholds is not None) == wins else 2.0
+        if layer is None:
+            return step_times[kind(thresholds)]
+        return 1.0 if (thresholds is not None) == layer_wins[layer] else 2.0
 
     return timer
+
+
+SPARSE_WINS = {"dense": 2.0, "sparse": 1.0, "mix": 1.5}
+MIX_WINS = {"dense": 2.0, "sparse": 1.5, "mix": 1.0}
+DENSE_WINS = {"dense": 1.0, "sparse": 1.5, "mix": 1.5}
 
 
 def decode(net: CpuExecutor, ids: torch.Tensor, steps: bool = False, thresholds=None):
@@ -72,7 +86,9 @@ def test_where_sparse_layers_lose_the_model_decodes_dense(gguf, tmp_path):
     net = load(gguf)
     n_layer = net.config.n_layer
     calls: list = []
-    net.choose_decode_sparsity("m", tmp_path, timer=fake_timer([False] * n_layer, True, calls))
+    net.choose_decode_sparsity(
+        "m", tmp_path, timer=fake_timer([False] * n_layer, SPARSE_WINS, calls)
+    )
     assert net.sparse_decode is False and net.sparse_layers == [False] * n_layer
     thr = [THRESHOLD] * n_layer
     for i in range(n_layer):  # every layer timed both ways; no layer won: no whole steps
@@ -91,11 +107,11 @@ def test_where_sparse_layers_lose_the_model_decodes_dense(gguf, tmp_path):
     )
 
 
-def test_where_the_mix_loses_as_a_whole_the_model_decodes_dense(gguf, tmp_path):
+def test_where_dense_steps_win_as_a_whole_the_model_decodes_dense(gguf, tmp_path):
     net = load(gguf)
     n_layer = net.config.n_layer
     calls: list = []
-    net.choose_decode_sparsity("m", tmp_path, timer=fake_timer([True] * n_layer, False, calls))
+    net.choose_decode_sparsity("m", tmp_path, timer=fake_timer([True] * n_layer, DENSE_WINS, calls))
     assert net.sparse_decode is False and net.sparse_layers == [False] * n_layer
     assert (None, None) in calls and ([THRESHOLD] * n_layer, None) in calls  # steps timed
     got, _, _ = decode(net, IDS)
@@ -105,7 +121,7 @@ def test_where_the_mix_loses_as_a_whole_the_model_decodes_dense(gguf, tmp_path):
 def test_where_sparse_steps_win_they_stay(gguf, tmp_path):
     net = load(gguf)
     n_layer = net.config.n_layer
-    net.choose_decode_sparsity("m", tmp_path, timer=fake_timer([True] * n_layer, True, []))
+    net.choose_decode_sparsity("m", tmp_path, timer=fake_timer([True] * n_layer, SPARSE_WINS, []))
     assert net.sparse_decode is True and net.sparse_layers == [True] * n_layer
     got, _, _ = decode(net, IDS)
     assert torch.equal(got, decode(load(gguf), IDS, steps=True, thresholds=net.expert_threshold)[0])
@@ -117,7 +133,7 @@ def test_each_layer_decodes_as_it_measured(gguf, tmp_path):
     assert n_layer >= 2
     wins = [i % 2 == 0 for i in range(n_layer)]  # layer 0 sparse, layer 1 dense, ...
     calls: list = []
-    net.choose_decode_sparsity("m", tmp_path, timer=fake_timer(wins, True, calls))
+    net.choose_decode_sparsity("m", tmp_path, timer=fake_timer(wins, MIX_WINS, calls))
     assert net.sparse_decode is True and net.sparse_layers == wins
     mix = [THRESHOLD if w else None for w in wins]
     assert (mix, None) in calls  # the mix, not all-sparse, was timed against dense steps
@@ -129,22 +145,35 @@ def test_each_layer_decodes_as_it_measured(gguf, tmp_path):
     assert not torch.equal(got, dense) and not torch.equal(got, sparse)
 
 
+def test_where_every_layer_sparse_beats_the_mix_it_is_kept(gguf, tmp_path):
+    net = load(gguf)
+    n_layer = net.config.n_layer
+    wins = [i % 2 == 0 for i in range(n_layer)]
+    net.choose_decode_sparsity("m", tmp_path, timer=fake_timer(wins, SPARSE_WINS, []))
+    assert net.sparse_decode is True and net.sparse_layers == [True] * n_layer
+
+
 def test_the_choice_is_cached_per_identity(gguf, tmp_path):
     net = load(gguf)
     n_layer = net.config.n_layer
     wins = [i % 2 == 0 for i in range(n_layer)]
     calls: list = []
-    net.choose_decode_sparsity("m", tmp_path, timer=fake_timer(wins, True, calls))
+    net.choose_decode_sparsity("m", tmp_path, timer=fake_timer(wins, MIX_WINS, calls))
     (path,) = tmp_path.glob("*.json")
     record = json.loads(path.read_text())
     assert record["layers"] == wins
-    assert set(record["layer_timings"]) == set(record["step_timings"]) == {"dense_s", "sparse_s"}
+    assert set(record["layer_timings"]) == {"dense_s", "sparse_s"}
+    assert set(record["step_timings"]) == {"dense", "sparse", "mix"}
     calls.clear()
     again = load(gguf)
-    again.choose_decode_sparsity("m", tmp_path, timer=fake_timer([True] * n_layer, True, calls))
+    again.choose_decode_sparsity(
+        "m", tmp_path, timer=fake_timer([True] * n_layer, SPARSE_WINS, calls)
+    )
     assert again.sparse_layers == wins and calls == []  # read back, not measured
     other = load(gguf, threads=2)  # another thread count: measured on its own
-    other.choose_decode_sparsity("m", tmp_path, timer=fake_timer([True] * n_layer, True, calls))
+    other.choose_decode_sparsity(
+        "m", tmp_path, timer=fake_timer([True] * n_layer, SPARSE_WINS, calls)
+    )
     assert other.sparse_layers == [True] * n_layer and calls
     assert len(list(tmp_path.glob("*.json"))) == 2
 
@@ -158,16 +187,17 @@ def test_the_real_timer_measures_both(gguf, tmp_path):
     won = [s < d for d, s in zip(layer_t["dense_s"], layer_t["sparse_s"], strict=True)]
     steps = record["step_timings"]
     if steps is None:
-        assert not any(won)
+        assert not any(won) and record["layers"] == won
     else:
-        assert steps["dense_s"] > 0 and steps["sparse_s"] > 0
-        mix_won = steps["sparse_s"] < steps["dense_s"]
-        assert record["layers"] == (won if mix_won else [False] * len(won))
+        assert all(t > 0 for t in steps.values())
+        fastest = min(steps, key=lambda k: (steps[k], k != "dense"))
+        layers = {"dense": [False] * len(won), "sparse": [True] * len(won), "mix": won}[fastest]
+        assert record["layers"] == layers
     assert net.sparse_layers == record["layers"] and net.sparse_decode is any(record["layers"])
 
 
 def test_without_thresholds_nothing_is_measured(gguf, tmp_path):
     net = load(gguf, thresholds=False)
     calls: list = []
-    net.choose_decode_sparsity("m", tmp_path, timer=fake_timer([False] * 8, False, calls))
+    net.choose_decode_sparsity("m", tmp_path, timer=fake_timer([False] * 8, DENSE_WINS, calls))
     assert net.sparse_decode is True and calls == [] and not list(tmp_path.iterdir())

@@ -11,9 +11,10 @@ decoder's own pool (its thread count) with the model's thresholds, after a short
 1. per layer: the FFN half of decode steps run in pieces (CpuDecoder.begin / attention / ffn /
    end), each MoE layer's ffn() timed dense and sparse, alternated, LAYER_ROUNDS times; a layer
    decodes sparse where its median sparse time is below its median dense time;
-2. the whole step with that mix against the dense step (medians of ROUNDS alternations of STEPS
-   steps): where the mix does not win, every layer decodes dense. So sparse steps are never
-   slower than dense ones as measured, whatever the per-layer noise.
+2. where some layer won: whole steps dense, with every layer sparse and with that mix (medians
+   of ROUNDS alternations of STEPS steps); the fastest of the three is kept (a tie: dense). So
+   sparse steps are never slower than dense ones as measured, and per-layer noise (layers of one
+   shape measured a few percent apart) costs nothing where every layer sparse wins as a whole.
 
 A dense layer skips nothing, so the output moves towards the dense model's, never away from it;
 prefill keeps the thresholds (its batched kernel gains from sparsity at every measured level:
@@ -69,7 +70,12 @@ class DecodeSteps:
         self.cache = net.new_cache(PROMPT_TOKENS + 1)
         net.forward(prompt, self.cache, last_only=True)
         self.token = int(prompt[-1])
-        self.moe = [blk.experts is not None for blk in net.weights.blocks]
+        self.moe = self.moe_layers(net)
+
+    @staticmethod
+    def moe_layers(net) -> list[bool]:
+        """Per layer, whether it has routed experts."""
+        return [blk.experts is not None for blk in net.weights.blocks]
 
     def whole(self, thr: Thresholds | None) -> None:
         for _ in range(STEPS):
@@ -94,18 +100,19 @@ class DecodeSteps:
         return out
 
 
-def measure(net, thresholds: Thresholds, timer: Timer = perf_timer) -> dict:
-    """{dense_s, sparse_s}: medians over ROUNDS of STEPS decode steps (the C step, one token,
-    every layer) with no threshold and with `thresholds`, alternated, after a random prompt."""
+def measure(net, candidates: dict[str, Thresholds | None], timer: Timer = perf_timer) -> dict:
+    """{name: seconds}: per candidate (thresholds, None: dense), the median over ROUNDS of STEPS
+    decode steps (the C step, one token, every layer), the candidates alternated, after a random
+    prompt."""
     steps = DecodeSteps(net)
-    thr = list(thresholds)
-    steps.whole(None)
-    steps.whole(thr)
-    dense, sparse = [], []
+    thr = {name: None if t is None else list(t) for name, t in candidates.items()}
+    for t in thr.values():
+        steps.whole(t)
+    times: dict[str, list[float]] = {name: [] for name in thr}
     for _ in range(ROUNDS):
-        dense.append(timer(None, lambda: steps.whole(None), None))
-        sparse.append(timer(thr, lambda: steps.whole(thr), None))
-    return dict(dense_s=statistics.median(dense), sparse_s=statistics.median(sparse))
+        for name, t in thr.items():
+            times[name].append(timer(t, lambda t=t: steps.whole(t), None))
+    return {name: statistics.median(v) for name, v in times.items()}
 
 
 def measure_layers(net, thresholds: Thresholds, timer: Timer = perf_timer) -> dict:
@@ -160,12 +167,16 @@ def sparse_layers(net, thresholds: Thresholds, key: str, directory: Path, *,
     if on_measure is not None:
         on_measure(path)
     per_layer = measure_layers(net, thresholds, timer)
-    layers = layers_won(per_layer)
+    won = layers_won(per_layer)
     steps = None
-    if any(layers):
-        steps = measure(net, mixed(thresholds, layers), timer)
-        if not steps["sparse_s"] < steps["dense_s"]:
-            layers = [False] * len(layers)  # the mix lost as a whole: dense steps
+    layers = [False] * len(won)
+    if any(won):  # the whole step: dense, every layer sparse, the per-layer mix; the fastest
+        choices = {"dense": layers, "sparse": DecodeSteps.moe_layers(net)}
+        if won != choices["sparse"]:
+            choices["mix"] = won
+        steps = measure(net, {k: None if not any(v) else mixed(thresholds, v)
+                              for k, v in choices.items()}, timer)  # fmt: skip
+        layers = choices[min(steps, key=lambda k: (steps[k], k != "dense"))]
     record = dict(identity=identity, layers=layers, layer_timings=per_layer, step_timings=steps,
                   created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))  # fmt: skip
     try:
