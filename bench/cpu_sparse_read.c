@@ -3,8 +3,8 @@
  * a given sparsity, whatever the kernel does.
  *
  * Q8_0 experts of n_embd 2048 in the neuron-contiguous layout (docs/gguf-layout.md): per neuron a
- * gate, an up and a down row of 2176 bytes. Cases, each on every thread over its share of the
- * neurons, interleaved over 7 rounds:
+ * gate, an up and a down row of 2176 bytes (or of the row bytes given). Cases, each on every
+ * thread over its share of the neurons, interleaved over 7 rounds:
  *   contiguous            the whole buffer (what the dense kernel reads);
  *   gate rows, plain      only the gate rows (hardware prefetch alone);
  *   gate rows, sw pf 2    the gate rows with the row 2 neurons on prefetched (the kernel's scheme);
@@ -17,6 +17,7 @@
  * x86-64 with AVX2; not part of the library.
  *
  *   cc -O2 -mavx2 -pthread bench/cpu_sparse_read.c -o /tmp/sparse_read && /tmp/sparse_read 16 8
+ *   /tmp/sparse_read 1 2 1088 1   (1 thread, granite-1b-a400m's rows, prefetches into L2)
  * (threads, GiB of experts: several times the last-level cache, so the bytes come from DRAM) */
 #define _POSIX_C_SOURCE 200809L
 #include <immintrin.h>
@@ -27,7 +28,12 @@
 #include <string.h>
 #include <time.h>
 
-enum { ROW = 2176, NEURON = 3 * ROW, CHUNK = 32, MAX_THREADS = 256 };
+enum { CHUNK = 32, MAX_THREADS = 256 };
+/* Bytes of a row (2176: Q8_0 of 2048; 1088: of 1024, granite-1b-a400m) and of a neuron's three;
+ * where the software prefetches go (_MM_HINT_T0: L1; _MM_HINT_T1: L2, as the kernel on pools of
+ * up to 2 threads). Set once in main. */
+static size_t ROW = 2176, NEURON = 3 * 2176;
+static int pf_l2 = 0;
 enum mode { CONTIGUOUS, GATE_PLAIN, GATE_PREFETCH, SPARSE };
 
 typedef struct {
@@ -63,7 +69,10 @@ static __m256i sum_row(const uint8_t *g, __m256i a) {
 
 static void prefetch(const uint8_t *p, size_t n) {
     for (size_t l = 0; l < n; l += 64)
-        _mm_prefetch((const char *)p + l, _MM_HINT_T0);
+        if (pf_l2)
+            _mm_prefetch((const char *)p + l, _MM_HINT_T1);
+        else
+            _mm_prefetch((const char *)p + l, _MM_HINT_T0);
 }
 
 /* Whether neuron n is kept at `percent` (a fixed hash: the same neurons in every round). */
@@ -122,11 +131,19 @@ static int cmp(const void *a, const void *b) {
 
 int main(int argc, char **argv) {
     if (argc > 1 && (!strcmp(argv[1], "-h") || !strcmp(argv[1], "--help"))) {
-        printf("usage: %s [threads (16)] [GiB of experts (8)]\n", argv[0]);
+        printf("usage: %s [threads (16)] [GiB of experts (8)] [row bytes (2176), a multiple of "
+               "32 >= 128] [prefetch into L2 (0: L1)]\n", argv[0]);
         return 0;
     }
     const int nth = argc > 1 ? atoi(argv[1]) : 16;
     const double gib = argc > 2 ? atof(argv[2]) : 8.0;
+    ROW = argc > 3 ? (size_t)atol(argv[3]) : 2176;
+    NEURON = 3 * ROW;
+    pf_l2 = argc > 4 ? atoi(argv[4]) : 0;
+    if (ROW < 128 || ROW % 32 || ROW > (1 << 20)) {
+        fprintf(stderr, "error: row bytes must be a multiple of 32 in [128, 1 MiB]\n");
+        return 2;
+    }
     if (nth < 1 || nth > MAX_THREADS || gib <= 0) {
         fprintf(stderr, "error: threads must be 1-%d and GiB > 0\n", MAX_THREADS);
         return 2;
@@ -171,8 +188,10 @@ int main(int argc, char **argv) {
             secs[c][r] = now() - t0;
             pthread_barrier_destroy(&bar);
         }
-    printf("plain reads: %d threads, %.2f GiB of Q8_0 experts (n_embd 2048), %d rounds; "
-           "median / best GB/s of the bytes each case needs\n", nth, gib, REPS);
+    printf("plain reads: %d threads, %.2f GiB of experts (rows of %zu bytes, prefetches into %s), "
+           "%d rounds; "
+           "median / best GB/s of the bytes each case needs\n", nth, gib, ROW, pf_l2 ? "L2" : "L1",
+           REPS);
     for (int c = 0; c < N_CASES; c++) {
         double rate[REPS], ratio[REPS]; /* GB/s; time of "contiguous" / this case, same round */
         for (int r = 0; r < REPS; r++) {
