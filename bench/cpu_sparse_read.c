@@ -12,7 +12,11 @@
  *                         rows (prefetched as above), then the up and down rows of the kept
  *                         neurons (a fixed hash keeps 1 - P of them), the next kept neuron's rows
  *                         prefetched while one is summed; with its speedup over "contiguous" in
- *                         the same round (median, min-max).
+ *                         the same round (median, min-max);
+ *   gates apart P         the same at sparsity P in a layout with an expert's gate rows apart
+ *                         from its neurons' up/down rows (the buffer read as all gate rows, then
+ *                         every neuron's up and down rows): per chunk its gate rows in one
+ *                         contiguous run, then the kept neurons' up/down rows as above.
  * GB/s count the bytes each case needs (all, the gate rows, the gate rows + the kept up/down rows).
  * x86-64 with AVX2; not part of the library.
  *
@@ -34,7 +38,7 @@ enum { CHUNK = 32, MAX_THREADS = 256 };
  * up to 2 threads). Set once in main. */
 static size_t ROW = 2176, NEURON = 3 * 2176;
 static int pf_l2 = 0;
-enum mode { CONTIGUOUS, GATE_PLAIN, GATE_PREFETCH, SPARSE };
+enum mode { CONTIGUOUS, GATE_PLAIN, GATE_PREFETCH, SPARSE, GATES_APART };
 
 typedef struct {
     const uint8_t *p;
@@ -90,6 +94,22 @@ static void *run(void *arg) {
     pthread_barrier_wait(j->bar);
     if (j->mode == CONTIGUOUS) {
         a = sum_bytes(j->p + lo * NEURON, (hi - lo) * NEURON, a);
+    } else if (j->mode == GATES_APART) {
+        const uint8_t *gates = j->p, *pairs = j->p + n_neurons * ROW;
+        for (size_t c0 = lo; c0 < hi; c0 += CHUNK) {
+            const size_t c1 = c0 + CHUNK < hi ? c0 + CHUNK : hi;
+            a = sum_bytes(gates + c0 * ROW, (c1 - c0) * ROW, a);
+            for (size_t n = c0; n < c1; n++) {
+                if (!kept(n, j->keep_percent))
+                    continue;
+                for (size_t m = n + 1; m < c1; m++)
+                    if (kept(m, j->keep_percent)) {
+                        prefetch(pairs + m * 2 * ROW, 2 * ROW);
+                        break;
+                    }
+                a = sum_bytes(pairs + n * 2 * ROW, 2 * ROW, a);
+            }
+        }
     } else if (j->mode == SPARSE) {
         for (size_t c0 = lo; c0 < hi; c0 += CHUNK) {
             const size_t c1 = c0 + CHUNK < hi ? c0 + CHUNK : hi;
@@ -161,12 +181,14 @@ int main(int argc, char **argv) {
         const char *name;
     } cases[] = {{CONTIGUOUS, 0, 0, "contiguous"},          {GATE_PLAIN, 0, 0, "gate rows, plain"},
                  {GATE_PREFETCH, 2, 0, "gate rows, sw pf 2"}, {SPARSE, 2, 50, "sparse 0.5 pattern"},
-                 {SPARSE, 2, 30, "sparse 0.7 pattern"},     {SPARSE, 2, 10, "sparse 0.9 pattern"}};
+                 {SPARSE, 2, 30, "sparse 0.7 pattern"},     {SPARSE, 2, 10, "sparse 0.9 pattern"},
+                 {GATES_APART, 0, 50, "gates apart 0.5"},     {GATES_APART, 0, 10, "gates apart 0.9"}};
     enum { REPS = 7, N_CASES = sizeof cases / sizeof cases[0] };
     double useful[N_CASES]; /* bytes each case needs */
     for (int c = 0; c < N_CASES; c++) {
         useful[c] = cases[c].mode == CONTIGUOUS ? (double)bytes : (double)bytes / 3;
-        for (size_t n = 0; cases[c].mode == SPARSE && n < bytes / NEURON; n++)
+        const int sparse = cases[c].mode == SPARSE || cases[c].mode == GATES_APART;
+        for (size_t n = 0; sparse && n < bytes / NEURON; n++)
             useful[c] += kept(n, cases[c].keep_percent) ? 2.0 * ROW : 0.0;
     }
     double secs[N_CASES][REPS];
@@ -201,7 +223,7 @@ int main(int argc, char **argv) {
         qsort(rate, REPS, sizeof(double), cmp);
         qsort(ratio, REPS, sizeof(double), cmp);
         printf("  %-20s %6.1f / %6.1f GB/s", cases[c].name, rate[REPS / 2], rate[REPS - 1]);
-        if (cases[c].mode == SPARSE)
+        if (cases[c].mode == SPARSE || cases[c].mode == GATES_APART)
             printf("  speedup over contiguous (same round) %.2fx median, %.2f-%.2f",
                    ratio[REPS / 2], ratio[0], ratio[REPS - 1]);
         printf("\n");
