@@ -3,7 +3,7 @@
 The sparse expert kernel saves the up and down rows of the neurons a token drops: DRAM bytes and
 their arithmetic. It must still read every gate row, and on one or two cores those rows (every
 third row of the neuron-contiguous layout) stream at about half the contiguous rate, so the gate
-pass alone costs 0.7-0.8 of a dense layer there (bench/cpu_experts.py, bench/cpu_sparse_read.c):
+pass alone costs 0.6-0.75 of a dense layer there (bench/cpu_experts.py, bench/cpu_sparse_read.c):
 a layer that keeps half its neurons can come out slower than dense, one that keeps a tenth
 faster. So, as the GPU's switch does (kernels/switch.py), the choice is measured on the
 decoder's own pool (its thread count) with the model's thresholds, after a short random prompt:
