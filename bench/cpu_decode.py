@@ -20,9 +20,17 @@ measured right before it, which cancels most of the machine's drift.
 --param NAME=VALUE sets one of the C core's execution parameters (pyrt_params in
 runtime/include/pyrt.h: fusions, prefetch distances, VNNI, spin) for the run.
 
+--sparsity S [S ...] (with --sparsity-table FILE from `pyruntime calibrate`, default the sidecar
+beside the GGUF) answers instead: how much faster than dense is a decode step at sparsity S, with
+every layer sparse and as the CPU switch chooses (pyruntime.cpu.sparse_switch, measured afresh in
+this process)? Steps at one position (each reads the same cache), dense and sparse alternated
+--rounds times; per round the dense time over the sparse time, median and min-max over rounds.
+
     python bench/cpu_decode.py granite-1b-a400m --outtype q8_0 --threads 2
     python bench/cpu_decode.py olmoe-1b-7b --gguf /tmp/olmoe-q8_0.gguf --threads 16 --tokens 64
     python bench/cpu_decode.py granite-1b-a400m --param fuse_layer=0 --param vnni=0
+    python bench/cpu_decode.py granite-1b-a400m --threads 1 --sparsity 0.5 0.9 \
+        --sparsity-table /tmp/granite.sparsity.json --rounds 9
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import argparse
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,8 +51,10 @@ from cpu_experts import ReadTest  # noqa: E402
 from make_random_gguf import CONFIGS, make_random_gguf  # noqa: E402
 
 from pyruntime.cpu import core as cpu_core  # noqa: E402
+from pyruntime.cpu import sparse_switch  # noqa: E402
 from pyruntime.cpu.executor import CpuExecutor  # noqa: E402
 from pyruntime.cpu.experts import CpuCoreBackend  # noqa: E402
+from pyruntime.experts.sparsity import SparsityTable  # noqa: E402
 from pyruntime.gguf.file import open_gguf  # noqa: E402
 
 
@@ -106,6 +117,38 @@ def decode(
     return seg_steps, model.decode_times()
 
 
+def sparse_speedups(model: CpuExecutor, table, sparsities, rounds: int) -> None:
+    """Prints, per sparsity, dense step time / sparse step time (all layers sparse, and the
+    switch's per-layer mix), paired per round (see the module docstring)."""
+    steps = sparse_switch.DecodeSteps(model)
+    with tempfile.TemporaryDirectory() as tmp:
+        for s in sparsities:
+            thr = table.for_sparsity(s)
+            model.expert_threshold = thr
+            model.choose_decode_sparsity(f"bench-{s}", Path(tmp))
+            layers = model.sparse_layers
+            cases = {"every layer sparse": thr, "as the switch chose": model.decode_thresholds()}
+            ratios: dict[str, list[float]] = {name: [] for name in cases}
+            for case in cases.values():
+                steps.whole(case)  # warm-up
+            for _ in range(rounds):
+                for name, case in cases.items():
+                    if case is None:
+                        ratios[name].append(1.0)
+                        continue
+                    t0 = time.perf_counter()
+                    steps.whole(None)
+                    t1 = time.perf_counter()
+                    steps.whole(case)
+                    ratios[name].append((t1 - t0) / (time.perf_counter() - t1))
+            print(f"sparsity {s}: switch: {sum(layers)}/{len(layers)} layers sparse")
+            for name, r in ratios.items():
+                print(
+                    f"  {name:20s} {statistics.median(r):.2f}x dense (min {min(r):.2f}, "
+                    f"max {max(r):.2f}, {rounds} rounds of {sparse_switch.STEPS} steps each)"
+                )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -132,6 +175,15 @@ def main() -> None:
         metavar="NAME=VALUE",
         help="a C core execution parameter (pyrt_params), e.g. fuse_layer=0; repeatable",
     )
+    ap.add_argument(
+        "--sparsity",
+        type=float,
+        nargs="+",
+        default=None,
+        help="time dense vs sparse steps at these sparsities instead (see the docstring)",
+    )
+    ap.add_argument("--sparsity-table", type=Path, default=None, help="from pyruntime calibrate")
+    ap.add_argument("--rounds", type=int, default=9, help="--sparsity: dense/sparse alternations")
     args = ap.parse_args()
     params = {}
     for item in args.param:
@@ -159,6 +211,10 @@ def main() -> None:
         f"{core.threads} threads, simd {cpu_core.simd_level()}, torch threads "
         f"{torch.get_num_threads()}, params {params or 'default'}"
     )
+    if args.sparsity:
+        table = SparsityTable.load(path, args.sparsity_table)
+        sparse_speedups(model, table, args.sparsity, args.rounds)
+        return
     read = ReadTest(core, args.dram_gib)
     rates = read.rates(10)
     print(

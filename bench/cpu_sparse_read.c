@@ -3,8 +3,8 @@
  * a given sparsity, whatever the kernel does.
  *
  * Q8_0 experts of n_embd 2048 in the neuron-contiguous layout (docs/gguf-layout.md): per neuron a
- * gate, an up and a down row of 2176 bytes. Cases, each on every thread over its share of the
- * neurons, interleaved over 7 rounds:
+ * gate, an up and a down row of 2176 bytes (or of the row bytes given). Cases, each on every
+ * thread over its share of the neurons, interleaved over 7 rounds:
  *   contiguous            the whole buffer (what the dense kernel reads);
  *   gate rows, plain      only the gate rows (hardware prefetch alone);
  *   gate rows, sw pf 2    the gate rows with the row 2 neurons on prefetched (the kernel's scheme);
@@ -12,11 +12,16 @@
  *                         rows (prefetched as above), then the up and down rows of the kept
  *                         neurons (a fixed hash keeps 1 - P of them), the next kept neuron's rows
  *                         prefetched while one is summed; with its speedup over "contiguous" in
- *                         the same round (median, min-max).
+ *                         the same round (median, min-max);
+ *   gates apart P         the same at sparsity P in a layout with an expert's gate rows apart
+ *                         from its neurons' up/down rows (the buffer read as all gate rows, then
+ *                         every neuron's up and down rows): per chunk its gate rows in one
+ *                         contiguous run, then the kept neurons' up/down rows as above.
  * GB/s count the bytes each case needs (all, the gate rows, the gate rows + the kept up/down rows).
  * x86-64 with AVX2; not part of the library.
  *
  *   cc -O2 -mavx2 -pthread bench/cpu_sparse_read.c -o /tmp/sparse_read && /tmp/sparse_read 16 8
+ *   /tmp/sparse_read 1 2 1088 1   (1 thread, granite-1b-a400m's rows, prefetches into L2)
  * (threads, GiB of experts: several times the last-level cache, so the bytes come from DRAM) */
 #define _POSIX_C_SOURCE 200809L
 #include <immintrin.h>
@@ -27,8 +32,13 @@
 #include <string.h>
 #include <time.h>
 
-enum { ROW = 2176, NEURON = 3 * ROW, CHUNK = 32, MAX_THREADS = 256 };
-enum mode { CONTIGUOUS, GATE_PLAIN, GATE_PREFETCH, SPARSE };
+enum { CHUNK = 32, MAX_THREADS = 256 };
+/* Bytes of a row (2176: Q8_0 of 2048; 1088: of 1024, granite-1b-a400m) and of a neuron's three;
+ * where the software prefetches go (_MM_HINT_T0: L1; _MM_HINT_T1: L2, as the kernel on pools of
+ * up to 2 threads). Set once in main. */
+static size_t ROW = 2176, NEURON = 3 * 2176;
+static int pf_l2 = 0;
+enum mode { CONTIGUOUS, GATE_PLAIN, GATE_PREFETCH, SPARSE, GATES_APART };
 
 typedef struct {
     const uint8_t *p;
@@ -63,7 +73,10 @@ static __m256i sum_row(const uint8_t *g, __m256i a) {
 
 static void prefetch(const uint8_t *p, size_t n) {
     for (size_t l = 0; l < n; l += 64)
-        _mm_prefetch((const char *)p + l, _MM_HINT_T0);
+        if (pf_l2)
+            _mm_prefetch((const char *)p + l, _MM_HINT_T1);
+        else
+            _mm_prefetch((const char *)p + l, _MM_HINT_T0);
 }
 
 /* Whether neuron n is kept at `percent` (a fixed hash: the same neurons in every round). */
@@ -81,6 +94,22 @@ static void *run(void *arg) {
     pthread_barrier_wait(j->bar);
     if (j->mode == CONTIGUOUS) {
         a = sum_bytes(j->p + lo * NEURON, (hi - lo) * NEURON, a);
+    } else if (j->mode == GATES_APART) {
+        const uint8_t *gates = j->p, *pairs = j->p + n_neurons * ROW;
+        for (size_t c0 = lo; c0 < hi; c0 += CHUNK) {
+            const size_t c1 = c0 + CHUNK < hi ? c0 + CHUNK : hi;
+            a = sum_bytes(gates + c0 * ROW, (c1 - c0) * ROW, a);
+            for (size_t n = c0; n < c1; n++) {
+                if (!kept(n, j->keep_percent))
+                    continue;
+                for (size_t m = n + 1; m < c1; m++)
+                    if (kept(m, j->keep_percent)) {
+                        prefetch(pairs + m * 2 * ROW, 2 * ROW);
+                        break;
+                    }
+                a = sum_bytes(pairs + n * 2 * ROW, 2 * ROW, a);
+            }
+        }
     } else if (j->mode == SPARSE) {
         for (size_t c0 = lo; c0 < hi; c0 += CHUNK) {
             const size_t c1 = c0 + CHUNK < hi ? c0 + CHUNK : hi;
@@ -122,11 +151,19 @@ static int cmp(const void *a, const void *b) {
 
 int main(int argc, char **argv) {
     if (argc > 1 && (!strcmp(argv[1], "-h") || !strcmp(argv[1], "--help"))) {
-        printf("usage: %s [threads (16)] [GiB of experts (8)]\n", argv[0]);
+        printf("usage: %s [threads (16)] [GiB of experts (8)] [row bytes (2176), a multiple of "
+               "32 >= 128] [prefetch into L2 (0: L1)]\n", argv[0]);
         return 0;
     }
     const int nth = argc > 1 ? atoi(argv[1]) : 16;
     const double gib = argc > 2 ? atof(argv[2]) : 8.0;
+    ROW = argc > 3 ? (size_t)atol(argv[3]) : 2176;
+    NEURON = 3 * ROW;
+    pf_l2 = argc > 4 ? atoi(argv[4]) : 0;
+    if (ROW < 128 || ROW % 32 || ROW > (1 << 20)) {
+        fprintf(stderr, "error: row bytes must be a multiple of 32 in [128, 1 MiB]\n");
+        return 2;
+    }
     if (nth < 1 || nth > MAX_THREADS || gib <= 0) {
         fprintf(stderr, "error: threads must be 1-%d and GiB > 0\n", MAX_THREADS);
         return 2;
@@ -144,12 +181,14 @@ int main(int argc, char **argv) {
         const char *name;
     } cases[] = {{CONTIGUOUS, 0, 0, "contiguous"},          {GATE_PLAIN, 0, 0, "gate rows, plain"},
                  {GATE_PREFETCH, 2, 0, "gate rows, sw pf 2"}, {SPARSE, 2, 50, "sparse 0.5 pattern"},
-                 {SPARSE, 2, 30, "sparse 0.7 pattern"},     {SPARSE, 2, 10, "sparse 0.9 pattern"}};
+                 {SPARSE, 2, 30, "sparse 0.7 pattern"},     {SPARSE, 2, 10, "sparse 0.9 pattern"},
+                 {GATES_APART, 0, 50, "gates apart 0.5"},     {GATES_APART, 0, 10, "gates apart 0.9"}};
     enum { REPS = 7, N_CASES = sizeof cases / sizeof cases[0] };
     double useful[N_CASES]; /* bytes each case needs */
     for (int c = 0; c < N_CASES; c++) {
         useful[c] = cases[c].mode == CONTIGUOUS ? (double)bytes : (double)bytes / 3;
-        for (size_t n = 0; cases[c].mode == SPARSE && n < bytes / NEURON; n++)
+        const int sparse = cases[c].mode == SPARSE || cases[c].mode == GATES_APART;
+        for (size_t n = 0; sparse && n < bytes / NEURON; n++)
             useful[c] += kept(n, cases[c].keep_percent) ? 2.0 * ROW : 0.0;
     }
     double secs[N_CASES][REPS];
@@ -171,8 +210,10 @@ int main(int argc, char **argv) {
             secs[c][r] = now() - t0;
             pthread_barrier_destroy(&bar);
         }
-    printf("plain reads: %d threads, %.2f GiB of Q8_0 experts (n_embd 2048), %d rounds; "
-           "median / best GB/s of the bytes each case needs\n", nth, gib, REPS);
+    printf("plain reads: %d threads, %.2f GiB of experts (rows of %zu bytes, prefetches into %s), "
+           "%d rounds; "
+           "median / best GB/s of the bytes each case needs\n", nth, gib, ROW, pf_l2 ? "L2" : "L1",
+           REPS);
     for (int c = 0; c < N_CASES; c++) {
         double rate[REPS], ratio[REPS]; /* GB/s; time of "contiguous" / this case, same round */
         for (int r = 0; r < REPS; r++) {
@@ -182,7 +223,7 @@ int main(int argc, char **argv) {
         qsort(rate, REPS, sizeof(double), cmp);
         qsort(ratio, REPS, sizeof(double), cmp);
         printf("  %-20s %6.1f / %6.1f GB/s", cases[c].name, rate[REPS / 2], rate[REPS - 1]);
-        if (cases[c].mode == SPARSE)
+        if (cases[c].mode == SPARSE || cases[c].mode == GATES_APART)
             printf("  speedup over contiguous (same round) %.2fx median, %.2f-%.2f",
                    ratio[REPS / 2], ratio[0], ratio[REPS - 1]);
         printf("\n");

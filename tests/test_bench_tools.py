@@ -51,6 +51,16 @@ def test_cpu_tools_run_on_small_inputs(cc, tmp_path, capsys, monkeypatch):
              "4", "--segments", "2", "--dram-gib", "0.01", monkeypatch=monkeypatch)  # fmt: skip
     out = capsys.readouterr().out
     assert "decode: median " in out and "paired: median " in out and "python + call" in out
+    from pyruntime.cli import main
+
+    text = str(BENCH.parent / "docs" / "gguf-layout.md")
+    assert main(["calibrate", str(gguf), "-f", text, "--max-tokens", "256", "-t", "1"]) == 0
+    capsys.readouterr()
+    run_tool("cpu_decode.py", "tiny-olmoe", "--gguf", str(gguf), "--threads", "1", "--sparsity",
+             "0.5", "--rounds", "2", monkeypatch=monkeypatch)  # fmt: skip
+    out = capsys.readouterr().out
+    assert "sparsity 0.5: switch: " in out and "every layer sparse" in out
+    assert "as the switch chose" in out
     run_tool("cpu_experts.py", "--shapes", "granite-1b-a400m", "--threads", "1", "--iters", "2",
              "--batches", "1", "--sparsity", "0", "0.5", "--read-gib", "0.01",
              "--footprint-gib", "0.01", monkeypatch=monkeypatch)  # fmt: skip

@@ -210,10 +210,13 @@ def test_sparse_drops_exactly_the_neurons_under_threshold(cc, simd, fmt, n_ff):
         assert_within(y, ref, bound, f"sparse {fmt} T={n_tokens}")
 
 
+# One token: every chunk has one route (the decode step's path: up rows two per pass, down rows
+# queued across chunks); 8 tokens: chunks of several routes too.
+@pytest.mark.parametrize("n_tokens", [1, 8])
 @pytest.mark.parametrize("n_ff", [37, 211])
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_sparse_that_drops_nothing_equals_dense_bitwise(cc, fmt, n_ff):
-    raw, w, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case(fmt, 8, seed=11, n_ff=n_ff)
+def test_sparse_that_drops_nothing_equals_dense_bitwise(cc, simd, fmt, n_ff, n_tokens):
+    raw, w, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case(fmt, n_tokens, seed=11, n_ff=n_ff)
     _, _, abs_act, _ = reference(w, kernel_x(fmt, x), ids, topk_w, "silu")
     threshold = float(abs_act.min()) / 2  # > 0: the sparse branch runs, but keeps every neuron
     with cc.CpuCore(2) as core:
@@ -224,7 +227,7 @@ def test_sparse_that_drops_nothing_equals_dense_bitwise(cc, fmt, n_ff):
         zero, _ = core.moe_ffn(
             raw, FORMATS[fmt], n_expert, n_ff, n_embd, x, ids, topk_w, threshold=0.0
         )
-    assert n_sparse == n_dense == 8 * 3 * n_ff
+    assert n_sparse == n_dense == n_tokens * 3 * n_ff
     assert torch.equal(sparse, dense) and torch.equal(zero, dense)
 
 

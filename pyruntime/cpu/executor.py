@@ -60,6 +60,7 @@ class CpuExecutor(ReferenceModel):
         self.file: GGUFFile | None = None  # the mapped file, for prefetch hints
         self.ubatch: int | None = None  # prefill tokens per chunk (None: the C core's default)
         self.sparse_decode = True  # decode steps skip neurons as expert_threshold says
+        self.sparse_layers: list[bool] | None = None  # ... in these layers (None: in all)
         self._deltanet_c: CDeltaNet | None = None  # DeltaNet decode steps on the C core
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
@@ -110,25 +111,34 @@ class CpuExecutor(ReferenceModel):
         torch.set_num_threads(1)
 
     def choose_decode_sparsity(self, key: str, cache_dir: Path, timer=None) -> None:
-        """Whether decode steps skip neurons (expert_threshold) or run dense: whichever decoded
-        faster on this machine and pool (pyruntime.cpu.sparse_switch; measured once per key,
-        thresholds and thread count, cached in cache_dir; one line on stderr before a
-        measurement). Prefill keeps the thresholds. Without the C core or thresholds: sparse
-        as expert_threshold says."""
-        self.sparse_decode = True
+        """Which layers decode steps run with their expert_threshold and which dense: whichever
+        decoded faster on this machine and pool, per layer, where the mix beats dense steps
+        (pyruntime.cpu.sparse_switch; measured once per key, thresholds and thread count,
+        cached in cache_dir; one line on stderr before a measurement). Prefill keeps the
+        thresholds. Without the C core or thresholds: sparse as expert_threshold says."""
+        self.sparse_decode, self.sparse_layers = True, None
         if self._decoder is None or self.expert_threshold is None:
             return
 
         def tell(path: Path) -> None:
-            print(f"pyruntime: timing dense vs sparse decode steps on {self.core.threads} CPU "
-                  f"threads (once per model, sparsity and thread count; cached in "
-                  f"{path.parent})", file=sys.stderr, flush=True)  # fmt: skip
+            print(f"pyruntime: timing dense vs sparse decode steps per layer on "
+                  f"{self.core.threads} CPU threads (once per model, sparsity and thread count; "
+                  f"cached in {path.parent})", file=sys.stderr, flush=True)  # fmt: skip
 
-        self.sparse_decode = sparse_switch.sparse_wins(
+        self.sparse_layers = sparse_switch.sparse_layers(
             self, self.expert_threshold, key, cache_dir, on_measure=tell,
             **({} if timer is None else {"timer": timer}),
         )  # fmt: skip
+        self.sparse_decode = any(self.sparse_layers)
         self.stats.reset()  # the measurement's own steps
+
+    def decode_thresholds(self) -> list[float | None] | None:
+        """The thresholds decode steps run with (None: dense), per choose_decode_sparsity."""
+        if not self.sparse_decode or self.expert_threshold is None:
+            return None
+        if self.sparse_layers is None:
+            return self.expert_threshold
+        return sparse_switch.mixed(self.expert_threshold, self.sparse_layers)
 
     def _deltanet(self, i: int, blk, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """A Gated DeltaNet layer: one token on the C core (pyrt_deltanet_step), else the
@@ -227,7 +237,7 @@ class CpuExecutor(ReferenceModel):
         out, n_active = self._decoder.step(
             token,
             cache,
-            self.expert_threshold if self.sparse_decode else None,
+            self.decode_thresholds(),
             k=self._decoder_k(k),
             route_ids=ids,
             route_logits=logits,
