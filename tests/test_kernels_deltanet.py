@@ -1,8 +1,9 @@
 """The Gated DeltaNet kernels (kernels/deltanet.py) and the GPU prompt path (gpu/deltanet.py) vs
 the torch reference (model/deltanet.py), at odd shapes (head dims and channel counts that are
 not powers of two, a key head serving several value heads, conv kernels of 3 and 4), over
-several consecutive decode steps (the conv and ssm states carried in place), and the prefill
-after a decode state. float32 throughout:
+several consecutive decode steps (the conv and ssm states carried in place), and the chunked
+prefill kernels (kernels/deltanet_chunk.py) from a state, at lengths around the chunk of 64 and
+in pieces across chunk edges followed by decode steps. float32 unless said:
 the tolerance is f32 rounding of a few dot products (measured ~1e-7); a wrong decay, beta or
 state shift is O(0.1)."""
 
@@ -73,17 +74,59 @@ def test_decode_steps_match_the_recurrence(shape):
     assert (ssm - ssm_want).abs().max() <= TOL
 
 
-def test_prefill_is_the_chunked_form_from_a_state():
-    cfg = _cfg(2, 4, 12, 20, 4)
-    gen = torch.Generator().manual_seed(5)
+def _prompt_case(cfg, T, seed):
+    gen = torch.Generator().manual_seed(seed)
     w = _weights(cfg, gen)
     C, hv, dv = cfg.ssm_conv_channels, cfg.ssm_n_v_heads, cfg.ssm_head_v_dim
-    proj = torch.randn(70, C + hv * dv + 2 * hv, generator=gen)  # two chunks
-    conv0 = torch.randn(C, 3, generator=gen)
+    proj = torch.randn(T, C + hv * dv + 2 * hv, generator=gen)
+    conv0 = torch.randn(C, cfg.ssm_conv_kernel - 1, generator=gen)
     ssm0 = torch.randn(hv, cfg.ssm_head_k_dim, dv, generator=gen)
+    return w, proj, conv0, ssm0
+
+
+def _prefill(cfg, w, proj, conv, ssm, out_dtype=torch.float32):
+    return deltanet_prefill(cfg, proj, w["conv"], conv, ssm, w["a"], w["dt_bias"], w["norm"],
+                            out_dtype)  # fmt: skip
+
+
+# 1, 7: inside one chunk (and under the conv's K - 1); 63, 64, 65: at the chunk's edge; 300: five
+# chunks, the last partial. Tolerance: T steps of f32 against the chunked solve (300 measured
+# ~2e-5; a wrong decay across a chunk or a state not carried is O(0.1)).
+@pytest.mark.parametrize("T", [1, 7, 63, 64, 65, 300])
+def test_prefill_matches_the_recurrence_from_a_state(T):
+    cfg = _cfg(2, 4, 12, 20, 4)
+    w, proj, conv0, ssm0 = _prompt_case(cfg, T, T)
     want, conv_want, ssm_want = _reference(cfg, w, proj, conv0, ssm0, ref.recurrent)
     conv, ssm = conv0.clone(), ssm0.clone()
-    got = deltanet_prefill(cfg, proj, w["conv"], conv, ssm, w["a"], w["dt_bias"],
-                                      w["norm"], torch.float32)  # fmt: skip
-    assert (got - want).abs().max() <= 1e-4  # 70 steps of f32 against the chunked solve
+    got = _prefill(cfg, w, proj, conv, ssm)
+    assert (got - want).abs().max() <= 1e-4
+    assert torch.equal(conv, conv_want) and (ssm - ssm_want).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 16, 16, 4), (3, 6, 7, 9, 3)])
+def test_prefill_in_pieces_then_decode_is_token_by_token(shape):
+    """Prompts split across chunk edges (30 + 70 + 1 + 5 tokens), each starting from the state
+    the one before left, then decode steps: the outputs and states of the recurrence token by
+    token; strided proj rows (the fused projection's qkv columns) and a bf16 output."""
+    cfg = _cfg(*shape)
+    T = 110
+    w, proj, conv0, ssm0 = _prompt_case(cfg, T, sum(shape))
+    want, conv_want, ssm_want = _reference(cfg, w, proj, conv0, ssm0, ref.recurrent)
+    C = cfg.ssm_conv_channels
+    conv, ssm = conv0.clone(), ssm0.clone()
+    wide = torch.zeros(T, proj.shape[1] + 5)
+    wide[:, : proj.shape[1]] = proj  # rows of stride > width
+    start = 0
+    for n in (30, 70, 1, 5):
+        half = _prefill(cfg, w, proj[start : start + n], conv.clone(), ssm.clone(), torch.bfloat16)
+        got = _prefill(cfg, w, wide[start : start + n, : proj.shape[1]], conv, ssm)
+        assert (got - want[start : start + n]).abs().max() <= 1e-4, (start, n)
+        assert half.dtype == torch.bfloat16
+        assert (half.float() - got).abs().max() <= 2e-2 * got.abs().max()
+        start += n
+    for t in range(start, T):
+        mixed = dk_kernels.conv_step(proj[t, :C].contiguous(), conv, w["conv"])
+        got = dk_kernels.delta_step(cfg, mixed, proj[t].contiguous(), ssm, w["a"],
+                                    w["dt_bias"], w["norm"], torch.float32)  # fmt: skip
+        assert (got[0] - want[t]).abs().max() <= 1e-4, t
     assert (conv - conv_want).abs().max() <= TOL and (ssm - ssm_want).abs().max() <= 1e-4
