@@ -1,9 +1,9 @@
-"""The Gated DeltaNet kernels (kernels/deltanet.py) and the GPU prompt path (gpu/deltanet.py) vs
-the torch reference (model/deltanet.py), at odd shapes (head dims and channel counts that are
-not powers of two, a key head serving several value heads, conv kernels of 3 and 4), over
-several consecutive decode steps (the conv and ssm states carried in place), and the chunked
-prefill kernels (kernels/deltanet_chunk.py) from a state, at lengths around the chunk of 64 and
-in pieces across chunk edges followed by decode steps. float32 unless said:
+"""The Gated DeltaNet kernels (kernels/deltanet.py: the fused decode step) and the GPU prompt
+path (gpu/deltanet.py) vs the torch reference (model/deltanet.py), at odd shapes (head dims and
+channel counts that are not powers of two, a key head serving several value heads, conv kernels
+of 3 and 4), over several consecutive decode steps (the conv and ssm states carried in place),
+and the chunked prefill kernels (kernels/deltanet_chunk.py) from a state, at lengths around the
+chunk of 64 and in pieces across chunk edges followed by decode steps. float32 unless said:
 the tolerance is f32 rounding of a few dot products (measured ~1e-7); a wrong decay, beta or
 state shift is O(0.1)."""
 
@@ -53,7 +53,14 @@ def _reference(cfg, w, proj, conv_state, ssm_state, form):
     return (o * F.silu(z.reshape(T, hv, dv))).reshape(T, -1), conv_state, ssm_state
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 16, 16, 4), (3, 6, 12, 20, 4), (2, 4, 7, 9, 3)])
+def _decode(cfg, w, proj_row, conv, ssm):
+    return dk_kernels.decode_step(cfg, proj_row.contiguous(), conv, w["conv"], ssm, w["a"],
+                                  w["dt_bias"], w["norm"], torch.float32)  # fmt: skip
+
+
+# (Hk, Hv, dk, dv, K): one head; 2 and 3 value heads per key head (the q/k conv state, read by
+# each of them, shifted once by the last: a shift before another's read is O(1) off).
+@pytest.mark.parametrize("shape", [(1, 1, 16, 16, 4), (3, 6, 12, 20, 4), (2, 6, 7, 9, 3)])
 def test_decode_steps_match_the_recurrence(shape):
     cfg = _cfg(*shape)
     gen = torch.Generator().manual_seed(sum(shape))
@@ -66,9 +73,7 @@ def test_decode_steps_match_the_recurrence(shape):
     want, conv_want, ssm_want = _reference(cfg, w, proj, conv0, ssm0, ref.recurrent)
     conv, ssm = conv0.clone(), ssm0.clone()
     for t in range(T):
-        mixed = dk_kernels.conv_step(proj[t, :C].contiguous(), conv, w["conv"])
-        got = dk_kernels.delta_step(cfg, mixed, proj[t].contiguous(), ssm, w["a"],
-                                    w["dt_bias"], w["norm"], torch.float32)  # fmt: skip
+        got = _decode(cfg, w, proj[t], conv, ssm)
         assert (got[0] - want[t]).abs().max() <= TOL, t
     assert (conv - conv_want).abs().max() <= TOL
     assert (ssm - ssm_want).abs().max() <= TOL
@@ -112,7 +117,6 @@ def test_prefill_in_pieces_then_decode_is_token_by_token(shape):
     T = 110
     w, proj, conv0, ssm0 = _prompt_case(cfg, T, sum(shape))
     want, conv_want, ssm_want = _reference(cfg, w, proj, conv0, ssm0, ref.recurrent)
-    C = cfg.ssm_conv_channels
     conv, ssm = conv0.clone(), ssm0.clone()
     wide = torch.zeros(T, proj.shape[1] + 5)
     wide[:, : proj.shape[1]] = proj  # rows of stride > width
@@ -125,8 +129,6 @@ def test_prefill_in_pieces_then_decode_is_token_by_token(shape):
         assert (half.float() - got).abs().max() <= 2e-2 * got.abs().max()
         start += n
     for t in range(start, T):
-        mixed = dk_kernels.conv_step(proj[t, :C].contiguous(), conv, w["conv"])
-        got = dk_kernels.delta_step(cfg, mixed, proj[t].contiguous(), ssm, w["a"],
-                                    w["dt_bias"], w["norm"], torch.float32)  # fmt: skip
+        got = _decode(cfg, w, proj[t], conv, ssm)
         assert (got[0] - want[t]).abs().max() <= 1e-4, t
     assert (conv - conv_want).abs().max() <= TOL and (ssm - ssm_want).abs().max() <= 1e-4

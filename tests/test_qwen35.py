@@ -337,7 +337,7 @@ def test_calibrate_and_sparsity_hit_the_target(hf_dir, tmp_path):
 
 
 def test_gpu_decode_graph_advances_the_state_once(f32_path, monkeypatch):
-    """The GPU executor's decode kernels (kernels.deltanet) in a captured step: the capture's
+    """The GPU executor's decode kernel (kernels.deltanet) in a captured step: the capture's
     warm-up run must not advance the recurrent state (stood in on the CPU by eager_graph, whose
     replay reruns the step as a graph would); the replayed logits equal eager decoding's and
     the CPU path's."""

@@ -2,7 +2,7 @@
 the chunked form of the recurrence (kernels.deltanet_chunk: chunks of 64 tokens, the
 intra-chunk solve parallel over chunks and heads, the state passed from chunk to chunk in
 registers, then the gated RMSNorm): four launches per layer whatever the prompt's length. One
-token takes the decode kernels (kernels.deltanet) instead."""
+token takes the decode kernel (kernels.deltanet) instead."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ Same math as pyruntime.model.reference, laid out for a GPU:
   (step inputs, rope tables, captured graphs) lives in its executor_state
   (pyruntime.gpu.cache_state);
 - Gated DeltaNet layers (qwen35moe) read and write the cache's recurrent state in place
-  (kernels.deltanet: two decode kernels; gpu/deltanet.py: the chunked form for a prompt);
+  (kernels.deltanet: one decode kernel; gpu/deltanet.py: the chunked kernels for a prompt);
   multi-head latent attention layers (deepseek2) their cache's one plane of latents (gpu/mla.py);
 - a step is the per-layer pieces of pyruntime.gpu.layers in a loop. Prefill (n > 1 tokens) runs
   eagerly (GEMM kernels, torch SDPA; docs/architecture.md); decode (1 token) reads its inputs
