@@ -36,7 +36,7 @@ from pyruntime.gpu.deltanet import deltanet_prefill
 from pyruntime.gpu.mla import mla_attention
 from pyruntime.gpu.weights import DeviceBlock, DeviceWeights, GatedFFN
 from pyruntime.kernels.attention import decode_attention
-from pyruntime.kernels.decoder_ops import add_rms_norm, qk_rope_store
+from pyruntime.kernels.decoder_ops import add_rms_norm, qk_rope_store, shared_gate_add
 from pyruntime.kernels.deltanet import decode_step
 from pyruntime.kernels.dispatch import moe_experts
 from pyruntime.kernels.expert_paths import SparseSwitch
@@ -343,10 +343,10 @@ class DecoderLayers:
         if blk.shared is None:
             return y
         with self.part("shared expert"):
-            s = self._gated_ffn(blk.shared, r.h).float()
-            if blk.shared_gate is not None:
-                s = s * torch.sigmoid(r.h32 @ blk.shared_gate)[:, None]
-            return y + s
+            s = self._gated_ffn(blk.shared, r.h)
+            if blk.shared_gate is not None:  # + its gate: one launch (kernels.decoder_ops)
+                return shared_gate_add(y, s, r.h32, blk.shared_gate)
+            return y + s.float()
 
     def ffn_norm(self, i: int, x: torch.Tensor, delta: torch.Tensor | None,
                  want_f32: bool = False):  # fmt: skip
