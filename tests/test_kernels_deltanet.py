@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from gpu_device import DEVICE
 
 from pyruntime.gpu.deltanet import deltanet_prefill
 from pyruntime.kernels import deltanet as dk_kernels
@@ -30,12 +31,13 @@ def _cfg(hk, hv, dk, dv, K):
 
 def _weights(cfg, gen):
     C, hv = cfg.ssm_conv_channels, cfg.ssm_n_v_heads
-    return dict(
+    w = dict(
         conv=torch.randn(C, cfg.ssm_conv_kernel, generator=gen) * 0.5,
         a=-torch.rand(hv, generator=gen) * 3,
         dt_bias=torch.randn(hv, generator=gen),
         norm=torch.randn(cfg.ssm_head_v_dim, generator=gen),
     )
+    return {k: t.to(DEVICE) for k, t in w.items()}
 
 
 def _reference(cfg, w, proj, conv_state, ssm_state, form):
@@ -67,9 +69,9 @@ def test_decode_steps_match_the_recurrence(shape):
     w = _weights(cfg, gen)
     C, hv, dv = cfg.ssm_conv_channels, cfg.ssm_n_v_heads, cfg.ssm_head_v_dim
     T = 6
-    proj = torch.randn(T, C + hv * dv + 2 * hv, generator=gen)
-    conv0 = torch.randn(C, cfg.ssm_conv_kernel - 1, generator=gen)
-    ssm0 = torch.randn(hv, cfg.ssm_head_k_dim, dv, generator=gen)
+    proj = torch.randn(T, C + hv * dv + 2 * hv, generator=gen).to(DEVICE)
+    conv0 = torch.randn(C, cfg.ssm_conv_kernel - 1, generator=gen).to(DEVICE)
+    ssm0 = torch.randn(hv, cfg.ssm_head_k_dim, dv, generator=gen).to(DEVICE)
     want, conv_want, ssm_want = _reference(cfg, w, proj, conv0, ssm0, ref.recurrent)
     conv, ssm = conv0.clone(), ssm0.clone()
     for t in range(T):
@@ -86,7 +88,7 @@ def _prompt_case(cfg, T, seed):
     proj = torch.randn(T, C + hv * dv + 2 * hv, generator=gen)
     conv0 = torch.randn(C, cfg.ssm_conv_kernel - 1, generator=gen)
     ssm0 = torch.randn(hv, cfg.ssm_head_k_dim, dv, generator=gen)
-    return w, proj, conv0, ssm0
+    return w, proj.to(DEVICE), conv0.to(DEVICE), ssm0.to(DEVICE)
 
 
 def _prefill(cfg, w, proj, conv, ssm, out_dtype=torch.float32):
@@ -118,7 +120,7 @@ def test_prefill_in_pieces_then_decode_is_token_by_token(shape):
     w, proj, conv0, ssm0 = _prompt_case(cfg, T, sum(shape))
     want, conv_want, ssm_want = _reference(cfg, w, proj, conv0, ssm0, ref.recurrent)
     conv, ssm = conv0.clone(), ssm0.clone()
-    wide = torch.zeros(T, proj.shape[1] + 5)
+    wide = torch.zeros(T, proj.shape[1] + 5, device=DEVICE)
     wide[:, : proj.shape[1]] = proj  # rows of stride > width
     start = 0
     for n in (30, 70, 1, 5):

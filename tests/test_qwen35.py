@@ -156,6 +156,8 @@ def test_gpu_q4_0_matrices_run_as_q8_0(hf_dir, tmp_path):
     chunked DeltaNet kernels) then decode steps give the CPU path's log-probabilities (bf16
     activations vs the C core's Q8 ones: measured <= 0.032, tolerance 0.05)."""
     pytest.importorskip("triton")
+    from gpu_device import DEVICE
+
     from pyruntime.gguf.quant import dequantize
     from pyruntime.gpu.executor import GpuExecutor
     from pyruntime.kernels.q8_linear import dequantize_q8
@@ -166,12 +168,12 @@ def test_gpu_q4_0_matrices_run_as_q8_0(hf_dir, tmp_path):
     f = open_gguf(path)
     t = f.tensor("blk.0.attn_qkv.weight")
     assert t.qtype.name == "Q4_0"
-    gpu = GpuExecutor.from_gguf(f, "cpu")
+    gpu = GpuExecutor.from_gguf(f, DEVICE)
     d = gpu.blocks[0].deltanet
     assert d.in_proj.w is None and d.out.w is None and gpu.weights.output.w is None
     C = gpu.config.ssm_conv_channels
     want = dequantize(t.data, t.qtype, tuple(t.shape))
-    assert torch.equal(dequantize_q8(d.in_proj.q[:C], d.in_proj.d[:C], torch.float32), want)
+    assert torch.equal(dequantize_q8(d.in_proj.q[:C], d.in_proj.d[:C], torch.float32).cpu(), want)
     q8 = open_gguf(convert(hf_dir, tmp_path / "q8.gguf", "q8_0", progress=False))
     cfg = ModelConfig.from_gguf(f)
     assert device_bytes(f, cfg, 64).dense == device_bytes(q8, cfg, 64).dense
@@ -180,7 +182,7 @@ def test_gpu_q4_0_matrices_run_as_q8_0(hf_dir, tmp_path):
     ids = [1, 5, 9, 2, 7, 3, 11]
     for tokens in (ids, [4], [6], [8]):
         got, ref = (m.forward(tokens, c) for m, c in zip((gpu, cpu), caches, strict=True))
-        lp, lp_ref = (torch.log_softmax(x[-1].float(), -1) for x in (got, ref))
+        lp, lp_ref = (torch.log_softmax(x[-1].float().cpu(), -1) for x in (got, ref))
         assert (lp - lp_ref).abs().max() <= 0.05
 
 
