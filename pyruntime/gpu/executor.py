@@ -4,8 +4,8 @@ for tests), on the shared model description (pyruntime.model).
 Same math as pyruntime.model.reference, laid out for a GPU:
 - weights uploaded once from the host description (pyruntime.gpu.weights): routed experts in
   their GGUF format (dense or neuron-sparse kernels under a per-layer threshold, the path from
-  kernels.expert_paths), Q8_0 matmul weights kept Q8_0, other dense weights float32 for an F32
-  GGUF (so logits match the CPU path) else bfloat16;
+  kernels.expert_paths), Q8_0 matmul weights kept Q8_0 (Q4_0 ones repacked to Q8_0, exact),
+  other dense weights float32 for an F32 GGUF (so logits match the CPU path) else bfloat16;
 - the shared KVCache, fixed-size on the device (new_cache); what the GPU derives from it
   (step inputs, rope tables, captured graphs) lives in its executor_state
   (pyruntime.gpu.cache_state);
