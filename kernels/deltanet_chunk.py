@@ -205,7 +205,9 @@ def chunked_delta(cfg, mixed: torch.Tensor, proj: torch.Tensor, state: torch.Ten
     # Exact fp32 products when the model runs in f32 (and under the interpreter); TF32 on the
     # tensor cores for half-precision models, whose q, k, v are rounded to bf16/f16 already.
     prec = "ieee" if interpreting() or out_dtype == torch.float32 else "tf32"
-    warps = 1 if interpreting() else 4
+    # 8 warps: a program holds several [64, 128] f32 tiles (k, q, W: 32 KiB each), which 4
+    # warps could only keep by spilling. A guess to time on the device (bench/gpu_prefill.py).
+    warps = 1 if interpreting() else 8
     _prep_kernel[(triton.cdiv(T, CHUNK), hv)](
         mixed, proj, proj.stride(0), a, dt_bias, w_buf, u_buf, gam, T, C, b_off, a_off,
         hk, hv, dk, dv, CHUNK, bk, bdv, prec, num_warps=warps,
