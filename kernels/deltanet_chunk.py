@@ -41,7 +41,7 @@ def _conv_kernel(x_ptr, stride_x, state_ptr, w_ptr, y_ptr, T, C,
     c = tl.program_id(0) * BC + tl.arange(0, BC)
     mc = c < C
     for t0 in range(0, T, BT):
-        t = t0 + tl.arange(0, BT)
+        t = (t0 + tl.arange(0, BT)).to(tl.int64)  # t * stride past 2^31 on long prompts
         acc = tl.zeros((BT, BC), dtype=tl.float32)
         for j in tl.static_range(K):
             p = t + (j - (K - 1))  # input position of tap j (negative: the cached inputs)
@@ -55,7 +55,7 @@ def _conv_kernel(x_ptr, stride_x, state_ptr, w_ptr, y_ptr, T, C,
                  mask=(t < T)[:, None] & mc[None, :])  # fmt: skip
     # The new state: slot s holds input position T - (K - 1) + s (from the old state if < 0)
     s = tl.arange(0, KP)  # KP: K - 1 rounded up to a power of two
-    p = T - (K - 1) + s
+    p = (T - (K - 1) + s).to(tl.int64)
     m = mc[:, None] & (s < K - 1)[None, :]
     xin = tl.load(x_ptr + p[None, :] * stride_x + c[:, None], mask=m & (p >= 0)[None, :],
                   other=0.0).to(tl.float32)  # fmt: skip
@@ -93,7 +93,7 @@ def _prep_kernel(mixed_ptr, proj_ptr, stride_p, a_ptr, dt_ptr, w_ptr, u_ptr, gam
     h = tl.program_id(1)
     kh = h // (HV // HK)
     r = tl.arange(0, L)
-    t = c0 + r
+    t = (c0 + r).to(tl.int64)
     mt = t < T
     d = tl.arange(0, BK)
     e = tl.arange(0, BDV)
@@ -135,7 +135,7 @@ def _scan_kernel(mixed_ptr, state_ptr, w_ptr, u_ptr, gam_ptr, o_ptr, T, C, HK, H
     s_mask = md[:, None] & me[None, :]
     s = tl.load(state_ptr + s_offs, mask=s_mask, other=0.0)
     for c0 in range(0, T, L):
-        t = c0 + r
+        t = (c0 + r).to(tl.int64)
         mt = t < T
         q = _qk_rows(mixed_ptr, t, mt, kh * DK, d, C, DK) / tl.sqrt(DK.to(tl.float32))
         k = _qk_rows(mixed_ptr, t, mt, HK * DK + kh * DK, d, C, DK)
@@ -160,7 +160,7 @@ def _scan_kernel(mixed_ptr, state_ptr, w_ptr, u_ptr, gam_ptr, o_ptr, T, C, HK, H
 @triton.jit
 def _gated_norm_kernel(o_ptr, proj_ptr, stride_p, norm_ptr, out_ptr, T, z_off, HV, DV, eps,
                        BDV: tl.constexpr):  # fmt: skip
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     e = tl.arange(0, BDV)
     me = e < DV
