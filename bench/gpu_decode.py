@@ -43,12 +43,19 @@ def _nbytes(t) -> int:
 def decode_bytes(net: GpuExecutor, position: int) -> dict[str, int]:
     """Bytes read by one decode step at `position`, by part."""
     cfg = net.config
-    parts = dict(experts=0, attention_weights=0, router=0, shared=0, dense_ffn=0, norms=0)
+    parts = dict(experts=0, attention_weights=0, deltanet_weights=0, deltanet_state=0, router=0,
+                 shared=0, dense_ffn=0, norms=0)  # fmt: skip
     for blk in net.blocks:
         if blk.experts is not None:
             parts["experts"] += _nbytes(blk.experts) * cfg.n_expert_used // cfg.n_expert
             parts["router"] += _nbytes(blk.router)
-        parts["attention_weights"] += sum(map(_nbytes, (blk.wqkv, blk.wo)))
+        parts["attention_weights"] += sum(map(_nbytes, (blk.wqkv, blk.wo, blk.attn_gate)))
+        if blk.deltanet is not None:  # qwen35moe: projections, conv, and the state read + written
+            d = blk.deltanet
+            parts["deltanet_weights"] += sum(map(_nbytes, (d.in_proj, d.out, d.conv)))
+            parts["deltanet_state"] += (
+                2 * cfg.ssm_n_v_heads * cfg.ssm_head_k_dim * cfg.ssm_head_v_dim * 4
+            )
         for ffn, key in ((blk.shared, "shared"), (blk.dense_ffn, "dense_ffn")):
             if ffn is not None:
                 parts[key] += _nbytes(ffn.gate_up) + _nbytes(ffn.down)
@@ -57,12 +64,14 @@ def decode_bytes(net: GpuExecutor, position: int) -> dict[str, int]:
         )
     parts["lm_head"] = _nbytes(net.output)
     elt = net.dtype.itemsize  # KV cache dtype
-    parts["kv_cache"] = cfg.n_layer * 2 * cfg.n_head_kv * (position + 1) * cfg.head_dim * elt
+    n_kv = cfg.n_layer - sum(blk.deltanet is not None for blk in net.blocks)  # DeltaNet: no K/V
+    parts["kv_cache"] = n_kv * 2 * cfg.n_head_kv * (position + 1) * cfg.head_dim * elt
     parts["total"] = sum(parts.values())
     return parts
 
 
-PARTS = ("norm", "qkv", "rope+kv store", "attention", "o_proj", "router", "routed experts",
+PARTS = ("norm", "qkv", "rope+kv store", "attention", "attention gate", "o_proj",
+         "deltanet in_proj", "deltanet", "deltanet out_proj", "router", "routed experts",
          "shared expert", "dense ffn", "lm_head")  # fmt: skip
 
 

@@ -14,7 +14,11 @@ torch reference, then timed (CUDA events, median of --reps after a warm-up call)
   GEMM_CONFIGS regime's tiles ("some": 32-pair tiles, "many": 64), the regime the rule picks
   marked;
 - prefill attention (SDPA, causal, from position 0): the executor's call (4-D, is_causal:
-  flash) against the explicit-mask call (memory-efficient kernel).
+  flash) against the explicit-mask call (memory-efficient kernel);
+- a Gated DeltaNet layer's prompt at qwen3.5-35b-a3b's shape (16 key and 32 value heads of 128,
+  conv of 4; gpu/deltanet.py: the conv and chunked Triton kernels) against the chunked form in
+  torch ops that it replaced (pyruntime.model.deltanet on the device), from the projection to
+  the gated output.
 Each row gives µs, TFLOP/s and % of the peak.
 
     python bench/gpu_prefill.py
@@ -36,6 +40,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pyruntime.gpu.deltanet import deltanet_prefill  # noqa: E402
 from pyruntime.kernels.expert_formats import quantize_rows, repack_rows  # noqa: E402
 from pyruntime.kernels.moe_dense import (  # noqa: E402
     GEMM_CONFIGS,
@@ -49,6 +54,7 @@ from pyruntime.kernels.q8_linear import (  # noqa: E402
     q8_gemm,
     q8_linear_ref,
 )
+from pyruntime.model import deltanet as dn_ref  # noqa: E402
 from pyruntime.model.reference import attention_mask  # noqa: E402
 
 H, N_HEAD, D, E, N_FF, TOPK, VOCAB = 2048, 16, 128, 64, 1024, 8, 50304
@@ -148,6 +154,54 @@ def bench_attention(tokens: list[int], peak: float, reps: int, rows: list) -> No
         row(rows, f"attention T={T} SDPA explicit mask", masked, flops, peak)
 
 
+def torch_deltanet_prefill(cfg, proj, conv_w, conv_state, ssm_state, a, dt_bias, norm):
+    """The prompt path before the Triton kernels: model.deltanet's conv and chunked form in
+    torch ops on the device (~15 launches per chunk of 64 and a triangular solve)."""
+    hk, hv, dk, dv = cfg.ssm_n_k_heads, cfg.ssm_n_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim
+    C, T = cfg.ssm_conv_channels, proj.shape[0]
+    proj = proj.float()
+    z, b, alpha = torch.split(proj[:, C:], [hv * dv, hv, hv], dim=-1)
+    mixed, new_conv = dn_ref.causal_conv(proj[:, :C], conv_state, conv_w)
+    q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
+    q = (dn_ref.l2norm(q.reshape(T, hk, dk)) * dk**-0.5).repeat_interleave(hv // hk, dim=1)
+    k = dn_ref.l2norm(k.reshape(T, hk, dk)).repeat_interleave(hv // hk, dim=1)
+    g = a * F.softplus(alpha + dt_bias)
+    o, new_ssm = dn_ref.chunked(q, k, v.reshape(T, hv, dv), g, torch.sigmoid(b), ssm_state)
+    conv_state.copy_(new_conv)
+    ssm_state.copy_(new_ssm)
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + cfg.rms_eps) * norm
+    return (o * F.silu(z.reshape(T, hv, dv))).reshape(T, hv * dv).bfloat16()
+
+
+def bench_deltanet(tokens: list[int], peak: float, reps: int, rows: list) -> None:
+    from types import SimpleNamespace
+
+    hk, hv, dk, dv, K, L = 16, 32, 128, 128, 4, 64
+    C = 2 * hk * dk + hv * dv
+    cfg = SimpleNamespace(ssm_n_k_heads=hk, ssm_n_v_heads=hv, ssm_head_k_dim=dk,
+                          ssm_head_v_dim=dv, ssm_conv_channels=C, rms_eps=1e-6)  # fmt: skip
+    conv_w = torch.randn(C, K, device="cuda") * 0.5
+    a = -torch.rand(hv, device="cuda") * 3
+    dt_bias, norm = torch.randn(hv, device="cuda"), torch.ones(dv, device="cuda")
+    conv0, ssm0 = torch.zeros(C, K - 1, device="cuda"), torch.zeros(hv, dk, dv, device="cuda")
+    for T in tokens:
+        proj = torch.randn(T, C + hv * dv + 2 * hv, device="cuda").bfloat16()
+        ours = deltanet_prefill(cfg, proj, conv_w, conv0.clone(), ssm0.clone(), a, dt_bias,
+                                norm, torch.bfloat16)  # fmt: skip
+        ref = torch_deltanet_prefill(cfg, proj, conv_w, conv0.clone(), ssm0.clone(), a,
+                                     dt_bias, norm)  # fmt: skip
+        # per token and value head: the state products (q S, W S, K^T U), the chunk's
+        # k k^T and q k^T, (I + A)^-1 times K and V, (q k^T) U
+        flops = 2 * T * hv * (3 * dk * dv + 2 * L * dk + L * (dk + 2 * dv))
+        new = time_us(lambda p=proj: deltanet_prefill(cfg, p, conv_w, conv0.clone(),
+                      ssm0.clone(), a, dt_bias, norm, torch.bfloat16), reps)  # fmt: skip
+        old = time_us(lambda p=proj: torch_deltanet_prefill(cfg, p, conv_w, conv0.clone(),
+                      ssm0.clone(), a, dt_bias, norm), reps)  # fmt: skip
+        row(rows, f"deltanet T={T} Triton chunked (the executor's)", new, flops, peak,
+            f"rel err {rel_err(ours, ref):.1e}; {old / new:.2f}x the torch form")  # fmt: skip
+        row(rows, f"deltanet T={T} torch chunked form", old, flops, peak)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -170,6 +224,7 @@ def main() -> None:
     best = bench_q8_linear(tokens, peak, args.reps, rows)
     bench_experts(tokens, peak, args.reps, rows)
     bench_attention(tokens, peak, args.reps, rows)
+    bench_deltanet(tokens, peak, args.reps, rows)
     print("\n".join(rows))
     print(f"q8_gemm up to: {'any number of' if best is None else best} tokens (above: cuBLAS)")
     if args.write:

@@ -8,6 +8,9 @@
   of each head), optional clamp; writes q [n_head, n, D] for attention, and k, v into the KV
   cache at each token's position (read from a device tensor, so decode is graph-capturable).
   Grid (n tokens, 3): program 0 does q, 1 does k, 2 copies v.
+- `shared_gate_add`: a MoE layer's output y + sigmoid(h . w_gate) * s, the routed experts' y
+  plus the shared expert's s under its sigmoid gate (Qwen2-MoE, Qwen3.5-MoE): one launch for
+  the gate's dot, the sigmoid, the product and the sum. One program per token row.
 Each has a plain torch reference beside it (`*_ref`) for the tests.
 """
 
@@ -83,6 +86,44 @@ def add_rms_norm_ref(x, delta, w, eps, out_dtype, alpha=1.0):
     x = x if delta is None else x + alpha * delta.float()
     h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
     return x, h.to(out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# shared expert under its sigmoid gate, added to the routed experts' output
+
+
+@triton.jit
+def _shared_gate_add_kernel(y_ptr, s_ptr, h_ptr, g_ptr, out_ptr, H, BLOCK_H: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_H)
+    m = c < H
+    h = tl.load(h_ptr + row * H + c, mask=m, other=0.0)
+    logit = tl.sum(h * tl.load(g_ptr + c, mask=m, other=0.0), axis=0)
+    gate = 1.0 / (1.0 + tl.exp(-logit))
+    s = tl.load(s_ptr + row * H + c, mask=m, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + row * H + c, mask=m, other=0.0)
+    tl.store(out_ptr + row * H + c, y + gate * s, mask=m)
+
+
+def shared_gate_add(y: torch.Tensor, s: torch.Tensor, h32: torch.Tensor,
+                    gate: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """y [n, H] f32 (the routed experts' output), s [n, H] any float dtype (the shared
+    expert's), h32 [n, H] f32 (the FFN input), gate [H] f32 -> y + sigmoid(h32 @ gate)[:, None]
+    * s, a new [n, H] f32 tensor. All contiguous."""
+    n, H = y.shape
+    if not all(t.shape == (n, H) and t.is_contiguous() for t in (y, s, h32)) or gate.shape != (H,):
+        raise ValueError(f"y, s, h32 must be contiguous [n, H] and gate [H], got "
+                         f"{[list(t.shape) for t in (y, s, h32, gate)]}")  # fmt: skip
+    out = torch.empty_like(y)
+    _shared_gate_add_kernel[(n,)](
+        y, s, h32, gate, out, H, BLOCK_H=triton.next_power_of_2(H),
+        num_warps=1 if interpreting() else 4,
+    )  # fmt: skip
+    return out
+
+
+def shared_gate_add_ref(y, s, h32, gate):
+    return y + torch.sigmoid(h32 @ gate)[:, None] * s.float()
 
 
 # ----------------------------------------------------------------------------------------------

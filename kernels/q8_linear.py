@@ -37,6 +37,21 @@ def split_q8_0(raw: torch.Tensor, n_cols: int) -> tuple[torch.Tensor, torch.Tens
     return q, d
 
 
+def q4_0_as_q8_0(raw: torch.Tensor, n_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF Q4_0 bytes uint8 [N, K / 32 * 18] -> the same weights as Q8_0 (q int8 [N, K], d
+    float16 [N, K / 32]): exact (a Q4_0 block is d times codes in -8..7, its 16 bytes holding
+    elements j and j + 16 in the low and high nibble of byte j), for the Q8_0 kernels: half the
+    bytes a bf16 copy would read, and no rounding of d * code to bf16."""
+    N = raw.shape[0]
+    if n_cols % 32 or raw.shape[1] != n_cols // 32 * 18 or raw.dtype != torch.uint8:
+        raise ValueError(f"Q4_0 rows of {n_cols} weights are {n_cols // 32 * 18} bytes (uint8)")
+    blocks = raw.reshape(N, n_cols // 32, 18)
+    d = blocks[:, :, :2].contiguous().view(torch.float16).reshape(N, n_cols // 32)
+    qs = blocks[:, :, 2:].to(torch.int16)
+    q = torch.cat([(qs & 15) - 8, (qs >> 4) - 8], dim=-1).to(torch.int8).reshape(N, n_cols)
+    return q, d
+
+
 def dequantize_q8(q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(q [N, K], d [N, K / 32]) -> W [N, K] in dtype (the exact products, then rounded)."""
     N, K = q.shape

@@ -1,4 +1,5 @@
-"""kernels.decoder_ops (fused residual add + RMSNorm; q/k norm + rope + KV store) vs torch."""
+"""kernels.decoder_ops (fused residual add + RMSNorm; q/k norm + rope + KV store; the shared
+expert's sigmoid gate and sum) vs torch."""
 
 import os
 
@@ -10,6 +11,8 @@ from pyruntime.kernels.decoder_ops import (
     add_rms_norm_ref,
     qk_rope_store,
     qk_rope_store_ref,
+    shared_gate_add,
+    shared_gate_add_ref,
 )
 from pyruntime.model.rope import inv_frequencies, rope_tables
 
@@ -100,3 +103,18 @@ def test_qk_rope_store_clamp():
     q = qk_rope_store(*_on(qkv), got_kv, *_on(pos, cos, sin), 2, clamp=1.5)
     q, got_kv = q.cpu(), got_kv.cpu()
     assert _rel_err(q, ref_q) <= 1e-5 and _rel_err(got_kv, ref_kv) <= 1e-5
+
+
+@pytest.mark.parametrize("n, H", [(1, 100), (3, 64), (5, 257)])
+@pytest.mark.parametrize("s_dtype", [torch.float32, torch.bfloat16])
+def test_shared_gate_add(n, H, s_dtype):
+    """y + sigmoid(h . gate) * s per row: f32 summation order only (the gate's dot over H)."""
+    g = torch.Generator().manual_seed(n + H)
+    y, h32 = torch.randn(n, H, generator=g), torch.randn(n, H, generator=g)
+    s = torch.randn(n, H, generator=g).to(s_dtype)
+    gate = torch.randn(H, generator=g) * H**-0.5
+    want = shared_gate_add_ref(y, s, h32, gate)
+    got = shared_gate_add(*_on(y, s, h32, gate)).cpu()
+    assert got.dtype == torch.float32 and _rel_err(got, want) <= 1e-6
+    with pytest.raises(ValueError, match="gate \\[H\\]"):
+        shared_gate_add(*_on(y, s, h32, gate[1:]))

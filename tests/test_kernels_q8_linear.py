@@ -7,7 +7,13 @@ import torch
 
 from pyruntime.gguf.quant import dequantize
 from pyruntime.kernels.expert_formats import quantize_rows
-from pyruntime.kernels.q8_linear import dequantize_q8, q8_gemv, q8_linear_ref, split_q8_0
+from pyruntime.kernels.q8_linear import (
+    dequantize_q8,
+    q4_0_as_q8_0,
+    q8_gemv,
+    q8_linear_ref,
+    split_q8_0,
+)
 
 DEV = "cpu" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "cuda"
 
@@ -20,6 +26,23 @@ def test_split_matches_gguf_dequantization():
     q, d = split_q8_0(raw, 96)
     ref = dequantize(raw.numpy(), GGMLQuantizationType.Q8_0, (5, 96))
     assert torch.equal(dequantize_q8(q, d, torch.float32), ref)
+
+
+def test_q4_0_as_q8_0_is_exact():
+    """Q4_0 rows repacked for the Q8_0 kernels hold the GGUF's Q4_0 weights exactly (every
+    nibble code, both halves of a block, random f16 scales)."""
+    from gguf import GGMLQuantizationType
+
+    g = torch.Generator().manual_seed(1)
+    raw = torch.randint(0, 256, (7, 96 // 32, 18), generator=g, dtype=torch.uint8)
+    raw[:, :, :2] = (torch.rand(7, 3, generator=g) + 0.1).half().view(torch.uint8).reshape(7, 3, 2)
+    raw = raw.reshape(7, -1)
+    q, d = q4_0_as_q8_0(raw, 96)
+    ref = dequantize(raw.numpy(), GGMLQuantizationType.Q4_0, (7, 96))
+    assert q.dtype == torch.int8 and int(q.min()) == -8 and int(q.max()) == 7
+    assert torch.equal(dequantize_q8(q, d, torch.float32), ref)
+    with pytest.raises(ValueError, match="Q4_0 rows of 96 weights are 54 bytes"):
+        q4_0_as_q8_0(raw[:, :50], 96)
 
 
 # N rows not a multiple of the row tile; K a multiple of 32 but not of the K tile.

@@ -149,6 +149,43 @@ def test_gpu_whole_model_or_the_hybrid(f32_path, monkeypatch):
         assert choice.plan.slots == 4
 
 
+def test_gpu_q4_0_matrices_run_as_q8_0(hf_dir, tmp_path):
+    """A Q4_0 GGUF on the GPU executor: its dense matrices (DeltaNet projections, attention,
+    shared experts, lm_head) are the Q8_0 kernels' q, d holding the GGUF's weights exactly (half
+    a bf16 copy's bytes); the device-memory plan counts them as a Q8_0 file's; a prompt (the
+    chunked DeltaNet kernels) then decode steps give the CPU path's log-probabilities (bf16
+    activations vs the C core's Q8 ones: measured <= 0.032, tolerance 0.05)."""
+    pytest.importorskip("triton")
+    from gpu_device import DEVICE
+
+    from pyruntime.gguf.quant import dequantize
+    from pyruntime.gpu.executor import GpuExecutor
+    from pyruntime.kernels.q8_linear import dequantize_q8
+    from pyruntime.model.config import ModelConfig
+    from pyruntime.offload.plan import device_bytes
+
+    path = convert(hf_dir, tmp_path / "m.gguf", "q4_0", progress=False)
+    f = open_gguf(path)
+    t = f.tensor("blk.0.attn_qkv.weight")
+    assert t.qtype.name == "Q4_0"
+    gpu = GpuExecutor.from_gguf(f, DEVICE)
+    d = gpu.blocks[0].deltanet
+    assert d.in_proj.w is None and d.out.w is None and gpu.weights.output.w is None
+    C = gpu.config.ssm_conv_channels
+    want = dequantize(t.data, t.qtype, tuple(t.shape))
+    assert torch.equal(dequantize_q8(d.in_proj.q[:C], d.in_proj.d[:C], torch.float32).cpu(), want)
+    q8 = open_gguf(convert(hf_dir, tmp_path / "q8.gguf", "q8_0", progress=False))
+    cfg = ModelConfig.from_gguf(f)
+    assert device_bytes(f, cfg, 64).dense == device_bytes(q8, cfg, 64).dense
+    cpu = CpuExecutor.from_gguf(open_gguf(path), expert_backend="torch")
+    caches = [m.new_cache(32) for m in (gpu, cpu)]
+    ids = [1, 5, 9, 2, 7, 3, 11]
+    for tokens in (ids, [4], [6], [8]):
+        got, ref = (m.forward(tokens, c) for m, c in zip((gpu, cpu), caches, strict=True))
+        lp, lp_ref = (torch.log_softmax(x[-1].float().cpu(), -1) for x in (got, ref))
+        assert (lp - lp_ref).abs().max() <= 0.05
+
+
 def test_info_shows_the_deltanet_fields(f32_path, capsys):
     from pyruntime.cli import main
 
@@ -302,7 +339,7 @@ def test_calibrate_and_sparsity_hit_the_target(hf_dir, tmp_path):
 
 
 def test_gpu_decode_graph_advances_the_state_once(f32_path, monkeypatch):
-    """The GPU executor's decode kernels (kernels.deltanet) in a captured step: the capture's
+    """The GPU executor's decode kernel (kernels.deltanet) in a captured step: the capture's
     warm-up run must not advance the recurrent state (stood in on the CPU by eager_graph, whose
     replay reruns the step as a graph would); the replayed logits equal eager decoding's and
     the CPU path's."""

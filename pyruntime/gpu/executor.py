@@ -4,13 +4,13 @@ for tests), on the shared model description (pyruntime.model).
 Same math as pyruntime.model.reference, laid out for a GPU:
 - weights uploaded once from the host description (pyruntime.gpu.weights): routed experts in
   their GGUF format (dense or neuron-sparse kernels under a per-layer threshold, the path from
-  kernels.expert_paths), Q8_0 matmul weights kept Q8_0, other dense weights float32 for an F32
-  GGUF (so logits match the CPU path) else bfloat16;
+  kernels.expert_paths), Q8_0 matmul weights kept Q8_0 (Q4_0 ones repacked to Q8_0, exact),
+  other dense weights float32 for an F32 GGUF (so logits match the CPU path) else bfloat16;
 - the shared KVCache, fixed-size on the device (new_cache); what the GPU derives from it
   (step inputs, rope tables, captured graphs) lives in its executor_state
   (pyruntime.gpu.cache_state);
 - Gated DeltaNet layers (qwen35moe) read and write the cache's recurrent state in place
-  (kernels.deltanet: two decode kernels; gpu/deltanet.py: the chunked form for a prompt);
+  (kernels.deltanet: one decode kernel; gpu/deltanet.py: the chunked kernels for a prompt);
   multi-head latent attention layers (deepseek2) their cache's one plane of latents (gpu/mla.py);
 - a step is the per-layer pieces of pyruntime.gpu.layers in a loop. Prefill (n > 1 tokens) runs
   eagerly (GEMM kernels, torch SDPA; docs/architecture.md); decode (1 token) reads its inputs

@@ -36,8 +36,8 @@ from pyruntime.gpu.deltanet import deltanet_prefill
 from pyruntime.gpu.mla import mla_attention
 from pyruntime.gpu.weights import DeviceBlock, DeviceWeights, GatedFFN
 from pyruntime.kernels.attention import decode_attention
-from pyruntime.kernels.decoder_ops import add_rms_norm, qk_rope_store
-from pyruntime.kernels.deltanet import conv_step, delta_step
+from pyruntime.kernels.decoder_ops import add_rms_norm, qk_rope_store, shared_gate_add
+from pyruntime.kernels.deltanet import decode_step
 from pyruntime.kernels.dispatch import moe_experts
 from pyruntime.kernels.expert_paths import SparseSwitch
 from pyruntime.kernels.router import add_norm_router, router_topk
@@ -229,7 +229,7 @@ class DecoderLayers:
                  state: RecurrentState, span: Span):  # fmt: skip
         """Layer i's Gated DeltaNet sub-block (kernels.deltanet): (x + residual_scale * delta,
         its output [n, n_embd]); the layer's conv and ssm states (in `state`) advance by the
-        span's tokens: one token through the decode kernels, several through the chunked form."""
+        span's tokens: one token through the decode kernel, several through the chunked form."""
         cfg, blk = self.config, self.blocks[i]
         d = blk.deltanet
         with self.part("norm"):
@@ -240,8 +240,8 @@ class DecoderLayers:
         conv, ssm = state.conv[i], state.ssm[i]
         with self.part("deltanet"):
             if span.seq_len is not None:
-                mixed = conv_step(proj[0, : cfg.ssm_conv_channels], conv, d.conv)
-                o = delta_step(cfg, mixed, proj[0], ssm, d.a, d.dt_bias, d.norm, self.dtype)
+                o = decode_step(cfg, proj[0], conv, d.conv, ssm, d.a, d.dt_bias, d.norm,
+                                self.dtype)  # fmt: skip
             else:
                 o = deltanet_prefill(cfg, proj, d.conv, conv, ssm, d.a, d.dt_bias, d.norm,
                                      self.dtype)  # fmt: skip
@@ -343,10 +343,10 @@ class DecoderLayers:
         if blk.shared is None:
             return y
         with self.part("shared expert"):
-            s = self._gated_ffn(blk.shared, r.h).float()
-            if blk.shared_gate is not None:
-                s = s * torch.sigmoid(r.h32 @ blk.shared_gate)[:, None]
-            return y + s
+            s = self._gated_ffn(blk.shared, r.h)
+            if blk.shared_gate is not None:  # + its gate: one launch (kernels.decoder_ops)
+                return shared_gate_add(y, s, r.h32, blk.shared_gate)
+            return y + s.float()
 
     def ffn_norm(self, i: int, x: torch.Tensor, delta: torch.Tensor | None,
                  want_f32: bool = False):  # fmt: skip

@@ -3,9 +3,9 @@ views into the GGUF mmap, already loaded and checked there).
 
 - routed experts: their GGUF bytes on the device, prepared by kernels.dispatch.prepare_experts
   (never dequantized);
-- matmul weights (attention, shared experts, dense FFN layers, lm_head): `Linear`, Q8_0 kept
-  quantized (kernels.q8_linear) when the GGUF stores Q8_0, else float (f32 for an F32 GGUF,
-  bf16 otherwise);
+- matmul weights (attention, DeltaNet projections, shared experts, dense FFN layers, lm_head):
+  `Linear`, Q8_0 kept quantized (kernels.q8_linear) when the GGUF stores Q8_0 or Q4_0 (repacked
+  to Q8_0, exact), else float (f32 for an F32 GGUF, bf16 otherwise);
 - norms, routers, the shared-expert gate: float32 (F32 in the GGUF); embeddings: float copy.
 The device memory each part takes is estimated without uploading, by pyruntime.offload.plan.
 """
@@ -28,6 +28,7 @@ from pyruntime.kernels.dispatch import prepare_experts
 from pyruntime.kernels.expert_formats import FLOAT_DTYPES, REPACKED, dequantize_rows
 from pyruntime.kernels.q8_linear import (
     dequantize_q8,
+    q4_0_as_q8_0,
     q8_gemm,
     q8_gemm_max_tokens,
     q8_gemv,
@@ -191,9 +192,11 @@ def upload_dense(m: QuantMatrix, device: torch.device, dtype: torch.dtype) -> to
 
 
 def upload_linear(m: QuantMatrix, device: torch.device, dtype: torch.dtype) -> Linear:
-    """A matmul weight: Q8_0 stays quantized (q, d), anything else becomes `dtype`."""
-    if m.qtype == Q.Q8_0:
-        q, d = split_q8_0(_bytes_on(m.raw, device).reshape(m.shape[0], -1), m.shape[1])
+    """A matmul weight: Q8_0 stays quantized (q, d), Q4_0 becomes the same weights as Q8_0
+    (exact), anything else becomes `dtype`."""
+    if m.qtype in (Q.Q8_0, Q.Q4_0):
+        split = split_q8_0 if m.qtype == Q.Q8_0 else q4_0_as_q8_0
+        q, d = split(_bytes_on(m.raw, device).reshape(m.shape[0], -1), m.shape[1])
         return Linear(q=q, d=d)
     return Linear(w=upload_dense(m, device, dtype))
 

@@ -85,8 +85,8 @@ def device_bytes(f: GGUFFile, cfg: ModelConfig, n_ctx: int) -> DeviceBytes:
             n_experts += t.shape[0]
             continue
         biggest = max(biggest, t.n_elements)
-        if t.qtype == Q.Q8_0 and t.data.ndim > 1:
-            dense += t.n_bytes  # matmul weights stay Q8_0
+        if t.qtype in (Q.Q8_0, Q.Q4_0) and t.data.ndim > 1:
+            dense += t.n_elements // 32 * 34  # matmul weights Q8_0 (Q4_0 repacked to it)
         elif t.qtype == Q.F32 or t.data.ndim == 1:
             dense += t.n_elements * 4
         else:
