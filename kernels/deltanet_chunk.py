@@ -212,9 +212,11 @@ def chunked_delta(cfg, mixed: torch.Tensor, proj: torch.Tensor, state: torch.Ten
         mixed, proj, proj.stride(0), a, dt_bias, w_buf, u_buf, gam, T, C, b_off, a_off,
         hk, hv, dk, dv, CHUNK, bk, bdv, prec, num_warps=warps,
     )  # fmt: skip
+    # num_stages=1: the loop over chunks carries the state, and pipelining its q, k, w, u
+    # loads asks for 330 KB of shared memory at head dims of 128 (an H100 has 227 KB)
     _scan_kernel[(hv, triton.cdiv(dv, bv))](
         mixed, state, w_buf, u_buf, gam, o, T, C, hk, hv, dk, dv, CHUNK, bk, bv, prec,
-        num_warps=warps,
+        num_warps=warps, num_stages=1,
     )  # fmt: skip
     _gated_norm_kernel[(T, hv)](
         o, proj, proj.stride(0), norm, out, T, z_off, hv, dv, cfg.rms_eps, bdv,
