@@ -2,14 +2,11 @@
  * the super-block layouts are rows_kquant.c's. Rows are a multiple of 256 elements.
  *
  * Dots: two sub-blocks of 32 per 512-bit step ("pair" k: sub-blocks 2k and 2k + 1, against the
- * activation's Q8 blocks 2k and 2k + 1), their codes unpacked as uint8 and multiplied with x's
- * int8 by vpdpbusd (VNNI) or vpmaddubsw + vpmaddwd (the same exact int32 lanes: codes <= 63,
- * pairs <= 2*63*127 < 2^15), lanes 0..7 summing sub-block 2k, 8..15 sub-block 2k + 1.
- *   Q4_K / Q5_K: acc += (d sc_j xd_j) lanes; the mins in a second chain,
- *                accm += (dmin m_j) (xd_j sum(xq_j)), the sums of x made once per token.
- *   Q6_K:        the codes read unsigned (q + 32); each lane's int32 starts at -32 sum(x) over
- *                its 4 elements, so it sums (q - 32) x exactly; lanes 0..3 / 4..7 are one scale
- *                of 16's elements: acc += (d sc) xd lanes.
+ * activation's Q8 blocks 2k and 2k + 1, which share one scale per super-block: pyrt_quantize_x_q8k),
+ * their codes unpacked as uint8, multiplied with x's int8 by vpmaddubsw into int16 pairs (codes
+ * <= 63: no saturation), the pairs times each sub-block's scale (and the mins times x's pair
+ * sums) summed in int32 by vpdpwssd (VNNI) or vpmaddwd + vpaddd (the same lanes); a super-block's
+ * integers meet d, dmin and x's scale once, in f32.
  * One function computes a block of rows x tokens (1 x 1: dot, 2 x 1: dot2, 4 x 2: the prefill
  * tiles), each result with the same operations in the same order: a tile's results are the
  * dots' bits.
@@ -82,96 +79,105 @@ AVX512 static INLINE __m512 scales_q6_k(const uint8_t *w) {
     return _mm512_mul_ps(_mm512_set1_ps(D(w + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
 }
 
-/* Permute indices that spread Q6_K's scales 4k .. 4k + 3 over lanes 0..3, 4..7, 8..11, 12..15. */
+/* Permute indices that spread Q6_K's scales 4k .. 4k + 3 over lanes 0..3, 4..7, 8..11, 12..15
+ * (one scale of 16 elements: four lanes of int16 pairs). */
 AVX512 static INLINE __m512i quad_index(int k) {
     return _mm512_add_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
                             _mm512_set1_epi32(4 * k));
 }
 
-#define KQ_LANES_BW(u, x, init)                                                                   \
-    _mm512_add_epi32((init),                                                                      \
-                     _mm512_madd_epi16(_mm512_maddubs_epi16((u), (x)), _mm512_set1_epi16(1)))
-#define KQ_LANES_VNNI(u, x, init) _mm512_dpbusd_epi32((init), (u), (x))
+/* Sub-block scales as int16 pairs: each int32 lane (v & 0xFFFF) | v << 16 for its scale v, the
+ * multiplier vpmaddwd / vpdpwssd apply to both int16 halves of the lane. Q4_K / Q5_K: lanes
+ * 0..7 the scales sc_j, 8..15 the mins m_j; Q6_K: lanes 0..15 its 16 signed scales. */
+AVX512 static INLINE __m512i scale_pairs(int fmt, const uint8_t *w) {
+    const __m512i v =
+        fmt == PYRT_FMT_Q6_K
+            ? _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 192)))
+            : _mm512_cvtepu8_epi32(pyrt_kq_sc_m_bytes(w));
+    return _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(0xFFFF)),
+                           _mm512_slli_epi32(v, 16));
+}
+
+/* acc + the int16 pairs of a times those of b, summed per int32 lane. */
+#define KQ_PAIRS_BW(acc, a, b) _mm512_add_epi32((acc), _mm512_madd_epi16((a), (b)))
+#define KQ_PAIRS_VNNI(acc, a, b) _mm512_dpwssd_epi32((acc), (a), (b))
 
 /* ---- dots ----------------------------------------------------------------------------------
  * out[t * ts + r * rs] = rows[r] . xs[t] for r < nr <= KQ_ROWS, t < nt <= KQ_TOKENS; fmt and the
- * counts are constants where it is inlined, so the loops unroll. */
-#define KQ_DOTS(SUF, TGT, LANES)                                                                  \
+ * counts are constants where it is inlined, so the loops unroll. x's 8 blocks of a super-block
+ * share one scale xd (pyrt_quantize_x_q8k), so a super-block's sum is integer up to d xd:
+ *   Q4_K / Q5_K: acc_i += sc_j (q . x) per pair (vpmaddubsw: int16 pairs, then int16 pairs times
+ *                sc_j), accm_i += m_j sum(x) (x's pair sums made once per token); then
+ *                acc += (d xd) acc_i - (dmin xd) accm_i in f32, 16 lanes.
+ *   Q6_K:        (q + 32) . x - 32 sum(x) per int16 pair (exact: |.| <= 2 * 32 * 127), times
+ *                the scale of its 16, acc += (d xd) acc_i. */
+#define KQ_DOTS(SUF, TGT, PAIRS)                                                                  \
     TGT static INLINE void dots_##SUF(int fmt, int nr, const void *const *rows, int nt,            \
                                       const void *const *xs, int n, float *out, size_t ts,        \
                                       size_t rs) {                                                \
         const size_t bb = fmt == PYRT_FMT_Q4_K   ? PYRT_Q4_K_BYTES                                \
                           : fmt == PYRT_FMT_Q5_K ? PYRT_Q5_K_BYTES                                \
                                                  : PYRT_Q6_K_BYTES;                               \
-        __m512 acc[KQ_ROWS][KQ_TOKENS], accm[KQ_ROWS][KQ_TOKENS];                                 \
+        const int q6 = fmt == PYRT_FMT_Q6_K;                                                      \
+        __m512 acc[KQ_ROWS][KQ_TOKENS];                                                           \
         for (int r = 0; r < nr; r++)                                                              \
             for (int t = 0; t < nt; t++)                                                          \
-                acc[r][t] = accm[r][t] = _mm512_setzero_ps();                                     \
+                acc[r][t] = _mm512_setzero_ps();                                                  \
         for (int s = 0; s < n / PYRT_QK_K; s++) {                                                 \
             const uint8_t *w[KQ_ROWS];                                                            \
             const pyrt_xq8 *xq[KQ_TOKENS];                                                        \
-            __m512 xd[KQ_TOKENS], rs8[KQ_ROWS], rm8[KQ_ROWS];                                     \
-            for (int t = 0; t < nt; t++) {                                                        \
+            __m512i sp[KQ_ROWS], ai[KQ_ROWS][KQ_TOKENS], mi[KQ_ROWS][KQ_TOKENS];                  \
+            for (int t = 0; t < nt; t++)                                                          \
                 xq[t] = (const pyrt_xq8 *)xs[t] + 8 * s;                                          \
-                xd[t] = _mm512_castps256_ps512(pyrt_kq_xd8(xq[t]));                                \
-            }                                                                                     \
             for (int r = 0; r < nr; r++) {                                                        \
                 w[r] = (const uint8_t *)rows[r] + (size_t)s * bb;                                 \
-                if (fmt == PYRT_FMT_Q6_K) {                                                       \
-                    rs8[r] = scales_q6_k(w[r]);                                                   \
-                } else {                                                                          \
-                    __m256 dsc, dm;                                                               \
-                    pyrt_kq_scales_mins(w[r], &dsc, &dm);                                          \
-                    rs8[r] = _mm512_castps256_ps512(dsc);                                         \
-                    rm8[r] = _mm512_castps256_ps512(dm);                                          \
-                }                                                                                 \
+                sp[r] = scale_pairs(fmt, w[r]);                                                   \
+                for (int t = 0; t < nt; t++)                                                      \
+                    ai[r][t] = mi[r][t] = _mm512_setzero_si512();                                 \
             }                                                                                     \
             _Pragma("GCC unroll 4") for (int k = 0; k < 4; k++) {                                 \
-                __m512i xv[KQ_TOKENS], xi[KQ_TOKENS] = {0};                                        \
-                __m512 xdp[KQ_TOKENS], xsx[KQ_TOKENS] = {0};                                       \
+                __m512i xv[KQ_TOKENS], xp[KQ_TOKENS];                                             \
                 for (int t = 0; t < nt; t++) {                                                    \
                     xv[t] = x_pair(xq[t], k);                                                     \
-                    xdp[t] = _mm512_permutexvar_ps(pair_index(k), xd[t]);                         \
-                    if (fmt == PYRT_FMT_Q6_K) { /* -32 sum(x) per lane */                         \
-                        const __m512i z = _mm512_setzero_si512();                                 \
-                        xi[t] = _mm512_sub_epi32(z, LANES(_mm512_set1_epi8(32), xv[t], z));       \
-                    } else { /* xd_j sum(xq_j) per lane */                                        \
-                        const __m512i z = _mm512_setzero_si512();                                 \
-                        xsx[t] = _mm512_mul_ps(                                                   \
-                            xdp[t], _mm512_cvtepi32_ps(LANES(_mm512_set1_epi8(1), xv[t], z)));    \
-                    }                                                                             \
+                    xp[t] = _mm512_maddubs_epi16(_mm512_set1_epi8(q6 ? 32 : 1), xv[t]);           \
                 }                                                                                 \
                 for (int r = 0; r < nr; r++) {                                                    \
-                    if (fmt == PYRT_FMT_Q6_K) {                                                   \
-                        const __m512i u = codes_q6_k(w[r], k);                                    \
-                        const __m512 sp = _mm512_permutexvar_ps(quad_index(k), rs8[r]);           \
-                        for (int t = 0; t < nt; t++) {                                            \
-                            const __m512 l = _mm512_cvtepi32_ps(LANES(u, xv[t], xi[t]));          \
-                            acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(sp, xdp[t]), l, acc[r][t]); \
-                        }                                                                         \
-                    } else {                                                                      \
-                        const __m512i u =                                                         \
-                            fmt == PYRT_FMT_Q4_K ? codes_q4_k(w[r], k) : codes_q5_k(w[r], k);     \
-                        const __m512 sp = _mm512_permutexvar_ps(pair_index(k), rs8[r]);           \
-                        const __m512 mp = _mm512_permutexvar_ps(pair_index(k), rm8[r]);           \
-                        const __m512i z = _mm512_setzero_si512();                                 \
-                        for (int t = 0; t < nt; t++) {                                            \
-                            const __m512 l = _mm512_cvtepi32_ps(LANES(u, xv[t], z));              \
-                            acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(sp, xdp[t]), l, acc[r][t]); \
-                            accm[r][t] = _mm512_fmadd_ps(mp, xsx[t], accm[r][t]);                 \
-                        }                                                                         \
+                    const __m512i u = q6                      ? codes_q6_k(w[r], k)               \
+                                      : fmt == PYRT_FMT_Q4_K ? codes_q4_k(w[r], k)                \
+                                                             : codes_q5_k(w[r], k);               \
+                    const __m512i scp = _mm512_permutexvar_epi32(                                 \
+                        q6 ? quad_index(k) : pair_index(k), sp[r]);                               \
+                    const __m512i mp = _mm512_permutexvar_epi32(                                  \
+                        _mm512_add_epi32(pair_index(k), _mm512_set1_epi32(8)), sp[r]);            \
+                    for (int t = 0; t < nt; t++) {                                                \
+                        __m512i p = _mm512_maddubs_epi16(u, xv[t]);                               \
+                        if (q6)                                                                   \
+                            p = _mm512_sub_epi16(p, xp[t]);                                       \
+                        ai[r][t] = PAIRS(ai[r][t], p, scp);                                       \
+                        if (!q6)                                                                  \
+                            mi[r][t] = PAIRS(mi[r][t], xp[t], mp);                                \
                     }                                                                             \
+                }                                                                                 \
+            }                                                                                     \
+            for (int r = 0; r < nr; r++) {                                                        \
+                const float d = q6 ? D(w[r] + 208) : D(w[r]);                                     \
+                for (int t = 0; t < nt; t++) {                                                    \
+                    const float xd = xq[t]->d;                                                    \
+                    acc[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(d * xd),                           \
+                                                _mm512_cvtepi32_ps(ai[r][t]), acc[r][t]);         \
+                    if (!q6)                                                                      \
+                        acc[r][t] = _mm512_fnmadd_ps(_mm512_set1_ps(D(w[r] + 2) * xd),            \
+                                                     _mm512_cvtepi32_ps(mi[r][t]), acc[r][t]);    \
                 }                                                                                 \
             }                                                                                     \
         }                                                                                         \
         for (int r = 0; r < nr; r++)                                                              \
             for (int t = 0; t < nt; t++)                                                          \
-                out[(size_t)t * ts + (size_t)r * rs] =                                            \
-                    _mm512_reduce_add_ps(_mm512_sub_ps(acc[r][t], accm[r][t]));                   \
+                out[(size_t)t * ts + (size_t)r * rs] = _mm512_reduce_add_ps(acc[r][t]);           \
     }
 
-KQ_DOTS(bw, AVX512, KQ_LANES_BW)
-KQ_DOTS(vnni, AVX512VNNI, KQ_LANES_VNNI)
+KQ_DOTS(bw, AVX512, KQ_PAIRS_BW)
+KQ_DOTS(vnni, AVX512VNNI, KQ_PAIRS_VNNI)
 
 /* dot, dot2 and the dot tile of one format and one kind of lanes. */
 #define KQ_DOT_ENTRIES(name, FMT, SUF, TGT)                                                       \

@@ -343,18 +343,46 @@ static void test_quantize_x_levels(void) {
     }
     x[25 * 32 + 7] = 1e-40f;
     x[27 * 32 + 3] = 3e38f; /* near FLT_MAX: d = amax / 127 still finite */
-    pyrt_quantize_x_q8_scalar(x, want, N);
     const int best = pyrt_simd_best();
-    for (int level = PYRT_SIMD_SCALAR; level <= best; level++) {
-        CHECK(pyrt_simd_force(level) == PYRT_OK, "force level %d", level);
-        memset(got, 0x5A, sizeof got);
-        pyrt_quantize_x_q8(x, got, N);
-        for (int b = 0; b < N / 32; b++)
-            CHECK(memcmp(&got[b].d, &want[b].d, sizeof got[b].d) == 0 &&
-                      memcmp(got[b].q, want[b].q, sizeof got[b].q) == 0,
-                  "quantize level %d block %d differs from scalar", level, b);
+    /* per 32, then with scales shared per 256 (N / 32 = 40: 5 groups of 8, one of them holding
+     * every special block above) */
+    for (int shared = 0; shared < 2; shared++) {
+        (shared ? pyrt_quantize_x_q8k_scalar : pyrt_quantize_x_q8_scalar)(x, want, N);
+        for (int level = PYRT_SIMD_SCALAR; level <= best; level++) {
+            CHECK(pyrt_simd_force(level) == PYRT_OK, "force level %d", level);
+            memset(got, 0x5A, sizeof got);
+            (shared ? pyrt_quantize_x_q8k : pyrt_quantize_x_q8)(x, got, N);
+            for (int b = 0; b < N / 32; b++)
+                CHECK(memcmp(&got[b].d, &want[b].d, sizeof got[b].d) == 0 &&
+                          memcmp(got[b].q, want[b].q, sizeof got[b].q) == 0,
+                      "quantize%s level %d block %d differs from scalar", shared ? "_q8k" : "",
+                      level, b);
+        }
     }
     pyrt_simd_force(best);
+}
+
+/* pyrt_quantize_x_q8k: every block of a whole group of 256 holds the group's d = amax / 127 and
+ * q = round(x / d); the 3 blocks after the last group (n = 352) are quantized per 32. */
+static void test_quantize_x_q8k_groups(void) {
+    enum { N = 352 };
+    float x[N];
+    pyrt_xq8 q[N / 32], q32[N / 32];
+    for (int i = 0; i < N; i++)
+        x[i] = rng_normalish() * (i < 32 ? 0.01f : 1.0f);
+    x[100] = -9.0f;
+    pyrt_quantize_x_q8k(x, q, N);
+    pyrt_quantize_x_q8(x, q32, N);
+    const float d = 9.0f / 127.0f, id = 1.0f / d;
+    for (int b = 0; b < 8; b++) {
+        CHECK(q[b].d == d, "q8k block %d: d %.9g, not the group's", b, q[b].d);
+        for (int i = 0; i < 32; i++)
+            CHECK(q[b].q[i] == (int8_t)nearbyintf(x[32 * b + i] * id), "q8k block %d q[%d]", b,
+                  i);
+    }
+    CHECK(q[3].q[4] == -127, "q8k: the group's amax maps to -127, got %d", q[3].q[4]);
+    for (int b = 8; b < N / 32; b++)
+        CHECK(memcmp(&q[b], &q32[b], sizeof q[b]) == 0, "q8k tail block %d is not per 32", b);
 }
 
 /* Every SIMD level's y += x (the expert kernel's sum of partial ys) gives the scalar loop's bits,
@@ -964,6 +992,7 @@ static void test_kquant_kernels_agree(void) {
 int main(void) {
     test_quantize_x();
     test_quantize_x_levels();
+    test_quantize_x_q8k_groups();
     test_add_levels();
     test_row_kernels();
     test_fused_kernels_match_plain();
