@@ -12,7 +12,8 @@
  *         bits at bit 2 p of qh[32 h + l]; weight = d * scales[e / 16] * (q - 32).
  * The activation comes as Q8 blocks of 32 whose 8 blocks per super-block share one scale xd
  * (pyrt_quantize_x_q8k, ggml's Q8_K in Q8_0's layout), so a super-block's dot is integer but for
- * d xd: sum_j sc_j (q_j . x_j) (Q6_K: per 16) times d xd, minus sum_j m_j sum(x_j) times dmin xd. */
+ * d xd: sum_j sc_j (q_j . x_j) (Q6_K: per 16) times d xd, minus sum_j m_j sum(x_j) times
+ * dmin xd. */
 #include "rows.h"
 
 /* Sub-block j's six-bit scale and min of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4). */
@@ -163,7 +164,8 @@ AVX2 static inline __m256i codes_q6_k(const uint8_t *w, int j) {
 /* Scales as int16 pairs: each int32 lane (v & 0xFFFF) | v << 16 for the int32 v in it, the
  * multiplier vpmaddwd applies to both int16 halves of the lane. */
 AVX2 static inline __m256i scale_pairs8(__m256i v) {
-    return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
+    return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)),
+                           _mm256_slli_epi32(v, 16));
 }
 
 /* 32 int8 codes as f32 in four registers (elements 0..7, 8..15, 16..23, 24..31). */
@@ -184,85 +186,85 @@ AVX2 static inline void widen32(__m256i q, __m256 f[4]) {
  * d xd and dmin xd once per super-block in f32 (x's blocks share xd: pyrt_quantize_x_q8k).
  * axpyn: a block of y (4 registers) loaded once, each row's a (d sc_j) q - a (dmin m_j) added in
  * row order, stored once. */
-#define AVX2_KMIN(name, BYTES, CODES)                                                             \
-    AVX2 static inline void dotn_##name(int nr, const void *const *rows, const void *x, int n,    \
-                                        float *out) {                                             \
-        const pyrt_xq8 *xq = x;                                                                   \
-        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                               \
-        for (int s = 0; s < n / PYRT_QK_K; s++, xq += 8) {                                        \
-            const uint8_t *w[2];                                                                  \
-            int32_t sp[2][16]; /* sc_j pairs, then m_j pairs */                                   \
-            __m256i ai[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};                     \
-            __m256i mi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};                     \
-            for (int r = 0; r < nr; r++) {                                                        \
-                w[r] = (const uint8_t *)rows[r] + (size_t)s * (BYTES);                            \
-                const __m128i sm = pyrt_kq_sc_m_bytes(w[r]);                                      \
-                _mm256_storeu_si256((__m256i *)sp[r], scale_pairs8(_mm256_cvtepu8_epi32(sm)));    \
-                _mm256_storeu_si256((__m256i *)(sp[r] + 8),                                       \
-                                    scale_pairs8(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));   \
-            }                                                                                     \
-            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                 \
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)xq[j].q);                  \
-                const __m256i xp = _mm256_maddubs_epi16(_mm256_set1_epi8(1), xv);                 \
-                for (int r = 0; r < nr; r++) {                                                    \
-                    const __m256i p = _mm256_maddubs_epi16(CODES(w[r], j), xv);                   \
-                    ai[r] = _mm256_add_epi32(                                                     \
-                        ai[r], _mm256_madd_epi16(p, _mm256_set1_epi32(sp[r][j])));                \
-                    mi[r] = _mm256_add_epi32(                                                     \
-                        mi[r], _mm256_madd_epi16(xp, _mm256_set1_epi32(sp[r][8 + j])));           \
-                }                                                                                 \
-            }                                                                                     \
-            for (int r = 0; r < nr; r++) {                                                        \
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(pyrt_load_u16(w[r])) * xq->d),  \
-                                         _mm256_cvtepi32_ps(ai[r]), acc[r]);                      \
-                acc[r] = _mm256_fnmadd_ps(                                                        \
-                    _mm256_set1_ps(_cvtsh_ss(pyrt_load_u16(w[r] + 2)) * xq->d),                   \
-                    _mm256_cvtepi32_ps(mi[r]), acc[r]);                                           \
-            }                                                                                     \
-        }                                                                                         \
-        for (int r = 0; r < nr; r++)                                                              \
-            out[r] = hsum8(acc[r]);                                                               \
-    }                                                                                             \
-    AVX2 static float dot_##name##_avx2(const void *row, const void *x, int n) {                  \
-        float out;                                                                                \
-        dotn_##name(1, &row, x, n, &out);                                                         \
-        return out;                                                                               \
-    }                                                                                             \
-    AVX2 static void dot2_##name##_avx2(const void *row0, const void *row1, const void *x, int n, \
-                                        float out[2]) {                                           \
-        const void *rows[2] = {row0, row1};                                                       \
-        dotn_##name(2, rows, x, n, out);                                                          \
-    }                                                                                             \
-    AVX2 static void axpyn_##name##_avx2(int nr, const float *a, const void *const *rows,         \
-                                         float *y, int n) {                                       \
-        float vs[PYRT_AXPY_ROWS][8], vm[PYRT_AXPY_ROWS][8];                                       \
-        for (int s = 0; s < n / PYRT_QK_K; s++) {                                                 \
-            for (int r = 0; r < nr; r++) {                                                        \
-                __m256 dsc, dm;                                                                   \
-                pyrt_kq_scales_mins((const uint8_t *)rows[r] + (size_t)s * (BYTES), &dsc, &dm);   \
-                _mm256_storeu_ps(vs[r], _mm256_mul_ps(_mm256_set1_ps(a[r]), dsc));                \
-                _mm256_storeu_ps(vm[r], _mm256_mul_ps(_mm256_set1_ps(a[r]), dm));                 \
-            }                                                                                     \
-            for (int j = 0; j < 8; j++) {                                                         \
-                float *yj = y + (size_t)s * PYRT_QK_K + PYRT_QK * j;                              \
-                __m256 acc[4] = {_mm256_loadu_ps(yj), _mm256_loadu_ps(yj + 8),                    \
-                                 _mm256_loadu_ps(yj + 16), _mm256_loadu_ps(yj + 24)};             \
-                for (int r = 0; r < nr; r++) {                                                    \
-                    const uint8_t *w = (const uint8_t *)rows[r] + (size_t)s * (BYTES);            \
-                    const __m256 s_ = _mm256_broadcast_ss(&vs[r][j]);                             \
-                    const __m256 m_ = _mm256_broadcast_ss(&vm[r][j]);                             \
-                    __m256 f[4];                                                                  \
-                    widen32(CODES(w, j), f);                                                      \
-                    for (int p = 0; p < 4; p++)                                                   \
-                        acc[p] = _mm256_sub_ps(_mm256_fmadd_ps(s_, f[p], acc[p]), m_);            \
-                }                                                                                 \
-                for (int p = 0; p < 4; p++)                                                       \
-                    _mm256_storeu_ps(yj + 8 * p, acc[p]);                                         \
-            }                                                                                     \
-        }                                                                                         \
-    }                                                                                             \
-    AVX2 static void axpy_##name##_avx2(float a, const void *row, float *y, int n) {              \
-        axpyn_##name##_avx2(1, &a, &row, y, n);                                                   \
+#define AVX2_KMIN(name, BYTES, CODES)                                                              \
+    AVX2 static inline void dotn_##name(int nr, const void *const *rows, const void *x, int n,     \
+                                        float *out) {                                              \
+        const pyrt_xq8 *xq = x;                                                                    \
+        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                                \
+        for (int s = 0; s < n / PYRT_QK_K; s++, xq += 8) {                                         \
+            const uint8_t *w[2];                                                                   \
+            int32_t sp[2][16]; /* sc_j pairs, then m_j pairs */                                    \
+            __m256i ai[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};                      \
+            __m256i mi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};                      \
+            _Pragma("GCC unroll 2") for (int r = 0; r < nr; r++) {                                 \
+                w[r] = (const uint8_t *)rows[r] + (size_t)s * (BYTES);                             \
+                const __m128i sm = pyrt_kq_sc_m_bytes(w[r]);                                       \
+                _mm256_storeu_si256((__m256i *)sp[r], scale_pairs8(_mm256_cvtepu8_epi32(sm)));     \
+                _mm256_storeu_si256((__m256i *)(sp[r] + 8),                                        \
+                                    scale_pairs8(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));    \
+            }                                                                                      \
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                  \
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)xq[j].q);                   \
+                const __m256i xp = _mm256_maddubs_epi16(_mm256_set1_epi8(1), xv);                  \
+                _Pragma("GCC unroll 2") for (int r = 0; r < nr; r++) {                             \
+                    const __m256i p = _mm256_maddubs_epi16(CODES(w[r], j), xv);                    \
+                    ai[r] = _mm256_add_epi32(                                                      \
+                        ai[r], _mm256_madd_epi16(p, _mm256_set1_epi32(sp[r][j])));                 \
+                    mi[r] = _mm256_add_epi32(                                                      \
+                        mi[r], _mm256_madd_epi16(xp, _mm256_set1_epi32(sp[r][8 + j])));            \
+                }                                                                                  \
+            }                                                                                      \
+            _Pragma("GCC unroll 2") for (int r = 0; r < nr; r++) {                                 \
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(pyrt_load_u16(w[r])) * xq->d),   \
+                                         _mm256_cvtepi32_ps(ai[r]), acc[r]);                       \
+                acc[r] = _mm256_fnmadd_ps(                                                         \
+                    _mm256_set1_ps(_cvtsh_ss(pyrt_load_u16(w[r] + 2)) * xq->d),                    \
+                    _mm256_cvtepi32_ps(mi[r]), acc[r]);                                            \
+            }                                                                                      \
+        }                                                                                          \
+        _Pragma("GCC unroll 2") for (int r = 0; r < nr; r++)                                       \
+            out[r] = hsum8(acc[r]);                                                                \
+    }                                                                                              \
+    AVX2 static float dot_##name##_avx2(const void *row, const void *x, int n) {                   \
+        float out;                                                                                 \
+        dotn_##name(1, &row, x, n, &out);                                                          \
+        return out;                                                                                \
+    }                                                                                              \
+    AVX2 static void dot2_##name##_avx2(const void *row0, const void *row1, const void *x, int n,  \
+                                        float out[2]) {                                            \
+        const void *rows[2] = {row0, row1};                                                        \
+        dotn_##name(2, rows, x, n, out);                                                           \
+    }                                                                                              \
+    AVX2 static void axpyn_##name##_avx2(int nr, const float *a, const void *const *rows,          \
+                                         float *y, int n) {                                        \
+        float vs[PYRT_AXPY_ROWS][8], vm[PYRT_AXPY_ROWS][8];                                        \
+        for (int s = 0; s < n / PYRT_QK_K; s++) {                                                  \
+            for (int r = 0; r < nr; r++) {                                                         \
+                __m256 dsc, dm;                                                                    \
+                pyrt_kq_scales_mins((const uint8_t *)rows[r] + (size_t)s * (BYTES), &dsc, &dm);    \
+                _mm256_storeu_ps(vs[r], _mm256_mul_ps(_mm256_set1_ps(a[r]), dsc));                 \
+                _mm256_storeu_ps(vm[r], _mm256_mul_ps(_mm256_set1_ps(a[r]), dm));                  \
+            }                                                                                      \
+            for (int j = 0; j < 8; j++) {                                                          \
+                float *yj = y + (size_t)s * PYRT_QK_K + PYRT_QK * j;                               \
+                __m256 acc[4] = {_mm256_loadu_ps(yj), _mm256_loadu_ps(yj + 8),                     \
+                                 _mm256_loadu_ps(yj + 16), _mm256_loadu_ps(yj + 24)};              \
+                for (int r = 0; r < nr; r++) {                                                     \
+                    const uint8_t *w = (const uint8_t *)rows[r] + (size_t)s * (BYTES);             \
+                    const __m256 s_ = _mm256_broadcast_ss(&vs[r][j]);                              \
+                    const __m256 m_ = _mm256_broadcast_ss(&vm[r][j]);                              \
+                    __m256 f[4];                                                                   \
+                    widen32(CODES(w, j), f);                                                       \
+                    for (int p = 0; p < 4; p++)                                                    \
+                        acc[p] = _mm256_sub_ps(_mm256_fmadd_ps(s_, f[p], acc[p]), m_);             \
+                }                                                                                  \
+                for (int p = 0; p < 4; p++)                                                        \
+                    _mm256_storeu_ps(yj + 8 * p, acc[p]);                                          \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    AVX2 static void axpy_##name##_avx2(float a, const void *row, float *y, int n) {               \
+        axpyn_##name##_avx2(1, &a, &row, y, n);                                                    \
     }
 
 AVX2_KMIN(q4_k, PYRT_Q4_K_BYTES, codes_q4_k)
@@ -288,7 +290,7 @@ AVX2 static inline void dotn_q6_k(int nr, const void *const *rows, const void *x
         const uint8_t *w[2];
         int32_t sp[2][16]; /* the 16 scales as int16 pairs */
         __m256i ai[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-        for (int r = 0; r < nr; r++) {
+        _Pragma("GCC unroll 2") for (int r = 0; r < nr; r++) {
             w[r] = (const uint8_t *)rows[r] + (size_t)s * PYRT_Q6_K_BYTES;
             const __m128i sc = _mm_loadu_si128((const __m128i *)(w[r] + 192));
             _mm256_storeu_si256((__m256i *)sp[r], scale_pairs8(_mm256_cvtepi8_epi32(sc)));
@@ -298,7 +300,7 @@ AVX2 static inline void dotn_q6_k(int nr, const void *const *rows, const void *x
         _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {
             const __m256i xv = _mm256_loadu_si256((const __m256i *)xq[j].q);
             const __m256i x32 = _mm256_maddubs_epi16(_mm256_set1_epi8(32), xv);
-            for (int r = 0; r < nr; r++) {
+            _Pragma("GCC unroll 2") for (int r = 0; r < nr; r++) {
                 const __m256i p =
                     _mm256_sub_epi16(_mm256_maddubs_epi16(codes_q6_k_u(w[r], j), xv), x32);
                 const __m256i sj = _mm256_set_m128i(_mm_set1_epi32(sp[r][2 * j + 1]),
@@ -306,11 +308,11 @@ AVX2 static inline void dotn_q6_k(int nr, const void *const *rows, const void *x
                 ai[r] = _mm256_add_epi32(ai[r], _mm256_madd_epi16(p, sj));
             }
         }
-        for (int r = 0; r < nr; r++)
+        _Pragma("GCC unroll 2") for (int r = 0; r < nr; r++)
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(pyrt_load_u16(w[r] + 208)) * xq->d),
                                      _mm256_cvtepi32_ps(ai[r]), acc[r]);
     }
-    for (int r = 0; r < nr; r++)
+    _Pragma("GCC unroll 2") for (int r = 0; r < nr; r++)
         out[r] = hsum8(acc[r]);
 }
 

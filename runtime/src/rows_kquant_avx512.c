@@ -2,7 +2,7 @@
  * the super-block layouts are rows_kquant.c's. Rows are a multiple of 256 elements.
  *
  * Dots: two sub-blocks of 32 per 512-bit step ("pair" k: sub-blocks 2k and 2k + 1, against the
- * activation's Q8 blocks 2k and 2k + 1, which share one scale per super-block: pyrt_quantize_x_q8k),
+ * activation's Q8 blocks 2k and 2k + 1, which share a scale per super-block: pyrt_quantize_x_q8k),
  * their codes unpacked as uint8, multiplied with x's int8 by vpmaddubsw into int16 pairs (codes
  * <= 63: no saturation), the pairs times each sub-block's scale (and the mins times x's pair
  * sums) summed in int32 by vpdpwssd (VNNI) or vpmaddwd + vpaddd (the same lanes); a super-block's
@@ -79,23 +79,22 @@ AVX512 static INLINE __m512 scales_q6_k(const uint8_t *w) {
     return _mm512_mul_ps(_mm512_set1_ps(D(w + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
 }
 
-/* Permute indices that spread Q6_K's scales 4k .. 4k + 3 over lanes 0..3, 4..7, 8..11, 12..15
- * (one scale of 16 elements: four lanes of int16 pairs). */
-AVX512 static INLINE __m512i quad_index(int k) {
-    return _mm512_add_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
-                            _mm512_set1_epi32(4 * k));
+/* vpshufb indices that fill every int32 lane with one byte of each 128-bit lane of its source,
+ * zero-extended, in both int16 halves: byte lo in the lanes of the low 256 bits, hi in the high. */
+AVX512 static INLINE __m512i pick_bytes(int lo, int hi) {
+    const int a = (int)(0x80008000u | (unsigned)lo | (unsigned)lo << 16);
+    const int b = (int)(0x80008000u | (unsigned)hi | (unsigned)hi << 16);
+    return _mm512_set_epi32(b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a);
 }
 
-/* Sub-block scales as int16 pairs: each int32 lane (v & 0xFFFF) | v << 16 for its scale v, the
- * multiplier vpmaddwd / vpdpwssd apply to both int16 halves of the lane. Q4_K / Q5_K: lanes
- * 0..7 the scales sc_j, 8..15 the mins m_j; Q6_K: lanes 0..15 its 16 signed scales. */
-AVX512 static INLINE __m512i scale_pairs(int fmt, const uint8_t *w) {
-    const __m512i v =
-        fmt == PYRT_FMT_Q6_K
-            ? _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 192)))
-            : _mm512_cvtepu8_epi32(pyrt_kq_sc_m_bytes(w));
-    return _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(0xFFFF)),
-                           _mm512_slli_epi32(v, 16));
+/* vpshufb indices that fill the int32 lanes of 128-bit lane L with int16 i0 + L of each
+ * 128-bit lane of the source, in both int16 halves (Q6_K: its scales 4k .. 4k + 3 over lanes
+ * 0..3, 4..7, 8..11, 12..15 of pair k, from 8 int16 scales in every 128-bit lane). */
+AVX512 static INLINE __m512i pick_words(int i0) {
+    const int w0 = 2 * i0 | (2 * i0 + 1) << 8, w1 = 2 * (i0 + 1) | (2 * i0 + 3) << 8;
+    const int w2 = 2 * (i0 + 2) | (2 * i0 + 5) << 8, w3 = 2 * (i0 + 3) | (2 * i0 + 7) << 8;
+    const int a = w0 | w0 << 16, b = w1 | w1 << 16, c = w2 | w2 << 16, d = w3 | w3 << 16;
+    return _mm512_set_epi32(d, d, d, d, c, c, c, c, b, b, b, b, a, a, a, a);
 }
 
 /* acc + the int16 pairs of a times those of b, summed per int32 lane. */
@@ -104,76 +103,86 @@ AVX512 static INLINE __m512i scale_pairs(int fmt, const uint8_t *w) {
 
 /* ---- dots ----------------------------------------------------------------------------------
  * out[t * ts + r * rs] = rows[r] . xs[t] for r < nr <= KQ_ROWS, t < nt <= KQ_TOKENS; fmt and the
- * counts are constants where it is inlined, so the loops unroll. x's 8 blocks of a super-block
+ * counts are constants where it is inlined, and the loops over them unroll (rolled, the arrays
+ * of registers indexed by r and t lived in memory: ~1.5x the time). x's 8 blocks of a super-block
  * share one scale xd (pyrt_quantize_x_q8k), so a super-block's sum is integer up to d xd:
  *   Q4_K / Q5_K: acc_i += sc_j (q . x) per pair (vpmaddubsw: int16 pairs, then int16 pairs times
- *                sc_j), accm_i += m_j sum(x) (x's pair sums made once per token); then
- *                acc += (d xd) acc_i - (dmin xd) accm_i in f32, 16 lanes.
+ *                sc_j), accm_i += m_j sum(x) (x's pair sums made once per token), the scales
+ *                spread over the lanes by vpshufb (in-lane) from a copy in each 128-bit lane;
+ *                then acc += (d xd) acc_i - (dmin xd) accm_i in f32, 16 lanes.
  *   Q6_K:        (q + 32) . x - 32 sum(x) per int16 pair (exact: |.| <= 2 * 32 * 127), times
  *                the scale of its 16, acc += (d xd) acc_i. */
-#define KQ_DOTS(SUF, TGT, PAIRS)                                                                  \
+#define KQ_DOTS(SUF, TGT, PAIRS)                                                                   \
     TGT static INLINE void dots_##SUF(int fmt, int nr, const void *const *rows, int nt,            \
-                                      const void *const *xs, int n, float *out, size_t ts,        \
-                                      size_t rs) {                                                \
-        const size_t bb = fmt == PYRT_FMT_Q4_K   ? PYRT_Q4_K_BYTES                                \
-                          : fmt == PYRT_FMT_Q5_K ? PYRT_Q5_K_BYTES                                \
-                                                 : PYRT_Q6_K_BYTES;                               \
-        const int q6 = fmt == PYRT_FMT_Q6_K;                                                      \
-        __m512 acc[KQ_ROWS][KQ_TOKENS];                                                           \
-        for (int r = 0; r < nr; r++)                                                              \
-            for (int t = 0; t < nt; t++)                                                          \
-                acc[r][t] = _mm512_setzero_ps();                                                  \
-        for (int s = 0; s < n / PYRT_QK_K; s++) {                                                 \
-            const uint8_t *w[KQ_ROWS];                                                            \
-            const pyrt_xq8 *xq[KQ_TOKENS];                                                        \
-            __m512i sp[KQ_ROWS], ai[KQ_ROWS][KQ_TOKENS], mi[KQ_ROWS][KQ_TOKENS];                  \
-            for (int t = 0; t < nt; t++)                                                          \
-                xq[t] = (const pyrt_xq8 *)xs[t] + 8 * s;                                          \
-            for (int r = 0; r < nr; r++) {                                                        \
-                w[r] = (const uint8_t *)rows[r] + (size_t)s * bb;                                 \
-                sp[r] = scale_pairs(fmt, w[r]);                                                   \
-                for (int t = 0; t < nt; t++)                                                      \
-                    ai[r][t] = mi[r][t] = _mm512_setzero_si512();                                 \
-            }                                                                                     \
-            _Pragma("GCC unroll 4") for (int k = 0; k < 4; k++) {                                 \
-                __m512i xv[KQ_TOKENS], xp[KQ_TOKENS];                                             \
-                for (int t = 0; t < nt; t++) {                                                    \
-                    xv[t] = x_pair(xq[t], k);                                                     \
-                    xp[t] = _mm512_maddubs_epi16(_mm512_set1_epi8(q6 ? 32 : 1), xv[t]);           \
-                }                                                                                 \
-                for (int r = 0; r < nr; r++) {                                                    \
-                    const __m512i u = q6                      ? codes_q6_k(w[r], k)               \
-                                      : fmt == PYRT_FMT_Q4_K ? codes_q4_k(w[r], k)                \
-                                                             : codes_q5_k(w[r], k);               \
-                    const __m512i scp = _mm512_permutexvar_epi32(                                 \
-                        q6 ? quad_index(k) : pair_index(k), sp[r]);                               \
-                    const __m512i mp = _mm512_permutexvar_epi32(                                  \
-                        _mm512_add_epi32(pair_index(k), _mm512_set1_epi32(8)), sp[r]);            \
-                    for (int t = 0; t < nt; t++) {                                                \
-                        __m512i p = _mm512_maddubs_epi16(u, xv[t]);                               \
-                        if (q6)                                                                   \
-                            p = _mm512_sub_epi16(p, xp[t]);                                       \
-                        ai[r][t] = PAIRS(ai[r][t], p, scp);                                       \
-                        if (!q6)                                                                  \
-                            mi[r][t] = PAIRS(mi[r][t], xp[t], mp);                                \
-                    }                                                                             \
-                }                                                                                 \
-            }                                                                                     \
-            for (int r = 0; r < nr; r++) {                                                        \
-                const float d = q6 ? D(w[r] + 208) : D(w[r]);                                     \
-                for (int t = 0; t < nt; t++) {                                                    \
-                    const float xd = xq[t]->d;                                                    \
-                    acc[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(d * xd),                           \
-                                                _mm512_cvtepi32_ps(ai[r][t]), acc[r][t]);         \
-                    if (!q6)                                                                      \
-                        acc[r][t] = _mm512_fnmadd_ps(_mm512_set1_ps(D(w[r] + 2) * xd),            \
-                                                     _mm512_cvtepi32_ps(mi[r][t]), acc[r][t]);    \
-                }                                                                                 \
-            }                                                                                     \
-        }                                                                                         \
-        for (int r = 0; r < nr; r++)                                                              \
-            for (int t = 0; t < nt; t++)                                                          \
-                out[(size_t)t * ts + (size_t)r * rs] = _mm512_reduce_add_ps(acc[r][t]);           \
+                                      const void *const *xs, int n, float *out, size_t ts,         \
+                                      size_t rs) {                                                 \
+        const size_t bb = fmt == PYRT_FMT_Q4_K   ? PYRT_Q4_K_BYTES                                 \
+                          : fmt == PYRT_FMT_Q5_K ? PYRT_Q5_K_BYTES                                 \
+                                                 : PYRT_Q6_K_BYTES;                                \
+        const int q6 = fmt == PYRT_FMT_Q6_K;                                                       \
+        __m512 acc[KQ_ROWS][KQ_TOKENS];                                                            \
+        _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++)                                       \
+            _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)                                   \
+                acc[r][t] = _mm512_setzero_ps();                                                   \
+        for (int s = 0; s < n / PYRT_QK_K; s++) {                                                  \
+            const uint8_t *w[KQ_ROWS];                                                             \
+            const pyrt_xq8 *xq[KQ_TOKENS];                                                         \
+            __m512i sp[KQ_ROWS][2], ai[KQ_ROWS][KQ_TOKENS], mi[KQ_ROWS][KQ_TOKENS];                \
+            _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)                                   \
+                xq[t] = (const pyrt_xq8 *)xs[t] + 8 * s;                                           \
+            _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++) {                                 \
+                w[r] = (const uint8_t *)rows[r] + (size_t)s * bb;                                  \
+                if (q6) { /* its 16 scales as int16: 0..7 in every 128-bit lane, 8..15 */          \
+                    const __m256i s16 = _mm256_cvtepi8_epi16(                                      \
+                        _mm_loadu_si128((const __m128i *)(w[r] + 192)));                           \
+                    sp[r][0] = _mm512_broadcast_i32x4(_mm256_castsi256_si128(s16));                \
+                    sp[r][1] = _mm512_broadcast_i32x4(_mm256_extracti128_si256(s16, 1));           \
+                } else { /* scales (bytes 0..7) and mins (8..15) in every 128-bit lane */          \
+                    sp[r][0] = _mm512_broadcast_i32x4(pyrt_kq_sc_m_bytes(w[r]));                   \
+                }                                                                                  \
+                _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)                               \
+                    ai[r][t] = mi[r][t] = _mm512_setzero_si512();                                  \
+            }                                                                                      \
+            _Pragma("GCC unroll 4") for (int k = 0; k < 4; k++) {                                  \
+                __m512i xv[KQ_TOKENS], xp[KQ_TOKENS];                                              \
+                _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++) {                             \
+                    xv[t] = x_pair(xq[t], k);                                                      \
+                    xp[t] = _mm512_maddubs_epi16(_mm512_set1_epi8(q6 ? 32 : 1), xv[t]);            \
+                }                                                                                  \
+                _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++) {                             \
+                    const __m512i u = q6                      ? codes_q6_k(w[r], k)                \
+                                      : fmt == PYRT_FMT_Q4_K ? codes_q4_k(w[r], k)                 \
+                                                             : codes_q5_k(w[r], k);                \
+                    const __m512i scp =                                                            \
+                        q6 ? _mm512_shuffle_epi8(sp[r][k / 2], pick_words(4 * (k % 2)))            \
+                           : _mm512_shuffle_epi8(sp[r][0], pick_bytes(2 * k, 2 * k + 1));          \
+                    const __m512i mp =                                                             \
+                        q6 ? scp : _mm512_shuffle_epi8(sp[r][0], pick_bytes(8 + 2 * k, 9 + 2 * k));\
+                    _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++) {                         \
+                        __m512i p = _mm512_maddubs_epi16(u, xv[t]);                                \
+                        if (q6)                                                                    \
+                            p = _mm512_sub_epi16(p, xp[t]);                                        \
+                        ai[r][t] = PAIRS(ai[r][t], p, scp);                                        \
+                        if (!q6)                                                                   \
+                            mi[r][t] = PAIRS(mi[r][t], xp[t], mp);                                 \
+                    }                                                                              \
+                }                                                                                  \
+            }                                                                                      \
+            _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++) {                                 \
+                const float d = q6 ? D(w[r] + 208) : D(w[r]);                                      \
+                _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++) {                             \
+                    const float xd = xq[t]->d;                                                     \
+                    acc[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(d * xd),                            \
+                                                _mm512_cvtepi32_ps(ai[r][t]), acc[r][t]);          \
+                    if (!q6)                                                                       \
+                        acc[r][t] = _mm512_fnmadd_ps(_mm512_set1_ps(D(w[r] + 2) * xd),             \
+                                                     _mm512_cvtepi32_ps(mi[r][t]), acc[r][t]);     \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++)                                       \
+            _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)                                   \
+                out[(size_t)t * ts + (size_t)r * rs] = _mm512_reduce_add_ps(acc[r][t]);            \
     }
 
 KQ_DOTS(bw, AVX512, KQ_PAIRS_BW)
