@@ -12,9 +12,10 @@
  *
  * K-quant rows take x as pyrt_quantize_x_q8k makes it (scales shared per 256), the others per 32.
  *
- *   cc -O2 -std=c11 -Iruntime/include -Iruntime/src runtime/src/[!m]*.c runtime/src/m[eo]*.c \
- *      bench/cpu_rows.c -o /tmp/cpu_rows -pthread -lm && /tmp/cpu_rows 7
- * (the sources: each .c file in runtime/src; argument: rounds) */
+ *   cc -O3 -fno-math-errno -std=c11 -Iruntime/include -Iruntime/src runtime/src/[!m]*.c \
+ *      runtime/src/m[eo]*.c bench/cpu_rows.c -o /tmp/cpu_rows -pthread -lm && /tmp/cpu_rows 7
+ * (the sources: each .c file in runtime/src, with the library's optimization flags (CMakeLists.txt:
+ * at -O2 GCC leaves some of the kernels' small loops rolled); argument: rounds) */
 #define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
 #include <stdlib.h>

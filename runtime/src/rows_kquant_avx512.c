@@ -263,7 +263,9 @@ AVX512 static INLINE void wide_codes(int fmt, const uint8_t *w, int k, __m512i q
 
 /* y[0:n) += a[r] rows[r] for r < nr in order; nr = 1: axpy. Per row and sub-block j the weight
  * times a is vs q - vm (vs = a (d sc_j), vm = a (dmin m_j); Q6_K: vs = a (d sc), vm = 0), added as
- * y = fma(vs, q, y) - vm; the scales of a super-block's rows made once, 8 (16) at a time. */
+ * y = fma(vs, q, y) - vm; Q4_K: as y + T[q], T the sub-block's 16 values fma(vs, q, -vm), one
+ * vpermps per 16 codes instead of a conversion, an FMA and a subtraction (in cache, rows of 2048:
+ * 1.2x). The scales of a super-block's rows made once, 8 (16) at a time. */
 AVX512 static INLINE void axpyn_k(int fmt, int nr, const float *a, const void *const *rows,
                                   float *y, int n) {
     const size_t bb = fmt == PYRT_FMT_Q4_K   ? PYRT_Q4_K_BYTES
@@ -290,6 +292,22 @@ AVX512 static INLINE void axpyn_k(int fmt, int nr, const float *a, const void *c
                 acc[i] = _mm512_loadu_ps(yk + 16 * i);
             for (int r = 0; r < nr; r++) {
                 const uint8_t *w = (const uint8_t *)rows[r] + (size_t)s * bb;
+                if (fmt == PYRT_FMT_Q4_K) { /* the 16 values a vs q - vm, looked up per code */
+                    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+                                                       13, 14, 15);
+                    const __m512 t0 = _mm512_fmadd_ps(_mm512_set1_ps(vs[r][2 * k]), iota,
+                                                      _mm512_set1_ps(-vm[r][2 * k]));
+                    const __m512 t1 = _mm512_fmadd_ps(_mm512_set1_ps(vs[r][2 * k + 1]), iota,
+                                                      _mm512_set1_ps(-vm[r][2 * k + 1]));
+                    for (int i = 0; i < 2; i++) { /* vpermps reads an index's low 4 bits */
+                        const __m512i raw = _mm512_cvtepu8_epi32(
+                            _mm_loadu_si128((const __m128i *)(w + 16 + 32 * k + 16 * i)));
+                        acc[i] = _mm512_add_ps(acc[i], _mm512_permutexvar_ps(raw, t0));
+                        acc[2 + i] = _mm512_add_ps(
+                            acc[2 + i], _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4), t1));
+                    }
+                    continue;
+                }
                 __m512i q[4];
                 wide_codes(fmt, w, k, q);
                 for (int i = 0; i < 4; i++) { /* y[16 i ..]: sub-block 2k + i / 2 */
