@@ -232,19 +232,12 @@ AVX512 static INLINE __m512i bit_as_16(__m512i v, int j) {
  * 16..31 of sub-block 2k, then of 2k + 1 (Q6_K: q - 32). */
 AVX512 static INLINE void wide_codes(int fmt, const uint8_t *w, int k, __m512i q[4]) {
     const __m512i m4 = _mm512_set1_epi32(0x0F);
-    if (fmt == PYRT_FMT_Q6_K) {
-        const int h = k / 2, half = k % 2;
-        for (int i = 0; i < 4; i++) { /* quarter p, elements l0 .. l0 + 15 */
-            const int p = 2 * half + i / 2, l0 = 16 * (i % 2);
-            const __m512i ql = _mm512_cvtepu8_epi32(
-                _mm_loadu_si128((const __m128i *)(w + 64 * h + 32 * (i / 2) + l0)));
-            const __m512i qh = _mm512_cvtepu8_epi32(
-                _mm_loadu_si128((const __m128i *)(w + 128 + 32 * h + l0)));
-            const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(ql, 4 * half), m4);
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(qh, 2 * p), _mm512_set1_epi32(3));
-            q[i] = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)),
-                                    _mm512_set1_epi32(32));
-        }
+    if (fmt == PYRT_FMT_Q6_K) { /* the dots' 64 codes (q + 32), less 32, widened 16 at a time */
+        const __m512i c = _mm512_sub_epi8(codes_q6_k(w, k), _mm512_set1_epi8(32));
+        q[0] = _mm512_cvtepi8_epi32(_mm512_castsi512_si128(c));
+        q[1] = _mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(c, 1));
+        q[2] = _mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(c, 2));
+        q[3] = _mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(c, 3));
         return;
     }
     const uint8_t *qs = w + (fmt == PYRT_FMT_Q4_K ? 16 : 48) + 32 * k;
