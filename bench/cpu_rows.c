@@ -10,9 +10,12 @@
  * fastest round per case (the least disturbed by other work on the machine) in GB/s of weight
  * bytes and ns per row. Not part of the library.
  *
- *   cc -O2 -std=c11 -Iruntime/include -Iruntime/src runtime/src/[!m]*.c runtime/src/m[eo]*.c \
- *      bench/cpu_rows.c -o /tmp/cpu_rows -pthread -lm && /tmp/cpu_rows 7
- * (the sources: each .c file in runtime/src; argument: rounds) */
+ * K-quant rows take x as pyrt_quantize_x_q8k makes it (scales shared per 256), the others per 32.
+ *
+ *   cc -O3 -fno-math-errno -std=c11 -Iruntime/include -Iruntime/src runtime/src/[!m]*.c \
+ *      runtime/src/m[eo]*.c bench/cpu_rows.c -o /tmp/cpu_rows -pthread -lm && /tmp/cpu_rows 7
+ * (the sources: each .c file in runtime/src, with the library's optimization flags (CMakeLists.txt:
+ * at -O2 GCC leaves some of the kernels' small loops rolled); argument: rounds) */
 #define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
 #include <stdlib.h>
@@ -112,8 +115,9 @@ int main(int argc, char **argv) {
     float x[N], y[N];
     for (int i = 0; i < N; i++)
         x[i] = (float)(rand_r(&seed) % 2001 - 1000) * 1e-3f, y[i] = 0.0f;
-    pyrt_xq8 xq[N / PYRT_QK];
+    pyrt_xq8 xq[N / PYRT_QK], xqk[N / PYRT_QK]; /* per 32; shared per 256 (the K-quants') */
     pyrt_quantize_x_q8_scalar(x, xq, N);
+    pyrt_quantize_x_q8k_scalar(x, xqk, N);
     static double t[NF][3][2][MAX_ROUNDS];
     for (int round = 0; round < rounds; round++)
         for (int f = 0; f < NF; f++)
@@ -122,7 +126,8 @@ int main(int argc, char **argv) {
                     pyrt_row_ops_at(l == 0 ? PYRT_SIMD_AVX2 : PYRT_SIMD_AVX512, fmts[f], l == 2);
                 for (int c = 0; c < 2; c++) {
                     memset(y, 0, sizeof y);
-                    t[f][l][c][round] = run_case(ops, c, w[f], rb[f], xq, y);
+                    const pyrt_xq8 *xf = pyrt_fmt_xq(fmts[f]) == PYRT_XQ_SHARED ? xqk : xq;
+                    t[f][l][c][round] = run_case(ops, c, w[f], rb[f], xf, y);
                 }
             }
     printf("%-5s %-12s %-6s %9s %9s\n", "fmt", "level", "case", "GB/s", "ns/row");

@@ -5,8 +5,11 @@ the f16 block scales, which are set to finite values of a chosen size."""
 from __future__ import annotations
 
 import numpy as np
+import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
+
+from pyruntime.kernels.expert_formats import quantize_x_q8_ref
 
 # Byte offsets of the f16 super-block scales: (d, dmin) or (d,)
 F16_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
@@ -28,3 +31,17 @@ def random_blocks(
         d = scale / CODE_RANGE[qtype] * rng.uniform(0.25, 1.0, (rows, nb))
         raw[:, :, at : at + 2] = d.astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
     return raw.reshape(rows, nb * size)
+
+
+def quantize_x_q8k_ref(x: torch.Tensor) -> torch.Tensor:
+    """Activations [..., n] -> d * q in float64 as the C core quantizes them for the K-quants
+    (pyrt_quantize_x_q8k): quantize_x_q8_ref's rounding with d = amax / 127 shared by each whole
+    group of 256; blocks of 32 after the last whole group as quantize_x_q8_ref."""
+    xf = x.detach().float().cpu()
+    n = xf.shape[-1]
+    whole = n - n % 256
+    head = xf[..., :whole].reshape(*xf.shape[:-1], -1, 256)
+    d = head.abs().amax(dim=-1, keepdim=True) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = (d.double() * torch.round(head * inv).double()).reshape(*xf.shape[:-1], whole)
+    return torch.cat([q, quantize_x_q8_ref(xf[..., whole:])], dim=-1).to(x.device)

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from quant_blocks import K_QUANTS, random_blocks
+from quant_blocks import K_QUANTS, quantize_x_q8k_ref, random_blocks
 
 from pyruntime.kernels.expert_formats import quantize_x_q8_ref
 
@@ -88,11 +88,12 @@ def make_weights(fmt: str, n_expert: int, n_ff: int, n_embd: int, gen: torch.Gen
     return np.ascontiguousarray(raw), torch.from_numpy(values).reshape(w.shape)
 
 
-def block_half_step(x: torch.Tensor) -> torch.Tensor:
-    """Largest change quantization makes to each x_i: half a step of its block, d_b / 2."""
+def block_half_step(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """Largest change quantization makes to each x_i: half a step of its block (of `block`
+    elements sharing one scale), d_b / 2."""
     t, n = x.shape
-    d = x.reshape(t, n // 32, 32).abs().amax(dim=-1, keepdim=True).double() / 127.0
-    return (d / 2).expand(t, n // 32, 32).reshape(t, n)
+    d = x.reshape(t, n // block, block).abs().amax(dim=-1, keepdim=True).double() / 127.0
+    return (d / 2).expand(t, n // block, block).reshape(t, n)
 
 
 def reference(w, x, ids, topk_w, act, threshold=None, x_err=None, threads=1, here=None):
@@ -148,6 +149,9 @@ def make_case(fmt, n_tokens, seed, n_expert=5, n_ff=37, n_embd=None, k=3):
 
 
 def kernel_x(fmt, x):
+    """x as the kernels of fmt read it: Q8 blocks (the K-quants': a scale per 256) or f32."""
+    if fmt in K_QUANTS:
+        return quantize_x_q8k_ref(x)
     return quantize_x_q8_ref(x) if fmt in QUANTIZED else x.double()
 
 
@@ -175,7 +179,13 @@ def test_dense_matches_reference(cc, simd, fmt, act):
         assert_within(y, ref, bound, f"{fmt} {act} T={n_tokens} threads={threads}")
         if fmt in QUANTIZED:  # against the unquantized activation, allowing for quantization
             ref, _, _, bound = reference(
-                w, x.double(), ids, topk_w, act, x_err=block_half_step(x), threads=threads
+                w,
+                x.double(),
+                ids,
+                topk_w,
+                act,
+                x_err=block_half_step(x, 256 if fmt in K_QUANTS else 32),
+                threads=threads,
             )
             assert_within(y, ref, bound, f"{fmt} {act} vs float x")
 

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 from hf_fixtures import ARCHS, make_tiny_hf_model
-from quant_blocks import K_QUANTS, random_blocks
+from quant_blocks import K_QUANTS, quantize_x_q8k_ref, random_blocks
 from sanitized_c import run_sanitized_c_test
 from test_cpu_core import FORMATS, QUANTIZED, default_n_embd
 
@@ -70,7 +70,13 @@ def test_linear_matches_reference(simd, fmt, n_tokens, threads):
     with cpu_core.CpuCore(threads) as core:
         y = core.linear(raw, int(FORMATS[fmt]), n_out, n_in, x, bias)
         y_nobias = core.linear(raw, int(FORMATS[fmt]), n_out, n_in, x)
-    xk = quantize_x_q8_ref(x) if fmt in QUANTIZED else x.double()
+    xk = (
+        quantize_x_q8k_ref(x)
+        if fmt in K_QUANTS
+        else quantize_x_q8_ref(x)
+        if fmt in QUANTIZED
+        else x.double()
+    )
     ref = xk @ w.T
     bound = (n_in + 2) * U * (xk.abs() @ w.abs().T) + U * (ref.abs() + bias.abs().double())
     assert ((y_nobias.double() - ref).abs() <= bound).all()

@@ -188,8 +188,7 @@ void pyrt_attention_task(void *p, int ith, int nth) {
         attend_head(t, h);
         /* the last head done quantizes att for o (one vector of n_head * head_dim) */
         if (atomic_fetch_add_explicit(&a->heads_done, 1, memory_order_acq_rel) == a->n_head - 1) {
-            if (t->o_blocked)
-                pyrt_quantize_x_q8(a->att, a->att_q, a->n_head * hd);
+            pyrt_quantize_x_for(t->o_xq, a->att, a->att_q, a->n_head * hd);
             pyrt_pool_flag_store(t->pool, &a->att_ready, 1);
         }
     }
@@ -201,7 +200,7 @@ void pyrt_attention_task_setup(pyrt_attn_task *t, pyrt_attention *a, pyrt_pool *
                                const pyrt_attn_layer *l, pyrt_mv_job *qkv, pyrt_mv_job *o,
                                const float *xn, pyrt_xq8 *xq, float *y) {
     *t = (pyrt_attn_task){.a = a, .pool = pool, .l = *l, .qkv = qkv, .o = o,
-                          .o_blocked = pyrt_fmt_is_blocked(l->b->wo.fmt)};
+                          .o_xq = pyrt_fmt_xq(l->b->wo.fmt)};
     atomic_init(&t->next_head, 0);
     *qkv = pyrt_attention_qkv_job(a, l->b);
     qkv->on_rows = qkv_rows_done;

@@ -76,7 +76,7 @@ typedef struct {
     pyrt_attn_layer l;
     pyrt_mv_job *qkv;        /* prepared over the input; its on_rows publishes rows per head */
     pyrt_mv_job *o;          /* over att (x: att, xq: att_q), prepared; y its output */
-    int o_blocked;           /* o's weights are Q8_0/Q4_0: it reads att_q */
+    int o_xq;                /* how o's weights want att quantized into att_q (PYRT_XQ_*) */
     _Alignas(64) atomic_int next_head; /* next head to take (own cache line) */
 } pyrt_attn_task;
 

@@ -7,9 +7,9 @@
 #include "rows.h"
 #include "rows_x86.h"
 
-/* Q4_K / Q5_K super-block at w: d * sc_j and dmin * m_j of its 8 sub-blocks (lanes 0..7), from
- * the 12 bytes of six-bit scales at w + 4 (ggml's get_scale_min_k4, four bytes at a time). */
-PYRT_X86_AVX2 static inline void pyrt_kq_scales_mins(const uint8_t *w, __m256 *dsc, __m256 *dm) {
+/* Q4_K / Q5_K super-block at w: its 8 six-bit sub-block scales sc_j (bytes 0..7) and mins m_j
+ * (bytes 8..15), from the 12 bytes at w + 4 (ggml's get_scale_min_k4, four bytes at a time). */
+PYRT_X86_AVX2 static inline __m128i pyrt_kq_sc_m_bytes(const uint8_t *w) {
     uint32_t a, b, c;
     memcpy(&a, w + 4, 4);
     memcpy(&b, w + 8, 4);
@@ -18,16 +18,16 @@ PYRT_X86_AVX2 static inline void pyrt_kq_scales_mins(const uint8_t *w, __m256 *d
     const uint32_t sc_hi = (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u);
     const uint32_t m_lo = b & 0x3F3F3F3Fu;
     const uint32_t m_hi = ((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u);
-    const __m128i sm = _mm_setr_epi32((int)sc_lo, (int)sc_hi, (int)m_lo, (int)m_hi);
+    return _mm_setr_epi32((int)sc_lo, (int)sc_hi, (int)m_lo, (int)m_hi);
+}
+
+/* Q4_K / Q5_K super-block at w: d * sc_j and dmin * m_j of its 8 sub-blocks (lanes 0..7). */
+PYRT_X86_AVX2 static inline void pyrt_kq_scales_mins(const uint8_t *w, __m256 *dsc, __m256 *dm) {
+    const __m128i sm = pyrt_kq_sc_m_bytes(w);
     const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm));
     const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
     *dsc = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(pyrt_load_u16(w))), sc);
     *dm = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(pyrt_load_u16(w + 2))), m);
-}
-
-/* The 8 Q8 block scales of one super-block of x (lanes 0..7). */
-PYRT_X86_AVX2 static inline __m256 pyrt_kq_xd8(const pyrt_xq8 *xq) {
-    return _mm256_setr_ps(xq[0].d, xq[1].d, xq[2].d, xq[3].d, xq[4].d, xq[5].d, xq[6].d, xq[7].d);
 }
 
 #endif /* PYRT_BLOCKS_KQUANT_X86_H */

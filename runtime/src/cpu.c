@@ -169,3 +169,23 @@ void pyrt_quantize_x_q8(const float *x, pyrt_xq8 *out, int n) {
         pyrt_quantize_x_q8_scalar(x, out, n);
     }
 }
+
+void pyrt_quantize_x_q8k(const float *x, pyrt_xq8 *out, int n) {
+    switch (pyrt_simd_active()) {
+    case PYRT_SIMD_AVX512:
+        pyrt_quantize_x_q8k_avx512(x, out, n);
+        return;
+    case PYRT_SIMD_AVX2:
+        pyrt_quantize_x_q8k_avx2(x, out, n);
+        return;
+    default:
+        pyrt_quantize_x_q8k_scalar(x, out, n);
+    }
+}
+
+void pyrt_quantize_x_for(int kind, const float *x, pyrt_xq8 *out, int n) {
+    if (kind == PYRT_XQ_SHARED)
+        pyrt_quantize_x_q8k(x, out, n);
+    else if (kind == PYRT_XQ_BLOCKS)
+        pyrt_quantize_x_q8(x, out, n);
+}

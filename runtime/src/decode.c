@@ -56,7 +56,8 @@ typedef struct {
     pyrt_decoder *d;
     const pyrt_block_weights *b;
     pyrt_pf_plan after; /* the plan from ffn_ready on */
-    int quantize;       /* the FFN input's Q8 blocks are read (router/shared matrices, experts) */
+    int quantize;       /* how the FFN input's readers (router/shared matrices, experts) want it
+                         * quantized: PYRT_XQ_* */
     int64_t t_ffn;      /* when the FFN's input was ready: the attention / FFN split of times */
 } layer_ctx;
 
@@ -70,8 +71,7 @@ static void o_rows_done(void *p, int64_t lo, int64_t hi) {
     for (int i = 0; i < w->n_embd; i++)
         d->x[i] = d->x[i] + d->y[i] * w->residual_scale;
     pyrt_rms_norm(d->x, c->b->ffn_norm.data, w->rms_eps, w->n_embd, d->xn);
-    if (c->quantize)
-        pyrt_quantize_x_q8(d->xn, d->xq, w->n_embd);
+    pyrt_quantize_x_for(c->quantize, d->xn, d->xq, w->n_embd);
     pyrt_pool_plan_switch(c->at.pool, &c->after);
     c->t_ffn = pyrt_now_ns(); /* read by the caller after the run */
     pyrt_pool_flag_store(c->at.pool, &d->ffn_ready, 1);
@@ -100,7 +100,7 @@ static int layer_fused(pyrt_decoder *d, pyrt_pool *pool, const pyrt_attn_layer *
     const pyrt_experts experts = pyrt_decode_experts(d, b, io);
     const pyrt_mv_job sh_down = {.out = {{&b->sh_down, NULL, d->ys, 0}}, .n_mats = 1};
     layer_ctx lc = {.d = d, .b = b,
-                    .quantize = pyrt_mv_job_blocked(&in) || pyrt_fmt_is_blocked(b->gud_fmt)};
+                    .quantize = pyrt_xq_join(pyrt_mv_job_xq(&in), pyrt_fmt_xq(b->gud_fmt))};
     pyrt_mv_job_plan(b->sh_gate.data != NULL ? &sh_down : next, &lc.after);
     pyrt_attention_task_setup(&lc.at, &d->att, pool, l, &qkv, &o, d->xn, d->xq, d->y);
     pyrt_pool_plan_job(pool, &o);

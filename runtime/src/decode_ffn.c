@@ -157,12 +157,12 @@ int pyrt_decode_ffn(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weights *
     int rc;
     if (d->fuse_router) {
         /* one task: router rows, routing by the thread that completes them, experts */
-        pyrt_mv_job_setup(&in, pool, d->xn, n_embd, d->xq);
-        const int blocked = pyrt_fmt_is_blocked(b->router.fmt) ||
-                            (shared && (pyrt_fmt_is_blocked(b->sh_gate.fmt) ||
-                                        pyrt_fmt_is_blocked(b->sh_up.fmt)));
+        /* x quantized once for the router / shared matrices and the experts */
+        const int xq = pyrt_xq_join(pyrt_mv_job_xq(&in), pyrt_fmt_xq(b->gud_fmt));
+        pyrt_quantize_x_for(xq, d->xn, d->xq, n_embd);
+        pyrt_mv_job_bind(&in, pool, d->xn, n_embd, d->xq);
         rc = pyrt_moe_ffn_routed(pool, NULL, NULL, &in, pyrt_decode_route, d, d->ids, d->topw,
-                                 &experts, d->xn, blocked ? d->xq : NULL, io->k, w->activation,
+                                 &experts, d->xn, xq ? d->xq : NULL, io->k, w->activation,
                                  io->threshold, d->y, &io->n_active);
     } else {
         pyrt_mv_run(&in, pool, d->xn, n_embd, d->xq);

@@ -1,7 +1,8 @@
 /* pyrt_linear: y = x W^T (+ b) over a dense weight matrix read in place from the GGUF mmap, in its
- * own format (F32, F16, BF16, Q8_0, Q4_0), for one token (decode: a matvec, DRAM-bound) or many
- * (prefill). For Q8_0/Q4_0 the activations are quantized to Q8_0 blocks once per token and the dot
- * products are integer, as in pyrt_moe_ffn and llama.cpp; accumulation is f32.
+ * own format (float, 32-element blocks, K-quants), for one token (decode: a matvec, DRAM-bound) or
+ * many (prefill). For the blocked formats the activations are quantized to Q8 blocks once per
+ * token (for the K-quants with a scale per 256: pyrt_quantize_x_q8k) and the dot products are
+ * integer, as in pyrt_moe_ffn and llama.cpp; accumulation is f32.
  *
  * Work split: the rows of the matrices of one job form one list, cut into one home per thread
  * (the homes of a prefetch plan, pool.h), each home into CHUNKS_PER_THREAD chunks that
@@ -241,11 +242,11 @@ void pyrt_mv_task(void *ctx, int ith, int nth) {
 
 /* ---- one token (the decode step) ----------------------------------------------------------- */
 
-int pyrt_mv_job_blocked(const pyrt_mv_job *job) {
-    int blocked = 0;
+int pyrt_mv_job_xq(const pyrt_mv_job *job) {
+    int kind = PYRT_XQ_NONE;
     for (int i = 0; i < job->n_mats; i++)
-        blocked |= pyrt_fmt_is_blocked(job->out[i].m->fmt);
-    return blocked;
+        kind = pyrt_xq_join(kind, pyrt_fmt_xq(job->out[i].m->fmt));
+    return kind;
 }
 
 void pyrt_mv_job_bind(pyrt_mv_job *job, pyrt_pool *pool, const float *x, int n, pyrt_xq8 *xq) {
@@ -260,8 +261,7 @@ void pyrt_mv_job_bind(pyrt_mv_job *job, pyrt_pool *pool, const float *x, int n, 
 }
 
 void pyrt_mv_job_setup(pyrt_mv_job *job, pyrt_pool *pool, const float *x, int n, pyrt_xq8 *xq) {
-    if (pyrt_mv_job_blocked(job))
-        pyrt_quantize_x_q8(x, xq, n);
+    pyrt_quantize_x_for(pyrt_mv_job_xq(job), x, xq, n);
     pyrt_mv_job_bind(job, pool, x, n, xq);
 }
 
@@ -284,6 +284,7 @@ enum { QUANTIZE_TOKENS = 8 }; /* tokens a thread quantizes per claim */
 typedef struct {
     const float *x;
     pyrt_xq8 *xq;
+    int kind; /* PYRT_XQ_* */
     int n_tokens, n_in;
     atomic_int next; /* next token to claim */
 } quantize_ctx;
@@ -297,7 +298,8 @@ static void task_quantize(void *p, int ith, int nth) {
                                                  memory_order_relaxed)) < c->n_tokens;) {
         const int t1 = c->n_tokens - t0 < QUANTIZE_TOKENS ? c->n_tokens : t0 + QUANTIZE_TOKENS;
         for (int t = t0; t < t1; t++)
-            pyrt_quantize_x_q8(c->x + (size_t)t * c->n_in, c->xq + (size_t)t * nb, c->n_in);
+            pyrt_quantize_x_for(c->kind, c->x + (size_t)t * c->n_in, c->xq + (size_t)t * nb,
+                                c->n_in);
     }
 }
 
@@ -332,7 +334,8 @@ int pyrt_linear(pyrt_pool *pool, const pyrt_matrix *w, const float *x, int n_tok
             return pyrt_fail(PYRT_E_NOMEM, "%s: cannot allocate %zu bytes for quantized x", fn,
                              (size_t)n_tokens * nb * sizeof(pyrt_xq8));
         }
-        quantize_ctx qc = {.x = x, .xq = xq, .n_tokens = n_tokens, .n_in = w->n_in};
+        quantize_ctx qc = {
+            .x = x, .xq = xq, .kind = pyrt_fmt_xq(w->fmt), .n_tokens = n_tokens, .n_in = w->n_in};
         atomic_init(&qc.next, 0);
         if ((int64_t)n_tokens * w->n_in <= SERIAL_QUANTIZE_MAX)
             task_quantize(&qc, 0, 1);

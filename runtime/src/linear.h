@@ -36,7 +36,8 @@ typedef struct {
     int n_mats;
     const float *x;       /* [n_tokens, x_stride] f32: read by float-format matrices */
     size_t x_stride;      /* floats between tokens in x */
-    const pyrt_xq8 *xq;   /* [n_tokens, xq_stride] Q8 blocks of x: read by Q8_0/Q4_0 matrices */
+    const pyrt_xq8 *xq;   /* [n_tokens, xq_stride] Q8 blocks of x (pyrt_mv_job_xq's kind): read
+                           * by the blocked matrices */
     size_t xq_stride;     /* blocks between tokens in xq */
     int n_tokens;
     float clamp;          /* > 0: clamp every output to [-clamp, clamp] (after the bias) */
@@ -66,12 +67,12 @@ void pyrt_mv_task(void *ctx, int ith, int nth);
 
 /* ---- one token (the decode step) ----------------------------------------------------------- */
 
-/* 1 when a matrix of the job reads Q8 blocks of x (Q8_0/Q4_0). */
-int pyrt_mv_job_blocked(const pyrt_mv_job *job);
+/* How the job's matrices want x quantized (PYRT_XQ_*, rows.h): the join over its matrices. */
+int pyrt_mv_job_xq(const pyrt_mv_job *job);
 /* The job over one token x [n] whose Q8 blocks are in xq [n / 32] (not made here), prepared for
  * the pool (div 0 is taken as 1). */
 void pyrt_mv_job_bind(pyrt_mv_job *job, pyrt_pool *pool, const float *x, int n, pyrt_xq8 *xq);
-/* pyrt_mv_job_bind after quantizing x into xq where a matrix reads Q8 blocks. */
+/* pyrt_mv_job_bind after quantizing x into xq as the job's matrices want (pyrt_mv_job_xq). */
 void pyrt_mv_job_setup(pyrt_mv_job *job, pyrt_pool *pool, const float *x, int n, pyrt_xq8 *xq);
 /* pyrt_mv_job_setup, then the job as one pool task (the caller holds the pool). */
 void pyrt_mv_run(pyrt_mv_job *job, pyrt_pool *pool, const float *x, int n, pyrt_xq8 *xq);

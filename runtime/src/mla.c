@@ -69,7 +69,8 @@ int pyrt_linear_heads(pyrt_pool *pool, const pyrt_matrix *w, int n_heads, const 
     const size_t nb = (size_t)w->n_in / PYRT_QK;
     pyrt_pool_acquire(pool);
     pyrt_xq8 *xq = NULL;
-    if (pyrt_fmt_is_blocked(w->fmt)) {
+    const int kind = pyrt_fmt_xq(w->fmt);
+    if (kind != PYRT_XQ_NONE) {
         xq = pyrt_pool_workspace(pool, (size_t)n_heads * nb * sizeof(pyrt_xq8));
         if (xq == NULL) {
             pyrt_pool_release(pool);
@@ -77,7 +78,7 @@ int pyrt_linear_heads(pyrt_pool *pool, const pyrt_matrix *w, int n_heads, const 
                              (size_t)n_heads * nb * sizeof(pyrt_xq8));
         }
         for (int h = 0; h < n_heads; h++)
-            pyrt_quantize_x_q8(x + (size_t)h * w->n_in, xq + (size_t)h * nb, w->n_in);
+            pyrt_quantize_x_for(kind, x + (size_t)h * w->n_in, xq + (size_t)h * nb, w->n_in);
     }
     heads_ctx c = {
         .w = w,

@@ -39,6 +39,7 @@ typedef struct {
     const uint8_t *xv;      /* what the dot kernels read per token: x itself, or its Q8 blocks */
     size_t xv_stride;       /* bytes between tokens in xv */
     pyrt_xq8 *xq;           /* [n_tokens, n_embd/32] when quantized, else NULL */
+    int xq_kind;            /* how xq is quantized: PYRT_XQ_* of the experts' format */
     /* the current token block [t0, t0 + tb) */
     int t0, tb;
     int n_used;             /* slots used by the block */

@@ -34,7 +34,8 @@ static void task_quantize(void *p, int ith, int nth) {
                                                  memory_order_relaxed)) < c->n_tokens;) {
         const int t1 = c->n_tokens - t0 < QUANTIZE_TOKENS ? c->n_tokens : t0 + QUANTIZE_TOKENS;
         for (int t = t0; t < t1; t++)
-            pyrt_quantize_x_q8(c->x + (size_t)t * c->n_embd, c->xq + (size_t)t * nb, c->n_embd);
+            pyrt_quantize_x_for(c->xq_kind, c->x + (size_t)t * c->n_embd,
+                                c->xq + (size_t)t * nb, c->n_embd);
     }
 }
 
@@ -250,6 +251,7 @@ static int moe_setup(moe_ctx *c, pyrt_pool *pool, const pyrt_experts *e, const f
         .k = k,
         .y = y,
         .xq = quantized ? (pyrt_xq8 *)(ws + off_xq) : NULL,
+        .xq_kind = pyrt_fmt_xq(fmt),
         .used = (int *)(ws + off_used),
         .route_start = (int *)(ws + off_rstart),
         .route_tok = (int *)(ws + off_rtok),

@@ -169,7 +169,7 @@ static void output(const pyrt_chunk *c, int first, float *out) {
                        .div = w->logit_scale};
     const pyrt_chunk tail = {c->d, c->pool, c->b, c->cache, c->pos + first, c->n - first};
     pyrt_prefill_norm(&tail, b->x + (size_t)first * w->n_embd, w->output_norm.data,
-                      pyrt_mv_job_blocked(&job));
+                      pyrt_mv_job_xq(&job));
     pyrt_prefill_matmul(&tail, &job, b->xn, b->in_stride);
 }
 

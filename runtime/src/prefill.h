@@ -57,9 +57,10 @@ int pyrt_prefill_ffn(const pyrt_chunk *c, int layer, pyrt_ffn_io *io);
 
 /* Rows [0, n) of src [n, n_embd] normed by `norm` into xn (stride in_stride), and quantized into
  * xq when `quantize` (prefill_attn.c). */
-void pyrt_prefill_norm(const pyrt_chunk *c, const float *src, const float *norm, int quantize);
+void pyrt_prefill_norm(const pyrt_chunk *c, const float *src, const float *norm, int xq_kind);
 /* xq rows = the Q8 blocks of xn's first `n_in` columns (prefill_attn.c). */
-void pyrt_prefill_quantize(const pyrt_chunk *c, const float *src, size_t stride, int n_in);
+void pyrt_prefill_quantize(const pyrt_chunk *c, int xq_kind, const float *src, size_t stride,
+                           int n_in);
 /* The chunk's matrix products: job's outputs over its n tokens of x (stride x_stride) and their
  * Q8 blocks in xq (made by the caller where a matrix reads them) (prefill_attn.c). */
 void pyrt_prefill_matmul(const pyrt_chunk *c, pyrt_mv_job *job, const float *x, size_t x_stride);

@@ -26,7 +26,7 @@ typedef struct {
     const pyrt_chunk *c;
     const float *src, *norm;
     size_t src_stride;
-    int n_in, quantize;
+    int n_in, quantize; /* PYRT_XQ_* */
 } rows_ctx;
 
 static void norm_row(void *p, int64_t t, int ith) {
@@ -36,12 +36,11 @@ static void norm_row(void *p, int64_t t, int ith) {
     const pyrt_prefill_buf *b = r->c->b;
     float *xn = b->xn + (size_t)t * b->in_stride;
     pyrt_rms_norm(r->src + (size_t)t * d->w.n_embd, r->norm, d->w.rms_eps, d->w.n_embd, xn);
-    if (r->quantize)
-        pyrt_quantize_x_q8(xn, b->xq + (size_t)t * b->q_stride, d->w.n_embd);
+    pyrt_quantize_x_for(r->quantize, xn, b->xq + (size_t)t * b->q_stride, d->w.n_embd);
 }
 
-void pyrt_prefill_norm(const pyrt_chunk *c, const float *src, const float *norm, int quantize) {
-    rows_ctx r = {.c = c, .src = src, .norm = norm, .quantize = quantize};
+void pyrt_prefill_norm(const pyrt_chunk *c, const float *src, const float *norm, int xq_kind) {
+    rows_ctx r = {.c = c, .src = src, .norm = norm, .quantize = xq_kind};
     pyrt_pool_for(c->pool, c->n, 4, norm_row, &r);
 }
 
@@ -50,11 +49,12 @@ static void quantize_row(void *p, int64_t t, int ith) {
     const rows_ctx *r = p;
     const pyrt_prefill_buf *b = r->c->b;
     pyrt_xq8 *out = b->xq + (size_t)t * b->q_stride;
-    pyrt_quantize_x_q8(r->src + (size_t)t * r->src_stride, out, r->n_in);
+    pyrt_quantize_x_for(r->quantize, r->src + (size_t)t * r->src_stride, out, r->n_in);
 }
 
-void pyrt_prefill_quantize(const pyrt_chunk *c, const float *src, size_t stride, int n_in) {
-    rows_ctx r = {.c = c, .src = src, .src_stride = stride, .n_in = n_in};
+void pyrt_prefill_quantize(const pyrt_chunk *c, int xq_kind, const float *src, size_t stride,
+                           int n_in) {
+    rows_ctx r = {.c = c, .src = src, .src_stride = stride, .n_in = n_in, .quantize = xq_kind};
     pyrt_pool_for(c->pool, c->n, 8, quantize_row, &r);
 }
 
@@ -188,7 +188,7 @@ void pyrt_prefill_attention(const pyrt_chunk *c, int layer) {
                                {&blk->wv, blk->bv.data, b->v, (size_t)nkv}},
                        .n_mats = 3,
                        .clamp = w->clamp_kqv};
-    pyrt_prefill_norm(c, b->x, blk->attn_norm.data, pyrt_mv_job_blocked(&qkv));
+    pyrt_prefill_norm(c, b->x, blk->attn_norm.data, pyrt_mv_job_xq(&qkv));
     pyrt_prefill_matmul(c, &qkv, b->xn, b->in_stride);
     attn_ctx a = {.c = c, .blk = blk, .kc = c->cache->k[layer], .vc = c->cache->v[layer]};
     pyrt_pool_for(c->pool, c->n, 2, qk_token, &a);
@@ -196,8 +196,8 @@ void pyrt_prefill_attention(const pyrt_chunk *c, int layer) {
     attend(&a);
     pyrt_mv_job o = {.out = {{&blk->wo, blk->bo.data, b->y, (size_t)w->n_embd}},
                      .n_mats = 1};
-    if (pyrt_mv_job_blocked(&o))
-        pyrt_prefill_quantize(c, b->xn, b->in_stride, nq);
+    if (pyrt_mv_job_xq(&o) != PYRT_XQ_NONE)
+        pyrt_prefill_quantize(c, pyrt_mv_job_xq(&o), b->xn, b->in_stride, nq);
     pyrt_prefill_matmul(c, &o, b->xn, b->in_stride);
     residual_ctx r = {.c = c, .scale = w->residual_scale};
     pyrt_pool_for(c->pool, c->n, 4, add_y, &r);

@@ -35,8 +35,8 @@ static void down(const ffn_ctx *f, const pyrt_matrix *m) {
     const pyrt_prefill_buf *b = c->b;
     pyrt_pool_for(c->pool, c->n, 4, hidden_row, (void *)f);
     pyrt_mv_job job = {.out = {{m, NULL, b->ys, (size_t)c->d->w.n_embd}}, .n_mats = 1};
-    if (pyrt_mv_job_blocked(&job))
-        pyrt_prefill_quantize(c, b->gate, b->in_stride, f->n_ff);
+    if (pyrt_mv_job_xq(&job) != PYRT_XQ_NONE)
+        pyrt_prefill_quantize(c, pyrt_mv_job_xq(&job), b->gate, b->in_stride, f->n_ff);
     pyrt_prefill_matmul(c, &job, b->gate, b->in_stride);
 }
 
@@ -96,7 +96,7 @@ static void dense_layer(const ffn_ctx *f, pyrt_ffn_io *io) {
     pyrt_mv_job in = {.out = {{&blk->ffn_gate, NULL, b->gate, b->in_stride},
                               {&blk->ffn_up, NULL, b->up, b->in_stride}},
                       .n_mats = 2};
-    pyrt_prefill_norm(c, b->x, blk->ffn_norm.data, pyrt_mv_job_blocked(&in));
+    pyrt_prefill_norm(c, b->x, blk->ffn_norm.data, pyrt_mv_job_xq(&in));
     pyrt_prefill_matmul(c, &in, b->xn, b->in_stride);
     down(f, &blk->ffn_down);
     memcpy(b->y, b->ys, (size_t)c->n * c->d->w.n_embd * sizeof(float));
@@ -129,7 +129,8 @@ int pyrt_prefill_ffn(const pyrt_chunk *c, int layer, pyrt_ffn_io *io) {
                               {&blk->sh_up, NULL, b->up, b->in_stride}},
                       .n_mats = shared ? 3 : 1};
     const int experts_blocked = pyrt_fmt_is_blocked(blk->gud_fmt);
-    pyrt_prefill_norm(c, b->x, blk->ffn_norm.data, pyrt_mv_job_blocked(&in) || experts_blocked);
+    pyrt_prefill_norm(c, b->x, blk->ffn_norm.data,
+                      pyrt_xq_join(pyrt_mv_job_xq(&in), pyrt_fmt_xq(blk->gud_fmt)));
     pyrt_prefill_matmul(c, &in, b->xn, b->in_stride);
     if (shared && blk->sh_gate_inp.data != NULL)
         pyrt_pool_for(c->pool, c->n, 8, shared_gate_row, &f);

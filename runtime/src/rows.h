@@ -28,6 +28,36 @@ void pyrt_quantize_x_q8_scalar(const float *x, pyrt_xq8 *out, int n);
 void pyrt_quantize_x_q8_avx2(const float *x, pyrt_xq8 *out, int n);
 void pyrt_quantize_x_q8_avx512(const float *x, pyrt_xq8 *out, int n);
 
+/* x [n] f32 -> n/32 blocks whose scales are shared per 256 elements (the K-quants' activation,
+ * ggml's Q8_K in Q8_0's layout): each whole group of 8 blocks is quantized at d = (max |x| over
+ * its 256) / 127, every block of it holding that d; blocks after the last whole group as
+ * pyrt_quantize_x_q8. Every reader of Q8 blocks takes them (a Q8_0 row reads d per block); the
+ * K-quant dots need them, summing a super-block's 8 sub-blocks in integers. The levels give the
+ * scalar one's bytes for finite x, as pyrt_quantize_x_q8's. */
+void pyrt_quantize_x_q8k(const float *x, pyrt_xq8 *out, int n);
+void pyrt_quantize_x_q8k_scalar(const float *x, pyrt_xq8 *out, int n);
+void pyrt_quantize_x_q8k_avx2(const float *x, pyrt_xq8 *out, int n);
+void pyrt_quantize_x_q8k_avx512(const float *x, pyrt_xq8 *out, int n);
+
+/* How the matrices that read one activation vector want it quantized (pyrt_fmt_xq): not at all
+ * (float formats), Q8 blocks of 32, or blocks sharing a scale per 256 (a K-quant reads it; the
+ * others read those too, so a mix takes the largest kind). */
+enum { PYRT_XQ_NONE = 0, PYRT_XQ_BLOCKS = 1, PYRT_XQ_SHARED = 2 };
+
+static inline int pyrt_fmt_xq(int fmt) {
+    return pyrt_fmt_block(fmt) == PYRT_QK_K ? PYRT_XQ_SHARED
+           : pyrt_fmt_is_blocked(fmt)       ? PYRT_XQ_BLOCKS
+                                            : PYRT_XQ_NONE;
+}
+
+/* The kind that serves readers of kinds a and b. */
+static inline int pyrt_xq_join(int a, int b) {
+    return a > b ? a : b;
+}
+
+/* x quantized as `kind` asks (PYRT_XQ_NONE: nothing written). */
+void pyrt_quantize_x_for(int kind, const float *x, pyrt_xq8 *out, int n);
+
 /* y[0:n] += x[0:n] in f32, element by element (every level gives the same bits): the expert
  * kernel's sum of partial ys. pyrt_add_f32_active: the active SIMD level's (cpu.c). */
 typedef void (*pyrt_add_fn)(float *y, const float *x, size_t n);
@@ -39,7 +69,8 @@ pyrt_add_fn pyrt_add_f32_active(void);
 /* ---- row kernels --------------------------------------------------------------------------- */
 
 /* One weight row of n elements, in one format, against one token.
- * dot:  returns row . x, where x is f32 [n] for float formats and pyrt_xq8 [n/32] for Q8_0/Q4_0.
+ * dot:  returns row . x, where x is f32 [n] for float formats and pyrt_xq8 [n/32] for the blocked
+ *       ones (for Q4_K / Q5_K / Q6_K from pyrt_quantize_x_q8k: a scale per 256).
  * axpy: y[0:n] += a * row (the row dequantized on the fly); y is f32 [n]. */
 typedef float (*pyrt_dot_fn)(const void *row, const void *x, int n);
 typedef void (*pyrt_axpy_fn)(float a, const void *row, float *y, int n);

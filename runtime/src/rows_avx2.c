@@ -360,38 +360,55 @@ AVX2 void pyrt_add_f32_avx2(float *y, const float *x, size_t n) {
 /* x [n] f32 -> Q8_0 blocks, for finite x the same bytes as pyrt_quantize_x_q8_scalar (see the
  * AVX-512 twin in rows_avx512.c): NaN lanes ignored by the max, q the low byte of the truncated
  * int32 (masked to 0..255 and packed without saturation). */
-AVX2 void pyrt_quantize_x_q8_avx2(const float *x, pyrt_xq8 *out, int n) {
+AVX2 static inline float amax32_avx2(const float *xb) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) /* NaN lane: keeps m */
+        m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(xb + 8 * i), abs_mask), m);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+AVX2 static inline void store32_avx2(const float *xb, float amax, pyrt_xq8 *out) {
     const __m256i low_byte = _mm256_set1_epi32(0xFF);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int b = 0; b < n / PYRT_QK; b++) {
-        const float *xb = x + (size_t)b * PYRT_QK;
-        __m256 v[4];
-        __m256 m = _mm256_setzero_ps();
-        for (int i = 0; i < 4; i++) {
-            v[i] = _mm256_loadu_ps(xb + 8 * i);
-            m = _mm256_max_ps(_mm256_and_ps(v[i], abs_mask), m); /* NaN lane: keeps m */
-        }
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_max_ss(h, _mm_movehdup_ps(h));
-        const float amax = _mm_cvtss_f32(h);
-        const float d = amax / 127.0f;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        out[b].d = d;
-        const __m256 vid = _mm256_set1_ps(id);
-        __m256i q[4];
-        for (int i = 0; i < 4; i++) {
-            const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], vid),
-                                             _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
-            q[i] = _mm256_and_si256(_mm256_cvttps_epi32(r), low_byte);
-        }
-        /* packs work per 128-bit lane: bytes come out as q0[0..3] q1[0..3] q2[0..3] q3[0..3] |
-         * q0[4..7] q1[4..7] ...; the dword permute puts them back in element order */
-        const __m256i p = _mm256_packus_epi16(_mm256_packus_epi32(q[0], q[1]),
-                                              _mm256_packus_epi32(q[2], q[3]));
-        _mm256_storeu_si256((__m256i *)out[b].q, _mm256_permutevar8x32_epi32(p, order));
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    out->d = d;
+    const __m256 vid = _mm256_set1_ps(id);
+    __m256i q[4];
+    for (int i = 0; i < 4; i++) {
+        const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), vid),
+                                         _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
+        q[i] = _mm256_and_si256(_mm256_cvttps_epi32(r), low_byte);
     }
+    /* packs work per 128-bit lane: bytes come out as q0[0..3] q1[0..3] q2[0..3] q3[0..3] |
+     * q0[4..7] q1[4..7] ...; the dword permute puts them back in element order */
+    const __m256i p = _mm256_packus_epi16(_mm256_packus_epi32(q[0], q[1]),
+                                          _mm256_packus_epi32(q[2], q[3]));
+    _mm256_storeu_si256((__m256i *)out->q, _mm256_permutevar8x32_epi32(p, order));
+}
+
+AVX2 void pyrt_quantize_x_q8_avx2(const float *x, pyrt_xq8 *out, int n) {
+    for (int b = 0; b < n / PYRT_QK; b++)
+        store32_avx2(x + (size_t)b * PYRT_QK, amax32_avx2(x + (size_t)b * PYRT_QK), out + b);
+}
+
+/* pyrt_quantize_x_q8k_scalar's bytes (for finite x), the pieces above per block of 32. */
+AVX2 void pyrt_quantize_x_q8k_avx2(const float *x, pyrt_xq8 *out, int n) {
+    int b = 0;
+    for (; b + 8 <= n / PYRT_QK; b += 8) {
+        float amax = 0.0f;
+        for (int j = 0; j < 8; j++) {
+            const float a = amax32_avx2(x + (size_t)(b + j) * PYRT_QK);
+            amax = a > amax ? a : amax;
+        }
+        for (int j = 0; j < 8; j++)
+            store32_avx2(x + (size_t)(b + j) * PYRT_QK, amax, out + b + j);
+    }
+    pyrt_quantize_x_q8_avx2(x + (size_t)b * PYRT_QK, out + b, n - b * PYRT_QK);
 }
 
 static const pyrt_row_ops ops_q8_0 = {.dot = dot_q8_0,       .axpy = axpy_q8_0,
@@ -438,6 +455,10 @@ const pyrt_row_ops *pyrt_row_ops_avx2(int fmt) {
 
 void pyrt_quantize_x_q8_avx2(const float *x, pyrt_xq8 *out, int n) {
     pyrt_quantize_x_q8_scalar(x, out, n);
+}
+
+void pyrt_quantize_x_q8k_avx2(const float *x, pyrt_xq8 *out, int n) {
+    pyrt_quantize_x_q8k_scalar(x, out, n);
 }
 
 void pyrt_add_f32_avx2(float *y, const float *x, size_t n) {

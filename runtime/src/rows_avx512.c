@@ -283,23 +283,44 @@ AVX512 void pyrt_add_f32_avx512(float *y, const float *x, size_t n) {
  * fmaxf), d = amax / 127, q = low byte of the truncated int32 of x * (1/d) rounded in the current
  * mode (vpmovdb truncates, as the scalar (int8_t) cast of cvttss2si). ~0.1 us for 2048 floats
  * where the scalar code calls fmaxf and nearbyintf per element (~10 us). */
-AVX512 void pyrt_quantize_x_q8_avx512(const float *x, pyrt_xq8 *out, int n) {
+AVX512 static inline float amax32_avx512(const float *xb) {
+    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
     const __m512 zero = _mm512_setzero_ps();
-    for (int b = 0; b < n / PYRT_QK; b++) {
-        const float *xb = x + (size_t)b * PYRT_QK;
-        const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
-        const __m512 m = _mm512_max_ps(_mm512_abs_ps(v1), _mm512_max_ps(_mm512_abs_ps(v0), zero));
-        const float amax = _mm512_reduce_max_ps(m);
-        const float d = amax / 127.0f;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        out[b].d = d;
-        const __m512 vid = _mm512_set1_ps(id);
-        const int rnd = _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC;
-        const __m512i q0 = _mm512_cvttps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v0, vid), rnd));
-        const __m512i q1 = _mm512_cvttps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v1, vid), rnd));
-        _mm_storeu_si128((__m128i *)out[b].q, _mm512_cvtepi32_epi8(q0));
-        _mm_storeu_si128((__m128i *)(out[b].q + 16), _mm512_cvtepi32_epi8(q1));
+    return _mm512_reduce_max_ps(
+        _mm512_max_ps(_mm512_abs_ps(v1), _mm512_max_ps(_mm512_abs_ps(v0), zero)));
+}
+
+AVX512 static inline void store32_avx512(const float *xb, float amax, pyrt_xq8 *out) {
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    out->d = d;
+    const __m512 vid = _mm512_set1_ps(id);
+    const int rnd = _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC;
+    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+    const __m512i q0 = _mm512_cvttps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v0, vid), rnd));
+    const __m512i q1 = _mm512_cvttps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v1, vid), rnd));
+    _mm_storeu_si128((__m128i *)out->q, _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128((__m128i *)(out->q + 16), _mm512_cvtepi32_epi8(q1));
+}
+
+AVX512 void pyrt_quantize_x_q8_avx512(const float *x, pyrt_xq8 *out, int n) {
+    for (int b = 0; b < n / PYRT_QK; b++)
+        store32_avx512(x + (size_t)b * PYRT_QK, amax32_avx512(x + (size_t)b * PYRT_QK), out + b);
+}
+
+/* pyrt_quantize_x_q8k_scalar's bytes (for finite x), the pieces above per block of 32. */
+AVX512 void pyrt_quantize_x_q8k_avx512(const float *x, pyrt_xq8 *out, int n) {
+    int b = 0;
+    for (; b + 8 <= n / PYRT_QK; b += 8) {
+        float amax = 0.0f;
+        for (int j = 0; j < 8; j++) {
+            const float a = amax32_avx512(x + (size_t)(b + j) * PYRT_QK);
+            amax = a > amax ? a : amax;
+        }
+        for (int j = 0; j < 8; j++)
+            store32_avx512(x + (size_t)(b + j) * PYRT_QK, amax, out + b + j);
     }
+    pyrt_quantize_x_q8_avx512(x + (size_t)b * PYRT_QK, out + b, n - b * PYRT_QK);
 }
 
 static const pyrt_row_ops ops_f32 = {.dot = dot_f32, .axpy = axpy_f32,
@@ -366,6 +387,10 @@ const pyrt_row_ops *pyrt_row_ops_avx512_vnni(int fmt) {
 
 void pyrt_quantize_x_q8_avx512(const float *x, pyrt_xq8 *out, int n) {
     pyrt_quantize_x_q8_scalar(x, out, n);
+}
+
+void pyrt_quantize_x_q8k_avx512(const float *x, pyrt_xq8 *out, int n) {
+    pyrt_quantize_x_q8k_scalar(x, out, n);
 }
 
 void pyrt_add_f32_avx512(float *y, const float *x, size_t n) {

@@ -10,10 +10,10 @@
  *   Q6_K: ql[128], qh[64], int8 scales[16], f16 d. Element e = 128 h + 32 p + l (half h,
  *         quarter p, l < 32): low 4 bits in nibble p / 2 of ql[64 h + 32 (p % 2) + l], high 2
  *         bits at bit 2 p of qh[32 h + l]; weight = d * scales[e / 16] * (q - 32).
- * The sub-blocks of 32 (and Q6_K's pairs of 16) line up with the activation's Q8 blocks, so the
- * activation is quantized as for every other blocked format (pyrt_xq8, 32 elements, f32 scale):
- * the dot is integer within each Q8 block (Q6_K: the two scales of 16 applied to the integer
- * partial sums), f32 across blocks; the mins add -dmin * m_j * xd * sum(xq) per block. */
+ * The activation comes as Q8 blocks of 32 whose 8 blocks per super-block share one scale xd
+ * (pyrt_quantize_x_q8k, ggml's Q8_K in Q8_0's layout), so a super-block's dot is integer but for
+ * d xd: sum_j sc_j (q_j . x_j) (Q6_K: per 16) times d xd, minus sum_j m_j sum(x_j) times
+ * dmin xd. */
 #include "rows.h"
 
 /* Sub-block j's six-bit scale and min of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4). */
@@ -51,18 +51,19 @@ static inline int code_q6_k(const uint8_t *w, int j, int l) {
         const pyrt_xq8 *xq = x;                                                                   \
         float sum = 0.0f;                                                                         \
         for (int s = 0; s < n / PYRT_QK_K; s++, w += (BYTES), xq += 8) {                          \
-            const float d = D(w), dmin = D(w + 2);                                                \
+            int32_t isum = 0, msum = 0;                                                           \
             for (int j = 0; j < 8; j++) {                                                         \
                 int sc, m;                                                                        \
                 scale_min(j, w + 4, &sc, &m);                                                     \
-                int32_t isum = 0, xsum = 0;                                                       \
+                int32_t qx = 0, xsum = 0;                                                         \
                 for (int l = 0; l < PYRT_QK; l++) {                                               \
-                    isum += CODE(w, j, l) * xq[j].q[l];                                           \
+                    qx += CODE(w, j, l) * xq[j].q[l];                                             \
                     xsum += xq[j].q[l];                                                           \
                 }                                                                                 \
-                sum += d * (float)sc * xq[j].d * (float)isum -                                    \
-                       dmin * (float)m * xq[j].d * (float)xsum;                                   \
+                isum += sc * qx;                                                                  \
+                msum += m * xsum;                                                                 \
             }                                                                                     \
+            sum += D(w) * xq[0].d * (float)isum - D(w + 2) * xq[0].d * (float)msum;               \
         }                                                                                         \
         return sum;                                                                               \
     }                                                                                             \
@@ -88,16 +89,17 @@ static float dot_q6_k(const void *row, const void *x, int n) {
     const pyrt_xq8 *xq = x;
     float sum = 0.0f;
     for (int s = 0; s < n / PYRT_QK_K; s++, w += PYRT_Q6_K_BYTES, xq += 8) {
-        const float d = D(w + 208);
         const int8_t *sc = (const int8_t *)(w + 192);
+        int32_t isum = 0;
         for (int j = 0; j < 8; j++) {
             int32_t lo = 0, hi = 0;
             for (int l = 0; l < 16; l++) {
                 lo += code_q6_k(w, j, l) * xq[j].q[l];
                 hi += code_q6_k(w, j, l + 16) * xq[j].q[l + 16];
             }
-            sum += d * xq[j].d * (float)(sc[2 * j] * lo + sc[2 * j + 1] * hi);
+            isum += sc[2 * j] * lo + sc[2 * j + 1] * hi;
         }
+        sum += D(w + 208) * xq[0].d * (float)isum;
     }
     return sum;
 }
@@ -146,24 +148,24 @@ AVX2 static inline __m256i codes_q5_k(const uint8_t *w, int j) {
     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1));
     return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
 }
-AVX2 static inline __m256i codes_q6_k(const uint8_t *w, int j) {
+/* Q6_K's codes plus 32 (uint8 0..63), and as they are (int8 -32..31). */
+AVX2 static inline __m256i codes_q6_k_u(const uint8_t *w, int j) {
     const int h = j / 4, p = j % 4;
     const __m256i ql = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32 * (p % 2)));
     const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
     const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (p / 2)), _mm256_set1_epi8(0x0F));
     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * p), _mm256_set1_epi8(3));
-    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+    return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+}
+AVX2 static inline __m256i codes_q6_k(const uint8_t *w, int j) {
+    return _mm256_sub_epi8(codes_q6_k_u(w, j), _mm256_set1_epi8(32));
 }
 
-/* 8 int32 lanes summing to u . x for 32 uint8 u <= 31 and int8 x (pairs <= 2*31*127: no
- * saturation of maddubs). */
-AVX2 static inline __m256i dot32_u8(__m256i u, __m256i x) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
-}
-
-/* 8 int32 lanes summing to the 32 int8 values of x. */
-AVX2 static inline __m256i sum32(__m256i x) {
-    return dot32_u8(_mm256_set1_epi8(1), x);
+/* Scales as int16 pairs: each int32 lane (v & 0xFFFF) | v << 16 for the int32 v in it, the
+ * multiplier vpmaddwd applies to both int16 halves of the lane. */
+AVX2 static inline __m256i scale_pairs8(__m256i v) {
+    return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)),
+                           _mm256_slli_epi32(v, 16));
 }
 
 /* 32 int8 codes as f32 in four registers (elements 0..7, 8..15, 16..23, 24..31). */
@@ -177,82 +179,92 @@ AVX2 static inline void widen32(__m256i q, __m256 f[4]) {
 
 /* The kernels of each format come from one function over nr rows (1 or 2 for the dots, up to
  * PYRT_AXPY_ROWS for axpy): dot and axpy are its nr = 1 case, so dot2 / axpyn give exactly the
- * bits of two dots / nr axpys in order. Per super-block and row the scales of its 8 sub-blocks
- * are made once, 8 lanes at a time (pyrt_kq_scales_mins), kept in a small array and broadcast
- * from it per sub-block. dotn: x's blocks (and their sums) loaded once for the rows; per row one
- * chain of FMAs for (d sc_j xd_j) (q . xq) and one for (dmin m_j xd_j) sum(xq). axpyn: a block of
- * y (4 registers) loaded once, each row's a (d sc_j) q - a (dmin m_j) added in row order, stored
- * once. */
-#define AVX2_KMIN(name, BYTES, CODES)                                                             \
-    AVX2 static inline void dotn_##name(int nr, const void *const *rows, const void *x, int n,    \
-                                        float *out) {                                             \
-        const pyrt_xq8 *xq = x;                                                                   \
-        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                               \
-        __m256 accm[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                              \
-        for (int s = 0; s < n / PYRT_QK_K; s++, xq += 8) {                                        \
-            const uint8_t *w[2];                                                                  \
-            float sc[2][8], m[2][8];                                                              \
-            const __m256 xd = pyrt_kq_xd8(xq);                                                    \
-            for (int r = 0; r < nr; r++) {                                                        \
-                w[r] = (const uint8_t *)rows[r] + (size_t)s * (BYTES);                            \
-                __m256 dsc, dm;                                                                   \
-                pyrt_kq_scales_mins(w[r], &dsc, &dm);                                             \
-                _mm256_storeu_ps(sc[r], _mm256_mul_ps(dsc, xd));                                  \
-                _mm256_storeu_ps(m[r], _mm256_mul_ps(dm, xd));                                    \
-            }                                                                                     \
-            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                 \
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)xq[j].q);                  \
-                const __m256 xs = _mm256_cvtepi32_ps(sum32(xv));                                  \
-                for (int r = 0; r < nr; r++) {                                                    \
-                    const __m256 l = _mm256_cvtepi32_ps(dot32_u8(CODES(w[r], j), xv));            \
-                    acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&sc[r][j]), l, acc[r]);          \
-                    accm[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&m[r][j]), xs, accm[r]);        \
-                }                                                                                 \
-            }                                                                                     \
-        }                                                                                         \
-        for (int r = 0; r < nr; r++)                                                              \
-            out[r] = hsum8(_mm256_sub_ps(acc[r], accm[r]));                                       \
-    }                                                                                             \
-    AVX2 static float dot_##name##_avx2(const void *row, const void *x, int n) {                  \
-        float out;                                                                                \
-        dotn_##name(1, &row, x, n, &out);                                                         \
-        return out;                                                                               \
-    }                                                                                             \
-    AVX2 static void dot2_##name##_avx2(const void *row0, const void *row1, const void *x, int n, \
-                                        float out[2]) {                                           \
-        const void *rows[2] = {row0, row1};                                                       \
-        dotn_##name(2, rows, x, n, out);                                                          \
-    }                                                                                             \
-    AVX2 static void axpyn_##name##_avx2(int nr, const float *a, const void *const *rows,         \
-                                         float *y, int n) {                                       \
-        float vs[PYRT_AXPY_ROWS][8], vm[PYRT_AXPY_ROWS][8];                                       \
-        for (int s = 0; s < n / PYRT_QK_K; s++) {                                                 \
-            for (int r = 0; r < nr; r++) {                                                        \
-                __m256 dsc, dm;                                                                   \
-                pyrt_kq_scales_mins((const uint8_t *)rows[r] + (size_t)s * (BYTES), &dsc, &dm);   \
-                _mm256_storeu_ps(vs[r], _mm256_mul_ps(_mm256_set1_ps(a[r]), dsc));                \
-                _mm256_storeu_ps(vm[r], _mm256_mul_ps(_mm256_set1_ps(a[r]), dm));                 \
-            }                                                                                     \
-            for (int j = 0; j < 8; j++) {                                                         \
-                float *yj = y + (size_t)s * PYRT_QK_K + PYRT_QK * j;                              \
-                __m256 acc[4] = {_mm256_loadu_ps(yj), _mm256_loadu_ps(yj + 8),                    \
-                                 _mm256_loadu_ps(yj + 16), _mm256_loadu_ps(yj + 24)};             \
-                for (int r = 0; r < nr; r++) {                                                    \
-                    const uint8_t *w = (const uint8_t *)rows[r] + (size_t)s * (BYTES);            \
-                    const __m256 s_ = _mm256_broadcast_ss(&vs[r][j]);                             \
-                    const __m256 m_ = _mm256_broadcast_ss(&vm[r][j]);                             \
-                    __m256 f[4];                                                                  \
-                    widen32(CODES(w, j), f);                                                      \
-                    for (int p = 0; p < 4; p++)                                                   \
-                        acc[p] = _mm256_sub_ps(_mm256_fmadd_ps(s_, f[p], acc[p]), m_);            \
-                }                                                                                 \
-                for (int p = 0; p < 4; p++)                                                       \
-                    _mm256_storeu_ps(yj + 8 * p, acc[p]);                                         \
-            }                                                                                     \
-        }                                                                                         \
-    }                                                                                             \
-    AVX2 static void axpy_##name##_avx2(float a, const void *row, float *y, int n) {              \
-        axpyn_##name##_avx2(1, &a, &row, y, n);                                                   \
+ * bits of two dots / nr axpys in order. dotn: per super-block and row the scales and mins of its
+ * 8 sub-blocks as int16 pairs (scale_pairs8), kept in a small array and broadcast from it per
+ * sub-block; x's blocks (and their pair sums, for the mins) loaded once for the rows; per row
+ * int32 lanes of sc_j (q . x) (vpmaddubsw, then vpmaddwd by sc_j) and of m_j sum(x), which meet
+ * d xd and dmin xd once per super-block in f32 (x's blocks share xd: pyrt_quantize_x_q8k).
+ * axpyn: a block of y (4 registers) loaded once, each row's a (d sc_j) q - a (dmin m_j) added in
+ * row order, stored once. */
+#define AVX2_KMIN(name, BYTES, CODES)                                                              \
+    AVX2 static inline void dotn_##name(int nr, const void *const *rows, const void *x, int n,     \
+                                        float *out) {                                              \
+        const pyrt_xq8 *xq = x;                                                                    \
+        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                                \
+        for (int s = 0; s < n / PYRT_QK_K; s++, xq += 8) {                                         \
+            const uint8_t *w[2];                                                                   \
+            int32_t sp[2][16]; /* sc_j pairs, then m_j pairs */                                    \
+            __m256i ai[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};                      \
+            __m256i mi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};                      \
+            _Pragma("GCC unroll 2") for (int r = 0; r < nr; r++) {                                 \
+                w[r] = (const uint8_t *)rows[r] + (size_t)s * (BYTES);                             \
+                const __m128i sm = pyrt_kq_sc_m_bytes(w[r]);                                       \
+                _mm256_storeu_si256((__m256i *)sp[r], scale_pairs8(_mm256_cvtepu8_epi32(sm)));     \
+                _mm256_storeu_si256((__m256i *)(sp[r] + 8),                                        \
+                                    scale_pairs8(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));    \
+            }                                                                                      \
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                  \
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)xq[j].q);                   \
+                const __m256i xp = _mm256_maddubs_epi16(_mm256_set1_epi8(1), xv);                  \
+                _Pragma("GCC unroll 2") for (int r = 0; r < nr; r++) {                             \
+                    const __m256i p = _mm256_maddubs_epi16(CODES(w[r], j), xv);                    \
+                    ai[r] = _mm256_add_epi32(                                                      \
+                        ai[r], _mm256_madd_epi16(p, _mm256_set1_epi32(sp[r][j])));                 \
+                    mi[r] = _mm256_add_epi32(                                                      \
+                        mi[r], _mm256_madd_epi16(xp, _mm256_set1_epi32(sp[r][8 + j])));            \
+                }                                                                                  \
+            }                                                                                      \
+            _Pragma("GCC unroll 2") for (int r = 0; r < nr; r++) {                                 \
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(pyrt_load_u16(w[r])) * xq->d),   \
+                                         _mm256_cvtepi32_ps(ai[r]), acc[r]);                       \
+                acc[r] = _mm256_fnmadd_ps(                                                         \
+                    _mm256_set1_ps(_cvtsh_ss(pyrt_load_u16(w[r] + 2)) * xq->d),                    \
+                    _mm256_cvtepi32_ps(mi[r]), acc[r]);                                            \
+            }                                                                                      \
+        }                                                                                          \
+        _Pragma("GCC unroll 2") for (int r = 0; r < nr; r++)                                       \
+            out[r] = hsum8(acc[r]);                                                                \
+    }                                                                                              \
+    AVX2 static float dot_##name##_avx2(const void *row, const void *x, int n) {                   \
+        float out;                                                                                 \
+        dotn_##name(1, &row, x, n, &out);                                                          \
+        return out;                                                                                \
+    }                                                                                              \
+    AVX2 static void dot2_##name##_avx2(const void *row0, const void *row1, const void *x, int n,  \
+                                        float out[2]) {                                            \
+        const void *rows[2] = {row0, row1};                                                        \
+        dotn_##name(2, rows, x, n, out);                                                           \
+    }                                                                                              \
+    AVX2 static void axpyn_##name##_avx2(int nr, const float *a, const void *const *rows,          \
+                                         float *y, int n) {                                        \
+        float vs[PYRT_AXPY_ROWS][8], vm[PYRT_AXPY_ROWS][8];                                        \
+        for (int s = 0; s < n / PYRT_QK_K; s++) {                                                  \
+            for (int r = 0; r < nr; r++) {                                                         \
+                __m256 dsc, dm;                                                                    \
+                pyrt_kq_scales_mins((const uint8_t *)rows[r] + (size_t)s * (BYTES), &dsc, &dm);    \
+                _mm256_storeu_ps(vs[r], _mm256_mul_ps(_mm256_set1_ps(a[r]), dsc));                 \
+                _mm256_storeu_ps(vm[r], _mm256_mul_ps(_mm256_set1_ps(a[r]), dm));                  \
+            }                                                                                      \
+            for (int j = 0; j < 8; j++) {                                                          \
+                float *yj = y + (size_t)s * PYRT_QK_K + PYRT_QK * j;                               \
+                __m256 acc[4] = {_mm256_loadu_ps(yj), _mm256_loadu_ps(yj + 8),                     \
+                                 _mm256_loadu_ps(yj + 16), _mm256_loadu_ps(yj + 24)};              \
+                for (int r = 0; r < nr; r++) {                                                     \
+                    const uint8_t *w = (const uint8_t *)rows[r] + (size_t)s * (BYTES);             \
+                    const __m256 s_ = _mm256_broadcast_ss(&vs[r][j]);                              \
+                    const __m256 m_ = _mm256_broadcast_ss(&vm[r][j]);                              \
+                    __m256 f[4];                                                                   \
+                    widen32(CODES(w, j), f);                                                       \
+                    for (int p = 0; p < 4; p++)                                                    \
+                        acc[p] = _mm256_sub_ps(_mm256_fmadd_ps(s_, f[p], acc[p]), m_);             \
+                }                                                                                  \
+                for (int p = 0; p < 4; p++)                                                        \
+                    _mm256_storeu_ps(yj + 8 * p, acc[p]);                                          \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    AVX2 static void axpy_##name##_avx2(float a, const void *row, float *y, int n) {               \
+        axpyn_##name##_avx2(1, &a, &row, y, n);                                                    \
     }
 
 AVX2_KMIN(q4_k, PYRT_Q4_K_BYTES, codes_q4_k)
@@ -267,35 +279,40 @@ AVX2 static inline void scales_q6_k(const uint8_t *w, float out[16]) {
     _mm256_storeu_ps(out + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(hi)));
 }
 
-/* Q6_K: the codes read unsigned (q + 32, codes_q6_k's plus 32), each int32 lane starting at
- * -32 sum(x) over its 4 elements (so it sums (q - 32) x exactly); lanes 0..3 sum elements 0..15
- * of the sub-block, lanes 4..7 elements 16..31: each half times its own (d sc) xd in f32. */
+/* Q6_K: the codes read unsigned (q + 32); per int16 pair (q + 32) . x - 32 sum(x) = q . x exactly
+ * (|.| <= 2 * 32 * 127), times its scale of 16 by vpmaddwd (lanes 0..3: elements 0..15 of the
+ * sub-block, 4..7: 16..31), summed in int32 per super-block, times d xd in f32. */
 AVX2 static inline void dotn_q6_k(int nr, const void *const *rows, const void *x, int n,
                                   float *out) {
     const pyrt_xq8 *xq = x;
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int s = 0; s < n / PYRT_QK_K; s++, xq += 8) {
         const uint8_t *w[2];
-        float sc[2][16];
-        for (int r = 0; r < nr; r++) {
+        int32_t sp[2][16]; /* the 16 scales as int16 pairs */
+        __m256i ai[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        _Pragma("GCC unroll 2") for (int r = 0; r < nr; r++) {
             w[r] = (const uint8_t *)rows[r] + (size_t)s * PYRT_Q6_K_BYTES;
-            scales_q6_k(w[r], sc[r]);
+            const __m128i sc = _mm_loadu_si128((const __m128i *)(w[r] + 192));
+            _mm256_storeu_si256((__m256i *)sp[r], scale_pairs8(_mm256_cvtepi8_epi32(sc)));
+            _mm256_storeu_si256((__m256i *)(sp[r] + 8),
+                                scale_pairs8(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
         }
         _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {
             const __m256i xv = _mm256_loadu_si256((const __m256i *)xq[j].q);
-            const __m256i nx = _mm256_sub_epi32(_mm256_setzero_si256(),
-                                                dot32_u8(_mm256_set1_epi8(32), xv));
-            const __m256 xd = _mm256_set1_ps(xq[j].d);
-            for (int r = 0; r < nr; r++) {
-                const __m256i u = _mm256_add_epi8(codes_q6_k(w[r], j), _mm256_set1_epi8(32));
-                const __m256i l = _mm256_add_epi32(nx, dot32_u8(u, xv));
-                const __m256 sj = _mm256_set_m128(_mm_broadcast_ss(&sc[r][2 * j + 1]),
-                                                  _mm_broadcast_ss(&sc[r][2 * j]));
-                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(sj, xd), _mm256_cvtepi32_ps(l), acc[r]);
+            const __m256i x32 = _mm256_maddubs_epi16(_mm256_set1_epi8(32), xv);
+            _Pragma("GCC unroll 2") for (int r = 0; r < nr; r++) {
+                const __m256i p =
+                    _mm256_sub_epi16(_mm256_maddubs_epi16(codes_q6_k_u(w[r], j), xv), x32);
+                const __m256i sj = _mm256_set_m128i(_mm_set1_epi32(sp[r][2 * j + 1]),
+                                                    _mm_set1_epi32(sp[r][2 * j]));
+                ai[r] = _mm256_add_epi32(ai[r], _mm256_madd_epi16(p, sj));
             }
         }
+        _Pragma("GCC unroll 2") for (int r = 0; r < nr; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(pyrt_load_u16(w[r] + 208)) * xq->d),
+                                     _mm256_cvtepi32_ps(ai[r]), acc[r]);
     }
-    for (int r = 0; r < nr; r++)
+    _Pragma("GCC unroll 2") for (int r = 0; r < nr; r++)
         out[r] = hsum8(acc[r]);
 }
 

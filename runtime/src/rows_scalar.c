@@ -11,19 +11,38 @@ void pyrt_add_f32_scalar(float *y, const float *x, size_t n) {
         y[i] += x[i];
 }
 
+static float amax32(const float *xb) {
+    float amax = 0.0f;
+    for (int i = 0; i < PYRT_QK; i++)
+        amax = fmaxf(amax, fabsf(xb[i]));
+    return amax;
+}
+
+/* One block of 32 at scale d = amax / 127. */
+static void store32(const float *xb, float amax, pyrt_xq8 *out) {
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    out->d = d;
+    /* nearbyintf rounds half to even under the default rounding mode (as torch.round). */
+    for (int i = 0; i < PYRT_QK; i++)
+        out->q[i] = (int8_t)nearbyintf(xb[i] * id);
+}
+
 void pyrt_quantize_x_q8_scalar(const float *x, pyrt_xq8 *out, int n) {
-    for (int b = 0; b < n / PYRT_QK; b++) {
-        const float *xb = x + (size_t)b * PYRT_QK;
+    for (int b = 0; b < n / PYRT_QK; b++)
+        store32(x + (size_t)b * PYRT_QK, amax32(x + (size_t)b * PYRT_QK), out + b);
+}
+
+void pyrt_quantize_x_q8k_scalar(const float *x, pyrt_xq8 *out, int n) {
+    int b = 0;
+    for (; b + 8 <= n / PYRT_QK; b += 8) {
         float amax = 0.0f;
-        for (int i = 0; i < PYRT_QK; i++)
-            amax = fmaxf(amax, fabsf(xb[i]));
-        const float d = amax / 127.0f;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        out[b].d = d;
-        /* nearbyintf rounds half to even under the default rounding mode (as torch.round). */
-        for (int i = 0; i < PYRT_QK; i++)
-            out[b].q[i] = (int8_t)nearbyintf(xb[i] * id);
+        for (int j = 0; j < 8; j++)
+            amax = fmaxf(amax, amax32(x + (size_t)(b + j) * PYRT_QK));
+        for (int j = 0; j < 8; j++)
+            store32(x + (size_t)(b + j) * PYRT_QK, amax, out + b + j);
     }
+    pyrt_quantize_x_q8_scalar(x + (size_t)b * PYRT_QK, out + b, n - b * PYRT_QK);
 }
 
 /* ---- float formats ------------------------------------------------------------------------- */

@@ -258,6 +258,88 @@ static void test_fused_kernels_match_plain(void) {
     }
 }
 
+/* Random K-quant rows: every byte random (all codes, every packed scale / min pattern) but the
+ * f16 super-block scales, set to small normal values. */
+static void make_kquant_rows(int fmt, int n, int nr, uint8_t *rows) {
+    const size_t rb = pyrt_row_bytes(fmt, n), bb = pyrt_row_bytes(fmt, PYRT_QK_K);
+    for (size_t i = 0; i < rb * (size_t)nr; i++)
+        rows[i] = (uint8_t)(rng_u32() & 0xFF);
+    for (size_t b = 0; b < rb * (size_t)nr / bb; b++) {
+        uint8_t *blk = rows + b * bb;
+        for (int k = 0; k < (fmt == PYRT_FMT_Q6_K ? 1 : 2); k++) {
+            const uint16_t d = fp16_from_fp32(1e-3f + 1e-3f * (float)(rng_u32() % 100) / 100.0f);
+            memcpy(blk + (fmt == PYRT_FMT_Q6_K ? 208 : 2 * k), &d, 2);
+        }
+    }
+}
+
+/* The K-quant kernels against the activation pyrt_quantize_x_q8k makes: dot2 gives two dots'
+ * bits, the dot tiles (4 rows x 2 tokens, and their 1-token tails) the dots' bits, axpyn nr axpys'
+ * bits, and the VNNI dots the plain AVX-512 ones' bits, at 1, 3 and 8 super-blocks. */
+static void test_kquant_kernels_match_plain(void) {
+    static const int fmts[] = {PYRT_FMT_Q4_K, PYRT_FMT_Q5_K, PYRT_FMT_Q6_K};
+    const int lengths[] = {256, 768, 2048};
+    enum { NR = 9, NT = 5 };
+    for (int f = 0; f < COUNT_OF(fmts); f++)
+        for (int li = 0; li < COUNT_OF(lengths); li++) {
+            const int fmt = fmts[f], n = lengths[li];
+            const size_t rb = pyrt_row_bytes(fmt, n);
+            uint8_t *rows = malloc(rb * NR);
+            float *x = malloc(sizeof(float) * n * NT), *y1 = malloc(sizeof(float) * n);
+            float *y2 = malloc(sizeof(float) * n);
+            pyrt_xq8 *xq = malloc(sizeof(pyrt_xq8) * (size_t)(n / 32) * NT);
+            const void *rp[NR], *xp[NT];
+            make_kquant_rows(fmt, n, NR, rows);
+            for (int r = 0; r < NR; r++)
+                rp[r] = rows + r * rb;
+            for (int i = 0; i < n * NT; i++)
+                x[i] = rng_normalish();
+            for (int t = 0; t < NT; t++) {
+                pyrt_quantize_x_q8k(x + (size_t)t * n, xq + (size_t)t * (n / 32), n);
+                xp[t] = xq + (size_t)t * (n / 32);
+            }
+            float plain[NR * NT];
+            for (int level = PYRT_SIMD_SCALAR; level <= pyrt_simd_best(); level++)
+                for (int vnni = 0; vnni < 2; vnni++) {
+                    const pyrt_row_ops *ops = pyrt_row_ops_at(level, fmt, vnni);
+                    float dots[NR * NT], tile[NT * NR];
+                    for (int t = 0; t < NT; t++)
+                        for (int r = 0; r < NR; r++)
+                            dots[t * NR + r] = ops->dot(rp[r], xp[t], n);
+                    if (level == PYRT_SIMD_AVX512 && vnni == 0)
+                        memcpy(plain, dots, sizeof dots);
+                    if (level == PYRT_SIMD_AVX512 && vnni == 1)
+                        CHECK(memcmp(plain, dots, sizeof dots) == 0,
+                              "kquant fmt %d n %d: VNNI dots differ from AVX-512's", fmt, n);
+                    pyrt_dot_tile(ops, NR, rp, NT, xp, n, tile, NR, 1);
+                    CHECK(memcmp(tile, dots, sizeof dots) == 0,
+                          "kquant level %d vnni %d fmt %d n %d: dot tiles differ from dots",
+                          level, vnni, fmt, n);
+                    if (ops->dot2 != NULL) {
+                        float out[2];
+                        ops->dot2(rp[0], rp[1], xp[0], n, out);
+                        CHECK(memcmp(out, dots, sizeof out) == 0,
+                              "kquant level %d fmt %d n %d: dot2 differs from dots", level, fmt,
+                              n);
+                    }
+                    if (ops->axpyn != NULL) {
+                        float a[PYRT_AXPY_ROWS];
+                        for (int r = 0; r < PYRT_AXPY_ROWS; r++)
+                            a[r] = rng_normalish();
+                        for (int i = 0; i < n; i++)
+                            y1[i] = y2[i] = x[i];
+                        ops->axpyn(PYRT_AXPY_ROWS, a, rp, y1, n);
+                        for (int r = 0; r < PYRT_AXPY_ROWS; r++)
+                            ops->axpy(a[r], rp[r], y2, n);
+                        CHECK(memcmp(y1, y2, sizeof(float) * n) == 0,
+                              "kquant level %d fmt %d n %d: axpyn differs from axpy calls", level,
+                              fmt, n);
+                    }
+                }
+            free(rows), free(x), free(y1), free(y2), free(xq);
+        }
+}
+
 /* The AVX512_VNNI Q8_0 dots (vpdpbusd on w + 128, from -128 * sum x) make the int32 lanes of
  * the plain AVX-512 ones exactly, so every result must be the same bits: rows with -128 and 127
  * weights (the ends of the w + 128 range), x blocks with +-127, every tail length. */
@@ -343,18 +425,46 @@ static void test_quantize_x_levels(void) {
     }
     x[25 * 32 + 7] = 1e-40f;
     x[27 * 32 + 3] = 3e38f; /* near FLT_MAX: d = amax / 127 still finite */
-    pyrt_quantize_x_q8_scalar(x, want, N);
     const int best = pyrt_simd_best();
-    for (int level = PYRT_SIMD_SCALAR; level <= best; level++) {
-        CHECK(pyrt_simd_force(level) == PYRT_OK, "force level %d", level);
-        memset(got, 0x5A, sizeof got);
-        pyrt_quantize_x_q8(x, got, N);
-        for (int b = 0; b < N / 32; b++)
-            CHECK(memcmp(&got[b].d, &want[b].d, sizeof got[b].d) == 0 &&
-                      memcmp(got[b].q, want[b].q, sizeof got[b].q) == 0,
-                  "quantize level %d block %d differs from scalar", level, b);
+    /* per 32, then with scales shared per 256 (N / 32 = 40: 5 groups of 8, one of them holding
+     * every special block above) */
+    for (int shared = 0; shared < 2; shared++) {
+        (shared ? pyrt_quantize_x_q8k_scalar : pyrt_quantize_x_q8_scalar)(x, want, N);
+        for (int level = PYRT_SIMD_SCALAR; level <= best; level++) {
+            CHECK(pyrt_simd_force(level) == PYRT_OK, "force level %d", level);
+            memset(got, 0x5A, sizeof got);
+            (shared ? pyrt_quantize_x_q8k : pyrt_quantize_x_q8)(x, got, N);
+            for (int b = 0; b < N / 32; b++)
+                CHECK(memcmp(&got[b].d, &want[b].d, sizeof got[b].d) == 0 &&
+                          memcmp(got[b].q, want[b].q, sizeof got[b].q) == 0,
+                      "quantize%s level %d block %d differs from scalar", shared ? "_q8k" : "",
+                      level, b);
+        }
     }
     pyrt_simd_force(best);
+}
+
+/* pyrt_quantize_x_q8k: every block of a whole group of 256 holds the group's d = amax / 127 and
+ * q = round(x / d); the 3 blocks after the last group (n = 352) are quantized per 32. */
+static void test_quantize_x_q8k_groups(void) {
+    enum { N = 352 };
+    float x[N];
+    pyrt_xq8 q[N / 32], q32[N / 32];
+    for (int i = 0; i < N; i++)
+        x[i] = rng_normalish() * (i < 32 ? 0.01f : 1.0f);
+    x[100] = -9.0f;
+    pyrt_quantize_x_q8k(x, q, N);
+    pyrt_quantize_x_q8(x, q32, N);
+    const float d = 9.0f / 127.0f, id = 1.0f / d;
+    for (int b = 0; b < 8; b++) {
+        CHECK(q[b].d == d, "q8k block %d: d %.9g, not the group's", b, q[b].d);
+        for (int i = 0; i < 32; i++)
+            CHECK(q[b].q[i] == (int8_t)nearbyintf(x[32 * b + i] * id), "q8k block %d q[%d]", b,
+                  i);
+    }
+    CHECK(q[3].q[4] == -127, "q8k: the group's amax maps to -127, got %d", q[3].q[4]);
+    for (int b = 8; b < N / 32; b++)
+        CHECK(memcmp(&q[b], &q32[b], sizeof q[b]) == 0, "q8k tail block %d is not per 32", b);
 }
 
 /* Every SIMD level's y += x (the expert kernel's sum of partial ys) gives the scalar loop's bits,
@@ -964,6 +1074,8 @@ static void test_kquant_kernels_agree(void) {
 int main(void) {
     test_quantize_x();
     test_quantize_x_levels();
+    test_quantize_x_q8k_groups();
+    test_kquant_kernels_match_plain();
     test_add_levels();
     test_row_kernels();
     test_fused_kernels_match_plain();
