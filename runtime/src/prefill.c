@@ -201,6 +201,27 @@ static int prefill(pyrt_decoder *d, pyrt_pool *pool, pyrt_prefill_args *a, int T
     return rc;
 }
 
+/* A multi-head latent attention model's prompt: token by token through the decode step (its
+ * absorbed attention, the latent cache written row by row), the output matrix only for the
+ * logits asked for. The chunk's batched form (prefill_attn.c) is written for q/k/v heads. */
+static int prefill_steps(pyrt_decoder *d, pyrt_pool *pool, pyrt_prefill_args *a) {
+    pyrt_step_args s = {.cache = a->cache, .experts = a->experts};
+    int rc = PYRT_OK;
+    for (int t = 0; t < a->n_tokens && rc == PYRT_OK; t++) {
+        const int last = t == a->n_tokens - 1;
+        s.token = a->tokens[t];
+        s.pos = a->pos + t;
+        s.logits = a->all_logits ? a->logits + (size_t)t * d->w.n_vocab : last ? a->logits : NULL;
+        s.route_ids = last ? a->route_ids : NULL;
+        s.route_logits = last ? a->route_logits : NULL;
+        s.n_active = s.n_pairs = 0;
+        rc = pyrt_decoder_step_run(d, pool, &s);
+        a->n_active += s.n_active;
+        a->n_pairs += s.n_pairs;
+    }
+    return rc;
+}
+
 int pyrt_decoder_prefill(pyrt_decoder *d, pyrt_pool *pool, pyrt_prefill_args *a) {
     pyrt_clear_error();
     int rc = check(d, pool, a);
@@ -212,6 +233,11 @@ int pyrt_decoder_prefill(pyrt_decoder *d, pyrt_pool *pool, pyrt_prefill_args *a)
     const int ubatch = a->ubatch > 0 ? a->ubatch : PYRT_UBATCH_DEFAULT;
     const int T = a->n_tokens < ubatch ? a->n_tokens : ubatch;
     a->n_active = a->n_pairs = 0;
+    if (d->w.mla_kv_rank > 0) {
+        rc = prefill_steps(d, pool, a);
+        atomic_flag_clear(&d->busy);
+        return rc;
+    }
     pyrt_pool_acquire(pool);
     rc = ensure(d, T, pyrt_pool_threads(pool));
     if (rc == PYRT_OK)
