@@ -43,7 +43,7 @@ SPARSE = 0.02  # a threshold that skips part of the tiny models' neurons (checke
 
 # every forward pass of qwen35moe and llama4 takes the reference path (their Gated DeltaNet
 # layers, llama4's attention and experts are not in the C core: tests/test_qwen35.py,
-# test_llama4.py); deepseek2's prompt goes through the C step token by token (prefill.c)
+# test_llama4.py); deepseek2's latent attention is mla_prefill.c
 C_PREFILL_ARCHS = [a for a in ARCHS if a not in ("qwen35moe", "llama4")]
 
 
@@ -97,8 +97,7 @@ def test_prefill_is_token_by_token_decoding(converted, hf_model, outtype, sparse
     """Prompts of 1, 7, 33, 300 tokens in one forward, in chunks of 16 (33 = 2 x 16 + 1,
     300 = 18 x 16 + 12) and of the default size; 300 also after 37 earlier tokens (chunks
     then start mid-cache)."""
-    # deepseek2's prompt is steps (prefill.c): on one thread, as the reference steps below
-    c = load(converted(outtype), ubatch=16, threads=1 if hf_model[0] == "deepseek2" else 2)
+    c = load(converted(outtype), ubatch=16)
     cfg = c.config
     tol = LOGPROB_TOL_GPTOSS_QUANT if hf_model[0] == "gptoss" and outtype != "f32" else LOGPROB_TOL
     if sparse:

@@ -420,9 +420,8 @@ typedef struct {
 /* Runs args->n_tokens tokens through the model, writing their keys and values into the cache at
  * [pos, pos + n_tokens) and the logits asked for; the same math as that many steps (dense
  * matrices on all of a chunk's tokens at once, each routed expert once per chunk for the tokens
- * routed to it, the chunk's attention over the cache). A multi-head latent attention model's
- * tokens go through the step one by one (ubatch unused), the output matrix only for the logits
- * asked for. */
+ * routed to it, the chunk's attention over the cache; multi-head latent attention's absorbed
+ * form over the latent cache). */
 int pyrt_decoder_prefill(pyrt_decoder *dec, pyrt_pool *pool, pyrt_prefill_args *args);
 
 /* Time spent by the decoder's steps since the last reset, in ns: [0] embedding + attention

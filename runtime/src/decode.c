@@ -206,7 +206,7 @@ static int decoder_step(pyrt_decoder *d, pyrt_pool *pool, pyrt_step_args *a) {
         t0 = pyrt_now_ns();
         d->times[1] += t0 - t1;
     }
-    if (rc == PYRT_OK && a->logits != NULL) {
+    if (rc == PYRT_OK) {
         output(d, pool, &out);
         d->times[2] += pyrt_now_ns() - t0;
         d->times[3] += 1;
@@ -266,10 +266,6 @@ int pyrt_decoder_step(pyrt_decoder *d, pyrt_pool *pool, pyrt_step_args *a) {
     rc = decoder_step(d, pool, a);
     atomic_flag_clear(&d->busy);
     return rc;
-}
-
-int pyrt_decoder_step_run(pyrt_decoder *d, pyrt_pool *pool, pyrt_step_args *a) {
-    return decoder_step(d, pool, a);
 }
 
 /* ---- the step in pieces ----------------------------------------------------------------------

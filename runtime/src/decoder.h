@@ -49,10 +49,6 @@ struct pyrt_decoder {
 /* Frees d->prefill (prefill.c). */
 void pyrt_prefill_free(pyrt_decoder *d);
 
-/* One step (decode.c) after the checks, busy set, pool not held: pyrt_decoder_step's body; with
- * a->logits NULL the output matrix is skipped (a prefill's tokens before its last). */
-int pyrt_decoder_step_run(pyrt_decoder *d, pyrt_pool *pool, pyrt_step_args *a);
-
 /* CLOCK_MONOTONIC in ns (decoder.c). */
 int64_t pyrt_now_ns(void);
 

@@ -21,11 +21,22 @@ typedef struct {
     pyrt_xq8 *xq;   /* [max(q_rank, n_head v_dim) / 32 + 1] Q8 blocks of qa or o */
     pyrt_xq8 *xqh;  /* [n_head, xqh_stride] each head's Q8 blocks of q_nope, then of o_lat */
     int xqh_stride; /* blocks per head: max(D, R) / 32 + 1 */
+    /* a prefill's chunk of T tokens (mla_prefill.c), grown on demand: */
+    int tokens_cap, threads_cap;
+    float *c_q, *c_qa, *c_kv; /* [T, n_head (D + r)], [T, q_rank], [T, R + r] in-projections */
+    float *c_o;               /* [T, n_head v_dim] the heads' outputs */
+    pyrt_xq8 *c_xq;           /* [T, c_xq_stride] Q8 blocks of a matrix product's input rows */
+    size_t c_xq_stride;
+    float *c_rows;            /* [threads, 2, PYRT_ATTN_ROWS, R + r] a tile's queries, outputs */
+    pyrt_xq8 *c_xqh;          /* [threads, xqh_stride] a row's Q8 blocks for k_b / v_b */
 } pyrt_mla;
 
 /* Allocates m's scratch for the model w (mla_kv_rank > 0); PYRT_E_NOMEM naming fn. */
 int pyrt_mla_init(pyrt_mla *m, const pyrt_model_weights *w, const char *fn);
 void pyrt_mla_free(pyrt_mla *m);
+
+/* Room for a prefill chunk of T tokens on `threads` threads; PYRT_E_NOMEM naming fn. */
+int pyrt_mla_prefill_ensure(pyrt_mla *m, int T, int threads, const char *fn);
 
 /* The MLA shape of the model and block i's MLA weights (at pyrt_decoder_create). */
 int pyrt_mla_check_model(const pyrt_model_weights *w);

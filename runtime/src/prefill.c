@@ -183,7 +183,10 @@ static int prefill(pyrt_decoder *d, pyrt_pool *pool, pyrt_prefill_args *a, int T
         embed_ctx e = {&c, a->tokens + t0};
         pyrt_pool_for(pool, n, 4, embed_row, &e);
         for (int i = 0; i < w->n_layer && rc == PYRT_OK; i++) {
-            pyrt_prefill_attention(&c, i);
+            if (w->mla_kv_rank > 0)
+                pyrt_prefill_mla(&c, i);
+            else
+                pyrt_prefill_attention(&c, i);
             /* the routing outputs are the prompt's last token's: the last chunk's */
             pyrt_ffn_io io = pyrt_decode_ffn_io(d, &a->experts, last_chunk ? a->route_ids : NULL,
                                                 last_chunk ? a->route_logits : NULL, i);
@@ -201,27 +204,6 @@ static int prefill(pyrt_decoder *d, pyrt_pool *pool, pyrt_prefill_args *a, int T
     return rc;
 }
 
-/* A multi-head latent attention model's prompt: token by token through the decode step (its
- * absorbed attention, the latent cache written row by row), the output matrix only for the
- * logits asked for. The chunk's batched form (prefill_attn.c) is written for q/k/v heads. */
-static int prefill_steps(pyrt_decoder *d, pyrt_pool *pool, pyrt_prefill_args *a) {
-    pyrt_step_args s = {.cache = a->cache, .experts = a->experts};
-    int rc = PYRT_OK;
-    for (int t = 0; t < a->n_tokens && rc == PYRT_OK; t++) {
-        const int last = t == a->n_tokens - 1;
-        s.token = a->tokens[t];
-        s.pos = a->pos + t;
-        s.logits = a->all_logits ? a->logits + (size_t)t * d->w.n_vocab : last ? a->logits : NULL;
-        s.route_ids = last ? a->route_ids : NULL;
-        s.route_logits = last ? a->route_logits : NULL;
-        s.n_active = s.n_pairs = 0;
-        rc = pyrt_decoder_step_run(d, pool, &s);
-        a->n_active += s.n_active;
-        a->n_pairs += s.n_pairs;
-    }
-    return rc;
-}
-
 int pyrt_decoder_prefill(pyrt_decoder *d, pyrt_pool *pool, pyrt_prefill_args *a) {
     pyrt_clear_error();
     int rc = check(d, pool, a);
@@ -233,13 +215,10 @@ int pyrt_decoder_prefill(pyrt_decoder *d, pyrt_pool *pool, pyrt_prefill_args *a)
     const int ubatch = a->ubatch > 0 ? a->ubatch : PYRT_UBATCH_DEFAULT;
     const int T = a->n_tokens < ubatch ? a->n_tokens : ubatch;
     a->n_active = a->n_pairs = 0;
-    if (d->w.mla_kv_rank > 0) {
-        rc = prefill_steps(d, pool, a);
-        atomic_flag_clear(&d->busy);
-        return rc;
-    }
     pyrt_pool_acquire(pool);
     rc = ensure(d, T, pyrt_pool_threads(pool));
+    if (rc == PYRT_OK && d->w.mla_kv_rank > 0)
+        rc = pyrt_mla_prefill_ensure(&d->mla, T, pyrt_pool_threads(pool), "pyrt_decoder_prefill");
     if (rc == PYRT_OK)
         rc = prefill(d, pool, a, T);
     pyrt_pool_release(pool);

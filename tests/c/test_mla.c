@@ -3,8 +3,8 @@
  * experts, one group used, a routed scale and a shared expert), with and without the query
  * LoRA, F32 and Q8_0 k_b / v_b. Checked: the attention half against a float64 reference of the
  * absorbed form over the latent cache the step wrote (F32 weights: only f32 rounding between
- * them); the cache row [c_kv; k_pe] against float64; a prompt's prefill (token by token in C)
- * equals that many steps bit for bit, at 1 and 3 threads; the step in pieces equals the step;
+ * them); the cache row [c_kv; k_pe] against float64; a prompt's prefill (the chunk form,
+ * mla_prefill.c) against that many steps, and its bits whatever the chunks and threads;
  * every routed expert chosen within the best group; wrong MLA shapes refused in one line naming
  * the tensor. The logits against transformers are tests/test_deepseek2.py's. */
 #define TEST_RNG_SEED 0x6d6c61c0ffee1234ull
@@ -236,57 +236,97 @@ static void test_attention_vs_f64(int lora) {
     free_mla(&t);
 }
 
-/* n steps from pos 0 (logits [n, M_VOCAB]; the last step's route ids [M_LAYER, M_K]). */
-static void steps(pyrt_decoder *dec, pyrt_pool *pool, const int32_t *tokens, int n,
-                  float *logits, int32_t *ids) {
-    mla_cache c;
-    m_cache_alloc(&c);
+/* n steps from pos 0 on `threads` threads (logits [n, M_VOCAB]; the last step's route ids
+ * [M_LAYER, M_K]); the cache is the caller's. */
+static void steps(const pyrt_model_weights *w, int threads, const int32_t *tokens, int n,
+                  mla_cache *c, float *logits, int32_t *ids) {
+    pyrt_decoder *dec = NULL;
+    pyrt_pool *pool = NULL;
+    CHECK(pyrt_decoder_create(w, &dec) == PYRT_OK, "create: %s", pyrt_last_error());
+    CHECK(pyrt_pool_create(threads, NULL, &pool) == PYRT_OK, "pool");
     for (int i = 0; i < n; i++) {
-        pyrt_step_args a = {.token = tokens[i], .pos = i, .cache = m_kv(&c),
+        pyrt_step_args a = {.token = tokens[i], .pos = i, .cache = m_kv(c),
                             .logits = logits + (size_t)i * M_VOCAB, .logits_len = M_VOCAB,
                             .route_ids = ids, .route_ids_len = M_LAYER * M_K};
         CHECK(pyrt_decoder_step(dec, pool, &a) == PYRT_OK, "step: %s", pyrt_last_error());
         CHECK(a.n_pairs == M_K, "pairs %lld", (long long)a.n_pairs);
     }
-    m_cache_free(&c);
+    pyrt_pool_free(pool);
+    pyrt_decoder_free(dec);
 }
 
-static void test_prefill_is_steps(int lora, int fmt, int threads) {
-    mla_model t;
-    build_mla(&t, lora, fmt);
+/* Tokens [first, first + n) prefilled after `first` steps; logits [first + n, M_VOCAB] (the
+ * steps' rows, then the prefill's: every row, or the last only). */
+static void prefill(const pyrt_model_weights *w, int threads, int ubatch, int all_logits,
+                    const int32_t *tokens, int first, int n, mla_cache *c, float *logits,
+                    int32_t *ids) {
+    int32_t step_ids[M_LAYER * M_K];
+    steps(w, threads, tokens, first, c, logits, step_ids);
     pyrt_decoder *dec = NULL;
     pyrt_pool *pool = NULL;
-    CHECK(pyrt_decoder_create(&t.w, &dec) == PYRT_OK, "create: %s", pyrt_last_error());
+    CHECK(pyrt_decoder_create(w, &dec) == PYRT_OK, "create: %s", pyrt_last_error());
     CHECK(pyrt_pool_create(threads, NULL, &pool) == PYRT_OK, "pool");
-    enum { N = 7 };
-    const int32_t tokens[N] = {1, 9, 33, 4, 4, 17, 38};
-    float by_steps[N * M_VOCAB], all[N * M_VOCAB], last[M_VOCAB];
+    float *out = logits + (size_t)first * M_VOCAB;
+    pyrt_prefill_args p = {.tokens = tokens + first, .n_tokens = n, .pos = first,
+                           .ubatch = ubatch, .cache = m_kv(c), .all_logits = all_logits,
+                           .logits = all_logits ? out : out + (size_t)(n - 1) * M_VOCAB,
+                           .logits_len = all_logits ? n * M_VOCAB : M_VOCAB, .route_ids = ids,
+                           .route_ids_len = M_LAYER * M_K};
+    CHECK(pyrt_decoder_prefill(dec, pool, &p) == PYRT_OK, "prefill: %s", pyrt_last_error());
+    CHECK(p.n_pairs == n * M_K, "prefill pairs %lld", (long long)p.n_pairs);
+    pyrt_pool_free(pool);
+    pyrt_decoder_free(dec);
+}
+
+static float max_diff(const float *a, const float *b, size_t n) {
+    float worst = 0.0f;
+    for (size_t i = 0; i < n; i++)
+        worst = fmaxf(worst, fabsf(a[i] - b[i]));
+    return worst;
+}
+
+/* The chunk form (mla_prefill.c) against steps: f32 rounding apart (the matrix products over a
+ * chunk's tokens sum in another order); the same bits whatever the chunk size, threads, and
+ * logits asked for; from an empty cache and after steps. */
+static void test_prefill_is_steps(int lora, int fmt) {
+    mla_model t;
+    build_mla(&t, lora, fmt);
+    enum { N = M_CAP };
+    const int32_t tokens[N] = {1, 9, 33, 4, 4, 17, 38, 0, 21};
+    static float by_steps[N * M_VOCAB], pre[N * M_VOCAB], other[N * M_VOCAB];
     int32_t ids[M_LAYER * M_K], ids_p[M_LAYER * M_K];
-    steps(dec, pool, tokens, N, by_steps, ids);
+    mla_cache cs, cp, co;
+    m_cache_alloc(&cs);
+    steps(&t.w, 1, tokens, N, &cs, by_steps, ids);
     for (int k = 0; k < M_K; k++) /* one group of 4 used: every pick in the same group */
         CHECK(ids[M_K + k] / 4 == ids[M_K] / 4, "ids %d %d outside one group", ids[M_K],
               ids[M_K + k]);
     CHECK(ids[0] == -1, "the dense block's route ids are -1");
-    for (int all_logits = 0; all_logits < 2; all_logits++) {
-        mla_cache c;
-        m_cache_alloc(&c);
-        pyrt_prefill_args p = {.tokens = tokens, .n_tokens = N, .cache = m_kv(&c),
-                               .all_logits = all_logits, .logits = all_logits ? all : last,
-                               .logits_len = all_logits ? N * M_VOCAB : M_VOCAB,
-                               .route_ids = ids_p, .route_ids_len = M_LAYER * M_K};
-        CHECK(pyrt_decoder_prefill(dec, pool, &p) == PYRT_OK, "prefill: %s", pyrt_last_error());
-        CHECK(p.n_pairs == N * M_K, "prefill pairs %lld", (long long)p.n_pairs);
-        if (all_logits)
-            CHECK(memcmp(all, by_steps, sizeof all) == 0, "lora=%d fmt=%d t=%d: prefill != steps",
-                  lora, fmt, threads);
-        else
-            CHECK(memcmp(last, by_steps + (N - 1) * M_VOCAB, sizeof last) == 0,
-                  "lora=%d fmt=%d t=%d: last logits != the last step's", lora, fmt, threads);
+    for (int first = 0; first <= 4; first += 4) {
+        m_cache_alloc(&cp);
+        prefill(&t.w, 3, 2, 1, tokens, first, N - first, &cp, pre, ids_p);
+        const float d = max_diff(pre, by_steps, (size_t)N * M_VOCAB);
+        const float dc = max_diff(cp.c[1], cs.c[1], (size_t)N * M_HD);
+        CHECK(d <= 1e-4f && dc <= 1e-4f, "lora=%d fmt=%d after %d: prefill vs steps %g, caches %g",
+              lora, fmt, first, d, dc);
         CHECK(memcmp(ids, ids_p, sizeof ids) == 0, "prefill route ids != the last step's");
-        m_cache_free(&c);
+        const int ubatches[] = {1, 4, 0};
+        for (int u = 0; u < COUNT_OF(ubatches); u++)
+            for (int threads = 1; threads <= 4; threads += 3)
+                for (int all = 0; all < 2; all++) {
+                    m_cache_alloc(&co);
+                    prefill(&t.w, threads, ubatches[u], all, tokens, first, N - first, &co, other,
+                            ids_p);
+                    const size_t from = all ? (size_t)first * M_VOCAB : (size_t)(N - 1) * M_VOCAB;
+                    CHECK(memcmp(pre + from, other + from, (N * M_VOCAB - from) * sizeof(float)) ==
+                              0,
+                          "lora=%d fmt=%d after %d: ubatch %d, %d threads, all %d moved bits",
+                          lora, fmt, first, ubatches[u], threads, all);
+                    m_cache_free(&co);
+                }
+        m_cache_free(&cp);
     }
-    pyrt_pool_free(pool);
-    pyrt_decoder_free(dec);
+    m_cache_free(&cs);
     free_mla(&t);
 }
 
@@ -345,8 +385,7 @@ int main(void) {
     for (int lora = 0; lora < 2; lora++) {
         test_attention_vs_f64(lora);
         for (int fmt = 0; fmt < 2; fmt++)
-            for (int threads = 1; threads <= 3; threads += 2)
-                test_prefill_is_steps(lora, fmt ? PYRT_FMT_Q8_0 : PYRT_FMT_F32, threads);
+            test_prefill_is_steps(lora, fmt ? PYRT_FMT_Q8_0 : PYRT_FMT_F32);
     }
     test_bad_shapes();
     if (failures) {
