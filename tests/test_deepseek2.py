@@ -427,3 +427,22 @@ def test_one_c_call_per_token_and_prompt(f32_path, hf_dir, tmp_path, outtype):
     assert err.median() <= 1e-5, (outtype, err.median())
     for k, k_ref in zip(cc.k, cr.k, strict=True):
         assert (k[0, : len(ids)] - k_ref[0, : len(ids)]).abs().max() <= 1e-5
+
+
+def test_session_rewind_on_the_latent_cache(f32_path):
+    """Session.rewind over the C step's latent cache (big/little, draft-and-verify): after
+    rewind(3) the next tokens see exactly the cache of a sequence that never had them."""
+    from pyruntime.decoding.session import Session
+
+    net = CpuExecutor.from_gguf(open_gguf(f32_path), expert_backend="c")
+    assert net._decoder is not None
+    ids = prompt_ids(net.config.n_vocab)[:12].tolist()
+    s = Session(net, 32)
+    s.prefill(ids[:6])
+    for t in [7, 8, 9]:
+        s.feed(t)
+    s.rewind(3)
+    after_rewind = torch.stack([s.feed(t) for t in ids[6:]])
+    fresh = Session(net, 32)
+    fresh.prefill(ids[:6])
+    assert torch.equal(after_rewind, torch.stack([fresh.feed(t) for t in ids[6:]]))
