@@ -39,7 +39,7 @@ int pyrt_mla_prefill_ensure(pyrt_mla *m, int T, int threads, const char *fn) {
     m->c_xq_stride = in_max / PYRT_QK + 1;
     m->c_xq = malloc((size_t)T * m->c_xq_stride * sizeof(pyrt_xq8));
     m->c_rows = malloc((size_t)threads * 2 * PYRT_ATTN_ROWS * hd * f);
-    m->c_xqh = malloc((size_t)threads * (size_t)m->xqh_stride * sizeof(pyrt_xq8));
+    m->c_xqh = malloc((size_t)threads * PYRT_ATTN_ROWS * (size_t)m->xqh_stride * sizeof(pyrt_xq8));
     m->tokens_cap = T;
     m->threads_cap = threads;
     if (!m->c_q || !m->c_qa || !m->c_kv || !m->c_o || !m->c_xq || !m->c_rows || !m->c_xqh) {
@@ -111,22 +111,6 @@ static void latent_token(void *p, int64_t t, int ith) {
     }
 }
 
-/* y[o] = row o of head h's block of w (n_out rows) . x [n_in] (quantized into xq first where
- * w reads Q8 blocks): the step's head_matvec. */
-static void head_rows(const pyrt_pool *pool, const pyrt_matrix *w, int h, int n_out,
-                      const float *x, pyrt_xq8 *xq, float *y) {
-    const pyrt_row_ops *ops = pyrt_pool_row_ops(pool, w->fmt);
-    const size_t rb = pyrt_row_bytes(w->fmt, w->n_in);
-    const void *xv = x;
-    if (pyrt_fmt_is_blocked(w->fmt)) {
-        pyrt_quantize_x_q8(x, xq, w->n_in);
-        xv = xq;
-    }
-    const uint8_t *base = (const uint8_t *)w->data + (size_t)h * n_out * rb;
-    for (int o = 0; o < n_out; o++)
-        y[o] = ops->dot(base + (size_t)o * rb, xv, w->n_in);
-}
-
 /* Item: head h x token tile; the last tokens' tiles (the longest) first. */
 static void head_tile(void *p, int64_t item, int ith) {
     const mla_ctx *a = p;
@@ -139,25 +123,31 @@ static void head_tile(void *p, int64_t item, int ith) {
     const int t1 = t0 + PYRT_ATTN_ROWS < c->n ? t0 + PYRT_ATTN_ROWS : c->n;
     float *qt = m->c_rows + (size_t)ith * 2 * PYRT_ATTN_ROWS * hd;
     float *ot = qt + (size_t)PYRT_ATTN_ROWS * hd;
-    pyrt_xq8 *xq = m->c_xqh + (size_t)ith * m->xqh_stride;
+    pyrt_xq8 *xq = m->c_xqh + (size_t)ith * PYRT_ATTN_ROWS * m->xqh_stride;
     pyrt_attn_tile tile = {.k = a->cache, .v = a->cache, .hd = hd,
                            .scale = c->d->w.attention_scale,
                            .scratch = c->b->scores + (size_t)ith * c->b->scratch_floats};
+    const float *qn[PYRT_ATTN_ROWS];
     for (int t = t0; t < t1; t++) {
         const int r = tile.n_rows++;
-        const float *qn = m->c_q + ((size_t)t * H + h) * nqh;
-        float *q = qt + (size_t)r * hd;
-        head_rows(c->pool, &blk->wk_b, h, m->rank, qn, xq, q); /* q_lat */
-        memcpy(q + m->rank, qn + m->nope, (size_t)m->rope * sizeof(float));
-        pyrt_rope(q + m->rank, 1, m->rope, m->rope, c->b->rope_cs + (size_t)t * m->rope);
-        tile.q[r] = q;
+        qn[r] = m->c_q + ((size_t)t * H + h) * nqh;
+        tile.q[r] = qt + (size_t)r * hd;
         tile.out[r] = ot + (size_t)r * hd;
         tile.pos[r] = c->pos + t;
     }
+    /* q_lat of the tile's tokens (the head's k_b rows against all of them), then q_pe roped */
+    pyrt_mla_head_rows(c->pool, &blk->wk_b, h, m->rank, tile.n_rows, qn, xq,
+                       (size_t)m->xqh_stride, qt, (size_t)hd);
+    for (int r = 0; r < tile.n_rows; r++) {
+        float *pe = qt + (size_t)r * hd + m->rank;
+        memcpy(pe, qn[r] + m->nope, (size_t)m->rope * sizeof(float));
+        pyrt_rope(pe, 1, m->rope, m->rope, c->b->rope_cs + (size_t)(t0 + r) * m->rope);
+    }
     pyrt_attn_tile_run(&tile);
-    for (int r = 0; r < tile.n_rows; r++) /* o_lat: the first R of each output */
-        head_rows(c->pool, &blk->wv_b, h, m->v_dim, ot + (size_t)r * hd, xq,
-                  m->c_o + ((size_t)(t0 + r) * H + h) * m->v_dim);
+    /* o_lat (the first R of each output) through the head's v_b */
+    pyrt_mla_head_rows(c->pool, &blk->wv_b, h, m->v_dim, tile.n_rows,
+                       (const float *const *)tile.out, xq, (size_t)m->xqh_stride,
+                       m->c_o + ((size_t)t0 * H + h) * m->v_dim, (size_t)H * m->v_dim);
 }
 
 typedef struct {

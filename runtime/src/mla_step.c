@@ -151,20 +151,36 @@ typedef struct {
     atomic_int next_head;
 } heads_ctx;
 
-/* y[o] = row o of the head's block of w (rows [h n_out, (h + 1) n_out)) . x [n_in] for o <
- * n_out, x quantized into xq first where w reads Q8 blocks. */
-static void head_matvec(const pyrt_pool *pool, const pyrt_matrix *w, int h, int n_out,
-                        const float *x, pyrt_xq8 *xq, float *y) {
+enum { HEAD_ROWS = 64 }; /* rows per pyrt_dot_tile call */
+
+void pyrt_mla_head_rows(const pyrt_pool *pool, const pyrt_matrix *w, int h, int n_out, int nt,
+                        const float *const *x, pyrt_xq8 *xq, size_t xq_stride, float *y,
+                        size_t y_stride) {
     const pyrt_row_ops *ops = pyrt_pool_row_ops(pool, w->fmt);
     const size_t rb = pyrt_row_bytes(w->fmt, w->n_in);
-    const void *xv = x;
-    if (pyrt_fmt_is_blocked(w->fmt)) {
-        pyrt_quantize_x_q8(x, xq, w->n_in);
-        xv = xq;
+    const int kind = pyrt_fmt_xq(w->fmt);
+    const void *xv[PYRT_ATTN_ROWS];
+    for (int t = 0; t < nt; t++) {
+        xv[t] = x[t];
+        if (kind != PYRT_XQ_NONE) {
+            pyrt_quantize_x_for(kind, x[t], xq + (size_t)t * xq_stride, w->n_in);
+            xv[t] = xq + (size_t)t * xq_stride;
+        }
     }
     const uint8_t *base = (const uint8_t *)w->data + (size_t)h * n_out * rb;
-    for (int o = 0; o < n_out; o++)
-        y[o] = ops->dot(base + (size_t)o * rb, xv, w->n_in);
+    const void *rows[HEAD_ROWS];
+    for (int o = 0; o < n_out; o += HEAD_ROWS) {
+        const int nr = n_out - o < HEAD_ROWS ? n_out - o : HEAD_ROWS;
+        for (int r = 0; r < nr; r++)
+            rows[r] = base + (size_t)(o + r) * rb;
+        pyrt_dot_tile(ops, nr, rows, nt, xv, w->n_in, y + o, y_stride, 1);
+    }
+}
+
+/* y[o] = row o of the head's block of w . x [n_in] for o < n_out (one token). */
+static void head_matvec(const pyrt_pool *pool, const pyrt_matrix *w, int h, int n_out,
+                        const float *x, pyrt_xq8 *xq, float *y) {
+    pyrt_mla_head_rows(pool, w, h, n_out, 1, &x, xq, 0, y, 0);
 }
 
 static void attend_head(const heads_ctx *c, int h) {

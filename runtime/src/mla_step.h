@@ -28,7 +28,7 @@ typedef struct {
     pyrt_xq8 *c_xq;           /* [T, c_xq_stride] Q8 blocks of a matrix product's input rows */
     size_t c_xq_stride;
     float *c_rows;            /* [threads, 2, PYRT_ATTN_ROWS, R + r] a tile's queries, outputs */
-    pyrt_xq8 *c_xqh;          /* [threads, xqh_stride] a row's Q8 blocks for k_b / v_b */
+    pyrt_xq8 *c_xqh;          /* [threads, PYRT_ATTN_ROWS, xqh_stride] a tile's Q8 blocks */
 } pyrt_mla;
 
 /* Allocates m's scratch for the model w (mla_kv_rank > 0); PYRT_E_NOMEM naming fn. */
@@ -41,6 +41,13 @@ int pyrt_mla_prefill_ensure(pyrt_mla *m, int T, int threads, const char *fn);
 /* The MLA shape of the model and block i's MLA weights (at pyrt_decoder_create). */
 int pyrt_mla_check_model(const pyrt_model_weights *w);
 int pyrt_mla_check_block(const pyrt_model_weights *w, const pyrt_block_weights *b, int i);
+
+/* y[t * y_stride + o] = row o of head h's block of w (rows [h n_out, (h + 1) n_out)) . x[t] for
+ * o < n_out, t < nt <= PYRT_ATTN_ROWS tokens (x[t] [w->n_in]; quantized into xq + t xq_stride
+ * first as w's format reads it, pyrt_fmt_xq), in tiles of rows x tokens: the same bits as one dot each. */
+void pyrt_mla_head_rows(const pyrt_pool *pool, const pyrt_matrix *w, int h, int n_out, int nt,
+                        const float *const *x, pyrt_xq8 *xq, size_t xq_stride, float *y,
+                        size_t y_stride);
 
 /* The block's first matvec over its normed input: [attn_q_a or attn_q; attn_kv_a_mqa]. */
 pyrt_mv_job pyrt_mla_in_job(pyrt_mla *m, const pyrt_block_weights *b);
