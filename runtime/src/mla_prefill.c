@@ -5,9 +5,12 @@
  * task over (head, tile of up to PYRT_ATTN_ROWS consecutive tokens) items, each folding its
  * tokens' q_nope through the head's k_b, running them as one attention tile over the cache
  * (attn_tile.h: each key block read once per tile) and taking the outputs through the head's v_b
- * (the head's k_b and v_b stay in the thread's L2 across its tile's tokens). Decompressing the
- * chunk's keys and values per head instead would cost positions x H x (D + v) x R per chunk,
- * the absorbed tiles T x H x (D + v) x R: the same folds per query, no per-position ones. */
+ * (the head's k_b and v_b stay in the thread's L2 across its tile's tokens). Against
+ * decompressing the cache's keys and values per head (positions x H x (D + v) x R per chunk),
+ * the absorbed tiles fold only the chunk's T queries (T x H x (D + v) x R) but score and sum
+ * over R + r dims per position instead of D + r and v: the cheaper form while the positions
+ * are few against the chunk (not measured beyond pp64: the decompressed form is a follow-up
+ * for long prompts). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -24,7 +27,8 @@ int pyrt_mla_prefill_ensure(pyrt_mla *m, int T, int threads, const char *fn) {
     T = T > m->tokens_cap ? T : m->tokens_cap;
     threads = threads > m->threads_cap ? threads : m->threads_cap;
     const size_t f = sizeof(float), H = (size_t)m->n_head, hd = (size_t)(m->rank + m->rope);
-    const size_t ov = H * (size_t)m->v_dim, in_max = (size_t)m->q_rank > ov ? (size_t)m->q_rank : ov;
+    const size_t ov = H * (size_t)m->v_dim;
+    const size_t in_max = (size_t)m->q_rank > ov ? (size_t)m->q_rank : ov;
     free(m->c_q);
     free(m->c_qa);
     free(m->c_kv);
