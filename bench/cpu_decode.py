@@ -63,10 +63,14 @@ def bytes_per_token(model: CpuExecutor, mean_pos: float) -> dict[str, float]:
     cfg = model.config
     attn = ffn = 0.0
     for blk in model.blocks:
-        attn += sum(m.nbytes for m in (blk.wq, blk.wk, blk.wv, blk.wo))
+        mla = blk.mla  # deepseek2: the latent attention's matrices; one latent per position
+        mats = (blk.wq, blk.wk, blk.wv, blk.wo) if mla is None else (
+            blk.wo, mla.q, mla.q_a, mla.q_b, mla.kv_a, mla.k_b, mla.v_b)  # fmt: skip
+        attn += sum(m.nbytes for m in mats if m is not None)
         attn += sum(t.numel() * 4 for t in (blk.attn_norm, blk.bq, blk.bk, blk.bv) if t is not None)
         attn += sum(t.numel() * 4 for t in (blk.q_norm, blk.k_norm) if t is not None)
-        attn += 2 * cfg.n_head_kv * cfg.head_dim * 4 * (mean_pos + 1)  # K and V, f32
+        planes = 1 if mla is not None else 2  # K and V, f32 (MLA: [c_kv; k_pe] serves both)
+        attn += planes * cfg.n_head_kv * cfg.head_dim * 4 * (mean_pos + 1)
         ffn += blk.ffn_norm.numel() * 4
         if blk.experts is not None:
             ffn += blk.router.nbytes + cfg.n_expert_used * blk.experts.expert_bytes

@@ -71,6 +71,16 @@ def test_cpu_tools_run_on_small_inputs(cc, tmp_path, capsys, monkeypatch):
     assert "| 0.02 | " in capsys.readouterr().out
 
 
+def test_cpu_decode_counts_latent_attention(tmp_path, capsys, monkeypatch):
+    """bench/cpu_decode.py on deepseek2 (the C step's latent attention): its bytes per token
+    count the MLA matrices and one latent plane per position."""
+    gguf = tmp_path / "ds.gguf"
+    run_tool("make_random_gguf.py", "tiny-deepseek-v2", "-o", str(gguf), monkeypatch=monkeypatch)
+    run_tool("cpu_decode.py", "tiny-deepseek-v2", "--gguf", str(gguf), "--threads", "1",
+             "--tokens", "4", "--dram-gib", "0.01", monkeypatch=monkeypatch)  # fmt: skip
+    assert "decode: median " in capsys.readouterr().out
+
+
 def test_random_gguf_layouts(tmp_path):
     from gguf import GGUFReader
 

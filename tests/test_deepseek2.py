@@ -120,9 +120,8 @@ def f32_path(hf_dir, tmp_path_factory) -> Path:
 def test_cache_keeps_one_latent_and_rope_key_per_position(f32_path):
     model = CpuExecutor.from_gguf(open_gguf(f32_path), expert_backend="c")
     cfg = model.config
-    assert not c_decoder_runs(cfg) and model._decoder is None
+    assert c_decoder_runs(cfg) and model._decoder is not None
     assert model.core is not None and model.linear == model._core_linear
-    assert model.heads_linear == model._core_heads_linear
     assert (cfg.mla_kv_rank, cfg.mla_nope_dim, cfg.rope_dim, cfg.mla_v_dim) == (32, 32, 16, 32)
     cache = model.new_cache(16)
     model.forward([1, 2, 3], cache)
@@ -269,7 +268,9 @@ def test_calibrate_and_sparsity_hit_the_target(hf_dir, tmp_path):
         logits = model.logits(ids)
         assert abs(model.achieved_sparsity - target) <= 0.03, (target, model.achieved_sparsity)
         assert (logits != dense_logits).any()
-        step = Model(path, sparsity=target, device="cpu").net
+        step = Model(path, sparsity=target, device="cpu").net  # the C step, token by token
+        # every layer sparse, even where dense steps measured faster (cpu/sparse_switch)
+        step.sparse_decode, step.sparse_layers = True, None
         cache = step.new_cache(256)
         for token in ids[:256]:
             step.forward([token], cache)
@@ -383,3 +384,65 @@ def test_linear_heads_checks_its_lengths():
         assert lib.pyrt_linear_heads(c._pool, m, heads, px, x_len, py, y_len) != 0
         assert ffi.string(lib.pyrt_last_error()).decode().endswith(message)
     assert lib.pyrt_linear_heads(c._pool, m, 3, px, 96, py, 6) == 0
+
+
+# ---- the C decode step ----------------------------------------------------------------------
+
+
+def test_c_mla_tests_under_asan_ubsan(tmp_path):
+    """tests/c/test_mla.c: the C step's latent attention vs float64 (query LoRA on and off), its
+    cache row, group-limited routing, prefill == steps bit for bit, bad shapes refused; under
+    ASan + UBSan + LSan."""
+    from sanitized_c import run_sanitized_c_test
+
+    run_sanitized_c_test(tmp_path, "test_mla", "all C MLA tests passed")
+
+
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
+def test_one_c_call_per_token_and_prompt(f32_path, hf_dir, tmp_path, outtype):
+    """A deepseek2 decode step is one C call (pyrt_decoder_step, no reference forward) and a
+    prompt one pyrt_decoder_prefill; both give the logits of the reference forward on the same C
+    core, token by token (its matrices, experts and per-head k_b / v_b; MLA's softmax in torch),
+    and the latent cache it wrote. For q8_0 both quantize each matrix's input to Q8 blocks: an
+    f32 rounding apart (1e-6) can cross a rounding step of one block (~2e-3 on the log-probs, a
+    few rows in 40), so every row is held to 5e-3 and the median row to 1e-5."""
+    path = f32_path if outtype == "f32" else convert(
+        hf_dir, tmp_path / "q.gguf", outtype, progress=False)  # fmt: skip
+    c = CpuExecutor.from_gguf(open_gguf(path), expert_backend="c")
+    ref = CpuExecutor.from_gguf(open_gguf(path), expert_backend="c")
+    assert c._decoder is not None
+
+    def no_torch_forward(*args, **kwargs):
+        raise AssertionError("the reference forward ran")
+
+    c._forward_torch = no_torch_forward
+    ids = prompt_ids(c.config.n_vocab)
+    cc, cr = c.new_cache(len(ids)), ref.new_cache(len(ids))
+    got = [c.forward(ids[:5], cc)] + [c.forward(ids[j : j + 1], cc) for j in range(5, len(ids))]
+    want = [ref._forward_torch(ids[j : j + 1], cr, False) for j in range(len(ids))]
+    want = [torch.cat(want[:5])] + want[5:]
+    got, want = torch.cat(got), torch.cat(want)
+    err = (torch.log_softmax(got, -1) - torch.log_softmax(want, -1)).abs().amax(-1)
+    assert err.max() <= (1e-5 if outtype == "f32" else 5e-3), (outtype, err.max())
+    assert err.median() <= 1e-5, (outtype, err.median())
+    for k, k_ref in zip(cc.k, cr.k, strict=True):
+        assert (k[0, : len(ids)] - k_ref[0, : len(ids)]).abs().max() <= 1e-5
+
+
+def test_session_rewind_on_the_latent_cache(f32_path):
+    """Session.rewind over the C step's latent cache (big/little, draft-and-verify): after
+    rewind(3) the next tokens see exactly the cache of a sequence that never had them."""
+    from pyruntime.decoding.session import Session
+
+    net = CpuExecutor.from_gguf(open_gguf(f32_path), expert_backend="c")
+    assert net._decoder is not None
+    ids = prompt_ids(net.config.n_vocab)[:12].tolist()
+    s = Session(net, 32)
+    s.prefill(ids[:6])
+    for t in [7, 8, 9]:
+        s.feed(t)
+    s.rewind(3)
+    after_rewind = torch.stack([s.feed(t) for t in ids[6:]])
+    fresh = Session(net, 32)
+    fresh.prefill(ids[:6])
+    assert torch.equal(after_rewind, torch.stack([fresh.feed(t) for t in ids[6:]]))

@@ -7,7 +7,7 @@ cache), with no torch op in between. Without the C core (expert_backend='torch')
 calibration observer watches the experts' inputs (gate_observer), it is the reference forward
 (pyruntime.model.reference), with the C core's `linear` for every weight matrix (read in place,
 in its stored format) and its routed-expert kernel where the core is there; so is every forward
-pass of a model with Gated DeltaNet layers or multi-head latent attention (c_decoder_runs);
+pass of a model with Gated DeltaNet layers or llama4's layers (c_decoder_runs);
 a DeltaNet layer's decode step is one C call (pyruntime.cpu.deltanet).
 """
 
@@ -37,15 +37,14 @@ from pyruntime.model.weights import HostWeights
 
 
 def c_decoder_runs(cfg: ModelConfig) -> bool:
-    """Whether the C decoder (decode step and prefill) runs this model: not a model with Gated
-    DeltaNet layers (qwen35moe), multi-head latent attention (deepseek2) or llama4's layers
-    (input-weighted experts, NoPE layers, chunked attention), which the C core does not
-    implement. Such a model runs the reference forward with the C core's `linear` for every
-    matrix (MLA's absorbed decode: its per-head k_b / v_b blocks too) and its routed-expert
-    kernel (the DeltaNet recurrence, conv, MLA's softmax over the latents, norms and attention
-    in torch: per token a few small ops per layer against the experts' and matrices' memory
-    reads)."""
-    return not any(cfg.recurrent_layers) and not cfg.is_mla and not cfg.expert_input_weight
+    """Whether the C decoder (decode step and prefill) runs this model (multi-head latent
+    attention included: runtime/src/mla_step.c): not a model with Gated DeltaNet layers
+    (qwen35moe) or llama4's layers (input-weighted experts, NoPE layers, chunked attention),
+    which the C core does not implement. Such a model runs the reference forward with the C
+    core's `linear` for every matrix and its routed-expert kernel (the DeltaNet recurrence, conv,
+    norms and attention in torch: per token a few small ops per layer against the experts' and
+    matrices' memory reads)."""
+    return not any(cfg.recurrent_layers) and not cfg.expert_input_weight
 
 
 class CpuExecutor(ReferenceModel):

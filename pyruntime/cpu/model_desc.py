@@ -1,8 +1,9 @@
 """The model as the C decoder reads it: a pyrt_model_weights built from the host weights.
 
 Every weight matrix is a pointer into the GGUF mmap (read in place, in its stored format) with its
-byte count and shape; every small float32 tensor (norms, biases, q/k norms, the shared expert's
-gate, the RoPE frequencies, gpt-oss's sinks and router / expert biases) a pointer with its element
+byte count and shape (deepseek2's multi-head latent attention's too); every small float32 tensor
+(norms, biases, q/k norms, the shared expert's gate, the RoPE frequencies, gpt-oss's sinks and
+router / expert biases, MLA's latent norms) a pointer with its element
 count: the C side checks each length against the model's shape once, at pyrt_decoder_create, and
 never reads past it.
 """
@@ -51,6 +52,10 @@ class ModelDescription:
         self._set_vector(w.rope_inv_freq, inv_freq)
         w.rope_scale = attention_factor(cfg.rope_yarn)
         w.swiglu_alpha, w.swiglu_limit = cfg.swiglu_alpha, cfg.swiglu_limit
+        w.mla_kv_rank, w.mla_q_rank = cfg.mla_kv_rank, cfg.mla_q_rank
+        w.mla_nope_dim, w.mla_v_dim = cfg.mla_nope_dim, cfg.mla_v_dim
+        w.expert_weights_scale = cfg.expert_weights_scale
+        w.expert_groups, w.expert_groups_used = cfg.expert_groups, cfg.expert_groups_used
         self._set_matrix(w.token_embd, weights.token_embd)
         self._set_matrix(w.output, weights.output)
         self._set_vector(w.output_norm, weights.output_norm)
@@ -80,8 +85,17 @@ class ModelDescription:
     def _describe_block(self, b, blk: BlockWeights) -> None:
         for name in ("attn_norm", "bq", "bk", "bv", "bo", "sinks", "q_norm", "k_norm", "ffn_norm"):
             self._set_vector(getattr(b, name), getattr(blk, name))
-        for name in ("wq", "wk", "wv", "wo"):
+        for name in ("wk", "wv", "wo") if blk.mla is not None else ("wq", "wk", "wv", "wo"):
             self._set_matrix(getattr(b, name), getattr(blk, name))
+        if blk.mla is not None:  # wq_b: attn_q_b, or attn_q without the query LoRA
+            m = blk.mla
+            self._set_matrix(b.wq_a, m.q_a)
+            self._set_vector(b.q_a_norm, m.q_a_norm)
+            self._set_matrix(b.wq_b, m.q if m.q_a is None else m.q_b)
+            self._set_matrix(b.wkv_a, m.kv_a)
+            self._set_vector(b.kv_a_norm, m.kv_a_norm)
+            self._set_matrix(b.wk_b, m.k_b)
+            self._set_matrix(b.wv_b, m.v_b)
         if blk.experts is not None:
             self._set_matrix(b.router, blk.router)
             self._set_vector(b.router_bias, blk.router_bias)

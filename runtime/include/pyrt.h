@@ -26,7 +26,7 @@ extern "C" {
 /* PYRT_CDEF_BEGIN */
 /* This header's version of the API: raised whenever a declaration below changes, so that a
  * caller declared from one header refuses a library built from another (pyrt_api_version). */
-enum { PYRT_API_VERSION = 5 };
+enum { PYRT_API_VERSION = 6 };
 
 /* Status codes. */
 enum {
@@ -260,6 +260,16 @@ typedef struct {
     pyrt_vector router_bias;        /* [n_expert] ffn_gate_inp bias, or absent */
     pyrt_vector exp_bias_gu;        /* [n_expert * n_ff_exp * 2] ffn_gu_exps, or absent */
     pyrt_vector exp_bias_down;      /* [n_expert * n_embd] ffn_down_exps (with exp_bias_gu) */
+    /* multi-head latent attention (deepseek2; the model's mla_kv_rank > 0): wq, wk, wv absent,
+       wo [n_embd, n_head * mla_v_dim]; with R = mla_kv_rank, D = mla_nope_dim, r = rope_dim */
+    pyrt_matrix wq_a;               /* [mla_q_rank, n_embd] attn_q_a (query LoRA), or absent: */
+    pyrt_matrix wq_b;               /* [n_head (D + r), mla_q_rank] attn_q_b; or, without the
+                                       LoRA, [n_head (D + r), n_embd] attn_q */
+    pyrt_vector q_a_norm;           /* [mla_q_rank] attn_q_a_norm (with wq_a) */
+    pyrt_matrix wkv_a;              /* [R + r, n_embd] attn_kv_a_mqa */
+    pyrt_vector kv_a_norm;          /* [R] attn_kv_a_norm */
+    pyrt_matrix wk_b;               /* [n_head R, D] attn_k_b: head h's rows [h R, (h + 1) R) */
+    pyrt_matrix wv_b;               /* [n_head mla_v_dim, R] attn_v_b */
 } pyrt_block_weights;
 
 /* The whole model. Borrowed: every pointer must stay valid for the decoder's life. */
@@ -276,6 +286,15 @@ typedef struct {
     float rope_scale;               /* cos and sin are multiplied by it (YaRN's attention factor);
                                        0: 1 */
     float swiglu_alpha, swiglu_limit; /* PYRT_ACT_SWIGLU_OAI's (limit > 0 with it) */
+    /* multi-head latent attention (deepseek2; docs/gguf-layout.md): mla_kv_rank R > 0 makes
+       every block MLA; the cache then holds per position [c_kv (R); k_pe (rope_dim)]: n_head_kv
+       1, head_dim R + rope_dim, k and v the same storage. 0: none */
+    int mla_kv_rank, mla_q_rank, mla_nope_dim, mla_v_dim;
+    /* routing: the top-k weights times expert_weights_scale (0: 1); expert_groups > 1: the top-k
+       taken within the expert_groups_used groups (of n_expert / expert_groups consecutive
+       experts) whose best probability is highest; 0: no groups */
+    float expert_weights_scale;
+    int expert_groups, expert_groups_used;
     pyrt_matrix token_embd;         /* [n_vocab, n_embd] */
     pyrt_matrix output;             /* [n_vocab, n_embd] (token_embd when tied) */
     pyrt_vector output_norm;        /* [n_embd] */
@@ -401,7 +420,8 @@ typedef struct {
 /* Runs args->n_tokens tokens through the model, writing their keys and values into the cache at
  * [pos, pos + n_tokens) and the logits asked for; the same math as that many steps (dense
  * matrices on all of a chunk's tokens at once, each routed expert once per chunk for the tokens
- * routed to it, the chunk's attention over the cache). */
+ * routed to it, the chunk's attention over the cache; multi-head latent attention's absorbed
+ * form over the latent cache). */
 int pyrt_decoder_prefill(pyrt_decoder *dec, pyrt_pool *pool, pyrt_prefill_args *args);
 
 /* Time spent by the decoder's steps since the last reset, in ns: [0] embedding + attention

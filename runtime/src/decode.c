@@ -38,7 +38,10 @@ static void attention_half(pyrt_decoder *d, pyrt_pool *pool, const pyrt_attn_lay
     const pyrt_model_weights *w = &d->w;
     pyrt_rms_norm(d->x, l->b->attn_norm.data, w->rms_eps, w->n_embd, d->xn);
     const pyrt_mv_job ffn_in = pyrt_decode_ffn_in_job(d, l->b);
-    pyrt_attention_run(&d->att, pool, l, d->xn, d->xq, d->y, &ffn_in, d->fuse_attention);
+    if (w->mla_kv_rank > 0)
+        pyrt_mla_run(&d->mla, &d->att, pool, l, d->xn, d->xq, d->y, &ffn_in);
+    else
+        pyrt_attention_run(&d->att, pool, l, d->xn, d->xq, d->y, &ffn_in, d->fuse_attention);
     for (int i = 0; i < w->n_embd; i++)
         d->x[i] = d->x[i] + d->y[i] * w->residual_scale;
 }
@@ -84,7 +87,7 @@ static void task_attention_then_ffn_in(void *p, int ith, int nth) {
 }
 
 static int layer_fusable(const pyrt_decoder *d, const pyrt_block_weights *b) {
-    return d->fuse_layer && d->fuse_attention && d->fuse_router &&
+    return d->fuse_layer && d->fuse_attention && d->fuse_router && d->w.mla_kv_rank == 0 &&
            pyrt_attention_fusable(&d->att, b) && b->router.data != NULL;
 }
 
@@ -144,10 +147,14 @@ static void embed(pyrt_decoder *d, const pyrt_pool *pool, int token) {
         d->x[i] *= w->embedding_scale;
 }
 
-/* The matvec after block `layer` (the next block's q/k/v, or the output matrix): prefetch plans. */
-static pyrt_mv_job after_layer(const pyrt_decoder *d, int layer, const pyrt_mv_job *out) {
-    return layer + 1 < d->w.n_layer ? pyrt_attention_qkv_job(&d->att, &d->blocks[layer + 1])
-                                    : *out;
+/* A block's first matvec: q/k/v, or MLA's in-projections. */
+static pyrt_mv_job block_in_job(pyrt_decoder *d, const pyrt_block_weights *b) {
+    return d->w.mla_kv_rank > 0 ? pyrt_mla_in_job(&d->mla, b) : pyrt_attention_qkv_job(&d->att, b);
+}
+
+/* The matvec after block `layer` (the next block's first, or the output matrix): prefetch plans. */
+static pyrt_mv_job after_layer(pyrt_decoder *d, int layer, const pyrt_mv_job *out) {
+    return layer + 1 < d->w.n_layer ? block_in_job(d, &d->blocks[layer + 1]) : *out;
 }
 
 static pyrt_attn_layer attn_layer(const pyrt_decoder *d, int layer, const pyrt_step_args *a) {
@@ -163,7 +170,7 @@ static pyrt_ffn_io ffn_io(const pyrt_decoder *d, const pyrt_step_args *a, int la
 static void output(pyrt_decoder *d, pyrt_pool *pool, pyrt_mv_job *out) {
     const pyrt_model_weights *w = &d->w;
     pyrt_rms_norm(d->x, w->output_norm.data, w->rms_eps, w->n_embd, d->xn);
-    const pyrt_mv_job first = pyrt_attention_qkv_job(&d->att, &d->blocks[0]); /* next step */
+    const pyrt_mv_job first = block_in_job(d, &d->blocks[0]); /* the next step's */
     pyrt_pool_plan_job(pool, &first);
     pyrt_mv_run(out, pool, d->xn, w->n_embd, d->xq);
 }

@@ -76,16 +76,23 @@ static int check_block(const pyrt_model_weights *w, const pyrt_block_weights *b,
     const int n_embd = w->n_embd, nq = w->n_head * w->head_dim, nkv = w->n_head_kv * w->head_dim;
     CHECK(check_vector(&b->attn_norm, n_embd, 0, "attn_norm", i));
     CHECK(check_vector(&b->ffn_norm, n_embd, 0, "ffn_norm", i));
-    CHECK(check_shape(&b->wq, nq, n_embd, "attn_q", i));
-    CHECK(check_shape(&b->wk, nkv, n_embd, "attn_k", i));
-    CHECK(check_shape(&b->wv, nkv, n_embd, "attn_v", i));
-    CHECK(check_shape(&b->wo, n_embd, nq, "attn_output", i));
-    CHECK(check_vector(&b->bq, nq, 1, "attn_q.bias", i));
-    CHECK(check_vector(&b->bk, nkv, 1, "attn_k.bias", i));
-    CHECK(check_vector(&b->bv, nkv, 1, "attn_v.bias", i));
-    CHECK(check_qk_norms(w, b, i));
-    CHECK(check_vector(&b->bo, n_embd, 1, "attn_output.bias", i));
-    CHECK(check_vector(&b->sinks, w->n_head, 1, "attn_sinks", i));
+    if (w->mla_kv_rank > 0) {
+        CHECK(pyrt_mla_check_block(w, b, i));
+    } else {
+        if (b->wq_a.data || b->wq_b.data || b->wkv_a.data || b->wk_b.data || b->wv_b.data)
+            return fail_block(i, "multi-head latent attention weights in a model whose "
+                              "mla_kv_rank is 0");
+        CHECK(check_shape(&b->wq, nq, n_embd, "attn_q", i));
+        CHECK(check_shape(&b->wk, nkv, n_embd, "attn_k", i));
+        CHECK(check_shape(&b->wv, nkv, n_embd, "attn_v", i));
+        CHECK(check_shape(&b->wo, n_embd, nq, "attn_output", i));
+        CHECK(check_vector(&b->bq, nq, 1, "attn_q.bias", i));
+        CHECK(check_vector(&b->bk, nkv, 1, "attn_k.bias", i));
+        CHECK(check_vector(&b->bv, nkv, 1, "attn_v.bias", i));
+        CHECK(check_qk_norms(w, b, i));
+        CHECK(check_vector(&b->bo, n_embd, 1, "attn_output.bias", i));
+        CHECK(check_vector(&b->sinks, w->n_head, 1, "attn_sinks", i));
+    }
     if (b->router.data != NULL) {
         CHECK(check_shape(&b->router, w->n_expert, n_embd, "ffn_gate_inp", i));
         const size_t rb = pyrt_row_bytes(b->gud_fmt, n_embd);
@@ -150,6 +157,21 @@ int pyrt_decoder_check_model(const pyrt_model_weights *w, int *max_ff) {
     if (w->n_expert_used > w->n_expert)
         return pyrt_fail(PYRT_E_INVALID, "%s: n_expert_used=%d > n_expert=%d", fn,
                          w->n_expert_used, w->n_expert);
+    if (w->mla_kv_rank != 0)
+        CHECK(pyrt_mla_check_model(w));
+    if (!(w->expert_weights_scale >= 0.0f) || isinf(w->expert_weights_scale))
+        return pyrt_fail(PYRT_E_INVALID, "%s: expert_weights_scale must be finite and >= 0 (0: 1)",
+                         fn);
+    if (w->expert_groups != 0 &&
+        (w->expert_groups < 2 || w->expert_groups > PYRT_MAX_EXPERT_GROUPS ||
+         w->n_expert % w->expert_groups != 0 || w->expert_groups_used < 1 ||
+         w->expert_groups_used > w->expert_groups ||
+         w->expert_groups_used * (w->n_expert / w->expert_groups) < w->n_expert_used))
+        return pyrt_fail(PYRT_E_INVALID,
+                         "%s: expert_groups=%d must be 0, or in [2, %d] dividing n_expert=%d with "
+                         "expert_groups_used=%d in [1, expert_groups] whose groups hold "
+                         "n_expert_used=%d", fn, w->expert_groups, PYRT_MAX_EXPERT_GROUPS,
+                         w->n_expert, w->expert_groups_used, w->n_expert_used);
     if (w->rope_dim < 0 || w->rope_dim % 2 || w->rope_dim > w->head_dim)
         return pyrt_fail(PYRT_E_INVALID, "%s: rope_dim=%d must be even and <= head_dim=%d", fn,
                          w->rope_dim, w->head_dim);
@@ -186,6 +208,13 @@ int pyrt_decoder_check_experts(const pyrt_decoder *d, const pyrt_expert_args *e,
         return pyrt_fail(PYRT_E_INVALID,
                          "%s: k=%d experts per token is outside [1, n_expert=%d] (0: the model's "
                          "%d)", fn, e->k, d->w.n_expert, d->w.n_expert_used);
+    const int kept = d->w.expert_groups > 0
+                         ? d->w.expert_groups_used * (d->w.n_expert / d->w.expert_groups)
+                         : d->w.n_expert;
+    if (e->k > kept)
+        return pyrt_fail(PYRT_E_INVALID, "%s: k=%d experts per token is more than the %d experts "
+                         "of the model's %d best expert groups", fn, e->k, kept,
+                         d->w.expert_groups_used);
     if (e->thresholds != NULL && e->n_thresholds != n_layer)
         return pyrt_fail(PYRT_E_INVALID, "%s: thresholds holds %d entries, the model has "
                          "n_layer=%d", fn, e->n_thresholds, n_layer);

@@ -10,10 +10,37 @@
 #include "decoder.h"
 #include "vec.h"
 
-void pyrt_route_topk(float *p, int n_expert, int k, int renorm, int32_t *ids, float *w,
+/* With groups (deepseek2): every expert outside the n_used groups whose best probability is
+ * highest (ties: lower group first) is marked taken, so top-k picks within those groups only. */
+static void mark_groups_out(const float *p, int n_expert, int groups, int n_used,
+                            uint8_t *taken) {
+    const int per = n_expert / groups;
+    float best[PYRT_MAX_EXPERT_GROUPS];
+    for (int g = 0; g < groups; g++) {
+        best[g] = p[g * per];
+        for (int e = g * per + 1; e < (g + 1) * per; e++)
+            best[g] = p[e] > best[g] ? p[e] : best[g];
+    }
+    uint8_t keep[PYRT_MAX_EXPERT_GROUPS] = {0};
+    for (int j = 0; j < n_used; j++) {
+        int top = -1;
+        for (int g = 0; g < groups; g++)
+            if (!keep[g] && (top < 0 || best[g] > best[top]))
+                top = g;
+        keep[top] = 1;
+    }
+    for (int e = 0; e < n_expert; e++)
+        taken[e] = !keep[e / per];
+}
+
+void pyrt_route_topk(float *p, const pyrt_model_weights *m, int k, int32_t *ids, float *w,
                      uint8_t *taken) {
+    const int n_expert = m->n_expert;
     pyrt_softmax(p, n_expert);
-    memset(taken, 0, (size_t)n_expert);
+    if (m->expert_groups > 1)
+        mark_groups_out(p, n_expert, m->expert_groups, m->expert_groups_used, taken);
+    else
+        memset(taken, 0, (size_t)n_expert);
     float sum = 0.0f;
     for (int j = 0; j < k; j++) {
         int best = -1;
@@ -25,17 +52,19 @@ void pyrt_route_topk(float *p, int n_expert, int k, int renorm, int32_t *ids, fl
         w[j] = p[best];
         sum += w[j];
     }
-    if (renorm)
+    if (m->expert_weights_norm)
         for (int j = 0; j < k; j++)
             w[j] /= sum;
+    if (m->expert_weights_scale != 0.0f && m->expert_weights_scale != 1.0f)
+        for (int j = 0; j < k; j++)
+            w[j] *= m->expert_weights_scale;
 }
 
 void pyrt_decode_route(void *ctx, int32_t *ids, float *w) {
     pyrt_decoder *d = ctx;
     if (d->route_logits != NULL)
         memcpy(d->route_logits, d->router, (size_t)d->w.n_expert * sizeof(float));
-    pyrt_route_topk(d->router, d->w.n_expert, d->route_k, d->w.expert_weights_norm, ids, w,
-                    d->taken);
+    pyrt_route_topk(d->router, &d->w, d->route_k, ids, w, d->taken);
 }
 
 pyrt_ffn_io pyrt_decode_ffn_io(const pyrt_decoder *d, const pyrt_expert_args *e,

@@ -52,6 +52,8 @@ int pyrt_decoder_create(const pyrt_model_weights *w, pyrt_decoder **out) {
         return pyrt_fail(PYRT_E_NOMEM, "%s: out of memory", fn);
     }
     rc = pyrt_attention_init(&d->att, w, fn);
+    if (rc == PYRT_OK && w->mla_kv_rank > 0)
+        rc = pyrt_mla_init(&d->mla, w, fn);
     if (rc != PYRT_OK) {
         pyrt_decoder_free(d);
         return rc;
@@ -68,6 +70,7 @@ void pyrt_decoder_free(pyrt_decoder *d) {
     if (d == NULL)
         return;
     pyrt_attention_free(&d->att);
+    pyrt_mla_free(&d->mla);
     pyrt_prefill_free(d);
     free(d->blocks);
     free(d->x);

@@ -10,6 +10,7 @@
 
 #include "attention.h"
 #include "linear.h"
+#include "mla_step.h"
 #include "moe.h"
 #include "pool.h"
 
@@ -25,6 +26,7 @@ struct pyrt_decoder {
     float *xn;                   /* [max_in] normed input, then FFN hidden h */
     pyrt_xq8 *xq;                /* [max_in / 32] Q8 blocks of the current matvec input */
     pyrt_attention att;          /* the attention half's scratch */
+    pyrt_mla mla;                /* multi-head latent attention's (w.mla_kv_rank > 0), or zero */
     float *y, *ys;               /* [n_embd] block output; shared expert / dense FFN output */
     float *gate, *up;            /* [max_ff] */
     float *router;               /* [n_expert] router logits, then probabilities */
@@ -121,10 +123,13 @@ int pyrt_decode_ffn(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weights *
 /* After the routed experts (in d->y): the shared expert, if any, then the residual. */
 void pyrt_decode_moe_tail(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weights *b,
                           const pyrt_mv_job *next);
-/* p = softmax(logits) over the experts, in place; ids/w [k] = the k largest (ties: lower id
- * first), renormalized to sum 1 when asked (docs/gguf-layout.md, "Routing"). taken: [n_expert]
- * scratch. */
-void pyrt_route_topk(float *p, int n_expert, int k, int renorm, int32_t *ids, float *w,
+enum { PYRT_MAX_EXPERT_GROUPS = 64 }; /* expert_groups a model may have (checked at creation) */
+
+/* p = softmax(logits) over the model's experts, in place; ids/w [k] = the k largest (ties: lower
+ * id first; within the best groups where the model has expert groups), renormalized to sum 1
+ * when the model says, times its expert_weights_scale (docs/gguf-layout.md, "Routing"). taken:
+ * [n_expert] scratch. */
+void pyrt_route_topk(float *p, const pyrt_model_weights *m, int k, int32_t *ids, float *w,
                      uint8_t *taken);
 /* The routing of the router + experts task (pyrt_moe_ffn_routed) from d->router (ctx: the
  * decoder): the router's logits to d->route_logits when asked, then softmax, top d->route_k. */

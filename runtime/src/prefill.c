@@ -183,7 +183,10 @@ static int prefill(pyrt_decoder *d, pyrt_pool *pool, pyrt_prefill_args *a, int T
         embed_ctx e = {&c, a->tokens + t0};
         pyrt_pool_for(pool, n, 4, embed_row, &e);
         for (int i = 0; i < w->n_layer && rc == PYRT_OK; i++) {
-            pyrt_prefill_attention(&c, i);
+            if (w->mla_kv_rank > 0)
+                pyrt_prefill_mla(&c, i);
+            else
+                pyrt_prefill_attention(&c, i);
             /* the routing outputs are the prompt's last token's: the last chunk's */
             pyrt_ffn_io io = pyrt_decode_ffn_io(d, &a->experts, last_chunk ? a->route_ids : NULL,
                                                 last_chunk ? a->route_logits : NULL, i);
@@ -214,6 +217,8 @@ int pyrt_decoder_prefill(pyrt_decoder *d, pyrt_pool *pool, pyrt_prefill_args *a)
     a->n_active = a->n_pairs = 0;
     pyrt_pool_acquire(pool);
     rc = ensure(d, T, pyrt_pool_threads(pool));
+    if (rc == PYRT_OK && d->w.mla_kv_rank > 0)
+        rc = pyrt_mla_prefill_ensure(&d->mla, T, pyrt_pool_threads(pool), "pyrt_decoder_prefill");
     if (rc == PYRT_OK)
         rc = prefill(d, pool, a, T);
     pyrt_pool_release(pool);

@@ -49,6 +49,10 @@ typedef struct {
  * `layer`, writing their keys and values into the cache (prefill_attn.c). */
 void pyrt_prefill_attention(const pyrt_chunk *c, int layer);
 
+/* The same for a multi-head latent attention block: its absorbed form over the latent cache,
+ * writing the chunk's [c_kv; k_pe] rows (mla_prefill.c; buffers: pyrt_mla_prefill_ensure). */
+void pyrt_prefill_mla(const pyrt_chunk *c, int layer);
+
 /* x += ffn(rms_norm(x) * ffn_norm) * residual_scale for the chunk's tokens with io's threshold,
  * k and map; io's route_ids / route_logits (when set) get the chunk's last token's routing;
  * io's n_active and n_pairs add up the chunk's (prefill_ffn.c). PYRT_E_NOMEM when the routed

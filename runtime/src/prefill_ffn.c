@@ -50,8 +50,8 @@ static void route_row(void *p, int64_t t, int ith) {
     float *logits = b->router + (size_t)t * n_expert;
     if (t == f->c->n - 1 && f->io->route_logits != NULL)
         memcpy(f->io->route_logits, logits, (size_t)n_expert * sizeof *logits);
-    pyrt_route_topk(logits, n_expert, f->k, d->w.expert_weights_norm, b->ids + (size_t)t * f->k,
-                    b->w + (size_t)t * f->k, b->taken + (size_t)ith * n_expert);
+    pyrt_route_topk(logits, &d->w, f->k, b->ids + (size_t)t * f->k, b->w + (size_t)t * f->k,
+                    b->taken + (size_t)ith * n_expert);
 }
 
 /* The shared expert's gate, sigmoid(xn . g_shexp), per token (before xn is overwritten). */
