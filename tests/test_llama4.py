@@ -1,5 +1,6 @@
 """Llama-4: the converter's fields and refusals, its multimodal layout, the CPU path, sparsity,
-and the places it is refused (no GPU path yet; big/little needs top-k >= 2). Logits vs
+and the places it is refused (no hybrid path yet; big/little needs top-k >= 2). The GPU path is
+in tests/test_gpu_model.py and tests/test_gpu_prefill.py (every family). Logits vs
 transformers (prefill and token-by-token decode, f32 / q8_0 / mxfp4, both expert backends) are
 in tests/test_parity.py (ARCHS); the tiny config (tests/hf_fixtures.py) makes every feature
 move the log-probs by more than the 1e-3 tolerance: without the chunk mask, the q/k L2 norm,
@@ -24,6 +25,7 @@ from pyruntime.errors import ConversionError, UsageError
 from pyruntime.gguf.file import open_gguf
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.reference import attention_mask
+from pyruntime.model.weights import HostWeights
 
 
 @pytest.fixture(scope="module")
@@ -91,21 +93,30 @@ def test_big_little_refuses_top1(f32_path):
     assert "\n" not in str(info.value)
 
 
-def test_gpu_refuses_in_one_line_and_auto_takes_the_cpu(f32_path, monkeypatch):
-    from pyruntime.gpu.executor import GpuExecutor
-    from pyruntime.model.weights import HostWeights
+def test_gpu_whole_model_but_no_hybrid(f32_path, monkeypatch):
+    """The GPU executor runs the model (tests/test_gpu_model.py, tests/test_gpu_prefill.py); a
+    budget that only fits the hybrid takes the CPU under auto and is one line under --device
+    cuda, as is the hybrid executor itself."""
+    from pyruntime.offload.executor import HybridExecutor
+    from pyruntime.offload.plan import device_bytes
     from pyruntime.placement import choose_device
 
-    f = open_gguf(f32_path)
-    cfg = ModelConfig.from_gguf(f)
-    with pytest.raises(UsageError, match="llama4 models run on the CPU only .*; use --device cpu$"):
-        GpuExecutor(cfg, HostWeights.from_gguf(f, cfg), device="cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (80 << 30, 80 << 30))
-    choice = choose_device("auto", f, cfg, 64)
-    assert choice.device == "cpu" and "llama4 models run on the CPU only" in choice.note
-    with pytest.raises(UsageError, match="^--device cuda: llama4 models run on the CPU only"):
-        choose_device("cuda", f, cfg, 64)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "Tiny GPU")
+    f = open_gguf(f32_path)
+    cfg = ModelConfig.from_gguf(f)
+    assert choose_device("auto", f, cfg, 64).plan is None  # the whole model on the GPU
+    need = device_bytes(f, cfg, 64)
+    small = need.fixed + 2 * need.expert_bytes
+    choice = choose_device("auto", f, cfg, 64, gpu_mem=small)
+    assert choice.device == "cpu" and "llama4's input-weighted experts have no hybrid" in (
+        choice.note
+    )
+    with pytest.raises(UsageError, match="^--device cuda: the model does not fit the GPU and"):
+        choose_device("cuda", f, cfg, 64, gpu_mem=small)
+    with pytest.raises(UsageError, match="input-weighted experts have no hybrid .*cpu$"):
+        HybridExecutor(cfg, HostWeights.from_gguf(f, cfg), "cpu", None, slots=1)
 
 
 # ---- the converter --------------------------------------------------------------------------
