@@ -20,7 +20,7 @@
 #include "attention.h"
 #include "attn_tile.h"
 #include "error.h"
-#include "llama4.h"
+#include "llama4_qk.h"
 #include "vec.h"
 
 int pyrt_attention_init(pyrt_attention *a, const pyrt_model_weights *w, const char *fn) {

@@ -7,17 +7,8 @@
 
 #include <stdint.h>
 
+#include "llama4_qk.h"
 #include "prefill.h"
-
-/* A NoPE layer's query scale at position pos: 1 + scale log(1 + floor((pos + 1) / length)) in
- * f32 as temperature_scales (llama4.py) computes it; 1 when length is 0. */
-float pyrt_temperature(int length, float scale, int pos);
-
-/* q or k heads x [n_heads, hd] after their q/k norms, at one position: RoPE (cs: its (cos, sin)
- * pairs of rope_dim) unless `nope`; then on a rope layer with `l2` each head times
- * 1 / sqrt(mean(x^2) + eps), on a NoPE layer x times `temp` (1 for keys). */
-void pyrt_position_heads(float *x, int n_heads, int hd, int rope_dim, const float *cs, int nope,
-                         int l2, float eps, float temp);
 
 /* ids/w [k] = the k largest of logits [n_expert] (ties: lower id first; the order a softmax
  * keeps), weights sigmoid(logit). taken: [n_expert] scratch. */

@@ -17,7 +17,7 @@
 
 #include "attn_tile.h"
 #include "error.h"
-#include "llama4.h"
+#include "llama4_qk.h"
 #include "prefill.h"
 #include "vec.h"
 
