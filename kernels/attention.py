@@ -37,7 +37,7 @@ DECODE_BLOCK_S, DECODE_PROGRAMS, DECODE_WARPS = 16, 512, 1
 
 @triton.jit
 def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr, out_ptr,
-                        sink_ptr, stride_kvh, GROUP, scale_log2, window, D: tl.constexpr,
+                        sink_ptr, stride_kvh, GROUP, scale_log2, window, chunk, D: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, N_SPLIT: tl.constexpr,
                         HAS_SINKS: tl.constexpr):  # fmt: skip
     h = tl.program_id(0)
@@ -46,6 +46,8 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, cnt
     n = tl.load(len_ptr).to(tl.int32)
     # a sliding window (window > 0) attends to the last `window` positions only
     first = tl.where(window > 0, tl.maximum(n - window, 0), 0)
+    # chunked attention (chunk > 0, llama4): the keys of the query's own chunk (query at n - 1)
+    first = tl.where(chunk > 0, (n - 1) // tl.maximum(chunk, 1) * chunk, first)
     chunk = tl.cdiv(n - first, N_SPLIT)
     start = first + sp * chunk
     end = tl.minimum(start + chunk, n)
@@ -114,12 +116,15 @@ def decode_attention(
     num_warps: int | None = None,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """q [n_head, D]; k_cache, v_cache [n_kv, max_tokens, D] (contiguous rows); seq_len [1]
     int32/int64 device tensor (1 <= n <= max_tokens positions to attend). Returns [n_head, D]
     in q's dtype. window > 0: only the last `window` of the n positions (sliding-window
     attention); sinks: None or [n_head] f32 logits that join each head's softmax denominator
-    (gpt-oss). No host synchronization (graph-capturable). n_split, block_s, num_warps:
+    (gpt-oss); chunk > 0: only the positions of the query's chunk of `chunk` positions (the query
+    is position n - 1: positions (n - 1) // chunk * chunk .. n - 1; llama4). No host
+    synchronization (graph-capturable). n_split, block_s, num_warps:
     default from decode_splits, DECODE_BLOCK_S, DECODE_PROGRAMS, DECODE_WARPS (or the
     kernels.tuning overrides)."""
     n_head, D = q.shape
@@ -151,7 +156,8 @@ def decode_attention(
     _decode_attn_kernel[(n_head, n_split)](
         q, k_cache, v_cache, seq_len, m, l_sum, acc, counters(q.device, n_head), out,
         m if sinks is None else sinks, k_cache.stride(0), n_head // n_kv, scale * LOG2E,
-        int(window), D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_S=block_s, N_SPLIT=n_split,
+        int(window), int(chunk), D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_S=block_s,
+        N_SPLIT=n_split,
         HAS_SINKS=sinks is not None, num_warps=1 if interpreting() else num_warps,
     )  # fmt: skip
     return out
@@ -165,11 +171,15 @@ def decode_attention_ref(
     scale: float,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """Plain torch: softmax attention of each head over the first n cached positions (the last
-    `window` of them when window > 0), with sinks[h] in the denominator when given, fp32."""
+    `window` of them when window > 0, those of the last position's chunk when chunk > 0), with
+    sinks[h] in the denominator when given, fp32."""
     group = q.shape[0] // k_cache.shape[0]
     first = max(0, n - window) if window > 0 else 0
+    if chunk > 0:
+        first = (n - 1) // chunk * chunk
     k = k_cache[:, first:n].float().repeat_interleave(group, dim=0)  # [n_head, n', D]
     v = v_cache[:, first:n].float().repeat_interleave(group, dim=0)
     scores = torch.einsum("hd,hnd->hn", q.float(), k) * scale

@@ -7,6 +7,8 @@
   OLMoE, or per head as Qwen3-MoE), rotary embedding (HF rotate_half on the first rope_dim dims
   of each head), optional clamp; writes q [n_head, n, D] for attention, and k, v into the KV
   cache at each token's position (read from a device tensor, so decode is graph-capturable).
+  Llama-4's layers: q/k L2 norm per head after rope (no weight), or no rope and q scaled by the
+  temperature of its position (NoPE layers), both computed from that position in the kernel.
   Grid (n tokens, 3): program 0 does q, 1 does k, 2 copies v.
 - `shared_gate_add`: a MoE layer's output y + sigmoid(h . w_gate) * s, the routed experts' y
   plus the shared expert's s under its sigmoid gate (Qwen2-MoE, Qwen3.5-MoE): one launch for
@@ -134,9 +136,10 @@ NORM_NONE, NORM_ALL_HEADS, NORM_PER_HEAD = 0, 1, 2
 
 @triton.jit
 def _qk_rope_store_kernel(qkv_ptr, q_ptr, kv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr,
-                          n_tok, S, eps, clamp, NH: tl.constexpr, NKV: tl.constexpr,
-                          D: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
-                          CLAMP: tl.constexpr, BLOCK_HEADS: tl.constexpr,
+                          n_tok, S, eps, clamp, temp_len, temp_scale, NH: tl.constexpr,
+                          NKV: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr,
+                          NORM: tl.constexpr, CLAMP: tl.constexpr, L2: tl.constexpr,
+                          TEMP: tl.constexpr, BLOCK_HEADS: tl.constexpr,
                           BLOCK_D: tl.constexpr):  # fmt: skip
     t = tl.program_id(0)
     which = tl.program_id(1)  # 0: q, 1: k, 2: v
@@ -174,6 +177,12 @@ def _qk_rope_store_kernel(qkv_ptr, q_ptr, kv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_
         sign = tl.where(d < half, -1.0, 1.0)
         rot = x * cos[None, :] + (sign * sin)[None, :] * xp
         x = tl.where(in_rope[None, :], rot, x)
+        if L2:  # llama4's rope layers: x * rsqrt(mean(x^2) + eps) per head, after rope
+            x = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps))[:, None]
+        if TEMP:  # llama4's NoPE layers: q * (1 + scale log(1 + floor((pos + 1) / length)))
+            if which == 0:
+                steps = ((pos + 1) // temp_len).to(tl.float32)
+                x = x * (tl.log(1.0 + steps) * temp_scale + 1.0)
     elif CLAMP:
         x = tl.minimum(tl.maximum(x, -clamp), clamp)
     if which == 0:  # q [NH, n_tok, D]
@@ -197,27 +206,36 @@ def qk_rope_store(
     eps: float = 1e-6,
     clamp: float | None = None,
     num_warps: int | None = None,
+    *,
+    rope: bool = True,
+    l2_norm: bool = False,
+    temperature: tuple[int, float] | None = None,
 ) -> torch.Tensor:
     """qkv [n, (n_head + 2 n_kv) * D] (q, k, v columns); kv cache of one layer [2, n_kv, S, D];
     positions [n] int64 device tensor; cos, sin [S, rope_dim] float32 (rotate_half tables);
     q_norm/k_norm: None, [heads * D] (norm over all heads) or [D] (per head).
+    rope=False: no rotation (llama4's NoPE layers); l2_norm: q and k scaled per head by
+    rsqrt(mean(x^2) + eps) after rope; temperature (length, scale): q times
+    1 + scale log(1 + floor((pos + 1) / length)).
     Writes k, v at kv[:, :, positions]; returns q [n_head, n, D] in kv's dtype (rotated)."""
     n = qkv.shape[0]
     _, n_kv, S, D = kv.shape
-    rope = cos.shape[1]
+    rope_dim = cos.shape[1]
     if qkv.shape[1] != (n_head + 2 * n_kv) * D or not qkv.is_contiguous() or not kv.is_contiguous():
         raise ValueError(f"qkv must be contiguous [n, {(n_head + 2 * n_kv) * D}], kv contiguous "
                          f"[2, n_kv, S, D]; got {list(qkv.shape)}, {list(kv.shape)}")  # fmt: skip
-    if positions.shape != (n,) or cos.shape != sin.shape or cos.shape[0] < S or rope > D:
+    if positions.shape != (n,) or cos.shape != sin.shape or cos.shape[0] < S or rope_dim > D:
         raise ValueError("positions must be [n]; cos, sin [>= S, rope_dim <= D]")
     norm = NORM_NONE
     if q_norm is not None:
         norm = NORM_PER_HEAD if q_norm.numel() == D else NORM_ALL_HEADS
     q = torch.empty(n_head, n, D, device=qkv.device, dtype=kv.dtype)
+    temp_len, temp_scale = temperature or (1, 0.0)
     _qk_rope_store_kernel[(n, 3)](
         qkv, q, kv, positions, cos, sin, q if q_norm is None else q_norm,
         q if k_norm is None else k_norm, n, S, eps, 0.0 if clamp is None else clamp,
-        NH=n_head, NKV=n_kv, D=D, ROPE=rope, NORM=norm, CLAMP=clamp is not None,
+        temp_len, temp_scale, NH=n_head, NKV=n_kv, D=D, ROPE=rope_dim if rope else 0,
+        NORM=norm, CLAMP=clamp is not None, L2=l2_norm, TEMP=temperature is not None,
         BLOCK_HEADS=triton.next_power_of_2(max(n_head, n_kv)),
         BLOCK_D=triton.next_power_of_2(D),
         num_warps=1 if interpreting() else (num_warps or lookup("rope_warps") or 4),
@@ -226,7 +244,7 @@ def qk_rope_store(
 
 
 def qk_rope_store_ref(qkv, kv, positions, cos, sin, n_head, q_norm=None, k_norm=None, eps=1e-6,
-                      clamp=None):  # fmt: skip
+                      clamp=None, rope=True, l2_norm=False, temperature=None):  # fmt: skip
     """Plain torch (the CPU model's math): returns (q [n_head, n, D] f32, new kv)."""
     n = qkv.shape[0]
     _, n_kv, S, D = kv.shape
@@ -248,12 +266,18 @@ def qk_rope_store_ref(qkv, kv, positions, cos, sin, n_head, q_norm=None, k_norm=
     c, s = cos[positions], sin[positions]  # [n, rope]
     r = c.shape[1]
 
-    def rope(x):
+    def rotate(x):
         xr, xp = x[..., :r], x[..., r:]
         x1, x2 = xr[..., : r // 2], xr[..., r // 2 :]
         return torch.cat([xr * c + torch.cat([-x2, x1], dim=-1) * s, xp], dim=-1)
 
-    q, k = rope(q), rope(k)
+    if rope:
+        q, k = rotate(q), rotate(k)
+    if l2_norm:
+        q, k = norm(q, 1.0), norm(k, 1.0)
+    if temperature is not None:
+        steps = torch.floor((positions.float() + 1.0) / temperature[0])
+        q = q * (torch.log1p(steps) * temperature[1] + 1.0)[None, :, None]
     kv = kv.clone()
     kv[0][:, positions] = k.to(kv.dtype)
     kv[1][:, positions] = v.to(kv.dtype)

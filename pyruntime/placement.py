@@ -22,6 +22,7 @@ import torch
 from pyruntime.errors import DeviceMemoryError, PyruntimeWarning, UsageError
 from pyruntime.gguf.file import GGUFFile
 from pyruntime.model.config import ModelConfig
+from pyruntime.model.llama4 import hybrid_issue as llama4_issue
 from pyruntime.offload.plan import OffloadPlan, device_bytes, gib, plan_budget
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -76,7 +77,7 @@ def hybrid_issue(cfg: ModelConfig) -> str | None:
     """Why the hybrid executor (offload) cannot run this model, or None."""
     if cfg.is_mla:
         return f"{cfg.arch}'s multi-head latent attention has no hybrid (offload) path yet"
-    return None
+    return llama4_issue(cfg)
 
 
 def choose_device(requested: str, f: GGUFFile, cfg: ModelConfig, n_ctx: int,
@@ -98,9 +99,8 @@ def choose_device(requested: str, f: GGUFFile, cfg: ModelConfig, n_ctx: int,
             f"{torch.__version__}); use --device cpu or auto"
         )
     from pyruntime.kernels.expert_formats import activation_issue
-    from pyruntime.model.llama4 import gpu_issue
 
-    why = activation_issue(cfg.activation, (cfg.swiglu_alpha, cfg.swiglu_limit)) or gpu_issue(cfg)
+    why = activation_issue(cfg.activation, (cfg.swiglu_alpha, cfg.swiglu_limit))
     if why is not None:
         if req == "auto":
             return DeviceChoice("cpu", f"running on the CPU: {why}")

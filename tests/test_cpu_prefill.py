@@ -38,13 +38,20 @@ LOGPROB_TOL = 1e-5
 # 1.05e-5, one position of 300, q4_0 sparse); a missing sink, window, YaRN factor or bias is
 # >= 1e-2.
 LOGPROB_TOL_GPTOSS_QUANT = 5e-5
+# llama4 on quantized weights: the routing weight multiplies the expert's input, which is then
+# quantized to Q8 blocks, so a 1-ulp move of a router logit (the prefill's GEMM sums in another
+# order than a step's matvec) moves the Q8 rounding of the whole input: isolated rows move by up
+# to 1.5e-3 (3 of 300 rows, q4_0 dense; the other families weight the experts' outputs). A wrong
+# mask, chunk, temperature or weight moves every row past LOGPROB_TOL, so: at most 2% of the
+# rows (one of a short prompt) past it, none past 1e-2.
+LLAMA4_SPIKES, LOGPROB_TOL_LLAMA4_QUANT = 0.02, 1e-2
 SPARSE = 0.02  # a threshold that skips part of the tiny models' neurons (checked below)
 
 
-# every forward pass of qwen35moe and llama4 takes the reference path (their Gated DeltaNet
-# layers, llama4's attention and experts are not in the C core: tests/test_qwen35.py,
-# test_llama4.py); deepseek2's latent attention is mla_prefill.c
-C_PREFILL_ARCHS = [a for a in ARCHS if a not in ("qwen35moe", "llama4")]
+# every forward pass of qwen35moe takes the reference path (its Gated DeltaNet layers are not in
+# the C core: tests/test_qwen35.py); deepseek2's latent attention is mla_prefill.c, llama4's
+# layers llama4.c
+C_PREFILL_ARCHS = [a for a in ARCHS if a != "qwen35moe"]
 
 
 @pytest.fixture(scope="module", params=C_PREFILL_ARCHS)
@@ -86,8 +93,18 @@ def by_steps(c: CpuExecutor, ids: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(torch.cat(rows), dim=-1)
 
 
-def assert_close(a: torch.Tensor, b: torch.Tensor, what: str, tol: float = LOGPROB_TOL) -> None:
-    err = (a - b).abs().max().item()
+def assert_close(a: torch.Tensor, b: torch.Tensor, what: str, tol: float = LOGPROB_TOL,
+                 spikes: bool = False) -> None:  # fmt: skip
+    """Every row within tol; with `spikes` (llama4 on quantized weights, LLAMA4_SPIKES) a few
+    isolated rows may reach LOGPROB_TOL_LLAMA4_QUANT."""
+    rows = (a - b).abs().amax(dim=-1)
+    err = rows.max().item()
+    if spikes:
+        far = int((rows > tol).sum())
+        assert far <= max(1, LLAMA4_SPIKES * len(rows)) and err <= LOGPROB_TOL_LLAMA4_QUANT, (
+            f"{what}: {far} of {len(rows)} rows past {tol}, max |d logprob| {err:.3g}"
+        )
+        return
     assert err <= tol, f"{what}: max |d logprob| {err:.3g} > {tol}"
 
 
@@ -100,6 +117,7 @@ def test_prefill_is_token_by_token_decoding(converted, hf_model, outtype, sparse
     c = load(converted(outtype), ubatch=16)
     cfg = c.config
     tol = LOGPROB_TOL_GPTOSS_QUANT if hf_model[0] == "gptoss" and outtype != "f32" else LOGPROB_TOL
+    spikes = hf_model[0] == "llama4" and outtype != "f32"
     if sparse:
         c.expert_threshold = [SPARSE] * cfg.n_layer
     ids = prompt(cfg.n_vocab, 337)
@@ -118,7 +136,9 @@ def test_prefill_is_token_by_token_decoding(converted, hf_model, outtype, sparse
             cache = c.new_cache(n)
             got = torch.log_softmax(c.forward(ids[:n], cache), dim=-1)
             assert cache.n_tokens == n
-            assert_close(got, steps[:n], f"{hf_model[0]} {outtype} n={n} ubatch={ubatch}", tol)
+            assert_close(
+                got, steps[:n], f"{hf_model[0]} {outtype} n={n} ubatch={ubatch}", tol, spikes
+            )
             moe = sum(blk.experts is not None for blk in c.weights.blocks)
             assert c.stats.pairs == n * moe * cfg.n_expert_used
             if sparse:
@@ -129,7 +149,7 @@ def test_prefill_is_token_by_token_decoding(converted, hf_model, outtype, sparse
     cache = c.new_cache(337)
     c.forward(ids[:37], cache)
     got = torch.log_softmax(c.forward(ids[37:], cache), dim=-1)
-    assert_close(got, steps[37:], f"{hf_model[0]} {outtype}: 300 tokens after 37", tol)
+    assert_close(got, steps[37:], f"{hf_model[0]} {outtype}: 300 tokens after 37", tol, spikes)
 
 
 def test_last_only_is_the_last_row(converted):

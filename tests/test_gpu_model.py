@@ -37,11 +37,7 @@ DEVICES = ["cpu"] if INTERPRET else (["cuda"] if torch.cuda.is_available() else 
 DEVICE = DEVICES[0] if DEVICES else "cpu"
 
 
-# llama4 has no GPU path yet: refused in one line (tests/test_llama4.py)
-GPU_ARCHS = [a for a in ARCHS if a != "llama4"]
-
-
-@pytest.fixture(scope="module", params=GPU_ARCHS)
+@pytest.fixture(scope="module", params=ARCHS)
 def tiny_ggufs(request, tmp_path_factory) -> dict[str, Path | str]:
     arch = request.param
     tmp = tmp_path_factory.mktemp(f"gpu-{arch}")
@@ -107,10 +103,11 @@ def test_q8_0_argmax_agrees_with_cpu_path(tiny_ggufs, device):
 
 def test_sparse_threshold_matches_cpu_path(tiny_ggufs):
     """Per-layer thresholds: the kernels' sparse path vs the CPU reference's, and the achieved
-    sparsity counted the same way. Two families: olmoe, and gpt-oss (its thresholds on the
-    biased, clamped gate: the "fused" kernel's bias path)."""
-    if tiny_ggufs["arch"] not in ("olmoe", "gptoss"):
-        pytest.skip("sparse path checked on olmoe and gpt-oss only (interpreter time)")
+    sparsity counted the same way. Three families: olmoe, gpt-oss (its thresholds on the
+    biased, clamped gate: the "fused" kernel's bias path) and llama4 (thresholds on the gate of
+    the routing-weighted input)."""
+    if tiny_ggufs["arch"] not in ("olmoe", "gptoss", "llama4"):
+        pytest.skip("sparse path checked on olmoe, gpt-oss and llama4 only (interpreter time)")
     cpu, dev = _models(tiny_ggufs["f32"], DEVICE)
     thresholds = [0.05] * cpu.config.n_layer
     cpu.expert_threshold = thresholds

@@ -44,11 +44,7 @@ Q8_ARCHS = ("olmoe", "gptoss")  # the Q8_0 tiles' kernels are per format, not pe
 SPARSE = 0.02  # |act(gate)| threshold: skips part of the tiny models' neurons
 
 
-# llama4 has no GPU path yet: refused in one line (tests/test_llama4.py)
-GPU_ARCHS = [a for a in ARCHS if a != "llama4"]
-
-
-@pytest.fixture(scope="module", params=GPU_ARCHS)
+@pytest.fixture(scope="module", params=ARCHS)
 def ggufs(request, tmp_path_factory):
     arch = request.param
     tmp = tmp_path_factory.mktemp(f"gpu-prefill-{arch}")

@@ -98,3 +98,22 @@ def test_decode_attention_window_and_sinks(window, with_sinks):
     if with_sinks:  # the sinks took probability mass: not the plain attention
         plain = decode_attention_ref(q, k, v, n, 0.3, window)
         assert (plain - ref).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("n", [1, 8, 9, 21, 37])
+def test_decode_attention_chunk(n):
+    """llama4's chunked layers: the query (position n - 1) sees its own chunk of 8 positions
+    only; the earlier chunks hold garbage that must not leak."""
+    n_head, n_kv, max_tokens, d, chunk = 4, 2, 40, 24, 8
+    q, k, v = _case(n_head, n_kv, max_tokens, d, torch.float32, seed=n)
+    first = (n - 1) // chunk * chunk
+    k[:, :first] = 1e4
+    v[:, :first] = float("nan")
+    seq_len = torch.tensor([n], dtype=torch.int32, device=DEV)
+    out = decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), seq_len, 0.3, n_split=4, block_s=8,
+                           chunk=chunk).cpu()  # fmt: skip
+    clean_k, clean_v = k[:, first:], v[:, first:]
+    ref = decode_attention_ref(q, clean_k, clean_v, n - first, 0.3)
+    assert torch.isfinite(out).all()
+    assert (out - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    assert torch.equal(decode_attention_ref(q, k, v, n, 0.3, chunk=chunk), ref)

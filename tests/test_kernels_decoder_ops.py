@@ -118,3 +118,28 @@ def test_shared_gate_add(n, H, s_dtype):
     assert got.dtype == torch.float32 and _rel_err(got, want) <= 1e-6
     with pytest.raises(ValueError, match="gate \\[H\\]"):
         shared_gate_add(*_on(y, s, h32, gate[1:]))
+
+
+@pytest.mark.parametrize("mode", ["l2", "nope"])
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+def test_qk_rope_store_llama4_layers(mode, dtype, tol):
+    """llama4: rope layers L2-normalize q and k per head after rope; NoPE layers skip rope and
+    scale q by 1 + 0.5 log(1 + floor((pos + 1) / 4)) of each token's own position (positions
+    3..11 cross several temperature steps)."""
+    n_head, n_kv, D, S = 4, 2, 24, 13
+    g = torch.Generator().manual_seed(17)
+    qkv = (torch.randn(3, (n_head + 2 * n_kv) * D, generator=g) * 3).to(dtype)
+    kv = torch.randn(2, n_kv, S, D, generator=g).to(dtype)
+    positions = torch.tensor([3, 7, 11])
+    cos, sin = rope_tables(torch.arange(S), inv_frequencies(D, 500000.0))
+    opts = dict(l2_norm=True) if mode == "l2" else dict(rope=False, temperature=(4, 0.5))
+    ref_q, ref_kv = qk_rope_store_ref(qkv, kv, positions, cos, sin, n_head, **opts)
+    got_kv = kv.clone().to(DEV)
+    q = qk_rope_store(*_on(qkv), got_kv, *_on(positions, cos, sin), n_head, **opts).cpu()
+    assert _rel_err(q, ref_q) <= tol and _rel_err(got_kv.cpu(), ref_kv) <= tol
+    # the option changed the result: not the plain rope path's q
+    plain_q, _ = qk_rope_store_ref(qkv, kv, positions, cos, sin, n_head)
+    assert _rel_err(q, plain_q) > 0.1
+    if mode == "nope":  # q of the first token (pos 3, scale 1 + 0.5 log 2) vs the raw columns
+        raw = qkv[0, : n_head * D].float().view(n_head, D)
+        assert _rel_err(q[:, 0], raw * (1 + 0.5 * torch.log(torch.tensor(2.0)))) <= tol

@@ -1,10 +1,11 @@
-"""Llama-4: the converter's fields and refusals, its multimodal layout, the CPU path, sparsity,
-and the places it is refused (no GPU path yet; big/little needs top-k >= 2). Logits vs
-transformers (prefill and token-by-token decode, f32 / q8_0 / mxfp4, both expert backends) are
-in tests/test_parity.py (ARCHS); the tiny config (tests/hf_fixtures.py) makes every feature
-move the log-probs by more than the 1e-3 tolerance: without the chunk mask, the q/k L2 norm,
-the NoPE layers, llama3 scaling or with the sigmoid weight on the expert's output by 0.50-1.07,
-without temperature tuning by 0.006.
+"""Llama-4: the converter's fields and refusals, its multimodal layout, the CPU path (the C
+decoder), sparsity, and the places it is refused (no hybrid path yet; big/little needs top-k >=
+2). The GPU path is in tests/test_gpu_model.py and tests/test_gpu_prefill.py (every family).
+Logits vs transformers (prefill and token-by-token decode, f32 / q8_0 / mxfp4, both expert
+backends) are in tests/test_parity.py (ARCHS); the tiny config (tests/hf_fixtures.py) makes
+every feature move the log-probs by more than the 1e-3 tolerance: without the chunk mask, the
+q/k L2 norm, the NoPE layers, llama3 scaling or with the sigmoid weight on the expert's output
+by 0.50-1.07, without temperature tuning by 0.006.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pyruntime.errors import ConversionError, UsageError
 from pyruntime.gguf.file import open_gguf
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.reference import attention_mask
+from pyruntime.model.weights import HostWeights
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +62,21 @@ def test_chunk_mask():
     assert mask.tolist() == want
 
 
-def test_cpu_path_runs_the_reference_with_the_c_core(f32_path):
+def test_cpu_path_runs_the_c_decoder(f32_path):
+    """With the C core the model's prefill and steps are the C decoder's (runtime/src/llama4.c;
+    its parity with transformers in tests/test_parity.py, with its own steps in
+    tests/test_cpu_prefill.py, seams in tests/test_cpu_decode.py); the reference forward stays
+    the torch backend's."""
     model = CpuExecutor.from_gguf(open_gguf(f32_path), expert_backend="c")
-    assert not c_decoder_runs(model.config) and model._decoder is None
-    assert model.core is not None and model.linear == model._core_linear
+    assert c_decoder_runs(model.config) and model._decoder is not None
+    torch_model = CpuExecutor.from_gguf(open_gguf(f32_path), expert_backend="torch")
+    ids = torch.randint(0, model.config.n_vocab, (12,), generator=torch.Generator().manual_seed(2))
+    want = torch_model.forward(ids, torch_model.new_cache(12))
+    cache = model.new_cache(12)
+    got = torch.cat([model.forward(ids[:9], cache)] + [model.forward(ids[j : j + 1], cache)
+                                                        for j in range(9, 12)])  # fmt: skip
+    err = (torch.log_softmax(got, -1) - torch.log_softmax(want, -1)).abs().max().item()
+    assert err <= 1e-4, f"C decoder vs the reference: {err:.2e}"
 
 
 def test_info_shows_the_llama4_fields(f32_path, capsys):
@@ -91,21 +104,30 @@ def test_big_little_refuses_top1(f32_path):
     assert "\n" not in str(info.value)
 
 
-def test_gpu_refuses_in_one_line_and_auto_takes_the_cpu(f32_path, monkeypatch):
-    from pyruntime.gpu.executor import GpuExecutor
-    from pyruntime.model.weights import HostWeights
+def test_gpu_whole_model_but_no_hybrid(f32_path, monkeypatch):
+    """The GPU executor runs the model (tests/test_gpu_model.py, tests/test_gpu_prefill.py); a
+    budget that only fits the hybrid takes the CPU under auto and is one line under --device
+    cuda, as is the hybrid executor itself."""
+    from pyruntime.offload.executor import HybridExecutor
+    from pyruntime.offload.plan import device_bytes
     from pyruntime.placement import choose_device
 
-    f = open_gguf(f32_path)
-    cfg = ModelConfig.from_gguf(f)
-    with pytest.raises(UsageError, match="llama4 models run on the CPU only .*; use --device cpu$"):
-        GpuExecutor(cfg, HostWeights.from_gguf(f, cfg), device="cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (80 << 30, 80 << 30))
-    choice = choose_device("auto", f, cfg, 64)
-    assert choice.device == "cpu" and "llama4 models run on the CPU only" in choice.note
-    with pytest.raises(UsageError, match="^--device cuda: llama4 models run on the CPU only"):
-        choose_device("cuda", f, cfg, 64)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "Tiny GPU")
+    f = open_gguf(f32_path)
+    cfg = ModelConfig.from_gguf(f)
+    assert choose_device("auto", f, cfg, 64).plan is None  # the whole model on the GPU
+    need = device_bytes(f, cfg, 64)
+    small = need.fixed + 2 * need.expert_bytes
+    choice = choose_device("auto", f, cfg, 64, gpu_mem=small)
+    assert choice.device == "cpu" and "llama4's input-weighted experts have no hybrid" in (
+        choice.note
+    )
+    with pytest.raises(UsageError, match="^--device cuda: the model does not fit the GPU and"):
+        choose_device("cuda", f, cfg, 64, gpu_mem=small)
+    with pytest.raises(UsageError, match="input-weighted experts have no hybrid .*cpu$"):
+        HybridExecutor(cfg, HostWeights.from_gguf(f, cfg), "cpu", None, slots=1)
 
 
 # ---- the converter --------------------------------------------------------------------------
@@ -204,7 +226,7 @@ def test_calibrate_and_sparsity_hit_the_target(hf_dir, tmp_path):
     """`pyruntime calibrate` then --sparsity: thresholds measured on one text (on each expert's
     input as it runs: x * sigmoid(logit)), applied to another, drop the target fraction of
     routed neurons within 3 points (512 tokens x 2 MoE layers x 1 expert x 32 neurons = 33k
-    decisions per target), in a prompt and token by token."""
+    decisions per target), through the C core's prefill and decode step."""
     from pyruntime.api import Model
     from pyruntime.cli import main
 
@@ -219,7 +241,8 @@ def test_calibrate_and_sparsity_hit_the_target(hf_dir, tmp_path):
         logits = model.logits(ids)
         assert abs(model.achieved_sparsity - target) <= 0.03, (target, model.achieved_sparsity)
         assert (logits != dense_logits).any()
-        step = Model(path, sparsity=target, device="cpu").net
+        step = Model(path, sparsity=target, device="cpu").net  # the C decode step, one token
+        step.sparse_decode, step.sparse_layers = True, None  # even where dense measured faster
         cache = step.new_cache(256)
         for token in ids[:256]:
             step.forward([token], cache)

@@ -229,6 +229,9 @@ class CpuCore:
     def __init__(self, threads: int | None = None, params: dict[str, int] | None = None) -> None:
         lib = _lib()
         self._lib = lib  # the build that made the pool frees it and runs its calls
+        # bound now: a first lookup of a lib function takes cffi's lock, and __del__ may run
+        # from a garbage collection inside another cffi call that holds it (a deadlock)
+        self._pool_free = lib.pyrt_pool_free
         self._pool = None
         n = physical_cores() if threads is None else threads
         if not isinstance(n, int) or isinstance(n, bool):
@@ -242,7 +245,7 @@ class CpuCore:
     def close(self) -> None:
         """Stop the worker threads and free the pool (idempotent)."""
         if self._pool is not None:
-            self._lib.pyrt_pool_free(self._pool)
+            self._pool_free(self._pool)
             self._pool = None
 
     def __enter__(self) -> CpuCore:

@@ -38,13 +38,13 @@ from pyruntime.model.weights import HostWeights
 
 def c_decoder_runs(cfg: ModelConfig) -> bool:
     """Whether the C decoder (decode step and prefill) runs this model (multi-head latent
-    attention included: runtime/src/mla_step.c): not a model with Gated DeltaNet layers
-    (qwen35moe) or llama4's layers (input-weighted experts, NoPE layers, chunked attention),
-    which the C core does not implement. Such a model runs the reference forward with the C
-    core's `linear` for every matrix and its routed-expert kernel (the DeltaNet recurrence, conv,
-    norms and attention in torch: per token a few small ops per layer against the experts' and
-    matrices' memory reads)."""
-    return not any(cfg.recurrent_layers) and not cfg.expert_input_weight
+    attention included: runtime/src/mla_step.c; llama4's chunked / NoPE attention and
+    input-weighted experts: runtime/src/llama4.c): not a model with Gated DeltaNet layers
+    (qwen35moe), which the C core does not implement. Such a model runs the reference forward
+    with the C core's `linear` for every matrix and its routed-expert kernel (the DeltaNet
+    recurrence, conv, norms and attention in torch: per token a few small ops per layer against
+    the experts' and matrices' memory reads)."""
+    return not any(cfg.recurrent_layers)
 
 
 class CpuExecutor(ReferenceModel):

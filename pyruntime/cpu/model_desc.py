@@ -3,8 +3,9 @@
 Every weight matrix is a pointer into the GGUF mmap (read in place, in its stored format) with its
 byte count and shape (deepseek2's multi-head latent attention's too); every small float32 tensor
 (norms, biases, q/k norms, the shared expert's gate, the RoPE frequencies, gpt-oss's sinks and
-router / expert biases, MLA's latent norms) a pointer with its element
-count: the C side checks each length against the model's shape once, at pyrt_decoder_create, and
+router / expert biases, MLA's latent norms) a pointer with its element count (llama4's chunks,
+NoPE layers, q/k L2 norm, temperature and input-weighted experts are plain numbers): the C side
+checks each length against the model's shape once, at pyrt_decoder_create, and
 never reads past it.
 """
 
@@ -33,6 +34,8 @@ class ModelDescription:
         for i, blk in enumerate(weights.blocks):
             self._describe_block(blocks[i], blk)
             blocks[i].window = cfg.layer_window(i)
+            blocks[i].chunk = cfg.layer_chunk(i)
+            blocks[i].nope = int(cfg.is_nope(i))
         w = ffi.new("pyrt_model_weights *")
         w.n_vocab, w.n_embd, w.n_layer = cfg.n_vocab, cfg.n_embd, cfg.n_layer
         w.n_head, w.n_head_kv, w.head_dim = cfg.n_head, cfg.n_head_kv, cfg.head_dim
@@ -56,6 +59,10 @@ class ModelDescription:
         w.mla_nope_dim, w.mla_v_dim = cfg.mla_nope_dim, cfg.mla_v_dim
         w.expert_weights_scale = cfg.expert_weights_scale
         w.expert_groups, w.expert_groups_used = cfg.expert_groups, cfg.expert_groups_used
+        w.qk_l2_norm = int(cfg.qk_l2_norm)
+        w.temperature_length = cfg.temperature_length
+        w.temperature_scale = cfg.temperature_scale
+        w.expert_input_weight = int(cfg.expert_input_weight)
         self._set_matrix(w.token_embd, weights.token_embd)
         self._set_matrix(w.output, weights.output)
         self._set_vector(w.output_norm, weights.output_norm)

@@ -12,6 +12,10 @@ Same math as pyruntime.model.reference, laid out for a GPU:
 - Gated DeltaNet layers (qwen35moe) read and write the cache's recurrent state in place
   (kernels.deltanet: one decode kernel; gpu/deltanet.py: the chunked kernels for a prompt);
   multi-head latent attention layers (deepseek2) their cache's one plane of latents (gpu/mla.py);
+- llama4: chunked attention (a window aligned to chunk boundaries, in the decode kernel and the
+  prefill mask), NoPE layers (no rope, temperature-scaled queries in the rope/KV-store kernel),
+  q/k L2 norm, top-k by logit weighted sigmoid(logit) on the expert's input (layers.route and
+  layers.routed_experts);
 - a step is the per-layer pieces of pyruntime.gpu.layers in a loop. Prefill (n > 1 tokens) runs
   eagerly (GEMM kernels, torch SDPA; docs/architecture.md); decode (1 token) reads its inputs
   (token id, position, cached length) from device tensors, so on CUDA it is captured once per
@@ -50,7 +54,6 @@ from pyruntime.kernels.expert_paths import SPARSE_PATHS, expert_path
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.executor import RoutingTrace
 from pyruntime.model.kv_cache import KVCache
-from pyruntime.model.llama4 import gpu_issue
 from pyruntime.model.reference import check_k
 from pyruntime.model.stats import ExpertStats
 from pyruntime.model.tokens import single_token, token_ids
@@ -80,7 +83,6 @@ class GpuExecutor:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         issue = activation_issue(cfg.activation, (cfg.swiglu_alpha, cfg.swiglu_limit))
-        issue = issue or gpu_issue(cfg)
         if issue is not None:
             raise UsageError(f"{issue}; use --device cpu")
         try:  # a bad tuning file: one line now, not a traceback mid-decode

@@ -194,12 +194,14 @@ class DecoderLayers:
         with self.part("rope+kv store"):
             q = qk_rope_store(
                 qkv, kv, span.positions, span.cos, span.sin, cfg.n_head, blk.q_norm, blk.k_norm,
-                cfg.rms_eps, cfg.clamp_kqv,
+                cfg.rms_eps, cfg.clamp_kqv, rope=not blk.nope,
+                l2_norm=cfg.qk_l2_norm and not blk.nope, temperature=self._temperature(blk),
             )  # fmt: skip
         with self.part("attention"):
             if span.seq_len is not None:  # one token: split-K kernel, length on the device
                 a = decode_attention(q[:, 0], kv[0], kv[1], span.seq_len, self.scale,
-                                     window=blk.window, sinks=blk.sinks)  # fmt: skip
+                                     window=blk.window, sinks=blk.sinks,
+                                     chunk=blk.chunk)  # fmt: skip
                 a = a.reshape(1, -1)
             else:
                 end = span.start + span.n
@@ -209,6 +211,13 @@ class DecoderLayers:
                 a = a * torch.sigmoid(blk.attn_gate(h, torch.float32)).to(a.dtype)
         with self.part("o_proj"):
             return x, blk.wo(a)
+
+    def _temperature(self, blk: DeviceBlock) -> tuple[int, float] | None:
+        """(length, scale) of a llama4 NoPE layer's query temperature, else None."""
+        cfg = self.config
+        if blk.nope and cfg.temperature_length:
+            return cfg.temperature_length, cfg.temperature_scale
+        return None
 
     def mla(self, i: int, x: torch.Tensor, delta: torch.Tensor | None, kv: torch.Tensor,
             span: Span) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -265,10 +274,10 @@ class DecoderLayers:
             if group > 1:
                 keys = keys.repeat_interleave(group, dim=0)
                 values = values.repeat_interleave(group, dim=0)
-            mask = attention_mask(start, end, blk.window, q.device)
+            mask = attention_mask(start, end, blk.window, q.device, blk.chunk)
             out = sink_attention(q.float(), keys.float(), values.float(), mask, self.scale,
                                  blk.sinks).to(q.dtype)  # fmt: skip
-        elif start == 0 and not blk.window:
+        elif start == 0 and not blk.window and not blk.chunk:
             out = F.scaled_dot_product_attention(
                 q[None], keys[None], values[None], is_causal=True, scale=self.scale,
                 enable_gqa=group > 1,
@@ -278,7 +287,8 @@ class DecoderLayers:
                 keys = keys.repeat_interleave(group, dim=0)
                 values = values.repeat_interleave(group, dim=0)
             # Causal over absolute positions (query at start+a sees keys 0..start+a), windowed
-            mask = attention_mask(start, end, blk.window, q.device)  # [n, end]
+            # or chunked
+            mask = attention_mask(start, end, blk.window, q.device, blk.chunk)  # [n, end]
             out = F.scaled_dot_product_attention(q[None], keys[None], values[None],
                                                  attn_mask=mask, scale=self.scale)[0]  # fmt: skip
         return out.transpose(0, 1).reshape(n, cfg.n_head * cfg.head_dim)
@@ -292,12 +302,14 @@ class DecoderLayers:
         eps, alpha = cfg.rms_eps, cfg.residual_scale
         if x.shape[0] <= FUSED_MAX_TOKENS:
             with self.part("router"):  # + residual add + ffn norm
-                want_f32 = blk.shared_gate is not None and self.dtype != torch.float32
+                want_f32 = (
+                    blk.shared_gate is not None or cfg.expert_input_weight
+                ) and self.dtype != torch.float32
                 x, h, h32, ids, w, logits = add_norm_router(
                     x, delta, blk.ffn_norm, blk.router, eps, k, cfg.expert_weights_norm,
                     self.dtype, alpha, want_f32, router_bias=blk.router_bias,
                 )  # fmt: skip
-            ids, w = self._deepseek_routing(logits, k, ids, w)
+            ids, w = self._model_routing(logits, k, ids, w)
             return Routed(x, h, h if h32 is None else h32, ids, w, logits)
         x, h, h32 = self.ffn_norm(i, x, delta, want_f32=True)
         with self.part("router"):
@@ -305,14 +317,17 @@ class DecoderLayers:
             if blk.router_bias is not None:
                 logits = logits + blk.router_bias
             ids, w = router_topk(logits, k, cfg.expert_weights_norm)
-        ids, w = self._deepseek_routing(logits, k, ids, w)
+        ids, w = self._model_routing(logits, k, ids, w)
         return Routed(x, h, h32, ids, w, logits)
 
-    def _deepseek_routing(self, logits, k: int, ids, w):
+    def _model_routing(self, logits, k: int, ids, w):
         """deepseek2's routing over the router logits: the top-k within the best groups
-        (recomputed by the reference's route), weights times expert_weights_scale; else ids, w
+        (recomputed by the reference's route), weights times expert_weights_scale; llama4's:
+        the same top-k (softmax keeps the logits' order), weighted sigmoid(logit); else ids, w
         as the router kernels chose them."""
         cfg = self.config
+        if cfg.expert_input_weight:
+            return ids, torch.sigmoid(logits.gather(1, ids))
         if cfg.expert_groups:
             groups = (cfg.expert_groups, cfg.expert_groups_used)
             return route(logits, k, cfg.expert_weights_norm, cfg.expert_weights_scale, groups)
@@ -329,12 +344,31 @@ class DecoderLayers:
         expert slots)."""
         blk = self.blocks[i]
         threshold = None if self.expert_threshold is None else self.expert_threshold[i]
-        with self.part("routed experts"):
+
+        def run(h, ids, weights):
             return moe_experts(
-                r.h, blk.experts if slots is None else slots, blk.experts_fmt, r.ids, r.weights,
+                h, blk.experts if slots is None else slots, blk.experts_fmt, ids, weights,
                 self.config.activation, threshold, self.sparse_switch[i], expert_map,
                 blk.expert_bias,
             )  # fmt: skip
+
+        with self.part("routed experts"):
+            if not self.config.expert_input_weight:
+                return run(r.h, r.ids, r.weights)
+            return self._input_weighted(r, run)
+
+    def _input_weighted(self, r: Routed, run):
+        """llama4's experts (model.llama4.input_weighted_experts): per slot s, run(h * w_s,
+        ids_s, 1): the routing weight scales the expert's input (in f32, then the matmul
+        dtype), the outputs are summed. One call at top-1, the released models' k."""
+        ones = torch.ones_like(r.weights[:, :1])
+        y, active = None, []
+        for s in range(r.ids.shape[1]):
+            hs = (r.h32 * r.weights[:, s : s + 1]).to(self.dtype)
+            ys, act = run(hs, r.ids[:, s : s + 1].contiguous(), ones)
+            y = ys if y is None else y + ys
+            active.append(act)
+        return y, None if active[0] is None else torch.cat(active, dim=1)
 
     def ffn_output(self, i: int, r: Routed, y: torch.Tensor) -> torch.Tensor:
         """MoE layer i's FFN output [n, n_embd]: the routed experts' y plus the shared expert

@@ -149,6 +149,10 @@ class DeviceBlock:
     attn_gate: Linear | None = None  # [n_head * head_dim, n_embd]: out *= sigmoid(x Wg^T)
     deltanet: DeviceDeltaNet | None = None
     mla: DeviceMLA | None = None  # deepseek2 (with wo, its output; no wqkv)
+    # llama4: attention within chunks of `chunk` tokens (0: none); a NoPE layer (no rope,
+    # global attention, temperature-scaled queries)
+    chunk: int = 0
+    nope: bool = False
 
 
 @dataclass
@@ -265,6 +269,8 @@ def upload_block(
         attn_gate=None if blk.attn_gate is None else upload_linear(blk.attn_gate, device, dtype),
         deltanet=deltanet,
         mla=mla,
+        chunk=cfg.layer_chunk(index),
+        nope=cfg.is_nope(index),
     )
 
 

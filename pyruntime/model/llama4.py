@@ -55,12 +55,9 @@ def input_weighted_experts(
     return y, n_active
 
 
-def gpu_issue(cfg: ModelConfig) -> str | None:
-    """Why the GPU executors cannot run `cfg` (a llama4 model: its NoPE layers, chunked
-    attention and input-weighted experts are not in the Triton path yet), or None."""
+def hybrid_issue(cfg: ModelConfig) -> str | None:
+    """Why the hybrid (offload) executor cannot run `cfg` (a llama4 model: its host-side experts
+    take the routing weight on their output, not on their input), or None."""
     if cfg.expert_input_weight:
-        return (
-            f"{cfg.arch} models run on the CPU only (their NoPE layers, chunked attention and "
-            "input-weighted experts have no GPU kernels yet)"
-        )
+        return f"{cfg.arch}'s input-weighted experts have no hybrid (offload) path yet"
     return None

@@ -26,7 +26,7 @@ extern "C" {
 /* PYRT_CDEF_BEGIN */
 /* This header's version of the API: raised whenever a declaration below changes, so that a
  * caller declared from one header refuses a library built from another (pyrt_api_version). */
-enum { PYRT_API_VERSION = 6 };
+enum { PYRT_API_VERSION = 7 };
 
 /* Status codes. */
 enum {
@@ -270,6 +270,11 @@ typedef struct {
     pyrt_vector kv_a_norm;          /* [R] attn_kv_a_norm */
     pyrt_matrix wk_b;               /* [n_head R, D] attn_k_b: head h's rows [h R, (h + 1) R) */
     pyrt_matrix wv_b;               /* [n_head mla_v_dim, R] attn_v_b */
+    /* llama4 (0 for the other families) */
+    int chunk;                      /* > 0: a query at position p attends to the positions of its
+                                       own chunk up to itself, [p - p % chunk, p]; 0: to all */
+    int nope;                       /* 1: a NoPE layer: no RoPE, no q/k L2 norm, q times the
+                                       model's temperature of its position */
 } pyrt_block_weights;
 
 /* The whole model. Borrowed: every pointer must stay valid for the decoder's life. */
@@ -295,6 +300,16 @@ typedef struct {
        experts) whose best probability is highest; 0: no groups */
     float expert_weights_scale;
     int expert_groups, expert_groups_used;
+    /* llama4 (0 for the other families) */
+    int qk_l2_norm;                 /* 1: the rope layers' q and k, per head after RoPE, times
+                                       1 / sqrt(mean(x^2) + rms_eps) */
+    int temperature_length;         /* > 0: a NoPE layer's q at position p times
+                                       1 + temperature_scale log(1 + floor((p + 1) / length)) */
+    float temperature_scale;
+    int expert_input_weight;        /* 1: routing = the top k of the router's logits, weights
+                                       sigmoid(logit), each multiplying its expert's INPUT (the
+                                       outputs summed as they are); 0: softmax top-k weights
+                                       multiplying the outputs */
     pyrt_matrix token_embd;         /* [n_vocab, n_embd] */
     pyrt_matrix output;             /* [n_vocab, n_embd] (token_embd when tied) */
     pyrt_vector output_norm;        /* [n_embd] */

@@ -3,9 +3,10 @@
  * output projection, with the model's math (pyruntime/model/reference.py), op for op:
  *
  *   q, k, v = xn Wq^T + bq, ... ; clamp to +-clamp_kqv ; q/k norm (all heads or per head) ;
- *   RoPE (rotate_half, first rope_dim dims of each head, cos/sin times rope_scale) ;
+ *   RoPE (rotate_half, first rope_dim dims of each head, cos/sin times rope_scale), and
+ *   llama4's q/k L2 norm after it, or on its NoPE layers no RoPE and q times a temperature ;
  *   k, v -> cache[pos] ; a = softmax(q k^T * scale) v over positions 0..pos (the last `window`
- *   of them on a sliding-window layer; with sinks, exp(sink[h]) joins the softmax's
+ *   of them on a sliding-window layer, those of pos's chunk on a chunked one; with sinks, exp(sink[h]) joins the softmax's
  *   denominator) ; y = a Wo^T + bo
  *
  * Where the q/k norms are per head or absent, all of it is one pool task (pyrt_attention_task);
@@ -19,6 +20,7 @@
 #include "attention.h"
 #include "attn_tile.h"
 #include "error.h"
+#include "llama4_qk.h"
 #include "vec.h"
 
 int pyrt_attention_init(pyrt_attention *a, const pyrt_model_weights *w, const char *fn) {
@@ -28,7 +30,9 @@ int pyrt_attention_init(pyrt_attention *a, const pyrt_model_weights *w, const ch
                           .scale = w->attention_scale, .clamp_kqv = w->clamp_kqv,
                           .rope_inv_freq = w->rope_inv_freq.data,
                           .rope_scale = w->rope_scale != 0.0f ? w->rope_scale : 1.0f,
-                          .rope_pos = -1};
+                          .rope_pos = -1, .qk_l2 = w->qk_l2_norm,
+                          .temp_len = w->temperature_length,
+                          .temp_scale = w->temperature_scale, .temp = 1.0f};
     const size_t f = sizeof(float);
     a->q = malloc((size_t)nq * f);
     a->k = malloc((size_t)nkv * f);
@@ -77,6 +81,7 @@ int pyrt_attention_prepare(pyrt_attention *a, int pos, int cap, const char *fn) 
             a->rope_cs[2 * i] = cosf(f) * a->rope_scale;
             a->rope_cs[2 * i + 1] = sinf(f) * a->rope_scale;
         }
+        a->temp = pyrt_temperature(a->temp_len, a->temp_scale, pos);
         a->rope_pos = pos;
     }
     return PYRT_OK;
@@ -114,7 +119,7 @@ static void attend_head(const pyrt_attn_task *t, int h) {
                            .pos = {t->l.pos}, .n_rows = 1,
                            .k = t->l.kc + (size_t)kvh * t->l.cap * hd,
                            .v = t->l.vc + (size_t)kvh * t->l.cap * hd,
-                           .hd = hd, .window = b->window, .scale = a->scale,
+                           .hd = hd, .window = b->window, .chunk = b->chunk, .scale = a->scale,
                            .has_sink = b->sinks.data != NULL,
                            .sink = {b->sinks.data != NULL ? b->sinks.data[h] : 0.0f},
                            .scratch = a->scores + (size_t)h * a->scores_cap,
@@ -174,7 +179,8 @@ void pyrt_attention_task(void *p, int ith, int nth) {
             pyrt_pool_wait_flag(t->pool, &a->rows_done[a->n_head + a->n_head_kv + kvh], hd, ith);
             if (b->k_norm.data != NULL)
                 pyrt_rms_norm(k, b->k_norm.data, a->rms_eps, hd, k);
-            pyrt_rope(k, 1, hd, a->rope_dim, a->rope_cs);
+            pyrt_position_heads(k, 1, hd, a->rope_dim, a->rope_cs, b->nope, a->qk_l2,
+                                a->rms_eps, 1.0f);
             const size_t at = ((size_t)kvh * t->l.cap + t->l.pos) * hd;
             memcpy(t->l.kc + at, k, (size_t)hd * sizeof(float));
             memcpy(t->l.vc + at, v, (size_t)hd * sizeof(float));
@@ -184,7 +190,8 @@ void pyrt_attention_task(void *p, int ith, int nth) {
         }
         if (b->q_norm.data != NULL)
             pyrt_rms_norm(q, b->q_norm.data, a->rms_eps, hd, q);
-        pyrt_rope(q, 1, hd, a->rope_dim, a->rope_cs);
+        pyrt_position_heads(q, 1, hd, a->rope_dim, a->rope_cs, b->nope, a->qk_l2, a->rms_eps,
+                            a->temp);
         attend_head(t, h);
         /* the last head done quantizes att for o (one vector of n_head * head_dim) */
         if (atomic_fetch_add_explicit(&a->heads_done, 1, memory_order_acq_rel) == a->n_head - 1) {
@@ -249,8 +256,10 @@ void pyrt_attention_run(pyrt_attention *a, pyrt_pool *pool, const pyrt_attn_laye
             pyrt_rms_norm(k, b->k_norm.data, a->rms_eps, hd, k);
         }
     }
-    pyrt_rope(a->q, a->n_head, hd, a->rope_dim, a->rope_cs);
-    pyrt_rope(a->k, a->n_head_kv, hd, a->rope_dim, a->rope_cs);
+    pyrt_position_heads(a->q, a->n_head, hd, a->rope_dim, a->rope_cs, b->nope, a->qk_l2,
+                        a->rms_eps, a->temp);
+    pyrt_position_heads(a->k, a->n_head_kv, hd, a->rope_dim, a->rope_cs, b->nope, a->qk_l2,
+                        a->rms_eps, 1.0f);
     for (int h = 0; h < a->n_head_kv; h++) {
         memcpy(l->kc + ((size_t)h * l->cap + l->pos) * hd, a->k + (size_t)h * hd,
                (size_t)hd * sizeof(float));

@@ -18,6 +18,10 @@ typedef struct {
     float rms_eps, scale, clamp_kqv;
     const float *rope_inv_freq; /* [rope_dim / 2] (borrowed) */
     float rope_scale;           /* cos and sin multiplied by it (1: plain rope) */
+    int qk_l2;                  /* llama4: q/k L2 norm on the rope layers */
+    int temp_len;               /* llama4: the NoPE layers' query temperature (0: none) */
+    float temp_scale;
+    float temp;                 /* its value at rope_pos */
     float *q, *k, *v;           /* [n_head*hd], [n_kv*hd], [n_kv*hd]: the q/k/v outputs */
     float *att;                 /* [n_head*hd] attention output, o's input */
     pyrt_xq8 *att_q;            /* [n_head*hd / 32] Q8 blocks of att for a fused o projection

@@ -5,7 +5,8 @@
  * one-row tile given `stream` keeps one, to read its keys in one pass).
  *
  * Row r of the tile: o_r = softmax(q_r k^T * scale) v over positions [lo_r, pos_r] (lo_r =
- * pos_r + 1 - window on a sliding-window layer, else 0); with a sink s, exp(s) joins the
+ * pos_r + 1 - window on a sliding-window layer, pos_r - pos_r % chunk on a chunked one, else
+ * 0); with a sink s, exp(s) joins the
  * softmax's denominator (the online state starts at m = s, l = 1). Blocks start at multiples of
  * KB and every row's sums run in one order, so a row's output has the same bits in any tile:
  * the decode step (attention.c) runs its heads as one-row tiles, and a step and a prefill give
@@ -25,6 +26,7 @@ typedef struct {
     int n_rows;
     const float *k, *v; /* the kv head's cache: position p's key at k + p * hd */
     int hd, window;     /* window 0: every earlier position */
+    int chunk;          /* > 0: row r's keys are [pos_r - pos_r % chunk, pos_r] (llama4) */
     float scale;
     int has_sink;
     float sink[PYRT_ATTN_ROWS]; /* row r's query head's sink logit, when has_sink */

@@ -226,7 +226,9 @@ ATT_TARGET static void ATT(attn_tile)(const pyrt_attn_tile *t) {
     int first = t->pos[0], last = t->pos[0];
     for (int r = 0; r < n; r++) {
         const int p = t->pos[r];
-        lo[r] = t->window > 0 && p + 1 > t->window ? p + 1 - t->window : 0;
+        lo[r] = t->chunk > 0                        ? p - p % t->chunk
+                : t->window > 0 && p + 1 > t->window ? p + 1 - t->window
+                                                     : 0;
         first = lo[r] < first ? lo[r] : first;
         last = p > last ? p : last;
         m[r] = t->has_sink ? t->sink[r] : -INFINITY;

@@ -88,7 +88,8 @@ static void task_attention_then_ffn_in(void *p, int ith, int nth) {
 
 static int layer_fusable(const pyrt_decoder *d, const pyrt_block_weights *b) {
     return d->fuse_layer && d->fuse_attention && d->fuse_router && d->w.mla_kv_rank == 0 &&
-           pyrt_attention_fusable(&d->att, b) && b->router.data != NULL;
+           pyrt_attention_fusable(&d->att, b) && b->router.data != NULL &&
+           !d->w.expert_input_weight;
 }
 
 /* *t_ffn: when the attention part ended (the FFN's input was ready). */

@@ -139,6 +139,10 @@ static int check_block(const pyrt_model_weights *w, const pyrt_block_weights *b,
     }
     if (b->window < 0)
         return fail_block(i, "window must be >= 0 (0: full attention)");
+    if (b->chunk < 0 || (b->chunk > 0 && b->window > 0))
+        return fail_block(i, "chunk must be >= 0 (0: none) and not with a window");
+    if (b->nope != 0 && b->nope != 1)
+        return fail_block(i, "nope must be 0 or 1");
     return PYRT_OK;
 }
 
@@ -187,6 +191,11 @@ int pyrt_decoder_check_model(const pyrt_model_weights *w, int *max_ff) {
     if (!(w->logit_scale != 0.0f) || !(w->rms_eps >= 0.0f) || !(w->clamp_kqv >= 0.0f))
         return pyrt_fail(PYRT_E_INVALID, "%s: logit_scale must be non-zero, rms_eps and clamp_kqv "
                          ">= 0", fn);
+    if ((w->qk_l2_norm != 0 && w->qk_l2_norm != 1) || w->temperature_length < 0 ||
+        !isfinite(w->temperature_scale) ||
+        (w->expert_input_weight != 0 && w->expert_input_weight != 1))
+        return pyrt_fail(PYRT_E_INVALID, "%s: qk_l2_norm and expert_input_weight must be 0 or 1, "
+                         "temperature_length >= 0 and temperature_scale finite", fn);
     CHECK(check_shape(&w->token_embd, w->n_vocab, w->n_embd, "token_embd", -1));
     CHECK(check_shape(&w->output, w->n_vocab, w->n_embd, "output", -1));
     for (int i = 0; i < w->n_layer; i++)

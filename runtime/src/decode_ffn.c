@@ -2,12 +2,15 @@
  * ffn is the routed experts (router softmax, top-k, renormalized weights, pyrt_moe_ffn's kernel)
  * plus a shared expert (times sigmoid(h . g_shexp) where the model gates it), or a dense FFN
  * down(act(gate h) * up h). The router, routing and experts are one pool task by default
- * (pyrt_moe_ffn_routed); the same bits as the router's own run followed by pyrt_moe_ffn. */
+ * (pyrt_moe_ffn_routed); the same bits as the router's own run followed by pyrt_moe_ffn. A
+ * llama4 model routes by sigmoid weights on the experts' inputs (llama4.c): the router's run,
+ * then one expert run per top-k slot. */
 #include <math.h>
 #include <string.h>
 
 #include "activation.h"
 #include "decoder.h"
+#include "llama4.h"
 #include "vec.h"
 
 /* With groups (deepseek2): every expert outside the n_used groups whose best probability is
@@ -64,6 +67,10 @@ void pyrt_decode_route(void *ctx, int32_t *ids, float *w) {
     pyrt_decoder *d = ctx;
     if (d->route_logits != NULL)
         memcpy(d->route_logits, d->router, (size_t)d->w.n_expert * sizeof(float));
+    if (d->w.expert_input_weight) { /* llama4 */
+        pyrt_route_sigmoid(d->router, d->w.n_expert, d->route_k, ids, w, d->taken);
+        return;
+    }
     pyrt_route_topk(d->router, &d->w, d->route_k, ids, w, d->taken);
 }
 
@@ -184,7 +191,7 @@ int pyrt_decode_ffn(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weights *
     pyrt_pool_plan_job(pool, after);
     pyrt_decode_route_begin(d, io);
     int rc;
-    if (d->fuse_router) {
+    if (d->fuse_router && !w->expert_input_weight) {
         /* one task: router rows, routing by the thread that completes them, experts */
         /* x quantized once for the router / shared matrices and the experts */
         const int xq = pyrt_xq_join(pyrt_mv_job_xq(&in), pyrt_fmt_xq(b->gud_fmt));
@@ -199,8 +206,11 @@ int pyrt_decode_ffn(pyrt_decoder *d, pyrt_pool *pool, const pyrt_block_weights *
         pyrt_pool_plan_job(pool, after);
         /* pyrt_moe_ffn takes the pool itself */
         pyrt_pool_release(pool);
-        rc = pyrt_moe_ffn(pool, &experts, d->xn, 1, d->ids, d->topw, io->k, w->activation,
-                          io->threshold, d->y, &io->n_active);
+        if (w->expert_input_weight) /* llama4: the weight on each expert's input */
+            rc = pyrt_decode_input_weighted(d, pool, &experts, io);
+        else
+            rc = pyrt_moe_ffn(pool, &experts, d->xn, 1, d->ids, d->topw, io->k, w->activation,
+                              io->threshold, d->y, &io->n_active);
         pyrt_pool_acquire(pool);
     }
     if (rc != PYRT_OK)

@@ -46,8 +46,10 @@ int pyrt_decoder_create(const pyrt_model_weights *w, pyrt_decoder **out) {
     d->ids = malloc((size_t)w->n_expert * sizeof(int32_t)); /* any k <= n_expert per step */
     d->topw = malloc((size_t)w->n_expert * f);
     d->taken = malloc((size_t)w->n_expert);
+    if (w->expert_input_weight)
+        d->xw = malloc((size_t)w->n_embd * f);
     if (!d->blocks || !d->x || !d->xn || !d->xq || !d->y || !d->ys || !d->gate || !d->up ||
-        !d->router || !d->ids || !d->topw || !d->taken) {
+        !d->router || !d->ids || !d->topw || !d->taken || (w->expert_input_weight && !d->xw)) {
         pyrt_decoder_free(d);
         return pyrt_fail(PYRT_E_NOMEM, "%s: out of memory", fn);
     }
@@ -78,6 +80,7 @@ void pyrt_decoder_free(pyrt_decoder *d) {
     free(d->xq);
     free(d->y);
     free(d->ys);
+    free(d->xw);
     free(d->gate);
     free(d->up);
     free(d->router);

@@ -28,6 +28,8 @@ struct pyrt_decoder {
     pyrt_attention att;          /* the attention half's scratch */
     pyrt_mla mla;                /* multi-head latent attention's (w.mla_kv_rank > 0), or zero */
     float *y, *ys;               /* [n_embd] block output; shared expert / dense FFN output */
+    float *xw;                   /* [n_embd] an expert's input times its routing weight
+                                    (expert_input_weight models; else NULL) */
     float *gate, *up;            /* [max_ff] */
     float *router;               /* [n_expert] router logits, then probabilities */
     int32_t *ids;                /* [k] chosen experts (room for n_expert) */

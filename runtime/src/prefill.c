@@ -33,6 +33,10 @@ static void buf_free(pyrt_prefill_buf *b) {
     free(b->rope_cs);
     free(b->scores);
     free(b->taken);
+    free(b->xw);
+    free(b->yw);
+    free(b->ids1);
+    free(b->ones);
     pyrt_moe_batch_free(&b->moe);
     memset(b, 0, sizeof *b);
 }
@@ -85,6 +89,17 @@ static int ensure(pyrt_decoder *d, int T, int threads) {
     if (!b->x || !b->xn || !b->xq || !b->xv || !b->q || !b->k || !b->v || !b->y || !b->ys ||
         !b->gate || !b->up || !b->gs || !b->router || !b->ids || !b->w || !b->rope_cs ||
         !b->scores || !b->taken) {
+        buf_free(b);
+        return pyrt_fail(PYRT_E_NOMEM, "pyrt_decoder_prefill: cannot allocate the buffers of a "
+                         "chunk of %d tokens", T);
+    }
+    if (w->expert_input_weight) {
+        b->xw = malloc(n * w->n_embd * f);
+        b->yw = malloc(n * w->n_embd * f);
+        b->ids1 = malloc(n * sizeof(int32_t));
+        b->ones = malloc(n * f);
+    }
+    if (w->expert_input_weight && (!b->xw || !b->yw || !b->ids1 || !b->ones)) {
         buf_free(b);
         return pyrt_fail(PYRT_E_NOMEM, "pyrt_decoder_prefill: cannot allocate the buffers of a "
                          "chunk of %d tokens", T);

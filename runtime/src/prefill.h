@@ -33,6 +33,10 @@ struct pyrt_prefill_buf {
     float *rope_cs;      /* [T, rope_dim]: (cos, sin) per token's position, as a step makes them */
     float *scores;       /* [threads, scratch_floats] a thread's attention tile scratch */
     uint8_t *taken;      /* [threads, n_expert] top-k scratch */
+    /* expert_input_weight models only (else NULL): one top-k slot's inputs (llama4.c) */
+    float *xw, *yw;      /* [T, n_embd] xn times the slot's weight; the slot's expert output */
+    int32_t *ids1;       /* [T] the slot's expert per token */
+    float *ones;         /* [T] weight 1 */
     pyrt_moe_batch_buf moe;
 };
 

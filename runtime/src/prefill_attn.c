@@ -17,6 +17,7 @@
 
 #include "attn_tile.h"
 #include "error.h"
+#include "llama4_qk.h"
 #include "prefill.h"
 #include "vec.h"
 
@@ -99,9 +100,12 @@ static void qk_token(void *p, int64_t t, int ith) {
             pyrt_rms_norm(k + (size_t)h * hd, blk->k_norm.data, w->rms_eps, hd, k + (size_t)h * hd);
     }
     const float *cs = b->rope_cs + (size_t)t * (w->rope_dim > 0 ? w->rope_dim : 1);
-    pyrt_rope(q, w->n_head, hd, w->rope_dim, cs);
-    pyrt_rope(k, w->n_head_kv, hd, w->rope_dim, cs);
     const size_t cap = (size_t)a->c->cache->cap, pos = (size_t)a->c->pos + (size_t)t;
+    const float temp = pyrt_temperature(w->temperature_length, w->temperature_scale, (int)pos);
+    pyrt_position_heads(q, w->n_head, hd, w->rope_dim, cs, blk->nope, w->qk_l2_norm, w->rms_eps,
+                        temp);
+    pyrt_position_heads(k, w->n_head_kv, hd, w->rope_dim, cs, blk->nope, w->qk_l2_norm,
+                        w->rms_eps, 1.0f);
     for (int h = 0; h < w->n_head_kv; h++) {
         const size_t at = ((size_t)h * cap + pos) * hd, bytes = (size_t)hd * sizeof(float);
         memcpy(a->kc + at, k + (size_t)h * hd, bytes);
@@ -134,7 +138,8 @@ static void attend_tile(void *p, int64_t item, int ith) {
     const int hd = w->head_dim;
     const size_t cap = (size_t)a->c->cache->cap;
     pyrt_attn_tile tile = {.k = a->kc + (size_t)kvh * cap * hd, .v = a->vc + (size_t)kvh * cap * hd,
-                           .hd = hd, .window = a->blk->window, .scale = w->attention_scale,
+                           .hd = hd, .window = a->blk->window, .chunk = a->blk->chunk,
+                           .scale = w->attention_scale,
                            .has_sink = a->blk->sinks.data != NULL,
                            .scratch = b->scores + (size_t)ith * b->scratch_floats};
     for (int t = t0; t < t1; t++)

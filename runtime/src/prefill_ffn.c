@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "activation.h"
+#include "llama4.h"
 #include "prefill.h"
 
 typedef struct {
@@ -50,8 +51,12 @@ static void route_row(void *p, int64_t t, int ith) {
     float *logits = b->router + (size_t)t * n_expert;
     if (t == f->c->n - 1 && f->io->route_logits != NULL)
         memcpy(f->io->route_logits, logits, (size_t)n_expert * sizeof *logits);
-    pyrt_route_topk(logits, &d->w, f->k, b->ids + (size_t)t * f->k, b->w + (size_t)t * f->k,
-                    b->taken + (size_t)ith * n_expert);
+    if (d->w.expert_input_weight)
+        pyrt_route_sigmoid(logits, n_expert, f->k, b->ids + (size_t)t * f->k,
+                           b->w + (size_t)t * f->k, b->taken + (size_t)ith * n_expert);
+    else
+        pyrt_route_topk(logits, &d->w, f->k, b->ids + (size_t)t * f->k,
+                        b->w + (size_t)t * f->k, b->taken + (size_t)ith * n_expert);
 }
 
 /* The shared expert's gate, sigmoid(xn . g_shexp), per token (before xn is overwritten). */
@@ -143,8 +148,11 @@ int pyrt_prefill_ffn(const pyrt_chunk *c, int layer, pyrt_ffn_io *io) {
     const pyrt_ffn_io io_in = *io;
     const pyrt_experts experts = pyrt_decode_experts(d, blk, &io_in);
     int64_t n_active = 0, n_pairs = 0;
-    const int rc = pyrt_moe_batch(c->pool, &c->b->moe, &experts, c->n, b->xv, b->ids, b->w,
-                                  io->k, w->activation, io->threshold, b->y, &n_active, &n_pairs);
+    const int rc =
+        w->expert_input_weight /* llama4: the weight on each expert's input */
+            ? pyrt_prefill_input_weighted(c, &experts, io->k, io->threshold, &n_active, &n_pairs)
+            : pyrt_moe_batch(c->pool, &c->b->moe, &experts, c->n, b->xv, b->ids, b->w, io->k,
+                             w->activation, io->threshold, b->y, &n_active, &n_pairs);
     if (rc != PYRT_OK)
         return rc;
     io->n_active += n_active;

@@ -6,7 +6,8 @@
  *    float64 computation on the same numbers (Q8_0: x quantized as the kernel does).
  * 2. A tiny 3-block model touching every block kind (MoE + shared expert + gate + biases +
  *    per-head q/k norm; dense FFN + q/k norm over all heads; plain MoE), partial RoPE, clamp,
- *    decoded for a full cache with 1 and 3 threads: finite logits, same logits for both.
+ *    decoded for a full cache with 1 and 3 threads: finite logits, same logits for both; the
+ *    same with llama4's chunked / NoPE layers and input-weighted experts.
  * 3. Errors: status codes and messages (bad shapes, formats, tokens, positions, NULLs); build
  *    and free pairs (LeakSanitizer checks nothing is lost).
  * Exit status 0 and "all C decode tests passed" on success. */
@@ -267,6 +268,56 @@ static void test_decode(void) {
     pyrt_decoder_free(NULL);
     free(a);
     free(b);
+    free_tiny(&t);
+}
+
+/* llama4's layers on the tiny model: chunks of 3 on blocks 0 and 2 (CAP 7 crosses two chunk
+ * boundaries), block 1 NoPE with the query temperature, q/k L2 norm, top-2 sigmoid weights on
+ * the experts' inputs: finite logits not the plain model's, the same bits fused or not, in
+ * pieces or whole, at 1 and 3 threads to rounding; chunk < 0 or with a window refused. */
+static void test_decode_llama4(void) {
+    tiny_model t;
+    build_tiny(&t);
+    float *plain = malloc(sizeof(float) * CAP * N_VOCAB), *a = malloc(sizeof(float) * CAP * N_VOCAB),
+          *b = malloc(sizeof(float) * CAP * N_VOCAB), *c = malloc(sizeof(float) * CAP * N_VOCAB);
+    decode_tiny(&t, 3, plain);
+    t.blocks[0].chunk = t.blocks[2].chunk = 3;
+    t.blocks[1].nope = 1;
+    t.w.qk_l2_norm = t.w.expert_input_weight = 1;
+    t.w.temperature_length = 2;
+    t.w.temperature_scale = 0.5f;
+    decode_tiny(&t, 1, a);
+    decode_tiny(&t, 3, b);
+    double worst = 0.0, moved = 0.0;
+    for (int i = 0; i < CAP * N_VOCAB; i++) {
+        worst = fmax(worst, fabs((double)a[i] - b[i]));
+        moved = fmax(moved, fabs((double)plain[i] - b[i]));
+    }
+    CHECK(worst <= 1e-4, "llama4: 1 vs 3 threads differ by %g", worst);
+    CHECK(moved > 1e-2, "llama4's layers changed the logits by only %g", moved);
+    const param_switch paths[] = {SWITCH(fuse_attention), SWITCH(fuse_router), SWITCH(fuse_layer)};
+    for (int i = 0; i < COUNT_OF(paths); i++) {
+        decode_tiny_off(&t, 3, paths[i], c);
+        CHECK(same_logits(b, c), "llama4: %s 0 changed the logits", paths[i].name);
+    }
+    const decode_opts pieces = {.threads = 3, .thresholds = THRESHOLDS, .pieces = 1};
+    decode_tiny_opts(&t, &pieces, c);
+    CHECK(same_logits(b, c), "llama4: the step in pieces differs");
+    pyrt_decoder *dec = NULL;
+    t.blocks[0].chunk = -1;
+    CHECK(pyrt_decoder_create(&t.w, &dec) == PYRT_E_INVALID &&
+              strstr(pyrt_last_error(), "chunk") != NULL,
+          "chunk -1: %s", pyrt_last_error());
+    t.blocks[0].chunk = 3;
+    t.blocks[0].window = 2;
+    CHECK(pyrt_decoder_create(&t.w, &dec) == PYRT_E_INVALID, "chunk with a window accepted");
+    t.blocks[0].window = 0;
+    t.w.expert_input_weight = 2;
+    CHECK(pyrt_decoder_create(&t.w, &dec) == PYRT_E_INVALID, "expert_input_weight 2 accepted");
+    free(plain);
+    free(a);
+    free(b);
+    free(c);
     free_tiny(&t);
 }
 
@@ -741,6 +792,7 @@ int main(void) {
             for (int n_tokens = 1; n_tokens <= 5; n_tokens += 4)
                 test_linear(fmt ? PYRT_FMT_Q8_0 : PYRT_FMT_F32, n_tokens, threads);
     test_decode();
+    test_decode_llama4();
     tiny_model t;
     build_tiny(&t);
     test_step_errors(&t);
