@@ -1,14 +1,10 @@
 """kernels.attention.decode_attention vs the plain torch reference (interpreter on CPU)."""
 
-import os
-
 import pytest
 import torch
+from gpu_device import DEVICE as DEV
 
 from pyruntime.kernels.attention import decode_attention, decode_attention_ref
-
-# The interpreter runs on CPU tensors; compiled Triton (a GPU machine) needs CUDA tensors.
-DEV = "cpu" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "cuda"
 
 
 def _case(n_head, n_kv, max_tokens, d, dtype, seed):

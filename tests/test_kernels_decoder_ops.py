@@ -1,10 +1,9 @@
 """kernels.decoder_ops (fused residual add + RMSNorm; q/k norm + rope + KV store; the shared
 expert's sigmoid gate and sum) vs torch."""
 
-import os
-
 import pytest
 import torch
+from gpu_device import DEVICE as DEV
 
 from pyruntime.kernels.decoder_ops import (
     add_rms_norm,
@@ -15,9 +14,6 @@ from pyruntime.kernels.decoder_ops import (
     shared_gate_add_ref,
 )
 from pyruntime.model.rope import inv_frequencies, rope_tables
-
-# The interpreter runs on CPU tensors; compiled Triton (a GPU machine) needs CUDA tensors.
-DEV = "cpu" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "cuda"
 
 
 def _on(*ts):

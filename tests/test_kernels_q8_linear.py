@@ -1,9 +1,8 @@
 """kernels.q8_linear: the Q8_0 dense GEMV vs plain torch over the dequantized weights."""
 
-import os
-
 import pytest
 import torch
+from gpu_device import DEVICE as DEV
 
 from pyruntime.gguf.quant import dequantize
 from pyruntime.kernels.expert_formats import quantize_rows
@@ -14,8 +13,6 @@ from pyruntime.kernels.q8_linear import (
     q8_linear_ref,
     split_q8_0,
 )
-
-DEV = "cpu" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "cuda"
 
 
 def test_split_matches_gguf_dequantization():

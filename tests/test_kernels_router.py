@@ -1,15 +1,12 @@
 """kernels.router.router_topk vs the reference routing (pyruntime.model.reference.route)."""
 
-import os
-
 import pytest
 import torch
+from gpu_device import DEVICE as DEV
 
 from pyruntime.kernels.grid_sync import counters
 from pyruntime.kernels.router import add_norm_router, add_norm_router_ref, router_topk
 from pyruntime.model.reference import route
-
-DEV = "cpu" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "cuda"
 
 
 @pytest.mark.parametrize("T, E, k", [(1, 64, 8), (5, 60, 4), (3, 128, 8), (2, 8, 2), (4, 7, 3)])

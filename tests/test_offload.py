@@ -13,10 +13,10 @@ that a decode step's two misses go one to each side.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
+from gpu_device import DEVICE
 from hf_fixtures import make_tiny_hf_model
 
 from pyruntime.converter import convert
@@ -31,7 +31,6 @@ from pyruntime.model.weights import HostWeights
 from pyruntime.offload.costs import Costs
 from pyruntime.offload.executor import HybridExecutor
 
-DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "cuda"
 LOGPROB_TOL = 1e-3
 # Where only the GPU computes, the hybrid runs the resident model's kernels: bit for bit under
 # the interpreter; on a GPU the expert kernels add their partial sums with relaxed atomics, whose

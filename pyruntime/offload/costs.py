@@ -177,11 +177,16 @@ def measure_costs(hybrid, reps: int = 5, tokens: int = 16) -> Costs:
                  h_round + launch, h_expert)  # fmt: skip
 
 
+def _batch(hybrid) -> int:
+    """Experts per measured staging batch: 4 m (m = max(2, top-k)), as many as the slots hold."""
+    return min(hybrid.slots.n_slots, 4 * max(2, hybrid.config.n_expert_used))
+
+
 def _staging_rate(hybrid, keys, cpu_call, reps: int) -> tuple[float, float | None]:
     """(staging GB/s, median CPU call seconds meanwhile or None) of up to 4 m experts staged
     into slots while the CPU runs expert calls (on a CPU device: one after the other)."""
     slots, streams = hybrid.slots, hybrid.streams
-    n = min(slots.n_slots, 4 * max(2, hybrid.config.n_expert_used))
+    n = _batch(hybrid)
     if n == 0:
         return 0.0, None
     rates, busy = [], []
@@ -206,7 +211,7 @@ def _host_fill_times(hybrid, keys, reps: int) -> tuple[float, float]:
     copies into slots (their sources, copies, repack: ExpertSlots.fill), from fills of 1 and
     of up to 4 m experts, each started with the device idle."""
     slots, streams = hybrid.slots, hybrid.streams
-    n = min(slots.n_slots, 4 * max(2, hybrid.config.n_expert_used))
+    n = _batch(hybrid)
     if n == 0:
         return 0.0, 0.0
 
