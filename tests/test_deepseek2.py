@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from calibration_check import check_calibrated_sparsity
 from hf_fixtures import DEEPSEEK2_FULL, make_tiny_hf_model
 from test_parity import LOGPROB_TOL, hf_logprobs, prompt_ids, runtime_logprobs
 
@@ -254,27 +255,7 @@ def test_calibrate_and_sparsity_hit_the_target(hf_dir, tmp_path):
     """`pyruntime calibrate` then --sparsity: thresholds measured on one text, applied to another,
     drop the target fraction of routed neurons within 3 points (512 tokens x 2 MoE layers x 2
     experts x 32 neurons = 65k decisions per target), in a prompt and token by token."""
-    from pyruntime.api import Model
-    from pyruntime.cli import main
-
-    repo = Path(__file__).resolve().parents[1]
-    path = convert(hf_dir, tmp_path / "m.gguf", "q8_0", progress=False)
-    assert main(["calibrate", str(path), "-f", str(repo / "docs" / "gguf-layout.md")]) == 0
-    dense = Model(path, device="cpu")  # the C core, also where a GPU is present
-    ids = dense.tokenize((repo / "README.md").read_text())[:512]
-    dense_logits = dense.logits(ids)
-    for target in (0.3, 0.7):
-        model = Model(path, sparsity=target, device="cpu")
-        logits = model.logits(ids)
-        assert abs(model.achieved_sparsity - target) <= 0.03, (target, model.achieved_sparsity)
-        assert (logits != dense_logits).any()
-        step = Model(path, sparsity=target, device="cpu").net  # the C step, token by token
-        # every layer sparse, even where dense steps measured faster (cpu/sparse_switch)
-        step.sparse_decode, step.sparse_layers = True, None
-        cache = step.new_cache(256)
-        for token in ids[:256]:
-            step.forward([token], cache)
-        assert abs(step.stats.sparsity - target) <= 0.03, (target, step.stats.sparsity)
+    check_calibrated_sparsity(hf_dir, tmp_path, (0.3, 0.7))
 
 
 # ---- chat -----------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from calibration_check import check_calibrated_sparsity
 from hf_fixtures import make_tiny_hf_model
 
 from pyruntime.converter import convert
@@ -214,27 +215,7 @@ def test_calibrate_and_sparsity_hit_the_target(tiny, tmp_path):
     clamped SwiGLU, measured on one text and applied to another, drop the target fraction of
     routed neurons within 3 points (512 tokens x 2 layers x 2 experts x 32 neurons = 65k
     decisions per target), through the C core's prefill and decode step."""
-    from pyruntime.api import Model
-    from pyruntime.cli import main
-
-    repo = Path(__file__).resolve().parents[1]
-    path = convert(tiny[0], tmp_path / "m.gguf", "q8_0", progress=False)
-    assert main(["calibrate", str(path), "-f", str(repo / "docs" / "gguf-layout.md")]) == 0
-    dense = Model(path, device="cpu")  # the C core, also where a GPU is present
-    ids = dense.tokenize((repo / "README.md").read_text())[:512]
-    dense_logits = dense.logits(ids)
-    for target in (0.3, 0.5, 0.7, 0.9):
-        model = Model(path, sparsity=target, device="cpu")
-        logits = model.logits(ids)
-        assert abs(model.achieved_sparsity - target) <= 0.03, (target, model.achieved_sparsity)
-        assert (logits != dense_logits).any()
-        step = Model(path, sparsity=target, device="cpu").net  # the C step, token by token
-        # every layer sparse, even where dense steps measured faster (cpu/sparse_switch)
-        step.sparse_decode, step.sparse_layers = True, None
-        cache = step.new_cache(256)
-        for token in ids[:256]:
-            step.forward([token], cache)
-        assert abs(step.stats.sparsity - target) <= 0.03, (target, step.stats.sparsity)
+    check_calibrated_sparsity(tiny[0], tmp_path, (0.3, 0.5, 0.7, 0.9))
 
 
 HARMONY_CHATS = [

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from calibration_check import check_calibrated_sparsity
 from hf_fixtures import make_tiny_hf_model
 
 from pyruntime.converter import convert
@@ -227,26 +228,7 @@ def test_calibrate_and_sparsity_hit_the_target(hf_dir, tmp_path):
     input as it runs: x * sigmoid(logit)), applied to another, drop the target fraction of
     routed neurons within 3 points (512 tokens x 2 MoE layers x 1 expert x 32 neurons = 33k
     decisions per target), through the C core's prefill and decode step."""
-    from pyruntime.api import Model
-    from pyruntime.cli import main
-
-    repo = Path(__file__).resolve().parents[1]
-    path = convert(hf_dir, tmp_path / "m.gguf", "q8_0", progress=False)
-    assert main(["calibrate", str(path), "-f", str(repo / "docs" / "gguf-layout.md")]) == 0
-    dense = Model(path, device="cpu")  # the C core, also where a GPU is present
-    ids = dense.tokenize((repo / "README.md").read_text())[:512]
-    dense_logits = dense.logits(ids)
-    for target in (0.3, 0.7):
-        model = Model(path, sparsity=target, device="cpu")
-        logits = model.logits(ids)
-        assert abs(model.achieved_sparsity - target) <= 0.03, (target, model.achieved_sparsity)
-        assert (logits != dense_logits).any()
-        step = Model(path, sparsity=target, device="cpu").net  # the C decode step, one token
-        step.sparse_decode, step.sparse_layers = True, None  # even where dense measured faster
-        cache = step.new_cache(256)
-        for token in ids[:256]:
-            step.forward([token], cache)
-        assert abs(step.stats.sparsity - target) <= 0.03, (target, step.stats.sparsity)
+    check_calibrated_sparsity(hf_dir, tmp_path, (0.3, 0.7))
 
 
 def test_llama3_frequencies_are_transformers():

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from calibration_check import check_calibrated_sparsity
 from hf_fixtures import make_tiny_hf_model
 
 from pyruntime.converter import convert
@@ -317,25 +318,7 @@ def test_calibrate_and_sparsity_hit_the_target(hf_dir, tmp_path):
     """`pyruntime calibrate` then --sparsity: thresholds measured on one text, applied to another,
     drop the target fraction of routed neurons within 3 points (512 tokens x 4 layers x 2
     experts x 32 neurons = 131k decisions per target), in a prompt and token by token."""
-    from pyruntime.api import Model
-    from pyruntime.cli import main
-
-    repo = Path(__file__).resolve().parents[1]
-    path = convert(hf_dir, tmp_path / "m.gguf", "q8_0", progress=False)
-    assert main(["calibrate", str(path), "-f", str(repo / "docs" / "gguf-layout.md")]) == 0
-    dense = Model(path, device="cpu")  # the C core, also where a GPU is present
-    ids = dense.tokenize((repo / "README.md").read_text())[:512]
-    dense_logits = dense.logits(ids)
-    for target in (0.3, 0.7):
-        model = Model(path, sparsity=target, device="cpu")
-        logits = model.logits(ids)
-        assert abs(model.achieved_sparsity - target) <= 0.03, (target, model.achieved_sparsity)
-        assert (logits != dense_logits).any()
-        step = Model(path, sparsity=target, device="cpu").net
-        cache = step.new_cache(256)
-        for token in ids[:256]:
-            step.forward([token], cache)
-        assert abs(step.stats.sparsity - target) <= 0.03, (target, step.stats.sparsity)
+    check_calibrated_sparsity(hf_dir, tmp_path, (0.3, 0.7), every_layer_sparse=False)
 
 
 def test_gpu_decode_graph_advances_the_state_once(f32_path, monkeypatch):
