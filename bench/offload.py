@@ -151,19 +151,26 @@ def decoding_modes(k: int, threshold: float, big_little: bool) -> dict[str, Deco
     }
 
 
-def combined_speedup(rows: dict[str, dict], ratios: list[float]) -> str:
+def combined_speedup(rows: dict[str, dict], ratios: list[float],
+                     t_dense: float | None = None) -> str:  # fmt: skip
     """T / (T_l + r·T_b) from the measured steps: T the plain step, T_l the little step, T_b a
-    fallback's big pass (the lossy rows' big seconds per fallback), r each given ratio."""
+    fallback's big pass (the lossy rows' big seconds per fallback), r each given ratio. With
+    t_dense (the plain step without sparsity, same placement) and sparse rows, also
+    T_dense / (T_l + r·T_b): big/little and sparsity together against plain dense decoding."""
     t = 1 / rows["plain"]["tok_s"]
     t_l = 1 / rows["little"]["tok_s"]
     bl = rows["lossy"]["stats"]
     t_b = bl.big_seconds / bl.fallbacks if bl.fallbacks else t
     combined = ", ".join(f"{t / (t_l + r * t_b):.2f}x at r = {r:g}" for r in ratios)
-    return (
+    line = (
         f"  big/little: T {1e3 * t:.2f} ms, T_l {1e3 * t_l:.2f} ms, T_b {1e3 * t_b:.2f} ms "
         f"(measured); this model's fallback ratio {bl.fallback_ratio:.2f}, prefetch hit rate "
         f"{bl.prefetch_hit_rate:.2f}; T / (T_l + r·T_b) = {combined} (combined)"
     )
+    if t_dense is not None and t_dense != t:
+        vs_dense = ", ".join(f"{t_dense / (t_l + r * t_b):.2f}x at r = {r:g}" for r in ratios)
+        line += f"; against the dense plain step ({1e3 * t_dense:.2f} ms): {vs_dense}"
+    return line
 
 
 def staging_rates(host: HostWeights, device: torch.device, modes: list[str], n_slots: int,
@@ -339,8 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         "--big-little",
         action="store_true",
         help="tg rows also for little-only (K/2), big/little lossy, verify (little and resident "
-        "drafts), and the "
-        "combined T / (T_l + r·T_b) for each --fallback-ratio",
+        "drafts), and the combined T / (T_l + r·T_b) for each --fallback-ratio (at a "
+        "sparsity > 0 also against the dense plain step when --sparsity includes 0)",
     )
     p.add_argument("--fallback-threshold", type=float, default=0.7, help="big/little's γ")
     p.add_argument(
@@ -397,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     costs = None
+    dense_step: dict[tuple[int, str], float] = {}  # (slots, misses) -> plain tg step, sparsity 0
     for fraction in fractions:
         for slots in sorted({slots_for(fraction, m, n_experts, cfg.n_expert_used)
                              for m in placements}):  # fmt: skip
@@ -434,8 +442,11 @@ def main(argv: list[str] | None = None) -> int:
                                 print(f"  {name}: {st.acceptance_length:.2f} drafts kept per "
                                       f"round; draft {st.little_seconds:.3f} s, verify "
                                       f"{st.big_seconds:.3f} s", flush=True)  # fmt: skip
+                        if test == "tg" and s == 0:
+                            dense_step[(slots, misses)] = 1 / rows["plain"]["tok_s"]
                         if "lossy" in rows:
-                            print(combined_speedup(rows, ratios), flush=True)
+                            t_dense = dense_step.get((slots, misses)) if s else None
+                            print(combined_speedup(rows, ratios, t_dense), flush=True)
             net.close()
             del net
             gc.collect()

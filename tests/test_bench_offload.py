@@ -48,7 +48,7 @@ def test_big_little_rows_and_their_combination(cc, tmp_path, capsys, monkeypatch
     hf = make_tiny_hf_model("olmoe", tmp_path / "hf", tie_word_embeddings=True)
     gguf = convert(hf, tmp_path / "m.gguf", "f32", progress=False)
     argv = [str(gguf), "--device", "cpu", "-t", "1", "-p", "0", "-n", "3", "-r", "1",
-            "--fractions", "0.5", "--misses", "auto", "--sparsity", "0", "--ceiling-gib",
+            "--fractions", "0.5", "--misses", "auto", "--sparsity", "0,0.5", "--ceiling-gib",
             "0.01", "--big-little", "--fallback-ratio", "0.21,0.65"]  # fmt: skip
     monkeypatch.setattr(sys, "argv", ["offload.py", *argv])
     monkeypatch.setattr(sys, "path", list(sys.path))
@@ -58,8 +58,13 @@ def test_big_little_rows_and_their_combination(cc, tmp_path, capsys, monkeypatch
     assert done.value.code == 0
     out = capsys.readouterr().out
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ")][1:]
-    assert [r[5] for r in rows] == ["plain", "little", "lossy", "verify", "verify-resident"]
+    modes = ["plain", "little", "lossy", "verify", "verify-resident"]
+    assert [r[5] for r in rows] == modes * 2  # sparsity 0, then 0.5
     kept = [line for line in out.splitlines() if "drafts kept per round" in line]
-    assert [line.split(":")[0].strip() for line in kept] == ["verify", "verify-resident"]
-    [line] = [line for line in out.splitlines() if line.startswith("  big/little: ")]
-    assert "x at r = 0.21, " in line and "x at r = 0.65 (combined)" in line
+    assert [line.split(":")[0].strip() for line in kept] == ["verify", "verify-resident"] * 2
+    dense, sparse = [line for line in out.splitlines() if line.startswith("  big/little: ")]
+    for line in (dense, sparse):
+        assert "x at r = 0.21, " in line and "x at r = 0.65 (combined)" in line
+    # sparse rows are also set against the dense plain step (big/little and sparsity together)
+    assert "against the dense plain step" not in dense
+    assert "against the dense plain step" in sparse and sparse.endswith("x at r = 0.65")
