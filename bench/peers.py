@@ -9,6 +9,10 @@ as llama.cpp stores them). Setups, each a llama-bench flag set and pyruntime's c
     cpu       llama-bench -ngl 0 -dev none -t T           pyruntime bench --device cpu -t T
     cpu-moe   llama-bench -ngl 99 -fa 1 -ncmoe L -t T     (none yet: every layer's experts on
                                                           the CPU, the rest on the GPU)
+    gpu-mem   llama-bench -ngl 99 -fa 1 -ncmoe N -t T     pyruntime bench --gpu-mem M -t T
+              (--gpu-mem M, default 8G: N is the fewest layers whose experts, left on the CPU,
+              bring llama.cpp's GPU weights under M less a 0.5 GiB reserve for its KV cache and
+              compute buffers; pyruntime's budget M holds everything it puts on the GPU)
 
 Both run pp P (one or more -p sizes) and tg N (-n) with -r R repetitions after their own
 warm-up; per round and setup llama.cpp runs first, then pyruntime (one `pyruntime bench` per
@@ -44,7 +48,12 @@ SETUPS = {
     "gpu": (["-ngl", "99", "-fa", "1"], ["--device", "cuda"]),
     "cpu": (["-ngl", "0", "-dev", "none", "-t", "{t}"], ["--device", "cpu", "-t", "{t}"]),
     "cpu-moe": (["-ngl", "99", "-fa", "1", "-ncmoe", "{layers}", "-t", "{t}"], None),
+    "gpu-mem": (
+        ["-ngl", "99", "-fa", "1", "-ncmoe", "{ncmoe}", "-t", "{t}"],
+        ["--device", "auto", "--gpu-mem", "{gpu_mem}", "-t", "{t}"],
+    ),
 }
+RESERVE = 1 << 29  # llama.cpp's KV cache and compute buffers beside its weights (gpu-mem setup)
 
 
 def llama_rows(stdout: str) -> dict[str, dict]:
@@ -69,8 +78,29 @@ def run(cmd: list[str], what: str, timeout: float) -> str:
     return r.stdout
 
 
-def fill(flags: list[str], threads: int, layers: int) -> list[str]:
-    return [f.format(t=threads, layers=layers) for f in flags]
+def fill(flags: list[str], **values) -> list[str]:
+    return [f.format(**values) for f in flags]
+
+
+def n_cpu_moe(gguf: Path, budget: int) -> tuple[int, int]:
+    """(N, GPU weight bytes): the fewest first layers whose routed experts (ffn_*_exps), left
+    on the CPU by llama.cpp's -ncmoe N, leave its other weights within budget - RESERVE."""
+    from pyruntime.gguf.file import open_gguf
+
+    f = open_gguf(gguf)
+    total, per_layer = 0, {}
+    for name, t in f.tensors.items():
+        total += t.n_bytes
+        if "_exps" in name and name.startswith("blk."):
+            layer = int(name.split(".")[1])
+            per_layer[layer] = per_layer.get(layer, 0) + t.n_bytes
+    on_gpu = total
+    for n in range(len(per_layer) + 1):
+        if on_gpu <= budget - RESERVE:
+            return n, on_gpu
+        on_gpu -= per_layer.get(n, 0)
+    raise SystemExit(f"{gguf}: its weights without any expert take {on_gpu / 2**30:.2f} GiB, "
+                     f"over --gpu-mem less {RESERVE / 2**30:.1f} GiB")  # fmt: skip
 
 
 def models(shape: str, outtype: str, folder: Path) -> tuple[Path, Path]:
@@ -122,6 +152,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1, help="alternations of the two sides")
     p.add_argument("--gguf-dir", type=Path, default=Path("/tmp/pyruntime-peers"))
     p.add_argument("--timeout", type=float, default=600, help="seconds per command")
+    p.add_argument("--gpu-mem", default="8G", help="the gpu-mem setup's budget (8G)")
     args = p.parse_args()
     if not args.llama_bench.is_file():
         raise SystemExit(f"{args.llama_bench}: no such file (bash bench/peers_build.sh builds it)")
@@ -135,6 +166,14 @@ def main() -> None:
         setups = ["gpu", "cpu-moe", "cpu"] if torch.cuda.is_available() else ["cpu"]
     ours, theirs = models(args.shape, args.outtype, args.gguf_dir)
     layers = CONFIGS[args.shape]["num_hidden_layers"]
+    ncmoe = 0
+    if "gpu-mem" in setups:
+        from pyruntime.options import parse_size
+
+        ncmoe, on_gpu = n_cpu_moe(theirs, parse_size(args.gpu_mem))
+        print(f"gpu-mem {args.gpu_mem}: llama.cpp -ncmoe {ncmoe} ({on_gpu / 2**30:.2f} GiB of "
+              f"weights on the GPU)", flush=True)  # fmt: skip
+    values = dict(t=threads, layers=layers, ncmoe=ncmoe, gpu_mem=args.gpu_mem)
     prompts = ",".join(str(n) for n in args.n_prompt)
     reps = ["-r", str(args.repetitions)]
     results: dict[tuple[str, str], dict[str, list[float]]] = {}
@@ -145,7 +184,7 @@ def main() -> None:
             lflags, pflags = SETUPS[setup]
             tests = ["-p", prompts, "-n", str(args.n_gen), *reps]
             cmd = [str(args.llama_bench), "-m", str(theirs), *tests, "-o", "json"]
-            rows = llama_rows(run(cmd + fill(lflags, threads, layers), "llama-bench", args.timeout))
+            rows = llama_rows(run(cmd + fill(lflags, **values), "llama-bench", args.timeout))
             info = info or next(iter(rows.values()))
             for test, row in rows.items():
                 results.setdefault((setup, test), {}).setdefault("llama.cpp", []).append(
@@ -154,7 +193,7 @@ def main() -> None:
             for i, n_prompt in enumerate(args.n_prompt if pflags is not None else []):
                 tests = ["-p", str(n_prompt), "-n", str(args.n_gen if i == 0 else 0), *reps]
                 cmd = [sys.executable, "-c", LAUNCHER, str(ROOT), "-m", "pyruntime", "bench",
-                       str(ours), *tests, "-o", "json", *fill(pflags, threads, layers)]  # fmt: skip
+                       str(ours), *tests, "-o", "json", *fill(pflags, **values)]  # fmt: skip
                 out = run(cmd, "pyruntime bench", args.timeout)
                 for test, row in pyruntime_rows(out).items():
                     results.setdefault((setup, test), {}).setdefault("pyruntime", []).append(

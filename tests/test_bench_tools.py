@@ -333,6 +333,31 @@ def test_peers_gpu_floor_is_flops_per_token_at_the_peak(tmp_path):
     assert peers.gpu_floors(gguf, [512], 200.0)["pp512"] == pytest.approx(2 * floors["pp512"])
 
 
+def test_peers_n_cpu_moe_is_the_fewest_layers_that_fit_the_budget(tmp_path):
+    """peers.py's gpu-mem setup: llama.cpp's -ncmoe N is the fewest first layers whose routed
+    experts, left on the CPU, bring its other weights within the budget less the reserve."""
+    from gguf import GGUFReader
+
+    gguf = tmp_path / "l.gguf"
+    load("make_random_gguf").make_random_gguf("tiny-olmoe", gguf, "q8_0", progress=False,
+                                              layout="llama.cpp")  # fmt: skip
+    peers = load("peers")
+    tensors = GGUFReader(gguf).tensors
+    total = sum(int(t.n_bytes) for t in tensors)
+    experts = {}
+    for t in tensors:
+        if "_exps" in t.name:
+            layer = int(t.name.split(".")[1])
+            experts[layer] = experts.get(layer, 0) + int(t.n_bytes)
+    assert peers.n_cpu_moe(gguf, total + peers.RESERVE) == (0, total)
+    two = total - experts[0] - experts[1]
+    assert peers.n_cpu_moe(gguf, two + peers.RESERVE) == (2, two)
+    assert peers.n_cpu_moe(gguf, two + peers.RESERVE + 1) == (2, two)
+    assert peers.n_cpu_moe(gguf, two + experts[1] + peers.RESERVE - 1) == (2, two)
+    with pytest.raises(SystemExit, match="without any expert"):
+        peers.n_cpu_moe(gguf, peers.RESERVE + 1)
+
+
 def test_random_deepseek2_gguf_and_its_llama_cpp_twin(tmp_path, capsys):
     """deepseek-v2-lite's shape: our layout loads and decodes on the CPU (a prompt then a
     token), `info` shows the latent attention rows; the llama.cpp twin splits the experts and
