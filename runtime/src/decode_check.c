@@ -6,8 +6,10 @@
 
 #include "decoder.h"
 #include "error.h"
+#include "model_check.h"
 
-static int check_shape(const pyrt_matrix *m, int n_out, int n_in, const char *what, int layer) {
+int pyrt_check_model_matrix(const pyrt_matrix *m, int n_out, int n_in, const char *what,
+                            int layer) {
     char name[64];
     if (layer >= 0)
         snprintf(name, sizeof name, "blk.%d.%s", layer, what);
@@ -22,13 +24,6 @@ static int check_shape(const pyrt_matrix *m, int n_out, int n_in, const char *wh
                          name, m->n_out, m->n_in, n_out, n_in);
     return PYRT_OK;
 }
-
-#define CHECK(call)                                                                               \
-    do {                                                                                          \
-        int rc_ = (call);                                                                         \
-        if (rc_ != PYRT_OK)                                                                       \
-            return rc_;                                                                           \
-    } while (0)
 
 static int fail_block(int i, const char *msg) {
     return pyrt_fail(PYRT_E_INVALID, "pyrt_decoder_create: blk.%d: %s", i, msg);
@@ -66,35 +61,35 @@ static int check_qk_norms(const pyrt_model_weights *w, const pyrt_block_weights 
         return PYRT_OK;
     /* over all heads (olmoe) or per head (qwen3moe): the lengths say which */
     const int per_head = b->q_norm.n == w->head_dim && b->k_norm.n == w->head_dim;
-    CHECK(check_vector(&b->q_norm, per_head ? w->head_dim : nq, 0, "attn_q_norm", i));
-    CHECK(check_vector(&b->k_norm, per_head ? w->head_dim : nkv, 0, "attn_k_norm", i));
+    PYRT_CHECK(check_vector(&b->q_norm, per_head ? w->head_dim : nq, 0, "attn_q_norm", i));
+    PYRT_CHECK(check_vector(&b->k_norm, per_head ? w->head_dim : nkv, 0, "attn_k_norm", i));
     return PYRT_OK;
 }
 
 static int check_block(const pyrt_model_weights *w, const pyrt_block_weights *b, int i,
                        int *max_ff) {
     const int n_embd = w->n_embd, nq = w->n_head * w->head_dim, nkv = w->n_head_kv * w->head_dim;
-    CHECK(check_vector(&b->attn_norm, n_embd, 0, "attn_norm", i));
-    CHECK(check_vector(&b->ffn_norm, n_embd, 0, "ffn_norm", i));
+    PYRT_CHECK(check_vector(&b->attn_norm, n_embd, 0, "attn_norm", i));
+    PYRT_CHECK(check_vector(&b->ffn_norm, n_embd, 0, "ffn_norm", i));
     if (w->mla_kv_rank > 0) {
-        CHECK(pyrt_mla_check_block(w, b, i));
+        PYRT_CHECK(pyrt_mla_check_block(w, b, i));
     } else {
         if (b->wq_a.data || b->wq_b.data || b->wkv_a.data || b->wk_b.data || b->wv_b.data)
             return fail_block(i, "multi-head latent attention weights in a model whose "
                               "mla_kv_rank is 0");
-        CHECK(check_shape(&b->wq, nq, n_embd, "attn_q", i));
-        CHECK(check_shape(&b->wk, nkv, n_embd, "attn_k", i));
-        CHECK(check_shape(&b->wv, nkv, n_embd, "attn_v", i));
-        CHECK(check_shape(&b->wo, n_embd, nq, "attn_output", i));
-        CHECK(check_vector(&b->bq, nq, 1, "attn_q.bias", i));
-        CHECK(check_vector(&b->bk, nkv, 1, "attn_k.bias", i));
-        CHECK(check_vector(&b->bv, nkv, 1, "attn_v.bias", i));
-        CHECK(check_qk_norms(w, b, i));
-        CHECK(check_vector(&b->bo, n_embd, 1, "attn_output.bias", i));
-        CHECK(check_vector(&b->sinks, w->n_head, 1, "attn_sinks", i));
+        PYRT_CHECK(pyrt_check_model_matrix(&b->wq, nq, n_embd, "attn_q", i));
+        PYRT_CHECK(pyrt_check_model_matrix(&b->wk, nkv, n_embd, "attn_k", i));
+        PYRT_CHECK(pyrt_check_model_matrix(&b->wv, nkv, n_embd, "attn_v", i));
+        PYRT_CHECK(pyrt_check_model_matrix(&b->wo, n_embd, nq, "attn_output", i));
+        PYRT_CHECK(check_vector(&b->bq, nq, 1, "attn_q.bias", i));
+        PYRT_CHECK(check_vector(&b->bk, nkv, 1, "attn_k.bias", i));
+        PYRT_CHECK(check_vector(&b->bv, nkv, 1, "attn_v.bias", i));
+        PYRT_CHECK(check_qk_norms(w, b, i));
+        PYRT_CHECK(check_vector(&b->bo, n_embd, 1, "attn_output.bias", i));
+        PYRT_CHECK(check_vector(&b->sinks, w->n_head, 1, "attn_sinks", i));
     }
     if (b->router.data != NULL) {
-        CHECK(check_shape(&b->router, w->n_expert, n_embd, "ffn_gate_inp", i));
+        PYRT_CHECK(pyrt_check_model_matrix(&b->router, w->n_expert, n_embd, "ffn_gate_inp", i));
         const size_t rb = pyrt_row_bytes(b->gud_fmt, n_embd);
         if (b->gud == NULL || !pyrt_fmt_known(b->gud_fmt) || rb == 0 ||
             (double)w->n_expert * w->n_ff_exp * 3.0 * (double)rb != (double)b->gud_bytes)
@@ -107,21 +102,21 @@ static int check_block(const pyrt_model_weights *w, const pyrt_block_weights *b,
         if (pyrt_check_weights_aligned("pyrt_decoder_create: ffn_gud_exps", b->gud, b->gud_fmt) !=
             PYRT_OK)
             return PYRT_E_INVALID;
-        CHECK(check_vector(&b->router_bias, w->n_expert, 1, "ffn_gate_inp.bias", i));
+        PYRT_CHECK(check_vector(&b->router_bias, w->n_expert, 1, "ffn_gate_inp.bias", i));
         if ((b->exp_bias_gu.data == NULL) != (b->exp_bias_down.data == NULL))
             return fail_block(i, "exp_bias_gu and exp_bias_down go together (both or none)");
-        CHECK(check_vector(&b->exp_bias_gu, (int64_t)w->n_expert * w->n_ff_exp * 2, 1,
+        PYRT_CHECK(check_vector(&b->exp_bias_gu, (int64_t)w->n_expert * w->n_ff_exp * 2, 1,
                            "ffn_gu_exps.bias", i));
-        CHECK(check_vector(&b->exp_bias_down, (int64_t)w->n_expert * n_embd, 1,
+        PYRT_CHECK(check_vector(&b->exp_bias_down, (int64_t)w->n_expert * n_embd, 1,
                            "ffn_down_exps.bias", i));
         if (b->sh_gate.data != NULL && w->activation == PYRT_ACT_SWIGLU_OAI)
             return fail_block(i, "a shared expert with the swiglu oai activation is not supported");
         if (b->sh_gate.data != NULL) {
             const int n_ff = b->sh_gate.n_out;
-            CHECK(check_shape(&b->sh_gate, n_ff, n_embd, "ffn_gate_shexp", i));
-            CHECK(check_shape(&b->sh_up, n_ff, n_embd, "ffn_up_shexp", i));
-            CHECK(check_shape(&b->sh_down, n_embd, n_ff, "ffn_down_shexp", i));
-            CHECK(check_vector(&b->sh_gate_inp, n_embd, 1, "ffn_gate_inp_shexp", i));
+            PYRT_CHECK(pyrt_check_model_matrix(&b->sh_gate, n_ff, n_embd, "ffn_gate_shexp", i));
+            PYRT_CHECK(pyrt_check_model_matrix(&b->sh_up, n_ff, n_embd, "ffn_up_shexp", i));
+            PYRT_CHECK(pyrt_check_model_matrix(&b->sh_down, n_embd, n_ff, "ffn_down_shexp", i));
+            PYRT_CHECK(check_vector(&b->sh_gate_inp, n_embd, 1, "ffn_gate_inp_shexp", i));
             *max_ff = n_ff > *max_ff ? n_ff : *max_ff;
         } else if (b->sh_gate_inp.data != NULL) {
             return fail_block(i, "ffn_gate_inp_shexp without a shared expert");
@@ -132,9 +127,9 @@ static int check_block(const pyrt_model_weights *w, const pyrt_block_weights *b,
         if (w->activation == PYRT_ACT_SWIGLU_OAI)
             return fail_block(i, "a dense FFN with the swiglu oai activation is not supported");
         const int n_ff = b->ffn_gate.n_out;
-        CHECK(check_shape(&b->ffn_gate, n_ff, n_embd, "ffn_gate", i));
-        CHECK(check_shape(&b->ffn_up, n_ff, n_embd, "ffn_up", i));
-        CHECK(check_shape(&b->ffn_down, n_embd, n_ff, "ffn_down", i));
+        PYRT_CHECK(pyrt_check_model_matrix(&b->ffn_gate, n_ff, n_embd, "ffn_gate", i));
+        PYRT_CHECK(pyrt_check_model_matrix(&b->ffn_up, n_ff, n_embd, "ffn_up", i));
+        PYRT_CHECK(pyrt_check_model_matrix(&b->ffn_down, n_embd, n_ff, "ffn_down", i));
         *max_ff = n_ff > *max_ff ? n_ff : *max_ff;
     }
     if (b->window < 0)
@@ -162,7 +157,7 @@ int pyrt_decoder_check_model(const pyrt_model_weights *w, int *max_ff) {
         return pyrt_fail(PYRT_E_INVALID, "%s: n_expert_used=%d > n_expert=%d", fn,
                          w->n_expert_used, w->n_expert);
     if (w->mla_kv_rank != 0)
-        CHECK(pyrt_mla_check_model(w));
+        PYRT_CHECK(pyrt_mla_check_model(w));
     if (!(w->expert_weights_scale >= 0.0f) || isinf(w->expert_weights_scale))
         return pyrt_fail(PYRT_E_INVALID, "%s: expert_weights_scale must be finite and >= 0 (0: 1)",
                          fn);
@@ -179,15 +174,16 @@ int pyrt_decoder_check_model(const pyrt_model_weights *w, int *max_ff) {
     if (w->rope_dim < 0 || w->rope_dim % 2 || w->rope_dim > w->head_dim)
         return pyrt_fail(PYRT_E_INVALID, "%s: rope_dim=%d must be even and <= head_dim=%d", fn,
                          w->rope_dim, w->head_dim);
-    CHECK(check_vector(&w->rope_inv_freq, w->rope_dim / 2, w->rope_dim == 0, "rope_inv_freq", -1));
-    CHECK(pyrt_check_activation(w->activation, w->swiglu_alpha, w->swiglu_limit, fn));
+    PYRT_CHECK(check_vector(&w->rope_inv_freq, w->rope_dim / 2, w->rope_dim == 0,
+                            "rope_inv_freq", -1));
+    PYRT_CHECK(pyrt_check_activation(w->activation, w->swiglu_alpha, w->swiglu_limit, fn));
     if (!(w->rope_scale >= 0.0f) || isinf(w->rope_scale))
         return pyrt_fail(PYRT_E_INVALID, "%s: rope_scale must be finite and >= 0 (0: 1)", fn);
     if (w->blocks == NULL || w->n_blocks != w->n_layer)
         return pyrt_fail(PYRT_E_INVALID,
                          "%s: blocks holds %d entries (%s), the model has n_layer=%d", fn,
                          w->n_blocks, w->blocks == NULL ? "NULL" : "set", w->n_layer);
-    CHECK(check_vector(&w->output_norm, w->n_embd, 0, "output_norm", -1));
+    PYRT_CHECK(check_vector(&w->output_norm, w->n_embd, 0, "output_norm", -1));
     if (!(w->logit_scale != 0.0f) || !(w->rms_eps >= 0.0f) || !(w->clamp_kqv >= 0.0f))
         return pyrt_fail(PYRT_E_INVALID, "%s: logit_scale must be non-zero, rms_eps and clamp_kqv "
                          ">= 0", fn);
@@ -196,10 +192,10 @@ int pyrt_decoder_check_model(const pyrt_model_weights *w, int *max_ff) {
         (w->expert_input_weight != 0 && w->expert_input_weight != 1))
         return pyrt_fail(PYRT_E_INVALID, "%s: qk_l2_norm and expert_input_weight must be 0 or 1, "
                          "temperature_length >= 0 and temperature_scale finite", fn);
-    CHECK(check_shape(&w->token_embd, w->n_vocab, w->n_embd, "token_embd", -1));
-    CHECK(check_shape(&w->output, w->n_vocab, w->n_embd, "output", -1));
+    PYRT_CHECK(pyrt_check_model_matrix(&w->token_embd, w->n_vocab, w->n_embd, "token_embd", -1));
+    PYRT_CHECK(pyrt_check_model_matrix(&w->output, w->n_vocab, w->n_embd, "output", -1));
     for (int i = 0; i < w->n_layer; i++)
-        CHECK(check_block(w, &w->blocks[i], i, max_ff));
+        PYRT_CHECK(check_block(w, &w->blocks[i], i, max_ff));
     return PYRT_OK;
 }
 

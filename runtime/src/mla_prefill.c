@@ -154,22 +154,6 @@ static void head_tile(void *p, int64_t item, int ith) {
                        m->c_o + ((size_t)t0 * H + h) * m->v_dim, (size_t)H * m->v_dim);
 }
 
-typedef struct {
-    const pyrt_chunk *c;
-    float scale;
-} residual_ctx;
-
-static void add_y(void *p, int64_t t, int ith) {
-    (void)ith;
-    const residual_ctx *r = p;
-    const pyrt_prefill_buf *b = r->c->b;
-    const int n = r->c->d->w.n_embd;
-    float *x = b->x + (size_t)t * n;
-    const float *y = b->y + (size_t)t * n;
-    for (int i = 0; i < n; i++)
-        x[i] = x[i] + y[i] * r->scale;
-}
-
 void pyrt_prefill_mla(const pyrt_chunk *c, int layer) {
     pyrt_decoder *d = c->d;
     const pyrt_model_weights *w = &d->w;
@@ -194,6 +178,5 @@ void pyrt_prefill_mla(const pyrt_chunk *c, int layer) {
     pyrt_pool_for(c->pool, (int64_t)a.token_tiles * H, 1, head_tile, &a);
     pyrt_mv_job o = {.out = {{&blk->wo, NULL, b->y, (size_t)w->n_embd}}, .n_mats = 1};
     matmul(&a, &o, m->c_o, (size_t)H * m->v_dim, H * m->v_dim);
-    residual_ctx r = {.c = c, .scale = w->residual_scale};
-    pyrt_pool_for(c->pool, c->n, 4, add_y, &r);
+    pyrt_prefill_add_residual(c);
 }

@@ -22,6 +22,7 @@
 #include "attn_tile.h"
 #include "error.h"
 #include "mla_step.h"
+#include "model_check.h"
 #include "vec.h"
 
 int pyrt_mla_init(pyrt_mla *m, const pyrt_model_weights *w, const char *fn) {
@@ -68,19 +69,6 @@ static int bad(int i, const char *name, const char *msg) {
     return pyrt_fail(PYRT_E_INVALID, "pyrt_decoder_create: blk.%d.%s %s", i, name, msg);
 }
 
-static int matrix(const pyrt_matrix *m, int n_out, int n_in, int i, const char *name) {
-    char what[64];
-    snprintf(what, sizeof what, "blk.%d.%s", i, name);
-    const int rc = pyrt_matrix_check(m, "pyrt_decoder_create", what);
-    if (rc != PYRT_OK)
-        return rc;
-    if (m->n_out != n_out || m->n_in != n_in)
-        return pyrt_fail(PYRT_E_INVALID,
-                         "pyrt_decoder_create: %s has shape [%d, %d], the model needs [%d, %d]",
-                         what, m->n_out, m->n_in, n_out, n_in);
-    return PYRT_OK;
-}
-
 static int vector(const pyrt_vector *v, int64_t n, int i, const char *name) {
     if (v->data == NULL || v->n != n || (uintptr_t)v->data % 4)
         return pyrt_fail(PYRT_E_INVALID, "pyrt_decoder_create: blk.%d.%s: NULL, unaligned, or "
@@ -88,13 +76,6 @@ static int vector(const pyrt_vector *v, int64_t n, int i, const char *name) {
                          (long long)n);
     return PYRT_OK;
 }
-
-#define CHECK(call)                                                                               \
-    do {                                                                                          \
-        int rc_ = (call);                                                                         \
-        if (rc_ != PYRT_OK)                                                                       \
-            return rc_;                                                                           \
-    } while (0)
 
 int pyrt_mla_check_model(const pyrt_model_weights *w) {
     if (w->mla_kv_rank < 1 || w->mla_nope_dim < 1 || w->mla_v_dim < 1 || w->mla_q_rank < 0 ||
@@ -118,19 +99,19 @@ int pyrt_mla_check_block(const pyrt_model_weights *w, const pyrt_block_weights *
         return bad(i, "attention", "has biases, q/k norms, sinks or a window, which multi-head "
                    "latent attention does not take");
     if (qr > 0) {
-        CHECK(matrix(&b->wq_a, qr, n_embd, i, "attn_q_a"));
-        CHECK(vector(&b->q_a_norm, qr, i, "attn_q_a_norm"));
-        CHECK(matrix(&b->wq_b, H * (D + r), qr, i, "attn_q_b"));
+        PYRT_CHECK(pyrt_check_model_matrix(&b->wq_a, qr, n_embd, "attn_q_a", i));
+        PYRT_CHECK(vector(&b->q_a_norm, qr, i, "attn_q_a_norm"));
+        PYRT_CHECK(pyrt_check_model_matrix(&b->wq_b, H * (D + r), qr, "attn_q_b", i));
     } else {
         if (b->wq_a.data != NULL || b->q_a_norm.data != NULL)
             return bad(i, "attn_q_a", "given, but the model's mla_q_rank is 0");
-        CHECK(matrix(&b->wq_b, H * (D + r), n_embd, i, "attn_q"));
+        PYRT_CHECK(pyrt_check_model_matrix(&b->wq_b, H * (D + r), n_embd, "attn_q", i));
     }
-    CHECK(matrix(&b->wkv_a, R + r, n_embd, i, "attn_kv_a_mqa"));
-    CHECK(vector(&b->kv_a_norm, R, i, "attn_kv_a_norm"));
-    CHECK(matrix(&b->wk_b, H * R, D, i, "attn_k_b"));
-    CHECK(matrix(&b->wv_b, H * w->mla_v_dim, R, i, "attn_v_b"));
-    CHECK(matrix(&b->wo, n_embd, H * w->mla_v_dim, i, "attn_output"));
+    PYRT_CHECK(pyrt_check_model_matrix(&b->wkv_a, R + r, n_embd, "attn_kv_a_mqa", i));
+    PYRT_CHECK(vector(&b->kv_a_norm, R, i, "attn_kv_a_norm"));
+    PYRT_CHECK(pyrt_check_model_matrix(&b->wk_b, H * R, D, "attn_k_b", i));
+    PYRT_CHECK(pyrt_check_model_matrix(&b->wv_b, H * w->mla_v_dim, R, "attn_v_b", i));
+    PYRT_CHECK(pyrt_check_model_matrix(&b->wo, n_embd, H * w->mla_v_dim, "attn_output", i));
     return PYRT_OK;
 }
 

@@ -72,5 +72,8 @@ void pyrt_prefill_quantize(const pyrt_chunk *c, int xq_kind, const float *src, s
 /* The chunk's matrix products: job's outputs over its n tokens of x (stride x_stride) and their
  * Q8 blocks in xq (made by the caller where a matrix reads them) (prefill_attn.c). */
 void pyrt_prefill_matmul(const pyrt_chunk *c, pyrt_mv_job *job, const float *x, size_t x_stride);
+/* x += y * residual_scale over the chunk's n tokens: an attention half's last step
+ * (prefill_attn.c). */
+void pyrt_prefill_add_residual(const pyrt_chunk *c);
 
 #endif /* PYRT_PREFILL_H */

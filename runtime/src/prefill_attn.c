@@ -166,20 +166,21 @@ static void attend(const attn_ctx *a) {
 
 /* ---- the half -------------------------------------------------------------------------------- */
 
-typedef struct {
-    const pyrt_chunk *c;
-    float scale;
-} residual_ctx;
-
+/* x += y * residual_scale for one token t of the chunk (a pool task's item). */
 static void add_y(void *p, int64_t t, int ith) {
     (void)ith;
-    const residual_ctx *r = p;
-    const pyrt_prefill_buf *b = r->c->b;
-    const int n = r->c->d->w.n_embd;
+    const pyrt_chunk *c = p;
+    const pyrt_prefill_buf *b = c->b;
+    const int n = c->d->w.n_embd;
+    const float scale = c->d->w.residual_scale;
     float *x = b->x + (size_t)t * n;
     const float *y = b->y + (size_t)t * n;
     for (int i = 0; i < n; i++)
-        x[i] = x[i] + y[i] * r->scale;
+        x[i] = x[i] + y[i] * scale;
+}
+
+void pyrt_prefill_add_residual(const pyrt_chunk *c) {
+    pyrt_pool_for(c->pool, c->n, 4, add_y, (void *)c);
 }
 
 void pyrt_prefill_attention(const pyrt_chunk *c, int layer) {
@@ -204,6 +205,5 @@ void pyrt_prefill_attention(const pyrt_chunk *c, int layer) {
     if (pyrt_mv_job_xq(&o) != PYRT_XQ_NONE)
         pyrt_prefill_quantize(c, pyrt_mv_job_xq(&o), b->xn, b->in_stride, nq);
     pyrt_prefill_matmul(c, &o, b->xn, b->in_stride);
-    residual_ctx r = {.c = c, .scale = w->residual_scale};
-    pyrt_pool_for(c->pool, c->n, 4, add_y, &r);
+    pyrt_prefill_add_residual(c);
 }
