@@ -10,21 +10,20 @@ head's k_b or v_b block taken from the wrong rows, or a missing rope key, is O(1
 
 from __future__ import annotations
 
-import json
-import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 import torch
 from calibration_check import check_calibrated_sparsity
+from conversion_refusal_check import check_config_refused, check_missing_tensor_refused
 from hf_fixtures import DEEPSEEK2_FULL, make_tiny_hf_model
 from test_parity import LOGPROB_TOL, hf_logprobs, prompt_ids, runtime_logprobs
 
 from pyruntime.converter import convert
 from pyruntime.cpu.core import CoreError
 from pyruntime.cpu.executor import CpuExecutor, c_decoder_runs
-from pyruntime.errors import ConversionError, UsageError
+from pyruntime.errors import UsageError
 from pyruntime.gguf.file import open_gguf
 from pyruntime.gguf.quant import QuantMatrix
 from pyruntime.model import mla
@@ -209,15 +208,6 @@ def test_info_shows_the_mla_fields(f32_path, capsys):
 # ---- the converter --------------------------------------------------------------------------
 
 
-def _edited(hf_dir: Path, tmp_path: Path, **config) -> Path:
-    out = tmp_path / "edited"
-    shutil.copytree(hf_dir, out)
-    cfg = json.loads((out / "config.json").read_text())
-    cfg.update(config)
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
-
-
 @pytest.mark.parametrize(
     "config, message",
     [
@@ -231,24 +221,11 @@ def _edited(hf_dir: Path, tmp_path: Path, **config) -> Path:
     ],
 )
 def test_unsupported_config_values_are_one_line(hf_dir, tmp_path, config, message):
-    src = _edited(hf_dir, tmp_path, **config)
-    with pytest.raises(ConversionError) as info:
-        convert(src, tmp_path / "out.gguf", "f32", progress=False)
-    assert message in str(info.value) and "\n" not in str(info.value)
-    assert not (tmp_path / "out.gguf").exists()
+    check_config_refused(hf_dir, tmp_path, config, message)
 
 
 def test_a_missing_tensor_is_one_line_and_no_file(hf_dir, tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    src = _edited(hf_dir, tmp_path)
-    state = load_file(str(src / "model.safetensors"))
-    del state["model.layers.2.self_attn.kv_b_proj.weight"]
-    save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ConversionError) as info:
-        convert(src, tmp_path / "out.gguf", "f32", progress=False)
-    assert "missing tensors: model.layers.2.self_attn.kv_b_proj.weight" in str(info.value)
-    assert "\n" not in str(info.value) and list(tmp_path.glob("out.gguf*")) == []
+    check_missing_tensor_refused(hf_dir, tmp_path, "model.layers.2.self_attn.kv_b_proj.weight")
 
 
 def test_calibrate_and_sparsity_hit_the_target(hf_dir, tmp_path):
@@ -256,61 +233,6 @@ def test_calibrate_and_sparsity_hit_the_target(hf_dir, tmp_path):
     drop the target fraction of routed neurons within 3 points (512 tokens x 2 MoE layers x 2
     experts x 32 neurons = 65k decisions per target), in a prompt and token by token."""
     check_calibrated_sparsity(hf_dir, tmp_path, (0.3, 0.7))
-
-
-# ---- chat -----------------------------------------------------------------------------------
-
-DEEPSEEK2_CHATS = [
-    [{"role": "user", "content": "Hi there"}],
-    [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "What is a cat?"},
-        {"role": "assistant", "content": "A small animal."},
-        {"role": "user", "content": "Its colour?"},
-    ],
-]
-
-
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory) -> tuple[Path, Path]:
-    from hf_fixtures import make_deepseek2_chat_model
-
-    tmp = tmp_path_factory.mktemp("ds2chat")
-    hf = make_deepseek2_chat_model(tmp / "hf")
-    return hf, convert(hf, tmp / "m.gguf", "q8_0", progress=False)
-
-
-@pytest.mark.parametrize("add_generation_prompt", [True, False])
-@pytest.mark.parametrize("chat", range(len(DEEPSEEK2_CHATS)))
-def test_chat_template_renders_and_tokenizes_as_transformers(chat_model, chat,
-                                                            add_generation_prompt):  # fmt: skip
-    """deepseek-v2-lite-chat's template from the GGUF, rendered by our renderer, is
-    transformers' apply_chat_template text; it tokenizes as the HF tokenizer does, with one
-    bos (the template's: the tokenizer adds none before it) and an eos after each answer."""
-    from transformers import AutoTokenizer
-
-    from pyruntime.api import Model
-
-    hf = AutoTokenizer.from_pretrained(chat_model[0])
-    model = Model(chat_model[1])
-    messages = DEEPSEEK2_CHATS[chat]
-    want = hf.apply_chat_template(messages, tokenize=False,
-                                  add_generation_prompt=add_generation_prompt)  # fmt: skip
-    text = model.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    assert text == want and text.startswith("<｜begin▁of▁sentence｜>")
-    ids = model.tokenize(text)
-    assert ids == hf(text, add_special_tokens=False)["input_ids"]
-    assert ids.count(4096) == 1 and ids.count(4097) == (chat == 1)
-    assert model.tokenize("Hi")[0] == 4096  # a plain prompt gets its bos
-
-
-def test_chat_turns_end_at_eos(chat_model):
-    from gguf import GGUFReader
-
-    fields = GGUFReader(chat_model[1]).fields
-    assert fields["tokenizer.ggml.eos_token_id"].contents() == 4097
-    assert fields["tokenizer.ggml.bos_token_id"].contents() == 4096
-    assert 4097 in fields["pyruntime.stop_token_ids"].contents()
 
 
 # ---- the C core's per-head matvec -----------------------------------------------------------

@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 from calibration_check import check_calibrated_sparsity
+from conversion_refusal_check import check_config_refused, check_missing_tensor_refused
 from hf_fixtures import make_tiny_hf_model
 
 from pyruntime.converter import convert
 from pyruntime.cpu.executor import CpuExecutor, c_decoder_runs
-from pyruntime.errors import ConversionError, UsageError
+from pyruntime.errors import UsageError
 from pyruntime.gguf.file import open_gguf
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.reference import attention_mask
@@ -169,15 +170,6 @@ def test_multimodal_checkpoint_converts_its_text_model(hf_dir, f32_path, tmp_pat
     assert b.get("pyruntime.hf_architecture") == "Llama4ForConditionalGeneration"
 
 
-def _edited(hf_dir: Path, tmp_path: Path, **config) -> Path:
-    out = tmp_path / "edited"
-    shutil.copytree(hf_dir, out)
-    cfg = json.loads((out / "config.json").read_text())
-    cfg.update(config)
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
-
-
 @pytest.mark.parametrize(
     "config, message",
     [
@@ -203,24 +195,12 @@ def _edited(hf_dir: Path, tmp_path: Path, **config) -> Path:
     ],
 )
 def test_unsupported_config_values_are_one_line(hf_dir, tmp_path, config, message):
-    src = _edited(hf_dir, tmp_path, **config)
-    with pytest.raises(ConversionError) as info:
-        convert(src, tmp_path / "out.gguf", "f32", progress=False)
-    assert message in str(info.value) and "\n" not in str(info.value)
-    assert not (tmp_path / "out.gguf").exists()
+    check_config_refused(hf_dir, tmp_path, config, message)
 
 
 def test_a_missing_tensor_is_one_line_and_no_file(hf_dir, tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    src = _edited(hf_dir, tmp_path)
-    state = load_file(str(src / "model.safetensors"))
-    del state["model.layers.3.feed_forward.shared_expert.up_proj.weight"]
-    save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ConversionError) as info:
-        convert(src, tmp_path / "out.gguf", "f32", progress=False)
-    assert "missing tensors: model.layers.3.feed_forward.shared_expert.up_proj" in str(info.value)
-    assert "\n" not in str(info.value) and list(tmp_path.glob("out.gguf*")) == []
+    tensor = "model.layers.3.feed_forward.shared_expert.up_proj"
+    check_missing_tensor_refused(hf_dir, tmp_path, tensor + ".weight", tensor)
 
 
 def test_calibrate_and_sparsity_hit_the_target(hf_dir, tmp_path):
@@ -245,66 +225,3 @@ def test_llama3_frequencies_are_transformers():
         got = inv_frequencies(64, 500000.0, llama3=Llama3(16.0, low, high, orig))
         assert torch.equal(got, want)
         assert not torch.equal(got, inv_frequencies(64, 500000.0))
-
-
-# ---- chat -----------------------------------------------------------------------------------
-
-LLAMA4_CHATS = [
-    [{"role": "user", "content": "Hi there"}],
-    [
-        {"role": "system", "content": "  Be brief. "},
-        {"role": "user", "content": "What is a cat?"},
-        {"role": "assistant", "content": "A cat."},
-        {"role": "user", "content": "Its colour?"},
-    ],
-    [
-        {"role": "user", "content": "Weather in Oslo?"},
-        {"role": "assistant", "content": "",
-         "tool_calls": [{"type": "function",
-                         "function": {"name": "weather", "arguments": {"city": "Oslo"}}}]},
-        {"role": "tool", "content": "-3 C, snow"},
-        {"role": "assistant", "content": "Cold and snowy."},
-    ],
-]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory) -> tuple[Path, Path]:
-    from hf_fixtures import make_llama4_chat_model
-
-    tmp = tmp_path_factory.mktemp("l4chat")
-    hf = make_llama4_chat_model(tmp / "hf")
-    return hf, convert(hf, tmp / "m.gguf", "q8_0", progress=False)
-
-
-@pytest.mark.parametrize("add_generation_prompt", [True, False])
-@pytest.mark.parametrize("chat", range(len(LLAMA4_CHATS)))
-def test_chat_template_renders_and_tokenizes_as_transformers(chat_model, chat,
-                                                            add_generation_prompt):  # fmt: skip
-    """The GGUF's chat template (the checkpoint's tokenizer_config.json jinja: the bos token,
-    headers, a trimmed system message, tool calls and results), rendered by our sandboxed
-    renderer, is transformers' apply_chat_template text; it tokenizes as the HF tokenizer
-    does."""
-    from transformers import AutoTokenizer
-
-    from pyruntime.api import Model
-
-    hf = AutoTokenizer.from_pretrained(chat_model[0])
-    model = Model(chat_model[1])
-    messages = LLAMA4_CHATS[chat]
-    want = hf.apply_chat_template(messages, tokenize=False,
-                                  add_generation_prompt=add_generation_prompt)  # fmt: skip
-    text = model.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    assert text == want and text.startswith("<|begin_of_text|>")
-    ids = model.tokenize(text)
-    assert ids == hf(text, add_special_tokens=True)["input_ids"]
-    assert ids[0] == 4096 and ids.count(4099) == len(messages)  # <|begin_of_text|>, <|eot|>
-    assert (4101 in ids) == (chat == 2)  # <|python_start|>
-
-
-def test_chat_turns_end_at_eot(chat_model):
-    from gguf import GGUFReader
-
-    fields = GGUFReader(chat_model[1]).fields
-    assert fields["tokenizer.ggml.eot_token_id"].contents() == 4099  # <|eot|>
-    assert set(fields["pyruntime.stop_token_ids"].contents()) == {4099, 4100, 0}

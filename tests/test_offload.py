@@ -163,25 +163,32 @@ def test_gpt_oss_expert_biases_on_both_sides(gptoss, core, slots, misses):
     assert max_err(logprobs(hybrid(model, core, slots, misses), ids), want) <= LOGPROB_TOL
 
 
-@pytest.mark.parametrize("misses", ["cpu", "stage", "auto"])
-def test_sparse_experts_match_on_both_sides(olmoe, core, misses):
-    """The same thresholds on the CPU and the GPU: the GPU executor's logits and neuron
-    counts, within the tolerance (a neuron at the threshold may flip between the two)."""
-    _, cfg, host = olmoe
+def check_sparse_experts_match(model, core, slots: int, misses: str,
+                               sparsity: tuple[float, float]) -> None:  # fmt: skip
+    """The same thresholds on the CPU and the GPU (`slots` experts on the GPU, the misses as
+    `misses` places them): the GPU executor's logits and neuron counts, within the tolerance
+    (a neuron at the threshold may flip between the two), the achieved sparsity inside the
+    open interval `sparsity`, and the logits moved from the dense model's."""
+    _, cfg, host = model
     thresholds = [0.05] * cfg.n_layer
     ref = GpuExecutor(cfg, host, DEVICE)
     ref.set_expert_threshold(thresholds)
     ids = ids_of(cfg, N_PROMPT + N_DECODE, seed=1)
     want = logprobs(ref, ids)
-    net = hybrid(olmoe, core, 3, misses)
+    net = hybrid(model, core, slots, misses)
     net.set_expert_threshold(thresholds)
     got = logprobs(net, ids)
     assert max_err(got, want) <= LOGPROB_TOL
     assert net.stats.pairs == ref.stats.pairs
-    assert 0.2 < net.stats.sparsity < 0.9
+    assert sparsity[0] < net.stats.sparsity < sparsity[1]
     assert abs(net.stats.sparsity - ref.stats.sparsity) < 0.02
     dense = logprobs(GpuExecutor(cfg, host, DEVICE), ids)
     assert max_err(got, dense) > 2 * LOGPROB_TOL  # the thresholds did skip neurons
+
+
+@pytest.mark.parametrize("misses", ["cpu", "stage", "auto"])
+def test_sparse_experts_match_on_both_sides(olmoe, core, misses):
+    check_sparse_experts_match(olmoe, core, 3, misses, (0.2, 0.9))
 
 
 def test_q8_0_experts_are_repacked_into_slots(tmp_path_factory, core):

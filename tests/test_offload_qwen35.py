@@ -23,6 +23,7 @@ from test_offload import (
     N_DECODE,
     N_PROMPT,
     SAME_KERNELS_TOL,
+    check_sparse_experts_match,
     even_costs,
     hybrid,
     ids_of,
@@ -97,21 +98,7 @@ def test_logits_equal_the_whole_model_on_the_gpu(qwen35, core, whole, slots, mis
 
 @pytest.mark.parametrize("misses", ["cpu", "stage", "auto"])
 def test_sparse_experts_match_on_both_sides(qwen35, core, misses):
-    _, cfg, host = qwen35
-    thresholds = [0.05] * cfg.n_layer
-    ref = GpuExecutor(cfg, host, DEVICE)
-    ref.set_expert_threshold(thresholds)
-    ids = ids_of(cfg, N_PROMPT + N_DECODE, seed=1)
-    want = logprobs(ref, ids)
-    net = hybrid(qwen35, core, 5, misses)
-    net.set_expert_threshold(thresholds)
-    got = logprobs(net, ids)
-    assert max_err(got, want) <= LOGPROB_TOL
-    assert net.stats.pairs == ref.stats.pairs
-    assert 0.1 < net.stats.sparsity < 0.95
-    assert abs(net.stats.sparsity - ref.stats.sparsity) < 0.02
-    dense = logprobs(GpuExecutor(cfg, host, DEVICE), ids)
-    assert max_err(got, dense) > 2 * LOGPROB_TOL  # the thresholds did skip neurons
+    check_sparse_experts_match(qwen35, core, 5, misses, (0.1, 0.95))
 
 
 # -- captured segments ---------------------------------------------------------------------------

@@ -17,12 +17,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from calibration_check import check_calibrated_sparsity
+from conversion_refusal_check import check_config_refused, check_missing_tensor_refused
 from hf_fixtures import make_tiny_hf_model
 
 from pyruntime.converter import convert
 from pyruntime.cpu.executor import CpuExecutor, c_decoder_runs
 from pyruntime.decoding.session import Session
-from pyruntime.errors import ConversionError, ModelFileError, UsageError
+from pyruntime.errors import ModelFileError, UsageError
 from pyruntime.gguf.file import open_gguf
 from pyruntime.model import deltanet
 
@@ -274,15 +275,6 @@ def test_multimodal_checkpoint_converts_its_text_model(hf_dir, f32_path, tmp_pat
     assert b.get("pyruntime.hf_architecture") == "Qwen3_5MoeForConditionalGeneration"
 
 
-def _edited(hf_dir: Path, tmp_path: Path, **config) -> Path:
-    out = tmp_path / "edited"
-    shutil.copytree(hf_dir, out)
-    cfg = json.loads((out / "config.json").read_text())
-    cfg.update(config)
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
-
-
 @pytest.mark.parametrize(
     "config, message",
     [
@@ -294,24 +286,11 @@ def _edited(hf_dir: Path, tmp_path: Path, **config) -> Path:
     ],
 )
 def test_unsupported_config_values_are_one_line(hf_dir, tmp_path, config, message):
-    src = _edited(hf_dir, tmp_path, **config)
-    with pytest.raises(ConversionError) as info:
-        convert(src, tmp_path / "out.gguf", "f32", progress=False)
-    assert message in str(info.value) and "\n" not in str(info.value)
-    assert not (tmp_path / "out.gguf").exists()
+    check_config_refused(hf_dir, tmp_path, config, message)
 
 
 def test_a_missing_tensor_is_one_line_and_no_file(hf_dir, tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    src = _edited(hf_dir, tmp_path)
-    state = load_file(str(src / "model.safetensors"))
-    del state["model.layers.1.linear_attn.A_log"]
-    save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ConversionError) as info:
-        convert(src, tmp_path / "out.gguf", "f32", progress=False)
-    assert "missing tensors: model.layers.1.linear_attn.A_log" in str(info.value)
-    assert "\n" not in str(info.value) and list(tmp_path.glob("out.gguf*")) == []
+    check_missing_tensor_refused(hf_dir, tmp_path, "model.layers.1.linear_attn.A_log")
 
 
 def test_calibrate_and_sparsity_hit_the_target(hf_dir, tmp_path):
@@ -346,65 +325,3 @@ def test_gpu_decode_graph_advances_the_state_once(f32_path, monkeypatch):
         assert_same_run(got, want)
         assert (torch.log_softmax(got, -1) - torch.log_softmax(host, -1)).abs().max() <= 1e-4
     assert len(captures) == 1
-
-
-QWEN35_CHATS = [
-    [{"role": "user", "content": "Hi there"}],
-    [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "What is a cat?"},
-        {"role": "assistant", "content": "<think>\nA cat.\n</think>\n\nA cat."},
-        {"role": "user", "content": "Its colour?"},
-    ],
-    [
-        {"role": "user", "content": "Weather in Oslo?"},
-        {"role": "assistant", "content": "<think>\nCall it.\n</think>\n\n",
-         "tool_calls": [{"type": "function",
-                         "function": {"name": "weather", "arguments": {"city": "Oslo"}}}]},
-        {"role": "tool", "content": "-3 C, snow"},
-        {"role": "tool", "content": "wind from the north"},
-        {"role": "assistant", "content": "<think>\nCold.\n</think>\n\nCold and snowy."},
-    ],
-]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory) -> tuple[Path, Path]:
-    from hf_fixtures import make_qwen35_chat_model
-
-    tmp = tmp_path_factory.mktemp("q35chat")
-    hf = make_qwen35_chat_model(tmp / "hf")
-    return hf, convert(hf, tmp / "m.gguf", "q8_0", progress=False)
-
-
-@pytest.mark.parametrize("add_generation_prompt", [True, False])
-@pytest.mark.parametrize("chat", range(len(QWEN35_CHATS)))
-def test_chat_template_renders_and_tokenizes_as_transformers(chat_model, chat,
-                                                            add_generation_prompt):  # fmt: skip
-    """The GGUF's chat template (the checkpoint's tokenizer_config.json jinja: thinking, tool
-    calls and responses), rendered by our sandboxed renderer, is transformers'
-    apply_chat_template text; it tokenizes as the HF tokenizer does (the thinking and tool
-    tokens single special tokens)."""
-    from transformers import AutoTokenizer
-
-    from pyruntime.api import Model
-
-    hf = AutoTokenizer.from_pretrained(chat_model[0])
-    model = Model(chat_model[1])
-    messages = QWEN35_CHATS[chat]
-    want = hf.apply_chat_template(messages, tokenize=False,
-                                  add_generation_prompt=add_generation_prompt)  # fmt: skip
-    text = model.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    assert text == want
-    ids = model.tokenize(text)
-    assert ids == hf(text, add_special_tokens=True)["input_ids"]
-    assert (4096 in ids) == (add_generation_prompt or chat == 2)  # <think>
-    assert (4098 in ids) == (chat == 2)  # <tool_call>
-
-
-def test_chat_turns_end_at_im_end(chat_model):
-    from gguf import GGUFReader
-
-    fields = GGUFReader(chat_model[1]).fields
-    assert fields["tokenizer.ggml.eot_token_id"].contents() == 2  # <|im_end|>
-    assert set(fields["pyruntime.stop_token_ids"].contents()) == {2, 0}
