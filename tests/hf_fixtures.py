@@ -426,6 +426,31 @@ HARMONY_TEMPLATE = """\
 {%- endfor %}
 {%- if add_generation_prompt %}{{- "<|start|>assistant" }}{%- endif %}
 """
+
+
+def _with_chat_tokens(arch: str, path: Path, vocab_size: int, tokens: tuple[str, ...],
+                      tokenizer_config: dict, generation: dict) -> Path:  # fmt: skip
+    """make_tiny_hf_model(arch) at path with vocab_size ids, `tokens` added to its tokenizer as
+    special tokens at ids 4096.. (after the tiny tokenizer's), and its tokenizer_config.json and
+    generation_config.json updated with the given keys."""
+    import json
+
+    make_tiny_hf_model(arch, path, vocab_size=vocab_size)
+    tok = json.loads((path / "tokenizer.json").read_text())
+    tok["added_tokens"] += [
+        dict(id=4096 + i, content=text, single_word=False, lstrip=False, rstrip=False,
+             normalized=False, special=True)
+        for i, text in enumerate(tokens)
+    ]  # fmt: skip
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    for name, update in (("tokenizer_config.json", tokenizer_config),
+                         ("generation_config.json", generation)):  # fmt: skip
+        config = json.loads((path / name).read_text())
+        config.update(update)
+        (path / name).write_text(json.dumps(config))
+    return path
+
+
 # harmony's special tokens (gpt-oss's o200k_harmony has them at ids 199998..200018), here after
 # the tiny tokenizer's 4096
 HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>")
@@ -435,24 +460,10 @@ def make_harmony_model(path: Path) -> Path:
     """A tiny gpt-oss whose tokenizer is harmony's like the real one: its special tokens added
     (ids 4096..4101, vocab 4104), eos <|return|>, generation stopping at <|return|>,
     <|endoftext|> and <|call|> (gpt-oss-20b's generation_config.json), HARMONY_TEMPLATE."""
-    import json
-
-    make_tiny_hf_model("gptoss", path, vocab_size=4104)
-    tok = json.loads((path / "tokenizer.json").read_text())
-    ids = {text: 4096 + i for i, text in enumerate(HARMONY_TOKENS)}
-    tok["added_tokens"] += [
-        dict(id=i, content=text, single_word=False, lstrip=False, rstrip=False,
-             normalized=False, special=True)
-        for text, i in ids.items()
-    ]  # fmt: skip
-    (path / "tokenizer.json").write_text(json.dumps(tok))
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    config.update(eos_token="<|return|>", chat_template=HARMONY_TEMPLATE)
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    gen = json.loads((path / "generation_config.json").read_text())
-    gen["eos_token_id"] = [ids["<|return|>"], 0, ids["<|call|>"]]
-    (path / "generation_config.json").write_text(json.dumps(gen))
-    return path
+    ret, call = 4096 + HARMONY_TOKENS.index("<|return|>"), 4096 + HARMONY_TOKENS.index("<|call|>")
+    return _with_chat_tokens("gptoss", path, 4104, HARMONY_TOKENS,
+                             dict(eos_token="<|return|>", chat_template=HARMONY_TEMPLATE),
+                             dict(eos_token_id=[ret, 0, call]))  # fmt: skip
 
 
 # A Qwen3.5-style chat template (ChatML with thinking, tool calls as <tool_call> JSON, tool
@@ -550,23 +561,9 @@ QWEN35_TOKENS = (
 def make_qwen35_chat_model(path: Path) -> Path:
     """A tiny qwen35moe whose tokenizer has Qwen3.5's chat tokens (ids 4096..4105, vocab 4112),
     eos <|im_end|> (its generation stops there and at <|endoftext|>), QWEN35_TEMPLATE."""
-    import json
-
-    make_tiny_hf_model("qwen35moe", path, vocab_size=4112)
-    tok = json.loads((path / "tokenizer.json").read_text())
-    tok["added_tokens"] += [
-        dict(id=4096 + i, content=text, single_word=False, lstrip=False, rstrip=False,
-             normalized=False, special=True)
-        for i, text in enumerate(QWEN35_TOKENS)
-    ]  # fmt: skip
-    (path / "tokenizer.json").write_text(json.dumps(tok))
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    config.update(eos_token="<|im_end|>", chat_template=QWEN35_TEMPLATE)
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    gen = json.loads((path / "generation_config.json").read_text())
-    gen["eos_token_id"] = [2, 0]
-    (path / "generation_config.json").write_text(json.dumps(gen))
-    return path
+    return _with_chat_tokens("qwen35moe", path, 4112, QWEN35_TOKENS,
+                             dict(eos_token="<|im_end|>", chat_template=QWEN35_TEMPLATE),
+                             dict(eos_token_id=[2, 0]))  # fmt: skip
 
 
 # deepseek-v2-lite-chat's chat template (its tokenizer_config.json, verbatim): the turns as
@@ -586,28 +583,10 @@ DEEPSEEK2_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜
 def make_deepseek2_chat_model(path: Path) -> Path:
     """A tiny deepseek2 whose tokenizer has DeepSeek's bos and eos (ids 4096, 4097, vocab 4098),
     added at the start of a prompt, eos ending a turn and the generation, DEEPSEEK2_TEMPLATE."""
-    import json
-
-    make_tiny_hf_model("deepseek2", path, vocab_size=4098)
-    tok = json.loads((path / "tokenizer.json").read_text())
-    tok["added_tokens"] += [
-        dict(id=4096 + i, content=text, single_word=False, lstrip=False, rstrip=False,
-             normalized=False, special=True)
-        for i, text in enumerate(DEEPSEEK2_TOKENS)
-    ]  # fmt: skip
-    (path / "tokenizer.json").write_text(json.dumps(tok))
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    config.update(
-        bos_token=DEEPSEEK2_TOKENS[0],
-        eos_token=DEEPSEEK2_TOKENS[1],
-        add_bos_token=True,
-        chat_template=DEEPSEEK2_TEMPLATE,
-    )
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    gen = json.loads((path / "generation_config.json").read_text())
-    gen.update(bos_token_id=4096, eos_token_id=4097)
-    (path / "generation_config.json").write_text(json.dumps(gen))
-    return path
+    tokenizer_config = dict(bos_token=DEEPSEEK2_TOKENS[0], eos_token=DEEPSEEK2_TOKENS[1],
+                            add_bos_token=True, chat_template=DEEPSEEK2_TEMPLATE)  # fmt: skip
+    return _with_chat_tokens("deepseek2", path, 4098, DEEPSEEK2_TOKENS, tokenizer_config,
+                             dict(bos_token_id=4096, eos_token_id=4097))  # fmt: skip
 
 
 # A Llama-4-style chat template (headers, <|eot|> closing each message, tool calls as JSON
@@ -671,20 +650,7 @@ def make_llama4_chat_model(path: Path) -> Path:
     bos <|begin_of_text|> (the template writes it), eos <|eot|>, generation stopping at <|eot|>,
     <|eom|> and <|endoftext|> (as Llama-4-Scout-Instruct's generation_config.json lists its
     three), LLAMA4_TEMPLATE."""
-    import json
-
-    make_tiny_hf_model("llama4", path, vocab_size=4104)
-    tok = json.loads((path / "tokenizer.json").read_text())
-    tok["added_tokens"] += [
-        dict(id=4096 + i, content=text, single_word=False, lstrip=False, rstrip=False,
-             normalized=False, special=True)
-        for i, text in enumerate(LLAMA4_TOKENS)
-    ]  # fmt: skip
-    (path / "tokenizer.json").write_text(json.dumps(tok))
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    config.update(bos_token="<|begin_of_text|>", eos_token="<|eot|>", chat_template=LLAMA4_TEMPLATE)
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    gen = json.loads((path / "generation_config.json").read_text())
-    gen["eos_token_id"] = [4099, 4100, 0]
-    (path / "generation_config.json").write_text(json.dumps(gen))
-    return path
+    tokenizer_config = dict(bos_token="<|begin_of_text|>", eos_token="<|eot|>",
+                            chat_template=LLAMA4_TEMPLATE)  # fmt: skip
+    return _with_chat_tokens("llama4", path, 4104, LLAMA4_TOKENS, tokenizer_config,
+                             dict(eos_token_id=[4099, 4100, 0]))  # fmt: skip

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from calibration_check import check_calibrated_sparsity
-from conversion_refusal_check import check_config_refused, check_missing_tensor_refused
+from conversion_checks import check_config_refused, check_missing_tensor_refused
 from hf_fixtures import DEEPSEEK2_FULL, make_tiny_hf_model
 from test_parity import LOGPROB_TOL, hf_logprobs, prompt_ids, runtime_logprobs
 

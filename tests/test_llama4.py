@@ -10,15 +10,18 @@ by 0.50-1.07, without temperature tuning by 0.006.
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from calibration_check import check_calibrated_sparsity
-from conversion_refusal_check import check_config_refused, check_missing_tensor_refused
+from conversion_checks import (
+    check_config_refused,
+    check_missing_tensor_refused,
+    check_text_model_converted,
+    multimodal_checkpoint,
+)
 from hf_fixtures import make_tiny_hf_model
 
 from pyruntime.converter import convert
@@ -139,35 +142,22 @@ def _multimodal(hf_dir: Path, out: Path) -> Path:
     """The same text model as Llama4ForConditionalGeneration stores it: tensors under
     language_model.model. and language_model.lm_head, a vision tower and projector beside it,
     the config nested."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
-    out.mkdir()
     state = load_file(str(hf_dir / "model.safetensors"))
-    renamed = {f"language_model.{k}": v for k, v in state.items()}
-    renamed["vision_model.patch_embedding.linear.weight"] = torch.zeros(8, 12)
-    renamed["multi_modal_projector.linear_1.weight"] = torch.zeros(64, 8)
-    save_file(renamed, str(out / "model.safetensors"), metadata={"format": "pt"})
-    text = json.loads((hf_dir / "config.json").read_text())
-    text.pop("architectures")
+    tensors = {f"language_model.{k}": v for k, v in state.items()}
+    tensors["vision_model.patch_embedding.linear.weight"] = torch.zeros(8, 12)
+    tensors["multi_modal_projector.linear_1.weight"] = torch.zeros(64, 8)
     config = {
         "architectures": ["Llama4ForConditionalGeneration"],
         "model_type": "llama4",
-        "text_config": text,
         "vision_config": {"num_hidden_layers": 1},
     }
-    (out / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copyfile(hf_dir / name, out / name)
-    return out
+    return multimodal_checkpoint(hf_dir, out, tensors, config)
 
 
 def test_multimodal_checkpoint_converts_its_text_model(hf_dir, f32_path, tmp_path):
-    mm = convert(_multimodal(hf_dir, tmp_path / "mm"), tmp_path / "mm.gguf", "f32", False)
-    a, b = open_gguf(f32_path), open_gguf(mm)
-    assert list(a.tensors) == list(b.tensors)
-    for name, t in a.tensors.items():
-        assert bytes(t.data) == bytes(b.tensors[name].data), name
-    assert b.get("pyruntime.hf_architecture") == "Llama4ForConditionalGeneration"
+    check_text_model_converted(_multimodal(hf_dir, tmp_path / "mm"), f32_path, tmp_path)
 
 
 @pytest.mark.parametrize(

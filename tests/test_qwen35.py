@@ -9,15 +9,18 @@ index, a missing beta or a chunk boundary dropping the state is O(1).
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from calibration_check import check_calibrated_sparsity
-from conversion_refusal_check import check_config_refused, check_missing_tensor_refused
+from conversion_checks import (
+    check_config_refused,
+    check_missing_tensor_refused,
+    check_text_model_converted,
+    multimodal_checkpoint,
+)
 from hf_fixtures import make_tiny_hf_model
 
 from pyruntime.converter import convert
@@ -240,39 +243,26 @@ def test_a_file_missing_a_deltanet_tensor_is_refused(f32_path, tmp_path):
 def _multimodal(hf_dir: Path, out: Path) -> Path:
     """The same text model as Qwen3_5MoeForConditionalGeneration stores it: tensors under
     model.language_model., a vision tower and an MTP head beside it, the config nested."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
-    out.mkdir()
     state = load_file(str(hf_dir / "model.safetensors"))
-    renamed = {
+    tensors = {
         (f"model.language_model.{k[6:]}" if k.startswith("model.") else k): v
         for k, v in state.items()
     }
-    renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3, 2, 2)
-    renamed["mtp.fc.weight"] = torch.zeros(64, 128)
-    save_file(renamed, str(out / "model.safetensors"), metadata={"format": "pt"})
-    text = json.loads((hf_dir / "config.json").read_text())
-    text.pop("architectures")
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3, 2, 2)
+    tensors["mtp.fc.weight"] = torch.zeros(64, 128)
     config = {
         "architectures": ["Qwen3_5MoeForConditionalGeneration"],
         "model_type": "qwen3_5_moe",
-        "text_config": text,
         "vision_config": {"depth": 1},
         "tie_word_embeddings": False,
     }
-    (out / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copyfile(hf_dir / name, out / name)
-    return out
+    return multimodal_checkpoint(hf_dir, out, tensors, config)
 
 
 def test_multimodal_checkpoint_converts_its_text_model(hf_dir, f32_path, tmp_path):
-    mm = convert(_multimodal(hf_dir, tmp_path / "mm"), tmp_path / "mm.gguf", "f32", False)
-    a, b = open_gguf(f32_path), open_gguf(mm)
-    assert list(a.tensors) == list(b.tensors)
-    for name, t in a.tensors.items():
-        assert bytes(t.data) == bytes(b.tensors[name].data), name
-    assert b.get("pyruntime.hf_architecture") == "Qwen3_5MoeForConditionalGeneration"
+    check_text_model_converted(_multimodal(hf_dir, tmp_path / "mm"), f32_path, tmp_path)
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
-"""The checks every architecture's converter-refusal tests run on its tiny HF checkpoint: an
-unsupported config value, or a missing tensor, is refused in one line (ConversionError) and
-leaves no output file behind."""
+"""The checks every architecture's converter tests run on its tiny HF checkpoint: an unsupported
+config value, or a missing tensor, is refused in one line (ConversionError) and leaves no output
+file behind; the multimodal checkpoint of the same text model converts to the same tensors."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 
 from pyruntime.converter import convert
 from pyruntime.errors import ConversionError
+from pyruntime.gguf.file import open_gguf
 
 
 def edited(hf_dir: Path, tmp_path: Path, **config) -> Path:
@@ -47,3 +48,32 @@ def check_missing_tensor_refused(hf_dir: Path, tmp_path: Path, tensor: str,
         convert(src, tmp_path / "out.gguf", "f32", progress=False)
     assert f"missing tensors: {named or tensor}" in str(info.value)
     assert "\n" not in str(info.value) and list(tmp_path.glob("out.gguf*")) == []
+
+
+def multimodal_checkpoint(hf_dir: Path, out: Path, tensors: dict, config: dict) -> Path:
+    """A multimodal checkpoint at `out` holding hf_dir's text model as its architecture stores
+    it: `tensors` (the text model's, renamed, and the other towers'), config.json `config` with
+    hf_dir's config (less its architectures) nested as text_config, hf_dir's tokenizer and
+    generation files beside them."""
+    from safetensors.torch import save_file
+
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    text = json.loads((hf_dir / "config.json").read_text())
+    text.pop("architectures")
+    (out / "config.json").write_text(json.dumps({**config, "text_config": text}))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(hf_dir / name, out / name)
+    return out
+
+
+def check_text_model_converted(mm_dir: Path, f32_path: Path, tmp_path: Path) -> None:
+    """The multimodal checkpoint mm_dir converts to the text model's tensors (f32_path's, same
+    names and order, bit for bit) and records its own architecture."""
+    mm = convert(mm_dir, tmp_path / "mm.gguf", "f32", False)
+    a, b = open_gguf(f32_path), open_gguf(mm)
+    assert list(a.tensors) == list(b.tensors)
+    for name, t in a.tensors.items():
+        assert bytes(t.data) == bytes(b.tensors[name].data), name
+    architecture = json.loads((mm_dir / "config.json").read_text())["architectures"][0]
+    assert b.get("pyruntime.hf_architecture") == architecture
