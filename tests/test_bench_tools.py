@@ -243,26 +243,32 @@ def test_compare_trees_without_git(tmp_path, monkeypatch):
     )
 
 
-def test_random_gpt_oss_gguf_and_its_llama_cpp_twin(tmp_path, capsys):
-    """gpt-oss's shape: our layout (MXFP4 experts) loads and decodes, `info` shows its fields;
-    the llama.cpp twin splits the experts and their biases and names ffn_norm as llama.cpp."""
+def decodes_and_shows(maker, shape: str, outtype: str, tmp_path: Path, capsys):
+    """Our layout of the random `shape` in `outtype` loads and decodes on the CPU (a 20-token
+    prompt, then a token: finite logits) and `info` reads it: (the executor, info's output)."""
     import torch
-    from gguf import GGUFReader
 
     from pyruntime.cli import main
     from pyruntime.cpu.executor import CpuExecutor
     from pyruntime.gguf.file import open_gguf
 
-    maker = load("make_random_gguf")
-    assert maker.CONFIGS["gpt-oss-20b"]["num_local_experts"] == 32
-    ours = maker.make_random_gguf("tiny-gpt-oss", tmp_path / "o.gguf", "mxfp4", progress=False)
+    ours = maker.make_random_gguf(shape, tmp_path / "o.gguf", outtype, progress=False)
     model = CpuExecutor.from_gguf(open_gguf(ours))
     cache = model.new_cache(40)
-    logits = model.forward(list(range(20)), cache)
-    logits = torch.cat([logits, model.forward([7], cache)])
+    logits = torch.cat([model.forward(list(range(20)), cache), model.forward([7], cache)])
     assert logits.shape == (21, 4096) and torch.isfinite(logits).all()
     assert main(["info", str(ours)]) == 0
-    out = capsys.readouterr().out
+    return model, capsys.readouterr().out
+
+
+def test_random_gpt_oss_gguf_and_its_llama_cpp_twin(tmp_path, capsys):
+    """gpt-oss's shape: our layout (MXFP4 experts) loads and decodes, `info` shows its fields;
+    the llama.cpp twin splits the experts and their biases and names ffn_norm as llama.cpp."""
+    from gguf import GGUFReader
+
+    maker = load("make_random_gguf")
+    assert maker.CONFIGS["gpt-oss-20b"]["num_local_experts"] == 32
+    _, out = decodes_and_shows(maker, "tiny-gpt-oss", "mxfp4", tmp_path, capsys)
     for row in ("swiglu_oai", "yarn x32.0", "16 on 1 of 2 layers", "attention sinks : yes"):
         assert row in out, out
     lcpp = tmp_path / "l.gguf"
@@ -279,23 +285,12 @@ def test_random_qwen35_gguf_and_its_llama_cpp_twin(tmp_path, capsys):
     """qwen3.5's shape: our layout loads and decodes on the CPU (a prompt then a token), `info`
     shows the DeltaNet rows; the llama.cpp twin joins a full-attention layer's query and gate,
     names ffn_norm post_attention_norm and has the MRoPE sections llama.cpp requires."""
-    import torch
     from gguf import GGUFReader
-
-    from pyruntime.cli import main
-    from pyruntime.cpu.executor import CpuExecutor
-    from pyruntime.gguf.file import open_gguf
 
     maker = load("make_random_gguf")
     real = maker.CONFIGS["qwen3.5-35b-a3b"]
     assert (real["num_experts"], real["num_experts_per_tok"]) == (256, 8)
-    ours = maker.make_random_gguf("tiny-qwen3.5", tmp_path / "o.gguf", "q8_0", progress=False)
-    model = CpuExecutor.from_gguf(open_gguf(ours))
-    cache = model.new_cache(40)
-    logits = torch.cat([model.forward(list(range(20)), cache), model.forward([7], cache)])
-    assert logits.shape == (21, 4096) and torch.isfinite(logits).all()
-    assert main(["info", str(ours)]) == 0
-    out = capsys.readouterr().out
+    _, out = decodes_and_shows(maker, "tiny-qwen3.5", "q8_0", tmp_path, capsys)
     for row in ("Gated DeltaNet on 3 of 4 layers (full attention: 3)", "8 of 32 per head"):
         assert row in out, out
     lcpp = tmp_path / "l.gguf"
@@ -362,12 +357,7 @@ def test_random_deepseek2_gguf_and_its_llama_cpp_twin(tmp_path, capsys):
     """deepseek-v2-lite's shape: our layout loads and decodes on the CPU (a prompt then a
     token), `info` shows the latent attention rows; the llama.cpp twin splits the experts and
     keeps the MLA tensors under their (llama.cpp's) names and shapes."""
-    import torch
     from gguf import GGUFReader
-
-    from pyruntime.cli import main
-    from pyruntime.cpu.executor import CpuExecutor
-    from pyruntime.gguf.file import open_gguf
 
     maker = load("make_random_gguf")
     real = maker.CONFIGS["deepseek-v2-lite"]
@@ -376,13 +366,7 @@ def test_random_deepseek2_gguf_and_its_llama_cpp_twin(tmp_path, capsys):
         64, 6, 2,
     )  # fmt: skip
     assert real["first_k_dense_replace"] == 1 and real["q_lora_rank"] is None
-    ours = maker.make_random_gguf("tiny-deepseek-v2", tmp_path / "o.gguf", "q8_0", progress=False)
-    model = CpuExecutor.from_gguf(open_gguf(ours))
-    cache = model.new_cache(40)
-    logits = torch.cat([model.forward(list(range(20)), cache), model.forward([7], cache)])
-    assert logits.shape == (21, 4096) and torch.isfinite(logits).all()
-    assert main(["info", str(ours)]) == 0
-    out = capsys.readouterr().out
+    _, out = decodes_and_shows(maker, "tiny-deepseek-v2", "q8_0", tmp_path, capsys)
     assert "latent 64 + rope key 32 per token; per head 32 + 32 key, 32 value dims" in out, out
     lcpp = tmp_path / "l.gguf"
     maker.make_random_gguf("tiny-deepseek-v2", lcpp, "q8_0", progress=False, layout="llama.cpp")
@@ -400,26 +384,17 @@ def test_random_llama4_gguf_and_its_llama_cpp_twin(tmp_path, capsys):
     """llama-4-scout's shape: our layout loads and decodes on the CPU (a prompt longer than the
     tiny shape's chunk, then a token), `info` shows its rows; the llama.cpp twin splits the
     experts, keeps the shared expert and the dense layers, and drops the llama3 scaling keys."""
-    import torch
     from gguf import GGUFReader
 
     from pyruntime.cli import main
-    from pyruntime.cpu.executor import CpuExecutor
-    from pyruntime.gguf.file import open_gguf
 
     maker = load("make_random_gguf")
     real = maker.CONFIGS["llama-4-scout"]
     assert (real["num_local_experts"], real["num_experts_per_tok"]) == (16, 1)
     assert (real["num_hidden_layers"], real["hidden_size"], real["intermediate_size"]) == (
         48, 5120, 8192)  # fmt: skip
-    ours = maker.make_random_gguf("tiny-llama4", tmp_path / "o.gguf", "q8_0", progress=False)
-    model = CpuExecutor.from_gguf(open_gguf(ours))
+    model, out = decodes_and_shows(maker, "tiny-llama4", "q8_0", tmp_path, capsys)
     assert model.moe_layers() == [1, 3]
-    cache = model.new_cache(40)
-    logits = torch.cat([model.forward(list(range(20)), cache), model.forward([7], cache)])
-    assert logits.shape == (21, 4096) and torch.isfinite(logits).all()
-    assert main(["info", str(ours)]) == 0
-    out = capsys.readouterr().out
     for row in ("llama3 x16.0 (original context 8192)", "nope layers       : 1, 3",
                 "attention chunk   : 8 tokens on the rope layers"):  # fmt: skip
         assert row in out, out
