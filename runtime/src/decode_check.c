@@ -8,13 +8,18 @@
 #include "error.h"
 #include "model_check.h"
 
+/* A tensor's GGUF name: blk.<layer>.<what>, or <what> for a model-level one (layer < 0). */
+static void tensor_name(char *name, size_t size, const char *what, int layer) {
+    if (layer >= 0)
+        snprintf(name, size, "blk.%d.%s", layer, what);
+    else
+        snprintf(name, size, "%s", what);
+}
+
 int pyrt_check_model_matrix(const pyrt_matrix *m, int n_out, int n_in, const char *what,
                             int layer) {
     char name[64];
-    if (layer >= 0)
-        snprintf(name, sizeof name, "blk.%d.%s", layer, what);
-    else
-        snprintf(name, sizeof name, "%s", what);
+    tensor_name(name, sizeof name, what, layer);
     int rc = pyrt_matrix_check(m, "pyrt_decoder_create", name);
     if (rc != PYRT_OK)
         return rc;
@@ -34,10 +39,7 @@ static int fail_block(int i, const char *msg) {
 static int check_vector(const pyrt_vector *v, int64_t n, int optional, const char *what,
                         int layer) {
     char name[64];
-    if (layer >= 0)
-        snprintf(name, sizeof name, "blk.%d.%s", layer, what);
-    else
-        snprintf(name, sizeof name, "%s", what);
+    tensor_name(name, sizeof name, what, layer);
     if (v->data == NULL) {
         if (optional && v->n == 0)
             return PYRT_OK;

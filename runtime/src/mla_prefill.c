@@ -21,6 +21,19 @@
 
 /* ---- buffers --------------------------------------------------------------------------------- */
 
+void pyrt_mla_prefill_free(pyrt_mla *m) {
+    free(m->c_q);
+    free(m->c_qa);
+    free(m->c_kv);
+    free(m->c_o);
+    free(m->c_xq);
+    free(m->c_rows);
+    free(m->c_xqh);
+    m->c_q = m->c_qa = m->c_kv = m->c_o = m->c_rows = NULL;
+    m->c_xq = m->c_xqh = NULL;
+    m->tokens_cap = m->threads_cap = 0;
+}
+
 int pyrt_mla_prefill_ensure(pyrt_mla *m, int T, int threads, const char *fn) {
     if (T <= m->tokens_cap && threads <= m->threads_cap)
         return PYRT_OK;
@@ -29,13 +42,7 @@ int pyrt_mla_prefill_ensure(pyrt_mla *m, int T, int threads, const char *fn) {
     const size_t f = sizeof(float), H = (size_t)m->n_head, hd = (size_t)(m->rank + m->rope);
     const size_t ov = H * (size_t)m->v_dim;
     const size_t in_max = (size_t)m->q_rank > ov ? (size_t)m->q_rank : ov;
-    free(m->c_q);
-    free(m->c_qa);
-    free(m->c_kv);
-    free(m->c_o);
-    free(m->c_xq);
-    free(m->c_rows);
-    free(m->c_xqh);
+    pyrt_mla_prefill_free(m);
     m->c_q = malloc((size_t)T * H * ((size_t)m->nope + (size_t)m->rope) * f);
     m->c_qa = malloc((size_t)T * ((size_t)m->q_rank + 1) * f);
     m->c_kv = malloc((size_t)T * hd * f);

@@ -47,13 +47,7 @@ int pyrt_mla_init(pyrt_mla *m, const pyrt_model_weights *w, const char *fn) {
 }
 
 void pyrt_mla_free(pyrt_mla *m) {
-    free(m->c_q);
-    free(m->c_qa);
-    free(m->c_kv);
-    free(m->c_o);
-    free(m->c_xq);
-    free(m->c_rows);
-    free(m->c_xqh);
+    pyrt_mla_prefill_free(m);
     free(m->q);
     free(m->qa);
     free(m->kv);

@@ -37,6 +37,8 @@ void pyrt_mla_free(pyrt_mla *m);
 
 /* Room for a prefill chunk of T tokens on `threads` threads; PYRT_E_NOMEM naming fn. */
 int pyrt_mla_prefill_ensure(pyrt_mla *m, int T, int threads, const char *fn);
+/* Frees the chunk buffers (tokens_cap and threads_cap back to 0; pyrt_mla_free does it too). */
+void pyrt_mla_prefill_free(pyrt_mla *m);
 
 /* The MLA shape of the model and block i's MLA weights (at pyrt_decoder_create). */
 int pyrt_mla_check_model(const pyrt_model_weights *w);
