@@ -25,12 +25,16 @@ beside the GGUF) answers instead: how much faster than dense is a decode step at
 every layer sparse and as the CPU switch chooses (pyruntime.cpu.sparse_switch, measured afresh in
 this process)? Steps at one position (each reads the same cache), dense and sparse alternated
 --rounds times; per round the dense time over the sparse time, median and min-max over rounds.
+--gate-copy on / both: the sparse steps also (both) or only (on) with the experts' gate rows
+apart (pyruntime.experts.gates: the sparse gate pass streams a copy instead of every third row
+of the file); the switch is measured for each layout; the copy's load time and extra RSS are
+printed.
 
     python bench/cpu_decode.py granite-1b-a400m --outtype q8_0 --threads 2
     python bench/cpu_decode.py olmoe-1b-7b --gguf /tmp/olmoe-q8_0.gguf --threads 16 --tokens 64
     python bench/cpu_decode.py granite-1b-a400m --param fuse_layer=0 --param vnni=0
     python bench/cpu_decode.py granite-1b-a400m --threads 1 --sparsity 0.5 0.9 \
-        --sparsity-table /tmp/granite.sparsity.json --rounds 9
+        --sparsity-table /tmp/granite.sparsity.json --rounds 9 --gate-copy both
 """
 
 from __future__ import annotations
@@ -121,34 +125,68 @@ def decode(
     return seg_steps, model.decode_times()
 
 
-def sparse_speedups(model: CpuExecutor, table, sparsities, rounds: int) -> None:
-    """Prints, per sparsity, dense step time / sparse step time (all layers sparse, and the
-    switch's per-layer mix), paired per round (see the module docstring)."""
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def layouts(model: CpuExecutor, gate_copy: str) -> dict:
+    """{layout name: (its decoder, its gate_copy_bytes)}: the file's layout (off, both) and the
+    gate rows apart (on, both; the copy's time and extra RSS printed)."""
+    out = {}
+    if gate_copy in ("off", "both"):
+        out["file"] = (model._decoder, 0)
+    if gate_copy in ("on", "both"):
+        rss, t = rss_bytes(), time.perf_counter()
+        model.use_gate_copy("on", 0)
+        dt, extra = time.perf_counter() - t, rss_bytes() - rss
+        print(f"gate copy: {model.gate_copy_bytes / 2**20:.1f} MiB made in {dt:.2f} s, "
+              f"RSS +{extra / 2**20:.1f} MiB")  # fmt: skip
+        out["gates apart"] = (model._decoder, model.gate_copy_bytes)
+    return out
+
+
+def sparse_speedups(model: CpuExecutor, table, sparsities, rounds: int,
+                    gate_copy: str = "off") -> None:  # fmt: skip
+    """Prints, per sparsity and layout, dense step time / sparse step time (all layers sparse,
+    and the switch's per-layer mix), paired per round (see the module docstring)."""
+    decoders = layouts(model, gate_copy)
     steps = sparse_switch.DecodeSteps(model)
+    dense_dec = next(iter(decoders.values()))[0]  # dense steps never read the copy
     with tempfile.TemporaryDirectory() as tmp:
         for s in sparsities:
             thr = table.for_sparsity(s)
             model.expert_threshold = thr
-            model.choose_decode_sparsity(f"bench-{s}", Path(tmp))
-            layers = model.sparse_layers
-            cases = {"every layer sparse": thr, "as the switch chose": model.decode_thresholds()}
+            cases = {}
+            for layout, (dec, nbytes) in decoders.items():
+                model._decoder, model.gate_copy_bytes = dec, nbytes
+                model.choose_decode_sparsity(f"bench-{s}", Path(tmp))
+                layers = model.sparse_layers
+                tag = "" if len(decoders) == 1 else f", {layout}"
+                print(f"sparsity {s}{tag}: switch: {sum(layers)}/{len(layers)} layers sparse")
+                cases[f"every layer sparse{tag}"] = (dec, thr)
+                cases[f"as the switch chose{tag}"] = (dec, model.decode_thresholds())
             ratios: dict[str, list[float]] = {name: [] for name in cases}
-            for case in cases.values():
+            for dec, case in cases.values():
+                steps.dec = dec
                 steps.whole(case)  # warm-up
             for _ in range(rounds):
-                for name, case in cases.items():
+                for name, (dec, case) in cases.items():
                     if case is None:
                         ratios[name].append(1.0)
                         continue
+                    steps.dec = dense_dec
                     t0 = time.perf_counter()
                     steps.whole(None)
                     t1 = time.perf_counter()
+                    steps.dec = dec
                     steps.whole(case)
                     ratios[name].append((t1 - t0) / (time.perf_counter() - t1))
-            print(f"sparsity {s}: switch: {sum(layers)}/{len(layers)} layers sparse")
             for name, r in ratios.items():
                 print(
-                    f"  {name:20s} {statistics.median(r):.2f}x dense (min {min(r):.2f}, "
+                    f"  {name:32s} {statistics.median(r):.2f}x dense (min {min(r):.2f}, "
                     f"max {max(r):.2f}, {rounds} rounds of {sparse_switch.STEPS} steps each)"
                 )
 
@@ -188,6 +226,13 @@ def main() -> None:
     )
     ap.add_argument("--sparsity-table", type=Path, default=None, help="from pyruntime calibrate")
     ap.add_argument("--rounds", type=int, default=9, help="--sparsity: dense/sparse alternations")
+    ap.add_argument(
+        "--gate-copy",
+        choices=["off", "on", "both"],
+        default="off",
+        help="--sparsity: sparse steps with the file's layout (off), the gate rows apart (on), "
+        "or both, interleaved",
+    )
     args = ap.parse_args()
     params = {}
     for item in args.param:
@@ -217,7 +262,7 @@ def main() -> None:
     )
     if args.sparsity:
         table = SparsityTable.load(path, args.sparsity_table)
-        sparse_speedups(model, table, args.sparsity, args.rounds)
+        sparse_speedups(model, table, args.sparsity, args.rounds, args.gate_copy)
         return
     read = ReadTest(core, args.dram_gib)
     rates = read.rates(10)

@@ -44,6 +44,7 @@ from pyruntime.decoding.sampling import Sampler, SamplingParams
 from pyruntime.decoding.session import Session
 from pyruntime.decoding.stream import TextStream
 from pyruntime.errors import PyruntimeWarning, UsageError
+from pyruntime.experts.gates import GATE_COPY_MODES
 from pyruntime.experts.sparsity import SparsityTable, check_sparsity
 from pyruntime.gguf.file import GGUFFile
 from pyruntime.model.config import ModelConfig
@@ -65,6 +66,8 @@ class Model:
     sparsity: target fraction of routed-expert neurons to skip, in [0, 1); needs the model's
     calibration table (`pyruntime calibrate`); 0 = dense. `achieved_sparsity` reports the result.
     sparsity_table: that table's file (None: MODEL.sparsity.json beside the model).
+    gate_copy: 'auto', 'on' or 'off': the CPU's sparse decode steps read a copy of the routed
+    experts' gate rows, each expert's contiguous (auto: with sparsity, where it fits in RAM).
     expert_backend: 'auto' (the C core when built), 'c', or 'torch' (the reference); CPU only.
     device: 'auto' (the GPU when there is one and the model + KV cache fit in its free memory,
     else the CPU), 'cpu', 'cuda' or 'cuda:N' (an error when there is no GPU or it does not fit).
@@ -99,6 +102,7 @@ class Model:
         ubatch: int | None = None,
         sparsity: float = DEFAULTS.sparsity,
         sparsity_table: str | Path | None = None,
+        gate_copy: str = DEFAULTS.gate_copy,
         expert_backend: str = DEFAULTS.expert_backend,
         device: str = DEFAULTS.device,
         kernel_tuning: str | None = None,
@@ -117,6 +121,9 @@ class Model:
         draft_experts: str = DEFAULTS.draft_experts,
     ) -> None:
         check_sparsity(sparsity)
+        if gate_copy not in GATE_COPY_MODES:
+            raise UsageError(f"gate_copy must be one of {', '.join(GATE_COPY_MODES)}, "
+                             f"got {gate_copy!r}")  # fmt: skip
         gpu_bytes = _size(gpu_mem)
         for name, value in (("n_ctx", n_ctx), ("threads", threads), ("seed", seed),
                             ("ubatch", ubatch), ("gpu_mem", gpu_bytes)):  # fmt: skip
@@ -150,6 +157,7 @@ class Model:
                 self.file, threads=threads, expert_backend=expert_backend, ubatch=ubatch
             )
             self.net.expert_threshold = thresholds
+            self.net.use_gate_copy(gate_copy, self.file.file_size)
             if thresholds is not None:  # decode dense where sparse loses on this machine
                 key = f"{self.path.name}:{self.file.file_size}:s{sparsity}"
                 self.net.choose_decode_sparsity(key, options.writable_cache_dir() / "cpu_switch")

@@ -134,6 +134,13 @@ OPTIONS: tuple[Option, ...] = (
         ("--sparsity-table",), DECODING, metavar="FILE",
     ),
     Option(
+        "gate_copy", "auto", "CPU sparse decode: a copy of the routed experts' gate rows, each "
+        "expert's contiguous (a third of their bytes, in RAM), which the sparse kernel's gate "
+        "pass streams instead of every third row of the model file: on, off, or auto (when "
+        "--sparsity is on and the copy fits in the RAM available beside the model; a warning "
+        "when it does not)", ("--gate-copy",), DECODING, extra={"choices": ["auto", "on", "off"]},
+    ),
+    Option(
         "expert_backend", "auto", "CPU routed experts: auto (the C core when it is built), c, or "
         "torch (the plain reference)",
     ),

@@ -274,6 +274,7 @@ class CpuCore:
         expert_map: torch.Tensor | None = None,
         bias: tuple[torch.Tensor, torch.Tensor] | None = None,
         swiglu: tuple[float, float] = (1.702, 7.0),
+        gates: np.ndarray | None = None,
     ) -> tuple[torch.Tensor, int]:
         """Routed experts of one layer: y[t] = sum_k topk_w[t, k] * expert_{topk_ids[t, k]}(x[t]).
 
@@ -290,6 +291,9 @@ class CpuCore:
         (vLLM's fused_moe expert_map; a cache of slots, or one device's share of the experts).
         bias: None, or float32 (gate_up [n_slots, n_ff, 2], down [n_slots, n_embd]) indexed like
         gud (gpt-oss's expert biases); swiglu: (alpha, limit) of activation 'swiglu_oai'.
+        gates: None, or C-contiguous [n_slots, n_ff, row_bytes] bytes: every neuron's gate row
+        apart (pyruntime.experts.gates.gates_apart), which the sparse pass reads instead of
+        gud's (the same values: the same result).
         Returns (y [T, n_embd] float32, n_active): n_active counts the neurons computed, summed over
         the (token, expert) pairs computed (their number * n_ff when dense); y is `out` when given.
         """
@@ -347,6 +351,9 @@ class CpuCore:
                 )
             n_slots = gud.nbytes // expert_bytes
             map_ptr = _ffi.cast(_P_CINT32, expert_map.data_ptr())
+        contiguous = isinstance(gates, np.ndarray) and gates.flags.c_contiguous
+        if gates is not None and not contiguous:
+            raise CoreError("gates must be a C-contiguous numpy array (gates_apart's copy)")
         bias_gu = bias_down = _ffi.NULL
         gu_len = down_len = 0  # floats each bias holds (the C core checks them)
         if bias is not None:
@@ -377,6 +384,8 @@ class CpuCore:
                 down_len,
                 float(swiglu[0]),
                 float(swiglu[1]),
+                _ffi.NULL if gates is None else _ffi.from_buffer(gates),
+                0 if gates is None else gates.nbytes,
             ),
         )
         n_active = _ffi.new(_P_INT64)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from pyruntime.cpu import core as cpu_core
@@ -40,12 +41,16 @@ from pyruntime.model.weights import HostWeights
 class CpuDecoder:
     """Owner of a C decoder (pyrt_decoder) for one model on one CpuCore; freed with the object."""
 
-    def __init__(self, cfg: ModelConfig, weights: HostWeights, core: cpu_core.CpuCore) -> None:
+    def __init__(self, cfg: ModelConfig, weights: HostWeights, core: cpu_core.CpuCore,
+                 gates: dict[int, np.ndarray] | None = None) -> None:  # fmt: skip
+        """gates: None, or the MoE layers' gate rows apart ({layer: [n_expert, n_ff, row_bytes]},
+        pyruntime.experts.gates), which sparse decode steps read; dense steps and prefill read
+        the file's."""
         self._ffi = ffi = cpu_core._ffi
         self._lib = lib = cpu_core._lib()
         self.config = cfg
         self.core = core
-        self._model = ModelDescription(cfg, weights)  # borrowed by the C decoder
+        self._model = ModelDescription(cfg, weights, gates)  # borrowed by the C decoder
         out = ffi.new("pyrt_decoder **")
         cpu_core._check(lib.pyrt_decoder_create(self._model.weights, out), "pyrt_decoder_create")
         self._dec = ffi.gc(out[0], lib.pyrt_decoder_free)

@@ -25,6 +25,7 @@ from pyruntime.cpu.decoder import CpuDecoder
 from pyruntime.cpu.deltanet import CDeltaNet
 from pyruntime.cpu.experts import make_expert_backend
 from pyruntime.errors import UsageError
+from pyruntime.experts import gates
 from pyruntime.gguf.file import GGUFFile
 from pyruntime.gguf.quant import QuantMatrix
 from pyruntime.model.config import ModelConfig
@@ -61,6 +62,7 @@ class CpuExecutor(ReferenceModel):
         self.sparse_decode = True  # decode steps skip neurons as expert_threshold says
         self.sparse_layers: list[bool] | None = None  # ... in these layers (None: in all)
         self._deltanet_c: CDeltaNet | None = None  # DeltaNet decode steps on the C core
+        self.gate_copy_bytes = 0  # bytes of the experts' gate rows apart (0: none)
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         """Start paging the experts' bytes in from the file (readahead), without waiting."""
@@ -108,6 +110,24 @@ class CpuExecutor(ReferenceModel):
         # One thread pool for everything: torch only runs the few ops left on the prefill path
         # (attention, norms), and its threads would otherwise compete with the pool's.
         torch.set_num_threads(1)
+
+    def use_gate_copy(self, mode: str, model_bytes: int) -> None:
+        """Copy the routed experts' gate rows apart for the sparse decode steps (mode on, or
+        auto: when expert_threshold is set and the copy fits in RAM beside the model file of
+        model_bytes; pyruntime.experts.gates) and describe the model to the C decoder again with
+        them. Call before choose_decode_sparsity, which then measures with them. No-op without
+        the C decoder."""
+        if self._decoder is None:
+            return
+        layers = {i: blk.experts for i, blk in enumerate(self.weights.blocks)
+                  if blk.experts is not None}  # fmt: skip
+        sparse = self.expert_threshold is not None
+        if not gates.decide(mode, sparse, list(layers.values()), model_bytes,
+                            gates.mem_available()):  # fmt: skip
+            return
+        copies = {i: gates.gates_apart(store) for i, store in layers.items()}
+        self._decoder = CpuDecoder(self.config, self.weights, self.core, gates=copies)
+        self.gate_copy_bytes = sum(c.nbytes for c in copies.values())
 
     def choose_decode_sparsity(self, key: str, cache_dir: Path, timer=None) -> None:
         """Which layers decode steps run with their expert_threshold and which dense: whichever

@@ -6,13 +6,15 @@ byte count and shape (deepseek2's multi-head latent attention's too); every smal
 router / expert biases, MLA's latent norms) a pointer with its element count (llama4's chunks,
 NoPE layers, q/k L2 norm, temperature and input-weighted experts are plain numbers): the C side
 checks each length against the model's shape once, at pyrt_decoder_create, and
-never reads past it.
+never reads past it. Optionally, per MoE layer, the routed experts' gate rows apart
+(pyruntime.experts.gates), which the sparse decode steps read instead of the file's.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from pyruntime.cpu import core as cpu_core
@@ -24,15 +26,21 @@ from pyruntime.model.weights import BlockWeights, HostWeights
 
 class ModelDescription:
     """A pyrt_model_weights (`self.weights`) and the buffers it borrows (kept while this object
-    lives: the decoder made from it keeps it)."""
+    lives: the decoder made from it keeps it). gates: None, or {layer: uint8 [n_expert, n_ff,
+    row_bytes]} the MoE layers' gate rows apart (pyruntime.experts.gates.gates_apart)."""
 
-    def __init__(self, cfg: ModelConfig, weights: HostWeights) -> None:
+    def __init__(self, cfg: ModelConfig, weights: HostWeights,
+                 gates: dict[int, np.ndarray] | None = None) -> None:  # fmt: skip
         self._ffi = ffi = cpu_core._ffi
         self._keep: list[object] = []
         blocks = ffi.new("pyrt_block_weights[]", cfg.n_layer)
         self._keep.append(blocks)
         for i, blk in enumerate(weights.blocks):
             self._describe_block(blocks[i], blk)
+            if gates is not None and i in gates:
+                buf = ffi.from_buffer(gates[i])
+                self._keep.append(buf)
+                blocks[i].gud_gates, blocks[i].gud_gates_bytes = buf, gates[i].nbytes
             blocks[i].window = cfg.layer_window(i)
             blocks[i].chunk = cfg.layer_chunk(i)
             blocks[i].nope = int(cfg.is_nope(i))

@@ -20,7 +20,9 @@ A dense layer skips nothing, so the output moves towards the dense model's, neve
 prefill keeps the thresholds (its batched kernel gains from sparsity at every measured level:
 bench/cpu_prefill.py).
 
-Cache: one JSON file per (CPU, threads, SIMD level, key, thresholds, SWITCH_VERSION) in the
+Cache: one JSON file per (CPU, threads, SIMD level, key, thresholds, where the sparse gate pass
+reads its rows: the file's layout or the gate rows apart (pyruntime.experts.gates), which move the
+sparse side's times; SWITCH_VERSION) in the
 caller's folder (pyruntime.options.cache_dir() / "cpu_switch"); a second load reads it. The timer
 is a parameter (`timer(thresholds or None, fn, layer) -> seconds`, layer None for a whole step),
 so the choice and the cache are tested with fake timings.
@@ -156,6 +158,7 @@ def sparse_layers(net, thresholds: Thresholds, key: str, directory: Path, *,
         key=str(key), threads=net.core.threads, simd=cpu_core.simd_level(),
         cpu=platform.processor() or platform.machine(),
         thresholds=[None if t is None else float(t) for t in thresholds], version=SWITCH_VERSION,
+        gates="apart" if getattr(net, "gate_copy_bytes", 0) else "file",
     )  # fmt: skip
     path = cache_file(identity, directory)
     try:

@@ -26,7 +26,7 @@ extern "C" {
 /* PYRT_CDEF_BEGIN */
 /* This header's version of the API: raised whenever a declaration below changes, so that a
  * caller declared from one header refuses a library built from another (pyrt_api_version). */
-enum { PYRT_API_VERSION = 7 };
+enum { PYRT_API_VERSION = 8 };
 
 /* Status codes. */
 enum {
@@ -173,6 +173,13 @@ typedef struct {
     int64_t bias_down_len;      /* floats bias_down holds: >= n_slots * n_embd (0 without) */
     float swiglu_alpha;         /* PYRT_ACT_SWIGLU_OAI's alpha and limit (limit > 0); */
     float swiglu_limit;         /* unused by the other activations */
+    const void *gates;          /* NULL, or [n_slots, n_ff, n_embd] in fmt: a copy of every
+                                   neuron's gate row (row 3j of its slot in data), each expert's
+                                   rows contiguous ("gates apart"). The sparse pass (threshold >
+                                   0) reads its gates there, a stream rather than every third
+                                   row, and gathers the kept neurons' up and down rows from data;
+                                   the same values, so the same bits as without it */
+    size_t gates_bytes;         /* == n_slots * n_ff * pyrt_row_bytes(fmt, n_embd) with gates */
 } pyrt_experts;
 
 /* One MoE layer's routed experts, for n_tokens tokens:
@@ -246,6 +253,10 @@ typedef struct {
     const void *gud;                /* [n_expert, n_ff_exp, 3, n_embd] ffn_gud_exps */
     size_t gud_bytes;
     int gud_fmt;
+    const void *gud_gates;          /* NULL, or [n_expert, n_ff_exp, n_embd] in gud_fmt: the gate
+                                       rows of gud apart (pyrt_experts.gates), which sparse decode
+                                       steps read; dense steps and prefill read gud */
+    size_t gud_gates_bytes;
     pyrt_matrix sh_gate, sh_up;     /* [n_ff_shexp, n_embd] shared expert, or data NULL */
     pyrt_matrix sh_down;            /* [n_embd, n_ff_shexp] */
     pyrt_vector sh_gate_inp;        /* [n_embd]: shared output *= sigmoid(x . it), or absent */

@@ -104,6 +104,14 @@ static int check_block(const pyrt_model_weights *w, const pyrt_block_weights *b,
         if (pyrt_check_weights_aligned("pyrt_decoder_create: ffn_gud_exps", b->gud, b->gud_fmt) !=
             PYRT_OK)
             return PYRT_E_INVALID;
+        if (b->gud_gates != NULL &&
+            ((double)w->n_expert * w->n_ff_exp * (double)rb != (double)b->gud_gates_bytes ||
+             pyrt_check_weights_aligned("pyrt_decoder_create: gud_gates", b->gud_gates,
+                                        b->gud_fmt) != PYRT_OK))
+            return pyrt_fail(PYRT_E_INVALID,
+                             "pyrt_decoder_create: blk.%d gud_gates: %zu bytes where [%d, %d, "
+                             "%d] needs %.0f, or misaligned", i, b->gud_gates_bytes, w->n_expert,
+                             w->n_ff_exp, n_embd, (double)w->n_expert * w->n_ff_exp * (double)rb);
         PYRT_CHECK(check_vector(&b->router_bias, w->n_expert, 1, "ffn_gate_inp.bias", i));
         if ((b->exp_bias_gu.data == NULL) != (b->exp_bias_down.data == NULL))
             return fail_block(i, "exp_bias_gu and exp_bias_down go together (both or none)");

@@ -89,6 +89,7 @@ pyrt_ffn_io pyrt_decode_ffn_io(const pyrt_decoder *d, const pyrt_expert_args *e,
 pyrt_experts pyrt_decode_experts(const pyrt_decoder *d, const pyrt_block_weights *b,
                                  const pyrt_ffn_io *io) {
     return (pyrt_experts){.data = b->gud, .bytes = b->gud_bytes, .fmt = b->gud_fmt,
+                          .gates = b->gud_gates, .gates_bytes = b->gud_gates_bytes,
                           .n_expert = d->w.n_expert, .n_slots = d->w.n_expert,
                           .n_ff = d->w.n_ff_exp, .n_embd = d->w.n_embd,
                           .expert_map = io->expert_map, .bias_gu = b->exp_bias_gu.data,

@@ -22,6 +22,9 @@ typedef struct {
     /* weights: row r (0 gate, 1 up, 2 down) of neuron j of the expert in slot s starts at
      * gud + ((s * n_ff + j) * 3 + r) * row_bytes */
     const uint8_t *gud;
+    /* NULL, or the gate rows apart: neuron j's of slot s at gates + (s * n_ff + j) * row_bytes
+     * (read by the sparse pass instead of row 0 in gud) */
+    const uint8_t *gates;
     size_t row_bytes;
     const pyrt_row_ops *ops;
     int n_slots, n_ff, n_embd, activation;

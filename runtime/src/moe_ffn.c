@@ -114,6 +114,15 @@ static int check_experts(const pyrt_experts *e, const char *fn) {
                          fn, e->bytes, e->n_slots, e->n_ff, rb, need);
     if (pyrt_check_weights_aligned(fn, e->data, e->fmt) != PYRT_OK)
         return PYRT_E_INVALID;
+    if (e->gates != NULL) {
+        const double gates = (double)e->n_slots * e->n_ff * (double)rb;
+        if (gates != (double)e->gates_bytes)
+            return pyrt_fail(PYRT_E_INVALID,
+                             "%s: gates hold %zu bytes but n_slots=%d x n_ff=%d x %zu bytes/row "
+                             "need %.0f", fn, e->gates_bytes, e->n_slots, e->n_ff, rb, gates);
+        if (pyrt_check_weights_aligned(fn, e->gates, e->fmt) != PYRT_OK)
+            return PYRT_E_INVALID;
+    }
     if ((uintptr_t)e->expert_map % 4)
         return pyrt_fail(PYRT_E_INVALID, "%s: expert_map must be 4-byte aligned", fn);
     if ((e->bias_gu == NULL) != (e->bias_down == NULL))
@@ -232,6 +241,7 @@ static int moe_setup(moe_ctx *c, pyrt_pool *pool, const pyrt_experts *e, const f
                          total);
     *c = (moe_ctx){
         .gud = e->data,
+        .gates = e->gates,
         .row_bytes = pyrt_row_bytes(fmt, n_embd),
         .ops = pyrt_pool_row_ops(pool, fmt),
         .n_slots = e->n_slots,

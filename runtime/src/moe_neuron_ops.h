@@ -132,6 +132,8 @@ static inline void mark_item_done(const moe_ctx *c, int item) {
  * where its results go (its expert's rows, its routes, its work item's partial y). */
 typedef struct {
     const uint8_t *expert;
+    const uint8_t *gates;                  /* gate row of neuron j: gates + j * gate_stride */
+    size_t gate_stride;                    /* 3 rows (in expert) or 1 (the gates apart) */
     const float *bias;                     /* the expert's [n_ff, 2] gate/up biases, or NULL */
     float *acc;
     int item, rc, nr;
@@ -165,12 +167,13 @@ typedef struct {
     down_queue down;    /* rows of finished one-route chunks of prev's item, not yet summed */
 } sparse_pipe;
 
-/* Neurons [j0, j1) of one expert (its rows at `expert`, its gate/up biases or NULL) for its
- * routes [r0, r1), neuron-sparse, through the thread's pipeline pp (item: the work item, acc its
- * partial y); returns the active (neuron, route) pairs. */
+/* Neurons [j0, j1) of one expert (its rows at `expert`, its gate rows apart at `gates` or NULL:
+ * read in `expert`, its gate/up biases or NULL) for its routes [r0, r1), neuron-sparse, through
+ * the thread's pipeline pp (item: the work item, acc its partial y); returns the active (neuron,
+ * route) pairs. */
 int64_t pyrt_moe_sparse_neurons(const moe_ctx *c, sparse_pipe *pp, int item, const uint8_t *expert,
-                                const float *bias, int64_t j0, int64_t j1, int r0, int r1,
-                                float *acc);
+                                const uint8_t *gates, const float *bias, int64_t j0, int64_t j1,
+                                int r0, int r1, float *acc);
 
 /* The thread's last pending chunk finished (its rows not prefetched), its item marked done. */
 void pyrt_moe_sparse_drain(const moe_ctx *c, sparse_pipe *pp);

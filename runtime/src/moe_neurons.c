@@ -120,8 +120,14 @@ static int64_t run_item(const moe_ctx *c, sparse_pipe *pp, int item) {
         const int r0 = c->route_start[u], r1 = c->route_start[u + 1];
         if (j0 == 0 && c->bias_down != NULL) /* the item holding neuron 0 adds w * bd once */
             down_bias(c, c->bias_down + slot * c->n_embd, r0, r1, acc);
-        active += sparse ? pyrt_moe_sparse_neurons(c, pp, item, expert, bias, j0, j1, r0, r1, acc)
-                         : dense_neurons(c, expert, bias, j0, j1, r0, r1, acc);
+        if (sparse) {
+            const uint8_t *gates =
+                c->gates != NULL ? c->gates + slot * c->n_ff * c->row_bytes : NULL;
+            active += pyrt_moe_sparse_neurons(c, pp, item, expert, gates, bias, j0, j1, r0, r1,
+                                              acc);
+        } else {
+            active += dense_neurons(c, expert, bias, j0, j1, r0, r1, acc);
+        }
     }
     if (pp->prev == NULL || pp->prev->item != item)
         mark_item_done(c, item);

@@ -44,12 +44,14 @@ static void gather_take(gather_lines *g, const moe_ctx *c, int count, const void
     }
 }
 
-/* The gate rows of one expert's neurons [next, end) not prefetched yet (every third row). The
+/* The gate rows of one expert's neurons [next, end) not prefetched yet (every third row of the
+ * expert, or consecutive rows of the gates apart: row j at gates + j * stride). The
  * gate phase keeps it `ahead` neurons before its reads; the up/down phase of the previous chunk,
  * which reads gathered rows the gate prefetches do not cover, moves it on by two gates per
  * active neuron (as many rows as it reads), up to `limit`, so the memory does not idle there. */
 typedef struct {
-    const uint8_t *expert;
+    const uint8_t *gates;
+    size_t stride;
     int64_t next, end, limit;
 } gate_cursor;
 
@@ -59,7 +61,7 @@ static void gate_cursor_take(const moe_ctx *c, gate_cursor *gc, int64_t upto, co
         return;
     upto = upto < gc->end ? upto : gc->end;
     for (; gc->next < upto; gc->next++)
-        add_lines(lines, n, gc->expert + (size_t)gc->next * 3 * c->row_bytes, c->row_bytes);
+        add_lines(lines, n, gc->gates + (size_t)gc->next * gc->stride, c->row_bytes);
 }
 
 /* Gates of the chunk's nj neurons, two neurons' gate rows per pass over each route's x where the
@@ -83,7 +85,7 @@ static int64_t sparse_gates(const moe_ctx *c, sparse_chunk *ch, int nj, gate_cur
     ch->n_list = 0;
     for (int i = 0; i < nj;) {
         const int m = paired && i + 1 < nj ? 2 : 1; /* neurons of this pass */
-        const uint8_t *gate = ch->expert + (size_t)(ch->jc + i) * 3 * rb;
+        const uint8_t *gate = ch->gates + (size_t)(ch->jc + i) * ch->gate_stride;
         int n_pf = 0;
         if (ahead > 0)
             gate_cursor_take(c, gc, ch->jc + i + m + ahead, pf, &n_pf);
@@ -95,10 +97,11 @@ static int64_t sparse_gates(const moe_ctx *c, sparse_chunk *ch, int nj, gate_cur
             float d[2];
             if (m == 2) {
                 if (ops->dot2_pf != NULL) {
-                    ops->dot2_pf(gate, gate + 3 * rb, xt, c->n_embd, d, pf + lo, hi - lo);
+                    ops->dot2_pf(gate, gate + ch->gate_stride, xt, c->n_embd, d, pf + lo,
+                                 hi - lo);
                 } else {
                     prefetch_lines(pf + lo, hi - lo);
-                    ops->dot2(gate, gate + 3 * rb, xt, c->n_embd, d);
+                    ops->dot2(gate, gate + ch->gate_stride, xt, c->n_embd, d);
                 }
             } else {
                 d[0] = dot_pf(c, gate, xt, pf + lo, hi - lo);
@@ -257,22 +260,27 @@ static void sparse_pipe_flush(const moe_ctx *c, sparse_pipe *pp, int prefetched,
  * rows of the neurons whose |act| reaches the threshold. Down rows go into each y in neuron
  * order, as in dense, so a threshold that drops nothing gives dense's bits. */
 int64_t pyrt_moe_sparse_neurons(const moe_ctx *c, sparse_pipe *pp, int item, const uint8_t *expert,
-                                const float *bias, int64_t j0, int64_t j1, int r0, int r1,
-                                float *acc) {
+                                const uint8_t *gates, const float *bias, int64_t j0, int64_t j1,
+                                int r0, int r1, float *acc) {
     const size_t rb = c->row_bytes;
     const int ahead = c->prefetch_ahead;
+    const size_t stride = gates != NULL ? rb : 3 * rb; /* bytes from one gate row to the next */
+    if (gates == NULL)
+        gates = expert;
     int64_t active = 0;
     for (int rc = r0; rc < r1; rc += ROUTE_CHUNK) {
         const int nr = r1 - rc < ROUTE_CHUNK ? r1 - rc : ROUTE_CHUNK;
         /* the first `ahead` gates in a burst; the cursor runs from there (nowhere if ahead 0) */
-        gate_cursor gc = {expert, j0 + ahead < j1 ? j0 + ahead : j1, ahead > 0 ? j1 : j0, j0};
+        gate_cursor gc = {gates, stride, j0 + ahead < j1 ? j0 + ahead : j1, ahead > 0 ? j1 : j0,
+                          j0};
         for (int64_t j = j0; j < gc.next; j++)
-            pyrt_moe_prefetch(expert + (size_t)j * 3 * rb, rb);
+            pyrt_moe_prefetch(gates + (size_t)j * stride, rb);
         for (int64_t jc = j0; jc < j1; jc += NEURON_CHUNK) {
             const int nj = j1 - jc < NEURON_CHUNK ? (int)(j1 - jc) : NEURON_CHUNK;
             sparse_chunk *ch = &pp->chunks[pp->cur];
-            *ch = (sparse_chunk){.expert = expert, .bias = bias, .acc = acc, .item = item,
-                                 .rc = rc, .nr = nr, .jc = jc};
+            *ch = (sparse_chunk){.expert = expert, .gates = gates, .gate_stride = stride,
+                                 .bias = bias, .acc = acc, .item = item, .rc = rc, .nr = nr,
+                                 .jc = jc};
             active += sparse_gates(c, ch, nj, &gc, pp->prev);
             gc.limit = jc + nj + NEURON_CHUNK; /* at most the next chunk's gates */
             sparse_pipe_flush(c, pp, 1, item, &gc);
