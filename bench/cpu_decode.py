@@ -133,18 +133,18 @@ def rss_bytes() -> int:
 
 
 def layouts(model: CpuExecutor, gate_copy: str) -> dict:
-    """{layout name: (its decoder, its gate_copy_bytes)}: the file's layout (off, both) and the
-    gate rows apart (on, both; the copy's time and extra RSS printed)."""
+    """{layout name: (its decoder, its gate copies)}: the file's layout (off, both) and the gate
+    rows apart in every MoE layer (on, both; the copy's time and extra RSS printed)."""
     out = {}
     if gate_copy in ("off", "both"):
-        out["file"] = (model._decoder, 0)
+        out["file"] = (model._decoder, {})
     if gate_copy in ("on", "both"):
         rss, t = rss_bytes(), time.perf_counter()
         model.use_gate_copy("on", 0)
         dt, extra = time.perf_counter() - t, rss_bytes() - rss
         print(f"gate copy: {model.gate_copy_bytes / 2**20:.1f} MiB made in {dt:.2f} s, "
               f"RSS +{extra / 2**20:.1f} MiB")  # fmt: skip
-        out["gates apart"] = (model._decoder, model.gate_copy_bytes)
+        out["gates apart"] = (model._decoder, model._gate_copies)
     return out
 
 
@@ -160,8 +160,11 @@ def sparse_speedups(model: CpuExecutor, table, sparsities, rounds: int,
             thr = table.for_sparsity(s)
             model.expert_threshold = thr
             cases = {}
-            for layout, (dec, nbytes) in decoders.items():
-                model._decoder, model.gate_copy_bytes = dec, nbytes
+            for layout, (dec, copies) in decoders.items():
+                # the switch measures on this layout (it may then free the copies of the layers
+                # it leaves dense: the cases below run on the decoder with all of them)
+                model._decoder, model._gate_copies = dec, copies
+                model.gate_copy_bytes = sum(c.nbytes for c in copies.values())
                 model.choose_decode_sparsity(f"bench-{s}", Path(tmp))
                 layers = model.sparse_layers
                 tag = "" if len(decoders) == 1 else f", {layout}"

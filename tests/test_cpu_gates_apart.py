@@ -7,7 +7,8 @@ reads instead of every third row of the file.
   neurons exactly those under the threshold); with an expert map (slots); the copy is what the
   gates are read from (zeroed gates drop every neuron); wrong sizes refused in one line;
 - the decoder: sparse decode steps give the same logits and counts with the copy as without;
-  dense steps and prefill do not read it; the per-layer switch's cache tells the layouts apart;
+  dense steps and prefill do not read it; the per-layer switch's cache tells the layouts apart,
+  and the layers it leaves dense free their copies;
 - when: on / off / auto (sparsity on and it fits in RAM, else a one-line warning).
 """
 
@@ -182,6 +183,22 @@ def test_the_switch_measures_each_layout_apart(model, tmp_path):
         assert calls  # measured: the other layout's record is not reused
     layouts = {json.loads(p.read_text())["identity"]["gates"] for p in tmp_path.glob("*.json")}
     assert layouts == {"apart", "file"}
+
+
+def test_layers_the_switch_leaves_dense_free_their_copies(model, tmp_path):
+    from test_cpu_sparse_switch import MIX_WINS, fake_timer
+
+    net, plain = load(model, "on"), load(model, "off")
+    wins = [i % 2 == 0 for i in range(net.config.n_layer)]
+    for n in (net, plain):
+        n.choose_decode_sparsity("m", tmp_path, timer=fake_timer(wins, MIX_WINS, []))
+        assert n.sparse_layers == wins
+    stores = [b.experts for i, b in enumerate(net.weights.blocks) if wins[i]]
+    assert net.gate_copy_bytes == gates.copy_bytes(stores) > 0
+    assert sorted(net._gate_copies) == [i for i, w in enumerate(wins) if w]
+    got, active = run(net, IDS)
+    want, want_active = run(plain, IDS)
+    assert torch.equal(got, want) and active == want_active
 
 
 # ---- when ---------------------------------------------------------------------------------------

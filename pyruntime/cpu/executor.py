@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from pyruntime.cpu import sparse_switch
@@ -62,7 +63,8 @@ class CpuExecutor(ReferenceModel):
         self.sparse_decode = True  # decode steps skip neurons as expert_threshold says
         self.sparse_layers: list[bool] | None = None  # ... in these layers (None: in all)
         self._deltanet_c: CDeltaNet | None = None  # DeltaNet decode steps on the C core
-        self.gate_copy_bytes = 0  # bytes of the experts' gate rows apart (0: none)
+        self._gate_copies: dict[int, np.ndarray] = {}  # per MoE layer, its gate rows apart
+        self.gate_copy_bytes = 0  # bytes of those copies (0: none)
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         """Start paging the experts' bytes in from the file (readahead), without waiting."""
@@ -125,8 +127,13 @@ class CpuExecutor(ReferenceModel):
         if not gates.decide(mode, sparse, list(layers.values()), model_bytes,
                             gates.mem_available()):  # fmt: skip
             return
-        copies = {i: gates.gates_apart(store) for i, store in layers.items()}
+        self._set_gate_copies({i: gates.gates_apart(store) for i, store in layers.items()})
+
+    def _set_gate_copies(self, copies: dict[int, np.ndarray]) -> None:
+        """A C decoder reading these layers' gate copies (the old decoder and the copies it
+        alone held are freed)."""
         self._decoder = CpuDecoder(self.config, self.weights, self.core, gates=copies)
+        self._gate_copies = copies
         self.gate_copy_bytes = sum(c.nbytes for c in copies.values())
 
     def choose_decode_sparsity(self, key: str, cache_dir: Path, timer=None) -> None:
@@ -150,6 +157,9 @@ class CpuExecutor(ReferenceModel):
         )  # fmt: skip
         self.sparse_decode = any(self.sparse_layers)
         self.stats.reset()  # the measurement's own steps
+        kept = {i: c for i, c in self._gate_copies.items() if self.sparse_layers[i]}
+        if len(kept) < len(self._gate_copies):  # a dense layer never reads its copy: freed
+            self._set_gate_copies(kept)
 
     def decode_thresholds(self) -> list[float | None] | None:
         """The thresholds decode steps run with (None: dense), per choose_decode_sparsity."""
