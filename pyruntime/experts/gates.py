@@ -5,7 +5,8 @@ kept neuron's up and down rows are one gather. The sparse kernel must still read
 and there those are every third row: on one or two cores such a strided stream reads at 0.47-0.6
 of the contiguous rate (bench/cpu_sparse_read.c), which caps the sparse speedup well below the
 bytes it saves. This copy holds each expert's gate rows contiguous, [n_expert, n_ff, row_bytes]
-per layer, in anonymous memory (a third of the routed experts' bytes), made once at load by
+per layer, in anonymous memory (a third of the routed experts' bytes; huge pages where the
+system gives them on request), made once at load by
 streaming the mapped tensor expert by expert; the kernel's gate pass reads it and gathers the
 kept neurons' up and down rows from the GGUF as before (pyrt_experts.gates: the same values, so
 the same bits). Dense decode and prefill never read it.
@@ -38,11 +39,24 @@ def gates_apart(store: ExpertStore) -> np.ndarray:
     rb = store.row_bytes
     n = store.n_expert * store.n_ff * rb
     buf = mmap.mmap(-1, max(n, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    huge_pages(buf)
     out = np.frombuffer(buf, dtype=np.uint8, count=n).reshape(store.n_expert, store.n_ff, rb)
     src = store.raw_bytes().reshape(store.n_expert, store.n_ff, 3, rb)
     for e in range(store.n_expert):
         out[e] = src[e, :, 0, :]
     return out
+
+
+def huge_pages(buf: mmap.mmap) -> None:
+    """Ask for transparent huge pages (where THP is on `madvise`): the gate stream then walks
+    2 MiB pages, 1.02-1.08x faster sparse steps on granite at 1-2 threads (sparsity 0.5-0.9, 7
+    alternations against 4 KiB pages). Refused or unknown: 4 KiB pages, as before."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            buf.madvise(advice)
+        except OSError:
+            pass
 
 
 def copy_bytes(stores: Sequence[ExpertStore]) -> int:
