@@ -44,6 +44,14 @@ def test_sparsity_needs_calibration_then_hits_target(demo, capsys):
         assert sparse_logits.shape == dense_logits.shape
         assert (sparse_logits != dense_logits).any()
 
+    # the gate rows apart for the CPU's sparse decode steps: kept for the layers decoded sparse
+    copied = Model(demo, sparsity=0.9, gate_copy="on").net
+    sparse = copied.sparse_layers
+    assert sorted(copied._gate_copies) == [i for i, on in enumerate(sparse) if on]
+    assert Model(demo, sparsity=0.9, gate_copy="off").net.gate_copy_bytes == 0
+    with pytest.raises(UsageError, match="gate_copy must be one of"):
+        Model(demo, gate_copy="always")
+
     with pytest.raises(UsageError, match=r"\[0, 1\)"):
         Model(demo, sparsity=1.0)
     with pytest.raises(UsageError, match="highest calibrated"):
