@@ -23,6 +23,8 @@ from hf_fixtures import make_tiny_hf_model
 from test_cpu_core import FORMATS, assert_within, kernel_x, make_case, reference
 
 from pyruntime.converter import convert
+from pyruntime.cpu import core as cpu_core
+from pyruntime.cpu.decoder import CpuDecoder
 from pyruntime.cpu.executor import CpuExecutor
 from pyruntime.errors import PyruntimeWarning, UsageError
 from pyruntime.experts import gates
@@ -170,6 +172,14 @@ def test_a_decoder_reads_its_gates_from_the_copy(model):
                                       blk.gud_gates_bytes)  # fmt: skip
     got, active = run(net, IDS)
     assert active == 0 and not torch.equal(got, want)
+
+
+def test_a_decoder_refuses_a_copy_of_the_wrong_size(model):
+    net = load(model, "off")
+    layer = next(i for i, b in enumerate(net.weights.blocks) if b.experts is not None)
+    short = gates.gates_apart(net.weights.blocks[layer].experts).reshape(-1)[:-1]
+    with pytest.raises(cpu_core.CoreError, match=f"blk.{layer} gud_gates"):
+        CpuDecoder(net.config, net.weights, net.core, gates={layer: short})
 
 
 def test_the_switch_measures_each_layout_apart(model, tmp_path):

@@ -655,6 +655,35 @@ static void check_expert_maps(pyrt_pool *pool, const uint8_t *gud, const double 
     free(compact);
 }
 
+/* The gate rows apart (pyrt_experts.gates): the same bits and neurons as y (the call without
+ * them), dense or sparse; allocated to exactly their bytes, so a read past them trips ASan; a
+ * copy of the wrong size is refused. */
+static void check_gates_apart(pyrt_pool *pool, const pyrt_experts *experts, const float *x,
+                              const int32_t *ids, const float *tw, int T, int K, double thr,
+                              const float *y, int64_t active) {
+    const size_t rb = pyrt_row_bytes(experts->fmt, experts->n_embd);
+    const size_t rows = (size_t)experts->n_slots * experts->n_ff;
+    uint8_t *gates = malloc(rows * rb);
+    for (size_t r = 0; r < rows; r++)
+        memcpy(gates + r * rb, (const uint8_t *)experts->data + r * 3 * rb, rb);
+    pyrt_experts eg = *experts;
+    eg.gates = gates;
+    eg.gates_bytes = rows * rb;
+    float y2[4 * 64];
+    int64_t active2 = -1;
+    CHECK(pyrt_moe_ffn(pool, &eg, x, T, ids, tw, K, PYRT_ACT_SILU, (float)thr, y2, &active2) ==
+                  PYRT_OK &&
+              active2 == active && memcmp(y, y2, sizeof(float) * T * experts->n_embd) == 0,
+          "fmt %d thr %g: the gate rows apart changed the result (%s)", experts->fmt, thr,
+          pyrt_last_error());
+    eg.gates_bytes -= rb;
+    CHECK(pyrt_moe_ffn(pool, &eg, x, T, ids, tw, K, PYRT_ACT_SILU, (float)thr, y2, NULL) ==
+                  PYRT_E_INVALID &&
+              strstr(pyrt_last_error(), "gates hold") != NULL,
+          "a gate copy a row short accepted: %s", pyrt_last_error());
+    free(gates);
+}
+
 /* n_ff = FF: 13 (items shorter than a chunk of neurons) and 197 (items spanning several sparse
  * chunks of 32 neurons, so the software-pipelined path runs; 197 % 8 leaves a dense tail). */
 static void test_moe_ffn_case(int FF) {
@@ -735,6 +764,7 @@ static void test_moe_ffn_case(int FF) {
                           "fmt %d thr %g nth %d: params %d changed the result", fmt, thr, nth, v);
                     pyrt_pool_free(other);
                 }
+                check_gates_apart(pool, &experts, x, ids, tw, T, K, thr, y, active);
                 check_expert_maps(pool, gud, wv, xv, x, ids, tw, fmt, T, K, E, FF, D, thr, y);
                 pyrt_pool_free(pool);
             }
