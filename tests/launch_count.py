@@ -31,9 +31,21 @@ class LaunchCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__.rstrip("_")
-        if not self._paused and name not in _NO_LAUNCH:
+        out = func(*args, **(kwargs or {}))
+        # a conversion to what the tensor already is (Tensor.numpy's) returns it: no launch
+        no_op = name == "to" and args and out is args[0]
+        if not self._paused and name not in _NO_LAUNCH and not no_op:
             self.counts[f"aten.{name}"] += 1
-        return func(*args, **(kwargs or {}))
+        return out
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Count nothing inside (what a GPU runs as one graph replay, say)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
 
     @contextlib.contextmanager
     def triton(self):
@@ -44,12 +56,10 @@ class LaunchCounter(TorchDispatchMode):
         counter = self
 
         def call(executor, *args, **kwargs):
-            counter.counts[f"triton.{executor.fn.__name__}"] += 1
-            counter._paused += 1
-            try:
+            if not counter._paused:
+                counter.counts[f"triton.{executor.fn.__name__}"] += 1
+            with counter.paused():
                 return real(executor, *args, **kwargs)
-            finally:
-                counter._paused -= 1
 
         GridExecutor.__call__ = call
         try:
