@@ -14,9 +14,9 @@ B = 1 << 20  # bytes of an expert
 
 
 def costs(cpu_expert=100e-6, stage_expert=150e-6, cpu_pair=10e-6, call=0.0, host_round=0.0,
-          host_expert=0.0, handoff=0.0) -> Costs:  # fmt: skip
+          host_expert=0.0, handoff=0.0, launch=0.0) -> Costs:  # fmt: skip
     return Costs(B, B / stage_expert / 1e9, call, cpu_expert, cpu_pair, 0.0, 0.0, host_round,
-                 host_expert, handoff)  # fmt: skip
+                 host_expert, handoff, launch)  # fmt: skip
 
 
 def test_decode_misses_split_in_proportion_to_the_two_rates():
@@ -71,6 +71,18 @@ def test_the_hosts_queueing_of_a_staged_round_comes_before_an_inline_cpu_share()
     assert costs(host_round=1.0).host_seconds(0) == 0.0  # nothing staged, nothing queued
     # slots that keep what they stage (a cache): later hits repay the queueing
     assert split_misses(misses, slow_host, reuse=True) == split_misses(misses, costs())
+
+
+def test_the_kernels_eager_launch_is_charged_only_where_staging_causes_it():
+    """A layer with hits launches its expert kernel anyway, and a decode step's is a graph
+    replay: the eager launch (0.5 ms here) is charged only where the caller says staging makes
+    it (launch=True: no hits, no graph)."""
+    misses = [(e, 1) for e in range(10)]
+    slow_launch = costs(launch=500e-6)
+    assert split_misses(misses, slow_launch) == split_misses(misses, costs())
+    assert split_misses(misses, slow_launch, launch=True).stage == []
+    assert slow_launch.host_seconds(2, launch=True) == pytest.approx(500e-6)
+    assert slow_launch.host_seconds(0, launch=True) == 0.0
 
 
 def test_auto_hands_the_cpu_share_to_the_worker_where_the_staging_costs_the_host_more():

@@ -7,12 +7,13 @@ are split to finish together (docs/offloading.md has the model with its constant
 
     cpu(S)   = c_call + sum over e in S of r * (c_expert + n_e * c_pair)
     stage(S) = sum over e in S of (B / beta + g_expert + n_e * g_pair)
-    host(S)  = h_round + |S| * h_expert   (S staged; 0 when nothing is)
+    host(S)  = h_round + |S| * h_expert [+ h_launch]   (S staged; 0 when nothing is)
 
 n_e: tokens of the pass routed to e; B: an expert's bytes; beta: the staging rate (GB/s);
 r: the share of an expert's bytes the CPU reads, 1 dense, (1 + 2 (1 - s)) / 3 at neuron
 sparsity s (gate rows always, up and down rows of the kept neurons); host(S): the host's time
-queueing the staged experts (their copies, repack and kernel launches). Where the C core runs:
+queueing the staged experts (their copies, repack, marks), and the expert kernel's eager launch
+h_launch where staging is what launches it (no hits, no decode graph). Where the C core runs:
 - inline (on the thread that queues the staging, after it): a split layer takes
   host(S) + max(cpu, stage);
 - on the worker thread (pyruntime.offload.split.CpuWorker), started before the staging is
@@ -60,13 +61,19 @@ class Costs:
     cpu_pair_s: float  # c_pair: one (token, expert) pair's arithmetic on the CPU
     gpu_expert_s: float  # g_expert: one staged expert on the GPU, beyond its copy
     gpu_pair_s: float  # g_pair: one (token, expert) pair on the GPU
-    host_round_s: float = 0.0  # h_round: host time queueing a staged round (events, repack,
-    # the kernel's launch), beyond its experts'
+    host_round_s: float = 0.0  # h_round: host time queueing a staged round (its copies'
+    # call, the repack's launch, marks and waits), beyond its experts'
     host_expert_s: float = 0.0  # h_expert: host time queueing one staged expert's copy
-    handoff_s: float = 0.0  # w_handoff: a job's round trip through the CPU worker thread
+    handoff_s: float = 0.0  # w: a job's round trip through the CPU worker thread
+    gpu_launch_s: float = 0.0  # h_launch: host time launching the expert kernel eagerly
 
-    def host_seconds(self, n_staged: int) -> float:
-        return self.host_round_s + n_staged * self.host_expert_s if n_staged else 0.0
+    def host_seconds(self, n_staged: int, launch: bool = False) -> float:
+        """host(S) of n_staged experts; launch: the round's kernel is launched for them (eagerly:
+        no hit of the layer would launch it anyway, and no graph replay does)."""
+        if not n_staged:
+            return 0.0
+        return self.host_round_s + n_staged * self.host_expert_s + (self.gpu_launch_s if launch
+                                                                      else 0.0)  # fmt: skip
 
     def cpu_seconds(self, n_tokens: Sequence[int], read: float = 1.0) -> float:
         if not n_tokens:
@@ -95,14 +102,15 @@ class Split(NamedTuple):
 
 
 def split_misses(misses: Sequence[tuple[int, int]], costs: Costs, read: float = 1.0,
-                 capacity: int | None = None, worker: str = "never",
-                 reuse: bool = False) -> Split:  # fmt: skip
+                 capacity: int | None = None, worker: str = "never", reuse: bool = False,
+                 launch: bool = False) -> Split:  # fmt: skip
     """The split of one layer's misses [(expert, n_tokens)] that finishes first: the misses in
     order of how much more the CPU would take than staging (cpu / stage time), a prefix of that
     order staged and the rest on the CPU, the prefix whose layer finishes soonest (module doc;
     worker: the CPU's share inline, on the worker thread, or "auto": whichever finishes sooner,
     inline when nothing is staged; reuse: staged experts stay in slots for later tokens, whose
-    hits repay the host's queueing, so it is not charged to this layer) (ties: the shorter
+    hits repay the host's queueing, so it is not charged to this layer; launch: staging makes
+    the host launch the expert kernel eagerly, Costs.host_seconds) (ties: the shorter
     prefix, which evicts less; inline, which hands nothing over); at most `capacity` staged
     (None: no limit). Optimal when an expert may be split between the sides, within one
     expert's time of it otherwise. One token each (decode): the misses split in proportion to
@@ -126,7 +134,7 @@ def split_misses(misses: Sequence[tuple[int, int]], costs: Costs, read: float = 
         _, _, c, g = jobs[p - 1]
         t_cpu -= c
         t_stage += g
-        host = 0.0 if reuse else costs.host_seconds(p)
+        host = 0.0 if reuse else costs.host_seconds(p, launch)
         if p == len(jobs):  # nothing left for the CPU
             finish, on_worker = host + t_stage, False
         else:
@@ -201,8 +209,8 @@ def measure_costs(hybrid, reps: int = 5, tokens: int = 16) -> Costs:
         expert *= max(1.0, busy / b)
     g_expert, g_pair, launch = _gpu_expert_times(hybrid, m, tokens, reps)
     h_round, h_expert = _host_fill_times(hybrid, keys, reps)
-    return Costs(home.expert_bytes, pcie, call, expert, pair, g_expert, g_pair,
-                 h_round + launch, h_expert, _handoff_seconds(hybrid, reps))  # fmt: skip
+    return Costs(home.expert_bytes, pcie, call, expert, pair, g_expert, g_pair, h_round,
+                 h_expert, _handoff_seconds(hybrid, reps), launch)  # fmt: skip
 
 
 def _batch(hybrid) -> int:

@@ -135,8 +135,8 @@ class SplitExperts:
         hits = [e for e in used if e not in missed]
         if self.resident_only:  # the misses are dropped: no copy, no CPU work
             missed, ahead = set(), None
-        cpu, stage, on_worker = self.place([(e, n) for e, n in zip(used, counts, strict=True)
-                                            if e in missed], len(hits))  # fmt: skip
+        misses = [(e, n) for e, n in zip(used, counts, strict=True) if e in missed]
+        cpu, stage, on_worker = self.place(misses, len(hits), graph=seg is not None)
         rounds, left = self._admit_rounds(i, hits, stage)
         cpu += left
         job = self._start_cpu(i, cpu, h, ids, weights, out, on_worker) if cpu else None
@@ -158,9 +158,10 @@ class SplitExperts:
         self._count_cpu(len(cpu), n_pairs, n_active)
         return y, y_cpu
 
-    def place(self, misses: list[tuple[int, int]], n_hits: int) -> Split:
+    def place(self, misses: list[tuple[int, int]], n_hits: int, graph: bool = False) -> Split:
         """(CPU experts, staged experts, whether the CPU's share goes to the worker) of one
-        layer's misses [(expert, tokens)], when n_hits of the slots hold this layer's hits. With
+        layer's misses [(expert, tokens)], when n_hits of the slots hold this layer's hits
+        (graph: a decode step's, whose GPU share is a graph replay, not an eager launch). With
         every miss staged (misses='stage'), a CPU share (a prefill's experts no slot could take)
         goes to the worker, beside the queueing of the rounds."""
         always = self.worker is not None and self.worker_always
@@ -171,7 +172,7 @@ class SplitExperts:
         kept = self.cpu_active[0] / self.cpu_active[1] if self.cpu_active[1] else 1.0
         worker = "never" if self.worker is None else "always" if always else "auto"
         split = split_misses(misses, self.costs, read_share(1.0 - kept), worker=worker,
-                             reuse=self.slots_keep)  # fmt: skip
+                             reuse=self.slots_keep, launch=not n_hits and not graph)  # fmt: skip
         return split._replace(on_worker=split.on_worker or always)
 
     @property
