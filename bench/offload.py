@@ -69,6 +69,8 @@ from pyruntime.offload.stats import OffloadStats  # noqa: E402
 from pyruntime.offload.streams import DeviceStreams  # noqa: E402
 from pyruntime.tools.bench import run_bench  # noqa: E402
 
+CPU_THREAD = {"auto": None, "always": True, "never": False}  # --cpu-thread -> HybridExecutor's
+
 
 @dataclasses.dataclass
 class Ceilings:
@@ -307,8 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="lfru", choices=["lfru", "lru"])
     p.add_argument(
         "--cpu-thread",
-        action="store_true",
-        help="the CPU's share on a worker thread while the GPU's is queued",
+        default="auto",
+        choices=["auto", "always", "never"],
+        help="the CPU's share on a worker thread while the GPU's is queued: where the cost "
+        "model says a layer finishes sooner so (auto, the default), always, or never (inline)",
     )
     p.add_argument(
         "--lookahead",
@@ -375,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     core = cpu_core.CpuCore(args.threads, params or None)
     ceilings = measure_ceilings(core, device, args.ceiling_gib)
     both = "-" if ceilings.both is None else f"{ceilings.both:.1f}"
-    share = "on a worker thread" if args.cpu_thread else "inline"
+    share = {"auto": "inline or on a worker thread by the cost model",
+             "always": "on a worker thread", "never": "inline"}[args.cpu_thread]  # fmt: skip
     share += ", lookahead" if args.lookahead else ""
     print(f"{path.name}: {n_experts} routed experts of {host.blocks[0].experts.expert_bytes:,} "
           f"bytes; {args.device}, {core.threads} CPU threads, staging {args.staging}, policy "
@@ -410,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
                              for m in placements}):  # fmt: skip
             net = HybridExecutor(cfg, host, device, core, slots=slots, misses="cpu",
                                  staging=args.staging, policy=args.policy,
-                                 cpu_thread=args.cpu_thread,
+                                 cpu_thread=CPU_THREAD[args.cpu_thread],
                                  lookahead=args.lookahead)  # fmt: skip
             net.timer.enabled = args.stats or not net.streams.cuda
             if costs is None and slots and "auto" in placements:

@@ -7,21 +7,27 @@ are split to finish together (docs/offloading.md has the model with its constant
 
     cpu(S)   = c_call + sum over e in S of r * (c_expert + n_e * c_pair)
     stage(S) = sum over e in S of (B / beta + g_expert + n_e * g_pair)
-    host(S)  = h_round + |S| * h_expert   (S staged; 0 when nothing is)
+    host(S)  = h_round + |S| * h_expert [+ h_launch]   (S staged; 0 when nothing is)
 
 n_e: tokens of the pass routed to e; B: an expert's bytes; beta: the staging rate (GB/s);
 r: the share of an expert's bytes the CPU reads, 1 dense, (1 + 2 (1 - s)) / 3 at neuron
 sparsity s (gate rows always, up and down rows of the kept neurons); host(S): the host's time
-queueing the staged experts (their copies, repack and kernel launches), which comes before the
-CPU's share starts when the C core runs on the calling thread (inline): then a split layer
-takes host(S) + max(cpu, stage); with the CPU's share on a worker thread, max(cpu, host(S) +
-stage). `split_misses` orders the misses by cpu / stage time and stages the prefix of that
-order that makes the layer finish soonest: decode (n_e = 1) splits in proportion to the two
-rates when the host's queueing is cheap beside them, and stays on the CPU when it is not; a
-prefill's experts with many tokens go to the GPU (their CPU cost grows with n_e, their staging
-cost hardly does). host(S) is charged only where the slots are transit (too few to keep a
-token's experts in every layer): in a cache, a staged expert's later hits repay its queueing
-(measured: with 25% of the experts in slots, charging it leaves the cache empty, hit rate 0).
+queueing the staged experts (their copies, repack, marks), and the expert kernel's eager launch
+h_launch where staging is what launches it (no hits, no decode graph). Where the C core runs:
+- inline (on the thread that queues the staging, after it): a split layer takes
+  host(S) + max(cpu, stage);
+- on the worker thread (pyruntime.offload.split.CpuWorker), started before the staging is
+  queued: max(w_handoff + cpu, host(S) + stage), w_handoff the thread handoff's round trip.
+`split_misses` orders the misses by cpu / stage time and stages the prefix of that order that
+makes the layer finish soonest, inline, on the worker, or (worker="auto") whichever of the two
+finishes sooner for that prefix: a layer that stages nothing runs its CPU share inline (no
+handoff), one whose staging costs the host more than the handoff hands the CPU share to the
+worker. Decode (n_e = 1) splits in proportion to the two rates when the host's queueing is
+cheap beside them, and stays on the CPU when it is not; a prefill's experts with many tokens go
+to the GPU (their CPU cost grows with n_e, their staging cost hardly does). host(S) is charged
+only where the slots are transit (too few to keep a token's experts in every layer): in a
+cache, a staged expert's later hits repay its queueing (measured: with 25% of the experts in
+slots, charging it leaves the cache empty, hit rate 0), and the CPU share stays inline there.
 
 The constants are measured once per machine, model shape and staging mode (`measure_costs`,
 at start-up) and cached as JSON in options.cache_dir()/offload; tests give their own.
@@ -37,6 +43,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -54,12 +61,19 @@ class Costs:
     cpu_pair_s: float  # c_pair: one (token, expert) pair's arithmetic on the CPU
     gpu_expert_s: float  # g_expert: one staged expert on the GPU, beyond its copy
     gpu_pair_s: float  # g_pair: one (token, expert) pair on the GPU
-    host_round_s: float = 0.0  # h_round: host time queueing a staged round (events, repack,
-    # the kernel's launch), beyond its experts'
+    host_round_s: float = 0.0  # h_round: host time queueing a staged round (its copies'
+    # call, the repack's launch, marks and waits), beyond its experts'
     host_expert_s: float = 0.0  # h_expert: host time queueing one staged expert's copy
+    handoff_s: float = 0.0  # w: a job's round trip through the CPU worker thread
+    gpu_launch_s: float = 0.0  # h_launch: host time launching the expert kernel eagerly
 
-    def host_seconds(self, n_staged: int) -> float:
-        return self.host_round_s + n_staged * self.host_expert_s if n_staged else 0.0
+    def host_seconds(self, n_staged: int, launch: bool = False) -> float:
+        """host(S) of n_staged experts; launch: the round's kernel is launched for them (eagerly:
+        no hit of the layer would launch it anyway, and no graph replay does)."""
+        if not n_staged:
+            return 0.0
+        return self.host_round_s + n_staged * self.host_expert_s + (self.gpu_launch_s if launch
+                                                                      else 0.0)  # fmt: skip
 
     def cpu_seconds(self, n_tokens: Sequence[int], read: float = 1.0) -> float:
         if not n_tokens:
@@ -78,19 +92,31 @@ def read_share(sparsity: float) -> float:
     return (1.0 + 2.0 * (1.0 - sparsity)) / 3.0
 
 
+WORKER = ("never", "always", "auto")  # where split_misses may put the CPU's share
+
+
+class Split(NamedTuple):
+    cpu: list[int]  # experts the C core computes
+    stage: list[int]  # experts staged into slots
+    on_worker: bool  # the CPU's share runs on the worker thread (else inline)
+
+
 def split_misses(misses: Sequence[tuple[int, int]], costs: Costs, read: float = 1.0,
-                 capacity: int | None = None, inline: bool = True,
-                 reuse: bool = False) -> tuple[list[int], list[int]]:  # fmt: skip
-    """(experts for the CPU, experts to stage) of one layer's misses [(expert, n_tokens)], the
-    split that finishes first: the misses in order of how much more the CPU would take than
-    staging (cpu / stage time), a prefix of that order staged and the rest on the CPU, the
-    prefix whose layer finishes soonest (module doc; inline: the CPU's share runs on the
-    thread that queues the staging, after it; reuse: staged experts stay in slots for later
-    tokens, whose hits repay the host's queueing, so it is not charged to this layer)
-    (ties: the shorter prefix, which evicts less); at
-    most `capacity` staged (None: no limit). Optimal when an expert may be split between the
-    sides, within one expert's time of it otherwise. One token each (decode): the misses split
-    in proportion to the two sides' rates; many (prefill): those with many tokens staged."""
+                 capacity: int | None = None, worker: str = "never", reuse: bool = False,
+                 launch: bool = False) -> Split:  # fmt: skip
+    """The split of one layer's misses [(expert, n_tokens)] that finishes first: the misses in
+    order of how much more the CPU would take than staging (cpu / stage time), a prefix of that
+    order staged and the rest on the CPU, the prefix whose layer finishes soonest (module doc;
+    worker: the CPU's share inline, on the worker thread, or "auto": whichever finishes sooner,
+    inline when nothing is staged; reuse: staged experts stay in slots for later tokens, whose
+    hits repay the host's queueing, so it is not charged to this layer; launch: staging makes
+    the host launch the expert kernel eagerly, Costs.host_seconds) (ties: the shorter
+    prefix, which evicts less; inline, which hands nothing over); at most `capacity` staged
+    (None: no limit). Optimal when an expert may be split between the sides, within one
+    expert's time of it otherwise. One token each (decode): the misses split in proportion to
+    the two sides' rates; many (prefill): those with many tokens staged."""
+    if worker not in WORKER:
+        raise ValueError(f"worker must be one of {WORKER}, got {worker!r}")
     copy = costs.stage_seconds([0])
     jobs = []
     for e, n in misses:
@@ -100,17 +126,27 @@ def split_misses(misses: Sequence[tuple[int, int]], costs: Costs, read: float = 
     jobs.sort(key=lambda j: -j[0])
     limit = len(jobs) if capacity is None else min(len(jobs), max(0, capacity))
     t_cpu = sum(c for _, _, c, _ in jobs)
-    t_stage, best, best_time = 0.0, 0, t_cpu + (costs.cpu_call_s if jobs else 0.0)
+    always = worker == "always" and bool(jobs)
+    best, best_worker = 0, always
+    best_time = t_cpu + (costs.cpu_call_s if jobs else 0.0) + (costs.handoff_s if always else 0.0)
+    t_stage = 0.0
     for p in range(1, limit + 1):
         _, _, c, g = jobs[p - 1]
         t_cpu -= c
         t_stage += g
-        cpu = t_cpu + (costs.cpu_call_s if p < len(jobs) else 0.0)
-        host = 0.0 if reuse else costs.host_seconds(p)
-        finish = host + max(t_stage, cpu) if inline else max(host + t_stage, cpu)
+        host = 0.0 if reuse else costs.host_seconds(p, launch)
+        if p == len(jobs):  # nothing left for the CPU
+            finish, on_worker = host + t_stage, False
+        else:
+            cpu = t_cpu + costs.cpu_call_s
+            inline = host + max(t_stage, cpu)
+            handed = max(costs.handoff_s + cpu, host + t_stage)
+            on_worker = worker == "always" or (worker == "auto" and handed < inline)
+            finish = handed if on_worker else inline
         if finish < best_time:
-            best, best_time = p, finish
-    return [e for _, e, _, _ in jobs[best:]], [e for _, e, _, _ in jobs[:best]]
+            best, best_time, best_worker = p, finish, on_worker
+    return Split([e for _, e, _, _ in jobs[best:]], [e for _, e, _, _ in jobs[:best]],
+                 best_worker)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,8 +209,8 @@ def measure_costs(hybrid, reps: int = 5, tokens: int = 16) -> Costs:
         expert *= max(1.0, busy / b)
     g_expert, g_pair, launch = _gpu_expert_times(hybrid, m, tokens, reps)
     h_round, h_expert = _host_fill_times(hybrid, keys, reps)
-    return Costs(home.expert_bytes, pcie, call, expert, pair, g_expert, g_pair,
-                 h_round + launch, h_expert)  # fmt: skip
+    return Costs(home.expert_bytes, pcie, call, expert, pair, g_expert, g_pair, h_round,
+                 h_expert, _handoff_seconds(hybrid, reps), launch)  # fmt: skip
 
 
 def _batch(hybrid) -> int:
@@ -229,6 +265,19 @@ def _host_fill_times(hybrid, keys, reps: int) -> tuple[float, float]:
         return one, 0.0
     per = max(0.0, (statistics.median(fill(n, r) for r in range(reps)) - one) / (n - 1))
     return max(0.0, one - per), per
+
+
+def _handoff_seconds(hybrid, reps: int) -> float:
+    """Median round trip of an empty job through the executor's CPU worker thread (0 without
+    one: the CPU's share is then always inline)."""
+    worker = hybrid.experts.worker
+    if worker is None:
+        return 0.0
+
+    def round_trip(_: int) -> None:
+        worker.submit(lambda: None)()
+
+    return _median_seconds(round_trip, 4 * reps)
 
 
 def _gpu_expert_times(hybrid, m: int, tokens: int, reps: int) -> tuple[float, float, float]:

@@ -78,16 +78,18 @@ class HybridExecutor:
         staging: str = "register",
         misses: str = "auto",
         lookahead: bool = False,
-        cpu_thread: bool = False,
+        cpu_thread: bool | None = None,
         staging_buffer: int | None = None,
         pinning: Pinning | None = None,
         kernel_tuning: str | Path | None = None,
         file: GGUFFile | None = None,
     ) -> None:
         """slots: GPU expert slots (the plan's); costs: the split's constants (needed with
-        misses='auto' and slots > 0; measure_costs makes them); cpu_thread: run the CPU's
-        share on a worker thread (pyruntime.offload.split); pinning: the host-memory locking
-        seam (tests); file: the mapped GGUF, for readahead of unstaged prefetches."""
+        misses='auto' and slots > 0; measure_costs makes them); cpu_thread: the CPU's share
+        on a worker thread always (True), never (False), or where the cost model says a layer
+        finishes sooner so (None, with slots; pyruntime.offload.split); pinning: the
+        host-memory locking seam (tests); file: the mapped GGUF, for readahead of unstaged
+        prefetches."""
         self.config = cfg
         self.host = weights
         self.device = torch.device(device)
@@ -131,7 +133,9 @@ class HybridExecutor:
                                     self.slots, self.cache, core, self.stats, self.offload,
                                     self.timer)  # fmt: skip
         self.experts.lookahead = lookahead
-        self.experts.worker = CpuWorker() if cpu_thread else None
+        auto = cpu_thread is None and slots > 0
+        self.experts.worker = CpuWorker() if cpu_thread or auto else None
+        self.experts.worker_always = bool(cpu_thread)
         # One CPU thread pool: the CPU's work is the C core's, and torch's few host ops (a
         # step's logits copy, the sampler's) would wake its OpenMP threads, which spin after
         # each op on the cores the C core's threads need (as the CPU executor does).

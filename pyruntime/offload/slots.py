@@ -8,15 +8,20 @@ An expert map (expert id -> slot, -1 = not here) makes kernels.dispatch.moe_expe
 layer's experts from it.
 
 `fill` copies a batch of experts into slots on the copy stream: float experts straight into
-their slots; GGUF blocks into a device staging buffer first (a ring of two halves), repacked
-on the repack stream (kernels' repack_rows: pure byte moves) and scattered into their slots
-there, so the next batch's copy runs while this one is repacked. Whatever writes a slot waits
-for the last kernel that read it (`mark_read`); a copy into a staging half waits for the repack
-that last read it; `wait_ready` makes the compute stream wait for the copy (float) or repack
-(blocks) that filled the slots a kernel is about to read (pyruntime.offload.streams).
+their slots; GGUF blocks into a device staging buffer first (a ring of two halves), then
+repacked from there straight into their slots on the repack stream (kernels.slot_repack: one
+launch, pure byte moves, the slot numbers its scalar arguments), so the next batch's copy runs
+while this one is repacked. A batch's copies are one call (torch._foreach_copy_: a copy per
+expert queued from C) where the sources are ready; bounce buffers are filled and copied one
+expert after the other so the first copy starts before the CPU fills the next. Whatever writes
+a slot waits for the last kernel that read it (`mark_read`); a copy into a staging half waits
+for the repack that last read it; `wait_ready` makes the compute stream wait for the copy
+(float) or repack (blocks) that filled the slots a kernel is about to read
+(pyruntime.offload.streams). A staged batch of GGUF blocks queues two calls on the device (its
+copies, its repack), two marks and up to three waits.
 Repacking on the device rather than keeping a repacked host copy keeps one layout on the host
 for every home, which the C core reads as well; it costs the device 2 x the staged bytes of
-its own bandwidth (~50x PCIe's) and a few launches per batch.
+its own bandwidth (~50x PCIe's) and a launch per batch.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from pyruntime.kernels.expert_formats import FLOAT_DTYPES, REPACKED, repack_rows, row_bytes
+from pyruntime.kernels.expert_formats import FLOAT_DTYPES, REPACKED, row_bytes
+from pyruntime.kernels.slot_repack import repack_into_slots
 from pyruntime.offload.streams import DeviceStreams, Mark, latest
 
 
@@ -35,7 +41,7 @@ class ExpertSlots:
                  staging_buffer: int = 8) -> None:  # fmt: skip
         """gguf_format: the experts' kernel format name in the GGUF (f32, f16, bf16, q8_0,
         q4_0, mxfp4); staging_buffer: experts per repack batch (block formats only)."""
-        self.n_slots = n_slots
+        self.n_slots, self.n_embd = n_slots, n_embd
         self.gguf_format = gguf_format
         self.format = REPACKED.get(gguf_format, gguf_format)
         self.expert_bytes = n_ff * 3 * row_bytes(gguf_format, n_embd)  # one GGUF expert
@@ -45,7 +51,6 @@ class ExpertSlots:
         self.tensor = torch.empty((n_slots, n_ff, 3, last), dtype=dtype, device=device)
         # float slots take the GGUF bytes as they are (their bytes == expert_bytes)
         self._flat = self.tensor.view(torch.uint8).view(n_slots, n_ff * 3 * last * dtype.itemsize)
-        self._shape = (n_ff, 3, row_bytes(gguf_format, n_embd))  # a staged GGUF expert
         # GGUF blocks to repack: two halves of staging_buffer experts [rows, expert_bytes] uint8
         # (one when there is room for one expert only), each free again after its repack
         self._ring: list[torch.Tensor] = []
@@ -70,8 +75,7 @@ class ExpertSlots:
         if not self._ring:
             with streams.on_copy_stream():
                 streams.copy_waits(latest(self._read[s] for s in slots))
-                for s, src in zip(slots, sources, strict=True):
-                    self._flat[s].copy_(src, non_blocking=True)
+                _copy_rows([self._flat[s] for s in slots], sources)
                 mark = streams.mark_copy()
             for s in slots:
                 self._ready[s] = mark
@@ -89,20 +93,12 @@ class ExpertSlots:
         buf = self._ring[half]
         with streams.on_copy_stream():
             streams.copy_waits(self._ring_free[half])
-            for row, src in zip(buf, sources, strict=False):
-                row.copy_(src, non_blocking=True)
+            _copy_rows(buf[:n].unbind(0), sources)
             copied = streams.mark_copy()
         with streams.on_repack_stream():
             streams.repack_waits(copied)
             streams.repack_waits(latest(self._read[s] for s in slots))
-            packed = repack_rows(buf[:n].view(n, *self._shape), self.gguf_format)
-            if _consecutive(slots):
-                self.tensor[slots[0] : slots[0] + n].copy_(packed)
-            else:
-                index = streams.host_tensor((n,), torch.int64)
-                index.numpy()[:] = slots
-                index = streams.to_device(index)
-                self.tensor.index_copy_(0, index, packed)
+            repack_into_slots(buf, slots, self.tensor, self.gguf_format, self.n_embd)
             mark = streams.mark_repack()
         self._ring_free[half] = mark
         for s in slots:
@@ -125,5 +121,11 @@ class ExpertSlots:
             self._read[s] = mark
 
 
-def _consecutive(slots: Sequence[int]) -> bool:
-    return all(b == a + 1 for a, b in zip(slots, slots[1:], strict=False))
+def _copy_rows(rows: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+    """rows[j] = sources[j] (host -> device, asynchronous): one call for a list of sources;
+    one copy at a time for a lazy sequence (bounce buffers, filled as each is asked for)."""
+    if isinstance(sources, list):
+        torch._foreach_copy_(list(rows), sources, non_blocking=True)
+        return
+    for row, src in zip(rows, sources, strict=True):
+        row.copy_(src, non_blocking=True)

@@ -12,9 +12,12 @@
    when a prefill stages more experts than there are free slots;
 4. meanwhile the C core computes the CPU's share in place from host memory (CpuCore.moe_ffn with
    an expert map, dense or sparse with the same thresholds): on this thread once the GPU work is
-   queued, or (cpu_thread) on a worker thread started before the GPU work is queued, so that
+   queued (inline), or on the worker thread, started before the GPU work is queued, so that
    queueing it overlaps the CPU's share at the price of a thread handoff (the C call releases
-   the GIL); which is faster is the device's to measure (bench/offload.py --cpu-thread);
+   the GIL). worker "auto" (the default where there are slots): per layer, whichever the cost
+   model says finishes sooner (costs.split_misses: inline when the layer stages nothing, on the
+   worker when its staging costs the host more than the handoff); "always" / "never" fix it
+   (bench/offload.py --cpu-thread);
 5. the CPU's partial sum is copied to the device and added to the GPU's.
 
 `prefetch` stages experts ahead and holds them until the next pass ends; the lookahead stages
@@ -41,7 +44,7 @@ from pyruntime.model.reference import rms_norm
 from pyruntime.model.stats import ExpertStats
 from pyruntime.model.weights import HostWeights
 from pyruntime.offload.cache import ExpertCache
-from pyruntime.offload.costs import Costs, read_share, split_misses
+from pyruntime.offload.costs import Costs, Split, read_share, split_misses
 from pyruntime.offload.home import ExpertHome
 from pyruntime.offload.segments import DecodeSegments
 from pyruntime.offload.slots import ExpertSlots
@@ -72,6 +75,7 @@ class SplitExperts:
         self.lookahead_holds: set[Key] = set()  # until their layer's lookup
         self.cpu_active = [0, 0]  # neurons the CPU kept, of those it considered
         self.worker: CpuWorker | None = None  # runs the CPU's share beside this thread
+        self.worker_always = False  # every CPU share on the worker (else: the split decides)
         self.resident_only = False  # misses dropped (HybridExecutor.resident_experts_only)
 
     def set_misses(self, misses: str, costs: Costs | None) -> None:
@@ -131,11 +135,11 @@ class SplitExperts:
         hits = [e for e in used if e not in missed]
         if self.resident_only:  # the misses are dropped: no copy, no CPU work
             missed, ahead = set(), None
-        cpu, stage = self.place([(e, n) for e, n in zip(used, counts, strict=True)
-                                 if e in missed], len(hits))  # fmt: skip
+        misses = [(e, n) for e, n in zip(used, counts, strict=True) if e in missed]
+        cpu, stage, on_worker = self.place(misses, len(hits), graph=seg is not None)
         rounds, left = self._admit_rounds(i, hits, stage)
         cpu += left
-        job = self._start_cpu(i, cpu, h, ids, weights, out) if cpu else None
+        job = self._start_cpu(i, cpu, h, ids, weights, out, on_worker) if cpu else None
         try:
             y = self._gpu(i, r, rounds, seg)
             if ahead is not None:
@@ -154,16 +158,22 @@ class SplitExperts:
         self._count_cpu(len(cpu), n_pairs, n_active)
         return y, y_cpu
 
-    def place(self, misses: list[tuple[int, int]], n_hits: int) -> tuple[list[int], list[int]]:
-        """(CPU experts, staged experts) of one layer's misses [(expert, tokens)], when n_hits
-        of the slots hold this layer's hits."""
+    def place(self, misses: list[tuple[int, int]], n_hits: int, graph: bool = False) -> Split:
+        """(CPU experts, staged experts, whether the CPU's share goes to the worker) of one
+        layer's misses [(expert, tokens)], when n_hits of the slots hold this layer's hits
+        (graph: a decode step's, whose GPU share is a graph replay, not an eager launch). With
+        every miss staged (misses='stage'), a CPU share (a prefill's experts no slot could take)
+        goes to the worker, beside the queueing of the rounds."""
+        always = self.worker is not None and self.worker_always
         if not misses or self.slots.n_slots <= n_hits or self.misses == "cpu":
-            return [e for e, _ in misses], []
+            return Split([e for e, _ in misses], [], always)
         if self.misses == "stage":
-            return [], [e for e, _ in misses]
+            return Split([], [e for e, _ in misses], self.worker is not None)
         kept = self.cpu_active[0] / self.cpu_active[1] if self.cpu_active[1] else 1.0
-        return split_misses(misses, self.costs, read_share(1.0 - kept),
-                            inline=self.worker is None, reuse=self.slots_keep)  # fmt: skip
+        worker = "never" if self.worker is None else "always" if always else "auto"
+        split = split_misses(misses, self.costs, read_share(1.0 - kept), worker=worker,
+                             reuse=self.slots_keep, launch=not n_hits and not graph)  # fmt: skip
+        return split._replace(on_worker=split.on_worker or always)
 
     @property
     def slots_keep(self) -> bool:
@@ -305,7 +315,7 @@ class SplitExperts:
         """Stage the predicted experts of layer j that the split would stage, held until layer
         j's lookup; layer i's experts in use stay (their kernels are queued)."""
         missing = [(e, 1) for e in predicted if self.cache.residency.slot(j, e) < 0]
-        _, stage = self.place(missing, 0)
+        stage = self.place(missing, 0).stage
         if not stage:
             return
         keep = {(i, e) for e in in_use} - self.cache.held
@@ -322,17 +332,18 @@ class SplitExperts:
     # -- the CPU's share --------------------------------------------------------------------------
 
     def _start_cpu(self, i: int, experts: list[int], h: torch.Tensor, ids: torch.Tensor,
-                   weights: torch.Tensor, out: torch.Tensor | None):  # fmt: skip
+                   weights: torch.Tensor, out: torch.Tensor | None,
+                   on_worker: bool):  # fmt: skip
         """A callable giving (y on the host, neurons kept, seconds) of layer i's CPU share: run
-        when called (inline: after the GPU work is queued), or started now on the worker thread
-        (cpu_thread) while this thread queues the GPU work."""
+        when called (inline: after the GPU work is queued), or (on_worker) started now on the
+        worker thread while this thread queues the GPU work."""
 
         def run():
             t = time.perf_counter()
             y, n_active = self.cpu_experts(i, experts, h, ids, weights, out)
             return y, n_active, time.perf_counter() - t
 
-        if self.worker is None:
+        if self.worker is None or not on_worker:
             return run
         return self.worker.submit(run)
 
