@@ -10,10 +10,11 @@
  * fastest round per case (the least disturbed by other work on the machine) in GB/s of weight
  * bytes and ns per row. Not part of the library.
  *
- * K-quant rows take x as pyrt_quantize_x_q8k makes it (scales shared per 256), the others per 32.
+ * K-quant rows take x as pyrt_quantize_x_q8k makes it (scales shared per 256, sums per 16), the
+ * others per 32.
  *
- *   cc -O3 -fno-math-errno -std=c11 -Iruntime/include -Iruntime/src runtime/src/[!m]*.c \
- *      runtime/src/m[eo]*.c bench/cpu_rows.c -o /tmp/cpu_rows -pthread -lm && /tmp/cpu_rows 7
+ *   cc -O3 -fno-math-errno -std=c11 -Iruntime/include -Iruntime/src runtime/src/*.c \
+ *      bench/cpu_rows.c -o /tmp/cpu_rows -pthread -lm && /tmp/cpu_rows 7
  * (the sources: each .c file in runtime/src, with the library's optimization flags (CMakeLists.txt:
  * at -O2 GCC leaves some of the kernels' small loops rolled); argument: rounds) */
 #define _POSIX_C_SOURCE 200809L
@@ -115,7 +116,8 @@ int main(int argc, char **argv) {
     float x[N], y[N];
     for (int i = 0; i < N; i++)
         x[i] = (float)(rand_r(&seed) % 2001 - 1000) * 1e-3f, y[i] = 0.0f;
-    pyrt_xq8 xq[N / PYRT_QK], xqk[N / PYRT_QK]; /* per 32; shared per 256 (the K-quants') */
+    /* per 32; shared per 256 with the sums per 16 after the blocks (the K-quants') */
+    pyrt_xq8 xq[N / PYRT_QK], xqk[N / PYRT_QK + (N / PYRT_QK + 8) / 9]; /* pyrt_xq_units(N) */
     pyrt_quantize_x_q8_scalar(x, xq, N);
     pyrt_quantize_x_q8k_scalar(x, xqk, N);
     static double t[NF][3][2][MAX_ROUNDS];

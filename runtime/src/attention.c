@@ -38,7 +38,7 @@ int pyrt_attention_init(pyrt_attention *a, const pyrt_model_weights *w, const ch
     a->k = malloc((size_t)nkv * f);
     a->v = malloc((size_t)nkv * f);
     a->att = malloc((size_t)nq * f);
-    a->att_q = malloc(((size_t)nq / PYRT_QK + 1) * sizeof(pyrt_xq8));
+    a->att_q = malloc(pyrt_xq_units((size_t)nq) * sizeof(pyrt_xq8));
     a->rope_cs = malloc(((size_t)w->rope_dim + 1) * f);
     a->rows_done = malloc(((size_t)w->n_head + 2 * (size_t)w->n_head_kv) * sizeof(atomic_int));
     a->kv_ready = malloc((size_t)w->n_head_kv * sizeof(atomic_int));

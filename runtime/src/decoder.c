@@ -37,7 +37,7 @@ int pyrt_decoder_create(const pyrt_model_weights *w, pyrt_decoder **out) {
     d->blocks = malloc((size_t)w->n_layer * sizeof *d->blocks);
     d->x = malloc((size_t)w->n_embd * f);
     d->xn = malloc((size_t)d->max_in * f);
-    d->xq = malloc(((size_t)d->max_in / PYRT_QK + 1) * sizeof(pyrt_xq8));
+    d->xq = malloc(pyrt_xq_units((size_t)d->max_in) * sizeof(pyrt_xq8));
     d->y = malloc((size_t)w->n_embd * f);
     d->ys = malloc((size_t)w->n_embd * f);
     d->gate = malloc(((size_t)max_ff + 1) * f);

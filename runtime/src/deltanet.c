@@ -193,7 +193,7 @@ int pyrt_deltanet_step(pyrt_pool *pool, const pyrt_deltanet *w, const float *x,
     const size_t n_proj = (size_t)c_n + dv_all + 2 * (size_t)hv;
     const size_t floats = round_up((n_proj + c_n + 2 * (size_t)dv_all) * sizeof(float));
     const int n_q8 = w->n_embd > dv_all ? w->n_embd : dv_all;
-    const size_t bytes = floats + ((size_t)n_q8 / PYRT_QK + 1) * sizeof(pyrt_xq8);
+    const size_t bytes = floats + pyrt_xq_units((size_t)n_q8) * sizeof(pyrt_xq8);
     pyrt_pool_acquire(pool);
     char *ws = pyrt_pool_workspace(pool, bytes);
     if (ws == NULL) {

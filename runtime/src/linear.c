@@ -253,7 +253,7 @@ void pyrt_mv_job_bind(pyrt_mv_job *job, pyrt_pool *pool, const float *x, int n, 
     job->x = x;
     job->x_stride = (size_t)n;
     job->xq = xq;
-    job->xq_stride = (size_t)n / PYRT_QK;
+    job->xq_stride = pyrt_xq_units((size_t)n);
     job->n_tokens = 1;
     if (job->div == 0.0f)
         job->div = 1.0f;
@@ -293,7 +293,7 @@ static void task_quantize(void *p, int ith, int nth) {
     (void)ith;
     (void)nth;
     quantize_ctx *c = p;
-    const size_t nb = (size_t)c->n_in / PYRT_QK;
+    const size_t nb = pyrt_xq_units((size_t)c->n_in);
     for (int t0; (t0 = atomic_fetch_add_explicit(&c->next, QUANTIZE_TOKENS,
                                                  memory_order_relaxed)) < c->n_tokens;) {
         const int t1 = c->n_tokens - t0 < QUANTIZE_TOKENS ? c->n_tokens : t0 + QUANTIZE_TOKENS;
@@ -324,7 +324,7 @@ int pyrt_linear(pyrt_pool *pool, const pyrt_matrix *w, const float *x, int n_tok
         return PYRT_OK;
 
     const int blocked = pyrt_fmt_is_blocked(w->fmt);
-    const size_t nb = (size_t)w->n_in / PYRT_QK;
+    const size_t nb = pyrt_xq_units((size_t)w->n_in); /* xq's stride */
     pyrt_pool_acquire(pool);
     pyrt_xq8 *xq = NULL;
     if (blocked) {

@@ -38,7 +38,7 @@ typedef struct {
     size_t x_stride;      /* floats between tokens in x */
     const pyrt_xq8 *xq;   /* [n_tokens, xq_stride] Q8 blocks of x (pyrt_mv_job_xq's kind): read
                            * by the blocked matrices */
-    size_t xq_stride;     /* blocks between tokens in xq */
+    size_t xq_stride;     /* pyrt_xq8 units between tokens in xq: pyrt_xq_units(n) */
     int n_tokens;
     float clamp;          /* > 0: clamp every output to [-clamp, clamp] (after the bias) */
     float div;            /* every output divided by it (1: no-op) */

@@ -28,7 +28,7 @@ static void task_heads(void *p, int ith, int nth) {
     heads_ctx *c = p;
     const pyrt_matrix *w = c->w;
     const size_t rb = pyrt_row_bytes(w->fmt, w->n_in);
-    const size_t nb = (size_t)w->n_in / PYRT_QK;
+    const size_t nb = pyrt_xq_units((size_t)w->n_in); /* xq's stride */
     for (int item; (item = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed)) <
                    c->n_items;) {
         const int h = item / c->per_head;
@@ -66,7 +66,7 @@ int pyrt_linear_heads(pyrt_pool *pool, const pyrt_matrix *w, int n_heads, const 
         return pyrt_fail(PYRT_E_INVALID, "%s: x and y must be 4-byte aligned", fn);
 
     const int rows = w->n_out / n_heads;
-    const size_t nb = (size_t)w->n_in / PYRT_QK;
+    const size_t nb = pyrt_xq_units((size_t)w->n_in); /* xq's stride */
     pyrt_pool_acquire(pool);
     pyrt_xq8 *xq = NULL;
     const int kind = pyrt_fmt_xq(w->fmt);

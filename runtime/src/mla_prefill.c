@@ -47,7 +47,7 @@ int pyrt_mla_prefill_ensure(pyrt_mla *m, int T, int threads, const char *fn) {
     m->c_qa = malloc((size_t)T * ((size_t)m->q_rank + 1) * f);
     m->c_kv = malloc((size_t)T * hd * f);
     m->c_o = malloc((size_t)T * ov * f);
-    m->c_xq_stride = in_max / PYRT_QK + 1;
+    m->c_xq_stride = pyrt_xq_units(in_max);
     m->c_xq = malloc((size_t)T * m->c_xq_stride * sizeof(pyrt_xq8));
     m->c_rows = malloc((size_t)threads * 2 * PYRT_ATTN_ROWS * hd * f);
     m->c_xqh = malloc((size_t)threads * PYRT_ATTN_ROWS * (size_t)m->xqh_stride * sizeof(pyrt_xq8));

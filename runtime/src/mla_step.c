@@ -32,12 +32,12 @@ int pyrt_mla_init(pyrt_mla *m, const pyrt_model_weights *w, const char *fn) {
     const size_t f = sizeof(float), H = (size_t)w->n_head;
     const size_t ov = H * (size_t)m->v_dim;
     const size_t xq_in = (size_t)m->q_rank > ov ? (size_t)m->q_rank : ov;
-    m->xqh_stride = (m->nope > m->rank ? m->nope : m->rank) / PYRT_QK + 1;
+    m->xqh_stride = (int)pyrt_xq_units((size_t)(m->nope > m->rank ? m->nope : m->rank));
     m->q = malloc(H * ((size_t)m->nope + (size_t)m->rope) * f);
     m->qa = malloc(((size_t)m->q_rank + 1) * f);
     m->kv = malloc(((size_t)m->rank + (size_t)m->rope) * f);
     m->o = malloc(ov * f);
-    m->xq = malloc((xq_in / PYRT_QK + 1) * sizeof(pyrt_xq8));
+    m->xq = malloc(pyrt_xq_units(xq_in) * sizeof(pyrt_xq8));
     m->xqh = malloc(H * (size_t)m->xqh_stride * sizeof(pyrt_xq8));
     if (!m->q || !m->qa || !m->kv || !m->o || !m->xq || !m->xqh) {
         pyrt_mla_free(m);

@@ -20,7 +20,7 @@ typedef struct {
     float *o;       /* [n_head v_dim] the heads' outputs: attn_output's input */
     pyrt_xq8 *xq;   /* [max(q_rank, n_head v_dim) / 32 + 1] Q8 blocks of qa or o */
     pyrt_xq8 *xqh;  /* [n_head, xqh_stride] each head's Q8 blocks of q_nope, then of o_lat */
-    int xqh_stride; /* blocks per head: max(D, R) / 32 + 1 */
+    int xqh_stride; /* blocks per head: pyrt_xq_units(max(D, R)) */
     /* a prefill's chunk of T tokens (mla_prefill.c), grown on demand: */
     int tokens_cap, threads_cap;
     float *c_q, *c_qa, *c_kv; /* [T, n_head (D + r)], [T, q_rank], [T, R + r] in-projections */

@@ -29,7 +29,7 @@ static void task_quantize(void *p, int ith, int nth) {
     (void)ith;
     (void)nth;
     moe_ctx *c = p;
-    const int nb = c->n_embd / PYRT_QK;
+    const size_t nb = pyrt_xq_units((size_t)c->n_embd);
     for (int t0; (t0 = atomic_fetch_add_explicit(c->next_item, QUANTIZE_TOKENS,
                                                  memory_order_relaxed)) < c->n_tokens;) {
         const int t1 = c->n_tokens - t0 < QUANTIZE_TOKENS ? c->n_tokens : t0 + QUANTIZE_TOKENS;
@@ -217,7 +217,7 @@ static int moe_setup(moe_ctx *c, pyrt_pool *pool, const pyrt_experts *e, const f
     if (n_items_max < (size_t)nth)
         n_items_max = (size_t)nth;
     const size_t xq_bytes =
-        quantized ? (size_t)n_tokens * (n_embd / PYRT_QK) * sizeof(pyrt_xq8) : 0;
+        quantized ? (size_t)n_tokens * pyrt_xq_units((size_t)n_embd) * sizeof(pyrt_xq8) : 0;
 
     /* Workspace layout (each piece 64-byte aligned). */
     size_t off_acc = 0;
@@ -320,7 +320,7 @@ int pyrt_moe_ffn(pyrt_pool *pool, const pyrt_experts *experts, const float *x, i
         else
             pyrt_pool_run(pool, task_quantize, &c);
         c.xv = (const uint8_t *)c.xq;
-        c.xv_stride = (size_t)(c.n_embd / PYRT_QK) * sizeof(pyrt_xq8);
+        c.xv_stride = pyrt_xq_units((size_t)c.n_embd) * sizeof(pyrt_xq8);
     } else {
         c.xv = (const uint8_t *)x;
         c.xv_stride = (size_t)c.n_embd * sizeof(float);
@@ -384,7 +384,7 @@ int pyrt_moe_ffn_routed(pyrt_pool *pool, pyrt_task_fn before, void *before_ctx,
             task_quantize(&c, 0, 1);
             c.xv = (const uint8_t *)c.xq;
         }
-        c.xv_stride = (size_t)(n_embd / PYRT_QK) * sizeof(pyrt_xq8);
+        c.xv_stride = pyrt_xq_units((size_t)n_embd) * sizeof(pyrt_xq8);
     } else {
         c.xv = (const uint8_t *)x;
         c.xv_stride = (size_t)n_embd * sizeof(float);

@@ -66,7 +66,7 @@ static int ensure(pyrt_decoder *d, int T, int threads) {
     const size_t n = (size_t)T, f = sizeof(float);
     const size_t nq = (size_t)w->n_head * w->head_dim, nkv = (size_t)w->n_head_kv * w->head_dim;
     b->in_stride = (size_t)d->max_in;
-    b->q_stride = (b->in_stride + PYRT_QK - 1) / PYRT_QK;
+    b->q_stride = pyrt_xq_units(b->in_stride);
     b->x = malloc(n * w->n_embd * f);
     b->xn = malloc(n * b->in_stride * f);
     b->xq = malloc(n * b->q_stride * sizeof(pyrt_xq8));

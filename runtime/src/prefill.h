@@ -18,7 +18,7 @@ struct pyrt_prefill_buf {
     int threads_cap;     /* threads the attention and top-k scratch hold */
     size_t scratch_floats; /* floats of a thread's attention scratch (attn_tile.h) */
     size_t in_stride;    /* floats per row of xn: max(n_embd, n_head * head_dim, widest FFN) */
-    size_t q_stride;     /* blocks per row of xq: in_stride / 32, rounded up */
+    size_t q_stride;     /* units per row of xq: pyrt_xq_units(in_stride) */
     float *x;            /* [T, n_embd] the residual stream */
     float *xn;           /* [T, in_stride] a matrix product's input: normed x, attention out */
     pyrt_xq8 *xq;        /* [T, q_stride] its Q8 blocks */

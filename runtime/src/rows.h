@@ -32,12 +32,30 @@ void pyrt_quantize_x_q8_avx512(const float *x, pyrt_xq8 *out, int n);
  * ggml's Q8_K in Q8_0's layout): each whole group of 8 blocks is quantized at d = (max |x| over
  * its 256) / 127, every block of it holding that d; blocks after the last whole group as
  * pyrt_quantize_x_q8. Every reader of Q8 blocks takes them (a Q8_0 row reads d per block); the
- * K-quant dots need them, summing a super-block's 8 sub-blocks in integers. The levels give the
+ * K-quant dots need them, summing a super-block's 8 sub-blocks in integers. After the blocks go
+ * the sums of q per 16 elements (pyrt_xq_sums; out holds pyrt_xq_units(n)). The levels give the
  * scalar one's bytes for finite x, as pyrt_quantize_x_q8's. */
 void pyrt_quantize_x_q8k(const float *x, pyrt_xq8 *out, int n);
 void pyrt_quantize_x_q8k_scalar(const float *x, pyrt_xq8 *out, int n);
 void pyrt_quantize_x_q8k_avx2(const float *x, pyrt_xq8 *out, int n);
 void pyrt_quantize_x_q8k_avx512(const float *x, pyrt_xq8 *out, int n);
+
+/* The sums of q per 16 elements that pyrt_quantize_x_q8k stores after a token's n/32 blocks
+ * (ggml's bsums): int16 [n / 16], element i the sum of q over elements 16 i .. 16 i + 15
+ * (|.| <= 2032). A K-quant row's min term (Q4_K, Q5_K: m_j sum(x_j)) and offset term (Q6_K:
+ * -32 sc_i sum(x_i)) are then a 16-element integer dot of the row's scales with them per
+ * super-block, not a pass over x per row. */
+static inline const int16_t *pyrt_xq_sums(const void *xq, int n) {
+    return (const int16_t *)((const pyrt_xq8 *)xq + n / PYRT_QK);
+}
+
+/* pyrt_xq8 units that one token of n elements takes quantized (n rounded up to 32): its blocks,
+ * then room for its sums (pyrt_xq_sums). The size of, and the stride between tokens in, every
+ * buffer pyrt_quantize_x_for writes. */
+static inline size_t pyrt_xq_units(size_t n) {
+    const size_t nb = (n + PYRT_QK - 1) / PYRT_QK;
+    return nb + (nb * 2 * sizeof(int16_t) + sizeof(pyrt_xq8) - 1) / sizeof(pyrt_xq8);
+}
 
 /* How the matrices that read one activation vector want it quantized (pyrt_fmt_xq): not at all
  * (float formats), Q8 blocks of 32, or blocks sharing a scale per 256 (a K-quant reads it; the
@@ -55,7 +73,7 @@ static inline int pyrt_xq_join(int a, int b) {
     return a > b ? a : b;
 }
 
-/* x quantized as `kind` asks (PYRT_XQ_NONE: nothing written). */
+/* x quantized as `kind` asks (PYRT_XQ_NONE: nothing written) into out [pyrt_xq_units(n)]. */
 void pyrt_quantize_x_for(int kind, const float *x, pyrt_xq8 *out, int n);
 
 /* y[0:n] += x[0:n] in f32, element by element (every level gives the same bits): the expert
@@ -70,7 +88,8 @@ pyrt_add_fn pyrt_add_f32_active(void);
 
 /* One weight row of n elements, in one format, against one token.
  * dot:  returns row . x, where x is f32 [n] for float formats and pyrt_xq8 [n/32] for the blocked
- *       ones (for Q4_K / Q5_K / Q6_K from pyrt_quantize_x_q8k: a scale per 256).
+ *       ones (for Q4_K / Q5_K / Q6_K from pyrt_quantize_x_q8k: a scale per 256, and the sums
+ *       per 16 after the blocks, pyrt_xq_sums(x, n)).
  * axpy: y[0:n] += a * row (the row dequantized on the fly); y is f32 [n]. */
 typedef float (*pyrt_dot_fn)(const void *row, const void *x, int n);
 typedef void (*pyrt_axpy_fn)(float a, const void *row, float *y, int n);

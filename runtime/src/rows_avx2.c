@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include "rows_x86.h"
+#include "blocks_kquant_x86.h"
 
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
@@ -409,6 +410,7 @@ AVX2 void pyrt_quantize_x_q8k_avx2(const float *x, pyrt_xq8 *out, int n) {
             store32_avx2(x + (size_t)(b + j) * PYRT_QK, amax, out + b + j);
     }
     pyrt_quantize_x_q8_avx2(x + (size_t)b * PYRT_QK, out + b, n - b * PYRT_QK);
+    pyrt_kq_store_sums(out, n);
 }
 
 static const pyrt_row_ops ops_q8_0 = {.dot = dot_q8_0,       .axpy = axpy_q8_0,

@@ -7,6 +7,7 @@
 
 #include "blocks_avx512.h"
 #include "tiles_avx512.h"
+#include "blocks_kquant_x86.h"
 
 #define FLOAT_ROW_KERNELS(name, load16)                                                           \
     AVX512 static float dot_##name(const void *row, const void *x, int n) {                       \
@@ -321,6 +322,7 @@ AVX512 void pyrt_quantize_x_q8k_avx512(const float *x, pyrt_xq8 *out, int n) {
             store32_avx512(x + (size_t)(b + j) * PYRT_QK, amax, out + b + j);
     }
     pyrt_quantize_x_q8_avx512(x + (size_t)b * PYRT_QK, out + b, n - b * PYRT_QK);
+    pyrt_kq_store_sums(out, n);
 }
 
 static const pyrt_row_ops ops_f32 = {.dot = dot_f32, .axpy = axpy_f32,

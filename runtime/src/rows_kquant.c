@@ -13,7 +13,8 @@
  * The activation comes as Q8 blocks of 32 whose 8 blocks per super-block share one scale xd
  * (pyrt_quantize_x_q8k, ggml's Q8_K in Q8_0's layout), so a super-block's dot is integer but for
  * d xd: sum_j sc_j (q_j . x_j) (Q6_K: per 16) times d xd, minus sum_j m_j sum(x_j) times
- * dmin xd. */
+ * dmin xd. The SIMD kernels take sum(x_j) from the sums per 16 stored after the blocks
+ * (pyrt_xq_sums); the scalar ones, the reference, sum x's codes themselves. */
 #include "rows.h"
 
 /* Sub-block j's six-bit scale and min of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4). */
@@ -179,47 +180,46 @@ AVX2 static inline void widen32(__m256i q, __m256 f[4]) {
 
 /* The kernels of each format come from one function over nr rows (1 or 2 for the dots, up to
  * PYRT_AXPY_ROWS for axpy): dot and axpy are its nr = 1 case, so dot2 / axpyn give exactly the
- * bits of two dots / nr axpys in order. dotn: per super-block and row the scales and mins of its
- * 8 sub-blocks as int16 pairs (scale_pairs8), kept in a small array and broadcast from it per
- * sub-block; x's blocks (and their pair sums, for the mins) loaded once for the rows; per row
- * int32 lanes of sc_j (q . x) (vpmaddubsw, then vpmaddwd by sc_j) and of m_j sum(x), which meet
- * d xd and dmin xd once per super-block in f32 (x's blocks share xd: pyrt_quantize_x_q8k).
+ * bits of two dots / nr axpys in order. dotn: per super-block and row the scales of its 8
+ * sub-blocks as int16 pairs (scale_pairs8), kept in a small array and broadcast from it per
+ * sub-block; x's blocks loaded once for the rows; per row int32 lanes of sc_j (q . x)
+ * (vpmaddubsw, then vpmaddwd by sc_j), and the min term m_j sum(x_j) as one vpmaddwd of the
+ * mins with x's sums per 16 (pyrt_xq_sums); both meet d xd and dmin xd once per super-block in
+ * f32 (x's blocks share xd: pyrt_quantize_x_q8k).
  * axpyn: a block of y (4 registers) loaded once, each row's a (d sc_j) q - a (dmin m_j) added in
  * row order, stored once. */
 #define AVX2_KMIN(name, BYTES, CODES)                                                              \
     AVX2 static inline void dotn_##name(int nr, const void *const *rows, const void *x, int n,     \
                                         float *out) {                                              \
         const pyrt_xq8 *xq = x;                                                                    \
+        const int16_t *sums = pyrt_xq_sums(x, n);                                                  \
         __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                                \
         for (int s = 0; s < n / PYRT_QK_K; s++, xq += 8) {                                         \
             const uint8_t *w[2];                                                                   \
-            int32_t sp[2][16]; /* sc_j pairs, then m_j pairs */                                    \
+            int32_t sp[2][8]; /* sc_j pairs */                                                     \
+            __m256i mins[2];                                                                       \
             __m256i ai[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};                      \
-            __m256i mi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};                      \
             _Pragma("GCC unroll 2") for (int r = 0; r < nr; r++) {                                 \
                 w[r] = (const uint8_t *)rows[r] + (size_t)s * (BYTES);                             \
                 const __m128i sm = pyrt_kq_sc_m_bytes(w[r]);                                       \
                 _mm256_storeu_si256((__m256i *)sp[r], scale_pairs8(_mm256_cvtepu8_epi32(sm)));     \
-                _mm256_storeu_si256((__m256i *)(sp[r] + 8),                                        \
-                                    scale_pairs8(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));    \
+                mins[r] = pyrt_kq_mins16(sm);                                                      \
             }                                                                                      \
             _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                  \
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)xq[j].q);                   \
-                const __m256i xp = _mm256_maddubs_epi16(_mm256_set1_epi8(1), xv);                  \
                 _Pragma("GCC unroll 2") for (int r = 0; r < nr; r++) {                             \
                     const __m256i p = _mm256_maddubs_epi16(CODES(w[r], j), xv);                    \
                     ai[r] = _mm256_add_epi32(                                                      \
                         ai[r], _mm256_madd_epi16(p, _mm256_set1_epi32(sp[r][j])));                 \
-                    mi[r] = _mm256_add_epi32(                                                      \
-                        mi[r], _mm256_madd_epi16(xp, _mm256_set1_epi32(sp[r][8 + j])));            \
                 }                                                                                  \
             }                                                                                      \
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(sums + 16 * s));               \
             _Pragma("GCC unroll 2") for (int r = 0; r < nr; r++) {                                 \
                 acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(pyrt_load_u16(w[r])) * xq->d),   \
                                          _mm256_cvtepi32_ps(ai[r]), acc[r]);                       \
                 acc[r] = _mm256_fnmadd_ps(                                                         \
                     _mm256_set1_ps(_cvtsh_ss(pyrt_load_u16(w[r] + 2)) * xq->d),                    \
-                    _mm256_cvtepi32_ps(mi[r]), acc[r]);                                            \
+                    _mm256_cvtepi32_ps(_mm256_madd_epi16(mins[r], bs)), acc[r]);                   \
             }                                                                                      \
         }                                                                                          \
         _Pragma("GCC unroll 2") for (int r = 0; r < nr; r++)                                       \
@@ -279,16 +279,19 @@ AVX2 static inline void scales_q6_k(const uint8_t *w, float out[16]) {
     _mm256_storeu_ps(out + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(hi)));
 }
 
-/* Q6_K: the codes read unsigned (q + 32); per int16 pair (q + 32) . x - 32 sum(x) = q . x exactly
- * (|.| <= 2 * 32 * 127), times its scale of 16 by vpmaddwd (lanes 0..3: elements 0..15 of the
- * sub-block, 4..7: 16..31), summed in int32 per super-block, times d xd in f32. */
+/* Q6_K: the codes read unsigned (q + 32), (q + 32) . x per int16 pair (<= 2 * 63 * 127: no
+ * saturation) times its scale of 16 by vpmaddwd (lanes 0..3: elements 0..15 of the sub-block,
+ * 4..7: 16..31), summed in int32 per super-block, less 32 sum_i sc_i sum(x_i) (one vpmaddwd of
+ * the 16 scales with x's sums per 16, pyrt_xq_sums): exactly sum sc q x, times d xd in f32. */
 AVX2 static inline void dotn_q6_k(int nr, const void *const *rows, const void *x, int n,
                                   float *out) {
     const pyrt_xq8 *xq = x;
+    const int16_t *sums = pyrt_xq_sums(x, n);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int s = 0; s < n / PYRT_QK_K; s++, xq += 8) {
         const uint8_t *w[2];
         int32_t sp[2][16]; /* the 16 scales as int16 pairs */
+        __m256i sc16[2];   /* and as int16 */
         __m256i ai[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
         _Pragma("GCC unroll 2") for (int r = 0; r < nr; r++) {
             w[r] = (const uint8_t *)rows[r] + (size_t)s * PYRT_Q6_K_BYTES;
@@ -296,21 +299,23 @@ AVX2 static inline void dotn_q6_k(int nr, const void *const *rows, const void *x
             _mm256_storeu_si256((__m256i *)sp[r], scale_pairs8(_mm256_cvtepi8_epi32(sc)));
             _mm256_storeu_si256((__m256i *)(sp[r] + 8),
                                 scale_pairs8(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+            sc16[r] = _mm256_cvtepi8_epi16(sc);
         }
         _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {
             const __m256i xv = _mm256_loadu_si256((const __m256i *)xq[j].q);
-            const __m256i x32 = _mm256_maddubs_epi16(_mm256_set1_epi8(32), xv);
             _Pragma("GCC unroll 2") for (int r = 0; r < nr; r++) {
-                const __m256i p =
-                    _mm256_sub_epi16(_mm256_maddubs_epi16(codes_q6_k_u(w[r], j), xv), x32);
+                const __m256i p = _mm256_maddubs_epi16(codes_q6_k_u(w[r], j), xv);
                 const __m256i sj = _mm256_set_m128i(_mm_set1_epi32(sp[r][2 * j + 1]),
                                                     _mm_set1_epi32(sp[r][2 * j]));
                 ai[r] = _mm256_add_epi32(ai[r], _mm256_madd_epi16(p, sj));
             }
         }
-        _Pragma("GCC unroll 2") for (int r = 0; r < nr; r++)
+        const __m256i bs = _mm256_loadu_si256((const __m256i *)(sums + 16 * s));
+        _Pragma("GCC unroll 2") for (int r = 0; r < nr; r++) {
+            const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sc16[r], bs), 5);
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(pyrt_load_u16(w[r] + 208)) * xq->d),
-                                     _mm256_cvtepi32_ps(ai[r]), acc[r]);
+                                     _mm256_cvtepi32_ps(_mm256_sub_epi32(ai[r], off)), acc[r]);
+        }
     }
     _Pragma("GCC unroll 2") for (int r = 0; r < nr; r++)
         out[r] = hsum8(acc[r]);

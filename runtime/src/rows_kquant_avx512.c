@@ -4,9 +4,10 @@
  * Dots: two sub-blocks of 32 per 512-bit step ("pair" k: sub-blocks 2k and 2k + 1, against the
  * activation's Q8 blocks 2k and 2k + 1, which share a scale per super-block: pyrt_quantize_x_q8k),
  * their codes unpacked as uint8, multiplied with x's int8 by vpmaddubsw into int16 pairs (codes
- * <= 63: no saturation), the pairs times each sub-block's scale (and the mins times x's pair
- * sums) summed in int32 by vpdpwssd (VNNI) or vpmaddwd + vpaddd (the same lanes); a super-block's
- * integers meet d, dmin and x's scale once, in f32.
+ * <= 63: no saturation), the pairs times each sub-block's scale summed in int32 by vpdpwssd
+ * (VNNI) or vpmaddwd + vpaddd (the same lanes); the mins (Q6_K: the -32 offset) meet x's sums per
+ * 16 (pyrt_xq_sums) in one vpmaddwd per super-block; a super-block's integers meet d, dmin and
+ * x's scale once, in f32.
  * One function computes a block of rows x tokens (1 x 1: dot, 2 x 1: dot2, 4 x 2: the prefill
  * tiles), each result with the same operations in the same order: a tile's results are the
  * dots' bits.
@@ -107,11 +108,12 @@ AVX512 static INLINE __m512i pick_words(int i0) {
  * of registers indexed by r and t lived in memory: ~1.5x the time). x's 8 blocks of a super-block
  * share one scale xd (pyrt_quantize_x_q8k), so a super-block's sum is integer up to d xd:
  *   Q4_K / Q5_K: acc_i += sc_j (q . x) per pair (vpmaddubsw: int16 pairs, then int16 pairs times
- *                sc_j), accm_i += m_j sum(x) (x's pair sums made once per token), the scales
- *                spread over the lanes by vpshufb (in-lane) from a copy in each 128-bit lane;
- *                then acc += (d xd) acc_i - (dmin xd) accm_i in f32, 16 lanes.
- *   Q6_K:        (q + 32) . x - 32 sum(x) per int16 pair (exact: |.| <= 2 * 32 * 127), times
- *                the scale of its 16, acc += (d xd) acc_i. */
+ *                sc_j), the scales spread over the lanes by vpshufb (in-lane) from a copy in each
+ *                128-bit lane; the min term sum_j m_j sum(x_j) one vpmaddwd of the mins with x's
+ *                16 sums per 16 (pyrt_xq_sums); then acc += (d xd) acc_i - (dmin xd) mins in f32.
+ *   Q6_K:        (q + 32) . x per int16 pair (<= 2 * 63 * 127: no saturation) times the scale of
+ *                its 16, less 32 sum_i sc_i sum(x_i) (one vpmaddwd with x's sums per 16): exact,
+ *                acc += (d xd) acc_i. */
 #define KQ_DOTS(SUF, TGT, PAIRS)                                                                   \
     TGT static INLINE void dots_##SUF(int fmt, int nr, const void *const *rows, int nt,            \
                                       const void *const *xs, int n, float *out, size_t ts,         \
@@ -127,28 +129,30 @@ AVX512 static INLINE __m512i pick_words(int i0) {
         for (int s = 0; s < n / PYRT_QK_K; s++) {                                                  \
             const uint8_t *w[KQ_ROWS];                                                             \
             const pyrt_xq8 *xq[KQ_TOKENS];                                                         \
-            __m512i sp[KQ_ROWS][2], ai[KQ_ROWS][KQ_TOKENS], mi[KQ_ROWS][KQ_TOKENS];                \
-            _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)                                   \
+            __m512i sp[KQ_ROWS][2], ai[KQ_ROWS][KQ_TOKENS];                                        \
+            __m256i m16[KQ_ROWS], bs[KQ_TOKENS]; /* mins (Q6_K: scales) per 16, x's sums */        \
+            _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++) {                                 \
                 xq[t] = (const pyrt_xq8 *)xs[t] + 8 * s;                                           \
+                bs[t] = _mm256_loadu_si256((const __m256i *)(pyrt_xq_sums(xs[t], n) + 16 * s));    \
+            }                                                                                      \
             _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++) {                                 \
                 w[r] = (const uint8_t *)rows[r] + (size_t)s * bb;                                  \
                 if (q6) { /* its 16 scales as int16: 0..7 in every 128-bit lane, 8..15 */          \
-                    const __m256i s16 = _mm256_cvtepi8_epi16(                                      \
-                        _mm_loadu_si128((const __m128i *)(w[r] + 192)));                           \
-                    sp[r][0] = _mm512_broadcast_i32x4(_mm256_castsi256_si128(s16));                \
-                    sp[r][1] = _mm512_broadcast_i32x4(_mm256_extracti128_si256(s16, 1));           \
+                    m16[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w[r] + 192))); \
+                    sp[r][0] = _mm512_broadcast_i32x4(_mm256_castsi256_si128(m16[r]));             \
+                    sp[r][1] = _mm512_broadcast_i32x4(_mm256_extracti128_si256(m16[r], 1));        \
                 } else { /* scales (bytes 0..7) and mins (8..15) in every 128-bit lane */          \
-                    sp[r][0] = _mm512_broadcast_i32x4(pyrt_kq_sc_m_bytes(w[r]));                   \
+                    const __m128i sm = pyrt_kq_sc_m_bytes(w[r]);                                   \
+                    sp[r][0] = _mm512_broadcast_i32x4(sm);                                         \
+                    m16[r] = pyrt_kq_mins16(sm);                                                   \
                 }                                                                                  \
                 _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)                               \
-                    ai[r][t] = mi[r][t] = _mm512_setzero_si512();                                  \
+                    ai[r][t] = _mm512_setzero_si512();                                             \
             }                                                                                      \
             _Pragma("GCC unroll 4") for (int k = 0; k < 4; k++) {                                  \
-                __m512i xv[KQ_TOKENS], xp[KQ_TOKENS];                                              \
-                _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++) {                             \
+                __m512i xv[KQ_TOKENS];                                                             \
+                _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)                               \
                     xv[t] = x_pair(xq[t], k);                                                      \
-                    xp[t] = _mm512_maddubs_epi16(_mm512_set1_epi8(q6 ? 32 : 1), xv[t]);            \
-                }                                                                                  \
                 _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++) {                             \
                     const __m512i u = q6                      ? codes_q6_k(w[r], k)                \
                                       : fmt == PYRT_FMT_Q4_K ? codes_q4_k(w[r], k)                 \
@@ -156,27 +160,22 @@ AVX512 static INLINE __m512i pick_words(int i0) {
                     const __m512i scp =                                                            \
                         q6 ? _mm512_shuffle_epi8(sp[r][k / 2], pick_words(4 * (k % 2)))            \
                            : _mm512_shuffle_epi8(sp[r][0], pick_bytes(2 * k, 2 * k + 1));          \
-                    const __m512i mp =                                                             \
-                        q6 ? scp : _mm512_shuffle_epi8(sp[r][0], pick_bytes(8 + 2 * k, 9 + 2 * k));\
-                    _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++) {                         \
-                        __m512i p = _mm512_maddubs_epi16(u, xv[t]);                                \
-                        if (q6)                                                                    \
-                            p = _mm512_sub_epi16(p, xp[t]);                                        \
-                        ai[r][t] = PAIRS(ai[r][t], p, scp);                                        \
-                        if (!q6)                                                                   \
-                            mi[r][t] = PAIRS(mi[r][t], xp[t], mp);                                 \
-                    }                                                                              \
+                    _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)                           \
+                        ai[r][t] = PAIRS(ai[r][t], _mm512_maddubs_epi16(u, xv[t]), scp);           \
                 }                                                                                  \
             }                                                                                      \
             _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++) {                                 \
                 const float d = q6 ? D(w[r] + 208) : D(w[r]);                                      \
                 _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++) {                             \
                     const float xd = xq[t]->d;                                                     \
+                    const __m512i ms = _mm512_zextsi256_si512(_mm256_madd_epi16(m16[r], bs[t]));   \
+                    if (q6)                                                                        \
+                        ai[r][t] = _mm512_sub_epi32(ai[r][t], _mm512_slli_epi32(ms, 5));           \
                     acc[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(d * xd),                            \
                                                 _mm512_cvtepi32_ps(ai[r][t]), acc[r][t]);          \
                     if (!q6)                                                                       \
                         acc[r][t] = _mm512_fnmadd_ps(_mm512_set1_ps(D(w[r] + 2) * xd),             \
-                                                     _mm512_cvtepi32_ps(mi[r][t]), acc[r][t]);     \
+                                                     _mm512_cvtepi32_ps(ms), acc[r][t]);           \
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \

@@ -1,6 +1,7 @@
 /* Portable row kernels (any CPU), and the activation quantizer every SIMD level shares.
  * These are also the reference the SIMD kernels are tested against in tests/c/. */
 #include <math.h>
+#include <string.h>
 
 #include "rows.h"
 
@@ -33,6 +34,17 @@ void pyrt_quantize_x_q8_scalar(const float *x, pyrt_xq8 *out, int n) {
         store32(x + (size_t)b * PYRT_QK, amax32(x + (size_t)b * PYRT_QK), out + b);
 }
 
+/* The sums of q per 16 elements after x's n/32 blocks (pyrt_xq_sums). */
+static void store_sums(pyrt_xq8 *out, int n) {
+    uint8_t *s = (uint8_t *)(out + n / PYRT_QK);
+    for (int i = 0; i < n / 16; i++) {
+        int16_t v = 0;
+        for (int l = 0; l < 16; l++)
+            v = (int16_t)(v + out[i / 2].q[16 * (i % 2) + l]);
+        memcpy(s + 2 * i, &v, 2);
+    }
+}
+
 void pyrt_quantize_x_q8k_scalar(const float *x, pyrt_xq8 *out, int n) {
     int b = 0;
     for (; b + 8 <= n / PYRT_QK; b += 8) {
@@ -43,6 +55,7 @@ void pyrt_quantize_x_q8k_scalar(const float *x, pyrt_xq8 *out, int n) {
             store32(x + (size_t)(b + j) * PYRT_QK, amax, out + b + j);
     }
     pyrt_quantize_x_q8_scalar(x + (size_t)b * PYRT_QK, out + b, n - b * PYRT_QK);
+    store_sums(out, n);
 }
 
 /* ---- float formats ------------------------------------------------------------------------- */

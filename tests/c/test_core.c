@@ -287,7 +287,8 @@ static void test_kquant_kernels_match_plain(void) {
             uint8_t *rows = malloc(rb * NR);
             float *x = malloc(sizeof(float) * n * NT), *y1 = malloc(sizeof(float) * n);
             float *y2 = malloc(sizeof(float) * n);
-            pyrt_xq8 *xq = malloc(sizeof(pyrt_xq8) * (size_t)(n / 32) * NT);
+            const size_t xs = pyrt_xq_units((size_t)n);
+            pyrt_xq8 *xq = malloc(sizeof(pyrt_xq8) * xs * NT);
             const void *rp[NR], *xp[NT];
             make_kquant_rows(fmt, n, NR, rows);
             for (int r = 0; r < NR; r++)
@@ -295,8 +296,8 @@ static void test_kquant_kernels_match_plain(void) {
             for (int i = 0; i < n * NT; i++)
                 x[i] = rng_normalish();
             for (int t = 0; t < NT; t++) {
-                pyrt_quantize_x_q8k(x + (size_t)t * n, xq + (size_t)t * (n / 32), n);
-                xp[t] = xq + (size_t)t * (n / 32);
+                pyrt_quantize_x_q8k(x + (size_t)t * n, xq + (size_t)t * xs, n);
+                xp[t] = xq + (size_t)t * xs;
             }
             float plain[NR * NT];
             for (int level = PYRT_SIMD_SCALAR; level <= pyrt_simd_best(); level++)
@@ -409,9 +410,9 @@ static void test_quantize_x(void) {
  * halfway cases (x * id = k + 0.5), zeros, denormals, a huge lane. Finite x only: for NaN or inf
  * the scalar code's (int8_t) cast of a NaN is undefined behaviour (UBSan's float-cast-overflow). */
 static void test_quantize_x_levels(void) {
-    enum { N = 32 * 40 };
+    enum { N = 32 * 40, UNITS = N / 32 + (N / 32 + 8) / 9 }; /* pyrt_xq_units(N) */
     static float x[N];
-    static pyrt_xq8 want[N / 32], got[N / 32];
+    static pyrt_xq8 want[UNITS], got[UNITS];
     for (int i = 0; i < N; i++) {
         const int block = i / 32;
         const float scale = block < 8 ? 1.0f : block < 16 ? 1e-3f : block < 24 ? 1e4f : 3.0f;
@@ -439,17 +440,22 @@ static void test_quantize_x_levels(void) {
                           memcmp(got[b].q, want[b].q, sizeof got[b].q) == 0,
                       "quantize%s level %d block %d differs from scalar", shared ? "_q8k" : "",
                       level, b);
+            if (shared) /* and the sums per 16 after the blocks */
+                CHECK(memcmp(pyrt_xq_sums(got, N), pyrt_xq_sums(want, N), N / 16 * 2) == 0,
+                      "quantize_q8k level %d: sums per 16 differ from scalar", level);
         }
     }
     pyrt_simd_force(best);
 }
 
 /* pyrt_quantize_x_q8k: every block of a whole group of 256 holds the group's d = amax / 127 and
- * q = round(x / d); the 3 blocks after the last group (n = 352) are quantized per 32. */
+ * q = round(x / d); the 3 blocks after the last group (n = 352) are quantized per 32; after the
+ * blocks, the sums of q per 16 of every level (pyrt_xq_sums), at the ends of their range too. */
 static void test_quantize_x_q8k_groups(void) {
-    enum { N = 352 };
+    enum { N = 352, UNITS = N / 32 + (N / 32 + 8) / 9 }; /* pyrt_xq_units(N) */
     float x[N];
-    pyrt_xq8 q[N / 32], q32[N / 32];
+    pyrt_xq8 q[UNITS], q32[UNITS];
+    CHECK(pyrt_xq_units(N) == UNITS, "pyrt_xq_units(%d) = %zu", N, pyrt_xq_units(N));
     for (int i = 0; i < N; i++)
         x[i] = rng_normalish() * (i < 32 ? 0.01f : 1.0f);
     x[100] = -9.0f;
@@ -465,6 +471,26 @@ static void test_quantize_x_q8k_groups(void) {
     CHECK(q[3].q[4] == -127, "q8k: the group's amax maps to -127, got %d", q[3].q[4]);
     for (int b = 8; b < N / 32; b++)
         CHECK(memcmp(&q[b], &q32[b], sizeof q[b]) == 0, "q8k tail block %d is not per 32", b);
+    for (int i = 0; i < 16; i++) /* 16 elements at +-amax: sums of +-2032 */
+        x[32 + i] = x[48 + i] = i % 2 ? 9.0f : -9.0f, x[64 + i] = 9.0f, x[80 + i] = -9.0f;
+    const int best = pyrt_simd_best();
+    for (int level = PYRT_SIMD_SCALAR; level <= best; level++) {
+        CHECK(pyrt_simd_force(level) == PYRT_OK, "force level %d", level);
+        memset(q, 0x5A, sizeof q);
+        pyrt_quantize_x_q8k(x, q, N);
+        int16_t sums[N / 16];
+        memcpy(sums, pyrt_xq_sums(q, N), sizeof sums);
+        for (int i = 0; i < N / 16; i++) {
+            int want = 0;
+            for (int l = 0; l < 16; l++)
+                want += q[i / 2].q[16 * (i % 2) + l];
+            CHECK(sums[i] == want, "q8k level %d: sum of 16 number %d is %d, not %d", level, i,
+                  sums[i], want);
+        }
+        CHECK(sums[4] == 2032 && sums[5] == -2032, "q8k level %d: sums at the range's ends %d %d",
+              level, sums[4], sums[5]);
+    }
+    pyrt_simd_force(best);
 }
 
 /* Every SIMD level's y += x (the expert kernel's sum of partial ys) gives the scalar loop's bits,
@@ -1015,7 +1041,8 @@ static void test_kquant_kernels_agree(void) {
             uint8_t *rows = malloc(rb * NR);
             float *x = malloc(sizeof(float) * n * NT), *y1 = malloc(sizeof(float) * n);
             float *y2 = malloc(sizeof(float) * n), *y0 = malloc(sizeof(float) * n);
-            pyrt_xq8 *xq = malloc(sizeof(pyrt_xq8) * (n / 32) * NT);
+            const size_t xs = pyrt_xq_units((size_t)n);
+            pyrt_xq8 *xq = malloc(sizeof(pyrt_xq8) * xs * NT);
             const void *rp[NR], *xp[NT];
             for (int r = 0; r < NR; r++) {
                 make_kquant_row(fmt, n, rows + r * rb);
@@ -1023,9 +1050,11 @@ static void test_kquant_kernels_agree(void) {
             }
             for (int i = 0; i < n * NT; i++)
                 x[i] = rng_normalish();
+            /* the activation the K-quant dots take: scales per 256, sums per 16 after the blocks
+             * (the scalar dots sum x's codes themselves: a wrong sum shows as a SIMD mismatch) */
             for (int t = 0; t < NT; t++) {
-                pyrt_quantize_x_q8(x + (size_t)t * n, xq + (size_t)t * (n / 32), n);
-                xp[t] = xq + (size_t)t * (n / 32);
+                pyrt_quantize_x_q8k(x + (size_t)t * n, xq + (size_t)t * xs, n);
+                xp[t] = xq + (size_t)t * xs;
             }
             const pyrt_row_ops *scalar = pyrt_row_ops_at(PYRT_SIMD_SCALAR, fmt, 0);
             for (int level = PYRT_SIMD_SCALAR; level <= pyrt_simd_best(); level++)
@@ -1045,8 +1074,8 @@ static void test_kquant_kernels_agree(void) {
                                 y0[i] = 0.0f;
                             scalar->axpy(1.0f, rp[r], y0, n);
                             for (int i = 0; i < n; i++)
-                                absum += fabs((double)y0[i] * xq[t * (n / 32) + i / 32].d *
-                                              xq[t * (n / 32) + i / 32].q[i % 32]);
+                                absum += fabs((double)y0[i] * xq[t * xs + i / 32].d *
+                                              xq[t * xs + i / 32].q[i % 32]);
                             CHECK(fabs((double)d[r][t] - s) <= 2 * (n + 8) * u * absum + 1e-30,
                                   "kquant dot level %d vnni %d fmt %d n %d: %.9g vs scalar %.9g",
                                   level, vnni, fmt, n, d[r][t], s);
