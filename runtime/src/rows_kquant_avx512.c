@@ -12,7 +12,8 @@
  * tiles), each result with the same operations in the same order: a tile's results are the
  * dots' bits.
  * axpy: 16 codes widened to int32 per step (from the bytes, no cross-lane shuffles), y held in
- * registers across up to PYRT_AXPY_ROWS rows (axpyn), each row's operations those of axpy. */
+ * registers across up to PYRT_AXPY_ROWS rows (axpyn), each row's operations those of axpy; the
+ * axpy tile (several tokens) converts a row's codes once for all its tokens. */
 #include "rows.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -315,6 +316,61 @@ AVX512 static INLINE void axpyn_k(int fmt, int nr, const float *a, const void *c
     }
 }
 
+/* ys[t][0:n) += sum_r a[r][t] rows[r] for t < nt <= PYRT_AXPY_TOKENS, r < nr in order (the
+ * prefill's expert down rows): per token axpy's operations, so its bits, but a row's 64 codes of
+ * a pair converted to f32 once and used for every token, not decoded again per token. Q4_K's
+ * T[q] = fma(vs, q, -vm) is computed from the converted code (the value axpy looks up). */
+AVX512 static INLINE void axpy_tile_k(int fmt, int nr, const void *const *rows,
+                                      const float *const *a, int nt, float *const *ys, int n) {
+    const size_t bb = fmt == PYRT_FMT_Q4_K   ? PYRT_Q4_K_BYTES
+                      : fmt == PYRT_FMT_Q5_K ? PYRT_Q5_K_BYTES
+                                             : PYRT_Q6_K_BYTES;
+    float vs[PYRT_AXPY_TOKENS][16], vm[PYRT_AXPY_TOKENS][8]; /* as axpyn_k's, per token */
+    for (int r = 0; r < nr; r++)
+        for (int s = 0; s < n / PYRT_QK_K; s++) {
+            const uint8_t *w = (const uint8_t *)rows[r] + (size_t)s * bb;
+            __m512 dsc16 = _mm512_setzero_ps();
+            __m256 dsc = _mm256_setzero_ps(), dm = _mm256_setzero_ps();
+            if (fmt == PYRT_FMT_Q6_K)
+                dsc16 = scales_q6_k(w);
+            else
+                pyrt_kq_scales_mins(w, &dsc, &dm);
+            for (int t = 0; t < nt; t++) {
+                const __m512 va = _mm512_set1_ps(a[r][t]);
+                if (fmt == PYRT_FMT_Q6_K) {
+                    _mm512_storeu_ps(vs[t], _mm512_mul_ps(va, dsc16));
+                } else {
+                    _mm256_storeu_ps(vs[t], _mm256_mul_ps(_mm512_castps512_ps256(va), dsc));
+                    _mm256_storeu_ps(vm[t], _mm256_mul_ps(_mm512_castps512_ps256(va), dm));
+                }
+            }
+            _Pragma("GCC unroll 4") for (int k = 0; k < 4; k++) {
+                __m512i q[4];
+                wide_codes(fmt, w, k, q);
+                __m512 qf[4];
+                for (int i = 0; i < 4; i++)
+                    qf[i] = _mm512_cvtepi32_ps(q[i]);
+                for (int t = 0; t < nt; t++) {
+                    float *yk = ys[t] + (size_t)s * PYRT_QK_K + 64 * k;
+                    for (int i = 0; i < 4; i++) { /* y[16 i ..]: sub-block 2k + i / 2 */
+                        const int j = 2 * k + i / 2;
+                        __m512 acc = _mm512_loadu_ps(yk + 16 * i);
+                        if (fmt == PYRT_FMT_Q4_K) {
+                            acc = _mm512_add_ps(acc, _mm512_fmadd_ps(_mm512_set1_ps(vs[t][j]), qf[i],
+                                                                     _mm512_set1_ps(-vm[t][j])));
+                        } else {
+                            const float si = fmt == PYRT_FMT_Q6_K ? vs[t][4 * k + i] : vs[t][j];
+                            acc = _mm512_fmadd_ps(_mm512_set1_ps(si), qf[i], acc);
+                            if (fmt != PYRT_FMT_Q6_K)
+                                acc = _mm512_sub_ps(acc, _mm512_set1_ps(vm[t][j]));
+                        }
+                        _mm512_storeu_ps(yk + 16 * i, acc);
+                    }
+                }
+            }
+        }
+}
+
 #define KQ_AXPY_ENTRIES(name, FMT)                                                                \
     AVX512 static void axpyn_##name(int nr, const float *a, const void *const *rows, float *y,    \
                                     int n) {                                                      \
@@ -322,6 +378,10 @@ AVX512 static INLINE void axpyn_k(int fmt, int nr, const float *a, const void *c
     }                                                                                             \
     AVX512 static void axpy_##name(float a, const void *row, float *y, int n) {                   \
         axpyn_k(FMT, 1, &a, &row, y, n);                                                          \
+    }                                                                                             \
+    AVX512 static void axpy_tile_##name(int nr, const void *const *rows, const float *const *a,   \
+                                        int nt, float *const *ys, int n) {                        \
+        axpy_tile_k(FMT, nr, rows, a, nt, ys, n);                                                 \
     }
 
 KQ_AXPY_ENTRIES(q4_k, PYRT_FMT_Q4_K)
@@ -333,7 +393,8 @@ KQ_AXPY_ENTRIES(q6_k, PYRT_FMT_Q6_K)
                                                     .axpy = axpy_##name,                          \
                                                     .dot2 = dot2_##name##_##SUF,                  \
                                                     .axpyn = axpyn_##name,                        \
-                                                    .dot_tile = dot_tile_##name##_##SUF};
+                                                    .dot_tile = dot_tile_##name##_##SUF,          \
+                                                    .axpy_tile = axpy_tile_##name};
 KQ_OPS(q4_k, bw)
 KQ_OPS(q5_k, bw)
 KQ_OPS(q6_k, bw)

@@ -275,7 +275,8 @@ static void make_kquant_rows(int fmt, int n, int nr, uint8_t *rows) {
 
 /* The K-quant kernels against the activation pyrt_quantize_x_q8k makes: dot2 gives two dots'
  * bits, the dot tiles (4 rows x 2 tokens, and their 1-token tails) the dots' bits, axpyn nr axpys'
- * bits, and the VNNI dots the plain AVX-512 ones' bits, at 1, 3 and 8 super-blocks. */
+ * bits, the axpy tiles per token axpy calls' bits, and the VNNI dots the plain AVX-512 ones' bits,
+ * at 1, 3 and 8 super-blocks. */
 static void test_kquant_kernels_match_plain(void) {
     static const int fmts[] = {PYRT_FMT_Q4_K, PYRT_FMT_Q5_K, PYRT_FMT_Q6_K};
     const int lengths[] = {256, 768, 2048};
@@ -336,6 +337,28 @@ static void test_kquant_kernels_match_plain(void) {
                               "kquant level %d fmt %d n %d: axpyn differs from axpy calls", level,
                               fmt, n);
                     }
+                    /* axpy tiles (NR rows into NT tokens' ys): per token, NR axpy calls' bits */
+                    float av[NR][NT], *ya = malloc(sizeof(float) * n * NT);
+                    float *yb = malloc(sizeof(float) * n * NT);
+                    const float *ap[NR];
+                    float *yap[NT];
+                    for (int r = 0; r < NR; r++) {
+                        for (int t = 0; t < NT; t++)
+                            av[r][t] = rng_normalish();
+                        ap[r] = av[r];
+                    }
+                    memcpy(ya, x, sizeof(float) * n * NT);
+                    memcpy(yb, x, sizeof(float) * n * NT);
+                    for (int t = 0; t < NT; t++)
+                        yap[t] = ya + (size_t)t * n;
+                    pyrt_axpy_tile(ops, NR, rp, ap, NT, yap, n);
+                    for (int t = 0; t < NT; t++)
+                        for (int r = 0; r < NR; r++)
+                            ops->axpy(av[r][t], rp[r], yb + (size_t)t * n, n);
+                    CHECK(memcmp(ya, yb, sizeof(float) * n * NT) == 0,
+                          "kquant level %d vnni %d fmt %d n %d: axpy tiles differ from axpy calls",
+                          level, vnni, fmt, n);
+                    free(ya), free(yb);
                 }
             free(rows), free(x), free(y1), free(y2), free(xq);
         }
