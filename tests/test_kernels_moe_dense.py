@@ -65,7 +65,7 @@ def test_biases_and_swiglu_oai_need_the_generic_kernels():
     x, w, ids, tw = make_case("q8_0r", 1, n_embd=Q8R_N_EMBD, seed=2)
     with pytest.raises(ValueError, match="generic kernels only"):
         moe_q8r_pipe(x, w, "q8_0r", ids, tw, "swiglu_oai")
-    with pytest.raises(ValueError, match="generic kernels only .gemv, gemm., not q8r_pipe"):
+    with pytest.raises(ValueError, match="generic kernels only .gemv, gemm. or q4r_pipe, not q8r"):
         moe_dense(x, w, "q8_0r", ids, tw, "silu", path="q8r_pipe", bias=make_bias(Q8R_N_EMBD))
     bad = (make_bias(Q8R_N_EMBD)[0][:, :7], make_bias(Q8R_N_EMBD)[1])
     with pytest.raises(ValueError, match="bias gate_up must be contiguous float32"):
