@@ -4,6 +4,7 @@ kernels) against the torch reference."""
 import pytest
 import torch
 
+from pyruntime.kernels.expert_paths import quantizes_x, table_path
 from pyruntime.kernels.moe_dense import moe_align, moe_dense, moe_dense_ref
 from pyruntime.kernels.testing import (
     DEVICE,
@@ -55,7 +56,9 @@ def test_moe_dense_biased_swiglu_oai(fmt, path, mapped):
         emap[4], emap[1] = 0, 1
         w = w[[4, 1]].contiguous()
     y = moe_dense(x, w, fmt, ids, tw, "swiglu_oai", path=path, expert_map=emap, bias=bias)
-    ref = moe_dense_ref(x, w, fmt, ids, tw, "swiglu_oai", expert_map=emap, bias=bias)
+    taken = table_path(fmt, x.shape[1], 3, sparse=False, generic=True) if path == "auto" else path
+    ref = moe_dense_ref(x, w, fmt, ids, tw, "swiglu_oai", q8_x=quantizes_x(taken),
+                        expert_map=emap, bias=bias)  # fmt: skip
     assert_close_rel(y, ref, 1e-5)
 
 
