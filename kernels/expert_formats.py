@@ -71,6 +71,13 @@ def q8r_supported(fmt: str, n_embd: int) -> bool:
     return fmt == "q8_0r" and n_embd % 64 == 0
 
 
+def q4r_supported(fmt: str, n_embd: int) -> bool:
+    """Whether the 4-bit dp4a kernel (kernels.moe_q4r_pipe) takes this layer: q4_0r or mxfp4r
+    rows of any n_embd (a multiple of 32; q4_0r rows 2-byte aligned when n_embd % 64 == 32
+    load as 16-bit halves)."""
+    return fmt in ("q4_0r", "mxfp4r") and n_embd % 32 == 0
+
+
 def row_bytes(fmt: str, n_embd: int) -> int:
     """Bytes of one stored row of `n_embd` elements."""
     if fmt in FLOAT_DTYPES:
@@ -253,7 +260,7 @@ def quantize_x_q8_ref(x: torch.Tensor) -> torch.Tensor:
 # gelu is the tanh approximation (gelu_pytorch_tanh); swiglu_oai is gpt-oss's clamped SwiGLU
 # with its alpha and limit (SWIGLU_OAI): act(g) = min(g, limit) * sigmoid(alpha min(g, limit)),
 # times clamp(up, -limit, limit) + 1 instead of up (up_ref). A model activation missing here has
-# no GPU kernel; swiglu_oai runs on the generic kernels only (GENERIC_ONLY).
+# no GPU kernel; swiglu_oai runs on the generic kernels and q4r_pipe only (GENERIC_ONLY).
 ACT_CODES = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
 GENERIC_ONLY = ("swiglu_oai",)
 SWIGLU_OAI = (1.702, 7.0)  # (alpha, limit): gpt-oss's, built into the kernels

@@ -7,6 +7,9 @@
 Paths, dense:
   q8r_pipe     kernels.moe_q8r_pipe: persistent, the next neuron tile's rows requested before
                the current tile's arithmetic; dp4a dots on Q8-quantized x (as the C core)
+  q4r_pipe     kernels.moe_q4r_pipe: q8r_pipe's schedule on 4-bit rows (q4_0r, mxfp4r): dp4a
+               dots with the nibbles expanded to int8 lanes in registers; takes biases and
+               swiglu_oai (gpt-oss)
   q8r_stream   kernels.moe_q8r_stream: one pair's neuron range per program, tiles through shared
                memory (cp.async); dp4a dots
   gemv         kernels.moe_dense._moe_gemv_kernel: one program per (pair, neuron tile)
@@ -21,14 +24,15 @@ Paths, sparse (up/down rows of neurons with |act(gate)| under the threshold skip
                was timed, 30 vs 23 us bf16, 69 vs 26 us q8_0r at batch 1; kept for comparisons)
 
 Format families: "q8r" (q8_0r with n_embd % 64 == 0: rows 4-byte aligned for the dp4a kernels),
-"packed" (other q8_0r / q4_0r), "block" (GGUF q8_0 / q4_0 read unrepacked), "float".
+"q4r" (q4_0r, mxfp4r: kernels.expert_formats.q4r_supported), "packed" (other q8_0r), "block"
+(GGUF q8_0 / q4_0 read unrepacked), "float".
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .expert_formats import format_family, q8r_supported
+from .expert_formats import format_family, q4r_supported, q8r_supported
 
 ANY = 1 << 62  # "any number of tokens" in PATHS
 
@@ -41,11 +45,16 @@ ANY = 1 << 62  # "any number of tokens" in PATHS
 # - q8r sparse (sparsity 0.85): q8r_sparse 1.16-1.20x fused at batch 1, 1.56-1.83x at 4,
 #   1.66-1.75x gemv_mask at 16; q8r_sparse2 0.90-0.94x the time of q8r_sparse at batch 1,
 #   within 1-2% at 4 and 16.
+# - q4r dense (H200, gpt-oss-20b mxfp4r with biases and swiglu_oai / qwen3.5 q4_0r, one layer,
+#   CUDA graph, L2 flushed): q4r_pipe 1.60x / 1.38x gemv at batch 1, 1.26x / 1.64x at 2,
+#   1.20x / 2.14x at 8 (x quantized by one launch first above 1 token); not timed against gemm.
 # - packed / float: the sweep's fastest at batch 1, 4, 16; block: a hand sweep's choice.
 # - gemv vs gemm (dense): gemv up to 8 tokens (bench/moe_layer.py).
 PATHS: dict[tuple[str, bool], tuple[tuple[int, str], ...]] = {
     ("q8r", False): ((7, "q8r_pipe"), (16, "q8r_stream"), (ANY, "gemm")),
     ("q8r", True): ((1, "q8r_sparse2"), (16, "q8r_sparse"), (ANY, "gemm_mask")),
+    ("q4r", False): ((8, "q4r_pipe"), (ANY, "gemm")),
+    ("q4r", True): ((4, "fused"), (16, "gemv_mask"), (ANY, "gemm_mask")),
     ("packed", False): ((8, "gemv"), (ANY, "gemm")),
     ("packed", True): ((4, "fused"), (16, "gemv_mask"), (ANY, "gemm_mask")),
     ("block", False): ((8, "gemv"), (ANY, "gemm")),
@@ -53,9 +62,12 @@ PATHS: dict[tuple[str, bool], tuple[tuple[int, str], ...]] = {
     ("float", False): ((8, "gemv"), (ANY, "gemm")),
     ("float", True): ((16, "fused"), (ANY, "gemm_mask")),
 }
-DENSE_PATHS = ("q8r_pipe", "q8r_stream", "gemv", "gemm")
+DENSE_PATHS = ("q8r_pipe", "q4r_pipe", "q8r_stream", "gemv", "gemm")
 SPARSE_PATHS = ("q8r_sparse2", "q8r_sparse", "fused", "split", "gemv_mask", "gemm_mask")
 Q8R_PATHS = ("q8r_pipe", "q8r_stream", "q8r_sparse2", "q8r_sparse")  # need q8r_supported
+Q4R_PATHS = ("q4r_pipe",)  # need q4r_supported
+# Paths that take expert biases and the GENERIC_ONLY activations (kernels.moe_args).
+BIAS_PATHS = ("q4r_pipe", "gemv", "gemm", "fused")
 
 
 @dataclass(frozen=True)
@@ -78,17 +90,23 @@ class SparseSwitch:
 
 def path_family(fmt: str, n_embd: int) -> str:
     """The PATHS family of a layer's expert format and row length."""
-    return "q8r" if q8r_supported(fmt, n_embd) else format_family(fmt)
+    if q8r_supported(fmt, n_embd):
+        return "q8r"
+    return "q4r" if q4r_supported(fmt, n_embd) else format_family(fmt)
 
 
-# Layers with expert biases or a GENERIC_ONLY activation (gpt-oss): the generic kernels only.
+# Layers with expert biases or a GENERIC_ONLY activation (gpt-oss): the generic kernels, or a
+# family's own table where every path of it takes them (BIAS_PATHS: q4r dense).
 GENERIC_PATHS = {False: ((8, "gemv"), (ANY, "gemm")), True: ((ANY, "fused"),)}
 
 
 def table_path(fmt: str, n_embd: int, n_tok: int, sparse: bool, generic: bool = False) -> str:
     """PATHS' kernel for n_tok tokens of experts in `fmt` (rows of n_embd), dense or sparse;
-    generic: GENERIC_PATHS' (kernels.moe_args: biases, swiglu_oai)."""
-    rows = GENERIC_PATHS[sparse] if generic else PATHS[(path_family(fmt, n_embd), sparse)]
+    generic: biases or swiglu_oai (kernels.moe_args): the family's rows if all of them take
+    those (BIAS_PATHS), else GENERIC_PATHS'."""
+    rows = PATHS[(path_family(fmt, n_embd), sparse)]
+    if generic and any(path not in BIAS_PATHS for _, path in rows):
+        rows = GENERIC_PATHS[sparse]
     return next(path for max_tok, path in rows if n_tok <= max_tok)
 
 
@@ -103,4 +121,4 @@ def expert_path(fmt: str, n_embd: int, n_tok: int, switch: SparseSwitch | None =
 def quantizes_x(path: str) -> bool:
     """Whether `path` takes the gate/up dots on Q8-quantized x (as the C core does): then the
     torch reference of its result is moe_dense_ref / moe_sparse_ref with q8_x=True."""
-    return path in Q8R_PATHS
+    return path in Q8R_PATHS or path in Q4R_PATHS

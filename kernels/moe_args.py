@@ -5,9 +5,9 @@ the zeroed outputs, and the experts' biases (gpt-oss).
 Biases (`bias`): None, or (gate_up [n_expert, F, 2] f32: neuron j's gate and up bias, down
 [n_expert, H] f32: added to each expert's output before its routing weight), indexed by the
 global expert id (a cache of expert slots keeps the biases of every expert on the device).
-They, and the activations in GENERIC_ONLY, run on the generic kernels only: "gemv", "gemm"
-(moe_dense) and "fused" (moe_sparse); the gate and up biases inside the kernels, the down bias
-after them (add_down_bias).
+They, and the activations in GENERIC_ONLY, run on the generic kernels: "gemv", "gemm"
+(moe_dense) and "fused" (moe_sparse), the gate and up biases inside the kernels, the down bias
+after them (add_down_bias); and on the 4-bit "q4r_pipe" (kernels.moe_q4r_pipe), all inside.
 
 The expert map (vLLM fused_moe's `expert_map`): an int32 device tensor [n_expert] from a global
 expert id (what topk_ids holds) to a slot of the expert tensor w, which then holds n_slots

@@ -16,6 +16,7 @@ weights) and `moe_dense`, which runs the dense path kernels.expert_paths picks:
   the dot dtype: bf16 / f16 tensor cores with fp32 accumulation for bf16 / f16 x, exact fp32
   dots for f32 x (and under the interpreter, whose bf16 dots are wrong).
 - "q8r_pipe", "q8r_stream" (q8_0r with n_embd % 64 == 0): kernels.moe_q8r.
+- "q4r_pipe" (q4_0r, mxfp4r; biases and swiglu_oai too): kernels.moe_q4r_pipe.
 
 P = T * K token-expert pairs; pair p is token p // K, slot p % K. The output y is fp32. With an
 expert map (kernels.moe_args) w holds n_slots experts and pairs whose expert is not on the
@@ -38,7 +39,7 @@ from .expert_formats import (
     quantize_x_q8_ref,
     up_ref,
 )
-from .expert_paths import table_path
+from .expert_paths import BIAS_PATHS, table_path
 from .expert_rows import (
     act_fn,
     dot_acc_sum,
@@ -54,6 +55,7 @@ from .expert_rows import (
 from .launch import DOT_BF16, DOT_F16, dot_code, interpreting
 from .moe_align import moe_align
 from .moe_args import add_down_bias, bias_args, check_moe_args, flat_routing, map_args, n_expert_of
+from .moe_q4r_pipe import moe_q4r_pipe
 from .moe_q8r import moe_q8r_pipe, moe_q8r_stream
 
 # ----------------------------------------------------------------------------------------------
@@ -430,6 +432,7 @@ def moe_dense_gemm(x, w, fmt, topk_ids, topk_w, activation="silu", *, expert_map
 
 DENSE_LAUNCHERS = {
     "q8r_pipe": moe_q8r_pipe,
+    "q4r_pipe": moe_q4r_pipe,
     "q8r_stream": moe_q8r_stream,
     "gemv": moe_dense_gemv,
     "gemm": moe_dense_gemm,
@@ -443,9 +446,9 @@ def moe_dense(x, w, fmt, topk_ids, topk_w, activation="silu", path="auto", *, ex
     x [T, n_embd] f32/bf16; w the expert tensor in `fmt` (kernels.expert_formats);
     topk_ids [T, K] int; topk_w [T, K] float; activation "silu" or "gelu" (tanh approximation);
     path: one of DENSE_LAUNCHERS (kernels.expert_paths; the q8r ones need q8_0r experts with
-    n_embd % 64 == 0 and take the dots on Q8-quantized x, as the C core does) or "auto" (the
-    table's choice for T tokens). expert_map, bias: kernels.moe_args (bias: the generic paths,
-    "gemv" and "gemm", only).
+    n_embd % 64 == 0, q4r_pipe q4_0r / mxfp4r experts; they take the dots on Q8-quantized x,
+    as the C core does) or "auto" (the table's choice for T tokens). expert_map, bias:
+    kernels.moe_args (bias: "gemv", "gemm" and "q4r_pipe" only).
     """
     if path == "auto":
         path = table_path(fmt, x.shape[1], x.shape[0], sparse=False,
@@ -455,8 +458,9 @@ def moe_dense(x, w, fmt, topk_ids, topk_w, activation="silu", path="auto", *, ex
     if bias is None:
         return DENSE_LAUNCHERS[path](x, w, fmt, topk_ids, topk_w, activation,
                                      expert_map=expert_map)  # fmt: skip
-    if path not in ("gemv", "gemm"):
-        raise ValueError(f"expert biases run on the generic kernels only (gemv, gemm), not {path}")
+    if path not in BIAS_PATHS:
+        raise ValueError(f"expert biases run on the generic kernels only (gemv, gemm) or "
+                         f"q4r_pipe, not {path}")  # fmt: skip
     return DENSE_LAUNCHERS[path](x, w, fmt, topk_ids, topk_w, activation, expert_map=expert_map,
                                  bias=bias)  # fmt: skip
 

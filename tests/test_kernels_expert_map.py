@@ -10,7 +10,14 @@ import torch
 
 from pyruntime.kernels.dispatch import moe_experts
 from pyruntime.kernels.expert_formats import quantize_x_q8_ref
-from pyruntime.kernels.expert_paths import DENSE_PATHS, Q8R_PATHS, SPARSE_PATHS, SparseSwitch
+from pyruntime.kernels.expert_paths import (
+    DENSE_PATHS,
+    Q4R_PATHS,
+    Q8R_PATHS,
+    SPARSE_PATHS,
+    SparseSwitch,
+    quantizes_x,
+)
 from pyruntime.kernels.moe_dense import moe_dense, moe_dense_ref
 from pyruntime.kernels.moe_sparse import moe_gate, moe_gate_ref, moe_sparse, moe_sparse_ref
 from pyruntime.kernels.testing import (
@@ -56,16 +63,23 @@ RTOL = rtol_for(torch.bfloat16)
 
 
 def q8_x(path: str) -> bool:
-    return path in Q8R_PATHS
+    return quantizes_x(path)
+
+
+def path_formats(path: str, formats: list[str]) -> list[str]:
+    """The formats a path takes: the q8r kernels q8_0r, q4r_pipe the 4-bit repacked ones."""
+    if path in Q8R_PATHS:
+        return ["q8_0r"]
+    return ["q4_0r", "mxfp4r"] if path in Q4R_PATHS else formats
 
 
 def params(paths, formats):
-    return [(p, f) for p in paths for f in (["q8_0r"] if p in Q8R_PATHS else formats)]
+    return [(p, f) for p in paths for f in path_formats(path=p, formats=formats)]
 
 
 @pytest.mark.parametrize(("path", "fmt"), params(DENSE_PATHS, FORMATS))
 def test_dense_complementary_maps_add_up(path, fmt):
-    n_tok = 1 if path == "q8r_pipe" else 3  # q8r_pipe at 1: x quantized inside the kernel
+    n_tok = 1 if path in ("q8r_pipe", "q4r_pipe") else 3  # at 1: x quantized in the kernel
     x, w, ids, tw = case(fmt, n_tok, seed=100 + len(path))
     full = moe_dense_ref(x, w, fmt, ids, tw, q8_x=q8_x(path))
     total = torch.zeros_like(full)
@@ -106,7 +120,7 @@ def test_sparse_complementary_maps_add_up_and_count_computed_pairs(path, fmt):
 
 @pytest.mark.parametrize("path", DENSE_PATHS + SPARSE_PATHS)
 def test_no_expert_on_the_device_adds_nothing(path):
-    fmt = "q8_0r" if path in Q8R_PATHS else "q4_0"
+    fmt = path_formats(path, ["q4_0"])[0]
     x, w, ids, tw = case(fmt, 3, seed=300)
     emap = torch.full((N_EXPERT,), -1, dtype=torch.int32, device=DEVICE)
     slots = w[:2].contiguous()  # the tensor is never read

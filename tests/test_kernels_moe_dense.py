@@ -4,6 +4,7 @@ kernels) against the torch reference."""
 import pytest
 import torch
 
+from pyruntime.kernels.expert_paths import quantizes_x, table_path
 from pyruntime.kernels.moe_dense import moe_align, moe_dense, moe_dense_ref
 from pyruntime.kernels.testing import (
     DEVICE,
@@ -55,7 +56,9 @@ def test_moe_dense_biased_swiglu_oai(fmt, path, mapped):
         emap[4], emap[1] = 0, 1
         w = w[[4, 1]].contiguous()
     y = moe_dense(x, w, fmt, ids, tw, "swiglu_oai", path=path, expert_map=emap, bias=bias)
-    ref = moe_dense_ref(x, w, fmt, ids, tw, "swiglu_oai", expert_map=emap, bias=bias)
+    taken = table_path(fmt, x.shape[1], 3, sparse=False, generic=True) if path == "auto" else path
+    ref = moe_dense_ref(x, w, fmt, ids, tw, "swiglu_oai", q8_x=quantizes_x(taken),
+                        expert_map=emap, bias=bias)  # fmt: skip
     assert_close_rel(y, ref, 1e-5)
 
 
@@ -65,7 +68,7 @@ def test_biases_and_swiglu_oai_need_the_generic_kernels():
     x, w, ids, tw = make_case("q8_0r", 1, n_embd=Q8R_N_EMBD, seed=2)
     with pytest.raises(ValueError, match="generic kernels only"):
         moe_q8r_pipe(x, w, "q8_0r", ids, tw, "swiglu_oai")
-    with pytest.raises(ValueError, match="generic kernels only .gemv, gemm., not q8r_pipe"):
+    with pytest.raises(ValueError, match="generic kernels only .gemv, gemm. or q4r_pipe, not q8r"):
         moe_dense(x, w, "q8_0r", ids, tw, "silu", path="q8r_pipe", bias=make_bias(Q8R_N_EMBD))
     bad = (make_bias(Q8R_N_EMBD)[0][:, :7], make_bias(Q8R_N_EMBD)[1])
     with pytest.raises(ValueError, match="bias gate_up must be contiguous float32"):

@@ -1,0 +1,171 @@
+"""Persistent, software-pipelined decode MoE over 4-bit repacked experts (q4_0r, mxfp4r): the dense
+"q4r_pipe" path (kernels.expert_paths), kernels.moe_q8r_pipe's schedule on 4-bit rows.
+
+Gate/up dots on Q8-quantized x by dp4a, the nibbles expanded to int8 lanes in registers
+(kernels.q4r_rows); act (silu, gelu or gpt-oss's swiglu_oai) with the gate/up biases; down rows
+decoded to fp32 and summed in registers across a pair's tiles, added to y (times the routing
+weight, plus the expert's down bias) once per pair run. The schedule (kernels.moe_q8r_pipe):
+a fixed grid of about (SMs x programs per SM) programs over equal contiguous runs of the
+P * ceil(F / BLOCK_N) neuron tiles, tile i + 1's rows requested before tile i's arithmetic.
+
+The generic "gemv" kernel decodes every nibble to fp32 and spends an FMA on it, which bounds
+it by arithmetic at about a sixth of HBM bandwidth; here a gate/up weight costs about a
+quarter of a dp4a plus its share of the lane expansion.
+
+Biases (kernels.moe_args) by global expert id: the gate / up bias per neuron inside the tile's
+arithmetic; the down bias added by the program that holds the pair's first tile. With an expert
+map a pair whose expert is not on the device loads nothing and adds nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .expert_formats import ACT_CODES, FMT_CODES, q4r_supported
+from .expert_rows import act_fn, expert_slot, gate_up_bias, token_x_q8, up_fn
+from .launch import interpreting, sm_count
+from .moe_args import check_moe_args, flat_routing, map_args
+from .moe_q8r import Q8R_QUANTIZE_IN_KERNEL_MAX_TOKENS, quantize_x_q8
+from .moe_q8r_pipe import _tile_rows, pipe_grid
+from .q4r_rows import (
+    halves_add,
+    halves_load,
+    q4r_bytes,
+    q4r_dot_q8x,
+    q4r_rows_axpy,
+    q4r_words,
+    x_words_q4,
+)
+
+# (BLOCK_N, num_warps, programs per SM) by format: the fastest of 9 (8 for the second pass)
+# configs at batch 1 on an H200 (gpt-oss-20b mxfp4r: 58 us, 1.0-1.4x the others; qwen3.5
+# q4_0r: 18 us, 1.0-1.5x); the interpreter's: fewer, larger steps.
+Q4R_PIPE_CONFIGS = {"mxfp4r": (1, 4, 4), "q4_0r": (2, 4, 3)}
+Q4R_PIPE_CONFIG_INTERPRETER = (16, 4, 4)
+
+
+@triton.jit
+def _pair_flush(y_ptr, ids_ptr, tw_ptr, map_ptr, dbias_ptr, p, K, H, acc_lo, acc_hi, first,
+                NB: tl.constexpr, HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """Pair p's down sums (plus its expert's down bias where `first`: this program holds the
+    pair's first tile) times its routing weight into y's row of its token; nothing for a pair
+    whose expert is not on the device."""
+    on = expert_slot(ids_ptr, map_ptr, p, HAS_MAP) >= 0
+    if on:
+        if HAS_BIAS:
+            if first:
+                e = tl.load(ids_ptr + p).to(tl.int64)
+                b_lo, b_hi = halves_load(dbias_ptr + e * H, H, NB)
+                acc_lo += b_lo
+                acc_hi += b_hi
+        twp = tl.load(tw_ptr + p)
+        halves_add(y_ptr + (p // K).to(tl.int64) * H, acc_lo * twp, acc_hi * twp, H, NB)
+
+
+@triton.jit
+def _moe_q4r_pipe_kernel(
+    x_ptr,  # [T, H] f32/bf16 (DP4A 2: quantized here; T must be 1)
+    w_ptr,  # q4_0r / mxfp4r expert tensor, uint8 [E, F, 3, RB]
+    ids_ptr,  # [P] int: expert of each pair
+    tw_ptr,  # [P] f32: routing weight of each pair
+    y_ptr,  # [T, H] f32, zeroed, accumulated
+    xq_ptr,  # DP4A 1: [T, NB, 8] int32 Q8 words of x (quantize_x_q8)
+    xd_ptr,  # DP4A 1: [T, NB] f32 their scales
+    H,
+    F,
+    RB,  # bytes per row (kernels.expert_formats.row_bytes)
+    K,
+    stride_x,
+    TPP,  # tiles per pair: ceil(F / BLOCK_N)
+    n_tiles,  # P * TPP
+    run,  # tiles per program
+    map_ptr,  # HAS_MAP: [n_expert] int32 expert map (kernels.moe_args)
+    bias_ptr,  # HAS_BIAS: [n_expert, F, 2] f32 gate / up biases by global expert id
+    dbias_ptr,  # HAS_BIAS: [n_expert, H] f32 down biases by global expert id
+    FMT: tl.constexpr,  # 4 q4_0r, 8 mxfp4r (kernels.expert_formats.FMT_CODES)
+    ACT: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # neurons per tile
+    NB: tl.constexpr,  # power of two >= H / 32
+    DP4A: tl.constexpr,  # 1: x quantized beforehand, 2: quantized here (T == 1)
+    ASM: tl.constexpr,  # dp4a / prmt / cvt.rni as GPU instructions (else integer twins)
+    ALIGN4: tl.constexpr,  # rows start 4-byte aligned (kernels.q4r_rows.q4r_words)
+    HAS_MAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    start = tl.program_id(0) * run
+    end = tl.minimum(start + run, n_tiles)
+    p, off, nm = _tile_rows(ids_ptr, map_ptr, start, end, TPP, F, RB, BLOCK_N, HAS_MAP)
+    gw, gd = q4r_words(w_ptr, off, nm, H, NB, FMT, ALIGN4)
+    uw, ud = q4r_words(w_ptr, off + RB, nm, H, NB, FMT, ALIGN4)
+    dq, dd = q4r_bytes(w_ptr, off + 2 * RB, nm, H, NB, FMT)
+    xq, xd = token_x_q8(x_ptr, xq_ptr, xd_ptr, p // K, stride_x, H, NB, DP4A, ASM)
+    xa, xb, xs = x_words_q4(xq, FMT)
+    acc_lo = tl.zeros([NB, 16], dtype=tl.float32)
+    acc_hi = tl.zeros([NB, 16], dtype=tl.float32)
+    for i in range(start, end):
+        # 1. request tile i + 1 (nothing past the run)
+        p1, off1, nm1 = _tile_rows(ids_ptr, map_ptr, i + 1, end, TPP, F, RB, BLOCK_N, HAS_MAP)
+        gw1, gd1 = q4r_words(w_ptr, off1, nm1, H, NB, FMT, ALIGN4)
+        uw1, ud1 = q4r_words(w_ptr, off1 + RB, nm1, H, NB, FMT, ALIGN4)
+        dq1, dd1 = q4r_bytes(w_ptr, off1 + 2 * RB, nm1, H, NB, FMT)
+        # 2. tile i's arithmetic (its loads were requested one iteration ago)
+        g = q4r_dot_q8x(gw, gd, xa, xb, xs, xd, FMT, ASM)
+        u = q4r_dot_q8x(uw, ud, xa, xb, xs, xd, FMT, ASM)
+        if HAS_BIAS:
+            n = (i % TPP) * BLOCK_N + tl.arange(0, BLOCK_N)
+            bg, bu = gate_up_bias(bias_ptr, ids_ptr, p, n, nm, F)
+            g += bg
+            u += bu
+        coef = tl.where(nm, act_fn(g, ACT) * up_fn(u, ACT), 0.0)
+        acc_lo, acc_hi = q4r_rows_axpy(dq, dd, coef, acc_lo, acc_hi, FMT)
+        # 3. the pair's run ends: its down sums go to y
+        if (p1 != p) | (i + 1 >= end):
+            _pair_flush(y_ptr, ids_ptr, tw_ptr, map_ptr, dbias_ptr, p, K, H, acc_lo, acc_hi,
+                        p * TPP >= start, NB, HAS_MAP, HAS_BIAS)  # fmt: skip
+            acc_lo = tl.zeros([NB, 16], dtype=tl.float32)
+            acc_hi = tl.zeros([NB, 16], dtype=tl.float32)
+            if DP4A == 1:
+                if i + 1 < end:  # the next pair's token (p1 // K may be T past the last tile)
+                    xq, xd = token_x_q8(x_ptr, xq_ptr, xd_ptr, p1 // K, stride_x, H, NB, DP4A,
+                                        ASM)  # fmt: skip
+                    xa, xb, xs = x_words_q4(xq, FMT)
+        gw, gd, uw, ud, dq, dd, nm, p = gw1, gd1, uw1, ud1, dq1, dd1, nm1, p1
+
+
+def moe_q4r_pipe(x, w, fmt, topk_ids, topk_w, activation="silu", *, expert_map=None, bias=None,
+                 blocks=None, quantize_in_kernel=None) -> torch.Tensor:  # fmt: skip
+    """Dense FFN over q4_0r / mxfp4r experts with _moe_q4r_pipe_kernel -> y [T, n_embd] f32.
+
+    Gate/up dots on x quantized to Q8 blocks (its torch reference: moe_dense_ref with
+    q8_x=True). bias, expert_map: kernels.moe_args (biases and swiglu_oai taken inside).
+    blocks: (BLOCK_N, num_warps, programs per SM), default Q4R_PIPE_CONFIGS[fmt].
+    quantize_in_kernel: as kernels.moe_q8r.moe_q8r_pipe's (one token only)."""
+    H, _, F, rb, T, K = check_moe_args(x, w, fmt, topk_ids, topk_w, activation, expert_map, bias,
+                                       generic=True)  # fmt: skip
+    if not q4r_supported(fmt, H):
+        raise ValueError(f"the q4r kernel needs q4_0r or mxfp4r experts, got {fmt}")
+    in_kernel = T <= Q8R_QUANTIZE_IN_KERNEL_MAX_TOKENS if quantize_in_kernel is None else (
+        quantize_in_kernel)  # fmt: skip
+    if in_kernel and T != 1:
+        raise ValueError("the dense q4r kernel quantizes x inside at 1 token only")
+    bn, nw, per_sm = blocks or (
+        Q4R_PIPE_CONFIG_INTERPRETER if interpreting() else Q4R_PIPE_CONFIGS[fmt]
+    )
+    ids, tw = flat_routing(topk_ids, topk_w)
+    y = torch.zeros(T, H, device=x.device, dtype=torch.float32)
+    xq, xd = (ids, tw) if in_kernel else quantize_x_q8(x)
+    tpp = triton.cdiv(F, bn)
+    n_tiles = ids.numel() * tpp
+    programs = per_sm * (1 if interpreting() else sm_count(x.device))
+    grid, run = pipe_grid(n_tiles, programs)
+    _moe_q4r_pipe_kernel[(grid,)](
+        x, w, ids, tw, y, xq, xd, H, F, rb, K, x.stride(0), tpp, n_tiles, run,
+        bias_ptr=tw if bias is None else bias[0], dbias_ptr=tw if bias is None else bias[1],
+        FMT=FMT_CODES[fmt], ACT=ACT_CODES[activation], BLOCK_N=bn,
+        NB=triton.next_power_of_2(H // 32), DP4A=2 if in_kernel else 1, ASM=not interpreting(),
+        ALIGN4=rb % 4 == 0, HAS_BIAS=bias is not None, num_warps=nw,
+        **map_args(expert_map, ids),
+    )  # fmt: skip
+    return y
