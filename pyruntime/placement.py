@@ -75,8 +75,6 @@ def gpu_budget(dev: torch.device, gpu_mem: int | None) -> tuple[int, str]:
 
 def hybrid_issue(cfg: ModelConfig) -> str | None:
     """Why the hybrid executor (offload) cannot run this model, or None."""
-    if cfg.is_mla:
-        return f"{cfg.arch}'s multi-head latent attention has no hybrid (offload) path yet"
     return llama4_issue(cfg)
 
 
