@@ -27,11 +27,15 @@ from test_offload import (
     n_routed,
     tiny,
 )
+from test_offload_qwen35 import EagerGraph
 
 from pyruntime.cpu.core import CpuCore
+from pyruntime.gpu import cache_state
 from pyruntime.gpu.executor import GpuExecutor
 from pyruntime.model.llama4 import input_weighted_experts
 from pyruntime.model.reference import moe_ffn_torch
+from pyruntime.offload import executor as offload_executor
+from pyruntime.offload.segments import DecodeSegments
 from pyruntime.offload.split import input_weighted_call
 
 N_TOKENS = 12  # a prompt of N_PROMPT (7), then decode steps past the first chunk (8 tokens)
@@ -157,3 +161,28 @@ def test_sparse_experts_match_on_both_sides(llama4, core, misses):
     assert abs(net.stats.sparsity - ref.stats.sparsity) < 0.02
     dense = logprobs(GpuExecutor(cfg, host, DEVICE), ids)
     assert max_err(got, dense) > 2 * LOGPROB_TOL  # the thresholds did skip neurons
+
+
+def test_captured_segments_equal_the_eager_step(llama4, core, whole, monkeypatch):
+    """Decode steps as captured segments (stood in on the CPU: tests/test_offload_qwen35.py's
+    EagerGraph) read their position from the step's device inputs (NoPE temperature and chunk
+    window) and equal the eager ones; the capture's warm-up run of each segment changes
+    nothing."""
+    captures: list[int] = []
+
+    def capture(fn, device, pool=None):
+        captures.append(1)
+        outputs = fn()  # the warm-up run
+        return EagerGraph(fn, outputs), outputs
+
+    class Captured(DecodeSegments):
+        def __init__(self, *args, **kw) -> None:
+            super().__init__(*args, **kw)
+            self.capture = True
+
+    monkeypatch.setattr(cache_state, "capture", capture)
+    monkeypatch.setattr(offload_executor, "DecodeSegments", Captured)
+    net = hybrid(llama4, core, 5, "auto")
+    ids, want = whole
+    assert max_err(logprobs(net, ids), want[1]) <= LOGPROB_TOL
+    assert len(captures) >= len(net.moe_layers()) + 1  # the step's segments, the GPU's experts
