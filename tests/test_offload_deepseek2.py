@@ -21,6 +21,7 @@ from test_offload import (
     N_DECODE,
     N_PROMPT,
     SAME_KERNELS_TOL,
+    check_sparse_experts_match,
     hybrid,
     ids_of,
     logprobs,
@@ -107,21 +108,7 @@ def test_group_limited_routing_and_a_query_lora(full, core):
 
 @pytest.mark.parametrize("misses", ["cpu", "stage", "auto"])
 def test_sparse_experts_match_on_both_sides(lite, core, misses):
-    _, cfg, host = lite
-    thresholds = [0.05] * cfg.n_layer
-    ref = GpuExecutor(cfg, host, DEVICE)
-    ref.set_expert_threshold(thresholds)
-    ids = ids_of(cfg, N_PROMPT + N_DECODE, seed=1)
-    want = logprobs(ref, ids)
-    net = hybrid(lite, core, 5, misses)
-    net.set_expert_threshold(thresholds)
-    got = logprobs(net, ids)
-    assert max_err(got, want) <= LOGPROB_TOL
-    assert net.stats.pairs == ref.stats.pairs
-    assert 0.1 < net.stats.sparsity < 0.95
-    assert abs(net.stats.sparsity - ref.stats.sparsity) < 0.02
-    dense = logprobs(GpuExecutor(cfg, host, DEVICE), ids)
-    assert max_err(got, dense) > 2 * LOGPROB_TOL  # the thresholds did skip neurons
+    check_sparse_experts_match(lite, core, 5, misses, (0.1, 0.95))
 
 
 def test_model_loads_hybrid_and_generates_the_cpu_executors_text(lite, monkeypatch, tmp_path,
