@@ -382,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     share = {"auto": "inline or on a worker thread by the cost model",
              "always": "on a worker thread", "never": "inline"}[args.cpu_thread]  # fmt: skip
     share += ", lookahead" if args.lookahead else ""
-    print(f"{path.name}: {n_experts} routed experts of {host.blocks[0].experts.expert_bytes:,} "
+    expert_bytes = next(b.experts for b in host.blocks if b.experts is not None).expert_bytes
+    print(f"{path.name}: {n_experts} routed experts of {expert_bytes:,} "
           f"bytes; {args.device}, {core.threads} CPU threads, staging {args.staging}, policy "
           f"{args.policy}, CPU share {share}, C core params {params or 'default'}\n"
           f"ceilings (GB/s): DRAM read {ceilings.read:.1f}, "

@@ -22,7 +22,6 @@ import torch
 from pyruntime.errors import DeviceMemoryError, PyruntimeWarning, UsageError
 from pyruntime.gguf.file import GGUFFile
 from pyruntime.model.config import ModelConfig
-from pyruntime.model.llama4 import hybrid_issue as llama4_issue
 from pyruntime.offload.plan import OffloadPlan, device_bytes, gib, plan_budget
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -73,13 +72,6 @@ def gpu_budget(dev: torch.device, gpu_mem: int | None) -> tuple[int, str]:
     return lowered, source
 
 
-def hybrid_issue(cfg: ModelConfig) -> str | None:
-    """Why the hybrid executor (offload) cannot run this model, or None."""
-    if cfg.is_mla:
-        return f"{cfg.arch}'s multi-head latent attention has no hybrid (offload) path yet"
-    return llama4_issue(cfg)
-
-
 def choose_device(requested: str, f: GGUFFile, cfg: ModelConfig, n_ctx: int,
                   gpu_mem: int | None = None) -> DeviceChoice:  # fmt: skip
     """Resolve `requested` for this model at a context of n_ctx tokens under a GPU budget of
@@ -116,11 +108,4 @@ def choose_device(requested: str, f: GGUFFile, cfg: ModelConfig, n_ctx: int,
         if req == "auto":
             return DeviceChoice("cpu", f"running on the CPU: {exc}")
         raise DeviceMemoryError(f"--device {requested}: {exc}") from None
-    why = None if plan.whole_model else hybrid_issue(cfg)
-    if why is not None:
-        if req == "auto":
-            return DeviceChoice(
-                "cpu", f"running on the CPU: {why} (the model does not fit the GPU)"
-            )
-        raise UsageError(f"--device {requested}: the model does not fit the GPU and {why}")
     return DeviceChoice(str(dev), None, None if plan.whole_model else plan)

@@ -68,3 +68,22 @@ def test_big_little_rows_and_their_combination(cc, tmp_path, capsys, monkeypatch
     # sparse rows are also set against the dense plain step (big/little and sparsity together)
     assert "against the dense plain step" not in dense
     assert "against the dense plain step" in sparse and sparse.endswith("x at r = 0.65")
+
+
+def test_a_model_whose_first_layer_is_dense(cc, tmp_path, capsys, monkeypatch):
+    """deepseek2 (its first layer a dense FFN, latent attention): the matrix runs."""
+    hf = make_tiny_hf_model("deepseek2", tmp_path / "hf", num_experts_per_tok=2)
+    gguf = convert(hf, tmp_path / "m.gguf", "f32", progress=False)
+    argv = [str(gguf), "--device", "cpu", "-t", "1", "-p", "4", "-n", "2", "-r", "1",
+            "--fractions", "0.5", "--misses", "auto", "--sparsity", "0",
+            "--ceiling-gib", "0.01"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["offload.py", *argv])
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    with warnings.catch_warnings(), pytest.raises(SystemExit) as done:
+        warnings.simplefilter("ignore", RuntimeWarning)  # the interpreter's masked divisions
+        runpy.run_path(str(TOOL), run_name="__main__")
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "16 routed experts of " in out  # layers 1 and 2, 8 experts each
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 50.0% ")]
+    assert {(r[1], r[2], r[4]) for r in rows} == {("8", "auto", "pp4"), ("8", "auto", "tg2")}

@@ -23,7 +23,7 @@ from test_parity import LOGPROB_TOL, hf_logprobs, prompt_ids, runtime_logprobs
 from pyruntime.converter import convert
 from pyruntime.cpu.core import CoreError
 from pyruntime.cpu.executor import CpuExecutor, c_decoder_runs
-from pyruntime.errors import UsageError
+from pyruntime.errors import DeviceMemoryError
 from pyruntime.gguf.file import open_gguf
 from pyruntime.gguf.quant import QuantMatrix
 from pyruntime.model import mla
@@ -146,10 +146,12 @@ def test_full_form_matches_transformers(tmp_path, backend):
     assert (runtime_logprobs(model, ids, split=len(ids) // 2) - ref).abs().max() <= LOGPROB_TOL
 
 
-def test_gpu_whole_model_but_no_hybrid(f32_path, monkeypatch):
-    """The GPU executor runs the model (tests/test_gpu_model.py); a budget that only fits the
-    hybrid takes the CPU under auto and is one line under --device cuda."""
-    from pyruntime.offload.plan import device_bytes
+def test_a_budget_below_the_model_runs_hybrid(f32_path, monkeypatch, capsys):
+    """The GPU executor runs the model when it fits (tests/test_gpu_model.py); a smaller budget
+    plans the hybrid (tests/test_offload_deepseek2.py runs it) with the cache sized as one plane
+    of latents and rope keys per layer; a budget below the dense part is one line."""
+    from pyruntime import cli
+    from pyruntime.offload.plan import device_bytes, gib
     from pyruntime.placement import choose_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -161,10 +163,20 @@ def test_gpu_whole_model_but_no_hybrid(f32_path, monkeypatch):
     assert need.kv == 3 * 64 * 48 * 4  # one plane of latents and rope keys per layer (f32)
     assert choose_device("auto", f, cfg, 64).plan is None  # the whole model on the GPU
     small = need.fixed + 4 * need.expert_bytes
-    choice = choose_device("auto", f, cfg, 64, gpu_mem=small)
-    assert choice.device == "cpu" and "latent attention has no hybrid" in choice.note
-    with pytest.raises(UsageError, match="^--device cuda: the model does not fit the GPU and"):
-        choose_device("cuda", f, cfg, 64, gpu_mem=small)
+    for device in ("auto", "cuda"):
+        choice = choose_device(device, f, cfg, 64, gpu_mem=small)
+        assert choice.hybrid and choice.plan.slots == 4 and choice.note is None
+    choice = choose_device("auto", f, cfg, 64, gpu_mem=need.fixed - 1)
+    assert choice.device == "cpu" and "the dense weights" in choice.note
+    with pytest.raises(DeviceMemoryError, match="^--device cuda: the dense weights") as info:
+        choose_device("cuda", f, cfg, 64, gpu_mem=need.fixed - 1)
+    assert "\n" not in str(info.value)
+    assert cli.main(["info", str(f32_path), "--gpu-mem", str(small), "-c", "64"]) == 0
+    out = capsys.readouterr().out
+    kv_row = next(line for line in out.splitlines() if line.startswith("KV cache (64 tokens)"))
+    assert kv_row.endswith(f": {gib(need.kv)} (GPU; a latent of 32 and a rope key of 16 values per "
+                           "token and layer)")  # fmt: skip
+    assert "hybrid: dense weights" in out and "expert slots         : 4 (" in out
 
 
 def test_gpu_decode_graph_and_group_routing_match_the_cpu_path(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """Llama-4: the converter's fields and refusals, its multimodal layout, the CPU path (the C
-decoder), sparsity, and the places it is refused (no hybrid path yet; big/little needs top-k >=
-2). The GPU path is in tests/test_gpu_model.py and tests/test_gpu_prefill.py (every family).
+decoder), sparsity, the hybrid's plan, and where it is refused (big/little needs top-k >= 2).
+The GPU path is in tests/test_gpu_model.py and tests/test_gpu_prefill.py (every family), the
+hybrid (offload) path in tests/test_offload_llama4.py.
 Logits vs transformers (prefill and token-by-token decode, f32 / q8_0 / mxfp4, both expert
 backends) are in tests/test_parity.py (ARCHS); the tiny config (tests/hf_fixtures.py) makes
 every feature move the log-probs by more than the 1e-3 tolerance: without the chunk mask, the
@@ -30,7 +31,6 @@ from pyruntime.errors import UsageError
 from pyruntime.gguf.file import open_gguf
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.reference import attention_mask
-from pyruntime.model.weights import HostWeights
 
 
 @pytest.fixture(scope="module")
@@ -109,12 +109,13 @@ def test_big_little_refuses_top1(f32_path):
     assert "\n" not in str(info.value)
 
 
-def test_gpu_whole_model_but_no_hybrid(f32_path, monkeypatch):
-    """The GPU executor runs the model (tests/test_gpu_model.py, tests/test_gpu_prefill.py); a
-    budget that only fits the hybrid takes the CPU under auto and is one line under --device
-    cuda, as is the hybrid executor itself."""
-    from pyruntime.offload.executor import HybridExecutor
-    from pyruntime.offload.plan import device_bytes
+def test_a_budget_below_the_model_runs_hybrid(f32_path, monkeypatch, capsys):
+    """The GPU executor runs the model when it fits; a smaller budget plans the hybrid, its
+    dense part holding the shared experts and the dense-FFN layers (0 and 2) beside attention;
+    a budget below that part is one line."""
+    from pyruntime.cli import main
+    from pyruntime.errors import DeviceMemoryError
+    from pyruntime.offload.plan import EXPERTS_SUFFIX, device_bytes
     from pyruntime.placement import choose_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -124,15 +125,21 @@ def test_gpu_whole_model_but_no_hybrid(f32_path, monkeypatch):
     cfg = ModelConfig.from_gguf(f)
     assert choose_device("auto", f, cfg, 64).plan is None  # the whole model on the GPU
     need = device_bytes(f, cfg, 64)
+    assert need.n_experts == 2 * cfg.n_expert  # the MoE layers' routed experts only
+    ffn = [t for t in f.tensors.values()
+           if ".ffn_" in t.name and not t.name.endswith(EXPERTS_SUFFIX)]  # fmt: skip
+    assert {t.name.split(".")[1] for t in ffn} == {"0", "1", "2", "3"}  # dense FFNs + shexp
+    assert need.dense > sum(t.n_elements * 4 for t in ffn)
     small = need.fixed + 2 * need.expert_bytes
-    choice = choose_device("auto", f, cfg, 64, gpu_mem=small)
-    assert choice.device == "cpu" and "llama4's input-weighted experts have no hybrid" in (
-        choice.note
-    )
-    with pytest.raises(UsageError, match="^--device cuda: the model does not fit the GPU and"):
-        choose_device("cuda", f, cfg, 64, gpu_mem=small)
-    with pytest.raises(UsageError, match="input-weighted experts have no hybrid .*cpu$"):
-        HybridExecutor(cfg, HostWeights.from_gguf(f, cfg), "cpu", None, slots=1)
+    for device in ("auto", "cuda"):
+        choice = choose_device(device, f, cfg, 64, gpu_mem=small)
+        assert choice.hybrid and choice.plan.slots == 2 and choice.note is None
+    with pytest.raises(DeviceMemoryError, match="^--device cuda: the dense weights") as info:
+        choose_device("cuda", f, cfg, 64, gpu_mem=need.fixed - 1)
+    assert "\n" not in str(info.value)
+    assert main(["info", str(f32_path), "--gpu-mem", str(small), "-c", "64"]) == 0
+    fields = dict(re.findall(r"^(\S.*?)\s+: (.*)$", capsys.readouterr().out, re.M))
+    assert fields["expert slots"].startswith("2 (") and fields["placement"].startswith("hybrid")
 
 
 # ---- the converter --------------------------------------------------------------------------

@@ -164,13 +164,14 @@ def test_gpt_oss_expert_biases_on_both_sides(gptoss, core, slots, misses):
 
 
 def check_sparse_experts_match(model, core, slots: int, misses: str,
-                               sparsity: tuple[float, float]) -> None:  # fmt: skip
+                               sparsity: tuple[float, float],
+                               threshold: float = 0.05) -> None:  # fmt: skip
     """The same thresholds on the CPU and the GPU (`slots` experts on the GPU, the misses as
     `misses` places them): the GPU executor's logits and neuron counts, within the tolerance
     (a neuron at the threshold may flip between the two), the achieved sparsity inside the
     open interval `sparsity`, and the logits moved from the dense model's."""
     _, cfg, host = model
-    thresholds = [0.05] * cfg.n_layer
+    thresholds = [threshold] * cfg.n_layer
     ref = GpuExecutor(cfg, host, DEVICE)
     ref.set_expert_threshold(thresholds)
     ids = ids_of(cfg, N_PROMPT + N_DECODE, seed=1)

@@ -104,7 +104,7 @@ def test_sparse_experts_match_on_both_sides(qwen35, core, misses):
 # -- captured segments ---------------------------------------------------------------------------
 
 
-class _EagerGraph:
+class EagerGraph:
     """A captured segment stood in on the CPU: replay() reruns it and writes its results into
     the tensors the capture returned (as tests/eager_graph.py does for the whole step)."""
 
@@ -128,7 +128,7 @@ def test_a_captured_segment_advances_the_recurrent_state_once(qwen35, core, whol
     def capture(fn, device, pool=None):
         captures.append(1)
         outputs = fn()  # the warm-up run
-        return _EagerGraph(fn, outputs), outputs
+        return EagerGraph(fn, outputs), outputs
 
     class Captured(DecodeSegments):
         def __init__(self, *args, **kw) -> None:

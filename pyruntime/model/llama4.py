@@ -53,11 +53,3 @@ def input_weighted_experts(
         y += out
         n_active += active
     return y, n_active
-
-
-def hybrid_issue(cfg: ModelConfig) -> str | None:
-    """Why the hybrid (offload) executor cannot run `cfg` (a llama4 model: its host-side experts
-    take the routing weight on their output, not on their input), or None."""
-    if cfg.expert_input_weight:
-        return f"{cfg.arch}'s input-weighted experts have no hybrid (offload) path yet"
-    return None

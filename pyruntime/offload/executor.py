@@ -41,7 +41,6 @@ from pyruntime.kernels.expert_formats import activation_issue
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.executor import RoutingTrace
 from pyruntime.model.kv_cache import KVCache
-from pyruntime.model.llama4 import hybrid_issue
 from pyruntime.model.reference import check_k
 from pyruntime.model.stats import ExpertStats
 from pyruntime.model.tokens import single_token, token_ids
@@ -99,7 +98,6 @@ class HybridExecutor:
         if not self._moe:
             raise UsageError("the hybrid executor needs a model with routed experts")
         issue = activation_issue(cfg.activation, (cfg.swiglu_alpha, cfg.swiglu_limit))
-        issue = issue or hybrid_issue(cfg)
         if issue is not None:
             raise UsageError(f"{issue}; use --device cpu")
         stores = [weights.blocks[i].experts for i in self._moe]

@@ -56,6 +56,7 @@ class DeviceBytes:
     n_experts: int  # routed experts of all layers
     expert_format: str  # their format's kernel name ("q8_0", "f32", ...; "" without experts)
     n_expert_used: int
+    kv_form: str = ""  # what the KV cache holds, when not keys and values (for `info`)
 
     @property
     def whole(self) -> int:
@@ -103,8 +104,16 @@ def device_bytes(f: GGUFFile, cfg: ModelConfig, n_ctx: int) -> DeviceBytes:
     return DeviceBytes(
         dense=dense, experts=experts, kv=kv, work=biggest * 4 + WORK_BYTES,
         expert_bytes=expert_bytes, n_experts=n_experts, expert_format=fmt,
-        n_expert_used=cfg.n_expert_used,
+        n_expert_used=cfg.n_expert_used, kv_form=_kv_form(cfg),
     )  # fmt: skip
+
+
+def _kv_form(cfg: ModelConfig) -> str:
+    """What a layer's cache keeps per token, where it is not keys and values."""
+    if cfg.is_mla:
+        return (f"a latent of {cfg.mla_kv_rank} and a rope key of {cfg.rope_dim} values per token "
+                "and layer")  # fmt: skip
+    return ""
 
 
 def _device_expert_bytes(gguf_bytes: int, fmt: str, n_embd: int) -> int:
@@ -153,7 +162,10 @@ class OffloadPlan:
         rows = [
             ("gpu budget", gib(self.budget)),
             ("dense weights", f"{gib(need.dense)} (GPU)"),
-            (f"KV cache ({self.n_ctx} tokens)", f"{gib(need.kv)} (GPU)"),
+            (
+                f"KV cache ({self.n_ctx} tokens)",
+                f"{gib(need.kv)} (GPU" + (f"; {need.kv_form})" if need.kv_form else ")"),
+            ),
             ("working memory", f"{gib(need.work)} (GPU)"),
             (
                 "routed experts",

@@ -81,10 +81,14 @@ def allocate_block(nbytes: int) -> np.ndarray | None:
 
 def mixer(layers: DecoderLayers, i: int, x: torch.Tensor, delta: torch.Tensor | None,
           cache: KVCache, span: Span) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Layer i's token mixer: attention over cache.kv[i], or a Gated DeltaNet layer on the
-    cache's recurrent state (qwen35moe), which advances by span's tokens."""
-    if layers.blocks[i].deltanet is not None:
+    """Layer i's token mixer (as the GPU executor's step): attention over cache.kv[i], a Gated
+    DeltaNet layer on the cache's recurrent state (qwen35moe), which advances by span's tokens,
+    or multi-head latent attention over cache.kv[i]'s plane of latents (deepseek2)."""
+    blk = layers.blocks[i]
+    if blk.deltanet is not None:
         return layers.deltanet(i, x, delta, cache.recurrent, span)
+    if blk.mla is not None:
+        return layers.mla(i, x, delta, cache.kv[i], span)
     return layers.attention(i, x, delta, cache.kv[i], span)
 
 

@@ -363,12 +363,17 @@ class SplitExperts:
         threshold = None if self.threshold is None else self.threshold[layer]
         store = self.host.blocks[layer].experts
 
-        def call(x, ids, weights, out):
+        def core_call(x, ids, weights, out):
             return self.core.moe_ffn(
                 self.home.cpu_view(layer), self.fmt, store.n_expert, store.n_ff, store.n_embd,
                 x, ids, weights, cfg.activation, threshold, out=out,
                 expert_map=torch.from_numpy(emap), bias=store.bias_pair, swiglu=store.swiglu,
             )  # fmt: skip
+
+        def call(x, ids, weights, out):
+            if cfg.expert_input_weight:
+                return input_weighted_call(core_call, x, ids, weights, out)
+            return core_call(x, ids, weights, out)
 
         if x.shape[0] > 1:
             rows = np.flatnonzero((emap[ids.numpy()] >= 0).any(axis=1))
@@ -388,6 +393,26 @@ class SplitExperts:
         share = read_share(1.0 - n_active / neurons) if neurons else 1.0
         self.offload.cpu_experts += n_experts
         self.offload.cpu_bytes += int(n_experts * self.expert_bytes * share)
+
+
+def input_weighted_call(call, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                        out: torch.Tensor | None) -> tuple[torch.Tensor, int]:  # fmt: skip
+    """llama4's routed experts on the C core (model.llama4.input_weighted_experts): each of a
+    token's k pairs a row of its own, x [T, n_embd] times the pair's weight with weight 1, the
+    k rows' outputs summed. call(x, ids, weights, out) is the C core's moe_ffn; a pair not
+    computed there (the expert map) leaves its row 0. One row per token at top-1, the
+    released models' k."""
+    n_tokens, k = ids.shape
+    xs = (x[:, None, :] * weights[:, :, None]).reshape(n_tokens * k, x.shape[1])
+    ones = torch.ones(n_tokens * k, 1)
+    if k == 1:
+        return call(xs, ids, ones, out)
+    y, n_active = call(xs, ids.reshape(n_tokens * k, 1), ones, None)
+    y = y.view(n_tokens, k, -1).sum(dim=1)
+    if out is None:
+        return y, n_active
+    out.copy_(y)
+    return out, n_active
 
 
 class CpuWorker:
