@@ -12,6 +12,7 @@ from test_offload import LOGPROB_TOL, N_DECODE, N_PROMPT, hybrid, ids_of, logpro
 
 from pyruntime.cpu.core import CpuCore
 from pyruntime.gpu.executor import GpuExecutor
+from pyruntime.offload import executor as offload_executor
 from pyruntime.offload.costs import Costs, measure_costs
 from pyruntime.offload.segments import DecodeSegments
 
@@ -82,12 +83,14 @@ class Handoffs:
 @pytest.mark.parametrize("slots", ["none", "transit", "cache"])
 @pytest.mark.parametrize("misses", ["cpu", "stage", "auto"])
 def test_logits_equal_the_whole_model_with_the_worker_on_auto(olmoe, core, reference, misses,
-                                                              slots, sparse):  # fmt: skip
+                                                              slots, sparse,
+                                                              monkeypatch):  # fmt: skip
     """The default worker choice ("auto") with costs under which a staging layer hands its CPU
     share to the worker: the whole model's logits at 0 slots, transit slots and a cache, every
     placement, dense and sparse; the worker runs only where a layer stages and has a CPU share
     (transit slots, auto: the cache does not charge the host's queueing, so it stays inline)."""
     _, cfg, host = olmoe
+    monkeypatch.setattr(offload_executor, "physical_cores", lambda: core.threads + 1)
     n = {"none": 0, "transit": keep_slots(olmoe) - 1, "cache": keep_slots(olmoe)}[slots]
     net = hybrid(olmoe, core, n, misses, costs=worker_costs(host))
     net.set_expert_threshold([THRESHOLD] * cfg.n_layer if sparse else None)
@@ -116,6 +119,20 @@ def test_never_and_always_fix_where_the_cpu_share_runs(olmoe, core, reference):
     assert handoffs.count == (1 + N_DECODE) * len(always.moe_layers())  # every layer's share
     always.close()
     assert hybrid(olmoe, core, 0, "cpu").experts.worker is None  # no slots: nothing to stage
+
+
+def test_no_worker_by_default_beside_a_pool_on_every_core(olmoe, core, monkeypatch):
+    """The default (cpu_thread None) keeps the CPU's share inline when the C pool has a thread
+    on every physical core (a worker beside it oversubscribes the cores), and runs the worker
+    where the pool leaves a core free."""
+    _, _, host = olmoe
+    n = keep_slots(olmoe) - 1
+    monkeypatch.setattr(offload_executor, "physical_cores", lambda: core.threads)
+    assert hybrid(olmoe, core, n, "auto", costs=worker_costs(host)).experts.worker is None
+    monkeypatch.setattr(offload_executor, "physical_cores", lambda: core.threads + 1)
+    net = hybrid(olmoe, core, n, "auto", costs=worker_costs(host))
+    assert net.experts.worker is not None
+    net.close()
 
 
 # What one staged decode round queues outside the decode step's graphs (the GPU's share is one
@@ -183,7 +200,7 @@ def test_measured_costs_carry_the_handoff_where_there_is_a_worker(olmoe, core):
     """measure_costs on the executor's own pieces: the worker's round trip where the split may
     hand the CPU's share over, 0 where it never does (cpu_thread=False)."""
     n = keep_slots(olmoe) - 1
-    measured = measure_costs(hybrid(olmoe, core, n, "cpu"), reps=2, tokens=2)
+    measured = measure_costs(hybrid(olmoe, core, n, "cpu", cpu_thread=True), reps=2, tokens=2)
     assert measured.handoff_s > 0 and measured.host_round_s >= 0 and measured.pcie_gbs > 0
     inline = measure_costs(hybrid(olmoe, core, n, "cpu", cpu_thread=False), reps=2, tokens=2)
     assert inline.handoff_s == 0.0

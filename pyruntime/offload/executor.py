@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pyruntime.cpu.core import CpuCore
+from pyruntime.cpu.core import CpuCore, physical_cores
 from pyruntime.errors import DeviceMemoryError, UsageError
 from pyruntime.gguf.file import GGUFFile
 from pyruntime.gguf.quant import FORMAT_NAMES
@@ -86,7 +86,8 @@ class HybridExecutor:
         """slots: GPU expert slots (the plan's); costs: the split's constants (needed with
         misses='auto' and slots > 0; measure_costs makes them); cpu_thread: the CPU's share
         on a worker thread always (True), never (False), or where the cost model says a layer
-        finishes sooner so (None, with slots; pyruntime.offload.split); pinning: the
+        finishes sooner so (None, with slots and a C pool of fewer threads than physical cores;
+        pyruntime.offload.split); pinning: the
         host-memory locking seam (tests); file: the mapped GGUF, for readahead of unstaged
         prefetches."""
         self.config = cfg
@@ -131,7 +132,12 @@ class HybridExecutor:
                                     self.slots, self.cache, core, self.stats, self.offload,
                                     self.timer)  # fmt: skip
         self.experts.lookahead = lookahead
-        auto = cpu_thread is None and slots > 0
+        # None: the worker only where the C core's pool leaves a core free. A pool on every
+        # core beside a busy worker (its C call) and this thread (queueing the GPU's share)
+        # runs more threads than cores, and the pool's barriers then wait for a preempted
+        # thread: on the device host (16 cores, -t 16, 16 transit slots) the CPU's share took
+        # 50 ms a token on the worker against 10 ms inline.
+        auto = cpu_thread is None and slots > 0 and core.threads < physical_cores()
         self.experts.worker = CpuWorker() if cpu_thread or auto else None
         self.experts.worker_always = bool(cpu_thread)
         # One CPU thread pool: the CPU's work is the C core's, and torch's few host ops (a
