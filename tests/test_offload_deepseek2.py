@@ -131,7 +131,7 @@ def test_model_loads_hybrid_and_generates_the_cpu_executors_text(lite, monkeypat
 
     want = greedy(Model(f.path, n_ctx=64, seed=0, device="cpu"))
     monkeypatch.setattr(api, "choose_device",
-                        lambda *a, **k: placement.DeviceChoice("cpu", None, plan))  # fmt: skip
+                        lambda *a, **k: placement.DeviceChoice(DEVICE, None, plan))  # fmt: skip
     monkeypatch.setenv("PYRUNTIME_CACHE", str(tmp_path / "cache"))
     m = Model(f.path, n_ctx=64, seed=0)
     assert "3 of 16 routed experts" in capsys.readouterr().err

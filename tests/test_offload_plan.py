@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+from gpu_device import DEVICE
 from hf_fixtures import make_tiny_hf_model
 
 from pyruntime import cli, options
@@ -224,9 +225,10 @@ def test_gpu_mem_flag(q8, capsys):
 
 def test_model_loads_hybrid_measures_its_costs_once_and_reports_them(tmp_path, monkeypatch,
                                                                      capsys, cc):  # fmt: skip
-    """A plan that does not hold every expert gives the hybrid (here on the CPU device standing
-    in for the GPU): its costs are measured once per staging mode and cached, its greedy text
-    is the CPU executor's, and Model.stats() carries the slot hits and bytes it moved."""
+    """A plan that does not hold every expert gives the hybrid (on tests/gpu_device.py's DEVICE:
+    the CPU device stands in for the GPU under the interpreter): its costs are measured once
+    per staging mode and cached, its greedy text is the CPU executor's, and Model.stats()
+    carries the slot hits and bytes it moved."""
     from pyruntime import api, placement
     from pyruntime.api import Model
 
@@ -238,11 +240,12 @@ def test_model_loads_hybrid_measures_its_costs_once_and_reports_them(tmp_path, m
     cpu = Model(path, n_ctx=64, seed=0, device="cpu")
     want = "".join(cpu.generate("The hacker wrote", max_tokens=8, temp=0, ignore_eos=True))
     monkeypatch.setattr(api, "choose_device",
-                        lambda *a, **k: placement.DeviceChoice("cpu", None, plan))  # fmt: skip
+                        lambda *a, **k: placement.DeviceChoice(DEVICE, None, plan))  # fmt: skip
     monkeypatch.setenv("PYRUNTIME_CACHE", str(tmp_path / "cache"))
     m = Model(path, n_ctx=64, seed=0)
     err = capsys.readouterr().err
-    assert "hybrid on cpu: dense weights and KV cache on the GPU, 4 of 16 routed experts" in err
+    hybrid = f"hybrid on {DEVICE}: dense weights and KV cache on the GPU, 4 of 16 routed experts"
+    assert hybrid in err
     assert "measuring the offload costs" in err
     costs = m.net.costs
     assert costs.pcie_gbs > 0 and costs.cpu_expert_s >= 0 and costs.expert_bytes > 0
