@@ -197,9 +197,11 @@ static inline void pyrt_pf_end(pyrt_pf_spread *s) {
 }
 
 /* MXFP4's kernels (rows_mxfp4.c), which each level's table returns for PYRT_FMT_MXFP4: scalar,
- * and AVX2 (also the AVX-512 level's). */
+ * AVX2, and AVX-512 (vnni != 0: its dots on AVX512_VNNI, the same bits; call only where the CPU
+ * has it). */
 const pyrt_row_ops *pyrt_row_ops_mxfp4_scalar(void);
 const pyrt_row_ops *pyrt_row_ops_mxfp4_avx2(void);
+const pyrt_row_ops *pyrt_row_ops_mxfp4_avx512(int vnni);
 
 /* Q5_0 / Q5_1 (rows_q5.c; scalar, and AVX2, also the AVX-512 level's) and the K-quants Q4_K /
  * Q5_K / Q6_K (rows_kquant.c: scalar, AVX2), fmt one of theirs. */
@@ -215,7 +217,7 @@ const pyrt_row_ops *pyrt_row_ops_kquant_avx512(int fmt, int vnni);
 const pyrt_row_ops *pyrt_row_ops_scalar(int fmt);
 const pyrt_row_ops *pyrt_row_ops_avx2(int fmt);
 const pyrt_row_ops *pyrt_row_ops_avx512(int fmt);
-/* The AVX-512 level's kernels with the Q8_0 and K-quant dots on AVX512_VNNI (the same bits as
+/* The AVX-512 level's kernels with the Q8_0, MXFP4 and K-quant dots on AVX512_VNNI (the same bits as
  * pyrt_row_ops_avx512); call only where the CPU has it (pyrt_cpu_has_vnni). */
 const pyrt_row_ops *pyrt_row_ops_avx512_vnni(int fmt);
 
@@ -224,7 +226,7 @@ const pyrt_row_ops *pyrt_row_ops_avx512_vnni(int fmt);
 /* 1 when the CPU has AVX512_VNNI. */
 int pyrt_cpu_has_vnni(void);
 /* Level `level`'s kernels; NULL for an unknown level or format. vnni != 0: the AVX-512 level's
- * Q8_0 and K-quant dots are pyrt_row_ops_avx512_vnni's where the CPU has AVX512_VNNI. */
+ * Q8_0, MXFP4 and K-quant dots are pyrt_row_ops_avx512_vnni's where the CPU has AVX512_VNNI. */
 const pyrt_row_ops *pyrt_row_ops_at(int level, int fmt, int vnni);
 
 #endif /* PYRT_ROWS_H */

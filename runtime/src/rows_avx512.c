@@ -355,8 +355,8 @@ const pyrt_row_ops *pyrt_row_ops_avx512(int fmt) {
         return &ops_q8_0;
     case PYRT_FMT_Q4_0:
         return &ops_q4_0;
-    case PYRT_FMT_MXFP4: /* 16 bytes of nibbles a block: the AVX2 kernels' 256-bit steps */
-        return pyrt_row_ops_mxfp4_avx2();
+    case PYRT_FMT_MXFP4:
+        return pyrt_row_ops_mxfp4_avx512(0);
     case PYRT_FMT_Q5_0:
     case PYRT_FMT_Q5_1:
         return pyrt_row_ops_q5_avx2(fmt);
@@ -372,6 +372,8 @@ const pyrt_row_ops *pyrt_row_ops_avx512(int fmt) {
 const pyrt_row_ops *pyrt_row_ops_avx512_vnni(int fmt) {
     if (fmt == PYRT_FMT_Q4_K || fmt == PYRT_FMT_Q5_K || fmt == PYRT_FMT_Q6_K)
         return pyrt_row_ops_kquant_avx512(fmt, 1);
+    if (fmt == PYRT_FMT_MXFP4)
+        return pyrt_row_ops_mxfp4_avx512(1);
     return fmt == PYRT_FMT_Q8_0 ? &ops_q8_0_vnni : pyrt_row_ops_avx512(fmt);
 }
 

@@ -92,14 +92,29 @@ static void make_row(int fmt, int n, uint8_t *row, double *values, int with_min_
             }
         }
         break;
+    case PYRT_FMT_MXFP4: /* scales 2^(e - 128) around 1; with_min_int8: e = 0, 1 (subnormal) and 200 too */
+        for (int b = 0; b < n / 32; b++) {
+            uint8_t *blk = row + b * PYRT_MXFP4_BYTES;
+            blk[0] = (uint8_t)(124 + rng_u32() % 8);
+            if (with_min_int8 && b % 4 == 1)
+                blk[0] = (uint8_t)(b % 3 == 0 ? 0 : b % 3 == 1 ? 1 : 200);
+            const double d = (double)pyrt_e8m0_half(blk[0]);
+            for (int i = 0; i < 16; i++) {
+                const uint8_t qs = (uint8_t)(rng_u32() & 0xFF);
+                blk[1 + i] = qs;
+                values[b * 32 + i] = d * pyrt_mxfp4_values[qs & 0xF];
+                values[b * 32 + i + 16] = d * pyrt_mxfp4_values[qs >> 4];
+            }
+        }
+        break;
     }
 }
 
-static const int FORMATS[] = {PYRT_FMT_F32, PYRT_FMT_F16, PYRT_FMT_BF16, PYRT_FMT_Q8_0,
-                              PYRT_FMT_Q4_0};
+static const int FORMATS[] = {PYRT_FMT_F32,  PYRT_FMT_F16,  PYRT_FMT_BF16,
+                              PYRT_FMT_Q8_0, PYRT_FMT_Q4_0, PYRT_FMT_MXFP4};
 
 static int is_quant(int fmt) {
-    return fmt == PYRT_FMT_Q8_0 || fmt == PYRT_FMT_Q4_0;
+    return fmt == PYRT_FMT_Q8_0 || fmt == PYRT_FMT_Q4_0 || fmt == PYRT_FMT_MXFP4;
 }
 
 /* ---- 1. row kernels ------------------------------------------------------------------------ */
@@ -410,6 +425,63 @@ static void test_vnni_dots_match_avx512(void) {
                   "vnni dot_pf/dot2_pf n %d trial %d differ", n, trial);
         }
         free(rows), free(wv), free(x), free(xq);
+    }
+}
+
+/* MXFP4's AVX-512 kernels (BW, and VNNI where the CPU has it) make the AVX2 kernels' int32 lanes,
+ * scales and accumulation order, so every dot, dot2 and axpyn must be the AVX2 bits: every code
+ * (table and sign), scales e = 0, 1 (subnormal 2^(e - 128)) and 200, block counts with 8-groups,
+ * pairs and an odd last block. */
+static void test_mxfp4_avx512_matches_avx2(void) {
+    if (pyrt_simd_best() < PYRT_SIMD_AVX512)
+        return;
+    const pyrt_row_ops *ref = pyrt_row_ops_at(PYRT_SIMD_AVX2, PYRT_FMT_MXFP4, 0);
+    const pyrt_row_ops *lv[2] = {pyrt_row_ops_at(PYRT_SIMD_AVX512, PYRT_FMT_MXFP4, 0),
+                                 pyrt_row_ops_at(PYRT_SIMD_AVX512, PYRT_FMT_MXFP4, 1)};
+    CHECK(lv[0] != ref && lv[1] != ref, "the AVX-512 level has no MXFP4 kernels of its own");
+    const int lengths[] = {32, 64, 96, 256, 288, 320, 544, 608, 2048, 2880};
+    for (int li = 0; li < COUNT_OF(lengths); li++) {
+        const int n = lengths[li];
+        const size_t rb = pyrt_row_bytes(PYRT_FMT_MXFP4, n);
+        uint8_t *rows = malloc(PYRT_AXPY_ROWS * rb);
+        double *wv = malloc(sizeof(double) * n);
+        float *x = malloc(sizeof(float) * n), *y0 = malloc(sizeof(float) * n);
+        float *y1 = malloc(sizeof(float) * n);
+        pyrt_xq8 *xq = malloc(sizeof(pyrt_xq8) * (n / 32 + 1));
+        for (int trial = 0; trial < 3; trial++) {
+            for (int r = 0; r < PYRT_AXPY_ROWS; r++)
+                make_row(PYRT_FMT_MXFP4, n, rows + r * rb, wv, (r + trial) % 2);
+            if (trial == 2) /* row 0: every code in order; x: +-127 */
+                for (int b = 0; b < n / 32; b++)
+                    for (int i = 0; i < 16; i++)
+                        rows[b * PYRT_MXFP4_BYTES + 1 + i] = (uint8_t)(i | (15 - i) << 4);
+            for (int i = 0; i < n; i++)
+                x[i] = trial == 2 ? (i % 3 ? 1.0f : -1.0f) : rng_normalish();
+            pyrt_quantize_x_q8(x, xq, n);
+            const float d0 = ref->dot(rows, xq, n);
+            float dp[2];
+            ref->dot2(rows, rows + rb, xq, n, dp);
+            float a[PYRT_AXPY_ROWS];
+            const void *rp[PYRT_AXPY_ROWS];
+            for (int r = 0; r < PYRT_AXPY_ROWS; r++)
+                a[r] = rng_normalish(), rp[r] = rows + r * rb;
+            memcpy(y0, x, sizeof(float) * n);
+            ref->axpyn(PYRT_AXPY_ROWS, a, rp, y0, n);
+            for (int v = 0; v < 2; v++) {
+                const float v0 = lv[v]->dot(rows, xq, n);
+                CHECK(memcmp(&d0, &v0, 4) == 0, "mxfp4 avx512 vnni %d dot n %d trial %d: %.9g vs "
+                      "avx2 %.9g", v, n, trial, v0, d0);
+                float vp[2];
+                lv[v]->dot2(rows, rows + rb, xq, n, vp);
+                CHECK(memcmp(dp, vp, sizeof dp) == 0, "mxfp4 avx512 vnni %d dot2 n %d trial %d "
+                      "differs from avx2", v, n, trial);
+                memcpy(y1, x, sizeof(float) * n);
+                lv[v]->axpyn(PYRT_AXPY_ROWS, a, rp, y1, n);
+                CHECK(memcmp(y0, y1, sizeof(float) * n) == 0, "mxfp4 avx512 axpyn n %d trial %d "
+                      "differs from avx2", n, trial);
+            }
+        }
+        free(rows), free(wv), free(x), free(y0), free(y1), free(xq);
     }
 }
 
@@ -1162,6 +1234,7 @@ int main(void) {
     test_row_kernels();
     test_fused_kernels_match_plain();
     test_vnni_dots_match_avx512();
+    test_mxfp4_avx512_matches_avx2();
     test_tiles_match_rows();
     test_kquant_kernels_agree();
     test_moe_ffn_case(13);
