@@ -85,10 +85,10 @@ const pyrt_row_ops *pyrt_row_ops_mxfp4_avx2(void) {
  * low nibbles (elements 0..15), its high nibbles (16..31), block b+1's low and high nibbles, in
  * the order of x's two blocks joined. The codes come from two 16-byte broadcasts, one variable
  * shift (lanes 1 and 3 by 4) and one mask; one vpshufb looks all 64 up. The dots:
- *  - BW: the signed table, dot64_i8 (|w| unsigned times x carrying w's sign);
- *  - VNNI: the table plus 128 (0..255, vpdpbusd's unsigned operand) straight from the lookup, no
- *    xor, and the lanes start from -128 * (sum of their 4 x bytes) (neg_x128, once per x vector,
- *    shared by dot2's rows): the same int32 lanes exactly.
+ * The lookup gives the weights plus a bias, unsigned, and the lanes start from -bias * (sum of
+ * their 4 x bytes), made once per x vector (shared by dot2's rows): the same int32 lanes exactly.
+ *  - BW: bias 12 (0..24: vpmaddubsw's pair sums stay under 2^15), then vpmaddwd and an add;
+ *  - VNNI: bias 128 (0..255), one vpdpbusd from neg_x128.
  * The block scales d_w * d_x of 8 blocks are made in one vector (2^(e - 128) by vscalefps, exact
  * for every e: pyrt_e8m0_half's values) and spread over each step's lanes by one permute. Lanes
  * 0..7 accumulate the even blocks and 8..15 the odd ones, an odd last block goes into lanes 0..7
@@ -99,9 +99,11 @@ const pyrt_row_ops *pyrt_row_ops_mxfp4_avx2(void) {
 
 #include "blocks_avx512.h"
 
-/* pyrt_mxfp4_values + 128, as unsigned bytes (VNNI), and as f32 (axpy). */
-static const uint8_t mxfp4_biased[16] = {128, 129, 130, 131, 132, 134, 136, 140,
-                                         128, 127, 126, 125, 124, 122, 120, 116};
+/* pyrt_mxfp4_values + 12 (BW) and + 128 (VNNI) as unsigned bytes, and as f32 (axpy). */
+static const uint8_t mxfp4_plus12[16] = {12, 13, 14, 15, 16, 18, 20, 24,
+                                         12, 11, 10, 9,  8,  6,  4,  0};
+static const uint8_t mxfp4_plus128[16] = {128, 129, 130, 131, 132, 134, 136, 140,
+                                          128, 127, 126, 125, 124, 122, 120, 116};
 static const float mxfp4_f32[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 /* The 64 codes (0..15 in bytes) of the blocks at w0 and w0 + PYRT_MXFP4_BYTES. */
@@ -150,9 +152,17 @@ AVX512 static inline float mxfp4_sum(__m512 acc) {
 }
 
 /* The BW and VNNI lookups and int32 lanes (see above); nx: PREP(x), the VNNI lanes' start. */
-#define MXFP4_TABLE_BW() _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)pyrt_mxfp4_values))
-#define MXFP4_TABLE_VNNI() _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)mxfp4_biased))
-#define MXFP4_LANES_BW(w, xv, nx) ((void)(nx), dot64_i8(w, xv))
+AVX512 static inline __m512i neg_x12(__m512i x) {
+    const __m512i sum = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_set1_epi8(12), x),
+                                          _mm512_set1_epi16(1));
+    return _mm512_sub_epi32(_mm512_setzero_si512(), sum);
+}
+
+#define MXFP4_TABLE(t) _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(t)))
+#define MXFP4_TABLE_BW() MXFP4_TABLE(mxfp4_plus12)
+#define MXFP4_TABLE_VNNI() MXFP4_TABLE(mxfp4_plus128)
+#define MXFP4_LANES_BW(w, xv, nx)                                                                 \
+    _mm512_add_epi32(nx, _mm512_madd_epi16(_mm512_maddubs_epi16(w, xv), _mm512_set1_epi16(1)))
 #define MXFP4_LANES_VNNI(w, xv, nx) _mm512_dpbusd_epi32(nx, w, xv)
 
 #define MXFP4_DOT(name, TGT, TABLE, PREP, LANES)                                                  \
@@ -230,7 +240,7 @@ AVX512 static inline float mxfp4_sum(__m512 acc) {
         name##_dot2_pf(row0, row1, x, n, out, NULL, 0);                                           \
     }
 
-MXFP4_DOT(mxfp4_bw, AVX512, MXFP4_TABLE_BW, PREP_BW, MXFP4_LANES_BW)
+MXFP4_DOT(mxfp4_bw, AVX512, MXFP4_TABLE_BW, neg_x12, MXFP4_LANES_BW)
 MXFP4_DOT(mxfp4_vnni, AVX512VNNI, MXFP4_TABLE_VNNI, neg_x128, MXFP4_LANES_VNNI)
 
 /* Several down rows into one y: a block of y (two registers) loaded once, every row's
