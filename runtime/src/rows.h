@@ -217,8 +217,8 @@ const pyrt_row_ops *pyrt_row_ops_kquant_avx512(int fmt, int vnni);
 const pyrt_row_ops *pyrt_row_ops_scalar(int fmt);
 const pyrt_row_ops *pyrt_row_ops_avx2(int fmt);
 const pyrt_row_ops *pyrt_row_ops_avx512(int fmt);
-/* The AVX-512 level's kernels with the Q8_0, MXFP4 and K-quant dots on AVX512_VNNI (the same bits as
- * pyrt_row_ops_avx512); call only where the CPU has it (pyrt_cpu_has_vnni). */
+/* The AVX-512 level's kernels with the Q8_0, MXFP4 and K-quant dots on AVX512_VNNI (the same
+ * bits as pyrt_row_ops_avx512); call only where the CPU has it (pyrt_cpu_has_vnni). */
 const pyrt_row_ops *pyrt_row_ops_avx512_vnni(int fmt);
 
 /* ---- the choice among levels (cpu.c) ------------------------------------------------------- */

@@ -151,13 +151,14 @@ AVX512 static inline float mxfp4_sum(__m512 acc) {
     return hsum8(_mm256_add_ps(_mm512_castps512_ps256(acc), hi));
 }
 
-/* The BW and VNNI lookups and int32 lanes (see above); nx: PREP(x), the VNNI lanes' start. */
+/* -12 * (sum of each int32 lane's 4 x bytes): the BW lanes' start. */
 AVX512 static inline __m512i neg_x12(__m512i x) {
     const __m512i sum = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_set1_epi8(12), x),
                                           _mm512_set1_epi16(1));
     return _mm512_sub_epi32(_mm512_setzero_si512(), sum);
 }
 
+/* The BW and VNNI lookup tables and int32 lanes (see above); nx: PREP(x), the lanes' start. */
 #define MXFP4_TABLE(t) _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(t)))
 #define MXFP4_TABLE_BW() MXFP4_TABLE(mxfp4_plus12)
 #define MXFP4_TABLE_VNNI() MXFP4_TABLE(mxfp4_plus128)
@@ -167,8 +168,9 @@ AVX512 static inline __m512i neg_x12(__m512i x) {
 
 #define MXFP4_DOT(name, TGT, TABLE, PREP, LANES)                                                  \
     /* nrow rows (1 or 2) against x; per row the same operations in the same order. */           \
-    TGT static inline __attribute__((always_inline)) void name##_dotn(int nrow, const uint8_t *const *wr, const pyrt_xq8 *xq,   \
-                                       int n, float *out, const void *const *pf, int n_pf) {     \
+    TGT static inline __attribute__((always_inline)) void name##_dotn(                          \
+        int nrow, const uint8_t *const *wr, const pyrt_xq8 *xq, int n, float *out,               \
+        const void *const *pf, int n_pf) {                                                        \
         const int nb = n / PYRT_QK;                                                               \
         const __m512i table = TABLE();                                                            \
         pyrt_pf_spread ps = pyrt_pf_begin(pf, n_pf, nb / 2);                                      \
@@ -266,7 +268,8 @@ AVX512 static void mxfp4_512_axpyn_pf(int nr, const float *a, const void *const 
     pyrt_pf_end(&ps);
 }
 
-AVX512 static void mxfp4_512_axpyn(int nr, const float *a, const void *const *rows, float *y, int n) {
+AVX512 static void mxfp4_512_axpyn(int nr, const float *a, const void *const *rows, float *y,
+                                   int n) {
     mxfp4_512_axpyn_pf(nr, a, rows, y, n, NULL, 0);
 }
 
@@ -275,11 +278,11 @@ AVX512 static void mxfp4_512_axpy(float a, const void *row, float *y, int n) {
 }
 
 static const pyrt_row_ops mxfp4_bw_ops = {
-    .dot = mxfp4_bw_dot,       .axpy = mxfp4_512_axpy,          .dot2 = mxfp4_bw_dot2,
-    .axpyn = mxfp4_512_axpyn,      .dot_pf = mxfp4_bw_dot_pf,   .dot2_pf = mxfp4_bw_dot2_pf,
+    .dot = mxfp4_bw_dot,           .axpy = mxfp4_512_axpy,    .dot2 = mxfp4_bw_dot2,
+    .axpyn = mxfp4_512_axpyn,      .dot_pf = mxfp4_bw_dot_pf, .dot2_pf = mxfp4_bw_dot2_pf,
     .axpyn_pf = mxfp4_512_axpyn_pf};
 static const pyrt_row_ops mxfp4_vnni_ops = {
-    .dot = mxfp4_vnni_dot,     .axpy = mxfp4_512_axpy,          .dot2 = mxfp4_vnni_dot2,
+    .dot = mxfp4_vnni_dot,         .axpy = mxfp4_512_axpy,      .dot2 = mxfp4_vnni_dot2,
     .axpyn = mxfp4_512_axpyn,      .dot_pf = mxfp4_vnni_dot_pf, .dot2_pf = mxfp4_vnni_dot2_pf,
     .axpyn_pf = mxfp4_512_axpyn_pf};
 

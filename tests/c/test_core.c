@@ -92,7 +92,7 @@ static void make_row(int fmt, int n, uint8_t *row, double *values, int with_min_
             }
         }
         break;
-    case PYRT_FMT_MXFP4: /* scales 2^(e - 128) around 1; with_min_int8: e = 0, 1 (subnormal) and 200 too */
+    case PYRT_FMT_MXFP4: /* scale 2^(e - 128) near 1; with_min_int8: e = 0, 1 (subnormal), 200 */
         for (int b = 0; b < n / 32; b++) {
             uint8_t *blk = row + b * PYRT_MXFP4_BYTES;
             blk[0] = (uint8_t)(124 + rng_u32() % 8);
