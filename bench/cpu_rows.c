@@ -97,9 +97,9 @@ int main(int argc, char **argv) {
     const int rounds = argc > 1 ? atoi(argv[1]) : 5;
     if (rounds < 1 || rounds > MAX_ROUNDS)
         return fprintf(stderr, "rounds: 1..%d\n", MAX_ROUNDS), 1;
-    const int fmts[] = {PYRT_FMT_Q8_0, PYRT_FMT_Q4_0, PYRT_FMT_Q5_0, PYRT_FMT_Q4_K, PYRT_FMT_Q5_K,
-                        PYRT_FMT_Q6_K};
-    const char *names[] = {"Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K"};
+    const int fmts[] = {PYRT_FMT_Q8_0, PYRT_FMT_Q4_0, PYRT_FMT_MXFP4, PYRT_FMT_Q5_0,
+                        PYRT_FMT_Q4_K, PYRT_FMT_Q5_K, PYRT_FMT_Q6_K};
+    const char *names[] = {"Q8_0", "Q4_0", "MXFP4", "Q5_0", "Q4_K", "Q5_K", "Q6_K"};
     enum { NF = sizeof fmts / sizeof fmts[0] };
     /* levels: 1 AVX2, 2 AVX-512, 3 AVX-512 + VNNI (where the CPU has them) */
     const int best = pyrt_simd_best();
