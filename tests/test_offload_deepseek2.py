@@ -29,13 +29,10 @@ from test_offload import (
     n_routed,
     tiny,
 )
-from test_offload_qwen35 import EagerGraph
+from test_offload_qwen35 import capture_segments
 
 from pyruntime.cpu.core import CpuCore
-from pyruntime.gpu import cache_state
 from pyruntime.gpu.executor import GpuExecutor
-from pyruntime.offload import executor as offload_executor
-from pyruntime.offload.segments import DecodeSegments
 
 
 @pytest.fixture(scope="module")
@@ -144,20 +141,7 @@ def test_captured_segments_equal_the_eager_step(lite, core, whole, monkeypatch):
     """Decode steps as captured segments (stood in on the CPU: tests/test_offload_qwen35.py's
     EagerGraph) read their position from the step's device inputs (latent plane) and
     equal the eager ones; the capture's warm-up run of each segment changes nothing."""
-    captures: list[int] = []
-
-    def capture(fn, device, pool=None):
-        captures.append(1)
-        outputs = fn()  # the warm-up run
-        return EagerGraph(fn, outputs), outputs
-
-    class Captured(DecodeSegments):
-        def __init__(self, *args, **kw) -> None:
-            super().__init__(*args, **kw)
-            self.capture = True
-
-    monkeypatch.setattr(cache_state, "capture", capture)
-    monkeypatch.setattr(offload_executor, "DecodeSegments", Captured)
+    captures = capture_segments(monkeypatch)
     net = hybrid(lite, core, 5, "auto")
     ids, want = whole
     assert max_err(logprobs(net, ids), want) <= LOGPROB_TOL

@@ -28,15 +28,12 @@ from test_offload import (
     n_routed,
     tiny,
 )
-from test_offload_qwen35 import EagerGraph
+from test_offload_qwen35 import capture_segments
 
 from pyruntime.cpu.core import CpuCore
-from pyruntime.gpu import cache_state
 from pyruntime.gpu.executor import GpuExecutor
 from pyruntime.model.llama4 import input_weighted_experts
 from pyruntime.model.reference import moe_ffn_torch
-from pyruntime.offload import executor as offload_executor
-from pyruntime.offload.segments import DecodeSegments
 from pyruntime.offload.split import input_weighted_call
 
 N_TOKENS = 12  # a prompt of N_PROMPT (7), then decode steps past the first chunk (8 tokens)
@@ -156,20 +153,7 @@ def test_captured_segments_equal_the_eager_step(llama4, core, whole, monkeypatch
     EagerGraph) read their position from the step's device inputs (NoPE temperature and chunk
     window) and equal the eager ones; the capture's warm-up run of each segment changes
     nothing."""
-    captures: list[int] = []
-
-    def capture(fn, device, pool=None):
-        captures.append(1)
-        outputs = fn()  # the warm-up run
-        return EagerGraph(fn, outputs), outputs
-
-    class Captured(DecodeSegments):
-        def __init__(self, *args, **kw) -> None:
-            super().__init__(*args, **kw)
-            self.capture = True
-
-    monkeypatch.setattr(cache_state, "capture", capture)
-    monkeypatch.setattr(offload_executor, "DecodeSegments", Captured)
+    captures = capture_segments(monkeypatch)
     net = hybrid(llama4, core, 5, "auto")
     ids, want = whole
     assert max_err(logprobs(net, ids), want[1]) <= LOGPROB_TOL

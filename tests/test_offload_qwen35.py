@@ -120,9 +120,9 @@ class EagerGraph:
             getattr(self.outputs, field.name).copy_(getattr(out, field.name))
 
 
-def test_a_captured_segment_advances_the_recurrent_state_once(qwen35, core, whole, monkeypatch):
-    """The capture's warm-up run of a segment advances its DeltaNet layers' states; the
-    segments put them back, so the replayed step equals the eager one."""
+def capture_segments(monkeypatch) -> list[int]:
+    """Make the hybrid's decode steps captured segments, stood in by EagerGraph (the capture's
+    warm-up run included); returns the list that gets one entry per capture."""
     captures: list[int] = []
 
     def capture(fn, device, pool=None):
@@ -137,6 +137,13 @@ def test_a_captured_segment_advances_the_recurrent_state_once(qwen35, core, whol
 
     monkeypatch.setattr(cache_state, "capture", capture)
     monkeypatch.setattr(offload_executor, "DecodeSegments", Captured)
+    return captures
+
+
+def test_a_captured_segment_advances_the_recurrent_state_once(qwen35, core, whole, monkeypatch):
+    """The capture's warm-up run of a segment advances its DeltaNet layers' states; the
+    segments put them back, so the replayed step equals the eager one."""
+    captures = capture_segments(monkeypatch)
     net = hybrid(qwen35, core, 5, "auto")
     ids, want = whole
     assert max_err(logprobs(net, ids), want) <= LOGPROB_TOL
