@@ -407,6 +407,41 @@ def test_expert_map_edges_and_errors(cc):
             core.moe_ffn(raw[:-1], Q.Q8_0, n_expert, n_ff, n_embd, x, ids, topk_w, expert_map=none)
 
 
+def test_bound_call_reads_its_buffers_at_each_call(cc):
+    """bind_moe: the bound call gives moe_ffn's y and n_active bit for bit, on what x, the ids,
+    the weights and the expert map hold when it is called (written in place after binding);
+    tensors moe_ffn would convert (so the call could not see later writes), no tokens, and a
+    closed core are refused."""
+    raw, _, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case("Q8_0", 1, seed=23)
+    x, ids, topk_w = x.float().contiguous(), ids.to(torch.int32), topk_w.float().contiguous()
+    emap = torch.full((n_expert,), -1, dtype=torch.int32)
+    out = torch.empty(1, n_embd)
+    gen = torch.Generator().manual_seed(24)
+    with cc.CpuCore(2) as core:
+        call = core.bind_moe(raw, Q.Q8_0, n_expert, n_ff, n_embd, x, ids, topk_w, out, emap)
+        for step in range(3):
+            x.copy_(torch.randn(x.shape, generator=gen))
+            ids.copy_(torch.randperm(n_expert, generator=gen)[: ids.shape[1]])
+            topk_w.copy_(torch.rand(topk_w.shape, generator=gen))
+            held = ids[0, : step + 1]
+            emap.fill_(-1)
+            emap[held.long()] = held
+            n = call()
+            want, n_want = core.moe_ffn(raw, Q.Q8_0, n_expert, n_ff, n_embd, x, ids, topk_w,
+                                        expert_map=emap.clone())  # fmt: skip
+            assert n == n_want == (step + 1) * n_ff and torch.equal(out, want)
+        converted = {"topk_ids": ids.long(), "x": x.double(), "expert_map": emap.long()}
+        for name, bad in converted.items():
+            args = {**dict(x=x, topk_ids=ids, topk_w=topk_w, out=out, expert_map=emap), name: bad}
+            with pytest.raises(cc.CoreError, match=f"{name} to bind must be"):
+                core.bind_moe(raw, Q.Q8_0, n_expert, n_ff, n_embd, **args)
+        with pytest.raises(cc.CoreError, match="at least one token"):
+            core.bind_moe(raw, Q.Q8_0, n_expert, n_ff, n_embd, x[:0], ids[:0], topk_w[:0],
+                          out[:0])  # fmt: skip
+    with pytest.raises(cc.CoreError, match="closed"):
+        call()
+
+
 def test_zero_tokens(cc):
     raw, _, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case("F32", 1, seed=1)
     with cc.CpuCore(1) as core:

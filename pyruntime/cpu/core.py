@@ -217,6 +217,23 @@ def _params(values: dict[str, int] | None):
     return p
 
 
+class MoeCall:
+    """A pyrt_moe_ffn call with its arguments bound (CpuCore.bind_moe). Calling it runs the
+    layer on the bound buffers' current contents and returns n_active (moe_ffn's)."""
+
+    __slots__ = ("_core", "_args", "_keep")
+
+    def __init__(self, core: CpuCore, args: tuple, keep: tuple) -> None:
+        self._core, self._args, self._keep = core, args, keep  # keep: what args point into
+
+    def __call__(self) -> int:
+        core = self._core
+        if core._pool is None:
+            raise CoreError("CpuCore is closed: create a new one")
+        _check(core._lib.pyrt_moe_ffn(*self._args), "pyrt_moe_ffn")
+        return int(self._args[-1][0])
+
+
 class CpuCore:
     """Owner of the C core's thread pool; computes routed experts on the CPU.
 
@@ -297,6 +314,56 @@ class CpuCore:
         Returns (y [T, n_embd] float32, n_active): n_active counts the neurons computed, summed over
         the (token, expert) pairs computed (their number * n_ff when dense); y is `out` when given.
         """
+        args = self._moe_args(gud, fmt, n_expert, n_ff, n_embd, x, topk_ids, topk_w, activation,
+                              threshold, out, expert_map, bias, swiglu, gates)  # fmt: skip
+        if args is None:  # no tokens
+            return (torch.empty((0, n_embd), dtype=torch.float32) if out is None else out), 0
+        y, call_args, _ = args
+        _check(self._lib.pyrt_moe_ffn(*call_args), "pyrt_moe_ffn")
+        return y, int(call_args[-1][0])
+
+    def bind_moe(
+        self,
+        gud: np.ndarray,
+        fmt: int,
+        n_expert: int,
+        n_ff: int,
+        n_embd: int,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_w: torch.Tensor,
+        out: torch.Tensor,
+        expert_map: torch.Tensor | None = None,
+        activation: str = "silu",
+        threshold: float | None = None,
+        bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+        swiglu: tuple[float, float] = (1.702, 7.0),
+    ) -> MoeCall:
+        """moe_ffn's call with every argument bound once (checked and marshalled now): the
+        returned MoeCall runs the layer on what x, topk_ids, topk_w and expert_map hold when
+        it is called, into out, and returns n_active. For a caller that runs one layer again
+        and again on buffers at fixed addresses (a hybrid decode step's page-locked routing
+        buffers), where moe_ffn's checks and marshalling cost ~60 us a call in Python. The
+        tensors must already be what moe_ffn would pass on unconverted (contiguous CPU float32
+        x / topk_w / out, int32 topk_ids and expert_map): a converted copy would not see the
+        caller's later writes."""
+        for name, t, dtype, ndim in (("x", x, torch.float32, 2), ("topk_ids", topk_ids,
+                                     torch.int32, 2), ("topk_w", topk_w, torch.float32, 2),
+                                     ("expert_map", expert_map, torch.int32, 1)):  # fmt: skip
+            if t is not None and _as_cpu(t, dtype, name, ndim) is not t:
+                raise CoreError(f"{name} to bind must be a contiguous CPU {dtype} tensor of "
+                                f"{ndim} dimensions, got {_describe(t)}")  # fmt: skip
+        args = self._moe_args(gud, fmt, n_expert, n_ff, n_embd, x, topk_ids, topk_w, activation,
+                              threshold, out, expert_map, bias, swiglu, None)  # fmt: skip
+        if args is None:
+            raise CoreError("a bound expert call needs at least one token")
+        _, call_args, keep = args
+        return MoeCall(self, call_args, keep)
+
+    def _moe_args(self, gud, fmt, n_expert, n_ff, n_embd, x, topk_ids, topk_w, activation,
+                  threshold, out, expert_map, bias, swiglu, gates):  # fmt: skip
+        """(y, pyrt_moe_ffn's arguments, what they point into) of a moe_ffn call, checked;
+        None when there are no tokens."""
         if self._pool is None:
             raise CoreError("CpuCore is closed: create a new one")
         if activation not in ACTIVATIONS:
@@ -333,7 +400,7 @@ class CpuCore:
             if _overlaps(y, x):
                 raise CoreError("out must not share memory with x (y is written while x is read)")
         if n_tokens == 0:
-            return y, 0
+            return None
         n_slots = n_expert
         map_ptr = _ffi.NULL
         if expert_map is not None:
@@ -356,6 +423,7 @@ class CpuCore:
             raise CoreError("gates must be a C-contiguous numpy array (gates_apart's copy)")
         bias_gu = bias_down = _ffi.NULL
         gu_len = down_len = 0  # floats each bias holds (the C core checks them)
+        gate_up = down = None
         if bias is not None:
             gate_up = _as_cpu(bias[0], torch.float32, "bias[0]", 3)
             down = _as_cpu(bias[1], torch.float32, "bias[1]", 2)
@@ -367,10 +435,12 @@ class CpuCore:
             bias_gu = _ffi.cast(_P_CFLOAT, gate_up.data_ptr())
             bias_down = _ffi.cast(_P_CFLOAT, down.data_ptr())
             gu_len, down_len = gate_up.numel(), down.numel()
+        gud_buf = _ffi.from_buffer(gud)
+        gates_buf = _ffi.NULL if gates is None else _ffi.from_buffer(gates)
         experts = _ffi.new(
             "pyrt_experts *",
             (
-                _ffi.from_buffer(gud),
+                gud_buf,
                 gud.nbytes,
                 fmt,
                 n_expert,
@@ -384,28 +454,26 @@ class CpuCore:
                 down_len,
                 float(swiglu[0]),
                 float(swiglu[1]),
-                _ffi.NULL if gates is None else _ffi.from_buffer(gates),
+                gates_buf,
                 0 if gates is None else gates.nbytes,
             ),
         )
         n_active = _ffi.new(_P_INT64)
-        _check(
-            self._lib.pyrt_moe_ffn(
-                self._pool,
-                experts,
-                _ffi.cast(_P_CFLOAT, x.data_ptr()),
-                n_tokens,
-                _ffi.cast(_P_CINT32, topk_ids.data_ptr()),
-                _ffi.cast(_P_CFLOAT, topk_w.data_ptr()),
-                k,
-                ACTIVATIONS[activation],
-                0.0 if threshold is None else float(threshold),
-                _ffi.cast(_P_FLOAT, y.data_ptr()),
-                n_active,
-            ),
-            "pyrt_moe_ffn",
+        call_args = (
+            self._pool,
+            experts,
+            _ffi.cast(_P_CFLOAT, x.data_ptr()),
+            n_tokens,
+            _ffi.cast(_P_CINT32, topk_ids.data_ptr()),
+            _ffi.cast(_P_CFLOAT, topk_w.data_ptr()),
+            k,
+            ACTIVATIONS[activation],
+            0.0 if threshold is None else float(threshold),
+            _ffi.cast(_P_FLOAT, y.data_ptr()),
+            n_active,
         )
-        return y, int(n_active[0])
+        keep = (gud, gud_buf, x, topk_ids, topk_w, y, expert_map, gate_up, down, gates, gates_buf)
+        return y, call_args, keep
 
     def linear(
         self,

@@ -118,6 +118,8 @@ class DecodeSegments:
             self.cuda,
         )  # fmt: skip
         self._buffers = buffers
+        # MoE layer -> its C call bound to these buffers (SplitExperts._decode_call)
+        self.cpu_calls: dict[int, tuple] = {}
         t = buffers.tensors
         self.ids, self.weights, self.h = t["ids"], t["weights"], t["h"]
         self.router_logits, self.predicted = t["router_logits"], t["predicted"]

@@ -139,7 +139,7 @@ class SplitExperts:
         cpu, stage, on_worker = self.place(misses, len(hits), graph=seg is not None)
         rounds, left = self._admit_rounds(i, hits, stage)
         cpu += left
-        job = self._start_cpu(i, cpu, h, ids, weights, out, on_worker) if cpu else None
+        job = self._start_cpu(i, cpu, h, ids, weights, out, on_worker, seg) if cpu else None
         try:
             y = self._gpu(i, r, rounds, seg)
             if ahead is not None:
@@ -332,15 +332,19 @@ class SplitExperts:
     # -- the CPU's share --------------------------------------------------------------------------
 
     def _start_cpu(self, i: int, experts: list[int], h: torch.Tensor, ids: torch.Tensor,
-                   weights: torch.Tensor, out: torch.Tensor | None,
-                   on_worker: bool):  # fmt: skip
+                   weights: torch.Tensor, out: torch.Tensor | None, on_worker: bool,
+                   seg: DecodeSegments | None = None):  # fmt: skip
         """A callable giving (y on the host, neurons kept, seconds) of layer i's CPU share: run
         when called (inline: after the GPU work is queued), or (on_worker) started now on the
-        worker thread while this thread queues the GPU work."""
+        worker thread while this thread queues the GPU work. seg: a decode step's segments,
+        whose buffers (h, ids, weights, out) the layer's bound C call reads."""
 
         def run():
             t = time.perf_counter()
-            y, n_active = self.cpu_experts(i, experts, h, ids, weights, out)
+            if seg is not None and not self.config.expert_input_weight:
+                y, n_active = out, self._decode_call(i, experts, seg)
+            else:
+                y, n_active = self.cpu_experts(i, experts, h, ids, weights, out)
             return y, n_active, time.perf_counter() - t
 
         if self.worker is None or not on_worker:
@@ -384,6 +388,27 @@ class SplitExperts:
                 out[index] = y
                 return out, n_active
         return call(x, ids, weights, out)
+
+    def _decode_call(self, layer: int, experts: Sequence[int], seg: DecodeSegments) -> int:
+        """cpu_experts for one decode token into seg.y_cpu, through the layer's C call bound to
+        seg's buffers (CpuCore.bind_moe: its checks and marshalling once per layer, not once per
+        token); returns the neurons kept."""
+        threshold = None if self.threshold is None else self.threshold[layer]
+        view = self.home.cpu_view(layer)
+        bound = seg.cpu_calls.get(layer)
+        if bound is None or bound[0] != threshold or bound[1] is not view:
+            cfg, store = self.config, self.host.blocks[layer].experts
+            emap = torch.full((cfg.n_expert,), -1, dtype=torch.int32)
+            call = self.core.bind_moe(
+                view, self.fmt, store.n_expert, store.n_ff, store.n_embd, seg.h, seg.ids,
+                seg.weights, seg.y_cpu, emap, cfg.activation, threshold,
+                bias=store.bias_pair, swiglu=store.swiglu,
+            )  # fmt: skip
+            bound = seg.cpu_calls[layer] = (threshold, view, call, emap.numpy())
+        _, _, call, emap = bound
+        emap.fill(-1)
+        emap[list(experts)] = experts
+        return call()
 
     def _count_cpu(self, n_experts: int, n_pairs: int, n_active: int) -> None:
         neurons = n_pairs * self.config.n_ff_exp
