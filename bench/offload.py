@@ -56,6 +56,7 @@ from pyruntime.cpu.executor import CpuExecutor  # noqa: E402
 from pyruntime.decoding.big_little import BigLittleStats  # noqa: E402
 from pyruntime.decoding.mode import DecodingMode  # noqa: E402
 from pyruntime.experts.sparsity import SparsityTable, calibrate, sidecar_path  # noqa: E402
+from pyruntime.gc_freeze import freeze_imports  # noqa: E402
 from pyruntime.gguf.file import open_gguf  # noqa: E402
 from pyruntime.gguf.quant import FORMAT_NAMES  # noqa: E402
 from pyruntime.model.config import ModelConfig  # noqa: E402
@@ -366,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             args.workdir.mkdir(parents=True, exist_ok=True)
             make_random_gguf(args.model, path, args.outtype)
     device = torch.device(args.device)
+    freeze_imports()  # as a Model does: no full collection walks torch's objects mid-step
     f = open_gguf(path)
     cfg = ModelConfig.from_gguf(f)
     host = HostWeights.from_gguf(f, cfg)

@@ -46,6 +46,7 @@ from pyruntime.decoding.stream import TextStream
 from pyruntime.errors import PyruntimeWarning, UsageError
 from pyruntime.experts.gates import GATE_COPY_MODES
 from pyruntime.experts.sparsity import SparsityTable, check_sparsity
+from pyruntime.gc_freeze import freeze_imports
 from pyruntime.gguf.file import GGUFFile
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.stats import PHASES
@@ -145,6 +146,7 @@ class Model:
             from pyruntime.offload.loading import device_memory_guard, load_hybrid
 
             print(f"pyruntime: {choice.plan.summary(self.device)}", file=sys.stderr)
+            freeze_imports()
             with device_memory_guard("loading the model", self.device, choice.plan.budget):
                 self.net = load_hybrid(
                     self.file, config, choice.plan, self.device, threads=threads,
@@ -153,6 +155,7 @@ class Model:
                     thresholds=thresholds,
                 )  # fmt: skip
         elif self.device == "cpu":
+            freeze_imports()
             self.net = CpuExecutor.from_gguf(
                 self.file, threads=threads, expert_backend=expert_backend, ubatch=ubatch
             )
@@ -168,6 +171,7 @@ class Model:
                 torch.set_num_threads(threads)  # in range: checked above
             from pyruntime.offload.loading import device_memory_guard
 
+            freeze_imports()
             with device_memory_guard("loading the model", self.device):
                 self.net = GpuExecutor.from_gguf(self.file, self.device,
                                                  kernel_tuning=self.kernel_tuning)  # fmt: skip

@@ -210,3 +210,30 @@ def test_perplexity_matches_transformers(model, hf_model, shared):
     assert result.windows == math.ceil(len(ids) / ctx)
     assert result.ppl == pytest.approx(math.exp(total / count), rel=1e-3)
     assert 1.0 < result.ppl < model.config.n_vocab
+
+
+def test_library_objects_frozen_and_a_dropped_model_is_collected(gguf_path):
+    """A Model moves the objects of the modules imported so far out of full collections
+    (gc.freeze: one of those walked torch's ~180,000 objects mid-decode) before it loads, and
+    again only after more imports; its own objects stay collectable: a dropped Model is freed
+    by the next collection, reference cycles included."""
+    import gc
+    import sys
+    import types
+    import weakref
+
+    from pyruntime import gc_freeze
+
+    Model(gguf_path, n_ctx=64)  # modules a first Model imports are in sys.modules from now on
+    assert gc.get_freeze_count() > 0
+    assert not gc_freeze.freeze_imports()  # nothing imported since
+    sys.modules["_pyruntime_test_import"] = types.ModuleType("_pyruntime_test_import")
+    try:
+        assert gc_freeze.freeze_imports()
+    finally:
+        del sys.modules["_pyruntime_test_import"]
+    m = Model(gguf_path, n_ctx=64)
+    ref = weakref.ref(m)
+    del m
+    gc.collect()
+    assert ref() is None
