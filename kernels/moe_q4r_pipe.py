@@ -24,16 +24,21 @@ import triton
 import triton.language as tl
 
 from .expert_formats import ACT_CODES, FMT_CODES, q4r_supported
-from .expert_rows import act_fn, expert_slot, gate_up_bias, token_x_q8, up_fn
+from .expert_rows import act_fn, expert_slot, gate_up_bias, up_fn
 from .launch import interpreting, sm_count
 from .moe_args import check_moe_args, flat_routing, map_args
 from .moe_q8r import Q8R_QUANTIZE_IN_KERNEL_MAX_TOKENS, quantize_x_q8
 from .moe_q8r_pipe import _tile_rows, pipe_grid
 from .q4r_rows import (
+    down_add,
+    down_load,
     halves_add,
     halves_load,
+    piece_x_q8,
+    q4r_block_dots,
     q4r_bytes,
     q4r_dot_q8x,
+    q4r_down_axpy,
     q4r_rows_axpy,
     q4r_words,
     x_words_q4,
@@ -44,24 +49,114 @@ from .q4r_rows import (
 # q4_0r: 18 us, 1.0-1.5x); the interpreter's: fewer, larger steps.
 Q4R_PIPE_CONFIGS = {"mxfp4r": (1, 4, 4), "q4_0r": (2, 4, 3)}
 Q4R_PIPE_CONFIG_INTERPRETER = (16, 4, 4)
+# device experiment only: pieces (the row as 2 power-of-two pieces), down (1: lanes), joint
+VARIANT = {"pieces": True, "down": 1, "joint": True}
+
+
+def row_pieces(nb: int) -> tuple[int, int]:
+    """(NBA, NBB): a row of nb blocks as two power-of-two pieces, NBA the largest power of two
+    <= nb and NBB >= the rest (0 if none): 90 (n_embd 2880) as 64 + 32, not 128."""
+    nba = 1 << (nb.bit_length() - 1)
+    rest = nb - nba
+    return nba, triton.next_power_of_2(rest) if rest else 0
 
 
 @triton.jit
-def _pair_flush(y_ptr, ids_ptr, tw_ptr, map_ptr, dbias_ptr, p, K, H, acc_lo, acc_hi, first,
-                NB: tl.constexpr, HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+def _piece_rows(w_ptr, off, nm, RB, H, B0: tl.constexpr, NB: tl.constexpr, FMT: tl.constexpr,
+                ALIGN4: tl.constexpr, DOWN: tl.constexpr):  # fmt: skip
+    """Blocks B0 .. B0 + NB of a tile's gate, up and down rows (kernels.q4r_rows)."""
+    gw, gd = q4r_words(w_ptr, off, nm, H, B0, NB, FMT, ALIGN4)
+    uw, ud = q4r_words(w_ptr, off + RB, nm, H, B0, NB, FMT, ALIGN4)
+    if DOWN == 1:
+        dq, dd = q4r_words(w_ptr, off + 2 * RB, nm, H, B0, NB, FMT, ALIGN4)
+    else:
+        dq, dd = q4r_bytes(w_ptr, off + 2 * RB, nm, H, B0, NB, FMT)
+    return gw, gd, uw, ud, dq, dd
+
+
+@triton.jit
+def _piece_x(x_ptr, xq_ptr, xd_ptr, t, stride_x, H, B0: tl.constexpr, NB: tl.constexpr,
+             NBX: tl.constexpr, FMT: tl.constexpr, DP4A: tl.constexpr,
+             ASM: tl.constexpr):  # fmt: skip
+    """Token t's Q8 x over blocks B0 .. B0 + NB, as the nibble words' lanes (x_words_q4)."""
+    xq, xd = piece_x_q8(x_ptr, xq_ptr, xd_ptr, t, stride_x, H, B0, NB, NBX, DP4A, ASM)
+    xa, xb, xs = x_words_q4(xq, FMT)
+    return xa, xb, xs, xd
+
+
+@triton.jit
+def _piece_gu(gw, gd, uw, ud, xa, xb, xs, xd, FMT: tl.constexpr, ASM: tl.constexpr,
+              JOINT: tl.constexpr):  # fmt: skip
+    """A piece's gate and up dots [BLOCK_N] (JOINT: both in one reduction)."""
+    if JOINT:
+        gb = q4r_block_dots(gw, gd, xa, xb, xs, xd, FMT, ASM)
+        ub = q4r_block_dots(uw, ud, xa, xb, xs, xd, FMT, ASM)
+        g, u = tl.split(tl.sum(tl.join(gb, ub), axis=1))
+    else:
+        g = q4r_dot_q8x(gw, gd, xa, xb, xs, xd, FMT, ASM)
+        u = q4r_dot_q8x(uw, ud, xa, xb, xs, xd, FMT, ASM)
+    return g, u
+
+
+@triton.jit
+def _acc_zeros(NB: tl.constexpr, DOWN: tl.constexpr):
+    """A piece's zeroed down sums: q4r_down_axpy's [NB, 4, 2, 2, 2] (and an unused scalar), or
+    q4r_rows_axpy's two [NB, 16] halves."""
+    if DOWN == 1:
+        a0 = tl.zeros([NB, 4, 2, 2, 2], dtype=tl.float32)
+        a1 = tl.zeros([NB, 16], dtype=tl.float32)
+    else:
+        a0 = tl.zeros([NB, 16], dtype=tl.float32)
+        a1 = tl.zeros([NB, 16], dtype=tl.float32)
+    return a0, a1
+
+
+@triton.jit
+def _piece_down(dq, dd, coef, a0, a1, FMT: tl.constexpr, ASM: tl.constexpr,
+                DOWN: tl.constexpr):  # fmt: skip
+    """A piece's down rows times coef into its sums."""
+    if DOWN == 1:
+        a0 = q4r_down_axpy(dq, dd, coef, a0, FMT, ASM)
+    else:
+        a0, a1 = q4r_rows_axpy(dq, dd, coef, a0, a1, FMT)
+    return a0, a1
+
+
+@triton.jit
+def _piece_flush(y_row, bias_row, twp, first, a0, a1, H, B0: tl.constexpr, NB: tl.constexpr,
+                 FMT: tl.constexpr, DOWN: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """A piece's down sums (plus the down bias where `first`) times twp into y_row."""
+    if DOWN == 1:
+        if HAS_BIAS:
+            if first:
+                a0 += down_load(bias_row, H, B0, NB, FMT)
+        down_add(y_row, a0 * twp, H, B0, NB, FMT)
+    else:
+        if HAS_BIAS:
+            if first:
+                b_lo, b_hi = halves_load(bias_row, H, B0, NB)
+                a0 += b_lo
+                a1 += b_hi
+        halves_add(y_row, a0 * twp, a1 * twp, H, B0, NB)
+
+
+@triton.jit
+def _pair_flush(y_ptr, ids_ptr, tw_ptr, map_ptr, dbias_ptr, p, K, H, a0, a1, c0, c1, first,
+                NBA: tl.constexpr, NBB: tl.constexpr, FMT: tl.constexpr, DOWN: tl.constexpr,
+                HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
     """Pair p's down sums (plus its expert's down bias where `first`: this program holds the
     pair's first tile) times its routing weight into y's row of its token; nothing for a pair
     whose expert is not on the device."""
     on = expert_slot(ids_ptr, map_ptr, p, HAS_MAP) >= 0
     if on:
-        if HAS_BIAS:
-            if first:
-                e = tl.load(ids_ptr + p).to(tl.int64)
-                b_lo, b_hi = halves_load(dbias_ptr + e * H, H, NB)
-                acc_lo += b_lo
-                acc_hi += b_hi
         twp = tl.load(tw_ptr + p)
-        halves_add(y_ptr + (p // K).to(tl.int64) * H, acc_lo * twp, acc_hi * twp, H, NB)
+        y_row = y_ptr + (p // K).to(tl.int64) * H
+        bias_row = dbias_ptr
+        if HAS_BIAS:
+            bias_row = dbias_ptr + tl.load(ids_ptr + p).to(tl.int64) * H
+        _piece_flush(y_row, bias_row, twp, first, a0, a1, H, 0, NBA, FMT, DOWN, HAS_BIAS)
+        if NBB > 0:
+            _piece_flush(y_row, bias_row, twp, first, c0, c1, H, NBA, NBB, FMT, DOWN, HAS_BIAS)
 
 
 @triton.jit
@@ -71,8 +166,8 @@ def _moe_q4r_pipe_kernel(
     ids_ptr,  # [P] int: expert of each pair
     tw_ptr,  # [P] f32: routing weight of each pair
     y_ptr,  # [T, H] f32, zeroed, accumulated
-    xq_ptr,  # DP4A 1: [T, NB, 8] int32 Q8 words of x (quantize_x_q8)
-    xd_ptr,  # DP4A 1: [T, NB] f32 their scales
+    xq_ptr,  # DP4A 1: [T, NBX, 8] int32 Q8 words of x (quantize_x_q8)
+    xd_ptr,  # DP4A 1: [T, NBX] f32 their scales
     H,
     F,
     RB,  # bytes per row (kernels.expert_formats.row_bytes)
@@ -87,7 +182,11 @@ def _moe_q4r_pipe_kernel(
     FMT: tl.constexpr,  # 4 q4_0r, 8 mxfp4r (kernels.expert_formats.FMT_CODES)
     ACT: tl.constexpr,
     BLOCK_N: tl.constexpr,  # neurons per tile
-    NB: tl.constexpr,  # power of two >= H / 32
+    NBA: tl.constexpr,  # the row's blocks as two pieces: 0 .. NBA, NBA .. NBA + NBB (NBB 0: one)
+    NBB: tl.constexpr,
+    NBX: tl.constexpr,  # power of two >= H / 32: xq's blocks a row
+    DOWN: tl.constexpr,  # 1: down rows through q4r_lanes (q4r_down_axpy), 0: q4r_rows_axpy
+    JOINT: tl.constexpr,  # gate and up dots in one reduction
     DP4A: tl.constexpr,  # 1: x quantized beforehand, 2: quantized here (T == 1)
     ASM: tl.constexpr,  # dp4a / prmt / cvt.rni as GPU instructions (else integer twins)
     ALIGN4: tl.constexpr,  # rows start 4-byte aligned (kernels.q4r_rows.q4r_words)
@@ -97,41 +196,58 @@ def _moe_q4r_pipe_kernel(
     start = tl.program_id(0) * run
     end = tl.minimum(start + run, n_tiles)
     p, off, nm = _tile_rows(ids_ptr, map_ptr, start, end, TPP, F, RB, BLOCK_N, HAS_MAP)
-    gw, gd = q4r_words(w_ptr, off, nm, H, NB, FMT, ALIGN4)
-    uw, ud = q4r_words(w_ptr, off + RB, nm, H, NB, FMT, ALIGN4)
-    dq, dd = q4r_bytes(w_ptr, off + 2 * RB, nm, H, NB, FMT)
-    xq, xd = token_x_q8(x_ptr, xq_ptr, xd_ptr, p // K, stride_x, H, NB, DP4A, ASM)
-    xa, xb, xs = x_words_q4(xq, FMT)
-    acc_lo = tl.zeros([NB, 16], dtype=tl.float32)
-    acc_hi = tl.zeros([NB, 16], dtype=tl.float32)
+    gw, gd, uw, ud, dq, dd = _piece_rows(w_ptr, off, nm, RB, H, 0, NBA, FMT, ALIGN4, DOWN)
+    xa, xb, xs, xd = _piece_x(x_ptr, xq_ptr, xd_ptr, p // K, stride_x, H, 0, NBA, NBX, FMT, DP4A,
+                              ASM)  # fmt: skip
+    a0, a1 = _acc_zeros(NBA, DOWN)
+    if NBB > 0:
+        gw2, gd2, uw2, ud2, dq2, dd2 = _piece_rows(w_ptr, off, nm, RB, H, NBA, NBB, FMT, ALIGN4,
+                                                   DOWN)  # fmt: skip
+        xa2, xb2, xs2, xd2 = _piece_x(x_ptr, xq_ptr, xd_ptr, p // K, stride_x, H, NBA, NBB, NBX,
+                                      FMT, DP4A, ASM)  # fmt: skip
+        c0, c1 = _acc_zeros(NBB, DOWN)
+    else:
+        c0, c1 = a0, a1  # unused
     for i in range(start, end):
         # 1. request tile i + 1 (nothing past the run)
         p1, off1, nm1 = _tile_rows(ids_ptr, map_ptr, i + 1, end, TPP, F, RB, BLOCK_N, HAS_MAP)
-        gw1, gd1 = q4r_words(w_ptr, off1, nm1, H, NB, FMT, ALIGN4)
-        uw1, ud1 = q4r_words(w_ptr, off1 + RB, nm1, H, NB, FMT, ALIGN4)
-        dq1, dd1 = q4r_bytes(w_ptr, off1 + 2 * RB, nm1, H, NB, FMT)
+        gw1, gd1, uw1, ud1, dq1, dd1 = _piece_rows(w_ptr, off1, nm1, RB, H, 0, NBA, FMT, ALIGN4,
+                                                   DOWN)  # fmt: skip
+        if NBB > 0:
+            gw21, gd21, uw21, ud21, dq21, dd21 = _piece_rows(w_ptr, off1, nm1, RB, H, NBA, NBB,
+                                                             FMT, ALIGN4, DOWN)  # fmt: skip
         # 2. tile i's arithmetic (its loads were requested one iteration ago)
-        g = q4r_dot_q8x(gw, gd, xa, xb, xs, xd, FMT, ASM)
-        u = q4r_dot_q8x(uw, ud, xa, xb, xs, xd, FMT, ASM)
+        g, u = _piece_gu(gw, gd, uw, ud, xa, xb, xs, xd, FMT, ASM, JOINT)
+        if NBB > 0:
+            g2, u2 = _piece_gu(gw2, gd2, uw2, ud2, xa2, xb2, xs2, xd2, FMT, ASM, JOINT)
+            g += g2
+            u += u2
         if HAS_BIAS:
             n = (i % TPP) * BLOCK_N + tl.arange(0, BLOCK_N)
             bg, bu = gate_up_bias(bias_ptr, ids_ptr, p, n, nm, F)
             g += bg
             u += bu
         coef = tl.where(nm, act_fn(g, ACT) * up_fn(u, ACT), 0.0)
-        acc_lo, acc_hi = q4r_rows_axpy(dq, dd, coef, acc_lo, acc_hi, FMT)
+        a0, a1 = _piece_down(dq, dd, coef, a0, a1, FMT, ASM, DOWN)
+        if NBB > 0:
+            c0, c1 = _piece_down(dq2, dd2, coef, c0, c1, FMT, ASM, DOWN)
         # 3. the pair's run ends: its down sums go to y
         if (p1 != p) | (i + 1 >= end):
-            _pair_flush(y_ptr, ids_ptr, tw_ptr, map_ptr, dbias_ptr, p, K, H, acc_lo, acc_hi,
-                        p * TPP >= start, NB, HAS_MAP, HAS_BIAS)  # fmt: skip
-            acc_lo = tl.zeros([NB, 16], dtype=tl.float32)
-            acc_hi = tl.zeros([NB, 16], dtype=tl.float32)
+            _pair_flush(y_ptr, ids_ptr, tw_ptr, map_ptr, dbias_ptr, p, K, H, a0, a1, c0, c1,
+                        p * TPP >= start, NBA, NBB, FMT, DOWN, HAS_MAP, HAS_BIAS)  # fmt: skip
+            a0, a1 = _acc_zeros(NBA, DOWN)
+            if NBB > 0:
+                c0, c1 = _acc_zeros(NBB, DOWN)
             if DP4A == 1:
                 if i + 1 < end:  # the next pair's token (p1 // K may be T past the last tile)
-                    xq, xd = token_x_q8(x_ptr, xq_ptr, xd_ptr, p1 // K, stride_x, H, NB, DP4A,
-                                        ASM)  # fmt: skip
-                    xa, xb, xs = x_words_q4(xq, FMT)
+                    xa, xb, xs, xd = _piece_x(x_ptr, xq_ptr, xd_ptr, p1 // K, stride_x, H, 0, NBA,
+                                              NBX, FMT, DP4A, ASM)  # fmt: skip
+                    if NBB > 0:
+                        xa2, xb2, xs2, xd2 = _piece_x(x_ptr, xq_ptr, xd_ptr, p1 // K, stride_x, H,
+                                                      NBA, NBB, NBX, FMT, DP4A, ASM)  # fmt: skip
         gw, gd, uw, ud, dq, dd, nm, p = gw1, gd1, uw1, ud1, dq1, dd1, nm1, p1
+        if NBB > 0:
+            gw2, gd2, uw2, ud2, dq2, dd2 = gw21, gd21, uw21, ud21, dq21, dd21
 
 
 def moe_q4r_pipe(x, w, fmt, topk_ids, topk_w, activation="silu", *, expert_map=None, bias=None,
@@ -153,6 +269,8 @@ def moe_q4r_pipe(x, w, fmt, topk_ids, topk_w, activation="silu", *, expert_map=N
     bn, nw, per_sm = blocks or (
         Q4R_PIPE_CONFIG_INTERPRETER if interpreting() else Q4R_PIPE_CONFIGS[fmt]
     )
+    nbx = triton.next_power_of_2(H // 32)
+    nba, nbb = row_pieces(H // 32) if VARIANT["pieces"] else (nbx, 0)
     ids, tw = flat_routing(topk_ids, topk_w)
     y = torch.zeros(T, H, device=x.device, dtype=torch.float32)
     xq, xd = (ids, tw) if in_kernel else quantize_x_q8(x)
@@ -163,8 +281,9 @@ def moe_q4r_pipe(x, w, fmt, topk_ids, topk_w, activation="silu", *, expert_map=N
     _moe_q4r_pipe_kernel[(grid,)](
         x, w, ids, tw, y, xq, xd, H, F, rb, K, x.stride(0), tpp, n_tiles, run,
         bias_ptr=tw if bias is None else bias[0], dbias_ptr=tw if bias is None else bias[1],
-        FMT=FMT_CODES[fmt], ACT=ACT_CODES[activation], BLOCK_N=bn,
-        NB=triton.next_power_of_2(H // 32), DP4A=2 if in_kernel else 1, ASM=not interpreting(),
+        FMT=FMT_CODES[fmt], ACT=ACT_CODES[activation], BLOCK_N=bn, NBA=nba, NBB=nbb, NBX=nbx,
+        DOWN=VARIANT["down"], JOINT=VARIANT["joint"], DP4A=2 if in_kernel else 1,
+        ASM=not interpreting(),
         ALIGN4=rb % 4 == 0, HAS_BIAS=bias is not None, num_warps=nw,
         **map_args(expert_map, ids),
     )  # fmt: skip

@@ -20,7 +20,7 @@ four int8 lanes:
 import triton
 import triton.language as tl
 
-from .expert_rows import dp4a, e2m1_x2_bits, u4_to_f32
+from .expert_rows import Q8_BIAS, dp4a, e2m1_x2_bits, quantize_x_lanes, u4_to_f32, x_lanes
 
 NIBBLES = tl.constexpr(0x0F0F0F0F)
 
@@ -66,12 +66,13 @@ def q4r_scales(row, b, m, H, FMT: tl.constexpr):
 
 
 @triton.jit
-def q4r_words(w_ptr, row_off, n_mask, H, NB: tl.constexpr, FMT: tl.constexpr,
+def q4r_words(w_ptr, row_off, n_mask, H, B0: tl.constexpr, NB: tl.constexpr, FMT: tl.constexpr,
               ALIGN4: tl.constexpr):  # fmt: skip
-    """(words [BLOCK_N, NB, 4] int32, d [BLOCK_N, NB] fp32) of whole rows; NB a power of two
-    >= H / 32 (padding blocks load 0). ALIGN4: the rows start 4-byte aligned (mxfp4r always,
-    q4_0r when H % 64 == 0), else each word is two 16-bit loads (q4_0r rows are 2-aligned)."""
-    b = tl.arange(0, NB)
+    """(words [BLOCK_N, NB, 4] int32, d [BLOCK_N, NB] fp32) of blocks B0 .. B0 + NB of the rows
+    (a piece: NB a power of two; blocks past H / 32 load 0). ALIGN4: the rows start 4-byte
+    aligned (mxfp4r always, q4_0r when H % 64 == 0), else each word is two 16-bit loads (q4_0r
+    rows are 2-aligned)."""
+    b = B0 + tl.arange(0, NB)
     m = n_mask[:, None] & (b < H // 32)[None, :]
     m3 = m[:, :, None]
     wi = b[:, None] * 4 + tl.arange(0, 4)[None, :]  # [NB, 4] word index in the row
@@ -88,10 +89,10 @@ def q4r_words(w_ptr, row_off, n_mask, H, NB: tl.constexpr, FMT: tl.constexpr,
 
 
 @triton.jit
-def q4r_bytes(w_ptr, row_off, n_mask, H, NB: tl.constexpr, FMT: tl.constexpr):
-    """(qs [BLOCK_N, NB, 16] raw nibble bytes, d [BLOCK_N, NB] fp32) of whole rows, as
+def q4r_bytes(w_ptr, row_off, n_mask, H, B0: tl.constexpr, NB: tl.constexpr, FMT: tl.constexpr):
+    """(qs [BLOCK_N, NB, 16] raw nibble bytes, d [BLOCK_N, NB] fp32) of a piece of the rows, as
     q4r_words (loaded now, decoded later by q4r_rows_axpy)."""
-    b = tl.arange(0, NB)
+    b = B0 + tl.arange(0, NB)
     m = n_mask[:, None] & (b < H // 32)[None, :]
     row = w_ptr + row_off
     qp = row[:, None, None] + (b[:, None] * 16 + tl.arange(0, 16)[None, :])[None, :, :]
@@ -162,24 +163,145 @@ def q4r_dot_q8x(words, d, xa, xb, xs, xd, FMT: tl.constexpr, ASM: tl.constexpr):
     """[BLOCK_N] fp32 dots of 4-bit rows (q4r_words) with Q8-quantized x (x_words_q4, xd [NB]
     its scales): an integer dot per 32-block (2 dp4a per nibble word), then
     sum_b d_w[b] * d_x[b] * isum[b] in fp32, as kernels.expert_rows.q8r_dot_q8x."""
+    return tl.sum(q4r_block_dots(words, d, xa, xb, xs, xd, FMT, ASM), axis=1)
+
+
+@triton.jit
+def q4r_lanes(words, FMT: tl.constexpr, ASM: tl.constexpr):
+    """(va, vb) int32 words of 4 int8 lanes each from nibble words: q4_0r's codes 0..15
+    (element 4 w + i and 16 + 4 w + i in lane i), mxfp4r's doubled e2m1 values (e2m1_lanes)."""
     if FMT == 8:
         va, vb = e2m1_lanes(words, ASM)
     else:
         va = words & NIBBLES
         vb = (words >> 4) & NIBBLES
+    return va, vb
+
+
+@triton.jit
+def q4r_block_dots(words, d, xa, xb, xs, xd, FMT: tl.constexpr, ASM: tl.constexpr):
+    """[BLOCK_N, NB] fp32 per-block terms d_w[b] * d_x[b] * isum[b] of q4r_dot_q8x (summed over
+    the blocks by the caller: gate and up in one reduction)."""
+    va, vb = q4r_lanes(words, FMT, ASM)
     s = dp4a(va, xa[None, :, :], tl.zeros_like(words), ASM)
     s = dp4a(vb, xb[None, :, :], s, ASM)
     isum = tl.sum(s, axis=2)  # [BLOCK_N, NB] int32
     if FMT != 8:
         isum -= 8 * xs[None, :]
-    return tl.sum(isum.to(tl.float32) * (d * xd[None, :]), axis=1)
+    return isum.to(tl.float32) * (d * xd[None, :])
+
+
+# byte i of a word into the mantissa of 2^23: 0x4B0000 | byte (the s8_to_f32 trick), one prmt
+_LANES_F32 = tl.constexpr("""{
+.reg .b32 k;
+mov.b32 k, 0x4B000000;
+prmt.b32 $0, $4, k, 0x7440;
+prmt.b32 $1, $4, k, 0x7441;
+prmt.b32 $2, $4, k, 0x7442;
+prmt.b32 $3, $4, k, 0x7443;
+}""")
 
 
 @triton.jit
-def halves_add(y_row, acc_lo, acc_hi, H, NB: tl.constexpr):
+def lanes_f32(v, FMT: tl.constexpr, ASM: tl.constexpr):
+    """The 4 int8 lanes of words v (q4r_lanes) as fp32 tensors, no int-to-float conversion:
+    each byte b in the mantissa of 2^23 (one prmt a lane on a GPU), less 2^23 + 8 (q4_0r's
+    codes: the value c - 8) or, the lanes biased by 128 first, less 2^23 + 128 (mxfp4r)."""
+    if FMT == 8:
+        v = v ^ Q8_BIAS
+    if ASM:
+        f0, f1, f2, f3 = tl.inline_asm_elementwise(
+            _LANES_F32, "=r,=r,=r,=r,r", [v], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        f0 = (v & 0xFF) | 0x4B000000
+        f1 = ((v >> 8) & 0xFF) | 0x4B000000
+        f2 = ((v >> 16) & 0xFF) | 0x4B000000
+        f3 = ((v >> 24) & 0xFF) | 0x4B000000
+    off = 8388736.0 if FMT == 8 else 8388616.0  # 2^23 + 128, 2^23 + 8
+    f0 = f0.to(tl.float32, bitcast=True) - off
+    f1 = f1.to(tl.float32, bitcast=True) - off
+    f2 = f2.to(tl.float32, bitcast=True) - off
+    f3 = f3.to(tl.float32, bitcast=True) - off
+    return f0, f1, f2, f3
+
+
+@triton.jit
+def _join4(f0, f1, f2, f3):
+    """[..., 2 (i), 2 (j)]: element [i, j] is f_(2 j + i) (lanes in registers, no movement)."""
+    return tl.join(tl.join(f0, f1), tl.join(f2, f3))
+
+
+@triton.jit
+def q4r_down_axpy(words, d, coef, acc, FMT: tl.constexpr, ASM: tl.constexpr):
+    """acc [NB, 4, 2, 2, 2] + sum over rows of coef[row] * W[row, element] for down rows loaded
+    as q4r_words (coef 0 on masked rows): each nibble word's 8 values through the same lanes as
+    the gate/up dots (q4r_lanes), as fp32 by lanes_f32, an FMA each. acc[b, w, i, j, k]: lane
+    2 j + i of word w's va (k 0) or vb (k 1); down_index maps it to its element."""
+    va, vb = q4r_lanes(words, FMT, ASM)
+    a0, a1, a2, a3 = lanes_f32(va, FMT, ASM)
+    b0, b1, b2, b3 = lanes_f32(vb, FMT, ASM)
+    f = tl.join(_join4(a0, a1, a2, a3), _join4(b0, b1, b2, b3))  # [BLOCK_N, NB, 4, 2, 2, 2]
+    s = (d * coef[:, None])[:, :, None, None, None, None]
+    return acc + tl.sum(f * s, axis=0)
+
+
+@triton.jit
+def down_index(B0: tl.constexpr, NB: tl.constexpr, FMT: tl.constexpr):
+    """[NB, 4, 2, 2, 2] element index (within the row) of q4r_down_axpy's acc entries:
+    lane l = 2 j + i of word w, va (k 0) or vb (k 1), of block b = B0 + ...:
+    q4_0r 32 b + 4 w + 16 k + l; mxfp4r (nibbles of element 4 w + n and 4 w + n + 16 per byte
+    n, two bytes per 16-bit half) 32 b + 4 w + 2 k + j + 16 i."""
+    b = (B0 + tl.arange(0, NB))[:, None, None, None, None]
+    w = tl.arange(0, 4)[None, :, None, None, None]
+    i = tl.arange(0, 2)[None, None, :, None, None]
+    j = tl.arange(0, 2)[None, None, None, :, None]
+    k = tl.arange(0, 2)[None, None, None, None, :]
+    if FMT == 8:
+        h = 32 * b + 4 * w + 2 * k + j + 16 * i
+    else:
+        h = 32 * b + 4 * w + 16 * k + 2 * j + i
+    return h, b
+
+
+@triton.jit
+def down_add(y_row, acc, H, B0: tl.constexpr, NB: tl.constexpr, FMT: tl.constexpr):
+    """y_row[element] += acc (q4r_down_axpy's layout; relaxed fp32 atomics), blocks past H / 32
+    off."""
+    h, b = down_index(B0, NB, FMT)
+    tl.atomic_add(y_row + h, acc, mask=b < H // 32, sem="relaxed")
+
+
+@triton.jit
+def down_load(ptr, H, B0: tl.constexpr, NB: tl.constexpr, FMT: tl.constexpr):
+    """An H-vector at ptr in q4r_down_axpy's layout (f32 [NB, 4, 2, 2, 2], 0 past H)."""
+    h, b = down_index(B0, NB, FMT)
+    return tl.load(ptr + h, mask=b < H // 32, other=0.0)
+
+
+@triton.jit
+def piece_x_q8(x_ptr, xq_ptr, xd_ptr, t, stride_x, H, B0: tl.constexpr, NB: tl.constexpr,
+               NBX: tl.constexpr, DP4A: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """Blocks B0 .. B0 + NB of token t's x as Q8 (xq [NB, 8] int32 words, xd [NB] f32): as
+    kernels.expert_rows.token_x_q8, for a piece of the row (NBX: the blocks of a row of xq)."""
+    if DP4A == 2:
+        x_row = x_ptr + t.to(tl.int64) * stride_x + 32 * B0
+        x0, x1, x2, x3 = x_lanes(x_row, H - 32 * B0, NB)
+        xq, xd = quantize_x_lanes(x0, x1, x2, x3, ASM)
+    else:
+        b = B0 + tl.arange(0, NB)
+        row = t.to(tl.int64) * NBX + b
+        xq = tl.load(xq_ptr + row[:, None] * 8 + tl.arange(0, 8)[None, :])
+        xd = tl.load(xd_ptr + row)
+    return xq, xd
+
+
+@triton.jit
+def halves_add(y_row, acc_lo, acc_hi, H, B0: tl.constexpr, NB: tl.constexpr):
     """y_row[32 b + k] += acc_lo[b, k], y_row[32 b + 16 + k] += acc_hi[b, k] (relaxed fp32
     atomics), blocks past H / 32 off."""
-    b = tl.arange(0, NB)
+    b = B0 + tl.arange(0, NB)
     h = b[:, None] * 32 + tl.arange(0, 16)[None, :]
     m = (b < H // 32)[:, None]
     tl.atomic_add(y_row + h, acc_lo, mask=m, sem="relaxed")
@@ -187,9 +309,9 @@ def halves_add(y_row, acc_lo, acc_hi, H, NB: tl.constexpr):
 
 
 @triton.jit
-def halves_load(ptr, H, NB: tl.constexpr):
+def halves_load(ptr, H, B0: tl.constexpr, NB: tl.constexpr):
     """(lo, hi) [NB, 16] f32 of an H-vector at ptr in halves_add's layout (0 past H)."""
-    b = tl.arange(0, NB)
+    b = B0 + tl.arange(0, NB)
     h = b[:, None] * 32 + tl.arange(0, 16)[None, :]
     m = (b < H // 32)[:, None]
     return tl.load(ptr + h, mask=m, other=0.0), tl.load(ptr + h + 16, mask=m, other=0.0)
