@@ -1,7 +1,8 @@
 """4-bit repacked expert rows (q4_0r, mxfp4r: kernels.expert_formats) for the dp4a decode kernel
-(kernels.moe_q4r_pipe): gate/up rows as int32 words of 8 nibbles, dotted with Q8-quantized x by
-dp4a after their nibbles are expanded to int8 lanes in registers; down rows as raw nibble bytes,
-decoded to fp32 by bit tricks (no int-to-float conversion) and summed in registers.
+(kernels.moe_q4r_pipe): rows as int32 words of 8 nibbles, expanded to int8 lanes in registers;
+gate/up lanes dotted with Q8-quantized x by dp4a, down lanes turned to fp32 by one prmt and an
+add each (lanes_f32: no int-to-float conversion) and summed in registers. A row is loaded as
+pieces of blocks B0 .. B0 + NB, NB a power of two (kernels.moe_q4r_pipe.row_pieces).
 
 Nibble word w (0..3) of block b is bytes 16 b + 4 w .. 16 b + 4 w + 3 of the row; byte k of a
 block holds element k (low nibble) and element k + 16 (high nibble). Expanded to two words of
@@ -20,7 +21,7 @@ four int8 lanes:
 import triton
 import triton.language as tl
 
-from .expert_rows import Q8_BIAS, dp4a, e2m1_x2_bits, quantize_x_lanes, u4_to_f32, x_lanes
+from .expert_rows import Q8_BIAS, dp4a, quantize_x_lanes, x_lanes
 
 NIBBLES = tl.constexpr(0x0F0F0F0F)
 
@@ -33,6 +34,29 @@ mov.b32 tp0, 0x03020100;
 mov.b32 tp1, 0x0C080604;
 mov.b32 tn0, 0xFDFEFF00;
 mov.b32 tn1, 0xF4F8FAFC;
+and.b32 s, $2, 0x7777;
+prmt.b32 p, tp0, tp1, s;
+prmt.b32 n, tn0, tn1, s;
+and.b32 m, $2, 0x8888;
+shr.b32 m, m, 1;
+or.b32 m, m, 0x3210;
+prmt.b32 $0, p, n, m;
+shr.b32 s, $2, 16;
+and.b32 s, s, 0x7777;
+prmt.b32 p, tp0, tp1, s;
+prmt.b32 n, tn0, tn1, s;
+shr.b32 m, $2, 17;
+and.b32 m, m, 0x4444;
+or.b32 m, m, 0x3210;
+prmt.b32 $1, p, n, m;
+}""")
+# the same lookup with each lane biased by 128 (128 + v: the down rows' lanes_f32 input)
+_E2M1_PRMT_BIASED = tl.constexpr("""{
+.reg .b32 tp0, tp1, tn0, tn1, s, p, n, m;
+mov.b32 tp0, 0x83828180;
+mov.b32 tp1, 0x8C888684;
+mov.b32 tn0, 0x7D7E7F80;
+mov.b32 tn1, 0x74787A7C;
 and.b32 s, $2, 0x7777;
 prmt.b32 p, tp0, tp1, s;
 prmt.b32 n, tn0, tn1, s;
@@ -89,33 +113,6 @@ def q4r_words(w_ptr, row_off, n_mask, H, B0: tl.constexpr, NB: tl.constexpr, FMT
 
 
 @triton.jit
-def q4r_bytes(w_ptr, row_off, n_mask, H, B0: tl.constexpr, NB: tl.constexpr, FMT: tl.constexpr):
-    """(qs [BLOCK_N, NB, 16] raw nibble bytes, d [BLOCK_N, NB] fp32) of a piece of the rows, as
-    q4r_words (loaded now, decoded later by q4r_rows_axpy)."""
-    b = B0 + tl.arange(0, NB)
-    m = n_mask[:, None] & (b < H // 32)[None, :]
-    row = w_ptr + row_off
-    qp = row[:, None, None] + (b[:, None] * 16 + tl.arange(0, 16)[None, :])[None, :, :]
-    qs = tl.load(qp, mask=m[:, :, None], other=0)
-    return qs, q4r_scales(row, b, m, H, FMT)
-
-
-@triton.jit
-def q4r_rows_axpy(qs, d, coef, acc_lo, acc_hi, FMT: tl.constexpr):
-    """(acc_lo, acc_hi) [NB, 16] + sum over rows of coef[row] * W[row, 32 b + k] (lo: k < 16,
-    hi: element 16 + k) of q4r_bytes rows (coef 0 on masked rows): down rows in registers."""
-    q = qs.to(tl.uint32)
-    if FMT == 8:
-        lo = e2m1_x2_bits(q & 15)
-        hi = e2m1_x2_bits(q >> 4)
-    else:
-        lo = u4_to_f32(q & 15)
-        hi = u4_to_f32(q >> 4)
-    s = (d * coef[:, None])[:, :, None]
-    return acc_lo + tl.sum(lo * s, axis=0), acc_hi + tl.sum(hi * s, axis=0)
-
-
-@triton.jit
 def x_words_q4(xq, FMT: tl.constexpr):
     """(xa, xb [NB, 4] int32, xs [NB] int32) from x's Q8 words (token_x_q8: word w of a block
     holds elements 4 w .. 4 w + 3): the x lanes that meet lanes va, vb of nibble word w
@@ -142,12 +139,14 @@ def _e2m1_int(c):
 
 
 @triton.jit
-def e2m1_lanes(words, ASM: tl.constexpr):
+def e2m1_lanes(words, ASM: tl.constexpr, BIASED: tl.constexpr = False):
     """(va, vb) int32 words of int8 lanes: the doubled e2m1 values of nibbles 0..3 and 4..7
-    of each word (PRMT table lookups on a GPU, ASM; else the same bytes by arithmetic)."""
+    of each word (PRMT table lookups on a GPU, ASM; else the same bytes by arithmetic);
+    BIASED: each lane 128 + value."""
     if ASM:
         va, vb = tl.inline_asm_elementwise(
-            _E2M1_PRMT, "=r,=r,r", [words], dtype=(tl.int32, tl.int32), is_pure=True, pack=1,
+            _E2M1_PRMT_BIASED if BIASED else _E2M1_PRMT, "=r,=r,r", [words],
+            dtype=(tl.int32, tl.int32), is_pure=True, pack=1,
         )  # fmt: skip
     else:
         va = tl.zeros_like(words)
@@ -155,23 +154,19 @@ def e2m1_lanes(words, ASM: tl.constexpr):
         for i in tl.static_range(4):
             va |= (_e2m1_int((words >> (4 * i)) & 15) & 0xFF) << (8 * i)
             vb |= (_e2m1_int((words >> (16 + 4 * i)) & 15) & 0xFF) << (8 * i)
+        if BIASED:
+            va ^= Q8_BIAS
+            vb ^= Q8_BIAS
     return va, vb
 
 
 @triton.jit
-def q4r_dot_q8x(words, d, xa, xb, xs, xd, FMT: tl.constexpr, ASM: tl.constexpr):
-    """[BLOCK_N] fp32 dots of 4-bit rows (q4r_words) with Q8-quantized x (x_words_q4, xd [NB]
-    its scales): an integer dot per 32-block (2 dp4a per nibble word), then
-    sum_b d_w[b] * d_x[b] * isum[b] in fp32, as kernels.expert_rows.q8r_dot_q8x."""
-    return tl.sum(q4r_block_dots(words, d, xa, xb, xs, xd, FMT, ASM), axis=1)
-
-
-@triton.jit
-def q4r_lanes(words, FMT: tl.constexpr, ASM: tl.constexpr):
+def q4r_lanes(words, FMT: tl.constexpr, ASM: tl.constexpr, BIASED: tl.constexpr = False):
     """(va, vb) int32 words of 4 int8 lanes each from nibble words: q4_0r's codes 0..15
-    (element 4 w + i and 16 + 4 w + i in lane i), mxfp4r's doubled e2m1 values (e2m1_lanes)."""
+    (element 4 w + i and 16 + 4 w + i in lane i), mxfp4r's doubled e2m1 values (e2m1_lanes;
+    BIASED: plus 128)."""
     if FMT == 8:
-        va, vb = e2m1_lanes(words, ASM)
+        va, vb = e2m1_lanes(words, ASM, BIASED)
     else:
         va = words & NIBBLES
         vb = (words >> 4) & NIBBLES
@@ -180,8 +175,10 @@ def q4r_lanes(words, FMT: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def q4r_block_dots(words, d, xa, xb, xs, xd, FMT: tl.constexpr, ASM: tl.constexpr):
-    """[BLOCK_N, NB] fp32 per-block terms d_w[b] * d_x[b] * isum[b] of q4r_dot_q8x (summed over
-    the blocks by the caller: gate and up in one reduction)."""
+    """[BLOCK_N, NB] fp32 per-block terms d_w[b] * d_x[b] * isum[b] of 4-bit rows (q4r_words)
+    dotted with Q8-quantized x (x_words_q4, xd [NB] its scales): an integer dot per 32-block
+    (2 dp4a per nibble word), as kernels.expert_rows.q8r_dot_q8x; the caller sums the blocks
+    (gate and up in one reduction)."""
     va, vb = q4r_lanes(words, FMT, ASM)
     s = dp4a(va, xa[None, :, :], tl.zeros_like(words), ASM)
     s = dp4a(vb, xb[None, :, :], s, ASM)
@@ -206,9 +203,7 @@ prmt.b32 $3, $4, k, 0x7443;
 def lanes_f32(v, FMT: tl.constexpr, ASM: tl.constexpr):
     """The 4 int8 lanes of words v (q4r_lanes) as fp32 tensors, no int-to-float conversion:
     each byte b in the mantissa of 2^23 (one prmt a lane on a GPU), less 2^23 + 8 (q4_0r's
-    codes: the value c - 8) or, the lanes biased by 128 first, less 2^23 + 128 (mxfp4r)."""
-    if FMT == 8:
-        v = v ^ Q8_BIAS
+    codes: the value c - 8) or less 2^23 + 128 (mxfp4r's lanes, biased by 128)."""
     if ASM:
         f0, f1, f2, f3 = tl.inline_asm_elementwise(
             _LANES_F32, "=r,=r,=r,=r,r", [v], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
@@ -235,49 +230,39 @@ def _join4(f0, f1, f2, f3):
 
 @triton.jit
 def q4r_down_axpy(words, d, coef, acc, FMT: tl.constexpr, ASM: tl.constexpr):
-    """acc [NB, 4, 2, 2, 2] + sum over rows of coef[row] * W[row, element] for down rows loaded
-    as q4r_words (coef 0 on masked rows): each nibble word's 8 values through the same lanes as
-    the gate/up dots (q4r_lanes), as fp32 by lanes_f32, an FMA each. acc[b, w, i, j, k]: lane
-    2 j + i of word w's va (k 0) or vb (k 1); down_index maps it to its element."""
-    va, vb = q4r_lanes(words, FMT, ASM)
+    """acc [BLOCK_N, NB, 4, 2, 2, 2] + coef[row] * W[row, element] for down rows loaded as
+    q4r_words (coef 0 on masked rows): each nibble word's 8 values through the same lanes as
+    the gate/up dots (q4r_lanes, biased), as fp32 by lanes_f32, an FMA each; the rows are
+    summed once per pair run (down_elements), not per tile (a reduction across warps).
+    acc[n, b, w, i, j, k]: lane 2 j + i of word w's va (k 0) or vb (k 1)."""
+    va, vb = q4r_lanes(words, FMT, ASM, True)
     a0, a1, a2, a3 = lanes_f32(va, FMT, ASM)
     b0, b1, b2, b3 = lanes_f32(vb, FMT, ASM)
     f = tl.join(_join4(a0, a1, a2, a3), _join4(b0, b1, b2, b3))  # [BLOCK_N, NB, 4, 2, 2, 2]
-    s = (d * coef[:, None])[:, :, None, None, None, None]
-    return acc + tl.sum(f * s, axis=0)
+    return acc + f * (d * coef[:, None])[:, :, None, None, None, None]
 
 
 @triton.jit
-def down_index(B0: tl.constexpr, NB: tl.constexpr, FMT: tl.constexpr):
-    """[NB, 4, 2, 2, 2] element index (within the row) of q4r_down_axpy's acc entries:
-    lane l = 2 j + i of word w, va (k 0) or vb (k 1), of block b = B0 + ...:
-    q4_0r 32 b + 4 w + 16 k + l; mxfp4r (nibbles of element 4 w + n and 4 w + n + 16 per byte
-    n, two bytes per 16-bit half) 32 b + 4 w + 2 k + j + 16 i."""
-    b = (B0 + tl.arange(0, NB))[:, None, None, None, None]
-    w = tl.arange(0, 4)[None, :, None, None, None]
-    i = tl.arange(0, 2)[None, None, :, None, None]
-    j = tl.arange(0, 2)[None, None, None, :, None]
-    k = tl.arange(0, 2)[None, None, None, None, :]
+def down_elements(acc, FMT: tl.constexpr):
+    """q4r_down_axpy's acc summed over its rows, in element order: [NB, 32] (entry
+    [b, w, i, j, k]: lane 2 j + i of word w's va (k 0) or vb (k 1); q4_0r: element
+    16 k + 4 w + 2 j + i of block b; mxfp4r, two bytes a 16-bit half, a byte's nibbles
+    elements n and n + 16: 16 i + 4 w + 2 k + j), so that y's atomics go 4 floats a thread.
+    Once per pair run: the permutation may go through shared memory."""
+    acc = tl.sum(acc, axis=0)
+    NB: tl.constexpr = acc.shape[0]
     if FMT == 8:
-        h = 32 * b + 4 * w + 2 * k + j + 16 * i
+        acc = tl.permute(acc, (0, 2, 1, 4, 3))
     else:
-        h = 32 * b + 4 * w + 16 * k + 2 * j + i
-    return h, b
+        acc = tl.permute(acc, (0, 4, 1, 3, 2))
+    return tl.reshape(acc, [NB, 32])
 
 
 @triton.jit
-def down_add(y_row, acc, H, B0: tl.constexpr, NB: tl.constexpr, FMT: tl.constexpr):
-    """y_row[element] += acc (q4r_down_axpy's layout; relaxed fp32 atomics), blocks past H / 32
-    off."""
-    h, b = down_index(B0, NB, FMT)
-    tl.atomic_add(y_row + h, acc, mask=b < H // 32, sem="relaxed")
-
-
-@triton.jit
-def down_load(ptr, H, B0: tl.constexpr, NB: tl.constexpr, FMT: tl.constexpr):
-    """An H-vector at ptr in q4r_down_axpy's layout (f32 [NB, 4, 2, 2, 2], 0 past H)."""
-    h, b = down_index(B0, NB, FMT)
-    return tl.load(ptr + h, mask=b < H // 32, other=0.0)
+def blocks_at(B0: tl.constexpr, NB: tl.constexpr, H):
+    """(element offsets [NB, 32], mask) of blocks B0 .. B0 + NB of an H-vector."""
+    b = B0 + tl.arange(0, NB)
+    return b[:, None] * 32 + tl.arange(0, 32)[None, :], (b < H // 32)[:, None]
 
 
 @triton.jit
@@ -295,23 +280,3 @@ def piece_x_q8(x_ptr, xq_ptr, xd_ptr, t, stride_x, H, B0: tl.constexpr, NB: tl.c
         xq = tl.load(xq_ptr + row[:, None] * 8 + tl.arange(0, 8)[None, :])
         xd = tl.load(xd_ptr + row)
     return xq, xd
-
-
-@triton.jit
-def halves_add(y_row, acc_lo, acc_hi, H, B0: tl.constexpr, NB: tl.constexpr):
-    """y_row[32 b + k] += acc_lo[b, k], y_row[32 b + 16 + k] += acc_hi[b, k] (relaxed fp32
-    atomics), blocks past H / 32 off."""
-    b = B0 + tl.arange(0, NB)
-    h = b[:, None] * 32 + tl.arange(0, 16)[None, :]
-    m = (b < H // 32)[:, None]
-    tl.atomic_add(y_row + h, acc_lo, mask=m, sem="relaxed")
-    tl.atomic_add(y_row + h + 16, acc_hi, mask=m, sem="relaxed")
-
-
-@triton.jit
-def halves_load(ptr, H, B0: tl.constexpr, NB: tl.constexpr):
-    """(lo, hi) [NB, 16] f32 of an H-vector at ptr in halves_add's layout (0 past H)."""
-    b = B0 + tl.arange(0, NB)
-    h = b[:, None] * 32 + tl.arange(0, 16)[None, :]
-    m = (b < H // 32)[:, None]
-    return tl.load(ptr + h, mask=m, other=0.0), tl.load(ptr + h + 16, mask=m, other=0.0)
