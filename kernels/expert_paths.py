@@ -48,6 +48,8 @@ ANY = 1 << 62  # "any number of tokens" in PATHS
 # - q4r dense (H200, gpt-oss-20b mxfp4r with biases and swiglu_oai / qwen3.5 q4_0r, one layer,
 #   CUDA graph, L2 flushed): q4r_pipe 1.60x / 1.38x gemv at batch 1, 1.26x / 1.64x at 2,
 #   1.20x / 2.14x at 8 (x quantized by one launch first above 1 token); not timed against gemm.
+#   Since, q4r_pipe with row pieces and the down rows through the gate/up lanes (H100, same
+#   layer; former time / new time): 1.28x / 1.18x at batch 1, 1.63-1.75x / 1.15-1.25x at 2-8.
 # - packed / float: the sweep's fastest at batch 1, 4, 16; block: a hand sweep's choice.
 # - gemv vs gemm (dense): gemv up to 8 tokens (bench/moe_layer.py).
 PATHS: dict[tuple[str, bool], tuple[tuple[int, str], ...]] = {

@@ -7,7 +7,7 @@ import torch
 from pyruntime.kernels.dispatch import moe_experts
 from pyruntime.kernels.expert_paths import quantizes_x, table_path
 from pyruntime.kernels.moe_dense import DENSE_LAUNCHERS, moe_dense, moe_dense_ref
-from pyruntime.kernels.moe_q4r_pipe import moe_q4r_pipe
+from pyruntime.kernels.moe_q4r_pipe import moe_q4r_pipe, row_pieces
 from pyruntime.kernels.testing import (
     DEVICE,
     N_EXPERT,
@@ -18,8 +18,8 @@ from pyruntime.kernels.testing import (
 )
 
 FORMATS = ["q4_0r", "mxfp4r"]
-# 9 blocks (not a power of two; q4_0r rows of 162 bytes, 2-byte aligned: 16-bit word loads),
-# 6 blocks (q4_0r rows 4-byte aligned)
+# 9 blocks (not a power of two: pieces of 8 + 1 blocks; q4_0r rows of 162 bytes, 2-byte
+# aligned: 16-bit word loads), 6 blocks (4 + 2; q4_0r rows 4-byte aligned)
 N_EMBDS = [288, 192]
 # fp32 sums of exact integer block dots: summation-order rounding only
 RTOL = 1e-5
@@ -67,6 +67,19 @@ def test_q4r_pipe_gpt_oss_width(fmt, with_bias):
     """n_embd 2880 (gpt-oss-20b): 90 blocks in a padded 128."""
     act = "swiglu_oai" if with_bias else "silu"
     check(fmt, 1, 2880, act, with_bias, seed=11, blocks=(16, 4, 3))
+
+
+def test_row_pieces_cover_the_row_with_two_powers_of_two():
+    assert row_pieces(90) == (64, 32)  # gpt-oss-20b: 96 blocks' lanes, not 128
+    assert row_pieces(64) == (64, 0)  # qwen3.5, n_embd 2048: one piece
+    assert [row_pieces(nb) for nb in (1, 5, 6, 9)] == [(1, 0), (4, 1), (4, 2), (8, 1)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_q4r_pipe_one_block_second_piece_several_rows_a_tile(fmt):
+    """n_embd 160: pieces of 4 + 1 blocks; 8 neurons a tile over 3 tokens (rows summed per pair
+    run, not per tile)."""
+    check(fmt, 3, 160, "swiglu_oai", True, seed=5, blocks=(8, 4, 4))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
