@@ -7,11 +7,14 @@ on average). `freeze_imports` moves the objects alive now into the collector's p
 generation (gc.freeze), which collections skip, whenever modules were imported since it last
 did. A Model calls it before it loads its weights, so a model's own objects stay collectable
 (a dropped Model is freed, cycles included); what it freezes is mostly module-level state that
-lives as long as the process anyway.
+lives as long as the process anyway. At exit the frozen objects are handed back to the
+collector (gc.unfreeze), so the interpreter's last collections free them as before (else
+triton's nanobind reports its objects as leaked).
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
 import sys
 
@@ -25,6 +28,8 @@ def freeze_imports() -> bool:
     if len(sys.modules) == _modules_at_freeze:
         return False
     gc.collect()
+    if not gc.get_freeze_count():
+        atexit.register(gc.unfreeze)
     gc.freeze()
     _modules_at_freeze = len(sys.modules)
     return True
