@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import cache
 from math import prod
 from typing import IO, Literal
 
@@ -18,6 +19,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 from gguf.quants import quantize
 
+from pyruntime.cpu import core as cpu_core
+from pyruntime.cpu.core import CoreError, CpuCore
 from pyruntime.kernels.block_codecs import encode
 
 Q = GGMLQuantizationType
@@ -53,8 +56,10 @@ _MORE_BITS = (
     "ffn_gud_exps.weight",
     "ffn_down_exps.weight",
 )  # the last: llama.cpp's layout (bench files)
-# The formats gguf-py cannot quantize to (pyruntime.kernels.block_codecs does)
-_TORCH_CODECS = {Q.Q4_K: "q4_k", Q.Q5_K: "q5_k", Q.Q6_K: "q6_k"}
+# The formats gguf-py cannot quantize to: the C core's quantizers (llama-quantize's bytes), or,
+# where the core is not built, pyruntime.kernels.block_codecs' torch encoders (the same kind of
+# scale search, not ggml's exact one: other bytes, the same error within 2%)
+_K_QUANTS = {Q.Q4_K: "q4_k", Q.Q5_K: "q5_k", Q.Q6_K: "q6_k"}
 
 # Elements quantized at once: gguf-py's MXFP4 quantizer holds 16 candidates per element (64
 # bytes), so one gpt-oss-20b expert (25M elements) at once would take 1.6 GB.
@@ -111,10 +116,24 @@ def choose_qtype(kind: Kind, row_len: int, outtype: str, name: str = "",
     return weight_type
 
 
+@cache
+def _k_quant_pool() -> CpuCore | None:
+    """The C core's thread pool the K-quant quantizer runs on (one per process), or None where the
+    core is not built."""
+    try:
+        return CpuCore()
+    except CoreError:
+        return None
+
+
 def quantize_rows(rows: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
-    """float32 rows [r, n] -> their bytes in `qtype` (gguf-py's quantizer; the K-quants ours)."""
-    if qtype in _TORCH_CODECS:
-        return encode(torch.from_numpy(np.array(rows, np.float32)), _TORCH_CODECS[qtype]).numpy()
+    """float32 rows [r, n] -> their bytes in `qtype` (gguf-py's quantizer; the K-quants the C
+    core's, split across its threads, or the torch encoders where it is not built)."""
+    if qtype in _K_QUANTS:
+        pool = _k_quant_pool()
+        if pool is not None:
+            return cpu_core.quantize_rows(rows, int(qtype), pool)
+        return encode(torch.from_numpy(np.array(rows, np.float32)), _K_QUANTS[qtype]).numpy()
     return quantize(rows, qtype)
 
 
