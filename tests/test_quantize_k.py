@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
+from quant_blocks import random_blocks
 
 DATA = Path(__file__).resolve().parent / "data" / "kquants-llama-quantize.npz"
 GGML_BASE = Path("/tmp/peers/llama.cpp/build-cpu/bin/libggml-base.so")
@@ -121,3 +122,22 @@ def test_other_formats_and_shapes_are_refused(cc):
 
 def test_no_rows_is_no_bytes(cc):
     assert cc.quantize_rows(np.zeros((0, 512), np.float32), int(Q.Q6_K)).shape == (0, 420)
+
+
+@pytest.mark.parametrize("fmt", list(KQ))
+def test_dequantize_rows_is_ggufs_on_every_bit_pattern(cc, fmt):
+    """pyrt_dequantize_rows on random blocks (every scale, min and code pattern) gives gguf-py's
+    values, alone and on a pool."""
+    qtype = KQ[fmt]
+    raw = random_blocks(qtype, 13, 768, np.random.default_rng(8), scale=1.0)
+    want = quants.dequantize(raw, qtype)
+    assert np.array_equal(cc.dequantize_rows(raw, int(qtype), 768), want)
+    with cc.CpuCore(2) as core:
+        assert np.array_equal(cc.dequantize_rows(raw, int(qtype), 768, core), want)
+
+
+def test_dequantize_rows_errors(cc):
+    with pytest.raises(cc.CoreError, match="format 8 is not one of"):
+        cc.dequantize_rows(np.zeros(34, np.uint8), int(Q.Q8_0), 32)
+    with pytest.raises(cc.CoreError, match="data holds 143 bytes, the rows need 144"):
+        cc.dequantize_rows(np.zeros(143 + 144, np.uint8)[:143], int(Q.Q4_K), 256)

@@ -38,11 +38,16 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
 from tqdm import tqdm
 
-from pyruntime.converter.tensors import OUTTYPES, choose_qtype, quantize_rows, tensor_nbytes
+from pyruntime.converter.tensors import (
+    OUTTYPES,
+    choose_qtype,
+    dequantize_rows,
+    quantize_rows,
+    tensor_nbytes,
+)
 from pyruntime.errors import ModelFileError, UsageError
 from pyruntime.gguf.file import GGUFFile, TensorView
 from pyruntime.gguf.header import LazyStrings, NumericArray
-from pyruntime.gguf.quant import dequantize
 from pyruntime.model.layout import LAYOUT_VERSION
 from pyruntime.model.llamacpp_layout import (
     EXPERT_PROJECTIONS,
@@ -126,7 +131,7 @@ def _rows(t: TensorView) -> np.ndarray:
 
 def _floats(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
     """float32 [shape] from stored bytes (a view of whole rows)."""
-    return dequantize(raw, qtype, shape).numpy()
+    return dequantize_rows(raw, qtype, shape)
 
 
 def _encode(values: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:

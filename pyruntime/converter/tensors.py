@@ -21,6 +21,7 @@ from gguf.quants import quantize
 
 from pyruntime.cpu import core as cpu_core
 from pyruntime.cpu.core import CoreError, CpuCore
+from pyruntime.gguf.quant import dequantize
 from pyruntime.kernels.block_codecs import encode
 
 Q = GGMLQuantizationType
@@ -135,6 +136,16 @@ def quantize_rows(rows: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
             return cpu_core.quantize_rows(rows, int(qtype), pool)
         return encode(torch.from_numpy(np.array(rows, np.float32)), _K_QUANTS[qtype]).numpy()
     return quantize(rows, qtype)
+
+
+def dequantize_rows(raw: np.ndarray, qtype: GGMLQuantizationType,
+                    shape: tuple[int, ...]) -> np.ndarray:  # fmt: skip
+    """float32 [shape] from the stored bytes `raw` of whole rows (the K-quants on the C core's
+    threads where it is built; the same values either way)."""
+    pool = _k_quant_pool() if qtype in _K_QUANTS else None
+    if pool is not None:
+        return cpu_core.dequantize_rows(raw, int(qtype), shape[-1], pool).reshape(shape)
+    return dequantize(raw, qtype, shape).numpy()
 
 
 def tensor_nbytes(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:

@@ -211,6 +211,11 @@ int pyrt_mem_read(pyrt_pool *pool, const void *buf, size_t bytes, uint64_t *chec
  * the super-blocks are split across its threads (the same bytes), or NULL: the calling thread. */
 int pyrt_quantize_rows(pyrt_pool *pool, int fmt, const float *x, int64_t n_rows,
                        int64_t n_per_row, void *out, size_t out_bytes);
+/* The inverse: n_rows rows of n_per_row elements in fmt (Q4_K, Q5_K or Q6_K; data holds `bytes`
+ * == n_rows * pyrt_row_bytes(fmt, n_per_row)) -> float32 out [n_rows, n_per_row], the values of
+ * ggml's dequantizers bit for bit. pool: as pyrt_quantize_rows'. */
+int pyrt_dequantize_rows(pyrt_pool *pool, int fmt, const void *data, size_t bytes, int64_t n_rows,
+                         int64_t n_per_row, float *out);
 /* ---- dense weights and the whole-model decode step (linear.c, decode.c) ---- */
 
 /* A weight matrix [n_out, n_in] read in place (a pointer into the GGUF mmap): row o holds n_in
