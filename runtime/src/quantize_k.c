@@ -73,89 +73,135 @@ static inline float load_f16(const uint8_t *p) {
     return pyrt_fp16_to_fp32(h);
 }
 
+/* ---- lanes ----------------------------------------------------------------------------------- */
+
+/* 4 lanes of float / int32 (GCC vector extensions: SSE2 on every x86-64, NEON on arm64): the
+ * searches run one sub-block per lane. */
+typedef float vf __attribute__((vector_size(16)));
+typedef int32_t vi __attribute__((vector_size(16)));
+enum { LANES = 4 };
+
+static inline vf vsplat(float f) {
+    return (vf){f, f, f, f};
+}
+
+static inline vi vsplat_i(int i) {
+    return (vi){i, i, i, i};
+}
+
+/* mask ? a : b, lane by lane (mask lanes all ones or zero; a vector ?: is C++ only) */
+static inline vf vsel(vi mask, vf a, vf b) {
+    return (vf)(((vi)a & mask) | ((vi)b & ~mask));
+}
+
+static inline vi vsel_i(vi mask, vi a, vi b) {
+    return (a & mask) | (b & ~mask);
+}
+
+static inline vi vround(vf f) { /* round_int, lane by lane */
+    const vi bits = (vi)(f + vsplat(12582912.f));
+    return (bits & 0x007fffff) - 0x00400000;
+}
+
+static inline vi vclamp(vi l, int lo, int hi) {
+    l = vsel_i(l < lo, vsplat_i(lo), l);
+    return vsel_i(l > hi, vsplat_i(hi), l);
+}
+
+static inline vf vfloat(vi l) {
+    return __builtin_convertvector(l, vf);
+}
+
+static inline vf vabs(vf f) {
+    return (vf)((vi)f & 0x7fffffff);
+}
+
 /* ---- Q4_K / Q5_K: scale and min per sub-block of 32 ------------------------------------------ */
 
-/* Sub-block x[32] with weights w: codes L (0..nmax), returns the scale s, *neg_min = -m. */
-static float fit_scale_min(int nmax, const float *x, const float *w, uint8_t *L, float *neg_min,
-                           float rmin, float rdelta, int nstep) {
-    float min = x[0], max = x[0];
-    float sum_w = w[0], sum_x = sum_w * x[0];
+/* LANES sub-blocks x[32 LANES] at once (lane j: sub-block j): codes L (0..nmax), scales[LANES],
+ * neg_mins[LANES] (-m >= 0). Weights sqrt(mean x^2) + |x|; the min/max grid, then nstep + 1 grids of
+ * (nmax + rmin + rdelta is) / (max - min) steps, each refitted by weighted least squares (min
+ * clamped to <= 0), the lowest weighted squared error kept. */
+static void fit_scale_min(int nmax, const float *x, uint8_t *L, float *scales, float *neg_mins,
+                          float rmin, float rdelta, int nstep) {
+    vf xt[SUB], w[SUB];
+    for (int i = 0; i < SUB; i++)
+        for (int j = 0; j < LANES; j++)
+            xt[i][j] = x[SUB * j + i];
+    vf sum_x2 = xt[0] * xt[0];
+    for (int i = 1; i < SUB; i++)
+        sum_x2 += xt[i] * xt[i];
+    vf av_x;
+    for (int j = 0; j < LANES; j++)
+        av_x[j] = sqrtf(sum_x2[j] / SUB);
+    for (int i = 0; i < SUB; i++)
+        w[i] = av_x + vabs(xt[i]);
+
+    vf min = xt[0], max = xt[0], sum_w = w[0], sum_x = w[0] * xt[0];
     for (int i = 1; i < SUB; i++) {
-        if (x[i] < min)
-            min = x[i];
-        if (x[i] > max)
-            max = x[i];
+        min = vsel(xt[i] < min, xt[i], min);
+        max = vsel(xt[i] > max, xt[i], max);
         sum_w += w[i];
-        sum_x += w[i] * x[i];
+        sum_x += w[i] * xt[i];
     }
-    if (min > 0)
-        min = 0;
-    if (max == min) {
-        memset(L, 0, SUB);
-        *neg_min = -min;
-        return 0.f;
-    }
-    float iscale = nmax / (max - min);
-    float scale = 1 / iscale;
-    float best_err = 0;
+    min = vsel(min > 0, vsplat(0.f), min);
+    const vi flat = max == min; /* such a lane: codes 0, scale 0 (its other values unused) */
+    const vf iscale = vsplat((float)nmax) / (max - min);
+    vf scale = vsplat(1.f) / iscale, best_err = vsplat(0.f);
+    vi best[SUB], trial[SUB];
     for (int i = 0; i < SUB; i++) {
-        const int l = round_int(iscale * (x[i] - min));
-        L[i] = (uint8_t)(l < 0 ? 0 : l > nmax ? nmax : l);
-        const float diff = scale * L[i] + min - x[i];
+        best[i] = vclamp(vround(iscale * (xt[i] - min)), 0, nmax);
+        const vf diff = scale * vfloat(best[i]) + min - xt[i];
         best_err += w[i] * (diff * diff);
     }
-    uint8_t trial[SUB];
     for (int is = 0; is <= nstep; is++) {
-        iscale = (rmin + rdelta * is + nmax) / (max - min);
-        float sum_l = 0, sum_l2 = 0, sum_xl = 0;
+        /* (max - min) and (x - min) with the min of the best fit so far, as the reference */
+        const vf step_iscale = vsplat(rmin + rdelta * is + nmax) / (max - min);
+        vf sum_l = vsplat(0.f), sum_l2 = sum_l, sum_xl = sum_l;
         for (int i = 0; i < SUB; i++) {
-            int l = round_int(iscale * (x[i] - min));
-            l = l < 0 ? 0 : l > nmax ? nmax : l;
-            trial[i] = (uint8_t)l;
+            trial[i] = vclamp(vround(step_iscale * (xt[i] - min)), 0, nmax);
+            const vf l = vfloat(trial[i]);
             sum_l += w[i] * l;
             sum_l2 += w[i] * l * l;
-            sum_xl += w[i] * l * x[i];
+            sum_xl += w[i] * l * xt[i];
         }
-        const float det = sum_w * sum_l2 - sum_l * sum_l;
-        if (!(det > 0))
-            continue;
-        float s = (sum_w * sum_xl - sum_x * sum_l) / det;
-        float m = (sum_l2 * sum_x - sum_l * sum_xl) / det;
-        if (m > 0) {
-            m = 0;
-            s = sum_xl / sum_l2;
-        }
-        float err = 0;
+        const vf det = sum_w * sum_l2 - sum_l * sum_l;
+        const vi fit = det > 0;
+        vf s = (sum_w * sum_xl - sum_x * sum_l) / det;
+        vf m = (sum_l2 * sum_x - sum_l * sum_xl) / det;
+        const vi pos = m > 0;
+        m = vsel(pos, vsplat(0.f), m);
+        s = vsel(pos, sum_xl / sum_l2, s);
+        vf err = vsplat(0.f);
         for (int i = 0; i < SUB; i++) {
-            const float diff = s * trial[i] + m - x[i];
+            const vf diff = s * vfloat(trial[i]) + m - xt[i];
             err += w[i] * (diff * diff);
         }
-        if (err < best_err) {
-            memcpy(L, trial, SUB);
-            best_err = err;
-            scale = s;
-            min = m;
-        }
+        const vi better = fit & (err < best_err);
+        for (int i = 0; i < SUB; i++)
+            best[i] = vsel_i(better, trial[i], best[i]);
+        best_err = vsel(better, err, best_err);
+        scale = vsel(better, s, scale);
+        min = vsel(better, m, min);
     }
-    *neg_min = -min;
-    return scale;
+    scale = vsel(flat, vsplat(0.f), scale);
+    for (int j = 0; j < LANES; j++) {
+        scales[j] = scale[j];
+        neg_mins[j] = -min[j];
+        for (int i = 0; i < SUB; i++)
+            L[SUB * j + i] = flat[j] ? 0 : (uint8_t)best[i][j];
+    }
 }
 
 /* One super-block x[256] -> d, dmin (f16 bytes at out, out + 2), the 12 packed 6-bit scale and
  * min bytes at out + 4, and codes L[256] (0..nmax). */
 static void k_min_block(int nmax, float rmin, int nstep, const float *x, uint8_t *out,
                         uint8_t *L) {
-    float scales[NSUB], mins[NSUB], w[SUB];
+    float scales[NSUB], mins[NSUB];
+    for (int j = 0; j < NSUB; j += LANES)
+        fit_scale_min(nmax, x + SUB * j, L + SUB * j, scales + j, mins + j, rmin, 0.1f, nstep);
     float max_scale = 0, max_min = 0;
     for (int j = 0; j < NSUB; j++) {
-        const float *xj = x + SUB * j;
-        float sum_x2 = 0;
-        for (int l = 0; l < SUB; l++)
-            sum_x2 += xj[l] * xj[l];
-        const float av_x = sqrtf(sum_x2 / SUB);
-        for (int l = 0; l < SUB; l++)
-            w[l] = av_x + fabsf(xj[l]);
-        scales[j] = fit_scale_min(nmax, xj, w, L + SUB * j, &mins[j], rmin, 0.1f, nstep);
         if (scales[j] > max_scale)
             max_scale = scales[j];
         if (mins[j] > max_min)
