@@ -98,6 +98,11 @@ static inline vi vsel_i(vi mask, vi a, vi b) {
     return (a & mask) | (b & ~mask);
 }
 
+/* x[0], x[stride], x[2 stride], x[3 stride]: element i of LANES sub-blocks */
+static inline vf vgather(const float *x, int stride) {
+    return (vf){x[0], x[stride], x[2 * stride], x[3 * stride]};
+}
+
 static inline vi vround(vf f) { /* round_int, lane by lane */
     const vi bits = (vi)(f + vsplat(12582912.f));
     return (bits & 0x007fffff) - 0x00400000;
@@ -126,8 +131,7 @@ static void fit_scale_min(int nmax, const float *x, uint8_t *L, float *scales, f
                           float rmin, float rdelta, int nstep) {
     vf xt[SUB], w[SUB];
     for (int i = 0; i < SUB; i++)
-        for (int j = 0; j < LANES; j++)
-            xt[i][j] = x[SUB * j + i];
+        xt[i] = vgather(x + i, SUB);
     vf sum_x2 = xt[0] * xt[0];
     for (int i = 1; i < SUB; i++)
         sum_x2 += xt[i] * xt[i];
@@ -267,55 +271,58 @@ static void q5_k_block(const float *x, uint8_t *out) {
 
 /* ---- Q6_K: symmetric scale per sub-block of 16 ----------------------------------------------- */
 
-/* Sub-block x[16]: codes L (0..63, q + 32) and the scale (weights x^2, 19 grids). */
-static float fit_scale_q6(const float *x, uint8_t *L) {
+/* LANES sub-blocks x[16 LANES] at once (lane j: sub-block j): codes L (0..63, q + 32) and
+ * scales[LANES]: -32 / (the largest-|x| value) as the grid, refitted by least squares with
+ * weights x^2, then 18 grids around it, a refit kept where it beats the best so far. */
+static void fit_scale_q6(const float *x, uint8_t *L, float *scales) {
     enum { NMAX = 32 };
-    float max = 0, amax = 0;
+    vf xt[SUB6], w[SUB6];
+    for (int i = 0; i < SUB6; i++)
+        xt[i] = vgather(x + i, SUB6);
+    vf max = vsplat(0.f), amax = max;
     for (int i = 0; i < SUB6; i++) {
-        const float ax = fabsf(x[i]);
-        if (ax > amax) {
-            amax = ax;
-            max = x[i];
-        }
+        const vf ax = vabs(xt[i]);
+        const vi gt = ax > amax;
+        amax = vsel(gt, ax, amax);
+        max = vsel(gt, xt[i], max);
+        w[i] = xt[i] * xt[i];
     }
-    if (amax < GROUP_EPS) {
-        memset(L, 0, SUB6);
-        return 0.f;
-    }
-    float iscale = -NMAX / max;
-    float sumlx = 0, suml2 = 0;
+    const vi zero = amax < GROUP_EPS; /* such a lane: codes 0, scale 0 */
+    vf iscale = vsplat((float)-NMAX) / max;
+    vf sumlx = vsplat(0.f), suml2 = sumlx;
+    vi best[SUB6];
     for (int i = 0; i < SUB6; i++) {
-        int l = round_int(iscale * x[i]);
-        l = l < -NMAX ? -NMAX : l > NMAX - 1 ? NMAX - 1 : l;
-        L[i] = (uint8_t)(l + NMAX);
-        const float w = x[i] * x[i];
-        sumlx += w * x[i] * l;
-        suml2 += w * l * l;
+        best[i] = vclamp(vround(iscale * xt[i]), -NMAX, NMAX - 1);
+        const vf l = vfloat(best[i]);
+        sumlx += w[i] * xt[i] * l;
+        suml2 += w[i] * l * l;
     }
-    float scale = suml2 ? sumlx / suml2 : 0.0f;
-    float best = scale * sumlx;
+    vf scale = vsel(suml2 != 0, sumlx / suml2, vsplat(0.f));
+    vf best_fit = scale * sumlx;
     for (int is = -9; is <= 9; is++) {
         if (is == 0)
             continue;
-        iscale = -(NMAX + 0.1f * is) / max;
-        sumlx = suml2 = 0;
+        iscale = vsplat(-(NMAX + 0.1f * is)) / max;
+        vi trial[SUB6];
+        sumlx = suml2 = vsplat(0.f);
         for (int i = 0; i < SUB6; i++) {
-            int l = round_int(iscale * x[i]);
-            l = l < -NMAX ? -NMAX : l > NMAX - 1 ? NMAX - 1 : l;
-            const float w = x[i] * x[i];
-            sumlx += w * x[i] * l;
-            suml2 += w * l * l;
+            trial[i] = vclamp(vround(iscale * xt[i]), -NMAX, NMAX - 1);
+            const vf l = vfloat(trial[i]);
+            sumlx += w[i] * xt[i] * l;
+            suml2 += w[i] * l * l;
         }
-        if (suml2 > 0 && sumlx * sumlx > best * suml2) {
-            for (int i = 0; i < SUB6; i++) {
-                const int l = round_int(iscale * x[i]);
-                L[i] = (uint8_t)(NMAX + (l < -NMAX ? -NMAX : l > NMAX - 1 ? NMAX - 1 : l));
-            }
-            scale = sumlx / suml2;
-            best = scale * sumlx;
-        }
+        const vi better = (suml2 > 0) & (sumlx * sumlx > best_fit * suml2);
+        for (int i = 0; i < SUB6; i++)
+            best[i] = vsel_i(better, trial[i], best[i]);
+        const vf s = sumlx / suml2;
+        scale = vsel(better, s, scale);
+        best_fit = vsel(better, s * sumlx, best_fit);
     }
-    return scale;
+    for (int j = 0; j < LANES; j++) {
+        scales[j] = zero[j] ? 0.f : scale[j];
+        for (int i = 0; i < SUB6; i++)
+            L[SUB6 * j + i] = zero[j] ? 0 : (uint8_t)(best[i][j] + NMAX);
+    }
 }
 
 /* Q6_K: ql[128], qh[64], int8 scales[16], f16 d: element 128 h + 32 p + l has its low 4 bits in
@@ -324,8 +331,9 @@ static void q6_k_block(const float *x, uint8_t *out) {
     uint8_t L[PYRT_QK_K];
     float scales[NSUB6];
     float max_scale = 0, max_abs = 0;
+    for (int j = 0; j < NSUB6; j += LANES)
+        fit_scale_q6(x + SUB6 * j, L + SUB6 * j, scales + j);
     for (int j = 0; j < NSUB6; j++) {
-        scales[j] = fit_scale_q6(x + SUB6 * j, L + SUB6 * j);
         if (fabsf(scales[j]) > max_abs) {
             max_abs = fabsf(scales[j]);
             max_scale = scales[j];
