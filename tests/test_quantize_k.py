@@ -1,7 +1,8 @@
 """The C core's K-quant quantizers (pyrt_quantize_rows, runtime/src/quantize_k.c): the bytes
 llama-quantize writes, bit for bit. Against the committed golden file (bytes llama-quantize wrote,
 tests/data/kquants-llama-quantize.npz), against ggml's own quantizer through ctypes where a
-llama.cpp build is on this machine (skipped elsewhere), and round trips through our decoders."""
+llama.cpp build is on this machine (skipped elsewhere), and round trips through our decoders.
+The `simd` levels run both lane widths of the search (4 lanes at scalar, 8 from AVX2 up)."""
 
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def ggml() -> ctypes.CDLL:
 
 
 @pytest.mark.parametrize("fmt", list(KQ))
-def test_golden_bytes_of_llama_quantize(cc, fmt):
+def test_golden_bytes_of_llama_quantize(cc, simd, fmt):
     data = np.load(DATA)
     got = cc.quantize_rows(data["source"], int(KQ[fmt]))
     assert np.array_equal(got, data[fmt])
@@ -76,7 +77,7 @@ def test_golden_bytes_of_llama_quantize(cc, fmt):
 
 @pytest.mark.parametrize("case", list(distributions()))
 @pytest.mark.parametrize("fmt", list(KQ))
-def test_bytes_of_ggml_quantizer(cc, ggml, fmt, case):
+def test_bytes_of_ggml_quantizer(cc, simd, ggml, fmt, case):
     x = distributions()[case]
     qtype = KQ[fmt]
     got = cc.quantize_rows(x, int(qtype))

@@ -73,137 +73,51 @@ static inline float load_f16(const uint8_t *p) {
     return pyrt_fp16_to_fp32(h);
 }
 
-/* ---- lanes ----------------------------------------------------------------------------------- */
+/* ---- the searches, on 4 lanes and (x86-64, GCC) on 8 ------------------------------------------ */
 
-/* 4 lanes of float / int32 (GCC vector extensions: SSE2 on every x86-64, NEON on arm64): the
- * searches run one sub-block per lane. */
-typedef float vf __attribute__((vector_size(16)));
-typedef int32_t vi __attribute__((vector_size(16)));
-enum { LANES = 4 };
+#define QK_LANES 4
+#define QK_NAME(name) name##_4
+#include "quantize_k_search.h"
+#undef QK_LANES
+#undef QK_NAME
 
-static inline vf vsplat(float f) {
-    return (vf){f, f, f, f};
-}
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC target("avx2")
+#define QK_LANES 8
+#define QK_NAME(name) name##_8
+#include "quantize_k_search.h"
+#undef QK_LANES
+#undef QK_NAME
+#pragma GCC pop_options
+#define QK_HAVE_8_LANES 1
+#endif
 
-static inline vi vsplat_i(int i) {
-    return (vi){i, i, i, i};
-}
+/* The searches one call uses: 8 lanes where the CPU has AVX2 and the build them. */
+typedef struct {
+    int lanes;
+    void (*fit_min)(int nmax, const float *x, uint8_t *L, float *scales, float *neg_mins,
+                    float rmin, float rdelta, int nstep);
+    void (*fit_q6)(const float *x, uint8_t *L, float *scales);
+} searches;
 
-/* mask ? a : b, lane by lane (mask lanes all ones or zero; a vector ?: is C++ only) */
-static inline vf vsel(vi mask, vf a, vf b) {
-    return (vf)(((vi)a & mask) | ((vi)b & ~mask));
-}
-
-static inline vi vsel_i(vi mask, vi a, vi b) {
-    return (a & mask) | (b & ~mask);
-}
-
-/* x[0], x[stride], x[2 stride], x[3 stride]: element i of LANES sub-blocks */
-static inline vf vgather(const float *x, int stride) {
-    return (vf){x[0], x[stride], x[2 * stride], x[3 * stride]};
-}
-
-static inline vi vround(vf f) { /* round_int, lane by lane */
-    const vi bits = (vi)(f + vsplat(12582912.f));
-    return (bits & 0x007fffff) - 0x00400000;
-}
-
-static inline vi vclamp(vi l, int lo, int hi) {
-    l = vsel_i(l < lo, vsplat_i(lo), l);
-    return vsel_i(l > hi, vsplat_i(hi), l);
-}
-
-static inline vf vfloat(vi l) {
-    return __builtin_convertvector(l, vf);
-}
-
-static inline vf vabs(vf f) {
-    return (vf)((vi)f & 0x7fffffff);
+static searches pick_searches(void) {
+#ifdef QK_HAVE_8_LANES
+    if (pyrt_simd_active() >= PYRT_SIMD_AVX2)
+        return (searches){8, fit_scale_min_8, fit_scale_q6_8};
+#endif
+    return (searches){4, fit_scale_min_4, fit_scale_q6_4};
 }
 
 /* ---- Q4_K / Q5_K: scale and min per sub-block of 32 ------------------------------------------ */
 
-/* LANES sub-blocks x[32 LANES] at once (lane j: sub-block j): codes L (0..nmax), scales[LANES],
- * neg_mins[LANES] (-m >= 0). Weights sqrt(mean x^2) + |x|; the min/max grid, then nstep + 1 grids of
- * (nmax + rmin + rdelta is) / (max - min) steps, each refitted by weighted least squares (min
- * clamped to <= 0), the lowest weighted squared error kept. */
-static void fit_scale_min(int nmax, const float *x, uint8_t *L, float *scales, float *neg_mins,
-                          float rmin, float rdelta, int nstep) {
-    vf xt[SUB], w[SUB];
-    for (int i = 0; i < SUB; i++)
-        xt[i] = vgather(x + i, SUB);
-    vf sum_x2 = xt[0] * xt[0];
-    for (int i = 1; i < SUB; i++)
-        sum_x2 += xt[i] * xt[i];
-    vf av_x;
-    for (int j = 0; j < LANES; j++)
-        av_x[j] = sqrtf(sum_x2[j] / SUB);
-    for (int i = 0; i < SUB; i++)
-        w[i] = av_x + vabs(xt[i]);
-
-    vf min = xt[0], max = xt[0], sum_w = w[0], sum_x = w[0] * xt[0];
-    for (int i = 1; i < SUB; i++) {
-        min = vsel(xt[i] < min, xt[i], min);
-        max = vsel(xt[i] > max, xt[i], max);
-        sum_w += w[i];
-        sum_x += w[i] * xt[i];
-    }
-    min = vsel(min > 0, vsplat(0.f), min);
-    const vi flat = max == min; /* such a lane: codes 0, scale 0 (its other values unused) */
-    const vf iscale = vsplat((float)nmax) / (max - min);
-    vf scale = vsplat(1.f) / iscale, best_err = vsplat(0.f);
-    vi best[SUB], trial[SUB];
-    for (int i = 0; i < SUB; i++) {
-        best[i] = vclamp(vround(iscale * (xt[i] - min)), 0, nmax);
-        const vf diff = scale * vfloat(best[i]) + min - xt[i];
-        best_err += w[i] * (diff * diff);
-    }
-    for (int is = 0; is <= nstep; is++) {
-        /* (max - min) and (x - min) with the min of the best fit so far, as the reference */
-        const vf step_iscale = vsplat(rmin + rdelta * is + nmax) / (max - min);
-        vf sum_l = vsplat(0.f), sum_l2 = sum_l, sum_xl = sum_l;
-        for (int i = 0; i < SUB; i++) {
-            trial[i] = vclamp(vround(step_iscale * (xt[i] - min)), 0, nmax);
-            const vf l = vfloat(trial[i]);
-            sum_l += w[i] * l;
-            sum_l2 += w[i] * l * l;
-            sum_xl += w[i] * l * xt[i];
-        }
-        const vf det = sum_w * sum_l2 - sum_l * sum_l;
-        const vi fit = det > 0;
-        vf s = (sum_w * sum_xl - sum_x * sum_l) / det;
-        vf m = (sum_l2 * sum_x - sum_l * sum_xl) / det;
-        const vi pos = m > 0;
-        m = vsel(pos, vsplat(0.f), m);
-        s = vsel(pos, sum_xl / sum_l2, s);
-        vf err = vsplat(0.f);
-        for (int i = 0; i < SUB; i++) {
-            const vf diff = s * vfloat(trial[i]) + m - xt[i];
-            err += w[i] * (diff * diff);
-        }
-        const vi better = fit & (err < best_err);
-        for (int i = 0; i < SUB; i++)
-            best[i] = vsel_i(better, trial[i], best[i]);
-        best_err = vsel(better, err, best_err);
-        scale = vsel(better, s, scale);
-        min = vsel(better, m, min);
-    }
-    scale = vsel(flat, vsplat(0.f), scale);
-    for (int j = 0; j < LANES; j++) {
-        scales[j] = scale[j];
-        neg_mins[j] = -min[j];
-        for (int i = 0; i < SUB; i++)
-            L[SUB * j + i] = flat[j] ? 0 : (uint8_t)best[i][j];
-    }
-}
-
 /* One super-block x[256] -> d, dmin (f16 bytes at out, out + 2), the 12 packed 6-bit scale and
  * min bytes at out + 4, and codes L[256] (0..nmax). */
-static void k_min_block(int nmax, float rmin, int nstep, const float *x, uint8_t *out,
-                        uint8_t *L) {
+static void k_min_block(const searches *sr, int nmax, float rmin, int nstep, const float *x,
+                        uint8_t *out, uint8_t *L) {
     float scales[NSUB], mins[NSUB];
-    for (int j = 0; j < NSUB; j += LANES)
-        fit_scale_min(nmax, x + SUB * j, L + SUB * j, scales + j, mins + j, rmin, 0.1f, nstep);
+    for (int j = 0; j < NSUB; j += sr->lanes)
+        sr->fit_min(nmax, x + SUB * j, L + SUB * j, scales + j, mins + j, rmin, 0.1f, nstep);
     float max_scale = 0, max_min = 0;
     for (int j = 0; j < NSUB; j++) {
         if (scales[j] > max_scale)
@@ -244,9 +158,9 @@ static void k_min_block(int nmax, float rmin, int nstep, const float *x, uint8_t
 
 /* Q4_K: d, dmin, scales[12], qs[128]: sub-blocks 2k and 2k + 1 in the low and high nibbles of
  * qs[32 k + l]. */
-static void q4_k_block(const float *x, uint8_t *out) {
+static void q4_k_block(const searches *sr, const float *x, uint8_t *out) {
     uint8_t L[PYRT_QK_K];
-    k_min_block(15, -1.f, 20, x, out, L);
+    k_min_block(sr, 15, -1.f, 20, x, out, L);
     uint8_t *qs = out + 16;
     for (int k = 0; k < 4; k++)
         for (int l = 0; l < SUB; l++)
@@ -255,9 +169,9 @@ static void q4_k_block(const float *x, uint8_t *out) {
 
 /* Q5_K: d, dmin, scales[12], qh[32], qs[128]: the low 4 bits as Q4_K's, bit j of qh[l] the fifth
  * bit of element l of sub-block j. */
-static void q5_k_block(const float *x, uint8_t *out) {
+static void q5_k_block(const searches *sr, const float *x, uint8_t *out) {
     uint8_t L[PYRT_QK_K];
-    k_min_block(31, -0.5f, 15, x, out, L);
+    k_min_block(sr, 31, -0.5f, 15, x, out, L);
     uint8_t *qh = out + 16, *qs = out + 48;
     memset(qh, 0, SUB);
     for (int j = 0; j < NSUB; j++)
@@ -271,68 +185,14 @@ static void q5_k_block(const float *x, uint8_t *out) {
 
 /* ---- Q6_K: symmetric scale per sub-block of 16 ----------------------------------------------- */
 
-/* LANES sub-blocks x[16 LANES] at once (lane j: sub-block j): codes L (0..63, q + 32) and
- * scales[LANES]: -32 / (the largest-|x| value) as the grid, refitted by least squares with
- * weights x^2, then 18 grids around it, a refit kept where it beats the best so far. */
-static void fit_scale_q6(const float *x, uint8_t *L, float *scales) {
-    enum { NMAX = 32 };
-    vf xt[SUB6], w[SUB6];
-    for (int i = 0; i < SUB6; i++)
-        xt[i] = vgather(x + i, SUB6);
-    vf max = vsplat(0.f), amax = max;
-    for (int i = 0; i < SUB6; i++) {
-        const vf ax = vabs(xt[i]);
-        const vi gt = ax > amax;
-        amax = vsel(gt, ax, amax);
-        max = vsel(gt, xt[i], max);
-        w[i] = xt[i] * xt[i];
-    }
-    const vi zero = amax < GROUP_EPS; /* such a lane: codes 0, scale 0 */
-    vf iscale = vsplat((float)-NMAX) / max;
-    vf sumlx = vsplat(0.f), suml2 = sumlx;
-    vi best[SUB6];
-    for (int i = 0; i < SUB6; i++) {
-        best[i] = vclamp(vround(iscale * xt[i]), -NMAX, NMAX - 1);
-        const vf l = vfloat(best[i]);
-        sumlx += w[i] * xt[i] * l;
-        suml2 += w[i] * l * l;
-    }
-    vf scale = vsel(suml2 != 0, sumlx / suml2, vsplat(0.f));
-    vf best_fit = scale * sumlx;
-    for (int is = -9; is <= 9; is++) {
-        if (is == 0)
-            continue;
-        iscale = vsplat(-(NMAX + 0.1f * is)) / max;
-        vi trial[SUB6];
-        sumlx = suml2 = vsplat(0.f);
-        for (int i = 0; i < SUB6; i++) {
-            trial[i] = vclamp(vround(iscale * xt[i]), -NMAX, NMAX - 1);
-            const vf l = vfloat(trial[i]);
-            sumlx += w[i] * xt[i] * l;
-            suml2 += w[i] * l * l;
-        }
-        const vi better = (suml2 > 0) & (sumlx * sumlx > best_fit * suml2);
-        for (int i = 0; i < SUB6; i++)
-            best[i] = vsel_i(better, trial[i], best[i]);
-        const vf s = sumlx / suml2;
-        scale = vsel(better, s, scale);
-        best_fit = vsel(better, s * sumlx, best_fit);
-    }
-    for (int j = 0; j < LANES; j++) {
-        scales[j] = zero[j] ? 0.f : scale[j];
-        for (int i = 0; i < SUB6; i++)
-            L[SUB6 * j + i] = zero[j] ? 0 : (uint8_t)(best[i][j] + NMAX);
-    }
-}
-
 /* Q6_K: ql[128], qh[64], int8 scales[16], f16 d: element 128 h + 32 p + l has its low 4 bits in
  * nibble p / 2 of ql[64 h + 32 (p % 2) + l] and its high 2 at bits 2 p of qh[32 h + l]. */
-static void q6_k_block(const float *x, uint8_t *out) {
+static void q6_k_block(const searches *sr, const float *x, uint8_t *out) {
     uint8_t L[PYRT_QK_K];
     float scales[NSUB6];
     float max_scale = 0, max_abs = 0;
-    for (int j = 0; j < NSUB6; j += LANES)
-        fit_scale_q6(x + SUB6 * j, L + SUB6 * j, scales + j);
+    for (int j = 0; j < NSUB6; j += sr->lanes)
+        sr->fit_q6(x + SUB6 * j, L + SUB6 * j, scales + j);
     for (int j = 0; j < NSUB6; j++) {
         if (fabsf(scales[j]) > max_abs) {
             max_abs = fabsf(scales[j]);
@@ -374,10 +234,11 @@ static void q6_k_block(const float *x, uint8_t *out) {
 
 /* ---- rows ------------------------------------------------------------------------------------ */
 
-typedef void (*block_fn)(const float *x, uint8_t *out);
+typedef void (*block_fn)(const searches *sr, const float *x, uint8_t *out);
 
 typedef struct {
     block_fn fn;
+    searches sr;
     const float *x;
     uint8_t *out;
     size_t block_bytes;
@@ -386,7 +247,7 @@ typedef struct {
 static void quantize_one(void *p, int64_t i, int ith) {
     (void)ith;
     const quant_ctx *c = p;
-    c->fn(c->x + (size_t)i * PYRT_QK_K, c->out + (size_t)i * c->block_bytes);
+    c->fn(&c->sr, c->x + (size_t)i * PYRT_QK_K, c->out + (size_t)i * c->block_bytes);
 }
 
 enum { QUANT_GRAIN = 16 }; /* super-blocks a thread claims at a time */
@@ -416,7 +277,7 @@ int pyrt_quantize_rows(pyrt_pool *pool, int fmt, const float *x, int64_t n_rows,
         return PYRT_OK;
     if (x == NULL || out == NULL)
         return pyrt_fail(PYRT_E_INVALID, "pyrt_quantize_rows: %s is NULL", x ? "out" : "x");
-    quant_ctx c = {fn, x, out, pyrt_row_bytes(fmt, PYRT_QK_K)};
+    quant_ctx c = {fn, pick_searches(), x, out, pyrt_row_bytes(fmt, PYRT_QK_K)};
     const int64_t n_blocks = n_rows * (n_per_row / PYRT_QK_K);
     if (pool == NULL) {
         for (int64_t i = 0; i < n_blocks; i++)
