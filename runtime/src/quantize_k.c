@@ -73,7 +73,7 @@ static inline float load_f16(const uint8_t *p) {
     return pyrt_fp16_to_fp32(h);
 }
 
-/* ---- the searches, on 4 lanes and (x86-64, GCC) on 8 ------------------------------------------ */
+/* ---- the searches, on 4 lanes and (x86-64, GCC) on 8 ----------------------------------------- */
 
 #define QK_LANES 4
 #define QK_NAME(name) name##_4

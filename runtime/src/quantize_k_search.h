@@ -74,7 +74,7 @@ static inline vf vabs(vf f) {
     return (vf)((vi)f & 0x7fffffff);
 }
 
-/* ---- Q4_K / Q5_K ---------------------------------------------------------------------------- */
+/* ---- Q4_K / Q5_K ----------------------------------------------------------------------------- */
 
 /* LANES sub-blocks x[32 LANES] at once (lane j: sub-block j): codes L (0..nmax), scales[LANES],
  * neg_mins[LANES] (-m >= 0). Weights sqrt(mean x^2) + |x|; the min/max grid, then nstep + 1
@@ -151,7 +151,7 @@ static void fit_scale_min(int nmax, const float *x, uint8_t *L, float *scales, f
     }
 }
 
-/* ---- Q6_K ---------------------------------------------------------------------------------- */
+/* ---- Q6_K ------------------------------------------------------------------------------------ */
 
 /* LANES sub-blocks x[16 LANES] at once (lane j: sub-block j): codes L (0..63, q + 32) and
  * scales[LANES]: -32 / (the largest-|x| value) as the grid, refitted by least squares with
