@@ -8,7 +8,8 @@ at one expert's rows, whatever the model's size), atomically (pyruntime.output_f
   ffn_gud_exps, neuron j's rows (gate[j], up[j], down[:, j]) side by side. Gate and up rows are
   copied byte for byte; down is stored along n_ff_exp in llama.cpp and along n_embd in ours, so
   it is dequantized, transposed and quantized again in the same format (exact for F32, F16 and
-  BF16; for the quantized formats one more rounding: pass `outtype` f32 for a lossless copy);
+  BF16; for the quantized formats one more rounding: pass `outtype` f32 for a lossless copy; the
+  K-quants are quantized as llama-quantize does, by the C core on all cores, at disk speed);
   the three take one format, the most precise of theirs (llama-quantize's _M mixes give ffn_down
   more bits in some layers: there gate and up are converted to down's format);
 - llama and granitemoe (llama.cpp's NORM rope): the rows of attn_q and attn_k put back in
