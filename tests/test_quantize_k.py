@@ -14,6 +14,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 from quant_blocks import random_blocks
+from sanitized_c import run_sanitized_c_test
 
 DATA = Path(__file__).resolve().parent / "data" / "kquants-llama-quantize.npz"
 GGML_BASE = Path("/tmp/peers/llama.cpp/build-cpu/bin/libggml-base.so")
@@ -142,3 +143,9 @@ def test_dequantize_rows_errors(cc):
         cc.dequantize_rows(np.zeros(34, np.uint8), int(Q.Q8_0), 32)
     with pytest.raises(cc.CoreError, match="data holds 143 bytes, the rows need 144"):
         cc.dequantize_rows(np.zeros(143 + 144, np.uint8)[:143], int(Q.Q4_K), 256)
+
+
+def test_c_quantizers_under_asan_ubsan(tmp_path):
+    """tests/c/test_quantize.c: both lane widths and a pool give the same bytes, round trips and
+    edge rows, argument errors; with ASan + UBSan."""
+    run_sanitized_c_test(tmp_path, "test_quantize", "all C quantize tests passed")
