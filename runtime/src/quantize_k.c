@@ -10,11 +10,16 @@
  * - Q6_K: per sub-block of 16 a symmetric scale from 19 grids around -32 / (the largest-|x|
  *   value), weights x^2; the 16 scales as int8 against d = (the largest-|scale| one) / -128.
  *
- * The grid search runs on 8 sub-blocks at once, one per lane of a GCC vector (SSE2 on any
- * x86-64, NEON on arm64): a lane does the reference's scalar operations in the reference's order
- * (no FMA contraction: this file is compiled as ISO C), so lanes change speed, never bits. */
+ * The grid searches (quantize_k_search.h) run on 4 sub-blocks at once, 8 on AVX2 CPUs, one per
+ * lane of a GCC vector: a lane does the reference's scalar operations in the reference's order,
+ * so lanes change speed, never bits. No FMA contraction anywhere: GCC does not contract in ISO C
+ * mode (the build's -std=c11), clang is told so below. */
 #include <math.h>
 #include <string.h>
+
+#ifdef __clang__
+#pragma STDC FP_CONTRACT OFF
+#endif
 
 #include "error.h"
 #include "formats.h"

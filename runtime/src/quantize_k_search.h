@@ -1,6 +1,6 @@
 /* The scale searches of quantize_k.c on LANES sub-blocks at once, one per lane of a GCC vector:
- * a lane does the reference's scalar operations in the reference's order (no FMA: the core is
- * compiled as ISO C, where GCC does not contract), so the lane count changes speed, never bits.
+ * a lane does the reference's scalar operations in the reference's order (no FMA contraction:
+ * quantize_k.c), so the lane count changes speed, never bits.
  *
  * Included once per lane count: the includer defines QK_LANES (4: SSE2 on every x86-64, NEON
  * on arm64; 8: AVX2, inside a target pragma) and QK_NAME(name), which gives each instance's
