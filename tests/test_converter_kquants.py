@@ -4,22 +4,49 @@ core close to F32, at rows of 256 (real K-quants) and of 64 (every K-quant falls
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from gguf import quants
 from hf_fixtures import make_tiny_hf_model
 from test_parity import load_runtime, mean_kl, prompt_ids, runtime_logprobs
 
-from pyruntime.converter import convert
-from pyruntime.converter.tensors import choose_qtype, use_more_bits
+from pyruntime.converter import convert, tensors
+from pyruntime.converter.tensors import choose_qtype, quantize_rows, use_more_bits
+from pyruntime.cpu.core import CoreError
 from pyruntime.gguf.file import open_gguf
-from pyruntime.kernels.block_codecs import encode
 
 # Mean KL from F32 per token (nats) over the 64 tokens of test_parity's prompt, tiny random olmoe /
 # qwen2moe with hidden 256: measured q4_k_m 0.0009 / 0.0014, q5_k_m 0.0003 / 0.0004, q6_k 0.0001;
 # a K-quant decoder taking the top bits of sub-blocks 4..7's mins from the wrong byte gives
 # 0.085 .. 0.093 (q4_k_m, q5_k_m).
 KL_TOL = {"q4_k_m": 0.004, "q5_k_m": 0.0015, "q6_k": 0.0005}
+
+
+DATA = Path(__file__).resolve().parent / "data" / "kquants-llama-quantize.npz"
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K])
+def test_k_quant_rows_are_llama_quantizes_bytes(qtype):
+    """The converter's (and the repack's) K-quant rows: the bytes llama-quantize wrote for the
+    same floats (tests/data/kquants-llama-quantize.npz)."""
+    data = np.load(DATA)
+    assert np.array_equal(quantize_rows(data["source"], qtype), data[qtype.name.lower()])
+
+
+def test_k_quant_output_without_the_c_core_is_one_clear_error(monkeypatch):
+    def missing():
+        raise CoreError("C core library not found (tried /x/libpyrt.so): build it")
+
+    monkeypatch.setattr(tensors, "_core_pool", missing)
+    with pytest.raises(CoreError, match="^Q4_K output is quantized by the C core: C core library"):
+        quantize_rows(np.zeros((1, 256), np.float32), Q.Q4_K)
+    raw = np.load(DATA)["q6_k"][:2]  # reading needs no core: the torch decoders, same values
+    want = quants.dequantize(raw, Q.Q6_K)
+    assert np.array_equal(tensors.dequantize_rows(raw, Q.Q6_K, (2, 256)), want)
 
 
 def test_use_more_bits_is_llamas():
@@ -96,8 +123,8 @@ def test_llamacpp_kquant_file_runs_at_its_formats(hf256, tmp_path):
     ours = convert(hf, tmp_path / "f32.gguf", "f32", progress=False)
     lcpp = to_llamacpp(ours, tmp_path / "lcpp-f32.gguf")
 
-    def k_quantize(rows, qtype):
-        return encode(torch.from_numpy(rows.copy()), qtype.name.lower()).numpy()
+    def k_quantize(rows, qtype):  # llama-quantize's own algorithm (the C core's, bit-exact)
+        return quantize_rows(rows, qtype)
 
     src = llama_quantize(lcpp, tmp_path / "lcpp-Q4_K_M.gguf", "Q4_K_M", k_quantize)
     m = Model(src, device="cpu")

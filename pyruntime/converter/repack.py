@@ -8,7 +8,8 @@ at one expert's rows, whatever the model's size), atomically (pyruntime.output_f
   ffn_gud_exps, neuron j's rows (gate[j], up[j], down[:, j]) side by side. Gate and up rows are
   copied byte for byte; down is stored along n_ff_exp in llama.cpp and along n_embd in ours, so
   it is dequantized, transposed and quantized again in the same format (exact for F32, F16 and
-  BF16; for the quantized formats one more rounding: pass `outtype` f32 for a lossless copy);
+  BF16; for the quantized formats one more rounding: pass `outtype` f32 for a lossless copy; the
+  K-quants are quantized as llama-quantize does, by the C core on all cores, at disk speed);
   the three take one format, the most precise of theirs (llama-quantize's _M mixes give ffn_down
   more bits in some layers: there gate and up are converted to down's format);
 - llama and granitemoe (llama.cpp's NORM rope): the rows of attn_q and attn_k put back in
@@ -38,11 +39,16 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
 from tqdm import tqdm
 
-from pyruntime.converter.tensors import OUTTYPES, choose_qtype, quantize_rows, tensor_nbytes
+from pyruntime.converter.tensors import (
+    OUTTYPES,
+    choose_qtype,
+    dequantize_rows,
+    quantize_rows,
+    tensor_nbytes,
+)
 from pyruntime.errors import ModelFileError, UsageError
 from pyruntime.gguf.file import GGUFFile, TensorView
 from pyruntime.gguf.header import LazyStrings, NumericArray
-from pyruntime.gguf.quant import dequantize
 from pyruntime.model.layout import LAYOUT_VERSION
 from pyruntime.model.llamacpp_layout import (
     EXPERT_PROJECTIONS,
@@ -126,7 +132,7 @@ def _rows(t: TensorView) -> np.ndarray:
 
 def _floats(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
     """float32 [shape] from stored bytes (a view of whole rows)."""
-    return dequantize(raw, qtype, shape).numpy()
+    return dequantize_rows(raw, qtype, shape)
 
 
 def _encode(values: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import cache
 from math import prod
 from typing import IO, Literal
 
 import numpy as np
-import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 from gguf.quants import quantize
 
-from pyruntime.kernels.block_codecs import encode
+from pyruntime.cpu import core as cpu_core
+from pyruntime.cpu.core import CoreError, CpuCore
+from pyruntime.gguf.quant import dequantize
 
 Q = GGMLQuantizationType
 
@@ -53,8 +55,10 @@ _MORE_BITS = (
     "ffn_gud_exps.weight",
     "ffn_down_exps.weight",
 )  # the last: llama.cpp's layout (bench files)
-# The formats gguf-py cannot quantize to (pyruntime.kernels.block_codecs does)
-_TORCH_CODECS = {Q.Q4_K: "q4_k", Q.Q5_K: "q5_k", Q.Q6_K: "q6_k"}
+# The formats gguf-py cannot quantize to: the C core quantizes them, as llama-quantize does (its
+# bytes, bit for bit), on a pool of the machine's cores. (pyruntime.kernels.block_codecs' torch
+# encoders are a different search, kept for the kernels' test weights, not for files.)
+_K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
 # Elements quantized at once: gguf-py's MXFP4 quantizer holds 16 candidates per element (64
 # bytes), so one gpt-oss-20b expert (25M elements) at once would take 1.6 GB.
@@ -111,11 +115,37 @@ def choose_qtype(kind: Kind, row_len: int, outtype: str, name: str = "",
     return weight_type
 
 
+@cache
+def _core_pool() -> CpuCore:
+    """The C core's thread pool the K-quant rows are (de)quantized on, one per process; CoreError
+    (one line: where the library was looked for, how to build it) where the core is not built."""
+    return CpuCore()
+
+
 def quantize_rows(rows: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
-    """float32 rows [r, n] -> their bytes in `qtype` (gguf-py's quantizer; the K-quants ours)."""
-    if qtype in _TORCH_CODECS:
-        return encode(torch.from_numpy(np.array(rows, np.float32)), _TORCH_CODECS[qtype]).numpy()
+    """float32 rows [r, n] -> their bytes in `qtype` (gguf-py's quantizer; the K-quants the C
+    core's: llama-quantize's bytes)."""
+    if qtype in _K_QUANTS:
+        try:
+            pool = _core_pool()
+        except CoreError as exc:
+            raise CoreError(f"{qtype.name} output is quantized by the C core: {exc}") from None
+        return cpu_core.quantize_rows(rows, int(qtype), pool)
     return quantize(rows, qtype)
+
+
+def dequantize_rows(raw: np.ndarray, qtype: GGMLQuantizationType,
+                    shape: tuple[int, ...]) -> np.ndarray:  # fmt: skip
+    """float32 [shape] from the stored bytes `raw` of whole rows: the K-quants on the C core's
+    threads, the torch decoders where it is not built (the same values)."""
+    if qtype in _K_QUANTS:
+        try:
+            pool = _core_pool()
+        except CoreError:
+            pool = None
+        if pool is not None:
+            return cpu_core.dequantize_rows(raw, int(qtype), shape[-1], pool).reshape(shape)
+    return dequantize(raw, qtype, shape).numpy()
 
 
 def tensor_nbytes(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:

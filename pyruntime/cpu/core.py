@@ -191,6 +191,42 @@ def row_bytes(fmt: int, n: int) -> int:
     return int(_lib().pyrt_row_bytes(fmt, n))
 
 
+K_QUANT_FORMATS = (FMT_Q4_K, FMT_Q5_K, FMT_Q6_K)  # what quantize_rows writes
+
+
+def quantize_rows(rows: np.ndarray, fmt: int, core: CpuCore | None = None) -> np.ndarray:
+    """float32 rows [r, n] (n a multiple of 256) -> uint8 [r, row bytes] in fmt (FMT_Q4_K,
+    FMT_Q5_K or FMT_Q6_K): llama-quantize's bytes (ggml's reference quantizers, no importance
+    matrix). With `core`, the super-blocks are split across its pool's threads (same bytes)."""
+    x = np.ascontiguousarray(rows, dtype=np.float32)
+    if x.ndim != 2:
+        raise CoreError(f"quantize_rows takes rows [r, n], got shape {tuple(x.shape)}")
+    n_rows, n = x.shape
+    size = row_bytes(fmt, n) if fmt in K_QUANT_FORMATS else 0
+    out = np.empty((n_rows, size), np.uint8)
+    pool = _ffi.NULL if core is None else core._pool_or_raise()
+    src = _ffi.cast(_P_CFLOAT, x.ctypes.data)
+    status = _lib().pyrt_quantize_rows(pool, fmt, src, n_rows, n, _ffi.from_buffer(out), out.nbytes)
+    _check(status, "pyrt_quantize_rows")
+    return out
+
+
+def dequantize_rows(raw: np.ndarray, fmt: int, n: int, core: CpuCore | None = None) -> np.ndarray:
+    """Rows of n elements in fmt (FMT_Q4_K, FMT_Q5_K or FMT_Q6_K; raw: their bytes, uint8
+    [r, row bytes] or flat) -> float32 [r, n], ggml's values. With `core`: on its pool."""
+    data = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    size = row_bytes(fmt, n) if fmt in K_QUANT_FORMATS else 0
+    n_rows = -(-data.nbytes // size) if size else 0  # a partial row: the C call names it
+    out = np.empty((n_rows, n), np.float32)
+    pool = _ffi.NULL if core is None else core._pool_or_raise()
+    src = _ffi.from_buffer(data)
+    status = _lib().pyrt_dequantize_rows(
+        pool, fmt, src, data.nbytes, n_rows, n, _ffi.cast(_P_FLOAT, out.ctypes.data)
+    )
+    _check(status, "pyrt_dequantize_rows")
+    return out
+
+
 def default_params() -> dict[str, int]:
     """The pool's execution parameters and their defaults (pyrt_params in runtime/include/pyrt.h:
     what each field trades). Every setting gives the same results; they change speed only."""
@@ -258,6 +294,11 @@ class CpuCore:
         self._pool = out[0]
         self.threads = n
         self.params = {**default_params(), **(params or {})}
+
+    def _pool_or_raise(self):
+        if self._pool is None:
+            raise CoreError("CpuCore is closed: create a new one")
+        return self._pool
 
     def close(self) -> None:
         """Stop the worker threads and free the pool (idempotent)."""

@@ -26,7 +26,7 @@ extern "C" {
 /* PYRT_CDEF_BEGIN */
 /* This header's version of the API: raised whenever a declaration below changes, so that a
  * caller declared from one header refuses a library built from another (pyrt_api_version). */
-enum { PYRT_API_VERSION = 8 };
+enum { PYRT_API_VERSION = 9 };
 
 /* Status codes. */
 enum {
@@ -204,6 +204,18 @@ int pyrt_moe_ffn(pyrt_pool *pool, const pyrt_experts *experts, const float *x, i
 /* Read `bytes` of buf once, split across the pool's threads (a stream-like DRAM read test for
  * benchmarks); checksum (may be NULL) gets the sum of the 64-bit words read. */
 int pyrt_mem_read(pyrt_pool *pool, const void *buf, size_t bytes, uint64_t *checksum);
+
+/* Quantize n_rows rows of n_per_row floats (a multiple of 256) to fmt PYRT_FMT_Q4_K, Q5_K or
+ * Q6_K: out (n_rows * pyrt_row_bytes(fmt, n_per_row) bytes, out_bytes) gets the bytes ggml's
+ * reference quantizers write (llama-quantize without an importance matrix), bit for bit. pool:
+ * the super-blocks are split across its threads (the same bytes), or NULL: the calling thread. */
+int pyrt_quantize_rows(pyrt_pool *pool, int fmt, const float *x, int64_t n_rows,
+                       int64_t n_per_row, void *out, size_t out_bytes);
+/* The inverse: n_rows rows of n_per_row elements in fmt (Q4_K, Q5_K or Q6_K; data holds `bytes`
+ * == n_rows * pyrt_row_bytes(fmt, n_per_row)) -> float32 out [n_rows, n_per_row], the values of
+ * ggml's dequantizers bit for bit. pool: as pyrt_quantize_rows'. */
+int pyrt_dequantize_rows(pyrt_pool *pool, int fmt, const void *data, size_t bytes, int64_t n_rows,
+                         int64_t n_per_row, float *out);
 /* ---- dense weights and the whole-model decode step (linear.c, decode.c) ---- */
 
 /* A weight matrix [n_out, n_in] read in place (a pointer into the GGUF mmap): row o holds n_in
