@@ -41,7 +41,8 @@ N_PROMPT, N_DECODE = 7, 4
 
 def tiny(tmp_path_factory, arch: str, fmt: str = "f32", **hf):
     tmp = tmp_path_factory.mktemp(f"offload-{arch}-{fmt}")
-    hf_dir = make_tiny_hf_model(arch, tmp / "hf", tie_word_embeddings=True, **hf)
+    hf.setdefault("tie_word_embeddings", True)
+    hf_dir = make_tiny_hf_model(arch, tmp / "hf", **hf)
     f = open_gguf(convert(hf_dir, tmp / "m.gguf", fmt, progress=False))
     cfg = ModelConfig.from_gguf(f)
     return f, cfg, HostWeights.from_gguf(f, cfg)
@@ -141,6 +142,22 @@ def test_logits_equal_the_whole_model_on_the_gpu(olmoe, core, whole, slots, miss
     elif misses == "auto" and slots >= 3:
         assert st["cpu_experts"] > 0 and st["staged_experts"] > 0  # a split
     assert net.stats.pairs == (N_PROMPT + N_DECODE) * cfg.n_expert_used * 2  # 2 MoE layers
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_q8_0_embedding_stays_quantized_in_the_hybrid(tmp_path_factory, core, tied):
+    """A Q8_0 token_embd is one device tensor in the hybrid too (the lookup's Q8_0 rows, the
+    tied lm_head's weights); with every expert in a slot the hybrid runs the resident model's
+    kernels, embedding and lm_head included."""
+    model = tiny(tmp_path_factory, "olmoe", "q8_0", tie_word_embeddings=tied)
+    _, cfg, host = model
+    torch.set_num_threads(1)
+    ids = ids_of(cfg, N_PROMPT + N_DECODE)
+    want = logprobs(GpuExecutor(cfg, host, DEVICE), ids)
+    net = hybrid(model, core, n_routed(cfg, host), "stage")
+    e = net.weights.token_embd
+    assert e.w is None and (net.weights.output is e) == tied
+    assert max_err(logprobs(net, ids), want) <= SAME_KERNELS_TOL
 
 
 @pytest.mark.parametrize("slots", [0, 3, 8])

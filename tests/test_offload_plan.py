@@ -18,6 +18,7 @@ from pyruntime import cli, options
 from pyruntime.converter import convert
 from pyruntime.errors import DeviceMemoryError, PyruntimeWarning, UsageError
 from pyruntime.gguf.file import open_gguf
+from pyruntime.gguf.quant import FORMAT_NAMES
 from pyruntime.gpu.weights import dense_dtype_for
 from pyruntime.kernels.expert_formats import row_bytes
 from pyruntime.model.config import ModelConfig
@@ -301,3 +302,111 @@ def test_the_cli_reports_a_gpu_out_of_memory_in_one_line(q8, monkeypatch, capsys
     err = capsys.readouterr().err
     assert err == ("error: the GPU ran out of memory (CUDA out of memory. Tried to allocate "
                    "20.00 MiB): lower --gpu-mem or --ctx-size, or use --device cpu\n")  # fmt: skip
+
+
+# -- the plan vs what the upload allocates --------------------------------------------------------
+
+
+def device_tensor_bytes(weights) -> int:
+    """Bytes of the distinct tensors in a DeviceWeights (walked through its dataclasses, lists
+    and tuples; a tensor shared by two fields, e.g. a tied lm_head, counted once)."""
+    seen: dict[int, int] = {}
+
+    def walk(v):
+        if isinstance(v, torch.Tensor):
+            seen[v.data_ptr()] = max(seen.get(v.data_ptr(), 0), v.numel() * v.element_size())
+        elif dataclasses.is_dataclass(v):
+            for field in dataclasses.fields(v):
+                walk(getattr(v, field.name))
+        elif isinstance(v, list | tuple):
+            for x in v:
+                walk(x)
+
+    walk(weights)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize(
+    "arch, outtype, tied",
+    [
+        ("olmoe", "q8_0", True),
+        ("olmoe", "q8_0", False),
+        ("olmoe", "f32", True),
+        ("olmoe", "f16", False),
+        ("gptoss", "mxfp4", False),
+        ("qwen35moe", "q4_0", True),
+        ("deepseek2", "q8_0", False),
+        ("llama4", "bf16", True),
+    ],
+)
+def test_the_dense_estimate_is_what_the_upload_allocates(tmp_path, arch, outtype, tied):
+    """need.dense is, byte for byte, what upload_weights puts on the device beside the routed
+    experts (on the CPU device standing in for the GPU); the embedding is there once."""
+    from pyruntime.gpu.weights import first_matrix_type, upload_weights
+    from pyruntime.model.weights import HostWeights
+
+    hf = make_tiny_hf_model(arch, tmp_path / "hf", tie_word_embeddings=tied)
+    f = open_gguf(convert(hf, tmp_path / "m.gguf", outtype, progress=False))
+    cfg = ModelConfig.from_gguf(f)
+    host = HostWeights.from_gguf(f, cfg)
+    dtype = dense_dtype_for(first_matrix_type(host))
+    weights = upload_weights(host, cfg, torch.device("cpu"), dtype, routed_experts=False)
+    assert device_tensor_bytes(weights) == device_bytes(f, cfg, 64).dense
+    assert (weights.output is weights.token_embd) == tied
+
+
+class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The most bytes of tensor storage alive at once while the mode is on, counting the
+    storages torch ops return (a tensor made from host memory without an op, e.g. the CPU
+    stand-in's view of the mmap, is counted once an op returns a view of it: on a GPU it is a
+    copy)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak = {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from torch.utils import _pytree
+
+        out = func(*args, **(kwargs or {}))
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        for t in _pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                self.live.setdefault(st.data_ptr(), (StorageWeakRef(st), st.nbytes()))
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+@pytest.mark.parametrize(
+    "fmt", ["f32", "f16", "bf16", "q8_0", "q4_0", "mxfp4", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"]
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_upload_converts_in_chunks_within_the_work_reserve(fmt, dtype, monkeypatch):
+    """A matrix the upload converts (pyruntime.gpu.weights.upload_linear / upload_dense) goes
+    through in chunks of LOAD_CHUNK_ELEMENTS weights: the result is the whole conversion's, and
+    the memory it takes beside the result stays within LOAD_BYTES_PER_ELEMENT a chunk's weight
+    (the part of plan.WORK_BYTES reserved for it), whatever the matrix's size."""
+    from pyruntime.gguf.quant import QuantMatrix
+    from pyruntime.gpu import weights
+    from pyruntime.kernels.expert_formats import quantize_rows
+    from pyruntime.kernels.q8_linear import dequantize_q8
+    from pyruntime.offload.plan import LOAD_BYTES_PER_ELEMENT, WORK_BYTES
+
+    n_out, n_in = 61, 512  # 61 rows: 16 chunks of 4 rows, the last one short
+    chunk = 4 * n_in
+    monkeypatch.setattr(weights, "LOAD_CHUNK_ELEMENTS", chunk)
+    raw = quantize_rows(torch.randn(n_out, n_in, generator=torch.Generator().manual_seed(3)), fmt)
+    qtype = next(q for q, name in FORMAT_NAMES.items() if name == fmt)
+    m = QuantMatrix("t", qtype, (n_out, n_in), raw.view(torch.uint8).numpy())
+    with LiveBytes() as live:
+        lin = weights.upload_linear(m, torch.device("cpu"), dtype)
+        result = lin.nbytes
+    want = m.dequantize()
+    if lin.w is None:
+        assert torch.equal(dequantize_q8(lin.q, lin.d, torch.float32), want)
+    else:
+        assert lin.w.dtype == dtype and torch.equal(lin.w, want.to(dtype))
+    assert live.peak - result <= chunk * LOAD_BYTES_PER_ELEMENT
+    assert WORK_BYTES >= weights.LOAD_CHUNK_ELEMENTS * LOAD_BYTES_PER_ELEMENT + (256 << 20)

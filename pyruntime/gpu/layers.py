@@ -40,6 +40,7 @@ from pyruntime.kernels.decoder_ops import add_rms_norm, qk_rope_store, shared_ga
 from pyruntime.kernels.deltanet import decode_step
 from pyruntime.kernels.dispatch import moe_experts
 from pyruntime.kernels.expert_paths import SparseSwitch
+from pyruntime.kernels.q8_embed import q8_embed
 from pyruntime.kernels.router import add_norm_router, router_topk
 from pyruntime.kernels.switch import sparse_switch
 from pyruntime.model.config import ModelConfig
@@ -163,9 +164,12 @@ class DecoderLayers:
     # -- embedding and output -----------------------------------------------------------------
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [n] on the device -> x [n, n_embd] f32 (a new tensor)."""
-        x = self.weights.token_embd.index_select(0, ids).float()
-        scale = self.config.embedding_scale
+        """ids [n] on the device -> x [n, n_embd] f32 (a new tensor), times the embedding scale:
+        Q8_0 rows gathered and dequantized (kernels.q8_embed), or the float rows."""
+        e, scale = self.weights.token_embd, self.config.embedding_scale
+        if e.w is None:
+            return q8_embed(ids, e.q, e.d, scale)
+        x = e.w.index_select(0, ids).float()
         return x * scale if scale != 1.0 else x
 
     def output(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:

@@ -3,17 +3,23 @@ views into the GGUF mmap, already loaded and checked there).
 
 - routed experts: their GGUF bytes on the device, prepared by kernels.dispatch.prepare_experts
   (never dequantized);
-- matmul weights (attention, DeltaNet projections, shared experts, dense FFN layers, lm_head):
-  `Linear`, Q8_0 kept quantized (kernels.q8_linear) when the GGUF stores Q8_0 or Q4_0 (repacked
-  to Q8_0, exact), else float (f32 for an F32 GGUF, bf16 otherwise);
-- norms, routers, the shared-expert gate: float32 (F32 in the GGUF); embeddings: float copy.
-The device memory each part takes is estimated without uploading, by pyruntime.offload.plan.
+- matmul weights (attention, DeltaNet projections, shared experts, dense FFN layers, lm_head)
+  and the token embedding: `Linear`, Q8_0 kept quantized (kernels.q8_linear) when the GGUF
+  stores Q8_0 or Q4_0 (repacked to Q8_0, exact), else float (f32 for an F32 GGUF, bf16
+  otherwise). The embedding has one device copy: the lookup reads it (kernels.q8_embed for Q8_0
+  rows, an index_select of the float ones) and a tied lm_head is the same Linear;
+- norms, routers, the shared-expert gate: float32 (F32 in the GGUF).
+A tensor the upload converts (a float cast, a block format dequantized, Q4_0 -> Q8_0) is
+converted in chunks of at most LOAD_CHUNK_ELEMENTS weights into its preallocated device tensor,
+so loading never holds a whole large tensor twice or in f32. The device memory each part takes
+is estimated without uploading, by pyruntime.offload.plan (a test holds the two equal).
 """
 
 from __future__ import annotations
 
 import itertools
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +45,7 @@ from pyruntime.model.deltanet import DeltaNetWeights
 from pyruntime.model.mla import MLAWeights
 from pyruntime.model.weights import BlockWeights, FFNWeights, HostWeights
 from pyruntime.offload.host_register import dma_cuts
+from pyruntime.offload.plan import LOAD_CHUNK_ELEMENTS
 
 Q = GGMLQuantizationType
 
@@ -157,9 +164,9 @@ class DeviceBlock:
 
 @dataclass
 class DeviceWeights:
-    token_embd: torch.Tensor  # [n_vocab, n_embd] float copy, for the lookup
+    token_embd: Linear  # [n_vocab, n_embd]: Q8_0 (q, d) or float w, read by the lookup
     output_norm: torch.Tensor  # [n_embd] f32
-    output: Linear  # lm_head [n_vocab, n_embd] (shares token_embd's float copy when tied)
+    output: Linear  # lm_head [n_vocab, n_embd] (token_embd itself when tied)
     blocks: list[DeviceBlock]
 
 
@@ -186,23 +193,47 @@ def _format(name: str, qtype: Q) -> str:
     return FORMAT_NAMES[qtype]
 
 
+def _row_chunks(m: QuantMatrix) -> Iterator[tuple[int, int, np.ndarray]]:
+    """(first row, end row, their stored bytes uint8 [rows, row_bytes]) of m, in chunks of at
+    most LOAD_CHUNK_ELEMENTS weights (one row at least)."""
+    n_out, n_in = m.shape
+    by_row = np.asarray(m.raw).reshape(-1).view(np.uint8).reshape(n_out, -1)
+    step = max(1, LOAD_CHUNK_ELEMENTS // n_in)
+    for r0 in range(0, n_out, step):
+        r1 = min(r0 + step, n_out)
+        yield r0, r1, by_row[r0:r1]
+
+
 def upload_dense(m: QuantMatrix, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Matrix m dequantized on the device to `dtype`, shape m.shape."""
+    """Matrix m on the device as `dtype`, shape m.shape: its bytes when the GGUF stores that
+    dtype, else converted (a float cast or a block format dequantized) chunk by chunk."""
     fmt = _format(m.name, m.qtype)
-    raw = _bytes_on(m.raw, device)
-    if fmt in FLOAT_DTYPES:
-        return raw.view(FLOAT_DTYPES[fmt]).reshape(m.shape).to(dtype)
-    return dequantize_rows(raw.reshape(m.shape[0], -1), fmt, m.shape[1]).to(dtype)
+    if FLOAT_DTYPES.get(fmt) == dtype:
+        return _bytes_on(m.raw, device).view(dtype).reshape(m.shape)
+    out = torch.empty(m.shape, dtype=dtype, device=device)
+    for r0, r1, raw in _row_chunks(m):
+        rows = _bytes_on(raw, device).reshape(r1 - r0, -1)
+        if fmt in FLOAT_DTYPES:
+            out[r0:r1].copy_(rows.view(FLOAT_DTYPES[fmt]))
+        else:
+            out[r0:r1].copy_(dequantize_rows(rows, fmt, m.shape[1]))
+    return out
 
 
 def upload_linear(m: QuantMatrix, device: torch.device, dtype: torch.dtype) -> Linear:
-    """A matmul weight: Q8_0 stays quantized (q, d), Q4_0 becomes the same weights as Q8_0
-    (exact), anything else becomes `dtype`."""
-    if m.qtype in (Q.Q8_0, Q.Q4_0):
-        split = split_q8_0 if m.qtype == Q.Q8_0 else q4_0_as_q8_0
-        q, d = split(_bytes_on(m.raw, device).reshape(m.shape[0], -1), m.shape[1])
-        return Linear(q=q, d=d)
-    return Linear(w=upload_dense(m, device, dtype))
+    """A matmul weight (or the token embedding): Q8_0 stays quantized (q, d), Q4_0 becomes the
+    same weights as Q8_0 (exact), anything else becomes `dtype` (upload_dense)."""
+    if m.qtype not in (Q.Q8_0, Q.Q4_0):
+        return Linear(w=upload_dense(m, device, dtype))
+    split = split_q8_0 if m.qtype == Q.Q8_0 else q4_0_as_q8_0
+    n_out, n_in = m.shape
+    q = torch.empty(n_out, n_in, dtype=torch.int8, device=device)
+    d = torch.empty(n_out, n_in // 32, dtype=torch.float16, device=device)
+    for r0, r1, raw in _row_chunks(m):
+        q_rows, d_rows = split(_bytes_on(raw, device).reshape(r1 - r0, -1), n_in)
+        q[r0:r1].copy_(q_rows)
+        d[r0:r1].copy_(d_rows)
+    return Linear(q=q, d=d)
 
 
 def upload_experts(store: ExpertStore, device: torch.device) -> tuple[torch.Tensor, str]:
@@ -323,10 +354,9 @@ def upload_weights(
 ) -> DeviceWeights:  # fmt: skip
     """Every weight on the device; routed_experts=False leaves the routed experts on the host
     (upload_block)."""
-    token_embd = upload_dense(host.token_embd, device, dtype)
-    output = upload_linear(host.output, device, dtype)
-    if host.output is host.token_embd and output.w is not None:
-        output = Linear(w=token_embd)  # tied: share the float copy
+    token_embd = upload_linear(host.token_embd, device, dtype)
+    tied = host.output is host.token_embd
+    output = token_embd if tied else upload_linear(host.output, device, dtype)
     return DeviceWeights(
         token_embd=token_embd,
         output_norm=host.output_norm.to(device=device, dtype=torch.float32),

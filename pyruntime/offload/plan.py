@@ -25,9 +25,26 @@ from pyruntime.model.config import ModelConfig
 
 Q = GGMLQuantizationType
 EXPERTS_SUFFIX = "ffn_gud_exps.weight"
-# Activations and transients beyond the largest tensor dequantized at load (prefill activations
-# of a few hundred tokens, the grouped GEMMs' buffers, kernel workspaces).
-WORK_BYTES = 256 << 20
+# Layer tensors the GPU keeps in the activation dtype whatever their GGUF type (the attention
+# biases; MLA's absorbed k_b and v_b), and matrices it keeps float32 (the router, DeltaNet's
+# conv, the shared-expert gate, the routed experts' biases). pyruntime.gpu.weights.upload_block.
+QKV_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
+ACTIVATION_DTYPE_TENSORS = ("attn_output.bias", "attn_k_b.weight", "attn_v_b.weight")
+FLOAT32_MATRICES = (
+    "ffn_gate_inp.weight", "ssm_conv1d.weight", "ffn_gate_inp_shexp.weight", "ffn_gu_exps.bias",
+    "ffn_down_exps.bias",
+)  # fmt: skip
+# Weights a conversion at load handles at once (pyruntime.gpu.weights: a float cast, a block
+# format dequantized to f32, Q4_0 -> Q8_0): 2 Mi weights, 8 MiB in f32.
+LOAD_CHUNK_ELEMENTS = 1 << 21
+# The transients of converting one such chunk, at most this many bytes a weight: the stored
+# bytes of two chunks on the device, the decoders' integer and f32 intermediates (Q6_K's take
+# the most, ~32; tests/test_offload_plan.py measures every format against this bound).
+LOAD_BYTES_PER_ELEMENT = 40
+# Activations and kernel workspaces (prefill activations of a few hundred tokens, the grouped
+# GEMMs' buffers, a layer's q, k, v stacked at load) plus the transients of a chunk converted
+# at load.
+WORK_BYTES = (256 << 20) + LOAD_CHUNK_ELEMENTS * LOAD_BYTES_PER_ELEMENT
 # GGUF block formats the kernels read repacked (kernels.expert_formats.REPACKED): staged through
 # a device buffer and repacked there, so they need that buffer beside the slots.
 REPACKED_FORMATS = tuple(REPACKED)
@@ -51,7 +68,7 @@ class DeviceBytes:
     dense: int  # every weight but the routed experts, as uploaded
     experts: int  # every routed expert, in its GGUF format (repacking keeps the size)
     kv: int  # the KV cache at n_ctx tokens
-    work: int  # the largest tensor dequantized at load (f32) + WORK_BYTES
+    work: int  # WORK_BYTES: activations, workspaces, a chunk converted at load
     expert_bytes: int  # one routed expert (0: the model has none)
     n_experts: int  # routed experts of all layers
     expert_format: str  # their format's kernel name ("q8_0", "f32", ...; "" without experts)
@@ -76,7 +93,7 @@ def device_bytes(f: GGUFFile, cfg: ModelConfig, n_ctx: int) -> DeviceBytes:
         first = "blk.0.attn_kv_a_mqa.weight"
     itemsize = activation_itemsize(f.tensor(first).qtype)
     dense = experts = n_experts = expert_bytes = 0
-    biggest = 0  # elements of the largest tensor dequantized at load
+    biased = set()  # layers with attention biases (q, k, v stacked, a missing one zeros)
     fmt = ""
     for t in f.tensors.values():
         if t.name.endswith(EXPERTS_SUFFIX):
@@ -84,16 +101,11 @@ def device_bytes(f: GGUFFile, cfg: ModelConfig, n_ctx: int) -> DeviceBytes:
             expert_bytes = _device_expert_bytes(t.n_bytes // t.shape[0], fmt, cfg.n_embd)
             experts += expert_bytes * t.shape[0]
             n_experts += t.shape[0]
-            continue
-        biggest = max(biggest, t.n_elements)
-        if t.qtype in (Q.Q8_0, Q.Q4_0) and t.data.ndim > 1:
-            dense += t.n_elements // 32 * 34  # matmul weights Q8_0 (Q4_0 repacked to it)
-        elif t.qtype == Q.F32 or t.data.ndim == 1:
-            dense += t.n_elements * 4
+        elif t.name.endswith(QKV_BIASES):
+            biased.add(t.name.split(".")[1])
         else:
-            dense += t.n_elements * itemsize
-    # token_embd twice: a float copy for the lookup, and the lm_head (tied) or its own bytes
-    dense += f.tensor("token_embd.weight").n_elements * itemsize
+            dense += _dense_tensor_bytes(t, itemsize)
+    dense += len(biased) * (cfg.n_head + 2 * cfg.n_head_kv) * cfg.head_dim * itemsize
     n_kv_layers = cfg.n_layer - sum(cfg.recurrent_layers)  # DeltaNet layers keep no K/V
     planes = 1 if cfg.is_mla else 2  # MLA: one latent serves as key and value
     kv = n_kv_layers * planes * cfg.n_head_kv * n_ctx * cfg.head_dim * itemsize
@@ -102,10 +114,25 @@ def device_bytes(f: GGUFFile, cfg: ModelConfig, n_ctx: int) -> DeviceBytes:
         per_layer += cfg.ssm_n_v_heads * cfg.ssm_head_k_dim * cfg.ssm_head_v_dim
         kv += (cfg.n_layer - n_kv_layers) * per_layer * 4
     return DeviceBytes(
-        dense=dense, experts=experts, kv=kv, work=biggest * 4 + WORK_BYTES,
+        dense=dense, experts=experts, kv=kv, work=WORK_BYTES,
         expert_bytes=expert_bytes, n_experts=n_experts, expert_format=fmt,
         n_expert_used=cfg.n_expert_used, kv_form=_kv_form(cfg),
     )  # fmt: skip
+
+
+def _dense_tensor_bytes(t, itemsize: int) -> int:
+    """A dense tensor's device bytes as pyruntime.gpu.weights uploads it: matrices as Q8_0 (a
+    Q8_0 or Q4_0 GGUF tensor) or in the activation dtype; vectors, the router and the tensors
+    upload_block keeps float32 in float32; the attention biases and MLA's k_b / v_b in the
+    activation dtype."""
+    part = t.name.split(".", 2)[2] if t.name.startswith("blk.") else t.name
+    if part in ACTIVATION_DTYPE_TENSORS:
+        return t.n_elements * itemsize
+    if len(t.shape) == 1 or part in FLOAT32_MATRICES:
+        return t.n_elements * 4
+    if t.qtype in (Q.Q8_0, Q.Q4_0):
+        return t.n_elements // 32 * 34  # q int8 + d f16 per 32 weights (Q4_0 repacked)
+    return t.n_elements * itemsize
 
 
 def _kv_form(cfg: ModelConfig) -> str:
