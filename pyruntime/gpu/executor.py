@@ -354,12 +354,7 @@ class GpuExecutor:
         delta = None
         routes = []
         for i, blk in enumerate(self.blocks):
-            if blk.deltanet is not None:
-                x, delta = layers.deltanet(i, x, delta, cache.recurrent, span)
-            elif blk.mla is not None:
-                x, delta = layers.mla(i, x, delta, cache.kv[i], span)
-            else:
-                x, delta = layers.attention(i, x, delta, cache.kv[i], span)
+            x, delta = layers.mixer(i, x, delta, cache, span)
             if blk.experts is None:
                 x, h, _ = layers.ffn_norm(i, x, delta)
                 delta = layers.dense_ffn(i, h)

@@ -28,6 +28,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,9 @@ from pyruntime.kernels.expert_paths import SparseSwitch
 from pyruntime.kernels.q8_embed import q8_embed
 from pyruntime.kernels.router import add_norm_router, router_topk
 from pyruntime.kernels.switch import sparse_switch
+
+if TYPE_CHECKING:
+    from pyruntime.model.kv_cache import KVCache
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.recurrent_state import RecurrentState
 from pyruntime.model.reference import activation_fn, attention_mask, route, sink_attention
@@ -183,6 +187,18 @@ class DecoderLayers:
             return logits if cfg.logit_scale == 1.0 else logits / cfg.logit_scale
 
     # -- attention sub-block ------------------------------------------------------------------
+
+    def mixer(self, i: int, x: torch.Tensor, delta: torch.Tensor | None, cache: KVCache,
+              span: Span) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Layer i's token mixer, by its kind: attention over cache.kv[i], a Gated DeltaNet
+        layer on the cache's recurrent state (qwen35moe), which advances by span's tokens, or
+        multi-head latent attention over cache.kv[i]'s plane of latents (deepseek2)."""
+        blk = self.blocks[i]
+        if blk.deltanet is not None:
+            return self.deltanet(i, x, delta, cache.recurrent, span)
+        if blk.mla is not None:
+            return self.mla(i, x, delta, cache.kv[i], span)
+        return self.attention(i, x, delta, cache.kv[i], span)
 
     def attention(self, i: int, x: torch.Tensor, delta: torch.Tensor | None, kv: torch.Tensor,
                   span: Span) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip

@@ -51,7 +51,7 @@ from pyruntime.offload.home import default_pinning, open_home
 from pyruntime.offload.host_register import Pinning
 from pyruntime.offload.plan import gib
 from pyruntime.offload.policy import make_policy
-from pyruntime.offload.segments import DecodeSegments, mixer
+from pyruntime.offload.segments import DecodeSegments
 from pyruntime.offload.slots import ExpertSlots
 from pyruntime.offload.split import CpuWorker, SplitExperts
 from pyruntime.offload.stats import OffloadStats, PartTimer
@@ -297,7 +297,7 @@ class HybridExecutor:
         x, delta = layers.embed(span.ids), None
         for i, blk in enumerate(self.host.blocks):
             mark = timer.start()
-            x, delta = mixer(layers, i, x, delta, cache, span)
+            x, delta = layers.mixer(i, x, delta, cache, span)
             mark = timer.stop("attention", mark)
             if blk.experts is None:
                 x, h, _ = layers.ffn_norm(i, x, delta)

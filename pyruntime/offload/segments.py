@@ -79,19 +79,6 @@ def allocate_block(nbytes: int) -> np.ndarray | None:
     return page_locked(nbytes)
 
 
-def mixer(layers: DecoderLayers, i: int, x: torch.Tensor, delta: torch.Tensor | None,
-          cache: KVCache, span: Span) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Layer i's token mixer (as the GPU executor's step): attention over cache.kv[i], a Gated
-    DeltaNet layer on the cache's recurrent state (qwen35moe), which advances by span's tokens,
-    or multi-head latent attention over cache.kv[i]'s plane of latents (deepseek2)."""
-    blk = layers.blocks[i]
-    if blk.deltanet is not None:
-        return layers.deltanet(i, x, delta, cache.recurrent, span)
-    if blk.mla is not None:
-        return layers.mla(i, x, delta, cache.kv[i], span)
-    return layers.attention(i, x, delta, cache.kv[i], span)
-
-
 class DecodeSegments:
     """The segments of a decode step at k experts per token (module doc) on one KV cache.
     predict(i, r): MoE layer i's lookahead (the next MoE layer's likely experts [k] int64 on
@@ -229,14 +216,14 @@ class DecodeSegments:
             x, first = r.x.clone(), prev + 1
         last = moe[m] if m < len(moe) else layers.config.n_layer
         for i in range(first, last):  # dense-FFN layers
-            x, delta = mixer(layers, i, x, delta, self.cache, self.span)
+            x, delta = layers.mixer(i, x, delta, self.cache, self.span)
             x, h, _ = layers.ffn_norm(i, x, delta)
             delta = layers.dense_ffn(i, h)
         if m == len(moe):
             self.logits.copy_(layers.output(x, delta).float(), non_blocking=True)
             return None
         i = moe[m]
-        x, delta = mixer(layers, i, x, delta, self.cache, self.span)
+        x, delta = layers.mixer(i, x, delta, self.cache, self.span)
         r = layers.route(i, x, delta, self.k)
         self.ids.copy_(r.ids.to(torch.int32), non_blocking=True)
         self.weights.copy_(r.weights, non_blocking=True)
