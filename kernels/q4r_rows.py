@@ -25,15 +25,18 @@ from .expert_rows import Q8_BIAS, dp4a, quantize_x_lanes, x_lanes
 
 NIBBLES = tl.constexpr(0x0F0F0F0F)
 
+
 # mxfp4 -> int8 lanes, 8 weights per call: $2 the nibble word; $0 lanes of nibbles 0..3,
 # $1 of nibbles 4..7. tp / tn: the table's codes 0..7 (0 1 2 3 4 6 8 12) and 8..15 (negated)
 # as bytes; s: 4 selectors (code & 7); m: byte i of p (sign 0) or byte i of n (sign 1).
-_E2M1_PRMT = tl.constexpr("""{
+def _e2m1_prmt(tp0: int, tp1: int, tn0: int, tn1: int) -> str:
+    """The lookup's PTX with table words tp0, tp1 (codes 0..7) and tn0, tn1 (8..15)."""
+    return f"""{{
 .reg .b32 tp0, tp1, tn0, tn1, s, p, n, m;
-mov.b32 tp0, 0x03020100;
-mov.b32 tp1, 0x0C080604;
-mov.b32 tn0, 0xFDFEFF00;
-mov.b32 tn1, 0xF4F8FAFC;
+mov.b32 tp0, 0x{tp0:08X};
+mov.b32 tp1, 0x{tp1:08X};
+mov.b32 tn0, 0x{tn0:08X};
+mov.b32 tn1, 0x{tn1:08X};
 and.b32 s, $2, 0x7777;
 prmt.b32 p, tp0, tp1, s;
 prmt.b32 n, tn0, tn1, s;
@@ -49,30 +52,12 @@ shr.b32 m, $2, 17;
 and.b32 m, m, 0x4444;
 or.b32 m, m, 0x3210;
 prmt.b32 $1, p, n, m;
-}""")
+}}"""
+
+
+_E2M1_PRMT = tl.constexpr(_e2m1_prmt(0x03020100, 0x0C080604, 0xFDFEFF00, 0xF4F8FAFC))
 # the same lookup with each lane biased by 128 (128 + v: the down rows' lanes_f32 input)
-_E2M1_PRMT_BIASED = tl.constexpr("""{
-.reg .b32 tp0, tp1, tn0, tn1, s, p, n, m;
-mov.b32 tp0, 0x83828180;
-mov.b32 tp1, 0x8C888684;
-mov.b32 tn0, 0x7D7E7F80;
-mov.b32 tn1, 0x74787A7C;
-and.b32 s, $2, 0x7777;
-prmt.b32 p, tp0, tp1, s;
-prmt.b32 n, tn0, tn1, s;
-and.b32 m, $2, 0x8888;
-shr.b32 m, m, 1;
-or.b32 m, m, 0x3210;
-prmt.b32 $0, p, n, m;
-shr.b32 s, $2, 16;
-and.b32 s, s, 0x7777;
-prmt.b32 p, tp0, tp1, s;
-prmt.b32 n, tn0, tn1, s;
-shr.b32 m, $2, 17;
-and.b32 m, m, 0x4444;
-or.b32 m, m, 0x3210;
-prmt.b32 $1, p, n, m;
-}""")
+_E2M1_PRMT_BIASED = tl.constexpr(_e2m1_prmt(0x83828180, 0x8C888684, 0x7D7E7F80, 0x74787A7C))
 
 
 @triton.jit
