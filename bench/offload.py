@@ -128,7 +128,7 @@ def thresholds_for(path: Path, f, sparsity: float, threads: int | None) -> list[
 
 def slots_for(fraction: float, misses: str, n_experts: int, k: int) -> int:
     if fraction == 0:
-        return 0 if misses == "cpu" else 2 * k
+        return 0 if misses in ("cpu", "direct") else 2 * k
     return max(1, round(fraction * n_experts))
 
 
@@ -284,7 +284,11 @@ def run_case(net: HybridExecutor, test: str, n: int, reps: int,
         "std": result.std,
         "hit_rate": (net.cache.stats.hits - hits[0]) / lookups if lookups else 0.0,
         "cpu_mb": (after.cpu_bytes - before.cpu_bytes) / tokens / 1e6,
-        "staged_mb": (after.staged_bytes - before.staged_bytes) / tokens / 1e6,
+        "staged_mb": (
+            after.staged_bytes - before.staged_bytes + after.direct_bytes - before.direct_bytes
+        )
+        / tokens
+        / 1e6,
         "stats": stats,
         "parts": part_times(net, before, timer, tokens),
     }
@@ -304,7 +308,11 @@ def main(argv: list[str] | None = None) -> int:
         default="0,0.1,0.25,0.5",
         help="budgets as shares of all routed experts in slots (0: no cache)",
     )
-    p.add_argument("--misses", default="stage,auto", help="placements: cpu, stage, auto")
+    p.add_argument("--misses", default="stage,auto",
+                   help="placements: cpu, stage, auto, direct")  # fmt: skip
+    p.add_argument("--n-direct", type=float, default=None,
+                   help="misses a layer's GPU reads in place with --misses direct (default: "
+                        "from the costs)")  # fmt: skip
     p.add_argument("--sparsity", default="0,0.5", help="neuron sparsity targets")
     p.add_argument("--staging", default="register", choices=["register", "bounce", "pinned"])
     p.add_argument("--policy", default="lfru", choices=["lfru", "lru"])
@@ -421,13 +429,14 @@ def main(argv: list[str] | None = None) -> int:
                                  cpu_thread=CPU_THREAD[args.cpu_thread],
                                  lookahead=args.lookahead)  # fmt: skip
             net.timer.enabled = args.stats or not net.streams.cuda
-            if costs is None and slots and "auto" in placements:
+            if costs is None and slots and {"auto", "direct"} & set(placements):
                 costs = measure_costs(net)
                 print(f"costs: {costs}", flush=True)
             for misses in placements:
                 if slots_for(fraction, misses, n_experts, cfg.n_expert_used) != slots:
                     continue
                 net.set_misses(misses, costs)
+                net.experts.n_direct = args.n_direct
                 for s in sparsities:
                     net.set_expert_threshold(thresholds[s])
                     for test, n in tests:

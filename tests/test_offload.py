@@ -144,6 +144,40 @@ def test_logits_equal_the_whole_model_on_the_gpu(olmoe, core, whole, slots, miss
     assert net.stats.pairs == (N_PROMPT + N_DECODE) * cfg.n_expert_used * 2  # 2 MoE layers
 
 
+@pytest.mark.parametrize("n_direct", [None, 0, 1, 8])
+@pytest.mark.parametrize("slots", [0, 3])
+def test_direct_steps_equal_the_whole_model(olmoe, core, whole, slots, n_direct):
+    """misses='direct': a decode step as one graph (run eagerly on the CPU stand-in), the GPU's
+    share of each layer's misses read in place from host memory, the rest on the C core: the
+    whole model's log-probs, every split of the misses."""
+    _, cfg, host = olmoe
+    net = hybrid(olmoe, core, slots, "direct")
+    net.experts.n_direct = n_direct
+    ids, want = whole["olmoe"]
+    got = logprobs(net, ids)
+    st = net.offload_stats()
+    assert max_err(got, want) <= LOGPROB_TOL
+    k = cfg.n_expert_used
+    direct = sum(net.experts.direct_counts(k, 2))  # 2 MoE layers
+    if n_direct is not None:
+        assert direct == 2 * min(n_direct, k)
+    if slots == 0:  # every pair of a decode step is a miss: direct ones, then the CPU's
+        assert st["direct_experts"] == N_DECODE * direct
+        assert st["direct_bytes"] == st["direct_experts"] * host.blocks[0].experts.expert_bytes
+        assert st["cpu_experts"] >= N_DECODE * (2 * k - direct)
+    assert net.stats.pairs >= N_PROMPT * cfg.n_expert_used * 2
+
+
+def test_direct_counts_spread_a_fractional_share_over_the_layers(olmoe, core):
+    net = hybrid(olmoe, core, 0, "direct")
+    net.experts.n_direct = 2.5
+    assert net.experts.direct_counts(8, 6) == [3, 2, 3, 2, 3, 2]
+    net.experts.n_direct = 20
+    assert net.experts.direct_counts(8, 3) == [8, 8, 8]
+    net.experts.n_direct = None  # from the costs (even ones: the GPU at 0.5 of the CPU's rate)
+    assert sum(net.experts.direct_counts(8, 3)) == 8
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_a_q8_0_embedding_stays_quantized_in_the_hybrid(tmp_path_factory, core, tied):
     """A Q8_0 token_embd is one device tensor in the hybrid too (the lookup's Q8_0 rows, the

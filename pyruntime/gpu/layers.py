@@ -356,18 +356,18 @@ class DecoderLayers:
         return ids, w
 
     def routed_experts(self, i: int, r: Routed, expert_map: torch.Tensor | None = None,
-                       slots: torch.Tensor | None = None):  # fmt: skip
+                       slots: torch.Tensor | None = None, fmt: str | None = None):  # fmt: skip
         """MoE layer i's routed experts: (y [n, n_embd] f32, active [n, k] int32 neuron counts,
         or None where the dense path ran). expert_map: int32 [n_expert] expert -> slot of
         `slots` (default: the layer's expert tensor), -1 for experts not computed here
         (kernels.moe_args). slots: an expert tensor in the layer's prepared format (a cache of
-        expert slots)."""
+        expert slots), or in `fmt` (the GGUF's experts read in place from host memory)."""
         blk = self.blocks[i]
         threshold = None if self.expert_threshold is None else self.expert_threshold[i]
 
         def run(h, ids, weights):
             return moe_experts(
-                h, blk.experts if slots is None else slots, blk.experts_fmt, ids, weights,
+                h, blk.experts if slots is None else slots, fmt or blk.experts_fmt, ids, weights,
                 self.config.activation, threshold, self.sparse_switch[i], expert_map,
                 blk.expert_bias,
             )  # fmt: skip

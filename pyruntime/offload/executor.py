@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 from pyruntime.cpu.core import CpuCore, physical_cores
-from pyruntime.errors import DeviceMemoryError, UsageError
+from pyruntime.errors import DeviceMemoryError, PyruntimeWarning, UsageError
 from pyruntime.gguf.file import GGUFFile
 from pyruntime.gguf.quant import FORMAT_NAMES
 from pyruntime.gpu.cache_state import GpuCacheState
@@ -55,6 +56,7 @@ from pyruntime.offload.segments import DecodeSegments
 from pyruntime.offload.slots import ExpertSlots
 from pyruntime.offload.split import CpuWorker, SplitExperts
 from pyruntime.offload.stats import OffloadStats, PartTimer
+from pyruntime.offload.step_graph import StepGraph
 from pyruntime.offload.streams import DeviceStreams
 
 STATE_KEY = "hybrid"  # this executor's entry in KVCache.executor_state
@@ -146,6 +148,7 @@ class HybridExecutor:
         torch.set_num_threads(1)
         self.set_misses(misses, costs)
         self._last_decode_end: float | None = None
+        self._views: list[torch.Tensor] | None = None  # _direct_views, made on first use
 
     def close(self) -> None:
         """Unlock the host memory locked for staging, once no copy reads it (idempotent)."""
@@ -323,6 +326,8 @@ class HybridExecutor:
         experts placed by the host between two of them."""
         cache.reserve(1)
         state.set_step(token, cache.n_tokens)
+        if self._direct_views() is not None:
+            return self._decode_direct(state, cache, k, trace)
         seg = self._segments(state, cache, k)
         timer, streams = self.timer, self.streams
         for m, i in enumerate(self._moe):
@@ -343,6 +348,61 @@ class HybridExecutor:
         timer.collect()
         cache.n_tokens += 1
         return seg.logits.clone()
+
+    def _direct_views(self) -> list[torch.Tensor] | None:
+        """Each MoE layer's experts as a kernel reads them in place from host memory, when a
+        decode step runs direct (misses='direct', no lookahead, the experts not
+        input-weighted, the home mapped for the device); else None."""
+        experts = self.experts
+        if (experts.misses != "direct" or experts.lookahead or experts.resident_only
+                or self.config.expert_input_weight):  # fmt: skip
+            return None
+        if self._views is None:
+            views = [self.home.device_view(i, self.device) for i in self._moe]
+            self._views = views if all(v is not None for v in views) else []
+            if not self._views:
+                warnings.warn("misses='direct' needs the experts' host memory mapped for the "
+                              "GPU (--staging register or pinned): the misses are split as "
+                              "auto", PyruntimeWarning, stacklevel=3)  # fmt: skip
+        return self._views or None
+
+    def _decode_direct(self, state: GpuCacheState, cache: KVCache, k: int,
+                       trace: list | None) -> torch.Tensor:  # fmt: skip
+        """One token as one graph (pyruntime.offload.step_graph): the GPU reads its share of
+        each layer's misses in place, the host computes the CPU's between two flags."""
+        key = ("direct", k)
+        graph = state.segments.get(key)
+        if graph is None:
+            span = Span(state.token, state.position, state.cos, state.sin, seq_len=state.seq_len)
+            first = self.host.blocks[self._moe[0]].experts
+            graph = StepGraph(
+                self.layers, self._moe, cache, span, k, self.device, self._views,
+                FORMAT_NAMES[first.qtype], self.slots.tensor if self.slots.n_slots else None,
+                self.config.n_expert,
+                lambda m, count: self.experts.direct_cpu_share(m, graph, graph.trace, count),
+            )  # fmt: skip
+            state.segments[key] = graph
+        graph.trace = trace
+        residency = self.cache.residency
+        resident = []
+        for m, i in enumerate(self._moe):
+            row = residency.slots[i]
+            graph.table.numpy()[m] = row
+            resident += row[row >= 0].tolist()
+        graph.n_direct.numpy()[:] = self.experts.direct_counts(k, len(self._moe))
+        if resident:
+            self.slots.wait_ready(resident)
+        mark = self.timer.start()
+        waited = graph.step()
+        self.timer.stop("dense", mark)
+        self.offload.route_wait_seconds += waited
+        if resident:
+            self.slots.mark_read(resident)
+        self.stats.flush()
+        self.streams.host_waits()
+        self.timer.collect()
+        cache.n_tokens += 1
+        return graph.logits.clone()
 
     def _segments(self, state: GpuCacheState, cache: KVCache, k: int) -> DecodeSegments:
         """The decode step's segments at k on this cache, made on first use."""

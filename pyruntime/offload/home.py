@@ -33,7 +33,7 @@ import torch
 
 from pyruntime.errors import PyruntimeWarning
 from pyruntime.model.weights import HostWeights
-from pyruntime.offload.host_register import NoPinning, Pinning, cuda_pinning
+from pyruntime.offload.host_register import NoPinning, Pinning, cuda_pinning, mapped_tensor
 from pyruntime.offload.plan import gib
 
 PAGE = mmap.PAGESIZE
@@ -55,6 +55,7 @@ class ExpertHome:
     """The routed experts of every MoE layer on the host (module doc)."""
 
     mode = ""
+    in_place = False  # a GPU kernel can read its memory in place (registered, mapped)
 
     def __init__(self, host: HostWeights) -> None:
         self.layers = {i: blk.experts for i, blk in enumerate(host.blocks) if blk.experts}
@@ -74,6 +75,21 @@ class ExpertHome:
             view = self._views[layer] = _as_tensor(self.cpu_view(layer)).view(-1, self.expert_bytes)
         return view
 
+    def device_view(self, layer: int, device: torch.device) -> torch.Tensor | None:
+        """Layer `layer`'s experts as the kernels take them ([n_expert, n_ff, 3, row] uint8 for
+        block formats, f32 / f16 for those floats) on `device`, over the host bytes themselves:
+        a kernel reads them in place over PCIe (pyruntime.offload.step_graph's direct
+        experts). None where this home's memory is not mapped for the device, or for bf16 (no
+        numpy type)."""
+        raw = self.cpu_view(layer)
+        if raw.dtype not in (np.uint8, np.float32, np.float16):
+            return None
+        if device.type != "cuda":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # torch warns on read-only arrays
+                return torch.from_numpy(raw)
+        return mapped_tensor(raw, device) if self.in_place else None
+
     def sources(self, keys: Sequence[Key]) -> list[torch.Tensor]:
         """For each (layer, expert), its bytes as a flat uint8 host tensor that a copy to the
         device queued now may read (pinned, registered or plain)."""
@@ -87,6 +103,7 @@ class MappedHome(ExpertHome):
     """register: the mapped file's span that holds the experts, registered read-only."""
 
     mode = "register"
+    in_place = True
 
     def __init__(self, host: HostWeights, pinning: Pinning) -> None:
         super().__init__(host)
@@ -125,6 +142,7 @@ class PinnedHome(ExpertHome):
     """pinned: every routed expert copied into RAM, registered for DMA."""
 
     mode = "pinned"
+    in_place = True
 
     def __init__(self, host: HostWeights, pinning: Pinning) -> None:
         super().__init__(host)

@@ -74,7 +74,7 @@ def load_hybrid(f: GGUFFile, cfg: ModelConfig, plan: OffloadPlan, device: str, *
     )  # fmt: skip
     net.set_expert_threshold(thresholds)
     costs = None
-    if misses == "auto" and plan.slots:
+    if misses in ("auto", "direct") and plan.slots:  # direct: its prefill splits as auto
         costs = load_or_measure(
             _key(net, core, cfg, device), options.cache_dir() / "offload",
             lambda: measure_costs(net), _announce,

@@ -51,7 +51,16 @@ from pyruntime.offload.slots import ExpertSlots
 from pyruntime.offload.stats import OffloadStats, PartTimer
 from pyruntime.offload.streams import DeviceStreams
 
-MISSES = ("auto", "cpu", "stage")
+MISSES = ("auto", "cpu", "stage", "direct")
+# direct: the share of a layer's misses the GPU reads in place from host memory, where no
+# measured costs say otherwise: of olmoe's 8, 2 on the GPU was the fastest split measured (H200
+# and H100 hosts, 0 slots: 84.5 / 90.9 tok/s against 82.8 / 77.1 with 3 and 70.8 with 4,
+# bench/offload.py --misses direct --n-direct X).
+DIRECT_SHARE = 0.25
+# With measured costs, the in-place kernel's rate as a share of the copy engine's: the generic
+# GGUF kernel's byte loads read 35-44 GB/s alone and less beside the CPU's DRAM reads; 0.5 puts
+# the split where the measured best was (CPU ~80 GB/s, copy ~53).
+DIRECT_EFFICIENCY = 0.5
 IN_SEGMENT = object()  # _gpu's answer when a decode step's graph computed the GPU's share
 Key = tuple[int, int]  # (layer, expert)
 
@@ -77,6 +86,8 @@ class SplitExperts:
         self.worker: CpuWorker | None = None  # runs the CPU's share beside this thread
         self.worker_always = False  # every CPU share on the worker (else: the split decides)
         self.resident_only = False  # misses dropped (HybridExecutor.resident_experts_only)
+        self.n_direct: float | None = None  # misses='direct': misses a layer's GPU reads in
+        # place, on average (None: from the costs; direct_counts)
 
     def set_misses(self, misses: str, costs: Costs | None) -> None:
         if misses not in MISSES:
@@ -165,9 +176,12 @@ class SplitExperts:
         every miss staged (misses='stage'), a CPU share (a prefill's experts no slot could take)
         goes to the worker, beside the queueing of the rounds."""
         always = self.worker is not None and self.worker_always
-        if not misses or self.slots.n_slots <= n_hits or self.misses == "cpu":
+        mode = self.misses
+        if mode == "direct":  # outside a direct decode step (a prefill): as auto, where it can
+            mode = "auto" if self.costs is not None else "cpu"
+        if not misses or self.slots.n_slots <= n_hits or mode == "cpu":
             return Split([e for e, _ in misses], [], always)
-        if self.misses == "stage":
+        if mode == "stage":
             return Split([], [e for e, _ in misses], self.worker is not None)
         kept = self.cpu_active[0] / self.cpu_active[1] if self.cpu_active[1] else 1.0
         worker = "never" if self.worker is None else "always" if always else "auto"
@@ -328,6 +342,52 @@ class SplitExperts:
         self.lookahead_holds |= keys
         self.cache.held |= keys
         self.offload.prefetched += len(placed)
+
+    # -- a direct decode step (pyruntime.offload.step_graph) -------------------------------------
+
+    def direct_counts(self, k: int, n_layers: int) -> list[int]:
+        """Misses each MoE layer's GPU reads in place in a direct step, x a layer on average:
+        x = n_direct if set, else the share of k the GPU's in-place read rate gives beside the
+        CPU's (measured costs, else DIRECT_SHARE); a fractional x alternates between its two
+        neighbours layer by layer (2.5: 3, 2, 3, 2, ...)."""
+        if self.n_direct is not None:
+            x = float(self.n_direct)
+        else:
+            share = DIRECT_SHARE
+            c = self.costs
+            if c is not None and c.pcie_gbs > 0 and c.cpu_expert_s > 0:
+                gpu = c.pcie_gbs * DIRECT_EFFICIENCY
+                cpu = c.expert_bytes / c.cpu_expert_s / 1e9
+                share = gpu / (gpu + cpu)
+            x = k * share
+        x = max(0.0, min(float(k), x))
+        return [int(np.floor((j + 1) * x + 0.5) - np.floor(j * x + 0.5)) for j in range(n_layers)]
+
+    def direct_cpu_share(self, m: int, graph, trace: list | None, count: bool = True) -> None:
+        """The host's part of MoE layer m in a direct step (StepGraph.cpu_share): the pairs the
+        graph coded CPU, on the C core into graph.y_cpu; the cache's and the stats' counts
+        (count: False for a graph capture's warm-up run, which the replay repeats)."""
+        from pyruntime.offload.step_graph import CPU, DIRECT
+
+        i = self.moe[m]
+        ids = graph.ids.numpy()[0]
+        codes = graph.codes.numpy()[0]
+        cpu = ids[codes == CPU].tolist()
+        if count:
+            if trace is not None:
+                trace.append((graph.ids[0].long(), graph.router_logits[0].clone()))
+            self.cache.lookup(i, ids.tolist())  # the policy's clock and the hit counts
+            n_direct = int((codes == DIRECT).sum())
+            self.offload.direct += n_direct
+            self.offload.direct_bytes += n_direct * self.expert_bytes
+        if not cpu:
+            graph.y_cpu.zero_()
+            return
+        t = time.perf_counter()
+        n_active = self._decode_call(i, cpu, graph)
+        if count:
+            self.offload.cpu_seconds += time.perf_counter() - t
+            self._count_cpu(len(cpu), len(cpu), n_active)
 
     # -- the CPU's share --------------------------------------------------------------------------
 

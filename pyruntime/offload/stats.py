@@ -73,6 +73,8 @@ class OffloadStats:
     staged: int = 0  # experts copied into slots (misses, prefetches, lookaheads)
     staged_bytes: int = 0
     prefetched: int = 0  # of the staged: by prefetch() and the lookahead
+    direct: int = 0  # (layer, expert) pairs the GPU read in place from host memory
+    direct_bytes: int = 0
     cpu_experts: int = 0  # (layer, expert) pairs of a pass computed on the CPU
     cpu_bytes: int = 0  # bytes the CPU read for them (sparse: estimated from the kept neurons)
     cpu_seconds: float = 0.0  # wall time of the CPU expert calls
@@ -98,6 +100,8 @@ class OffloadStats:
             "staged_experts": self.staged,
             "staged_bytes": self.staged_bytes,
             "prefetched_experts": self.prefetched,
+            "direct_experts": self.direct,
+            "direct_bytes": self.direct_bytes,
             "cpu_experts": self.cpu_experts,
             "cpu_bytes": self.cpu_bytes,
             "cpu_expert_seconds": self.cpu_seconds,

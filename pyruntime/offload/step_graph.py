@@ -1,0 +1,184 @@
+"""A hybrid decode step as ONE CUDA graph: the GPU reads its share of the misses in place from
+host memory, the host computes the CPU's share between two flags, and nothing is launched per
+layer (`--misses direct`).
+
+The segmented step (pyruntime.offload.segments) returns to the host at every MoE layer: the host
+waits for the routing, places the experts, replays the GPU's share and calls the C core, ~250 us
+of host time a layer beside the C call on the device host. Here the placement is a rule the
+graph applies on the device, so the step is captured whole. Per MoE layer, on the GPU:
+
+    route; codes[j] of each of the k pairs: 0 = in a slot, 1 = direct (the first `n_direct`
+    misses by rank), 2 = CPU; the routing, h and the codes copied to page-locked host memory;
+    signal (flags[0, m] = step); the slots' kernel over the hits and the experts' kernel over
+    the direct pairs reading the layer's GGUF expert tensor in place in the mapped file (over
+    PCIe, ~40-50 GB/s, at the same time as the CPU's DRAM reads); wait (until flags[1, m] ==
+    step); y = y_gpu + y_cpu; on.
+
+and on the host, after the replay is queued, for each MoE layer: spin until flags[0, m] == step,
+the C core's call over the pairs coded 2 (bound once to the buffers, CpuCore.bind_moe) into
+y_cpu, flags[1, m] = step (kernels.host_flags: a round trip ~4.4 us). The slots stay as they are
+during the step (the cache is not updated by a decode step in this mode: its hits are what a
+prefill or a prefetch left there); the table of which slot holds what is copied up at each
+step's start.
+
+On a CPU device (tests), or when page-locked buffers are refused, the same step runs eagerly: at
+each MoE layer the host's share runs inline where the GPU would wait. The capture's warm-up run
+is such an eager run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from kernels import host_flags
+from pyruntime.errors import DeviceMemoryError
+from pyruntime.gpu import cache_state
+from pyruntime.gpu.layers import DecoderLayers, Routed, Span
+from pyruntime.model.kv_cache import KVCache
+from pyruntime.offload.host_register import mapped_tensor
+from pyruntime.offload.segments import DecodeSegments, StepBuffers
+
+HOST_WAIT_S = 30.0  # the host gives up on a flag after this long (a GPU fault)
+SLOT, DIRECT, CPU = 0, 1, 2  # a pair's code
+
+
+class StepGraph(DecodeSegments):
+    """The decode step of `segments.DecodeSegments` at k experts per token, captured whole
+    (module doc). direct[m]: MoE layer m's experts read in place (ExpertHome.device_view),
+    fmt: their GGUF format; slots, slot_fmt: the slot tensor and its format (None: no
+    slots); cpu_share(m, count): the host's share of MoE layer m (reads ids, codes, h,
+    weights, writes y_cpu; count: in the stats, False for the capture's warm-up run)."""
+
+    def __init__(self, layers: DecoderLayers, moe: list[int], cache: KVCache, span: Span, k: int,
+                 device: torch.device, direct: list[torch.Tensor], fmt: str,
+                 slots: torch.Tensor | None, n_expert: int,
+                 cpu_share: Callable[[int, bool], None]) -> None:  # fmt: skip
+        super().__init__(layers, moe, cache, span, k, lambda i, r: None, device)
+        self.direct, self.fmt, self.slots = direct, fmt, slots
+        self.cpu_share = cpu_share
+        n_moe = len(moe)
+        extra = StepBuffers(
+            {
+                "codes": ((1, k), torch.int32),
+                "flags": ((2, n_moe), torch.int32),
+                "table": ((n_moe, n_expert), torch.int32),
+                "n_direct": ((n_moe,), torch.int32),
+            },
+            self.cuda,
+        )  # fmt: skip
+        self._extra = extra
+        t = extra.tensors
+        self.codes, self.flags, self.table = t["codes"], t["flags"], t["table"]
+        self.n_direct = t["n_direct"]
+        self.capture = self.capture and extra.capturable
+        self._flags_dev = mapped_tensor(self.flags.numpy(), device) if self.capture else None
+        self.capture = self.capture and self._flags_dev is not None
+        self._table_dev = torch.full((n_moe, n_expert), -1, dtype=torch.int32, device=device)
+        self._n_direct_dev = torch.zeros(n_moe, dtype=torch.int32, device=device)
+        self._dmap_slots = torch.full((n_expert,), -1, dtype=torch.int32, device=device)
+        self._dmap_direct = torch.full((n_expert,), -1, dtype=torch.int32, device=device)
+        self._seq = torch.zeros(1, dtype=torch.int32, device=device)
+        self._failed = torch.zeros(1, dtype=torch.int32, device=device)
+        self.host_seq = 0
+        self._graph = None
+        self._warming = False  # the capture's warm-up run: the host's share is not counted
+        self.trace: list | None = None  # this step's routing trace (the caller's)
+
+    def step(self) -> float:
+        """Run one decode step (table and n_direct set by the caller); y_cpu's of every MoE
+        layer computed by cpu_share; logits in self.logits once the stream is done. Returns
+        the seconds the host waited for the graph's signals (the GPU's dense work between
+        two layers' experts, and the signal's trip)."""
+        if not self.capture:
+            self._step()
+            return 0.0
+        if self._graph is None:
+            recurrent = self.cache.recurrent
+            saved = None if recurrent is None else recurrent.copy()
+            self._warming = True
+            try:
+                self._graph, _ = cache_state.capture(self._step, self.device, pool=self._pool)
+            finally:
+                self._warming = False
+            if saved is not None:  # the warm-up run advanced it; the replay does
+                recurrent.load(saved)
+        self.host_seq += 1
+        self._graph.replay()
+        flags = self.flags.numpy()
+        waited = 0.0
+        try:
+            for m in range(len(self.moe)):
+                t = time.perf_counter()
+                self._await_gpu(flags, m)
+                waited += time.perf_counter() - t
+                self.cpu_share(m, True)
+                flags[1, m] = self.host_seq
+        except BaseException:
+            flags[1, :] = self.host_seq  # let the graph run to its end before raising
+            torch.cuda.current_stream(self.device).synchronize()
+            raise
+        torch.cuda.current_stream(self.device).synchronize()
+        if int(self._failed.item()):
+            raise DeviceMemoryError("the decode step's graph gave up waiting for the host")
+        return waited
+
+    def _await_gpu(self, flags: np.ndarray, m: int) -> None:
+        """Spin until the graph signalled MoE layer m of this step."""
+        if flags[0, m] == self.host_seq:
+            return
+        deadline = time.perf_counter() + HOST_WAIT_S
+        while flags[0, m] != self.host_seq:
+            if time.perf_counter() > deadline:
+                raise DeviceMemoryError(
+                    f"the decode step's graph did not reach MoE layer {m} in {HOST_WAIT_S:g} s"
+                )
+
+    # -- the step's device work -------------------------------------------------------------------
+
+    def _step(self) -> None:
+        capturing = self.cuda and torch.cuda.is_current_stream_capturing()
+        if capturing:
+            host_flags.advance(self._seq)
+        self._table_dev.copy_(self.table, non_blocking=True)
+        self._n_direct_dev.copy_(self.n_direct, non_blocking=True)
+        for m in range(len(self.moe) + 1):
+            r = self._segment(m)
+            if m == len(self.moe):
+                break
+            self.routed[m] = r
+            self._experts_step(m, r, capturing)
+
+    def _experts_step(self, m: int, r: Routed, capturing: bool) -> None:
+        """MoE layer m's routed experts (module doc): y_gpu on the device, y_cpu by the host."""
+        ids = r.ids[0].long()  # [k]
+        slot = self._table_dev[m][ids]
+        hit = slot >= 0
+        miss = ~hit
+        rank = torch.cumsum(miss.to(torch.int32), 0) - 1
+        direct = miss & (rank < self._n_direct_dev[m])
+        codes = torch.where(hit, SLOT, torch.where(direct, DIRECT, CPU)).to(torch.int32)
+        self.codes.copy_(codes[None], non_blocking=True)
+        if capturing:
+            host_flags.signal(self._flags_dev[0], self._seq, m)
+        else:
+            if self.cuda:
+                torch.cuda.current_stream(self.device).synchronize()
+            self.cpu_share(m, not self._warming)
+        y = None
+        i = self.moe[m]
+        if self.slots is not None:
+            self._dmap_slots.fill_(-1)
+            self._dmap_slots.scatter_(0, ids, torch.where(hit, slot, -1).to(torch.int32))
+            y, _ = self.layers.routed_experts(i, r, self._dmap_slots, self.slots)
+        self._dmap_direct.fill_(-1)
+        self._dmap_direct.scatter_(0, ids, torch.where(direct, ids, -1).to(torch.int32))
+        y_direct, _ = self.layers.routed_experts(i, r, self._dmap_direct, self.direct[m],
+                                                 self.fmt)  # fmt: skip
+        y = y_direct if y is None else y + y_direct
+        self.y_gpu.copy_(y)
+        if capturing:
+            host_flags.wait(self._flags_dev[1], self._seq, self._failed, m)
