@@ -1,6 +1,6 @@
-"""kernels.host_flags: the step number, the signal a graph writes for the host, and the wait
-that gives up. On a GPU the flags are page-locked host memory mapped for the device (as a step
-graph's); under the Triton interpreter plain tensors stand in for it."""
+"""kernels.host_flags: the step number, the routing a graph publishes for the host, and the
+wait for the host's share that gives up. On a GPU the host buffers are page-locked memory mapped
+for the device (as a step graph's); under the Triton interpreter plain tensors stand in."""
 
 import numpy as np
 import torch
@@ -10,13 +10,14 @@ from kernels.testing import DEVICE
 from pyruntime.offload.host_register import mapped_tensor, page_locked
 
 
-def host_flags_of(rows: int, cols: int) -> tuple[np.ndarray, torch.Tensor]:
-    """(the host's view, the kernels' tensor) of rows x cols int32 flags, all 0."""
+def host_array(shape: tuple[int, ...], dtype) -> tuple[np.ndarray, torch.Tensor]:
+    """(the host's view, the kernels' tensor) of zeros."""
     if DEVICE.type != "cuda":
-        t = torch.zeros(rows, cols, dtype=torch.int32)
+        t = torch.zeros(shape, dtype=dtype)
         return t.numpy(), t
-    host = page_locked(rows * cols * 4).view(np.int32).reshape(rows, cols)
-    host[:] = 0
+    nbytes = int(np.prod(shape)) * torch.tensor([], dtype=dtype).element_size()
+    host = page_locked(nbytes).view(torch.tensor([], dtype=dtype).numpy().dtype).reshape(shape)
+    host[...] = 0
     return host, mapped_tensor(host, DEVICE)
 
 
@@ -25,27 +26,44 @@ def done() -> None:
         torch.cuda.synchronize()
 
 
-def test_advance_signal_and_wait():
+def test_publish_writes_the_routing_then_the_flag():
     seq = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    host, flags = host_flags_of(2, 3)
-    failed = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     host_flags.advance(seq)
     host_flags.advance(seq)
     assert seq.item() == 2
-    host_flags.signal(flags[0], seq, 1)
+    g = torch.Generator().manual_seed(0)
+    k, n, e = 3, 1500, 37  # odd sizes: masked tails
+    ids = torch.tensor([5, 0, 36], device=DEVICE)  # int64, as the router's
+    w = torch.rand(k, generator=g).to(DEVICE)
+    codes = torch.tensor([2, 1, 0], dtype=torch.int32, device=DEVICE)
+    h = torch.randn(n, generator=g).to(DEVICE)
+    logits = torch.randn(e, generator=g).to(DEVICE, torch.bfloat16)
+    outs = [host_array((k,), torch.int32), host_array((k,), torch.float32),
+            host_array((k,), torch.int32), host_array((n,), torch.float32),
+            host_array((e,), torch.float32)]  # fmt: skip
+    flags_host, flags = host_array((2, 4), torch.int32)
+    host_flags.publish(ids, w, codes, h, logits, tuple(t for _, t in outs), flags[0], seq, 1)
     done()
-    assert host.tolist() == [[0, 2, 0], [0, 0, 0]]
-    host[1, 2] = 2  # the host's answer is there: the wait returns at once
-    host_flags.wait(flags[1], seq, failed, 2, limit=1)
-    assert failed.item() == 0
+    assert flags_host.tolist() == [[0, 2, 0, 0], [0, 0, 0, 0]]
+    assert outs[0][0].tolist() == [5, 0, 36]
+    assert np.array_equal(outs[1][0], w.cpu().numpy())
+    assert outs[2][0].tolist() == [2, 1, 0]
+    assert np.array_equal(outs[3][0], h.cpu().numpy())
+    assert np.array_equal(outs[4][0], logits.float().cpu().numpy())
 
 
-def test_a_wait_gives_up_and_says_so():
+def test_absorb_adds_the_hosts_share_and_gives_up_saying_so():
     seq = torch.ones(1, dtype=torch.int32, device=DEVICE)
-    host, flags = host_flags_of(2, 2)
+    flags_host, flags = host_array((2, 2), torch.int32)
     failed = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    host_flags.wait(flags[1], seq, failed, 0, limit=5)
-    assert failed.item() == 1
-    host[1, 1] = 1
-    host_flags.wait(flags[1], seq, failed, 1, limit=5)  # a later success keeps the failure
+    n = 1100
+    y_gpu = torch.arange(n, dtype=torch.float32, device=DEVICE)
+    y_cpu_host, y_cpu = host_array((n,), torch.float32)
+    y_cpu_host[:] = 0.5
+    out = torch.zeros(n, device=DEVICE)
+    flags_host[1, 1] = 1  # the host's answer is there: no wait
+    host_flags.absorb(flags[1], seq, failed, 1, y_gpu, y_cpu, out, limit=1)
+    assert failed.item() == 0
+    assert torch.equal(out.cpu(), torch.arange(n, dtype=torch.float32) + 0.5)
+    host_flags.absorb(flags[1], seq, failed, 0, y_gpu, y_cpu, out, limit=5)  # never written
     assert failed.item() == 1

@@ -211,8 +211,7 @@ class DecodeSegments:
             x, delta, first = layers.embed(self.span.ids), None, 0
         else:
             prev, r = moe[m - 1], self.routed[m - 1]
-            y = self.y_gpu + self.y_cpu.to(self.device, non_blocking=True)
-            delta = layers.ffn_output(prev, r, y)
+            delta = layers.ffn_output(prev, r, self._routed_output())
             x, first = r.x.clone(), prev + 1
         last = moe[m] if m < len(moe) else layers.config.n_layer
         for i in range(first, last):  # dense-FFN layers
@@ -225,6 +224,15 @@ class DecodeSegments:
         i = moe[m]
         x, delta = layers.mixer(i, x, delta, self.cache, self.span)
         r = layers.route(i, x, delta, self.k)
+        self._publish(i, r)
+        return r
+
+    def _routed_output(self) -> torch.Tensor:
+        """The previous MoE layer's routed output on the device: its two shares added."""
+        return self.y_gpu + self.y_cpu.to(self.device, non_blocking=True)
+
+    def _publish(self, i: int, r: Routed) -> None:
+        """MoE layer i's routing into the host buffers (copies the host waits for)."""
         self.ids.copy_(r.ids.to(torch.int32), non_blocking=True)
         self.weights.copy_(r.weights, non_blocking=True)
         self.h.copy_(r.h32.float(), non_blocking=True)
@@ -232,4 +240,3 @@ class DecodeSegments:
         predicted = self.predict(i, r)
         if predicted is not None:
             self.predicted.copy_(predicted, non_blocking=True)
-        return r

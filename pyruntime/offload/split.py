@@ -376,7 +376,8 @@ class SplitExperts:
         if count:
             if trace is not None:
                 trace.append((graph.ids[0].long(), graph.router_logits[0].clone()))
-            self.cache.lookup(i, ids.tolist())  # the policy's clock and the hit counts
+            if self.slots.n_slots:  # the policy's clock and the hit counts
+                self.cache.lookup(i, ids.tolist())
             n_direct = int((codes == DIRECT).sum())
             self.offload.direct += n_direct
             self.offload.direct_bytes += n_direct * self.expert_bytes

@@ -8,11 +8,11 @@ of host time a layer beside the C call on the device host. Here the placement is
 graph applies on the device, so the step is captured whole. Per MoE layer, on the GPU:
 
     route; codes[j] of each of the k pairs: 0 = in a slot, 1 = direct (the first `n_direct`
-    misses by rank), 2 = CPU; the routing, h and the codes copied to page-locked host memory;
-    signal (flags[0, m] = step); the slots' kernel over the hits and the experts' kernel over
-    the direct pairs reading the layer's GGUF expert tensor in place in the mapped file (over
-    PCIe, ~40-50 GB/s, at the same time as the CPU's DRAM reads); wait (until flags[1, m] ==
-    step); y = y_gpu + y_cpu; on.
+    misses by rank), 2 = CPU; publish: the routing, h and the codes written into page-locked
+    host memory by one kernel, then flags[0, m] = step; the slots' kernel over the hits and the
+    experts' kernel over the direct pairs reading the layer's GGUF expert tensor in place in the
+    mapped file (over PCIe, ~40-50 GB/s, at the same time as the CPU's DRAM reads); absorb:
+    one kernel waits until flags[1, m] == step and adds y_cpu, read in place, to y_gpu; on.
 
 and on the host, after the replay is queued, for each MoE layer: spin until flags[0, m] == step,
 the C core's call over the pairs coded 2 (bound once to the buffers, CpuCore.bind_moe) into
@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from kernels import host_flags
+from kernels.expert_gather import gather_experts
 from pyruntime.errors import DeviceMemoryError
 from pyruntime.gpu import cache_state
 from pyruntime.gpu.layers import DecoderLayers, Routed, Span
@@ -75,8 +76,17 @@ class StepGraph(DecodeSegments):
         self.codes, self.flags, self.table = t["codes"], t["flags"], t["table"]
         self.n_direct = t["n_direct"]
         self.capture = self.capture and extra.capturable
-        self._flags_dev = mapped_tensor(self.flags.numpy(), device) if self.capture else None
-        self.capture = self.capture and self._flags_dev is not None
+        # the host buffers the graph writes (routing) and reads (y_cpu) in place
+        mapped = [mapped_tensor(a.numpy(), device) if self.capture else None for a in
+                  (self.flags, self.ids[0], self.weights[0], self.codes[0], self.h[0],
+                   self.router_logits[0], self.y_cpu[0])]  # fmt: skip
+        self.capture = self.capture and all(t is not None for t in mapped)
+        self._flags_dev, self._mapped_out, self._mapped_y_cpu = mapped[0], mapped[1:6], mapped[6]
+        self._y_sum = torch.zeros(1, layers.config.n_embd, device=device)
+        # the direct experts of a layer, gathered from host memory (kernels.expert_gather):
+        # k experts at most (~53 MB for olmoe's or gpt-oss's k; inside the plan's work reserve)
+        self._gathered_experts = torch.empty((k, *direct[0].shape[1:]), dtype=direct[0].dtype,
+                                             device=device)  # fmt: skip
         self._table_dev = torch.full((n_moe, n_expert), -1, dtype=torch.int32, device=device)
         self._n_direct_dev = torch.zeros(n_moe, dtype=torch.int32, device=device)
         self._dmap_slots = torch.full((n_expert,), -1, dtype=torch.int32, device=device)
@@ -152,8 +162,15 @@ class StepGraph(DecodeSegments):
             self.routed[m] = r
             self._experts_step(m, r, capturing)
 
+    def _publish(self, i: int, r: Routed) -> None:
+        """Nothing yet: the routing goes to the host with the codes (_experts_step)."""
+
+    def _routed_output(self) -> torch.Tensor:
+        return self._y_sum
+
     def _experts_step(self, m: int, r: Routed, capturing: bool) -> None:
-        """MoE layer m's routed experts (module doc): y_gpu on the device, y_cpu by the host."""
+        """MoE layer m's routed experts (module doc): the GPU's share, then the two shares
+        added into self._y_sum once the host's is there."""
         ids = r.ids[0].long()  # [k]
         slot = self._table_dev[m][ids]
         hit = slot >= 0
@@ -161,10 +178,12 @@ class StepGraph(DecodeSegments):
         rank = torch.cumsum(miss.to(torch.int32), 0) - 1
         direct = miss & (rank < self._n_direct_dev[m])
         codes = torch.where(hit, SLOT, torch.where(direct, DIRECT, CPU)).to(torch.int32)
-        self.codes.copy_(codes[None], non_blocking=True)
         if capturing:
-            host_flags.signal(self._flags_dev[0], self._seq, m)
+            host_flags.publish(r.ids[0], r.weights[0], codes, r.h32[0], r.logits[0],
+                               self._mapped_out, self._flags_dev[0], self._seq, m)  # fmt: skip
         else:
+            DecodeSegments._publish(self, self.moe[m], r)
+            self.codes.copy_(codes[None], non_blocking=True)
             if self.cuda:
                 torch.cuda.current_stream(self.device).synchronize()
             self.cpu_share(m, not self._warming)
@@ -174,11 +193,17 @@ class StepGraph(DecodeSegments):
             self._dmap_slots.fill_(-1)
             self._dmap_slots.scatter_(0, ids, torch.where(hit, slot, -1).to(torch.int32))
             y, _ = self.layers.routed_experts(i, r, self._dmap_slots, self.slots)
+        # the direct pairs' experts gathered into the buffer (wide loads over PCIe), direct
+        # pair j's into buffer row rank[j] (< n_direct <= k), then computed from there
+        buffer_row = rank.to(torch.int32)
+        gather_experts(self.direct[m], self._gathered_experts, ids, codes, buffer_row, DIRECT)
         self._dmap_direct.fill_(-1)
-        self._dmap_direct.scatter_(0, ids, torch.where(direct, ids, -1).to(torch.int32))
-        y_direct, _ = self.layers.routed_experts(i, r, self._dmap_direct, self.direct[m],
-                                                 self.fmt)  # fmt: skip
+        self._dmap_direct.scatter_(0, ids, torch.where(direct, buffer_row, -1).to(torch.int32))
+        y_direct, _ = self.layers.routed_experts(i, r, self._dmap_direct,
+                                                 self._gathered_experts, self.fmt)  # fmt: skip
         y = y_direct if y is None else y + y_direct
-        self.y_gpu.copy_(y)
         if capturing:
-            host_flags.wait(self._flags_dev[1], self._seq, self._failed, m)
+            host_flags.absorb(self._flags_dev[1], self._seq, self._failed, m, y[0],
+                              self._mapped_y_cpu, self._y_sum[0])  # fmt: skip
+        else:
+            self._y_sum.copy_(y + self.y_cpu.to(self.device))
