@@ -351,16 +351,22 @@ class HybridExecutor:
 
     def _direct_views(self) -> list[torch.Tensor] | None:
         """Each MoE layer's experts as a kernel reads them in place from host memory, when a
-        decode step runs direct (misses='direct', no lookahead, the experts not
-        input-weighted, the home mapped for the device); else None."""
+        decode step runs direct (misses='direct', or 'auto' with no slots; no lookahead, the
+        experts not input-weighted, the home mapped for the device); else None."""
         experts = self.experts
-        if (experts.misses != "direct" or experts.lookahead or experts.resident_only
-                or self.config.expert_input_weight):  # fmt: skip
+        # auto without slots: direct (nothing to stage into; 1.53x all on the CPU, H100 host)
+        direct = experts.misses == "direct" or (experts.misses == "auto" and not self.slots.n_slots)
+        if (
+            not direct
+            or experts.lookahead
+            or experts.resident_only
+            or self.config.expert_input_weight
+        ):
             return None
         if self._views is None:
             views = [self.home.device_view(i, self.device) for i in self._moe]
             self._views = views if all(v is not None for v in views) else []
-            if not self._views:
+            if not self._views and experts.misses == "direct":
                 warnings.warn("misses='direct' needs the experts' host memory mapped for the "
                               "GPU (--staging register or pinned): the misses are split as "
                               "auto", PyruntimeWarning, stacklevel=3)  # fmt: skip
@@ -398,6 +404,7 @@ class HybridExecutor:
         self.offload.route_wait_seconds += waited
         if resident:
             self.slots.mark_read(resident)
+        self.stats.add(0, graph.gpu_active(), self.config.n_ff_exp)
         self.stats.flush()
         self.streams.host_waits()
         self.timer.collect()

@@ -53,14 +53,13 @@ from pyruntime.offload.streams import DeviceStreams
 
 MISSES = ("auto", "cpu", "stage", "direct")
 # direct: the share of a layer's misses the GPU reads in place from host memory, where no
-# measured costs say otherwise: of olmoe's 8, 2 on the GPU was the fastest split measured (H200
-# and H100 hosts, 0 slots: 84.5 / 90.9 tok/s against 82.8 / 77.1 with 3 and 70.8 with 4,
-# bench/offload.py --misses direct --n-direct X).
-DIRECT_SHARE = 0.25
-# With measured costs, the in-place kernel's rate as a share of the copy engine's: the generic
-# GGUF kernel's byte loads read 35-44 GB/s alone and less beside the CPU's DRAM reads; 0.5 puts
-# the split where the measured best was (CPU ~80 GB/s, copy ~53).
-DIRECT_EFFICIENCY = 0.5
+# measured costs say otherwise: of olmoe's 8, 3 on the GPU was the fastest split measured (H100
+# host, 0 slots, the experts gathered with wide loads: 103.1 tok/s against 101.7 with 2.5 a layer
+# and 67.4 all on the CPU; bench/offload.py --misses direct --n-direct X).
+DIRECT_SHARE = 0.375
+# With measured costs, the in-place gather's rate as a share of the copy engine's (45-48 GB/s
+# against 50-53 alone, H100 host: kernels/expert_gather.py).
+DIRECT_EFFICIENCY = 0.85
 IN_SEGMENT = object()  # _gpu's answer when a decode step's graph computed the GPU's share
 Key = tuple[int, int]  # (layer, expert)
 
@@ -379,6 +378,8 @@ class SplitExperts:
             if self.slots.n_slots:  # the policy's clock and the hit counts
                 self.cache.lookup(i, ids.tolist())
             n_direct = int((codes == DIRECT).sum())
+            # the GPU's pairs; their kept neurons are counted after the step (gpu_active)
+            self.stats.add_pairs(len(codes) - len(cpu), self.config.n_ff_exp)
             self.offload.direct += n_direct
             self.offload.direct_bytes += n_direct * self.expert_bytes
         if not cpu:

@@ -92,6 +92,8 @@ class StepGraph(DecodeSegments):
         self._dmap_slots = torch.full((n_expert,), -1, dtype=torch.int32, device=device)
         self._dmap_direct = torch.full((n_expert,), -1, dtype=torch.int32, device=device)
         self._seq = torch.zeros(1, dtype=torch.int32, device=device)
+        # neurons the GPU's pairs kept in a step (all of them where the dense path ran)
+        self._gpu_active = torch.zeros(1, dtype=torch.int64, device=device)
         self._failed = torch.zeros(1, dtype=torch.int32, device=device)
         self.host_seq = 0
         self._graph = None
@@ -136,6 +138,10 @@ class StepGraph(DecodeSegments):
             raise DeviceMemoryError("the decode step's graph gave up waiting for the host")
         return waited
 
+    def gpu_active(self) -> int:
+        """Neurons the GPU's pairs kept in the last step (after it)."""
+        return int(self._gpu_active.item())
+
     def _await_gpu(self, flags: np.ndarray, m: int) -> None:
         """Spin until the graph signalled MoE layer m of this step."""
         if flags[0, m] == self.host_seq:
@@ -153,6 +159,7 @@ class StepGraph(DecodeSegments):
         capturing = self.cuda and torch.cuda.is_current_stream_capturing()
         if capturing:
             host_flags.advance(self._seq)
+        self._gpu_active.zero_()
         self._table_dev.copy_(self.table, non_blocking=True)
         self._n_direct_dev.copy_(self.n_direct, non_blocking=True)
         for m in range(len(self.moe) + 1):
@@ -189,18 +196,21 @@ class StepGraph(DecodeSegments):
             self.cpu_share(m, not self._warming)
         y = None
         i = self.moe[m]
+        n_ff = self.layers.config.n_ff_exp
         if self.slots is not None:
             self._dmap_slots.fill_(-1)
             self._dmap_slots.scatter_(0, ids, torch.where(hit, slot, -1).to(torch.int32))
-            y, _ = self.layers.routed_experts(i, r, self._dmap_slots, self.slots)
+            y, active = self.layers.routed_experts(i, r, self._dmap_slots, self.slots)
+            self._gpu_active += hit.sum() * n_ff if active is None else active.sum()
         # the direct pairs' experts gathered into the buffer (wide loads over PCIe), direct
         # pair j's into buffer row rank[j] (< n_direct <= k), then computed from there
         buffer_row = rank.to(torch.int32)
         gather_experts(self.direct[m], self._gathered_experts, ids, codes, buffer_row, DIRECT)
         self._dmap_direct.fill_(-1)
         self._dmap_direct.scatter_(0, ids, torch.where(direct, buffer_row, -1).to(torch.int32))
-        y_direct, _ = self.layers.routed_experts(i, r, self._dmap_direct,
-                                                 self._gathered_experts, self.fmt)  # fmt: skip
+        y_direct, active = self.layers.routed_experts(i, r, self._dmap_direct,
+                                                      self._gathered_experts, self.fmt)  # fmt: skip
+        self._gpu_active += direct.sum() * n_ff if active is None else active.sum()
         y = y_direct if y is None else y + y_direct
         if capturing:
             host_flags.absorb(self._flags_dev[1], self._seq, self._failed, m, y[0],
