@@ -79,13 +79,16 @@ static inline float dot_pf(const moe_ctx *c, const uint8_t *row, const void *xt,
     return c->ops->dot(row, xt, c->n_embd);
 }
 
-/* y += sum_r a[r] * rows[r] for nr rows, in row order. */
+/* y += sum_r a[r] * rows[r] for nr rows, in row order; where the level has int8-multiplier down
+ * rows (K-quants on VNNI: axpyn_i8), those, in passes of PYRT_AXPY_ROWS rows from row 0 (so the
+ * dense and the sparse kernels, keeping the same neurons, group them alike: the same bits). */
 static inline void axpy_rows(const moe_ctx *c, int nr, const float *a, const void *const *rows,
                              float *y) {
-    if (c->ops->axpyn != NULL) {
+    const pyrt_axpyn_fn axpyn = c->ops->axpyn_i8 != NULL ? c->ops->axpyn_i8 : c->ops->axpyn;
+    if (axpyn != NULL) {
         for (int r0 = 0; r0 < nr; r0 += PYRT_AXPY_ROWS) {
             const int m = nr - r0 < PYRT_AXPY_ROWS ? nr - r0 : PYRT_AXPY_ROWS;
-            c->ops->axpyn(m, a + r0, rows + r0, y, c->n_embd);
+            axpyn(m, a + r0, rows + r0, y, c->n_embd);
         }
     } else {
         for (int r = 0; r < nr; r++)
@@ -114,7 +117,7 @@ static inline float up_term(const moe_ctx *c, const float *bias, int64_t j, floa
 /* Down rows into one y with prefetches spread through the pass (or a burst, then axpy_rows). */
 static inline void axpy_rows_pf(const moe_ctx *c, int nr, const float *a, const void *const *rows,
                                 float *y, const void *const *pf, int n_pf) {
-    if (c->ops->axpyn_pf != NULL && nr <= PYRT_AXPY_ROWS) {
+    if (c->ops->axpyn_pf != NULL && c->ops->axpyn_i8 == NULL && nr <= PYRT_AXPY_ROWS) {
         c->ops->axpyn_pf(nr, a, rows, y, c->n_embd, pf, n_pf);
         return;
     }

@@ -388,19 +388,20 @@ KQ_AXPY_ENTRIES(q4_k, PYRT_FMT_Q4_K)
 KQ_AXPY_ENTRIES(q5_k, PYRT_FMT_Q5_K)
 KQ_AXPY_ENTRIES(q6_k, PYRT_FMT_Q6_K)
 
-#define KQ_OPS(name, SUF)                                                                         \
+#define KQ_OPS(name, SUF, I8)                                                                     \
     static const pyrt_row_ops ops_##name##_##SUF = {.dot = dot_##name##_##SUF,                     \
                                                     .axpy = axpy_##name,                          \
                                                     .dot2 = dot2_##name##_##SUF,                  \
                                                     .axpyn = axpyn_##name,                        \
                                                     .dot_tile = dot_tile_##name##_##SUF,          \
-                                                    .axpy_tile = axpy_tile_##name};
-KQ_OPS(q4_k, bw)
-KQ_OPS(q5_k, bw)
-KQ_OPS(q6_k, bw)
-KQ_OPS(q4_k, vnni)
-KQ_OPS(q5_k, vnni)
-KQ_OPS(q6_k, vnni)
+                                                    .axpy_tile = axpy_tile_##name,                \
+                                                    .axpyn_i8 = I8};
+KQ_OPS(q4_k, bw, NULL)
+KQ_OPS(q5_k, bw, NULL)
+KQ_OPS(q6_k, bw, NULL)
+KQ_OPS(q4_k, vnni, pyrt_axpyn_i8_q4_k)
+KQ_OPS(q5_k, vnni, NULL)
+KQ_OPS(q6_k, vnni, NULL)
 
 const pyrt_row_ops *pyrt_row_ops_kquant_avx512(int fmt, int vnni) {
     if (vnni)

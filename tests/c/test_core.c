@@ -1225,9 +1225,100 @@ static void test_kquant_kernels_agree(void) {
     }
 }
 
+/* Q4_K's int8-multiplier axpyn (pyrt_row_ops.axpyn_i8, where the level has it) against the
+ * exact sum in double, within its stated bound: per element i of sub-block j, (S_j / 500) sum_r
+ * q_ri (S_j = max_r |a_r d_r sc_rj| / 127: each multiplier off by at most half of S_j / 254, and
+ * the f32 rounding of its remainder) plus f32 rounding, a few u of the terms' magnitude. Rows
+ * of 1, 3 and 8 super-blocks, every nr (a group of 4 with a tail), multipliers of both signs and
+ * one zero. */
+static void q4_k_sc_m(const uint8_t *w, int j, int *sc, int *m) {
+    const uint8_t *p = w + 4;
+    if (j < 4) {
+        *sc = p[j] & 63, *m = p[j + 4] & 63;
+    } else {
+        *sc = (p[j + 4] & 0xF) | ((p[j - 4] >> 6) << 4);
+        *m = (p[j + 4] >> 4) | ((p[j] >> 6) << 4);
+    }
+}
+
+static void test_kquant_axpyn_i8(void) {
+    const int lengths[] = {256, 768, 2048};
+    const double u = ldexp(1.0, -24);
+    for (int level = PYRT_SIMD_SCALAR; level <= pyrt_simd_best(); level++)
+        for (int vnni = 0; vnni < 2; vnni++) {
+            const pyrt_row_ops *ops = pyrt_row_ops_at(level, PYRT_FMT_Q4_K, vnni);
+            if (ops == NULL || ops->axpyn_i8 == NULL)
+                continue;
+            for (int li = 0; li < COUNT_OF(lengths); li++) {
+                const int n = lengths[li];
+                const size_t rb = pyrt_row_bytes(PYRT_FMT_Q4_K, n);
+                uint8_t *rows = malloc(rb * PYRT_AXPY_ROWS);
+                float *y = malloc(sizeof(float) * n);
+                double *ref = malloc(sizeof(double) * n), *bound = malloc(sizeof(double) * n);
+                const void *rp[PYRT_AXPY_ROWS];
+                for (int r = 0; r < PYRT_AXPY_ROWS; r++) {
+                    make_kquant_row(PYRT_FMT_Q4_K, n, rows + r * rb);
+                    rp[r] = rows + r * rb;
+                }
+                for (int nr = 1; nr <= PYRT_AXPY_ROWS; nr++) {
+                    float a[PYRT_AXPY_ROWS];
+                    for (int r = 0; r < nr; r++)
+                        a[r] = r == 2 ? 0.0f : rng_normalish();
+                    for (int i = 0; i < n; i++) {
+                        y[i] = rng_normalish();
+                        ref[i] = y[i];
+                        bound[i] = 4 * u * fabs(y[i]);
+                    }
+                    for (int s = 0; s < n / PYRT_QK_K; s++)
+                        for (int j = 0; j < 8; j++) {
+                            double c[PYRT_AXPY_ROWS], cmax = 0.0;
+                            for (int r = 0; r < nr; r++) {
+                                const uint8_t *w =
+                                    (const uint8_t *)rp[r] + (size_t)s * PYRT_Q4_K_BYTES;
+                                int sc, m;
+                                q4_k_sc_m(w, j, &sc, &m);
+                                const double d = pyrt_fp16_to_fp32(pyrt_load_u16(w));
+                                const double dmin = pyrt_fp16_to_fp32(pyrt_load_u16(w + 2));
+                                c[r] = a[r] * d * sc;
+                                cmax = fmax(cmax, fabs(c[r]));
+                                for (int l = 0; l < 32; l++) {
+                                    const int i = s * PYRT_QK_K + 32 * j + l;
+                                    const int q = (w[16 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 15;
+                                    const double term = c[r] * q - a[r] * dmin * m;
+                                    ref[i] += term;
+                                    bound[i] += 8 * nr * u *
+                                                (fabs(c[r]) * 15 + fabs(a[r] * dmin * m));
+                                }
+                            }
+                            for (int r = 0; r < nr; r++) {
+                                const uint8_t *w =
+                                    (const uint8_t *)rp[r] + (size_t)s * PYRT_Q4_K_BYTES;
+                                for (int l = 0; l < 32; l++) { /* the multipliers' rounding */
+                                    const int i = s * PYRT_QK_K + 32 * j + l;
+                                    const int q = (w[16 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 15;
+                                    bound[i] += cmax / 127 / 500 * q;
+                                }
+                            }
+                        }
+                    ops->axpyn_i8(nr, a, rp, y, n);
+                    for (int i = 0; i < n; i++)
+                        if (!(fabs((double)y[i] - ref[i]) <= bound[i] + 1e-30)) {
+                            CHECK(0,
+                                  "q4_k axpyn_i8 level %d n %d nr %d at %d: %.9g vs %.9g "
+                                  "(bound %.3g)",
+                                  level, n, nr, i, y[i], ref[i], bound[i]);
+                            break;
+                        }
+                }
+                free(rows), free(y), free(ref), free(bound);
+            }
+        }
+}
+
 int main(void) {
     test_quantize_x();
     test_quantize_x_levels();
+    test_kquant_axpyn_i8();
     test_quantize_x_q8k_groups();
     test_kquant_kernels_match_plain();
     test_add_levels();
