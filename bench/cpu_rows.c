@@ -85,7 +85,7 @@ static double run_case(const pyrt_row_ops *ops, int c, const uint8_t *w, size_t 
                 for (int k = 0; k < PYRT_AXPY_ROWS; k++)
                     rows[k] = w + (size_t)(r + k) * rb;
                 if (c == 2)
-                    ops->axpyn_i8(PYRT_AXPY_ROWS, a, rows, y, N);
+                    ops->axpyn_i8(PYRT_AXPY_ROWS, a, rows, y, N, NULL, 0);
                 else if (ops->axpyn)
                     ops->axpyn(PYRT_AXPY_ROWS, a, rows, y, N);
                 else

@@ -31,7 +31,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from quant_blocks import K_QUANTS, q4_k_scales_codes, quantize_x_q8k_ref, random_blocks
+from quant_blocks import (
+    K_QUANTS,
+    q4_k_scales_codes,
+    q6_k_scales_codes,
+    quantize_x_q8k_ref,
+    random_blocks,
+)
 
 from pyruntime.kernels.expert_formats import quantize_x_q8_ref
 
@@ -104,8 +110,8 @@ def reference(
     w [E, F, 3, D] f64; x [T, D] f64; ids [T, K]; topk_w [T, K]. x_err: per-element bound on how
     far the kernel's x may be from this x (activation quantization), else only f32 rounding.
     here: None, or bool [E]: only the (token, expert) pairs of experts held here are computed.
-    down_i8: None, or the Q4_K down rows' (d sc_j [E, F, D / 32], codes [E, F, D]) where the
-    kernel folds each neuron's h into int8 multipliers (down_i8_error).
+    down_i8: None, or the K-quant down rows' (d sc_j [E, F, D / sub-block], codes [E, F, D])
+    where the kernel folds each neuron's h into int8 multipliers (down_i8_error).
     """
     ws = w[ids.long()]  # [T, K, F, 3, D]
     g = torch.einsum("tkfd,td->tkf", ws[..., 0, :], x)
@@ -139,28 +145,30 @@ def reference(
 
 
 def down_i8_error(h_abs, keep, ids, dsc, codes):
-    """Bound on what the int8 multipliers of Q4_K's down rows (pyrt_axpyn_i8_q4_k) add to |dy|.
+    """Bound on what the int8 multipliers of K-quant down rows (pyrt_axpyn_i8_*) add to |dy|.
 
-    A pass of up to 8 kept neurons of one route rounds each h_j d_j sc_j of sub-block s to a
+    A pass of up to 8 kept neurons of one route rounds each h_j d_j sc_j of sub-block s (Q4_K:
+    32 elements, Q6_K: 16; q the stored code, Q6_K's 0..63) to a
     multiple of S / 254, S = max |h_j d_j sc_j| / 127 over the pass: off by at most S / 508 (S /
     500 with the f32 rounding of the remainder), times the code q_ji. A pass's neurons are some
     of the route's, so with S_route = that max over all of the route's kept neurons: |dy_i| <=
     sum_routes (S_route(s(i)) / 500) sum_j q_ji. h_abs: |h| plus its bound (the kernel's h, from
     which it takes S, is within it)."""
     dsc, codes = dsc[ids.long()], codes[ids.long()]  # [T, K, F, D / 32], [T, K, F, D]
-    s_route = ((h_abs * keep)[..., None] * dsc).amax(dim=2) / 127  # [T, K, D / 32]
+    s_route = ((h_abs * keep)[..., None] * dsc.abs()).amax(dim=2) / 127  # [T, K, sub-blocks]
     q_sum = torch.einsum("tkf,tkfd->tkd", keep.double(), codes)
-    step = s_route.repeat_interleave(32, dim=-1) / 500
+    step = s_route.repeat_interleave(codes.shape[-1] // dsc.shape[-1], dim=-1) / 500
     return (step * q_sum).sum(dim=1)
 
 
 def down_i8_of(fmt, simd, raw, n_expert, n_ff, n_embd):
-    """The down rows' scales and codes where this level's kernel takes the int8 path (Q4_K on
-    AVX-512: VNNI CPUs; the bound only widens where it does not), else None."""
-    if fmt != "Q4_K" or simd != "avx512":
+    """The down rows' scales and codes where this level's kernel takes the int8 path (Q4_K and
+    Q6_K on AVX-512: VNNI CPUs; the bound only widens where it does not), else None."""
+    if fmt not in ("Q4_K", "Q6_K") or simd != "avx512":
         return None
     rows = np.asarray(raw).reshape(n_expert, n_ff, 3, -1)[:, :, 2].reshape(n_expert * n_ff, -1)
-    dsc, codes = q4_k_scales_codes(rows, n_embd)
+    decode = q4_k_scales_codes if fmt == "Q4_K" else q6_k_scales_codes
+    dsc, codes = decode(rows, n_embd)
     shape = (n_expert, n_ff)
     return (
         torch.from_numpy(dsc).reshape(*shape, -1),

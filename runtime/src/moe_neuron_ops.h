@@ -84,11 +84,15 @@ static inline float dot_pf(const moe_ctx *c, const uint8_t *row, const void *xt,
  * dense and the sparse kernels, keeping the same neurons, group them alike: the same bits). */
 static inline void axpy_rows(const moe_ctx *c, int nr, const float *a, const void *const *rows,
                              float *y) {
-    const pyrt_axpyn_fn axpyn = c->ops->axpyn_i8 != NULL ? c->ops->axpyn_i8 : c->ops->axpyn;
-    if (axpyn != NULL) {
+    if (c->ops->axpyn_i8 != NULL) {
         for (int r0 = 0; r0 < nr; r0 += PYRT_AXPY_ROWS) {
             const int m = nr - r0 < PYRT_AXPY_ROWS ? nr - r0 : PYRT_AXPY_ROWS;
-            axpyn(m, a + r0, rows + r0, y, c->n_embd);
+            c->ops->axpyn_i8(m, a + r0, rows + r0, y, c->n_embd, NULL, 0);
+        }
+    } else if (c->ops->axpyn != NULL) {
+        for (int r0 = 0; r0 < nr; r0 += PYRT_AXPY_ROWS) {
+            const int m = nr - r0 < PYRT_AXPY_ROWS ? nr - r0 : PYRT_AXPY_ROWS;
+            c->ops->axpyn(m, a + r0, rows + r0, y, c->n_embd);
         }
     } else {
         for (int r = 0; r < nr; r++)
@@ -117,7 +121,11 @@ static inline float up_term(const moe_ctx *c, const float *bias, int64_t j, floa
 /* Down rows into one y with prefetches spread through the pass (or a burst, then axpy_rows). */
 static inline void axpy_rows_pf(const moe_ctx *c, int nr, const float *a, const void *const *rows,
                                 float *y, const void *const *pf, int n_pf) {
-    if (c->ops->axpyn_pf != NULL && c->ops->axpyn_i8 == NULL && nr <= PYRT_AXPY_ROWS) {
+    if (c->ops->axpyn_i8 != NULL && nr <= PYRT_AXPY_ROWS) {
+        c->ops->axpyn_i8(nr, a, rows, y, c->n_embd, pf, n_pf);
+        return;
+    }
+    if (c->ops->axpyn_pf != NULL && nr <= PYRT_AXPY_ROWS) {
         c->ops->axpyn_pf(nr, a, rows, y, c->n_embd, pf, n_pf);
         return;
     }

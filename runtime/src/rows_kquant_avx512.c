@@ -20,6 +20,7 @@
 #include <immintrin.h>
 
 #include "blocks_avx512.h"
+#include "blocks_kquant_avx512.h"
 #include "blocks_kquant_x86.h"
 
 #define D(w) _cvtsh_ss(pyrt_load_u16(w))
@@ -33,46 +34,6 @@ enum { KQ_ROWS = 4, KQ_TOKENS = 2 };
 AVX512 static INLINE __m512i x_pair(const pyrt_xq8 *xq, int k) {
     return join256(_mm256_loadu_si256((const __m256i *)xq[2 * k].q),
                    _mm256_loadu_si256((const __m256i *)xq[2 * k + 1].q));
-}
-
-/* 32 bytes at p in both halves. */
-AVX512 static INLINE __m512i bcast32(const uint8_t *p) {
-    return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
-}
-
-/* Shift counts per 16-bit lane: lo for the low 256 bits, hi for the high. */
-AVX512 static INLINE __m512i counts16(short lo, short hi) {
-    return join256(_mm256_set1_epi16(lo), _mm256_set1_epi16(hi));
-}
-
-/* Pair k's 64 codes (uint8; bytes 0..31: sub-block 2k, 32..63: 2k + 1). */
-AVX512 static INLINE __m512i codes_q4_k(const uint8_t *w, int k) {
-    const __m512i raw = bcast32(w + 16 + 32 * k);
-    const __m512i nib = _mm512_srlv_epi16(raw, counts16(0, 4));
-    return _mm512_and_si512(nib, _mm512_set1_epi8(0x0F));
-}
-AVX512 static INLINE __m512i codes_q5_k(const uint8_t *w, int k) {
-    const __m512i raw = bcast32(w + 48 + 32 * k);
-    const __m512i lo = _mm512_and_si512(
-        _mm512_srlv_epi16(raw, counts16(0, 4)), _mm512_set1_epi8(0x0F));
-    const __m512i qh = bcast32(w + 16);
-    const __m512i bit = join256(_mm256_set1_epi8((char)(1 << 2 * k)),
-                                _mm256_set1_epi8((char)(1 << (2 * k + 1))));
-    return _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(qh, bit), lo, _mm512_set1_epi8(16));
-}
-/* Q6_K: q + 32 (0..63). Pair k = 2h + half holds quarters p = 2 half (ql's first 32 bytes of
- * half h) and 2 half + 1 (its next 32), nibble `half`; their high bits are bits 2p, 2p + 1 of qh,
- * moved to bits 4, 5 (16-bit shifts: the bits that cross into the next byte are masked off). */
-AVX512 static INLINE __m512i codes_q6_k(const uint8_t *w, int k) {
-    const int h = k / 2, half = k % 2;
-    const __m512i ql = _mm512_loadu_si512((const void *)(w + 64 * h));
-    const __m512i nib = half ? _mm512_srli_epi16(ql, 4) : ql;
-    const __m512i lo = _mm512_and_si512(nib, _mm512_set1_epi8(0x0F));
-    const __m512i qh = bcast32(w + 128 + 32 * h);
-    const __m512i hi =
-        half ? _mm512_srlv_epi16(qh, counts16(0, 2))
-             : _mm512_sllv_epi16(qh, counts16(4, 2));
-    return _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(0x30), 0xF8); /* lo | (hi & 0x30) */
 }
 
 /* Q6_K's 16 scales times d (lanes 0..15, one per 16 elements). */
@@ -401,7 +362,7 @@ KQ_OPS(q5_k, bw, NULL)
 KQ_OPS(q6_k, bw, NULL)
 KQ_OPS(q4_k, vnni, pyrt_axpyn_i8_q4_k)
 KQ_OPS(q5_k, vnni, NULL)
-KQ_OPS(q6_k, vnni, NULL)
+KQ_OPS(q6_k, vnni, pyrt_axpyn_i8_q6_k)
 
 const pyrt_row_ops *pyrt_row_ops_kquant_avx512(int fmt, int vnni) {
     if (vnni)

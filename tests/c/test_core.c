@@ -1225,12 +1225,12 @@ static void test_kquant_kernels_agree(void) {
     }
 }
 
-/* Q4_K's int8-multiplier axpyn (pyrt_row_ops.axpyn_i8, where the level has it) against the
- * exact sum in double, within its stated bound: per element i of sub-block j, (S_j / 500) sum_r
- * q_ri (S_j = max_r |a_r d_r sc_rj| / 127: each multiplier off by at most half of S_j / 254, and
- * the f32 rounding of its remainder) plus f32 rounding, a few u of the terms' magnitude. Rows
- * of 1, 3 and 8 super-blocks, every nr (a group of 4 with a tail), multipliers of both signs and
- * one zero. */
+/* The K-quants' int8-multiplier axpyn (pyrt_row_ops.axpyn_i8, where the level has it: Q4_K,
+ * Q6_K) against the exact sum in double, within its stated bound: per element i of sub-block j,
+ * (S_j / 500) sum_r q_ri (S_j = max_r |a_r d_r sc_rj| / 127: each multiplier off by at most half
+ * of S_j / 254, and the f32 rounding of its remainder) plus f32 rounding, a few u of the terms'
+ * magnitude. Rows of 1, 3 and 8 super-blocks, every nr (a group of 4 with a tail), multipliers
+ * of both signs and one zero. */
 static void q4_k_sc_m(const uint8_t *w, int j, int *sc, int *m) {
     const uint8_t *p = w + 4;
     if (j < 4) {
@@ -1241,78 +1241,83 @@ static void q4_k_sc_m(const uint8_t *w, int j, int *sc, int *m) {
     }
 }
 
+/* Element e (0..255) of super-block w: weight = c q - mt for multiplier a, c = a d sc of its
+ * sub-block, q its stored code (Q6_K: 0..63, the weight d sc (q - 32)). */
+static void kquant_term(int fmt, const uint8_t *w, int e, double a, double *c, int *q,
+                        double *mt) {
+    if (fmt == PYRT_FMT_Q4_K) {
+        const int j = e / 32, l = e % 32;
+        int sc, m;
+        q4_k_sc_m(w, j, &sc, &m);
+        *c = a * pyrt_fp16_to_fp32(pyrt_load_u16(w)) * sc;
+        *mt = a * pyrt_fp16_to_fp32(pyrt_load_u16(w + 2)) * m;
+        *q = (w[16 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 15;
+        return;
+    }
+    const int h = e / 128, p = e % 128 / 32, l = e % 32;
+    const int lo = (w[64 * h + 32 * (p % 2) + l] >> (4 * (p / 2))) & 0xF;
+    const int hi = (w[128 + 32 * h + l] >> (2 * p)) & 3;
+    *c = a * pyrt_fp16_to_fp32(pyrt_load_u16(w + 208)) * (int8_t)w[192 + e / 16];
+    *q = lo | hi << 4;
+    *mt = 32 * *c;
+}
+
 static void test_kquant_axpyn_i8(void) {
+    const int fmts[] = {PYRT_FMT_Q4_K, PYRT_FMT_Q6_K};
     const int lengths[] = {256, 768, 2048};
     const double u = ldexp(1.0, -24);
-    for (int level = PYRT_SIMD_SCALAR; level <= pyrt_simd_best(); level++)
-        for (int vnni = 0; vnni < 2; vnni++) {
-            const pyrt_row_ops *ops = pyrt_row_ops_at(level, PYRT_FMT_Q4_K, vnni);
-            if (ops == NULL || ops->axpyn_i8 == NULL)
-                continue;
-            for (int li = 0; li < COUNT_OF(lengths); li++) {
-                const int n = lengths[li];
-                const size_t rb = pyrt_row_bytes(PYRT_FMT_Q4_K, n);
-                uint8_t *rows = malloc(rb * PYRT_AXPY_ROWS);
-                float *y = malloc(sizeof(float) * n);
-                double *ref = malloc(sizeof(double) * n), *bound = malloc(sizeof(double) * n);
-                const void *rp[PYRT_AXPY_ROWS];
-                for (int r = 0; r < PYRT_AXPY_ROWS; r++) {
-                    make_kquant_row(PYRT_FMT_Q4_K, n, rows + r * rb);
-                    rp[r] = rows + r * rb;
-                }
-                for (int nr = 1; nr <= PYRT_AXPY_ROWS; nr++) {
-                    float a[PYRT_AXPY_ROWS];
-                    for (int r = 0; r < nr; r++)
-                        a[r] = r == 2 ? 0.0f : rng_normalish();
-                    for (int i = 0; i < n; i++) {
-                        y[i] = rng_normalish();
-                        ref[i] = y[i];
-                        bound[i] = 4 * u * fabs(y[i]);
+    for (int f = 0; f < COUNT_OF(fmts); f++)
+        for (int level = PYRT_SIMD_SCALAR; level <= pyrt_simd_best(); level++)
+            for (int vnni = 0; vnni < 2; vnni++) {
+                const int fmt = fmts[f];
+                const pyrt_row_ops *ops = pyrt_row_ops_at(level, fmt, vnni);
+                if (ops == NULL || ops->axpyn_i8 == NULL)
+                    continue;
+                for (int li = 0; li < COUNT_OF(lengths); li++) {
+                    const int n = lengths[li];
+                    const size_t rb = pyrt_row_bytes(fmt, n), bb = pyrt_row_bytes(fmt, PYRT_QK_K);
+                    uint8_t *rows = malloc(rb * PYRT_AXPY_ROWS);
+                    float *y = malloc(sizeof(float) * n);
+                    double *ref = malloc(sizeof(double) * n);
+                    double *bound = malloc(sizeof(double) * n);
+                    const void *rp[PYRT_AXPY_ROWS];
+                    for (int r = 0; r < PYRT_AXPY_ROWS; r++) {
+                        make_kquant_row(fmt, n, rows + r * rb);
+                        rp[r] = rows + r * rb;
                     }
-                    for (int s = 0; s < n / PYRT_QK_K; s++)
-                        for (int j = 0; j < 8; j++) {
-                            double c[PYRT_AXPY_ROWS], cmax = 0.0;
+                    for (int nr = 1; nr <= PYRT_AXPY_ROWS; nr++) {
+                        float a[PYRT_AXPY_ROWS];
+                        for (int r = 0; r < nr; r++)
+                            a[r] = r == 2 ? 0.0f : rng_normalish();
+                        for (int i = 0; i < n; i++) {
+                            y[i] = rng_normalish();
+                            double c[PYRT_AXPY_ROWS], mt[PYRT_AXPY_ROWS], cmax = 0.0;
+                            int q[PYRT_AXPY_ROWS];
+                            ref[i] = y[i];
+                            bound[i] = 4 * u * fabs(y[i]);
                             for (int r = 0; r < nr; r++) {
-                                const uint8_t *w =
-                                    (const uint8_t *)rp[r] + (size_t)s * PYRT_Q4_K_BYTES;
-                                int sc, m;
-                                q4_k_sc_m(w, j, &sc, &m);
-                                const double d = pyrt_fp16_to_fp32(pyrt_load_u16(w));
-                                const double dmin = pyrt_fp16_to_fp32(pyrt_load_u16(w + 2));
-                                c[r] = a[r] * d * sc;
+                                const uint8_t *w = (const uint8_t *)rp[r] + (size_t)(i / 256) * bb;
+                                kquant_term(fmt, w, i % 256, a[r], &c[r], &q[r], &mt[r]);
                                 cmax = fmax(cmax, fabs(c[r]));
-                                for (int l = 0; l < 32; l++) {
-                                    const int i = s * PYRT_QK_K + 32 * j + l;
-                                    const int q = (w[16 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 15;
-                                    const double term = c[r] * q - a[r] * dmin * m;
-                                    ref[i] += term;
-                                    bound[i] += 8 * nr * u *
-                                                (fabs(c[r]) * 15 + fabs(a[r] * dmin * m));
-                                }
+                                ref[i] += c[r] * q[r] - mt[r];
                             }
-                            for (int r = 0; r < nr; r++) {
-                                const uint8_t *w =
-                                    (const uint8_t *)rp[r] + (size_t)s * PYRT_Q4_K_BYTES;
-                                for (int l = 0; l < 32; l++) { /* the multipliers' rounding */
-                                    const int i = s * PYRT_QK_K + 32 * j + l;
-                                    const int q = (w[16 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 15;
-                                    bound[i] += cmax / 127 / 500 * q;
-                                }
+                            for (int r = 0; r < nr; r++) /* rounding; the multipliers' step */
+                                bound[i] += 8 * nr * u * (fabs(c[r]) * 63 + fabs(mt[r])) +
+                                            cmax / 127 / 500 * q[r];
+                        }
+                        ops->axpyn_i8(nr, a, rp, y, n, NULL, 0);
+                        for (int i = 0; i < n; i++)
+                            if (!(fabs((double)y[i] - ref[i]) <= bound[i] + 1e-30)) {
+                                CHECK(0,
+                                      "axpyn_i8 fmt %d level %d n %d nr %d at %d: %.9g vs %.9g "
+                                      "(bound %.3g)",
+                                      fmt, level, n, nr, i, y[i], ref[i], bound[i]);
+                                break;
                             }
-                        }
-                    ops->axpyn_i8(nr, a, rp, y, n);
-                    for (int i = 0; i < n; i++)
-                        if (!(fabs((double)y[i] - ref[i]) <= bound[i] + 1e-30)) {
-                            CHECK(0,
-                                  "q4_k axpyn_i8 level %d n %d nr %d at %d: %.9g vs %.9g "
-                                  "(bound %.3g)",
-                                  level, n, nr, i, y[i], ref[i], bound[i]);
-                            break;
-                        }
+                    }
+                    free(rows), free(y), free(ref), free(bound);
                 }
-                free(rows), free(y), free(ref), free(bound);
             }
-        }
 }
 
 int main(void) {
