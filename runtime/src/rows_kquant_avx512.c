@@ -10,7 +10,7 @@
  * x's scale once, in f32.
  * One function computes a block of rows x tokens (1 x 1: dot, 2 x 1: dot2, 4 x 2: the prefill
  * tiles), each result with the same operations in the same order: a tile's results are the
- * dots' bits.
+ * dots' bits; dot_pf / dot2_pf spread their prefetch lines over the super-blocks.
  * axpy: 16 codes widened to int32 per step (from the bytes, no cross-lane shuffles), y held in
  * registers across up to PYRT_AXPY_ROWS rows (axpyn), each row's operations those of axpy; the
  * axpy tile (several tokens) converts a row's codes once for all its tokens. */
@@ -79,7 +79,7 @@ AVX512 static INLINE __m512i pick_words(int i0) {
 #define KQ_DOTS(SUF, TGT, PAIRS)                                                                   \
     TGT static INLINE void dots_##SUF(int fmt, int nr, const void *const *rows, int nt,            \
                                       const void *const *xs, int n, float *out, size_t ts,         \
-                                      size_t rs) {                                                 \
+                                      size_t rs, const void *const *pf, int n_pf) {                \
         const size_t bb = fmt == PYRT_FMT_Q4_K   ? PYRT_Q4_K_BYTES                                 \
                           : fmt == PYRT_FMT_Q5_K ? PYRT_Q5_K_BYTES                                 \
                                                  : PYRT_Q6_K_BYTES;                                \
@@ -88,6 +88,7 @@ AVX512 static INLINE __m512i pick_words(int i0) {
         _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++)                                       \
             _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)                                   \
                 acc[r][t] = _mm512_setzero_ps();                                                   \
+        pyrt_pf_spread spread = pyrt_pf_begin(pf, n_pf, n / PYRT_QK_K);                            \
         for (int s = 0; s < n / PYRT_QK_K; s++) {                                                  \
             const uint8_t *w[KQ_ROWS];                                                             \
             const pyrt_xq8 *xq[KQ_TOKENS];                                                         \
@@ -140,7 +141,9 @@ AVX512 static INLINE __m512i pick_words(int i0) {
                                                      _mm512_cvtepi32_ps(ms), acc[r][t]);           \
                 }                                                                                  \
             }                                                                                      \
+            pyrt_pf_tick(&spread);                                                                 \
         }                                                                                          \
+        pyrt_pf_end(&spread);                                                                      \
         _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++)                                       \
             _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)                                   \
                 out[(size_t)t * ts + (size_t)r * rs] = _mm512_reduce_add_ps(acc[r][t]);            \
@@ -153,13 +156,25 @@ KQ_DOTS(vnni, AVX512VNNI, KQ_PAIRS_VNNI)
 #define KQ_DOT_ENTRIES(name, FMT, SUF, TGT)                                                       \
     TGT static float dot_##name##_##SUF(const void *row, const void *x, int n) {                  \
         float out;                                                                                \
-        dots_##SUF(FMT, 1, &row, 1, &x, n, &out, 0, 0);                                           \
+        dots_##SUF(FMT, 1, &row, 1, &x, n, &out, 0, 0, NULL, 0);                                  \
+        return out;                                                                               \
+    }                                                                                             \
+    TGT static float dot_pf_##name##_##SUF(const void *row, const void *x, int n,                 \
+                                           const void *const *pf, int n_pf) {                     \
+        float out;                                                                                \
+        dots_##SUF(FMT, 1, &row, 1, &x, n, &out, 0, 0, pf, n_pf);                                 \
         return out;                                                                               \
     }                                                                                             \
     TGT static void dot2_##name##_##SUF(const void *row0, const void *row1, const void *x, int n, \
                                         float out[2]) {                                           \
         const void *rows[2] = {row0, row1};                                                       \
-        dots_##SUF(FMT, 2, rows, 1, &x, n, out, 0, 1);                                            \
+        dots_##SUF(FMT, 2, rows, 1, &x, n, out, 0, 1, NULL, 0);                                   \
+    }                                                                                             \
+    TGT static void dot2_pf_##name##_##SUF(const void *row0, const void *row1, const void *x,     \
+                                           int n, float out[2], const void *const *pf,            \
+                                           int n_pf) {                                            \
+        const void *rows[2] = {row0, row1};                                                       \
+        dots_##SUF(FMT, 2, rows, 1, &x, n, out, 0, 1, pf, n_pf);                                  \
     }                                                                                             \
     TGT static void dot_tile_##name##_##SUF(const void *const *rows, int nt,                      \
                                             const void *const *xs, int n, float *out, size_t ts,  \
@@ -167,9 +182,10 @@ KQ_DOTS(vnni, AVX512VNNI, KQ_PAIRS_VNNI)
         int t = 0;                                                                                \
         for (; t + KQ_TOKENS <= nt; t += KQ_TOKENS)                                               \
             dots_##SUF(FMT, PYRT_TILE_ROWS, rows, KQ_TOKENS, xs + t, n, out + (size_t)t * ts, ts, \
-                       rs);                                                                       \
+                       rs, NULL, 0);                                                              \
         if (t < nt)                                                                               \
-            dots_##SUF(FMT, PYRT_TILE_ROWS, rows, 1, xs + t, n, out + (size_t)t * ts, ts, rs);    \
+            dots_##SUF(FMT, PYRT_TILE_ROWS, rows, 1, xs + t, n, out + (size_t)t * ts, ts, rs,     \
+                       NULL, 0);                                                                  \
     }
 
 KQ_DOT_ENTRIES(q4_k, PYRT_FMT_Q4_K, bw, AVX512)
@@ -354,6 +370,8 @@ KQ_AXPY_ENTRIES(q6_k, PYRT_FMT_Q6_K)
                                                     .axpy = axpy_##name,                          \
                                                     .dot2 = dot2_##name##_##SUF,                  \
                                                     .axpyn = axpyn_##name,                        \
+                                                    .dot_pf = dot_pf_##name##_##SUF,              \
+                                                    .dot2_pf = dot2_pf_##name##_##SUF,            \
                                                     .dot_tile = dot_tile_##name##_##SUF,          \
                                                     .axpy_tile = axpy_tile_##name,                \
                                                     .axpyn_i8 = I8};

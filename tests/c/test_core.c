@@ -1183,6 +1183,16 @@ static void test_kquant_kernels_agree(void) {
                               "kquant dot2 level %d vnni %d fmt %d n %d differs from dot", level,
                               vnni, fmt, n);
                     }
+                    if (ops->dot_pf != NULL && ops->dot2_pf != NULL) { /* prefetches: same bits */
+                        const void *pf[5] = {rp[2], rp[3], rp[4], rp[5], rp[6]};
+                        float out[2];
+                        const float p0 = ops->dot_pf(rp[0], xp[1], n, pf, 5);
+                        ops->dot2_pf(rp[0], rp[1], xp[1], n, out, pf, 5);
+                        CHECK(memcmp(&p0, &d[0][1], 4) == 0 && memcmp(&out[0], &d[0][1], 4) == 0 &&
+                                  memcmp(&out[1], &d[1][1], 4) == 0,
+                              "kquant dot_pf/dot2_pf level %d vnni %d fmt %d n %d differ from dot",
+                              level, vnni, fmt, n);
+                    }
                     for (int nr = 1; nr <= NR; nr += 4)
                         for (int nt = 1; nt <= NT; nt += 2) {
                             float out[NT * NR];
