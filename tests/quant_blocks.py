@@ -47,18 +47,24 @@ def quantize_x_q8k_ref(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([q, quantize_x_q8_ref(xf[..., whole:])], dim=-1).to(x.device)
 
 
-def q4_k_scales_codes(raw: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K rows uint8 [rows, row bytes] -> (d sc_j per sub-block of 32: float64 [rows, n / 32],
-    codes q: int64 [rows, n]), the weights being (d sc_j) q - (dmin m_j) (ggml's layout)."""
+def q4_k_scales_codes(raw: np.ndarray, n: int, q5: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K (q5: Q5_K) rows uint8 [rows, row bytes] -> (d sc_j per sub-block of 32: float64
+    [rows, n / 32], codes q: int64 [rows, n]), the weights being (d sc_j) q - (dmin m_j) (ggml's
+    layout; Q5_K: bit j of qh[l] is the fifth bit of element l of sub-block j)."""
     rows = raw.shape[0]
-    b = raw.reshape(rows, n // 256, 144)
+    b = raw.reshape(rows, n // 256, 176 if q5 else 144)
     d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
     p = b[..., 4:16].astype(np.int64)
     sc = np.concatenate(
         [p[..., 0:4] & 63, (p[..., 8:12] & 0xF) | ((p[..., 0:4] >> 6) << 4)], axis=-1
     )
-    qs = b[..., 16:144].astype(np.int64).reshape(rows, n // 256, 4, 32)
+    at = 48 if q5 else 16
+    qs = b[..., at : at + 128].astype(np.int64).reshape(rows, n // 256, 4, 32)
     q = np.stack([qs & 0xF, qs >> 4], axis=3)  # [rows, sb, pair, nibble, 32]: sub-block 2k + h
+    q = q.reshape(rows, n // 256, 8, 32)
+    if q5:
+        qh = b[..., 16:48].astype(np.int64).reshape(rows, n // 256, 1, 32)
+        q = q | (((qh >> np.arange(8).reshape(1, 1, 8, 1)) & 1) << 4)
     return (d[..., None] * sc).reshape(rows, n // 32), q.reshape(rows, n)
 
 

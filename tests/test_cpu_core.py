@@ -147,8 +147,8 @@ def reference(
 def down_i8_error(h_abs, keep, ids, dsc, codes):
     """Bound on what the int8 multipliers of K-quant down rows (pyrt_axpyn_i8_*) add to |dy|.
 
-    A pass of up to 8 kept neurons of one route rounds each h_j d_j sc_j of sub-block s (Q4_K:
-    32 elements, Q6_K: 16; q the stored code, Q6_K's 0..63) to a
+    A pass of up to 8 kept neurons of one route rounds each h_j d_j sc_j of sub-block s (Q4_K,
+    Q5_K: 32 elements, Q6_K: 16; q the stored code, Q6_K's 0..63) to a
     multiple of S / 254, S = max |h_j d_j sc_j| / 127 over the pass: off by at most S / 508 (S /
     500 with the f32 rounding of the remainder), times the code q_ji. A pass's neurons are some
     of the route's, so with S_route = that max over all of the route's kept neurons: |dy_i| <=
@@ -162,13 +162,15 @@ def down_i8_error(h_abs, keep, ids, dsc, codes):
 
 
 def down_i8_of(fmt, simd, raw, n_expert, n_ff, n_embd):
-    """The down rows' scales and codes where this level's kernel takes the int8 path (Q4_K and
-    Q6_K on AVX-512: VNNI CPUs; the bound only widens where it does not), else None."""
-    if fmt not in ("Q4_K", "Q6_K") or simd != "avx512":
+    """The down rows' scales and codes where this level's kernel takes the int8 path (the
+    K-quants on AVX-512: VNNI CPUs; the bound only widens where it does not), else None."""
+    if fmt not in K_QUANTS or simd != "avx512":
         return None
     rows = np.asarray(raw).reshape(n_expert, n_ff, 3, -1)[:, :, 2].reshape(n_expert * n_ff, -1)
-    decode = q4_k_scales_codes if fmt == "Q4_K" else q6_k_scales_codes
-    dsc, codes = decode(rows, n_embd)
+    if fmt == "Q6_K":
+        dsc, codes = q6_k_scales_codes(rows, n_embd)
+    else:
+        dsc, codes = q4_k_scales_codes(rows, n_embd, q5=fmt == "Q5_K")
     shape = (n_expert, n_ff)
     return (
         torch.from_numpy(dsc).reshape(*shape, -1),

@@ -379,7 +379,7 @@ KQ_OPS(q4_k, bw, NULL)
 KQ_OPS(q5_k, bw, NULL)
 KQ_OPS(q6_k, bw, NULL)
 KQ_OPS(q4_k, vnni, pyrt_axpyn_i8_q4_k)
-KQ_OPS(q5_k, vnni, NULL)
+KQ_OPS(q5_k, vnni, pyrt_axpyn_i8_q5_k)
 KQ_OPS(q6_k, vnni, pyrt_axpyn_i8_q6_k)
 
 const pyrt_row_ops *pyrt_row_ops_kquant_avx512(int fmt, int vnni) {

@@ -1,12 +1,12 @@
-/* Q4_K and Q6_K down rows with int8 multipliers (AVX-512 VNNI): y[0:n) += sum_r a[r] rows[r]
+/* Q4_K, Q5_K and Q6_K down rows with int8 multipliers (AVX-512 VNNI): y[0:n) += sum_r a[r] rows[r]
  * for up to PYRT_AXPY_ROWS rows in one pass, the expert down projection of a decode step. The
  * float axpyn (rows_kquant_avx512.c) spends a code conversion (Q4_K: a lookup) and an add or FMA
  * per weight, per row; here the rows' codes meet integer multipliers in vpdpbusd, 4 rows per
  * int32 lane, and y meets two conversions and two FMAs per element per pass of 8 rows.
  *
- * Per super-block s and sub-block j (Q4_K: 32 elements, Q6_K: 16), row r's weights are
- * (d sc_j) q - (dmin m_j), q in 0..15 (Q6_K: d sc_j (q - 32), q in 0..63, dmin m_j = 32 d sc_j),
- * so the pass adds to y[32 j + i] (Q6_K: y[16 j + i])
+ * Per super-block s and sub-block j (Q4_K, Q5_K: 32 elements, Q6_K: 16), row r's weights are
+ * (d sc_j) q - (dmin m_j), q in 0..15 (Q5_K: 0..31; Q6_K: d sc_j (q - 32), q in 0..63, so
+ * dmin m_j = 32 d sc_j), so the pass adds to y[32 j + i] (Q6_K: y[16 j + i])
  *     sum_r c_rj q_ri - sum_r a_r dmin_r m_rj,    c_rj = a_r d_r sc_rj.
  * The second sum is computed in f32 as it stands. The first takes c_rj in two int8 parts against
  * the pass's scale for sub-block j, S_j = max_r |c_rj| / 127: c_rj ~ S_j (k_rj + k'_rj / 254)
@@ -22,8 +22,8 @@
  * of each row in order, the 4 rows' bytes of an element in one int32 lane. Q4_K: the bytes are a
  * 64-byte piece of qs (qs[64 p ..]: sub-blocks 4p, 4p + 1 in the low and high nibbles of its bytes
  * 0..31, 4p + 2, 4p + 3 in those of 32..63), the high nibbles used in place (x & 0xF0 = 16 q:
- * their sums 16x, their steps a 16th); Q6_K: 64 codes (elements 64 p ..) as the dots unpack them
- * (blocks_kquant_avx512.h).
+ * their sums 16x, their steps a 16th); Q5_K, Q6_K: 64 codes (elements 64 p ..) as the dots unpack
+ * them (blocks_kquant_avx512.h).
  *
  * pf, n_pf: cache lines to prefetch (pyrt_pf_line), spread over the pass's pieces (axpyn_pf's). */
 #include "rows.h"
@@ -191,6 +191,65 @@ AVX512VNNI void pyrt_axpyn_i8_q4_k(int nr, const float *a, const void *const *ro
                 float *yl = y + (size_t)s * PYRT_QK_K + 32 * j + 16 * (q % 2);
                 add_run(yl, lo[q], lo2[q], step[0][j], step[1][j], min[j]);
                 add_run(yl + 32, hi[q], hi2[q], step[2][j + 1], step[3][j + 1], min[j + 1]);
+            }
+            pyrt_pf_tick(&spread);
+        }
+    }
+    pyrt_pf_end(&spread);
+}
+
+/* Q5_K: Q4_K's scales and mins, 64 codes (0..31) per piece as Q6_K's (elements 64 p ..: sub-blocks
+ * 2p, 2p + 1). */
+AVX512VNNI void pyrt_axpyn_i8_q5_k(int nr, const float *a, const void *const *rows, float *y,
+                                   int n, const void *const *pf, int n_pf) {
+    const uint8_t *w[PYRT_AXPY_ROWS];
+    float av[PYRT_AXPY_ROWS];
+    const int ng = pass_rows(nr, a, rows, w, av);
+    pyrt_pf_spread spread = pyrt_pf_begin(pf, n_pf, n / PYRT_QK_K * 4);
+    for (int s = 0; s < n / PYRT_QK_K; s++) {
+        const size_t at = (size_t)s * PYRT_Q5_K_BYTES;
+        __m512 c[PYRT_AXPY_ROWS / 2];
+        __m256 mins = _mm256_setzero_ps(), amax = _mm256_setzero_ps();
+        for (int h = 0; h < GROUP * ng / 2; h++) {
+            __m256 dsc0, dm0, dsc1, dm1;
+            pyrt_kq_scales_mins(w[2 * h] + at, &dsc0, &dm0);
+            pyrt_kq_scales_mins(w[2 * h + 1] + at, &dsc1, &dm1);
+            const __m256 a0 = _mm256_set1_ps(av[2 * h]), a1 = _mm256_set1_ps(av[2 * h + 1]);
+            const __m256 c0 = _mm256_mul_ps(a0, dsc0), c1 = _mm256_mul_ps(a1, dsc1);
+            mins = _mm256_fmadd_ps(a1, dm1, _mm256_fmadd_ps(a0, dm0, mins));
+            const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+            amax = _mm256_max_ps(amax, _mm256_max_ps(_mm256_and_ps(c0, abs),
+                                                     _mm256_and_ps(c1, abs)));
+            c[h] = join256_ps(c0, c1);
+        }
+        const __m256 scale = _mm256_mul_ps(amax, _mm256_set1_ps(1.0f / 127.0f));
+        float step[2][8], min[8];
+        _mm256_storeu_ps(step[0], scale);
+        _mm256_storeu_ps(step[1], _mm256_mul_ps(scale, _mm256_set1_ps(1.0f / 254.0f)));
+        _mm256_storeu_ps(min, mins);
+        const __m512 inv = inverse_scale(join256_ps(amax, amax));
+        int32_t k[2][2][8];
+        for (int g = 0; g < ng; g++)
+            multipliers_8(c + 2 * g, join256_ps(scale, scale), inv, k[g]);
+        for (int p = 0; p < 4; p++) {
+            __m512i s1[4], s2[4];
+            for (int q = 0; q < 4; q++)
+                s1[q] = s2[q] = _mm512_setzero_si512();
+            for (int g = 0; g < ng; g++) {
+                __m512i rw[GROUP], x[4];
+                for (int r = 0; r < GROUP; r++)
+                    rw[r] = codes_q5_k(w[GROUP * g + r] + at, p);
+                interleave_4(rw, x);
+                for (int q = 0; q < 4; q++) {
+                    const int j = 2 * p + q / 2;
+                    s1[q] = _mm512_dpbusd_epi32(s1[q], x[q], _mm512_set1_epi32(k[g][0][j]));
+                    s2[q] = _mm512_dpbusd_epi32(s2[q], x[q], _mm512_set1_epi32(k[g][1][j]));
+                }
+            }
+            for (int q = 0; q < 4; q++) {
+                const int j = 2 * p + q / 2;
+                add_run(y + (size_t)s * PYRT_QK_K + 64 * p + 16 * q, s1[q], s2[q], step[0][j],
+                        step[1][j], min[j]);
             }
             pyrt_pf_tick(&spread);
         }

@@ -1236,11 +1236,11 @@ static void test_kquant_kernels_agree(void) {
 }
 
 /* The K-quants' int8-multiplier axpyn (pyrt_row_ops.axpyn_i8, where the level has it: Q4_K,
- * Q6_K) against the exact sum in double, within its stated bound: per element i of sub-block j,
- * (S_j / 500) sum_r q_ri (S_j = max_r |a_r d_r sc_rj| / 127: each multiplier off by at most half
- * of S_j / 254, and the f32 rounding of its remainder) plus f32 rounding, a few u of the terms'
- * magnitude. Rows of 1, 3 and 8 super-blocks, every nr (a group of 4 with a tail), multipliers
- * of both signs and one zero. */
+ * Q5_K, Q6_K) against the exact sum in double, within its stated bound: per element i of
+ * sub-block j, (S_j / 500) sum_r q_ri (S_j = max_r |a_r d_r sc_rj| / 127: each multiplier off by
+ * at most half of S_j / 254, and the f32 rounding of its remainder) plus f32 rounding, a few u
+ * of the terms' magnitude. Rows of 1, 3 and 8 super-blocks, every nr (a group of 4 with a tail),
+ * multipliers of both signs and one zero. */
 static void q4_k_sc_m(const uint8_t *w, int j, int *sc, int *m) {
     const uint8_t *p = w + 4;
     if (j < 4) {
@@ -1252,16 +1252,18 @@ static void q4_k_sc_m(const uint8_t *w, int j, int *sc, int *m) {
 }
 
 /* Element e (0..255) of super-block w: weight = c q - mt for multiplier a, c = a d sc of its
- * sub-block, q its stored code (Q6_K: 0..63, the weight d sc (q - 32)). */
+ * sub-block, q its stored code (Q5_K: 0..31; Q6_K: 0..63, the weight d sc (q - 32)). */
 static void kquant_term(int fmt, const uint8_t *w, int e, double a, double *c, int *q,
                         double *mt) {
-    if (fmt == PYRT_FMT_Q4_K) {
-        const int j = e / 32, l = e % 32;
+    if (fmt == PYRT_FMT_Q4_K || fmt == PYRT_FMT_Q5_K) { /* Q5_K: qh at 16, qs at 48 */
+        const int j = e / 32, l = e % 32, q5 = fmt == PYRT_FMT_Q5_K;
         int sc, m;
         q4_k_sc_m(w, j, &sc, &m);
         *c = a * pyrt_fp16_to_fp32(pyrt_load_u16(w)) * sc;
         *mt = a * pyrt_fp16_to_fp32(pyrt_load_u16(w + 2)) * m;
-        *q = (w[16 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 15;
+        *q = (w[(q5 ? 48 : 16) + 32 * (j / 2) + l] >> (4 * (j % 2))) & 15;
+        if (q5)
+            *q |= ((w[16 + l] >> j) & 1) << 4;
         return;
     }
     const int h = e / 128, p = e % 128 / 32, l = e % 32;
@@ -1273,7 +1275,7 @@ static void kquant_term(int fmt, const uint8_t *w, int e, double a, double *c, i
 }
 
 static void test_kquant_axpyn_i8(void) {
-    const int fmts[] = {PYRT_FMT_Q4_K, PYRT_FMT_Q6_K};
+    const int fmts[] = {PYRT_FMT_Q4_K, PYRT_FMT_Q5_K, PYRT_FMT_Q6_K};
     const int lengths[] = {256, 768, 2048};
     const double u = ldexp(1.0, -24);
     for (int f = 0; f < COUNT_OF(fmts); f++)
