@@ -55,7 +55,9 @@ SHAPES = {
     "granite-1b-a400m": (1024, 512, 32, 8),
     "qwen1.5-moe-a2.7b": (2048, 1408, 60, 4),
 }
-FMTS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 8, "BF16": 30}
+FMTS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30}
+# K-quant super-blocks (256 weights): bytes, and the offsets of their f16 scales (d, dmin)
+K_BLOCKS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
 
 
 def random_layer(fmt: str, n_expert: int, n_ff: int, n_embd: int, seed: int = 0) -> np.ndarray:
@@ -67,6 +69,13 @@ def random_layer(fmt: str, n_expert: int, n_ff: int, n_embd: int, seed: int = 0)
         raw = rng.integers(0, 256, size=(n_rows, n_embd // 32, block), dtype=np.uint8)
         scale = 0.002 if fmt == "Q8_0" else 0.03  # weights of std ~0.15 either way
         raw[:, :, 0:2] = np.frombuffer(np.float16(scale).tobytes(), np.uint8)
+        return raw.reshape(-1)
+    if fmt in K_BLOCKS:  # random codes and sub-block scales, f16 scales of weights ~0.15
+        size, at = K_BLOCKS[fmt]
+        raw = rng.integers(0, 256, size=(n_rows, n_embd // 256, size), dtype=np.uint8)
+        scale = np.float16({"Q4_K": 0.0003, "Q5_K": 0.00015, "Q6_K": 0.00015}[fmt]).tobytes()
+        for a in at:
+            raw[:, :, a : a + 2] = np.frombuffer(scale, np.uint8)
         return raw.reshape(-1)
     vals = rng.standard_normal((n_rows, n_embd), dtype=np.float32) * 0.15
     return np.ascontiguousarray(gguf.quants.quantize(vals, gguf.GGMLQuantizationType(FMTS[fmt])))

@@ -6,6 +6,7 @@
  * against one token quantized as the decode step does. Cases per format and level:
  *   dot2   gate and up rows of a neuron in one pass over x (the expert kernel's gate/up);
  *   axpyn  8 down rows into one y (the expert kernel's down);
+ *   axpyi8 the same with int8 multipliers (pyrt_row_ops.axpyn_i8), where the level has them;
  * timed over --rounds interleaved rounds (formats and levels alternate inside each round); the
  * fastest round per case (the least disturbed by other work on the machine) in GB/s of weight
  * bytes and ns per row. Not part of the library.
@@ -58,8 +59,10 @@ static void fill(uint8_t *w, int fmt, size_t row_bytes, unsigned *seed) {
 
 static volatile float sink;
 
-static double run_case(const pyrt_row_ops *ops, int axpy, const uint8_t *w, size_t rb,
+/* c: 0 dot2, 1 axpyn, 2 axpyn_i8 */
+static double run_case(const pyrt_row_ops *ops, int c, const uint8_t *w, size_t rb,
                        const pyrt_xq8 *xq, float *y) {
+    const int axpy = c > 0;
     const double t0 = now();
     for (int rep = 0; rep < REPS; rep++) {
         if (!axpy) {
@@ -81,7 +84,9 @@ static double run_case(const pyrt_row_ops *ops, int axpy, const uint8_t *w, size
             for (int r = 0; r + PYRT_AXPY_ROWS <= ROWS; r += PYRT_AXPY_ROWS) {
                 for (int k = 0; k < PYRT_AXPY_ROWS; k++)
                     rows[k] = w + (size_t)(r + k) * rb;
-                if (ops->axpyn)
+                if (c == 2)
+                    ops->axpyn_i8(PYRT_AXPY_ROWS, a, rows, y, N, NULL, 0);
+                else if (ops->axpyn)
                     ops->axpyn(PYRT_AXPY_ROWS, a, rows, y, N);
                 else
                     for (int k = 0; k < PYRT_AXPY_ROWS; k++)
@@ -120,13 +125,15 @@ int main(int argc, char **argv) {
     pyrt_xq8 xq[N / PYRT_QK], xqk[N / PYRT_QK + (N / PYRT_QK + 8) / 9]; /* pyrt_xq_units(N) */
     pyrt_quantize_x_q8_scalar(x, xq, N);
     pyrt_quantize_x_q8k_scalar(x, xqk, N);
-    static double t[NF][3][2][MAX_ROUNDS];
+    static double t[NF][3][3][MAX_ROUNDS];
     for (int round = 0; round < rounds; round++)
         for (int f = 0; f < NF; f++)
             for (int l = 0; l < nl; l++) {
                 const pyrt_row_ops *ops =
                     pyrt_row_ops_at(l == 0 ? PYRT_SIMD_AVX2 : PYRT_SIMD_AVX512, fmts[f], l == 2);
-                for (int c = 0; c < 2; c++) {
+                for (int c = 0; c < 3; c++) {
+                    if (c == 2 && ops->axpyn_i8 == NULL)
+                        continue;
                     memset(y, 0, sizeof y);
                     const pyrt_xq8 *xf = pyrt_fmt_xq(fmts[f]) == PYRT_XQ_SHARED ? xqk : xq;
                     t[f][l][c][round] = run_case(ops, c, w[f], rb[f], xf, y);
@@ -135,10 +142,13 @@ int main(int argc, char **argv) {
     printf("%-5s %-12s %-6s %9s %9s\n", "fmt", "level", "case", "GB/s", "ns/row");
     for (int f = 0; f < NF; f++)
         for (int l = 0; l < nl; l++)
-            for (int c = 0; c < 2; c++) {
+            for (int c = 0; c < 3; c++) {
+                if (t[f][l][c][0] == 0.0)
+                    continue;
                 qsort(t[f][l][c], (size_t)rounds, sizeof(double), cmp_double);
                 const double s = t[f][l][c][0];
-                printf("%-5s %-12s %-6s %9.2f %9.1f\n", names[f], lname[l], c ? "axpyn" : "dot2",
+                printf("%-5s %-12s %-6s %9.2f %9.1f\n", names[f], lname[l],
+                       c == 2 ? "axpyi8" : c ? "axpyn" : "dot2",
                        (double)(rb[f] * ROWS) / s * 1e-9, s / ROWS * 1e9);
             }
     return 0;

@@ -45,3 +45,41 @@ def quantize_x_q8k_ref(x: torch.Tensor) -> torch.Tensor:
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     q = (d.double() * torch.round(head * inv).double()).reshape(*xf.shape[:-1], whole)
     return torch.cat([q, quantize_x_q8_ref(xf[..., whole:])], dim=-1).to(x.device)
+
+
+def q4_k_scales_codes(raw: np.ndarray, n: int, q5: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K (q5: Q5_K) rows uint8 [rows, row bytes] -> (d sc_j per sub-block of 32: float64
+    [rows, n / 32], codes q: int64 [rows, n]), the weights being (d sc_j) q - (dmin m_j) (ggml's
+    layout; Q5_K: bit j of qh[l] is the fifth bit of element l of sub-block j)."""
+    rows = raw.shape[0]
+    b = raw.reshape(rows, n // 256, 176 if q5 else 144)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    p = b[..., 4:16].astype(np.int64)
+    sc = np.concatenate(
+        [p[..., 0:4] & 63, (p[..., 8:12] & 0xF) | ((p[..., 0:4] >> 6) << 4)], axis=-1
+    )
+    at = 48 if q5 else 16
+    qs = b[..., at : at + 128].astype(np.int64).reshape(rows, n // 256, 4, 32)
+    q = np.stack([qs & 0xF, qs >> 4], axis=3)  # [rows, sb, pair, nibble, 32]: sub-block 2k + h
+    q = q.reshape(rows, n // 256, 8, 32)
+    if q5:
+        qh = b[..., 16:48].astype(np.int64).reshape(rows, n // 256, 1, 32)
+        q = q | (((qh >> np.arange(8).reshape(1, 1, 8, 1)) & 1) << 4)
+    return (d[..., None] * sc).reshape(rows, n // 32), q.reshape(rows, n)
+
+
+def q6_k_scales_codes(raw: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K rows uint8 [rows, row bytes] -> (d sc_j per sub-block of 16: float64 [rows, n / 16],
+    codes q in 0..63: int64 [rows, n]), the weights being (d sc_j) (q - 32) (ggml's layout:
+    element 128 h + 32 p + l has its low 4 bits in nibble p / 2 of ql[64 h + 32 (p % 2) + l],
+    its high 2 at bits 2 p of qh[32 h + l])."""
+    rows = raw.shape[0]
+    b = raw.reshape(rows, n // 256, 210)
+    d = b[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float64)
+    sc = b[..., 192:208].view(np.int8).astype(np.float64)
+    ql = b[..., 0:128].astype(np.int64).reshape(rows, n // 256, 2, 2, 32)  # [h, p % 2, l]
+    qh = b[..., 128:192].astype(np.int64).reshape(rows, n // 256, 2, 1, 32)  # [h, -, l]
+    p = np.arange(4).reshape(1, 1, 1, 4, 1)
+    lo = (ql[:, :, :, p[0, 0, 0, :, 0] % 2] >> (4 * (p // 2))) & 0xF
+    q = lo | (((qh >> (2 * p)) & 3) << 4)  # [rows, sb, h, p, l]
+    return (d[..., None] * sc).reshape(rows, n // 16), q.reshape(rows, n)

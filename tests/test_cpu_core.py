@@ -31,7 +31,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from quant_blocks import K_QUANTS, quantize_x_q8k_ref, random_blocks
+from quant_blocks import (
+    K_QUANTS,
+    q4_k_scales_codes,
+    q6_k_scales_codes,
+    quantize_x_q8k_ref,
+    random_blocks,
+)
 
 from pyruntime.kernels.expert_formats import quantize_x_q8_ref
 
@@ -96,12 +102,16 @@ def block_half_step(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     return (d / 2).expand(t, n // block, block).reshape(t, n)
 
 
-def reference(w, x, ids, topk_w, act, threshold=None, x_err=None, threads=1, here=None):
+def reference(
+    w, x, ids, topk_w, act, threshold=None, x_err=None, threads=1, here=None, down_i8=None
+):
     """(y, n_active, per-(t,k,j) |act|, bound on |y_kernel - y|) in float64.
 
     w [E, F, 3, D] f64; x [T, D] f64; ids [T, K]; topk_w [T, K]. x_err: per-element bound on how
     far the kernel's x may be from this x (activation quantization), else only f32 rounding.
     here: None, or bool [E]: only the (token, expert) pairs of experts held here are computed.
+    down_i8: None, or the K-quant down rows' (d sc_j [E, F, D / sub-block], codes [E, F, D])
+    where the kernel folds each neuron's h into int8 multipliers (down_i8_error).
     """
     ws = w[ids.long()]  # [T, K, F, 3, D]
     g = torch.einsum("tkfd,td->tkf", ws[..., 0, :], x)
@@ -129,7 +139,43 @@ def reference(w, x, ids, topk_w, act, threshold=None, x_err=None, threads=1, her
     bound = torch.einsum("tkf,tkfd->td", dh * keep, dabs) + eps_r * torch.einsum(
         "tkf,tkfd->td", h.abs(), dabs
     )
+    if down_i8 is not None:
+        bound = bound + down_i8_error(h.abs() + dh, keep, ids, *down_i8)
     return y, int(keep.sum()), a.abs(), bound
+
+
+def down_i8_error(h_abs, keep, ids, dsc, codes):
+    """Bound on what the int8 multipliers of K-quant down rows (pyrt_axpyn_i8_*) add to |dy|.
+
+    A pass of up to 8 kept neurons of one route rounds each h_j d_j sc_j of sub-block s (Q4_K,
+    Q5_K: 32 elements, Q6_K: 16; q the stored code, Q6_K's 0..63) to a
+    multiple of S / 254, S = max |h_j d_j sc_j| / 127 over the pass: off by at most S / 508 (S /
+    500 with the f32 rounding of the remainder), times the code q_ji. A pass's neurons are some
+    of the route's, so with S_route = that max over all of the route's kept neurons: |dy_i| <=
+    sum_routes (S_route(s(i)) / 500) sum_j q_ji. h_abs: |h| plus its bound (the kernel's h, from
+    which it takes S, is within it)."""
+    dsc, codes = dsc[ids.long()], codes[ids.long()]  # [T, K, F, D / 32], [T, K, F, D]
+    s_route = ((h_abs * keep)[..., None] * dsc.abs()).amax(dim=2) / 127  # [T, K, sub-blocks]
+    q_sum = torch.einsum("tkf,tkfd->tkd", keep.double(), codes)
+    step = s_route.repeat_interleave(codes.shape[-1] // dsc.shape[-1], dim=-1) / 500
+    return (step * q_sum).sum(dim=1)
+
+
+def down_i8_of(fmt, simd, raw, n_expert, n_ff, n_embd):
+    """The down rows' scales and codes where this level's kernel takes the int8 path (the
+    K-quants on AVX-512: VNNI CPUs; the bound only widens where it does not), else None."""
+    if fmt not in K_QUANTS or simd != "avx512":
+        return None
+    rows = np.asarray(raw).reshape(n_expert, n_ff, 3, -1)[:, :, 2].reshape(n_expert * n_ff, -1)
+    if fmt == "Q6_K":
+        dsc, codes = q6_k_scales_codes(rows, n_embd)
+    else:
+        dsc, codes = q4_k_scales_codes(rows, n_embd, q5=fmt == "Q5_K")
+    shape = (n_expert, n_ff)
+    return (
+        torch.from_numpy(dsc).reshape(*shape, -1),
+        torch.from_numpy(codes).double().reshape(*shape, -1),
+    )
 
 
 def default_n_embd(fmt: str) -> int:
@@ -175,7 +221,10 @@ def test_dense_matches_reference(cc, simd, fmt, act):
             )
         assert y.shape == (n_tokens, n_embd) and y.dtype == torch.float32
         assert n_active == n_tokens * ids.shape[1] * n_ff
-        ref, _, _, bound = reference(w, kernel_x(fmt, x), ids, topk_w, act, threads=threads)
+        i8 = down_i8_of(fmt, simd, raw, n_expert, n_ff, n_embd)
+        ref, _, _, bound = reference(
+            w, kernel_x(fmt, x), ids, topk_w, act, threads=threads, down_i8=i8
+        )
         assert_within(y, ref, bound, f"{fmt} {act} T={n_tokens} threads={threads}")
         if fmt in QUANTIZED:  # against the unquantized activation, allowing for quantization
             ref, _, _, bound = reference(
@@ -186,6 +235,7 @@ def test_dense_matches_reference(cc, simd, fmt, act):
                 act,
                 x_err=block_half_step(x, 256 if fmt in K_QUANTS else 32),
                 threads=threads,
+                down_i8=i8,
             )
             assert_within(y, ref, bound, f"{fmt} {act} vs float x")
 
@@ -214,7 +264,10 @@ def test_sparse_drops_exactly_the_neurons_under_threshold(cc, simd, fmt, n_ff):
             y, n_active = core.moe_ffn(
                 raw, FORMATS[fmt], n_expert, n_ff, n_embd, x, ids, topk_w, threshold=threshold
             )
-        ref, ref_active, _, bound = reference(w, xk, ids, topk_w, "silu", threshold, None, threads)
+        i8 = down_i8_of(fmt, simd, raw, n_expert, n_ff, n_embd)
+        ref, ref_active, _, bound = reference(
+            w, xk, ids, topk_w, "silu", threshold, None, threads, down_i8=i8
+        )
         assert n_active == ref_active == int((abs_act >= threshold).sum())
         assert 0 < n_active < n_tokens * ids.shape[1] * n_ff
         assert_within(y, ref, bound, f"sparse {fmt} T={n_tokens}")
@@ -369,12 +422,15 @@ def test_expert_map_computes_the_pairs_held_here(cc, fmt):
                 raw, FORMATS[fmt], n_expert, n_ff, n_embd, x, ids, topk_w, **call,
                 expert_map=map_b,
             )  # fmt: skip
-            ref, _, _, bound = reference(w, xk, ids, topk_w, "silu", threshold, threads=3)
+            i8 = down_i8_of(fmt, cc.simd_best(), raw, n_expert, n_ff, n_embd)
+            ref, _, _, bound = reference(
+                w, xk, ids, topk_w, "silu", threshold, threads=3, down_i8=i8
+            )
             ref_a, act_a, _, bound_a = reference(
-                w, xk, ids, topk_w, "silu", threshold, threads=3, here=here_a
+                w, xk, ids, topk_w, "silu", threshold, threads=3, here=here_a, down_i8=i8
             )
             ref_b, act_b, _, bound_b = reference(
-                w, xk, ids, topk_w, "silu", threshold, threads=3, here=~here_a
+                w, xk, ids, topk_w, "silu", threshold, threads=3, here=~here_a, down_i8=i8
             )
             what = f"{fmt} threshold {threshold}"
             assert_within(y_a, ref_a, bound_a, f"compact permuted slots, {what}")

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from hf_fixtures import make_tiny_hf_model
-from test_cpu_core import FORMATS, assert_within, kernel_x, make_case, reference
+from test_cpu_core import FORMATS, assert_within, down_i8_of, kernel_x, make_case, reference
 
 from pyruntime.converter import convert
 from pyruntime.cpu import core as cpu_core
@@ -82,7 +82,10 @@ def test_sparse_with_the_copy_is_bitwise_the_same(cc, simd, fmt, n_ff, n_tokens)
                 dense_plain, _ = core.moe_ffn(*args)
             assert n_apart == n_plain and torch.equal(apart, plain), f"{fmt} q={q} t={threads}"
             assert torch.equal(dense, dense_plain)
-    ref, ref_active, _, bound = reference(w, xk, ids, topk_w, "silu", threshold, None, 3)
+    i8 = down_i8_of(fmt, simd, raw, n_expert, n_ff, n_embd)
+    ref, ref_active, _, bound = reference(
+        w, xk, ids, topk_w, "silu", threshold, None, 3, down_i8=i8
+    )
     assert n_apart == ref_active == int((abs_act >= threshold).sum())
     assert_within(apart, ref, bound, f"gates apart {fmt} T={n_tokens}")
 

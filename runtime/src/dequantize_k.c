@@ -1,9 +1,7 @@
 /* pyrt_dequantize_rows: Q4_K, Q5_K or Q6_K rows -> float32, the values ggml's (and gguf-py's)
  * dequantizers give, bit for bit: x = (d sc_j) q - (dmin m_j) for Q4_K / Q5_K, x = (d sc_i)
  * (q - 32) for Q6_K, each product rounded to float as theirs is. Layouts: formats.h. */
-#include "error.h"
-#include "formats.h"
-#include "pool.h"
+#include "kquant_rows.h"
 
 /* Q4_K / Q5_K: sub-block j's six-bit scale and min from the 12 packed bytes. */
 static inline void scale_min(const uint8_t *p, int j, int *sc, int *m) {
@@ -80,38 +78,14 @@ enum { DEQUANT_GRAIN = 64 }; /* super-blocks a thread claims at a time */
 int pyrt_dequantize_rows(pyrt_pool *pool, int fmt, const void *data, size_t bytes, int64_t n_rows,
                          int64_t n_per_row, float *out) {
     pyrt_clear_error();
+    const int st = pyrt_kq_rows_check("pyrt_dequantize_rows", fmt, n_rows, n_per_row, "data",
+                                      bytes, data, "data", out, "out");
+    if (st != PYRT_OK || n_rows == 0)
+        return st;
     block_fn fn = fmt == PYRT_FMT_Q4_K   ? q4_k_block
                   : fmt == PYRT_FMT_Q5_K ? q5_k_block
-                  : fmt == PYRT_FMT_Q6_K ? q6_k_block
-                                         : NULL;
-    if (fn == NULL)
-        return pyrt_fail(PYRT_E_UNSUPPORTED,
-                         "pyrt_dequantize_rows: format %d is not one of 12 Q4_K, 13 Q5_K, 14 Q6_K",
-                         fmt);
-    if (n_rows < 0 || n_per_row <= 0 || n_per_row % PYRT_QK_K)
-        return pyrt_fail(PYRT_E_INVALID,
-                         "pyrt_dequantize_rows: rows of %lld elements x %lld: the row length "
-                         "must be a positive multiple of 256",
-                         (long long)n_per_row, (long long)n_rows);
-    const size_t need = (size_t)n_rows * pyrt_row_bytes(fmt, n_per_row);
-    if (bytes != need)
-        return pyrt_fail(PYRT_E_INVALID,
-                         "pyrt_dequantize_rows: data holds %zu bytes, the rows need %zu", bytes,
-                         need);
-    if (n_rows == 0)
-        return PYRT_OK;
-    if (data == NULL || out == NULL)
-        return pyrt_fail(PYRT_E_INVALID, "pyrt_dequantize_rows: %s is NULL",
-                         data ? "out" : "data");
+                                         : q6_k_block;
     dequant_ctx c = {fn, data, pyrt_row_bytes(fmt, PYRT_QK_K), out};
-    const int64_t n_blocks = n_rows * (n_per_row / PYRT_QK_K);
-    if (pool == NULL) {
-        for (int64_t i = 0; i < n_blocks; i++)
-            dequantize_one(&c, i, 0);
-        return PYRT_OK;
-    }
-    pyrt_pool_acquire(pool);
-    pyrt_pool_for(pool, n_blocks, DEQUANT_GRAIN, dequantize_one, &c);
-    pyrt_pool_release(pool);
+    pyrt_kq_rows_run(pool, n_rows * (n_per_row / PYRT_QK_K), DEQUANT_GRAIN, dequantize_one, &c);
     return PYRT_OK;
 }

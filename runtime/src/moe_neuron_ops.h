@@ -79,10 +79,17 @@ static inline float dot_pf(const moe_ctx *c, const uint8_t *row, const void *xt,
     return c->ops->dot(row, xt, c->n_embd);
 }
 
-/* y += sum_r a[r] * rows[r] for nr rows, in row order. */
+/* y += sum_r a[r] * rows[r] for nr rows, in row order; where the level has int8-multiplier down
+ * rows (K-quants on VNNI: axpyn_i8), those, in passes of PYRT_AXPY_ROWS rows from row 0 (so the
+ * dense and the sparse kernels, keeping the same neurons, group them alike: the same bits). */
 static inline void axpy_rows(const moe_ctx *c, int nr, const float *a, const void *const *rows,
                              float *y) {
-    if (c->ops->axpyn != NULL) {
+    if (c->ops->axpyn_i8 != NULL) {
+        for (int r0 = 0; r0 < nr; r0 += PYRT_AXPY_ROWS) {
+            const int m = nr - r0 < PYRT_AXPY_ROWS ? nr - r0 : PYRT_AXPY_ROWS;
+            c->ops->axpyn_i8(m, a + r0, rows + r0, y, c->n_embd, NULL, 0);
+        }
+    } else if (c->ops->axpyn != NULL) {
         for (int r0 = 0; r0 < nr; r0 += PYRT_AXPY_ROWS) {
             const int m = nr - r0 < PYRT_AXPY_ROWS ? nr - r0 : PYRT_AXPY_ROWS;
             c->ops->axpyn(m, a + r0, rows + r0, y, c->n_embd);
@@ -114,6 +121,10 @@ static inline float up_term(const moe_ctx *c, const float *bias, int64_t j, floa
 /* Down rows into one y with prefetches spread through the pass (or a burst, then axpy_rows). */
 static inline void axpy_rows_pf(const moe_ctx *c, int nr, const float *a, const void *const *rows,
                                 float *y, const void *const *pf, int n_pf) {
+    if (c->ops->axpyn_i8 != NULL && nr <= PYRT_AXPY_ROWS) {
+        c->ops->axpyn_i8(nr, a, rows, y, c->n_embd, pf, n_pf);
+        return;
+    }
     if (c->ops->axpyn_pf != NULL && nr <= PYRT_AXPY_ROWS) {
         c->ops->axpyn_pf(nr, a, rows, y, c->n_embd, pf, n_pf);
         return;

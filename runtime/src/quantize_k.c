@@ -21,9 +21,7 @@
 #pragma STDC FP_CONTRACT OFF
 #endif
 
-#include "error.h"
-#include "formats.h"
-#include "pool.h"
+#include "kquant_rows.h"
 
 enum { SUB = 32, NSUB = PYRT_QK_K / SUB, SUB6 = 16, NSUB6 = PYRT_QK_K / SUB6 };
 
@@ -260,37 +258,14 @@ enum { QUANT_GRAIN = 16 }; /* super-blocks a thread claims at a time */
 int pyrt_quantize_rows(pyrt_pool *pool, int fmt, const float *x, int64_t n_rows,
                        int64_t n_per_row, void *out, size_t out_bytes) {
     pyrt_clear_error();
+    const int st = pyrt_kq_rows_check("pyrt_quantize_rows", fmt, n_rows, n_per_row, "out",
+                                      out_bytes, x, "x", out, "out");
+    if (st != PYRT_OK || n_rows == 0)
+        return st;
     block_fn fn = fmt == PYRT_FMT_Q4_K   ? q4_k_block
                   : fmt == PYRT_FMT_Q5_K ? q5_k_block
-                  : fmt == PYRT_FMT_Q6_K ? q6_k_block
-                                         : NULL;
-    if (fn == NULL)
-        return pyrt_fail(PYRT_E_UNSUPPORTED,
-                         "pyrt_quantize_rows: format %d is not one of 12 Q4_K, 13 Q5_K, 14 Q6_K",
-                         fmt);
-    if (n_rows < 0 || n_per_row <= 0 || n_per_row % PYRT_QK_K)
-        return pyrt_fail(PYRT_E_INVALID,
-                         "pyrt_quantize_rows: rows of %lld elements x %lld: the row length must "
-                         "be a positive multiple of 256",
-                         (long long)n_per_row, (long long)n_rows);
-    const size_t need = (size_t)n_rows * pyrt_row_bytes(fmt, n_per_row);
-    if (out_bytes != need)
-        return pyrt_fail(PYRT_E_INVALID,
-                         "pyrt_quantize_rows: out holds %zu bytes, the rows need %zu", out_bytes,
-                         need);
-    if (n_rows == 0)
-        return PYRT_OK;
-    if (x == NULL || out == NULL)
-        return pyrt_fail(PYRT_E_INVALID, "pyrt_quantize_rows: %s is NULL", x ? "out" : "x");
+                                         : q6_k_block;
     quant_ctx c = {fn, pick_searches(), x, out, pyrt_row_bytes(fmt, PYRT_QK_K)};
-    const int64_t n_blocks = n_rows * (n_per_row / PYRT_QK_K);
-    if (pool == NULL) {
-        for (int64_t i = 0; i < n_blocks; i++)
-            quantize_one(&c, i, 0);
-        return PYRT_OK;
-    }
-    pyrt_pool_acquire(pool);
-    pyrt_pool_for(pool, n_blocks, QUANT_GRAIN, quantize_one, &c);
-    pyrt_pool_release(pool);
+    pyrt_kq_rows_run(pool, n_rows * (n_per_row / PYRT_QK_K), QUANT_GRAIN, quantize_one, &c);
     return PYRT_OK;
 }

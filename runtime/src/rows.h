@@ -144,6 +144,9 @@ typedef struct {
     pyrt_axpyn_pf_fn axpyn_pf; /* axpyn with spread prefetches; NULL: as for dot_pf */
     pyrt_dot_tile_fn dot_tile;   /* NULL: pyrt_dot_tile makes dot calls */
     pyrt_axpy_tile_fn axpy_tile; /* NULL: pyrt_axpy_tile makes axpy calls */
+    /* axpyn_pf with each row's multiplier folded into int8 per sub-block (within a stated bound
+     * of axpyn, not its bits: pyrt_axpyn_i8_q4_k); NULL: axpyn. The decode's expert down rows. */
+    pyrt_axpyn_pf_fn axpyn_i8;
 } pyrt_row_ops;
 
 /* Any rows against any tokens with a level's kernels (tile.c): out[t * ts + r * rs] = rows[r] .
@@ -212,6 +215,17 @@ const pyrt_row_ops *pyrt_row_ops_kquant_avx2(int fmt);
 /* The K-quants' AVX-512 kernels (rows_kquant_avx512.c); vnni != 0: their int8 dots on
  * AVX512_VNNI (the same bits; call only where the CPU has it). */
 const pyrt_row_ops *pyrt_row_ops_kquant_avx512(int fmt, int vnni);
+/* Q4_K, Q5_K and Q6_K down rows on AVX512_VNNI with int8 multipliers (rows_kquant_i8.c; x86-64
+ * only): y[0:n) += a[r] rows[r] for r < nr <= PYRT_AXPY_ROWS, each sub-block j's a[r] d_r sc_rj
+ * rounded to a multiple of S_j / 254, S_j = max_r |a[r] d_r sc_rj| / 127 (two int8 parts);
+ * |error| <= (S_j / 500) sum_r q_ri per element (q: the stored code, e.g. Q6_K's 0..63) beside f32
+ * rounding. pf, n_pf: as axpyn_pf's (NULL, 0: none). */
+void pyrt_axpyn_i8_q4_k(int nr, const float *a, const void *const *rows, float *y, int n,
+                        const void *const *pf, int n_pf);
+void pyrt_axpyn_i8_q5_k(int nr, const float *a, const void *const *rows, float *y, int n,
+                        const void *const *pf, int n_pf);
+void pyrt_axpyn_i8_q6_k(int nr, const float *a, const void *const *rows, float *y, int n,
+                        const void *const *pf, int n_pf);
 
 /* Row kernels of one SIMD level for fmt; NULL when the level has none for fmt (unknown format). */
 const pyrt_row_ops *pyrt_row_ops_scalar(int fmt);

@@ -334,15 +334,15 @@ static const pyrt_row_ops ops_bf16 = {.dot = dot_bf16, .axpy = axpy_bf16,
 
 static const pyrt_row_ops ops_q8_0 = {dot_q8_0,    axpy_q8_0,    dot2_q8_0,    axpyn_q8_0,
                                       dot_pf_q8_0, dot2_pf_q8_0, axpyn_pf_q8_0,
-                                      pyrt_dot_tile_q8_0, pyrt_axpy_tile_q8_0};
+                                      pyrt_dot_tile_q8_0, pyrt_axpy_tile_q8_0, NULL};
 static const pyrt_row_ops ops_q8_0_vnni = {dot_q8_0_vnni,    axpy_q8_0,
                                            dot2_q8_0_vnni,   axpyn_q8_0,
                                            dot_pf_q8_0_vnni, dot2_pf_q8_0_vnni,
                                            axpyn_pf_q8_0,    pyrt_dot_tile_q8_0_vnni,
-                                           pyrt_axpy_tile_q8_0};
+                                           pyrt_axpy_tile_q8_0, NULL};
 static const pyrt_row_ops ops_q4_0 = {dot_q4_0,    axpy_q4_0,    dot2_q4_0,    axpyn_q4_0,
                                       dot_pf_q4_0, dot2_pf_q4_0, axpyn_pf_q4_0,
-                                      pyrt_dot_tile_q4_0, pyrt_axpy_tile_q4_0};
+                                      pyrt_dot_tile_q4_0, pyrt_axpy_tile_q4_0, NULL};
 const pyrt_row_ops *pyrt_row_ops_avx512(int fmt) {
     switch (fmt) {
     case PYRT_FMT_F32:

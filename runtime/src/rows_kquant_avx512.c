@@ -10,7 +10,7 @@
  * x's scale once, in f32.
  * One function computes a block of rows x tokens (1 x 1: dot, 2 x 1: dot2, 4 x 2: the prefill
  * tiles), each result with the same operations in the same order: a tile's results are the
- * dots' bits.
+ * dots' bits; dot_pf / dot2_pf spread their prefetch lines over the super-blocks.
  * axpy: 16 codes widened to int32 per step (from the bytes, no cross-lane shuffles), y held in
  * registers across up to PYRT_AXPY_ROWS rows (axpyn), each row's operations those of axpy; the
  * axpy tile (several tokens) converts a row's codes once for all its tokens. */
@@ -20,6 +20,7 @@
 #include <immintrin.h>
 
 #include "blocks_avx512.h"
+#include "blocks_kquant_avx512.h"
 #include "blocks_kquant_x86.h"
 
 #define D(w) _cvtsh_ss(pyrt_load_u16(w))
@@ -33,46 +34,6 @@ enum { KQ_ROWS = 4, KQ_TOKENS = 2 };
 AVX512 static INLINE __m512i x_pair(const pyrt_xq8 *xq, int k) {
     return join256(_mm256_loadu_si256((const __m256i *)xq[2 * k].q),
                    _mm256_loadu_si256((const __m256i *)xq[2 * k + 1].q));
-}
-
-/* 32 bytes at p in both halves. */
-AVX512 static INLINE __m512i bcast32(const uint8_t *p) {
-    return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
-}
-
-/* Shift counts per 16-bit lane: lo for the low 256 bits, hi for the high. */
-AVX512 static INLINE __m512i counts16(short lo, short hi) {
-    return join256(_mm256_set1_epi16(lo), _mm256_set1_epi16(hi));
-}
-
-/* Pair k's 64 codes (uint8; bytes 0..31: sub-block 2k, 32..63: 2k + 1). */
-AVX512 static INLINE __m512i codes_q4_k(const uint8_t *w, int k) {
-    const __m512i raw = bcast32(w + 16 + 32 * k);
-    const __m512i nib = _mm512_srlv_epi16(raw, counts16(0, 4));
-    return _mm512_and_si512(nib, _mm512_set1_epi8(0x0F));
-}
-AVX512 static INLINE __m512i codes_q5_k(const uint8_t *w, int k) {
-    const __m512i raw = bcast32(w + 48 + 32 * k);
-    const __m512i lo = _mm512_and_si512(
-        _mm512_srlv_epi16(raw, counts16(0, 4)), _mm512_set1_epi8(0x0F));
-    const __m512i qh = bcast32(w + 16);
-    const __m512i bit = join256(_mm256_set1_epi8((char)(1 << 2 * k)),
-                                _mm256_set1_epi8((char)(1 << (2 * k + 1))));
-    return _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(qh, bit), lo, _mm512_set1_epi8(16));
-}
-/* Q6_K: q + 32 (0..63). Pair k = 2h + half holds quarters p = 2 half (ql's first 32 bytes of
- * half h) and 2 half + 1 (its next 32), nibble `half`; their high bits are bits 2p, 2p + 1 of qh,
- * moved to bits 4, 5 (16-bit shifts: the bits that cross into the next byte are masked off). */
-AVX512 static INLINE __m512i codes_q6_k(const uint8_t *w, int k) {
-    const int h = k / 2, half = k % 2;
-    const __m512i ql = _mm512_loadu_si512((const void *)(w + 64 * h));
-    const __m512i nib = half ? _mm512_srli_epi16(ql, 4) : ql;
-    const __m512i lo = _mm512_and_si512(nib, _mm512_set1_epi8(0x0F));
-    const __m512i qh = bcast32(w + 128 + 32 * h);
-    const __m512i hi =
-        half ? _mm512_srlv_epi16(qh, counts16(0, 2))
-             : _mm512_sllv_epi16(qh, counts16(4, 2));
-    return _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(0x30), 0xF8); /* lo | (hi & 0x30) */
 }
 
 /* Q6_K's 16 scales times d (lanes 0..15, one per 16 elements). */
@@ -118,7 +79,7 @@ AVX512 static INLINE __m512i pick_words(int i0) {
 #define KQ_DOTS(SUF, TGT, PAIRS)                                                                   \
     TGT static INLINE void dots_##SUF(int fmt, int nr, const void *const *rows, int nt,            \
                                       const void *const *xs, int n, float *out, size_t ts,         \
-                                      size_t rs) {                                                 \
+                                      size_t rs, const void *const *pf, int n_pf) {                \
         const size_t bb = fmt == PYRT_FMT_Q4_K   ? PYRT_Q4_K_BYTES                                 \
                           : fmt == PYRT_FMT_Q5_K ? PYRT_Q5_K_BYTES                                 \
                                                  : PYRT_Q6_K_BYTES;                                \
@@ -127,6 +88,7 @@ AVX512 static INLINE __m512i pick_words(int i0) {
         _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++)                                       \
             _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)                                   \
                 acc[r][t] = _mm512_setzero_ps();                                                   \
+        pyrt_pf_spread spread = pyrt_pf_begin(pf, n_pf, n / PYRT_QK_K);                            \
         for (int s = 0; s < n / PYRT_QK_K; s++) {                                                  \
             const uint8_t *w[KQ_ROWS];                                                             \
             const pyrt_xq8 *xq[KQ_TOKENS];                                                         \
@@ -179,7 +141,9 @@ AVX512 static INLINE __m512i pick_words(int i0) {
                                                      _mm512_cvtepi32_ps(ms), acc[r][t]);           \
                 }                                                                                  \
             }                                                                                      \
+            pyrt_pf_tick(&spread);                                                                 \
         }                                                                                          \
+        pyrt_pf_end(&spread);                                                                      \
         _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++)                                       \
             _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)                                   \
                 out[(size_t)t * ts + (size_t)r * rs] = _mm512_reduce_add_ps(acc[r][t]);            \
@@ -192,13 +156,25 @@ KQ_DOTS(vnni, AVX512VNNI, KQ_PAIRS_VNNI)
 #define KQ_DOT_ENTRIES(name, FMT, SUF, TGT)                                                       \
     TGT static float dot_##name##_##SUF(const void *row, const void *x, int n) {                  \
         float out;                                                                                \
-        dots_##SUF(FMT, 1, &row, 1, &x, n, &out, 0, 0);                                           \
+        dots_##SUF(FMT, 1, &row, 1, &x, n, &out, 0, 0, NULL, 0);                                  \
+        return out;                                                                               \
+    }                                                                                             \
+    TGT static float dot_pf_##name##_##SUF(const void *row, const void *x, int n,                 \
+                                           const void *const *pf, int n_pf) {                     \
+        float out;                                                                                \
+        dots_##SUF(FMT, 1, &row, 1, &x, n, &out, 0, 0, pf, n_pf);                                 \
         return out;                                                                               \
     }                                                                                             \
     TGT static void dot2_##name##_##SUF(const void *row0, const void *row1, const void *x, int n, \
                                         float out[2]) {                                           \
         const void *rows[2] = {row0, row1};                                                       \
-        dots_##SUF(FMT, 2, rows, 1, &x, n, out, 0, 1);                                            \
+        dots_##SUF(FMT, 2, rows, 1, &x, n, out, 0, 1, NULL, 0);                                   \
+    }                                                                                             \
+    TGT static void dot2_pf_##name##_##SUF(const void *row0, const void *row1, const void *x,     \
+                                           int n, float out[2], const void *const *pf,            \
+                                           int n_pf) {                                            \
+        const void *rows[2] = {row0, row1};                                                       \
+        dots_##SUF(FMT, 2, rows, 1, &x, n, out, 0, 1, pf, n_pf);                                  \
     }                                                                                             \
     TGT static void dot_tile_##name##_##SUF(const void *const *rows, int nt,                      \
                                             const void *const *xs, int n, float *out, size_t ts,  \
@@ -206,9 +182,10 @@ KQ_DOTS(vnni, AVX512VNNI, KQ_PAIRS_VNNI)
         int t = 0;                                                                                \
         for (; t + KQ_TOKENS <= nt; t += KQ_TOKENS)                                               \
             dots_##SUF(FMT, PYRT_TILE_ROWS, rows, KQ_TOKENS, xs + t, n, out + (size_t)t * ts, ts, \
-                       rs);                                                                       \
+                       rs, NULL, 0);                                                              \
         if (t < nt)                                                                               \
-            dots_##SUF(FMT, PYRT_TILE_ROWS, rows, 1, xs + t, n, out + (size_t)t * ts, ts, rs);    \
+            dots_##SUF(FMT, PYRT_TILE_ROWS, rows, 1, xs + t, n, out + (size_t)t * ts, ts, rs,     \
+                       NULL, 0);                                                                  \
     }
 
 KQ_DOT_ENTRIES(q4_k, PYRT_FMT_Q4_K, bw, AVX512)
@@ -388,19 +365,22 @@ KQ_AXPY_ENTRIES(q4_k, PYRT_FMT_Q4_K)
 KQ_AXPY_ENTRIES(q5_k, PYRT_FMT_Q5_K)
 KQ_AXPY_ENTRIES(q6_k, PYRT_FMT_Q6_K)
 
-#define KQ_OPS(name, SUF)                                                                         \
+#define KQ_OPS(name, SUF, I8)                                                                     \
     static const pyrt_row_ops ops_##name##_##SUF = {.dot = dot_##name##_##SUF,                     \
                                                     .axpy = axpy_##name,                          \
                                                     .dot2 = dot2_##name##_##SUF,                  \
                                                     .axpyn = axpyn_##name,                        \
+                                                    .dot_pf = dot_pf_##name##_##SUF,              \
+                                                    .dot2_pf = dot2_pf_##name##_##SUF,            \
                                                     .dot_tile = dot_tile_##name##_##SUF,          \
-                                                    .axpy_tile = axpy_tile_##name};
-KQ_OPS(q4_k, bw)
-KQ_OPS(q5_k, bw)
-KQ_OPS(q6_k, bw)
-KQ_OPS(q4_k, vnni)
-KQ_OPS(q5_k, vnni)
-KQ_OPS(q6_k, vnni)
+                                                    .axpy_tile = axpy_tile_##name,                \
+                                                    .axpyn_i8 = I8};
+KQ_OPS(q4_k, bw, NULL)
+KQ_OPS(q5_k, bw, NULL)
+KQ_OPS(q6_k, bw, NULL)
+KQ_OPS(q4_k, vnni, pyrt_axpyn_i8_q4_k)
+KQ_OPS(q5_k, vnni, pyrt_axpyn_i8_q5_k)
+KQ_OPS(q6_k, vnni, pyrt_axpyn_i8_q6_k)
 
 const pyrt_row_ops *pyrt_row_ops_kquant_avx512(int fmt, int vnni) {
     if (vnni)

@@ -1183,6 +1183,16 @@ static void test_kquant_kernels_agree(void) {
                               "kquant dot2 level %d vnni %d fmt %d n %d differs from dot", level,
                               vnni, fmt, n);
                     }
+                    if (ops->dot_pf != NULL && ops->dot2_pf != NULL) { /* prefetches: same bits */
+                        const void *pf[5] = {rp[2], rp[3], rp[4], rp[5], rp[6]};
+                        float out[2];
+                        const float p0 = ops->dot_pf(rp[0], xp[1], n, pf, 5);
+                        ops->dot2_pf(rp[0], rp[1], xp[1], n, out, pf, 5);
+                        CHECK(memcmp(&p0, &d[0][1], 4) == 0 && memcmp(&out[0], &d[0][1], 4) == 0 &&
+                                  memcmp(&out[1], &d[1][1], 4) == 0,
+                              "kquant dot_pf/dot2_pf level %d vnni %d fmt %d n %d differ from dot",
+                              level, vnni, fmt, n);
+                    }
                     for (int nr = 1; nr <= NR; nr += 4)
                         for (int nt = 1; nt <= NT; nt += 2) {
                             float out[NT * NR];
@@ -1225,9 +1235,107 @@ static void test_kquant_kernels_agree(void) {
     }
 }
 
+/* The K-quants' int8-multiplier axpyn (pyrt_row_ops.axpyn_i8, where the level has it: Q4_K,
+ * Q5_K, Q6_K) against the exact sum in double, within its stated bound: per element i of
+ * sub-block j, (S_j / 500) sum_r q_ri (S_j = max_r |a_r d_r sc_rj| / 127: each multiplier off by
+ * at most half of S_j / 254, and the f32 rounding of its remainder) plus f32 rounding, a few u
+ * of the terms' magnitude. Rows of 1, 3 and 8 super-blocks, every nr (a group of 4 with a tail),
+ * multipliers of both signs and one zero. */
+static void q4_k_sc_m(const uint8_t *w, int j, int *sc, int *m) {
+    const uint8_t *p = w + 4;
+    if (j < 4) {
+        *sc = p[j] & 63, *m = p[j + 4] & 63;
+    } else {
+        *sc = (p[j + 4] & 0xF) | ((p[j - 4] >> 6) << 4);
+        *m = (p[j + 4] >> 4) | ((p[j] >> 6) << 4);
+    }
+}
+
+/* Element e (0..255) of super-block w: weight = c q - mt for multiplier a, c = a d sc of its
+ * sub-block, q its stored code (Q5_K: 0..31; Q6_K: 0..63, the weight d sc (q - 32)). */
+static void kquant_term(int fmt, const uint8_t *w, int e, double a, double *c, int *q,
+                        double *mt) {
+    if (fmt == PYRT_FMT_Q4_K || fmt == PYRT_FMT_Q5_K) { /* Q5_K: qh at 16, qs at 48 */
+        const int j = e / 32, l = e % 32, q5 = fmt == PYRT_FMT_Q5_K;
+        int sc, m;
+        q4_k_sc_m(w, j, &sc, &m);
+        *c = a * pyrt_fp16_to_fp32(pyrt_load_u16(w)) * sc;
+        *mt = a * pyrt_fp16_to_fp32(pyrt_load_u16(w + 2)) * m;
+        *q = (w[(q5 ? 48 : 16) + 32 * (j / 2) + l] >> (4 * (j % 2))) & 15;
+        if (q5)
+            *q |= ((w[16 + l] >> j) & 1) << 4;
+        return;
+    }
+    const int h = e / 128, p = e % 128 / 32, l = e % 32;
+    const int lo = (w[64 * h + 32 * (p % 2) + l] >> (4 * (p / 2))) & 0xF;
+    const int hi = (w[128 + 32 * h + l] >> (2 * p)) & 3;
+    *c = a * pyrt_fp16_to_fp32(pyrt_load_u16(w + 208)) * (int8_t)w[192 + e / 16];
+    *q = lo | hi << 4;
+    *mt = 32 * *c;
+}
+
+static void test_kquant_axpyn_i8(void) {
+    const int fmts[] = {PYRT_FMT_Q4_K, PYRT_FMT_Q5_K, PYRT_FMT_Q6_K};
+    const int lengths[] = {256, 768, 2048};
+    const double u = ldexp(1.0, -24);
+    for (int f = 0; f < COUNT_OF(fmts); f++)
+        for (int level = PYRT_SIMD_SCALAR; level <= pyrt_simd_best(); level++)
+            for (int vnni = 0; vnni < 2; vnni++) {
+                const int fmt = fmts[f];
+                const pyrt_row_ops *ops = pyrt_row_ops_at(level, fmt, vnni);
+                if (ops == NULL || ops->axpyn_i8 == NULL)
+                    continue;
+                for (int li = 0; li < COUNT_OF(lengths); li++) {
+                    const int n = lengths[li];
+                    const size_t rb = pyrt_row_bytes(fmt, n), bb = pyrt_row_bytes(fmt, PYRT_QK_K);
+                    uint8_t *rows = malloc(rb * PYRT_AXPY_ROWS);
+                    float *y = malloc(sizeof(float) * n);
+                    double *ref = malloc(sizeof(double) * n);
+                    double *bound = malloc(sizeof(double) * n);
+                    const void *rp[PYRT_AXPY_ROWS];
+                    for (int r = 0; r < PYRT_AXPY_ROWS; r++) {
+                        make_kquant_row(fmt, n, rows + r * rb);
+                        rp[r] = rows + r * rb;
+                    }
+                    for (int nr = 1; nr <= PYRT_AXPY_ROWS; nr++) {
+                        float a[PYRT_AXPY_ROWS];
+                        for (int r = 0; r < nr; r++)
+                            a[r] = r == 2 ? 0.0f : rng_normalish();
+                        for (int i = 0; i < n; i++) {
+                            y[i] = rng_normalish();
+                            double c[PYRT_AXPY_ROWS], mt[PYRT_AXPY_ROWS], cmax = 0.0;
+                            int q[PYRT_AXPY_ROWS];
+                            ref[i] = y[i];
+                            bound[i] = 4 * u * fabs(y[i]);
+                            for (int r = 0; r < nr; r++) {
+                                const uint8_t *w = (const uint8_t *)rp[r] + (size_t)(i / 256) * bb;
+                                kquant_term(fmt, w, i % 256, a[r], &c[r], &q[r], &mt[r]);
+                                cmax = fmax(cmax, fabs(c[r]));
+                                ref[i] += c[r] * q[r] - mt[r];
+                            }
+                            for (int r = 0; r < nr; r++) /* rounding; the multipliers' step */
+                                bound[i] += 8 * nr * u * (fabs(c[r]) * 63 + fabs(mt[r])) +
+                                            cmax / 127 / 500 * q[r];
+                        }
+                        ops->axpyn_i8(nr, a, rp, y, n, NULL, 0);
+                        for (int i = 0; i < n; i++)
+                            if (!(fabs((double)y[i] - ref[i]) <= bound[i] + 1e-30)) {
+                                CHECK(0,
+                                      "axpyn_i8 fmt %d level %d n %d nr %d at %d: %.9g vs %.9g "
+                                      "(bound %.3g)",
+                                      fmt, level, n, nr, i, y[i], ref[i], bound[i]);
+                                break;
+                            }
+                    }
+                    free(rows), free(y), free(ref), free(bound);
+                }
+            }
+}
+
 int main(void) {
     test_quantize_x();
     test_quantize_x_levels();
+    test_kquant_axpyn_i8();
     test_quantize_x_q8k_groups();
     test_kquant_kernels_match_plain();
     test_add_levels();
