@@ -7,12 +7,13 @@ waits for the routing, places the experts, replays the GPU's share and calls the
 of host time a layer beside the C call on the device host. Here the placement is a rule the
 graph applies on the device, so the step is captured whole. Per MoE layer, on the GPU:
 
-    route; codes[j] of each of the k pairs: 0 = in a slot, 1 = direct (the first `n_direct`
-    misses by rank), 2 = CPU; publish: the routing, h and the codes written into page-locked
-    host memory by one kernel, then flags[0, m] = step; the slots' kernel over the hits and the
-    experts' kernel over the direct pairs reading the layer's GGUF expert tensor in place in the
-    mapped file (over PCIe, ~40-50 GB/s, at the same time as the CPU's DRAM reads); absorb:
-    one kernel waits until flags[1, m] == step and adds y_cpu, read in place, to y_gpu; on.
+    route; place (one kernel): code each of the k pairs 0 = in a slot, 1 = direct (the first
+    `n_direct` misses by rank), 2 = CPU, build the two expert maps, write the routing, h and the
+    codes into page-locked host memory and then flags[0, m] = step; the slots' kernel over the
+    hits; the direct pairs' experts gathered from the mapped GGUF with wide loads (over PCIe,
+    ~45 GB/s, at the same time as the CPU's DRAM reads) and the experts' kernel over them;
+    absorb: one kernel waits until flags[1, m] == step and adds y_cpu, read in place, to y_gpu;
+    on.
 
 and on the host, after the replay is queued, for each MoE layer: spin until flags[0, m] == step,
 the C core's call over the pairs coded 2 (bound once to the buffers, CpuCore.bind_moe) into
@@ -91,6 +92,8 @@ class StepGraph(DecodeSegments):
         self._n_direct_dev = torch.zeros(n_moe, dtype=torch.int32, device=device)
         self._dmap_slots = torch.full((n_expert,), -1, dtype=torch.int32, device=device)
         self._dmap_direct = torch.full((n_expert,), -1, dtype=torch.int32, device=device)
+        self._codes_dev = torch.zeros(k, dtype=torch.int32, device=device)
+        self._rows_dev = torch.zeros(k, dtype=torch.int32, device=device)
         self._seq = torch.zeros(1, dtype=torch.int32, device=device)
         # neurons the GPU's pairs kept in a step (all of them where the dense path ran)
         self._gpu_active = torch.zeros(1, dtype=torch.int64, device=device)
@@ -176,41 +179,37 @@ class StepGraph(DecodeSegments):
         return self._y_sum
 
     def _experts_step(self, m: int, r: Routed, capturing: bool) -> None:
-        """MoE layer m's routed experts (module doc): the GPU's share, then the two shares
+        """MoE layer m's routed experts (module doc): the placement (and, in the graph, the
+        routing published to the host) in one launch, the GPU's share, then the two shares
         added into self._y_sum once the host's is there."""
-        ids = r.ids[0].long()  # [k]
-        slot = self._table_dev[m][ids]
-        hit = slot >= 0
-        miss = ~hit
-        rank = torch.cumsum(miss.to(torch.int32), 0) - 1
-        direct = miss & (rank < self._n_direct_dev[m])
-        codes = torch.where(hit, SLOT, torch.where(direct, DIRECT, CPU)).to(torch.int32)
+        ids = r.ids[0]  # [k]
+        out = (self._codes_dev, self._rows_dev, self._dmap_slots, self._dmap_direct)
+        publish = None
         if capturing:
-            host_flags.publish(r.ids[0], r.weights[0], codes, r.h32[0], r.logits[0],
-                               self._mapped_out, self._flags_dev[0], self._seq, m)  # fmt: skip
-        else:
+            publish = (r.weights[0], r.h32[0], r.logits[0], self._mapped_out, self._flags_dev[0],
+                       self._seq, m)  # fmt: skip
+        host_flags.place(ids, self._table_dev[m], self._n_direct_dev[m : m + 1], out, publish)
+        if not capturing:
             DecodeSegments._publish(self, self.moe[m], r)
-            self.codes.copy_(codes[None], non_blocking=True)
+            self.codes.copy_(self._codes_dev[None], non_blocking=True)
             if self.cuda:
                 torch.cuda.current_stream(self.device).synchronize()
             self.cpu_share(m, not self._warming)
         y = None
         i = self.moe[m]
         n_ff = self.layers.config.n_ff_exp
+        codes = self._codes_dev
         if self.slots is not None:
-            self._dmap_slots.fill_(-1)
-            self._dmap_slots.scatter_(0, ids, torch.where(hit, slot, -1).to(torch.int32))
             y, active = self.layers.routed_experts(i, r, self._dmap_slots, self.slots)
-            self._gpu_active += hit.sum() * n_ff if active is None else active.sum()
+            self._gpu_active += (codes == SLOT).sum() * n_ff if active is None else active.sum()
         # the direct pairs' experts gathered into the buffer (wide loads over PCIe), direct
-        # pair j's into buffer row rank[j] (< n_direct <= k), then computed from there
-        buffer_row = rank.to(torch.int32)
-        gather_experts(self.direct[m], self._gathered_experts, ids, codes, buffer_row, DIRECT)
-        self._dmap_direct.fill_(-1)
-        self._dmap_direct.scatter_(0, ids, torch.where(direct, buffer_row, -1).to(torch.int32))
+        # pair j's into buffer row rows[j] (its rank among the misses, < n_direct <= k), then
+        # computed from there
+        gather_experts(self.direct[m], self._gathered_experts, ids, codes, self._rows_dev,
+                       DIRECT)  # fmt: skip
         y_direct, active = self.layers.routed_experts(i, r, self._dmap_direct,
                                                       self._gathered_experts, self.fmt)  # fmt: skip
-        self._gpu_active += direct.sum() * n_ff if active is None else active.sum()
+        self._gpu_active += (codes == DIRECT).sum() * n_ff if active is None else active.sum()
         y = y_direct if y is None else y + y_direct
         if capturing:
             host_flags.absorb(self._flags_dev[1], self._seq, self._failed, m, y[0],
