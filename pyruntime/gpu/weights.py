@@ -7,7 +7,8 @@ views into the GGUF mmap, already loaded and checked there).
   and the token embedding: `Linear`, Q8_0 kept quantized (kernels.q8_linear) when the GGUF
   stores Q8_0 or Q4_0 (repacked to Q8_0, exact), else float (f32 for an F32 GGUF, bf16
   otherwise). The embedding has one device copy: the lookup reads it (kernels.q8_embed for Q8_0
-  rows, an index_select of the float ones) and a tied lm_head is the same Linear;
+  rows, an index_select of the float ones) and a tied lm_head is the same Linear (the hybrid
+  leaves an untied one in host memory: pyruntime.offload.embedding);
 - norms, routers, the shared-expert gate: float32 (F32 in the GGUF).
 A tensor the upload converts (a float cast, a block format dequantized, Q4_0 -> Q8_0) is
 converted in chunks of at most LOAD_CHUNK_ELEMENTS weights into its preallocated device tensor,
@@ -164,7 +165,9 @@ class DeviceBlock:
 
 @dataclass
 class DeviceWeights:
-    token_embd: Linear  # [n_vocab, n_embd]: Q8_0 (q, d) or float w, read by the lookup
+    # [n_vocab, n_embd]: Q8_0 (q, d) or float w, read by the lookup; None where an untied one
+    # stays in host memory (the hybrid: pyruntime.offload.embedding)
+    token_embd: Linear | None
     output_norm: torch.Tensor  # [n_embd] f32
     output: Linear  # lm_head [n_vocab, n_embd] (token_embd itself when tied)
     blocks: list[DeviceBlock]
@@ -350,15 +353,16 @@ def slot_format(store: ExpertStore) -> str:
 
 def upload_weights(
     host: HostWeights, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-    routed_experts: bool = True,
+    routed_experts: bool = True, token_embd: bool = True,
 ) -> DeviceWeights:  # fmt: skip
     """Every weight on the device; routed_experts=False leaves the routed experts on the host
-    (upload_block)."""
-    token_embd = upload_linear(host.token_embd, device, dtype)
+    (upload_block), token_embd=False an untied token embedding (a tied one is the lm_head: it
+    is uploaded all the same)."""
     tied = host.output is host.token_embd
-    output = token_embd if tied else upload_linear(host.output, device, dtype)
+    embd = upload_linear(host.token_embd, device, dtype) if token_embd or tied else None
+    output = embd if tied else upload_linear(host.output, device, dtype)
     return DeviceWeights(
-        token_embd=token_embd,
+        token_embd=embd,
         output_norm=host.output_norm.to(device=device, dtype=torch.float32),
         output=output,
         blocks=[

@@ -7,6 +7,7 @@ route, the shared expert; dense-FFN layers whole), with each MoE layer's routed 
 between the GPU's expert slots and the CPU by pyruntime.offload.split. Its parts:
 
 - plan.py: the device budget (the dense part, the KV cache, the number of slots);
+- embedding.py: an untied token embedding, left in host memory: the host writes the rows;
 - home.py + host_register.py: the experts' host memory (the mapped GGUF, registered or through
   bounce buffers, or a pinned copy), which the CPU reads and the copies start from;
 - segments.py: a decode step as CUDA graph segments between the MoE layers' expert placements;
@@ -48,6 +49,7 @@ from pyruntime.model.tokens import single_token, token_ids
 from pyruntime.model.weights import HostWeights
 from pyruntime.offload.cache import ExpertCache
 from pyruntime.offload.costs import Costs
+from pyruntime.offload.embedding import HostEmbedding
 from pyruntime.offload.home import default_pinning, open_home
 from pyruntime.offload.host_register import Pinning
 from pyruntime.offload.plan import gib
@@ -114,7 +116,14 @@ class HybridExecutor:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         self.dtype = dense_dtype_for(first_matrix_type(weights))
-        self.weights = upload_weights(weights, cfg, self.device, self.dtype, routed_experts=False)
+        # An untied token embedding stays in host memory (pyruntime.offload.embedding); a tied
+        # one is the lm_head, on the GPU.
+        tied = weights.output is weights.token_embd
+        self.embedding = None
+        if not tied:
+            self.embedding = HostEmbedding(weights.token_embd, cfg.embedding_scale, self.dtype)
+        self.weights = upload_weights(weights, cfg, self.device, self.dtype,
+                                      routed_experts=False, token_embd=tied)  # fmt: skip
         self.layers = DecoderLayers(cfg, self.weights, self.dtype)
         self.streams = DeviceStreams(self.device)
         self.slots = ExpertSlots(
@@ -297,7 +306,11 @@ class HybridExecutor:
         positions = torch.arange(start, start + ids.numel(), device=self.device)
         span = Span(ids.to(self.device), positions, state.cos, state.sin, start=start)
         layers, timer = self.layers, self.timer
-        x, delta = layers.embed(span.ids), None
+        if self.embedding is None:
+            x = layers.embed(span.ids)
+        else:
+            x = self.embedding.upload(ids, self.device)
+        delta = None
         for i, blk in enumerate(self.host.blocks):
             mark = timer.start()
             x, delta = layers.mixer(i, x, delta, cache, span)
@@ -329,6 +342,8 @@ class HybridExecutor:
         if self._direct_views() is not None:
             return self._decode_direct(state, cache, k, trace)
         seg = self._segments(state, cache, k)
+        if seg.x0_host is not None:  # the previous step's copy of it ran: its logits came back
+            self.embedding.rows(token, seg.x0_host)
         timer, streams = self.timer, self.streams
         for m, i in enumerate(self._moe):
             seg.prepare(m)
@@ -424,8 +439,8 @@ class HybridExecutor:
                 return None if ahead is None else experts._predict(ahead, r, k)
 
             span = Span(state.token, state.position, state.cos, state.sin, seq_len=state.seq_len)
-            seg = DecodeSegments(self.layers, self._moe, cache, span, k, predict,
-                                 self.device)  # fmt: skip
+            seg = DecodeSegments(self.layers, self._moe, cache, span, k, predict, self.device,
+                                 host_embedding=self.embedding is not None)  # fmt: skip
             state.segments[key] = seg
         return seg
 

@@ -5,7 +5,9 @@ The host decides each MoE layer's placement from its routing, so a decode step c
 graph (as the whole-GPU executor's is); launched eagerly from Python, a layer's ~10 dense
 launches cost more host time than its GPU time. With M MoE layers, a step is M + 1 segments:
 
-    segment 0   embed; the layers before the first MoE layer; attention + route of MoE layer 0
+    segment 0   embed (or, with the embedding in host memory, copy up the row the host wrote
+                into x0); the layers before the first MoE layer; attention + route of MoE
+                layer 0
     segment m   y = y_gpu + y_cpu (MoE layer m-1's routed output); its FFN output (+ shared
                 expert); the dense-FFN layers between; attention + route of MoE layer m
     segment M   y, the FFN output of the last MoE layer, the layers after it, norm + lm_head
@@ -86,13 +88,17 @@ class DecodeSegments:
 
     def __init__(self, layers: DecoderLayers, moe: list[int], cache: KVCache,
                  span: Span, k: int, predict: Callable[[int, Routed], torch.Tensor | None],
-                 device: torch.device) -> None:  # fmt: skip
+                 device: torch.device, host_embedding: bool = False) -> None:  # fmt: skip
+        """host_embedding: the step's embedded token comes from x0, which the host writes
+        before segment 0 runs (pyruntime.offload.embedding), not from a lookup on the GPU."""
         cfg = layers.config
         self.layers, self.moe, self.cache, self.span, self.k = layers, moe, cache, span, k
         self.predict, self.device = predict, device
         self.cuda = device.type == "cuda"
+        shapes = {"x0": ((1, cfg.n_embd), torch.float32)} if host_embedding else {}
         buffers = StepBuffers(
             {
+                **shapes,
                 "ids": ((1, k), torch.int32),
                 "weights": ((1, k), torch.float32),
                 "h": ((1, cfg.n_embd), torch.float32),
@@ -111,6 +117,8 @@ class DecodeSegments:
         self.ids, self.weights, self.h = t["ids"], t["weights"], t["h"]
         self.router_logits, self.predicted = t["router_logits"], t["predicted"]
         self.y_cpu, self.logits, self.emap = t["y_cpu"], t["logits"], t["emap"]
+        self.x0: torch.Tensor | None = t.get("x0")  # [1, n_embd] f32: the step's embedded token
+        self.x0_host = None if self.x0 is None else self.x0.numpy()
         self.y_gpu = torch.zeros(1, cfg.n_embd, device=device)
         # the GPU's experts of a layer (gpu_experts): the expert map on the device, and per
         # MoE layer its graph and where it leaves the stats' counts
@@ -208,7 +216,11 @@ class DecodeSegments:
     def _segment(self, m: int) -> Routed | None:
         layers, moe = self.layers, self.moe
         if m == 0:
-            x, delta, first = layers.embed(self.span.ids), None, 0
+            if self.x0 is None:
+                x = layers.embed(self.span.ids)
+            else:  # a new tensor: the first norm adds to it in place
+                x = torch.empty(self.x0.shape, device=self.device).copy_(self.x0, non_blocking=True)
+            delta, first = None, 0
         else:
             prev, r = moe[m - 1], self.routed[m - 1]
             delta = layers.ffn_output(prev, r, self._routed_output())
