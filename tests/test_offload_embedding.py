@@ -64,11 +64,11 @@ def test_the_hosts_rows_are_the_gpu_lookups(fmt, dtype, scale, monkeypatch):
     want = DecoderLayers.embed(lookup, ids)
     e = HostEmbedding(m, scale, dtype)
     monkeypatch.setattr(embedding, "CHUNK_ELEMENTS", 3 * m.shape[1])  # 3 chunks: 3, 3, 1 rows
-    assert torch.equal(e.upload(ids, device), want)
-    assert e._pinned.shape == (3, m.shape[1])
-    one = np.empty((1, m.shape[1]), dtype=np.float32)  # a decode step's row
-    e.rows(int(ids[1]), one)
-    assert torch.equal(torch.from_numpy(one), want[1:2])
+    assert torch.equal(e.upload(ids, device), want)  # a prefill's, converted on the device
+    one = np.empty((1, m.shape[1]), dtype=np.float32)  # a decode step's, written by the host
+    for j, token in enumerate(ids.tolist()):
+        e.row(token, one)
+        assert torch.equal(torch.from_numpy(one), want[j : j + 1])
     assert e.nbytes == m.raw.nbytes
 
 

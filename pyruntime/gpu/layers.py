@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from pyruntime.gpu.deltanet import deltanet_prefill
 from pyruntime.gpu.mla import mla_attention
-from pyruntime.gpu.weights import DeviceBlock, DeviceWeights, GatedFFN
+from pyruntime.gpu.weights import DeviceBlock, DeviceWeights, GatedFFN, Linear
 from pyruntime.kernels.attention import decode_attention
 from pyruntime.kernels.decoder_ops import add_rms_norm, qk_rope_store, shared_gate_add
 from pyruntime.kernels.deltanet import decode_step
@@ -90,6 +90,16 @@ class Routed:
     ids: torch.Tensor  # [n, k] int64 experts, in order of routing weight
     weights: torch.Tensor  # [n, k] f32 routing weights
     logits: torch.Tensor  # [n, n_expert] f32 router logits
+
+
+def embedding_rows(e: Linear, ids: torch.Tensor, scale: float) -> torch.Tensor:
+    """Rows ids [n] (on e's device) of an embedding matrix e -> x [n, n_embd] f32 (a new
+    tensor) times `scale`: Q8_0 rows gathered and dequantized (kernels.q8_embed), or the float
+    rows."""
+    if e.w is None:
+        return q8_embed(ids, e.q, e.d, scale)
+    x = e.w.index_select(0, ids).float()
+    return x * scale if scale != 1.0 else x
 
 
 class DecoderLayers:
@@ -168,13 +178,9 @@ class DecoderLayers:
     # -- embedding and output -----------------------------------------------------------------
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [n] on the device -> x [n, n_embd] f32 (a new tensor), times the embedding scale:
-        Q8_0 rows gathered and dequantized (kernels.q8_embed), or the float rows."""
-        e, scale = self.weights.token_embd, self.config.embedding_scale
-        if e.w is None:
-            return q8_embed(ids, e.q, e.d, scale)
-        x = e.w.index_select(0, ids).float()
-        return x * scale if scale != 1.0 else x
+        """ids [n] on the device -> x [n, n_embd] f32 (a new tensor), times the embedding scale
+        (embedding_rows)."""
+        return embedding_rows(self.weights.token_embd, ids, self.config.embedding_scale)
 
     def output(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
         """Logits [n, n_vocab] f32 of the last layer's state (final norm, lm_head)."""

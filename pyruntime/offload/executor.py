@@ -343,7 +343,7 @@ class HybridExecutor:
             return self._decode_direct(state, cache, k, trace)
         seg = self._segments(state, cache, k)
         if seg.x0_host is not None:  # the previous step's copy of it ran: its logits came back
-            self.embedding.rows(token, seg.x0_host)
+            self.embedding.row(token, seg.x0_host)
         timer, streams = self.timer, self.streams
         for m, i in enumerate(self._moe):
             seg.prepare(m)
