@@ -26,6 +26,7 @@ from pyruntime.offload.plan import (
     DeviceBytes,
     activation_itemsize,
     device_bytes,
+    gib,
     plan_budget,
 )
 from pyruntime.placement import DEFAULT_MARGIN, allocatable_bytes, choose_device
@@ -98,6 +99,29 @@ def test_a_budget_is_spent_on_the_whole_model_or_on_slots():
     assert rows["expert slots"].startswith("42 (420.0 MiB, + 8 experts' staging buffer)")
     assert rows["experts resident"] == "42.0% of all routed experts"
     assert "42 of 100 routed experts" in big.summary("cuda:0")
+
+
+def test_an_untied_embedding_in_host_memory_leaves_its_bytes_to_slots(tmp_path, capsys):
+    """The hybrid's fixed part leaves out an untied token_embd (it stays in host memory), so a
+    budget just below the whole model holds every expert; `info` says where it lives."""
+    hf = make_tiny_hf_model("olmoe", tmp_path / "hf", tie_word_embeddings=False)
+    path = convert(hf, tmp_path / "m.gguf", "q8_0", progress=False)
+    f = open_gguf(path)
+    need = device_bytes(f, ModelConfig.from_gguf(f), 128)
+    assert need.embedding == f.tensor("token_embd.weight").n_bytes  # Q8_0: its GGUF bytes
+    assert need.whole == need.fixed + need.embedding + need.experts
+    almost = plan_budget(need, need.whole - 1, 128)
+    assert not almost.whole_model and almost.slots == need.n_experts
+    assert "dense weights (the token embedding in host memory) and KV" in almost.summary("gpu")
+    budget = need.fixed + 5 * need.expert_bytes
+    assert cli.main(["info", str(path), "--gpu-mem", str(budget), "-c", "128"]) == 0
+    out = capsys.readouterr().out
+    assert f"token embedding       : {gib(need.embedding)} in host memory" in out
+    assert f"dense weights         : {gib(need.hybrid_dense)} (GPU)" in out
+    assert cli.main(["info", str(path), "--gpu-mem", "1G", "-c", "128"]) == 0
+    out = capsys.readouterr().out
+    assert f"token embedding       : {gib(need.embedding)} on the GPU (in the dense" in out
+    assert f"dense weights         : {gib(need.dense)} (GPU)" in out
 
 
 def test_a_budget_below_the_dense_part_says_how_much_is_needed():
@@ -212,6 +236,7 @@ def test_gpu_mem_flag(q8, capsys):
     out = capsys.readouterr().out
     assert "KV cache (128 tokens)" in out and "placement             : hybrid" in out
     assert "expert slots          : 3 (" in out and "18.8% of all routed experts" in out
+    assert "token embedding       : on the GPU (tied: the lm_head's weights)" in out
     assert cli.main(["info", str(path), "--gpu-mem", "1G"]) == 0
     assert "the whole model on the GPU" in capsys.readouterr().out
     assert cli.main(["info", str(path), "--gpu-mem", "1M"]) == 1
@@ -351,8 +376,14 @@ def test_the_dense_estimate_is_what_the_upload_allocates(tmp_path, arch, outtype
     host = HostWeights.from_gguf(f, cfg)
     dtype = dense_dtype_for(first_matrix_type(host))
     weights = upload_weights(host, cfg, torch.device("cpu"), dtype, routed_experts=False)
-    assert device_tensor_bytes(weights) == device_bytes(f, cfg, 64).dense
+    need = device_bytes(f, cfg, 64)
+    assert device_tensor_bytes(weights) == need.dense
     assert (weights.output is weights.token_embd) == tied
+    # the hybrid's upload: an untied embedding stays in host memory (pyruntime.offload.embedding)
+    hybrid = upload_weights(host, cfg, torch.device("cpu"), dtype, routed_experts=False,
+                            token_embd=tied)  # fmt: skip
+    assert device_tensor_bytes(hybrid) == need.hybrid_dense
+    assert (need.embedding == 0) == tied and (hybrid.token_embd is None) == (not tied)
 
 
 class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):

@@ -5,8 +5,10 @@
 experts, dense FFN layers, lm_head), the routed experts, the KV cache at a context size, and
 working memory. `plan_budget` spends a budget on them: the whole model when it fits; else the
 dense part and the KV cache, and the rest as expert slots (each holds one routed expert of any
-layer, in the kernels' format: pyruntime.offload.slots) for the hybrid executor. A budget below
-the dense part is a DeviceMemoryError saying how much is needed.
+layer, in the kernels' format: pyruntime.offload.slots) for the hybrid executor, whose dense
+part leaves out an untied token embedding (it stays in host memory:
+pyruntime.offload.embedding; a tied one is the lm_head, on the GPU). A budget below the dense
+part is a DeviceMemoryError saying how much is needed.
 
 No torch.cuda and no Triton here: `pyruntime info --gpu-mem 8G` prints a plan on any machine.
 """
@@ -74,6 +76,9 @@ class DeviceBytes:
     expert_format: str  # their format's kernel name ("q8_0", "f32", ...; "" without experts)
     n_expert_used: int
     kv_form: str = ""  # what the KV cache holds, when not keys and values (for `info`)
+    # an untied token_embd's share of `dense`, which the hybrid leaves in host memory (0: tied,
+    # the lm_head's weights, on the GPU in either placement)
+    embedding: int = 0
 
     @property
     def whole(self) -> int:
@@ -81,9 +86,14 @@ class DeviceBytes:
         return self.dense + self.experts + self.kv + self.work
 
     @property
+    def hybrid_dense(self) -> int:
+        """The dense weights the hybrid puts on the GPU."""
+        return self.dense - self.embedding
+
+    @property
     def fixed(self) -> int:
         """What the hybrid keeps on the GPU besides its expert slots."""
-        return self.dense + self.kv + self.work
+        return self.hybrid_dense + self.kv + self.work
 
 
 def device_bytes(f: GGUFFile, cfg: ModelConfig, n_ctx: int) -> DeviceBytes:
@@ -106,6 +116,8 @@ def device_bytes(f: GGUFFile, cfg: ModelConfig, n_ctx: int) -> DeviceBytes:
         else:
             dense += _dense_tensor_bytes(t, itemsize)
     dense += len(biased) * (cfg.n_head + 2 * cfg.n_head_kv) * cfg.head_dim * itemsize
+    tied = "output.weight" not in f.tensors  # pyruntime.model.weights.HostWeights
+    embedding = 0 if tied else _dense_tensor_bytes(f.tensor("token_embd.weight"), itemsize)
     n_kv_layers = cfg.n_layer - sum(cfg.recurrent_layers)  # DeltaNet layers keep no K/V
     planes = 1 if cfg.is_mla else 2  # MLA: one latent serves as key and value
     kv = n_kv_layers * planes * cfg.n_head_kv * n_ctx * cfg.head_dim * itemsize
@@ -116,7 +128,7 @@ def device_bytes(f: GGUFFile, cfg: ModelConfig, n_ctx: int) -> DeviceBytes:
     return DeviceBytes(
         dense=dense, experts=experts, kv=kv, work=WORK_BYTES,
         expert_bytes=expert_bytes, n_experts=n_experts, expert_format=fmt,
-        n_expert_used=cfg.n_expert_used, kv_form=_kv_form(cfg),
+        n_expert_used=cfg.n_expert_used, kv_form=_kv_form(cfg), embedding=embedding,
     )  # fmt: skip
 
 
@@ -179,16 +191,26 @@ class OffloadPlan:
     def summary(self, device: str) -> str:
         """One line on what sits where, for stderr when a model loads hybrid."""
         need = self.need
-        return (f"hybrid on {device}: dense weights and KV cache on the GPU, {self.slots} of "
-                f"{need.n_experts} routed experts fit its {gib(self.slot_bytes)} of expert slots "
-                f"({100 * self.resident_share:.1f}%), all at home in host memory")  # fmt: skip
+        embedding = " (the token embedding in host memory)" if need.embedding else ""
+        return (f"hybrid on {device}: dense weights{embedding} and KV cache on the GPU, "
+                f"{self.slots} of {need.n_experts} routed experts fit its "
+                f"{gib(self.slot_bytes)} of expert slots ({100 * self.resident_share:.1f}%), "
+                "all at home in host memory")  # fmt: skip
 
     def rows(self) -> list[tuple[str, str]]:
         """(what, how much) lines for `pyruntime info`."""
         need = self.need
+        whole = self.whole_model
+        if not need.embedding:
+            embedding = "on the GPU (tied: the lm_head's weights)"
+        elif whole:
+            embedding = f"{gib(need.embedding)} on the GPU (in the dense weights)"
+        else:
+            embedding = f"{gib(need.embedding)} in host memory (the host looks up its rows)"
         rows = [
             ("gpu budget", gib(self.budget)),
-            ("dense weights", f"{gib(need.dense)} (GPU)"),
+            ("dense weights", f"{gib(need.dense if whole else need.hybrid_dense)} (GPU)"),
+            ("token embedding", embedding),
             (
                 f"KV cache ({self.n_ctx} tokens)",
                 f"{gib(need.kv)} (GPU" + (f"; {need.kv_form})" if need.kv_form else ")"),
@@ -200,12 +222,13 @@ class OffloadPlan:
                 f"{gib(need.experts)} ({need.expert_format})",
             ),  # fmt: skip
         ]
-        if self.whole_model:
+        if whole:
             rows.append(("placement", f"the whole model on the GPU ({gib(need.whole)})"))
             return rows
         rows += [
-            ("placement", "hybrid: dense weights and KV cache on the GPU, routed experts in "
-                          "host memory, the rest of the budget as GPU expert slots"),
+            ("placement", "hybrid: dense weights and KV cache on the GPU, routed experts "
+                          + ("and the token embedding " if need.embedding else "")
+                          + "in host memory, the rest of the budget as GPU expert slots"),
             ("expert slots", f"{self.slots} ({gib(self.slot_bytes)}"
                              + (f", + {self.staging_buffer} experts' staging buffer"
                                 if self.staging_buffer else "") + ")"),
@@ -230,7 +253,8 @@ def plan_budget(need: DeviceBytes, budget: int, n_ctx: int, source: str = "") ->
         )
     if budget < need.fixed:
         raise DeviceMemoryError(
-            f"the dense weights ({gib(need.dense)}), a {n_ctx}-token KV cache ({gib(need.kv)}) "
+            f"the dense weights ({gib(need.hybrid_dense)}), a {n_ctx}-token KV cache "
+            f"({gib(need.kv)}) "
             f"and working memory ({gib(need.work)}) need {gib(need.fixed)} of GPU memory; "
             f"{whose}: raise --gpu-mem, lower --ctx-size, or use --device cpu"
         )
@@ -241,4 +265,5 @@ def plan_budget(need: DeviceBytes, budget: int, n_ctx: int, source: str = "") ->
         # than two experts' room leaves no useful slot.
         staging = 0 if fit < 2 else min(need.n_expert_used, fit // 2)
         fit = fit - staging if staging else 0
-    return OffloadPlan(budget, need, n_ctx, int(fit), staging)
+    # An embedding left in host memory can make room for every expert below need.whole.
+    return OffloadPlan(budget, need, n_ctx, int(min(fit, need.n_experts)), staging)
