@@ -84,12 +84,16 @@ def fill(flags: list[str], **values) -> list[str]:
 
 def n_cpu_moe(gguf: Path, budget: int) -> tuple[int, int]:
     """(N, GPU weight bytes): the fewest first layers whose routed experts (ffn_*_exps), left
-    on the CPU by llama.cpp's -ncmoe N, leave its other weights within budget - RESERVE."""
+    on the CPU by llama.cpp's -ncmoe N, leave its other weights within budget - RESERVE.
+    token_embd is not on the GPU: llama.cpp keeps its input layer on the CPU (a tied one is
+    also the output, which it puts on the GPU: counted then)."""
     from pyruntime.gguf.file import open_gguf
 
     f = open_gguf(gguf)
     total, per_layer = 0, {}
     for name, t in f.tensors.items():
+        if name == "token_embd.weight" and "output.weight" in f.tensors:
+            continue
         total += t.n_bytes
         if "_exps" in name and name.startswith("blk."):
             layer = int(name.split(".")[1])
