@@ -56,15 +56,15 @@ def matrix(fmt: str, n_vocab: int = 37, n_embd: int = 256) -> QuantMatrix:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_hosts_rows_are_the_gpu_lookups(fmt, dtype, scale, monkeypatch):
     m = matrix(fmt)
-    device = torch.device("cpu")
+    device = torch.device(DEVICE)
     lookup = SimpleNamespace(weights=SimpleNamespace(token_embd=weights.upload_linear(m, device,
                                                                                       dtype)),
                              config=SimpleNamespace(embedding_scale=scale))  # fmt: skip
     ids = torch.tensor([5, m.shape[0] - 1, 0, 5, 17, 3, 30])
-    want = DecoderLayers.embed(lookup, ids)
+    want = DecoderLayers.embed(lookup, ids.to(device)).cpu()
     e = HostEmbedding(m, scale, dtype)
     monkeypatch.setattr(embedding, "CHUNK_ELEMENTS", 3 * m.shape[1])  # 3 chunks: 3, 3, 1 rows
-    assert torch.equal(e.upload(ids, device), want)  # a prefill's, converted on the device
+    assert torch.equal(e.upload(ids, device).cpu(), want)  # a prefill's, converted on the device
     one = np.empty((1, m.shape[1]), dtype=np.float32)  # a decode step's, written by the host
     for j, token in enumerate(ids.tolist()):
         e.row(token, one)
