@@ -86,15 +86,16 @@ def embedding_on_the_device(net):
 )
 def test_an_untied_embedding_stays_in_host_memory(tmp_path_factory, core, arch, fmt):
     """No device copy of an untied token_embd (the lm_head is its own), and the logits of the
-    hybrid with its embedding on the device, at every budget and placement: bit for bit under
-    the interpreter; with every expert in a slot, the resident model's. granitemoe: an
+    hybrid with its embedding on the device, at every budget and placement (the decode step
+    as graph segments, or as one graph with misses='direct'): bit for bit under the
+    interpreter; with every expert in a slot, the resident model's. granitemoe: an
     embedding scale of 12."""
     model = tiny(tmp_path_factory, arch, fmt, tie_word_embeddings=False)
     _, cfg, host = model
     torch.set_num_threads(1)
     ids = ids_of(cfg, N_PROMPT + N_DECODE)
     every = n_routed(cfg, host)
-    for slots, misses in ((0, "cpu"), (3, "auto"), (every, "stage")):
+    for slots, misses in ((0, "cpu"), (3, "auto"), (3, "direct"), (every, "stage")):
         net = hybrid(model, core, slots, misses)
         assert net.weights.token_embd is None and net.embedding is not None
         got = logprobs(net, ids)

@@ -340,10 +340,9 @@ class HybridExecutor:
         cache.reserve(1)
         state.set_step(token, cache.n_tokens)
         if self._direct_views() is not None:
-            return self._decode_direct(state, cache, k, trace)
+            return self._decode_direct(state, token, cache, k, trace)
         seg = self._segments(state, cache, k)
-        if seg.x0_host is not None:  # the previous step's copy of it ran: its logits came back
-            self.embedding.row(token, seg.x0_host)
+        self._embed_step(seg, token)
         timer, streams = self.timer, self.streams
         for m, i in enumerate(self._moe):
             seg.prepare(m)
@@ -363,6 +362,12 @@ class HybridExecutor:
         timer.collect()
         cache.n_tokens += 1
         return seg.logits.clone()
+
+    def _embed_step(self, seg: DecodeSegments, token: int) -> None:
+        """The step's embedded token into seg's x0, where the embedding is in host memory. The
+        previous step's copy of it has run: its logits came back."""
+        if seg.x0_host is not None:
+            self.embedding.row(token, seg.x0_host)
 
     def _direct_views(self) -> list[torch.Tensor] | None:
         """Each MoE layer's experts as a kernel reads them in place from host memory, when a
@@ -387,7 +392,7 @@ class HybridExecutor:
                               "auto", PyruntimeWarning, stacklevel=3)  # fmt: skip
         return self._views or None
 
-    def _decode_direct(self, state: GpuCacheState, cache: KVCache, k: int,
+    def _decode_direct(self, state: GpuCacheState, token: int, cache: KVCache, k: int,
                        trace: list | None) -> torch.Tensor:  # fmt: skip
         """One token as one graph (pyruntime.offload.step_graph): the GPU reads its share of
         each layer's misses in place, the host computes the CPU's between two flags."""
@@ -401,9 +406,11 @@ class HybridExecutor:
                 FORMAT_NAMES[first.qtype], self.slots.tensor if self.slots.n_slots else None,
                 self.config.n_expert,
                 lambda m, count: self.experts.direct_cpu_share(m, graph, graph.trace, count),
+                host_embedding=self.embedding is not None,
             )  # fmt: skip
             state.segments[key] = graph
         graph.trace = trace
+        self._embed_step(graph, token)
         residency = self.cache.residency
         resident = []
         for m, i in enumerate(self._moe):

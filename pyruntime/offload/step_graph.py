@@ -53,13 +53,15 @@ class StepGraph(DecodeSegments):
     (module doc). direct[m]: MoE layer m's experts read in place (ExpertHome.device_view),
     fmt: their GGUF format; slots, slot_fmt: the slot tensor and its format (None: no
     slots); cpu_share(m, count): the host's share of MoE layer m (reads ids, codes, h,
-    weights, writes y_cpu; count: in the stats, False for the capture's warm-up run)."""
+    weights, writes y_cpu; count: in the stats, False for the capture's warm-up run);
+    host_embedding: as DecodeSegments'."""
 
     def __init__(self, layers: DecoderLayers, moe: list[int], cache: KVCache, span: Span, k: int,
                  device: torch.device, direct: list[torch.Tensor], fmt: str,
                  slots: torch.Tensor | None, n_expert: int,
-                 cpu_share: Callable[[int, bool], None]) -> None:  # fmt: skip
-        super().__init__(layers, moe, cache, span, k, lambda i, r: None, device)
+                 cpu_share: Callable[[int, bool], None],
+                 host_embedding: bool = False) -> None:  # fmt: skip
+        super().__init__(layers, moe, cache, span, k, lambda i, r: None, device, host_embedding)
         self.direct, self.fmt, self.slots = direct, fmt, slots
         self.cpu_share = cpu_share
         n_moe = len(moe)
