@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_experts import ReadTest  # noqa: E402
 
 from pyruntime.cpu import core as cpu_core  # noqa: E402
+from pyruntime.offload.host_register import cuda_driver, page_locked  # noqa: E402
 
 
 def read_sizes(core: cpu_core.CpuCore, gibs: list[float], rounds: int, reads: int) -> None:
@@ -114,10 +115,6 @@ def copy_while_reading(dev, pinned, read: ReadTest, copies: int = 4) -> tuple[fl
     return copies * pinned.numel() / copy_s / 1e9, read_bytes / read_s / 1e9
 
 
-CU_MEMHOSTALLOC_PORTABLE, CU_MEMHOSTALLOC_DEVICEMAP = 0x01, 0x02
-CU_MEMHOSTREGISTER_READ_ONLY = 0x08
-
-
 class HostPtr:
     """A host address Triton may read: an argument with data_ptr() and dtype, as a tensor's
     (Triton resolves it through cuPointerGetAttribute: mapped page-locked memory has one)."""
@@ -157,58 +154,36 @@ def _zero_copy_kernels():
     return read_sum, ping_pong
 
 
-def _driver():
-    import ctypes
-
-    import torch
-
-    torch.cuda.init()
-    torch.empty(1, device="cuda")  # the primary context current on this thread
-    lib = ctypes.CDLL("libcuda.so.1")
-    lib.cuMemHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
-    lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-    lib.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p,
-                                                 ctypes.c_uint]  # fmt: skip
-    return lib
+def _device_address(ptr: int) -> int:
+    address = cuda_driver().device_pointer(ptr)
+    if isinstance(address, str):
+        raise SystemExit(f"cuMemHostGetDevicePointer: {address}")
+    return address
 
 
-def _device_pointer(lib, ptr: int) -> int:
-    import ctypes
-
-    dev = ctypes.c_uint64()
-    status = lib.cuMemHostGetDevicePointer_v2(ctypes.byref(dev), ptr, 0)
-    if status != 0:
-        raise SystemExit(f"cuMemHostGetDevicePointer: CUDA driver error {status}")
-    return dev.value
-
-
-def _host_buffers(lib, nbytes: int, tmp: Path) -> dict[str, tuple[int, np.ndarray]]:
-    """name -> (device address, host array): driver-allocated page-locked memory (mapped), and a
-    read-only mapping of a file registered READ_ONLY | DEVICEMAP (the GGUF's case)."""
-    import ctypes
+def _host_buffers(nbytes: int, tmp: Path) -> dict[str, tuple[int, np.ndarray]]:
+    """name -> (device address, host array): driver-allocated page-locked memory (mapped,
+    host_register.page_locked), and a read-only mapping of a file registered with the driver
+    as the GGUF's experts are (host_register.CudaDriver.register: READ_ONLY | DEVICEMAP)."""
     import mmap
 
     out = {}
-    ptr = ctypes.c_void_p()
-    flags = CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP
-    if lib.cuMemHostAlloc(ctypes.byref(ptr), nbytes, flags) != 0:
+    arr = page_locked(nbytes)
+    if arr is None:
         raise SystemExit("cuMemHostAlloc refused")
-    arr = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr.value))
     arr[:] = 1
-    out["page-locked (cuMemHostAlloc)"] = (_device_pointer(lib, ptr.value), arr)
+    out["page-locked (cuMemHostAlloc)"] = (_device_address(arr.ctypes.data), arr)
     path = tmp / "zero_copy.bin"
     with open(path, "wb") as f:
         f.write(np.ones(nbytes, dtype=np.uint8).tobytes())
     with open(path, "rb") as f:
         m = mmap.mmap(f.fileno(), nbytes, prot=mmap.PROT_READ)
     view = np.frombuffer(m, dtype=np.uint8)
-    addr = view.ctypes.data
-    flags = CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTREGISTER_READ_ONLY
-    status = lib.cuMemHostRegister_v2(addr, nbytes, flags)
-    if status != 0:
-        print(f"registering the file mapping READ_ONLY | DEVICEMAP refused: error {status}")
+    why = cuda_driver().register(view.ctypes.data, nbytes, read_only=True)
+    if why is not None:
+        print(f"registering the file mapping READ_ONLY | DEVICEMAP refused: {why}")
     else:
-        out["file mapping, registered read-only"] = (_device_pointer(lib, addr), view)
+        out["file mapping, registered read-only"] = (_device_address(view.ctypes.data), view)
     path.unlink()
     return out
 
@@ -219,9 +194,8 @@ def zero_copy(core: cpu_core.CpuCore, gib: float, rounds: int, tmp: Path) -> Non
     if not torch.cuda.is_available():
         raise SystemExit("--zero-copy needs a CUDA GPU")
     read_sum, ping_pong = _zero_copy_kernels()
-    lib = _driver()
     n = int(gib * 2**30) // 4 * 4
-    buffers = _host_buffers(lib, n, tmp)
+    buffers = _host_buffers(n, tmp)
     dev = torch.empty(n, dtype=torch.uint8, device="cuda")
     pinned = buffers["page-locked (cuMemHostAlloc)"][1]
     pinned_t = torch.from_numpy(pinned)

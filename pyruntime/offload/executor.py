@@ -357,9 +357,14 @@ class HybridExecutor:
         mark = timer.start()
         seg.run(len(self._moe))
         timer.stop("dense", mark)
+        return self._end_step(seg, cache)
+
+    def _end_step(self, seg: DecodeSegments, cache: KVCache) -> torch.Tensor:
+        """A decode step's end, after its last segment is queued: the stats' device counts,
+        the wait for the logits, the step's part times; the cache one token longer."""
         self.stats.flush()
-        streams.host_waits()
-        timer.collect()
+        self.streams.host_waits()
+        self.timer.collect()
         cache.n_tokens += 1
         return seg.logits.clone()
 
@@ -411,11 +416,10 @@ class HybridExecutor:
             state.segments[key] = graph
         graph.trace = trace
         self._embed_step(graph, token)
-        residency = self.cache.residency
-        resident = []
+        table, resident = graph.table.numpy(), []
         for m, i in enumerate(self._moe):
-            row = residency.slots[i]
-            graph.table.numpy()[m] = row
+            row = self.cache.residency.slots[i]
+            table[m] = row
             resident += row[row >= 0].tolist()
         graph.n_direct.numpy()[:] = self.experts.direct_counts(k, len(self._moe))
         if resident:
@@ -427,11 +431,7 @@ class HybridExecutor:
         if resident:
             self.slots.mark_read(resident)
         self.stats.add(0, graph.gpu_active(), self.config.n_ff_exp)
-        self.stats.flush()
-        self.streams.host_waits()
-        self.timer.collect()
-        cache.n_tokens += 1
-        return graph.logits.clone()
+        return self._end_step(graph, cache)
 
     def _segments(self, state: GpuCacheState, cache: KVCache, k: int) -> DecodeSegments:
         """The decode step's segments at k on this cache, made on first use."""

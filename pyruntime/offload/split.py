@@ -49,6 +49,7 @@ from pyruntime.offload.home import ExpertHome
 from pyruntime.offload.segments import DecodeSegments
 from pyruntime.offload.slots import ExpertSlots
 from pyruntime.offload.stats import OffloadStats, PartTimer
+from pyruntime.offload.step_graph import CPU, DIRECT
 from pyruntime.offload.streams import DeviceStreams
 
 MISSES = ("auto", "cpu", "stage", "direct")
@@ -366,8 +367,6 @@ class SplitExperts:
         """The host's part of MoE layer m in a direct step (StepGraph.cpu_share): the pairs the
         graph coded CPU, on the C core into graph.y_cpu; the cache's and the stats' counts
         (count: False for a graph capture's warm-up run, which the replay repeats)."""
-        from pyruntime.offload.step_graph import CPU, DIRECT
-
         i = self.moe[m]
         ids = graph.ids.numpy()[0]
         codes = graph.codes.numpy()[0]

@@ -51,7 +51,7 @@ SLOT, DIRECT, CPU = 0, 1, 2  # a pair's code
 class StepGraph(DecodeSegments):
     """The decode step of `segments.DecodeSegments` at k experts per token, captured whole
     (module doc). direct[m]: MoE layer m's experts read in place (ExpertHome.device_view),
-    fmt: their GGUF format; slots, slot_fmt: the slot tensor and its format (None: no
+    fmt: their GGUF format; slots: the slot tensor, in the layers' slot format (None: no
     slots); cpu_share(m, count): the host's share of MoE layer m (reads ids, codes, h,
     weights, writes y_cpu; count: in the stats, False for the capture's warm-up run);
     host_embedding: as DecodeSegments'."""

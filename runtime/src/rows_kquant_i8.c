@@ -129,6 +129,25 @@ static int pass_rows(int nr, const float *a, const void *const *rows, const uint
     return ng;
 }
 
+/* Q4_K / Q5_K (one scale and one min per sub-block of 32): c_rj = a_r d_r sc_rj, two rows a
+ * register [GROUP * ng / 2], the sum over the rows of a_r dmin_r m_rj, and max |c_rj| per j. */
+AVX512VNNI static INLINE void scales_mins_pass(const uint8_t *const *w, size_t at, const float *av,
+                                               int ng, __m512 *c, __m256 *mins, __m256 *amax) {
+    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    *mins = *amax = _mm256_setzero_ps();
+    for (int h = 0; h < GROUP * ng / 2; h++) {
+        __m256 dsc0, dm0, dsc1, dm1;
+        pyrt_kq_scales_mins(w[2 * h] + at, &dsc0, &dm0);
+        pyrt_kq_scales_mins(w[2 * h + 1] + at, &dsc1, &dm1);
+        const __m256 a0 = _mm256_set1_ps(av[2 * h]), a1 = _mm256_set1_ps(av[2 * h + 1]);
+        const __m256 c0 = _mm256_mul_ps(a0, dsc0), c1 = _mm256_mul_ps(a1, dsc1);
+        *mins = _mm256_fmadd_ps(a1, dm1, _mm256_fmadd_ps(a0, dm0, *mins));
+        *amax = _mm256_max_ps(*amax, _mm256_max_ps(_mm256_and_ps(c0, abs),
+                                                   _mm256_and_ps(c1, abs)));
+        c[h] = join256_ps(c0, c1);
+    }
+}
+
 AVX512VNNI void pyrt_axpyn_i8_q4_k(int nr, const float *a, const void *const *rows, float *y,
                                    int n, const void *const *pf, int n_pf) {
     const uint8_t *w[PYRT_AXPY_ROWS];
@@ -140,19 +159,8 @@ AVX512VNNI void pyrt_axpyn_i8_q4_k(int nr, const float *a, const void *const *ro
         const size_t at = (size_t)s * PYRT_Q4_K_BYTES;
         /* c_rj (two rows per register), the sum of the min terms, and max |c_rj| per j */
         __m512 c[PYRT_AXPY_ROWS / 2];
-        __m256 mins = _mm256_setzero_ps(), amax = _mm256_setzero_ps();
-        for (int h = 0; h < GROUP * ng / 2; h++) {
-            __m256 dsc0, dm0, dsc1, dm1;
-            pyrt_kq_scales_mins(w[2 * h] + at, &dsc0, &dm0);
-            pyrt_kq_scales_mins(w[2 * h + 1] + at, &dsc1, &dm1);
-            const __m256 a0 = _mm256_set1_ps(av[2 * h]), a1 = _mm256_set1_ps(av[2 * h + 1]);
-            const __m256 c0 = _mm256_mul_ps(a0, dsc0), c1 = _mm256_mul_ps(a1, dsc1);
-            mins = _mm256_fmadd_ps(a1, dm1, _mm256_fmadd_ps(a0, dm0, mins));
-            const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-            amax = _mm256_max_ps(amax, _mm256_max_ps(_mm256_and_ps(c0, abs),
-                                                     _mm256_and_ps(c1, abs)));
-            c[h] = join256_ps(c0, c1);
-        }
+        __m256 mins, amax;
+        scales_mins_pass(w, at, av, ng, c, &mins, &amax);
         /* the steps of k and k' for the low nibbles' sums, S_j and S_j / 254, and for the high
          * ones' (their codes read as 16 q) a 16th of those; the sums of the min terms */
         const __m256 scale = _mm256_mul_ps(amax, _mm256_set1_ps(1.0f / 127.0f));
@@ -209,19 +217,8 @@ AVX512VNNI void pyrt_axpyn_i8_q5_k(int nr, const float *a, const void *const *ro
     for (int s = 0; s < n / PYRT_QK_K; s++) {
         const size_t at = (size_t)s * PYRT_Q5_K_BYTES;
         __m512 c[PYRT_AXPY_ROWS / 2];
-        __m256 mins = _mm256_setzero_ps(), amax = _mm256_setzero_ps();
-        for (int h = 0; h < GROUP * ng / 2; h++) {
-            __m256 dsc0, dm0, dsc1, dm1;
-            pyrt_kq_scales_mins(w[2 * h] + at, &dsc0, &dm0);
-            pyrt_kq_scales_mins(w[2 * h + 1] + at, &dsc1, &dm1);
-            const __m256 a0 = _mm256_set1_ps(av[2 * h]), a1 = _mm256_set1_ps(av[2 * h + 1]);
-            const __m256 c0 = _mm256_mul_ps(a0, dsc0), c1 = _mm256_mul_ps(a1, dsc1);
-            mins = _mm256_fmadd_ps(a1, dm1, _mm256_fmadd_ps(a0, dm0, mins));
-            const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-            amax = _mm256_max_ps(amax, _mm256_max_ps(_mm256_and_ps(c0, abs),
-                                                     _mm256_and_ps(c1, abs)));
-            c[h] = join256_ps(c0, c1);
-        }
+        __m256 mins, amax;
+        scales_mins_pass(w, at, av, ng, c, &mins, &amax);
         const __m256 scale = _mm256_mul_ps(amax, _mm256_set1_ps(1.0f / 127.0f));
         float step[2][8], min[8];
         _mm256_storeu_ps(step[0], scale);
