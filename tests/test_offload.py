@@ -221,7 +221,7 @@ def test_gpt_oss_expert_biases_on_both_sides(gptoss, core, slots, misses):
 
 def check_sparse_experts_match(model, core, slots: int, misses: str,
                                sparsity: tuple[float, float],
-                               threshold: float = 0.05) -> None:  # fmt: skip
+                               threshold: float = 0.05):  # fmt: skip
     """The same thresholds on the CPU and the GPU (`slots` experts on the GPU, the misses as
     `misses` places them): the GPU executor's logits and neuron counts, within the tolerance
     (a neuron at the threshold may flip between the two), the achieved sparsity inside the
@@ -241,6 +241,7 @@ def check_sparse_experts_match(model, core, slots: int, misses: str,
     assert abs(net.stats.sparsity - ref.stats.sparsity) < 0.02
     dense = logprobs(GpuExecutor(cfg, host, DEVICE), ids)
     assert max_err(got, dense) > 2 * LOGPROB_TOL  # the thresholds did skip neurons
+    return net
 
 
 @pytest.mark.parametrize("misses", ["cpu", "stage", "auto", "direct"])
@@ -249,7 +250,12 @@ def test_sparse_experts_match_on_both_sides(olmoe, core, misses):
 
 
 def test_sparse_direct_steps_without_slots(olmoe, core):
-    check_sparse_experts_match(olmoe, core, 0, "direct", (0.2, 0.9))
+    net = check_sparse_experts_match(olmoe, core, 0, "direct", (0.2, 0.9))
+    # the direct pairs read every gate row but only the kept neurons' up and down rows
+    st, expert_bytes = net.offload_stats(), olmoe[2].blocks[0].experts.expert_bytes
+    assert st["direct_experts"] > 0
+    whole = st["direct_experts"] * expert_bytes
+    assert whole / 3 < st["direct_bytes"] < whole * (1 - 2 / 3 * 0.2)
 
 
 def test_q8_0_experts_are_repacked_into_slots(tmp_path_factory, core):

@@ -430,7 +430,9 @@ class HybridExecutor:
         self.offload.route_wait_seconds += waited
         if resident:
             self.slots.mark_read(resident)
-        self.stats.add(0, graph.gpu_active(), self.config.n_ff_exp)
+        active, direct_bytes = graph.counts()
+        self.stats.add(0, active, self.config.n_ff_exp)
+        self.offload.direct_bytes += direct_bytes
         return self._end_step(graph, cache)
 
     def _segments(self, state: GpuCacheState, cache: KVCache, k: int) -> DecodeSegments:

@@ -377,10 +377,9 @@ class SplitExperts:
             if self.slots.n_slots:  # the policy's clock and the hit counts
                 self.cache.lookup(i, ids.tolist())
             n_direct = int((codes == DIRECT).sum())
-            # the GPU's pairs; their kept neurons are counted after the step (gpu_active)
+            # the GPU's pairs; their kept neurons are counted after the step (counts)
             self.stats.add_pairs(len(codes) - len(cpu), self.config.n_ff_exp)
-            self.offload.direct += n_direct
-            self.offload.direct_bytes += n_direct * self.expert_bytes
+            self.offload.direct += n_direct  # their bytes: counted by the graph (counts)
         if not cpu:
             graph.y_cpu.zero_()
             return

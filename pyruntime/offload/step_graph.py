@@ -36,7 +36,10 @@ import numpy as np
 import torch
 
 from kernels import host_flags
-from kernels.expert_gather import gather_experts
+from kernels.expert_formats import GENERIC_ONLY
+from kernels.expert_gather import gather_experts, gather_neuron_rows
+from kernels.moe_sparse import moe_gate, moe_sparse_up_down
+from kernels.sparse_mask import sparse_mask
 from pyruntime.errors import DeviceMemoryError
 from pyruntime.gpu import cache_state
 from pyruntime.gpu.layers import DecoderLayers, Routed, Span
@@ -97,8 +100,13 @@ class StepGraph(DecodeSegments):
         self._codes_dev = torch.zeros(k, dtype=torch.int32, device=device)
         self._rows_dev = torch.zeros(k, dtype=torch.int32, device=device)
         self._seq = torch.zeros(1, dtype=torch.int32, device=device)
-        # neurons the GPU's pairs kept in a step (all of them where the dense path ran)
-        self._gpu_active = torch.zeros(1, dtype=torch.int64, device=device)
+        # per step: [neurons the GPU's pairs kept (all of them where the dense path ran),
+        # bytes the direct pairs read from host memory]
+        self._counts = torch.zeros(2, dtype=torch.int64, device=device)
+        self._gpu_active, self._direct_bytes = self._counts[0], self._counts[1]
+        shape = direct[0].shape  # [n_expert, n_ff, 3, row]
+        self._row_bytes = shape[3] * direct[0].element_size()
+        self._expert_bytes = shape[1] * 3 * self._row_bytes
         self._failed = torch.zeros(1, dtype=torch.int32, device=device)
         self.host_seq = 0
         self._graph = None
@@ -143,9 +151,11 @@ class StepGraph(DecodeSegments):
             raise DeviceMemoryError("the decode step's graph gave up waiting for the host")
         return waited
 
-    def gpu_active(self) -> int:
-        """Neurons the GPU's pairs kept in the last step (after it)."""
-        return int(self._gpu_active.item())
+    def counts(self) -> tuple[int, int]:
+        """The last step's (neurons the GPU's pairs kept, bytes its direct pairs read from
+        host memory), after it."""
+        active, direct_bytes = self._counts.tolist()
+        return active, direct_bytes
 
     def _await_gpu(self, flags: np.ndarray, m: int) -> None:
         """Spin until the graph signalled MoE layer m of this step."""
@@ -164,7 +174,7 @@ class StepGraph(DecodeSegments):
         capturing = self.cuda and torch.cuda.is_current_stream_capturing()
         if capturing:
             host_flags.advance(self._seq)
-        self._gpu_active.zero_()
+        self._counts.zero_()
         self._table_dev.copy_(self.table, non_blocking=True)
         self._n_direct_dev.copy_(self.n_direct, non_blocking=True)
         for m in range(len(self.moe) + 1):
@@ -206,15 +216,52 @@ class StepGraph(DecodeSegments):
             self._gpu_active += (codes == SLOT).sum() * n_ff if active is None else active.sum()
         # the direct pairs' experts gathered into the buffer (wide loads over PCIe), direct
         # pair j's into buffer row rows[j] (its rank among the misses, < n_direct <= k), then
-        # computed from there
-        gather_experts(self.direct[m], self._gathered_experts, ids, codes, self._rows_dev,
-                       DIRECT)  # fmt: skip
-        y_direct, active = self.layers.routed_experts(i, r, self._dmap_direct,
-                                                      self._gathered_experts, self.fmt)  # fmt: skip
-        self._gpu_active += (codes == DIRECT).sum() * n_ff if active is None else active.sum()
+        # computed from there; with sparsity only the rows the sparse kernels read
+        threshold = self._sparse_threshold(i)
+        n_direct = (codes == DIRECT).sum()
+        if threshold is not None:
+            y_direct, active = self._sparse_direct(m, r, threshold)
+            self._direct_bytes += n_direct * n_ff * self._row_bytes  # the gate rows
+            self._direct_bytes += active.sum() * 2 * self._row_bytes  # the kept up/down rows
+        else:
+            gather_experts(self.direct[m], self._gathered_experts, ids, codes, self._rows_dev,
+                           DIRECT)  # fmt: skip
+            y_direct, active = self.layers.routed_experts(i, r, self._dmap_direct,
+                                                          self._gathered_experts,
+                                                          self.fmt)  # fmt: skip
+            self._direct_bytes += n_direct * self._expert_bytes
+        self._gpu_active += n_direct * n_ff if active is None else active.sum()
         y = y_direct if y is None else y + y_direct
         if capturing:
             host_flags.absorb(self._flags_dev[1], self._seq, self._failed, m, y[0],
                               self._mapped_y_cpu, self._y_sum[0])  # fmt: skip
         else:
             self._y_sum.copy_(y + self.y_cpu.to(self.device))
+
+    def _sparse_threshold(self, i: int) -> torch.Tensor | None:
+        """Layer i's threshold where its direct pairs run sparse: whenever it has one, whatever
+        the slots' switch measured in HBM (over PCIe every row not read is time saved); None
+        for dense, and for the experts with biases or an activation only the generic kernels
+        take (those gather whole experts and run the layer's own path)."""
+        layers = self.layers
+        if layers.expert_threshold is None:
+            return None
+        if layers.blocks[i].expert_bias is not None or layers.config.activation in GENERIC_ONLY:
+            return None
+        return layers.expert_threshold[i]
+
+    def _sparse_direct(self, m: int, r: Routed,
+                       threshold: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """MoE layer m's direct pairs, sparse (kernels.expert_gather): every neuron's gate row
+        gathered, the gate dots and the mask from HBM, then only the kept neurons' up and down
+        rows gathered and computed. Returns (y [1, n_embd] f32, active [1, k] int32)."""
+        src, buf, dmap = self.direct[m], self._gathered_experts, self._dmap_direct
+        ids, codes, rows = r.ids[0], self._codes_dev, self._rows_dev
+        gather_neuron_rows(src, buf, ids, codes, rows, DIRECT, (0, 1))
+        gate = moe_gate(r.h, buf, self.fmt, r.ids, path="gemv", expert_map=dmap)  # [k, n_ff]
+        idx, act, count = sparse_mask(gate, threshold, self.layers.config.activation,
+                                      topk_ids=r.ids, expert_map=dmap)  # fmt: skip
+        gather_neuron_rows(src, buf, ids, codes, rows, DIRECT, (1, 3), idx, count)
+        y = moe_sparse_up_down(r.h, buf, self.fmt, r.ids, r.weights, idx, act, count,
+                               expert_map=dmap)  # fmt: skip
+        return y, count.view(1, -1)
