@@ -3,12 +3,11 @@
  *
  * Dots: two sub-blocks of 32 per 512-bit step (a "pair", against the activation's Q8 blocks of
  * the same sub-blocks, which share a scale per super-block: pyrt_quantize_x_q8k), their codes
- * unpacked as uint8 and multiplied with x's int8. Q4_K / Q5_K: per 4 codes into int32 (vpdpbusd,
- * or vpmaddubsw + vpmaddwd: the same numbers), two pairs' sums packed to int16 (vpackssdw, each
- * <= 4 * 31 * 127) and times their sub-blocks' scales summed in int32 by vpdpwssd (or vpmaddwd +
- * vpaddd): per 128 codes 2 + 1 multiplies and one scale shuffle, not 2 + 2 and two. Q6_K: into
- * int16 pairs by vpmaddubsw (codes <= 63: no saturation), those times the scales as above. The
- * mins (Q6_K: the -32 offset) meet x's sums per 16 (pyrt_xq_sums) in one vpmaddwd per
+ * unpacked as uint8 and multiplied with x's int8 per 4 codes into int32 (vpdpbusd, or vpmaddubsw
+ * + vpmaddwd: the same numbers), two pairs' sums packed to int16 (vpackssdw; each <= 4 * 63 *
+ * 127: no saturation) and times their sub-blocks' scales summed in int32 by vpdpwssd (or
+ * vpmaddwd + vpaddd): per 128 codes 2 + 1 multiplies and one scale shuffle, not 2 + 2 and two.
+ * The mins (Q6_K: the -32 offset) meet x's sums per 16 (pyrt_xq_sums) in one vpmaddwd per
  * super-block; a super-block's integers meet d, dmin and x's scale once, in f32.
  * One function computes a block of rows x tokens (1 x 1: dot, 2 x 1: dot2, 4 x 2: the prefill
  * tiles), each result with the same operations in the same order: a tile's results are the
@@ -50,14 +49,17 @@ AVX512 static INLINE __m512 scales_q6_k(const uint8_t *w) {
     return _mm512_mul_ps(_mm512_set1_ps(D(w + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
 }
 
-/* vpshufb indices that fill the int32 lanes of 128-bit lane L with int16 i0 + L of each
- * 128-bit lane of the source, in both int16 halves (Q6_K: its scales 4k .. 4k + 3 over lanes
- * 0..3, 4..7, 8..11, 12..15 of pair k, from 8 int16 scales in every 128-bit lane). */
-AVX512 static INLINE __m512i pick_words(int i0) {
-    const int w0 = 2 * i0 | (2 * i0 + 1) << 8, w1 = 2 * (i0 + 1) | (2 * i0 + 3) << 8;
-    const int w2 = 2 * (i0 + 2) | (2 * i0 + 5) << 8, w3 = 2 * (i0 + 3) | (2 * i0 + 7) << 8;
-    const int a = w0 | w0 << 16, b = w1 | w1 << 16, c = w2 | w2 << 16, d = w3 | w3 << 16;
-    return _mm512_set_epi32(d, d, d, d, c, c, c, c, b, b, b, b, a, a, a, a);
+/* vpshufb indices for the Q6_K scales of pairs k, k + 1 (k even) after vpackssdw of their per-4
+ * sums: 128-bit lane L holds (dwords 0, 1) sub-block 4k + L, (dwords 2, 3) 4k + 4 + L, so from
+ * scales 4k .. 4k + 7 as int16 in every 128-bit lane (words 0..7) words L and 4 + L, each in both
+ * int16 halves of its dwords. */
+AVX512 static INLINE __m512i pick_q6(void) {
+#define KQ_W2(i) ((int)((unsigned)(2 * (i)) | (unsigned)(2 * (i) + 1) << 8 |                        \
+                        (unsigned)(2 * (i)) << 16 | (unsigned)(2 * (i) + 1) << 24))
+    const int a0 = KQ_W2(0), a1 = KQ_W2(1), a2 = KQ_W2(2), a3 = KQ_W2(3);
+    const int b0 = KQ_W2(4), b1 = KQ_W2(5), b2 = KQ_W2(6), b3 = KQ_W2(7);
+#undef KQ_W2
+    return _mm512_setr_epi32(a0, a0, b0, b0, a1, a1, b1, b1, a2, a2, b2, b2, a3, a3, b3, b3);
 }
 
 /* vpshufb indices that give pyrt_kq_mins16 (the mins m_j, bytes 8..15 of every 128-bit lane,
@@ -103,8 +105,8 @@ AVX512 static INLINE __m512i pick_quad(int k) {
  *                min term sum_j m_j sum(x_j) one vpmaddwd of the mins with x's 16 sums per 16
  *                (pyrt_xq_sums); then acc += (d xd) acc_i and, in 256-bit registers (port 1 as
  *                well as 0), accm -= (dmin xd) mins, in f32.
- *   Q6_K:        (q + 32) . x per int16 pair (<= 2 * 63 * 127: no saturation) times the scale of
- *                its 16, less 32 sum_i sc_i sum(x_i) (one vpmaddwd with x's sums per 16): exact,
+ *   Q6_K:        (q + 32) . x per two pairs (elements 64k .. 64k + 127) times the scale of its
+ *                16, less 32 sum_i sc_i sum(x_i) (one vpmaddwd with x's sums per 16): exact,
  *                acc += (d xd) acc_i. */
 #define KQ_DOTS(SUF, TGT, PAIRS, QUADS)                                                            \
     TGT static INLINE void dots_##SUF(int fmt, int nr, const void *const *rows, int nt,            \
@@ -147,37 +149,25 @@ AVX512 static INLINE __m512i pick_quad(int k) {
                 _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)                               \
                     ai[r][t] = _mm512_setzero_si512();                                             \
             }                                                                                      \
-            if (!q6) { /* pairs k, k + 1 in one scale step (see the comment above) */              \
-                _Pragma("GCC unroll 2") for (int k = 0; k < 4; k += 2) {                           \
-                    __m512i xv[2][KQ_TOKENS];                                                      \
-                    _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++) {                         \
-                        xv[0][t] = x_split(xq[t], split_first(k));                                 \
-                        xv[1][t] = x_split(xq[t], split_first(k + 1));                             \
-                    }                                                                              \
-                    _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++) {                         \
-                        const __m512i u0 = fmt == PYRT_FMT_Q4_K ? codes_q4_k_split(w[r], k)        \
-                                                                : codes_q5_k_split(w[r], k);       \
-                        const __m512i u1 = fmt == PYRT_FMT_Q4_K ? codes_q4_k_split(w[r], k + 1)    \
-                                                                : codes_q5_k_split(w[r], k + 1);   \
-                        const __m512i scq = _mm512_shuffle_epi8(sp[r][0], pick_quad(k));           \
-                        _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++) {                     \
-                            const __m512i c0 = QUADS(u0, xv[0][t]);                                \
-                            const __m512i c1 = QUADS(u1, xv[1][t]);                                \
-                            ai[r][t] = PAIRS(ai[r][t], _mm512_packs_epi32(c0, c1), scq);           \
-                        }                                                                          \
-                    }                                                                              \
+            _Pragma("GCC unroll 2") for (int k = 0; k < 4; k += 2) { /* pairs k, k + 1 */          \
+                __m512i xv[2][KQ_TOKENS];                                                          \
+                _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++) {                             \
+                    xv[0][t] = q6 ? x_pair(xq[t], k) : x_split(xq[t], split_first(k));             \
+                    xv[1][t] = q6 ? x_pair(xq[t], k + 1) : x_split(xq[t], split_first(k + 1));     \
                 }                                                                                  \
-            } else { /* Q6_K: pair k, quarters 2k and 2k + 1 of its codes, one at a time */        \
-                _Pragma("GCC unroll 4") for (int k = 0; k < 4; k++) {                              \
-                    __m512i xv[KQ_TOKENS];                                                         \
-                    _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)                           \
-                        xv[t] = x_pair(xq[t], k);                                                  \
-                    _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++) {                         \
-                        const __m512i u = codes_q6_k(w[r], k);                                     \
-                        const __m512i scp =                                                        \
-                            _mm512_shuffle_epi8(sp[r][k / 2], pick_words(4 * (k % 2)));            \
-                        _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)                       \
-                            ai[r][t] = PAIRS(ai[r][t], _mm512_maddubs_epi16(u, xv[t]), scp);       \
+                _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++) {                             \
+                    const __m512i u0 = q6                      ? codes_q6_k(w[r], k)               \
+                                       : fmt == PYRT_FMT_Q4_K ? codes_q4_k_split(w[r], k)          \
+                                                              : codes_q5_k_split(w[r], k);         \
+                    const __m512i u1 = q6                      ? codes_q6_k(w[r], k + 1)           \
+                                       : fmt == PYRT_FMT_Q4_K ? codes_q4_k_split(w[r], k + 1)      \
+                                                              : codes_q5_k_split(w[r], k + 1);     \
+                    const __m512i scq = q6 ? _mm512_shuffle_epi8(sp[r][k / 2], pick_q6())          \
+                                           : _mm512_shuffle_epi8(sp[r][0], pick_quad(k));          \
+                    _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++) {                         \
+                        const __m512i c0 = QUADS(u0, xv[0][t]);                                    \
+                        const __m512i c1 = QUADS(u1, xv[1][t]);                                    \
+                        ai[r][t] = PAIRS(ai[r][t], _mm512_packs_epi32(c0, c1), scq);               \
                     }                                                                              \
                 }                                                                                  \
             }                                                                                      \
