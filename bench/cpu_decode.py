@@ -17,6 +17,12 @@ The timed steps come in --segments segments, each after 3 reads of the read test
 step: `paired:` is the median over segments of each segment's % of the floor at the read rate
 measured right before it, which cancels most of the machine's drift.
 
+--narrow answers: how much of a step does not scale with the weights' bytes (norms, routing,
+attention over the cache, the pool's hand-offs, Python)? It runs the shape's structure (layers,
+heads, experts, top-k) at hidden 256, expert and dense FFN width 32 and a vocabulary of 4096
+(NARROW): a step whose weights are a few MB, read from cache, so its time is that part plus
+little (an upper bound on it).
+
 --param NAME=VALUE sets one of the C core's execution parameters (pyrt_params in
 runtime/include/pyrt.h: fusions, prefetch distances, VNNI, spin) for the run.
 
@@ -33,6 +39,7 @@ printed.
     python bench/cpu_decode.py granite-1b-a400m --outtype q8_0 --threads 2
     python bench/cpu_decode.py olmoe-1b-7b --gguf /tmp/olmoe-q8_0.gguf --threads 16 --tokens 64
     python bench/cpu_decode.py granite-1b-a400m --param fuse_layer=0 --param vnni=0
+    python bench/cpu_decode.py granite-1b-a400m --outtype q4_k_m --threads 1 --narrow
     python bench/cpu_decode.py granite-1b-a400m --threads 1 --sparsity 0.5 0.9 \
         --sparsity-table /tmp/granite.sparsity.json --rounds 9 --gate-copy both
 """
@@ -60,6 +67,21 @@ from pyruntime.cpu.executor import CpuExecutor  # noqa: E402
 from pyruntime.cpu.experts import CpuCoreBackend  # noqa: E402
 from pyruntime.experts.sparsity import SparsityTable  # noqa: E402
 from pyruntime.gguf.file import open_gguf  # noqa: E402
+
+# --narrow: the sizes that set the weights' bytes, made small (rows of 256: K-quants stay real)
+NARROW = {"hidden_size": 256, "intermediate_size": 32, "moe_intermediate_size": 32,
+          "shared_expert_intermediate_size": 32, "vocab_size": 4096}  # fmt: skip
+# shapes whose attention or mixer has its own widths (MLA ranks, DeltaNet heads, head_dim): not
+# made narrow by NARROW alone
+NARROW_NOT = ("kv_lora_rank", "q_lora_rank", "linear_num_key_heads", "head_dim")
+
+
+def narrow_shape(shape: str) -> str:
+    """Registers `shape`'s structure at NARROW's sizes as CONFIGS[shape + "-narrow"] (shapes
+    with none of NARROW_NOT's keys)."""
+    config = CONFIGS[shape]
+    CONFIGS[f"{shape}-narrow"] = {**config, **{k: v for k, v in NARROW.items() if k in config}}
+    return f"{shape}-narrow"
 
 
 def bytes_per_token(model: CpuExecutor, mean_pos: float) -> dict[str, float]:
@@ -207,6 +229,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--dram-gib", type=float, default=1.0)
     ap.add_argument(
+        "--narrow",
+        action="store_true",
+        help="the shape's structure with few weight bytes: the step's part that does not scale "
+        "with them (see the docstring)",
+    )
+    ap.add_argument(
         "--segments",
         type=int,
         default=4,
@@ -244,10 +272,14 @@ def main() -> None:
             ap.error(f"--param takes NAME=INTEGER, got {item!r}")
         params[name] = int(value)
 
-    path = args.gguf or Path(f"/tmp/{args.shape}-{args.outtype}.gguf")
+    own = [key for key in NARROW_NOT if key in CONFIGS[args.shape]] if args.narrow else []
+    if own:
+        ap.error(f"--narrow: {args.shape} has widths of its own ({', '.join(own)})")
+    shape = narrow_shape(args.shape) if args.narrow else args.shape
+    path = args.gguf or Path(f"/tmp/{shape}-{args.outtype}.gguf")
     if not path.exists():
         t = time.perf_counter()
-        make_random_gguf(args.shape, path, args.outtype, progress=False)
+        make_random_gguf(shape, path, args.outtype, progress=False)
         size = path.stat().st_size / 1e9
         print(f"wrote {path} ({size:.2f} GB) in {time.perf_counter() - t:.0f} s")
     f = open_gguf(path)
@@ -259,7 +291,7 @@ def main() -> None:
     # measures steady-state decode, not first-touch page faults of experts not yet used.
     core.mem_read(f._map)
     print(
-        f"{args.shape} {args.outtype}: {platform.processor() or platform.machine()}, "
+        f"{shape} {args.outtype}: {platform.processor() or platform.machine()}, "
         f"{core.threads} threads, simd {cpu_core.simd_level()}, torch threads "
         f"{torch.get_num_threads()}, params {params or 'default'}"
     )

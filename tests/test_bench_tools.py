@@ -81,6 +81,25 @@ def test_cpu_decode_counts_latent_attention(tmp_path, capsys, monkeypatch):
     assert "decode: median " in capsys.readouterr().out
 
 
+def test_cpu_decode_narrow(tmp_path, capsys, monkeypatch):
+    """bench/cpu_decode.py --narrow: the shape's structure at small widths (K-quant rows of 256
+    stay real), run as any shape; shapes with widths of their own are a one-line error."""
+    gguf = tmp_path / "narrow.gguf"
+    run_tool("cpu_decode.py", "granite-1b-a400m", "--narrow", "--outtype", "q4_k_m", "--gguf",
+             str(gguf), "--threads", "1", "--tokens", "2", "--segments", "1", "--dram-gib",
+             "0.01", monkeypatch=monkeypatch)  # fmt: skip
+    out = capsys.readouterr().out
+    assert "granite-1b-a400m-narrow q4_k_m:" in out and "decode: median " in out
+    from pyruntime.gguf.file import open_gguf
+
+    f = open_gguf(gguf)
+    assert f.get(f"{f.arch}.embedding_length") == 256 and f.get(f"{f.arch}.block_count") == 24
+    with pytest.raises(SystemExit) as err:
+        run_tool("cpu_decode.py", "deepseek-v2-lite", "--narrow", monkeypatch=monkeypatch)
+    assert err.value.code == 2
+    assert "--narrow: deepseek-v2-lite has widths of its own" in capsys.readouterr().err
+
+
 def test_random_gguf_layouts(tmp_path):
     from gguf import GGUFReader
 

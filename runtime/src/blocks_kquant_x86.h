@@ -9,18 +9,25 @@
 #include "rows.h"
 #include "rows_x86.h"
 
-/* Q4_K / Q5_K super-block at w: its 8 six-bit sub-block scales sc_j (bytes 0..7) and mins m_j
- * (bytes 8..15), from the 12 bytes at w + 4 (ggml's get_scale_min_k4, four bytes at a time). */
+/* Q4_K / Q5_K super-block whose first 16 bytes are v (dwords: d and dmin, then the 12 scale
+ * bytes a, b, c): its 8 six-bit sub-block scales sc_j (bytes 0..7) and mins m_j (bytes 8..15),
+ * ggml's get_scale_min_k4 four bytes at a time, in vector registers:
+ *   sc_lo = a & 0x3F..,  sc_hi = (c & 0x0F..) | ((a >> 2) & 0x30..),
+ *   m_lo  = b & 0x3F..,  m_hi  = ((c >> 4) & 0x0F..) | ((b >> 2) & 0x30..)
+ * (7 vector operations; the scalar form, 4-byte loads, shifts, masks and inserts, was ~25 per
+ * super-block and row, a third of the Q4_K dot's instructions). */
+PYRT_X86_AVX2 static inline __m128i pyrt_kq_sc_m_from(__m128i v) {
+    const __m128i acbc = _mm_shuffle_epi32(v, _MM_SHUFFLE(3, 2, 3, 1));
+    const __m128i lo_mask = _mm_setr_epi32(0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F, 0x0F0F0F0F);
+    const __m128i lo = _mm_and_si128(_mm_srlv_epi32(acbc, _mm_setr_epi32(0, 0, 0, 4)), lo_mask);
+    const __m128i aabb = _mm_srli_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 2, 1, 1)), 2);
+    const __m128i hi = _mm_and_si128(aabb, _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    return _mm_or_si128(lo, hi);
+}
+
+/* pyrt_kq_sc_m_from of the super-block at w. */
 PYRT_X86_AVX2 static inline __m128i pyrt_kq_sc_m_bytes(const uint8_t *w) {
-    uint32_t a, b, c;
-    memcpy(&a, w + 4, 4);
-    memcpy(&b, w + 8, 4);
-    memcpy(&c, w + 12, 4);
-    const uint32_t sc_lo = a & 0x3F3F3F3Fu;
-    const uint32_t sc_hi = (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u);
-    const uint32_t m_lo = b & 0x3F3F3F3Fu;
-    const uint32_t m_hi = ((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u);
-    return _mm_setr_epi32((int)sc_lo, (int)sc_hi, (int)m_lo, (int)m_hi);
+    return pyrt_kq_sc_m_from(_mm_loadu_si128((const __m128i *)w));
 }
 
 /* The 8 mins m_j of pyrt_kq_sc_m_bytes's sm, each twice, as int16 (lanes 2j, 2j + 1: m_j), the

@@ -1,13 +1,14 @@
 /* K-quant row kernels on AVX-512 (Q4_K, Q5_K, Q6_K; F + BW, and VNNI where the CPU has it):
  * the super-block layouts are rows_kquant.c's. Rows are a multiple of 256 elements.
  *
- * Dots: two sub-blocks of 32 per 512-bit step ("pair" k: sub-blocks 2k and 2k + 1, against the
- * activation's Q8 blocks 2k and 2k + 1, which share a scale per super-block: pyrt_quantize_x_q8k),
- * their codes unpacked as uint8, multiplied with x's int8 by vpmaddubsw into int16 pairs (codes
- * <= 63: no saturation), the pairs times each sub-block's scale summed in int32 by vpdpwssd
- * (VNNI) or vpmaddwd + vpaddd (the same lanes); the mins (Q6_K: the -32 offset) meet x's sums per
- * 16 (pyrt_xq_sums) in one vpmaddwd per super-block; a super-block's integers meet d, dmin and
- * x's scale once, in f32.
+ * Dots: two sub-blocks of 32 per 512-bit step (a "pair", against the activation's Q8 blocks of
+ * the same sub-blocks, which share a scale per super-block: pyrt_quantize_x_q8k), their codes
+ * unpacked as uint8 and multiplied with x's int8 per 4 codes into int32 (vpdpbusd, or vpmaddubsw
+ * + vpmaddwd: the same numbers), two pairs' sums packed to int16 (vpackssdw; each <= 4 * 63 *
+ * 127: no saturation) and times their sub-blocks' scales summed in int32 by vpdpwssd (or
+ * vpmaddwd + vpaddd): per 128 codes 2 + 1 multiplies and one scale shuffle, not 2 + 2 and two.
+ * The mins (Q6_K: the -32 offset) meet x's sums per 16 (pyrt_xq_sums) in one vpmaddwd per
+ * super-block; a super-block's integers meet d, dmin and x's scale once, in f32.
  * One function computes a block of rows x tokens (1 x 1: dot, 2 x 1: dot2, 4 x 2: the prefill
  * tiles), each result with the same operations in the same order: a tile's results are the
  * dots' bits; dot_pf / dot2_pf spread their prefetch lines over the super-blocks.
@@ -36,47 +37,78 @@ AVX512 static INLINE __m512i x_pair(const pyrt_xq8 *xq, int k) {
                    _mm256_loadu_si256((const __m256i *)xq[2 * k + 1].q));
 }
 
+/* x's Q8 blocks a and a + 2 as one vector (the Q4_K / Q5_K pairs: split_first). */
+AVX512 static INLINE __m512i x_split(const pyrt_xq8 *xq, int a) {
+    return join256(_mm256_loadu_si256((const __m256i *)xq[a].q),
+                   _mm256_loadu_si256((const __m256i *)xq[a + 2].q));
+}
+
 /* Q6_K's 16 scales times d (lanes 0..15, one per 16 elements). */
 AVX512 static INLINE __m512 scales_q6_k(const uint8_t *w) {
     const __m128i sc = _mm_loadu_si128((const __m128i *)(w + 192));
     return _mm512_mul_ps(_mm512_set1_ps(D(w + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
 }
 
-/* vpshufb indices that fill every int32 lane with one byte of each 128-bit lane of its source,
- * zero-extended, in both int16 halves: byte lo in the lanes of the low 256 bits, hi in the high. */
-AVX512 static INLINE __m512i pick_bytes(int lo, int hi) {
-    const int a = (int)(0x80008000u | (unsigned)lo | (unsigned)lo << 16);
-    const int b = (int)(0x80008000u | (unsigned)hi | (unsigned)hi << 16);
-    return _mm512_set_epi32(b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a);
+/* vpshufb indices for the Q6_K scales of pairs k, k + 1 (k even) after vpackssdw of their per-4
+ * sums: 128-bit lane L holds (dwords 0, 1) sub-block 4k + L, (dwords 2, 3) 4k + 4 + L, so from
+ * scales 4k .. 4k + 7 as int16 in every 128-bit lane (words 0..7) words L and 4 + L, each in both
+ * int16 halves of its dwords. */
+AVX512 static INLINE __m512i pick_q6(void) {
+#define KQ_W2(i) ((int)((unsigned)(2 * (i)) | (unsigned)(2 * (i) + 1) << 8 |                        \
+                        (unsigned)(2 * (i)) << 16 | (unsigned)(2 * (i) + 1) << 24))
+    const int a0 = KQ_W2(0), a1 = KQ_W2(1), a2 = KQ_W2(2), a3 = KQ_W2(3);
+    const int b0 = KQ_W2(4), b1 = KQ_W2(5), b2 = KQ_W2(6), b3 = KQ_W2(7);
+#undef KQ_W2
+    return _mm512_setr_epi32(a0, a0, b0, b0, a1, a1, b1, b1, a2, a2, b2, b2, a3, a3, b3, b3);
 }
 
-/* vpshufb indices that fill the int32 lanes of 128-bit lane L with int16 i0 + L of each
- * 128-bit lane of the source, in both int16 halves (Q6_K: its scales 4k .. 4k + 3 over lanes
- * 0..3, 4..7, 8..11, 12..15 of pair k, from 8 int16 scales in every 128-bit lane). */
-AVX512 static INLINE __m512i pick_words(int i0) {
-    const int w0 = 2 * i0 | (2 * i0 + 1) << 8, w1 = 2 * (i0 + 1) | (2 * i0 + 3) << 8;
-    const int w2 = 2 * (i0 + 2) | (2 * i0 + 5) << 8, w3 = 2 * (i0 + 3) | (2 * i0 + 7) << 8;
-    const int a = w0 | w0 << 16, b = w1 | w1 << 16, c = w2 | w2 << 16, d = w3 | w3 << 16;
-    return _mm512_set_epi32(d, d, d, d, c, c, c, c, b, b, b, b, a, a, a, a);
+/* vpshufb indices that give pyrt_kq_mins16 (the mins m_j, bytes 8..15 of every 128-bit lane,
+ * each twice as int16) in the low 256 bits. */
+AVX512 static INLINE __m512i pick_mins(void) {
+#define KQ_M2(j) ((int)(0x80008000u | (unsigned)(8 + (j)) | (unsigned)(8 + (j)) << 16))
+    const int m0 = KQ_M2(0), m1 = KQ_M2(1), m2 = KQ_M2(2), m3 = KQ_M2(3);
+    const int m4 = KQ_M2(4), m5 = KQ_M2(5), m6 = KQ_M2(6), m7 = KQ_M2(7);
+#undef KQ_M2
+    return _mm512_setr_epi32(m0, m1, m2, m3, m4, m5, m6, m7, m0, m1, m2, m3, m4, m5, m6, m7);
+}
+
+/* vpshufb indices for the scales of the Q4_K / Q5_K pairs k, k + 1 after vpackssdw
+ * of their per-4 sums: every int32 lane holds two int16 sums of one sub-block, and its 128-bit
+ * lane L holds (dwords 0, 1) sub-block a_k + 2 (L / 2), (dwords 2, 3) a_{k+1} + 2 (L / 2), so
+ * the indices give that sub-block's scale, zero-extended, in both int16 halves (bytes sc_j at
+ * j of every 128-bit lane of the source). */
+AVX512 static INLINE __m512i pick_quad(int k) {
+    const int a = split_first(k), b = split_first(k + 1);
+#define KQ_SC16(j) ((int)(0x80008000u | (unsigned)(j) | (unsigned)(j) << 16))
+    const int la = KQ_SC16(a), lb = KQ_SC16(b), ha = KQ_SC16(a + 2), hb = KQ_SC16(b + 2);
+#undef KQ_SC16
+    return _mm512_setr_epi32(la, la, lb, lb, la, la, lb, lb, ha, ha, hb, hb, ha, ha, hb, hb);
 }
 
 /* acc + the int16 pairs of a times those of b, summed per int32 lane. */
 #define KQ_PAIRS_BW(acc, a, b) _mm512_add_epi32((acc), _mm512_madd_epi16((a), (b)))
 #define KQ_PAIRS_VNNI(acc, a, b) _mm512_dpwssd_epi32((acc), (a), (b))
 
+/* The uint8 bytes of u times the int8 bytes of x, summed per 4 into int32 lanes (vpdpbusd, or
+ * vpmaddubsw and vpmaddwd by 1: the same numbers, |each int16 pair| <= 2 * 63 * 127). */
+#define KQ_QUADS_BW(u, x) _mm512_madd_epi16(_mm512_maddubs_epi16((u), (x)), _mm512_set1_epi16(1))
+#define KQ_QUADS_VNNI(u, x) _mm512_dpbusd_epi32(_mm512_setzero_si512(), (u), (x))
+
 /* ---- dots ----------------------------------------------------------------------------------
  * out[t * ts + r * rs] = rows[r] . xs[t] for r < nr <= KQ_ROWS, t < nt <= KQ_TOKENS; fmt and the
  * counts are constants where it is inlined, and the loops over them unroll (rolled, the arrays
  * of registers indexed by r and t lived in memory: ~1.5x the time). x's 8 blocks of a super-block
  * share one scale xd (pyrt_quantize_x_q8k), so a super-block's sum is integer up to d xd:
- *   Q4_K / Q5_K: acc_i += sc_j (q . x) per pair (vpmaddubsw: int16 pairs, then int16 pairs times
- *                sc_j), the scales spread over the lanes by vpshufb (in-lane) from a copy in each
- *                128-bit lane; the min term sum_j m_j sum(x_j) one vpmaddwd of the mins with x's
- *                16 sums per 16 (pyrt_xq_sums); then acc += (d xd) acc_i - (dmin xd) mins in f32.
- *   Q6_K:        (q + 32) . x per int16 pair (<= 2 * 63 * 127: no saturation) times the scale of
- *                its 16, less 32 sum_i sc_i sum(x_i) (one vpmaddwd with x's sums per 16): exact,
+ *   Q4_K / Q5_K: acc_i += sc_j (q . x) per two pairs (split_first's: sub-blocks a, a + 2 in one
+ *                64-byte piece of the codes; per-4 sums packed to int16, times sc_j), the scales
+ *                spread over the lanes by vpshufb (in-lane) from a copy in each 128-bit lane; the
+ *                min term sum_j m_j sum(x_j) one vpmaddwd of the mins with x's 16 sums per 16
+ *                (pyrt_xq_sums); then acc += (d xd) acc_i and, in 256-bit registers (port 1 as
+ *                well as 0), accm -= (dmin xd) mins, in f32.
+ *   Q6_K:        (q + 32) . x per two pairs (elements 64k .. 64k + 127) times the scale of its
+ *                16, less 32 sum_i sc_i sum(x_i) (one vpmaddwd with x's sums per 16): exact,
  *                acc += (d xd) acc_i. */
-#define KQ_DOTS(SUF, TGT, PAIRS)                                                                   \
+#define KQ_DOTS(SUF, TGT, PAIRS, QUADS)                                                            \
     TGT static INLINE void dots_##SUF(int fmt, int nr, const void *const *rows, int nt,            \
                                       const void *const *xs, int n, float *out, size_t ts,         \
                                       size_t rs, const void *const *pf, int n_pf) {                \
@@ -85,15 +117,19 @@ AVX512 static INLINE __m512i pick_words(int i0) {
                                                  : PYRT_Q6_K_BYTES;                                \
         const int q6 = fmt == PYRT_FMT_Q6_K;                                                       \
         __m512 acc[KQ_ROWS][KQ_TOKENS];                                                            \
+        __m256 accm[KQ_ROWS][KQ_TOKENS]; /* Q4_K / Q5_K: the min terms */                          \
         _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++)                                       \
-            _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)                                   \
+            _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++) {                                 \
                 acc[r][t] = _mm512_setzero_ps();                                                   \
+                accm[r][t] = _mm256_setzero_ps();                                                  \
+            }                                                                                      \
         pyrt_pf_spread spread = pyrt_pf_begin(pf, n_pf, n / PYRT_QK_K);                            \
         for (int s = 0; s < n / PYRT_QK_K; s++) {                                                  \
             const uint8_t *w[KQ_ROWS];                                                             \
             const pyrt_xq8 *xq[KQ_TOKENS];                                                         \
             __m512i sp[KQ_ROWS][2], ai[KQ_ROWS][KQ_TOKENS];                                        \
             __m256i m16[KQ_ROWS], bs[KQ_TOKENS]; /* mins (Q6_K: scales) per 16, x's sums */        \
+            __m128i head[KQ_ROWS];                /* Q4_K / Q5_K: d, dmin and the scale bytes */   \
             _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++) {                                 \
                 xq[t] = (const pyrt_xq8 *)xs[t] + 8 * s;                                           \
                 bs[t] = _mm256_loadu_si256((const __m256i *)(pyrt_xq_sums(xs[t], n) + 16 * s));    \
@@ -105,40 +141,50 @@ AVX512 static INLINE __m512i pick_words(int i0) {
                     sp[r][0] = _mm512_broadcast_i32x4(_mm256_castsi256_si128(m16[r]));             \
                     sp[r][1] = _mm512_broadcast_i32x4(_mm256_extracti128_si256(m16[r], 1));        \
                 } else { /* scales (bytes 0..7) and mins (8..15) in every 128-bit lane */          \
-                    const __m128i sm = pyrt_kq_sc_m_bytes(w[r]);                                   \
+                    head[r] = _mm_loadu_si128((const __m128i *)w[r]);                              \
+                    const __m128i sm = pyrt_kq_sc_m_from(head[r]);                                 \
                     sp[r][0] = _mm512_broadcast_i32x4(sm);                                         \
-                    m16[r] = pyrt_kq_mins16(sm);                                                   \
+                    m16[r] = _mm512_castsi512_si256(_mm512_shuffle_epi8(sp[r][0], pick_mins()));   \
                 }                                                                                  \
                 _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)                               \
                     ai[r][t] = _mm512_setzero_si512();                                             \
             }                                                                                      \
-            _Pragma("GCC unroll 4") for (int k = 0; k < 4; k++) {                                  \
-                __m512i xv[KQ_TOKENS];                                                             \
-                _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)                               \
-                    xv[t] = x_pair(xq[t], k);                                                      \
+            _Pragma("GCC unroll 2") for (int k = 0; k < 4; k += 2) { /* pairs k, k + 1 */          \
+                __m512i xv[2][KQ_TOKENS];                                                          \
+                _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++) {                             \
+                    xv[0][t] = q6 ? x_pair(xq[t], k) : x_split(xq[t], split_first(k));             \
+                    xv[1][t] = q6 ? x_pair(xq[t], k + 1) : x_split(xq[t], split_first(k + 1));     \
+                }                                                                                  \
                 _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++) {                             \
-                    const __m512i u = q6                      ? codes_q6_k(w[r], k)                \
-                                      : fmt == PYRT_FMT_Q4_K ? codes_q4_k(w[r], k)                 \
-                                                             : codes_q5_k(w[r], k);                \
-                    const __m512i scp =                                                            \
-                        q6 ? _mm512_shuffle_epi8(sp[r][k / 2], pick_words(4 * (k % 2)))            \
-                           : _mm512_shuffle_epi8(sp[r][0], pick_bytes(2 * k, 2 * k + 1));          \
-                    _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)                           \
-                        ai[r][t] = PAIRS(ai[r][t], _mm512_maddubs_epi16(u, xv[t]), scp);           \
+                    const __m512i u0 = q6                      ? codes_q6_k(w[r], k)               \
+                                       : fmt == PYRT_FMT_Q4_K ? codes_q4_k_split(w[r], k)          \
+                                                              : codes_q5_k_split(w[r], k);         \
+                    const __m512i u1 = q6                      ? codes_q6_k(w[r], k + 1)           \
+                                       : fmt == PYRT_FMT_Q4_K ? codes_q4_k_split(w[r], k + 1)      \
+                                                              : codes_q5_k_split(w[r], k + 1);     \
+                    const __m512i scq = q6 ? _mm512_shuffle_epi8(sp[r][k / 2], pick_q6())          \
+                                           : _mm512_shuffle_epi8(sp[r][0], pick_quad(k));          \
+                    _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++) {                         \
+                        const __m512i c0 = QUADS(u0, xv[0][t]);                                    \
+                        const __m512i c1 = QUADS(u1, xv[1][t]);                                    \
+                        ai[r][t] = PAIRS(ai[r][t], _mm512_packs_epi32(c0, c1), scq);               \
+                    }                                                                              \
                 }                                                                                  \
             }                                                                                      \
             _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++) {                                 \
-                const float d = q6 ? D(w[r] + 208) : D(w[r]);                                      \
+                /* Q4_K / Q5_K: d and dmin as f32 from the head's halves 0 and 1 */                \
+                const __m128 dm = q6 ? _mm_set1_ps(D(w[r] + 208)) : _mm_cvtph_ps(head[r]);         \
                 _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++) {                             \
-                    const float xd = xq[t]->d;                                                     \
-                    const __m512i ms = _mm512_zextsi256_si512(_mm256_madd_epi16(m16[r], bs[t]));   \
+                    const __m128 dmx = _mm_mul_ps(dm, _mm_set1_ps(xq[t]->d)); /* d xd, dmin xd */  \
+                    const __m256i ms = _mm256_madd_epi16(m16[r], bs[t]);                           \
                     if (q6)                                                                        \
-                        ai[r][t] = _mm512_sub_epi32(ai[r][t], _mm512_slli_epi32(ms, 5));           \
-                    acc[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(d * xd),                            \
+                        ai[r][t] = _mm512_sub_epi32(                                               \
+                            ai[r][t], _mm512_slli_epi32(_mm512_zextsi256_si512(ms), 5));           \
+                    acc[r][t] = _mm512_fmadd_ps(_mm512_broadcastss_ps(dmx),                        \
                                                 _mm512_cvtepi32_ps(ai[r][t]), acc[r][t]);          \
-                    if (!q6)                                                                       \
-                        acc[r][t] = _mm512_fnmadd_ps(_mm512_set1_ps(D(w[r] + 2) * xd),             \
-                                                     _mm512_cvtepi32_ps(ms), acc[r][t]);           \
+                    if (!q6) /* 256 bits: these also issue on port 1 */                            \
+                        accm[r][t] = _mm256_fnmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dmx)), \
+                                                      _mm256_cvtepi32_ps(ms), accm[r][t]);         \
                 }                                                                                  \
             }                                                                                      \
             pyrt_pf_tick(&spread);                                                                 \
@@ -146,11 +192,12 @@ AVX512 static INLINE __m512i pick_words(int i0) {
         pyrt_pf_end(&spread);                                                                      \
         _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++)                                       \
             _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)                                   \
-                out[(size_t)t * ts + (size_t)r * rs] = _mm512_reduce_add_ps(acc[r][t]);            \
+                out[(size_t)t * ts + (size_t)r * rs] = _mm512_reduce_add_ps(                       \
+                    _mm512_add_ps(acc[r][t], _mm512_zextps256_ps512(accm[r][t])));                 \
     }
 
-KQ_DOTS(bw, AVX512, KQ_PAIRS_BW)
-KQ_DOTS(vnni, AVX512VNNI, KQ_PAIRS_VNNI)
+KQ_DOTS(bw, AVX512, KQ_PAIRS_BW, KQ_QUADS_BW)
+KQ_DOTS(vnni, AVX512VNNI, KQ_PAIRS_VNNI, KQ_QUADS_VNNI)
 
 /* dot, dot2 and the dot tile of one format and one kind of lanes. */
 #define KQ_DOT_ENTRIES(name, FMT, SUF, TGT)                                                       \

@@ -43,6 +43,11 @@ AVX512VNNI static INLINE __m512 join256_ps(__m256 lo, __m256 hi) {
         _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
 }
 
+/* The high 256 bits of v. */
+AVX512VNNI static INLINE __m256 high256_ps(__m512 v) {
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+
 /* c as two int8 parts against S (inv = 1 / S): c ~ S (k + k' / 254), k = round(c / S) in
  * -127..127, k' = round(254 (c - S k) / S) in -127..127 (|c - S k| <= S / 2); each part's 16
  * lanes as bytes. */
@@ -130,22 +135,32 @@ static int pass_rows(int nr, const float *a, const void *const *rows, const uint
 }
 
 /* Q4_K / Q5_K (one scale and one min per sub-block of 32): c_rj = a_r d_r sc_rj, two rows a
- * register [GROUP * ng / 2], the sum over the rows of a_r dmin_r m_rj, and max |c_rj| per j. */
+ * register [GROUP * ng / 2], the sum over the rows of a_r dmin_r m_rj, and max |c_rj| per j.
+ * Two rows at a time in 512 bits (lanes 0..7 row 2h, 8..15 row 2h + 1): their scale and min bytes
+ * from one vector unpack each (pyrt_kq_sc_m_from), their d and dmin by one vcvtph2ps, spread
+ * over the lanes by vpermps; the min sums and maxima of the two halves joined at the end. */
 AVX512VNNI static INLINE void scales_mins_pass(const uint8_t *const *w, size_t at, const float *av,
                                                int ng, __m512 *c, __m256 *mins, __m256 *amax) {
-    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    *mins = *amax = _mm256_setzero_ps();
+    const __m512i lane_d = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    const __m512i lane_m = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
+    __m512 m2 = _mm512_setzero_ps(), x2 = _mm512_setzero_ps();
     for (int h = 0; h < GROUP * ng / 2; h++) {
-        __m256 dsc0, dm0, dsc1, dm1;
-        pyrt_kq_scales_mins(w[2 * h] + at, &dsc0, &dm0);
-        pyrt_kq_scales_mins(w[2 * h + 1] + at, &dsc1, &dm1);
-        const __m256 a0 = _mm256_set1_ps(av[2 * h]), a1 = _mm256_set1_ps(av[2 * h + 1]);
-        const __m256 c0 = _mm256_mul_ps(a0, dsc0), c1 = _mm256_mul_ps(a1, dsc1);
-        *mins = _mm256_fmadd_ps(a1, dm1, _mm256_fmadd_ps(a0, dm0, *mins));
-        *amax = _mm256_max_ps(*amax, _mm256_max_ps(_mm256_and_ps(c0, abs),
-                                                   _mm256_and_ps(c1, abs)));
-        c[h] = join256_ps(c0, c1);
+        const __m128i h0 = _mm_loadu_si128((const __m128i *)(w[2 * h] + at));
+        const __m128i h1 = _mm_loadu_si128((const __m128i *)(w[2 * h + 1] + at));
+        const __m128i sm0 = pyrt_kq_sc_m_from(h0), sm1 = pyrt_kq_sc_m_from(h1);
+        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(sm0, sm1)));
+        const __m512 m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi64(sm0, sm1)));
+        /* a_r d_r, a_r dmin_r of both rows: (d0, dmin0, d1, dmin1) times (a0, a0, a1, a1) */
+        const __m128 a01 = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(av + 2 * h)));
+        const __m128 ad = _mm_mul_ps(_mm_cvtph_ps(_mm_unpacklo_epi32(h0, h1)),
+                                     _mm_unpacklo_ps(a01, a01));
+        const __m512 ad512 = _mm512_castps128_ps512(ad);
+        c[h] = _mm512_mul_ps(sc, _mm512_permutexvar_ps(lane_d, ad512));
+        m2 = _mm512_fmadd_ps(m, _mm512_permutexvar_ps(lane_m, ad512), m2);
+        x2 = _mm512_max_ps(x2, _mm512_abs_ps(c[h]));
     }
+    *mins = _mm256_add_ps(_mm512_castps512_ps256(m2), high256_ps(m2));
+    *amax = _mm256_max_ps(_mm512_castps512_ps256(x2), high256_ps(x2));
 }
 
 AVX512VNNI void pyrt_axpyn_i8_q4_k(int nr, const float *a, const void *const *rows, float *y,
