@@ -314,6 +314,20 @@ def test_a_repeated_prefill_hits_what_the_last_one_left_in_the_slots(tmp_path_fa
     assert all(h >= n_slots - cfg.n_expert for h in hits[1:]), hits
 
 
+def test_the_stats_keep_what_the_cost_model_expected_of_each_side(olmoe, core, whole):
+    """Beside the C core's seconds, the cost model's for the same CPU shares and staged experts
+    (even_costs: 1e-4 s an expert either side, nothing per call or token)."""
+    ids, _ = whole["olmoe"]
+    net = hybrid(olmoe, core, 3, "auto")
+    logprobs(net, ids)
+    stats = net.offload
+    assert stats.cpu_experts > 0 and stats.staged > 0
+    assert stats.cpu_model_seconds == pytest.approx(1e-4 * stats.cpu_experts)
+    assert stats.stage_model_seconds == pytest.approx(1e-4 * stats.staged)
+    model = net.offload_stats()["model_seconds_per_token"]
+    assert model["staging"] == pytest.approx(1e-4 * stats.staged / stats.tokens)
+
+
 def test_the_cpus_share_of_a_prefill_goes_to_the_c_core_without_the_other_tokens(
     olmoe, core, monkeypatch
 ):

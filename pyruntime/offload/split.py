@@ -154,6 +154,12 @@ class SplitExperts:
         sweep = seg is None and ids.numel() >= self.config.n_expert
         rounds, left = self._admit_rounds(i, hits, stage, sweep)
         cpu += left
+        if self.costs is not None:  # what the cost model expects of this layer's two sides
+            n_of = dict(zip(used, counts, strict=True))
+            staged = [e for round_ in rounds for e, _ in round_[2]]
+            self.offload.cpu_model_seconds += self.costs.cpu_seconds([n_of[e] for e in cpu],
+                                                                     self._read())  # fmt: skip
+            self.offload.stage_model_seconds += self.costs.stage_seconds([n_of[e] for e in staged])
         job = self._start_cpu(i, cpu, h, ids, weights, out, on_worker, seg) if cpu else None
         try:
             y = self._gpu(i, r, rounds, seg)
@@ -187,11 +193,15 @@ class SplitExperts:
             return Split([e for e, _ in misses], [], always)
         if mode == "stage":
             return Split([], [e for e, _ in misses], self.worker is not None)
-        kept = self.cpu_active[0] / self.cpu_active[1] if self.cpu_active[1] else 1.0
         worker = "never" if self.worker is None else "always" if always else "auto"
-        split = split_misses(misses, self.costs, read_share(1.0 - kept), worker=worker,
+        split = split_misses(misses, self.costs, self._read(), worker=worker,
                              reuse=self.slots_keep, launch=not n_hits and not graph)  # fmt: skip
         return split._replace(on_worker=split.on_worker or always)
+
+    def _read(self) -> float:
+        """The share of an expert's bytes the CPU reads, at the sparsity it achieved so far."""
+        kept = self.cpu_active[0] / self.cpu_active[1] if self.cpu_active[1] else 1.0
+        return read_share(1.0 - kept)
 
     @property
     def slots_keep(self) -> bool:
