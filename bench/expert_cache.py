@@ -11,6 +11,15 @@ experts and top-8.
     python bench/expert_cache.py ../shared/models/tiny-olmoe64 -f ../shared/data/eval-jargon.txt
 
 prints one row per (policy, fraction): hit rate, evictions per token.
+
+--prefill replays the text's windows as prefills instead: each window one pass that looks up,
+layer after layer, every expert its tokens use (as the hybrid's prefill does), each miss
+admitted; once with the policy's victims (recency) and once in the sweep order the hybrid's
+prefill admits by (pyruntime/offload/cache.py). `--repeat R` runs each window R times in a row
+(pyruntime bench's pp: the same prompt again), the hit rate then counting the repeats only.
+
+    python bench/expert_cache.py ../shared/models/tiny-olmoe64 -f TEXT --prefill --window 512 \
+        --repeat 3 --fractions 0.25,0.6
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 from pyruntime.converter import convert  # noqa: E402
 from pyruntime.cpu.executor import CpuExecutor  # noqa: E402
 from pyruntime.gguf.file import open_gguf  # noqa: E402
-from pyruntime.offload.cache import replay_hit_rate  # noqa: E402
+from pyruntime.offload.cache import ExpertCache, replay_hit_rate  # noqa: E402
 from pyruntime.offload.policy import LFRU, LRU  # noqa: E402
 from pyruntime.text.tokenizer import Tokenizer  # noqa: E402
 
@@ -51,6 +60,36 @@ def record_routing(gguf: Path, text: str, max_tokens: int, window: int) -> tuple
     return routing, net.config.n_layer, net.config.n_expert
 
 
+def prefill_passes(routing: list, n_moe: int, window: int) -> list[list[tuple[int, list[int]]]]:
+    """The routing as prefills of `window` tokens: per pass, per layer in order, (layer, the
+    experts its tokens use)."""
+    tokens = [routing[t : t + n_moe] for t in range(0, len(routing), n_moe)]
+    passes = []
+    for start in range(0, len(tokens), window):
+        chunk = tokens[start : start + window]
+        passes.append([(layer, sorted({e for tok in chunk for e in tok[j][1]}))
+                       for j, (layer, _) in enumerate(chunk[0])])  # fmt: skip
+    return passes
+
+
+def replay_prefills(passes: list, repeat: int, n_layer: int, n_expert: int, slots: int,
+                    policy, sweep: bool) -> float:  # fmt: skip
+    """Hit rate of the repeats (each pass run `repeat` times in a row; all of it when 1), every
+    miss admitted with its layer's experts protected, by sweep order or the policy's victim."""
+    cache = ExpertCache(n_layer, n_expert, slots, policy)
+    hits = lookups = 0
+    for one in passes:
+        for r in range(repeat):
+            before = cache.stats.hits, cache.stats.misses
+            for layer, used in one:
+                for e in cache.lookup(layer, used):
+                    cache.admit(layer, e, protect=used, sweep=sweep)
+            if r or repeat == 1:
+                hits += cache.stats.hits - before[0]
+                lookups += cache.stats.hits - before[0] + cache.stats.misses - before[1]
+    return hits / lookups if lookups else 0.0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("model", type=Path, help="HF checkpoint folder or GGUF file")
@@ -63,7 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--half-lives", default="64,256,1024", help="LFRU half-lives in routed token-layers"
     )
+    ap.add_argument(
+        "--prefill", action="store_true", help="replay each window as a prefill pass (module doc)"
+    )
+    ap.add_argument("--repeat", type=int, default=1, help="--prefill: runs of each window (1)")
     args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error(f"--repeat must be >= 1, got {args.repeat}")
     with tempfile.TemporaryDirectory() as tmp:
         gguf = args.model
         if args.model.is_dir():
@@ -77,6 +122,17 @@ def main(argv: list[str] | None = None) -> int:
     policies = [("lru", LRU)] + [
         (f"lfru(h={h})", lambda h=float(h): LFRU(half_life=h)) for h in args.half_lives.split(",")
     ]
+    if args.prefill:
+        passes = prefill_passes(routing, n_moe, args.window)
+        print("| policy | cached fraction | slots | prefill hit rate, recency | sweep order |")
+        print("|---|---|---|---|---|")
+        for frac in (float(x) for x in args.fractions.split(",")):
+            slots = round(frac * n_moe * n_expert)
+            for name, make in policies:
+                rates = [replay_prefills(passes, args.repeat, n_layer, n_expert, slots, make(),
+                                         sweep) for sweep in (False, True)]  # fmt: skip
+                print(f"| {name} | {frac:g} | {slots} | {rates[0]:.3f} | {rates[1]:.3f} |")
+        return 0
     print("| policy | cached fraction | slots | hit rate | evictions per token |")
     print("|---|---|---|---|---|")
     for frac in (float(x) for x in args.fractions.split(",")):

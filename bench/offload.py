@@ -16,8 +16,10 @@ the copy alone, auto rows by both together. `% floor` = floor time / measured ti
 
 --stats times each row's parts (pyruntime.offload.stats: the decode step's dense graph segments,
 the GPU's experts, waits for copies, the host's wait for each layer's routing, the C core's
-calls) and prints them per token; --staging-rates register,bounce,pinned first measures how
-fast each expert home fills slots (the copies alone), beside the pinned copy ceiling;
+calls) and prints them per token, beside what the cost model expected of the C core's calls and
+of the staged experts (their copies and GPU time); --staging-rates register,bounce,pinned first
+measures how fast each expert home fills slots (the copies alone), beside the pinned copy
+ceiling;
 --host-memory how fast the CPU reads host memory the GPU wrote, by kind (plain, torch's pinned,
 page-locked from the driver, registered user memory), and the C core's read of a layer's
 experts before and after the mapping is registered (both GPU only).
@@ -264,7 +266,13 @@ def part_times(net: HybridExecutor, before: OffloadStats, timer: dict, tokens: i
     parts = {p: (net.timer.seconds[p] - timer[p]) for p in net.timer.seconds}
     parts["route_wait"] = after.route_wait_seconds - before.route_wait_seconds
     parts["cpu_experts"] = after.cpu_seconds - before.cpu_seconds
-    return ", ".join(f"{p} {1e3 * v / tokens:.3f}" for p, v in parts.items() if v > 0)
+    line = ", ".join(f"{p} {1e3 * v / tokens:.3f}" for p, v in parts.items() if v > 0)
+    model = {"cpu_experts": after.cpu_model_seconds - before.cpu_model_seconds,
+             "staging": after.stage_model_seconds - before.stage_model_seconds}  # fmt: skip
+    if any(model.values()):  # the cost model's view of the same work
+        line += "; cost model: " + ", ".join(f"{p} {1e3 * v / tokens:.3f}"
+                                             for p, v in model.items())  # fmt: skip
+    return line
 
 
 def run_case(net: HybridExecutor, test: str, n: int, reps: int,

@@ -312,6 +312,38 @@ def test_a_prefill_stages_in_rounds_when_its_experts_outnumber_the_slots(olmoe, 
     assert max_err(torch.log_softmax(torch.cat(got).double(), -1), want) <= LOGPROB_TOL
 
 
+def test_a_repeated_prefill_hits_what_the_last_one_left_in_the_slots(tmp_path_factory, core):
+    """A prefill uses every expert of every layer, layer by layer: its admissions evict by that
+    sweep (pyruntime.offload.cache), so the next prefill finds all but the slots the misses
+    cycle through (recency evicted just what it needed next: no hit at 60% in slots)."""
+    model = tiny(tmp_path_factory, "olmoe", num_hidden_layers=6)
+    _, cfg, host = model
+    n_slots = round(0.6 * n_routed(cfg, host))
+    net = hybrid(model, core, n_slots, "stage")
+    ids = ids_of(cfg, 32, seed=4)
+    hits = []
+    for _ in range(3):
+        before = net.cache.stats.hits
+        net.forward(ids, net.new_cache(len(ids)), last_only=True)
+        hits.append(net.cache.stats.hits - before)
+    assert net.offload.cpu_experts == 0
+    assert all(h >= n_slots - cfg.n_expert for h in hits[1:]), hits
+
+
+def test_the_stats_keep_what_the_cost_model_expected_of_each_side(olmoe, core, whole):
+    """Beside the C core's seconds, the cost model's for the same CPU shares and staged experts
+    (even_costs: 1e-4 s an expert either side, nothing per call or token)."""
+    ids, _ = whole["olmoe"]
+    net = hybrid(olmoe, core, 3, "auto")
+    logprobs(net, ids)
+    stats = net.offload
+    assert stats.cpu_experts > 0 and stats.staged > 0
+    assert stats.cpu_model_seconds == pytest.approx(1e-4 * stats.cpu_experts)
+    assert stats.stage_model_seconds == pytest.approx(1e-4 * stats.staged)
+    model = net.offload_stats()["model_seconds_per_token"]
+    assert model["staging"] == pytest.approx(1e-4 * stats.staged / stats.tokens)
+
+
 def test_the_cpus_share_of_a_prefill_goes_to_the_c_core_without_the_other_tokens(
     olmoe, core, monkeypatch
 ):

@@ -111,3 +111,54 @@ def test_a_dropped_expert_frees_its_slot():
     assert cache.residency.slot(0, 1) == -1 and cache.residency.holder(0) is None
     assert cache.admit(0, 3) == 0 and cache.stats.evictions == 0  # the free slot, no eviction
     cache.drop(0, 5)  # not resident: nothing to do
+
+
+def sweeps(cache: ExpertCache, n_layer: int, n_expert: int, passes: int, sweep: bool) -> list:
+    """Hits of each of `passes` prefills that use every expert of every layer, layer by layer,
+    each miss admitted (with the layer's experts protected)."""
+    hits = []
+    for _ in range(passes):
+        before = cache.stats.hits
+        for layer in range(n_layer):
+            used = list(range(n_expert))
+            for e in cache.lookup(layer, used):
+                assert cache.admit(layer, e, protect=used, sweep=sweep) >= 0
+        hits.append(cache.stats.hits - before)
+    return hits
+
+
+@pytest.mark.parametrize("name", ["lru", "lfru"])
+def test_a_prefills_sweep_keeps_what_the_next_prefill_hits(name):
+    """Prefills that use every expert, layer after layer: recency evicts exactly the experts the
+    next sweep needs first (no hit at 60% of the experts in slots); the sweep order keeps all
+    but the slots the misses cycle through, and picks within a layer by the policy."""
+    n_layer, n_expert, n_slots = 6, 8, 29  # 60% of 48 experts
+    plain = ExpertCache(n_layer, n_expert, n_slots, make_policy(name))
+    assert sweeps(plain, n_layer, n_expert, 3, sweep=False)[1:] == [0, 0]
+    cache = ExpertCache(n_layer, n_expert, n_slots, make_policy(name))
+    hits = sweeps(cache, n_layer, n_expert, 3, sweep=True)
+    assert all(h >= n_slots - n_expert for h in hits[1:]), hits
+
+
+def test_a_sweeps_victim_is_in_the_layer_swept_last():
+    """At layer i the victim comes from layer i - 1 (its next use is a whole sweep away), then
+    i - 2, ..., round from the last layer; the policy's coldest there; never held or protected."""
+    cache = ExpertCache(n_layer=3, n_expert=4, n_slots=5, policy=LRU())
+    for key in ((0, 0), (0, 1), (1, 0), (2, 0), (2, 1)):
+        assert cache.admit(*key) >= 0
+    cache.held = {(0, 0)}
+    assert cache.admit(1, 1, protect=[0, 1], sweep=True) == 1  # (0, 1): (0, 0) is held
+    assert cache.admit(0, 2, protect=[2], sweep=True) == 3  # layer 2's coldest, (2, 0)
+    cache.held = set()
+    assert cache.admit(2, 3, protect=[3], sweep=True) == 2  # layer 1: (1, 0) before (1, 1)
+    assert cache.admit(1, 2, protect=[0, 1, 2], sweep=True) == 0  # layer 0's coldest, (0, 0)
+    assert cache.residency.slot(0, 0) == -1 and cache.residency.slot(1, 0) == -1
+
+
+def test_coldest_is_the_policys_victim_among_a_few_keys():
+    rng = random.Random(2)
+    for policy in (LRU(), LFRU(half_life=8.0)):
+        for step in range(1, 200):
+            policy.touch(rng.choice(range(10)), step)
+        keys = [3, 5, 7]
+        assert policy.coldest(keys) == policy.victim(exclude=set(range(10)) - set(keys))

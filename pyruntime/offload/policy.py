@@ -3,9 +3,11 @@
 A key is one (layer, expert). A policy tracks exactly the keys resident in the cache: the cache
 calls `touch(key, step)` whenever a key is used (a hit, or an admission), `forget(key)` when it
 leaves, and `victim(exclude)` for the key to evict, never one in `exclude` (the experts the
-current layer is using). `step` is a counter the cache advances once per routed token-layer, so
-"recent" is measured in routing decisions, not wall time. Picking a victim costs O(log n) (LFRU)
-or O(1 + |exclude|) (LRU), so a cache of thousands of slots stays cheap per token.
+current layer is using); `coldest(keys)` is the one of a few resident keys it would evict first
+(the cache's choice within one layer during a prefill's sweep, pyruntime.offload.cache). `step`
+is a counter the cache advances once per routed token-layer, so "recent" is measured in routing
+decisions, not wall time. Picking a victim costs O(log n) (LFRU) or O(1 + |exclude|) (LRU), so
+a cache of thousands of slots stays cheap per token.
 
 - LRU: the least recently used key goes. MoE routing has strong temporal locality (consecutive
   tokens reuse experts), which LRU exploits, but one burst of rarely used experts flushes the
@@ -22,7 +24,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Container, Hashable
+from collections.abc import Container, Hashable, Sequence
 from typing import Protocol
 
 Key = Hashable
@@ -37,19 +39,27 @@ class ReplacementPolicy(Protocol):
 
     def victim(self, exclude: Container[Key] = ()) -> Key | None: ...
 
+    def coldest(self, keys: Sequence[Key]) -> Key: ...
+
 
 class LRU:
     name = "lru"
 
     def __init__(self) -> None:
-        self._order: OrderedDict[Key, None] = OrderedDict()  # least recent first
+        self._order: OrderedDict[Key, int] = OrderedDict()  # least recent first -> its serial
+        self._serial = 0
 
     def touch(self, key: Key, step: int) -> None:
-        self._order[key] = None
+        self._serial += 1
+        self._order[key] = self._serial
         self._order.move_to_end(key)
 
     def forget(self, key: Key) -> None:
         self._order.pop(key, None)
+
+    def coldest(self, keys: Sequence[Key]) -> Key:
+        """The least recently used of `keys` (resident ones)."""
+        return min(keys, key=self._order.__getitem__)
 
     def victim(self, exclude: Container[Key] = ()) -> Key | None:
         """The least recently used key not in `exclude` (None when there is none)."""
@@ -81,6 +91,12 @@ class LFRU:
         self._serial += 1
         self._entry[key] = self._serial
         heapq.heappush(self._heap, (math.log(count) + self._rate * step, step, self._serial, key))
+
+    def coldest(self, keys: Sequence[Key]) -> Key:
+        """The one of `keys` (resident ones) with the smallest decayed use count (ties: the
+        least recent): victim's order, over a few keys."""
+        return min(keys, key=lambda k: (math.log(self._count[k]) + self._rate * self._last[k],
+                                        self._last[k]))  # fmt: skip
 
     def forget(self, key: Key) -> None:
         """The key left the cache; its use count is kept, so an expert that comes back ranks by

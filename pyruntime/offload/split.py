@@ -6,9 +6,10 @@
    small device-to-host copy and one wait, the pass's only host synchronization per layer;
 2. ExpertCache.lookup: the routed experts in a slot (hits) and the others (misses);
    costs.split_misses divides the misses between the CPU and staging (or misses = cpu | stage);
-3. staged misses are admitted into slots (the policy frees them, never one of this layer's) and
-   copied on the copy stream (pyruntime.offload.slots, ordered by events); the GPU computes hits
-   and staged experts from the slot tensor through an expert map (kernels.dispatch), in rounds
+3. staged misses are admitted into slots (the policy frees them, never one of this layer's; a
+   prefill's in its sweep order, pyruntime.offload.cache) and copied on the copy stream
+   (pyruntime.offload.slots, ordered by events); the GPU computes hits and staged experts
+   from the slot tensor through an expert map (kernels.dispatch), in rounds
    when a prefill stages more experts than there are free slots;
 4. meanwhile the C core computes the CPU's share in place from host memory (CpuCore.moe_ffn with
    an expert map, dense or sparse with the same thresholds): on this thread once the GPU work is
@@ -148,8 +149,17 @@ class SplitExperts:
             missed, ahead = set(), None
         misses = [(e, n) for e, n in zip(used, counts, strict=True) if e in missed]
         cpu, stage, on_worker = self.place(misses, len(hits), graph=seg is not None)
-        rounds, left = self._admit_rounds(i, hits, stage)
+        # A pass whose routes can reach every expert of a layer (a prefill) sweeps the cache
+        # layer by layer: its admissions evict by that order (ExpertCache.admit).
+        sweep = seg is None and ids.numel() >= self.config.n_expert
+        rounds, left = self._admit_rounds(i, hits, stage, sweep)
         cpu += left
+        if self.costs is not None:  # what the cost model expects of this layer's two sides
+            n_of = dict(zip(used, counts, strict=True))
+            staged = [e for round_ in rounds for e, _ in round_[2]]
+            self.offload.cpu_model_seconds += self.costs.cpu_seconds([n_of[e] for e in cpu],
+                                                                     self._read())  # fmt: skip
+            self.offload.stage_model_seconds += self.costs.stage_seconds([n_of[e] for e in staged])
         job = self._start_cpu(i, cpu, h, ids, weights, out, on_worker, seg) if cpu else None
         try:
             y = self._gpu(i, r, rounds, seg)
@@ -183,11 +193,15 @@ class SplitExperts:
             return Split([e for e, _ in misses], [], always)
         if mode == "stage":
             return Split([], [e for e, _ in misses], self.worker is not None)
-        kept = self.cpu_active[0] / self.cpu_active[1] if self.cpu_active[1] else 1.0
         worker = "never" if self.worker is None else "always" if always else "auto"
-        split = split_misses(misses, self.costs, read_share(1.0 - kept), worker=worker,
+        split = split_misses(misses, self.costs, self._read(), worker=worker,
                              reuse=self.slots_keep, launch=not n_hits and not graph)  # fmt: skip
         return split._replace(on_worker=split.on_worker or always)
+
+    def _read(self) -> float:
+        """The share of an expert's bytes the CPU reads, at the sparsity it achieved so far."""
+        kept = self.cpu_active[0] / self.cpu_active[1] if self.cpu_active[1] else 1.0
+        return read_share(1.0 - kept)
 
     @property
     def slots_keep(self) -> bool:
@@ -197,12 +211,14 @@ class SplitExperts:
 
     # -- the GPU's share --------------------------------------------------------------------------
 
-    def _admit_rounds(self, i: int, hits: list[int], stage: list[int]) -> tuple[list, list[int]]:
+    def _admit_rounds(self, i: int, hits: list[int], stage: list[int],
+                      sweep: bool = False) -> tuple[list, list[int]]:  # fmt: skip
         """([(experts, their slots, those to copy in)] per round, the staged experts no slot
         could take): the slots are assigned now (bookkeeping only), the copies and kernels
         issued by _gpu. Staged experts go in rounds of at most half the slots this layer's hits
         leave when they do not fit at once, so a round's copies can run while the previous
-        round computes (a copy into a slot waits for the kernels that read it)."""
+        round computes (a copy into a slot waits for the kernels that read it). sweep: a
+        prefill's admissions (ExpertCache.admit)."""
         hit_slots = [self.cache.residency.slot(i, e) for e in hits]
         if not stage:
             return ([(hits, hit_slots, [])] if hits else []), []
@@ -211,7 +227,7 @@ class SplitExperts:
         rounds, left, previous = [], [], []
         for j in range(0, len(stage), size):
             chunk = stage[j : j + size]
-            placed = self._admit(i, chunk, protect=hits + previous + chunk)
+            placed = self._admit(i, chunk, protect=hits + previous + chunk, sweep=sweep)
             left += chunk[len(placed) :]
             first = not rounds
             experts = (hits if first else []) + [e for e, _ in placed]
@@ -274,14 +290,15 @@ class SplitExperts:
         self.stats.add_device(active, mapped, self.config.n_ff_exp)
 
     def _admit(self, i: int, experts: Sequence[int], protect: Sequence[int] = (),
-               hold: bool = False) -> list[tuple[int, int]]:  # fmt: skip
+               hold: bool = False, sweep: bool = False) -> list[tuple[int, int]]:  # fmt: skip
         """[(expert, slot)] of `experts` of layer i given a slot now (in order, up to the first
         that finds none: every slot protected or held); those already resident are skipped.
-        hold: keep each resident until the next pass ends (a prefetch)."""
+        hold: keep each resident until the next pass ends (a prefetch); sweep: a prefill's
+        admissions (ExpertCache.admit)."""
         placed = []
         for e in experts:
             if self.cache.residency.slot(i, e) < 0:
-                slot = self.cache.admit(i, e, protect=protect)
+                slot = self.cache.admit(i, e, protect=protect, sweep=sweep)
                 if slot < 0:
                     break
                 placed.append((e, slot))

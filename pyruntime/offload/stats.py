@@ -78,6 +78,10 @@ class OffloadStats:
     cpu_experts: int = 0  # (layer, expert) pairs of a pass computed on the CPU
     cpu_bytes: int = 0  # bytes the CPU read for them (sparse: estimated from the kept neurons)
     cpu_seconds: float = 0.0  # wall time of the CPU expert calls
+    # the cost model's seconds for the same work (pyruntime.offload.costs; 0 without costs):
+    # the CPU's shares, and the staged experts' copies and GPU time
+    cpu_model_seconds: float = 0.0
+    stage_model_seconds: float = 0.0
     route_wait_seconds: float = 0.0  # the host waiting for a layer's routing
     between_seconds: float = 0.0  # host time between consecutive decode steps (sampling)
     decode_steps: int = 0
@@ -107,4 +111,6 @@ class OffloadStats:
             "cpu_expert_seconds": self.cpu_seconds,
             "tokens": self.tokens,
             "seconds_per_token": parts,
-        }
+            "model_seconds_per_token": {"cpu_experts": self.cpu_model_seconds * per_token,
+                                        "staging": self.stage_model_seconds * per_token},
+        }  # fmt: skip
