@@ -30,6 +30,7 @@ from pyruntime.model.executor import RoutingTrace
 from pyruntime.model.weights import HostWeights
 from pyruntime.offload.costs import Costs
 from pyruntime.offload.executor import HybridExecutor
+from pyruntime.offload.split import STAGE_PASS_TOKENS
 
 LOGPROB_TOL = 1e-3
 # Where only the GPU computes, the hybrid runs the resident model's kernels: bit for bit under
@@ -299,6 +300,19 @@ def test_mxfp4_experts_are_repacked_into_slots(tmp_path_factory, core):
     direct.experts.n_direct = 8
     assert max_err(logprobs(direct, ids), want) <= MXFP4_ACTIVATIONS_TOL
     assert direct.offload.direct > 0
+
+
+def test_auto_stages_every_miss_of_a_pass_of_32_tokens_or_more(olmoe, core):
+    """Costs that send misses to the CPU (a CPU expert 10x cheaper than a staged one): a pass
+    of a few tokens splits as they say; one of STAGE_PASS_TOKENS stages every miss."""
+    _, cfg, host = olmoe
+    nbytes = next(b.experts for b in host.blocks if b.experts).expert_bytes
+    cheap_cpu = Costs(nbytes, nbytes / 1e5, 0.0, 1e-5, 0.0, 0.0, 0.0)
+    for n, staged_only in ((7, False), (STAGE_PASS_TOKENS, True)):
+        net = hybrid(olmoe, core, 3, "auto", costs=cheap_cpu)
+        net.forward(ids_of(cfg, n), net.new_cache(n))
+        assert (net.offload.cpu_experts == 0) == staged_only
+        assert net.offload.staged > 0 or not staged_only
 
 
 def test_a_prefill_stages_in_rounds_when_its_experts_outnumber_the_slots(olmoe, core, whole):

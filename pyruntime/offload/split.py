@@ -62,6 +62,12 @@ DIRECT_SHARE = 0.375
 # With measured costs, the in-place gather's rate as a share of the copy engine's (45-48 GB/s
 # against 50-53 alone, H100 host: kernels/expert_gather.py).
 DIRECT_EFFICIENCY = 0.85
+# A pass of this many tokens or more stages every miss (llama.cpp moves a host expert's weights
+# to the GPU for a batch of 32 tokens or more too): the cost model's CPU time, measured per pair
+# at a few tokens, is off for batches (gpt-oss-20b MXFP4, pp512 at 60% of the experts in slots,
+# H100 host: the C core took 6x what the model expected, auto 519 tok/s against all staged
+# 3,231; olmoe-1b-7b Q8_0: auto 758-2,931 against 5,434).
+STAGE_PASS_TOKENS = 32
 IN_SEGMENT = object()  # _gpu's answer when a decode step's graph computed the GPU's share
 Key = tuple[int, int]  # (layer, expert)
 
@@ -148,7 +154,8 @@ class SplitExperts:
         if self.resident_only:  # the misses are dropped: no copy, no CPU work
             missed, ahead = set(), None
         misses = [(e, n) for e, n in zip(used, counts, strict=True) if e in missed]
-        cpu, stage, on_worker = self.place(misses, len(hits), graph=seg is not None)
+        cpu, stage, on_worker = self.place(misses, len(hits), graph=seg is not None,
+                                           n_tokens=ids.shape[0])  # fmt: skip
         # A pass whose routes can reach every expert of a layer (a prefill) sweeps the cache
         # layer by layer: its admissions evict by that order (ExpertCache.admit).
         sweep = seg is None and ids.numel() >= self.config.n_expert
@@ -179,19 +186,21 @@ class SplitExperts:
         self._count_cpu(len(cpu), n_pairs, n_active)
         return y, y_cpu
 
-    def place(self, misses: list[tuple[int, int]], n_hits: int, graph: bool = False) -> Split:
+    def place(self, misses: list[tuple[int, int]], n_hits: int, graph: bool = False,
+              n_tokens: int = 1) -> Split:  # fmt: skip
         """(CPU experts, staged experts, whether the CPU's share goes to the worker) of one
         layer's misses [(expert, tokens)], when n_hits of the slots hold this layer's hits
-        (graph: a decode step's, whose GPU share is a graph replay, not an eager launch). With
-        every miss staged (misses='stage'), a CPU share (a prefill's experts no slot could take)
-        goes to the worker, beside the queueing of the rounds."""
+        (graph: a decode step's, whose GPU share is a graph replay, not an eager launch) in a
+        pass of n_tokens. With every miss staged (misses='stage', or 'auto' at STAGE_PASS_TOKENS
+        or more), a CPU share (a prefill's experts no slot could take) goes to the worker,
+        beside the queueing of the rounds."""
         always = self.worker is not None and self.worker_always
         mode = self.misses
         if mode == "direct":  # outside a direct decode step (a prefill): as auto, where it can
             mode = "auto" if self.costs is not None else "cpu"
         if not misses or self.slots.n_slots <= n_hits or mode == "cpu":
             return Split([e for e, _ in misses], [], always)
-        if mode == "stage":
+        if mode == "stage" or (mode == "auto" and n_tokens >= STAGE_PASS_TOKENS):
             return Split([], [e for e, _ in misses], self.worker is not None)
         worker = "never" if self.worker is None else "always" if always else "auto"
         split = split_misses(misses, self.costs, self._read(), worker=worker,
