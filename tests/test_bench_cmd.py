@@ -182,3 +182,16 @@ def test_device_choice_without_a_gpu_kernel(gguf_path, monkeypatch):
     assert "no GPU kernel" in choose_device("auto", f, cfg, 64).note
     with pytest.raises(UsageError, match="no GPU kernel"):
         choose_device("cuda", f, cfg, 64)
+
+
+def test_the_table_gives_the_c_cores_threads_for_the_hybrid_and_the_cpu_model():
+    """The threads column: the C core's pool wherever it computes experts (the CPU model's
+    expert backend, the hybrid's CPU share), not torch's one thread beside it."""
+    from types import SimpleNamespace
+
+    from pyruntime.cli.bench import _cpu_threads
+
+    core = SimpleNamespace(threads=7)
+    hybrid = SimpleNamespace(net=SimpleNamespace(core=core))
+    cpu = SimpleNamespace(net=SimpleNamespace(expert_backend=SimpleNamespace(core=core)))
+    assert _cpu_threads(hybrid) == _cpu_threads(cpu) == 7

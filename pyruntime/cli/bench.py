@@ -72,8 +72,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _cpu_threads(model) -> int:
     """CPU threads the model computes with: the C core's pool when it runs the experts (torch
-    is then held to one thread so the two do not contend), else torch's."""
+    is then held to one thread so the two do not contend; the hybrid's CPU share), else
+    torch's."""
     import torch
 
-    core = getattr(getattr(model.net, "expert_backend", None), "core", None)
+    net = model.net
+    core = getattr(getattr(net, "expert_backend", None), "core", None) or getattr(net, "core", None)
     return core.threads if core is not None else torch.get_num_threads()
