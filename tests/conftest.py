@@ -69,6 +69,15 @@ def cc() -> str:
     return cpu_core
 
 
+@pytest.fixture(scope="module")
+def core(cc):
+    """A C core of 2 threads (this machine's cores), one pool per test module."""
+    from pyruntime.cpu.core import CpuCore
+
+    with CpuCore(2) as c:
+        yield c
+
+
 @pytest.fixture(params=["scalar", "avx2", "avx512"])
 def simd(request, cc):
     """Run the test at one SIMD level (skipped when this CPU lacks it), then restore the best."""

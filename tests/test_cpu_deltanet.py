@@ -19,7 +19,7 @@ from hf_fixtures import make_tiny_hf_model
 from sanitized_c import run_sanitized_c_test
 
 from pyruntime.converter import convert
-from pyruntime.cpu.core import CoreError, CpuCore
+from pyruntime.cpu.core import CoreError
 from pyruntime.cpu.deltanet import CDeltaNet
 from pyruntime.cpu.executor import CpuExecutor
 from pyruntime.gguf.file import open_gguf
@@ -40,12 +40,6 @@ def model(request, hf_dir, tmp_path_factory):
     f = open_gguf(path)
     cfg = ModelConfig.from_gguf(f)
     return f, cfg, HostWeights.from_gguf(f, cfg)
-
-
-@pytest.fixture(scope="module")
-def core(cc):
-    with CpuCore(2) as c:
-        yield c
 
 
 def _linear(core):

@@ -70,12 +70,6 @@ def gptoss(tmp_path_factory):
     return tiny(tmp_path_factory, "gptoss", tie_word_embeddings=False)
 
 
-@pytest.fixture(scope="module")
-def core(cc):
-    with CpuCore(2) as c:
-        yield c
-
-
 def even_costs(host: HostWeights) -> Costs:
     """A staged expert and a CPU expert cost the same (1e-4 s): a layer's misses alternate
     between the two sides, the first to the CPU."""

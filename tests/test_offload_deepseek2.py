@@ -31,7 +31,6 @@ from test_offload import (
 )
 from test_offload_qwen35 import capture_segments
 
-from pyruntime.cpu.core import CpuCore
 from pyruntime.gpu.executor import GpuExecutor
 
 
@@ -44,12 +43,6 @@ def lite(tmp_path_factory):
 def full(tmp_path_factory):
     """A query LoRA and group-limited routing."""
     return tiny(tmp_path_factory, "deepseek2", num_experts_per_tok=2, **DEEPSEEK2_FULL)
-
-
-@pytest.fixture(scope="module")
-def core(cc):
-    with CpuCore(2) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

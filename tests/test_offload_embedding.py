@@ -25,7 +25,6 @@ from test_offload import (
     tiny,
 )
 
-from pyruntime.cpu.core import CpuCore
 from pyruntime.gguf.quant import FORMAT_NAMES, QuantMatrix
 from pyruntime.gpu import weights
 from pyruntime.gpu.executor import GpuExecutor
@@ -33,13 +32,6 @@ from pyruntime.gpu.layers import DecoderLayers
 from pyruntime.kernels.expert_formats import quantize_rows
 from pyruntime.offload import embedding
 from pyruntime.offload.embedding import HostEmbedding
-
-
-@pytest.fixture(scope="module")
-def core(cc):
-    with CpuCore(2) as c:
-        yield c
-
 
 FORMATS = ["f32", "f16", "bf16", "q8_0", "q4_0", "mxfp4", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"]
 

@@ -30,7 +30,6 @@ from test_offload import (
 )
 from test_offload_qwen35 import capture_segments
 
-from pyruntime.cpu.core import CpuCore
 from pyruntime.gpu.executor import GpuExecutor
 from pyruntime.model.llama4 import input_weighted_experts
 from pyruntime.model.reference import moe_ffn_torch
@@ -42,12 +41,6 @@ N_TOKENS = 12  # a prompt of N_PROMPT (7), then decode steps past the first chun
 @pytest.fixture(scope="module")
 def llama4(tmp_path_factory):
     return tiny(tmp_path_factory, "llama4")
-
-
-@pytest.fixture(scope="module")
-def core(cc):
-    with CpuCore(2) as c:
-        yield c
 
 
 def logprobs(net, ids: list[int], k: int | None = None) -> torch.Tensor:

@@ -33,7 +33,6 @@ from test_offload import (
 )
 
 from pyruntime.converter import convert
-from pyruntime.cpu.core import CpuCore
 from pyruntime.decoding.session import Session
 from pyruntime.errors import UsageError
 from pyruntime.gguf.file import open_gguf
@@ -52,12 +51,6 @@ def qwen35(tmp_path_factory):
     f = open_gguf(convert(hf_dir, tmp / "m.gguf", "f32", progress=False))
     cfg = ModelConfig.from_gguf(f)
     return f, cfg, HostWeights.from_gguf(f, cfg)
-
-
-@pytest.fixture(scope="module")
-def core(cc):
-    with CpuCore(2) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -10,19 +10,12 @@ from gpu_device import DEVICE
 from launch_count import LaunchCounter
 from test_offload import LOGPROB_TOL, N_DECODE, N_PROMPT, hybrid, ids_of, logprobs, max_err, tiny
 
-from pyruntime.cpu.core import CpuCore
 from pyruntime.gpu.executor import GpuExecutor
 from pyruntime.offload import executor as offload_executor
 from pyruntime.offload.costs import Costs, measure_costs
 from pyruntime.offload.segments import DecodeSegments
 
 THRESHOLD = 0.05  # neuron sparsity on both sides (tests/test_offload.py's)
-
-
-@pytest.fixture(scope="module")
-def core(cc):
-    with CpuCore(2) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
