@@ -78,7 +78,7 @@ def _threshold(abs_act: torch.Tensor) -> float:
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_biased_clamped_swiglu_matches_reference(cc, simd, fmt, sparse):
-    for n_tokens, threads in [(1, 1), (3, 2), (8, 3)]:
+    for n_tokens, threads in [(1, 1), (3, 2), (8, 3), (33, 2)]:  # 33: pyrt_moe_batch
         raw, w, x, ids, topk_w, bgu, bd = make_case(fmt, n_tokens, seed=n_tokens)
         xk = kernel_x(fmt, x)
         args = (w, xk, ids, topk_w, bgu.double(), bd.double())
