@@ -72,3 +72,16 @@ def test_in_ram_copy_matches_the_mapping(files):
         for name, view in mapped.tensors.items():
             got = copy.tensors[name].data
             assert got.dtype == view.data.dtype and np.array_equal(got, view.data), name
+
+
+def test_model_from_the_copy_gives_the_mapped_logits(files):
+    """pyruntime.Model(weights_copy=True) runs from the copy: the CPU logits of a prompt are
+    the mapped file's, bit for bit (the same bytes, the same kernels)."""
+    from pyruntime.api import Model
+
+    path = files[2]  # q4_0
+    ids = [1, 5, 9, 2, 7, 3]
+    mapped = Model(path, device="cpu", threads=1).logits(ids)
+    copy = Model(path, device="cpu", threads=1, weights_copy=True)
+    assert not isinstance(copy.file._map, np.memmap)
+    assert np.array_equal(copy.logits(ids), mapped)
