@@ -36,6 +36,10 @@ apart (pyruntime.experts.gates: the sparse gate pass streams a copy instead of e
 of the file); the switch is measured for each layout; the copy's load time and extra RSS are
 printed.
 
+--weights-copy: the file read into RAM on 2 MiB pages (option `weights_copy`,
+pyruntime.gguf.file.read_in_huge_pages), not mapped: does the weight stream overlap the kernels
+better on huge pages? (Its load time is printed; compare with a run without it.)
+
     python bench/cpu_decode.py granite-1b-a400m --outtype q8_0 --threads 2
     python bench/cpu_decode.py olmoe-1b-7b --gguf /tmp/olmoe-q8_0.gguf --threads 16 --tokens 64
     python bench/cpu_decode.py granite-1b-a400m --param fuse_layer=0 --param vnni=0
@@ -264,6 +268,9 @@ def main() -> None:
         help="--sparsity: sparse steps with the file's layout (off), the gate rows apart (on), "
         "or both, interleaved",
     )
+    ap.add_argument(
+        "--weights-copy", action="store_true", help="the file in RAM on 2 MiB pages, not mapped"
+    )
     args = ap.parse_args()
     params = {}
     for item in args.param:
@@ -282,7 +289,11 @@ def main() -> None:
         make_random_gguf(shape, path, args.outtype, progress=False)
         size = path.stat().st_size / 1e9
         print(f"wrote {path} ({size:.2f} GB) in {time.perf_counter() - t:.0f} s")
-    f = open_gguf(path)
+    t = time.perf_counter()
+    f = open_gguf(path, in_ram=args.weights_copy)
+    if args.weights_copy:
+        dt = time.perf_counter() - t
+        print(f"weights copy: {f.file_size / 2**20:.0f} MiB read in {dt:.2f} s")
     model = CpuExecutor.from_gguf(f, threads=args.threads, expert_backend="torch")
     model.expert_backend = CpuCoreBackend(args.threads, params)
     model.use_core(model.expert_backend.core)

@@ -69,6 +69,8 @@ class Model:
     sparsity_table: that table's file (None: MODEL.sparsity.json beside the model).
     gate_copy: 'auto', 'on' or 'off': the CPU's sparse decode steps read a copy of the routed
     experts' gate rows, each expert's contiguous (auto: with sparsity, where it fits in RAM).
+    weights_copy: read the model file into RAM on 2 MiB pages instead of mapping it (RSS the
+    file's size; the CPU decode's weight stream then overlaps its kernels).
     expert_backend: 'auto' (the C core when built), 'c', or 'torch' (the reference); CPU only.
     device: 'auto' (the GPU when there is one and the model + KV cache fit in its free memory,
     else the CPU), 'cpu', 'cuda' or 'cuda:N' (an error when there is no GPU or it does not fit).
@@ -104,6 +106,7 @@ class Model:
         sparsity: float = DEFAULTS.sparsity,
         sparsity_table: str | Path | None = None,
         gate_copy: str = DEFAULTS.gate_copy,
+        weights_copy: bool = DEFAULTS.weights_copy,
         expert_backend: str = DEFAULTS.expert_backend,
         device: str = DEFAULTS.device,
         kernel_tuning: str | None = None,
@@ -130,7 +133,7 @@ class Model:
                             ("ubatch", ubatch), ("gpu_mem", gpu_bytes)):  # fmt: skip
             options.check(name, value)
         # a llama.cpp file runs from its repacked copy (made once, in the cache folder)
-        self.file: GGUFFile = open_model_file(path)
+        self.file: GGUFFile = open_model_file(path, in_ram=weights_copy)
         self.path = Path(path)
         table = SparsityTable.load(self.path, sparsity_table) if sparsity > 0 else None
         thresholds = None if table is None else table.for_sparsity(sparsity)

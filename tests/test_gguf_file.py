@@ -57,3 +57,31 @@ def test_truncated_and_foreign(files, tmp_path):
         open_gguf(foreign)
     with pytest.raises(ModelFileError, match="no such file"):
         open_gguf(tmp_path / "missing.gguf")
+
+
+def test_in_ram_copy_matches_the_mapping(files):
+    """in_ram (option weights_copy): the same header and tensor bytes as the mapped file, in
+    read-only anonymous memory from a 2 MiB boundary, not a view of the file."""
+    for path in files:
+        mapped, copy = open_gguf(path), open_gguf(path, in_ram=True)
+        assert copy.metadata.keys() == mapped.metadata.keys()
+        assert copy.header_sha256() == mapped.header_sha256()
+        assert not isinstance(copy._map, np.memmap) and not copy._map.flags.writeable
+        assert copy._map.ctypes.data % (2 << 20) == 0
+        assert list(copy.tensors) == list(mapped.tensors)
+        for name, view in mapped.tensors.items():
+            got = copy.tensors[name].data
+            assert got.dtype == view.data.dtype and np.array_equal(got, view.data), name
+
+
+def test_model_from_the_copy_gives_the_mapped_logits(files):
+    """pyruntime.Model(weights_copy=True) runs from the copy: the CPU logits of a prompt are
+    the mapped file's, bit for bit (the same bytes, the same kernels)."""
+    from pyruntime.api import Model
+
+    path = files[2]  # q4_0
+    ids = [1, 5, 9, 2, 7, 3]
+    mapped = Model(path, device="cpu", threads=1).logits(ids)
+    copy = Model(path, device="cpu", threads=1, weights_copy=True)
+    assert not isinstance(copy.file._map, np.memmap)
+    assert np.array_equal(copy.logits(ids), mapped)

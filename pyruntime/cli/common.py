@@ -16,8 +16,8 @@ from pyruntime.output_files import check_writable
 
 # The pyruntime.Model keywords the CLI passes from its options (pyruntime.options).
 RUNTIME = ("threads", "ubatch", "device", "sparsity", "sparsity_table", "gate_copy",
-           "kernel_tuning", "gpu_mem", "staging", "pin_experts", "cache_policy", "misses",
-           "lookahead")  # fmt: skip
+           "weights_copy", "kernel_tuning", "gpu_mem", "staging", "pin_experts", "cache_policy",
+           "misses", "lookahead")  # fmt: skip
 DECODING = (
     "experts_per_token", "little_experts", "big_little", "fallback_threshold", "fallback", "draft"
 )  # fmt: skip

@@ -45,17 +45,18 @@ def is_copy_of(copy: Path, source: GGUFFile) -> bool:
     return recorded == SourceIdentity.of(source)
 
 
-def open_model_file(path: str | Path, progress: bool = True) -> GGUFFile:
+def open_model_file(path: str | Path, progress: bool = True, in_ram: bool = False) -> GGUFFile:
     """The GGUF to run for `path`: the file itself in our layout, else (llama.cpp's layout) its
     repacked copy, made now when there is no current one. One ModelFileError line for a file
-    that is neither, or that llama.cpp's layout rules refuse."""
+    that is neither, or that llama.cpp's layout rules refuse. in_ram: the one returned is read
+    into RAM on huge pages (open_gguf)."""
     f = open_gguf(path)
-    if detect_layout(f) != "llama.cpp":
-        return f  # ours, or neither: ModelConfig says which key or tensor is missing
+    if detect_layout(f) != "llama.cpp":  # ours, or neither: ModelConfig says which key or
+        return open_gguf(path, in_ram) if in_ram else f  # tensor is missing
     check_types(f)  # a K-quant file is refused before any work
     dest = cached_copy_path(f.path)
     if is_copy_of(dest, f):
-        return open_gguf(dest)
+        return open_gguf(dest, in_ram)
     plan(f)  # every layout check, before the note and the disk space are spent
     if progress:
         print(
@@ -64,4 +65,4 @@ def open_model_file(path: str | Path, progress: bool = True) -> GGUFFile:
             file=sys.stderr,
         )
     repack(f, dest, progress=progress)
-    return open_gguf(dest)
+    return open_gguf(dest, in_ram)

@@ -50,45 +50,56 @@ AVX512VNNI static INLINE __m256 high256_ps(__m512 v) {
 
 /* c as two int8 parts against S (inv = 1 / S): c ~ S (k + k' / 254), k = round(c / S) in
  * -127..127, k' = round(254 (c - S k) / S) in -127..127 (|c - S k| <= S / 2); each part's 16
- * lanes as bytes. */
-AVX512VNNI static INLINE void two_parts(__m512 c, __m512 scale, __m512 inv, __m128i out[2]) {
+ * lanes as int32. */
+AVX512VNNI static INLINE void two_parts(__m512 c, __m512 scale, __m512 inv, __m512i out[2]) {
     const __m512i k = _mm512_cvtps_epi32(_mm512_mul_ps(c, inv));
     const __m512 rest = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(k), scale, c);
     const __m512 inv254 = _mm512_mul_ps(inv, _mm512_set1_ps(254.0f));
-    out[0] = _mm512_cvtepi32_epi8(k);
-    out[1] = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(rest, inv254)));
+    out[0] = k;
+    out[1] = _mm512_cvtps_epi32(_mm512_mul_ps(rest, inv254));
+}
+
+/* In-lane byte shuffle: a 4 x 4 transpose of each 128-bit lane's bytes (rows 0..3's runs of 4 ->
+ * dword t holding byte t of each run, row r in byte r). */
+AVX512VNNI static INLINE __m512i transpose_4x4_bytes(__m512i v) {
+    return _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13,
+                                                                       2, 6, 10, 14, 3, 7, 11, 15)));
 }
 
 /* Q4_K: rows 4g .. 4g + 3's c, two rows per register (lanes 0..7 row 2h, 8..15 row 2h + 1, one
- * per sub-block) -> k[part][j], sub-block j's 4 int8 (rows 4g .. 4g + 3) of that part. */
+ * per sub-block) -> k[part][j], sub-block j's 4 int8 (rows 4g .. 4g + 3) of that part. Packed to
+ * bytes by saturating packs (|k| <= 127: exact): dword D of the result holds 4 sub-blocks of one
+ * row and part (D 0..3: part 0 row 0, part 0 row 2, part 1 row 0, part 1 row 2 for j 0..3; 4..7
+ * the same for j 4..7; 8..15 rows 1 and 3); one dword permute gathers each (part, 4 sub-blocks)'s
+ * 4 rows into a 128-bit lane, the transpose puts them in one dword per sub-block. */
 AVX512VNNI static INLINE void multipliers_8(const __m512 c[2], __m512 scale, __m512 inv,
                                             int32_t k[2][8]) {
-    __m128i b01[2], b23[2];
+    __m512i b01[2], b23[2];
     two_parts(c[0], scale, inv, b01);
     two_parts(c[1], scale, inv, b23);
-    for (int part = 0; part < 2; part++) {
-        const __m128i p01 = _mm_unpacklo_epi8(b01[part], _mm_srli_si128(b01[part], 8));
-        const __m128i p23 = _mm_unpacklo_epi8(b23[part], _mm_srli_si128(b23[part], 8));
-        _mm_storeu_si128((__m128i *)k[part], _mm_unpacklo_epi16(p01, p23));
-        _mm_storeu_si128((__m128i *)(k[part] + 4), _mm_unpackhi_epi16(p01, p23));
-    }
+    const __m512i bytes = _mm512_packs_epi16(_mm512_packs_epi32(b01[0], b23[0]),
+                                             _mm512_packs_epi32(b01[1], b23[1]));
+    const __m512i by_lane =
+        _mm512_setr_epi32(0, 8, 1, 9, 4, 12, 5, 13, 2, 10, 3, 11, 6, 14, 7, 15);
+    _mm512_storeu_si512((void *)k,
+                        transpose_4x4_bytes(_mm512_permutexvar_epi32(by_lane, bytes)));
 }
 
-/* Q6_K: rows 4g .. 4g + 3's c, one row per register (a lane per sub-block of 16) -> k[part][j]. */
+/* Q6_K: rows 4g .. 4g + 3's c, one row per register (a lane per sub-block of 16) -> k[part][j].
+ * The 4 rows' parts packed to bytes by two saturating packs (|k| <= 127: exact), which leave
+ * 128-bit lane L as rows 0..3's j = 4L .. 4L + 3 in runs of 4 bytes; one in-lane byte shuffle
+ * (a 4 x 4 transpose) puts row r of sub-block j in byte r of dword j: 3 shuffle-port operations
+ * a part, not 4 two-uop truncations and 4 unpacks. */
 AVX512VNNI static INLINE void multipliers_16(const __m512 c[4], __m512 scale, __m512 inv,
                                              int32_t k[2][16]) {
-    __m128i b[4][2];
+    __m512i b[4][2];
     for (int r = 0; r < 4; r++)
         two_parts(c[r], scale, inv, b[r]);
     for (int part = 0; part < 2; part++) {
-        const __m128i p01l = _mm_unpacklo_epi8(b[0][part], b[1][part]);
-        const __m128i p01h = _mm_unpackhi_epi8(b[0][part], b[1][part]);
-        const __m128i p23l = _mm_unpacklo_epi8(b[2][part], b[3][part]);
-        const __m128i p23h = _mm_unpackhi_epi8(b[2][part], b[3][part]);
-        _mm_storeu_si128((__m128i *)k[part], _mm_unpacklo_epi16(p01l, p23l));
-        _mm_storeu_si128((__m128i *)(k[part] + 4), _mm_unpackhi_epi16(p01l, p23l));
-        _mm_storeu_si128((__m128i *)(k[part] + 8), _mm_unpacklo_epi16(p01h, p23h));
-        _mm_storeu_si128((__m128i *)(k[part] + 12), _mm_unpackhi_epi16(p01h, p23h));
+        const __m512i p01 = _mm512_packs_epi32(b[0][part], b[1][part]);
+        const __m512i p23 = _mm512_packs_epi32(b[2][part], b[3][part]);
+        const __m512i bytes = _mm512_packs_epi16(p01, p23);
+        _mm512_storeu_si512((void *)k[part], transpose_4x4_bytes(bytes));
     }
 }
 
