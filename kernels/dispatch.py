@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .expert_formats import GENERIC_ONLY, REPACKED, check_expert_tensor, repack_rows, row_bytes
+from .expert_formats import REPACKED, check_expert_tensor, generic_only, repack_rows, row_bytes
 from .expert_paths import SPARSE_PATHS, SparseSwitch, expert_path
 from .moe_dense import moe_dense
 from .moe_sparse import moe_sparse
@@ -61,7 +61,7 @@ def moe_experts(
     bias: the experts' biases by global id (kernels.moe_args); with them, or a GENERIC_ONLY
     activation, the generic kernels run (kernels.expert_paths.GENERIC_PATHS).
     """
-    generic = bias is not None or activation in GENERIC_ONLY
+    generic = generic_only(bias, activation)
     path = expert_path(fmt, x.shape[1], x.shape[0], None if threshold is None else switch,
                        generic)  # fmt: skip
     if path in SPARSE_PATHS:

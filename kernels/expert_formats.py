@@ -266,6 +266,12 @@ GENERIC_ONLY = ("swiglu_oai",)
 SWIGLU_OAI = (1.702, 7.0)  # (alpha, limit): gpt-oss's, built into the kernels
 
 
+def generic_only(bias, activation: str) -> bool:
+    """Whether experts with these biases (None: none) and this activation run on the generic
+    kernels only (kernels.moe_args: biases by global id; GENERIC_ONLY)."""
+    return bias is not None or activation in GENERIC_ONLY
+
+
 def activation_issue(activation: str, swiglu: tuple[float, float]) -> str | None:
     """Why a model's expert activation has no GPU kernel (None: it has one); swiglu: the
     model's (alpha, limit), which the kernels build in (SWIGLU_OAI)."""

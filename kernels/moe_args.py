@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .expert_formats import ACT_CODES, FMT_CODES, GENERIC_ONLY, check_expert_tensor, row_bytes
+from .expert_formats import ACT_CODES, FMT_CODES, check_expert_tensor, generic_only, row_bytes
 
 
 def check_moe_args(x, w, fmt, topk_ids, topk_w, activation, expert_map=None, bias=None,
@@ -49,7 +49,7 @@ def check_moe_args(x, w, fmt, topk_ids, topk_w, activation, expert_map=None, bia
     for name, tensor in (("x", x), ("topk_ids", topk_ids), ("topk_w", topk_w)):
         if tensor.device != w.device:
             raise ValueError(f"{name} is on {tensor.device}, the expert tensor on {w.device}")
-    if not generic and (bias is not None or activation in GENERIC_ONLY):
+    if not generic and generic_only(bias, activation):
         raise ValueError(
             f"expert biases and activation {activation!r} run on the generic kernels only "
             "(moe_dense 'gemv' / 'gemm', moe_sparse 'fused')"

@@ -32,10 +32,10 @@ import triton.language as tl
 from .expert_formats import (
     ACT_CODES,
     FMT_CODES,
-    GENERIC_ONLY,
     act_ref,
     dequantize_rows,
     format_family,
+    generic_only,
     quantize_x_q8_ref,
     up_ref,
 )
@@ -452,7 +452,7 @@ def moe_dense(x, w, fmt, topk_ids, topk_w, activation="silu", path="auto", *, ex
     """
     if path == "auto":
         path = table_path(fmt, x.shape[1], x.shape[0], sparse=False,
-                          generic=bias is not None or activation in GENERIC_ONLY)  # fmt: skip
+                          generic=generic_only(bias, activation))  # fmt: skip
     if path not in DENSE_LAUNCHERS:
         raise ValueError(f"path must be 'auto' or one of {sorted(DENSE_LAUNCHERS)}, got {path!r}")
     if bias is None:

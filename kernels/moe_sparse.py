@@ -33,9 +33,9 @@ import triton.language as tl
 from .expert_formats import (
     ACT_CODES,
     FMT_CODES,
-    GENERIC_ONLY,
     act_ref,
     format_family,
+    generic_only,
     quantize_x_q8_ref,
     up_ref,
 )
@@ -303,7 +303,7 @@ def moe_sparse(x, w, fmt, topk_ids, topk_w, threshold, activation="silu", path="
     T, K = topk_ids.shape
     if path == "auto":
         path = table_path(fmt, x.shape[1], T, sparse=True,
-                          generic=bias is not None or activation in GENERIC_ONLY)  # fmt: skip
+                          generic=generic_only(bias, activation))  # fmt: skip
     if path not in SPARSE_LAUNCHERS:
         raise ValueError(f"path must be 'auto' or one of {sorted(SPARSE_LAUNCHERS)}, got {path!r}")
     if bias is not None and path != "fused":

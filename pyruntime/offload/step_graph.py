@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from kernels import host_flags
-from kernels.expert_formats import GENERIC_ONLY
+from kernels.expert_formats import generic_only
 from kernels.expert_gather import gather_experts, gather_neuron_rows
 from kernels.moe_sparse import moe_gate, moe_sparse_up_down
 from kernels.sparse_mask import sparse_mask
@@ -246,7 +246,7 @@ class StepGraph(DecodeSegments):
         layers = self.layers
         if layers.expert_threshold is None:
             return None
-        if layers.blocks[i].expert_bias is not None or layers.config.activation in GENERIC_ONLY:
+        if generic_only(layers.blocks[i].expert_bias, layers.config.activation):
             return None
         return layers.expert_threshold[i]
 
