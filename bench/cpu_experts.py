@@ -12,6 +12,11 @@ expert is counted twice, so sparse batch-8 bytes/s is an upper bound). The DRAM 
     python bench/cpu_experts.py            # both shapes, Q8_0, all cores
     python bench/cpu_experts.py --shapes olmoe-1b-7b --formats Q8_0 Q4_0 --threads 1
 
+--huge-pages puts the layer copies and the read test's buffer on 2 MiB pages (THP by madvise), as
+a decode with `--weights-copy` reads its weights (else numpy's allocation: 4 KiB pages here). The
+shape granite-in-cache (granite's rows, a layer small enough for L2, with --footprint-gib 0)
+gives the same calls with no DRAM stream: the kernels' and the driver's in-cache time per neuron.
+
 --sweep times settings against each other in one process, on the first shape and format, every
 combination in turn for --rounds rounds (so drift hits all alike), median of the rounds' medians;
 each round starts with 3 reads of the read test, and a last table pairs each cell with its
@@ -47,12 +52,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pyruntime
 from pyruntime.cpu import core as cpu_core  # noqa: E402
+from pyruntime.gguf.file import huge_page_array  # noqa: E402
 
 # (n_embd, n_ff per expert, n_expert, top-k), from the models' config.json
 SHAPES = {
     "olmoe-1b-7b": (2048, 1024, 64, 8),
     "qwen3-30b-a3b": (2048, 768, 128, 8),
     "granite-1b-a400m": (1024, 512, 32, 8),
+    # granite's rows, 8 experts of 64 neurons: a layer of 0.9 MB (Q4_K) to 1.7 MB (Q8_0), in a
+    # 2 MiB L2 after the first call: the kernels' and the driver's time per neuron, no DRAM stream
+    "granite-in-cache": (1024, 64, 8, 8),
     "qwen1.5-moe-a2.7b": (2048, 1408, 60, 4),
 }
 FMTS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30}
@@ -98,9 +107,10 @@ class ReadTest:
     """pyrt_mem_read over one buffer of `gib` GiB, made (and faulted in) once, so the test can run
     between the kernel's cells as often as needed."""
 
-    def __init__(self, core: cpu_core.CpuCore, gib: float):
+    def __init__(self, core: cpu_core.CpuCore, gib: float, huge: bool = False):
         self.core = core
-        self.buf = np.empty(int(gib * 2**30), dtype=np.uint8)
+        n = int(gib * 2**30)
+        self.buf = huge_page_array(n) if huge else np.empty(n, dtype=np.uint8)
         self.buf.fill(0x5A)  # every page written (DRAM does not care what the bytes are)
         core.mem_read(self.buf)
 
@@ -114,14 +124,22 @@ class ReadTest:
         return out
 
 
-def layer_copies(fmt: str, shape, footprint_gib: float) -> list[np.ndarray]:
+def layer_copies(fmt: str, shape, footprint_gib: float, huge: bool = False) -> list[np.ndarray]:
     """One random layer and byte copies of it, footprint_gib GiB in all. Copies, not fresh random
     layers: the kernel reads them from different addresses all the same (DRAM does not care what
-    the bytes are), and copying is ~20x faster than generating random bytes."""
+    the bytes are), and copying is ~20x faster than generating random bytes. huge: every copy on
+    2 MiB pages (as a decode's `--weights-copy`), else as numpy allocates (4 KiB pages here)."""
     n_embd, n_ff, n_expert, _ = shape
     first = random_layer(fmt, n_expert, n_ff, n_embd)
     n_copies = max(1, int(np.ceil(footprint_gib * 2**30 / first.nbytes)))
-    return [first] + [first.copy() for _ in range(n_copies - 1)]
+    if not huge:
+        return [first] + [first.copy() for _ in range(n_copies - 1)]
+    out = []
+    for _ in range(n_copies):
+        buf = huge_page_array(first.nbytes).view(first.dtype).reshape(first.shape)
+        buf[...] = first
+        out.append(buf)
+    return out
 
 
 class Pools:
@@ -396,10 +414,16 @@ def main() -> None:
         help="copies of the layer cycled through, at least this much memory in all, "
         "so that the experts come from DRAM even with a large L3",
     )
+    p.add_argument(
+        "--huge-pages",
+        action="store_true",
+        help="the layer copies and the read test's buffer on 2 MiB pages (THP by madvise), "
+        "as a decode with --weights-copy reads its weights",
+    )
     args = p.parse_args()
 
     core = cpu_core.CpuCore(args.threads)
-    read = ReadTest(core, args.read_gib)
+    read = ReadTest(core, args.read_gib, args.huge_pages)
     rates = read.rates(max(args.iters, 5))
     bw, bw_best = statistics.median(rates), max(rates)
     print(
@@ -416,7 +440,7 @@ def main() -> None:
         knobs = dict(kv.split("=", 1) for kv in args.sweep)
         shape, fmt = SHAPES[args.shapes[0]], args.formats[0]
         print(f"sweep: {args.shapes[0]} {fmt}, {args.rounds} rounds of {args.iters} calls per cell")
-        layers = layer_copies(fmt, shape, args.footprint_gib)
+        layers = layer_copies(fmt, shape, args.footprint_gib, args.huge_pages)
         knob_values = {k: v.split(",") for k, v in knobs.items()}
         sweep(
             core,
@@ -449,7 +473,7 @@ def main() -> None:
         shape = SHAPES[name]
         n_embd, n_ff, n_expert, _ = shape
         for fmt in args.formats:
-            layers = layer_copies(fmt, shape, args.footprint_gib)
+            layers = layer_copies(fmt, shape, args.footprint_gib, args.huge_pages)
             first = layers[0]
             thresholds = act_quantiles(first, fmt, n_ff, n_embd, args.sparsity)
             for batch in args.batches:

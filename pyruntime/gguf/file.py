@@ -143,14 +143,9 @@ class GGUFFile:
         self.close()
 
 
-def read_in_huge_pages(path: Path, size: int) -> np.ndarray:
-    """uint8 [size], read-only: the file's bytes in a private anonymous mapping from a 2 MiB
-    boundary, with transparent huge pages asked for (THP on `madvise`). Why: a decode step
-    streams the weights while its kernels compute, and on 4 KiB pages (a file mapping's) the
-    two hardly overlap: the step is about the read time plus the kernels' in-cache time; on
-    2 MiB pages a Q4_K dot streams at 0.9-0.95x the plain read rate, 1.1-1.3x its rate on 4 KiB
-    pages (granite-1b-a400m decode, 1 thread, 2-core box: 1.09-1.17x, docs/benchmarks.md).
-    Costs RSS: the whole file, on top of the page cache's copy."""
+def huge_page_array(size: int) -> np.ndarray:
+    """uint8 [size], writable, zeroed: a private anonymous mapping from a 2 MiB boundary with
+    transparent huge pages asked for (THP on `madvise`; refused: 4 KiB pages)."""
     huge = 2 << 20
     buf = mmap.mmap(-1, size + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     base = np.frombuffer(buf, dtype=np.uint8)
@@ -161,7 +156,17 @@ def read_in_huge_pages(path: Path, size: int) -> np.ndarray:
             buf.madvise(advice, skip, size)
         except OSError:
             pass  # refused: 4 KiB pages, as a mapping of the file
-    out = base[skip : skip + size]
+    return base[skip : skip + size]
+
+
+def read_in_huge_pages(path: Path, size: int) -> np.ndarray:
+    """uint8 [size], read-only: the file's bytes in huge_page_array memory. Why: a decode step
+    streams the weights while its kernels compute, and on 4 KiB pages (a file mapping's) the
+    two hardly overlap: the step is about the read time plus the kernels' in-cache time; on
+    2 MiB pages a Q4_K dot streams at 0.9-0.95x the plain read rate, 1.1-1.3x its rate on 4 KiB
+    pages (granite-1b-a400m decode, 1 thread, 2-core box: 1.09-1.17x, docs/benchmarks.md).
+    Costs RSS: the whole file, on top of the page cache's copy."""
+    out = huge_page_array(size)
     with open(path, "rb") as fh:
         done = 0
         while done < size:
