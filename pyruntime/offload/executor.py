@@ -54,7 +54,7 @@ from pyruntime.offload.home import default_pinning, open_home
 from pyruntime.offload.host_register import Pinning
 from pyruntime.offload.plan import gib
 from pyruntime.offload.policy import make_policy
-from pyruntime.offload.segments import DecodeSegments
+from pyruntime.offload.segments import DecodeSegments, HybridStep
 from pyruntime.offload.slots import ExpertSlots
 from pyruntime.offload.split import CpuWorker, SplitExperts
 from pyruntime.offload.stats import OffloadStats, PartTimer
@@ -359,7 +359,7 @@ class HybridExecutor:
         timer.stop("dense", mark)
         return self._end_step(seg, cache)
 
-    def _end_step(self, seg: DecodeSegments, cache: KVCache) -> torch.Tensor:
+    def _end_step(self, seg: HybridStep, cache: KVCache) -> torch.Tensor:
         """A decode step's end, after its last segment is queued: the stats' device counts,
         the wait for the logits, the step's part times; the cache one token longer."""
         self.stats.flush()
@@ -368,7 +368,7 @@ class HybridExecutor:
         cache.n_tokens += 1
         return seg.logits.clone()
 
-    def _embed_step(self, seg: DecodeSegments, token: int) -> None:
+    def _embed_step(self, seg: HybridStep, token: int) -> None:
         """The step's embedded token into seg's x0, where the embedding is in host memory. The
         previous step's copy of it has run: its logits came back."""
         if seg.x0_host is not None:

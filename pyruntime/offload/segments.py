@@ -48,6 +48,8 @@ from pyruntime.offload.host_register import page_locked
 ALIGN = 64  # bytes between the starts of two host buffers
 
 _NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
+# host buffers by name: (shape, dtype)
+HostShapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 class StepBuffers:
@@ -56,8 +58,7 @@ class StepBuffers:
     segments' graphs); plain memory on a CPU device. A refused allocation leaves `capturable`
     False: the buffers are then torch's pinned memory, and the segments run eagerly."""
 
-    def __init__(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                 cuda: bool) -> None:  # fmt: skip
+    def __init__(self, shapes: HostShapes, cuda: bool) -> None:
         offsets, total = {}, 0
         for name, (shape, dtype) in shapes.items():
             offsets[name] = total
@@ -81,19 +82,24 @@ def allocate_block(nbytes: int) -> np.ndarray | None:
     return page_locked(nbytes)
 
 
-class DecodeSegments:
-    """The segments of a decode step at k experts per token (module doc) on one KV cache.
-    predict(i, r): MoE layer i's lookahead (the next MoE layer's likely experts [k] int64 on
-    the device) or None (no lookahead, or no next layer)."""
+class HybridStep:
+    """What the two forms of a hybrid decode step on one KV cache share: DecodeSegments (a
+    graph per stretch between two MoE layers, the host placing each layer's experts) and
+    pyruntime.offload.step_graph.StepGraph (one graph, the placement a rule on the device).
+    That is the host buffers (StepBuffers) the routing goes out to and the C core's share and
+    the logits come back in, the C calls bound to them, the graphs' memory pool, and the dense
+    stretch between two MoE layers' experts (_segment). A subclass says where the routing goes
+    (_publish) and what the previous MoE layer's routed output is (_routed_output); `host`
+    adds its own host buffers (name -> (shape, dtype)) to the same block, in self.host_buffers."""
 
-    def __init__(self, layers: DecoderLayers, moe: list[int], cache: KVCache,
-                 span: Span, k: int, predict: Callable[[int, Routed], torch.Tensor | None],
-                 device: torch.device, host_embedding: bool = False) -> None:  # fmt: skip
+    def __init__(self, layers: DecoderLayers, moe: list[int], cache: KVCache, span: Span, k: int,
+                 device: torch.device, host_embedding: bool = False,
+                 host: HostShapes | None = None) -> None:  # fmt: skip
         """host_embedding: the step's embedded token comes from x0, which the host writes
         before segment 0 runs (pyruntime.offload.embedding), not from a lookup on the GPU."""
         cfg = layers.config
         self.layers, self.moe, self.cache, self.span, self.k = layers, moe, cache, span, k
-        self.predict, self.device = predict, device
+        self.device = device
         self.cuda = device.type == "cuda"
         shapes = {"x0": ((1, cfg.n_embd), torch.float32)} if host_embedding else {}
         buffers = StepBuffers(
@@ -103,22 +109,79 @@ class DecodeSegments:
                 "weights": ((1, k), torch.float32),
                 "h": ((1, cfg.n_embd), torch.float32),
                 "router_logits": ((1, cfg.n_expert), torch.float32),
-                "predicted": ((k,), torch.int64),
                 "y_cpu": ((1, cfg.n_embd), torch.float32),
                 "logits": ((1, cfg.n_vocab), torch.float32),
-                "emap": ((cfg.n_expert,), torch.int32),
+                **(host or {}),
             },
             self.cuda,
         )  # fmt: skip
-        self._buffers = buffers
+        self.host_buffers = buffers.tensors
         # MoE layer -> its C call bound to these buffers (SplitExperts._decode_call)
         self.cpu_calls: dict[int, tuple] = {}
         t = buffers.tensors
         self.ids, self.weights, self.h = t["ids"], t["weights"], t["h"]
-        self.router_logits, self.predicted = t["router_logits"], t["predicted"]
-        self.y_cpu, self.logits, self.emap = t["y_cpu"], t["logits"], t["emap"]
+        self.router_logits, self.y_cpu, self.logits = t["router_logits"], t["y_cpu"], t["logits"]
         self.x0: torch.Tensor | None = t.get("x0")  # [1, n_embd] f32: the step's embedded token
         self.x0_host = None if self.x0 is None else self.x0.numpy()
+        self.capture = self.cuda and buffers.capturable
+        self.routed: list[Routed | None] = [None] * len(moe)
+        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+
+    def _segment(self, m: int) -> Routed | None:
+        """The step's dense stretch m (module doc: segment m); MoE layer m's Routed (None for
+        the last stretch, which leaves the logits in self.logits)."""
+        layers, moe = self.layers, self.moe
+        if m == 0:
+            if self.x0 is None:
+                x = layers.embed(self.span.ids)
+            else:  # a new tensor: the first norm adds to it in place
+                x = torch.empty(self.x0.shape, device=self.device).copy_(self.x0, non_blocking=True)
+            delta, first = None, 0
+        else:
+            prev, r = moe[m - 1], self.routed[m - 1]
+            delta = layers.ffn_output(prev, r, self._routed_output())
+            x, first = r.x.clone(), prev + 1
+        last = moe[m] if m < len(moe) else layers.config.n_layer
+        for i in range(first, last):  # dense-FFN layers
+            x, delta = layers.mixer(i, x, delta, self.cache, self.span)
+            x, h, _ = layers.ffn_norm(i, x, delta)
+            delta = layers.dense_ffn(i, h)
+        if m == len(moe):
+            self.logits.copy_(layers.output(x, delta).float(), non_blocking=True)
+            return None
+        i = moe[m]
+        x, delta = layers.mixer(i, x, delta, self.cache, self.span)
+        r = layers.route(i, x, delta, self.k)
+        self._publish(i, r)
+        return r
+
+    def _routed_output(self) -> torch.Tensor:
+        """The previous MoE layer's routed output on the device [1, n_embd] f32."""
+        raise NotImplementedError
+
+    def _publish(self, i: int, r: Routed) -> None:
+        """MoE layer i's routing into the host buffers (copies the host waits for)."""
+        self.ids.copy_(r.ids.to(torch.int32), non_blocking=True)
+        self.weights.copy_(r.weights, non_blocking=True)
+        self.h.copy_(r.h32.float(), non_blocking=True)
+        self.router_logits.copy_(r.logits, non_blocking=True)
+
+
+class DecodeSegments(HybridStep):
+    """The segments of a decode step at k experts per token (module doc) on one KV cache.
+    predict(i, r): MoE layer i's lookahead (the next MoE layer's likely experts [k] int64 on
+    the device) or None (no lookahead, or no next layer)."""
+
+    def __init__(self, layers: DecoderLayers, moe: list[int], cache: KVCache,
+                 span: Span, k: int, predict: Callable[[int, Routed], torch.Tensor | None],
+                 device: torch.device, host_embedding: bool = False) -> None:  # fmt: skip
+        cfg = layers.config
+        # beside the routing: the lookahead's experts [k] and the host's expert map for the
+        # GPU's share (expert -> slot, -1 elsewhere)
+        host = {"predicted": ((k,), torch.int64), "emap": ((cfg.n_expert,), torch.int32)}
+        super().__init__(layers, moe, cache, span, k, device, host_embedding, host)
+        self.predict = predict
+        self.predicted, self.emap = self.host_buffers["predicted"], self.host_buffers["emap"]
         self.y_gpu = torch.zeros(1, cfg.n_embd, device=device)
         # the GPU's experts of a layer (gpu_experts): the expert map on the device, and per
         # MoE layer its graph and where it leaves the stats' counts
@@ -129,10 +192,7 @@ class DecodeSegments:
         self._gathered = [torch.zeros((1, k), dtype=torch.int32, device=device) for _ in moe]
         self._has_active = [False] * len(moe)
         self.gpu_written = self.cpu_written = False  # y_gpu / y_cpu hold a layer's output
-        self.capture = self.cuda and buffers.capturable
-        self.routed: list[Routed | None] = [None] * len(moe)
         self._graphs: list = [None] * (len(moe) + 1)
-        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     @property
     def n_segments(self) -> int:
@@ -213,42 +273,13 @@ class DecodeSegments:
             self.y_cpu.zero_()
             self.cpu_written = False
 
-    def _segment(self, m: int) -> Routed | None:
-        layers, moe = self.layers, self.moe
-        if m == 0:
-            if self.x0 is None:
-                x = layers.embed(self.span.ids)
-            else:  # a new tensor: the first norm adds to it in place
-                x = torch.empty(self.x0.shape, device=self.device).copy_(self.x0, non_blocking=True)
-            delta, first = None, 0
-        else:
-            prev, r = moe[m - 1], self.routed[m - 1]
-            delta = layers.ffn_output(prev, r, self._routed_output())
-            x, first = r.x.clone(), prev + 1
-        last = moe[m] if m < len(moe) else layers.config.n_layer
-        for i in range(first, last):  # dense-FFN layers
-            x, delta = layers.mixer(i, x, delta, self.cache, self.span)
-            x, h, _ = layers.ffn_norm(i, x, delta)
-            delta = layers.dense_ffn(i, h)
-        if m == len(moe):
-            self.logits.copy_(layers.output(x, delta).float(), non_blocking=True)
-            return None
-        i = moe[m]
-        x, delta = layers.mixer(i, x, delta, self.cache, self.span)
-        r = layers.route(i, x, delta, self.k)
-        self._publish(i, r)
-        return r
-
     def _routed_output(self) -> torch.Tensor:
         """The previous MoE layer's routed output on the device: its two shares added."""
         return self.y_gpu + self.y_cpu.to(self.device, non_blocking=True)
 
     def _publish(self, i: int, r: Routed) -> None:
-        """MoE layer i's routing into the host buffers (copies the host waits for)."""
-        self.ids.copy_(r.ids.to(torch.int32), non_blocking=True)
-        self.weights.copy_(r.weights, non_blocking=True)
-        self.h.copy_(r.h32.float(), non_blocking=True)
-        self.router_logits.copy_(r.logits, non_blocking=True)
+        """MoE layer i's routing into the host buffers, and its lookahead where it has one."""
+        super()._publish(i, r)
         predicted = self.predict(i, r)
         if predicted is not None:
             self.predicted.copy_(predicted, non_blocking=True)

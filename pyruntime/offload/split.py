@@ -47,7 +47,7 @@ from pyruntime.model.weights import HostWeights
 from pyruntime.offload.cache import ExpertCache
 from pyruntime.offload.costs import Costs, Split, read_share, split_misses
 from pyruntime.offload.home import ExpertHome
-from pyruntime.offload.segments import DecodeSegments
+from pyruntime.offload.segments import DecodeSegments, HybridStep
 from pyruntime.offload.slots import ExpertSlots
 from pyruntime.offload.stats import OffloadStats, PartTimer
 from pyruntime.offload.step_graph import CPU, DIRECT
@@ -475,7 +475,7 @@ class SplitExperts:
                 return out, n_active
         return call(x, ids, weights, out)
 
-    def _decode_call(self, layer: int, experts: Sequence[int], seg: DecodeSegments) -> int:
+    def _decode_call(self, layer: int, experts: Sequence[int], seg: HybridStep) -> int:
         """cpu_experts for one decode token into seg.y_cpu, through the layer's C call bound to
         seg's buffers (CpuCore.bind_moe: its checks and marshalling once per layer, not once per
         token); returns the neurons kept."""

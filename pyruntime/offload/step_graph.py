@@ -45,43 +45,44 @@ from pyruntime.gpu import cache_state
 from pyruntime.gpu.layers import DecoderLayers, Routed, Span
 from pyruntime.model.kv_cache import KVCache
 from pyruntime.offload.host_register import mapped_tensor
-from pyruntime.offload.segments import DecodeSegments, StepBuffers
+from pyruntime.offload.segments import HybridStep
 
 HOST_WAIT_S = 30.0  # the host gives up on a flag after this long (a GPU fault)
 SLOT, DIRECT, CPU = 0, 1, 2  # a pair's code
 
 
-class StepGraph(DecodeSegments):
+class StepGraph(HybridStep):
     """The decode step of `segments.DecodeSegments` at k experts per token, captured whole
-    (module doc). direct[m]: MoE layer m's experts read in place (ExpertHome.device_view),
+    (module doc): the host buffers and the dense stretches are segments.HybridStep's; none of
+    the segments' own (y_gpu, a graph per segment, the GPU share's expert map and graphs).
+    direct[m]: MoE layer m's experts read in place (ExpertHome.device_view),
     fmt: their GGUF format; slots: the slot tensor, in the layers' slot format (None: no
     slots); cpu_share(m, count): the host's share of MoE layer m (reads ids, codes, h,
     weights, writes y_cpu; count: in the stats, False for the capture's warm-up run);
-    host_embedding: as DecodeSegments'."""
+    host_embedding: as HybridStep's."""
 
     def __init__(self, layers: DecoderLayers, moe: list[int], cache: KVCache, span: Span, k: int,
                  device: torch.device, direct: list[torch.Tensor], fmt: str,
                  slots: torch.Tensor | None, n_expert: int,
                  cpu_share: Callable[[int, bool], None],
                  host_embedding: bool = False) -> None:  # fmt: skip
-        super().__init__(layers, moe, cache, span, k, lambda i, r: None, device, host_embedding)
+        n_moe = len(moe)
+        # beside the routing: each pair's code [1, k], the flags [2, n_moe] (0: the graph's
+        # "routing published", 1: the host's "y_cpu written", each the step's number), the
+        # slots' table [n_moe, n_expert] (expert -> slot, -1) and the misses read in place per
+        # MoE layer [n_moe], the last two written by the caller before each step
+        host = {
+            "codes": ((1, k), torch.int32),
+            "flags": ((2, n_moe), torch.int32),
+            "table": ((n_moe, n_expert), torch.int32),
+            "n_direct": ((n_moe,), torch.int32),
+        }  # fmt: skip
+        super().__init__(layers, moe, cache, span, k, device, host_embedding, host)
         self.direct, self.fmt, self.slots = direct, fmt, slots
         self.cpu_share = cpu_share
-        n_moe = len(moe)
-        extra = StepBuffers(
-            {
-                "codes": ((1, k), torch.int32),
-                "flags": ((2, n_moe), torch.int32),
-                "table": ((n_moe, n_expert), torch.int32),
-                "n_direct": ((n_moe,), torch.int32),
-            },
-            self.cuda,
-        )  # fmt: skip
-        self._extra = extra
-        t = extra.tensors
+        t = self.host_buffers
         self.codes, self.flags, self.table = t["codes"], t["flags"], t["table"]
         self.n_direct = t["n_direct"]
-        self.capture = self.capture and extra.capturable
         # the host buffers the graph writes (routing) and reads (y_cpu) in place
         mapped = [mapped_tensor(a.numpy(), device) if self.capture else None for a in
                   (self.flags, self.ids[0], self.weights[0], self.codes[0], self.h[0],
@@ -202,7 +203,7 @@ class StepGraph(DecodeSegments):
                        self._seq, m)  # fmt: skip
         host_flags.place(ids, self._table_dev[m], self._n_direct_dev[m : m + 1], out, publish)
         if not capturing:
-            DecodeSegments._publish(self, self.moe[m], r)
+            HybridStep._publish(self, self.moe[m], r)
             self.codes.copy_(self._codes_dev[None], non_blocking=True)
             if self.cuda:
                 torch.cuda.current_stream(self.device).synchronize()

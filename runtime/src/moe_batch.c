@@ -33,46 +33,77 @@ enum {
 };
 
 void pyrt_moe_batch_free(pyrt_moe_batch_buf *b) {
-    free(b->counts);
-    free(b->used);
-    free(b->start);
-    free(b->fill);
-    free(b->down_start);
-    free(b->route_tok);
-    free(b->route_w);
-    free(b->route_of);
-    free(b->h);
-    free(b->yr);
+    free(b->mem);
     memset(b, 0, sizeof *b);
 }
 
-/* Room for `routes` routes over n_slots slots, n_ff neurons, n_embd columns. */
+static size_t align64(size_t n) {
+    return (n + 63) & ~(size_t)63;
+}
+
+/* The buffers' byte offsets in their block, in pyrt_moe_batch_buf's order; end: the block's
+ * size. */
+typedef struct {
+    size_t counts, used, start, fill, down_start, route_tok, route_w, route_of, h, yr, end;
+} batch_layout;
+
+static batch_layout layout(int routes, int n_slots, int n_ff, int n_embd) {
+    const size_t slots = (size_t)n_slots + 1, r = (size_t)routes;
+    batch_layout l;
+    l.counts = 0;
+    l.used = l.counts + align64(slots * sizeof(int));
+    l.start = l.used + align64(slots * sizeof(int));
+    l.fill = l.start + align64((slots + 1) * sizeof(int));
+    l.down_start = l.fill + align64(slots * sizeof(int));
+    l.route_tok = l.down_start + align64((slots + 1) * sizeof(int));
+    l.route_w = l.route_tok + align64(r * sizeof(int));
+    l.route_of = l.route_w + align64(r * sizeof(float));
+    l.h = l.route_of + align64(r * sizeof(int));
+    l.yr = l.h + align64(r * n_ff * sizeof(float));
+    l.end = l.yr + align64(r * n_embd * sizeof(float));
+    return l;
+}
+
+size_t pyrt_moe_batch_bytes(int routes, int n_slots, int n_ff, int n_embd) {
+    return layout(routes, n_slots, n_ff, n_embd).end;
+}
+
+void pyrt_moe_batch_place(pyrt_moe_batch_buf *b, void *mem, int routes, int n_slots, int n_ff,
+                          int n_embd) {
+    const batch_layout l = layout(routes, n_slots, n_ff, n_embd);
+    uint8_t *m = mem;
+    *b = (pyrt_moe_batch_buf){
+        .routes_cap = routes,
+        .slots_cap = n_slots,
+        .ff_cap = n_ff,
+        .embd_cap = n_embd,
+        .counts = (int *)(m + l.counts),
+        .used = (int *)(m + l.used),
+        .start = (int *)(m + l.start),
+        .fill = (int *)(m + l.fill),
+        .down_start = (int *)(m + l.down_start),
+        .route_tok = (int *)(m + l.route_tok),
+        .route_w = (float *)(m + l.route_w),
+        .route_of = (int *)(m + l.route_of),
+        .h = (float *)(m + l.h),
+        .yr = (float *)(m + l.yr),
+    };
+}
+
+/* Room for `routes` routes over n_slots slots, n_ff neurons, n_embd columns: a block of the
+ * buffers' own where the one they have is too small. */
 static int ensure(pyrt_moe_batch_buf *b, int routes, int n_slots, int n_ff, int n_embd) {
     if (routes <= b->routes_cap && n_slots <= b->slots_cap && n_ff <= b->ff_cap &&
         n_embd <= b->embd_cap)
         return PYRT_OK;
     pyrt_moe_batch_free(b);
-    const size_t slots = (size_t)n_slots + 1;
-    b->counts = malloc(slots * sizeof(int));
-    b->used = malloc(slots * sizeof(int));
-    b->start = malloc((slots + 1) * sizeof(int));
-    b->fill = malloc(slots * sizeof(int));
-    b->down_start = malloc((slots + 1) * sizeof(int));
-    b->route_tok = malloc((size_t)routes * sizeof(int));
-    b->route_w = malloc((size_t)routes * sizeof(float));
-    b->route_of = malloc((size_t)routes * sizeof(int));
-    b->h = malloc((size_t)routes * n_ff * sizeof(float));
-    b->yr = malloc((size_t)routes * n_embd * sizeof(float));
-    if (!b->counts || !b->used || !b->start || !b->fill || !b->down_start || !b->route_tok ||
-        !b->route_w || !b->route_of || !b->h || !b->yr) {
-        pyrt_moe_batch_free(b);
-        return pyrt_fail(PYRT_E_NOMEM, "pyrt_decoder_prefill: cannot allocate the routed "
-                         "experts' buffers for %d routes", routes);
-    }
-    b->routes_cap = routes;
-    b->slots_cap = n_slots;
-    b->ff_cap = n_ff;
-    b->embd_cap = n_embd;
+    const size_t bytes = pyrt_moe_batch_bytes(routes, n_slots, n_ff, n_embd);
+    void *mem = aligned_alloc(64, bytes);
+    if (mem == NULL)
+        return pyrt_fail(PYRT_E_NOMEM, "pyrt_moe_batch: cannot allocate %zu bytes for the "
+                         "routed experts' buffers (%d routes)", bytes, routes);
+    pyrt_moe_batch_place(b, mem, routes, n_slots, n_ff, n_embd);
+    b->mem = mem;
     return PYRT_OK;
 }
 

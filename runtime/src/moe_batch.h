@@ -12,9 +12,12 @@
 
 /* The plan and the intermediate results of one call, grown on demand and kept between calls
  * (pyrt_moe_batch_free). Sizes: [routes] for the route lists, [routes, n_ff] for h and
- * [routes, n_embd] for each route's down output: they grow with a chunk, not a prompt. */
+ * [routes, n_embd] for each route's down output: they grow with a chunk, not a prompt. All in one
+ * block: their own (mem, grown by pyrt_moe_batch) or the caller's (pyrt_moe_batch_place). */
 typedef struct {
     int routes_cap, slots_cap, ff_cap, embd_cap;
+    void *mem;            /* the block when the buffers own it (freed by pyrt_moe_batch_free), or
+                           * NULL: placed in the caller's memory, or none yet */
     int *counts;          /* [n_slots] routes per slot, then the slot's index in used[] */
     int *used;            /* [n_used] slots with routes, ascending */
     int *start;           /* [n_used + 1] routes of used[u]: start[u] .. start[u+1] (sorted) */
@@ -28,6 +31,16 @@ typedef struct {
 } pyrt_moe_batch_buf;
 
 void pyrt_moe_batch_free(pyrt_moe_batch_buf *b);
+
+/* Bytes of the block that holds the buffers for `routes` routes over n_slots slots, n_ff
+ * neurons and n_embd columns (64-byte aligned pieces; h and yr make nearly all of it:
+ * routes x (n_ff + n_embd) floats). */
+size_t pyrt_moe_batch_bytes(int routes, int n_slots, int n_ff, int n_embd);
+/* The buffers for those sizes laid out in mem (64-byte aligned, pyrt_moe_batch_bytes long, the
+ * caller's: pyrt_moe_batch_free does not free it, and a call that needs more room than it has
+ * takes a block of its own instead). */
+void pyrt_moe_batch_place(pyrt_moe_batch_buf *b, void *mem, int routes, int n_slots, int n_ff,
+                          int n_embd);
 
 /* y[t] = sum_j w[t, j] * expert_{ids[t, j]}(x_t) over the pairs held here (experts->expert_map),
  * for t < n_tokens, with expert_e(x) = sum_n act(g_n . x) * (u_n . x) * d_n and neurons whose

@@ -14,12 +14,14 @@
  *
  * Where the used experts have BATCH_MIN_ROUTES routes each on average, a call runs the
  * prefill's kernel instead (pyrt_moe_batch: each expert's rows in tiles against all its tokens,
- * not one token's dots at a time): the hybrid's CPU share of a prefill comes here. Measured
+ * not one token's dots at a time), its buffers on the pool's second workspace, kept between calls
+ * (run_batch): the hybrid's CPU share of a prefill comes here. Measured
  * (olmoe-1b-7b Q8_0 / Q4_K, 2 threads, bench/cpu_experts.py, pyrt_moe_batch's time over the
  * token blocks'): 2 routes an expert 1.68x, 8 1.26x, 16 0.75-0.88x, 32 0.60x, 64 0.76x.
  *
- * This file: the API (argument checks, the call's context on the pool's workspace), the pool
- * tasks and the reduce; moe_plan.c plans a token block, moe_neurons.c computes the items. */
+ * This file: the API (argument checks, the route), the token blocks' context on the pool's
+ * workspace, the pool tasks and the reduce; moe_plan.c plans a token block, moe_neurons.c computes
+ * the items. */
 #include <math.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -324,24 +326,79 @@ static int batch_pays(const pyrt_experts *e, int n_tokens, const int32_t *ids, i
     return n_used > 0 && routes >= (int64_t)BATCH_MIN_ROUTES * n_used;
 }
 
-/* pyrt_moe_ffn's many-token case: the prefill's kernel over the activations c made ready (their
- * Q8 blocks, or x itself), with its buffers for this call alone. */
-static int run_batch(const moe_ctx *c, pyrt_pool *pool, const pyrt_experts *experts,
-                     int n_tokens, const int32_t *topk_ids, const float *topk_w, int k,
-                     int activation, float threshold, float *y, int64_t *n_active) {
-    const void **xv = malloc((size_t)n_tokens * sizeof *xv);
-    if (xv == NULL)
-        return pyrt_fail(PYRT_E_NOMEM, "pyrt_moe_ffn: cannot allocate %d tokens' pointers",
-                         n_tokens);
+/* The activations as the dot kernels read them (c->xv, c->xv_stride): their Q8 blocks, made in
+ * c->xq, where the format quantizes them, else x itself. */
+static void ready_activations(moe_ctx *c, pyrt_pool *pool) {
+    if (c->xq == NULL) {
+        c->xv = (const uint8_t *)c->x;
+        c->xv_stride = (size_t)c->n_embd * sizeof(float);
+        return;
+    }
+    /* A few tokens take microseconds: cheaper on this thread than a hand-off to the pool. */
+    atomic_store_explicit(c->next_item, 0, memory_order_relaxed);
+    if ((int64_t)c->n_tokens * c->n_embd <= SERIAL_QUANTIZE_MAX)
+        task_quantize(c, 0, 1);
+    else
+        pyrt_pool_run(pool, task_quantize, c);
+    c->xv = (const uint8_t *)c->xq;
+    c->xv_stride = pyrt_xq_units((size_t)c->n_embd) * sizeof(pyrt_xq8);
+}
+
+/* pyrt_moe_ffn's many-token case: the prefill's kernel, on the pool's second workspace, kept
+ * between calls as the C prefill keeps its buffers between layers (the token blocks' workspace
+ * is not touched). Layout, each piece 64-byte aligned: xv [n_tokens] pointers to each token's
+ * activations; xq [n_tokens, n_embd / 32] Q8 blocks where the format quantizes x; then
+ * pyrt_moe_batch's buffers for n_tokens * k routes (h and yr: routes x (n_ff + n_embd) floats,
+ * ~20-50 MB for a 512-token share of olmoe or granite). The caller holds the pool. */
+static int run_batch(pyrt_pool *pool, const pyrt_experts *e, const float *x, int n_tokens,
+                     const int32_t *topk_ids, const float *topk_w, int k, int activation,
+                     float threshold, float *y, int64_t *n_active) {
+    const int n_embd = e->n_embd, routes = n_tokens * k;
+    const size_t xq_bytes =
+        pyrt_fmt_is_blocked(e->fmt)
+            ? (size_t)n_tokens * pyrt_xq_units((size_t)n_embd) * sizeof(pyrt_xq8) : 0;
+    const size_t off_xq = align64((size_t)n_tokens * sizeof(const void *));
+    const size_t off_buf = off_xq + align64(xq_bytes);
+    const size_t total = off_buf + pyrt_moe_batch_bytes(routes, e->n_slots, e->n_ff, n_embd);
+    uint8_t *ws = pyrt_pool_batch_workspace(pool, total);
+    if (ws == NULL)
+        return pyrt_fail(PYRT_E_NOMEM,
+                         "pyrt_moe_ffn: cannot allocate %zu bytes of workspace for %d tokens' "
+                         "routes", total, n_tokens);
+    atomic_int next_item;
+    moe_ctx c = {.x = x, .n_tokens = n_tokens, .n_embd = n_embd,
+                 .xq = xq_bytes > 0 ? (pyrt_xq8 *)(ws + off_xq) : NULL,
+                 .xq_kind = pyrt_fmt_xq(e->fmt), .next_item = &next_item};
+    ready_activations(&c, pool);
+    const void **xv = (const void **)ws;
     for (int t = 0; t < n_tokens; t++)
-        xv[t] = c->xv + (size_t)t * c->xv_stride;
-    pyrt_moe_batch_buf buf = {0};
+        xv[t] = c.xv + (size_t)t * c.xv_stride;
+    pyrt_moe_batch_buf buf;
+    pyrt_moe_batch_place(&buf, ws + off_buf, routes, e->n_slots, e->n_ff, n_embd);
     int64_t n_pairs = 0;
-    const int rc = pyrt_moe_batch(pool, &buf, experts, n_tokens, xv, topk_ids, topk_w, k,
-                                  activation, threshold, y, n_active, &n_pairs);
-    pyrt_moe_batch_free(&buf);
-    free(xv);
+    const int rc = pyrt_moe_batch(pool, &buf, e, n_tokens, xv, topk_ids, topk_w, k, activation,
+                                  threshold, y, n_active, &n_pairs);
+    pyrt_moe_batch_free(&buf); /* frees nothing: placed buffers are the workspace's */
     return rc;
+}
+
+/* pyrt_moe_ffn's token blocks (TOKEN_BLOCK tokens per pool hand-off) on the pool's workspace.
+ * The caller holds the pool. */
+static int run_blocks(pyrt_pool *pool, const pyrt_experts *e, const float *x, int n_tokens,
+                      const int32_t *topk_ids, const float *topk_w, int k, int activation,
+                      float threshold, float *y, int64_t *n_active) {
+    moe_ctx c;
+    const int rc =
+        moe_setup(&c, pool, e, x, n_tokens, topk_ids, topk_w, k, activation, threshold, y);
+    if (rc != PYRT_OK)
+        return rc;
+    ready_activations(&c, pool);
+    for (c.t0 = 0; c.t0 < n_tokens; c.t0 += TOKEN_BLOCK) {
+        pyrt_moe_plan_token_block(&c);
+        pyrt_pool_run(pool, task_block, &c);
+    }
+    *n_active = active_sum(&c);
+    return PYRT_OK;
 }
 
 int pyrt_moe_ffn(pyrt_pool *pool, const pyrt_experts *experts, const float *x, int n_tokens,
@@ -355,45 +412,15 @@ int pyrt_moe_ffn(pyrt_pool *pool, const pyrt_experts *experts, const float *x, i
         *n_active = 0;
     if (n_tokens == 0)
         return PYRT_OK;
-
+    const int batch = batch_pays(experts, n_tokens, topk_ids, k);
+    int64_t sum = 0;
     pyrt_pool_acquire(pool);
-    moe_ctx c;
-    rc = moe_setup(&c, pool, experts, x, n_tokens, topk_ids, topk_w, k, activation, threshold, y);
-    if (rc != PYRT_OK) {
-        pyrt_pool_release(pool);
-        return rc;
-    }
-    if (c.xq != NULL) {
-        /* A few tokens take microseconds: cheaper on this thread than a hand-off to the pool. */
-        atomic_store_explicit(c.next_item, 0, memory_order_relaxed);
-        if ((int64_t)n_tokens * c.n_embd <= SERIAL_QUANTIZE_MAX)
-            task_quantize(&c, 0, 1);
-        else
-            pyrt_pool_run(pool, task_quantize, &c);
-        c.xv = (const uint8_t *)c.xq;
-        c.xv_stride = pyrt_xq_units((size_t)c.n_embd) * sizeof(pyrt_xq8);
-    } else {
-        c.xv = (const uint8_t *)x;
-        c.xv_stride = (size_t)c.n_embd * sizeof(float);
-    }
-    if (batch_pays(experts, n_tokens, topk_ids, k)) {
-        int64_t sum = 0;
-        rc = run_batch(&c, pool, experts, n_tokens, topk_ids, topk_w, k, activation, threshold, y,
-                       &sum);
-        pyrt_pool_release(pool);
-        if (rc == PYRT_OK && n_active != NULL)
-            *n_active = sum;
-        return rc;
-    }
-    for (c.t0 = 0; c.t0 < n_tokens; c.t0 += TOKEN_BLOCK) {
-        pyrt_moe_plan_token_block(&c);
-        pyrt_pool_run(pool, task_block, &c);
-    }
-    const int64_t sum = active_sum(&c);
+    rc = (batch ? run_batch : run_blocks)(pool, experts, x, n_tokens, topk_ids, topk_w, k,
+                                          activation, threshold, y, &sum);
     pyrt_pool_release(pool);
-    if (n_active != NULL)
+    if (rc == PYRT_OK && n_active != NULL)
         *n_active = sum;
-    return PYRT_OK;
+    return rc;
 }
 
 /* ---- router, routing and experts in one pool task (the decode step) --------------------------

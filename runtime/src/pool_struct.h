@@ -73,8 +73,10 @@ struct pyrt_pool {
     int64_t solo_until, backoff_ns, calm_since;
     pyrt_task_fn fn;   /* current task, written before the run word is published */
     void *ctx;
-    void *workspace;   /* scratch owned by the pool */
+    void *workspace;   /* scratch owned by the pool (pyrt_pool_workspace) */
     size_t workspace_bytes;
+    void *batch_workspace; /* the second scratch (pyrt_pool_batch_workspace) */
+    size_t batch_workspace_bytes;
     /* prefetch while idle (pool_prefetch.c): plans[cur_slot] is the plan in force: a run writes
      * the next slot (mod PLAN_SLOTS) before it is published, and a task may switch once more
      * mid-run (pyrt_pool_plan_switch), so a thread that has not yet seen the run start still

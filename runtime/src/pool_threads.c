@@ -314,6 +314,7 @@ void pyrt_pool_free(pyrt_pool *pool) {
     pthread_mutex_destroy(&pool->lock);
     pthread_mutex_destroy(&pool->call_lock);
     free(pool->workspace);
+    free(pool->batch_workspace);
     free(pool->progress);
     free(pool->threads);
     free(pool->args);
@@ -340,17 +341,27 @@ void pyrt_pool_release(pyrt_pool *pool) {
     pthread_mutex_unlock(&pool->call_lock);
 }
 
-void *pyrt_pool_workspace(pyrt_pool *pool, size_t bytes) {
-    if (bytes <= pool->workspace_bytes)
-        return pool->workspace;
-    free(pool->workspace);
-    pool->workspace = NULL;
-    pool->workspace_bytes = 0;
+/* *mem with room for `bytes` (64-byte aligned): kept when it has it, else replaced (the old
+ * contents dropped); NULL when out of memory (then *mem is freed and *have 0). */
+static void *grow(void **mem, size_t *have, size_t bytes) {
+    if (bytes <= *have)
+        return *mem;
+    free(*mem);
+    *mem = NULL;
+    *have = 0;
     size_t rounded = (bytes + 63) / 64 * 64;
     void *p = aligned_alloc(64, rounded);
     if (p == NULL)
         return NULL;
-    pool->workspace = p;
-    pool->workspace_bytes = rounded;
+    *mem = p;
+    *have = rounded;
     return p;
+}
+
+void *pyrt_pool_workspace(pyrt_pool *pool, size_t bytes) {
+    return grow(&pool->workspace, &pool->workspace_bytes, bytes);
+}
+
+void *pyrt_pool_batch_workspace(pyrt_pool *pool, size_t bytes) {
+    return grow(&pool->batch_workspace, &pool->batch_workspace_bytes, bytes);
 }

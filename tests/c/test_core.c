@@ -805,6 +805,39 @@ static void check_gates_apart(pyrt_pool *pool, const pyrt_experts *experts, cons
     free(gates);
 }
 
+/* E experts of FF neurons over D columns in fmt, random: their rows (*gud, E * FF * 3 rows of
+ * pyrt_row_bytes(fmt, D)) and the rows' values (*wv [E * FF * 3, D]); the caller frees both. */
+static pyrt_experts random_experts(int fmt, int E, int FF, int D, uint8_t **gud, double **wv) {
+    const size_t rb = pyrt_row_bytes(fmt, D);
+    *gud = malloc((size_t)E * FF * 3 * rb);
+    *wv = malloc(sizeof(double) * E * FF * 3 * D);
+    for (int r = 0; r < E * FF * 3; r++)
+        make_row(fmt, D, *gud + r * rb, *wv + (size_t)r * D, 0);
+    return all_experts(*gud, fmt, E, FF, D);
+}
+
+/* Two distinct experts of E per token (K = 2) for T tokens, weighted w0 and 1 - w0. */
+static void two_routes(int T, int E, float w0, int32_t *ids, float *tw) {
+    for (int t = 0; t < T; t++) {
+        ids[t * 2] = (int32_t)(rng_u32() % E);
+        ids[t * 2 + 1] = (ids[t * 2] + 1 + (int32_t)(rng_u32() % (E - 1))) % E;
+        tw[t * 2] = w0, tw[t * 2 + 1] = 1.0f - w0;
+    }
+}
+
+/* xv [T, D]: the x the kernel computes with (for a quantized fmt, x's Q8 blocks' values; D <=
+ * 64). */
+static void kernel_x(int fmt, const float *x, int T, int D, double *xv) {
+    for (int t = 0; t < T; t++) {
+        pyrt_xq8 xq[2];
+        if (is_quant(fmt))
+            pyrt_quantize_x_q8(x + t * D, xq, D);
+        for (int i = 0; i < D; i++)
+            xv[t * D + i] = is_quant(fmt) ? (double)xq[i / 32].d * xq[i / 32].q[i % 32]
+                                          : x[t * D + i];
+    }
+}
+
 /* n_ff = FF: 13 (items shorter than a chunk of neurons) and 197 (items spanning several sparse
  * chunks of 32 neurons, so the software-pipelined path runs; 197 % 8 leaves a dense tail). */
 static void test_moe_ffn_case(int FF) {
@@ -813,33 +846,16 @@ static void test_moe_ffn_case(int FF) {
         const int fmt = FORMATS[f];
         const int D = is_quant(fmt) ? 64 : 45;
         const size_t rb = pyrt_row_bytes(fmt, D);
-        uint8_t *gud = malloc((size_t)E * FF * 3 * rb);
-        double *wv = malloc(sizeof(double) * E * FF * 3 * D);
-        for (int r = 0; r < E * FF * 3; r++)
-            make_row(fmt, D, gud + r * rb, wv + (size_t)r * D, 0);
-        const pyrt_experts experts = all_experts(gud, fmt, E, FF, D);
+        uint8_t *gud;
+        double *wv;
+        const pyrt_experts experts = random_experts(fmt, E, FF, D, &gud, &wv);
         float x[T * 64], tw[T * K], y[T * 64];
         int32_t ids[T * K];
         for (int i = 0; i < T * D; i++)
             x[i] = rng_normalish();
-        for (int t = 0; t < T; t++) {
-            ids[t * K] = (int32_t)(rng_u32() % E);
-            ids[t * K + 1] = (ids[t * K] + 1 + (int32_t)(rng_u32() % (E - 1))) % E;
-            tw[t * K] = 0.7f, tw[t * K + 1] = 0.3f;
-        }
-        /* the x the kernel computes with */
+        two_routes(T, E, 0.7f, ids, tw);
         double xv[T * 64];
-        for (int t = 0; t < T; t++) {
-            if (is_quant(fmt)) {
-                pyrt_xq8 xq[2];
-                pyrt_quantize_x_q8(x + t * D, xq, D);
-                for (int i = 0; i < D; i++)
-                    xv[t * D + i] = (double)xq[i / 32].d * xq[i / 32].q[i % 32];
-            } else {
-                for (int i = 0; i < D; i++)
-                    xv[t * D + i] = x[t * D + i];
-            }
-        }
+        kernel_x(fmt, x, T, D, xv);
         const double thresholds[] = {0.0, clean_threshold(wv, xv, ids, T, K, FF, D)};
         for (int ti = 0; ti < 2; ti++) {
             const double thr = thresholds[ti];
@@ -893,6 +909,57 @@ static void test_moe_ffn_case(int FF) {
         free(gud);
         free(wv);
     }
+}
+
+/* One pool through both of pyrt_moe_ffn's routes in turn (the token blocks under 16 routes an
+ * expert on average, pyrt_moe_batch from there, on the pool's second workspace), its workspaces
+ * grown and reused: 40 tokens x 2 routes over 3 experts (~27 an expert: batch), 6 (4: blocks),
+ * 96 (batch, a larger workspace), 40 again (batch, in the workspace the 96 left), each against
+ * the float64 reference, dense and sparse, f32 and Q8_0 weights. */
+static void test_moe_ffn_routes_share_a_pool(void) {
+    enum { E = 3, K = 2, FF = 13, D = 64, T_MAX = 96 };
+    static const int fmts[] = {PYRT_FMT_F32, PYRT_FMT_Q8_0};
+    static const int token_counts[] = {40, 6, 96, 40};
+    float *x = malloc(sizeof(float) * T_MAX * D), *y = malloc(sizeof(float) * T_MAX * D);
+    double *xv = malloc(sizeof(double) * T_MAX * D), *yref = malloc(sizeof(double) * T_MAX * D),
+           *yabs = malloc(sizeof(double) * T_MAX * D);
+    float tw[T_MAX * K];
+    int32_t ids[T_MAX * K];
+    for (int i = 0; i < T_MAX * D; i++)
+        x[i] = rng_normalish();
+    two_routes(T_MAX, E, 0.6f, ids, tw);
+    for (int f = 0; f < COUNT_OF(fmts); f++) {
+        const int fmt = fmts[f];
+        uint8_t *gud;
+        double *wv;
+        const pyrt_experts experts = random_experts(fmt, E, FF, D, &gud, &wv);
+        kernel_x(fmt, x, T_MAX, D, xv);
+        pyrt_pool *pool = NULL;
+        CHECK(pyrt_pool_create(2, NULL, &pool) == PYRT_OK, "pool: %s", pyrt_last_error());
+        for (int c = 0; c < COUNT_OF(token_counts); c++) {
+            const int T = token_counts[c];
+            const double thresholds[] = {0.0, clean_threshold(wv, xv, ids, T, K, FF, D)};
+            for (int ti = 0; ti < 2; ti++) {
+                int64_t near = 0, active = -1;
+                const int64_t active_ref = moe_ref(wv, xv, ids, tw, T, K, FF, D, thresholds[ti],
+                                                   NULL, yref, yabs, &near);
+                const int rc = pyrt_moe_ffn(pool, &experts, x, T, ids, tw, K, PYRT_ACT_SILU,
+                                            (float)thresholds[ti], y, &active);
+                CHECK(rc == PYRT_OK, "fmt %d T %d: %s", fmt, T, pyrt_last_error());
+                CHECK(near > 0 || (active == active_ref && close_to(y, yref, yabs, T * D)),
+                      "fmt %d T %d thr %g: active %lld vs %lld, or y off the reference", fmt, T,
+                      thresholds[ti], (long long)active, (long long)active_ref);
+            }
+        }
+        pyrt_pool_free(pool);
+        free(gud);
+        free(wv);
+    }
+    free(x);
+    free(y);
+    free(xv);
+    free(yref);
+    free(yabs);
 }
 
 /* ---- 3. errors ----------------------------------------------------------------------------- */
@@ -1347,6 +1414,7 @@ int main(void) {
     test_kquant_kernels_agree();
     test_moe_ffn_case(13);
     test_moe_ffn_case(197);
+    test_moe_ffn_routes_share_a_pool();
     test_errors();
     if (failures) {
         printf("%d C core test(s) failed\n", failures);
