@@ -69,8 +69,6 @@ def test_the_hosts_queueing_of_a_staged_round_comes_before_an_inline_cpu_share()
     assert split_misses(misses, costs(host_expert=60e-6)).stage == [0, 1, 2, 3]  # 0.24 + 0.66 ms
     assert per_expert.host_seconds(2) == pytest.approx(260e-6)
     assert costs(host_round=1.0).host_seconds(0) == 0.0  # nothing staged, nothing queued
-    # slots that keep what they stage (a cache): later hits repay the queueing
-    assert split_misses(misses, slow_host, reuse=True) == split_misses(misses, costs())
 
 
 def test_the_kernels_eager_launch_is_charged_only_where_staging_causes_it():
@@ -89,7 +87,7 @@ def test_auto_hands_the_cpu_share_to_the_worker_where_the_staging_costs_the_host
     """worker="auto": per prefix, inline or on the worker, whichever finishes sooner. A slow
     host (0.5 ms a round) and a 50 us handoff: 2 staged, the CPU's 8 (0.88 ms + 0.05) on the
     worker; nothing staged: inline (a handoff buys nothing); a handoff dearer than the host's
-    queueing: inline; a cache (reuse: the queueing not charged): inline."""
+    queueing: inline."""
     misses = [(e, 1) for e in range(10)]
     slow_host = costs(host_round=500e-6, handoff=50e-6)
     cpu, stage, on_worker = split_misses(misses, slow_host, worker="auto")
@@ -101,9 +99,6 @@ def test_auto_hands_the_cpu_share_to_the_worker_where_the_staging_costs_the_host
     assert not split_misses([(0, 1)], slow_host, worker="auto").on_worker  # nothing staged
     slow_handoff = costs(host_round=100e-6, handoff=400e-6)
     assert not split_misses(misses, slow_handoff, worker="auto").on_worker
-    assert split_misses(misses, slow_host, worker="auto", reuse=True) == split_misses(
-        misses, costs()
-    )
     # always: the handoff is paid wherever the CPU has a share
     assert split_misses([(0, 1)], slow_host, worker="always") == Split([0], [], True)
     with pytest.raises(ValueError, match="worker must be"):

@@ -24,10 +24,11 @@ finishes sooner for that prefix: a layer that stages nothing runs its CPU share 
 handoff), one whose staging costs the host more than the handoff hands the CPU share to the
 worker. Decode (n_e = 1) splits in proportion to the two rates when the host's queueing is
 cheap beside them, and stays on the CPU when it is not; a prefill's experts with many tokens go
-to the GPU (their CPU cost grows with n_e, their staging cost hardly does). host(S) is charged
-only where the slots are transit (too few to keep a token's experts in every layer): in a
-cache, a staged expert's later hits repay its queueing (measured: with 25% of the experts in
-slots, charging it leaves the cache empty, hit rate 0), and the CPU share stays inline there.
+to the GPU (their CPU cost grows with n_e, their staging cost hardly does). The executor
+splits by this model only in transit slots (too few to keep a token's experts in every layer):
+in a cache it stages every miss, which measured faster than any split (a staged expert's later
+hits, and an inline C call's hold on the host, are outside this model:
+pyruntime.offload.split, STAGE_PASS_TOKENS).
 
 The constants are measured once per machine, model shape and staging mode (`measure_costs`,
 at start-up) and cached as JSON in options.cache_dir()/offload; tests give their own.
@@ -102,15 +103,14 @@ class Split(NamedTuple):
 
 
 def split_misses(misses: Sequence[tuple[int, int]], costs: Costs, read: float = 1.0,
-                 capacity: int | None = None, worker: str = "never", reuse: bool = False,
+                 capacity: int | None = None, worker: str = "never",
                  launch: bool = False) -> Split:  # fmt: skip
     """The split of one layer's misses [(expert, n_tokens)] that finishes first: the misses in
     order of how much more the CPU would take than staging (cpu / stage time), a prefix of that
     order staged and the rest on the CPU, the prefix whose layer finishes soonest (module doc;
     worker: the CPU's share inline, on the worker thread, or "auto": whichever finishes sooner,
-    inline when nothing is staged; reuse: staged experts stay in slots for later tokens, whose
-    hits repay the host's queueing, so it is not charged to this layer; launch: staging makes
-    the host launch the expert kernel eagerly, Costs.host_seconds) (ties: the shorter
+    inline when nothing is staged; launch: staging makes the host launch the expert kernel
+    eagerly, Costs.host_seconds) (ties: the shorter
     prefix, which evicts less; inline, which hands nothing over); at most `capacity` staged
     (None: no limit). Optimal when an expert may be split between the sides, within one
     expert's time of it otherwise. One token each (decode): the misses split in proportion to
@@ -134,7 +134,7 @@ def split_misses(misses: Sequence[tuple[int, int]], costs: Costs, read: float = 
         _, _, c, g = jobs[p - 1]
         t_cpu -= c
         t_stage += g
-        host = 0.0 if reuse else costs.host_seconds(p, launch)
+        host = costs.host_seconds(p, launch)
         if p == len(jobs):  # nothing left for the CPU
             finish, on_worker = host + t_stage, False
         else:

@@ -5,7 +5,9 @@
 1. the layer's routing (top-k ids, weights) and its experts' input h come to the host: one
    small device-to-host copy and one wait, the pass's only host synchronization per layer;
 2. ExpertCache.lookup: the routed experts in a slot (hits) and the others (misses);
-   costs.split_misses divides the misses between the CPU and staging (or misses = cpu | stage);
+   costs.split_misses divides the misses between the CPU and staging in transit slots; in a
+   cache (slots_keep) and in a pass of STAGE_PASS_TOKENS every miss is staged (or misses = cpu
+   | stage);
 3. staged misses are admitted into slots (the policy frees them, never one of this layer's; a
    prefill's in its sweep order, pyruntime.offload.cache) and copied on the copy stream
    (pyruntime.offload.slots, ordered by events); the GPU computes hits and staged experts
@@ -68,6 +70,15 @@ DIRECT_EFFICIENCY = 0.85
 # H100 host: the C core took 6x what the model expected, auto 519 tok/s against all staged
 # 3,231; olmoe-1b-7b Q8_0: auto 758-2,931 against 5,434).
 STAGE_PASS_TOKENS = 32
+# In a cache (slots_keep: the slots hold a token's experts in every MoE layer) every miss is
+# staged too: a staged miss is admitted for later tokens and its copy runs beside the host,
+# while a miss on the C core is neither and its inline call holds the thread that queues the
+# next layers, which the split's model leaves out. olmoe-1b-7b Q8_0, H200 host, tg64, auto
+# (the split) / stage in the same process, two processes: 12.5% of the experts in slots 78.8 / 130.7
+# and 59.1 / 99.2 tok/s, 25% 238.6 / 249.9 and 161.7 / 200.8, sparsity 0.5 129.2 / 124.5 and
+# 232.2 / 238.8 (bench/offload.py --fractions 0.125,0.25 --misses auto,stage); gpt-oss-20b at
+# 8G (67% in slots, H100): the split with the C core taking ~2/3 of the misses 75.0-100.0
+# against 87.3-100.7 with ~1/7. The split stays for transit slots.
 IN_SEGMENT = object()  # _gpu's answer when a decode step's graph computed the GPU's share
 Key = tuple[int, int]  # (layer, expert)
 
@@ -192,19 +203,21 @@ class SplitExperts:
         layer's misses [(expert, tokens)], when n_hits of the slots hold this layer's hits
         (graph: a decode step's, whose GPU share is a graph replay, not an eager launch) in a
         pass of n_tokens. With every miss staged (misses='stage', or 'auto' at STAGE_PASS_TOKENS
-        or more), a CPU share (a prefill's experts no slot could take) goes to the worker,
-        beside the queueing of the rounds."""
+        or more, or in a cache: slots_keep), a CPU share (experts no slot could take) goes to
+        the worker, beside the queueing of the rounds; auto splits by the cost model in
+        transit slots only."""
         always = self.worker is not None and self.worker_always
         mode = self.misses
         if mode == "direct":  # outside a direct decode step (a prefill): as auto, where it can
             mode = "auto" if self.costs is not None else "cpu"
         if not misses or self.slots.n_slots <= n_hits or mode == "cpu":
             return Split([e for e, _ in misses], [], always)
-        if mode == "stage" or (mode == "auto" and n_tokens >= STAGE_PASS_TOKENS):
+        if mode == "stage" or (mode == "auto" and (n_tokens >= STAGE_PASS_TOKENS
+                                                   or self.slots_keep)):  # fmt: skip
             return Split([], [e for e, _ in misses], self.worker is not None)
         worker = "never" if self.worker is None else "always" if always else "auto"
         split = split_misses(misses, self.costs, self._read(), worker=worker,
-                             reuse=self.slots_keep, launch=not n_hits and not graph)  # fmt: skip
+                             launch=not n_hits and not graph)  # fmt: skip
         return split._replace(on_worker=split.on_worker or always)
 
     def _read(self) -> float:
