@@ -158,8 +158,6 @@ static void task_heads(void *p, int ith, int nth) {
         one_head(c, h);
 }
 
-static size_t round_up(size_t n) { return (n + 63) / 64 * 64; }
-
 int pyrt_deltanet_step(pyrt_pool *pool, const pyrt_deltanet *w, const float *x,
                        float *conv_state, int64_t conv_n, float *ssm_state, int64_t ssm_n,
                        float *y) {
@@ -191,7 +189,7 @@ int pyrt_deltanet_step(pyrt_pool *pool, const pyrt_deltanet *w, const float *x,
 
     /* workspace: proj (qkv | z | beta | alpha), mixed, u, o, then x's and o's Q8 blocks */
     const size_t n_proj = (size_t)c_n + dv_all + 2 * (size_t)hv;
-    const size_t floats = round_up((n_proj + c_n + 2 * (size_t)dv_all) * sizeof(float));
+    const size_t floats = pyrt_align64((n_proj + c_n + 2 * (size_t)dv_all) * sizeof(float));
     const int n_q8 = w->n_embd > dv_all ? w->n_embd : dv_all;
     const size_t bytes = floats + pyrt_xq_units((size_t)n_q8) * sizeof(pyrt_xq8);
     pyrt_pool_acquire(pool);

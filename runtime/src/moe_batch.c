@@ -37,10 +37,6 @@ void pyrt_moe_batch_free(pyrt_moe_batch_buf *b) {
     memset(b, 0, sizeof *b);
 }
 
-static size_t align64(size_t n) {
-    return (n + 63) & ~(size_t)63;
-}
-
 /* The buffers' byte offsets in their block, in pyrt_moe_batch_buf's order; end: the block's
  * size. */
 typedef struct {
@@ -51,16 +47,16 @@ static batch_layout layout(int routes, int n_slots, int n_ff, int n_embd) {
     const size_t slots = (size_t)n_slots + 1, r = (size_t)routes;
     batch_layout l;
     l.counts = 0;
-    l.used = l.counts + align64(slots * sizeof(int));
-    l.start = l.used + align64(slots * sizeof(int));
-    l.fill = l.start + align64((slots + 1) * sizeof(int));
-    l.down_start = l.fill + align64(slots * sizeof(int));
-    l.route_tok = l.down_start + align64((slots + 1) * sizeof(int));
-    l.route_w = l.route_tok + align64(r * sizeof(int));
-    l.route_of = l.route_w + align64(r * sizeof(float));
-    l.h = l.route_of + align64(r * sizeof(int));
-    l.yr = l.h + align64(r * n_ff * sizeof(float));
-    l.end = l.yr + align64(r * n_embd * sizeof(float));
+    l.used = l.counts + pyrt_align64(slots * sizeof(int));
+    l.start = l.used + pyrt_align64(slots * sizeof(int));
+    l.fill = l.start + pyrt_align64((slots + 1) * sizeof(int));
+    l.down_start = l.fill + pyrt_align64(slots * sizeof(int));
+    l.route_tok = l.down_start + pyrt_align64((slots + 1) * sizeof(int));
+    l.route_w = l.route_tok + pyrt_align64(r * sizeof(int));
+    l.route_of = l.route_w + pyrt_align64(r * sizeof(float));
+    l.h = l.route_of + pyrt_align64(r * sizeof(int));
+    l.yr = l.h + pyrt_align64(r * n_ff * sizeof(float));
+    l.end = l.yr + pyrt_align64(r * n_embd * sizeof(float));
     return l;
 }
 

@@ -92,10 +92,6 @@ static void task_block(void *p, int ith, int nth) {
 
 /* ---- entry point --------------------------------------------------------------------------- */
 
-static size_t align64(size_t n) {
-    return (n + 63) & ~(size_t)63;
-}
-
 /* The experts' shape, format, size and alignment (not the map's values: per pair, below). */
 static int check_experts(const pyrt_experts *e, const char *fn) {
     if (e->data == NULL)
@@ -220,7 +216,7 @@ static int moe_setup(moe_ctx *c, pyrt_pool *pool, const pyrt_experts *e, const f
     const int tb_max = n_tokens < TOKEN_BLOCK ? n_tokens : TOKEN_BLOCK;
     const int routes = tb_max * k;
     const int used_max = routes < e->n_slots ? routes : e->n_slots;
-    const size_t acc_stride = align64((size_t)tb_max * n_embd * sizeof(float)) / sizeof(float);
+    const size_t acc_stride = pyrt_align64((size_t)tb_max * n_embd * sizeof(float)) / sizeof(float);
     /* Room for up to MAX_ITEMS_PER_THREAD work items per thread (plan_items), fewer when their
      * partial ys would pass ITEMS_ACC_BYTES (long prefill blocks), at least one per thread. */
     size_t n_items_max = ITEMS_ACC_BYTES / (acc_stride * sizeof(float));
@@ -234,17 +230,17 @@ static int moe_setup(moe_ctx *c, pyrt_pool *pool, const pyrt_experts *e, const f
     /* Workspace layout (each piece 64-byte aligned). */
     size_t off_acc = 0;
     size_t off_active = off_acc + n_items_max * acc_stride * sizeof(float);
-    size_t off_xq = off_active + align64((size_t)nth * 8 * sizeof(int64_t));
-    size_t off_counts = off_xq + align64(xq_bytes);
-    size_t off_used = off_counts + align64((size_t)e->n_slots * sizeof(int));
-    size_t off_rstart = off_used + align64((size_t)used_max * sizeof(int));
-    size_t off_rtok = off_rstart + align64((size_t)(used_max + 1) * sizeof(int));
-    size_t off_rw = off_rtok + align64((size_t)(routes + used_max) * sizeof(int));
-    size_t off_cost = off_rw + align64((size_t)routes * sizeof(float));
-    size_t off_istart = off_cost + align64((size_t)(used_max + 1) * sizeof(int64_t));
-    size_t off_next = off_istart + align64((n_items_max + 1) * sizeof(int64_t));
+    size_t off_xq = off_active + pyrt_align64((size_t)nth * 8 * sizeof(int64_t));
+    size_t off_counts = off_xq + pyrt_align64(xq_bytes);
+    size_t off_used = off_counts + pyrt_align64((size_t)e->n_slots * sizeof(int));
+    size_t off_rstart = off_used + pyrt_align64((size_t)used_max * sizeof(int));
+    size_t off_rtok = off_rstart + pyrt_align64((size_t)(used_max + 1) * sizeof(int));
+    size_t off_rw = off_rtok + pyrt_align64((size_t)(routes + used_max) * sizeof(int));
+    size_t off_cost = off_rw + pyrt_align64((size_t)routes * sizeof(float));
+    size_t off_istart = off_cost + pyrt_align64((size_t)(used_max + 1) * sizeof(int64_t));
+    size_t off_next = off_istart + pyrt_align64((n_items_max + 1) * sizeof(int64_t));
     size_t off_done = off_next + 2 * 64; /* next_item, next_slice: a cache line each */
-    size_t total = off_done + align64(n_items_max * sizeof(atomic_int));
+    size_t total = off_done + pyrt_align64(n_items_max * sizeof(atomic_int));
 
     const pyrt_params *params = pyrt_pool_params(pool);
     uint8_t *ws = pyrt_pool_workspace(pool, total);
@@ -357,8 +353,8 @@ static int run_batch(pyrt_pool *pool, const pyrt_experts *e, const float *x, int
     const size_t xq_bytes =
         pyrt_fmt_is_blocked(e->fmt)
             ? (size_t)n_tokens * pyrt_xq_units((size_t)n_embd) * sizeof(pyrt_xq8) : 0;
-    const size_t off_xq = align64((size_t)n_tokens * sizeof(const void *));
-    const size_t off_buf = off_xq + align64(xq_bytes);
+    const size_t off_xq = pyrt_align64((size_t)n_tokens * sizeof(const void *));
+    const size_t off_buf = off_xq + pyrt_align64(xq_bytes);
     const size_t total = off_buf + pyrt_moe_batch_bytes(routes, e->n_slots, e->n_ff, n_embd);
     uint8_t *ws = pyrt_pool_batch_workspace(pool, total);
     if (ws == NULL)
@@ -378,7 +374,7 @@ static int run_batch(pyrt_pool *pool, const pyrt_experts *e, const float *x, int
     int64_t n_pairs = 0;
     const int rc = pyrt_moe_batch(pool, &buf, e, n_tokens, xv, topk_ids, topk_w, k, activation,
                                   threshold, y, n_active, &n_pairs);
-    pyrt_moe_batch_free(&buf); /* frees nothing: placed buffers are the workspace's */
+    pyrt_moe_batch_free(&buf); /* the workspace stays; a block of its own, had it taken one */
     return rc;
 }
 

@@ -99,6 +99,11 @@ const pyrt_row_ops *pyrt_pool_row_ops(const pyrt_pool *pool, int fmt);
 /* Scratch memory owned by the pool (64-byte aligned, grown on demand, kept between calls); NULL
  * when out of memory. Valid while the caller holds the pool and until the next workspace call. */
 void *pyrt_pool_workspace(pyrt_pool *pool, size_t bytes);
+/* n rounded up to a multiple of 64: the scratch's alignment, kept by the pieces callers lay out
+ * in it. */
+static inline size_t pyrt_align64(size_t n) {
+    return (n + 63) & ~(size_t)63;
+}
 /* A second scratch, as pyrt_pool_workspace's and apart from it (neither call moves the other's):
  * pyrt_moe_ffn's many-token route keeps pyrt_moe_batch's plan, h and per-route outputs here
  * between calls (~20-50 MB for a 512-token chunk), beside the token blocks' workspace. */

@@ -349,7 +349,7 @@ static void *grow(void **mem, size_t *have, size_t bytes) {
     free(*mem);
     *mem = NULL;
     *have = 0;
-    size_t rounded = (bytes + 63) / 64 * 64;
+    const size_t rounded = pyrt_align64(bytes);
     void *p = aligned_alloc(64, rounded);
     if (p == NULL)
         return NULL;
