@@ -414,6 +414,18 @@ def test_lookahead_stages_the_next_layers_experts_early(olmoe, core, whole, miss
     assert net.cache.held == set()
 
 
+def test_auto_needs_costs_only_in_transit_slots(olmoe, core):
+    """A cache stages every miss: auto runs there without measured costs; in transit slots it
+    splits by them, and without them it is a one-line usage error."""
+    _, cfg, host = olmoe
+    keep = len([b for b in host.blocks if b.experts is not None]) * cfg.n_expert_used
+    net = hybrid(olmoe, core, keep, "auto", costs=None)
+    logprobs(net, ids_of(cfg, N_PROMPT + N_DECODE))
+    assert net.offload.cpu_experts == 0 and net.offload.staged > 0
+    with pytest.raises(UsageError, match="transit slots by measured costs"):
+        hybrid(olmoe, core, keep - 1, "auto", costs=None)
+
+
 def test_auto_splits_in_transit_slots_and_stages_every_miss_in_a_cache(olmoe, core):
     """A staged expert outlives its token only when the slots hold a token's experts in every
     MoE layer (a cache): there auto stages every miss, the CPU none; below that (transit slots)

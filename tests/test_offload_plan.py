@@ -252,9 +252,49 @@ def test_gpu_mem_flag(q8, capsys):
 def test_model_loads_hybrid_measures_its_costs_once_and_reports_them(tmp_path, monkeypatch,
                                                                      capsys, cc):  # fmt: skip
     """A plan that does not hold every expert gives the hybrid (on tests/gpu_device.py's DEVICE:
-    the CPU device stands in for the GPU under the interpreter): its costs are measured once
-    per staging mode and cached, its greedy text is the CPU executor's, and Model.stats()
-    carries the slot hits and bytes it moved."""
+    the CPU device stands in for the GPU under the interpreter): with transit slots (3, fewer
+    than a token's 2 x 2 experts) its costs are measured once per staging mode and cached, its
+    greedy text is the CPU executor's, and Model.stats() carries the slot hits and bytes it
+    moved."""
+    from pyruntime import api, placement
+    from pyruntime.api import Model
+
+    hf = make_tiny_hf_model("olmoe", tmp_path / "hf", tie_word_embeddings=True)
+    path = convert(hf, tmp_path / "m.gguf", "f32", progress=False)
+    f = open_gguf(path)
+    need = device_bytes(f, ModelConfig.from_gguf(f), 64)
+    plan = plan_budget(need, need.fixed + 3 * need.expert_bytes, 64)
+    cpu = Model(path, n_ctx=64, seed=0, device="cpu")
+    want = "".join(cpu.generate("The hacker wrote", max_tokens=8, temp=0, ignore_eos=True))
+    monkeypatch.setattr(api, "choose_device",
+                        lambda *a, **k: placement.DeviceChoice(DEVICE, None, plan))  # fmt: skip
+    monkeypatch.setenv("PYRUNTIME_CACHE", str(tmp_path / "cache"))
+    m = Model(path, n_ctx=64, seed=0)
+    err = capsys.readouterr().err
+    hybrid = f"hybrid on {DEVICE}: dense weights and KV cache on the GPU, 3 of 16 routed experts"
+    assert hybrid in err
+    assert "measuring the offload costs" in err
+    costs = m.net.costs
+    assert costs.pcie_gbs > 0 and costs.cpu_expert_s >= 0 and costs.expert_bytes > 0
+    [saved] = (tmp_path / "cache" / "offload").glob("costs-*.json")
+    assert json.loads(saved.read_text())["costs"]["expert_bytes"] == costs.expert_bytes
+    text = "".join(m.generate("The hacker wrote", max_tokens=8, temp=0, ignore_eos=True))
+    assert text == want
+    stats = m.stats()["offload"]
+    assert stats["slots"] == 3 and stats["slot_hits"] + stats["slot_misses"] > 0
+    assert stats["staged_bytes"] == stats["staged_experts"] * need.expert_bytes
+    assert set(stats["seconds_per_token"]) >= {"attention", "router", "gpu_experts",
+                                               "copy_wait", "cpu_experts", "sampling"}  # fmt: skip
+    Model(path, n_ctx=64, seed=0, staging="bounce")
+    assert "measuring" in capsys.readouterr().err  # another staging mode: its own costs
+    again = Model(path, n_ctx=64, seed=0)
+    assert "measuring" not in capsys.readouterr().err and again.net.costs == costs
+
+
+def test_a_plan_whose_slots_cache_measures_no_costs(tmp_path, monkeypatch, capsys, cc):
+    """Slots that hold a token's experts in every MoE layer (4 = 2 layers x top-2) are a cache,
+    where auto stages every miss: nothing to measure at load, and the greedy text is the CPU
+    executor's."""
     from pyruntime import api, placement
     from pyruntime.api import Model
 
@@ -269,25 +309,11 @@ def test_model_loads_hybrid_measures_its_costs_once_and_reports_them(tmp_path, m
                         lambda *a, **k: placement.DeviceChoice(DEVICE, None, plan))  # fmt: skip
     monkeypatch.setenv("PYRUNTIME_CACHE", str(tmp_path / "cache"))
     m = Model(path, n_ctx=64, seed=0)
-    err = capsys.readouterr().err
-    hybrid = f"hybrid on {DEVICE}: dense weights and KV cache on the GPU, 4 of 16 routed experts"
-    assert hybrid in err
-    assert "measuring the offload costs" in err
-    costs = m.net.costs
-    assert costs.pcie_gbs > 0 and costs.cpu_expert_s >= 0 and costs.expert_bytes > 0
-    [saved] = (tmp_path / "cache" / "offload").glob("costs-*.json")
-    assert json.loads(saved.read_text())["costs"]["expert_bytes"] == costs.expert_bytes
+    assert "measuring" not in capsys.readouterr().err and m.net.costs is None
+    assert not (tmp_path / "cache" / "offload").exists()
     text = "".join(m.generate("The hacker wrote", max_tokens=8, temp=0, ignore_eos=True))
     assert text == want
-    stats = m.stats()["offload"]
-    assert stats["slots"] == 4 and stats["slot_hits"] + stats["slot_misses"] > 0
-    assert stats["staged_bytes"] == stats["staged_experts"] * need.expert_bytes
-    assert set(stats["seconds_per_token"]) >= {"attention", "router", "gpu_experts",
-                                               "copy_wait", "cpu_experts", "sampling"}  # fmt: skip
-    Model(path, n_ctx=64, seed=0, staging="bounce")
-    assert "measuring" in capsys.readouterr().err  # another staging mode: its own costs
-    again = Model(path, n_ctx=64, seed=0)
-    assert "measuring" not in capsys.readouterr().err and again.net.costs == costs
+    assert m.stats()["offload"]["cpu_experts"] == 0
 
 
 # -- out of memory ------------------------------------------------------------------------------

@@ -188,8 +188,8 @@ class HybridExecutor:
         self.streams.host_waits()
 
     def set_misses(self, misses: str, costs: Costs | None = None) -> None:
-        """Where misses are computed: auto (split by `costs`, which measure_costs makes on
-        this executor), cpu, or stage."""
+        """Where misses are computed: auto (staged in a cache; in transit slots split by
+        `costs`, which measure_costs makes on this executor), cpu, stage, or direct."""
         self.experts.set_misses(misses, costs)
 
     @property

@@ -74,7 +74,10 @@ def load_hybrid(f: GGUFFile, cfg: ModelConfig, plan: OffloadPlan, device: str, *
     )  # fmt: skip
     net.set_expert_threshold(thresholds)
     costs = None
-    if misses in ("auto", "direct") and plan.slots:  # direct: its prefill splits as auto
+    # auto splits by the costs in transit slots only (a cache stages every miss); direct reads
+    # its share of the misses from them, and its prefill splits as auto
+    split = misses == "direct" or (misses == "auto" and not net.experts.slots_keep)
+    if split and plan.slots:
         costs = load_or_measure(
             _key(net, core, cfg, device), options.cache_dir() / "offload",
             lambda: measure_costs(net), _announce,

@@ -110,9 +110,9 @@ class SplitExperts:
     def set_misses(self, misses: str, costs: Costs | None) -> None:
         if misses not in MISSES:
             raise UsageError(f"misses must be one of {', '.join(MISSES)}, got {misses!r}")
-        if misses == "auto" and self.slots.n_slots and costs is None:
-            raise UsageError("misses='auto' splits misses by measured costs: give costs "
-                             "(pyruntime.offload.costs.measure_costs)")  # fmt: skip
+        if misses == "auto" and self.slots.n_slots and not self.slots_keep and costs is None:
+            raise UsageError("misses='auto' splits misses in transit slots by measured costs: "
+                             "give costs (pyruntime.offload.costs.measure_costs)")  # fmt: skip
         self.misses, self.costs = misses, costs
 
     def __call__(self, i: int, r: Routed, trace: list | None) -> torch.Tensor:
