@@ -71,6 +71,11 @@ def test_bench_counts_every_decode_step():
     results = run_bench(net, n_prompt=0, n_gen=5, reps=2)
     assert [r.test for r in results] == ["tg5"]
     assert net.calls == [1] * 15  # warm-up + 2 repetitions, 5 steps each
+    # with CUDA graphs two warm-ups: a prompt shape is captured the second time it comes
+    net = FakeNet()
+    net.cuda_graphs = True
+    run_bench(net, n_prompt=4, n_gen=0, reps=2)
+    assert net.calls == [4] * 4
 
 
 def test_bench_result_stats():

@@ -193,6 +193,49 @@ def test_decode_graph_captured_once_per_cache(tiny_ggufs, monkeypatch):
     assert len(captures) == 3
 
 
+@pytest.mark.parametrize("threshold", [None, 0.05])
+def test_prompt_shapes_that_come_again_replay_a_graph(tiny_ggufs, monkeypatch, threshold):
+    """A prompt pass of a shape seen before (tokens, first position, ...) is captured the second
+    time and replayed from then on, on new token ids: its logits, the KV it writes (the decode
+    step after it) and its expert counts equal eager passes', for a prompt at position 0 and a
+    chunk after it, dense and sparse; a one-off shape is never captured; a new model state
+    captures again. On a GPU the capture is CUDA's (every family's prefill must capture), on
+    the CPU tests/eager_graph.py stands in (one family: the stand-in is the eager pass)."""
+    if DEVICE == "cpu" and tiny_ggufs["arch"] != "olmoe":
+        pytest.skip("on the CPU stand-in the policy is family-independent")
+    _, eager = _models(tiny_ggufs["f32"], DEVICE)
+    _, dev = _models(tiny_ggufs["f32"], DEVICE)
+    eager.cuda_graphs = False
+    captures = use_eager_graphs(monkeypatch, dev) if DEVICE == "cpu" else None
+    for net in (eager, dev):
+        net.set_expert_threshold(None if threshold is None else [threshold] * net.config.n_layer)
+    n_vocab = dev.config.n_vocab
+    cache, eager_cache = dev.new_cache(24), eager.new_cache(24)
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> None:
+        # bit for bit under the interpreter; a GPU's atomics reorder float32 sums between runs
+        assert torch.equal(a, b) if DEVICE == "cpu" else torch.allclose(a, b, atol=1e-4)
+
+    for seed in range(3):
+        prompt, chunk = _ids(n_vocab, 12, seed), _ids(n_vocab, 5, 10 + seed)
+        cache.truncate(0)
+        eager_cache.truncate(0)
+        for ids, last_only in ((prompt, False), (chunk, True), ([7], False)):
+            same(dev.forward(ids, cache, last_only), eager.forward(ids, eager_cache, last_only))
+    state = cache.executor_state["gpu"]
+    assert sorted(key[:2] for key in state.prefills) == [(5, 12), (12, 0)]
+    assert dev.stats.pairs == eager.stats.pairs and dev.stats.active == eager.stats.active
+    if captures is not None:
+        assert len(captures) == 3  # the two prompt shapes and the decode step
+    dev.forward(_ids(n_vocab, 9), dev.new_cache(24))  # once: eager, not kept
+    cache.truncate(0)
+    dev.set_expert_threshold(None)  # a new model state: the known shape is captured again
+    dev.forward(_ids(n_vocab, 12), cache)
+    assert all(key[0] != 9 for key in state.prefills)
+    if captures is not None:
+        assert len(captures) == 4
+
+
 def test_profiled_switch_says_once_that_it_times_the_layers(tiny_ggufs, tmp_path, monkeypatch,
                                                             capsys):  # fmt: skip
     """The per-layer dense/sparse profile (run on CUDA by set_expert_threshold with a key; here

@@ -6,11 +6,14 @@
 - the decode steps captured in CUDA graphs, one per (experts per token, expert maps): a graph
   reads every input from these fixed addresses, so one capture replays at every position, and
   rewinding the cache only changes n_tokens (the next step's inputs say where it writes); the
-  hybrid executor's steps are graph segments (pyruntime.offload.segments), kept the same way.
+  hybrid executor's steps are graph segments (pyruntime.offload.segments), kept the same way;
+- prompt passes captured by shape (tokens, first position, ...): the shapes seen once, and the
+  last PREFILL_GRAPHS captured ones (GpuExecutor._captured_prefill says when and why).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +36,21 @@ class CapturedStep:
     version: int  # the executor's model state it was captured under
 
 
+@dataclass
+class CapturedPrefill(CapturedStep):
+    """A prompt pass captured in a CUDA graph: the token ids it reads, [n] int64 on the device
+    (rewritten before each replay; its positions are fixed by its shape)."""
+
+    ids: torch.Tensor | None = None
+
+
+# Prompt passes: the captured shapes a cache keeps (each graph holds the memory of its pass's
+# activations: ~0.1 GB for olmoe-1b-7b at 512 tokens), least recently used dropped first, and
+# how many shapes seen once it remembers.
+PREFILL_GRAPHS = 4
+PREFILL_SEEN = 256
+
+
 class GpuCacheState:
     def __init__(self, owner: object, cfg: ModelConfig, max_tokens: int,
                  device: torch.device) -> None:  # fmt: skip
@@ -46,6 +64,24 @@ class GpuCacheState:
         self.graphs: dict[tuple, CapturedStep] = {}
         # the hybrid executor's decode steps as graph segments (pyruntime.offload.segments)
         self.segments: dict[tuple, Any] = {}
+        self.prefills: OrderedDict[tuple, CapturedPrefill] = OrderedDict()
+        self._prefills_seen: OrderedDict[tuple, None] = OrderedDict()
+
+    def seen_before(self, key: tuple) -> bool:
+        """Whether a prompt pass of this shape came before (and now it has)."""
+        seen = key in self._prefills_seen
+        self._prefills_seen[key] = None
+        self._prefills_seen.move_to_end(key)
+        while len(self._prefills_seen) > PREFILL_SEEN:
+            self._prefills_seen.popitem(last=False)
+        return seen
+
+    def keep_prefill(self, key: tuple, step: CapturedPrefill) -> None:
+        """Keep a captured prompt pass, dropping the least recently used beyond PREFILL_GRAPHS."""
+        self.prefills[key] = step
+        self.prefills.move_to_end(key)
+        while len(self.prefills) > PREFILL_GRAPHS:
+            self.prefills.popitem(last=False)
 
     def set_step(self, token: int, position: int) -> None:
         """The next decode step's inputs: `token` at `position`. Asynchronous: the staging

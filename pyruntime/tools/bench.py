@@ -1,7 +1,8 @@
 """`pyruntime bench`: prompt-processing and generation speed, in the spirit of llama-bench.
 
-Two tests per run, each repeated `reps` times after one warm-up run (not counted; on a GPU it
-also compiles the kernels and captures the decode step's CUDA graph):
+Two tests per run, each repeated `reps` times after warm-up runs (not counted): one, and on a
+GPU two, as its kernels compile and its CUDA graphs are captured (the decode step's on the
+first, a prompt shape's when it comes the second time: pyruntime.gpu.executor):
 - pp N: one forward pass over N prompt tokens from an empty cache (prefill); N / seconds;
 - tg N: N single-token forward passes from an empty cache (decode, batch 1); N / seconds.
 Tokens are random ids (fixed seed), fed without sampling, as llama-bench does. Each timed
@@ -116,7 +117,8 @@ def run_bench(
         if n == 0:
             continue
         ids = torch.randint(0, cfg.n_vocab, (n,), generator=g).tolist()
-        timer(net, cache, ids, k)  # warm-up
+        for _ in range(2 if getattr(net, "cuda_graphs", False) else 1):  # warm-up (module doc)
+            timer(net, cache, ids, k)
         seconds = []
         for r in range(reps):
             seconds.append(timer(net, cache, ids, k))
