@@ -30,7 +30,9 @@ runtime/include/pyrt.h: fusions, prefetch distances, VNNI, spin) for the run.
 beside the GGUF) answers instead: how much faster than dense is a decode step at sparsity S, with
 every layer sparse and as the CPU switch chooses (pyruntime.cpu.sparse_switch, measured afresh in
 this process)? Steps at one position (each reads the same cache), dense and sparse alternated
---rounds times; per round the dense time over the sparse time, median and min-max over rounds.
+--rounds times; per round the dense time over the sparse time, median and min-max over rounds,
+and each side's median ms a step (so the sparse step's expert time can be set beside the read
+rate of its bytes, bench/cpu_sparse_read.c).
 --gate-copy on / both: the sparse steps also (both) or only (on) with the experts' gate rows
 apart (pyruntime.experts.gates: the sparse gate pass streams a copy instead of every third row
 of the file); the switch is measured for each layout; the copy's load time and extra RSS are
@@ -198,6 +200,7 @@ def sparse_speedups(model: CpuExecutor, table, sparsities, rounds: int,
                 cases[f"every layer sparse{tag}"] = (dec, thr)
                 cases[f"as the switch chose{tag}"] = (dec, model.decode_thresholds())
             ratios: dict[str, list[float]] = {name: [] for name in cases}
+            secs: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
             for dec, case in cases.values():
                 steps.dec = dec
                 steps.whole(case)  # warm-up
@@ -212,11 +215,20 @@ def sparse_speedups(model: CpuExecutor, table, sparsities, rounds: int,
                     t1 = time.perf_counter()
                     steps.dec = dec
                     steps.whole(case)
-                    ratios[name].append((t1 - t0) / (time.perf_counter() - t1))
+                    t2 = time.perf_counter()
+                    ratios[name].append((t1 - t0) / (t2 - t1))
+                    secs[name].append((t1 - t0, t2 - t1))
             for name, r in ratios.items():
+                # ms a step, dense / sparse, medians over the rounds (to set beside read rates)
+                pairs = secs[name] or [(float("nan"), float("nan"))]
+                dense_ms, sparse_ms = (
+                    statistics.median(p[k] for p in pairs) / sparse_switch.STEPS * 1e3
+                    for k in (0, 1)
+                )
                 print(
                     f"  {name:32s} {statistics.median(r):.2f}x dense (min {min(r):.2f}, "
-                    f"max {max(r):.2f}, {rounds} rounds of {sparse_switch.STEPS} steps each)"
+                    f"max {max(r):.2f}, {rounds} rounds of {sparse_switch.STEPS} steps each; "
+                    f"{dense_ms:.2f} / {sparse_ms:.2f} ms a step)"
                 )
 
 

@@ -16,8 +16,18 @@
  *   gates apart P         the same at sparsity P in a layout with an expert's gate rows apart
  *                         from its neurons' up/down rows (the buffer read as all gate rows, then
  *                         every neuron's up and down rows): per chunk its gate rows in one
- *                         contiguous run, then the kept neurons' up/down rows as above.
- * GB/s count the bytes each case needs (all, the gate rows, the gate rows + the kept up/down rows).
+ *                         contiguous run, then the kept neurons' up/down rows as above;
+ *   apart P pipelined     the same bytes in the kernel's order (moe_sparse.c): a chunk's gate
+ *                         rows, with the previous chunk's kept up/down rows prefetched line by
+ *                         line, spread over that read, then those up/down rows;
+ *   apart P 4 ahead       the same bytes, the kept up/down rows 4 kept neurons ahead prefetched,
+ *                         spread over the read of the current one;
+ *   apart, all up/down    per chunk its gate rows, then all its neurons' up/down rows (the kept
+ *                         ones and the rest: what reading past the gaps would cost).
+ * The variants ask whether another prefetch scheme lifts the ceiling (1-2 threads of a 2-core
+ * Xeon: no, the three within a few % of each other; reading the up/down rows whole ~0.9x).
+ * GB/s count the bytes each case reads for its answer (all for contiguous and all up/down; the
+ * gate rows; the gate rows + the kept up/down rows).
  * x86-64 with AVX2; not part of the library.
  *
  *   cc -O2 -mavx2 -pthread bench/cpu_sparse_read.c -o /tmp/sparse_read && /tmp/sparse_read 16 8
@@ -38,13 +48,17 @@ enum { CHUNK = 32, MAX_THREADS = 256 };
  * up to 2 threads). Set once in main. */
 static size_t ROW = 2176, NEURON = 3 * 2176;
 static int pf_l2 = 0;
-enum mode { CONTIGUOUS, GATE_PLAIN, GATE_PREFETCH, SPARSE, GATES_APART };
+enum mode { CONTIGUOUS, GATE_PLAIN, GATE_PREFETCH, SPARSE, GATES_APART, APART_PIPELINED,
+            APART_AHEAD, APART_ALL };
+
 
 typedef struct {
     const uint8_t *p;
     size_t bytes;
     enum mode mode;
     int ahead, keep_percent, ith, nth;
+    const uint8_t **lines; /* this thread's: room for a chunk's up/down lines (the prefetches of
+                              a gates-apart variant over one read) */
     uint64_t sum;
     pthread_barrier_t *bar;
 } job;
@@ -71,12 +85,38 @@ static __m256i sum_row(const uint8_t *g, __m256i a) {
     return _mm256_add_epi64(a, _mm256_loadu_si256((const __m256i *)(g + ROW - 32)));
 }
 
+static void prefetch_line(const void *p) {
+    if (pf_l2)
+        _mm_prefetch((const char *)p, _MM_HINT_T1);
+    else
+        _mm_prefetch((const char *)p, _MM_HINT_T0);
+}
+
 static void prefetch(const uint8_t *p, size_t n) {
     for (size_t l = 0; l < n; l += 64)
-        if (pf_l2)
-            _mm_prefetch((const char *)p + l, _MM_HINT_T1);
-        else
-            _mm_prefetch((const char *)p + l, _MM_HINT_T0);
+        prefetch_line(p + l);
+}
+
+/* sum_bytes over n bytes (a multiple of 128) that prefetches lines[0 .. n_lines) on the way, in
+ * even steps (the kernel's spread: one burst would stall on full line-fill buffers). */
+static __m256i sum_bytes_pf(const uint8_t *p, size_t n, __m256i a, const uint8_t *const *lines,
+                            size_t n_lines) {
+    const size_t steps = n / 128;
+    size_t done = 0;
+    for (size_t i = 0; i < steps; i++) {
+        for (const size_t due = n_lines * (i + 1) / steps; done < due; done++)
+            prefetch_line(lines[done]);
+        a = sum_bytes(p + i * 128, 128, a);
+    }
+    for (; done < n_lines; done++)
+        prefetch_line(lines[done]);
+    return a;
+}
+
+/* Appends the lines of [p, p + n) to lines[*n_lines]. */
+static void add_lines(const uint8_t **lines, size_t *n_lines, const uint8_t *p, size_t n) {
+    for (size_t l = 0; l < n; l += 64)
+        lines[(*n_lines)++] = p + l;
 }
 
 /* Whether neuron n is kept at `percent` (a fixed hash: the same neurons in every round). */
@@ -108,6 +148,45 @@ static void *run(void *arg) {
                         break;
                     }
                 a = sum_bytes(pairs + n * 2 * ROW, 2 * ROW, a);
+            }
+        }
+    } else if (j->mode == APART_PIPELINED) {
+        const uint8_t *gates = j->p, *pairs = j->p + n_neurons * ROW;
+        size_t p0 = lo, p1 = lo; /* the previous chunk: its kept up/down rows still to read */
+        for (size_t c0 = lo; p0 < hi; c0 += CHUNK) {
+            const size_t c1 = c0 + CHUNK < hi ? c0 + CHUNK : hi; /* c0 >= hi: no chunk left */
+            size_t n_lines = 0;
+            for (size_t n = p0; n < p1 && c0 < hi; n++)
+                if (kept(n, j->keep_percent))
+                    add_lines(j->lines, &n_lines, pairs + n * 2 * ROW, 2 * ROW);
+            if (c0 < hi)
+                a = sum_bytes_pf(gates + c0 * ROW, (c1 - c0) * ROW, a, j->lines, n_lines);
+            for (size_t n = p0; n < p1; n++)
+                if (kept(n, j->keep_percent))
+                    a = sum_bytes(pairs + n * 2 * ROW, 2 * ROW, a);
+            p0 = c0 < hi ? c0 : hi;
+            p1 = c1;
+        }
+    } else if (j->mode == APART_AHEAD || j->mode == APART_ALL) {
+        const uint8_t *gates = j->p, *pairs = j->p + n_neurons * ROW;
+        for (size_t c0 = lo; c0 < hi; c0 += CHUNK) {
+            const size_t c1 = c0 + CHUNK < hi ? c0 + CHUNK : hi;
+            a = sum_bytes(gates + c0 * ROW, (c1 - c0) * ROW, a);
+            if (j->mode == APART_ALL) {
+                a = sum_bytes(pairs + c0 * 2 * ROW, (c1 - c0) * 2 * ROW, a);
+                continue;
+            }
+            size_t list[CHUNK], n_kept = 0;
+            for (size_t n = c0; n < c1; n++)
+                if (kept(n, j->keep_percent))
+                    list[n_kept++] = n;
+            for (size_t k = 0; k < n_kept && k < (size_t)j->ahead; k++) /* a burst to start */
+                prefetch(pairs + list[k] * 2 * ROW, 2 * ROW);
+            for (size_t k = 0; k < n_kept; k++) {
+                size_t n_lines = 0;
+                if (k + (size_t)j->ahead < n_kept)
+                    add_lines(j->lines, &n_lines, pairs + list[k + j->ahead] * 2 * ROW, 2 * ROW);
+                a = sum_bytes_pf(pairs + list[k] * 2 * ROW, 2 * ROW, a, j->lines, n_lines);
             }
         }
     } else if (j->mode == SPARSE) {
@@ -175,19 +254,29 @@ int main(int argc, char **argv) {
         return 1;
     }
     memset(p, 1, bytes);
+    const size_t chunk_lines = CHUNK * (2 * ROW / 64 + 1);
+    const uint8_t **lines = malloc((size_t)nth * chunk_lines * sizeof *lines);
+    if (lines == NULL) {
+        fprintf(stderr, "error: cannot allocate the prefetch lists\n");
+        return 1;
+    }
     const struct {
         enum mode mode;
         int ahead, keep_percent;
         const char *name;
-    } cases[] = {{CONTIGUOUS, 0, 0, "contiguous"},          {GATE_PLAIN, 0, 0, "gate rows, plain"},
-                 {GATE_PREFETCH, 2, 0, "gate rows, sw pf 2"}, {SPARSE, 2, 50, "sparse 0.5 pattern"},
-                 {SPARSE, 2, 30, "sparse 0.7 pattern"},     {SPARSE, 2, 10, "sparse 0.9 pattern"},
-                 {GATES_APART, 0, 50, "gates apart 0.5"},     {GATES_APART, 0, 10, "gates apart 0.9"}};
+    } cases[] = {
+        {CONTIGUOUS, 0, 0, "contiguous"},          {GATE_PLAIN, 0, 0, "gate rows, plain"},
+        {GATE_PREFETCH, 2, 0, "gate rows, sw pf 2"}, {SPARSE, 2, 50, "sparse 0.5 pattern"},
+        {SPARSE, 2, 30, "sparse 0.7 pattern"},     {SPARSE, 2, 10, "sparse 0.9 pattern"},
+        {GATES_APART, 0, 50, "gates apart 0.5"},     {GATES_APART, 0, 10, "gates apart 0.9"},
+        {APART_PIPELINED, 0, 50, "apart 0.5 pipelined"}, {APART_AHEAD, 4, 50, "apart 0.5 4 ahead"},
+        {APART_ALL, 0, 50, "apart, all up/down"}};
     enum { REPS = 7, N_CASES = sizeof cases / sizeof cases[0] };
     double useful[N_CASES]; /* bytes each case needs */
     for (int c = 0; c < N_CASES; c++) {
-        useful[c] = cases[c].mode == CONTIGUOUS ? (double)bytes : (double)bytes / 3;
-        const int sparse = cases[c].mode == SPARSE || cases[c].mode == GATES_APART;
+        const int all = cases[c].mode == CONTIGUOUS || cases[c].mode == APART_ALL;
+        useful[c] = all ? (double)bytes : (double)bytes / 3;
+        const int sparse = cases[c].mode >= SPARSE && !all;
         for (size_t n = 0; sparse && n < bytes / NEURON; n++)
             useful[c] += kept(n, cases[c].keep_percent) ? 2.0 * ROW : 0.0;
     }
@@ -200,7 +289,7 @@ int main(int argc, char **argv) {
             job jobs[MAX_THREADS];
             for (int t = 0; t < nth; t++) {
                 jobs[t] = (job){p, bytes, cases[c].mode, cases[c].ahead, cases[c].keep_percent,
-                                t, nth, 0, &bar};
+                                t, nth, lines + (size_t)t * chunk_lines, 0, &bar};
                 pthread_create(&th[t], NULL, run, &jobs[t]);
             }
             pthread_barrier_wait(&bar);
@@ -223,11 +312,12 @@ int main(int argc, char **argv) {
         qsort(rate, REPS, sizeof(double), cmp);
         qsort(ratio, REPS, sizeof(double), cmp);
         printf("  %-20s %6.1f / %6.1f GB/s", cases[c].name, rate[REPS / 2], rate[REPS - 1]);
-        if (cases[c].mode == SPARSE || cases[c].mode == GATES_APART)
+        if (cases[c].mode >= SPARSE)
             printf("  speedup over contiguous (same round) %.2fx median, %.2f-%.2f",
                    ratio[REPS / 2], ratio[0], ratio[REPS - 1]);
         printf("\n");
     }
+    free(lines);
     free(p);
     return 0;
 }

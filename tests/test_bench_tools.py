@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import platform
 import runpy
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -60,7 +62,7 @@ def test_cpu_tools_run_on_small_inputs(cc, tmp_path, capsys, monkeypatch):
              "0.5", "--rounds", "2", monkeypatch=monkeypatch)  # fmt: skip
     out = capsys.readouterr().out
     assert "sparsity 0.5: switch: " in out and "every layer sparse" in out
-    assert "as the switch chose" in out
+    assert "as the switch chose" in out and " ms a step)" in out
     run_tool("cpu_experts.py", "--shapes", "granite-1b-a400m", "--threads", "1", "--iters", "2",
              "--batches", "1", "--sparsity", "0", "0.5", "--read-gib", "0.01",
              "--footprint-gib", "0.01", monkeypatch=monkeypatch)  # fmt: skip
@@ -69,6 +71,30 @@ def test_cpu_tools_run_on_small_inputs(cc, tmp_path, capsys, monkeypatch):
     run_tool("read_ceilings.py", "--gib", "0.01", "0.02", "--rounds", "2", "--threads", "1",
              monkeypatch=monkeypatch)  # fmt: skip
     assert "| 0.02 | " in capsys.readouterr().out
+
+
+def test_sparse_read_ceiling_runs_every_case(tmp_path):
+    """bench/cpu_sparse_read.c at a toy size (1 thread, 8 MiB, rows of 128 bytes): every case
+    prints its rate, the sparse ones their speedup over the contiguous read."""
+    compiler = shutil.which("cc")
+    if compiler is None or platform.machine() != "x86_64" or "avx2" not in cpu_flags():
+        pytest.skip("needs a C compiler on x86-64 with AVX2")
+    exe = tmp_path / "sr"
+    src = str(BENCH / "cpu_sparse_read.c")
+    subprocess.run([compiler, "-O2", "-mavx2", "-pthread", src, "-o", str(exe)], check=True)
+    out = subprocess.run([str(exe), "1", "0.0078125", "128", "1"], check=True,
+                         capture_output=True, text=True).stdout  # fmt: skip
+    rows = [ln for ln in out.splitlines() if "GB/s" in ln and not ln.startswith("plain")]
+    assert len(rows) == 11, out
+    for name in ("apart 0.5 pipelined", "apart 0.5 4 ahead", "apart, all up/down"):
+        assert any(ln.strip().startswith(name) and "speedup" in ln for ln in rows), out
+
+
+def cpu_flags() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
 
 
 def test_cpu_decode_counts_latent_attention(tmp_path, capsys, monkeypatch):
