@@ -178,10 +178,10 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "misses", "auto", "hybrid: where an expert that is not in a GPU slot is computed: auto "
-        "(staged into the slots where they cache; in transit slots, costs measured on this "
-        "machine split each layer's misses between the CPU and staging), cpu, stage, or direct "
-        "(a decode step is one graph: the GPU reads part of each layer's misses in place from "
-        "host memory while the CPU computes the rest)",
+        "(staged into the slots where they cache; with no slots or transit slots, decode steps "
+        "as direct, and a prompt's misses split between the CPU and staging by costs measured "
+        "on this machine), cpu, stage, or direct (a decode step is one graph: the GPU reads part "
+        "of each layer's misses in place from host memory while the CPU computes the rest)",
         ("--misses",), DECODING, group="offload",
         extra={"choices": ["auto", "cpu", "stage", "direct"]},
     ),

@@ -340,10 +340,12 @@ def test_a_repeated_prefill_hits_what_the_last_one_left_in_the_slots(tmp_path_fa
 
 def test_the_stats_keep_what_the_cost_model_expected_of_each_side(olmoe, core, whole):
     """Beside the C core's seconds, the cost model's for the same CPU shares and staged experts
-    (even_costs: 1e-4 s an expert either side, nothing per call or token)."""
+    (even_costs: 1e-4 s an expert either side, nothing per call or token), in a pass the
+    model splits: a prompt under STAGE_PASS_TOKENS in transit slots (their decode steps run
+    direct)."""
     ids, _ = whole["olmoe"]
     net = hybrid(olmoe, core, 3, "auto")
-    logprobs(net, ids)
+    net.forward(ids[:N_PROMPT], net.new_cache(len(ids)))
     stats = net.offload
     assert stats.cpu_experts > 0 and stats.staged > 0
     assert stats.cpu_model_seconds == pytest.approx(1e-4 * stats.cpu_experts)
@@ -490,18 +492,22 @@ def test_routing_trace_is_the_gpu_executors(olmoe, core):
         torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(("misses", "step"), [("auto", "direct"), ("cpu", "segments")])
 @pytest.mark.parametrize("k", [1, 3])
-def test_k_experts_per_call(olmoe, core, k):
+def test_k_experts_per_call(olmoe, core, k, misses, step):
+    """Fewer experts per token through either decode step (3 transit slots: auto decodes
+    direct, the CPU's misses through the graph segments), each made once per k."""
     _, cfg, host = olmoe
     ids = ids_of(cfg, N_PROMPT + N_DECODE, seed=4)
-    ref, net = GpuExecutor(cfg, host, DEVICE), hybrid(olmoe, core, 3)
+    ref, net = GpuExecutor(cfg, host, DEVICE), hybrid(olmoe, core, 3, misses)
     cache_r, cache_n = ref.new_cache(len(ids)), net.new_cache(len(ids))
     for tokens in (ids[:N_PROMPT], *[[t] for t in ids[N_PROMPT:]]):
         want = torch.log_softmax(ref.forward(tokens, cache_r, k=k).double(), -1)
         got = torch.log_softmax(net.forward(tokens, cache_n, k=k).double(), -1)
         assert max_err(got, want) <= LOGPROB_TOL
     assert net.stats.pairs == len(ids) * k * 2
-    assert list(cache_n.executor_state["hybrid"].segments) == [(k, False)]  # made once
+    key = ("direct", k) if step == "direct" else (k, False)
+    assert list(cache_n.executor_state["hybrid"].segments) == [key]  # made once
 
 
 # -- big/little through the hybrid ------------------------------------------------------------

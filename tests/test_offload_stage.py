@@ -81,11 +81,14 @@ def test_logits_equal_the_whole_model_with_the_worker_on_auto(olmoe, core, refer
     """The default worker choice ("auto") with costs under which a staging layer hands its CPU
     share to the worker: the whole model's logits at 0 slots, transit slots and a cache, every
     placement, dense and sparse; the worker runs only where a layer stages and has a CPU share
-    (transit slots, auto: the cache does not charge the host's queueing, so it stays inline)."""
+    (transit slots, auto: the cache does not charge the host's queueing, so it stays inline).
+    Decode steps through the split, as where the direct step is unavailable (lookahead,
+    input-weighted experts, a home the GPU cannot read in place)."""
     _, cfg, host = olmoe
     monkeypatch.setattr(offload_executor, "physical_cores", lambda: core.threads + 1)
     n = {"none": 0, "transit": keep_slots(olmoe) - 1, "cache": keep_slots(olmoe)}[slots]
     net = hybrid(olmoe, core, n, misses, costs=worker_costs(host))
+    monkeypatch.setattr(net, "_direct_views", lambda: None)
     net.set_expert_threshold([THRESHOLD] * cfg.n_layer if sparse else None)
     handoffs = Handoffs(net)
     ids, want = reference
