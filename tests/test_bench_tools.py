@@ -85,8 +85,9 @@ def test_sparse_read_ceiling_runs_every_case(tmp_path):
     out = subprocess.run([str(exe), "1", "0.0078125", "128", "1"], check=True,
                          capture_output=True, text=True).stdout  # fmt: skip
     rows = [ln for ln in out.splitlines() if "GB/s" in ln and not ln.startswith("plain")]
-    assert len(rows) == 11, out
-    for name in ("apart 0.5 pipelined", "apart 0.5 4 ahead", "apart, all up/down"):
+    assert len(rows) == 13, out
+    for name in ("apart 0.5 pipelined", "apart 0.5 4 ahead", "apart, all up/down",
+                 "apart 0.9 pipelined", "apart 0.9 4 ahead"):  # fmt: skip
         assert any(ln.strip().startswith(name) and "speedup" in ln for ln in rows), out
 
 
