@@ -45,8 +45,8 @@ class CapturedPrefill(CapturedStep):
 
 
 # Prompt passes: the captured shapes a cache keeps (each graph holds the memory of its pass's
-# activations: ~0.1 GB for olmoe-1b-7b at 512 tokens), least recently used dropped first, and
-# how many shapes seen once it remembers.
+# activations in its own pool), least recently used dropped first, and how many shapes seen
+# once it remembers.
 PREFILL_GRAPHS = 4
 PREFILL_SEEN = 256
 

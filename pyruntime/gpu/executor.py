@@ -262,9 +262,9 @@ class GpuExecutor:
         Python and launch time against 10.8 ms of GPU work on an H100, and the host's pace
         differs from process to process (pp512 25-45k tok/s); a replay takes the kernels' time
         in every process. A shape (tokens, first position, k, last_only, expert maps) is
-        captured the second time it comes (the bench's repetitions, perplexity's windows, a long
-        prompt's chunks at fixed offsets), so a one-off prompt (a chat turn) never pays a
-        capture; a replay reads the new token ids from the captured span's tensor."""
+        captured the second time it comes on this cache (the bench's repetitions; not
+        perplexity's windows, each on a fresh cache), so a one-off prompt (a chat turn) never
+        pays a capture; a replay reads the new token ids from the captured span's tensor."""
         state = self._state(cache)
         key = (span.n, span.start, k, last_only, self._maps_key(maps))
         step = state.prefills.get(key)

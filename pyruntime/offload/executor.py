@@ -188,8 +188,9 @@ class HybridExecutor:
         self.streams.host_waits()
 
     def set_misses(self, misses: str, costs: Costs | None = None) -> None:
-        """Where misses are computed: auto (staged in a cache; in transit slots split by
-        `costs`, which measure_costs makes on this executor), cpu, stage, or direct."""
+        """Where misses are computed: auto (staged in a cache; with no slots or transit slots,
+        decode steps as direct and a prompt's misses split by `costs`, which measure_costs
+        makes on this executor), cpu, stage, or direct."""
         self.experts.set_misses(misses, costs)
 
     @property
