@@ -249,13 +249,14 @@ def test_gpu_mem_flag(q8, capsys):
 # -- the hybrid through pyruntime.Model ---------------------------------------------------------
 
 
-def test_model_loads_hybrid_measures_its_costs_once_and_reports_them(tmp_path, monkeypatch,
-                                                                     capsys, cc):  # fmt: skip
-    """A plan that does not hold every expert gives the hybrid (on tests/gpu_device.py's DEVICE:
-    the CPU device stands in for the GPU under the interpreter): with transit slots (3, fewer
-    than a token's 2 x 2 experts) its costs are measured once per staging mode and cached, its
-    greedy text is the CPU executor's, and Model.stats() carries the slot hits and bytes it
-    moved."""
+def greedy(model) -> str:
+    return "".join(model.generate("The hacker wrote", max_tokens=8, temp=0, ignore_eos=True))
+
+
+def hybrid_model(tmp_path, monkeypatch, n_slots: int):
+    """(path, expert sizes, the CPU executor's greedy text, a Model whose placement is forced to
+    a plan of n_slots expert slots on DEVICE), a tiny f32 olmoe (2 MoE layers, top-2), the
+    offload costs cached under tmp_path/cache."""
     from pyruntime import api, placement
     from pyruntime.api import Model
 
@@ -263,13 +264,24 @@ def test_model_loads_hybrid_measures_its_costs_once_and_reports_them(tmp_path, m
     path = convert(hf, tmp_path / "m.gguf", "f32", progress=False)
     f = open_gguf(path)
     need = device_bytes(f, ModelConfig.from_gguf(f), 64)
-    plan = plan_budget(need, need.fixed + 3 * need.expert_bytes, 64)
-    cpu = Model(path, n_ctx=64, seed=0, device="cpu")
-    want = "".join(cpu.generate("The hacker wrote", max_tokens=8, temp=0, ignore_eos=True))
+    plan = plan_budget(need, need.fixed + n_slots * need.expert_bytes, 64)
+    want = greedy(Model(path, n_ctx=64, seed=0, device="cpu"))
     monkeypatch.setattr(api, "choose_device",
                         lambda *a, **k: placement.DeviceChoice(DEVICE, None, plan))  # fmt: skip
     monkeypatch.setenv("PYRUNTIME_CACHE", str(tmp_path / "cache"))
-    m = Model(path, n_ctx=64, seed=0)
+    return path, need, want, Model(path, n_ctx=64, seed=0)
+
+
+def test_model_loads_hybrid_measures_its_costs_once_and_reports_them(tmp_path, monkeypatch,
+                                                                     capsys, cc):  # fmt: skip
+    """A plan that does not hold every expert gives the hybrid (on tests/gpu_device.py's DEVICE:
+    the CPU device stands in for the GPU under the interpreter): with transit slots (3, fewer
+    than a token's 2 x 2 experts) its costs are measured once per staging mode and cached, its
+    greedy text is the CPU executor's, and Model.stats() carries the slot hits and bytes it
+    moved."""
+    from pyruntime.api import Model
+
+    path, need, want, m = hybrid_model(tmp_path, monkeypatch, 3)
     err = capsys.readouterr().err
     hybrid = f"hybrid on {DEVICE}: dense weights and KV cache on the GPU, 3 of 16 routed experts"
     assert hybrid in err
@@ -278,8 +290,7 @@ def test_model_loads_hybrid_measures_its_costs_once_and_reports_them(tmp_path, m
     assert costs.pcie_gbs > 0 and costs.cpu_expert_s >= 0 and costs.expert_bytes > 0
     [saved] = (tmp_path / "cache" / "offload").glob("costs-*.json")
     assert json.loads(saved.read_text())["costs"]["expert_bytes"] == costs.expert_bytes
-    text = "".join(m.generate("The hacker wrote", max_tokens=8, temp=0, ignore_eos=True))
-    assert text == want
+    assert greedy(m) == want
     stats = m.stats()["offload"]
     assert stats["slots"] == 3 and stats["slot_hits"] + stats["slot_misses"] > 0
     assert stats["staged_bytes"] == stats["staged_experts"] * need.expert_bytes
@@ -295,24 +306,10 @@ def test_a_plan_whose_slots_cache_measures_no_costs(tmp_path, monkeypatch, capsy
     """Slots that hold a token's experts in every MoE layer (4 = 2 layers x top-2) are a cache,
     where auto stages every miss: nothing to measure at load, and the greedy text is the CPU
     executor's."""
-    from pyruntime import api, placement
-    from pyruntime.api import Model
-
-    hf = make_tiny_hf_model("olmoe", tmp_path / "hf", tie_word_embeddings=True)
-    path = convert(hf, tmp_path / "m.gguf", "f32", progress=False)
-    f = open_gguf(path)
-    need = device_bytes(f, ModelConfig.from_gguf(f), 64)
-    plan = plan_budget(need, need.fixed + 4 * need.expert_bytes, 64)
-    cpu = Model(path, n_ctx=64, seed=0, device="cpu")
-    want = "".join(cpu.generate("The hacker wrote", max_tokens=8, temp=0, ignore_eos=True))
-    monkeypatch.setattr(api, "choose_device",
-                        lambda *a, **k: placement.DeviceChoice(DEVICE, None, plan))  # fmt: skip
-    monkeypatch.setenv("PYRUNTIME_CACHE", str(tmp_path / "cache"))
-    m = Model(path, n_ctx=64, seed=0)
+    _, _, want, m = hybrid_model(tmp_path, monkeypatch, 4)
     assert "measuring" not in capsys.readouterr().err and m.net.costs is None
     assert not (tmp_path / "cache" / "offload").exists()
-    text = "".join(m.generate("The hacker wrote", max_tokens=8, temp=0, ignore_eos=True))
-    assert text == want
+    assert greedy(m) == want
     assert m.stats()["offload"]["cpu_experts"] == 0
 
 
