@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import statistics
 import sys
 import time
@@ -126,6 +127,14 @@ def thresholds_for(path: Path, f, sparsity: float, threads: int | None) -> list[
         ids = torch.randint(0, net.config.n_vocab, (256,), generator=g).tolist()
         calibrate(net, ids, 256, "random tokens", f.file_size).save(sidecar_path(path))
     return SparsityTable.load(path).for_sparsity(sparsity)
+
+
+def n_direct_list(text: str) -> list[float | None]:
+    """--n-direct: comma-separated misses per layer, or auto (None: the executor's default)."""
+    try:
+        return [None if x == "auto" else float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: numbers or auto, comma-separated") from None
 
 
 def slots_for(fraction: float, misses: str, n_experts: int, k: int) -> int:
@@ -318,9 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--misses", default="stage,auto",
                    help="placements: cpu, stage, auto, direct")  # fmt: skip
-    p.add_argument("--n-direct", type=float, default=None,
-                   help="misses a layer's GPU reads in place with --misses direct (default: "
-                        "from the costs)")  # fmt: skip
+    p.add_argument("--n-direct", default=[None], type=n_direct_list,
+                   help="misses a layer's GPU reads in place with --misses direct, a list "
+                        "alternated like --sparsity (auto: the executor's default)")  # fmt: skip
     p.add_argument("--sparsity", default="0,0.5", help="neuron sparsity targets")
     p.add_argument("--staging", default="register", choices=["register", "bounce", "pinned"])
     p.add_argument("--policy", default="lfru", choices=["lfru", "lru"])
@@ -444,8 +453,9 @@ def main(argv: list[str] | None = None) -> int:
                 if slots_for(fraction, misses, n_experts, cfg.n_expert_used) != slots:
                     continue
                 net.set_misses(misses, costs)
-                net.experts.n_direct = args.n_direct
-                for s in sparsities:
+                for nd, s in itertools.product(args.n_direct, sparsities):
+                    net.experts.n_direct = nd
+                    label = misses if nd is None or misses != "direct" else f"direct {nd:g}"
                     net.set_expert_threshold(thresholds[s])
                     for test, n in tests:
                         rows = {}
@@ -455,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
                             floor = ceilings.rate(misses) * 1e3 / mb if mb else None
                             vs = "- | -" if floor is None else \
                                 f"{floor:.1f} | {100 * row['tok_s'] / floor:.0f}%"  # fmt: skip
-                            print(f"| {100 * slots / n_experts:.1f}% | {slots} | {misses} "
+                            print(f"| {100 * slots / n_experts:.1f}% | {slots} | {label} "
                                   f"| {s:g} | {test}{n} | {name} "
                                   f"| {row['tok_s']:.1f} ± {row['std']:.1f} "
                                   f"| {row['hit_rate']:.3f} | {row['cpu_mb']:.2f} "

@@ -87,3 +87,26 @@ def test_a_model_whose_first_layer_is_dense(cc, tmp_path, capsys, monkeypatch):
     assert "16 routed experts of " in out  # layers 1 and 2, 8 experts each
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 50.0% ")]
     assert {(r[1], r[2], r[4]) for r in rows} == {("8", "auto", "pp4"), ("8", "auto", "tg2")}
+
+
+def test_n_direct_values_are_timed_against_each_other(cc, tmp_path, capsys, monkeypatch):
+    """--n-direct X,Y: a row per value and sparsity, each labelled with its split; 0 leaves
+    every miss to the CPU, k or more gives every miss to the GPU's in-place read."""
+    hf = make_tiny_hf_model("olmoe", tmp_path / "hf", tie_word_embeddings=True)
+    gguf = convert(hf, tmp_path / "m.gguf", "f32", progress=False)
+    argv = [str(gguf), "--device", "cpu", "-t", "1", "-p", "0", "-n", "2", "-r", "1",
+            "--fractions", "0", "--misses", "direct", "--n-direct", "0,auto,8",
+            "--sparsity", "0", "--ceiling-gib", "0.01"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["offload.py", *argv])
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    with warnings.catch_warnings(), pytest.raises(SystemExit) as done:
+        warnings.simplefilter("ignore", RuntimeWarning)
+        runpy.run_path(str(TOOL), run_name="__main__")
+    assert done.value.code == 0
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    rows = {r[2]: r for r in (line.split(" | ") for line in table)}
+    assert list(rows) == ["direct 0", "direct", "direct 8"]
+    cpu_mb, direct_mb = 8, 9  # columns: CPU MB/tok, staged (here: read in place) MB/tok
+    assert float(rows["direct 0"][direct_mb]) == 0 and float(rows["direct 0"][cpu_mb]) > 0
+    assert float(rows["direct 8"][cpu_mb]) == 0 and float(rows["direct 8"][direct_mb]) > 0
+    assert 0 < float(rows["direct"][direct_mb]) < float(rows["direct 8"][direct_mb])

@@ -30,7 +30,7 @@ from pyruntime.model.executor import RoutingTrace
 from pyruntime.model.weights import HostWeights
 from pyruntime.offload.costs import Costs
 from pyruntime.offload.executor import HybridExecutor
-from pyruntime.offload.split import STAGE_PASS_TOKENS
+from pyruntime.offload.split import DIRECT_RATE, STAGE_PASS_TOKENS
 
 LOGPROB_TOL = 1e-3
 # Where only the GPU computes, the hybrid runs the resident model's kernels: bit for bit under
@@ -173,8 +173,8 @@ def test_direct_counts_spread_a_fractional_share_over_the_layers(olmoe, core):
     assert net.experts.direct_counts(8, 6) == [3, 2, 3, 2, 3, 2]
     net.experts.n_direct = 20
     assert net.experts.direct_counts(8, 3) == [8, 8, 8]
-    net.experts.n_direct = None  # from the costs (even ones: the GPU at 0.85 of the CPU's rate)
-    assert sum(net.experts.direct_counts(8, 3)) == round(24 * 0.85 / 1.85)
+    net.experts.n_direct = None  # from the costs (even ones: the GPU at DIRECT_RATE the CPU's)
+    assert sum(net.experts.direct_counts(8, 3)) == round(24 * DIRECT_RATE / (1 + DIRECT_RATE))
 
 
 @pytest.mark.parametrize("tied", [True, False])

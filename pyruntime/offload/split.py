@@ -57,13 +57,16 @@ from pyruntime.offload.streams import DeviceStreams
 
 MISSES = ("auto", "cpu", "stage", "direct")
 # direct: the share of a layer's misses the GPU reads in place from host memory, where no
-# measured costs say otherwise: of olmoe's 8, 3 on the GPU was the fastest split measured (H100
-# host, 0 slots, the experts gathered with wide loads: 103.1 tok/s against 101.7 with 2.5 a layer
-# and 67.4 all on the CPU; bench/offload.py --misses direct --n-direct X).
-DIRECT_SHARE = 0.375
-# With measured costs, the in-place gather's rate as a share of the copy engine's (45-48 GB/s
-# against 50-53 alone, H100 host: kernels/expert_gather.py).
-DIRECT_EFFICIENCY = 0.85
+# measured costs say otherwise (0 slots): 2.75 of olmoe's 8 a layer was the fastest split, dense
+# and sparse, in one process on the H200 host (0 slots, tg128, 16 threads, the second of two
+# rounds; bench/offload.py --misses direct --n-direct 3,2.5,2.75 --sparsity 0,0.5): dense 112.4 /
+# 106.6 / 113.1 tok/s at 3 / 2.5 / 2.75, sparsity 0.5 140.2 / 135.7 / 150.7; at 0.9 2.5-3 tie.
+DIRECT_SHARE = 0.34375
+# With measured costs, the in-place gather's rate over the costs' staging rate (a copy measured
+# while the C core reads, 35-37 GB/s on the H200 host, where the gather reads at 45-50): fitted
+# so that the costs of two H200 processes give 2.75-2.9 of 8 (the old 0.85 gave 2, which lost:
+# 16 transit slots, tg64, 111.2 / 104.5 tok/s against 111.4 / 113.7 at 3).
+DIRECT_RATE = 1.36
 # A pass of this many tokens or more stages every miss (llama.cpp moves a host expert's weights
 # to the GPU for a batch of 32 tokens or more too): the cost model's CPU time, measured per pair
 # at a few tokens, is off for batches (gpt-oss-20b MXFP4, pp512 at 60% of the experts in slots,
@@ -395,7 +398,7 @@ class SplitExperts:
             share = DIRECT_SHARE
             c = self.costs
             if c is not None and c.pcie_gbs > 0 and c.cpu_expert_s > 0:
-                gpu = c.pcie_gbs * DIRECT_EFFICIENCY
+                gpu = c.pcie_gbs * DIRECT_RATE
                 cpu = c.expert_bytes / c.cpu_expert_s / 1e9
                 share = gpu / (gpu + cpu)
             x = k * share
