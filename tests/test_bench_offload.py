@@ -16,19 +16,24 @@ from pyruntime.converter import convert
 TOOL = Path(__file__).resolve().parents[1] / "bench" / "offload.py"
 
 
-def test_the_matrix_runs_and_prints_every_row(cc, tmp_path, capsys, monkeypatch):
-    hf = make_tiny_hf_model("olmoe", tmp_path / "hf", tie_word_embeddings=True)
-    gguf = convert(hf, tmp_path / "m.gguf", "f32", progress=False)
-    argv = [str(gguf), "--device", "cpu", "-t", "1", "-p", "4", "-n", "2", "-r", "1",
-            "--fractions", "0,0.5", "--misses", "cpu,stage,auto", "--sparsity", "0,0.5",
-            "--ceiling-gib", "0.01"]  # fmt: skip
+def run_tool(argv: list[str], monkeypatch, capsys) -> str:
+    """bench/offload.py run as a script with argv; its stdout (it must exit 0)."""
     monkeypatch.setattr(sys, "argv", ["offload.py", *argv])
     monkeypatch.setattr(sys, "path", list(sys.path))
     with warnings.catch_warnings(), pytest.raises(SystemExit) as done:
         warnings.simplefilter("ignore", RuntimeWarning)  # the interpreter's masked divisions
         runpy.run_path(str(TOOL), run_name="__main__")
     assert done.value.code == 0
-    out = capsys.readouterr().out
+    return capsys.readouterr().out
+
+
+def test_the_matrix_runs_and_prints_every_row(cc, tmp_path, capsys, monkeypatch):
+    hf = make_tiny_hf_model("olmoe", tmp_path / "hf", tie_word_embeddings=True)
+    gguf = convert(hf, tmp_path / "m.gguf", "f32", progress=False)
+    argv = [str(gguf), "--device", "cpu", "-t", "1", "-p", "4", "-n", "2", "-r", "1",
+            "--fractions", "0,0.5", "--misses", "cpu,stage,auto", "--sparsity", "0,0.5",
+            "--ceiling-gib", "0.01"]  # fmt: skip
+    out = run_tool(argv, monkeypatch, capsys)
     assert "ceilings (GB/s): DRAM read " in out and "costs: Costs(" in out
     table = [line for line in out.splitlines() if line.startswith("| ")][1:]  # past the head
     rows = [line.split(" | ") for line in table]
@@ -50,13 +55,7 @@ def test_big_little_rows_and_their_combination(cc, tmp_path, capsys, monkeypatch
     argv = [str(gguf), "--device", "cpu", "-t", "1", "-p", "0", "-n", "3", "-r", "1",
             "--fractions", "0.5", "--misses", "auto", "--sparsity", "0,0.5", "--ceiling-gib",
             "0.01", "--big-little", "--fallback-ratio", "0.21,0.65"]  # fmt: skip
-    monkeypatch.setattr(sys, "argv", ["offload.py", *argv])
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    with warnings.catch_warnings(), pytest.raises(SystemExit) as done:
-        warnings.simplefilter("ignore", RuntimeWarning)
-        runpy.run_path(str(TOOL), run_name="__main__")
-    assert done.value.code == 0
-    out = capsys.readouterr().out
+    out = run_tool(argv, monkeypatch, capsys)
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ")][1:]
     modes = ["plain", "little", "lossy", "verify", "verify-resident"]
     assert [r[5] for r in rows] == modes * 2  # sparsity 0, then 0.5
@@ -77,13 +76,7 @@ def test_a_model_whose_first_layer_is_dense(cc, tmp_path, capsys, monkeypatch):
     argv = [str(gguf), "--device", "cpu", "-t", "1", "-p", "4", "-n", "2", "-r", "1",
             "--fractions", "0.5", "--misses", "auto", "--sparsity", "0",
             "--ceiling-gib", "0.01"]  # fmt: skip
-    monkeypatch.setattr(sys, "argv", ["offload.py", *argv])
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    with warnings.catch_warnings(), pytest.raises(SystemExit) as done:
-        warnings.simplefilter("ignore", RuntimeWarning)  # the interpreter's masked divisions
-        runpy.run_path(str(TOOL), run_name="__main__")
-    assert done.value.code == 0
-    out = capsys.readouterr().out
+    out = run_tool(argv, monkeypatch, capsys)
     assert "16 routed experts of " in out  # layers 1 and 2, 8 experts each
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 50.0% ")]
     assert {(r[1], r[2], r[4]) for r in rows} == {("8", "auto", "pp4"), ("8", "auto", "tg2")}
@@ -97,13 +90,8 @@ def test_n_direct_values_are_timed_against_each_other(cc, tmp_path, capsys, monk
     argv = [str(gguf), "--device", "cpu", "-t", "1", "-p", "0", "-n", "2", "-r", "1",
             "--fractions", "0", "--misses", "direct", "--n-direct", "0,auto,8",
             "--sparsity", "0", "--ceiling-gib", "0.01"]  # fmt: skip
-    monkeypatch.setattr(sys, "argv", ["offload.py", *argv])
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    with warnings.catch_warnings(), pytest.raises(SystemExit) as done:
-        warnings.simplefilter("ignore", RuntimeWarning)
-        runpy.run_path(str(TOOL), run_name="__main__")
-    assert done.value.code == 0
-    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    out = run_tool(argv, monkeypatch, capsys)
+    table = [line for line in out.splitlines() if line.startswith("| ")][1:]
     rows = {r[2]: r for r in (line.split(" | ") for line in table)}
     assert list(rows) == ["direct 0", "direct", "direct 8"]
     cpu_mb, direct_mb = 8, 9  # columns: CPU MB/tok, staged (here: read in place) MB/tok
