@@ -49,8 +49,8 @@
 
 enum { CHUNK = 32, MAX_THREADS = 256 };
 /* Bytes of a row (2176: Q8_0 of 2048; 1088: of 1024, granite-1b-a400m) and of a neuron's three;
- * where the software prefetches go (_MM_HINT_T0: L1; _MM_HINT_T1: L2, as the kernel on pools of
- * up to 2 threads). Set once in main. */
+ * where the software prefetches go (_MM_HINT_T0: L1; _MM_HINT_T1: L2, as the kernel does by
+ * default). Set once in main. */
 static size_t ROW = 2176, NEURON = 3 * 2176;
 static int pf_l2 = 0;
 enum mode { CONTIGUOUS, GATE_PLAIN, GATE_PREFETCH, SPARSE, GATES_APART, APART_PIPELINED,

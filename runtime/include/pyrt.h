@@ -95,10 +95,9 @@ typedef struct {
                                     software-prefetched; 0: none; -1 (default): 4 where the
                                     prefetches go to L2, else 2. -1..64 */
     int prefetch_l2;             /* weight rows are software-prefetched into L2 (prefetcht1, 1)
-                                    or L1 (prefetcht0, 0); -1 (default): L2 on pools of up to 2
-                                    threads, where one core must stream a large share of the
-                                    weights and its L1 miss buffers cap the lines in flight,
-                                    L1 on larger ones. -1..1 */
+                                    or L1 (prefetcht0, 0); -1 (default): L2, where more lines
+                                    can be in flight than the L1 miss buffers allow (measured
+                                    faster at 1 to 16 threads: params.c). -1..1 */
     int reduce_prefetch_items;   /* routed experts: while summing the work items' partial ys,
                                     done items ahead whose part is prefetched; default 2. 0..64 */
     int fuse_attention;          /* decode step: q/k/v, attention heads and o projection in one

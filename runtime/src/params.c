@@ -50,15 +50,18 @@ int pyrt_params_check(const pyrt_params *p, const char *fn) {
     return PYRT_OK;
 }
 
-void pyrt_params_resolve(pyrt_params *p, int n_threads) {
-    /* L2 where few threads stream the weights: on the 2-core Zen 4 box, 1 thread, Q8_0, the
-     * routed experts of granite-1b-a400m's shape (n_embd 1024, n_ff 512, top-8 of 64) read at
-     * 16-21 GB/s with prefetcht1 4 neurons ahead against 11-12.5 with prefetcht0 2 ahead
-     * (prefetcht1 2 ahead: 11; burst instead of spread: 15); 2 threads 17-28 against 11.5. The
-     * L1 settings are those tuned on 16 Sapphire Rapids cores (matvec: 2 rows streamed a 650 MB
-     * Q8_0 matrix 12-14% faster than 4 on 1-2 cores there; experts: the best of 2, 4, 8). */
+void pyrt_params_resolve(pyrt_params *p) {
+    /* L2, 4 neurons / rows ahead, on every pool. 1-2 threads, where one thread streams a large
+     * share of the weights: on the 2-core Zen 4 box, 1 thread, Q8_0, the routed experts of
+     * granite-1b-a400m's shape (n_embd 1024, n_ff 512, top-8 of 64) read at 16-21 GB/s with
+     * prefetcht1 4 neurons ahead against 11-12.5 with prefetcht0 2 ahead (prefetcht1 2 ahead: 11;
+     * burst instead of spread: 15); 2 threads 17-28 against 11.5. 4-16 threads (olmoe-1b-7b
+     * Q8_0, H200 host, 16 Sapphire Rapids cores, bench/cpu_decode.py --param prefetch_l2=0/1
+     * alternated): the whole decode step at 4 / 8 / 16 threads 78-82% / 80-82% / 76-82% of its
+     * floor (paired) against 72% / 72% / 72-76% with prefetcht0 2 ahead, the settings earlier
+     * tuned there among L1 distances only. */
     if (p->prefetch_l2 < 0)
-        p->prefetch_l2 = n_threads <= 2;
+        p->prefetch_l2 = 1;
     const int ahead = p->prefetch_l2 ? 4 : 2;
     if (p->matvec_prefetch_rows < 0)
         p->matvec_prefetch_rows = ahead;

@@ -89,8 +89,8 @@ int pyrt_pool_flag_add(pyrt_pool *pool, atomic_int *flag, int n);
 
 /* PYRT_OK, or PYRT_E_INVALID with "<fn>: params.<field> = <v> is outside [lo, hi]" (params.c). */
 int pyrt_params_check(const pyrt_params *params, const char *fn);
-/* Replaces params' automatic (-1) fields by their values for a pool of n_threads. */
-void pyrt_params_resolve(pyrt_params *params, int n_threads);
+/* Replaces params' automatic (-1) fields by their values. */
+void pyrt_params_resolve(pyrt_params *params);
 /* The pool's params (as given at creation, the automatic fields resolved). */
 const pyrt_params *pyrt_pool_params(const pyrt_pool *pool);
 /* The active SIMD level's row kernels for fmt, with the pool's vnni setting. */

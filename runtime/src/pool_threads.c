@@ -263,7 +263,7 @@ int pyrt_pool_create(int n_threads, const pyrt_params *params, pyrt_pool **out) 
         return pyrt_fail(PYRT_E_NOMEM, "pyrt_pool_create: out of memory");
     memset(pool, 0, sizeof *pool);
     pool->n_threads = n_threads;
-    pyrt_params_resolve(&p, n_threads);
+    pyrt_params_resolve(&p);
     pool->params = p;
     pool->threads = calloc((size_t)n_threads, sizeof *pool->threads);
     pool->args = calloc((size_t)n_threads, sizeof *pool->args);

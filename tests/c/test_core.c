@@ -981,11 +981,11 @@ static void test_errors(void) {
     CHECK(pyrt_pool_create(2, &params, &pool) == PYRT_E_INVALID && pool == NULL &&
               strstr(pyrt_last_error(), "params.fuse_layer = 2 is outside [0, 1]") != NULL,
           "bad params: %s", pyrt_last_error());
-    /* the automatic prefetch settings: L2 and 4 ahead on up to 2 threads, L1 and 2 above */
+    /* the automatic prefetch settings: L2 and 4 ahead on every pool */
     for (int th = 1; th <= 3; th++) {
         CHECK(pyrt_pool_create(th, NULL, &pool) == PYRT_OK, "pool of %d", th);
         const pyrt_params *got = pyrt_pool_params(pool);
-        const int l2 = th <= 2, ahead = l2 ? 4 : 2;
+        const int l2 = 1, ahead = 4;
         CHECK(got->prefetch_l2 == l2 && got->matvec_prefetch_rows == ahead &&
                   got->expert_prefetch_neurons == ahead,
               "%d threads: prefetch_l2 %d, rows %d, neurons %d", th, got->prefetch_l2,

@@ -223,7 +223,7 @@ static void test_decode(void) {
     far.matvec_prefetch_rows = 7;
     far.expert_prefetch_neurons = 9;
     far.reduce_prefetch_items = 0;
-    far.prefetch_l2 = 1; /* 3 threads: L1 by default */
+    far.prefetch_l2 = 0; /* L1 (L2 by default) */
     decode_tiny_with(&t, 3, &far, c);
     CHECK(same_logits(b, c), "prefetch distances changed the logits");
     /* q/k/v and attention in one task (blocks 0 and 2: per-head norms, none) or two (serial
