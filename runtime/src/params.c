@@ -57,9 +57,9 @@ void pyrt_params_resolve(pyrt_params *p) {
      * prefetcht1 4 neurons ahead against 11-12.5 with prefetcht0 2 ahead (prefetcht1 2 ahead: 11;
      * burst instead of spread: 15); 2 threads 17-28 against 11.5. 4-16 threads (olmoe-1b-7b
      * Q8_0, H200 host, 16 Sapphire Rapids cores, bench/cpu_decode.py --param prefetch_l2=0/1
-     * alternated): the whole decode step at 4 / 8 / 16 threads 78-82% / 80-82% / 76-82% of its
-     * floor (paired) against 72% / 72% / 72-76% with prefetcht0 2 ahead, the settings earlier
-     * tuned there among L1 distances only. */
+     * alternated twice, in two runs): the whole decode step at 4 / 8 / 16 threads 78-88% /
+     * 80-94% / 76-86% of its floor (paired) against 72-77% / 72-78% / 72-83% with prefetcht0 2
+     * ahead, the settings earlier tuned there among L1 distances only. */
     if (p->prefetch_l2 < 0)
         p->prefetch_l2 = 1;
     const int ahead = p->prefetch_l2 ? 4 : 2;
