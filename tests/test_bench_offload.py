@@ -1,5 +1,6 @@
-"""bench/offload.py end to end at toy size, with torch's CPU device standing in for the GPU: every
-row of its matrix printed with its floor (the figures themselves mean nothing here)."""
+"""bench/offload.py end to end at toy size, on the GPU or (CI) with torch's CPU device standing
+in for it: every row of its matrix printed with its floor (the figures themselves mean nothing
+here)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from gpu_device import DEVICE
 from hf_fixtures import make_tiny_hf_model
 
 from pyruntime.converter import convert
@@ -30,7 +32,7 @@ def run_tool(argv: list[str], monkeypatch, capsys) -> str:
 def test_the_matrix_runs_and_prints_every_row(cc, tmp_path, capsys, monkeypatch):
     hf = make_tiny_hf_model("olmoe", tmp_path / "hf", tie_word_embeddings=True)
     gguf = convert(hf, tmp_path / "m.gguf", "f32", progress=False)
-    argv = [str(gguf), "--device", "cpu", "-t", "1", "-p", "4", "-n", "2", "-r", "1",
+    argv = [str(gguf), "--device", DEVICE, "-t", "1", "-p", "4", "-n", "2", "-r", "1",
             "--fractions", "0,0.5", "--misses", "cpu,stage,auto", "--sparsity", "0,0.5",
             "--ceiling-gib", "0.01"]  # fmt: skip
     out = run_tool(argv, monkeypatch, capsys)
@@ -52,7 +54,7 @@ def test_the_matrix_runs_and_prints_every_row(cc, tmp_path, capsys, monkeypatch)
 def test_big_little_rows_and_their_combination(cc, tmp_path, capsys, monkeypatch):
     hf = make_tiny_hf_model("olmoe", tmp_path / "hf", tie_word_embeddings=True)
     gguf = convert(hf, tmp_path / "m.gguf", "f32", progress=False)
-    argv = [str(gguf), "--device", "cpu", "-t", "1", "-p", "0", "-n", "3", "-r", "1",
+    argv = [str(gguf), "--device", DEVICE, "-t", "1", "-p", "0", "-n", "3", "-r", "1",
             "--fractions", "0.5", "--misses", "auto", "--sparsity", "0,0.5", "--ceiling-gib",
             "0.01", "--big-little", "--fallback-ratio", "0.21,0.65"]  # fmt: skip
     out = run_tool(argv, monkeypatch, capsys)
@@ -73,7 +75,7 @@ def test_a_model_whose_first_layer_is_dense(cc, tmp_path, capsys, monkeypatch):
     """deepseek2 (its first layer a dense FFN, latent attention): the matrix runs."""
     hf = make_tiny_hf_model("deepseek2", tmp_path / "hf", num_experts_per_tok=2)
     gguf = convert(hf, tmp_path / "m.gguf", "f32", progress=False)
-    argv = [str(gguf), "--device", "cpu", "-t", "1", "-p", "4", "-n", "2", "-r", "1",
+    argv = [str(gguf), "--device", DEVICE, "-t", "1", "-p", "4", "-n", "2", "-r", "1",
             "--fractions", "0.5", "--misses", "auto", "--sparsity", "0",
             "--ceiling-gib", "0.01"]  # fmt: skip
     out = run_tool(argv, monkeypatch, capsys)
@@ -87,7 +89,7 @@ def test_n_direct_values_are_timed_against_each_other(cc, tmp_path, capsys, monk
     every miss to the CPU, k or more gives every miss to the GPU's in-place read."""
     hf = make_tiny_hf_model("olmoe", tmp_path / "hf", tie_word_embeddings=True)
     gguf = convert(hf, tmp_path / "m.gguf", "f32", progress=False)
-    argv = [str(gguf), "--device", "cpu", "-t", "1", "-p", "0", "-n", "2", "-r", "1",
+    argv = [str(gguf), "--device", DEVICE, "-t", "1", "-p", "0", "-n", "2", "-r", "1",
             "--fractions", "0", "--misses", "direct", "--n-direct", "0,auto,8",
             "--sparsity", "0", "--ceiling-gib", "0.01"]  # fmt: skip
     out = run_tool(argv, monkeypatch, capsys)
