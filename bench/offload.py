@@ -328,8 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--misses", default="stage,auto",
                    help="placements: cpu, stage, auto, direct")  # fmt: skip
     p.add_argument("--n-direct", default=[None], type=n_direct_list,
-                   help="misses a layer's GPU reads in place with --misses direct, a list "
-                        "alternated like --sparsity (auto: the executor's default)")  # fmt: skip
+                   help="misses a layer's GPU reads in place in a direct step (--misses direct, "
+                        "or auto without a cache), a list alternated like --sparsity (auto: the "
+                        "executor's default)")  # fmt: skip
     p.add_argument("--sparsity", default="0,0.5", help="neuron sparsity targets")
     p.add_argument("--staging", default="register", choices=["register", "bounce", "pinned"])
     p.add_argument("--policy", default="lfru", choices=["lfru", "lru"])
@@ -455,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
                 net.set_misses(misses, costs)
                 for nd, s in itertools.product(args.n_direct, sparsities):
                     net.experts.n_direct = nd
-                    label = misses if nd is None or misses != "direct" else f"direct {nd:g}"
+                    label = misses if nd is None else f"{misses} {nd:g}"
                     net.set_expert_threshold(thresholds[s])
                     for test, n in tests:
                         rows = {}
