@@ -6,8 +6,10 @@ bandwidth.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -23,10 +25,30 @@ def warm_up(fn: Callable[[], object], n: int = 3) -> None:
     torch.cuda.current_stream().wait_stream(stream)
 
 
+@contextlib.contextmanager
+def graph_capture(graph: torch.cuda.CUDAGraph, pool=None) -> Iterator[None]:
+    """torch.cuda.graph(graph, pool=pool) with Python's cyclic garbage collector off inside.
+    A collection that runs mid-capture (any allocation may start one) finalizes whatever became
+    garbage since (an executor's registered host memory, pinned buffers, events), and those
+    finalizers' CUDA calls are not permitted while the stream captures: the capture was
+    invalidated, "operation failed due to a previous error during capture", in whichever
+    graph a test happened to capture when a collection came (a gpt-oss hybrid after another
+    test in the same process, one run in two on an H100; with the collector off, or in
+    torch's "relaxed" capture mode, both passed). torch.cuda.graph collects before it begins."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
     """fn captured in a CUDA graph (warm it up first); replay() reruns it."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         fn()
     return graph
 

@@ -143,11 +143,15 @@ def test_a_budget_below_the_dense_part_says_how_much_is_needed():
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """torch.cuda answering as a GPU with `free` bytes free (settable)."""
+    """torch.cuda answering as a GPU with `free` bytes free (settable) and nothing in torch's
+    cache (on a real GPU the tests before may have left some, which the budget counts)."""
     state = {"free": 80 << 30}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (state["free"], 80 << 30))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "Tiny GPU")
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 0)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda dev=None: 1.0)
     return state
 
 

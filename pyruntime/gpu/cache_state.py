@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from pyruntime.kernels.timing import graph_capture
 from pyruntime.model.config import ModelConfig
 from pyruntime.model.reference import model_rope_tables
 
@@ -104,6 +105,6 @@ def capture(fn: Callable[[], Any], device: torch.device, pool: Any = None) -> tu
         fn()
     current.wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with graph_capture(graph, pool):  # the garbage collector off while it captures
         outputs = fn()
     return graph, outputs
