@@ -30,6 +30,7 @@ from pyruntime.kernels.attention import decode_attention, decode_attention_ref, 
 from pyruntime.kernels.decoder_ops import add_rms_norm, qk_rope_store  # noqa: E402
 from pyruntime.kernels.q8_linear import q8_gemv, q8_linear_ref  # noqa: E402
 from pyruntime.kernels.router import add_norm_router, add_norm_router_ref, router_topk  # noqa: E402
+from pyruntime.kernels.timing import capture  # noqa: E402
 
 L, H = 16, 2048  # olmoe-1b-7b: 16 layers, n_embd 2048, 16 heads of 128, 64 experts, top-8
 N_HEAD, D, E, TOPK = 16, 128, 64, 8
@@ -40,9 +41,7 @@ def graph_us(fn, reps: int = 30) -> float:
     """Median µs of one replay of a CUDA graph of fn() (after a warm-up call)."""
     fn()
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g = capture(fn)
     g.replay()
     torch.cuda.synchronize()
     out = []
