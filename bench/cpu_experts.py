@@ -18,9 +18,12 @@ shape granite-in-cache (granite's rows, a layer small enough for L2, with --foot
 gives the same calls with no DRAM stream: the kernels' and the driver's in-cache time per neuron.
 
 --sweep times settings against each other in one process, on the first shape and format, every
-combination in turn for --rounds rounds (so drift hits all alike), median of the rounds' medians;
-each round starts with 3 reads of the read test, and a last table pairs each cell with its
-round's read rate (dense: % of it; sparse: the dense cell's time over the sparse cell's):
+combination in turn for --rounds rounds (so drift hits all alike; each round starts one
+combination further on, so none always runs first), median of the rounds' medians; each round
+starts with 3 reads of the read test, and a last table pairs each cell with its round's read
+rate (dense: % of it; sparse: the dense cell's time over the sparse cell's). Cells of identical
+code differ by up to ~10% in one sweep at 16 threads (two copies of one build, H200 host): time
+a build against a copy of itself to see the floor of what a sweep can tell apart:
 
     python bench/cpu_experts.py --sweep expert_prefetch_neurons=2,1 reduce_prefetch_items=2,6
 
@@ -179,12 +182,20 @@ class Pools:
         cpu_core._lib_handle = self.first
 
 
+def round_order(combos: list, i: int) -> list:
+    """The combinations in the order round i runs them: rotated by i, so that none always runs
+    first (right after the round's read test) or last."""
+    k = i % len(combos) if combos else 0
+    return combos[k:] + combos[:k]
+
+
 def sweep(core, layers, fmt, shape, batches, sparsities, iters, knobs, rounds, bw, read):
     """Every combination of knob values (dict name -> list of strings), interleaved over rounds;
     prints ms per call (median of the rounds' medians) and dense % of DRAM read / sparse speedup,
     first through the Python wrapper, then of the bare C call (the kernel alone), each with its
-    spread. Each round starts with 3 reads of the ReadTest `read`; the last table pairs every
-    round's cells with that round's read rate (see print_paired)."""
+    spread. Each round starts with 3 reads of the ReadTest `read`, then runs the combinations
+    in turn from the round's own starting one; the last table pairs every round's cells with
+    that round's read rate (see print_paired)."""
     n_embd, n_ff, _, _ = shape
     thresholds = act_quantiles(layers[0], fmt, n_ff, n_embd, sparsities)
     names = list(knobs)
@@ -193,10 +204,10 @@ def sweep(core, layers, fmt, shape, batches, sparsities, iters, knobs, rounds, b
     ms: dict[str, dict[tuple, list[float]]] = {"": {}, "bare_": {}}
     gbs: dict[str, dict[tuple, list[float]]] = {"": {}, "bare_": {}}
     round_bw = []  # GB/s, median of the round's 3 reads
-    for _ in range(rounds):
+    for i in range(rounds):
         time.sleep(0.002)  # past the other pools' worker spin (see Pools)
         round_bw.append(statistics.median(read.rates(3)))
-        for combo in combos:
+        for combo in round_order(combos, i):
             setting = dict(zip(names, combo, strict=True))
             lib, simd = setting.pop("LIB", None), setting.pop("SIMD", None)
             cell_core = pools.use(lib, {k: int(v) for k, v in setting.items()})

@@ -73,6 +73,26 @@ def test_cpu_tools_run_on_small_inputs(cc, tmp_path, capsys, monkeypatch):
     assert "| 0.02 | " in capsys.readouterr().out
 
 
+def test_cpu_experts_sweep_rotates_its_rounds(cc, capsys, monkeypatch):
+    """--sweep: round i runs the combinations rotated by i (none always first), and every table
+    has a row per combination (a layer in cache, 1 thread, 3 rounds)."""
+    order = load("cpu_experts").round_order
+    assert [order(["a", "b", "c"], i) for i in range(4)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]  # fmt: skip
+    run_tool("cpu_experts.py", "--shapes", "granite-in-cache", "--threads", "1", "--iters", "2",
+             "--batches", "1", "--sparsity", "0", "0.5", "--read-gib", "0.01", "--footprint-gib",
+             "0", "--rounds", "3", "--sweep", "expert_prefetch_neurons=2,4",
+             monkeypatch=monkeypatch)  # fmt: skip
+    out = capsys.readouterr().out
+    tables = out.split("\n\n| expert_prefetch_neurons |")[1:]
+    assert len(tables) == 5, out  # wrapper, its spread, bare, its spread, paired
+    for table in tables:
+        rows = [ln.split(" | ")[0] for ln in table.splitlines() if ln.startswith("| ")]
+        assert rows == ["| 2", "| 4"], table
+    paired = tables[-1].splitlines()
+    assert paired[3].count("%") == 3 and paired[3].count("x") == 3, paired  # dense %, 0.5 x
+
+
 def test_sparse_read_ceiling_runs_every_case(tmp_path):
     """bench/cpu_sparse_read.c at a toy size (1 thread, 8 MiB, rows of 128 bytes): every case
     prints its rate, the sparse ones their speedup over the contiguous read."""
