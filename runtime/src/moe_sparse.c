@@ -1,8 +1,9 @@
 /* The routed experts' neurons, neuron-sparse: per chunk of NEURON_CHUNK neurons the gates (a
- * compact list of the kept ones), then, one chunk later (software-pipelined: their rows are
- * prefetched while the next chunk's gates run), the up and down rows of the neurons whose |act|
- * reaches the threshold. Down rows go into each y in neuron order, as in dense, so a threshold
- * that drops nothing gives dense's bits (moe_neuron_ops.h: the formulas). */
+ * compact list of the kept ones), then, one chunk later (software-pipelined where the gate rows
+ * are apart: their rows are prefetched while the next chunk's gates run), the up and down rows
+ * of the neurons whose |act| reaches the threshold. Down rows go into each y in neuron order,
+ * as in dense, so a threshold that drops nothing gives dense's bits (moe_neuron_ops.h: the
+ * formulas). */
 #include <math.h>
 #include <stdint.h>
 
@@ -265,6 +266,13 @@ int64_t pyrt_moe_sparse_neurons(const moe_ctx *c, sparse_pipe *pp, int item, con
     const size_t rb = c->row_bytes;
     const int ahead = c->prefetch_ahead;
     const size_t stride = gates != NULL ? rb : 3 * rb; /* bytes from one gate row to the next */
+    /* The previous chunk's kept rows prefetched during this chunk's gates only where the gate
+     * rows are apart (one contiguous stream, which the hardware prefetcher follows): in the
+     * file's layout, where the gate rows too are software-prefetched, that lost 2-4% at 16
+     * threads (the kept rows prefetched two kept neurons ahead as they are read instead) and
+     * gained nothing at 1-8; with the gates apart it gained ~3% at 1 thread (granite-1b-a400m,
+     * docs/benchmarks.md: the sparse kernel's shape). */
+    const int pipelined = gates != NULL;
     if (gates == NULL)
         gates = expert;
     int64_t active = 0;
@@ -281,9 +289,9 @@ int64_t pyrt_moe_sparse_neurons(const moe_ctx *c, sparse_pipe *pp, int item, con
             *ch = (sparse_chunk){.expert = expert, .gates = gates, .gate_stride = stride,
                                  .bias = bias, .acc = acc, .item = item, .rc = rc, .nr = nr,
                                  .jc = jc};
-            active += sparse_gates(c, ch, nj, &gc, pp->prev);
+            active += sparse_gates(c, ch, nj, &gc, pipelined ? pp->prev : NULL);
             gc.limit = jc + nj + NEURON_CHUNK; /* at most the next chunk's gates */
-            sparse_pipe_flush(c, pp, 1, item, &gc);
+            sparse_pipe_flush(c, pp, pipelined, item, &gc);
             pp->prev = ch;
             pp->cur ^= 1;
         }
