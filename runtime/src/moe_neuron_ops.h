@@ -168,9 +168,10 @@ typedef struct {
 } down_queue;
 
 /* One thread's software pipeline over its sparse chunks, carried across experts and work items:
- * the up/down rows of a chunk are read while the gates of the thread's next chunk (whatever
- * expert or item it belongs to) are computed, so that only the thread's very last chunk waits
- * on a gather. */
+ * a chunk is finished after the gates of the thread's next chunk (whatever expert or item it
+ * belongs to); where the gate rows are apart its up/down rows are prefetched during those gates,
+ * so that only the thread's very last chunk waits on a gather (moe_sparse.c says why only
+ * there). */
 typedef struct {
     sparse_chunk chunks[2];
     int cur;            /* the chunk to fill next */

@@ -125,8 +125,8 @@ static int64_t sparse_gates(const moe_ctx *c, sparse_chunk *ch, int nj, gate_cur
 }
 
 /* Up dots and down rows of a chunk's active neurons, into its item's partial y. `prefetched`:
- * their rows were prefetched during the next chunk's gates; else (the thread's last chunk) each
- * up dot prefetches the rows of the active neuron two on. */
+ * their rows were prefetched during the next chunk's gates (pipelined); else (the file's layout,
+ * or the thread's last chunk) each up dot prefetches the rows of the active neuron two on. */
 static void sparse_finish(const moe_ctx *c, sparse_chunk *ch, int prefetched, gate_cursor *gc) {
     const size_t rb = c->row_bytes;
     const int rc = ch->rc, nr = ch->nr;
@@ -236,8 +236,8 @@ static void sparse_finish_one(const moe_ctx *c, sparse_chunk *ch, int prefetched
     }
 }
 
-/* Finishes the pipeline's pending chunk; marks its item done when the thread has moved on to
- * another item (`item_now`; -1: none, the thread's last chunk). */
+/* Finishes the pipeline's pending chunk (`prefetched`: as sparse_finish's); marks its item done
+ * when the thread has moved on to another item (`item_now`; -1: none, the thread's last chunk). */
 static void sparse_pipe_flush(const moe_ctx *c, sparse_pipe *pp, int prefetched, int item_now,
                               gate_cursor *gc) {
     sparse_chunk *prev = pp->prev;
@@ -257,9 +257,10 @@ static void sparse_pipe_flush(const moe_ctx *c, sparse_pipe *pp, int prefetched,
 }
 
 /* Neurons [j0, j1) of one expert for its routes [r0, r1), neuron-sparse: per chunk of
- * NEURON_CHUNK neurons the gates, then (one chunk later, software-pipelined) the up and down
- * rows of the neurons whose |act| reaches the threshold. Down rows go into each y in neuron
- * order, as in dense, so a threshold that drops nothing gives dense's bits. */
+ * NEURON_CHUNK neurons the gates, then (one chunk later; software-pipelined where the gate rows
+ * are apart) the up and down rows of the neurons whose |act| reaches the threshold. Down rows go
+ * into each y in neuron order, as in dense, so a threshold that drops nothing gives dense's
+ * bits. */
 int64_t pyrt_moe_sparse_neurons(const moe_ctx *c, sparse_pipe *pp, int item, const uint8_t *expert,
                                 const uint8_t *gates, const float *bias, int64_t j0, int64_t j1,
                                 int r0, int r1, float *acc) {
