@@ -21,9 +21,9 @@ gives the same calls with no DRAM stream: the kernels' and the driver's in-cache
 combination in turn for --rounds rounds (so drift hits all alike; each round starts one
 combination further on, so none always runs first), median of the rounds' medians; each round
 starts with 3 reads of the read test, and a last table pairs each cell with its round's read
-rate (dense: % of it; sparse: the dense cell's time over the sparse cell's). Cells of identical
-code differ by up to ~10% in one sweep at 16 threads (two copies of one build, H200 host): time
-a build against a copy of itself to see the floor of what a sweep can tell apart:
+rate (dense: % of it; sparse: the dense cell's time over the sparse cell's). Two copies of one
+build differed by up to 9% over 3-4 rounds at 16 threads and by 1% over 30 (bench/README.md):
+use --rounds 30, and time a build against a copy of itself to see what a sweep can tell apart:
 
     python bench/cpu_experts.py --sweep expert_prefetch_neurons=2,1 reduce_prefetch_items=2,6
 
@@ -66,6 +66,9 @@ SHAPES = {
     # 2 MiB L2 after the first call: the kernels' and the driver's time per neuron, no DRAM stream
     "granite-in-cache": (1024, 64, 8, 8),
     "qwen1.5-moe-a2.7b": (2048, 1408, 60, 4),
+    # olmoe's rows, 4x its neurons a call (16 experts of 4,096, top-8): the per-call costs (the
+    # pool's fork and join, the partial ys' sum) amortized over 4x the weights
+    "olmoe-wide4": (2048, 4096, 16, 8),
 }
 FMTS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30}
 # K-quant super-blocks (256 weights): bytes, and the offsets of their f16 scales (d, dmin)
@@ -185,7 +188,7 @@ class Pools:
 def round_order(combos: list, i: int) -> list:
     """The combinations in the order round i runs them: rotated by i, so that none always runs
     first (right after the round's read test) or last."""
-    k = i % len(combos) if combos else 0
+    k = i % len(combos)
     return combos[k:] + combos[:k]
 
 
