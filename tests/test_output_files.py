@@ -131,8 +131,11 @@ def test_the_umask_decides_the_mode(hf, tmp_path):
     assert _mode(out) == 0o640  # mkstemp alone would give 0o600
 
 
+# The child takes SIGINT as KeyboardInterrupt whatever it inherited: a shell's background job
+# (`cmd &`) ignores SIGINT, a child inherits that, and Python then installs no handler.
 SLOW_CONVERT = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {repo!r})
 from pyruntime.converter import tensors
 from pyruntime.converter.cli import main
@@ -145,19 +148,12 @@ sys.exit(main([{hf!r}, "--outfile", {out!r}, "--outtype", "f32", "--quiet"]))
 """
 
 
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 @pytest.mark.parametrize("sig, code, said", [(signal.SIGTERM, 143, "terminated"),
                                              (signal.SIGINT, 130, "interrupted")])  # fmt: skip
 def test_a_signal_removes_the_temporary_file(hf, tmp_path, sig, code, said):
     out = tmp_path / "m.gguf"
     script = SLOW_CONVERT.format(repo=str(REPO), hf=str(hf), out=str(out))
-    # SIGINT at its default in the child: a shell's background job (`cmd &`) ignores SIGINT, a
-    # child inherits that, and Python then installs no KeyboardInterrupt handler
-    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_default_sigint)  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob(".m.gguf.*.tmp")):  # the temp file sits beside the output
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
