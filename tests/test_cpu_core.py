@@ -501,6 +501,73 @@ def test_bound_call_reads_its_buffers_at_each_call(cc):
         call()
 
 
+def play_graph(flags: torch.Tensor, routing, layers, out: torch.Tensor, seq: int, ys: list,
+               gen: torch.Generator) -> None:  # fmt: skip
+    """The GPU graph's side of a hybrid decode step, played by a thread: for each MoE layer,
+    write a routing (x, ids, weights, codes 0 / 1 / 2) into the host buffers, raise the first
+    flag, wait for the host's and keep what it wrote."""
+    x, ids, w, codes = routing
+    n_expert = layers
+    for m in range(flags.shape[1]):
+        x.copy_(torch.randn(x.shape, generator=gen))
+        ids.copy_(torch.randperm(n_expert, generator=gen)[: ids.shape[1]])
+        w.copy_(torch.rand(w.shape, generator=gen))
+        codes.copy_(torch.randint(0, 3, codes.shape, generator=gen))
+        ys.append((x.clone(), ids.clone(), w.clone(), codes.clone()))
+        flags[0, m] = seq
+        while int(flags[1, m]) != seq:
+            pass
+        ys[-1] += (out.clone(),)
+
+
+@pytest.mark.parametrize("threshold", [None, 0.05])
+def test_host_step_takes_turns_with_a_graph(cc, threshold):
+    """bind_host_step: for each layer in turn the host waits for the graph's flag, computes the
+    pairs coded 2 on that layer's experts (moe_ffn's y and n_active bit for bit, 0 where none is
+    coded 2), raises its own flag; the routing is logged as read. A graph that never signals is
+    a timeout naming the layer, and the call can run again after it."""
+    import threading
+
+    cases = [make_case("Q8_0", 1, seed=30 + m) for m in range(3)]
+    _, _, x, ids, w, (n_expert, n_ff, n_embd) = cases[0]
+    x, ids, w = x.contiguous(), ids.contiguous(), w.contiguous()
+    codes = torch.zeros_like(ids)
+    out, flags = torch.empty(1, n_embd), torch.zeros(2, 3, dtype=torch.int32)
+    logits = torch.randn(1, n_expert)
+    layers = [(c[0], threshold, None) for c in cases]
+    gen = torch.Generator().manual_seed(34)
+    with cc.CpuCore(2) as core:
+        step = core.bind_host_step(layers, Q.Q8_0, n_expert, n_ff, n_embd, (x, ids, w, codes),
+                                   out, flags, 2, logits=logits, timeout_s=5.0)  # fmt: skip
+        for seq in (1, 2):
+            seen: list = []
+            graph = threading.Thread(target=play_graph, args=(flags, (x, ids, w, codes),
+                                     n_expert, out, seq, seen, gen))  # fmt: skip
+            graph.start()
+            waited, computed = step(seq)
+            graph.join()
+            assert waited >= 0 and computed > 0 and flags[1].tolist() == [seq] * 3
+            for m, (xm, idm, wm, cm, y) in enumerate(seen):
+                emap = torch.where(cm[0] == 2, idm[0], -1)
+                full = torch.full((n_expert,), -1, dtype=torch.int32)
+                full[idm[0].long()] = emap.to(torch.int32)
+                want, n_want = core.moe_ffn(cases[m][0], Q.Q8_0, n_expert, n_ff, n_embd, xm, idm,
+                                            wm, expert_map=full, threshold=threshold)  # fmt: skip
+                assert torch.equal(y, want) and step.n_active[m] == n_want, m
+                assert (step.ids_log[m] == idm[0].numpy()).all()
+                assert (step.codes_log[m] == cm[0].numpy()).all()
+                assert (step.logits_log[m] == logits[0].numpy()).all()
+        short = core.bind_host_step(layers, Q.Q8_0, n_expert, n_ff, n_embd, (x, ids, w, codes),
+                                    out, flags, 2, timeout_s=0.05)  # fmt: skip
+        flags[0, 0] = 3
+        with pytest.raises(cc.CoreError, match="did not reach MoE layer 1"):
+            short(3)
+        assert flags[1].tolist() == [3, 2, 2]
+        with pytest.raises(cc.CoreError, match="codes to bind must be"):
+            core.bind_host_step(layers, Q.Q8_0, n_expert, n_ff, n_embd,
+                                (x, ids, w, codes.long()), out, flags, 2)  # fmt: skip
+
+
 def test_zero_tokens(cc):
     raw, _, x, ids, topk_w, (n_expert, n_ff, n_embd) = make_case("F32", 1, seed=1)
     with cc.CpuCore(1) as core:

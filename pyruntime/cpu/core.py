@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +59,10 @@ _LIB_NAMES = {"linux": "libpyrt.so", "darwin": "libpyrt.dylib", "win32": "pyrt.d
 
 class CoreError(PyruntimeError):
     """The C core refused a call (bad arguments, no memory) or could not be loaded."""
+
+
+class CoreTimeout(CoreError):
+    """A C call's wait for another device's signal ran out (PYRT_E_TIMEOUT)."""
 
 
 _ffi = FFI()  # declarations: the PYRT_CDEF section of the library's pyrt.h, read by _lib()
@@ -270,6 +275,32 @@ class MoeCall:
         return int(self._args[-1][0])
 
 
+class HostStep:
+    """pyrt_moe_host_step bound (CpuCore.bind_host_step): the host's turns of one hybrid decode
+    step, every MoE layer's in one C call. Calling it with the step's number runs them and
+    returns (seconds waiting for the graph's flags, seconds computing); what each layer's
+    routing held is then in ids_log / codes_log [n_layers, k] (and logits_log [n_layers,
+    n_expert] where bound with logits), the neurons each computed in n_active [n_layers]."""
+
+    __slots__ = ("_core", "_step", "_ns", "_keep", "ids_log", "codes_log", "logits_log",
+                 "n_active")  # fmt: skip
+
+    def __init__(self, core: CpuCore, step, logs: tuple, keep: tuple) -> None:
+        self._core, self._step, self._keep = core, step, keep  # keep: what step points into
+        self._ns = _ffi.new("int64_t[2]")
+        self.ids_log, self.codes_log, self.logits_log, self.n_active = logs
+
+    def __call__(self, seq: int) -> tuple[float, float]:
+        core = self._core
+        if core._pool is None:
+            raise CoreError("CpuCore is closed: create a new one")
+        status = core._lib.pyrt_moe_host_step(core._pool, self._step, seq, self._ns)
+        if status == core._lib.PYRT_E_TIMEOUT:
+            raise CoreTimeout(_ffi.string(core._lib.pyrt_last_error()).decode())
+        _check(status, "pyrt_moe_host_step")
+        return self._ns[0] * 1e-9, self._ns[1] * 1e-9
+
+
 class CpuCore:
     """Owner of the C core's thread pool; computes routed experts on the CPU.
 
@@ -400,6 +431,77 @@ class CpuCore:
             raise CoreError("a bound expert call needs at least one token")
         _, call_args, keep = args
         return MoeCall(self, call_args, keep)
+
+    def bind_host_step(
+        self,
+        layers: Sequence[tuple[np.ndarray, float | None, tuple | None]],
+        fmt: int,
+        n_expert: int,
+        n_ff: int,
+        n_embd: int,
+        routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        out: torch.Tensor,
+        flags: torch.Tensor,
+        code: int,
+        activation: str = "silu",
+        swiglu: tuple[float, float] = (1.702, 7.0),
+        logits: torch.Tensor | None = None,
+        timeout_s: float = 30.0,
+    ) -> HostStep:
+        """pyrt_moe_host_step with every argument bound once (pyrt.h): the host's side of a
+        hybrid decode step over len(layers) MoE layers, each (expert weights [n_expert, n_ff,
+        3, row] as for moe_ffn, threshold or None, biases or None). routing = (x [1, n_embd]
+        f32, ids [1, k] int32, weights [1, k] f32, codes [1, k] int32): the buffers the graph
+        writes each layer's routing into; out [1, n_embd] f32 the host's share (y); flags [2,
+        n_layers] int32; the pairs coded `code` are computed here; logits [1, n_expert] f32:
+        logged per layer as well. Every tensor contiguous on the CPU as moe_ffn takes it: the
+        call reads them where they are."""
+        x, ids, w, codes = routing
+        k = ids.shape[1]
+        n_layers = len(layers)
+        f32, i32 = torch.float32, torch.int32
+        for name, t, dtype, shape in (("x", x, f32, (1, n_embd)), ("ids", ids, i32, (1, k)),
+                                      ("weights", w, f32, (1, k)), ("codes", codes, i32, (1, k)),
+                                      ("out", out, f32, (1, n_embd)),
+                                      ("flags", flags, i32, (2, n_layers)),
+                                      ("logits", logits, f32, (1, n_expert))):  # fmt: skip
+            if t is not None and (_as_cpu(t, dtype, name, 2) is not t or t.shape != shape):
+                raise CoreError(f"{name} to bind must be a contiguous CPU {dtype} tensor of "
+                                f"shape {shape}, got {_describe(t)}")  # fmt: skip
+        experts, keep = [], [x, ids, w, codes, out, flags, logits]
+        for gud, threshold, bias in layers:
+            if threshold is not None and not threshold >= 0:
+                raise CoreError(f"threshold must be >= 0, got {threshold}")
+            args = self._moe_args(gud, fmt, n_expert, n_ff, n_embd, x, ids, w, activation,
+                                  None, out, None, bias, swiglu, None)  # fmt: skip
+            experts.append(args[1][1])
+            keep.append(args[2])
+        array = _ffi.new("const pyrt_experts *[]", experts)
+        thresholds = _ffi.new("float[]", [0.0 if t is None else float(t) for _, t, _ in layers])
+        ids_log = np.zeros((n_layers, k), dtype=np.int32)
+        codes_log = np.zeros((n_layers, k), dtype=np.int32)
+        logits_log = None if logits is None else np.zeros((n_layers, n_expert), np.float32)
+        n_active = np.zeros(n_layers, dtype=np.int64)
+
+        def ptr(kind: str, a) -> object:
+            if a is None:
+                return _ffi.NULL
+            return _ffi.cast(kind, a.data_ptr() if isinstance(a, torch.Tensor) else
+                             a.ctypes.data)  # fmt: skip
+
+        step = _ffi.new("pyrt_host_step *", {
+            "n_layers": n_layers, "k": k, "code": code, "activation": ACTIVATIONS[activation],
+            "layers": array, "thresholds": thresholds,
+            "x": ptr("const float *", x), "ids": ptr("const int32_t *", ids),
+            "w": ptr("const float *", w), "codes": ptr("const int32_t *", codes),
+            "y": ptr("float *", out), "flags": ptr("int32_t *", flags),
+            "ids_log": ptr("int32_t *", ids_log), "codes_log": ptr("int32_t *", codes_log),
+            "logits": ptr("const float *", logits), "n_logits": 0 if logits is None else n_expert,
+            "logits_log": ptr("float *", logits_log), "n_active": ptr("int64_t *", n_active),
+            "timeout_ns": int(timeout_s * 1e9),
+        })  # fmt: skip
+        keep += [experts, array, thresholds]
+        return HostStep(self, step, (ids_log, codes_log, logits_log, n_active), tuple(keep))
 
     def _moe_args(self, gud, fmt, n_expert, n_ff, n_embd, x, topk_ids, topk_w, activation,
                   threshold, out, expert_map, bias, swiglu, gates):  # fmt: skip

@@ -416,16 +416,16 @@ class HybridExecutor:
                 FORMAT_NAMES[first.qtype], self.slots.tensor if self.slots.n_slots else None,
                 self.config.n_expert,
                 lambda m, count: self.experts.direct_cpu_share(m, graph, graph.trace, count),
+                lambda step: self.experts.direct_host_step(graph, graph.trace, step),
                 host_embedding=self.embedding is not None,
             )  # fmt: skip
             state.segments[key] = graph
         graph.trace = trace
         self._embed_step(graph, token)
-        table, resident = graph.table.numpy(), []
-        for m, i in enumerate(self._moe):
-            row = self.cache.residency.slots[i]
-            table[m] = row
-            resident += row[row >= 0].tolist()
+        table = graph.table.numpy()
+        slots = self.cache.residency.slots
+        np.stack([slots[i] for i in self._moe], out=table)
+        resident = table[table >= 0].tolist()
         graph.n_direct.numpy()[:] = self.experts.direct_counts(k, len(self._moe))
         if resident:
             self.slots.wait_ready(resident)

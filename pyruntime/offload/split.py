@@ -31,6 +31,7 @@ this layer computes, held until that layer's lookup.
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import threading
 import time
@@ -52,7 +53,7 @@ from pyruntime.offload.home import ExpertHome
 from pyruntime.offload.segments import DecodeSegments, HybridStep
 from pyruntime.offload.slots import ExpertSlots
 from pyruntime.offload.stats import OffloadStats, PartTimer
-from pyruntime.offload.step_graph import CPU, DIRECT
+from pyruntime.offload.step_graph import CPU, DIRECT, HOST_WAIT_S
 from pyruntime.offload.streams import DeviceStreams
 
 MISSES = ("auto", "cpu", "stage", "direct")
@@ -403,7 +404,7 @@ class SplitExperts:
                 share = gpu / (gpu + cpu)
             x = k * share
         x = max(0.0, min(float(k), x))
-        return [int(np.floor((j + 1) * x + 0.5) - np.floor(j * x + 0.5)) for j in range(n_layers)]
+        return [math.floor((j + 1) * x + 0.5) - math.floor(j * x + 0.5) for j in range(n_layers)]
 
     def direct_cpu_share(self, m: int, graph, trace: list | None, count: bool = True) -> None:
         """The host's part of MoE layer m in a direct step (StepGraph.cpu_share): the pairs the
@@ -430,6 +431,52 @@ class SplitExperts:
         if count:
             self.offload.cpu_seconds += time.perf_counter() - t
             self._count_cpu(len(cpu), len(cpu), n_active)
+
+    def direct_host_step(self, graph, trace: list | None, seq: int) -> float:
+        """The host's turns of a replayed direct step (StepGraph.host_step): every MoE layer's
+        CPU share in one C call (CpuCore.bind_host_step, bound once to the graph's buffers),
+        then what direct_cpu_share counts per layer, from the call's logs of the routing.
+        Returns the seconds the host waited for the graph's signals."""
+        thresholds = [None if self.threshold is None else self.threshold[i] for i in self.moe]
+        views = [self.home.cpu_view(i) for i in self.moe]
+        bound = graph.cpu_calls.get("step")
+        if (
+            bound is None
+            or bound[0] != thresholds
+            or any(a is not b for a, b in zip(bound[1], views, strict=True))
+        ):
+            cfg, blocks = self.config, self.host.blocks
+            first = blocks[self.moe[0]].experts
+            layers = [(view, t, blocks[i].experts.bias_pair) for i, view, t in
+                      zip(self.moe, views, thresholds, strict=True)]  # fmt: skip
+            call = self.core.bind_host_step(
+                layers, self.fmt, first.n_expert, first.n_ff, first.n_embd,
+                (graph.h, graph.ids, graph.weights, graph.codes), graph.y_cpu, graph.flags, CPU,
+                cfg.activation, first.swiglu, graph.router_logits, HOST_WAIT_S,
+            )  # fmt: skip
+            bound = graph.cpu_calls["step"] = (thresholds, views, call)
+        call = bound[2]
+        waited, computed = call(seq)
+        self._count_direct_step(call, trace)
+        self.offload.cpu_seconds += computed
+        return waited
+
+    def _count_direct_step(self, call, trace: list | None) -> None:
+        """direct_cpu_share's counts for a whole step, from the host step's logs."""
+        ids, codes, n_active = call.ids_log, call.codes_log, call.n_active
+        cpu = codes == CPU
+        if trace is not None:
+            for m in range(len(self.moe)):
+                trace.append((torch.from_numpy(ids[m]).long(),
+                              torch.from_numpy(call.logits_log[m].copy())))  # fmt: skip
+        if self.slots.n_slots:  # the policy's clock and the hit counts, layer by layer
+            for m, i in enumerate(self.moe):
+                self.cache.lookup(i, ids[m].tolist())
+        n_cpu = int(cpu.sum())
+        self.stats.add_pairs(codes.size - n_cpu, self.config.n_ff_exp)
+        self.offload.direct += int((codes == DIRECT).sum())
+        if n_cpu:
+            self._count_cpu(n_cpu, n_cpu, int(n_active.sum()))
 
     # -- the CPU's share --------------------------------------------------------------------------
 

@@ -15,9 +15,11 @@ graph applies on the device, so the step is captured whole. Per MoE layer, on th
     absorb: one kernel waits until flags[1, m] == step and adds y_cpu, read in place, to y_gpu;
     on.
 
-and on the host, after the replay is queued, for each MoE layer: spin until flags[0, m] == step,
-the C core's call over the pairs coded 2 (bound once to the buffers, CpuCore.bind_moe) into
-y_cpu, flags[1, m] = step (kernels.host_flags: a round trip ~4.4 us). The slots stay as they are
+and on the host, after the replay is queued, one C call (CpuCore.bind_host_step, bound once to
+the buffers) for each MoE layer in turn: spin until flags[0, m] == step, compute the pairs coded
+2 into y_cpu, flags[1, m] = step (kernels.host_flags: a round trip ~4.4 us); no Python between
+the layers (a turn in Python cost ~45 us of host time a layer, H100 host), the routing logged
+for the step's counts after it. The slots stay as they are
 during the step (the cache is not updated by a decode step in this mode: its hits are what a
 prefill or a prefetch left there); the table of which slot holds what is copied up at each
 step's start.
@@ -29,7 +31,6 @@ is such an eager run.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -40,6 +41,7 @@ from kernels.expert_formats import generic_only
 from kernels.expert_gather import gather_experts, gather_neuron_rows
 from kernels.moe_sparse import moe_gate, moe_sparse_up_down
 from kernels.sparse_mask import sparse_mask
+from pyruntime.cpu.core import CoreTimeout
 from pyruntime.errors import DeviceMemoryError
 from pyruntime.gpu import cache_state
 from pyruntime.gpu.layers import DecoderLayers, Routed, Span
@@ -57,14 +59,15 @@ class StepGraph(HybridStep):
     the segments' own (y_gpu, a graph per segment, the GPU share's expert map and graphs).
     direct[m]: MoE layer m's experts read in place (ExpertHome.device_view),
     fmt: their GGUF format; slots: the slot tensor, in the layers' slot format (None: no
-    slots); cpu_share(m, count): the host's share of MoE layer m (reads ids, codes, h,
-    weights, writes y_cpu; count: in the stats, False for the capture's warm-up run);
-    host_embedding: as HybridStep's."""
+    slots); cpu_share(m, count): the host's share of MoE layer m in an eager run (reads ids,
+    codes, h, weights, writes y_cpu; count: in the stats, False for the capture's warm-up
+    run); host_step(step): the host's turns of a replay (module doc), returning the seconds
+    it waited for the graph; host_embedding: as HybridStep's."""
 
     def __init__(self, layers: DecoderLayers, moe: list[int], cache: KVCache, span: Span, k: int,
                  device: torch.device, direct: list[torch.Tensor], fmt: str,
                  slots: torch.Tensor | None, n_expert: int,
-                 cpu_share: Callable[[int, bool], None],
+                 cpu_share: Callable[[int, bool], None], host_step: Callable[[int], float],
                  host_embedding: bool = False) -> None:  # fmt: skip
         n_moe = len(moe)
         # beside the routing: each pair's code [1, k], the flags [2, n_moe] (0: the graph's
@@ -79,7 +82,7 @@ class StepGraph(HybridStep):
         }  # fmt: skip
         super().__init__(layers, moe, cache, span, k, device, host_embedding, host)
         self.direct, self.fmt, self.slots = direct, fmt, slots
-        self.cpu_share = cpu_share
+        self.cpu_share, self.host_step = cpu_share, host_step
         t = self.host_buffers
         self.codes, self.flags, self.table = t["codes"], t["flags"], t["table"]
         self.n_direct = t["n_direct"]
@@ -98,13 +101,16 @@ class StepGraph(HybridStep):
         self._n_direct_dev = torch.zeros(n_moe, dtype=torch.int32, device=device)
         self._dmap_slots = torch.full((n_expert,), -1, dtype=torch.int32, device=device)
         self._dmap_direct = torch.full((n_expert,), -1, dtype=torch.int32, device=device)
-        self._codes_dev = torch.zeros(k, dtype=torch.int32, device=device)
         self._rows_dev = torch.zeros(k, dtype=torch.int32, device=device)
         self._seq = torch.zeros(1, dtype=torch.int32, device=device)
-        # per step: [neurons the GPU's pairs kept (all of them where the dense path ran),
-        # bytes the direct pairs read from host memory]
-        self._counts = torch.zeros(2, dtype=torch.int64, device=device)
-        self._gpu_active, self._direct_bytes = self._counts[0], self._counts[1]
+        # the step's log [n_moe, 3, k] for counts(), summed on the host after the step (not in
+        # the graph: sums a layer are ~a dozen one-microsecond kernels, ~0.3 ms a token on the
+        # GPU's path): per MoE layer, [0] the pairs' codes (written by the placement itself),
+        # [1] / [2] the neurons the slots' / the direct pairs' sparse kernels kept per pair (0
+        # for the other pairs); sparse[m] = which of the two ran sparse at layer m (fixed at
+        # capture, as the graph's kernels are)
+        self._log = torch.zeros((n_moe, 3, k), dtype=torch.int32, device=device)
+        self._sparse = [(False, False)] * n_moe
         shape = direct[0].shape  # [n_expert, n_ff, 3, row]
         self._row_bytes = shape[3] * direct[0].element_size()
         self._expert_bytes = shape[1] * 3 * self._row_bytes
@@ -116,9 +122,10 @@ class StepGraph(HybridStep):
 
     def step(self) -> float:
         """Run one decode step (table and n_direct set by the caller); y_cpu's of every MoE
-        layer computed by cpu_share; logits in self.logits once the stream is done. Returns
-        the seconds the host waited for the graph's signals (the GPU's dense work between
-        two layers' experts, and the signal's trip)."""
+        layer computed by host_step (by cpu_share where the step runs eagerly); logits in
+        self.logits once the stream is done. Returns the seconds the host waited for the
+        graph's signals (the GPU's dense work between two layers' experts, and the signal's
+        trip)."""
         if not self.capture:
             self._step()
             return 0.0
@@ -134,18 +141,13 @@ class StepGraph(HybridStep):
                 recurrent.load(saved)
         self.host_seq += 1
         self._graph.replay()
-        flags = self.flags.numpy()
-        waited = 0.0
         try:
-            for m in range(len(self.moe)):
-                t = time.perf_counter()
-                self._await_gpu(flags, m)
-                waited += time.perf_counter() - t
-                self.cpu_share(m, True)
-                flags[1, m] = self.host_seq
-        except BaseException:
-            flags[1, :] = self.host_seq  # let the graph run to its end before raising
+            waited = self.host_step(self.host_seq)
+        except BaseException as e:
+            self.flags[1, :] = self.host_seq  # let the graph run to its end before raising
             torch.cuda.current_stream(self.device).synchronize()
+            if isinstance(e, CoreTimeout):
+                raise DeviceMemoryError(f"the decode step's GPU graph stalled ({e})") from None
             raise
         torch.cuda.current_stream(self.device).synchronize()
         if int(self._failed.item()):
@@ -155,19 +157,19 @@ class StepGraph(HybridStep):
     def counts(self) -> tuple[int, int]:
         """The last step's (neurons the GPU's pairs kept, bytes its direct pairs read from
         host memory), after it."""
-        active, direct_bytes = self._counts.tolist()
-        return active, direct_bytes
-
-    def _await_gpu(self, flags: np.ndarray, m: int) -> None:
-        """Spin until the graph signalled MoE layer m of this step."""
-        if flags[0, m] == self.host_seq:
-            return
-        deadline = time.perf_counter() + HOST_WAIT_S
-        while flags[0, m] != self.host_seq:
-            if time.perf_counter() > deadline:
-                raise DeviceMemoryError(
-                    f"the decode step's graph did not reach MoE layer {m} in {HOST_WAIT_S:g} s"
-                )
+        log = self._log.cpu().numpy().astype(np.int64)
+        codes, kept = log[:, 0], log[:, 1:].sum(axis=2)  # [n_moe, k], [n_moe, 2]
+        sparse = np.array(self._sparse, dtype=bool)  # [n_moe, 2]
+        n_ff = self.layers.config.n_ff_exp
+        n_direct = (codes == DIRECT).sum(axis=1)
+        gpu_active = np.where(sparse[:, 1], kept[:, 1], n_direct * n_ff).sum()
+        if self.slots is not None:
+            n_slot = (codes == SLOT).sum(axis=1)
+            gpu_active += np.where(sparse[:, 0], kept[:, 0], n_slot * n_ff).sum()
+        # sparse: every gate row, then the kept neurons' up and down rows; dense: whole experts
+        direct_bytes = np.where(sparse[:, 1], (n_direct * n_ff + 2 * kept[:, 1]) * self._row_bytes,
+                                n_direct * self._expert_bytes).sum()  # fmt: skip
+        return int(gpu_active), int(direct_bytes)
 
     # -- the step's device work -------------------------------------------------------------------
 
@@ -175,7 +177,6 @@ class StepGraph(HybridStep):
         capturing = self.cuda and torch.cuda.is_current_stream_capturing()
         if capturing:
             host_flags.advance(self._seq)
-        self._counts.zero_()
         self._table_dev.copy_(self.table, non_blocking=True)
         self._n_direct_dev.copy_(self.n_direct, non_blocking=True)
         for m in range(len(self.moe) + 1):
@@ -196,7 +197,8 @@ class StepGraph(HybridStep):
         routing published to the host) in one launch, the GPU's share, then the two shares
         added into self._y_sum once the host's is there."""
         ids = r.ids[0]  # [k]
-        out = (self._codes_dev, self._rows_dev, self._dmap_slots, self._dmap_direct)
+        codes = self._log[m, 0]
+        out = (codes, self._rows_dev, self._dmap_slots, self._dmap_direct)
         publish = None
         if capturing:
             publish = (r.weights[0], r.h32[0], r.logits[0], self._mapped_out, self._flags_dev[0],
@@ -204,34 +206,31 @@ class StepGraph(HybridStep):
         host_flags.place(ids, self._table_dev[m], self._n_direct_dev[m : m + 1], out, publish)
         if not capturing:
             HybridStep._publish(self, self.moe[m], r)
-            self.codes.copy_(self._codes_dev[None], non_blocking=True)
+            self.codes.copy_(codes[None], non_blocking=True)
             if self.cuda:
                 torch.cuda.current_stream(self.device).synchronize()
             self.cpu_share(m, not self._warming)
         y = None
         i = self.moe[m]
-        n_ff = self.layers.config.n_ff_exp
-        codes = self._codes_dev
+        slots_sparse = False
         if self.slots is not None:
             y, active = self.layers.routed_experts(i, r, self._dmap_slots, self.slots)
-            self._gpu_active += (codes == SLOT).sum() * n_ff if active is None else active.sum()
+            slots_sparse = active is not None
+            if slots_sparse:
+                self._log[m, 1].copy_(active[0])
         # the direct pairs' experts gathered into the buffer (wide loads over PCIe), direct
         # pair j's into buffer row rows[j] (its rank among the misses, < n_direct <= k), then
         # computed from there; with sparsity only the rows the sparse kernels read
         threshold = self._sparse_threshold(i)
-        n_direct = (codes == DIRECT).sum()
         if threshold is not None:
             y_direct, active = self._sparse_direct(m, r, threshold)
-            self._direct_bytes += n_direct * n_ff * self._row_bytes  # the gate rows
-            self._direct_bytes += active.sum() * 2 * self._row_bytes  # the kept up/down rows
+            self._log[m, 2].copy_(active[0])
         else:
             gather_experts(self.direct[m], self._gathered_experts, ids, codes, self._rows_dev,
                            DIRECT)  # fmt: skip
-            y_direct, active = self.layers.routed_experts(i, r, self._dmap_direct,
-                                                          self._gathered_experts,
-                                                          self.fmt)  # fmt: skip
-            self._direct_bytes += n_direct * self._expert_bytes
-        self._gpu_active += n_direct * n_ff if active is None else active.sum()
+            y_direct, _ = self.layers.routed_experts(i, r, self._dmap_direct,
+                                                     self._gathered_experts, self.fmt)  # fmt: skip
+        self._sparse[m] = (slots_sparse, threshold is not None)
         y = y_direct if y is None else y + y_direct
         if capturing:
             host_flags.absorb(self._flags_dev[1], self._seq, self._failed, m, y[0],
@@ -257,7 +256,7 @@ class StepGraph(HybridStep):
         gathered, the gate dots and the mask from HBM, then only the kept neurons' up and down
         rows gathered and computed. Returns (y [1, n_embd] f32, active [1, k] int32)."""
         src, buf, dmap = self.direct[m], self._gathered_experts, self._dmap_direct
-        ids, codes, rows = r.ids[0], self._codes_dev, self._rows_dev
+        ids, codes, rows = r.ids[0], self._log[m, 0], self._rows_dev
         gather_neuron_rows(src, buf, ids, codes, rows, DIRECT, (0, 1))
         gate = moe_gate(r.h, buf, self.fmt, r.ids, path="gemv", expert_map=dmap)  # [k, n_ff]
         idx, act, count = sparse_mask(gate, threshold, self.layers.config.activation,

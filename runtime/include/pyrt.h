@@ -26,7 +26,7 @@ extern "C" {
 /* PYRT_CDEF_BEGIN */
 /* This header's version of the API: raised whenever a declaration below changes, so that a
  * caller declared from one header refuses a library built from another (pyrt_api_version). */
-enum { PYRT_API_VERSION = 9 };
+enum { PYRT_API_VERSION = 10 };
 
 /* Status codes. */
 enum {
@@ -34,7 +34,8 @@ enum {
     PYRT_E_INVALID = 1,     /* an argument is invalid: message says which */
     PYRT_E_NOMEM = 2,       /* allocation failed */
     PYRT_E_UNSUPPORTED = 3, /* valid request this build or CPU cannot do */
-    PYRT_E_SYSTEM = 4       /* the OS refused (thread creation, ...) */
+    PYRT_E_SYSTEM = 4,      /* the OS refused (thread creation, ...) */
+    PYRT_E_TIMEOUT = 5      /* a wait for another device's signal ran out */
 };
 
 /* Weight formats: ggml's type numbers (GGMLQuantizationType in the gguf package). */
@@ -199,6 +200,44 @@ typedef struct {
 int pyrt_moe_ffn(pyrt_pool *pool, const pyrt_experts *experts, const float *x, int n_tokens,
                  const int32_t *topk_ids, const float *topk_w, int k, int activation,
                  float threshold, float *y, int64_t *n_active);
+
+/* The host's side of a hybrid decode step (pyruntime/offload/step_graph.py): a GPU graph and
+ * this call take turns at each of n_layers MoE layers, through flags in page-locked host memory
+ * the graph reads and writes over PCIe. For layer m in order: wait until flags[m] == seq (the
+ * graph has written layer m's routing, one token's, into x / ids / w / codes); compute its pairs
+ * whose code is `code` with experts layers[m] (whose expert_map is ignored: the pairs so coded
+ * choose the experts, so each layer holds all n_expert, n_slots == n_expert) at threshold
+ * thresholds[m] into y (0 where no pair is so coded); then flags[n_layers + m] = seq, the
+ * graph's signal to read y. The routing buffers are overwritten at the next layer, so what a
+ * caller needs after the step is logged as read. */
+typedef struct {
+    int n_layers;
+    int k;                              /* pairs per token */
+    int code;                           /* the pairs' code computed here */
+    int activation;                     /* PYRT_ACT_* */
+    const pyrt_experts *const *layers;  /* [n_layers] */
+    const float *thresholds;            /* [n_layers]: >= 0, 0 dense (pyrt_moe_ffn's) */
+    const float *x;                     /* [n_embd] f32: the layer's input */
+    const int32_t *ids;                 /* [k]: expert ids */
+    const float *w;                     /* [k]: the pairs' weights */
+    const int32_t *codes;               /* [k]: each pair's code */
+    float *y;                           /* [n_embd] f32, written */
+    int32_t *flags;                     /* [2, n_layers]: (routing written, y written) */
+    int32_t *ids_log;                   /* NULL, or [n_layers, k]: ids as read */
+    int32_t *codes_log;                 /* NULL, or [n_layers, k]: codes as read */
+    const float *logits;                /* NULL, or [n_logits]: the router's logits, */
+    int n_logits;
+    float *logits_log;                  /* copied to [n_layers, n_logits] (with logits) */
+    int64_t *n_active;                  /* [n_layers] out: neurons computed (pyrt_moe_ffn's) */
+    int64_t timeout_ns;                 /* > 0: longest wait for one flag */
+} pyrt_host_step;
+
+/* Runs the step's n_layers turns (pyrt_host_step) for step number seq. ns [2] out (may be
+ * NULL): nanoseconds spent waiting for the graph's flags, and computing. A wait longer than
+ * timeout_ns returns PYRT_E_TIMEOUT (message: the layer); on any error the layers from the
+ * failing one on are left unsignalled: the caller sets flags[n_layers + m] itself so that the
+ * graph can finish. */
+int pyrt_moe_host_step(pyrt_pool *pool, const pyrt_host_step *step, int32_t seq, int64_t *ns);
 
 /* Read `bytes` of buf once, split across the pool's threads (a stream-like DRAM read test for
  * benchmarks); checksum (may be NULL) gets the sum of the 64-bit words read. */
