@@ -24,6 +24,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import gguf
@@ -501,13 +503,13 @@ def test_bound_call_reads_its_buffers_at_each_call(cc):
         call()
 
 
-def play_graph(flags: torch.Tensor, routing, layers, out: torch.Tensor, seq: int, ys: list,
-               gen: torch.Generator) -> None:  # fmt: skip
+def play_graph(flags: torch.Tensor, routing, n_expert: int, out: torch.Tensor, seq: int,
+               ys: list, gen: torch.Generator) -> None:  # fmt: skip
     """The GPU graph's side of a hybrid decode step, played by a thread: for each MoE layer,
     write a routing (x, ids, weights, codes 0 / 1 / 2) into the host buffers, raise the first
-    flag, wait for the host's and keep what it wrote."""
+    flag, wait for the host's (10 s at most) and keep what it wrote."""
     x, ids, w, codes = routing
-    n_expert = layers
+    deadline = time.monotonic() + 10.0
     for m in range(flags.shape[1]):
         x.copy_(torch.randn(x.shape, generator=gen))
         ids.copy_(torch.randperm(n_expert, generator=gen)[: ids.shape[1]])
@@ -516,7 +518,8 @@ def play_graph(flags: torch.Tensor, routing, layers, out: torch.Tensor, seq: int
         ys.append((x.clone(), ids.clone(), w.clone(), codes.clone()))
         flags[0, m] = seq
         while int(flags[1, m]) != seq:
-            pass
+            if time.monotonic() > deadline:
+                return
         ys[-1] += (out.clone(),)
 
 
@@ -525,9 +528,8 @@ def test_host_step_takes_turns_with_a_graph(cc, threshold):
     """bind_host_step: for each layer in turn the host waits for the graph's flag, computes the
     pairs coded 2 on that layer's experts (moe_ffn's y and n_active bit for bit, 0 where none is
     coded 2), raises its own flag; the routing is logged as read. A graph that never signals is
-    a timeout naming the layer, and the call can run again after it."""
-    import threading
-
+    a timeout naming the layer, the layers before it answered; a tensor the call could not
+    read in place is refused."""
     cases = [make_case("Q8_0", 1, seed=30 + m) for m in range(3)]
     _, _, x, ids, w, (n_expert, n_ff, n_embd) = cases[0]
     x, ids, w = x.contiguous(), ids.contiguous(), w.contiguous()
@@ -547,6 +549,7 @@ def test_host_step_takes_turns_with_a_graph(cc, threshold):
             waited, computed = step(seq)
             graph.join()
             assert waited >= 0 and computed > 0 and flags[1].tolist() == [seq] * 3
+            assert len(seen) == 3 and all(len(turn) == 5 for turn in seen)
             for m, (xm, idm, wm, cm, y) in enumerate(seen):
                 emap = torch.where(cm[0] == 2, idm[0], -1)
                 full = torch.full((n_expert,), -1, dtype=torch.int32)
