@@ -13,6 +13,7 @@ that a decode step's two misses go one to each side.
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -31,6 +32,7 @@ from pyruntime.model.weights import HostWeights
 from pyruntime.offload.costs import Costs
 from pyruntime.offload.executor import HybridExecutor
 from pyruntime.offload.split import DIRECT_RATE, STAGE_PASS_TOKENS
+from pyruntime.offload.step_graph import no_collection
 
 LOGPROB_TOL = 1e-3
 # Where only the GPU computes, the hybrid runs the resident model's kernels: bit for bit under
@@ -245,6 +247,26 @@ def check_sparse_experts_match(model, core, slots: int, misses: str,
 @pytest.mark.parametrize("misses", ["cpu", "stage", "auto", "direct"])
 def test_sparse_experts_match_on_both_sides(olmoe, core, misses):
     check_sparse_experts_match(olmoe, core, 3, misses, (0.2, 0.9))
+
+
+def test_no_collection_while_a_step_waits_on_the_host():
+    """The direct step's replay runs with the cyclic collector off (a finalizer freeing
+    page-locked memory would synchronize the device under a graph that waits for the host), and
+    the collector's state is back after it, also when the step raises."""
+    assert gc.isenabled()
+    with no_collection():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(KeyError), no_collection():
+        raise KeyError("a failed step")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with no_collection():
+            pass
+        assert not gc.isenabled()  # a caller's disabled collector stays disabled
+    finally:
+        gc.enable()
 
 
 def test_sparse_direct_steps_without_slots(olmoe, core):

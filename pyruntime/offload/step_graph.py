@@ -31,7 +31,9 @@ is such an eager run.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -51,6 +53,22 @@ from pyruntime.offload.segments import HybridStep
 
 HOST_WAIT_S = 30.0  # the host gives up on a flag after this long (a GPU fault)
 SLOT, DIRECT, CPU = 0, 1, 2  # a pair's code
+
+
+@contextlib.contextmanager
+def no_collection() -> Iterator[None]:
+    """No cyclic garbage collection inside: while a replayed step's graph waits for the host's
+    flags, a collected object's finalizer that frees page-locked or device memory (a dropped
+    executor's step buffers: cuMemFreeHost) synchronizes the device, so it would wait for the
+    graph, which waits for the host: a deadlock until the graph's wait gives up. Collections
+    resume after the step (the garbage is not lost, only later)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 class StepGraph(HybridStep):
@@ -140,16 +158,17 @@ class StepGraph(HybridStep):
             if saved is not None:  # the warm-up run advanced it; the replay does
                 recurrent.load(saved)
         self.host_seq += 1
-        self._graph.replay()
-        try:
-            waited = self.host_step(self.host_seq)
-        except BaseException as e:
-            self.flags[1, :] = self.host_seq  # let the graph run to its end before raising
+        with no_collection():
+            self._graph.replay()
+            try:
+                waited = self.host_step(self.host_seq)
+            except BaseException as e:
+                self.flags[1, :] = self.host_seq  # let the graph run to its end before raising
+                torch.cuda.current_stream(self.device).synchronize()
+                if isinstance(e, CoreTimeout):
+                    raise DeviceMemoryError(f"the decode step's GPU graph stalled ({e})") from None
+                raise
             torch.cuda.current_stream(self.device).synchronize()
-            if isinstance(e, CoreTimeout):
-                raise DeviceMemoryError(f"the decode step's GPU graph stalled ({e})") from None
-            raise
-        torch.cuda.current_stream(self.device).synchronize()
         if int(self._failed.item()):
             raise DeviceMemoryError("the decode step's graph gave up waiting for the host")
         return waited
