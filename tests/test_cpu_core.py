@@ -528,8 +528,8 @@ def test_host_step_takes_turns_with_a_graph(cc, threshold):
     """bind_host_step: for each layer in turn the host waits for the graph's flag, computes the
     pairs coded 2 on that layer's experts (moe_ffn's y and n_active bit for bit, 0 where none is
     coded 2), raises its own flag; the routing is logged as read. A graph that never signals is
-    a timeout naming the layer, the layers before it answered; a tensor the call could not
-    read in place is refused."""
+    a timeout naming the layer, the layers before it answered; a threshold moe_ffn would refuse
+    is refused before any layer runs; a tensor the call could not read in place is refused."""
     cases = [make_case("Q8_0", 1, seed=30 + m) for m in range(3)]
     _, _, x, ids, w, (n_expert, n_ff, n_embd) = cases[0]
     x, ids, w = x.contiguous(), ids.contiguous(), w.contiguous()
@@ -565,6 +565,12 @@ def test_host_step_takes_turns_with_a_graph(cc, threshold):
         flags[0, 0] = 3
         with pytest.raises(cc.CoreError, match="did not reach MoE layer 1"):
             short(3)
+        assert flags[1].tolist() == [3, 2, 2]
+        bad = [layers[0], (cases[1][0], float("inf"), None), layers[2]]
+        refused = core.bind_host_step(bad, Q.Q8_0, n_expert, n_ff, n_embd, (x, ids, w, codes),
+                                      out, flags, 2, timeout_s=0.05)  # fmt: skip
+        with pytest.raises(cc.CoreError, match="layer 1's threshold must be finite"):
+            refused(4)  # before any layer runs: no flag of step 4 raised
         assert flags[1].tolist() == [3, 2, 2]
         with pytest.raises(cc.CoreError, match="codes to bind must be"):
             core.bind_host_step(layers, Q.Q8_0, n_expert, n_ff, n_embd,

@@ -468,16 +468,16 @@ class CpuCore:
             if t is not None and (_as_cpu(t, dtype, name, 2) is not t or t.shape != shape):
                 raise CoreError(f"{name} to bind must be a contiguous CPU {dtype} tensor of "
                                 f"shape {shape}, got {_describe(t)}")  # fmt: skip
-        experts, keep = [], [x, ids, w, codes, out, flags, logits]
-        for gud, threshold, bias in layers:
-            if threshold is not None and not threshold >= 0:
-                raise CoreError(f"threshold must be >= 0, got {threshold}")
-            args = self._moe_args(gud, fmt, n_expert, n_ff, n_embd, x, ids, w, activation,
-                                  None, out, None, bias, swiglu, None)  # fmt: skip
-            experts.append(args[1][1])
-            keep.append(args[2])
+        experts, values, keep = [], [], [x, ids, w, codes, out, flags, logits]
+        for gud, threshold, bias in layers:  # each layer's experts and threshold as moe_ffn's
+            _, call_args, layer_keep = self._moe_args(gud, fmt, n_expert, n_ff, n_embd, x, ids,
+                                                      w, activation, threshold, out, None, bias,
+                                                      swiglu, None)  # fmt: skip
+            experts.append(call_args[1])
+            values.append(call_args[8])
+            keep.append(layer_keep)
         array = _ffi.new("const pyrt_experts *[]", experts)
-        thresholds = _ffi.new("float[]", [0.0 if t is None else float(t) for _, t, _ in layers])
+        thresholds = _ffi.new("float[]", values)  # checked by the C call before any layer runs
         ids_log = np.zeros((n_layers, k), dtype=np.int32)
         codes_log = np.zeros((n_layers, k), dtype=np.int32)
         logits_log = None if logits is None else np.zeros((n_layers, n_expert), np.float32)

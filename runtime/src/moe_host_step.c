@@ -3,6 +3,7 @@
  * to return to Python for the wait, the expert map, the call and the signal: ~45 us a layer
  * (olmoe-1b-7b, H100 host), ~0.7 ms of a ~7.5 ms token, on the serial path between the CPU's
  * share of one layer and the GPU's next. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -50,6 +51,12 @@ static int check_step(const pyrt_host_step *s) {
                              "%s: layer %d's experts are missing or not all %d experts of %d "
                              "inputs (the first layer's)",
                              fn, m, n_expert, n_embd);
+        /* pyrt_moe_ffn's own check, here before any layer runs: not mid-step */
+        if (!(s->thresholds[m] >= 0.0f) || isinf(s->thresholds[m]))
+            return pyrt_fail(PYRT_E_INVALID,
+                             "%s: layer %d's threshold must be finite and >= 0 (0 = dense), "
+                             "got %g",
+                             fn, m, (double)s->thresholds[m]);
     }
     return PYRT_OK;
 }
