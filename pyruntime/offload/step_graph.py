@@ -18,7 +18,7 @@ graph applies on the device, so the step is captured whole. Per MoE layer, on th
 and on the host, after the replay is queued, one C call (CpuCore.bind_host_step, bound once to
 the buffers) for each MoE layer in turn: spin until flags[0, m] == step, compute the pairs coded
 2 into y_cpu, flags[1, m] = step (kernels.host_flags: a round trip ~4.4 us); no Python between
-the layers (a turn in Python cost ~45 us of host time a layer, H100 host), the routing logged
+the layers (a turn in Python cost ~42 us of host time a layer, H100 host), the routing logged
 for the step's counts after it. The slots stay as they are
 during the step (the cache is not updated by a decode step in this mode: its hits are what a
 prefill or a prefetch left there); the table of which slot holds what is copied up at each

@@ -1,6 +1,6 @@
 /* The host's side of a hybrid decode step (pyrt_moe_host_step in pyrt.h): the turns of a GPU
  * graph and the C core at each MoE layer, with no Python between them. Per layer the step used
- * to return to Python for the wait, the expert map, the call and the signal: ~45 us a layer
+ * to return to Python for the wait, the expert map, the call and the signal: ~42 us a layer
  * (olmoe-1b-7b, H100 host), ~0.7 ms of a ~7.5 ms token, on the serial path between the CPU's
  * share of one layer and the GPU's next. */
 #include <math.h>
