@@ -4,6 +4,8 @@ refused pin falling back to bounce buffers."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -165,6 +167,35 @@ def test_one_registration_per_range_shared_by_its_users():
     shared.unpin(0x10000)
     assert driver.live == {} and shared.registered() == []
     shared.unpin(0x10000)  # nothing left to let go: a no-op
+
+
+def test_an_unpin_from_inside_a_section_runs_at_its_end():
+    """A cyclic collection inside a section (any allocation may start one) can finalize a
+    dropped executor, whose close() unpins on the same thread: that unpin waits for the
+    outermost section's end instead of for the thread itself (a plain lock hung the GPU test
+    set in cuts()). Played by a driver whose register unpins another span, as a finalizer
+    would; in a thread, so that a regression fails instead of hanging."""
+    shared = SharedRegistration(RecordingDriver())
+    assert shared.pin(0x10000, 0x1000, read_only=True) is None
+
+    class Finalizing(RecordingDriver):
+        def register(self, ptr: int, nbytes: int, read_only: bool) -> str | None:
+            shared.unpin(0x10000)  # a dropped executor's close(), mid-section
+            assert shared.registered() == [(0x10000, 0x11000)]  # not yet: after the section
+            return super().register(ptr, nbytes, read_only)
+
+    driver = Finalizing()
+    driver.live = shared.driver.live
+    shared.driver = driver
+    result: list = []
+    worker = threading.Thread(target=lambda: result.append(shared.pin(0x20000, 0x1000, True)),
+                              daemon=True)  # fmt: skip
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "the section's own thread waited for itself"
+    assert result == [None]
+    assert driver.live == {0x20000: (0x21000, True)}
+    assert shared.registered() == [(0x20000, 0x21000)]
 
 
 def test_a_refused_part_leaves_nothing_registered():

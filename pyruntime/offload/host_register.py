@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import threading
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -64,16 +65,38 @@ class _Range:
 
 @dataclass
 class SharedRegistration:
-    """Registered ranges with their users (module doc), over `driver`; thread-safe."""
+    """Registered ranges with their users (module doc), over `driver`; thread-safe.
+
+    A section may be re-entered by its own thread: a cyclic collection that runs inside it (any
+    allocation may start one) can finalize a dropped executor, whose close() unpins. With a
+    plain lock that thread waited for itself forever (seen on the H100: a test stuck in cuts()
+    under an executor's __del__). The lock is re-entrant and an unpin is applied when the
+    outermost section ends, never in the middle of another's walk over the ranges."""
 
     driver: Driver
     _ranges: list[_Range] = field(default_factory=list)  # disjoint, in no particular order
     _pins: dict[int, list[list[_Range]]] = field(default_factory=dict)  # ptr -> each pin's
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _lock: threading.RLock = field(default_factory=threading.RLock)
+    _depth: int = 0  # sections of the lock's holder now open
+    _unpins: list[int] = field(default_factory=list)  # unpins waiting for the outermost's end
+
+    @contextlib.contextmanager
+    def _section(self) -> Iterator[None]:
+        """The lock, held; the waiting unpins applied as the outermost section ends (those
+        its own unpins' finalizers add included)."""
+        with self._lock:
+            self._depth += 1
+            try:
+                yield
+                if self._depth == 1:
+                    while self._unpins:
+                        self._release(self._unpins.pop(0))
+            finally:
+                self._depth -= 1
 
     def pin(self, ptr: int, nbytes: int, read_only: bool) -> str | None:
         end = ptr + nbytes
-        with self._lock:
+        with self._section():
             covering = sorted((r for r in self._ranges if r.start < end and ptr < r.end),
                               key=lambda r: r.start)  # fmt: skip
             if not read_only and any(r.read_only for r in covering):
@@ -99,31 +122,35 @@ class SharedRegistration:
             return None
 
     def unpin(self, ptr: int) -> None:
-        with self._lock:
-            pins = self._pins.get(ptr)
-            if not pins:
-                return
-            used = pins.pop()
-            if not pins:
-                del self._pins[ptr]
-            for r in used:
-                r.users -= 1
-                if r.users == 0:
-                    self._ranges.remove(r)
-                    self.driver.unregister(r.start)
+        with self._section():
+            self._unpins.append(ptr)  # applied as the outermost section ends
+
+    def _release(self, ptr: int) -> None:
+        """unpin's work, inside the outermost section."""
+        pins = self._pins.get(ptr)
+        if not pins:
+            return
+        used = pins.pop()
+        if not pins:
+            del self._pins[ptr]
+        for r in used:
+            r.users -= 1
+            if r.users == 0:
+                self._ranges.remove(r)
+                self.driver.unregister(r.start)
 
     def cuts(self, ptr: int, nbytes: int) -> list[int]:
         """The offsets in (0, nbytes) where a registered range starts or ends inside
         [ptr, ptr + nbytes), ascending: a DMA copy from host memory that starts inside a
         registered range and runs past its end is refused ("invalid argument"), so a copy of
         such a span is made in pieces cut there (`dma_cuts`)."""
-        with self._lock:
+        with self._section():
             edges = {e - ptr for r in self._ranges for e in (r.start, r.end)}
         return sorted(e for e in edges if 0 < e < nbytes)
 
     def registered(self) -> list[tuple[int, int]]:
         """The (start, end) of every range registered now, in address order."""
-        with self._lock:
+        with self._section():
             return sorted((r.start, r.end) for r in self._ranges)
 
 
