@@ -97,13 +97,16 @@ class StepGraph(HybridStep):
             "flags": ((2, n_moe), torch.int32),
             "table": ((n_moe, n_expert), torch.int32),
             "n_direct": ((n_moe,), torch.int32),
+            # the step's log and its failure flag (below), copied down after each replay
+            "readback": ((n_moe * 3 * k + 1,), torch.int32),
         }  # fmt: skip
         super().__init__(layers, moe, cache, span, k, device, host_embedding, host)
         self.direct, self.fmt, self.slots = direct, fmt, slots
         self.cpu_share, self.host_step = cpu_share, host_step
         t = self.host_buffers
         self.codes, self.flags, self.table = t["codes"], t["flags"], t["table"]
-        self.n_direct = t["n_direct"]
+        self.n_direct, self._readback = t["n_direct"], t["readback"]
+        self._readback_np = self._readback.numpy()
         # the host buffers the graph writes (routing) and reads (y_cpu) in place
         mapped = [mapped_tensor(a.numpy(), device) if self.capture else None for a in
                   (self.flags, self.ids[0], self.weights[0], self.codes[0], self.h[0],
@@ -127,12 +130,17 @@ class StepGraph(HybridStep):
         # [1] / [2] the neurons the slots' / the direct pairs' sparse kernels kept per pair (0
         # for the other pairs); sparse[m] = which of the two ran sparse at layer m (fixed at
         # capture, as the graph's kernels are)
-        self._log = torch.zeros((n_moe, 3, k), dtype=torch.int32, device=device)
+        # The log and the graph's failure flag (its wait for the host gave up: 1) are one
+        # tensor, copied to the page-locked readback as one copy queued behind each replay:
+        # after the step's sync both are in host memory (a .cpu() and an .item() after the
+        # sync cost ~0.1 ms a token of host time)
+        tail = torch.zeros(n_moe * 3 * k + 1, dtype=torch.int32, device=device)
+        self._tail = tail
+        self._log, self._failed = tail[:-1].view(n_moe, 3, k), tail[-1:]
         self._sparse = [(False, False)] * n_moe
         shape = direct[0].shape  # [n_expert, n_ff, 3, row]
         self._row_bytes = shape[3] * direct[0].element_size()
         self._expert_bytes = shape[1] * 3 * self._row_bytes
-        self._failed = torch.zeros(1, dtype=torch.int32, device=device)
         self.host_seq = 0
         self._graph = None
         self._warming = False  # the capture's warm-up run: the host's share is not counted
@@ -160,6 +168,7 @@ class StepGraph(HybridStep):
         self.host_seq += 1
         with no_collection():
             self._graph.replay()
+            self._readback.copy_(self._tail, non_blocking=True)
             try:
                 waited = self.host_step(self.host_seq)
             except BaseException as e:
@@ -169,14 +178,16 @@ class StepGraph(HybridStep):
                     raise DeviceMemoryError(f"the decode step's GPU graph stalled ({e})") from None
                 raise
             torch.cuda.current_stream(self.device).synchronize()
-        if int(self._failed.item()):
+        if self._readback_np[-1]:
             raise DeviceMemoryError("the decode step's graph gave up waiting for the host")
         return waited
 
     def counts(self) -> tuple[int, int]:
         """The last step's (neurons the GPU's pairs kept, bytes its direct pairs read from
         host memory), after it."""
-        log = self._log.cpu().numpy().astype(np.int64)
+        if self._graph is None:  # an eager step: its log is on the device
+            self._readback.copy_(self._tail)
+        log = self._readback_np[:-1].reshape(self._log.shape).astype(np.int64)
         codes, kept = log[:, 0], log[:, 1:].sum(axis=2)  # [n_moe, k], [n_moe, 2]
         sparse = np.array(self._sparse, dtype=bool)  # [n_moe, 2]
         n_ff = self.layers.config.n_ff_exp
