@@ -58,15 +58,22 @@ from pyruntime.offload.streams import DeviceStreams
 
 MISSES = ("auto", "cpu", "stage", "direct")
 # direct: the share of a layer's misses the GPU reads in place from host memory, where no
-# measured costs say otherwise (0 slots): 2.75 of olmoe's 8 a layer was the fastest split, dense
-# and sparse, in one process on the H200 host (0 slots, tg128, 16 threads, the second of two
-# rounds; bench/offload.py --misses direct --n-direct 3,2.5,2.75 --sparsity 0,0.5): dense 112.4 /
-# 106.6 / 113.1 tok/s at 3 / 2.5 / 2.75, sparsity 0.5 140.2 / 135.7 / 150.7; at 0.9 2.5-3 tie.
-DIRECT_SHARE = 0.34375
+# measured costs say otherwise (0 slots): 2 of olmoe's 8 a layer, the fastest split dense (and
+# sparse, or tied) since the host's turns run in one C call, which made the CPU's share faster.
+# 0 slots, tg128, 16 threads, one process each (bench/offload.py --misses direct --n-direct
+# LIST --sparsity 0,0.5), tok/s of two rounds: H200 host, dense 139.7, 135.7 at 2 / 134.1,
+# 134.5 at 2.25 / 127.8, 126.0 at 2.5 / 118.0, 127.3 at 2.75; sparsity 0.5 169.7, 171.2 /
+# 163.1, 163.6 / 161.5, 160.0 / 156.4, 163.2. H100 host, dense 118.9, 130.2 at 2 / 114.1, 119.1
+# at 2.5 / 116.8, 117.9 at 2.75; sparse 153.6, 147.9 / 151.8, 150.6 / 157.9, 149.2. At 2.75 the
+# GPU's gathers (~41 GB/s over PCIe beside the CPU's reads) were the slower side (a kernel
+# profile, H200 host).
+DIRECT_SHARE = 0.25
 # With measured costs, the in-place gather's rate over the costs' staging rate (a copy measured
 # while the C core reads, 35-37 GB/s on the H200 host, where the gather reads at 45-50): fitted
 # so that the costs of two H200 processes give 2.75-2.9 of 8 (the old 0.85 gave 2, which lost:
-# 16 transit slots, tg64, 111.2 / 104.5 tok/s against 111.4 / 113.7 at 3).
+# 16 transit slots, tg64, 111.2 / 104.5 tok/s against 111.4 / 113.7 at 3). Measured again with
+# the host's turns in one C call, H100 host, 16 transit slots (--misses auto -p 512 -n 128): 2
+# (from 0.85) against 2.75, dense 117.2 / 112.9 tok/s, sparsity 0.5 129.0 / 146.0, 143.3: kept.
 DIRECT_RATE = 1.36
 # A pass of this many tokens or more stages every miss (llama.cpp moves a host expert's weights
 # to the GPU for a batch of 32 tokens or more too): the cost model's CPU time, measured per pair
