@@ -124,19 +124,17 @@ class StepGraph(HybridStep):
         self._dmap_direct = torch.full((n_expert,), -1, dtype=torch.int32, device=device)
         self._rows_dev = torch.zeros(k, dtype=torch.int32, device=device)
         self._seq = torch.zeros(1, dtype=torch.int32, device=device)
-        # the step's log [n_moe, 3, k] for counts(), summed on the host after the step (not in
-        # the graph: sums a layer are ~a dozen one-microsecond kernels, ~0.3 ms a token on the
-        # GPU's path): per MoE layer, [0] the pairs' codes (written by the placement itself),
-        # [1] / [2] the neurons the slots' / the direct pairs' sparse kernels kept per pair (0
-        # for the other pairs); sparse[m] = which of the two ran sparse at layer m (fixed at
-        # capture, as the graph's kernels are)
-        # The log and the graph's failure flag (its wait for the host gave up: 1) are one
-        # tensor, copied to the page-locked readback as one copy queued behind each replay:
-        # after the step's sync both are in host memory (a .cpu() and an .item() after the
-        # sync cost ~0.1 ms a token of host time)
-        tail = torch.zeros(n_moe * 3 * k + 1, dtype=torch.int32, device=device)
-        self._tail = tail
-        self._log, self._failed = tail[:-1].view(n_moe, 3, k), tail[-1:]
+        # One tensor, copied to the page-locked readback by one copy queued behind each replay
+        # (after the step's sync both parts are in host memory; a .cpu() and an .item() after
+        # it cost ~0.1 ms a token of host time): the step's log [n_moe, 3, k] for counts(),
+        # summed on the host after the step (not in the graph: sums a layer are ~a dozen
+        # one-microsecond kernels, ~0.3 ms a token on the GPU's path), and the graph's failure
+        # flag (its wait for the host gave up: 1). Per MoE layer the log holds [0] the pairs'
+        # codes (written by the placement itself), [1] / [2] the neurons the slots' / the
+        # direct pairs' sparse kernels kept per pair (0 for the other pairs); sparse[m] = which
+        # of the two ran sparse at layer m (fixed at capture, as the graph's kernels are)
+        self._tail = torch.zeros(n_moe * 3 * k + 1, dtype=torch.int32, device=device)
+        self._log, self._failed = self._tail[:-1].view(n_moe, 3, k), self._tail[-1:]
         self._sparse = [(False, False)] * n_moe
         shape = direct[0].shape  # [n_expert, n_ff, 3, row]
         self._row_bytes = shape[3] * direct[0].element_size()
