@@ -31,7 +31,7 @@ from pyruntime.model.executor import RoutingTrace
 from pyruntime.model.weights import HostWeights
 from pyruntime.offload.costs import Costs
 from pyruntime.offload.executor import HybridExecutor
-from pyruntime.offload.split import DIRECT_RATE, STAGE_PASS_TOKENS
+from pyruntime.offload.split import DIRECT_RATE, STAGE_PASS_TOKENS, CpuWorker
 from pyruntime.offload.step_graph import no_collection
 
 LOGPROB_TOL = 1e-3
@@ -267,6 +267,21 @@ def test_no_collection_while_a_step_waits_on_the_host():
         assert not gc.isenabled()  # a caller's disabled collector stays disabled
     finally:
         gc.enable()
+
+
+def test_the_cpu_worker_runs_a_job_in_the_callers_inference_mode():
+    """A job on the worker thread updates in place a tensor the caller made in inference mode
+    (the step's host buffers), and sees the caller's mode, whichever it is."""
+    worker = CpuWorker()
+    try:
+        with torch.inference_mode():
+            out = torch.zeros(3)
+            done = worker.submit(lambda: (out.add_(1.0), torch.is_inference_mode_enabled()))
+            assert done()[1]
+        assert torch.equal(out, torch.ones(3))
+        assert not worker.submit(torch.is_inference_mode_enabled)()
+    finally:
+        worker.close()
 
 
 def test_sparse_direct_steps_without_slots(olmoe, core):

@@ -87,13 +87,15 @@ def test_logits_equal_the_whole_model_on_the_gpu(llama4, core, whole, slots, mis
     assert net.stats.pairs == N_TOKENS * cfg.n_expert_used * len(net.moe_layers())
 
 
+@pytest.mark.parametrize("on_worker", [False, True])
 @pytest.mark.parametrize("misses", ["cpu", "stage", "auto"])
-def test_two_experts_a_token_each_weight_its_own_input(llama4, core, whole, misses):
+def test_two_experts_a_token_each_weight_its_own_input(llama4, core, whole, misses, on_worker):
     """At k=2 a token's two pairs scale its input by their own weights, on both sides (the
-    even costs put one of a decode step's two misses on each, in a transit slot)."""
+    even costs put one of a decode step's two misses on each, in a transit slot); the CPU's
+    share inline or on the worker thread (where it sums its pairs into the step's buffer)."""
     _, cfg, host = llama4
     ids, want = whole
-    net = hybrid(llama4, core, 1, misses)
+    net = hybrid(llama4, core, 1, misses, cpu_thread=on_worker or None)
     got = logprobs(net, ids, k=2)
     assert max_err(got, want[2]) <= LOGPROB_TOL
     assert max_err(got, want[1]) > 10 * LOGPROB_TOL  # k=2 is another model

@@ -599,7 +599,8 @@ def input_weighted_call(call, x: torch.Tensor, ids: torch.Tensor, weights: torch
 class CpuWorker:
     """One thread that runs the CPU's share of a layer while the caller queues the GPU's (the
     C core's call releases the GIL). `submit(fn)` returns a callable that waits for fn's
-    result (re-raising its exception)."""
+    result (re-raising its exception). fn runs in the caller's inference mode (a thread-local
+    of torch's: the step's host buffers are inference tensors, which fn updates in place)."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -609,14 +610,16 @@ class CpuWorker:
         self._thread.start()
 
     def _loop(self) -> None:
-        while (fn := self._jobs.get()) is not None:
+        while (job := self._jobs.get()) is not None:
+            fn, inference = job
             try:
-                self._results.put((fn(), None))
+                with torch.inference_mode(inference):
+                    self._results.put((fn(), None))
             except BaseException as exc:  # handed to the caller
                 self._results.put((None, exc))
 
     def submit(self, fn):
-        self._jobs.put(fn)
+        self._jobs.put((fn, torch.is_inference_mode_enabled()))
 
         def result():
             value, exc = self._results.get()
