@@ -9,6 +9,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from gpu_device import DEVICE
 from hf_fixtures import make_tiny_hf_model
 
 from pyruntime.converter import convert
@@ -110,18 +111,20 @@ def test_a_refused_pin_falls_back_to_bounce_buffers(host, staging):
 
 def test_slots_hold_the_experts_in_the_kernels_format(host):
     """Filled in one batch, across batches of the staging buffer, into any slots: each slot
-    holds its expert's GGUF bytes, repacked for q8_0."""
+    holds its expert's GGUF bytes, repacked for q8_0. On the test device (the repack is a
+    Triton kernel: the GPU where there is one)."""
     fmt, weights = host
     store = weights.blocks[0].experts
-    slots = ExpertSlots(5, store.n_ff, store.n_embd, fmt, CPU, DeviceStreams(CPU),
+    device = torch.device(DEVICE)
+    slots = ExpertSlots(5, store.n_ff, store.n_embd, fmt, device, DeviceStreams(device),
                         staging_buffer=2)  # fmt: skip
     assert slots.format == {"f32": "f32", "q8_0": "q8_0r"}[fmt]
-    home = open_home(weights, CPU, "bounce")
+    home = open_home(weights, device, "bounce")
     keys = [(0, 5), (1, 2), (0, 0)]
     slots.fill([4, 1, 2], home.sources(keys))
 
     def held(slot: int, layer: int, e: int) -> bool:
-        want = torch.from_numpy(weights.blocks[layer].experts.raw[e].copy())
+        want = torch.from_numpy(weights.blocks[layer].experts.raw[e].copy()).to(device)
         return torch.equal(slots.tensor[slot], repack_rows(want, fmt) if fmt == "q8_0" else want)
 
     assert all(held(s, layer, e) for s, (layer, e) in zip([4, 1, 2], keys, strict=True))
