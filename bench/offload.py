@@ -380,6 +380,11 @@ def main(argv: list[str] | None = None) -> int:
         "drafts), and the combined T / (T_l + r·T_b) for each --fallback-ratio (at a "
         "sparsity > 0 also against the dense plain step when --sparsity includes 0)",
     )
+    p.add_argument(
+        "--weights-copy",
+        action="store_true",
+        help="read the file into RAM on 2 MiB pages (option weights_copy) instead of mapping it",
+    )
     p.add_argument("--fallback-threshold", type=float, default=0.7, help="big/little's γ")
     p.add_argument(
         "--fallback-ratio", default="0.21", help="r values to combine (0.21: the paper's OLMoE)"
@@ -394,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
             make_random_gguf(args.model, path, args.outtype)
     device = torch.device(args.device)
     freeze_imports()  # as a Model does: no full collection walks torch's objects mid-step
-    f = open_gguf(path)
+    f = open_gguf(path, in_ram=args.weights_copy)
     cfg = ModelConfig.from_gguf(f)
     host = HostWeights.from_gguf(f, cfg)
     n_experts = sum(cfg.n_expert for b in host.blocks if b.experts is not None)
