@@ -181,6 +181,28 @@ def test_cancelled_stream_stops_its_generation(client, server):
     assert reply.choices[0].finish_reason in ("stop", "length")
 
 
+def test_client_leaving_a_request_that_is_not_streamed_cancels_it(server):
+    """No byte goes to the client before the end, so nothing fails to write: the server must
+    notice the closed connection while tokens flow."""
+    before = _health(server)["requests"]["cancelled"]
+    body = json.dumps({"prompt": "Once", "max_tokens": N_CTX - 8, "ignore_eos": True}).encode()
+    port = int(server.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                  b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        deadline = time.monotonic() + 30
+        while _health(server)["requests"]["running"] == 0:  # its tokens are flowing
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    deadline = time.monotonic() + 10
+    while True:
+        counts = _health(server)["requests"]
+        if counts["cancelled"] == before + 1 and counts["running"] == 0:
+            break
+        assert time.monotonic() < deadline, counts
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize(
     ("body", "status", "match"),
     [
@@ -224,3 +246,25 @@ def test_serve_without_a_free_port_is_one_line(server, model_path):
     )  # fmt: skip
     assert r.returncode == 1 and r.stderr.splitlines()[-1].startswith("error: cannot serve on")
     assert "Traceback" not in r.stderr
+    assert "OpenAI API at" not in r.stderr  # refused before the model's load and the banner
+
+
+def test_serve_without_the_server_extra_is_one_line_before_the_load(tmp_path):
+    """uvicorn missing (a path entry whose uvicorn fails to import, as an absent package does):
+    the error names the extra, and the model (here a file that is not a GGUF) is never read."""
+    (tmp_path / "uvicorn").mkdir()
+    (tmp_path / "uvicorn" / "__init__.py").write_text("raise ImportError('no', name='uvicorn')\n")
+    not_a_model = tmp_path / "m.gguf"
+    not_a_model.write_text("not a gguf")
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    r = subprocess.run(
+        [sys.executable, "-m", "pyruntime", "serve", str(not_a_model), "--port",
+         str(_free_port()), "--device", "cpu"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": path},
+    )  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "error: `pyruntime serve` needs the server extra (uvicorn is not installed): "
+        'pip install "pyruntime[server]"'
+    ]

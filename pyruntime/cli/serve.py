@@ -28,17 +28,22 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pyruntime.serve import run_server
+    from pyruntime.serve import open_listener, run_server
 
     path = model_or_demo(args.model)
     host, port = options.value("host", args.host), options.value("port", args.port)
     options.check("port", port, flag=True)
-    model = load_model(path, args, n_ctx=args.n_ctx)
+    sock = open_listener(host, port)  # before the load: a taken port is an error at once
+    try:
+        model = load_model(path, args, n_ctx=args.n_ctx)
+    except BaseException:
+        sock.close()
+        raise
     print(
         f"pyruntime serve: {Path(path).name} on {model.device}, context {model.n_ctx} tokens, "
         f"OpenAI API at http://{host}:{port}/v1 (Ctrl-C stops)",
         file=sys.stderr,
         flush=True,
     )
-    run_server(model, Path(path).name, host, port)
+    run_server(model, Path(path).name, sock)
     return 0

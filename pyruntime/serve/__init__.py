@@ -14,8 +14,8 @@ from typing import Any
 from pyruntime.errors import UsageError
 
 
-def run_server(model: Any, name: str, host: str, port: int) -> None:
-    """Serve `model` (a pyruntime.Model) until interrupted (Ctrl-C, SIGTERM)."""
+def _server_modules() -> tuple[Any, Any]:
+    """(uvicorn, app.create_app); a UsageError naming the missing package without the extra."""
     try:
         import uvicorn
 
@@ -25,13 +25,33 @@ def run_server(model: Any, name: str, host: str, port: int) -> None:
             f"`pyruntime serve` needs the server extra ({exc.name} is not installed): "
             'pip install "pyruntime[server]"'
         ) from None
-    try:  # bound here, so that a taken port or an unknown host is one error line
+    return uvicorn, create_app
+
+
+def open_listener(host: str, port: int) -> socket.socket:
+    """The listening socket on host:port, bound before the model is loaded, so that a missing
+    server extra, a taken port or an unknown host is one error line at once, not after the
+    load. The caller hands it to run_server (or closes it)."""
+    _server_modules()
+    try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise UsageError(f"cannot serve on {host}:{port} ({exc.strerror or exc})") from None
+    try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
     except OSError as exc:
+        sock.close()
         raise UsageError(f"cannot serve on {host}:{port} ({exc.strerror or exc})") from None
+    return sock
+
+
+def run_server(model: Any, name: str, sock: socket.socket) -> None:
+    """Serve `model` (a pyruntime.Model) on `sock` (open_listener's) until interrupted (Ctrl-C,
+    SIGTERM); the socket is closed on return."""
+    uvicorn, create_app = _server_modules()
+    host, port = sock.getsockname()[:2]
     config = uvicorn.Config(create_app(model, name), host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=5)  # fmt: skip
     with sock:

@@ -152,18 +152,26 @@ class Server:
 
 
 async def _events_of(http: HttpRequest, job: Job) -> AsyncIterator[tuple[str, Any]]:
-    """The job's events until done or error, checking meanwhile that the client is still there
-    (a gone client cancels the job and ends the iteration)."""
+    """The job's events until done or error, checking every DISCONNECT_POLL_SECONDS that the
+    client is still there, whether or not events came meanwhile (a gone client cancels the job
+    and ends the iteration). A request that is not streamed writes nothing until its end, so
+    only this check sees its client leave while tokens flow."""
+    loop = asyncio.get_running_loop()
+    checked = loop.time()
     while True:
         try:
-            kind, value = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_SECONDS)
+            event = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_SECONDS)
         except asyncio.TimeoutError:
+            event = None
+        if event is None or loop.time() - checked >= DISCONNECT_POLL_SECONDS:
+            checked = loop.time()
             if await http.is_disconnected():
                 job.cancel()
                 return
+        if event is None:
             continue
-        yield kind, value
-        if kind != "piece":
+        yield event
+        if event[0] != "piece":
             return
 
 
