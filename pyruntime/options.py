@@ -266,8 +266,8 @@ OPTIONS: tuple[Option, ...] = (
         group="sampling", bounds=Range(0, 1 << 64, hi_open=True),
     ),
     Option(
-        "stop", (), "stop strings (never printed)", ("--stop",), SAMPLING, group="sampling",
-        metavar="S", extra={"nargs": "+"},
+        "stop", (), "a stop string (never printed); --stop again for another",
+        ("--stop",), SAMPLING, group="sampling", metavar="S", extra={"action": "append"},
     ),
     # -- server: where `pyruntime serve` listens ------------------------------------------------
     Option(
@@ -321,10 +321,21 @@ def check(name: str, v: Any, flag: bool = False) -> None:
         raise UsageError(f"{shown} must be {opt.bounds}, got {v}")
 
 
+# Options that only big/little decoding reads: given without it, they would do nothing.
+BIG_LITTLE_ONLY = ("fallback_threshold", "fallback", "draft", "draft_experts")
+
+
 def check_args(args: argparse.Namespace) -> None:
-    """Every option parsed into `args` in its range (before anything is loaded)."""
+    """Every option parsed into `args` in its range, and none given that would be ignored
+    (before anything is loaded)."""
     for opt in OPTIONS:
         check(opt.name, getattr(args, opt.name, None), flag=True)
+    if hasattr(args, "big_little") and not args.big_little and not args.little_experts:
+        for name in BIG_LITTLE_ONLY:
+            opt = _BY_NAME[name]
+            if getattr(args, name, opt.default) != opt.default:
+                raise UsageError(f"{opt.flags[-1]} is for big/little decoding: add --big-little "
+                                 "(or --little-experts N)")  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -345,9 +356,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         shown = f" ({opt.default})" if opt.default not in (None, (), "", False) else ""
         env = f" [env {opt.env}]" if opt.env else ""
         kwargs: dict[str, Any] = dict(opt.extra)
-        if "action" not in kwargs:
+        takes_value = kwargs.get("action", "store") in ("store", "append")
+        if takes_value:
             kwargs["metavar"] = opt.metavar or {int: "N", float: "X"}.get(opt.parse)
-        if opt.parse is not str and "action" not in kwargs:
+        if opt.parse is not str and takes_value:
             kwargs["type"] = opt.parse
         groups[opt.group].add_argument(
             *opt.flags,

@@ -167,6 +167,8 @@ def test_perplexity_json(gguf_path, text_file, capsys):
         (["perplexity", "{model}", "-f", "{text}", "--ctx", "1"], "--ctx-size must be >= 2"),
         (["chat", "{bad}"], "not a GGUF file"),
         (["generate", "{bad}", "-p", "x"], "not a GGUF file"),
+        (["generate", "{model}", "-p", "x", "--fallback", "verify"], "--fallback is for big/"),
+        (["chat", "{model}", "--draft", "2"], "--draft is for big/little decoding"),
     ],
 )
 def test_user_errors_are_one_line(argv, message, gguf_path, text_file, tmp_path, capsys):
@@ -178,6 +180,26 @@ def test_user_errors_are_one_line(argv, message, gguf_path, text_file, tmp_path,
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "{model}", "-p", "x", "--gpu-mem", "12Q"], "argument --gpu-mem: '12Q' is"),
+        (["generate", "{model}", "-p", "x", "--stop"], "argument --stop: expected one argument"),
+        (["bench", "{model}", "-o", "csv"], "argument -o/--output: invalid choice: 'csv'"),
+        (["generate", "{model}"], "one of the arguments -p/--prompt -f/--file is required"),
+        (["nonsense"], "argument COMMAND: invalid choice"),
+    ],
+)
+def test_argument_errors_are_one_line(argv, message, gguf_path, capsys):
+    """argparse's own errors too: one `error:` line naming the command, exit status 2."""
+    with pytest.raises(SystemExit) as done:
+        cli.main([a.format(model=gguf_path) for a in argv])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: pyruntime") and err.count("\n") == 1 and message in err
+    assert "usage:" not in err
+
+
 def test_generate_stop_string(gguf_path, capsys):
     argv = ["generate", str(gguf_path), "-p", PROMPT, "-n", "20", "--temp", "0", "--ignore-eos"]
     assert cli.main(argv) == 0
@@ -187,6 +209,14 @@ def test_generate_stop_string(gguf_path, capsys):
     captured = capsys.readouterr()
     assert captured.out == full[: full.index(stop)]
     assert "finish: stop" in captured.err
+    # --stop takes one string (--stop again for another), and one before the model path leaves
+    # the path alone (it took every word after it once, the path too)
+    later, rest = full[9:12], argv[2:]
+    assert full.index(stop) < full.index(later)
+    assert cli.main(["generate", "--stop", later, "--stop", stop, str(gguf_path), *rest]) == 0
+    assert capsys.readouterr().out == full[: full.index(stop)]
+    assert cli.main(["generate", "--stop", later, str(gguf_path), *rest]) == 0
+    assert capsys.readouterr().out == full[: full.index(later)]
 
 
 def _chat(monkeypatch, cache_dir, lines: str, *argv: str) -> int:

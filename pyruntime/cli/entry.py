@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import sys
@@ -11,6 +10,7 @@ from collections.abc import Sequence
 
 from pyruntime import __version__, options
 from pyruntime.cli import bench, calibrate, chat, generate, info, perplexity, repack, serve
+from pyruntime.cli.parsing import Parser
 from pyruntime.errors import PyruntimeError
 from pyruntime.output_files import Terminated
 
@@ -18,8 +18,8 @@ from pyruntime.output_files import Terminated
 COMMANDS = (chat, generate, perplexity, bench, calibrate, repack, serve, info)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> Parser:
+    parser = Parser(
         prog="pyruntime",
         description="Run Mixture-of-Experts language models from GGUF files.",
     )
