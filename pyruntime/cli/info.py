@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from pyruntime import options
+from pyruntime.errors import DeviceMemoryError
 
 
 def add_parser(sub: Any) -> None:
@@ -66,13 +68,21 @@ def run(args: argparse.Namespace) -> int:
         ("chat template", "yes" if f.get("tokenizer.chat_template", None) else "no"),
     ]
     rows += _family_rows(f)
-    if kind == "llama.cpp":
-        rows += _repacked_plan_rows(f, args)
-    else:
-        rows += _gpu_plan_rows(f, args)
+    misfit: DeviceMemoryError | None = None
+    try:
+        if kind == "llama.cpp":
+            rows += _repacked_plan_rows(f, args)
+        else:
+            rows += _gpu_plan_rows(f, args)
+    except DeviceMemoryError as exc:  # the file described all the same, then the error
+        rows.append(("gpu plan", "does not fit the budget (below)"))
+        misfit = exc
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}} : {value}")
+    if misfit is not None:
+        sys.stdout.flush()
+        raise misfit
     return 0
 
 
