@@ -66,3 +66,27 @@ def test_the_report_line_names_both_phases():
     line = sparsity_report(FakeModel())
     assert line == " | expert sparsity: target 0.50, achieved 0.600 (prefill 0.170, decode 0.850)"
     assert sparsity_report(argparse.Namespace(sparsity=0.0)) == ""
+
+
+def test_the_report_says_where_decode_ran_dense():
+    """The CPU executor's switch measured dense decode faster in some MoE layers (or all): the
+    line says so, not only a decode sparsity under the target."""
+
+    def model(sparse_layers):
+        experts = [object(), None, object(), object()]  # layer 1 has no routed experts
+        blocks = [argparse.Namespace(experts=e) for e in experts]
+        net = argparse.Namespace(sparse_layers=sparse_layers,
+                                 weights=argparse.Namespace(blocks=blocks))  # fmt: skip
+        phases = {"prefill": 0.5, "decode": 0.0}
+        return argparse.Namespace(sparsity=0.5, achieved_sparsity=0.1, net=net,
+                                  sparsity_by_phase=lambda: phases)  # fmt: skip
+
+    head = " | expert sparsity: target 0.50, achieved 0.100 (prefill 0.500, decode 0.000)"
+    assert sparsity_report(model([False] * 4)) == (
+        head + "; decode dense: measured faster than sparse on this machine"
+    )
+    assert sparsity_report(model([True, False, False, True])) == (
+        head + "; decode sparse in 2 of 3 MoE layers (the rest measured faster dense)"
+    )
+    assert sparsity_report(model([True, False, True, True])) == head
+    assert sparsity_report(model(None)) == head  # no switch (the GPU's, torch's experts)

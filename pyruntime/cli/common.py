@@ -72,6 +72,24 @@ def sparsity_report(model: Any) -> str:
     return (
         f" | expert sparsity: target {model.sparsity:.2f}, achieved {model.achieved_sparsity:.3f}"
         + (f" ({phases})" if phases else "")
+        + _dense_decode_note(getattr(model, "net", None))
+    )
+
+
+def _dense_decode_note(net: Any) -> str:
+    """Why decode skipped fewer neurons than asked, where the CPU executor's switch
+    (pyruntime.cpu.sparse_switch) measured dense decode steps faster in some MoE layers or all."""
+    layers = getattr(net, "sparse_layers", None)
+    if not layers:
+        return ""
+    blocks = net.weights.blocks
+    moe = [on for on, blk in zip(layers, blocks, strict=True) if blk.experts is not None]
+    if all(moe):
+        return ""
+    if not any(moe):
+        return "; decode dense: measured faster than sparse on this machine"
+    return (
+        f"; decode sparse in {sum(moe)} of {len(moe)} MoE layers (the rest measured faster dense)"
     )
 
 
