@@ -282,3 +282,27 @@ def test_demo_model_is_converted_once(tmp_path, capsys):
     assert path.stat().st_mtime_ns == mtime
     assert capsys.readouterr().err == ""
     assert open_gguf(path).get("general.file_type") == 0  # f32
+
+
+def test_perplexity_progress_is_a_few_lines_off_a_terminal():
+    import io
+
+    from pyruntime.cli.perplexity import PROGRESS_LINES, _progress_printer
+
+    out = io.StringIO()  # not a terminal
+    progress = _progress_printer(out)
+    for i in range(338):
+        progress(i, 338, 10.0 + i)
+    lines = out.getvalue().splitlines()
+    assert PROGRESS_LINES <= len(lines) <= PROGRESS_LINES + 1
+    assert lines[-1] == "[338/338] running ppl = 347.0000"
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    out = Terminal()
+    progress = _progress_printer(out)
+    for i in range(3):
+        progress(i, 3, 1.5)
+    assert out.getvalue() == "".join(f"\r[{i}/3] running ppl = 1.5000" for i in (1, 2, 3)) + "\n"

@@ -46,10 +46,7 @@ def run(args: argparse.Namespace) -> int:
     ids = model.tokenize(text, add_special=True)
     print(f"perplexity: {len(ids)} tokens, windows of {args.ctx}", file=sys.stderr)
 
-    def progress(i: int, n: int, ppl: float) -> None:
-        print(f"[{i + 1}/{n}] running ppl = {ppl:.4f}", file=sys.stderr, flush=True)
-
-    result = perplexity(model, ids, args.ctx, progress=progress)
+    result = perplexity(model, ids, args.ctx, progress=_progress_printer(sys.stderr))
     if model.sparsity:
         print(sparsity_report(model).lstrip(" |"), file=sys.stderr)
     if args.json:
@@ -64,3 +61,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"tokens scored = {result.tokens_scored}, windows = {result.windows}")
         print(f"ppl = {result.ppl:.4f}")
     return 0
+
+
+PROGRESS_LINES = 10  # off a terminal: about this many progress lines, however many windows
+
+
+def _progress_printer(out: Any):
+    """progress(i, n, ppl) after window i of n: on a terminal one line rewritten in place, else
+    a line every n / PROGRESS_LINES windows and after the last (a log, not one line a window)."""
+    tty = out.isatty()
+
+    def progress(i: int, n: int, ppl: float) -> None:
+        line = f"[{i + 1}/{n}] running ppl = {ppl:.4f}"
+        if tty:
+            print(f"\r{line}", end="\n" if i + 1 == n else "", file=out, flush=True)
+        elif (i + 1) % max(1, n // PROGRESS_LINES) == 0 or i + 1 == n:
+            print(line, file=out, flush=True)
+
+    return progress
