@@ -234,8 +234,9 @@ OPTIONS: tuple[Option, ...] = (
     ),
     # -- sampling: per generation call (llama.cpp's names and defaults) ------------------------
     Option(
-        "max_tokens", 256, "tokens to generate", ("-n", "--max-tokens"), SAMPLING, parse=int,
-        group="sampling", bounds=_ints(0),
+        "max_tokens", 256, "tokens to generate (-1: until a stop or a full context, as "
+        "llama.cpp's -n -1)", ("-n", "--max-tokens"), SAMPLING, parse=int, group="sampling",
+        bounds=_ints(-1),
     ),
     Option(
         "temp", 0.8, "temperature, 0 = greedy", ("--temp",), SAMPLING, parse=float,

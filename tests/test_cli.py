@@ -5,6 +5,7 @@ import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -217,6 +218,17 @@ def test_generate_stop_string(gguf_path, capsys):
     assert capsys.readouterr().out == full[: full.index(stop)]
     assert cli.main(["generate", "--stop", later, str(gguf_path), *rest]) == 0
     assert capsys.readouterr().out == full[: full.index(later)]
+
+
+def test_generate_without_a_token_limit_fills_the_context(gguf_path, capsys):
+    """-n -1 (llama.cpp's spelling): no limit but a stop or a full context."""
+    argv = ["generate", str(gguf_path), "-p", PROMPT, "-n", "-1", "-c", "24", "--temp", "0",
+            "--ignore-eos"]  # fmt: skip
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    prompt, generated = map(int, re.search(r"prompt: (\d+) tokens.*generation: (\d+) tokens",
+                                           err).groups())  # fmt: skip
+    assert "finish: length" in err and prompt + generated - 1 == 24, err  # the last not fed back
 
 
 def _chat(monkeypatch, cache_dir, lines: str, *argv: str) -> int:

@@ -131,7 +131,7 @@ def test_real_templates_still_render():
         (["-t", "0"], "--threads must be in [1, 2^31)"),
         (["-t", str(2**40)], "--threads must be in [1, 2^31)"),
         (["-c", "-1"], "--ctx-size must be in [0, 2^31)"),
-        (["-n", "-5"], "--max-tokens must be in [0, 2^31)"),
+        (["-n", "-5"], "--max-tokens must be in [-1, 2^31)"),
         (["--top-k", str(2**31)], "--top-k must be in [0, 2^31)"),
         (["--sparsity", "1"], "--sparsity must be in [0.0, 1.0)"),
         (["--draft", "0"], "--draft must be in [1, 2^31)"),

@@ -98,6 +98,8 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         args, ("max_tokens", "top_k", "top_p", "min_p", "repeat_penalty", "stop")
     )
     kwargs["stop"] = [valid_text(s, "--stop") for s in kwargs["stop"] or ()]
+    if kwargs["max_tokens"] == -1:
+        kwargs["max_tokens"] = None  # no limit but a stop or the context
     return kwargs
 
 
