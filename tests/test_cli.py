@@ -231,6 +231,18 @@ def test_generate_without_a_token_limit_fills_the_context(gguf_path, capsys):
     assert "finish: length" in err and prompt + generated - 1 == 24, err  # the last not fed back
 
 
+def test_generate_into_one_pipe_puts_the_finish_line_on_its_own(gguf_path, cache_dir):
+    """stdout and stderr into one pipe (2>&1): the text, then the finish line on a new line."""
+    r = subprocess.run(
+        [sys.executable, "-m", "pyruntime", "generate", str(gguf_path), "-p", PROMPT, "-n", "6",
+         "--temp", "0", "--ignore-eos"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+        env={**os.environ, "PYRUNTIME_CACHE": str(cache_dir)},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout
+    assert any(line.startswith("finish: length") for line in r.stdout.splitlines()), r.stdout
+
+
 def _chat(monkeypatch, cache_dir, lines: str, *argv: str) -> int:
     monkeypatch.setenv("PYRUNTIME_CACHE", str(cache_dir))
     monkeypatch.setattr(sys, "stdin", io.StringIO(lines))

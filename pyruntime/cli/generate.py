@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import io
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -61,8 +63,8 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # stop, and still say how far it got
         stream.close()
         finish, code = "interrupted", 130
-    if sys.stdout.isatty() or code:
-        sys.stdout.write("\n")
+    if sys.stdout.isatty() or code or _same_file(sys.stdout, sys.stderr):
+        sys.stdout.write("\n")  # the finish line below on a line of its own
     sys.stdout.flush()
     print(
         f"finish: {finish or stream.finish_reason} | {stream.stats.summary()}"
@@ -71,3 +73,12 @@ def run(args: argparse.Namespace) -> int:
     )
     print_stats(model, args)
     return code
+
+
+def _same_file(a: Any, b: Any) -> bool:
+    """Whether two streams write to one file (`2>&1` into a pipe or a file)."""
+    try:
+        sa, sb = os.fstat(a.fileno()), os.fstat(b.fileno())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
