@@ -267,6 +267,28 @@ def test_chat_history_reset_and_exit(monkeypatch, gguf_path, cache_dir, capsys):
     assert len(answers) >= 3 and answers[0] == answers[-1]  # greedy: same history, same answer
 
 
+def test_chat_help_and_unknown_commands(monkeypatch, gguf_path, cache_dir, capsys):
+    """/help lists the commands and is no message; at a terminal a mistyped /command says so
+    instead of going to the model (piped, such a line stays a message: scripts send text)."""
+    seen: list[str] = []
+    monkeypatch.setattr(chat_command, "_stream_answer",
+                        lambda model, history, args, kwargs: seen.append(history[-1]["content"])
+                        or "ok")  # fmt: skip
+    assert _chat(monkeypatch, cache_dir, "/help\nHello.\n/bogus\n") == 0
+    assert seen == ["Hello.", "/bogus"] and "/reset clears the history" in capsys.readouterr().err
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    seen.clear()
+    monkeypatch.setattr(sys, "stdin", Terminal("/bogus\n/?\nHello.\n"))
+    assert cli.main(["chat", "--temp", "0", "-n", "4"]) == 0
+    err = capsys.readouterr().err
+    assert seen == ["Hello."] and "unknown command /bogus: /help lists them" in err
+    assert "pyruntime chat with the built-in demo model" in err and err.count("/exit quits") == 2
+
+
 def test_ctrl_c_stops_the_answer_not_the_chat(monkeypatch, cache_dir, gguf_path, capsys):
     from pyruntime.api import Model
 

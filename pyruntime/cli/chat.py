@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,14 +27,17 @@ def add_parser(sub: Any) -> None:
         "chat",
         help="interactive chat (the built-in demo model without MODEL)",
         description="Chat with a model. Commands: /reset clears the history, /exit quits "
-        "(or Ctrl-D). Ctrl-C stops the current answer. When stdin is not a terminal, each "
-        "input line is one user message and only the answers are printed.",
+        "(or Ctrl-D), /help lists them. Ctrl-C stops the current answer. When stdin is not a "
+        "terminal, each input line is one user message and only the answers are printed.",
     )
     p.add_argument("model", nargs="?", help="GGUF file (default: the built-in demo model)")
     p.add_argument("--system", default=None, help="system prompt")
     stats_flag(p)
     options.add_arguments(p, "chat")
     p.set_defaults(func=run)
+
+
+COMMANDS_HELP = "/reset clears the history, /exit quits, Ctrl-C stops an answer, /help this."
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,11 +52,8 @@ def run(args: argparse.Namespace) -> int:
     if interactive:
         with contextlib.suppress(ImportError):
             import readline  # noqa: F401  (line editing and history for input())
-        print(
-            f"pyruntime chat with {Path(path).name}: /reset clears the history, /exit quits, "
-            "Ctrl-C stops an answer.",
-            file=sys.stderr,
-        )
+        name = Path(path).name if args.model is not None else "the built-in demo model"
+        print(f"pyruntime chat with {name}: {COMMANDS_HELP}", file=sys.stderr)
     kwargs = sampling_kwargs(args)
     while True:
         line = _read_user_line(interactive)
@@ -71,6 +72,12 @@ def run(args: argparse.Namespace) -> int:
             model.reset()
             if interactive:
                 print("(history cleared)", file=sys.stderr)
+            continue
+        if line in ("/help", "/?"):
+            print(COMMANDS_HELP, file=sys.stderr)
+            continue
+        if interactive and re.fullmatch(r"/[A-Za-z]+", line):  # a mistyped command, not a message
+            print(f"unknown command {line}: /help lists them", file=sys.stderr)
             continue
         history.append({"role": "user", "content": line})
         try:
