@@ -220,6 +220,25 @@ def test_generate_stop_string(gguf_path, capsys):
     assert capsys.readouterr().out == full[: full.index(later)]
 
 
+def test_prompt_and_text_from_standard_input(gguf_path, text_file, monkeypatch, capsys):
+    """-f - reads standard input (the prompt of generate, the text of perplexity)."""
+    argv = ["generate", str(gguf_path), "-n", "6", "--temp", "0", "--ignore-eos"]
+    assert cli.main([*argv, "-p", PROMPT]) == 0
+    expected = capsys.readouterr().out
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(PROMPT.encode())))
+    assert cli.main([*argv, "-f", "-"]) == 0
+    assert capsys.readouterr().out == expected
+    ppl = ["perplexity", str(gguf_path), "--ctx", "64", "--json"]
+    assert cli.main([*ppl, "-f", str(text_file)]) == 0
+    expected = json.loads(capsys.readouterr().out)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text_file.read_bytes())))
+    assert cli.main([*ppl, "-f", "-"]) == 0
+    assert json.loads(capsys.readouterr().out) == expected
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xff\xfe")))
+    assert cli.main([*argv, "-f", "-"]) == 1
+    assert capsys.readouterr().err.startswith("error: standard input: not UTF-8 text")
+
+
 def test_generate_without_a_token_limit_fills_the_context(gguf_path, capsys):
     """-n -1 (llama.cpp's spelling): no limit but a stop or a full context."""
     argv = ["generate", str(gguf_path), "-p", PROMPT, "-n", "-1", "-c", "24", "--temp", "0",

@@ -22,7 +22,13 @@ def add_parser(sub: Any) -> None:
         "changed).",
     )
     p.add_argument("model", help="GGUF file")
-    p.add_argument("-f", "--file", type=Path, required=True, help="calibration text (UTF-8)")
+    p.add_argument(
+        "-f",
+        "--file",
+        type=Path,
+        required=True,
+        help="calibration text (UTF-8; - reads standard input)",
+    )
     window_flag(p)
     p.add_argument(
         "--max-tokens", type=int, default=32768, help="use at most this many tokens (32768)"

@@ -144,13 +144,18 @@ def check_output(path: Path) -> None:
 
 
 def read_text(path: Path) -> str:
+    """The UTF-8 text of `path` (`-`: standard input, to its end)."""
+    stdin = str(path) == "-"
+    name = "standard input" if stdin else str(path)
     try:
+        if stdin:
+            return sys.stdin.buffer.read().decode("utf-8")
         return path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise UsageError(f"{path}: no such file") from None
+        raise UsageError(f"{name}: no such file") from None
     except IsADirectoryError:
-        raise UsageError(f"{path}: is a directory, expected a text file") from None
+        raise UsageError(f"{name}: is a directory, expected a text file") from None
     except UnicodeDecodeError as exc:
-        raise UsageError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        raise UsageError(f"{name}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except OSError as exc:
-        raise UsageError(f"{path}: cannot read ({exc.strerror})") from None
+        raise UsageError(f"{name}: cannot read ({exc.strerror})") from None

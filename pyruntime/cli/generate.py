@@ -31,7 +31,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("model", help="GGUF file")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("-p", "--prompt", help="prompt text")
-    src.add_argument("-f", "--file", type=Path, help="read the prompt from this file")
+    src.add_argument(
+        "-f", "--file", type=Path, help="read the prompt from this file (- : standard input)"
+    )
     p.add_argument(
         "--ignore-eos", action="store_true", help="do not stop on the model's end tokens"
     )

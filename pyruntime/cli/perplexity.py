@@ -24,7 +24,9 @@ def add_parser(sub: Any) -> None:
         "dropped otherwise. Prints `ppl = X` as the last line of stdout.",
     )
     p.add_argument("model", help="GGUF file")
-    p.add_argument("-f", "--file", type=Path, required=True, help="text file (UTF-8)")
+    p.add_argument(
+        "-f", "--file", type=Path, required=True, help="text file (UTF-8; - reads standard input)"
+    )
     window_flag(p)
     p.add_argument(
         "--json",
