@@ -291,6 +291,8 @@ def test_info_plans_the_repacked_copy(files, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "layout          : llama.cpp" in r.stdout
     assert "hf architecture : OlmoeForCausalLM" in r.stdout  # llama.cpp's family, not '?'
+    ours = open_gguf(files["olmoe", "q8_0"][0]).arch_get("expert_feed_forward_length")
+    assert f"expert ffn      : {ours}\n" in r.stdout  # llama.cpp's key for olmoe: not '?'
     assert "gpu plan        : once repacked" in r.stdout
     assert not any((tmp_path / "c" / "repacked").glob("*.gguf"))
     assert _cli("repack", str(lcpp), env_cache=tmp_path / "c").returncode == 0

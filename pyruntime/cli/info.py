@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
             f"{f.arch_get('expert_count', '?')} (used per token: "
             f"{f.arch_get('expert_used_count', '?')})",
         ),
-        ("expert ffn", str(f.arch_get("expert_feed_forward_length", "?"))),
+        ("expert ffn", _expert_ffn(f, kind)),
         ("context length", str(f.arch_get("context_length", "?"))),
         ("embedding size", str(f.arch_get("embedding_length", "?"))),
         (
@@ -84,6 +84,20 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         raise misfit
     return 0
+
+
+def _expert_ffn(f: Any, kind: str) -> str:
+    """Neurons per routed expert: our key, or for a llama.cpp file llama.cpp's reading of its
+    keys (some families size the experts by feed_forward_length); '?' where they say nothing."""
+    if kind == "llama.cpp":
+        from pyruntime.errors import ModelFileError
+        from pyruntime.model.llamacpp_layout import LlamaCppHParams
+
+        try:
+            return str(LlamaCppHParams.from_gguf(f).n_ff_exp)
+        except ModelFileError:
+            return "?"
+    return str(f.arch_get("expert_feed_forward_length", "?"))
 
 
 def _family_rows(f: Any) -> list[tuple[str, str]]:
