@@ -168,6 +168,8 @@ def test_perplexity_json(gguf_path, text_file, capsys):
         (["perplexity", "{model}", "-f", "{text}", "--ctx", "1"], "--ctx-size must be >= 2"),
         (["chat", "{bad}"], "not a GGUF file"),
         (["generate", "{bad}", "-p", "x"], "not a GGUF file"),
+        (["calibrate", "{model}", "-f", "{text}", "--max-tokens", "0"], "--max-tokens must be in"),
+        (["calibrate", "{model}", "-f", "{text}", "-c", "1"], "--ctx-size must be >= 2 tokens"),
         (["generate", "{model}", "-p", "x", "--fallback", "verify"], "--fallback is for big/"),
         (["chat", "{model}", "--draft", "2"], "--draft is for big/little decoding"),
     ],
@@ -349,15 +351,13 @@ def test_demo_model_is_converted_once(tmp_path, capsys):
     assert open_gguf(path).get("general.file_type") == 0  # f32
 
 
-def test_perplexity_progress_is_a_few_lines_off_a_terminal():
-    import io
-
-    from pyruntime.cli.perplexity import PROGRESS_LINES, _progress_printer
+def test_progress_is_a_few_lines_off_a_terminal():
+    from pyruntime.cli.common import PROGRESS_LINES, progress_printer
 
     out = io.StringIO()  # not a terminal
-    progress = _progress_printer(out)
+    show = progress_printer(out)
     for i in range(338):
-        progress(i, 338, 10.0 + i)
+        show(i + 1, 338, f" running ppl = {10.0 + i:.4f}")
     lines = out.getvalue().splitlines()
     assert PROGRESS_LINES <= len(lines) <= PROGRESS_LINES + 1
     assert lines[-1] == "[338/338] running ppl = 347.0000"
@@ -367,7 +367,7 @@ def test_perplexity_progress_is_a_few_lines_off_a_terminal():
             return True
 
     out = Terminal()
-    progress = _progress_printer(out)
+    show = progress_printer(out)
     for i in range(3):
-        progress(i, 3, 1.5)
-    assert out.getvalue() == "".join(f"\r[{i}/3] running ppl = 1.5000" for i in (1, 2, 3)) + "\n"
+        show(i + 1, 3)
+    assert out.getvalue() == "".join(f"\r[{i}/3]" for i in (1, 2, 3)) + "\n"

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from pyruntime import options
-from pyruntime.cli.common import check_output, load_model, read_text, window_flag
+from pyruntime.cli.common import check_output, load_model, progress_printer, read_text, window_flag
 from pyruntime.errors import UsageError
 
 
@@ -45,9 +45,11 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from pyruntime.experts.sparsity import calibrate, sidecar_path
 
+    if not 2 <= args.ctx < options.C_INT:
+        raise UsageError(f"-c/--ctx-size must be >= 2 tokens, got {args.ctx}")
+    if not 1 <= args.max_tokens < options.C_INT:
+        raise UsageError(f"--max-tokens must be in [1, 2^31), got {args.max_tokens}")
     text = read_text(args.file)
-    if not 2 <= args.ctx < options.C_INT or not 1 <= args.max_tokens < options.C_INT:
-        raise UsageError("-c/--ctx-size must be >= 2 and --max-tokens >= 1")
     out = args.out if args.out is not None else sidecar_path(Path(args.model))
     if args.out is not None or Path(args.model).is_file():  # (a missing model: its own error)
         check_output(out)  # before the run, not after it
@@ -55,9 +57,7 @@ def run(args: argparse.Namespace) -> int:
     ids = model.tokenize(text, add_special=False)[: args.max_tokens]
     print(f"calibrate: {len(ids)} tokens of {args.file}, windows of {args.ctx}", file=sys.stderr)
 
-    def progress(i: int, n: int) -> None:
-        print(f"[{i}/{n}]", file=sys.stderr, flush=True)
-
+    progress = progress_printer(sys.stderr)
     size = model.path.stat().st_size  # the user's file (a llama.cpp one runs from a copy)
     table = calibrate(model.net, ids, args.ctx, str(args.file), size, progress=progress)
     try:

@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -159,3 +160,21 @@ def read_text(path: Path) -> str:
         raise UsageError(f"{name}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except OSError as exc:
         raise UsageError(f"{name}: cannot read ({exc.strerror})") from None
+
+
+PROGRESS_LINES = 10  # off a terminal: about this many progress lines, however many windows
+
+
+def progress_printer(out: Any) -> Callable[[int, int, str], None]:
+    """show(done, total, note) prints "[done/total]note": on a terminal one line rewritten in
+    place, else a line every total / PROGRESS_LINES and at the end (a log, not a line a step)."""
+    tty = out.isatty()
+
+    def show(done: int, total: int, note: str = "") -> None:
+        line = f"[{done}/{total}]{note}"
+        if tty:
+            print(f"\r{line}", end="\n" if done == total else "", file=out, flush=True)
+        elif done % max(1, total // PROGRESS_LINES) == 0 or done == total:
+            print(line, file=out, flush=True)
+
+    return show

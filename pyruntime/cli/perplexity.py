@@ -9,7 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from pyruntime import options
-from pyruntime.cli.common import load_model, read_text, sparsity_report, window_flag
+from pyruntime.cli.common import (
+    load_model,
+    progress_printer,
+    read_text,
+    sparsity_report,
+    window_flag,
+)
 from pyruntime.errors import UsageError
 
 
@@ -48,7 +54,10 @@ def run(args: argparse.Namespace) -> int:
     ids = model.tokenize(text, add_special=True)
     print(f"perplexity: {len(ids)} tokens, windows of {args.ctx}", file=sys.stderr)
 
-    result = perplexity(model, ids, args.ctx, progress=_progress_printer(sys.stderr))
+    show = progress_printer(sys.stderr)
+    result = perplexity(
+        model, ids, args.ctx, progress=lambda i, n, ppl: show(i + 1, n, f" running ppl = {ppl:.4f}")
+    )
     if model.sparsity:
         print(sparsity_report(model).lstrip(" |"), file=sys.stderr)
     if args.json:
@@ -63,21 +72,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"tokens scored = {result.tokens_scored}, windows = {result.windows}")
         print(f"ppl = {result.ppl:.4f}")
     return 0
-
-
-PROGRESS_LINES = 10  # off a terminal: about this many progress lines, however many windows
-
-
-def _progress_printer(out: Any):
-    """progress(i, n, ppl) after window i of n: on a terminal one line rewritten in place, else
-    a line every n / PROGRESS_LINES windows and after the last (a log, not one line a window)."""
-    tty = out.isatty()
-
-    def progress(i: int, n: int, ppl: float) -> None:
-        line = f"[{i + 1}/{n}] running ppl = {ppl:.4f}"
-        if tty:
-            print(f"\r{line}", end="\n" if i + 1 == n else "", file=out, flush=True)
-        elif (i + 1) % max(1, n // PROGRESS_LINES) == 0 or i + 1 == n:
-            print(line, file=out, flush=True)
-
-    return progress
