@@ -54,9 +54,9 @@ class Server:
         model = self.model
         try:
             if req.kind == "chat":
-                ids = model.tokenize(model.apply_chat_template(req.messages), add_special=True)
+                ids = self._tokenize(model.apply_chat_template(req.messages), req)
             elif isinstance(req.prompt, str):
-                ids = model.tokenize(req.prompt, add_special=True)
+                ids = self._tokenize(req.prompt, req)
             else:
                 ids = list(req.prompt)
         except PyruntimeError as exc:  # a template that refuses the messages, say
@@ -67,13 +67,16 @@ class Server:
         if not ids:
             raise ApiError("the prompt is empty", param="prompt")
         if len(ids) >= model.n_ctx:
-            raise ApiError(
-                f"the prompt is {len(ids)} tokens, and the context holds {model.n_ctx} (the "
-                "server's --ctx-size): shorten it",
-                param="messages" if req.kind == "chat" else "prompt",
-                code="context_length_exceeded",
-            )
+            raise _too_long(f"{len(ids)} tokens", model.n_ctx, req)
         return ids
+
+    def _tokenize(self, text: str, req: Request) -> list[int]:
+        """text's ids; a text too long for the context by its length alone is refused before
+        it is tokenized (megabytes of text take the tokenizer seconds, and the queue waits)."""
+        n_ctx, per_token = self.model.n_ctx, self.model.tokenizer.min_chars_per_token
+        if len(text) >= n_ctx * per_token:
+            raise _too_long(f"at least {len(text) // per_token} tokens", n_ctx, req)
+        return self.model.tokenize(text, add_special=True)
 
     def job(self, req: Request, ids: list[int]) -> Job:
         def start():
@@ -149,6 +152,15 @@ class Server:
             "queued": c.queued, "running": c.running, "completed": c.completed,
             "cancelled": c.cancelled, "failed": c.failed,
         }})  # fmt: skip
+
+
+def _too_long(size: str, n_ctx: int, req: Request) -> ApiError:
+    return ApiError(
+        f"the prompt is {size}, and the context holds {n_ctx} (the server's --ctx-size): "
+        "shorten it",
+        param="messages" if req.kind == "chat" else "prompt",
+        code="context_length_exceeded",
+    )
 
 
 async def _events_of(http: HttpRequest, job: Job) -> AsyncIterator[tuple[str, Any]]:
