@@ -105,11 +105,13 @@ def test_perplexity_prints_ppl_last(gguf_path, cache_dir, text_file):
     assert "[1/" in r.stderr  # progress goes to stderr
 
 
-@pytest.mark.parametrize("kind", ["missing", "not-gguf", "truncated"])
+@pytest.mark.parametrize("kind", ["missing", "not-gguf", "empty", "truncated"])
 def test_bad_model_files_give_one_line_errors(kind, gguf_path, cache_dir, tmp_path):
     path = tmp_path / f"{kind}.gguf"
     if kind == "not-gguf":
         path.write_text("this is not a model\n")
+    elif kind == "empty":
+        path.write_bytes(b"")
     elif kind == "truncated":
         path.write_bytes(gguf_path.read_bytes()[: gguf_path.stat().st_size // 2])
     r = run_cli(["info", str(path)], cache_dir)
@@ -118,6 +120,8 @@ def test_bad_model_files_give_one_line_errors(kind, gguf_path, cache_dir, tmp_pa
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
     assert str(path) in lines[0]
+    if kind == "empty":
+        assert lines[0].endswith(": an empty file, not a GGUF file")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -194,6 +194,8 @@ def open_gguf(path: str | Path, in_ram: bool = False) -> GGUFFile:
     try:
         with open(path, "rb") as fh:
             magic = fh.read(4)
+        if not magic:
+            raise ModelFileError(f"{path}: an empty file, not a GGUF file")
         if magic != b"GGUF":
             raise ModelFileError(f"{path}: not a GGUF file (bad magic {magic!r})")
         return GGUFFile(path, in_ram)
