@@ -391,6 +391,8 @@ def writable_cache_dir() -> Path:
         return path
     except OSError as exc:
         reason = exc.strerror or str(exc)
+        if path.exists() and not path.is_dir():
+            reason = "it is a file, not a folder"
     fallback = _private_temp_dir()
     warnings.warn(
         f"the cache folder {path} is not writable ({reason}); using {fallback} instead (set "

@@ -203,6 +203,11 @@ def test_an_unwritable_cache_is_a_warning_and_a_fallback(tmp_path, monkeypatch):
         folder = options.writable_cache_dir()
     assert [w.category for w in caught] == [PyruntimeWarning]
     assert f"the cache folder {blocker / 'cache'} is not writable" in str(caught[0].message)
+    monkeypatch.setenv("PYRUNTIME_CACHE", str(blocker))  # the cache named as a file
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert options.writable_cache_dir() == folder
+    assert f"{blocker} is not writable (it is a file, not a folder)" in str(caught[0].message)
     st = os.lstat(folder)
     assert stat.S_ISDIR(st.st_mode) and not st.st_mode & 0o077 and os.access(folder, os.W_OK)
 
