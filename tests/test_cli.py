@@ -164,16 +164,23 @@ def test_perplexity_json(gguf_path, text_file, capsys):
     assert result["ppl"] == pytest.approx(math.exp(result["nll"]), rel=1e-12)
 
 
+def test_perplexity_window_zero_is_the_trained_context(gguf_path, text_file, capsys):
+    assert cli.main(["perplexity", str(gguf_path), "-f", str(text_file), "-c", "0", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    trained = open_gguf(gguf_path).arch_get("context_length")
+    assert trained > TEXT_TOKENS and result["ctx"] == trained and result["windows"] == 1
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["generate", "{model}", "-p", "x", "--temp", "-1"], "temp must be >= 0"),
         (["generate", "{model}", "-f", "/nonexistent/prompt.txt"], "no such file"),
-        (["perplexity", "{model}", "-f", "{text}", "--ctx", "1"], "--ctx-size must be >= 2"),
+        (["perplexity", "{model}", "-f", "{text}", "--ctx", "1"], "--ctx-size must be 0 (the"),
         (["chat", "{bad}"], "not a GGUF file"),
         (["generate", "{bad}", "-p", "x"], "not a GGUF file"),
         (["calibrate", "{model}", "-f", "{text}", "--max-tokens", "0"], "--max-tokens must be in"),
-        (["calibrate", "{model}", "-f", "{text}", "-c", "1"], "--ctx-size must be >= 2 tokens"),
+        (["calibrate", "{model}", "-f", "{text}", "-c", "1"], "or >= 2 tokens, got 1"),
         (["generate", "{model}", "-p", "x", "--fallback", "verify"], "--fallback is for big/"),
         (["chat", "{model}", "--draft", "2"], "--draft is for big/little decoding"),
     ],

@@ -8,7 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from pyruntime import options
-from pyruntime.cli.common import check_output, load_model, progress_printer, read_text, window_flag
+from pyruntime.cli.common import (
+    check_output,
+    check_window,
+    load_model,
+    progress_printer,
+    read_text,
+    window_flag,
+)
 from pyruntime.errors import UsageError
 
 
@@ -45,8 +52,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from pyruntime.experts.sparsity import calibrate, sidecar_path
 
-    if not 2 <= args.ctx < options.C_INT:
-        raise UsageError(f"-c/--ctx-size must be >= 2 tokens, got {args.ctx}")
+    check_window(args.ctx)
     if not 1 <= args.max_tokens < options.C_INT:
         raise UsageError(f"--max-tokens must be in [1, 2^31), got {args.max_tokens}")
     text = read_text(args.file)
@@ -54,12 +60,13 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None or Path(args.model).is_file():  # (a missing model: its own error)
         check_output(out)  # before the run, not after it
     model = load_model(args.model, args, n_ctx=args.ctx)
+    ctx = model.n_ctx  # -c 0: the model's trained context
     ids = model.tokenize(text, add_special=False)[: args.max_tokens]
-    print(f"calibrate: {len(ids)} tokens of {args.file}, windows of {args.ctx}", file=sys.stderr)
+    print(f"calibrate: {len(ids)} tokens of {args.file}, windows of {ctx}", file=sys.stderr)
 
     progress = progress_printer(sys.stderr)
     size = model.path.stat().st_size  # the user's file (a llama.cpp one runs from a copy)
-    table = calibrate(model.net, ids, args.ctx, str(args.file), size, progress=progress)
+    table = calibrate(model.net, ids, ctx, str(args.file), size, progress=progress)
     try:
         table.save(out)
     except OSError as exc:

@@ -48,8 +48,14 @@ def model_or_demo(model: str | None) -> str | Path:
 def window_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-c", "--ctx-size", "--ctx", dest="ctx", type=int, default=512, metavar="N",
-        help="window size in tokens (512)",
+        help="window size in tokens (0 = the model's trained context) (512)",
     )  # fmt: skip
+
+
+def check_window(ctx: int) -> None:
+    """-c of perplexity and calibrate: 0 (the trained context) or at least 2 tokens."""
+    if not (ctx == 0 or 2 <= ctx < options.C_INT):
+        raise UsageError(f"-c/--ctx-size must be 0 (the model's) or >= 2 tokens, got {ctx}")
 
 
 def stats_flag(p: argparse.ArgumentParser) -> None:

@@ -10,13 +10,13 @@ from typing import Any
 
 from pyruntime import options
 from pyruntime.cli.common import (
+    check_window,
     load_model,
     progress_printer,
     read_text,
     sparsity_report,
     window_flag,
 )
-from pyruntime.errors import UsageError
 
 
 def add_parser(sub: Any) -> None:
@@ -47,16 +47,16 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from pyruntime.tools.perplexity import perplexity
 
+    check_window(args.ctx)
     text = read_text(args.file)
-    if not 2 <= args.ctx < options.C_INT:
-        raise UsageError(f"-c/--ctx-size must be >= 2 tokens, got {args.ctx}")
     model = load_model(args.model, args, n_ctx=args.ctx)
+    ctx = model.n_ctx  # -c 0: the model's trained context
     ids = model.tokenize(text, add_special=True)
-    print(f"perplexity: {len(ids)} tokens, windows of {args.ctx}", file=sys.stderr)
+    print(f"perplexity: {len(ids)} tokens, windows of {ctx}", file=sys.stderr)
 
     show = progress_printer(sys.stderr)
     result = perplexity(
-        model, ids, args.ctx, progress=lambda i, n, ppl: show(i + 1, n, f" running ppl = {ppl:.4f}")
+        model, ids, ctx, progress=lambda i, n, ppl: show(i + 1, n, f" running ppl = {ppl:.4f}")
     )
     if model.sparsity:
         print(sparsity_report(model).lstrip(" |"), file=sys.stderr)
