@@ -5,7 +5,9 @@ not at all, written beside their destination, with the mode the user's umask giv
 gets the mode a plain open() would have given it (mkstemp makes 0o600) and replaces dest in one
 rename, so a reader never sees half a file; when the block fails, or SIGINT or SIGTERM arrives,
 the temporary file is removed. `check_writable` probes a folder before a long computation whose
-result it will hold.
+result it will hold. `signals_raise()` (which atomic_output uses) makes SIGINT and SIGTERM raise
+KeyboardInterrupt and Terminated, and reports an error a C extension turned one into as the
+signal it was.
 """
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ import os
 import signal
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 
 class Terminated(BaseException):
-    """SIGTERM arrived while a file was being written: raised by the handler atomic_output
+    """SIGTERM arrived while a file was being written: raised by the handler signals_raise
     installs, so that the cleanup runs; the process should then exit with status 143."""
 
 
@@ -46,26 +48,61 @@ def check_writable(folder: Path) -> None:
     os.unlink(name)
 
 
+class _RaisingHandler:
+    """The handler signals_raise installs: records each signal, raises its exception."""
+
+    def __init__(self) -> None:
+        self.arrived: list[int] = []
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.arrived.append(signum)
+        raise _exception(signum)
+
+    def check(self) -> None:
+        """Raise the exception of the last signal that arrived, if one did."""
+        if self.arrived:
+            raise _exception(self.arrived[-1])
+
+
+def _exception(signum: int) -> BaseException:
+    return KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
+
+
 @contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """While the block runs, SIGTERM raises Terminated (in the main thread, and only when no
-    one else handles SIGTERM: a host application's own handler is left alone)."""
+def signals_raise() -> Iterator[Callable[[], None]]:
+    """While the block runs, SIGINT raises KeyboardInterrupt (as Python's own handler does) and
+    SIGTERM raises Terminated; an exception that ends the block after one of them arrived is
+    raised as that signal's (chained to it). Inside a C extension (safetensors, torch, numpy) the
+    KeyboardInterrupt can come out as another error, a ValueError or a TypeError, or be lost: it
+    is the interrupt all the same. An error with no signal before it passes unchanged. The block
+    gets a check: called, it raises the signal's exception if one arrived (before a step that
+    cannot be undone, say).
+
+    Only in the main thread, and only for a signal no one else handles: a host application's own
+    handler, or SIGINT ignored (a shell's background job), is left alone. A block inside another
+    shares the outer one's handler, and what arrived during it."""
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield lambda: None
         return
-    previous = signal.getsignal(signal.SIGTERM)
-    if previous not in (signal.SIG_DFL, None):
-        yield
-        return
-
-    def handler(signum, frame):
-        raise Terminated()
-
-    signal.signal(signal.SIGTERM, handler)
+    current = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    outer = [h for h in current.values() if isinstance(h, _RaisingHandler)]
+    handler = outer[0] if outer else _RaisingHandler()
+    ours = {}  # the signals this block handles, and the handler each had before
+    if not outer and current[signal.SIGINT] is signal.default_int_handler:
+        ours[signal.SIGINT] = current[signal.SIGINT]
+    if not outer and current[signal.SIGTERM] == signal.SIG_DFL:
+        ours[signal.SIGTERM] = current[signal.SIGTERM]
+    for sig in ours:
+        signal.signal(sig, handler)
     try:
-        yield
+        yield handler.check
+    except Exception as exc:
+        if handler.arrived:  # the error is what the signal turned into
+            raise _exception(handler.arrived[-1]) from exc
+        raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, previous in ours.items():
+            signal.signal(sig, previous)
 
 
 @contextmanager
@@ -76,8 +113,9 @@ def atomic_output(dest: Path) -> Iterator[Path]:
     os.close(fd)
     tmp = Path(name)
     try:
-        with _sigterm_raises():
+        with signals_raise() as check:
             yield tmp
+            check()  # a Ctrl-C a C extension turned into nothing: no rename
             tmp.chmod(default_file_mode())
             os.replace(tmp, dest)
     except BaseException:

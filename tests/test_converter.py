@@ -644,13 +644,57 @@ def test_cli_error_is_one_line(models_root, tmp_path):
 
 def test_cli_ctrl_c_exits_130(monkeypatch, capsys):
     import pyruntime.converter as converter
-    from pyruntime.converter import cli
+    from pyruntime.cli import convert_hf as cli
 
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(converter, "convert", interrupt)
     assert cli.main(["some/model"]) == 130
+
+
+# convert_hf_to_gguf.py with an import that fails: `torch` (the converter's heavy import) or
+# `pyruntime.errors` (one of its command line's own), with a Ctrl-C (KeyboardInterrupt) or not
+# found (ImportError).
+FAILING_IMPORT = """
+import runpy, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+class Fail:
+    def find_spec(self, name, path=None, target=None):
+        if name == {module!r}:
+            raise {error}
+sys.meta_path.insert(0, Fail())
+sys.argv = ["convert_hf_to_gguf.py", *{argv!r}]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def _with_failing_import(module: str, error: str, argv: list[str], cwd: Path):
+    script = FAILING_IMPORT.format(module=module, error=error, argv=argv,
+                                   script=str(REPO / "convert_hf_to_gguf.py"))  # fmt: skip
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=cwd, timeout=120)  # fmt: skip
+
+
+@pytest.mark.parametrize("module", ["torch", "pyruntime.errors"])
+def test_cli_ctrl_c_while_loading_is_one_line(models_root, tmp_path, module):
+    """A Ctrl-C while Python loads the converter: one line and 130 (a traceback before)."""
+    model_dir, _ = _model(models_root, "olmoe", False)
+    out = tmp_path / "m.gguf"
+    out.write_bytes(b"keep me")
+    argv = [str(model_dir), "--outfile", str(out), "--force"]
+    r = _with_failing_import(module, "KeyboardInterrupt", argv, tmp_path)
+    assert (r.returncode, r.stderr) == (130, "interrupted; no output written\n")
+    assert out.read_bytes() == b"keep me" and [p.name for p in tmp_path.iterdir()] == ["m.gguf"]
+
+
+def test_cli_help_and_usage_errors_before_torch(tmp_path):
+    """--help and a bad argument are answered before torch is imported (it takes seconds)."""
+    r = _with_failing_import("torch", "ImportError('torch was imported')", ["--help"], tmp_path)
+    assert r.returncode == 0 and "--outtype" in r.stdout, r.stderr
+    r = _with_failing_import("torch", "ImportError('torch was imported')", ["m", "--outtype",
+                             "f8"], tmp_path)  # fmt: skip
+    assert r.returncode == 2 and "invalid choice: 'f8'" in r.stderr, r.stderr
 
 
 def _fake_hub_cache(cache: Path, repo_id: str, model_dir: Path) -> None:

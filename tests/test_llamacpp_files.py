@@ -276,11 +276,12 @@ def test_repack_command(files, tmp_path):
 
 
 def test_repack_outtypes_are_the_converters():
-    """`repack --outtype` lists the converter's formats without importing it (for --help)."""
+    """`repack --outtype` and convert_hf_to_gguf.py's list the converter's formats, in its order,
+    without importing it (for --help)."""
     from pyruntime.cli import repack as repack_command
     from pyruntime.converter.tensors import OUTTYPES
 
-    assert set(repack_command.OUTTYPES) == set(OUTTYPES)
+    assert tuple(repack_command.OUTTYPES) == tuple(OUTTYPES)
 
 
 def test_info_plans_the_repacked_copy(files, tmp_path):

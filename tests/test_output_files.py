@@ -138,7 +138,7 @@ import signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {repo!r})
 from pyruntime.converter import tensors
-from pyruntime.converter.cli import main
+from pyruntime.cli.convert_hf import main
 real = tensors.StreamedTensor.tofile
 def slow(self, fout):
     real(self, fout)
@@ -163,6 +163,156 @@ def test_a_signal_removes_the_temporary_file(hf, tmp_path, sig, code, said):
     assert proc.returncode == code, err
     assert f"{said}; no output written" in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+# Inside a C extension the KeyboardInterrupt of a Ctrl-C can come out as another error: safetensors
+# and torch reading a tensor gave `ValueError: could not determine the shape of object type
+# 'torch.storage.UntypedStorage'`, numpy's tofile `TypeError: expected str, bytes or os.PathLike
+# object, not BufferedWriter`; or not at all (an extension that clears the error and carries on).
+# These stand-ins send the signal while "inside" one, then do what the extension did.
+_WHAT_EXTENSIONS_RAISED = {
+    "ValueError": ValueError(
+        "could not determine the shape of object type 'torch.storage.UntypedStorage'"
+    ),
+    "TypeError": TypeError("expected str, bytes or os.PathLike object, not BufferedWriter"),
+}
+_SIGNALS = [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]
+_SIGNAL_IDS = ["SIGINT", "SIGTERM"]
+
+
+@pytest.fixture
+def signals_on():
+    """SIGINT raises KeyboardInterrupt, SIGTERM kills, as in a terminal (a suite run as a
+    background job inherits SIGINT ignored, and Python then installs no handler)."""
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    for s, handler in previous.items():
+        signal.signal(s, handler)
+
+
+def _signal_inside_an_extension(sig: int, then: str, real=None):
+    """A tofile(self, fout) that gets `sig` on its third call, loses the exception the handler
+    raises as a C extension would, and then raises `then` (_WHAT_EXTENSIONS_RAISED) or, with
+    then='', writes on as if nothing had happened."""
+    calls = []
+
+    def tofile(self, fout):
+        calls.append(1)
+        if len(calls) == 3:
+            try:
+                os.kill(os.getpid(), sig)
+                time.sleep(5)  # the handler runs here and raises
+            except BaseException:
+                pass  # the extension clears the error...
+            if then:  # ...and raises its own
+                raise _WHAT_EXTENSIONS_RAISED[then]
+        real(self, fout)
+
+    return tofile
+
+
+def _left(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+@pytest.mark.parametrize("then", ["ValueError", ""], ids=["raises", "carries_on"])
+@pytest.mark.parametrize("sig, code, said", _SIGNALS, ids=_SIGNAL_IDS)
+def test_convert_a_signal_inside_an_extension_is_the_signal(
+    hf, tmp_path, monkeypatch, capsys, signals_on, sig, code, said, then
+):
+    """convert_hf_to_gguf.py: the signal, whatever the extension made of it, is reported in
+    one line with its status; the existing output is untouched and no temporary file is left."""
+    from pyruntime.cli.convert_hf import main as convert_main
+    from pyruntime.converter import tensors
+
+    out = tmp_path / "m.gguf"
+    out.write_bytes(b"keep me")
+    tofile = _signal_inside_an_extension(sig, then, tensors.StreamedTensor.tofile)
+    monkeypatch.setattr(tensors.StreamedTensor, "tofile", tofile)
+    argv = [str(hf), "--outfile", str(out), "--outtype", "f32", "--force", "--quiet"]
+    assert convert_main(argv) == code
+    assert capsys.readouterr().err == f"{said}; no output written\n"
+    assert out.read_bytes() == b"keep me" and _left(tmp_path) == ["m.gguf"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers put back
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_an_error_without_a_signal_stays_that_error(hf, tmp_path, monkeypatch, signals_on):
+    """Only a signal makes an error an interrupt: a bug's ValueError passes unchanged (with its
+    traceback), and the existing output is untouched."""
+    from pyruntime.cli.convert_hf import main as convert_main
+    from pyruntime.converter import tensors
+
+    def broken(self, fout):
+        raise ValueError("a bug")
+
+    out = tmp_path / "m.gguf"
+    out.write_bytes(b"keep me")
+    monkeypatch.setattr(tensors.StreamedTensor, "tofile", broken)
+    with pytest.raises(ValueError, match="a bug"):
+        convert_main([str(hf), "--outfile", str(out), "--outtype", "f32", "--force", "--quiet"])
+    assert out.read_bytes() == b"keep me" and _left(tmp_path) == ["m.gguf"]
+
+
+@pytest.fixture(scope="module")
+def lcpp(hf, tmp_path_factory) -> Path:
+    """A llama.cpp-layout file (what `pyruntime repack` reads)."""
+    from llamacpp_fixtures import to_llamacpp
+
+    root = tmp_path_factory.mktemp("lcpp")
+    ours = convert(hf, root / "m-q8_0.gguf", "q8_0", progress=False)
+    return to_llamacpp(ours, root / "m-lcpp.gguf")
+
+
+@pytest.mark.parametrize("then", ["TypeError", ""], ids=["raises", "carries_on"])
+@pytest.mark.parametrize("sig, code, said", _SIGNALS, ids=_SIGNAL_IDS)
+def test_repack_a_signal_inside_an_extension_is_the_signal(
+    lcpp, tmp_path, monkeypatch, capsys, signals_on, sig, code, said, then
+):
+    """`pyruntime repack`: as the converter (numpy's tofile gave the TypeError)."""
+    from pyruntime.converter import repack
+
+    out = tmp_path / "out.gguf"
+    out.write_bytes(b"keep me")
+    tofile = _signal_inside_an_extension(sig, then, repack.OutTensor.tofile)
+    monkeypatch.setattr(repack.OutTensor, "tofile", tofile)
+    monkeypatch.setenv("PYRUNTIME_CACHE", str(tmp_path / "cache"))
+    assert main(["repack", str(lcpp), "-o", str(out), "--force"]) == code
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == f"repack: {said}; no output written", err  # after tqdm's bar
+    assert "Traceback" not in err
+    assert out.read_bytes() == b"keep me" and _left(tmp_path) == ["out.gguf"]
+
+
+# An exit callback registered before the command runs (as torch's are, at import) that gets a
+# Ctrl-C: the interpreter's teardown after a command that is done.
+AT_EXIT = """
+import atexit, os, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
+sys.path.insert(0, {repo!r})
+def torch_exit_callback():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.5)
+    print("teardown went on", file=sys.stderr)
+atexit.register(torch_exit_callback)
+from {module} import main
+sys.exit(main({argv!r}))
+"""
+
+
+@pytest.mark.parametrize("module, argv, said", [
+    ("pyruntime.cli", ["repack", "no-such.gguf"], "error: no-such.gguf"),
+    ("pyruntime.cli.convert_hf", ["no/such/folder", "--outfile", "x.gguf"], "error: "),
+], ids=["pyruntime", "convert_hf_to_gguf"])  # fmt: skip
+def test_a_ctrl_c_in_the_teardown_is_ignored(tmp_path, module, argv, said):
+    script = AT_EXIT.format(repo=str(REPO), module=module, argv=argv)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=120)  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith(said) and r.stderr.endswith("teardown went on\n"), r.stderr
+    assert len(r.stderr.splitlines()) == 2, r.stderr  # no `Exception ignored`, no traceback
 
 
 @pytest.fixture(scope="module")

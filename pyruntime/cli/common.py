@@ -4,7 +4,9 @@ and reading the user's text and output paths into one-line errors."""
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import signal
 import sys
 import warnings
 from collections.abc import Callable
@@ -184,3 +186,22 @@ def progress_printer(out: Any) -> Callable[[int, int, str], None]:
             print(line, file=out, flush=True)
 
     return show
+
+
+def quiet_exit() -> None:
+    """Ctrl-C is ignored once the process exits: the command is done (its output renamed into
+    place), and a KeyboardInterrupt in the interpreter's teardown (torch's exit callbacks) would
+    print `Exception ignored in atexit callback` and a traceback after a run that succeeded. Exit
+    callbacks run last first: call this when the command has returned, after every import that
+    registers one (called again, it moves to the end). SIGINT already ignored, or a host
+    application's handler, is left alone; nothing changes before the exit."""
+    atexit.unregister(_ignore_sigint)
+    atexit.register(_ignore_sigint)
+
+
+def _ignore_sigint() -> None:
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        # SIG_IGN, not a Python handler that does nothing: the interpreter puts a Python handler
+        # back to SIG_DFL when it finalizes, and torch's C++ teardown runs after that (a Ctrl-C
+        # there would end a run that succeeded with status 130).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)

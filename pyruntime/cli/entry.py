@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from pyruntime import __version__, options
 from pyruntime.cli import bench, calibrate, chat, generate, info, perplexity, repack, serve
+from pyruntime.cli.common import quiet_exit
 from pyruntime.cli.parsing import Parser
 from pyruntime.errors import PyruntimeError
 from pyruntime.output_files import Terminated
@@ -62,6 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    finally:
+        quiet_exit()  # a Ctrl-C during the interpreter's teardown: no traceback
 
 
 def _gpu_out_of_memory(exc: BaseException) -> bool:

@@ -10,9 +10,11 @@ from typing import Any
 
 from pyruntime.cli.common import check_output
 from pyruntime.errors import UsageError
+from pyruntime.output_files import Terminated, signals_raise
 
-# --outtype of `repack` (the converter's; pyruntime.converter.tensors.OUTTYPES, kept in sync by a
-# test: importing it here would load numpy and gguf for `--help`)
+# --outtype of `repack` and of convert_hf_to_gguf.py (the converter's;
+# pyruntime.converter.tensors.OUTTYPES, kept in sync by a test: importing it here would load numpy,
+# gguf and torch for `--help`)
 OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "mxfp4", "q4_k_m", "q5_k_m", "q6_k")
 
 
@@ -71,7 +73,15 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"{args.outfile}: is the input file; choose another -o")
         check_output(dest)
     start = time.perf_counter()
-    repack(f, dest, args.outtype, progress=True)
+    try:
+        with signals_raise():  # an error a C extension turned the Ctrl-C into is the interrupt too
+            repack(f, dest, args.outtype, progress=True)
+    except KeyboardInterrupt:
+        print("repack: interrupted; no output written", file=sys.stderr)
+        return 130
+    except Terminated:
+        print("repack: terminated; no output written", file=sys.stderr)
+        return 143
     ModelConfig.from_gguf(open_gguf(dest))  # the copy passes every rule of our layout
     print(
         f"repack: wrote {dest} ({dest.stat().st_size / 1e6:.1f} MB) in "

@@ -1,4 +1,8 @@
-"""Command line: `python convert_hf_to_gguf.py MODEL [--outfile F] [--outtype TYPE] [--force]`."""
+"""Command line of `python convert_hf_to_gguf.py MODEL [--outfile F] [--outtype TYPE] [--force]`.
+
+Here rather than in pyruntime.converter, whose import loads torch (a second or two): the arguments
+are parsed, and --help or a usage error answered, before that; and a Ctrl-C while it loads is an
+interrupt like any other (one line, status 130)."""
 
 from __future__ import annotations
 
@@ -6,9 +10,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from pyruntime.converter.tensors import OUTTYPES
+from pyruntime.cli.common import quiet_exit
+from pyruntime.cli.repack import OUTTYPES  # the converter's (kept in sync by a test)
 from pyruntime.errors import PyruntimeError
-from pyruntime.output_files import Terminated
+from pyruntime.output_files import Terminated, signals_raise
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,9 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        from pyruntime.converter import convert
+        # signals_raise: an error a C extension turned the Ctrl-C into is the interrupt too
+        with signals_raise():
+            from pyruntime.converter import convert
 
-        convert(args.model, args.outfile, args.outtype, progress=not args.quiet, force=args.force)
+            convert(
+                args.model, args.outfile, args.outtype, progress=not args.quiet, force=args.force
+            )
     except PyruntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -46,4 +55,6 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated:
         print("terminated; no output written", file=sys.stderr)
         return 143
+    finally:
+        quiet_exit()
     return 0
