@@ -695,6 +695,7 @@ def test_cli_help_and_usage_errors_before_torch(tmp_path):
     r = _with_failing_import("torch", "ImportError('torch was imported')", ["m", "--outtype",
                              "f8"], tmp_path)  # fmt: skip
     assert r.returncode == 2 and "invalid choice: 'f8'" in r.stderr, r.stderr
+    assert r.stderr.startswith("error: convert_hf_to_gguf.py: ") and r.stderr.count("\n") == 1
 
 
 def _fake_hub_cache(cache: Path, repo_id: str, model_dir: Path) -> None:

@@ -6,18 +6,18 @@ interrupt like any other (one line, status 130)."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from pyruntime.cli.common import quiet_exit
+from pyruntime.cli.parsing import Parser
 from pyruntime.cli.repack import OUTTYPES  # the converter's (kept in sync by a test)
 from pyruntime.errors import PyruntimeError
 from pyruntime.output_files import Terminated, signals_raise
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> Parser:
+    p = Parser(
         prog="convert_hf_to_gguf.py",
         description="Convert a Hugging Face MoE checkpoint to a pyruntime GGUF file.",
     )
