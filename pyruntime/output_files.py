@@ -121,3 +121,12 @@ def atomic_output(dest: Path) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def size_text(n: int) -> str:
+    """Bytes for a message: '1.23 GB', '45.6 MB' or '789 kB' (decimal units, as disk tools
+    print free space)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.{2 if unit == 'GB' else 1}f} {unit}"
+    return f"{n / 1e3:.0f} kB"

@@ -88,7 +88,7 @@ def test_the_destination_is_checked_before_converting(hf, tmp_path, monkeypatch)
     assert read == []  # refused before the checkpoint was read
     monkeypatch.undo()
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, 1000))
-    with pytest.raises(ConversionError, match=r"needs about .* GB, and .* has 0.00 GB free"):
+    with pytest.raises(ConversionError, match=r"needs about [0-9.]+ [kMG]B, and .* has 1 kB free"):
         convert(hf, tmp_path / "m.gguf", "f32", progress=False)
     assert list(tmp_path.iterdir()) == [dev_null]  # nothing written, no temp file
 
@@ -373,3 +373,11 @@ def test_the_cli_prints_the_cache_warning_in_one_line(tmp_path, demo):
     warned = [ln for ln in r.stderr.splitlines() if ln.startswith("warning: ")]
     assert len(warned) == 1 and "is not writable" in warned[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_sizes_in_messages_read_at_their_scale():
+    from pyruntime.output_files import size_text
+
+    assert [size_text(n) for n in (0, 1_000, 12_345_678, 2_500_000_000)] == [
+        "0 kB", "1 kB", "12.3 MB", "2.50 GB"
+    ]  # fmt: skip

@@ -22,7 +22,7 @@ from pyruntime.converter.tensors import OUTTYPES, StreamedTensor, choose_qtype
 from pyruntime.converter.vocab import Vocab, load_vocab, write_vocab
 from pyruntime.errors import ConversionError, UsageError
 from pyruntime.model.layout import LAYOUT_VERSION  # docs/gguf-layout.md
-from pyruntime.output_files import atomic_output, check_writable
+from pyruntime.output_files import atomic_output, check_writable, size_text
 
 QUANTIZATION_VERSION = 2
 ALIGNMENT = 32  # gguf-py's default tensor alignment
@@ -137,8 +137,8 @@ def _check_space(dest: Path, need: int) -> None:
     free = shutil.disk_usage(dest.parent).free
     if free < need:
         raise ConversionError(
-            f"{dest}: the GGUF needs about {need / 1e9:.2f} GB, and {dest.parent} has "
-            f"{free / 1e9:.2f} GB free"
+            f"{dest}: the GGUF needs about {size_text(need)}, and {dest.parent} has "
+            f"{size_text(free)} free"
         )
 
 

@@ -57,7 +57,7 @@ from pyruntime.model.llamacpp_layout import (
     check_types,
     unpermute_rows,
 )
-from pyruntime.output_files import atomic_output
+from pyruntime.output_files import atomic_output, size_text
 
 Q = GGMLQuantizationType
 V = GGUFValueType
@@ -333,7 +333,7 @@ def _check_space(dest: Path, need: int) -> None:
     free = shutil.disk_usage(dest.parent).free
     if free < need + (16 << 20):
         raise ModelFileError(
-            f"{dest.parent}: the repacked GGUF needs about {need / 1e9:.2f} GB and the folder "
-            f"has {free / 1e9:.2f} GB free (set PYRUNTIME_CACHE to a folder with room, or give "
+            f"{dest.parent}: the repacked GGUF needs about {size_text(need)} and the folder "
+            f"has {size_text(free)} free (set PYRUNTIME_CACHE to a folder with room, or give "
             "`pyruntime repack IN -o OUT` another place)"
         )
