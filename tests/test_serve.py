@@ -160,6 +160,17 @@ def test_concurrent_requests_each_get_their_own_answer(client, server, local):
     assert _health(server)["requests"]["running"] == 0
 
 
+def _wait_for_one_more_cancelled(server: str, before: int) -> None:
+    """Until /health counts one more cancelled request than `before` and none running (10 s)."""
+    deadline = time.monotonic() + 10
+    while True:
+        counts = _health(server)["requests"]
+        if counts["cancelled"] == before + 1 and counts["running"] == 0:
+            return
+        assert time.monotonic() < deadline, counts
+        time.sleep(0.05)
+
+
 def test_cancelled_stream_stops_its_generation(client, server):
     before = _health(server)["requests"]["cancelled"]
     stream = client.chat.completions.create(
@@ -170,13 +181,7 @@ def test_cancelled_stream_stops_its_generation(client, server):
         if i == 3:
             break
     stream.close()
-    deadline = time.monotonic() + 10
-    while True:
-        counts = _health(server)["requests"]
-        if counts["cancelled"] == before + 1 and counts["running"] == 0:
-            break
-        assert time.monotonic() < deadline, counts
-        time.sleep(0.05)
+    _wait_for_one_more_cancelled(server, before)
     reply = client.chat.completions.create(model="x", messages=CHAT, max_tokens=4)
     assert reply.choices[0].finish_reason in ("stop", "length")
 
@@ -194,13 +199,7 @@ def test_client_leaving_a_request_that_is_not_streamed_cancels_it(server):
         while _health(server)["requests"]["running"] == 0:  # its tokens are flowing
             assert time.monotonic() < deadline
             time.sleep(0.02)
-    deadline = time.monotonic() + 10
-    while True:
-        counts = _health(server)["requests"]
-        if counts["cancelled"] == before + 1 and counts["running"] == 0:
-            break
-        assert time.monotonic() < deadline, counts
-        time.sleep(0.05)
+    _wait_for_one_more_cancelled(server, before)
 
 
 @pytest.mark.parametrize(
