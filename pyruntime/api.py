@@ -319,7 +319,7 @@ class Model:
             seed=seed,
         )
         ids = self._prompt_ids(prompt)
-        stops = [stop] if isinstance(stop, str) else list(stop or ())
+        stops = _stop_strings(stop)
         return TextStream(
             self.session,
             self.tokenizer,
@@ -484,3 +484,16 @@ def _usage(generation: TextStream) -> dict[str, int]:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+
+
+def _stop_strings(stop: Any) -> list[str]:
+    """generate()'s `stop`: a string, or strings (None or empty: none); else a UsageError."""
+    if isinstance(stop, str):
+        return [stop]
+    try:
+        stops = list(stop or ())
+    except TypeError:
+        stops = [stop]
+    if not all(isinstance(s, str) for s in stops):
+        raise UsageError(f"stop must be a string or a sequence of strings, got {stop!r}")
+    return stops

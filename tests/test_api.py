@@ -138,6 +138,14 @@ def test_chat_stop_string_and_length(model):
     assert stopped["choices"][0]["finish_reason"] == "stop"
 
 
+@pytest.mark.parametrize("stop", [5, [b"x"], ["ok", None]])
+def test_a_stop_that_is_not_strings_is_a_usage_error(model, stop):
+    with pytest.raises(UsageError, match="stop must be a string or a sequence of strings"):
+        model.generate("x", max_tokens=2, stop=stop)
+    with pytest.raises(UsageError, match="stop must be a string"):
+        model.create_chat_completion(MESSAGES, max_tokens=2, stop=stop)
+
+
 def test_second_chat_turn_reuses_the_cache_and_matches_a_fresh_model(model, gguf_path):
     model.reset()
     first = model.create_chat_completion(MESSAGES, max_tokens=16, temperature=0)
