@@ -238,7 +238,7 @@ def test_over_long_prompt_and_wrong_types_through_the_client(client):
 def test_a_prompt_too_long_by_its_length_is_refused_untokenized(server, local):
     """Megabytes of prompt: refused on its length (a lower bound of its tokens), not tokenized
     first (which took seconds with the queue waiting); the server answers the next request."""
-    n_chars = N_CTX * local.tokenizer.min_chars_per_token
+    n_chars = N_CTX * local.tokenizer.max_chars_per_token
     assert n_chars < 16 << 20  # under the body limit
     body = json.dumps({"prompt": "x" * n_chars, "max_tokens": 2}).encode()
     code, answer = _post(server, "/v1/completions", body)

@@ -73,10 +73,8 @@ def test_the_report_says_where_decode_ran_dense():
     line says so, not only a decode sparsity under the target."""
 
     def model(sparse_layers):
-        experts = [object(), None, object(), object()]  # layer 1 has no routed experts
-        blocks = [argparse.Namespace(experts=e) for e in experts]
-        net = argparse.Namespace(sparse_layers=sparse_layers,
-                                 weights=argparse.Namespace(blocks=blocks))  # fmt: skip
+        # layer 1 has no routed experts
+        net = argparse.Namespace(sparse_layers=sparse_layers, moe_layers=lambda: [0, 2, 3])
         phases = {"prefill": 0.5, "decode": 0.0}
         return argparse.Namespace(sparsity=0.5, achieved_sparsity=0.1, net=net,
                                   sparsity_by_phase=lambda: phases)  # fmt: skip

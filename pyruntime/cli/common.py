@@ -15,7 +15,7 @@ from typing import Any
 
 from pyruntime import options
 from pyruntime.errors import PyruntimeWarning, UsageError
-from pyruntime.output_files import check_writable
+from pyruntime.output_files import Terminated, check_writable
 
 # The pyruntime.Model keywords the CLI passes from its options (pyruntime.options).
 RUNTIME = ("threads", "ubatch", "device", "sparsity", "sparsity_table", "gate_copy",
@@ -91,8 +91,7 @@ def _dense_decode_note(net: Any) -> str:
     layers = getattr(net, "sparse_layers", None)
     if not layers:
         return ""
-    blocks = net.weights.blocks
-    moe = [on for on, blk in zip(layers, blocks, strict=True) if blk.experts is not None]
+    moe = [layers[i] for i in net.moe_layers()]
     if all(moe):
         return ""
     if not any(moe):
@@ -186,6 +185,14 @@ def progress_printer(out: Any) -> Callable[[int, int, str], None]:
             print(line, file=out, flush=True)
 
     return show
+
+
+def no_output_written(exc: BaseException, prefix: str = "") -> int:
+    """A command whose output goes into place only when complete, stopped by Ctrl-C
+    (KeyboardInterrupt) or SIGTERM (Terminated): its one line on stderr, and its exit status."""
+    word, status = ("terminated", 143) if isinstance(exc, Terminated) else ("interrupted", 130)
+    print(f"{prefix}{word}; no output written", file=sys.stderr)
+    return status
 
 
 def quiet_exit() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from pyruntime.cli.common import quiet_exit
+from pyruntime.cli.common import no_output_written, quiet_exit
 from pyruntime.cli.parsing import Parser
 from pyruntime.cli.repack import OUTTYPES  # the converter's (kept in sync by a test)
 from pyruntime.errors import PyruntimeError
@@ -49,12 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     except PyruntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted; no output written", file=sys.stderr)
-        return 130
-    except Terminated:
-        print("terminated; no output written", file=sys.stderr)
-        return 143
+    except (KeyboardInterrupt, Terminated) as exc:
+        return no_output_written(exc)
     finally:
         quiet_exit()
     return 0

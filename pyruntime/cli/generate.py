@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import sys
 from pathlib import Path
@@ -81,6 +80,6 @@ def _same_file(a: Any, b: Any) -> bool:
     """Whether two streams write to one file (`2>&1` into a pipe or a file)."""
     try:
         sa, sb = os.fstat(a.fileno()), os.fstat(b.fileno())
-    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+    except (OSError, ValueError, AttributeError):  # io.UnsupportedOperation is both
         return False
     return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)

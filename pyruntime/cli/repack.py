@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pyruntime.cli.common import check_output
+from pyruntime.cli.common import check_output, no_output_written
 from pyruntime.errors import UsageError
 from pyruntime.output_files import Terminated, signals_raise
 
@@ -76,12 +76,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         with signals_raise():  # an error a C extension turned the Ctrl-C into is the interrupt too
             repack(f, dest, args.outtype, progress=True)
-    except KeyboardInterrupt:
-        print("repack: interrupted; no output written", file=sys.stderr)
-        return 130
-    except Terminated:
-        print("repack: terminated; no output written", file=sys.stderr)
-        return 143
+    except (KeyboardInterrupt, Terminated) as exc:
+        return no_output_written(exc, "repack: ")
     ModelConfig.from_gguf(open_gguf(dest))  # the copy passes every rule of our layout
     print(
         f"repack: wrote {dest} ({dest.stat().st_size / 1e6:.1f} MB) in "

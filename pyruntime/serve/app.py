@@ -73,7 +73,7 @@ class Server:
     def _tokenize(self, text: str, req: Request) -> list[int]:
         """text's ids; a text too long for the context by its length alone is refused before
         it is tokenized (megabytes of text take the tokenizer seconds, and the queue waits)."""
-        n_ctx, per_token = self.model.n_ctx, self.model.tokenizer.min_chars_per_token
+        n_ctx, per_token = self.model.n_ctx, self.model.tokenizer.max_chars_per_token
         if len(text) >= n_ctx * per_token:
             raise _too_long(f"at least {len(text) // per_token} tokens", n_ctx, req)
         return self.model.tokenize(text, add_special=True)

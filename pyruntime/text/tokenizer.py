@@ -117,13 +117,12 @@ class Tokenizer:
         return self._hf.decode(list(ids), skip_special_tokens=skip_special)
 
     @functools.cached_property
-    def min_chars_per_token(self) -> int:
-        """Characters of text that always give at least one token each this many: a text of n
-        characters is at least n / min_chars_per_token tokens, whatever it says (a bound to
-        refuse a text far over a context before tokenizing it). The longest vocabulary entry
-        (byte-level forms: a character a byte, so at least the text characters it covers; a
-        byte fallback's `<0x0A>` is longer than its byte), times 4 for normalizers that compose
-        several characters into one."""
+    def max_chars_per_token(self) -> int:
+        """At most this many characters of text make one token, so a text of n characters is at
+        least n / max_chars_per_token tokens (a bound to refuse a text far over a context before
+        tokenizing it): the longest vocabulary entry (byte-level forms: a character a byte, so at
+        least the text characters it covers; a byte fallback's `<0x0A>` is longer than its
+        byte), times 4 for normalizers that compose several characters into one."""
         longest = max((len(t) for t in self._hf.get_vocab(with_added_tokens=True)), default=1)
         return 4 * max(longest, 1)
 
