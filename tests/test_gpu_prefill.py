@@ -11,6 +11,9 @@ position, mask, expert or neuron is >= 1e-3. Q8_0 (the 33-token prompt): prefill
 activations; bf16 tensor-core tiles on a GPU) and decode (Q8-quantized x in the dp4a expert
 kernels) round differently: <= 9.2e-3 measured here with fp32 dots (Q8_LOGPROB_TOL: room for
 the GPU's bf16 weight tiles, 2^-9 each), and the same greedy choice at every row compared.
+llama4's tiny model is ~8x as sensitive to that rounding (its Q8_0 file's log-probs lie 5.7e-2 -
+7.2e-2 from its F32 file's, the other families' 0.9e-3 - 6.4e-2, most ~8e-3; prefill vs decode
+5.1e-2 on an H200, 5.8e-2 here): its own tolerance (Q8_LOGPROB_TOL_BY_ARCH).
 
 Every family: a prompt of 7 tokens row by row against one decode step per token from the empty
 cache (the decode's own K/V); prompts of 1 and 33 tokens at rows 0, n / 2 and n - 1, each
@@ -40,6 +43,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
 LOGPROB_TOL = 1e-4
 Q8_LOGPROB_TOL = 0.05
+Q8_LOGPROB_TOL_BY_ARCH = {"llama4": 0.1}  # its rounding's gain: the module docstring
 Q8_ARCHS = ("olmoe", "gptoss")  # the Q8_0 tiles' kernels are per format, not per family
 SPARSE = 0.02  # |act(gate)| threshold: skips part of the tiny models' neurons
 
@@ -125,4 +129,5 @@ def test_q8_0_prefill_agrees_with_decode(ggufs):
     got, ref = compare(ex, 33)
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
     err = (got - ref).abs().max().item()
-    assert err <= Q8_LOGPROB_TOL, f"max |d log-prob| {err:.2e}"
+    tol = Q8_LOGPROB_TOL_BY_ARCH.get(ggufs["arch"], Q8_LOGPROB_TOL)
+    assert err <= tol, f"max |d log-prob| {err:.2e}"
