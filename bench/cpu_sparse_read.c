@@ -24,6 +24,13 @@
  *                         spread over the read of the current one;
  *   apart, all up/down    per chunk its gate rows, then all its neurons' up/down rows (the kept
  *                         ones and the rest: what reading past the gaps would cost);
+ *   calls, all rows       per call (as a decode step's layer) 8 random experts of 64 in one layer
+ *                         (experts of 1024 neurons: OLMoE-1B-7B's), their neurons split over
+ *                         the threads, a spin barrier after each call: the whole rows;
+ *   calls, sparse 0.5     the same calls in the "sparse 0.5 pattern" order; its speedup is over
+ *                         "calls, all rows" of the same round: the ceiling of the kernel's
+ *                         speedup as a decode step calls it (each thread's share of a call is
+ *                         ~3 MB at 16 threads, so ramp-up and the barrier count as they do there);
  *   apart 0.9 pipelined, apart 0.9 4 ahead
  *                         the two schemes above at sparsity 0.9, where the gate rows are most of
  *                         the bytes (1 thread, granite's rows: pipelined 1.79x the contiguous
@@ -41,20 +48,21 @@
 #define _POSIX_C_SOURCE 200809L
 #include <immintrin.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
-enum { CHUNK = 32, MAX_THREADS = 256 };
+enum { CHUNK = 32, MAX_THREADS = 256, CALL_NFF = 1024, CALL_EXPERTS = 64, CALL_TOPK = 8 };
 /* Bytes of a row (2176: Q8_0 of 2048; 1088: of 1024, granite-1b-a400m) and of a neuron's three;
  * where the software prefetches go (_MM_HINT_T0: L1; _MM_HINT_T1: L2, as the kernel does by
  * default). Set once in main. */
 static size_t ROW = 2176, NEURON = 3 * 2176;
 static int pf_l2 = 0;
-enum mode { CONTIGUOUS, GATE_PLAIN, GATE_PREFETCH, SPARSE, GATES_APART, APART_PIPELINED,
-            APART_AHEAD, APART_ALL };
+enum mode { CONTIGUOUS, GATE_PLAIN, GATE_PREFETCH, CALLS_ALL, SPARSE, CALLS_SPARSE, GATES_APART,
+            APART_PIPELINED, APART_AHEAD, APART_ALL };
 
 
 typedef struct {
@@ -66,7 +74,23 @@ typedef struct {
                               a gates-apart variant over one read) */
     uint64_t sum;
     pthread_barrier_t *bar;
+    const int *routes; /* the calls' cases: n_calls x CALL_TOPK experts (of the whole buffer) */
+    int n_calls;
 } job;
+
+/* The threads' barrier between calls: a count and a generation, spun on (as the C core's pool). */
+static atomic_int call_arrived, call_gen;
+
+static void call_barrier(int nth) {
+    const int g = atomic_load(&call_gen);
+    if (atomic_fetch_add(&call_arrived, 1) == nth - 1) {
+        atomic_store(&call_arrived, 0);
+        atomic_fetch_add(&call_gen, 1);
+    } else {
+        while (atomic_load(&call_gen) == g)
+            _mm_pause();
+    }
+}
 
 static double now(void) {
     struct timespec t;
@@ -131,13 +155,60 @@ static int kept(size_t n, int percent) {
     return (int)(h % 100) < percent;
 }
 
+/* Neuron i of a call's concatenated experts: its index in the buffer. */
+static size_t call_neuron(const int *route, size_t i) {
+    return (size_t)route[i / CALL_NFF] * CALL_NFF + i % CALL_NFF;
+}
+
+/* The calls: per call this thread's share of its 8 experts' neurons, all rows or the sparse
+ * pattern (chunks of CHUNK inside one expert: gate rows `ahead` on prefetched, then the kept
+ * neurons' up/down rows, the next kept one's prefetched), then the barrier. */
+static __m256i run_calls(const job *j, __m256i a) {
+    const size_t total = (size_t)CALL_TOPK * CALL_NFF;
+    const size_t lo = total * j->ith / j->nth, hi = total * (j->ith + 1) / j->nth;
+    for (int c = 0; c < j->n_calls; c++) {
+        const int *route = j->routes + (size_t)c * CALL_TOPK;
+        for (size_t c0 = lo; c0 < hi && j->mode == CALLS_ALL;) {
+            const size_t c1 = (c0 / CALL_NFF + 1) * CALL_NFF < hi ? (c0 / CALL_NFF + 1) * CALL_NFF : hi;
+            a = sum_bytes(j->p + call_neuron(route, c0) * NEURON, (c1 - c0) * NEURON, a);
+            c0 = c1;
+        }
+        for (size_t c0 = lo; c0 < hi && j->mode == CALLS_SPARSE;) {
+            size_t c1 = c0 + CHUNK < hi ? c0 + CHUNK : hi;
+            if (c1 / CALL_NFF != c0 / CALL_NFF)
+                c1 = c1 / CALL_NFF * CALL_NFF; /* a chunk stays in one expert */
+            for (size_t i = c0; i < c1; i++) {
+                if (i + (size_t)j->ahead < hi)
+                    prefetch(j->p + call_neuron(route, i + (size_t)j->ahead) * NEURON, ROW);
+                a = sum_row(j->p + call_neuron(route, i) * NEURON, a);
+            }
+            for (size_t i = c0; i < c1; i++) {
+                const size_t n = call_neuron(route, i);
+                if (!kept(n, j->keep_percent))
+                    continue;
+                for (size_t m = i + 1; m < c1; m++)
+                    if (kept(call_neuron(route, m), j->keep_percent)) {
+                        prefetch(j->p + call_neuron(route, m) * NEURON + ROW, 2 * ROW);
+                        break;
+                    }
+                a = sum_bytes(j->p + n * NEURON + ROW, 2 * ROW, a);
+            }
+            c0 = c1;
+        }
+        call_barrier(j->nth);
+    }
+    return a;
+}
+
 static void *run(void *arg) {
     job *j = arg;
     const size_t n_neurons = j->bytes / NEURON;
     const size_t lo = n_neurons * j->ith / j->nth, hi = n_neurons * (j->ith + 1) / j->nth;
     __m256i a = _mm256_setzero_si256();
     pthread_barrier_wait(j->bar);
-    if (j->mode == CONTIGUOUS) {
+    if (j->mode == CALLS_ALL || j->mode == CALLS_SPARSE) {
+        a = run_calls(j, a);
+    } else if (j->mode == CONTIGUOUS) {
         a = sum_bytes(j->p + lo * NEURON, (hi - lo) * NEURON, a);
     } else if (j->mode == GATES_APART) {
         const uint8_t *gates = j->p, *pairs = j->p + n_neurons * ROW;
@@ -265,13 +336,35 @@ int main(int argc, char **argv) {
         fprintf(stderr, "error: cannot allocate the prefetch lists\n");
         return 1;
     }
+    /* The calls' experts: each call 8 distinct random experts of one layer (64 experts of 1024
+     * neurons), the layers in turn; as many calls as read the buffer's bytes once. */
+    const size_t n_layers = bytes / NEURON / CALL_NFF / CALL_EXPERTS;
+    const int n_calls = n_layers ? (int)(bytes / NEURON / CALL_NFF / CALL_TOPK) : 0;
+    int *routes = malloc((size_t)(n_calls ? n_calls : 1) * CALL_TOPK * sizeof *routes);
+    if (routes == NULL) {
+        fprintf(stderr, "error: cannot allocate the calls' experts\n");
+        return 1;
+    }
+    srand(7);
+    for (int c = 0; c < n_calls; c++) {
+        int used[CALL_EXPERTS] = {0};
+        for (int k = 0; k < CALL_TOPK; k++) {
+            int e;
+            do
+                e = rand() % CALL_EXPERTS;
+            while (used[e]);
+            used[e] = 1;
+            routes[c * CALL_TOPK + k] = (int)((size_t)c % n_layers) * CALL_EXPERTS + e;
+        }
+    }
     const struct {
         enum mode mode;
         int ahead, keep_percent;
         const char *name;
     } cases[] = {
         {CONTIGUOUS, 0, 0, "contiguous"},          {GATE_PLAIN, 0, 0, "gate rows, plain"},
-        {GATE_PREFETCH, 2, 0, "gate rows, sw pf 2"}, {SPARSE, 2, 50, "sparse 0.5 pattern"},
+        {GATE_PREFETCH, 2, 0, "gate rows, sw pf 2"}, {CALLS_ALL, 0, 0, "calls, all rows"},
+        {CALLS_SPARSE, 2, 50, "calls, sparse 0.5"},  {SPARSE, 2, 50, "sparse 0.5 pattern"},
         {SPARSE, 2, 30, "sparse 0.7 pattern"},     {SPARSE, 2, 10, "sparse 0.9 pattern"},
         {GATES_APART, 0, 50, "gates apart 0.5"},     {GATES_APART, 0, 10, "gates apart 0.9"},
         {APART_PIPELINED, 0, 50, "apart 0.5 pipelined"}, {APART_AHEAD, 4, 50, "apart 0.5 4 ahead"},
@@ -279,23 +372,42 @@ int main(int argc, char **argv) {
         {APART_PIPELINED, 0, 10, "apart 0.9 pipelined"}, {APART_AHEAD, 4, 10, "apart 0.9 4 ahead"}};
     enum { REPS = 7, N_CASES = sizeof cases / sizeof cases[0] };
     double useful[N_CASES]; /* bytes each case needs */
+    int base[N_CASES];      /* the case its speedup is over */
     for (int c = 0; c < N_CASES; c++) {
-        const int all = cases[c].mode == CONTIGUOUS || cases[c].mode == APART_ALL;
+        const enum mode m = cases[c].mode;
+        base[c] = m == CALLS_SPARSE ? 3 : 0;
+        if (m == CALLS_ALL || m == CALLS_SPARSE) {
+            useful[c] = 0.0;
+            for (int k = 0; k < n_calls * CALL_TOPK; k++)
+                for (size_t i = 0; i < CALL_NFF; i++) {
+                    const size_t n = (size_t)routes[k] * CALL_NFF + i;
+                    useful[c] += m == CALLS_ALL ? (double)NEURON
+                                 : kept(n, cases[c].keep_percent) ? (double)NEURON
+                                                                   : (double)ROW;
+                }
+            continue;
+        }
+        const int all = m == CONTIGUOUS || m == APART_ALL;
         useful[c] = all ? (double)bytes : (double)bytes / 3;
-        const int sparse = cases[c].mode >= SPARSE && !all;
+        const int sparse = m >= SPARSE && !all;
         for (size_t n = 0; sparse && n < bytes / NEURON; n++)
             useful[c] += kept(n, cases[c].keep_percent) ? 2.0 * ROW : 0.0;
     }
     double secs[N_CASES][REPS];
     for (int r = 0; r < REPS; r++) /* cases interleaved per round */
         for (int c = 0; c < N_CASES; c++) {
+            if ((cases[c].mode == CALLS_ALL || cases[c].mode == CALLS_SPARSE) && n_calls == 0) {
+                secs[c][r] = 0.0; /* less than a layer of experts: no calls */
+                continue;
+            }
             pthread_barrier_t bar;
             pthread_barrier_init(&bar, NULL, (unsigned)nth + 1);
             pthread_t th[MAX_THREADS];
             job jobs[MAX_THREADS];
             for (int t = 0; t < nth; t++) {
                 jobs[t] = (job){p, bytes, cases[c].mode, cases[c].ahead, cases[c].keep_percent,
-                                t, nth, lines + (size_t)t * chunk_lines, 0, &bar};
+                                t, nth, lines + (size_t)t * chunk_lines, 0, &bar, routes,
+                                n_calls};
                 pthread_create(&th[t], NULL, run, &jobs[t]);
             }
             pthread_barrier_wait(&bar);
@@ -310,19 +422,25 @@ int main(int argc, char **argv) {
            "median / best GB/s of the bytes each case needs\n", nth, gib, ROW, pf_l2 ? "L2" : "L1",
            REPS);
     for (int c = 0; c < N_CASES; c++) {
-        double rate[REPS], ratio[REPS]; /* GB/s; time of "contiguous" / this case, same round */
+        if (secs[c][0] == 0.0) {
+            printf("  %-20s (needs a layer: %d experts of %d neurons)\n", cases[c].name,
+                   CALL_EXPERTS, CALL_NFF);
+            continue;
+        }
+        double rate[REPS], ratio[REPS]; /* GB/s; time of its base case / this case, same round */
         for (int r = 0; r < REPS; r++) {
             rate[r] = useful[c] / secs[c][r] / 1e9;
-            ratio[r] = secs[0][r] / secs[c][r];
+            ratio[r] = secs[base[c]][r] / secs[c][r];
         }
         qsort(rate, REPS, sizeof(double), cmp);
         qsort(ratio, REPS, sizeof(double), cmp);
         printf("  %-20s %6.1f / %6.1f GB/s", cases[c].name, rate[REPS / 2], rate[REPS - 1]);
         if (cases[c].mode >= SPARSE)
-            printf("  speedup over contiguous (same round) %.2fx median, %.2f-%.2f",
+            printf("  speedup over %s (same round) %.2fx median, %.2f-%.2f", cases[base[c]].name,
                    ratio[REPS / 2], ratio[0], ratio[REPS - 1]);
         printf("\n");
     }
+    free(routes);
     free(lines);
     free(p);
     return 0;

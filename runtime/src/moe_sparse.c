@@ -203,7 +203,13 @@ static void down_queue_add(const moe_ctx *c, down_queue *q, float *y, const uint
 }
 
 /* sparse_finish for a chunk of one route (the decode step's): its kept neurons' up rows two per
- * pass over x (dot2: the same bits as two dots), their down rows through the pipe's queue. */
+ * pass over x (dot2: the same bits as two dots), their down rows through the pipe's queue. The
+ * next gate rows are prefetched during the down rows' passes (memory-idle arithmetic on rows in
+ * cache) and, where the kept rows were prefetched before (`prefetched`), during the up dots; in
+ * the file's layout the up dots' own prefetches of the kept rows two on are the stream there,
+ * and gate rows among them slowed it: without them there the sparse time was 0.951x / 0.980x
+ * (a copy of the old build 1.035x) at 16 threads on two H200 hosts, 0.963x of the copy's at 4,
+ * sparse / dense 1.26x against 1.18x at 1 (olmoe-1b-7b Q8_0, docs/benchmarks.md). */
 static void sparse_finish_one(const moe_ctx *c, sparse_chunk *ch, int prefetched,
                               gate_cursor *gc, down_queue *q) {
     const size_t rb = c->row_bytes;
@@ -219,7 +225,7 @@ static void sparse_finish_one(const moe_ctx *c, sparse_chunk *ch, int prefetched
         int n_pf = 0;
         for (int k = l + 2; !prefetched && k < l + 2 + m && k < ch->n_list; k++)
             add_lines(pf, &n_pf, up_row(c, ch, ch->list[k]), 2 * rb);
-        if (gc != NULL && gc->next < gc->limit)
+        if (prefetched && gc != NULL && gc->next < gc->limit)
             gate_cursor_take(c, gc, gc->next + m < gc->limit ? gc->next + m : gc->limit, pf,
                              &n_pf);
         const uint8_t *up0 = up_row(c, ch, ch->list[l]);
