@@ -271,8 +271,17 @@ def test_repack_command(files, tmp_path):
     r = _cli("repack", str(ours), env_cache=tmp_path / "c")
     assert r.returncode == 1 and "already in pyruntime's layout" in r.stderr
     assert "Traceback" not in r.stderr
+    r = _cli("repack", str(lcpp), "--outtype", "f32", env_cache=tmp_path / "c")
+    assert r.returncode == 1 and "--outtype f32 needs -o FILE" in r.stderr  # else it ran as f32
+    assert not (tmp_path / "c").exists()
     r = _cli("repack", str(lcpp), env_cache=tmp_path / "c")  # into the cache
     assert r.returncode == 0 and Path(r.stdout.strip()).parent == tmp_path / "c" / "repacked"
+    copy = Path(r.stdout.strip())
+    r = _cli("repack", str(lcpp), env_cache=tmp_path / "c")
+    assert r.returncode == 0 and "already a current copy" in r.stderr
+    before = copy.stat().st_ino
+    r = _cli("repack", str(lcpp), "--force", env_cache=tmp_path / "c")  # written again
+    assert r.returncode == 0 and "repack: wrote" in r.stderr and copy.stat().st_ino != before
 
 
 def test_repack_outtypes_are_the_converters():

@@ -37,9 +37,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--outtype", choices=sorted(OUTTYPES), default=None,
         help="store every weight in this format (default: each tensor's own; the experts' down "
-        "rows, which must be transposed, are quantized again in it: f32 keeps them exact)",
+        "rows, which must be transposed, are quantized again in it: f32 keeps them exact); "
+        "needs -o: the cached copy keeps the file's own types, as opening MODEL runs it",
     )  # fmt: skip
-    p.add_argument("--force", action="store_true", help="overwrite an existing FILE")
+    p.add_argument(
+        "--force", action="store_true",
+        help="overwrite an existing FILE (without -o: write the cached copy again)",
+    )  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -60,8 +64,13 @@ def run(args: argparse.Namespace) -> int:
         )  # fmt: skip
         raise UsageError(f"{f.path}: {why}; nothing to repack")
     if args.outfile is None:
+        if args.outtype is not None:  # the cached copy is what opening the file runs
+            raise UsageError(
+                f"--outtype {args.outtype} needs -o FILE: the cached copy of {f.path} keeps the "
+                "file's own types (it is what opening the file runs)"
+            )
         dest = cached_copy_path(f.path)
-        if args.outtype is None and is_copy_of(dest, f):
+        if not args.force and is_copy_of(dest, f):
             print(f"repack: {dest} is already a current copy of {f.path}", file=sys.stderr)
             print(dest)
             return 0

@@ -53,7 +53,7 @@ def open_model_file(path: str | Path, progress: bool = True, in_ram: bool = Fals
     f = open_gguf(path)
     if detect_layout(f) != "llama.cpp":  # ours, or neither: ModelConfig says which key or
         return open_gguf(path, in_ram) if in_ram else f  # tensor is missing
-    check_types(f)  # a K-quant file is refused before any work
+    check_types(f)  # a format we do not read (IQ2_XS, Q3_K, ...) is refused before any work
     dest = cached_copy_path(f.path)
     if is_copy_of(dest, f):
         return open_gguf(dest, in_ram)
