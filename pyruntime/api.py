@@ -19,7 +19,9 @@ are the same mapped file, shared by the OS.
 
 from __future__ import annotations
 
+import gc
 import operator
+import os
 import secrets
 import sys
 import threading
@@ -38,6 +40,7 @@ from pyruntime import options
 from pyruntime.call_lock import CallLock
 from pyruntime.converter.repack_cache import open_model_file
 from pyruntime.cpu.executor import CpuExecutor
+from pyruntime.cpu.experts import EXPERT_BACKENDS
 from pyruntime.decoding.big_little import BigLittleStats, resident_experts_only
 from pyruntime.decoding.mode import DecodingMode
 from pyruntime.decoding.sampling import Sampler, SamplingParams
@@ -56,6 +59,24 @@ from pyruntime.text.chat_template import render_chat
 from pyruntime.text.tokenizer import Tokenizer
 
 _DEFAULTS = SamplingParams()
+
+
+def _warn_gpu_only(**given: Any) -> None:
+    """A warning naming the GPU options given (not at their defaults) to a model that runs on
+    the CPU, where they do nothing."""
+    names = [name for name, v in given.items() if v is not None and v != getattr(DEFAULTS, name)]
+    if names:
+        warnings.warn(
+            f"{', '.join(names)}: no effect, the model runs on the CPU", PyruntimeWarning,
+            stacklevel=3,
+        )  # fmt: skip
+
+
+class _Closed:
+    """A closed Model's executor: every use says so."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise UsageError("this Model is closed: create a new one")
 
 
 class Model:
@@ -124,7 +145,13 @@ class Model:
         draft: int = DEFAULTS.draft,
         draft_experts: str = DEFAULTS.draft_experts,
     ) -> None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise UsageError(f"path must be a GGUF file's path (str or Path), got {path!r}")
+        options.check("sparsity", sparsity)  # a number first: "0.5" is a UsageError
         check_sparsity(sparsity)
+        if expert_backend not in EXPERT_BACKENDS:
+            raise UsageError(f"expert_backend must be one of {', '.join(EXPERT_BACKENDS)}, "
+                             f"got {expert_backend!r}")  # fmt: skip
         if gate_copy not in GATE_COPY_MODES:
             raise UsageError(f"gate_copy must be one of {', '.join(GATE_COPY_MODES)}, "
                              f"got {gate_copy!r}")  # fmt: skip
@@ -145,6 +172,11 @@ class Model:
         self.placement = choice.plan  # the hybrid's plan (None: one device holds everything)
         if choice.note:
             print(f"pyruntime: {choice.note}", file=sys.stderr)
+        if self.device == "cpu":
+            _warn_gpu_only(
+                gpu_mem=gpu_mem, staging=staging, pin_experts=pin_experts,
+                cache_policy=cache_policy, misses=misses, lookahead=lookahead,
+            )  # fmt: skip
         if choice.hybrid:
             from pyruntime.offload.loading import device_memory_guard, load_hybrid
 
@@ -229,6 +261,31 @@ class Model:
                 self._session = Session(self.net, self.n_ctx)
             return self._session
 
+    def close(self) -> None:
+        """Free the model now, not at the next garbage collection: its CPU threads, its KV
+        cache, its GPU memory and its mapping of the file (idempotent; waits for a call in
+        another thread to end). Any later call on it is a UsageError."""
+        if isinstance(self.net, _Closed):
+            return
+        with self._serial():
+            net, self.net, self._session = self.net, _Closed(), None
+            cores = {id(c): c for c in (getattr(net, "core", None),
+                                         getattr(getattr(net, "expert_backend", None), "core",
+                                                 None)) if c is not None}  # fmt: skip
+            for core in cores.values():
+                core.close()  # the worker threads stop here
+            self.file.close()
+            del net
+            gc.collect()  # the weights' arrays sit in reference cycles: unmap them now
+            if self.device != "cpu" and torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def reset(self) -> None:
         """Forget the cached context (the next call evaluates its whole prompt)."""
         with self._serial():
@@ -241,6 +298,18 @@ class Model:
         return self.tokenizer.encode(text, add_special=add_special)
 
     def detokenize(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        """The text of token ids, each in [0, n_vocab) (a UsageError names the first that is
+        not, as logits() and generate() do)."""
+        if isinstance(ids, (str, bytes, bytearray, memoryview)):
+            raise UsageError("detokenize() takes token ids (model.tokenize(text) gives them)")
+        try:
+            ids = [operator.index(i) for i in ids]
+        except TypeError:
+            raise UsageError("detokenize() takes a sequence of int token ids") from None
+        n_vocab = self.config.n_vocab
+        bad = next((i for i in ids if not 0 <= i < n_vocab), None)
+        if bad is not None:
+            raise UsageError(f"token id {bad} is outside the vocabulary [0, {n_vocab})")
         return self.tokenizer.decode(ids, skip_special=skip_special)
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
@@ -364,7 +433,10 @@ class Model:
         """The decoding strategy of one call: the model's mode, or one with these overrides."""
         unknown = set(overrides) - set(self._decoding_options)
         if unknown:
-            raise UsageError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
+            hint = ""
+            if "temperature" in unknown:  # OpenAI's / llama-cpp-python's name for it
+                hint = " (generate() takes temp=; temperature= is create_chat_completion()'s)"
+            raise UsageError(f"unknown generation option(s): {', '.join(sorted(unknown))}{hint}")
         mode = self.decoding
         given = {k: v for k, v in overrides.items() if v is not None}
         if given:
@@ -405,9 +477,12 @@ class Model:
     ) -> dict[str, Any] | Iterator[dict[str, Any]]:
         """OpenAI-shaped chat completion: a `chat.completion` dict, or with stream=True an
         iterator of `chat.completion.chunk` dicts (role first, then content deltas, then the
-        finish_reason). max_tokens None = until a stop or a full context. decoding: per-call
+        finish_reason). max_tokens None or -1 = until a stop or a full context. decoding: per-call
         decoding options, as generate().
         """
+        if "temp" in decoding:  # generate()'s (llama.cpp's) name for it
+            raise UsageError("create_chat_completion() takes temperature= (OpenAI's name), not "
+                             "temp=")  # fmt: skip
         text = self.apply_chat_template(messages)
         # The template writes BOS itself when the model uses one (encode skips a duplicate).
         ids = self.tokenize(text, add_special=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import numbers
 import os
 import re
 import stat
@@ -42,11 +43,17 @@ class Range:
     hi: float | None = None
     lo_open: bool = False  # lo itself excluded
     hi_open: bool = False  # hi itself excluded
+    integer: bool = False  # ints only (a count): 100.5 tokens is not a context size
+
+    def kind_of(self, v: object) -> bool:
+        """Whether v is a number of this range's kind (numpy's too; bool is not a number here)."""
+        number = numbers.Integral if self.integer else numbers.Real
+        return isinstance(v, number) and not isinstance(v, bool)
 
     def __contains__(self, v: object) -> bool:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
+        if not self.kind_of(v):
             return False
-        if isinstance(v, float) and not math.isfinite(v):
+        if not isinstance(v, numbers.Integral) and not math.isfinite(v):  # ints: any size
             return False
         if self.lo is not None and (v < self.lo or (self.lo_open and v == self.lo)):
             return False
@@ -72,7 +79,7 @@ C_INT = 1 << 31  # counts the C core takes as an int stay below it
 
 
 def _ints(lo: int, hi: int = C_INT) -> Range:
-    return Range(lo, hi, hi_open=True)
+    return Range(lo, hi, hi_open=True, integer=True)
 
 
 @dataclass(frozen=True)
@@ -264,7 +271,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "seed", None, "RNG seed (default: random)", ("--seed",), SAMPLING, parse=int,
-        group="sampling", bounds=Range(0, 1 << 64, hi_open=True),
+        group="sampling", bounds=Range(0, 1 << 64, hi_open=True, integer=True),
     ),
     Option(
         "stop", (), "a stop string (never printed); --stop again for another",
@@ -319,7 +326,20 @@ def check(name: str, v: Any, flag: bool = False) -> None:
     opt = _BY_NAME[name]
     if v is not None and opt.bounds is not None and v not in opt.bounds:
         shown = opt.flags[-1] if flag and opt.flags else name
+        if not opt.bounds.kind_of(v):  # "2048" or 100.5 for a count: say what it must be
+            kind = "an int" if opt.bounds.integer else "a number"
+            raise UsageError(f"{shown} must be {kind} {opt.bounds}, got {v!r}")
         raise UsageError(f"{shown} must be {opt.bounds}, got {v}")
+
+
+def check_kind(name: str, v: Any, what: str = "", optional: bool = True) -> None:
+    """UsageError when `v` is not a number of option `name`'s kind (an int for a count), before
+    any comparison would raise a bare TypeError; None passes when `optional`; `what` prefixes
+    the message."""
+    bounds = _BY_NAME[name].bounds
+    if (v is not None or not optional) and bounds is not None and not bounds.kind_of(v):
+        kind = "an int" if bounds.integer else "a number"
+        raise UsageError(f"{what}{name} must be {kind}, got {v!r}")
 
 
 # Options that only big/little decoding reads: given without it, they would do nothing.

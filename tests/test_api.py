@@ -258,3 +258,109 @@ def test_no_leak_report_at_exit(gguf_path):
                           timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "leaked" not in done.stderr and "nanobind" not in done.stderr, done.stderr[-2000:]
+
+
+# -- arguments of the wrong type or value: one UsageError each, before anything loads ------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"n_ctx": "2048"}, "n_ctx must be an int in [0, 2^31), got '2048'"),
+        ({"n_ctx": 100.5}, "n_ctx must be an int in [0, 2^31), got 100.5"),
+        ({"threads": "2"}, "threads must be an int in [1, 2^31), got '2'"),
+        ({"seed": "1"}, "seed must be an int in [0, 2^64), got '1'"),
+        ({"sparsity": "0.5"}, "sparsity must be a number in [0.0, 1.0), got '0.5'"),
+        ({"expert_backend": "cuda"}, "expert_backend must be one of auto, c, torch, got 'cuda'"),
+    ],
+)
+def test_model_arguments_of_the_wrong_type(gguf_path, kwargs, message):
+    with pytest.raises(UsageError) as err:
+        Model(gguf_path, **kwargs)
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_model_path_of_the_wrong_type():
+    with pytest.raises(UsageError, match=r"path must be a GGUF file's path \(str or Path\), got 5"):
+        Model(5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temp": "0.5"}, "temp must be a number, got '0.5'"),
+        ({"top_k": 2.5}, "top_k must be an int, got 2.5"),
+        ({"top_k": None}, "top_k must be an int, got None"),
+        ({"seed": "1"}, "seed must be an int, got '1'"),
+        ({"max_tokens": "5"}, "max_tokens must be an int, got '5'"),
+        ({"max_tokens": 2.5}, "max_tokens must be an int, got 2.5"),
+        ({"max_tokens": -2}, "max_tokens must be >= 0, or -1 / None for no limit, got -2"),
+        ({"temperature": 0}, "unknown generation option(s): temperature (generate() takes temp="),
+    ],
+)
+def test_generate_arguments_of_the_wrong_type(model, kwargs, message):
+    with pytest.raises(UsageError) as err:
+        "".join(model.generate("Hi", **{"max_tokens": 3, **kwargs}))
+    assert message in str(err.value), str(err.value)
+
+
+def test_max_tokens_minus_one_is_no_limit(model):
+    """-1 as the CLI's -n -1: until a stop (here the first space) or a full context."""
+    stream = model.generate(PROMPT, max_tokens=-1, temp=0, stop=[" "])
+    text = "".join(stream)
+    assert stream.finish_reason == "stop" and " " not in text
+
+
+def test_detokenize_refuses_ids_outside_the_vocabulary(model):
+    n_vocab = model.config.n_vocab
+    for bad in (-1, n_vocab):
+        with pytest.raises(UsageError, match=rf"token id {bad} is outside the vocabulary"):
+            model.detokenize([1, bad])
+    with pytest.raises(UsageError, match="detokenize\\(\\) takes a sequence of int token ids"):
+        model.detokenize([1.5])
+
+
+def test_chat_arguments_named_as_generate_does(model):
+    with pytest.raises(UsageError, match=r"takes temperature= \(OpenAI's name\), not temp="):
+        model.create_chat_completion(MESSAGES, temp=0)
+    with pytest.raises(UsageError, match=r"messages\[1\] has no 'content'"):
+        model.create_chat_completion([MESSAGES[0], {"role": "user"}])
+
+
+def test_gpu_options_on_the_cpu_are_warned_about(gguf_path):
+    from pyruntime.errors import PyruntimeWarning
+
+    with pytest.warns(PyruntimeWarning, match="gpu_mem, lookahead: no effect, the model runs on"):
+        Model(gguf_path, n_ctx=32, device="cpu", gpu_mem="8G", lookahead=True)
+
+
+def test_close_frees_the_model_and_later_calls_say_so(gguf_path):
+    with Model(gguf_path, n_ctx=32) as m:
+        assert m.logits([1, 2]).shape[0] == 2
+        core = m.net.core
+    assert core._pool is None  # the C core's worker threads stopped at close
+    for call in (lambda: m.logits([1]), lambda: "".join(m.generate("Hi", max_tokens=2)),
+                 lambda: m.session):  # fmt: skip
+        with pytest.raises(UsageError, match="this Model is closed"):
+            call()
+    m.close()  # again: nothing to do
+
+
+def test_the_same_prompt_again_continues_as_the_first_time(model):
+    """A repeated prompt takes its kept logits (the prompt's batched pass), not its last token
+    through the one-token step (which rounds otherwise on quantized kernels)."""
+    model.reset()
+    s = model.session
+    ids = model.tokenize(PROMPT)
+    first, n_first = s.prefill(ids)
+    assert n_first == len(ids)
+    s.feed(int(first.argmax()))
+    again, n_again = s.prefill(ids)
+    assert n_again == 0 and torch.equal(again, first) and s.ids == ids
+    assert s.cache.n_tokens == len(ids)
+    s.rewind(1)  # the last prompt position gone: evaluated again
+    _, n_after = s.prefill(ids)
+    assert n_after == 1
+    a = "".join(model.generate(PROMPT, max_tokens=12, temp=0))
+    b = model.generate(PROMPT, max_tokens=12, temp=0)
+    assert "".join(b) == a and b.stats.prompt_evaluated == 0

@@ -164,10 +164,17 @@ def test_session_reuses_the_common_prefix(tok):
     assert stream.stats.prompt_evaluated == 2
     assert net.calls[0] == [9, 10]
     assert session.cache.n_tokens == 5
-    # the same prompt again still evaluates its last token, to get logits
+    # the same prompt again: the logits its pass left, nothing evaluated (Session's doc)
     net.calls.clear()
     stream, _ = _run(tok, net, [5, 6, 7, 9, 10], session=session)
-    assert net.calls[0] == [10]
+    assert net.calls == [] and stream.stats.prompt_evaluated == 0
+    assert session.cache.n_tokens == 5
+    # a prompt that ends before the kept end evaluates its last token, to get logits
+    stream, _ = _run(tok, net, [5, 6, 7, 9], session=session)
+    assert net.calls == [[9]] and stream.stats.prompt_evaluated == 1
+    net.calls.clear()
+    stream, _ = _run(tok, net, [5, 6, 7, 9, 10], session=session)  # that end is gone now
+    assert net.calls == [[10]]
 
 
 def test_full_context_ends_with_length(tok):
@@ -195,4 +202,7 @@ def test_stats_and_common_prefix(tok):
 def test_negative_max_tokens_is_a_usage_error(tok):
     net = ScriptedNet({})
     with pytest.raises(UsageError, match="max_tokens"):
-        TextStream(Session(net, 8), tok, [1], Sampler(GREEDY), max_tokens=-1)
+        TextStream(Session(net, 8), tok, [1], Sampler(GREEDY), max_tokens=-2)
+    net = ScriptedNet({1000: 1000})  # -1 as the CLI's -n -1: until a stop or a full context
+    stream, _ = _run(tok, net, [1000] * 3, max_tokens=-1, session=Session(net, 8))
+    assert stream.finish_reason == "length" and len(stream.token_ids) == 6

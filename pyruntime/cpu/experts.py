@@ -13,6 +13,7 @@ import torch
 
 from pyruntime.cpu.core import CoreError, CpuCore
 from pyruntime.cpu.threads import resolve_threads
+from pyruntime.errors import UsageError
 from pyruntime.experts.store import ExpertStore
 from pyruntime.model.reference import moe_ffn_torch
 
@@ -49,13 +50,16 @@ class CpuCoreBackend:
         )
 
 
+EXPERT_BACKENDS = ("auto", "c", "torch")
+
+
 def make_expert_backend(kind: str = "auto", threads: int | None = None):
     """'c' (the C core), 'torch' (reference), or 'auto' (C core when it is built, else torch).
     threads: the C core's (None: the physical cores; checked by resolve_threads)."""
     if kind == "torch":
         return moe_ffn_torch
-    if kind not in ("c", "auto"):
-        raise ValueError(f"unknown expert backend '{kind}' (use auto, c or torch)")
+    if kind not in EXPERT_BACKENDS:
+        raise UsageError(f"unknown expert backend {kind!r} (use auto, c or torch)")
     try:
         return CpuCoreBackend(resolve_threads(threads))
     except CoreError as exc:

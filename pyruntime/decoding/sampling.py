@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pyruntime.errors import UsageError
-from pyruntime.options import DEFAULTS
+from pyruntime.options import DEFAULTS, check_kind
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,8 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("temp", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed"):
+            check_kind(name, getattr(self, name), "invalid sampling parameter: ", name == "seed")
         checks = [
             (math.isfinite(self.temp) and self.temp >= 0, "temp must be >= 0 (0 = greedy)"),
             (self.top_k >= 0, "top_k must be >= 0 (0 = off)"),

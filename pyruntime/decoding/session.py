@@ -24,12 +24,22 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class Session:
-    """A KV cache of `max_tokens` positions plus the ids it holds (`ids[i]` at position i)."""
+    """A KV cache of `max_tokens` positions plus the ids it holds (`ids[i]` at position i).
+
+    A prompt's last logits are kept with the cache: the same prompt again (a prefix of what the
+    cache holds) returns them instead of evaluating its last token alone, so a repeated call
+    continues exactly as the first did. Evaluated alone, the token would go through the
+    one-token decode step, whose quantized kernels round otherwise than the prompt's batched
+    pass: a greedy generation could then part from the first one's.
+    """
 
     def __init__(self, net: Executor, max_tokens: int) -> None:
         self.net = net
         self.cache = net.new_cache(max_tokens)
         self.ids: list[int] = []
+        # (n, logits [n_vocab]) after ids[:n] as a prefill computed them; None once the cache
+        # no longer holds those n positions as that prefill left them
+        self._prompt_end: tuple[int, torch.Tensor] | None = None
 
     @property
     def max_tokens(self) -> int:
@@ -42,6 +52,14 @@ class Session:
     def reset(self) -> None:
         self.cache.truncate(0)
         self.ids = []
+        self._prompt_end = None
+
+    def _truncate(self, n: int) -> None:
+        """Cut the cache back to n positions (a recurrent state may go further back: the cache
+        says what it kept); the kept prompt end goes with the positions it needs."""
+        self.cache.truncate(n)
+        if self._prompt_end is not None and self.cache.n_tokens < self._prompt_end[0]:
+            self._prompt_end = None
 
     def rewind(self, n: int) -> None:
         """Forget the newest n tokens (0 <= n <= len(ids)): the cache and the ids then hold the
@@ -49,7 +67,7 @@ class Session:
         if not 0 <= n <= len(self.ids):
             raise UsageError(f"cannot rewind {n} tokens of a session holding {len(self.ids)}")
         target = len(self.ids) - n
-        self.cache.truncate(target)
+        self._truncate(target)
         del self.ids[self.cache.n_tokens :]
         if self.cache.n_tokens != target:  # a recurrent state without a snapshot there
             raise UsageError(
@@ -78,16 +96,25 @@ class Session:
                 f"{self.cache.max_tokens}; use a larger context (n_ctx / --ctx-size) or a "
                 "shorter prompt"
             )
-        n_keep = min(common_prefix_length(self.ids, prompt_ids), len(prompt_ids) - 1)
+        plain = k is None and routing is None  # the model's own pass: its end may be kept
+        common = common_prefix_length(self.ids, prompt_ids)
+        end = self._prompt_end
+        if plain and end is not None and end[0] == len(prompt_ids) <= common:
+            self._truncate(end[0])  # the same prompt again: the cache back to its end
+            if self.cache.n_tokens == end[0]:
+                self.ids = list(prompt_ids)
+                return end[1].clone(), 0
+        n_keep = min(common, len(prompt_ids) - 1)
         # Also repairs a cache left ahead of self.ids by an interrupted forward pass. A recurrent
         # state may go back further than asked (to 0): the cache says what it kept.
-        self.cache.truncate(n_keep)
+        self._truncate(n_keep)
         n_keep = self.cache.n_tokens
         self.ids = self.ids[:n_keep]
         logits = self.net.forward(
             list(prompt_ids[n_keep:]), self.cache, last_only=True, k=k, routing=routing
         )
         self.ids = list(prompt_ids)
+        self._prompt_end = (len(prompt_ids), logits[-1].clone()) if plain else None
         return logits[-1], len(prompt_ids) - n_keep
 
     def feed(

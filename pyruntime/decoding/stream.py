@@ -15,6 +15,7 @@ from pyruntime.decoding.plain import DecodingStrategy, PromptStats, plain_decodi
 from pyruntime.decoding.sampling import Sampler
 from pyruntime.decoding.session import Session
 from pyruntime.errors import UsageError
+from pyruntime.options import check_kind
 from pyruntime.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -83,8 +84,8 @@ class GenerationStats:
 class TextStream:
     """One generation; iterate for text pieces (once). Runs lazily, as it is iterated.
 
-    max_tokens None generates until a stop condition or a full context. finish_reason becomes
-    "stop" (stop token or stop string) or "length" (max_tokens or the context is full).
+    max_tokens None (or -1) generates until a stop condition or a full context. finish_reason
+    becomes "stop" (stop token or stop string) or "length" (max_tokens or the context is full).
     `hold` (a Model's lock) is held from the first piece until the generation ends, is closed,
     or the stream is dropped: the running generator refers to the generation, not to this
     stream, so dropping the last reference to the stream (a `break` out of a `for` loop over it)
@@ -103,8 +104,13 @@ class TextStream:
         strategy: DecodingStrategy = plain_decoding,
         hold: Callable[[], AbstractContextManager] = nullcontext,
     ) -> None:
+        check_kind("max_tokens", max_tokens)
+        if max_tokens == -1:  # as the CLI's -n -1 (llama.cpp's): until a stop or a full context
+            max_tokens = None
         if max_tokens is not None and max_tokens < 0:
-            raise UsageError(f"max_tokens must be >= 0, got {max_tokens}")
+            raise UsageError(
+                f"max_tokens must be >= 0, or -1 / None for no limit, got {max_tokens}"
+            )
         if isinstance(stop, str):
             stop = [stop]
         self._gen = _Generation(

@@ -62,7 +62,9 @@ def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
             raise UsageError(
                 f"messages[{i}]: unknown role {message['role']!r}; use one of {', '.join(_ROLES)}"
             )
-        if not isinstance(message.get("content", ""), str):
+        if "content" not in message:  # the template would fail on it, naming a jinja attribute
+            raise UsageError(f"messages[{i}] has no 'content'")
+        if not isinstance(message["content"], str):
             raise UsageError(f"messages[{i}]: 'content' must be a string")
         out.append(dict(message))
     return out
