@@ -98,7 +98,7 @@ class Model:
     `device` afterwards holds the choice ('cpu' or 'cuda[:N]'), `device_note` why auto took the
     CPU although a GPU exists (None otherwise).
     seed: seeds the random stream of sampling calls that pass no seed of their own
-    (None = a random seed), so a run of calls is reproducible as a whole.
+    (None or -1 = a random seed), so a run of calls is reproducible as a whole.
     kernel_tuning: a JSON file of GPU kernel launch configs (None: $PYRUNTIME_DECODE_TUNING, else
     the built-in tables).
     gpu_mem: the GPU memory budget in bytes or as a size ('12G'; None: what torch can allocate
@@ -230,7 +230,7 @@ class Model:
         self.big_little_stats = BigLittleStats()
         self.tokenizer = Tokenizer.from_gguf(self.file, config.n_vocab)
         self._rng = torch.Generator()
-        self._rng.manual_seed(seed if seed is not None else secrets.randbits(63))
+        self._rng.manual_seed(secrets.randbits(63) if seed in (None, -1) else seed)
         self._session: Session | None = None  # created on first use
         self._session_lock = threading.Lock()  # guards that creation
         self._serial = CallLock()
@@ -385,7 +385,7 @@ class Model:
             min_p=min_p,
             repeat_penalty=repeat_penalty,
             repeat_last_n=repeat_last_n,
-            seed=seed,
+            seed=None if seed == -1 else seed,  # -1: a random one, as llama.cpp's
         )
         ids = self._prompt_ids(prompt)
         stops = _stop_strings(stop)

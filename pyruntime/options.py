@@ -270,8 +270,8 @@ OPTIONS: tuple[Option, ...] = (
         ("--repeat-last-n",), SAMPLING, parse=int, group="sampling", bounds=_ints(-1),
     ),
     Option(
-        "seed", None, "RNG seed (default: random)", ("--seed",), SAMPLING, parse=int,
-        group="sampling", bounds=Range(0, 1 << 64, hi_open=True, integer=True),
+        "seed", None, "RNG seed (default, or -1 as llama.cpp's: random)", ("--seed",), SAMPLING,
+        parse=int, group="sampling", bounds=Range(-1, 1 << 64, hi_open=True, integer=True),
     ),
     Option(
         "stop", (), "a stop string (never printed); --stop again for another",

@@ -269,7 +269,7 @@ def test_no_leak_report_at_exit(gguf_path):
         ({"n_ctx": "2048"}, "n_ctx must be an int in [0, 2^31), got '2048'"),
         ({"n_ctx": 100.5}, "n_ctx must be an int in [0, 2^31), got 100.5"),
         ({"threads": "2"}, "threads must be an int in [1, 2^31), got '2'"),
-        ({"seed": "1"}, "seed must be an int in [0, 2^64), got '1'"),
+        ({"seed": "1"}, "seed must be an int in [-1, 2^64), got '1'"),
         ({"sparsity": "0.5"}, "sparsity must be a number in [0.0, 1.0), got '0.5'"),
         ({"expert_backend": "cuda"}, "expert_backend must be one of auto, c, torch, got 'cuda'"),
     ],
@@ -364,3 +364,9 @@ def test_the_same_prompt_again_continues_as_the_first_time(model):
     a = "".join(model.generate(PROMPT, max_tokens=12, temp=0))
     b = model.generate(PROMPT, max_tokens=12, temp=0)
     assert "".join(b) == a and b.stats.prompt_evaluated == 0
+
+
+def test_seed_minus_one_is_a_random_seed(model):
+    """-1 as llama.cpp's --seed -1: a random seed each call (not an error, not a fixed one)."""
+    texts = {"".join(model.generate(PROMPT, max_tokens=8, temp=1.5, seed=-1)) for _ in range(4)}
+    assert len(texts) > 1

@@ -121,8 +121,8 @@ def test_real_templates_still_render():
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--seed", str(2**64)], "--seed must be in [0, 2^64), got 18446744073709551616"),
-        (["--seed", "-1"], "--seed must be in [0, 2^64)"),
+        (["--seed", str(2**64)], "--seed must be in [-1, 2^64), got 18446744073709551616"),
+        (["--seed", "-2"], "--seed must be in [-1, 2^64)"),
         (["--top-p", "0"], "--top-p must be in (0.0, 1.0]"),
         (["--min-p", "1.5"], "--min-p must be in [0.0, 1.0]"),
         (["--temp", "nan"], "--temp must be >= 0.0, got nan"),
@@ -149,7 +149,8 @@ def test_every_numeric_flag_is_range_checked_before_loading(flags, message, caps
 def test_command_numbers_and_the_api(capsys, demo):
     assert cli.main(["bench", "/nonexistent.gguf", "-p", str(2**31)]) == 1
     assert "in [1, 2^31)" in capsys.readouterr().err
-    with pytest.raises(UsageError, match=r"seed must be in \[0, 2\^64\), got"):
+    assert cli.main(["generate", str(demo), "-p", "x", "-n", "2", "--seed", "-1"]) == 0  # random
+    with pytest.raises(UsageError, match=r"seed must be in \[-1, 2\^64\), got"):
         Model(demo, seed=2**64)
     with pytest.raises(UsageError) as info:
         SamplingParams(top_p=0.0)
