@@ -265,9 +265,9 @@ class Model:
         """Free the model now, not at the next garbage collection: its CPU threads, its KV
         cache, its GPU memory and its mapping of the file (idempotent; waits for a call in
         another thread to end). Any later call on it is a UsageError."""
-        if isinstance(self.net, _Closed):
-            return
         with self._serial():
+            if isinstance(self.net, _Closed):
+                return
             net, self.net, self._session = self.net, _Closed(), None
             cores = {id(c): c for c in (getattr(net, "core", None),
                                          getattr(getattr(net, "expert_backend", None), "core",
