@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import torch
 
+from .expert_layouts import CODEC_BLOCKS
+
 # Format -> (elements per block, bytes per block)
-BLOCKS = {"q5_0": (32, 22), "q5_1": (32, 24), "q4_k": (256, 144), "q5_k": (256, 176),
-          "q6_k": (256, 210)}  # fmt: skip
+BLOCKS = CODEC_BLOCKS
 
 
 # ---- decoders -----------------------------------------------------------------------------------

@@ -145,6 +145,25 @@ def test_info_describes_the_model(gguf_path, capsys):
         assert expected in out
 
 
+def test_info_does_not_load_torch_without_a_gpu(gguf_path):
+    """info is a quick look: on a machine with no GPU driver it describes our own file without
+    importing torch (~2 s here), and says there is no GPU for the plan."""
+    from pyruntime.cli.info import _may_have_gpu
+
+    if _may_have_gpu():
+        pytest.skip("a GPU driver is here (or not Linux): info asks torch about the GPU")
+    code = (
+        "import sys; from pyruntime import cli; "
+        f"code = cli.main(['info', {str(gguf_path)!r}]); "
+        "print(code, 'torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "gpu plan        : no GPU here" in done.stdout
+    assert done.stdout.splitlines()[-1] == "0 False"
+
+
 def test_perplexity_json(gguf_path, text_file, capsys):
     argv = ["perplexity", str(gguf_path), "-f", str(text_file), "--ctx", "64", "--json"]
     assert cli.main(argv) == 0

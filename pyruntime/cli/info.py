@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -243,6 +244,8 @@ def _gpu_plan_rows(f: Any, args: argparse.Namespace) -> list[tuple[str, str]]:
     n_ctx = options.value("n_ctx", args.n_ctx) or cfg.context_length
     budget = options.value("gpu_mem", args.gpu_mem)
     if budget is None:
+        if not _may_have_gpu():  # without importing torch (~2 s): info is a quick look
+            return [("gpu plan", "no GPU here: give --gpu-mem SIZE for the plan on one")]
         import torch
 
         if not torch.cuda.is_available():
@@ -251,6 +254,17 @@ def _gpu_plan_rows(f: Any, args: argparse.Namespace) -> list[tuple[str, str]]:
 
         budget, _ = gpu_budget(torch.device("cuda"), None)
     return plan_budget(device_bytes(f, cfg, n_ctx), budget, n_ctx).rows()
+
+
+# A GPU driver's device nodes on Linux (NVIDIA's; ROCm's /dev/kfd): without any of them torch
+# sees no GPU either.
+_GPU_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia/version", "/dev/kfd")
+
+
+def _may_have_gpu() -> bool:
+    """False when this is surely a machine without a GPU torch could use (Linux, no driver's
+    device node); True elsewhere, where torch must be asked."""
+    return not sys.platform.startswith("linux") or any(os.path.exists(p) for p in _GPU_NODES)
 
 
 def _human_bytes(n: float) -> str:

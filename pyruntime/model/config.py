@@ -10,7 +10,7 @@ from pyruntime.errors import ModelFileError
 from pyruntime.gguf.file import GGUFFile
 from pyruntime.model.layout import check_layout_keys, check_tensors
 from pyruntime.model.llamacpp_layout import EXPERT_WEIGHTS_NORM
-from pyruntime.model.rope import Llama3, Yarn
+from pyruntime.model.rope_scaling import Llama3, Yarn
 
 _REQUIRED = object()  # the default of a key that must be present
 SUPPORTED_ARCHS = (

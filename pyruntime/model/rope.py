@@ -13,31 +13,12 @@ original_context_length / high_freq_factor kept, those between blended.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
+from pyruntime.model.rope_scaling import Llama3, Yarn
 
-@dataclass(frozen=True)
-class Yarn:
-    """YaRN scaling (GGUF `{arch}.rope.scaling.*`, docs/gguf-layout.md)."""
-
-    factor: float
-    original_context_length: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    truncate: bool = True  # round the correction bounds outward (floor / ceil)
-    attn_factor: float | None = None  # None: 0.1 ln(factor) + 1 (factor > 1), else 1
-
-
-@dataclass(frozen=True)
-class Llama3:
-    """Llama 3 rope scaling (GGUF `{arch}.rope.scaling.*`, docs/gguf-layout.md)."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_context_length: int
+__all__ = ["Llama3", "Yarn", "attention_factor", "inv_frequencies", "rope_tables"]
 
 
 def inv_frequencies(

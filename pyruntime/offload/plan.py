@@ -21,8 +21,7 @@ from gguf import GGMLQuantizationType
 
 from pyruntime.errors import DeviceMemoryError
 from pyruntime.gguf.file import GGUFFile
-from pyruntime.gguf.quant import FORMAT_NAMES
-from pyruntime.kernels.expert_formats import REPACKED, row_bytes
+from pyruntime.kernels.expert_layouts import REPACKED, row_bytes
 from pyruntime.model.config import ModelConfig
 
 Q = GGMLQuantizationType
@@ -47,7 +46,7 @@ LOAD_BYTES_PER_ELEMENT = 40
 # GEMMs' buffers, a layer's q, k, v stacked at load) plus the transients of a chunk converted
 # at load.
 WORK_BYTES = (256 << 20) + LOAD_CHUNK_ELEMENTS * LOAD_BYTES_PER_ELEMENT
-# GGUF block formats the kernels read repacked (kernels.expert_formats.REPACKED): staged through
+# GGUF block formats the kernels read repacked (kernels.expert_layouts.REPACKED): staged through
 # a device buffer and repacked there, so they need that buffer beside the slots.
 REPACKED_FORMATS = tuple(REPACKED)
 
@@ -107,7 +106,7 @@ def device_bytes(f: GGUFFile, cfg: ModelConfig, n_ctx: int) -> DeviceBytes:
     fmt = ""
     for t in f.tensors.values():
         if t.name.endswith(EXPERTS_SUFFIX):
-            fmt = FORMAT_NAMES.get(t.qtype, t.qtype.name.lower())
+            fmt = t.qtype.name.lower()  # "q8_0", "q4_k": gguf.quant.FORMAT_NAMES' names
             expert_bytes = _device_expert_bytes(t.n_bytes // t.shape[0], fmt, cfg.n_embd)
             experts += expert_bytes * t.shape[0]
             n_experts += t.shape[0]
@@ -157,7 +156,7 @@ def _kv_form(cfg: ModelConfig) -> str:
 
 def _device_expert_bytes(gguf_bytes: int, fmt: str, n_embd: int) -> int:
     """One expert's bytes on the device: its GGUF bytes, or its repacked rows' (mxfp4r pads
-    each row to 16 bytes: kernels.expert_formats.ROW_ALIGN)."""
+    each row to 16 bytes: kernels.expert_layouts.ROW_ALIGN)."""
     if fmt not in REPACKED:
         return gguf_bytes
     rows = gguf_bytes // row_bytes(fmt, n_embd)
