@@ -72,6 +72,16 @@ def _warn_gpu_only(**given: Any) -> None:
         )  # fmt: skip
 
 
+def _token_ids(ids: Any, call: str) -> list[int]:
+    """ids as a list of ints; a UsageError naming `call` for text or anything else."""
+    if isinstance(ids, (str, bytes, bytearray, memoryview)):
+        raise UsageError(f"{call} takes token ids (model.tokenize(text) gives them)")
+    try:
+        return [operator.index(i) for i in ids]
+    except TypeError:
+        raise UsageError(f"{call} takes a sequence of int token ids") from None
+
+
 class _Closed:
     """A closed Model's executor: every use says so."""
 
@@ -300,12 +310,7 @@ class Model:
     def detokenize(self, ids: Sequence[int], skip_special: bool = True) -> str:
         """The text of token ids, each in [0, n_vocab) (a UsageError names the first that is
         not, as logits() and generate() do)."""
-        if isinstance(ids, (str, bytes, bytearray, memoryview)):
-            raise UsageError("detokenize() takes token ids (model.tokenize(text) gives them)")
-        try:
-            ids = [operator.index(i) for i in ids]
-        except TypeError:
-            raise UsageError("detokenize() takes a sequence of int token ids") from None
+        ids = _token_ids(ids, "detokenize()")
         n_vocab = self.config.n_vocab
         bad = next((i for i in ids if not 0 <= i < n_vocab), None)
         if bad is not None:
@@ -316,12 +321,7 @@ class Model:
         """Logits float32 [n_tokens, n_vocab] of `token_ids`, evaluated with a fresh cache, as
         the model's decoding mode scores them (with big/little: the big model's where the little
         one would fall back, else the little one's)."""
-        if isinstance(token_ids, (str, bytes, bytearray, memoryview)):
-            raise UsageError("logits() takes token ids (model.tokenize(text) gives them)")
-        try:
-            ids = [operator.index(i) for i in token_ids]
-        except TypeError:
-            raise UsageError("logits() takes a sequence of int token ids") from None
+        ids = _token_ids(token_ids, "logits()")
         if not ids:
             raise UsageError("logits() needs at least one token id")
         self._warn_past_context(len(ids))
