@@ -157,7 +157,7 @@ class Model:
     ) -> None:
         if not isinstance(path, (str, os.PathLike)):
             raise UsageError(f"path must be a GGUF file's path (str or Path), got {path!r}")
-        options.check("sparsity", sparsity)  # a number first: "0.5" is a UsageError
+        options.check_kind("sparsity", sparsity)  # a number first: "0.5" is a UsageError
         check_sparsity(sparsity)
         if expert_backend not in EXPERT_BACKENDS:
             raise UsageError(f"expert_backend must be one of {', '.join(EXPERT_BACKENDS)}, "

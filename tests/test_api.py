@@ -270,7 +270,7 @@ def test_no_leak_report_at_exit(gguf_path):
         ({"n_ctx": 100.5}, "n_ctx must be an int in [0, 2^31), got 100.5"),
         ({"threads": "2"}, "threads must be an int in [1, 2^31), got '2'"),
         ({"seed": "1"}, "seed must be an int in [-1, 2^64), got '1'"),
-        ({"sparsity": "0.5"}, "sparsity must be a number in [0.0, 1.0), got '0.5'"),
+        ({"sparsity": "0.5"}, "sparsity must be a number, got '0.5'"),
         ({"expert_backend": "cuda"}, "expert_backend must be one of auto, c, torch, got 'cuda'"),
     ],
 )
